@@ -1,0 +1,331 @@
+"""Typed configuration: one dataclass per component, YAML recipes, dotted overrides.
+
+Each field carries its help text in ``metadata["help"]``; the CLI builds ``--help`` from it.
+Unknown keys are rejected with the closest valid name. No torch import here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+def opt(default: Any, help: str, **kw: Any) -> Any:
+    """A dataclass field with help text (mutable defaults go through default_factory)."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata={"help": help, **kw})
+    return field(default=default, metadata={"help": help, **kw})
+
+
+def parse_size(value: Any) -> int:
+    """'32K' -> 32768, '1M' -> 1048576, '4G' -> 4 * 2**30; ints pass through."""
+    if isinstance(value, bool):
+        raise ValueError(f"expected a size, got {value!r}")
+    if isinstance(value, int):
+        return value
+    s = str(value).strip().upper().replace("_", "")
+    mult = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+    if s and s[-1] in mult:
+        return int(float(s[:-1]) * mult[s[-1]])
+    return int(float(s))
+
+
+@dataclass
+class ModelConfig:
+    """The architecture and where its weights come from."""
+
+    name: str = opt("glm5-flash-tiny", "preset name (see `megaseq verify --list-presets`) or a path to a "
+                    "Hugging Face checkpoint directory or config.json")
+    init_from: str | None = opt(None, "HF checkpoint directory (safetensors) to load weights from; "
+                                "random init when unset (or when `name` is a config without weights)")
+    dtype: str = opt("bf16", "compute dtype on the GPU: bf16, fp32 or fp64 (the CPU default job uses fp32)")
+    strict_kernels: bool = opt(False, "fail when a layer falls back from its planned fast kernel")
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("bf16", "fp32", "fp64"):
+            raise ValueError(f"model.dtype must be bf16, fp32 or fp64, got {self.dtype!r}")
+
+
+@dataclass
+class DataConfig:
+    """Training and held-out data."""
+
+    kind: str = opt("fasta", "fasta (DNA), text (JSONL or .txt through a HF tokenizer) or random (memory tests)")
+    train: list[str] = opt([], "training files (FASTA: .fa/.fasta[.gz|.xz]; text: .jsonl/.txt); "
+                           "empty means the lambda phage genome shipped with megaseq")
+    heldout: list[str] = opt([], "held-out files (a whole genome or chromosome the model never sees)")
+    heldout_records: list[str] = opt([], "FASTA record ids to hold out of the training files instead")
+    seq_len: Any = opt(4096, "tokens per training sequence (accepts 32K, 1M)")
+    reverse_complement: bool = opt(False, "also draw reverse-complement windows (DNA)")
+    lowercase: str = opt("upper", "lower-case bases (soft-masked repeats): upper (keep as bases) or n (as N)")
+    non_acgt: str = opt("n", "IUPAC ambiguity codes other than ACGTN: n (map to N) or error")
+    tokenizer: str = opt("dna", "dna (single-nucleotide) or a path to a HF tokenizer.json / checkpoint dir")
+    text_field: str = opt("text", "JSONL field holding the document text")
+    seed: int = opt(0, "seed for window sampling")
+
+    def __post_init__(self) -> None:
+        self.seq_len = parse_size(self.seq_len)
+        if self.kind not in ("fasta", "text", "random"):
+            raise ValueError(f"data.kind must be fasta, text or random, got {self.kind!r}")
+        if self.seq_len < 2:
+            raise ValueError(f"data.seq_len must be at least 2, got {self.seq_len}")
+        if self.lowercase not in ("upper", "n"):
+            raise ValueError(f"data.lowercase must be 'upper' or 'n', got {self.lowercase!r}")
+        if self.non_acgt not in ("n", "error"):
+            raise ValueError(f"data.non_acgt must be 'n' or 'error', got {self.non_acgt!r}")
+
+
+@dataclass
+class ParallelConfig:
+    """The device mesh: data-parallel x context-parallel (x expert-parallel, reserved)."""
+
+    dp: int = opt(1, "data-parallel size (-1: whatever the world size leaves after cp and ep)")
+    cp: int = opt(1, "context-parallel (Ulysses) size: each rank holds seq_len / cp tokens")
+    ep: int = opt(1, "expert-parallel size (reserved; must be 1 for now)")
+    launcher: str = opt("auto", "auto (torchrun env if present, else one process), ray, or none")
+    num_workers: int = opt(1, "Ray workers (with --parallel.launcher ray)")
+    backend: str = opt("auto", "collective backend: auto (nccl on GPU, gloo on CPU), nccl or gloo")
+    mla_mode: str = opt("auto", "how DSA/MLA layers go context-parallel: ulysses, gather_kv or auto")
+    loss_parallel: str = opt("auto", "vocabulary loss over the cp group: ring_dtp, local or auto")
+
+    def __post_init__(self) -> None:
+        for name in ("cp", "ep", "num_workers"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"parallel.{name} must be >= 1, got {getattr(self, name)}")
+        if self.launcher not in ("auto", "ray", "none", "torchrun"):
+            raise ValueError(f"parallel.launcher must be auto, torchrun, ray or none, got {self.launcher!r}")
+
+
+@dataclass
+class MemoryConfig:
+    """Exact memory schemes. With `auto`, the planner picks the cheapest set that fits."""
+
+    auto: bool = opt(True, "let the planner choose the schemes and chunk sizes below (set false to force them)")
+    chunked_loss: bool = opt(False, "vocabulary projection + cross-entropy chunk by chunk (online log-sum-exp)")
+    loss_chunk_tokens: Any = opt("8K", "tokens per chunk of the chunked loss")
+    tiled_mlp: bool = opt(False, "run MLP/MoE layers over the sequence in tiles, recomputing in backward")
+    mlp_tile_tokens: Any = opt("16K", "tokens per MLP/MoE tile")
+    indexer_query_chunk: Any = opt("1K", "DSA indexer: queries scored per block (bounds scoring memory)")
+    recompute: bool = opt(False, "full recompute per layer; only the (4-stream) layer input is kept")
+    checkpoint_offload: bool = opt(False, "SCO: copy layer boundaries to pinned host memory (needs recompute)")
+    offload_host_budget: Any = opt("64G", "host bytes SCO may pin for boundaries (accepts 64G)")
+    optimizer_offload: bool = opt(False, "OffloadStreamAdamW: master weights, moments and grads in host memory")
+    optimizer_bucket_params: Any = opt("100M", "parameters per OffloadStreamAdamW bucket")
+    gpu_budget: Any = opt("auto", "GPU bytes the plan may use (auto: the device's total less a reserve)")
+    host_budget: Any = opt("auto", "host bytes the plan may use (auto: 90% of physical RAM)")
+
+    def __post_init__(self) -> None:
+        for name in ("loss_chunk_tokens", "mlp_tile_tokens", "indexer_query_chunk", "offload_host_budget",
+                     "optimizer_bucket_params"):
+            setattr(self, name, parse_size(getattr(self, name)))
+        for name in ("gpu_budget", "host_budget"):
+            v = getattr(self, name)
+            if v != "auto":
+                setattr(self, name, parse_size(v))
+        if self.checkpoint_offload and not self.recompute and not self.auto:
+            raise ValueError("memory.checkpoint_offload needs memory.recompute: set --memory.recompute true")
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with linear warmup and cosine decay."""
+
+    lr: float = opt(1e-3, "peak learning rate")
+    min_lr_ratio: float = opt(0.1, "final learning rate as a fraction of the peak")
+    warmup_steps: int = opt(10, "linear warmup steps")
+    betas: list[float] = opt([0.9, 0.95], "AdamW betas")
+    eps: float = opt(1e-8, "AdamW epsilon")
+    weight_decay: float = opt(0.1, "decoupled weight decay (not applied to norms, biases, gates)")
+    grad_clip: float = opt(1.0, "clip the global gradient norm to this (0 disables)")
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0:
+            raise ValueError(f"optim.lr must be positive, got {self.lr}")
+        if len(self.betas) != 2:
+            raise ValueError(f"optim.betas needs two numbers, got {self.betas}")
+
+
+@dataclass
+class TrainConfig:
+    """The training loop."""
+
+    steps: int = opt(60, "optimizer steps")
+    batch_size: int = opt(1, "sequences per optimizer step and data-parallel rank, per micro-batch")
+    grad_accum: int = opt(1, "micro-batches accumulated per optimizer step")
+    seed: int = opt(0, "seed for weights, data and dropout: the same seed gives the same run")
+    device: str = opt("auto", "cuda, cpu or auto")
+    run_dir: str = opt("runs/default", "where the run writes config, plan, metrics, checkpoints, exports")
+    save_every: int = opt(0, "checkpoint every N steps (0: only at the end)")
+    keep_checkpoints: int = opt(2, "how many step checkpoints to keep")
+    resume: bool = opt(False, "resume from the newest complete checkpoint in run_dir")
+    overwrite: bool = opt(False, "replace a different run already in run_dir")
+    export_hf: bool = opt(True, "write a Hugging Face checkpoint (safetensors + config.json) at the end")
+    eval_after: bool = opt(True, "evaluate by position on the held-out data at the end")
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "grad_accum"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass
+class EvalConfig:
+    """Held-out loss by position."""
+
+    by_position: Any = opt("32K", "position bucket width (accepts 32K)")
+    seq_len: Any = opt(None, "tokens per evaluation window (default: data.seq_len)")
+    max_windows: int = opt(8, "evaluation windows per held-out file")
+    kmer_k: int = opt(8, "order of the k-mer Markov baseline for DNA (0 disables)")
+
+    def __post_init__(self) -> None:
+        self.by_position = parse_size(self.by_position)
+        if self.seq_len is not None:
+            self.seq_len = parse_size(self.seq_len)
+
+
+@dataclass
+class LogConfig:
+    """Progress, metrics and TensorBoard."""
+
+    every: int = opt(1, "log metrics every N steps")
+    tensorboard: bool = opt(True, "write TensorBoard events to run_dir/tb")
+    progress: bool = opt(True, "show a progress bar")
+
+
+@dataclass
+class Config:
+    """A whole run."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig, "data": DataConfig, "parallel": ParallelConfig, "memory": MemoryConfig,
+    "optim": OptimConfig, "train": TrainConfig, "eval": EvalConfig, "log": LogConfig,
+}
+
+
+def _closest(name: str, choices: typing.Iterable[str]) -> str:
+    close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.5)
+    return f" Did you mean {close[0]!r}?" if close else ""
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Turn a YAML/CLI value into the field's type (strings from the command line included)."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+            if type(None) in args:
+                return None
+        non_none = [a for a in args if a is not type(None)]
+        return _coerce(value, non_none[0], key) if len(non_none) == 1 else value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on"):
+            return True
+        if isinstance(value, str) and value.lower() in ("false", "0", "no", "off"):
+            return False
+        raise ValueError(f"{key} expects true or false, got {value!r}")
+    if tp is int:
+        try:
+            return parse_size(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"{key} expects an integer, got {value!r}") from None
+    if tp is float:
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"{key} expects a number, got {value!r}") from None
+    if tp is str:
+        return str(value)
+    if origin is list:
+        if isinstance(value, str):
+            value = [v for v in value.split(",") if v] if value else []
+        if not isinstance(value, (list, tuple)):
+            value = [value]
+        return [_coerce(v, args[0], key) for v in value] if args else list(value)
+    return value
+
+
+def _build_section(cls: type, values: dict[str, Any], section: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    fields = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for k, v in values.items():
+        if k not in fields:
+            raise ValueError(f"unknown config key {section}.{k}.{_closest(k, fields)} "
+                             f"Valid keys in {section}: {', '.join(sorted(fields))}")
+        kwargs[k] = _coerce(v, hints[k], f"{section}.{k}")
+    return cls(**kwargs)
+
+
+def build_config(raw: dict[str, Any] | None = None, overrides: list[str] | dict[str, Any] | None = None) -> Config:
+    """Build a Config from a nested dict (a recipe) plus dotted overrides (``model.name=x`` or a dict)."""
+    raw = {k: dict(v or {}) for k, v in (raw or {}).items()} if raw else {}
+    for section in raw:
+        if section not in SECTIONS:
+            raise ValueError(f"unknown config section {section!r}.{_closest(section, SECTIONS)} "
+                             f"Sections: {', '.join(SECTIONS)}")
+    items = overrides.items() if isinstance(overrides, dict) else [_split_override(o) for o in overrides or []]
+    for key, value in items:
+        section, _, name = key.partition(".")
+        if section not in SECTIONS or not name:
+            raise ValueError(f"unknown setting {key!r}: settings look like section.key, sections: "
+                             f"{', '.join(SECTIONS)}.{_closest(section, SECTIONS)}")
+        raw.setdefault(section, {})[name] = value
+    return Config(**{s: _build_section(cls, raw.get(s, {}), s) for s, cls in SECTIONS.items()})
+
+
+def _split_override(item: str) -> tuple[str, Any]:
+    key, sep, value = item.partition("=")
+    if not sep:
+        raise ValueError(f"override {item!r} must look like section.key=value")
+    return key.strip().lstrip("-"), yaml.safe_load(value) if value.strip() else ""
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | dict[str, Any] | None = None) -> Config:
+    """Read a YAML recipe (or none: the embedded default) and apply overrides."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ValueError(f"config file {p} not found: give a YAML recipe (see recipes/)")
+        loaded = yaml.safe_load(p.read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ValueError(f"config file {p} must hold a mapping of sections, got {type(loaded).__name__}")
+        raw = loaded
+    return build_config(raw, overrides)
+
+
+def field_help() -> dict[str, list[tuple[str, str, Any]]]:
+    """Per section: (key, help, default) for the CLI's --help."""
+    out = {}
+    for section, cls in SECTIONS.items():
+        rows = []
+        for f in dataclasses.fields(cls):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+            rows.append((f.name, f.metadata.get("help", ""), default))
+        out[section] = rows
+    return out

@@ -1,0 +1,153 @@
+"""One dispatcher for every compute op, with a record of which implementation ran and why.
+
+Each op (``kda``, ``sparse_attention``, ``attention``, ``grouped_mm``, ``causal_conv``...) has a
+pure-torch reference implementation and optional fast ones. A fast implementation declares a
+``supports(*args, **kwargs) -> str | None`` check that returns ``None`` when it can run, or the
+reason it cannot (shape, dtype, device, missing package). The dispatcher tries the preferred
+implementations in order, records per layer what ran and why the others did not, and with
+``strict`` raises when the planned implementation could not run (the dense-attention trap of
+the reference system becomes an error naming the layer and the reason).
+
+Usage in a block::
+
+    out = dispatch.call("kda", layer="layers.3.self_attn", q=q, k=k, ...)
+
+Registration::
+
+    @register("kda", "torch_chunked", reference=True)
+    def kda_torch(...): ...
+
+    @register("kda", "fla", supports=fla_supports)
+    def kda_fla(...): ...
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class KernelFallbackError(RuntimeError):
+    """A layer could not run the implementation the plan asked for (``strict_kernels``)."""
+
+
+@dataclass
+class Impl:
+    name: str
+    fn: Callable[..., Any]
+    supports: Callable[..., str | None] | None = None
+    reference: bool = False
+
+
+@dataclass
+class Record:
+    op: str
+    impl: str
+    reason: str  # why this implementation (and not a preferred one) ran
+    calls: int = 1
+
+
+@dataclass
+class _State:
+    registry: dict[str, dict[str, Impl]] = field(default_factory=dict)
+    preferred: dict[str, list[str]] = field(default_factory=dict)  # op -> impl names, in order
+    planned: dict[str, str] = field(default_factory=dict)  # op -> impl the plan requires
+    strict: bool = False
+    records: dict[tuple[str, str], Record] = field(default_factory=dict)  # (layer, op) -> record
+
+
+_state = _State()
+_lock = threading.Lock()
+
+
+def register(op: str, name: str, *, reference: bool = False,
+             supports: Callable[..., str | None] | None = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Decorator: register ``fn`` as implementation ``name`` of ``op``."""
+
+    def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
+        impls = _state.registry.setdefault(op, {})
+        impls[name] = Impl(name, fn, supports, reference)
+        return fn
+
+    return deco
+
+
+def implementations(op: str) -> dict[str, Impl]:
+    return dict(_state.registry.get(op, {}))
+
+
+def configure(preferred: dict[str, list[str]] | None = None, planned: dict[str, str] | None = None,
+              strict: bool = False) -> None:
+    """Set the preference order per op, the implementations the plan requires, and strictness."""
+    _state.preferred = dict(preferred or {})
+    _state.planned = dict(planned or {})
+    _state.strict = strict
+
+
+def reset_records() -> None:
+    with _lock:
+        _state.records.clear()
+
+
+def records() -> list[tuple[str, Record]]:
+    """(layer, record) for every op call seen since the last reset, in first-call order."""
+    with _lock:
+        return [(layer, rec) for (layer, _), rec in _state.records.items()]
+
+
+def _order(op: str) -> list[Impl]:
+    impls = _state.registry.get(op)
+    if not impls:
+        raise KeyError(f"no implementation registered for op {op!r}; known ops: {sorted(_state.registry)}")
+    names = list(_state.preferred.get(op, []))
+    fast = [n for n, i in impls.items() if not i.reference and n not in names]
+    refs = [n for n, i in impls.items() if i.reference and n not in names]
+    return [impls[n] for n in names + fast + refs if n in impls]
+
+
+def select(op: str, layer: str, *args: Any, **kwargs: Any) -> Impl:
+    """Choose the implementation for this call and record the choice."""
+    skipped: list[str] = []
+    chosen: Impl | None = None
+    for impl in _order(op):
+        why = impl.supports(*args, **kwargs) if impl.supports is not None else None
+        if why is None:
+            chosen = impl
+            break
+        skipped.append(f"{impl.name}: {why}")
+    if chosen is None:
+        raise RuntimeError(f"{layer}: no implementation of {op} can run ({'; '.join(skipped)})")
+    planned = _state.planned.get(op)
+    reason = "; ".join(skipped) if skipped else "first choice"
+    if planned is not None and chosen.name != planned and _state.strict:
+        raise KernelFallbackError(
+            f"{layer}: planned kernel {op}={planned} did not run, {chosen.name} would ({reason}). "
+            "Fix the cause or set --model.strict_kernels false to allow the fallback."
+        )
+    with _lock:
+        key = (layer, op)
+        rec = _state.records.get(key)
+        if rec is not None and rec.impl == chosen.name:
+            rec.calls += 1
+        else:
+            _state.records[key] = Record(op, chosen.name, reason)
+    return chosen
+
+
+def call(op: str, *args: Any, layer: str = "?", **kwargs: Any) -> Any:
+    """Run ``op`` with the best implementation that supports these arguments."""
+    return select(op, layer, *args, **kwargs).fn(*args, **kwargs)
+
+
+def format_table() -> str:
+    """The per-layer table that ``megaseq verify`` prints."""
+    rows = records()
+    if not rows:
+        return "(no op calls recorded)"
+    w = max(len(layer) for layer, _ in rows)
+    lines = [f"{'layer':<{w}}  {'op':<18} {'implementation':<16} calls  why"]
+    for layer, r in rows:
+        lines.append(f"{layer:<{w}}  {r.op:<18} {r.impl:<16} {r.calls:>5}  {r.reason}")
+    return "\n".join(lines)
