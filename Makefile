@@ -1,0 +1,33 @@
+# Quick start:  make train   (set up and run the embedded default job)
+#               make test    (set up and run the test suite)
+PYTHON ?= python3
+VENV ?= .venv
+# The CPU build of torch 2.13 installs from local disk on the development machines; on a GPU
+# machine set TORCH='torch>=2.11,<2.15' (or keep the torch you have: make TORCH= ...).
+TORCH ?= torch==2.13.0
+BIN := $(VENV)/bin
+
+$(BIN)/activate:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	if [ -n "$(TORCH)" ]; then $(BIN)/pip install -q "$(TORCH)"; fi
+
+$(VENV)/.installed: $(BIN)/activate pyproject.toml
+	$(BIN)/pip install -q -e ".[dev]"
+	touch $@
+
+.PHONY: setup train test lint clean
+setup: $(VENV)/.installed
+
+train: setup
+	$(BIN)/megaseq train
+
+test: setup
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/python -m pytest -q -m "not gpu" --durations=15
+
+lint: setup
+	$(BIN)/ruff check src tests benchmarks
+
+clean:
+	rm -rf $(VENV) runs

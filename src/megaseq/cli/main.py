@@ -1,0 +1,153 @@
+"""The ``megaseq`` command: thin verbs that parse a config + dotted overrides and call one function.
+
+    megaseq train  [config.yaml] [--section.key value ...]
+    megaseq eval   RUN_OR_CHECKPOINT [--data held-out.fa] [--by-position 32K]
+    megaseq plan   [config.yaml] [--seq-len 1M] [--gpus 8]
+    megaseq bench  [config.yaml] [--seq-lens 32K,128K,1M] [--find-max]
+    megaseq verify [config.yaml]
+    megaseq convert SRC DST
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import textwrap
+from collections.abc import Callable
+
+from megaseq.config import Config, field_help, load_config
+
+VERBS = {
+    "train": "fine-tune a model (one GPU, torchrun, or Ray); with no config, the embedded default job",
+    "eval": "held-out loss by position for a run or checkpoints, with the k-mer baseline for DNA",
+    "plan": "will it fit? the memory plan per component, the fixes it needs and their cost",
+    "bench": "measured peak memory, tokens/s and MFU per sequence length, against the plan",
+    "verify": "which kernel each layer runs, and parity with the transformers reference",
+    "convert": "Hugging Face checkpoint <-> megaseq checkpoint",
+}
+
+
+def config_help() -> str:
+    lines = ["configuration (YAML sections, or --section.key value on the command line):"]
+    for section, rows in field_help().items():
+        lines.append(f"\n  {section}:")
+        for key, help_text, default in rows:
+            wrapped = textwrap.wrap(f"{help_text} [default: {default}]", 70)
+            lines.append(f"    --{section}.{key:<24} {wrapped[0] if wrapped else ''}")
+            lines.extend(f"    {'':<33}{w}" for w in wrapped[1:])
+    return "\n".join(lines)
+
+
+def split_overrides(rest: list[str]) -> list[str]:
+    """['--train.steps', '5', '--data.seq_len=1K'] -> ['train.steps=5', 'data.seq_len=1K']."""
+    out, i = [], 0
+    while i < len(rest):
+        arg = rest[i]
+        if not arg.startswith("--") or "." not in arg.split("=")[0]:
+            raise ValueError(f"unexpected argument {arg!r}: settings look like --section.key value "
+                             "(see `megaseq train --help`)")
+        if "=" in arg:
+            out.append(arg[2:])
+            i += 1
+        elif i + 1 < len(rest) and not rest[i + 1].startswith("--"):
+            out.append(f"{arg[2:]}={rest[i + 1]}")
+            i += 2
+        else:
+            out.append(f"{arg[2:]}=true")
+            i += 1
+    return out
+
+
+def default_recipe() -> str:
+    """The embedded default job (glm5-flash-tiny on phage lambda), shipped inside the package."""
+    from importlib.resources import files
+
+    return str(files("megaseq") / "recipes" / "default.yaml")
+
+
+def _take_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
+    """Pull ``--section.key [value]`` settings out before argparse sees the verb's own options."""
+    keep, overrides, i = [], [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg.startswith("--") and "." in arg.split("=")[0]:
+            overrides.append(arg)
+            if "=" not in arg and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+                overrides.append(argv[i + 1])
+                i += 1
+        else:
+            keep.append(arg)
+        i += 1
+    return keep, overrides
+
+
+def _config(args: argparse.Namespace, rest: list[str]) -> Config:
+    return load_config(getattr(args, "config", None) or default_recipe(), split_overrides(rest))
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="megaseq", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Fine-tune MoE and hybrid-attention language models on million-token sequences.",
+        epilog="verbs:\n" + "\n".join(f"  {k:<8} {v}" for k, v in VERBS.items())
+        + "\n\n`megaseq VERB --help` lists the verb's options and every configuration key.",
+    )
+    sub = p.add_subparsers(dest="verb", metavar="VERB")
+    fmt = argparse.RawDescriptionHelpFormatter
+    for verb, help_text in VERBS.items():
+        sp = sub.add_parser(verb, help=help_text, description=help_text, formatter_class=fmt,
+                            epilog=config_help() if verb in ("train", "plan", "bench", "verify", "eval") else None)
+        if verb in ("train", "plan", "bench", "verify"):
+            sp.add_argument("config", nargs="?", help="YAML recipe (see recipes/); none: the embedded default")
+        if verb == "plan":
+            sp.add_argument("--seq-len", help="tokens per sequence (e.g. 1M); default: data.seq_len")
+            sp.add_argument("--gpus", type=int, default=None, help="GPUs in all (default: dp x cp x ep)")
+            sp.add_argument("--gpus-per-host", type=int, default=8, help="GPUs per host (host RAM is shared)")
+            sp.add_argument("--gpu-mem", default=None, help="GPU memory per GPU (default 139.8G, an H200)")
+            sp.add_argument("--host-mem", default=None, help="host memory per host (default 128G)")
+            sp.add_argument("--json", action="store_true", help="print the plan as JSON")
+        if verb == "bench":
+            sp.add_argument("--seq-lens", default="4K", help="comma-separated lengths, e.g. 32K,128K,1M")
+            sp.add_argument("--steps", type=int, default=3, help="measured steps per length (after one warm-up)")
+            sp.add_argument("--source", default="random", help="random, genome, or both")
+            sp.add_argument("--find-max", action="store_true", help="search the longest length that trains")
+            sp.add_argument("--baseline", action="store_true", help="also run the transformers reference")
+            sp.add_argument("--out", default="benchmarks/results/bench", help="output path prefix")
+        if verb == "eval":
+            sp.add_argument("target", help="a run directory or checkpoint directories (comma-separated)")
+            sp.add_argument("--data", default=None, help="held-out FASTA/text files (comma-separated)")
+            sp.add_argument("--by-position", default=None, help="bucket width (e.g. 32K)")
+            sp.add_argument("--seq-len", default=None, help="tokens per evaluation window")
+            sp.add_argument("--out", default=None, help="output directory (default RUN/eval)")
+        if verb == "convert":
+            sp.add_argument("src", help="HF checkpoint dir, or a megaseq run/checkpoint dir")
+            sp.add_argument("dst", help="output directory")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = parser()
+    if not argv:
+        argv = ["train"]  # `megaseq` alone runs the embedded default job
+    if argv[0] in ("-h", "--help"):
+        p.print_help()
+        return 0
+    argv, rest = _take_overrides(argv)
+    args, unknown = p.parse_known_args(argv)
+    rest = unknown + rest
+    if args.verb is None:
+        p.print_help()
+        return 2
+    from megaseq.cli import verbs
+
+    fn: Callable[[argparse.Namespace, list[str]], int] = getattr(verbs, f"cmd_{args.verb}")
+    try:
+        return fn(args, rest)
+    except ValueError as e:  # user errors: one clear message, no traceback
+        print(f"megaseq {args.verb}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,102 @@
+"""One function per verb; each parses nothing itself beyond what main.py hands it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from megaseq.cli.main import _config, split_overrides
+from megaseq.config import parse_size
+
+
+def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
+    cfg = _config(args, rest)
+    if cfg.parallel.launcher == "ray":
+        from megaseq.parallel.launch import launch_ray
+
+        launch_ray(cfg)
+        return 0
+    from megaseq.train.trainer import run_training
+
+    result = run_training(cfg)
+    if result.losses:
+        print(f"\ntrained {len(result.losses)} steps: loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}")
+    print(f"run directory:   {result.run_dir}")
+    print(f"  config + plan: {result.run_dir / 'config.yaml'}, {result.run_dir / 'plan.json'}")
+    print(f"  metrics:       {result.run_dir / 'metrics.jsonl'} (TensorBoard: {result.run_dir / 'tb'})")
+    if result.last_checkpoint:
+        print(f"  checkpoint:    {result.last_checkpoint}")
+    if result.hf_export:
+        print(f"  HF export:     {result.hf_export}")
+    if result.eval_report:
+        print(f"  evaluation:    {result.run_dir / 'eval'} (report.md, report.json, loss_by_position.png)")
+        md = result.run_dir / "eval" / "report.md"
+        if md.is_file():
+            print("\n" + md.read_text())
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace, rest: list[str]) -> int:
+    from megaseq.plan.planner import plan_from_config
+    from megaseq.plan.report import format_plan
+
+    overrides = split_overrides(rest)
+    if args.seq_len:
+        overrides.append(f"data.seq_len={args.seq_len}")
+    from megaseq.cli.main import default_recipe
+    from megaseq.config import load_config
+
+    cfg = load_config(args.config or default_recipe(), overrides)
+    world = args.gpus or cfg.parallel.dp * cfg.parallel.cp * cfg.parallel.ep
+    plan = plan_from_config(
+        cfg, world_size=world,
+        gpu_bytes=parse_size(args.gpu_mem) if args.gpu_mem else None,
+        host_bytes=parse_size(args.host_mem) if args.host_mem else None,
+        gpus_per_host=args.gpus_per_host,
+    )
+    print(json.dumps(plan.to_dict(), indent=2, default=str) if args.json else format_plan(plan))
+    return 0 if plan.fits else 1
+
+
+def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
+    from megaseq.bench import run_bench
+
+    cfg = _config(args, rest)
+    lens = [parse_size(s) for s in args.seq_lens.split(",") if s]
+    run_bench(cfg, lens, steps=args.steps, source=args.source, find_max=args.find_max,
+              baseline=args.baseline, out=args.out)
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace, rest: list[str]) -> int:
+    from megaseq.verify import verify
+
+    cfg = _config(args, rest)
+    return 0 if verify(cfg) else 1
+
+
+def cmd_eval(args: argparse.Namespace, rest: list[str]) -> int:
+    from megaseq.eval.cli import evaluate_targets
+
+    overrides = split_overrides(rest)
+    if args.by_position:
+        overrides.append(f"eval.by_position={args.by_position}")
+    if args.seq_len:
+        overrides.append(f"eval.seq_len={args.seq_len}")
+    report = evaluate_targets(args.target.split(","), data=args.data.split(",") if args.data else None,
+                              overrides=overrides, out=args.out)
+    print(report)
+    return 0
+
+
+def cmd_convert(args: argparse.Namespace, rest: list[str]) -> int:
+    from megaseq.convert import convert
+
+    if rest:
+        print(f"megaseq convert: unexpected arguments {rest}", file=sys.stderr)
+        return 2
+    out = convert(Path(args.src), Path(args.dst))
+    print(f"wrote {out}")
+    return 0

@@ -1,0 +1,37 @@
+"""SwiGLU MLP: ``down(silu(gate(x)) * up(x))``, with GLM's optional clamp.
+
+Shapes: ``x_SH`` any ``[..., H]``; ``I`` the intermediate size. Token-separable, so ``memory.tiling``
+may run it over sequence tiles from outside.
+
+With ``swiglu_limit`` set (GLM-5.3-Flash: 10.0) the gate is clamped from above at the limit and the
+up projection into ``[-limit, limit]`` before the product, as ``Glm5NextTextMLP`` does; without it the
+MLP is Qwen3's plain SwiGLU. Parameter names mirror HF: ``gate_proj``, ``up_proj``, ``down_proj``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.Tensor:
+    """``silu(gate) * up`` with GLM's clamp when ``limit`` is set (shared with the routed experts)."""
+    if limit is not None:
+        gate = gate.clamp(max=limit)
+        up = up.clamp(min=-limit, max=limit)
+    return F.silu(gate) * up
+
+
+class MLP(nn.Module):
+    """Bias-free SwiGLU MLP ``H -> I -> H``."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, swiglu_limit: float | None = None) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.swiglu_limit = swiglu_limit
+
+    def forward(self, x_SH: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(swiglu(self.gate_proj(x_SH), self.up_proj(x_SH), self.swiglu_limit))

@@ -1,0 +1,205 @@
+"""Routed Mixture-of-Experts with an optional shared expert (GLM-5.3-Flash / DeepSeek and Qwen3-MoE).
+
+Shapes: N tokens (all leading dims of the input flattened), H hidden, E routed experts, K experts per
+token, I expert intermediate size, M = N * K routed rows.
+
+    x_NH --gate--> weights_NK, experts_NK          (router; scores [N, E] are its only dense tensor)
+         --sort rows by expert--> x_MH             (only the N*K routed rows are gathered)
+         --grouped_mm(gate_up_proj)--> gu_M2I --swiglu--> a_MI --grouped_mm(down_proj)--> y_MH
+         --* weights, unsort, sum over K--> out_NH (+ shared_experts(x_NH))
+
+Working memory of the routed path: about ``M * (2H + 3I)`` elements (x_MH, gu_M2I, a_MI, y_MH and its
+weighted/unsorted copy), never an ``[N, E]`` one-hot. The module is token-separable, so
+``memory.tiling`` can run it over sequence chunks (the fix for skewed real-data routing) from outside.
+
+Routers (``spec.router``), each matching its HF reference op for op, casts included:
+  ``sigmoid_bias``  ``Glm5NextTextTopkRouter``: float32 logits, sigmoid scores, choice on scores + bias
+                    (``e_score_correction_bias``) with group-limited top-k (groups ranked by the sum of
+                    their top-2 scores), weights from the unbiased scores, renormalised when
+                    ``norm_topk_prob`` (``+ 1e-20``), times ``routed_scaling_factor``.
+  ``softmax``       ``Qwen3MoeTopKRouter``: logits in the input dtype, softmax in float32, top-k,
+                    renormalised when ``norm_topk_prob``, cast back to the logits' dtype.
+
+The router's ``weight`` (and the bias buffer) are created in float32, as HF keeps them
+(``_keep_in_fp32_modules_strict``); ``FP32_PARAM_SUFFIXES`` lists them for a builder that casts the
+rest of the model to bf16. The forward casts exactly as HF does whatever their stored dtype.
+
+Expert weights use the HF v5 fused layout: ``gate_up_proj [E, 2I, H]`` (gate rows first) and
+``down_proj [E, H, I]``. The per-expert matmuls go through op ``grouped_mm`` of ``megaseq.ops.dispatch``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megaseq.models.blocks.mlp import MLP, swiglu
+from megaseq.models.spec import ModelSpec
+from megaseq.ops import dispatch
+
+ROUTERS = ("sigmoid_bias", "softmax")
+# parameters/buffers HF keeps in float32 in a bf16 model (names end with these)
+FP32_PARAM_SUFFIXES = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
+
+
+# ---- op grouped_mm: y_MO[rows of e] = x_MD[rows of e] @ w_EOD[e].T, rows sorted by expert ------------
+@dispatch.register("grouped_mm", "torch_loop", reference=True)
+def grouped_mm_reference(x_MD: torch.Tensor, w_EOD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+    """One ``F.linear`` per expert over its contiguous block of rows (the HF eager order of ops)."""
+    chunks = torch.split(x_MD, counts_E.tolist(), dim=0)
+    return torch.cat([F.linear(xe, w_EOD[e]) for e, xe in enumerate(chunks)], dim=0)
+
+
+def _grouped_mm_supports(x_MD: torch.Tensor, w_EOD: torch.Tensor, counts_E: torch.Tensor) -> str | None:
+    if not hasattr(F, "grouped_mm") and not hasattr(torch, "_grouped_mm"):
+        return "torch has no grouped_mm"
+    if x_MD.device.type != "cuda":
+        return f"device {x_MD.device.type} (needs cuda)"
+    if x_MD.dtype != torch.bfloat16 or w_EOD.dtype != torch.bfloat16:
+        return f"dtype {x_MD.dtype}/{w_EOD.dtype} (needs bfloat16)"
+    if torch.cuda.get_device_capability(x_MD.device) < (9, 0):
+        return "needs compute capability >= 9.0"
+    if x_MD.shape[-1] % 8 or w_EOD.shape[1] % 8:
+        return f"dims {x_MD.shape[-1]}, {w_EOD.shape[1]} not multiples of 8 (16-byte rows)"
+    return None
+
+
+@dispatch.register("grouped_mm", "torch_grouped_mm", supports=_grouped_mm_supports)
+def grouped_mm_fast(x_MD: torch.Tensor, w_EOD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+    """cuBLAS/CUTLASS grouped GEMM (bf16, sm90+); no host sync: offsets stay on the device.
+
+    Checked against the reference only by the GPU test in tests/test_moe.py (not in CPU CI).
+    """
+    offs = torch.cumsum(counts_E, dim=0, dtype=torch.int32)
+    gmm = getattr(F, "grouped_mm", None) or torch._grouped_mm
+    # w_EOD.transpose(-2, -1) is the column-major [E, D, O] operand the kernel wants (out = x @ w.T)
+    return gmm(x_MD, w_EOD.transpose(-2, -1), offs=offs)
+
+
+# ---- router ---------------------------------------------------------------------------------------
+class TopKRouter(nn.Module):
+    """Chooses K experts per token and their weights; HF module name ``gate``."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        E, H = spec.num_experts, spec.hidden_size
+        self.router = spec.router
+        self.num_experts, self.top_k = E, spec.num_experts_per_tok
+        self.n_group, self.topk_group = spec.n_group, spec.topk_group
+        self.norm_topk_prob = spec.norm_topk_prob
+        self.routed_scaling_factor = spec.routed_scaling_factor
+        self.weight = nn.Parameter(torch.empty(E, H, dtype=torch.float32).normal_(0.0, 0.02))
+        if self.router == "sigmoid_bias":
+            self.register_buffer("e_score_correction_bias", torch.zeros(E, dtype=torch.float32))
+
+    def forward(self, x_NH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x_NH -> (weights_NK, experts_NK)``; weights float32 (sigmoid) or x's dtype (softmax)."""
+        if self.router == "softmax":
+            return self._softmax(x_NH)
+        return self._sigmoid_bias(x_NH)
+
+    def _softmax(self, x_NH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits_NE = F.linear(x_NH, self.weight.to(x_NH.dtype))
+        probs_NE = F.softmax(logits_NE, dim=-1, dtype=torch.float32)
+        top_NK, experts_NK = torch.topk(probs_NE, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            top_NK = top_NK / top_NK.sum(dim=-1, keepdim=True)
+        return top_NK.to(logits_NE.dtype), experts_NK
+
+    def _sigmoid_bias(self, x_NH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        E, G = self.num_experts, self.n_group
+        logits_NE = F.linear(x_NH.to(torch.float32), self.weight.to(torch.float32))
+        scores_NE = logits_NE.sigmoid()
+        choice_NE = scores_NE + self.e_score_correction_bias
+        # rank groups by the sum of their two best biased scores, keep topk_group of them
+        group_NG = choice_NE.view(-1, G, E // G).topk(2, dim=-1)[0].sum(dim=-1)
+        keep_NG = torch.zeros_like(group_NG)
+        keep_NG.scatter_(1, torch.topk(group_NG, k=self.topk_group, dim=-1, sorted=False)[1], 1)
+        keep_NE = keep_NG.unsqueeze(-1).expand(-1, G, E // G).reshape(-1, E)
+        choice_NE = choice_NE.masked_fill(~keep_NE.bool(), float("-inf"))
+        experts_NK = torch.topk(choice_NE, k=self.top_k, dim=-1, sorted=False)[1]
+        weights_NK = scores_NE.gather(1, experts_NK)
+        if self.norm_topk_prob:
+            weights_NK = weights_NK / (weights_NK.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights_NK * self.routed_scaling_factor, experts_NK
+
+
+# ---- experts --------------------------------------------------------------------------------------
+class Experts(nn.Module):
+    """E SwiGLU experts in the fused HF v5 layout; HF module name ``experts``."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
+                 swiglu_limit: float | None = None, layer: str = "moe") -> None:
+        super().__init__()
+        E, H, I = num_experts, hidden_size, intermediate_size
+        self.num_experts = E
+        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, H).normal_(0.0, 0.02))
+        self.down_proj = nn.Parameter(torch.empty(E, H, I).normal_(0.0, 0.02))
+        self.swiglu_limit = swiglu_limit
+        self.layer = layer  # name used in the dispatcher's per-layer record
+
+    def forward(self, x_NH: torch.Tensor, experts_NK: torch.Tensor,
+                weights_NK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``-> (out_NH, tokens_per_expert_E)``; only the N*K routed rows are materialised."""
+        N, K = experts_NK.shape
+        flat_M = experts_NK.reshape(-1)
+        order_M = torch.argsort(flat_M, stable=True)  # routed rows grouped by expert
+        counts_E = torch.bincount(flat_M, minlength=self.num_experts)
+        x_MH = x_NH[order_M // K]
+        gu_M2I = dispatch.call("grouped_mm", x_MH, self.gate_up_proj, counts_E, layer=self.layer)
+        gate_MI, up_MI = gu_M2I.chunk(2, dim=-1)
+        a_MI = swiglu(gate_MI, up_MI, self.swiglu_limit)
+        y_MH = dispatch.call("grouped_mm", a_MI, self.down_proj, counts_E, layer=self.layer)
+        # weight after down_proj and cast back, as HF does (weights may be float32 in a bf16 model)
+        y_MH = (y_MH * weights_NK.reshape(-1)[order_M].unsqueeze(-1)).to(x_NH.dtype)
+        inverse_M = torch.empty_like(order_M)
+        inverse_M[order_M] = torch.arange(order_M.numel(), device=order_M.device)
+        # unsort + sum over K instead of index_add_: deterministic on every device
+        out_NH = y_MH[inverse_M].view(N, K, -1).sum(dim=1)
+        return out_NH, counts_E
+
+
+class MoE(nn.Module):
+    """Router ``gate`` + routed ``experts`` + optional ``shared_experts``; input ``[..., H]``."""
+
+    def __init__(self, spec: ModelSpec, layer: str = "moe") -> None:
+        super().__init__()
+        _check_spec(spec)
+        self.gate = TopKRouter(spec)
+        self.experts = Experts(spec.num_experts, spec.hidden_size, spec.moe_intermediate_size,
+                               spec.swiglu_limit, layer=layer)
+        self.shared_experts = None
+        if spec.num_shared_experts > 0:
+            self.shared_experts = MLP(spec.hidden_size, spec.moe_intermediate_size * spec.num_shared_experts,
+                                      spec.swiglu_limit)
+        self.last_tokens_per_expert = torch.zeros(spec.num_experts, dtype=torch.int64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x_NH = x.reshape(-1, x.shape[-1])
+        weights_NK, experts_NK = self.gate(x_NH)
+        out_NH, counts_E = self.experts(x_NH, experts_NK, weights_NK)
+        self.last_tokens_per_expert = counts_E.detach().to(torch.int64)
+        if self.shared_experts is not None:
+            out_NH = out_NH + self.shared_experts(x_NH)
+        return out_NH.view(x.shape)
+
+
+def _check_spec(spec: ModelSpec) -> None:
+    """User-facing checks of the MoE settings (a HF config or preset with impossible routing)."""
+    E, K = spec.num_experts, spec.num_experts_per_tok
+    if spec.router not in ROUTERS:
+        raise ValueError(f"model.router {spec.router!r} is not supported; use one of {', '.join(ROUTERS)}")
+    if not 1 <= K <= E:
+        raise ValueError(f"num_experts_per_tok ({K}) must be in [1, num_experts = {E}]")
+    if spec.router != "sigmoid_bias":
+        return
+    G, TG = spec.n_group, spec.topk_group
+    if G < 1 or E % G:
+        raise ValueError(f"n_group ({G}) must divide num_experts ({E})")
+    if E // G < 2:
+        raise ValueError(f"each expert group needs >= 2 experts (groups are ranked by their top-2): "
+                         f"num_experts {E} / n_group {G} < 2; lower n_group")
+    if not 1 <= TG <= G or TG * (E // G) < K:
+        raise ValueError(f"topk_group ({TG}) must be in [1, n_group = {G}] and keep at least "
+                         f"num_experts_per_tok ({K}) experts ({TG} groups x {E // G} experts)")

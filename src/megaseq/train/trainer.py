@@ -1,0 +1,226 @@
+"""The training loop: plan, claim the run directory, build data and model, train, save, export, evaluate.
+
+Order matters for the "fixed memory, fail early" contract: the plan is made and checked before
+any data is read or any weight is allocated, so a run that cannot fit stops in a second with a
+message naming the binding component.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megaseq.config import Config
+from megaseq.train import checkpoint as ckpt
+from megaseq.train.metrics import MetricsLogger, gpu_peak_bytes, host_peak_bytes, moe_load
+from megaseq.train.optim import build_optimizer
+from megaseq.train.parallel_env import ParallelEnv, setup_parallel
+from megaseq.train.run_dir import claim_run_dir, write_plan
+
+GIB = 2**30
+
+
+@dataclass
+class RunResult:
+    run_dir: Path
+    losses: list[float] = field(default_factory=list)
+    last_checkpoint: Path | None = None
+    hf_export: Path | None = None
+    eval_report: dict[str, Any] | None = None
+
+
+def resolve_device(cfg: Config) -> torch.device:
+    want = cfg.train.device
+    if want == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if want.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("train.device is cuda but no CUDA GPU is visible; set --train.device cpu")
+    return torch.device(want)
+
+
+def dtypes(cfg: Config, device: torch.device) -> tuple[torch.dtype, torch.dtype | None]:
+    """(parameter dtype, autocast dtype). bf16 compute keeps fp32 master weights under autocast."""
+    if cfg.model.dtype == "fp64":
+        return torch.float64, None
+    if cfg.model.dtype == "bf16" and device.type == "cuda":
+        return torch.float32, torch.bfloat16
+    return torch.float32, None  # bf16 on the CPU is slow and unhelpful: compute in fp32
+
+
+def make_plan(cfg: Config, env: ParallelEnv, device: torch.device) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Plan memory before anything is allocated; returns (plan as dict, memory settings)."""
+    from megaseq.plan.planner import plan_from_config
+
+    gpu_bytes = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+    plan = plan_from_config(cfg, world_size=env.world_size, gpu_bytes=gpu_bytes)
+    if device.type == "cuda" and not plan.fits:
+        raise ValueError(f"the plan does not fit: {plan.advice}")
+    return plan.to_dict(), dict(plan.memory)
+
+
+def per_token_loss_fn(model: torch.nn.Module, env: ParallelEnv, autocast: torch.dtype | None,
+                      chunk_tokens: int) -> Any:
+    """A callable batch -> per-token loss [B, S] in nats (for evaluation)."""
+    from megaseq.memory.vocab_loss import chunked_linear_cross_entropy
+
+    @torch.no_grad()
+    def fn(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        b = env.to_device(batch)
+        with _autocast(autocast, env.device):
+            hidden = model(b["input_ids"], doc_ids=b.get("doc_ids"), ctx=env.context(b))
+        B, S, H = hidden.shape
+        loss = chunked_linear_cross_entropy(hidden.reshape(-1, H), model.lm_head.weight, b["labels"].reshape(-1),
+                                            chunk_tokens, reduction="none")
+        return env.gather_seq(loss.float().reshape(B, S))
+
+    return fn
+
+
+def _autocast(dtype: torch.dtype | None, device: torch.device) -> contextlib.AbstractContextManager:
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def train_step(model: torch.nn.Module, micro_batches: list[dict[str, torch.Tensor]], optimizer: Any,
+               scheduler: Any, cfg: Config, env: ParallelEnv, autocast: torch.dtype | None,
+               memory: dict[str, Any]) -> tuple[float, float]:
+    """One optimizer step over ``grad_accum`` micro-batches; returns (mean loss, grad norm)."""
+    from megaseq.memory.vocab_loss import chunked_linear_cross_entropy, plain_linear_cross_entropy
+
+    local = sum(int((b["labels"] != -100).sum()) for b in micro_batches)
+    total = env.all_reduce_count(local)  # the loss is a mean over every token of the global batch
+    loss_sum = 0.0
+    for batch in micro_batches:
+        b = env.to_device(batch)
+        with _autocast(autocast, env.device):
+            hidden = model(b["input_ids"], doc_ids=b.get("doc_ids"), ctx=env.context(b))
+        H = hidden.shape[-1]
+        labels = b["labels"].reshape(-1)
+        if memory.get("chunked_loss"):
+            loss = chunked_linear_cross_entropy(hidden.reshape(-1, H), model.lm_head.weight, labels,
+                                                memory["loss_chunk_tokens"], reduction="sum")
+        else:
+            loss = plain_linear_cross_entropy(hidden.reshape(-1, H), model.lm_head.weight, labels, reduction="sum")
+        (loss / max(total, 1)).backward()
+        loss_sum += float(loss.detach())
+    env.reduce_gradients(model)
+    params = [p for p in model.parameters() if p.grad is not None]
+    if cfg.optim.grad_clip > 0:
+        if hasattr(optimizer, "clip_grad_norm_"):
+            grad_norm = float(optimizer.clip_grad_norm_(cfg.optim.grad_clip))
+        else:
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip))
+    else:
+        grad_norm = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params])))
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return env.all_reduce_sum(loss_sum) / max(total, 1), grad_norm
+
+
+def run_training(cfg: Config) -> RunResult:
+    from megaseq.models.presets import resolve_spec
+
+    spec = resolve_spec(cfg.model.name)  # a bad model name fails before anything else happens
+    from megaseq.memory.apply import MemoryPlan, apply_memory_plan
+    from megaseq.models.build import build_model
+    from megaseq.train.data_source import build_data
+
+    env = setup_parallel(cfg)
+    device = env.device = resolve_device(cfg) if env.world_size == 1 else env.device
+    plan_dict, memory = make_plan(cfg, env, device)
+    run_dir, resume_from = claim_run_dir(cfg) if env.is_main else (Path(cfg.train.run_dir), None)
+    resume_from = env.broadcast_object(resume_from)
+    if env.is_main:
+        write_plan(run_dir, plan_dict)
+    data = build_data(cfg, spec, env)
+    param_dtype, autocast = dtypes(cfg, device)
+
+    model = build_model(spec, dtype=param_dtype, device=device, seed=cfg.train.seed)
+    if cfg.model.init_from:
+        from megaseq.models.hf_io import load_hf_checkpoint
+
+        load_hf_checkpoint(cfg.model.init_from, model=model, spec=spec)
+    apply_memory_plan(model, MemoryPlan(**memory))
+    optimizer, scheduler = build_optimizer(model, cfg.optim, cfg.train.steps, memory.get("optimizer_offload", False),
+                                           memory.get("optimizer_bucket_params", 100_000_000))
+    spec_dict = spec.to_dict()
+    start = 0
+    if resume_from is not None:
+        meta = ckpt.load_checkpoint(resume_from, model, optimizer, scheduler, expected_spec=spec_dict)
+        start = meta["step"]
+        data.train.load_state_dict(meta["data"])
+        env.log(f"resumed from {resume_from} at step {start}")
+    elif cfg.train.eval_after and env.is_main:
+        ckpt.save_checkpoint(run_dir, 0, model, optimizer, scheduler, _meta(spec_dict, data, 0), keep=10**9)
+
+    result = RunResult(run_dir=run_dir, last_checkpoint=resume_from)
+    logger = MetricsLogger(run_dir, cfg.train.steps, start, cfg.log.tensorboard, cfg.log.progress, env.is_main)
+    tokens_per_step = cfg.train.batch_size * cfg.train.grad_accum * cfg.data.seq_len * env.dp_size
+    try:
+        for step in range(start + 1, cfg.train.steps + 1):
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            t0 = time.perf_counter()
+            batches = [data.train.next_batch(cfg.train.batch_size) for _ in range(cfg.train.grad_accum)]
+            batches = [env.shard_batch(b) for b in batches]
+            lr = optimizer.param_groups[0]["lr"]
+            loss, gnorm = train_step(model, batches, optimizer, scheduler, cfg, env, autocast, memory)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            dt = time.perf_counter() - t0
+            result.losses.append(loss)
+            if step % cfg.log.every == 0 or step == cfg.train.steps:
+                logger.log({"step": step, "loss": loss, "lr": lr, "grad_norm": gnorm,
+                            "tokens_per_s": tokens_per_step / dt, "step_s": dt,
+                            "gpu_peak_gib": gpu_peak_bytes(device) / GIB, "host_peak_gib": host_peak_bytes() / GIB,
+                            "plan_gpu_gib": plan_dict.get("peak_gpu", 0) / GIB, "moe_max_over_mean": moe_load(model)})
+            save_now = cfg.train.save_every and step % cfg.train.save_every == 0
+            if (save_now or step == cfg.train.steps) and env.is_main:
+                result.last_checkpoint = ckpt.save_checkpoint(run_dir, step, model, optimizer, scheduler,
+                                                              _meta(spec_dict, data, step), cfg.train.keep_checkpoints)
+            env.barrier()
+    finally:
+        logger.close()
+
+    if cfg.train.export_hf and env.is_main:
+        from megaseq.models.hf_io import export_hf_checkpoint
+
+        result.hf_export = Path(run_dir) / "hf"
+        export_hf_checkpoint(model, spec, result.hf_export)
+    if cfg.train.eval_after and data.heldout is not None:
+        result.eval_report = evaluate_run(cfg, run_dir, model, spec, data, env, autocast, memory)
+    env.shutdown()
+    return result
+
+
+def _meta(spec_dict: dict[str, Any], data: Any, step: int) -> dict[str, Any]:
+    return {"spec": spec_dict, "data": data.train.state_dict(), "step": step}
+
+
+def evaluate_run(cfg: Config, run_dir: Path, model: torch.nn.Module, spec: Any, data: Any, env: ParallelEnv,
+                 autocast: torch.dtype | None, memory: dict[str, Any]) -> dict[str, Any] | None:
+    """Held-out loss by position for the model before (step 0) and after training."""
+    from megaseq.eval.by_position import evaluate_by_position
+    from megaseq.models.build import build_model
+
+    chunk = memory.get("loss_chunk_tokens") or 8192
+    models = {}
+    before = Path(run_dir) / ckpt.CKPT_DIR / "step_000000"
+    if before.is_dir():
+        m0 = build_model(spec, dtype=next(model.parameters()).dtype, device=env.device)
+        ckpt.load_checkpoint(before, m0)
+        models["before"] = per_token_loss_fn(m0.eval(), env, autocast, chunk)
+    models["after"] = per_token_loss_fn(model.eval(), env, autocast, chunk)
+    report = evaluate_by_position(models, data.heldout_windows(), cfg, data.kmer_baseline(),
+                                  out_dir=Path(run_dir) / "eval") if env.is_main else None
+    if env.is_main and report is not None:
+        (Path(run_dir) / "eval" / "summary.json").write_text(json.dumps(report.get("summary", {}), indent=2))
+    return report
