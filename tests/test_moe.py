@@ -36,17 +36,18 @@ def _qwen_spec(**kw) -> ModelSpec:
 
 def _hf_glm_moe(spec: ModelSpec) -> torch.nn.Module:
     cfg = hf_glm.Glm5NextTextConfig(
-        hidden_size=H, moe_intermediate_size=I, n_routed_experts=E, num_experts_per_tok=spec.num_experts_per_tok,
-        n_shared_experts=spec.num_shared_experts, n_group=spec.n_group, topk_group=spec.topk_group,
-        norm_topk_prob=spec.norm_topk_prob, routed_scaling_factor=spec.routed_scaling_factor,
-        swiglu_limit=spec.swiglu_limit, num_hidden_layers=1)
+        hidden_size=H, moe_intermediate_size=I, n_routed_experts=E, num_hidden_layers=1,
+        num_experts_per_tok=spec.num_experts_per_tok, n_shared_experts=spec.num_shared_experts,
+        n_group=spec.n_group, topk_group=spec.topk_group, norm_topk_prob=spec.norm_topk_prob,
+        routed_scaling_factor=spec.routed_scaling_factor, swiglu_limit=spec.swiglu_limit)
     cfg._experts_implementation = "eager"
     return hf_glm.Glm5NextTextMoE(cfg)
 
 
 def _hf_qwen_moe(spec: ModelSpec) -> torch.nn.Module:
     cfg = hf_qwen.Qwen3MoeConfig(hidden_size=H, moe_intermediate_size=I, num_experts=E,
-                                 num_experts_per_tok=spec.num_experts_per_tok, norm_topk_prob=spec.norm_topk_prob)
+                                 num_experts_per_tok=spec.num_experts_per_tok,
+                                 norm_topk_prob=spec.norm_topk_prob)
     cfg._experts_implementation = "eager"
     return hf_qwen.Qwen3MoeSparseMoeBlock(cfg)
 
@@ -198,3 +199,29 @@ def test_grouped_mm_fast_matches_reference_on_gpu() -> None:
     rx, rw = torch.autograd.grad(grouped_mm_reference(x, w, counts.cpu()), (x, w), g)
     torch.testing.assert_close(gx.float(), rx.float(), rtol=2e-2, atol=5e-2)
     torch.testing.assert_close(gw.float(), rw.float(), rtol=2e-2, atol=5e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_moe_bf16_on_gpu_uses_grouped_mm_and_matches_float64() -> None:
+    spec = _glm_spec(num_experts=16, num_experts_per_tok=4, hidden_size=64, moe_intermediate_size=32,
+                     swiglu_limit=10.0, n_group=4, topk_group=2)
+    ref = MoE(spec).double()
+    with torch.no_grad():
+        ref.gate.e_score_correction_bias.normal_(0.0, 0.1)
+    fast = MoE(spec, layer="gpu.mlp").cuda()
+    fast.load_state_dict(ref.state_dict())
+    fast.experts.bfloat16()
+    fast.shared_experts.bfloat16()  # the router stays float32, as build_model keeps it
+    x = torch.randn(3, 301, 64).bfloat16().double()  # bf16-exact, so both routers see the same inputs
+    dispatch.reset_records()
+    y_fast = fast(x.cuda().bfloat16())
+    assert {r.impl for layer, r in dispatch.records() if layer == "gpu.mlp"} == {"torch_grouped_mm"}
+    y_ref = ref(x)
+    torch.testing.assert_close(y_fast.double().cpu(), y_ref, rtol=5e-2, atol=5e-2)
+    y_fast.float().square().sum().backward()
+    y_ref.square().sum().backward()
+    for name, p in ref.named_parameters():
+        g_fast = dict(fast.named_parameters())[name].grad.double().cpu()
+        rel = (g_fast - p.grad).norm() / p.grad.norm()
+        assert rel < 5e-2, f"{name}: relative grad error {rel:.3e}"

@@ -62,12 +62,15 @@ class DataConfig:
                            "empty means the lambda phage genome shipped with megaseq")
     heldout: list[str] = opt([], "held-out files (a whole genome or chromosome the model never sees)")
     heldout_records: list[str] = opt([], "FASTA record ids to hold out of the training files instead")
+    heldout_tail: float = opt(-1.0, "hold out the last fraction of every training record (a region split); "
+                              "-1: 0.1 when training on the built-in genome with nothing else held out, else 0")
     seq_len: Any = opt(4096, "tokens per training sequence (accepts 32K, 1M)")
     reverse_complement: bool = opt(False, "also draw reverse-complement windows (DNA)")
     lowercase: str = opt("upper", "lower-case bases (soft-masked repeats): upper (keep as bases) or n (as N)")
     non_acgt: str = opt("n", "IUPAC ambiguity codes other than ACGTN: n (map to N) or error")
     tokenizer: str = opt("dna", "dna (single-nucleotide) or a path to a HF tokenizer.json / checkpoint dir")
     text_field: str = opt("text", "JSONL field holding the document text")
+    txt_docs: str = opt("file", ".txt files: one document per file (file) or per blank-line paragraph (paragraph)")
     seed: int = opt(0, "seed for window sampling")
 
     def __post_init__(self) -> None:
@@ -78,6 +81,10 @@ class DataConfig:
             raise ValueError(f"data.seq_len must be at least 2, got {self.seq_len}")
         if self.lowercase not in ("upper", "n"):
             raise ValueError(f"data.lowercase must be 'upper' or 'n', got {self.lowercase!r}")
+        if self.txt_docs not in ("file", "paragraph"):
+            raise ValueError(f"data.txt_docs must be 'file' or 'paragraph', got {self.txt_docs!r}")
+        if not (self.heldout_tail == -1.0 or 0.0 <= self.heldout_tail < 1.0):
+            raise ValueError(f"data.heldout_tail must be in [0, 1) (or -1 for the default), got {self.heldout_tail}")
         if self.non_acgt not in ("n", "error"):
             raise ValueError(f"data.non_acgt must be 'n' or 'error', got {self.non_acgt!r}")
 
@@ -183,6 +190,7 @@ class EvalConfig:
     seq_len: Any = opt(None, "tokens per evaluation window (default: data.seq_len)")
     max_windows: int = opt(8, "evaluation windows per held-out file")
     kmer_k: int = opt(8, "order of the k-mer Markov baseline for DNA (0 disables)")
+    batch_size: int = opt(1, "evaluation windows per forward pass")
 
     def __post_init__(self) -> None:
         self.by_position = parse_size(self.by_position)

@@ -31,8 +31,8 @@ def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
     if result.hf_export:
         print(f"  HF export:     {result.hf_export}")
     if result.eval_report:
-        print(f"  evaluation:    {result.run_dir / 'eval'} (report.md, report.json, loss_by_position.png)")
-        md = result.run_dir / "eval" / "report.md"
+        print(f"  evaluation:    {result.run_dir / 'eval'} (eval_by_position.md, .json, .png)")
+        md = result.run_dir / "eval" / "eval_by_position.md"
         if md.is_file():
             print("\n" + md.read_text())
     return 0

@@ -1,0 +1,37 @@
+"""Evaluation: held-out loss by position, bits per base, the k-mer Markov baseline, reports.
+
+Typical use at the end of a run (the trainer supplies ``per_token_loss`` from the model)::
+
+    data = build_data(cfg.data, cfg.eval)
+    batches = data.heldout_batches()
+    before = position_loss(loss_fn, batches, cfg.eval.by_position, data.score_ids, "before")
+    ...train...
+    after = position_loss(loss_fn, batches, cfg.eval.by_position, data.score_ids, "after")
+    kmer = build_kmer_baseline(data, cfg.eval.kmer_k)
+    base = (kmer.name, position_loss(kmer.batch_loss, batches, ...)) if kmer else None
+    write_report(compare({"before": before, "after": after}, base, data.unit), run_dir)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from megaseq.eval.by_position import PositionLoss, compare, evaluate_by_position, position_loss, scored_mask
+from megaseq.eval.kmer import KmerModel
+from megaseq.eval.report import markdown_table, plot_by_position, write_atomic, write_json, write_report
+
+__all__ = [
+    "KmerModel", "PositionLoss", "build_kmer_baseline", "compare", "evaluate_by_position", "markdown_table",
+    "plot_by_position", "position_loss", "scored_mask", "write_atomic", "write_json", "write_report",
+]
+
+
+def build_kmer_baseline(data: Any, k: int, reverse_complement_too: bool | None = None) -> KmerModel | None:
+    """The k-mer baseline fit on ``data.train_records`` (a ``megaseq.data.Data``); None when k is 0 or the
+    data are not single-nucleotide DNA. Both strands are counted when the training windows use them
+    (``data.train.complement``), unless ``reverse_complement_too`` says otherwise."""
+    if k <= 0 or data.unit != "base" or not data.train_records:
+        return None
+    if reverse_complement_too is None:
+        reverse_complement_too = getattr(data.train, "complement", None) is not None
+    return KmerModel(k).fit(data.train_records, reverse_complement_too=reverse_complement_too)

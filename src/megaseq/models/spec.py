@@ -251,7 +251,9 @@ def _qwen3_moe_from_hf(c: dict[str, Any]) -> ModelSpec:
     n = c.get("num_hidden_layers", 24)
     step = c.get("decoder_sparse_step", 1)
     mlp_only = set(c.get("mlp_only_layers") or [])
-    num_experts = c.get("num_experts", 128)
+    # transformers 5 writes the attribute-mapped name num_local_experts; hub configs say num_experts
+    num_experts = c.get("num_experts", c.get("num_local_experts", 128))
+    _check_qwen3_moe_supported(c)
     mlp = [
         "moe" if (i not in mlp_only and num_experts > 0 and (i + 1) % step == 0) else "dense" for i in range(n)
     ]
@@ -279,7 +281,26 @@ def _qwen3_moe_from_hf(c: dict[str, Any]) -> ModelSpec:
         rope_theta=rope.get("rope_theta", c.get("rope_theta", 10000.0)),
         qk_norm=True,
         attention_bias=c.get("attention_bias", False),
+        hf_extra={k: c[k] for k in _QWEN3_MOE_EXTRA if k in c},
     )
+
+
+# config.json fields a qwen3_moe spec does not model but an export should carry through unchanged
+_QWEN3_MOE_EXTRA = ("max_position_embeddings", "bos_token_id", "eos_token_id", "initializer_range",
+                    "router_aux_loss_coef", "hidden_act")
+
+
+def _check_qwen3_moe_supported(c: dict[str, Any]) -> None:
+    """Options megaseq's qwen3_moe does not implement: refuse them rather than run a different model."""
+    rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        raise ValueError(f"qwen3_moe rope_type {rope_type!r} is not supported (only 'default' RoPE); "
+                         "remove rope scaling from config.json or use a checkpoint without it")
+    if c.get("use_sliding_window"):
+        raise ValueError("qwen3_moe use_sliding_window=true is not supported; set it to false in config.json")
+    if c.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"qwen3_moe hidden_act {c['hidden_act']!r} is not supported (SwiGLU needs 'silu')")
 
 
 _FROM_HF = {"glm5_next": _glm5_from_hf, "qwen3_moe": _qwen3_moe_from_hf}

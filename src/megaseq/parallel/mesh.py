@@ -80,12 +80,14 @@ def validate_cp(cp: int, seq_len: int, spec: Any | None = None, mla_mode: str = 
     kinds = set(spec.layer_types)
     checks = []
     if "attention" in kinds:
+        # KV heads need no check: the block repeats them until cp splits them along the GQA groups
         checks.append(("num_attention_heads", spec.num_attention_heads, False))
-        checks.append(("num_key_value_heads", spec.num_key_value_heads, True))
     if "kda" in kinds:
         checks.append(("linear_num_heads", spec.linear_num_heads, False))
     if "dsa" in kinds and mla_mode == "ulysses":
-        checks.append(("num_attention_heads (MLA, parallel.mla_mode=ulysses)", spec.num_attention_heads, False))
+        raise ValueError("parallel.mla_mode ulysses is not available for DSA layers: the MLA/DSA block "
+                         "gathers its latent KV and splits the indexer by query (docs/context_parallel.md); "
+                         "set --parallel.mla_mode gather_kv (or auto)")
     for name, heads, replicable in checks:
         check_heads(heads, cp, name, replicable)
 
@@ -94,7 +96,7 @@ def check_heads(num_heads: int, cp: int, what: str = "heads", replicable: bool =
     """Ulysses shards heads over cp ranks: cp must divide them (KV heads may instead be replicated)."""
     if num_heads % cp == 0 or (replicable and cp % num_heads == 0):
         return
-    fix = f"a cp that divides {num_heads}" + (f" or is a multiple of it" if replicable else "")
+    fix = f"a cp that divides {num_heads}" + (" or is a multiple of it" if replicable else "")
     raise ValueError(
         f"{what} = {num_heads} cannot be split over parallel.cp = {cp} ranks (Ulysses gives each rank "
         f"heads / cp of them): set --parallel.cp to {fix}"
@@ -184,7 +186,7 @@ def init_mesh(cfg: ParallelConfig, seq_len: int, spec: Any | None = None, *, ran
     """Validate the layout, then create the process group and the per-axis groups.
 
     Explicit arguments win over the environment; with neither, one process (world size 1, no
-    process group). ``mla_mode`` is read from ``cfg`` for the head check.
+    process group). A process group that already exists (a host framework made it) is reused.
     """
     env = torchrun_env() or {}
     rank = env.get("rank", 0) if rank is None else rank
@@ -193,7 +195,9 @@ def init_mesh(cfg: ParallelConfig, seq_len: int, spec: Any | None = None, *, ran
     shape = resolve_shape(cfg, world_size)
     validate_cp(shape.cp, seq_len, spec, mla_mode=resolve_mla_mode(cfg.mla_mode))
     if device is None:
-        device = torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
+        # a Ray actor sees only its own GPU (CUDA_VISIBLE_DEVICES), torchrun's processes see the host's
+        n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        device = torch.device("cuda", local_rank if local_rank < n_gpu else 0) if n_gpu else "cpu"
     device = torch.device(device)
     backend = resolve_backend(cfg.backend, device)
     mesh = Mesh(shape=shape, rank=rank, local_rank=local_rank, device=device, backend=backend)
@@ -206,6 +210,7 @@ def init_mesh(cfg: ParallelConfig, seq_len: int, spec: Any | None = None, *, ran
         os.environ["MASTER_PORT"] = str(master_port or env.get("master_port", 29500))
         dist.init_process_group(backend, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout_s))
+    assert dist.get_world_size() == world_size and dist.get_rank() == rank, "process group and mesh disagree"
     _build_groups(mesh)
     return mesh
 
@@ -222,7 +227,7 @@ def _build_groups(mesh: Mesh) -> None:
 
 
 def resolve_mla_mode(mode: str) -> str:
-    """auto -> gather_kv: gathering MLA's latent KV moves far fewer bytes than Ulysses (docs/context_parallel.md)."""
+    """auto -> gather_kv: the mode that splits the DSA indexer by query (docs/context_parallel.md)."""
     if mode not in ("auto", "ulysses", "gather_kv"):
         raise ValueError(f"parallel.mla_mode must be auto, ulysses or gather_kv, got {mode!r}")
     return "gather_kv" if mode == "auto" else mode

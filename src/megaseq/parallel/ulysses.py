@@ -67,16 +67,16 @@ def _heads_to_seq(y: torch.Tensor, group: Any, P: int) -> torch.Tensor:
 def _gather_seq(x: torch.Tensor, group: Any, P: int) -> torch.Tensor:
     """``[B, S_loc, *R] -> [B, S, *R]``."""
     B, S_loc, *R = x.shape
-    out_PBsR = torch.empty((P, *x.shape), dtype=x.dtype, device=x.device)
+    out_PBsR = torch.empty((P * B, S_loc, *R), dtype=x.dtype, device=x.device)  # gloo wants dim 0 stacked
     _all_gather(out_PBsR, x.contiguous(), group=group)
-    return out_PBsR.movedim(0, 1).reshape(B, P * S_loc, *R)
+    return out_PBsR.view(P, B, S_loc, *R).movedim(0, 1).reshape(B, P * S_loc, *R)
 
 
 def _reduce_scatter_seq(g: torch.Tensor, group: Any, P: int) -> torch.Tensor:
     """``[B, S, *R] -> [B, S_loc, *R]``: sum over ranks, keep this rank's shard."""
     B, S, *R = g.shape
-    g_PBsR = g.reshape(B, P, S // P, *R).movedim(1, 0).contiguous()
-    out = torch.empty(g_PBsR.shape[1:], dtype=g.dtype, device=g.device)
+    g_PBsR = g.reshape(B, P, S // P, *R).movedim(1, 0).reshape(P * B, S // P, *R)
+    out = torch.empty((B, S // P, *R), dtype=g.dtype, device=g.device)
     _reduce_scatter(out, g_PBsR, group=group)
     return out
 

@@ -17,6 +17,7 @@ import json
 import os
 import random
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,9 @@ import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+# One process without torch.distributed is a supported case, not a warning.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
 
 CKPT_DIR = "checkpoints"
 META = "meta.json"

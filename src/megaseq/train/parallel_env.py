@@ -20,6 +20,7 @@ from megaseq.models.context import SeqContext
 class ParallelEnv:
     rank = 0
     world_size = 1
+    dp_rank = 0
     dp_size = 1
     cp_size = 1
     is_main = True

@@ -131,7 +131,7 @@ def run_training(cfg: Config) -> RunResult:
     spec = resolve_spec(cfg.model.name)  # a bad model name fails before anything else happens
     from megaseq.memory.apply import MemoryPlan, apply_memory_plan
     from megaseq.models.build import build_model
-    from megaseq.train.data_source import build_data
+    from megaseq.data import build_data
 
     env = setup_parallel(cfg)
     device = env.device = resolve_device(cfg) if env.world_size == 1 else env.device
@@ -140,7 +140,8 @@ def run_training(cfg: Config) -> RunResult:
     resume_from = env.broadcast_object(resume_from)
     if env.is_main:
         write_plan(run_dir, plan_dict)
-    data = build_data(cfg, spec, env)
+    data = build_data(cfg.data, cfg.eval, batch_size=cfg.train.batch_size, vocab_size=spec.vocab_size,
+                      rank=env.dp_rank, world_size=env.dp_size)
     param_dtype, autocast = dtypes(cfg, device)
 
     model = build_model(spec, dtype=param_dtype, device=device, seed=cfg.train.seed)
@@ -169,7 +170,7 @@ def run_training(cfg: Config) -> RunResult:
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             t0 = time.perf_counter()
-            batches = [data.train.next_batch(cfg.train.batch_size) for _ in range(cfg.train.grad_accum)]
+            batches = [data.train.next_batch() for _ in range(cfg.train.grad_accum)]
             batches = [env.shard_batch(b) for b in batches]
             lr = optimizer.param_groups[0]["lr"]
             loss, gnorm = train_step(model, batches, optimizer, scheduler, cfg, env, autocast, memory)
@@ -195,8 +196,11 @@ def run_training(cfg: Config) -> RunResult:
 
         result.hf_export = Path(run_dir) / "hf"
         export_hf_checkpoint(model, spec, result.hf_export)
-    if cfg.train.eval_after and data.heldout is not None:
-        result.eval_report = evaluate_run(cfg, run_dir, model, spec, data, env, autocast, memory)
+    if cfg.train.eval_after and data.heldout:
+        if env.world_size > 1:
+            env.log("evaluation after a multi-process run: run `megaseq eval RUN_DIR` (one process)")
+        else:
+            result.eval_report = evaluate_run(cfg, run_dir, model, spec, data, env, autocast, memory)
     env.shutdown()
     return result
 
@@ -206,9 +210,9 @@ def _meta(spec_dict: dict[str, Any], data: Any, step: int) -> dict[str, Any]:
 
 
 def evaluate_run(cfg: Config, run_dir: Path, model: torch.nn.Module, spec: Any, data: Any, env: ParallelEnv,
-                 autocast: torch.dtype | None, memory: dict[str, Any]) -> dict[str, Any] | None:
-    """Held-out loss by position for the model before (step 0) and after training."""
-    from megaseq.eval.by_position import evaluate_by_position
+                 autocast: torch.dtype | None, memory: dict[str, Any]) -> dict[str, Any]:
+    """Held-out loss by position for the model before (step 0) and after training, with the k-mer baseline."""
+    from megaseq.eval import build_kmer_baseline, evaluate_by_position, write_report
     from megaseq.models.build import build_model
 
     chunk = memory.get("loss_chunk_tokens") or 8192
@@ -219,8 +223,9 @@ def evaluate_run(cfg: Config, run_dir: Path, model: torch.nn.Module, spec: Any, 
         ckpt.load_checkpoint(before, m0)
         models["before"] = per_token_loss_fn(m0.eval(), env, autocast, chunk)
     models["after"] = per_token_loss_fn(model.eval(), env, autocast, chunk)
-    report = evaluate_by_position(models, data.heldout_windows(), cfg, data.kmer_baseline(),
-                                  out_dir=Path(run_dir) / "eval") if env.is_main else None
-    if env.is_main and report is not None:
-        (Path(run_dir) / "eval" / "summary.json").write_text(json.dumps(report.get("summary", {}), indent=2))
+    kmer = build_kmer_baseline(data, cfg.eval.kmer_k)
+    baseline = (kmer.name, kmer.batch_loss) if kmer is not None else None
+    report = evaluate_by_position(models, data.heldout_batches(cfg.eval.batch_size), cfg.eval.by_position,
+                                  baseline, data.score_ids, data.unit)
+    write_report(report, Path(run_dir) / "eval")
     return report

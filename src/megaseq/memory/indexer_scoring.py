@@ -1,0 +1,67 @@
+"""Chunked scoring for the DSA lightning indexer: pick the top pools per query, a block of queries at a time.
+
+Shapes: Q queries (this rank's), P pooled keys (complete k-pools of the whole sequence), I indexer
+heads, D indexer head dim, K pools selected per query, c = query_chunk.
+
+The indexer scores every query against every pool: ``relu(q . k_pool * scale)`` per head, weighted
+by a per-query head weight and summed over heads. Done at once that is a ``[Q, I, P]`` tensor: at 1M
+tokens with 16-token pools and 32 heads, 2e12 elements. Each query's top-K depends only on its own
+row, so scoring ``query_chunk`` rows at a time and keeping only their top-K gives identical indices
+with the working set of one chunk (``indexer_scoring_bytes``). The reference system kept this under
+2 GiB by scoring a few hundred queries at a time.
+
+``QUERY_CHUNK`` is the default chunk; the memory planner (or a test) sets it from outside.
+"""
+
+from __future__ import annotations
+
+import torch
+
+QUERY_CHUNK: int = 1 << 40  # rows per scoring chunk; default: the whole query range in one chunk
+
+
+def indexer_scoring_bytes(query_chunk: int, num_pools: int, num_heads: int, num_select: int,
+                          itemsize: int = 4) -> int:
+    """Peak bytes of one scoring chunk.
+
+    Per query row: head scores ``[I, P]`` (computed and relu'd in place), the head-summed scores
+    ``[P]``, the validity mask ``[P]`` (bool) and the top-K values and int64 indices plus their
+    validity: ``c * (P * ((I + 1) * itemsize + 1) + K * (itemsize + 9))``.
+    """
+    per_row = num_pools * ((num_heads + 1) * itemsize + 1) + num_select * (itemsize + 9)
+    return query_chunk * per_row
+
+
+@torch.no_grad()
+def select_pools(q_QID: torch.Tensor, weights_QI: torch.Tensor, keys_PD: torch.Tensor,
+                 pool_end_P: torch.Tensor, pool_doc_P: torch.Tensor, q_pos_Q: torch.Tensor,
+                 q_doc_Q: torch.Tensor, num_select: int, scale: float,
+                 query_chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top pools per query: ``(pool index [Q, K'] int64, selected-and-valid [Q, K'] bool)``.
+
+    A pool is a candidate for a query when its last token is at or before the query
+    (``pool_end <= q_pos``) and in the same document. ``K' = min(num_select, P)``: as in the
+    reference, when a query has fewer candidates than K' the remaining picks are invalid pools,
+    flagged False. Scores are computed in ``promote_types(q.dtype, float32)`` (HF: float32).
+    """
+    Q, P = q_QID.shape[0], keys_PD.shape[0]
+    k = min(num_select, P)
+    sel = torch.zeros(Q, k, dtype=torch.int64, device=q_QID.device)
+    ok = torch.zeros(Q, k, dtype=torch.bool, device=q_QID.device)
+    if k == 0 or Q == 0:
+        return sel, ok
+    cd = torch.promote_types(q_QID.dtype, torch.float32)
+    keys_DP = keys_PD.transpose(0, 1).to(cd)
+    chunk = max(1, int(query_chunk if query_chunk is not None else QUERY_CHUNK))
+    floor = torch.finfo(cd).min
+    for s in range(0, Q, chunk):
+        e = min(s + chunk, Q)
+        scores_cIP = torch.matmul(q_QID[s:e].to(cd), keys_DP).mul_(scale).relu_()
+        index_cP = torch.matmul(weights_QI[s:e].to(cd).unsqueeze(-2), scores_cIP).squeeze(-2)
+        del scores_cIP
+        valid_cP = (pool_end_P[None, :] <= q_pos_Q[s:e, None]) & (pool_doc_P[None, :] == q_doc_Q[s:e, None])
+        index_cP.masked_fill_(~valid_cP, floor)
+        top = index_cP.topk(k, dim=-1).indices
+        sel[s:e] = top
+        ok[s:e] = valid_cP.gather(-1, top)
+    return sel, ok

@@ -1,0 +1,386 @@
+"""Full recompute per layer, and SCO: selective checkpoint offload of the layer boundaries.
+
+Shapes: B batch, S tokens, hc residual streams (4 for mHC, else 1), H hidden, L layers.
+
+Recompute. ``checkpoint_layers(model.layers)`` makes each decoder layer keep only its input ``h``
+(the boundary, ``[B, S, hc, H]``) and rerun its forward in backward. A layer is ``layer(h, ctx)`` and may
+read or write ``ctx.carry`` (the DSA selection a ``shared`` indexer layer reuses). Backward runs the layers
+in reverse, when ``ctx.carry`` holds the last layer's entries, so each layer keeps the carry it saw at
+forward time (a shallow copy: carry tensors are replaced, never written in place; checked) and its
+recompute runs against that copy. Per-forward side state (MoE load counts, buffers) is put back after
+the recompute (``tiling.restore_side_state``), so metrics are not counted twice.
+
+SCO. With a ``BoundaryOffloader``, boundaries are copied to host memory on a side CUDA stream while the
+layer computes, up to a host byte budget (the remaining layers keep theirs on the GPU), and freed on the
+GPU once copied. In backward each layer prefetches the next offloaded boundary (one layer ahead), so at
+most two offloaded boundaries are on the GPU at once. The host memory is one buffer of exactly the
+planned bytes (pinned with ``cudaHostRegister``: no power-of-two rounding by the caching host allocator),
+carved into boundary slots, reused every step and released with ``release()``. On a CPU-only run the
+same code runs: the host copy is a plain copy into the pool and the streams are no-ops.
+
+Offloaded layers are the first in forward order: their boundaries wait longest for the backward.
+Recompute composes with tiling (the layer recompute reruns the tiled MLP) and with sequence parallelism
+(each rank offloads its own shard). RNG state is not replayed: the layers have no dropout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from megaseq.memory.tiling import restore_side_state, snapshot_side_state
+
+SLOT_ALIGN = 512  # bytes; each boundary slot starts on this boundary (DMA-friendly, any dtype view)
+
+
+# ---- host memory: one exactly sized buffer --------------------------------------------------------
+def _unregister(ptr: int) -> None:
+    torch.cuda.cudart().cudaHostUnregister(ptr)
+
+
+class HostBuffer:
+    """``nbytes`` of host memory, page-locked with ``cudaHostRegister`` when ``pin`` (exact size, unlike
+    ``pin_memory=True`` whose caching allocator rounds up to a power of two). Views carve it up."""
+
+    def __init__(self, nbytes: int, pin: bool) -> None:
+        self.nbytes = nbytes
+        self.base = torch.empty(nbytes, dtype=torch.uint8)
+        self.pinned = False
+        if pin and nbytes > 0:
+            err = int(torch.cuda.cudart().cudaHostRegister(self.base.data_ptr(), nbytes, 0))
+            if err != 0:  # fall back to the caching allocator rather than to pageable copies
+                self.base = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            else:
+                self.pinned = True
+                self._finalizer = weakref.finalize(self, _unregister, self.base.data_ptr())
+
+    def view(self, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        numel = 1
+        for n in shape:
+            numel *= n
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        assert offset % SLOT_ALIGN == 0 and offset + nbytes <= self.nbytes
+        return self.base[offset:offset + nbytes].view(dtype).view(shape)
+
+    def release(self) -> None:
+        if self.pinned:
+            self._finalizer()
+            self.pinned = False
+        self.base = torch.empty(0, dtype=torch.uint8)
+        self.nbytes = 0
+
+
+def round_up(n: int, align: int = SLOT_ALIGN) -> int:
+    return -(-n // align) * align
+
+
+# ---- the offloader ------------------------------------------------------------------------------
+class _Boundary:
+    """One offloaded boundary: its host slot, and its GPU copy once fetched. Returns its slot when freed."""
+
+    def __init__(self, offloader: BoundaryOffloader, slot: int, host: torch.Tensor,
+                 device: torch.device) -> None:
+        self.slot, self.host, self.device = slot, host, device
+        self.gpu: torch.Tensor | None = None
+        self.ready: Any = None  # CUDA event: the last copy of this boundary has finished
+        weakref.finalize(self, offloader._free_slot, offloader.generation, slot)
+
+
+class BoundaryOffloader:
+    """SCO state shared by the layers of one model: the host pool, the copy stream, the pending boundaries."""
+
+    def __init__(self, host_budget: int, max_slots: int | None = None) -> None:
+        if host_budget < 0:
+            raise ValueError(f"memory.offload_host_budget must be >= 0, got {host_budget}")
+        self.host_budget = host_budget
+        self.max_slots = max_slots  # set to the number of layers by checkpoint_layers
+        self.pool: HostBuffer | None = None
+        self.slot_bytes = 0
+        self.free: list[int] = []
+        self.pending: list[weakref.ref[_Boundary]] = []  # forward order; backward pops from the end
+        self.stream: Any = None
+        self.generation = 0  # bumped with every new pool, so a late slot return cannot reach the wrong pool
+        self.num_offloaded = 0  # boundaries offloaded since the last reset of this counter
+
+    # -- pool --
+    def _plan_pool(self, nbytes: int, on_cuda: bool) -> None:
+        self.release()
+        self.generation += 1
+        self.slot_bytes = round_up(nbytes)
+        n = self.host_budget // self.slot_bytes
+        if self.max_slots is not None:
+            n = min(n, self.max_slots)
+        self.pool = HostBuffer(n * self.slot_bytes, pin=on_cuda)
+        self.free = list(range(n - 1, -1, -1))
+        if on_cuda and self.stream is None:
+            self.stream = torch.cuda.Stream()
+
+    @property
+    def host_bytes(self) -> int:
+        """Host bytes held by the pool (pinned on CUDA): exactly num_slots x slot_bytes."""
+        return self.pool.nbytes if self.pool is not None else 0
+
+    def release(self) -> None:
+        """Free the host pool (the next offload plans a new one). Boundaries still pending keep theirs."""
+        if self.pool is not None and not self._live():
+            self.pool.release()
+        self.pool, self.free, self.slot_bytes = None, [], 0
+
+    def _live(self) -> list[_Boundary]:
+        return [b for ref in self.pending if (b := ref()) is not None]
+
+    def _free_slot(self, generation: int, slot: int) -> None:
+        if generation == self.generation and self.pool is not None:
+            self.free.append(slot)
+
+    def _copy_ctx(self) -> contextlib.AbstractContextManager:
+        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+
+    # -- forward: offload --
+    def offload(self, h: torch.Tensor) -> _Boundary | None:
+        """Start copying ``h`` to a host slot; None when the budget is used up (``h`` stays on the GPU)."""
+        nbytes = h.numel() * h.element_size()
+        if self.pool is None or nbytes > self.slot_bytes:
+            if self._live():  # a larger boundary while others are pending: keep it on the GPU
+                return None
+            self._plan_pool(nbytes, h.is_cuda)
+        if not self.free:
+            return None
+        slot = self.free.pop()
+        host = self.pool.view(slot * self.slot_bytes, tuple(h.shape), h.dtype)
+        rec = _Boundary(self, slot, host, h.device)
+        if h.is_cuda:
+            self.stream.wait_stream(torch.cuda.current_stream())
+            with self._copy_ctx():
+                host.copy_(h, non_blocking=True)
+                rec.ready = torch.cuda.Event()
+                rec.ready.record()
+            h.record_stream(self.stream)  # the allocator may reuse h only after the copy
+        else:
+            host.copy_(h)
+        self.pending.append(weakref.ref(rec))
+        self.num_offloaded += 1
+        return rec
+
+    # -- backward: fetch + prefetch one ahead --
+    def _start_fetch(self, rec: _Boundary) -> None:
+        rec.gpu = torch.empty(rec.host.shape, dtype=rec.host.dtype, device=rec.device)
+        if rec.gpu.is_cuda:
+            # the copy stream must not write the new block before the compute stream's last use of it
+            self.stream.wait_stream(torch.cuda.current_stream())
+            with self._copy_ctx():
+                rec.gpu.copy_(rec.host, non_blocking=True)
+                rec.ready = torch.cuda.Event()
+                rec.ready.record()
+        else:
+            rec.gpu.copy_(rec.host)
+
+    def prefetch_next(self) -> None:
+        """Start bringing back the most recent pending boundary (the next one backward needs)."""
+        live = self._live()
+        if live and live[-1].gpu is None:
+            self._start_fetch(live[-1])
+
+    def fetch(self, rec: _Boundary) -> torch.Tensor:
+        """The boundary on the GPU, ready for the compute stream; then prefetch the next one."""
+        if rec.gpu is None:
+            self._start_fetch(rec)
+        if rec.ready is not None:
+            torch.cuda.current_stream().wait_event(rec.ready)
+        h, rec.gpu = rec.gpu, None
+        self.pending = [ref for ref in self.pending if ref() is not None and ref() is not rec]
+        # the slot may be reused at once: a later copy into it is queued behind this one on the copy stream
+        self.prefetch_next()
+        return h
+
+
+# ---- recompute ----------------------------------------------------------------------------------
+class _ReadTracker(dict):
+    """``ctx.carry`` during a layer's first forward: a dict that notes which keys the layer read, so
+    only those entries are kept for its recompute (a DSA selection is large at 1M tokens)."""
+
+    def __init__(self, items: dict[str, Any]) -> None:
+        super().__init__(items)
+        self.read: set[str] = set()
+
+    def __getitem__(self, key: str) -> Any:
+        self.read.add(key)
+        return super().__getitem__(key)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        self.read.add(key)
+        return super().get(key, default)
+
+    def __contains__(self, key: object) -> bool:
+        self.read.add(key)  # type: ignore[arg-type]
+        return super().__contains__(key)
+
+    def setdefault(self, key: str, default: Any = None) -> Any:
+        self.read.add(key)
+        return super().setdefault(key, default)
+
+    def pop(self, key: str, *default: Any) -> Any:
+        self.read.add(key)
+        return super().pop(key, *default)
+
+    def __iter__(self):  # iterating (keys(), items(), values() too) reads everything
+        self.read.update(super().keys())
+        return super().__iter__()
+
+    def keys(self):
+        self.read.update(super().keys())
+        return super().keys()
+
+    def items(self):
+        self.read.update(super().keys())
+        return super().items()
+
+    def values(self):
+        self.read.update(super().keys())
+        return super().values()
+
+
+def _versions(carry: dict[str, Any]) -> dict[str, int]:
+    return {k: v._version for k, v in carry.items() if isinstance(v, torch.Tensor)}
+
+
+def _forward_tracking_carry(fwd: Any, h: torch.Tensor, seq_ctx: Any) -> tuple[torch.Tensor, dict | None]:
+    """Run the layer once; return its output and the carry entries it read, as they were before it ran."""
+    carry = getattr(seq_ctx, "carry", None)
+    if carry is None:
+        return fwd(h, seq_ctx), None
+    before = dict(carry)
+    tracker = _ReadTracker(carry)
+    seq_ctx.carry = tracker
+    try:
+        out = fwd(h, seq_ctx)
+    finally:
+        seq_ctx.carry = carry
+    carry.clear()  # the layer's writes (and deletions) reach the caller's dict
+    carry.update(dict.items(tracker))
+    return out, {k: before[k] for k in tracker.read if k in before}
+
+
+class _Recompute(torch.autograd.Function):
+    @staticmethod
+    def forward(actx, fwd, layer, seq_ctx, offloader, h, *params):
+        actx.fwd, actx.layer, actx.seq_ctx, actx.offloader = fwd, layer, seq_ctx, offloader
+        actx.rec = offloader.offload(h) if offloader is not None else None
+        # a boundary kept on the GPU is saved; an offloaded one lives in its host slot
+        actx.save_for_backward(*([] if actx.rec is not None else [h]))
+        with torch.no_grad():
+            out, actx.carry = _forward_tracking_carry(fwd, h, seq_ctx)
+        actx.carry_versions = _versions(actx.carry or {})
+        return out
+
+    @staticmethod
+    def backward(actx, grad_out):
+        if actx.rec is not None:
+            h = actx.offloader.fetch(actx.rec)
+            actx.rec = None  # frees the host slot
+        else:
+            (h,) = actx.saved_tensors
+            if actx.offloader is not None:
+                actx.offloader.prefetch_next()
+        need_h, need_p = actx.needs_input_grad[4], actx.needs_input_grad[5:]
+        params = list(actx.layer.parameters())
+        assert len(params) == len(need_p), "the layer's parameters changed between forward and backward"
+        h_in = h.detach().requires_grad_(need_h)
+        out = _rerun(actx, h_in)
+        wanted = [p for p, need in zip(params, need_p) if need]
+        inputs = ([h_in] if need_h else []) + wanted
+        grads = list(torch.autograd.grad(out, inputs, grad_out, allow_unused=True))
+        grad_h = grads.pop(0) if need_h else None
+        it = iter(grads)
+        grad_p = [next(it) if need else None for need in need_p]
+        return (None, None, None, None, grad_h, *grad_p)
+
+
+def _rerun(actx: Any, h_in: torch.Tensor) -> torch.Tensor:
+    """The layer's forward again, against the carry it read in forward; side state put back after."""
+    seq_ctx = actx.seq_ctx
+    snap = snapshot_side_state(actx.layer)
+    saved_carry = getattr(seq_ctx, "carry", None)
+    if actx.carry is not None:
+        for k, v in _versions(actx.carry).items():
+            assert v == actx.carry_versions[k], (
+                f"ctx.carry[{k!r}] was modified in place after the forward; recompute needs carry entries "
+                "to be replaced, not written"
+            )
+        seq_ctx.carry = dict(actx.carry)
+    try:
+        with torch.enable_grad():
+            out = actx.fwd(h_in, seq_ctx)
+    finally:
+        if actx.carry is not None:
+            seq_ctx.carry = saved_carry
+        restore_side_state(snap)
+    return out
+
+
+class _CheckpointedForward:
+    """The forward ``checkpoint_layers`` installs on a layer instance (state-dict names unchanged)."""
+
+    def __init__(self, layer: nn.Module, offloader: BoundaryOffloader | None) -> None:
+        self.prior = layer.__dict__.get("forward")
+        self.inner = self.prior or type(layer).forward.__get__(layer)
+        self.layer_ref = weakref.ref(layer)
+        self.offloader = offloader
+
+    def __call__(self, h: torch.Tensor, ctx: Any = None) -> torch.Tensor:
+        layer = self.layer_ref()
+        params = list(layer.parameters())
+        if not torch.is_grad_enabled() or not (h.requires_grad or any(p.requires_grad for p in params)):
+            return self.inner(h, ctx)
+        return _Recompute.apply(self.inner, layer, ctx, self.offloader, h, *params)
+
+
+def checkpoint_layers(layers: Any, offloader: BoundaryOffloader | None = None) -> BoundaryOffloader | None:
+    """Full recompute for every layer of ``layers`` (an iterable of ``layer(h, ctx)`` modules), with
+    boundaries offloaded by ``offloader`` (SCO) when given. Calling again replaces the settings."""
+    layers = list(layers)
+    if offloader is not None and offloader.max_slots is None:
+        offloader.max_slots = len(layers)
+    for layer in layers:
+        uncheckpoint_layer(layer)
+        layer.forward = _CheckpointedForward(layer, offloader)
+    return offloader
+
+
+def uncheckpoint_layer(layer: nn.Module) -> None:
+    current = layer.__dict__.get("forward")
+    if isinstance(current, _CheckpointedForward):
+        del layer.forward
+        if current.prior is not None:
+            layer.forward = current.prior
+
+
+# ---- memory formulas ----------------------------------------------------------------------------
+def boundary_bytes(tokens: int, hidden: int, hc_mult: int, dtype_bytes: int) -> int:
+    """One layer input: ``tokens x hc x H`` elements (4 x a hidden state for mHC)."""
+    return tokens * hc_mult * hidden * dtype_bytes
+
+
+@dataclass
+class SCOPlan:
+    num_offloaded: int  # layers whose boundary goes to host memory (the first ones)
+    slot_bytes: int  # one boundary, rounded up to SLOT_ALIGN
+    host_pinned_bytes: int  # the pool: num_offloaded x slot_bytes, exactly
+    gpu_boundary_bytes: int  # boundaries resident on the GPU at the peak of backward
+
+
+def sco_plan(num_layers: int, boundary: int, host_budget: int) -> SCOPlan:
+    """What SCO keeps where, given one boundary's bytes and the host budget.
+
+    GPU boundary bytes: the kept layers' boundaries plus at most two offloaded ones (the one in use and
+    the one prefetched); with no offload (``host_budget`` 0) this is plain recompute, ``L x boundary``.
+    """
+    slot = round_up(boundary)
+    k = min(num_layers, host_budget // slot) if slot else 0
+    gpu = (num_layers - k + min(k, 2)) * boundary
+    return SCOPlan(num_offloaded=k, slot_bytes=slot, host_pinned_bytes=k * slot, gpu_boundary_bytes=gpu)

@@ -1,0 +1,264 @@
+"""The vocabulary projection + cross-entropy, plain and chunked (never N x V logits at once).
+
+Shapes: N tokens, H hidden, V vocabulary, C tokens per chunk, Vc vocabulary entries per strip.
+
+``plain_linear_cross_entropy`` is the reference: ``logits_NV = hidden_NH @ weight_VH.T`` (upcast to
+fp32 for bf16/fp16, as Hugging Face's loss does) then ``F.cross_entropy``. Its peak grows as N x V.
+
+``chunked_linear_cross_entropy`` computes the same loss and the same gradients with a bounded working
+set: the forward walks token chunks (and, optionally, vocabulary strips) folding each ``C x Vc`` strip
+of logits into an online log-sum-exp state, and keeps only the per-token log-sum-exp; the backward
+recomputes each chunk's logits, forms ``softmax - onehot`` and accumulates ``grad_hidden`` and
+``grad_weight`` chunk by chunk (grad_weight in fp32 for low-precision inputs).
+
+The online log-sum-exp (``LSEState``, ``lse_init``, ``lse_update``, ``lse_finalize``) is the state
+Ring-DTP folds its vocabulary shards into: each rank's strip updates the running (max, sum-exp,
+target logit) and the loss is ``max + log(sum) - target``, exact.
+
+Reductions: ``mean`` divides by the number of non-ignored tokens (as ``torch.nn.functional.cross_entropy``),
+or by ``num_items`` when given (gradient accumulation over micro-batches and ranks); a batch whose
+tokens are all ignored gives 0, not NaN. ``none`` returns per-token losses (0 at ignored tokens).
+Losses are fp32 for bf16/fp16 inputs, else the input dtype.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+REDUCTIONS = ("mean", "sum", "none")
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Accumulation dtype: fp32 for half types, else the dtype itself (fp64 stays fp64)."""
+    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+
+
+# ---- online log-sum-exp ----------------------------------------------------------------------
+class LSEState(NamedTuple):
+    """Running log-sum-exp per token: ``m`` max so far, ``s`` sum of exp(x - m), ``t`` target logit."""
+
+    m: torch.Tensor  # [N]
+    s: torch.Tensor  # [N]
+    t: torch.Tensor  # [N] 0 until the strip holding the token's label has been seen
+
+
+def lse_init(N: int, device: torch.device | str, dtype: torch.dtype = torch.float32) -> LSEState:
+    """The empty state: max -inf, sum 0, target 0."""
+    return LSEState(
+        torch.full((N,), float("-inf"), device=device, dtype=dtype),
+        torch.zeros(N, device=device, dtype=dtype),
+        torch.zeros(N, device=device, dtype=dtype),
+    )
+
+
+def lse_update(state: LSEState, logits_strip: torch.Tensor, labels: torch.Tensor,
+               vocab_offset: int) -> LSEState:
+    """Fold one strip ``logits_strip [N, Vc]`` (vocabulary ids ``vocab_offset .. + Vc``) into ``state``.
+
+    Labels outside the strip (other strips, or ignore_index < 0) leave ``t`` unchanged.
+    """
+    x_NV = logits_strip
+    dtype = state.m.dtype
+    Vc = x_NV.shape[1]
+    local = labels - vocab_offset
+    in_strip = (local >= 0) & (local < Vc)
+    picked = x_NV.gather(1, local.clamp(0, Vc - 1)[:, None]).squeeze(1).to(dtype)
+    t_new = state.t + torch.where(in_strip, picked, torch.zeros_like(picked))
+    m_new = torch.maximum(state.m, x_NV.amax(dim=1).to(dtype))
+    # one strip-sized temporary in the state's dtype: x - m (type promotion upcasts a bf16 strip on the
+    # way, with no separate fp32 copy), then exp in place
+    e_NV = torch.sub(x_NV, m_new[:, None])
+    s_strip = e_NV.exp_().sum(dim=1)
+    # exp(-inf - finite) = 0 on the first strip, so the empty state needs no special case
+    s_new = state.s * torch.exp(state.m - m_new) + s_strip
+    return LSEState(m_new, s_new, t_new)
+
+
+def lse_logsumexp(state: LSEState) -> torch.Tensor:
+    """``log(sum(exp(logits)))`` per token: what the backward needs to form the softmax."""
+    return state.m + torch.log(state.s)
+
+
+def lse_finalize(state: LSEState) -> torch.Tensor:
+    """Per-token loss ``m + log s - t`` (callers mask ignored tokens)."""
+    return lse_logsumexp(state) - state.t
+
+
+# ---- reductions --------------------------------------------------------------------------------
+def _check(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, reduction: str) -> None:
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if hidden.dim() != 2 or weight.dim() != 2 or labels.dim() != 1:
+        raise ValueError(f"expected hidden [N,H], weight [V,H], labels [N]; got {tuple(hidden.shape)}, "
+                         f"{tuple(weight.shape)}, {tuple(labels.shape)} (flatten batch and sequence first)")
+    if hidden.shape[1] != weight.shape[1] or hidden.shape[0] != labels.shape[0]:
+        raise ValueError(f"shape mismatch: hidden {tuple(hidden.shape)}, weight {tuple(weight.shape)}, "
+                         f"labels {tuple(labels.shape)}")
+
+
+def _denominator(valid_N: torch.Tensor, num_items: int | float | torch.Tensor | None) -> torch.Tensor | float:
+    if num_items is not None:
+        return num_items
+    return valid_N.sum().clamp(min=1)
+
+
+def _reduce(loss_N: torch.Tensor, valid_N: torch.Tensor, reduction: str,
+            num_items: int | float | torch.Tensor | None) -> torch.Tensor:
+    if reduction == "none":
+        return loss_N
+    total = loss_N.sum()
+    return total if reduction == "sum" else total / _denominator(valid_N, num_items)
+
+
+# ---- plain reference ---------------------------------------------------------------------------
+def plain_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                               ignore_index: int = -100, reduction: str = "mean",
+                               num_items: int | float | torch.Tensor | None = None) -> torch.Tensor:
+    """Reference loss: full ``[N, V]`` logits, upcast to fp32 for half inputs, then cross-entropy."""
+    _check(hidden, weight, labels, reduction)
+    logits_NV = hidden @ weight.T
+    logits_NV = logits_NV.to(acc_dtype(logits_NV.dtype))
+    loss_N = F.cross_entropy(logits_NV, labels, ignore_index=ignore_index, reduction="none")
+    return _reduce(loss_N, labels != ignore_index, reduction, num_items)
+
+
+# ---- chunked autograd Function -----------------------------------------------------------------
+def _addmm_acc(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``acc += a @ b`` with ``acc`` in fp32 while ``a``, ``b`` may be bf16 (fp32 output on CUDA)."""
+    if acc.dtype == a.dtype:
+        acc.addmm_(a, b)
+    elif acc.is_cuda:
+        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+    else:
+        acc.add_((a @ b).to(acc.dtype))
+
+
+def _spans(total: int, step: int) -> list[tuple[int, int]]:
+    return [(a, min(a + step, total)) for a in range(0, total, step)]
+
+
+def _chunk_lse(h_CH: torch.Tensor, weight: torch.Tensor, labels_C: torch.Tensor,
+               vocab_spans: list[tuple[int, int]], dtype: torch.dtype) -> LSEState:
+    state = lse_init(h_CH.shape[0], h_CH.device, dtype)
+    for v0, v1 in vocab_spans:
+        state = lse_update(state, h_CH @ weight[v0:v1].T, labels_C, v0)
+    return state
+
+
+class _ChunkedLinearCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, chunk_tokens, vocab_chunk, ignore_index):
+        N, V = hidden.shape[0], weight.shape[0]
+        dtype = acc_dtype(hidden.dtype)
+        vocab_spans = _spans(V, vocab_chunk or V)
+        lse_N = torch.empty(N, device=hidden.device, dtype=dtype)
+        loss_N = torch.empty(N, device=hidden.device, dtype=dtype)
+        valid_N = labels != ignore_index
+        for a, b in _spans(N, chunk_tokens):
+            state = _chunk_lse(hidden[a:b], weight, labels[a:b], vocab_spans, dtype)
+            lse_N[a:b] = lse_logsumexp(state)
+            loss_N[a:b] = lse_N[a:b] - state.t
+        loss_N = torch.where(valid_N, loss_N, torch.zeros_like(loss_N))
+        ctx.save_for_backward(hidden, weight, labels, lse_N)
+        ctx.spans = (chunk_tokens, vocab_spans, ignore_index)
+        ctx.mark_non_differentiable(valid_N)
+        return loss_N, valid_N
+
+    @staticmethod
+    def backward(ctx, grad_loss_N, _grad_valid):
+        hidden, weight, labels, lse_N = ctx.saved_tensors
+        chunk_tokens, vocab_spans, ignore_index = ctx.spans
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        dtype = lse_N.dtype
+        # ignored tokens get no gradient; grad_loss_N carries the reduction's 1/denominator
+        g_N = torch.where(labels != ignore_index, grad_loss_N.to(dtype), torch.zeros_like(lse_N))
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w32 = torch.zeros(weight.shape, device=weight.device, dtype=dtype) if need_w else None
+        for a, b in _spans(hidden.shape[0], chunk_tokens):
+            h_CH = hidden[a:b]
+            gh_CH = torch.zeros(h_CH.shape, device=h_CH.device, dtype=dtype) if need_h else None
+            rows = torch.arange(b - a, device=h_CH.device)
+            for v0, v1 in vocab_spans:
+                # softmax - onehot, scaled per token: one fp32 strip (from the recomputed bf16 logits by
+                # type promotion) and the input-dtype result written straight from it
+                p_CV = torch.sub(h_CH @ weight[v0:v1].T, lse_N[a:b, None]).exp_()
+                local = labels[a:b] - v0
+                hit = (local >= 0) & (local < v1 - v0)
+                p_CV[rows[hit], local[hit]] -= 1
+                if p_CV.dtype == hidden.dtype:
+                    d_CV = p_CV.mul_(g_N[a:b, None])
+                else:
+                    d_CV = torch.mul(p_CV, g_N[a:b, None], out=torch.empty_like(p_CV, dtype=hidden.dtype))
+                del p_CV
+                if need_h:
+                    _addmm_acc(gh_CH, d_CV, weight[v0:v1])
+                if need_w:
+                    _addmm_acc(grad_w32[v0:v1], d_CV.T, h_CH)
+            if need_h:
+                grad_h[a:b] = gh_CH
+        grad_w = grad_w32.to(weight.dtype) if need_w else None
+        return grad_h, grad_w, None, None, None, None
+
+
+def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                                 chunk_tokens: int, vocab_chunk: int | None = None, ignore_index: int = -100,
+                                 reduction: str = "mean",
+                                 num_items: int | float | torch.Tensor | None = None) -> torch.Tensor:
+    """Exact ``plain_linear_cross_entropy`` holding at most ``chunk_tokens x vocab_chunk`` logits.
+
+    ``hidden [N,H]``, ``weight [V,H]``, ``labels [N]``; ``vocab_chunk=None`` means whole-vocabulary strips.
+    """
+    _check(hidden, weight, labels, reduction)
+    if chunk_tokens < 1:
+        raise ValueError(f"memory.loss_chunk_tokens must be >= 1, got {chunk_tokens}")
+    if vocab_chunk is not None and vocab_chunk < 1:
+        raise ValueError(f"vocab_chunk must be >= 1 or None, got {vocab_chunk}")
+    loss_N, valid_N = _ChunkedLinearCE.apply(hidden, weight, labels, int(chunk_tokens), vocab_chunk,
+                                             ignore_index)
+    return _reduce(loss_N, valid_N, reduction, num_items)
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                         chunk_tokens: int | None = None, vocab_chunk: int | None = None,
+                         ignore_index: int = -100, reduction: str = "mean",
+                         num_items: int | float | torch.Tensor | None = None) -> torch.Tensor:
+    """The trainer's entry point: chunked when ``chunk_tokens`` is set (``MemoryPlan.loss_chunk_tokens``),
+    plain otherwise. Leading dimensions of ``hidden [..., H]`` and ``labels [...]`` are flattened."""
+    h_NH, labels_N = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
+    if chunk_tokens:
+        out = chunked_linear_cross_entropy(h_NH, weight, labels_N, chunk_tokens, vocab_chunk, ignore_index,
+                                           reduction, num_items)
+    else:
+        out = plain_linear_cross_entropy(h_NH, weight, labels_N, ignore_index, reduction, num_items)
+    return out.reshape(labels.shape) if reduction == "none" else out
+
+
+# ---- memory formulas ---------------------------------------------------------------------------
+def vocab_loss_bytes(N: int, H: int, V: int, chunk_tokens: int, dtype_bytes: int,
+                     vocab_chunk: int | None = None) -> dict[str, int]:
+    """Peak working bytes of the loss's forward + backward, beyond its inputs (hidden, weight, labels).
+
+    ``d`` = dtype_bytes, ``a`` = accumulation bytes (4 for half inputs, else d), ``C x Vc`` one strip.
+
+    plain:   the logits and what cross-entropy keeps and makes of them: ``N*V*(2a + 2d)`` for half
+             inputs (logits, their fp32 copy, the log-softmax, its gradient; 12 bytes per logit measured
+             on an H200 in bf16), ``N*V*3a`` otherwise. Its peak comes before the input gradients exist.
+    chunked: the input gradient ``N*H*d``, the per-token lse and loss ``2*N*a``, and in backward one
+             strip ``C*Vc*(d + a)`` (recomputed logits, then the fp32 softmax and the input-dtype result)
+             with the chunk's fp32 input-gradient accumulator ``C*H*a``; for half inputs the fp32 weight
+             gradient ``V*H*4`` is held throughout and cast to ``V*H*d`` at the end (after the strips),
+             otherwise the weight gradient ``V*H*d`` is the accumulator itself. Independent of N but for
+             the two per-token terms.
+    """
+    d = dtype_bytes
+    half = d < 4
+    a = 4 if half else d
+    C, Vc = min(chunk_tokens, N), min(vocab_chunk or V, V)
+    plain = N * V * (2 * a + 2 * d) if half else N * V * 3 * a
+    strip = C * Vc * (d + a) + C * H * a
+    per_token = 2 * N * a + N * H * d
+    chunked = per_token + (V * H * 4 + max(strip, V * H * d) if half else V * H * d + strip)
+    return {"plain": plain, "chunked": chunked}

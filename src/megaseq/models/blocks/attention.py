@@ -1,0 +1,187 @@
+"""Softmax attention with GQA, RoPE, per-head q/k RMSNorm and document masking (Qwen3-MoE).
+
+Shapes: B batch, S_loc tokens on this rank, S full sequence, H hidden, Hq query heads, Hkv key/value
+heads, D head dim, L one document's length. ``x_BSH`` is this rank's shard of the sequence.
+
+Flow (Ulysses context parallelism through the ``SeqContext`` hooks; identities with one rank):
+
+    x_BSH --q/k/v_proj, q/k_norm, RoPE at this shard's positions--> q [B,S_loc,Hq,D], k/v [B,S_loc,Hkv,D]
+          --ctx.seq_to_heads--> [B,S,Hq/cp,D], [B,S,Hkv'/cp,D]   (all of the sequence, this rank's heads)
+          --op "attention": causal within each document--> o [B,S,Hq/cp,D]
+          --ctx.heads_to_seq, o_proj--> [B,S_loc,H]
+
+RoPE is applied before ``seq_to_heads``: a rotation depends only on the token's own position, so
+rotating locally with the shard's ``position_ids`` (which restart at each document start) is exact.
+
+KV heads and cp: after ``seq_to_heads`` rank r holds query heads ``[r*Hq/cp, (r+1)*Hq/cp)`` and KV
+heads ``[r*Hkv/cp, ...)``; the GQA grouping (query head i reads KV head ``i // (Hq/Hkv)``) survives
+the split only when cp divides Hkv. Otherwise each KV head is repeated ``rep`` times first (the
+smallest ``rep`` with cp | Hkv*rep and rep | Hq/Hkv; at worst up to Hq heads), which keeps the grouping
+exact at the cost of ``rep`` x the KV all-to-all volume.
+
+Numerics follow HF's eager path op for op so float64 parity holds to ~1e-13: cos/sin in float32
+(``inv_freq`` and ``position * inv_freq`` in float32, then cast), scores ``(q @ k^T) * D^-0.5``,
+softmax in float32 then cast back (in float64 too, as HF does). The reference op attends each
+document on its own (its softmax rows have the document's length), so a packed batch gives the
+same numbers as running each document alone.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megaseq.models.blocks.norm import RMSNorm
+from megaseq.models.context import SeqContext, doc_spans, positions_from_doc_ids
+from megaseq.models.spec import ModelSpec
+from megaseq.ops import dispatch
+
+# score elements one block of queries may hold in the reference (x Hq): bounds its memory at long S
+REFERENCE_BLOCK_ELEMS = 1 << 22
+
+
+# ---- op "attention": o_BSHD = causal, document-masked softmax(q k^T * scale) v ------------------
+def _doc_attention(q_HLD: torch.Tensor, k_KLD: torch.Tensor, v_KLD: torch.Tensor,
+                   scale: float) -> torch.Tensor:
+    """Causal attention within one document, blocked over queries; rows keep the document's length."""
+    Hq, L, D = q_HLD.shape
+    Hkv = k_KLD.shape[0]
+    q_KGLD = q_HLD.view(Hkv, Hq // Hkv, L, D)
+    block = max(1, min(L, REFERENCE_BLOCK_ELEMS // max(Hq * L, 1)))
+    key_pos = torch.arange(L, device=q_HLD.device)
+    out = []
+    for s0 in range(0, L, block):
+        s1 = min(L, s0 + block)
+        scores_KGbL = torch.matmul(q_KGLD[:, :, s0:s1], k_KLD.transpose(-1, -2).unsqueeze(1)) * scale
+        future_bL = key_pos[None, :] > torch.arange(s0, s1, device=q_HLD.device)[:, None]
+        scores_KGbL = scores_KGbL.masked_fill(future_bL, float("-inf"))
+        probs = F.softmax(scores_KGbL, dim=-1, dtype=torch.float32).to(q_HLD.dtype)
+        out.append(torch.matmul(probs, v_KLD.unsqueeze(1)))
+    return torch.cat(out, dim=2).reshape(Hq, L, -1)
+
+
+@dispatch.register("attention", "torch_reference", reference=True)
+def attention_reference(q_BSHD: torch.Tensor, k_BSKD: torch.Tensor, v_BSKD: torch.Tensor,
+                        doc_ids_BS: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """Explicit masked softmax per (batch row, document); memory ``Hq * block * L`` per step."""
+    B, S = q_BSHD.shape[:2]
+    spans = doc_spans(doc_ids_BS, S) if doc_ids_BS is not None else [[(0, S)]] * B
+    q, k, v = (t.transpose(1, 2) for t in (q_BSHD, k_BSKD, v_BSKD))  # [B, heads, S, D]
+    rows = []
+    for b in range(B):
+        docs = [_doc_attention(q[b, :, s0:s1], k[b, :, s0:s1], v[b, :, s0:s1], scale) for s0, s1 in spans[b]]
+        rows.append(torch.cat(docs, dim=1))
+    return torch.stack(rows).transpose(1, 2)
+
+
+def _sdpa_supports(q_BSHD: torch.Tensor, k_BSKD: torch.Tensor, v_BSKD: torch.Tensor,
+                   doc_ids_BS: torch.Tensor | None, scale: float) -> str | None:
+    if q_BSHD.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return f"dtype {q_BSHD.dtype} (float64 runs the reference, HF's eager numerics)"
+    if q_BSHD.shape[-1] != v_BSKD.shape[-1]:
+        return "q/k and v head dims differ"
+    return None
+
+
+@dispatch.register("attention", "sdpa", supports=_sdpa_supports)
+def attention_sdpa(q_BSHD: torch.Tensor, k_BSKD: torch.Tensor, v_BSKD: torch.Tensor,
+                   doc_ids_BS: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """torch SDPA (flash / cuDNN / efficient on GPU), one causal call per document: no S x S mask."""
+    B, S = q_BSHD.shape[:2]
+    q, k, v = (t.transpose(1, 2) for t in (q_BSHD, k_BSKD, v_BSKD))
+    if doc_ids_BS is None:
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        return o.transpose(1, 2)
+    rows = []
+    for b, spans in enumerate(doc_spans(doc_ids_BS, S)):
+        qb, kb, vb = q[b:b + 1], k[b:b + 1], v[b:b + 1]
+        docs = [F.scaled_dot_product_attention(qb[:, :, s0:s1], kb[:, :, s0:s1], vb[:, :, s0:s1],
+                                               is_causal=True, scale=scale, enable_gqa=True)
+                for s0, s1 in spans]
+        rows.append(torch.cat(docs, dim=2))
+    return torch.cat(rows).transpose(1, 2)
+
+
+# ---- RoPE ---------------------------------------------------------------------------------------
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rope_cos_sin(position_ids_BS: torch.Tensor, head_dim: int, theta: float,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos, sin [B, S, D]`` computed in float32 as HF's default RoPE, then cast to ``dtype``.
+
+    Computed on the fly (D/2 frequencies) rather than kept as a buffer, so a model-wide ``.to(dtype)``
+    cannot round the frequencies.
+    """
+    dev = position_ids_BS.device
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=dev) / head_dim))
+    freqs = position_ids_BS[..., None].float() * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def positions_for(ctx: SeqContext, B: int, S_loc: int, device: torch.device) -> torch.Tensor:
+    """This shard's position ids: ``ctx.position_ids``, else derived from the documents, else 0..S-1."""
+    if ctx.position_ids is not None:
+        return ctx.position_ids
+    offset = ctx.seq_offset()
+    full = ctx.full_doc_ids()
+    if full is not None:
+        return positions_from_doc_ids(full)[:, offset:offset + S_loc]
+    return (torch.arange(S_loc, device=device) + offset).expand(B, S_loc)
+
+
+def kv_repeats(num_heads: int, num_kv_heads: int, cp_size: int) -> int:
+    """Smallest KV repeat that lets ``cp`` split the KV heads along the GQA groups (see module doc)."""
+    if num_heads % cp_size:
+        raise ValueError(f"context parallel size {cp_size} must divide num_attention_heads ({num_heads}); "
+                         "choose parallel.cp among the divisors of the head count")
+    group = num_heads // num_kv_heads
+    for rep in range(1, group + 1):
+        if group % rep == 0 and (num_kv_heads * rep) % cp_size == 0:
+            return rep
+    return group  # unreachable: rep = group gives Hq heads, divisible by cp
+
+
+# ---- module -------------------------------------------------------------------------------------
+class Attention(nn.Module):
+    """GQA softmax attention with RoPE; HF names q_proj, k_proj, v_proj, o_proj, q_norm, k_norm."""
+
+    def __init__(self, spec: ModelSpec, layer: str = "self_attn") -> None:
+        super().__init__()
+        H, D = spec.hidden_size, spec.head_dim or spec.hidden_size // spec.num_attention_heads
+        Hq, Hkv = spec.num_attention_heads, spec.num_key_value_heads
+        if Hkv < 1 or Hq % Hkv:
+            raise ValueError(f"num_key_value_heads ({Hkv}) must divide num_attention_heads ({Hq})")
+        self.num_heads, self.num_kv_heads, self.head_dim = Hq, Hkv, D
+        self.rope_theta, self.scale, self.layer = spec.rope_theta, D**-0.5, layer
+        bias = spec.attention_bias
+        self.q_proj = nn.Linear(H, Hq * D, bias=bias)
+        self.k_proj = nn.Linear(H, Hkv * D, bias=bias)
+        self.v_proj = nn.Linear(H, Hkv * D, bias=bias)
+        self.o_proj = nn.Linear(Hq * D, H, bias=bias)
+        self.q_norm = RMSNorm(D, spec.rms_norm_eps) if spec.qk_norm else None
+        self.k_norm = RMSNorm(D, spec.rms_norm_eps) if spec.qk_norm else None
+
+    def forward(self, x_BSH: torch.Tensor, ctx: SeqContext) -> torch.Tensor:
+        B, S_loc, _ = x_BSH.shape
+        q = self.q_proj(x_BSH).view(B, S_loc, self.num_heads, self.head_dim)
+        k = self.k_proj(x_BSH).view(B, S_loc, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x_BSH).view(B, S_loc, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        positions_BS = positions_for(ctx, B, S_loc, x_BSH.device)
+        cos, sin = rope_cos_sin(positions_BS, self.head_dim, self.rope_theta, q.dtype)
+        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        rep = kv_repeats(self.num_heads, self.num_kv_heads, ctx.cp_size) if ctx.cp_size > 1 else 1
+        if rep > 1:  # copies; KV head j becomes heads j*rep .. j*rep+rep-1, so the GQA grouping holds
+            k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+        q, k, v = ctx.seq_to_heads(q), ctx.seq_to_heads(k), ctx.seq_to_heads(v)
+        o = dispatch.call("attention", q, k, v, ctx.full_doc_ids(), self.scale, layer=self.layer)
+        o = ctx.heads_to_seq(o)
+        return self.o_proj(o.reshape(B, S_loc, self.num_heads * self.head_dim))

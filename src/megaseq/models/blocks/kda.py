@@ -1,0 +1,245 @@
+"""Kimi Delta Attention (KDA): GLM-5.3-Flash's linear-attention layer.
+
+Shapes: B batch, S_loc tokens on this rank, S full sequence, Hh heads (Hl of them on this rank after
+``seq_to_heads``), D head dim, C = 3 * Hh * D conv channels ordered ``[q heads | k heads | v heads]``,
+K conv kernel size.
+
+    x_BSH --q/k/v_proj--> [B, S_loc, Hh, D] --seq_to_heads--> [B, S, Hl, D]
+          --causal depthwise conv + SiLU (this rank's channels)--> q, k, v
+          --forget gate g (log decay per channel), beta = sigmoid(b_proj x)-->
+          --chunked delta rule (q, k l2-normed inside the op)--> o [B, S, Hl, D]
+          --heads_to_seq--> [B, S_loc, Hh, D] --gated RMSNorm (g_a/g_b) + o_proj--> [B, S_loc, H]
+
+Context parallelism (Ulysses): the conv and the recurrence are per channel / per head, so after
+``seq_to_heads`` each rank runs them over the whole sequence for its heads; with the identity context
+this is the plain computation. Document boundaries (``ctx.full_doc_ids()``) restart the conv and the
+recurrence: both ops take fla-style ``cu_seqlens`` over the batch flattened to one row.
+
+Ops (``megaseq.ops.dispatch``): ``causal_conv`` and ``kda``, each with a pure-torch reference here;
+the ``kda`` reference is HF's ``chunk_kimi_delta_attention`` (its row-by-row substitution loop done
+as one triangular solve). Its working set is O(S * chunk * Dk) per head: a reference for tests and
+short CPU runs, not for long sequences. Precision: where HF casts to float32 we compute in
+``promote_types(dtype, float32)`` (float64 stays float64).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megaseq.models.blocks.mhc import compute_dtype
+from megaseq.models.context import SeqContext, doc_spans
+from megaseq.models.spec import ModelSpec
+from megaseq.ops import dispatch
+
+
+def _segments(S: int, cu_seqlens: torch.Tensor | None) -> list[tuple[int, int]]:
+    if cu_seqlens is None:
+        return [(0, S)]
+    bounds = cu_seqlens.tolist()
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+# ---- op causal_conv: depthwise causal conv + activation, restarting at each segment ----------------
+@dispatch.register("causal_conv", "torch_conv1d", reference=True)
+def causal_conv_reference(x_BSC: torch.Tensor, weight_CK: torch.Tensor, activation: str | None = "silu",
+                          cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+    """``out[t, c] = act(sum_j w[c, j] * x[t - K + 1 + j, c])`` with zeros before each segment start.
+
+    With ``cu_seqlens`` (``[N + 1]`` offsets) the batch must be 1 and each segment is convolved alone.
+    """
+    assert cu_seqlens is None or x_BSC.shape[0] == 1, "cu_seqlens needs the batch flattened to one row"
+    C, K = weight_CK.shape
+    outs = []
+    for start, end in _segments(x_BSC.shape[1], cu_seqlens):
+        seg = x_BSC[:, start:end].transpose(1, 2).to(weight_CK.dtype)
+        y = F.conv1d(seg, weight_CK.unsqueeze(1), padding=K - 1, groups=C)[..., : end - start]
+        if activation == "silu":
+            y = F.silu(y)
+        else:
+            assert activation is None, f"unsupported conv activation {activation!r}"
+        outs.append(y.transpose(1, 2).to(x_BSC.dtype))
+    return torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
+
+
+# ---- op kda: the chunked delta rule -----------------------------------------------------------------
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """fla's l2norm: ``x / sqrt(sum x^2 + eps)`` (eps added, not clamped)."""
+    return x / torch.sqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def _kda_chunked(q, k, v, g, beta, chunk_size: int) -> torch.Tensor:
+    """One segment, zero initial state; inputs ``[B, H, L, D]`` (beta ``[B, H, L]``) in compute dtype.
+
+    A port of HF ``chunk_kimi_delta_attention``: within a chunk the delta rule's unit lower-triangular
+    system is solved at once, across chunks the state ``[B, H, Dk, Dv]`` is carried.
+    """
+    B, Hn, L, Dk = k.shape
+    Dv = v.shape[-1]
+    C = chunk_size
+    pad = (C - L % C) % C
+    q = F.pad(q, (0, 0, 0, pad)) * (1 / math.sqrt(Dk))
+    k, v, g = (F.pad(t, (0, 0, 0, pad)) for t in (k, v, g))
+    beta = F.pad(beta, (0, pad))
+    v_beta, k_beta = v * beta.unsqueeze(-1), k * beta.unsqueeze(-1)
+    q, k, v, g, k_beta, v_beta = (t.reshape(B, Hn, -1, C, t.shape[-1]) for t in (q, k, v, g, k_beta, v_beta))
+    g = g.cumsum(dim=-2)
+    dev = q.device
+    incl = torch.triu(torch.ones(C, C, dtype=torch.bool, device=dev), diagonal=0)
+    strict = torch.triu(torch.ones(C, C, dtype=torch.bool, device=dev), diagonal=1)
+    decay = (g.unsqueeze(-2) - g.unsqueeze(-3)).masked_fill(strict[..., None], float("-inf"))
+    decay = decay.exp().to(q.dtype)
+    # N: the strictly lower intra-chunk interactions; HF's row-by-row substitution loop computes
+    # (I - N)^{-1}, here one batched unit-triangular solve (same result, one op instead of C - 1)
+    N = (k_beta.unsqueeze(-2) * k.unsqueeze(-3) * decay).sum(dim=-1).masked_fill(incl, 0)
+    eye = torch.eye(C, dtype=N.dtype, device=dev)
+    attn = torch.linalg.solve_triangular(eye + N, eye.expand_as(N), upper=False, unitriangular=True)
+    u = attn @ v_beta
+    w = attn @ (k_beta * g.exp())
+    state = torch.zeros(B, Hn, Dk, Dv, dtype=u.dtype, device=dev)
+    out = torch.zeros_like(u)
+    for i in range(u.shape[2]):
+        q_i, k_i, g_i = q[:, :, i], k[:, :, i], g[:, :, i]
+        inter = (q_i * g_i.exp()) @ state
+        intra = (q_i.unsqueeze(-2) * k_i.unsqueeze(-3) * decay[:, :, i]).sum(dim=-1).masked_fill(strict, 0)
+        v_new = u[:, :, i] - w[:, :, i] @ state
+        out[:, :, i] = inter + intra @ v_new
+        k_decayed = (k_i * (g_i[:, :, -1:] - g_i).exp()).transpose(-1, -2)
+        state = state * g_i[:, :, -1].exp().unsqueeze(-1) + k_decayed @ v_new
+    return out.reshape(B, Hn, -1, Dv)[:, :, :L]
+
+
+@dispatch.register("kda", "torch_chunked", reference=True)
+def kda_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                  cu_seqlens: torch.Tensor | None = None, chunk_size: int = 64) -> torch.Tensor:
+    """KDA over ``[B, S, H, D]`` inputs (``g`` log-decay ``[B, S, H, Dk]``, ``beta [B, S, H]``).
+
+    q and k are l2-normalised here (HF's ``use_qk_l2norm_in_kernel=True``). The state starts at zero
+    at every segment of ``cu_seqlens`` (batch 1) or at every row. Returns ``[B, S, H, Dv]`` in q's dtype.
+    """
+    assert cu_seqlens is None or q.shape[0] == 1, "cu_seqlens needs the batch flattened to one row"
+    cd = compute_dtype(q.dtype)
+    outs = []
+    for start, end in _segments(q.shape[1], cu_seqlens):
+        qs, ks, vs, bs, gs = (t[:, start:end].transpose(1, 2).contiguous().to(cd) for t in (q, k, v, beta, g))
+        outs.append(_kda_chunked(l2norm(qs), l2norm(ks), vs, gs, bs, chunk_size).transpose(1, 2))
+    out = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
+    return out.contiguous().to(q.dtype)
+
+
+# ---- modules ------------------------------------------------------------------------------------------
+class ForgetGate(nn.Module):
+    """Per-channel log decay ``g [B, S, Hh, D]`` (compute dtype); HF name ``forget_gate``."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        Hh, D = spec.linear_num_heads, spec.linear_head_dim
+        self.num_heads, self.head_dim = Hh, D
+        self.f_a_proj = nn.Linear(spec.hidden_size, D, bias=False)
+        self.f_b_proj = nn.Linear(D, Hh * D, bias=False)
+        self.dt_bias = nn.Parameter(torch.zeros(Hh * D, dtype=torch.float32))
+        self.A_log = nn.Parameter(torch.zeros(Hh, dtype=torch.float32))
+        self.lower_bound = spec.linear_lower_bound
+
+    def forward(self, x_BSH: torch.Tensor) -> torch.Tensor:
+        cd = compute_dtype(x_BSH.dtype)
+        B, S = x_BSH.shape[:2]
+        f = self.f_b_proj(self.f_a_proj(x_BSH))
+        g = (f.to(cd) + self.dt_bias.to(cd).view(1, 1, -1)).view(B, S, self.num_heads, self.head_dim)
+        decay_rate = torch.exp(self.A_log.to(cd).view(1, 1, self.num_heads, 1))
+        if self.lower_bound is not None:  # "safe gate": g in (lower_bound, 0)
+            return self.lower_bound * torch.sigmoid(decay_rate * g)
+        return -decay_rate * torch.where(g > 20.0, g, torch.log(1.0 + torch.exp(g)))
+
+
+class GatedRMSNorm(nn.Module):
+    """``weight * rmsnorm(x) * sigmoid(gate)`` over the head dim; HF name ``o_norm``."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        cd = compute_dtype(x.dtype)
+        h = x.to(cd)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        h = self.weight.to(cd) * h * torch.sigmoid(gate.to(cd))
+        return h.to(x.dtype)
+
+
+def cu_seqlens_from_doc_ids(doc_ids_BS: torch.Tensor) -> torch.Tensor:
+    """Segment offsets ``[N + 1]`` of the documents of all rows, the batch flattened to one row."""
+    B, S = doc_ids_BS.shape
+    bounds = [0]
+    for b, spans in enumerate(doc_spans(doc_ids_BS, S)):
+        bounds.extend(b * S + end for _, end in spans)
+    return torch.tensor(bounds, dtype=torch.int64, device=doc_ids_BS.device)
+
+
+class KimiDeltaAttention(nn.Module):
+    """The KDA token mixer; parameter names mirror ``Glm5NextTextLinearAttention``."""
+
+    def __init__(self, spec: ModelSpec, layer: str = "kda") -> None:
+        super().__init__()
+        H, Hh, D = spec.hidden_size, spec.linear_num_heads, spec.linear_head_dim
+        self.num_heads, self.head_dim, self.layer = Hh, D, layer
+        self.q_proj = nn.Linear(H, Hh * D, bias=False)
+        self.k_proj = nn.Linear(H, Hh * D, bias=False)
+        self.v_proj = nn.Linear(H, Hh * D, bias=False)
+        C, K = 3 * Hh * D, spec.linear_conv_kernel
+        # nn.Conv1d only to keep HF's parameter name and layout ``conv1d.weight [C, 1, K]``
+        self.conv1d = nn.Conv1d(C, C, kernel_size=K, groups=C, padding=K - 1, bias=False)
+        self.forget_gate = ForgetGate(spec)
+        self.b_proj = nn.Linear(H, Hh, bias=False)
+        self.g_a_proj = nn.Linear(H, D, bias=False)
+        self.g_b_proj = nn.Linear(D, Hh * D, bias=False)
+        self.o_norm = GatedRMSNorm(D, spec.rms_norm_eps)
+        self.o_proj = nn.Linear(Hh * D, H, bias=False)
+
+    def _conv_weight(self, heads: slice) -> torch.Tensor:
+        """This rank's conv channels ``[3 * Hl * D, K]`` (q, k and v blocks each sliced by head)."""
+        w = self.conv1d.weight.squeeze(1)
+        w = w.view(3, self.num_heads, self.head_dim, -1)[:, heads]
+        return w.reshape(-1, w.shape[-1])
+
+    def forward(self, x_BSH: torch.Tensor, ctx: SeqContext) -> torch.Tensor:
+        B, S_loc, _ = x_BSH.shape
+        Hh, D = self.num_heads, self.head_dim
+        if Hh % ctx.cp_size:
+            raise ValueError(f"KDA has {Hh} heads, which context parallelism cp={ctx.cp_size} does not "
+                             "divide: choose a cp that divides linear_num_heads")
+        q, k, v = (p(x_BSH).view(B, S_loc, Hh, D) for p in (self.q_proj, self.k_proj, self.v_proj))
+        g = self.forget_gate(x_BSH)
+        beta = torch.sigmoid(self.b_proj(x_BSH)).unsqueeze(-1)
+        # Ulysses: all of the sequence, this rank's heads (identity with one rank)
+        q, k, v, g, beta = (ctx.seq_to_heads(t) for t in (q, k, v, g, beta))
+        S, Hl = q.shape[1], q.shape[2]
+        doc_ids = ctx.full_doc_ids()
+        cu = None if doc_ids is None else cu_seqlens_from_doc_ids(doc_ids)
+        rows = 1 if cu is not None else B
+        mixed = torch.cat([t.reshape(rows, -1, Hl * D) for t in (q, k, v)], dim=-1)
+        mixed = dispatch.call("causal_conv", mixed, self._conv_weight(ctx.head_slice(Hh)), "silu", cu,
+                              layer=self.layer)
+        q, k, v = (t.reshape(rows, -1, Hl, D) for t in mixed.split(Hl * D, dim=-1))
+        o = dispatch.call("kda", q, k, v, g.reshape(rows, -1, Hl, D), beta.reshape(rows, -1, Hl), cu,
+                          layer=self.layer)
+        o = ctx.heads_to_seq(o.reshape(B, S, Hl, D))
+        gate = self.g_b_proj(self.g_a_proj(x_BSH)).view(B, S_loc, Hh, D)
+        return self.o_proj(self.o_norm(o, gate).reshape(B, S_loc, Hh * D))
+
+
+def init_kda_(module: KimiDeltaAttention) -> None:
+    """HF ``_init_weights`` for the forget gate (FLA's init; global RNG): A_log 0 with a lower bound
+    (else log U(1, 16)), dt_bias = inverse softplus of dt ~ exp(U(log 1e-3, log 1e-1))."""
+    fg = module.forget_gate
+    with torch.no_grad():
+        if fg.lower_bound is not None:
+            fg.A_log.zero_()
+        else:
+            fg.A_log.copy_(torch.empty_like(fg.A_log).uniform_(1.0, 16.0).log())
+        dt = torch.empty_like(fg.dt_bias).uniform_(math.log(1e-3), math.log(1e-1)).exp().clamp_min(1e-4)
+        fg.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))

@@ -1,0 +1,208 @@
+"""MLA attention (NoPE) with DeepSeek sparse attention and GLM's pooled lightning indexer.
+
+Shapes: B batch, Q = S_loc queries on this rank, S the full sequence (keys), Hh attention heads,
+R kv_lora_rank, Dr qk_rope_head_dim (0 in GLM-5.3-Flash), Dn qk_nope_head_dim, Dv v_head_dim,
+I indexer heads, Di indexer head dim, kp = index_kpool, P complete pools, K = index_topk // kp,
+W = K * kp + kp - 1 selected key slots per query (-1 = empty).
+
+    x --q_a_proj, q_a_layernorm--> q_resid --q_b_proj--> q [B, Hh, Q, Dn+Dr]        (local)
+    x --kv_a_proj_with_mqa--> (kv_a_layernorm(kv), k_rot) --gather_seq--> latent [B, S, R+Dr]
+      --kv_b_proj--> k [B, Hh, S, Dn+Dr] (k_rot shared by all heads, unrotated: NoPE), v [B, Hh, S, Dv]
+    indexer (no grad): top-K pools of kp keys per query + the query's own incomplete pool -> idx [B, Q, W]
+    softmax attention over the selected keys only -> o_proj
+
+Indexer (``Glm5NextTextIndexer``): keys ``k_norm(wk x)`` are pooled in groups of ``kp`` consecutive
+tokens from each document's first token, weighted per channel by ``softmax(gate x + ape)``; only
+complete pools are candidates, and a pool is selectable by a query only when its last token is
+visible. The incomplete tail pool (the ``pos % kp`` most recent tokens) is always appended. A
+``shared`` layer reuses the previous full layer's selection (``ctx.carry["topk"]``). The indexer runs
+under ``no_grad`` like the reference, so its parameters get no gradient from the LM loss.
+
+Context parallelism (gather-KV): queries stay local at global positions ``ctx.seq_offset() + i``;
+latents and indexer keys of the whole sequence are gathered. Documents: a query only selects keys
+of its own document, and pools never straddle documents, which equals running each document alone.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from megaseq.memory import indexer_scoring
+from megaseq.models.blocks.mhc import compute_dtype
+from megaseq.models.blocks.norm import RMSNorm
+from megaseq.models.context import SeqContext, positions_from_doc_ids
+from megaseq.models.spec import ModelSpec
+from megaseq.ops import dispatch
+
+# score elements per query block of the reference sparse attention (bounds its working set)
+ATTENTION_BLOCK_ELEMS: int = 1 << 26
+
+
+# ---- op sparse_attention -----------------------------------------------------------------------------
+def _attend_block(q_BHqD: torch.Tensor, k_BHKD: torch.Tensor, v_BHKD: torch.Tensor, idx_BqW: torch.Tensor,
+                  scale: float) -> torch.Tensor:
+    Sk = k_BHKD.shape[2]
+    ok = (idx_BqW >= 0) & (idx_BqW < Sk)
+    slot = torch.where(ok, idx_BqW.long(), Sk)  # empty slots land in a dropped extra column
+    mask = torch.zeros(*idx_BqW.shape[:2], Sk + 1, dtype=torch.bool, device=idx_BqW.device)
+    mask.scatter_(-1, slot, True)
+    mask = mask[..., :Sk].unsqueeze(1)
+    scores = torch.matmul(q_BHqD, k_BHKD.transpose(2, 3)) * scale
+    # additive mask with the dtype's min, as HF's eager path does
+    zero = torch.zeros((), dtype=scores.dtype, device=scores.device)
+    scores = scores + torch.where(mask, zero, torch.finfo(scores.dtype).min)
+    probs = F.softmax(scores, dim=-1, dtype=compute_dtype(q_BHqD.dtype)).to(q_BHqD.dtype)
+    return torch.matmul(probs, v_BHKD).transpose(1, 2)
+
+
+@dispatch.register("sparse_attention", "torch_masked", reference=True)
+def sparse_attention_reference(q_BHQD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor,
+                               idx_BQW: torch.Tensor, scale: float) -> torch.Tensor:
+    """Softmax attention of each query over the keys listed in ``idx`` (-1 = none): ``[B, Q, Hh, Dv]``.
+
+    Queries are processed in blocks of about ``ATTENTION_BLOCK_ELEMS`` score elements; with several
+    blocks and autograd on, each block is recomputed in backward so the saved state stays bounded.
+    """
+    B, Hh, Q, _ = q_BHQD.shape
+    S = k_BHSD.shape[2]
+    block = max(1, ATTENTION_BLOCK_ELEMS // max(1, B * Hh * S))
+    if block >= Q:
+        return _attend_block(q_BHQD, k_BHSD, v_BHSD, idx_BQW, scale)
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q_BHQD, k_BHSD, v_BHSD))
+    outs = []
+    for s in range(0, Q, block):
+        args = (q_BHQD[:, :, s:s + block], k_BHSD, v_BHSD, idx_BQW[:, s:s + block], scale)
+        outs.append(checkpoint(_attend_block, *args, use_reentrant=False) if grad else _attend_block(*args))
+    return torch.cat(outs, dim=1)
+
+
+# ---- indexer -------------------------------------------------------------------------------------------
+class Indexer(nn.Module):
+    """GLM's pooled lightning indexer; HF name ``indexer``, parameters as ``Glm5NextTextIndexer``."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        I, Di, kp = spec.index_n_heads, spec.index_head_dim, spec.index_kpool
+        self.n_heads, self.head_dim, self.kpool = I, Di, kp
+        self.index_topk = spec.index_topk
+        self.select_tail = spec.index_kpool_always_select_tail
+        self.softmax_scale = Di**-0.5
+        self.wq_b = nn.Linear(spec.q_lora_rank, I * Di, bias=False)
+        self.wk = nn.Linear(spec.hidden_size, Di, bias=False)
+        self.k_norm = nn.LayerNorm(Di, eps=1e-6)
+        self.weights_proj = nn.Linear(spec.hidden_size, I, bias=False)
+        self.index_kpool_compress_ape = nn.Parameter(torch.zeros(kp, Di))
+        self.index_kpool_compress_gate = nn.Parameter(torch.ones(Di, spec.hidden_size))
+
+    @torch.no_grad()
+    def forward(self, x_BQH: torch.Tensor, q_resid_BQR: torch.Tensor, ctx: SeqContext) -> torch.Tensor:
+        """Selected key indices (global, -1 = empty) ``[B, Q, W]`` int32."""
+        B, Q, _ = x_BQH.shape
+        assert Q < 2**31
+        q_BQID = self.wq_b(q_resid_BQR).view(B, Q, self.n_heads, self.head_dim)
+        k_BQD = self.k_norm(self.wk(x_BQH))
+        gate_BQD = F.linear(x_BQH, self.index_kpool_compress_gate)
+        k_BSD, gate_BSD = ctx.gather_seq(torch.cat([k_BQD, gate_BQD], dim=-1)).split(self.head_dim, dim=-1)
+        weights_BQI = self.weights_proj(x_BQH).to(compute_dtype(x_BQH.dtype)) * self.n_heads**-0.5
+        S = k_BSD.shape[1]
+        doc_BS = ctx.full_doc_ids()
+        if doc_BS is None:
+            doc_BS = torch.zeros(B, S, dtype=torch.int64, device=x_BQH.device)
+        pos_BS = positions_from_doc_ids(doc_BS)
+        q_pos_Q = ctx.seq_offset() + torch.arange(Q, device=x_BQH.device)
+        rows = [self._select_row(q_BQID[b], weights_BQI[b], k_BSD[b], gate_BSD[b], doc_BS[b], pos_BS[b],
+                                 q_pos_Q) for b in range(B)]
+        width = max(r.shape[-1] for r in rows)
+        return torch.stack([F.pad(r, (0, width - r.shape[-1]), value=-1) for r in rows]).to(torch.int32)
+
+    def _pool_keys(self, k_SD: torch.Tensor, gate_SD: torch.Tensor, pos_S: torch.Tensor):
+        """Complete pools: (keys ``[P, Di]``, token indices ``[P, kp]``)."""
+        kp = self.kpool
+        ends_P = torch.nonzero((pos_S + 1) % kp == 0).squeeze(-1)
+        tok_Pk = ends_P[:, None] - (kp - 1) + torch.arange(kp, device=k_SD.device)
+        cd = compute_dtype(k_SD.dtype)
+        logits = gate_SD[tok_Pk].to(cd) + self.index_kpool_compress_ape.to(cd)[None]
+        probs = logits.softmax(dim=1).to(k_SD.dtype)  # per channel, over the kp tokens of the pool
+        return (probs * k_SD[tok_Pk]).sum(dim=1), tok_Pk
+
+    def _select_row(self, q_QID, w_QI, k_SD, gate_SD, doc_S, pos_S, q_pos_Q) -> torch.Tensor:
+        """One batch row: ``[Q, K' * kp (+ kp - 1)]`` int64 key indices, -1 where empty."""
+        kp = self.kpool
+        keys_PD, tok_Pk = self._pool_keys(k_SD, gate_SD, pos_S)
+        pool_end_P = tok_Pk[:, -1]
+        sel_QK, ok_QK = indexer_scoring.select_pools(
+            q_QID, w_QI, keys_PD, pool_end_P, doc_S[pool_end_P], q_pos_Q, doc_S[q_pos_Q],
+            self.index_topk // kp, self.softmax_scale)
+        idx = tok_Pk[sel_QK].masked_fill(~ok_QK[..., None], -1).flatten(1)
+        if not self.select_tail or kp == 1:
+            return idx
+        # the query's own incomplete pool: the last (pos + 1) % kp tokens up to and including it
+        tail_count = (pos_S[q_pos_Q] + 1) % kp
+        offs = torch.arange(kp - 1, device=idx.device)
+        tail = (q_pos_Q - tail_count + 1)[:, None] + offs
+        tail = tail.masked_fill(offs[None, :] >= tail_count[:, None], -1)
+        return torch.cat([idx, tail], dim=-1)
+
+
+# ---- attention -----------------------------------------------------------------------------------------
+class MLASparseAttention(nn.Module):
+    """MLA + DSA token mixer; parameter names mirror ``Glm5NextTextAttention``.
+
+    ``topk_source`` is the index of the layer whose selection a ``shared`` layer reuses (None for a
+    full layer); ``layer_idx`` is this layer's index, recorded with the selection it publishes.
+    """
+
+    def __init__(self, spec: ModelSpec, layer_idx: int, topk_source: int | None = None,
+                 layer: str = "dsa") -> None:
+        super().__init__()
+        H, Hh = spec.hidden_size, spec.num_attention_heads
+        R, Dr, Dn, Dv = spec.kv_lora_rank, spec.qk_rope_head_dim, spec.qk_nope_head_dim, spec.v_head_dim
+        if Dr:  # HF's glm5_next config refuses it too; DeepSeek-style rotated MLA is not implemented
+            raise ValueError(f"qk_rope_head_dim = {Dr}: megaseq's MLA is NoPE (GLM-5.3-Flash); set it to 0")
+        self.num_heads, self.kv_lora_rank, self.rope_dim, self.nope_dim, self.v_dim = Hh, R, Dr, Dn, Dv
+        self.layer_idx, self.topk_source, self.layer = layer_idx, topk_source, layer
+        bias = spec.attention_bias
+        self.q_a_proj = nn.Linear(H, spec.q_lora_rank, bias=bias)
+        self.q_a_layernorm = RMSNorm(spec.q_lora_rank, eps=spec.rms_norm_eps)
+        self.q_b_proj = nn.Linear(spec.q_lora_rank, Hh * (Dn + Dr), bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(H, R + Dr, bias=bias)
+        self.kv_a_layernorm = RMSNorm(R, eps=spec.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(R, Hh * (Dn + Dv), bias=False)
+        self.o_proj = nn.Linear(Hh * Dv, H, bias=bias)
+        self.scaling = (Dn + Dr) ** -0.5
+        self.indexer = Indexer(spec) if topk_source is None else None
+
+    def _keys_values(self, latent_BSL: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Whole-sequence latents ``[B, S, R + Dr]`` -> k ``[B, Hh, S, Dn + Dr]``, v ``[B, Hh, S, Dv]``."""
+        B, S, _ = latent_BSL.shape
+        kv, k_rot = latent_BSL.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        kv = self.kv_b_proj(kv).view(B, S, self.num_heads, self.nope_dim + self.v_dim).transpose(1, 2)
+        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
+        k_rot = k_rot.unsqueeze(1).expand(-1, self.num_heads, -1, -1)  # NoPE: shared, never rotated
+        return torch.cat([k_nope, k_rot], dim=-1), v
+
+    def _selection(self, x_BQH: torch.Tensor, q_resid: torch.Tensor, ctx: SeqContext) -> torch.Tensor:
+        if self.indexer is None:
+            if ctx.carry.get("topk_layer") != self.topk_source:
+                raise ValueError(
+                    f"layer {self.layer_idx} (indexer 'shared') needs the selection of layer "
+                    f"{self.topk_source} in ctx.carry['topk'], found layer {ctx.carry.get('topk_layer')}: "
+                    "run the layers in order (and restore ctx.carry when recomputing a layer)")
+            return ctx.carry["topk"]
+        idx = self.indexer(x_BQH, q_resid, ctx)
+        ctx.carry["topk"], ctx.carry["topk_layer"] = idx, self.layer_idx
+        return idx
+
+    def forward(self, x_BQH: torch.Tensor, ctx: SeqContext) -> torch.Tensor:
+        B, Q, _ = x_BQH.shape
+        q_resid = self.q_a_layernorm(self.q_a_proj(x_BQH))
+        q = self.q_b_proj(q_resid).view(B, Q, self.num_heads, -1).transpose(1, 2)
+        kv, k_rot = self.kv_a_proj_with_mqa(x_BQH).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        latent_BSL = ctx.gather_seq(torch.cat([self.kv_a_layernorm(kv), k_rot], dim=-1))
+        k, v = self._keys_values(latent_BSL)
+        idx = self._selection(x_BQH, q_resid, ctx)
+        out = dispatch.call("sparse_attention", q, k, v, idx, self.scaling, layer=self.layer)
+        return self.o_proj(out.reshape(B, Q, -1))

@@ -1,0 +1,56 @@
+"""``build_model(spec)``: the family's CausalLM from a ModelSpec, initialised, cast and placed.
+
+Families are imported lazily, so building a Qwen3-MoE never imports the GLM blocks and vice versa.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+from torch import nn
+
+from megaseq.models.spec import ModelSpec
+
+# family -> (module, class); explicit registry, imported only when that family is built
+FAMILY_CLASSES = {
+    "glm5_next": ("megaseq.models.families.glm5", "Glm5Model"),
+    "qwen3_moe": ("megaseq.models.families.qwen3_moe", "Qwen3MoeModel"),
+}
+
+
+def _family_class(family: str) -> type[nn.Module]:
+    if family not in FAMILY_CLASSES:
+        raise ValueError(f"model family {family!r} has no builder; known: {', '.join(FAMILY_CLASSES)}")
+    module, name = FAMILY_CLASSES[family]
+    return getattr(importlib.import_module(module), name)
+
+
+def fp32_param_suffixes(family: str) -> tuple[str, ...]:
+    """Names (suffixes) of the tensors the family keeps in float32 in a bf16/fp16 model."""
+    module = importlib.import_module(FAMILY_CLASSES[family][0])
+    return tuple(getattr(module, "FP32_PARAM_SUFFIXES", ()))
+
+
+def build_model(spec: ModelSpec, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                seed: int | None = None) -> nn.Module:
+    """Construct ``spec.family``'s model on ``device`` with HF's init (seeded when ``seed`` is set).
+
+    Parameters are cast to ``dtype``, except the ones HF keeps in float32 (router, KDA conv and decay,
+    mHC base/scale) when ``dtype`` is narrower than float32.
+    """
+    cls = _family_class(spec.family)
+    device = torch.device(device)
+    fork_devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=fork_devices, enabled=seed is not None):
+        if seed is not None:
+            torch.manual_seed(seed)
+        with device:
+            model = cls(spec)
+    model = model.to(dtype=dtype)
+    if torch.finfo(dtype).bits < 32:
+        keep = fp32_param_suffixes(spec.family)
+        for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+            if name.endswith(keep) and t.is_floating_point():
+                t.data = t.data.to(torch.float32)
+    return model

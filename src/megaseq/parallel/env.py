@@ -1,0 +1,106 @@
+"""``DistributedEnv``: the trainer's view of a dp x cp run (the multi-process ``ParallelEnv``).
+
+``megaseq.train.parallel_env.setup_parallel`` returns it when torchrun or a Ray worker set
+WORLD_SIZE > 1. It owns the mesh and exposes what the training loop needs: the batch shard, the
+sequence context, the vocabulary loss (Ring-DTP over the cp group), the global token count and
+the gradient reduction. Parameters are replicated; see ``grads`` for why the loss is divided by
+the *global* token count and gradients are summed.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megaseq.parallel import grads
+from megaseq.parallel.mesh import Mesh, distribute_batch, init_mesh, resolve_mla_mode, shutdown
+from megaseq.parallel.ring_dtp import ring_dtp_loss, vocab_shard
+from megaseq.parallel.ulysses import _gather_seq, make_context
+
+
+class DistributedEnv:
+    """One process of a dp x cp world; the same interface as ``megaseq.train.parallel_env.ParallelEnv``."""
+
+    def __init__(self, cfg: Any, spec: Any | None = None, **mesh_kwargs: Any) -> None:
+        if cfg.parallel.ep != 1:
+            raise ValueError(f"parallel.ep = {cfg.parallel.ep}: expert parallelism is not available yet; "
+                             "set --parallel.ep 1")
+        if spec is None:
+            from megaseq.models.presets import resolve_spec
+
+            spec = resolve_spec(cfg.model.name)
+        device = mesh_kwargs.pop("device", None)
+        if device is None and cfg.train.device != "auto":
+            device = "cpu" if cfg.train.device == "cpu" else None
+        self.cfg = cfg
+        self.mla_mode = resolve_mla_mode(cfg.parallel.mla_mode)
+        self.mesh: Mesh = init_mesh(cfg.parallel, cfg.data.seq_len, spec, device=device, **mesh_kwargs)
+        self.device = self.mesh.device
+        m = self.mesh
+        self.rank, self.world_size, self.is_main = m.rank, m.world_size, m.is_main
+        self.dp_size, self.cp_size, self.dp_rank, self.cp_rank = m.dp, m.cp, m.dp_rank, m.cp_rank
+        self.reads_data = m.reads_data
+
+    # ---- data --------------------------------------------------------------------------------
+    def to_device(self, batch: dict[str, Any]) -> dict[str, Any]:
+        dev = self.device
+        return {k: (v.to(dev, non_blocking=True) if torch.is_tensor(v) else v) for k, v in batch.items()}
+
+    def shard_batch(self, batch: dict[str, Any] | None) -> dict[str, Any]:
+        """This rank's sequence shard. Only the cp group's reader's batch is used (others may pass None)."""
+        return distribute_batch(batch if self.reads_data else None, self.mesh)
+
+    def context(self, batch: dict[str, Any]) -> Any:
+        return make_context(self.mesh, batch, self.mla_mode)
+
+    def gather_seq(self, x: torch.Tensor) -> torch.Tensor:
+        """``[B, S_loc, ...] -> [B, S, ...]`` over the cp group (no gradient: evaluation)."""
+        if self.cp_size == 1:
+            return x
+        return _gather_seq(x.detach(), self.mesh.cp_group, self.cp_size)
+
+    # ---- loss and gradients ---------------------------------------------------------------
+    def uses_ring_dtp(self) -> bool:
+        return self.cp_size > 1 and self.cfg.parallel.loss_parallel in ("auto", "ring_dtp")
+
+    def loss_sum(self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                 chunk_tokens: int | None = None) -> torch.Tensor:
+        """Sum of this rank's per-token losses (``hidden [..., H]``, ``labels [...]``); Ring-DTP over cp."""
+        h_NH, labels_N = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
+        if self.uses_ring_dtp():
+            shard = vocab_shard(weight, self.cp_rank, self.cp_size)
+            return ring_dtp_loss(h_NH, shard, labels_N, weight.shape[0], self.mesh.cp_group).sum()
+        from megaseq.memory.vocab_loss import linear_cross_entropy
+
+        return linear_cross_entropy(h_NH, weight, labels_N, chunk_tokens=chunk_tokens, reduction="sum")
+
+    def all_reduce_count(self, n: int) -> int:
+        return grads.all_reduce_int(n)
+
+    def all_reduce_sum(self, x: float) -> float:
+        return grads.all_reduce_float(x)
+
+    def reduce_gradients(self, model: torch.nn.Module) -> None:
+        grads.reduce_gradients(model)
+
+    # ---- misc ------------------------------------------------------------------------------
+    def broadcast_object(self, obj: Any) -> Any:
+        if not self.mesh.distributed:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def barrier(self) -> None:
+        if self.mesh.distributed:
+            dist.barrier()
+
+    def log(self, msg: str) -> None:
+        if self.is_main:
+            print(msg, file=sys.stderr)
+
+    def shutdown(self) -> None:
+        shutdown(self.mesh)

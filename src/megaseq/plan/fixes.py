@@ -1,0 +1,154 @@
+"""Choosing the fixes: their estimated time costs, the cheapest set that fits, and chunk sizes.
+
+Pure Python. The ladder, cheapest first in the usual case (costs are computed per run from the FLOPs
+model, ``fix_costs``): chunked loss (+5% of the loss time), indexer query chunking (free), MLP/MoE
+tiling (one more forward of the tiled module), full recompute (one more forward of every layer), SCO
+(1.9% + any copy time the compute cannot hide), OffloadStreamAdamW (the host<->device traffic of the
+optimizer step). Every set of fixes is tried in order of total cost (SCO only with recompute); the
+first that fits wins and its chunk sizes then grow, in powers of two, as far as the budget allows.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, replace
+from typing import Any
+
+from megaseq.plan import components as C
+from megaseq.plan.components import GB, GIB, Mesh
+from megaseq.plan.flops import DEVICE_BYTES_PER_S, PINNED_BYTES_PER_S, step_flops, step_seconds
+from megaseq.plan.phases import Evaluation, Run, evaluate
+
+H200_GPU_BYTES = int(139.8 * GIB)  # BRIEF section 6: usable memory of one H200
+HOST_BYTES_PER_GPU = 128 * GB  # BRIEF section 6: the 1-GPU host; per GPU of a larger host by default
+LADDER = (
+    "chunked_loss",
+    "indexer_query_chunk",
+    "tiled_mlp",
+    "recompute",
+    "checkpoint_offload",
+    "optimizer_offload",
+)
+# chunk-size ranges (powers of two) the planner chooses from: (smallest, largest worth having)
+LOSS_CHUNKS, TILE_CHUNKS, INDEXER_CHUNKS = (512, 8192), (1024, 65536), (64, 4096)
+SCO_BASE_COST = 0.019  # BRIEF section 4: SCO throughput within 1.9%
+LOSS_CHUNK_COST = 0.05  # BRIEF section 4: +4-5% of the loss time
+
+
+@dataclass(frozen=True)
+class Budgets:
+    """What one GPU and one host may use. ``host_bytes`` is per host (shared by its GPUs)."""
+
+    gpu_bytes: int = H200_GPU_BYTES
+    host_bytes: int | None = None
+
+    def host(self, mesh: Mesh) -> int:
+        return self.host_bytes if self.host_bytes is not None else HOST_BYTES_PER_GPU * mesh.gpus_on_host
+
+
+# ---- settings and their costs -----------------------------------------------------------------------
+def default_memory(memory_cfg: Any | None, n_local: int) -> dict[str, Any]:
+    """The settings with no fix enabled (chunk sizes from the config where it has them)."""
+    get = (lambda k, d: getattr(memory_cfg, k, d)) if memory_cfg is not None else (lambda k, d: d)
+    return {
+        "chunked_loss": False,
+        "loss_chunk_tokens": int(get("loss_chunk_tokens", 8192)),
+        "tiled_mlp": False,
+        "mlp_tile_tokens": int(get("mlp_tile_tokens", 16384)),
+        "indexer_query_chunk": n_local,
+        "recompute": False,
+        "checkpoint_offload": False,
+        "offload_host_budget": 0,
+        "optimizer_offload": False,
+        "optimizer_bucket_params": int(get("optimizer_bucket_params", 100_000_000)),
+    }
+
+
+def fix_costs(run: Run) -> dict[str, float]:
+    """Estimated step-time cost of each fix, as a fraction of the step (FLOPs shares + transfer time)."""
+    sf = step_flops(run.spec, run.seq_len)
+    T = step_seconds(run.spec, run.seq_len, run.batch, run.mesh)
+    P = run.counts.trainable / run.mesh.shard
+    k = C.boundary_bytes(run.spec, run.n, run.prec) * run.spec.num_layers
+    copy = k / PINNED_BYTES_PER_S  # each direction; hidden behind the forward (1/3) and backward (2/3)
+    sco_excess = max(0.0, copy - T / 3) + max(0.0, copy - 2 * T / 3)
+    opt = max(0.0, P * 30 / PINNED_BYTES_PER_S - P * 32 / DEVICE_BYTES_PER_S)  # up 16 B, down 14 B vs on GPU
+    return {
+        "chunked_loss": LOSS_CHUNK_COST * sf.loss / sf.total,
+        "indexer_query_chunk": 0.0,
+        "tiled_mlp": sf.mlp / 3 / sf.total,  # the tile's forward is rerun in backward
+        "recompute": sf.layers_forward / sf.total,
+        "checkpoint_offload": SCO_BASE_COST + sco_excess / T,
+        "optimizer_offload": opt / T,
+    }
+
+
+def _with_fixes(base: dict[str, Any], fixes: tuple[str, ...], run: Run, host_room: int) -> dict[str, Any]:
+    """Settings with ``fixes`` enabled at their smallest chunk sizes (the feasibility test)."""
+    m = dict(base)
+    if "chunked_loss" in fixes:
+        m["chunked_loss"], m["loss_chunk_tokens"] = True, LOSS_CHUNKS[0]
+    if "indexer_query_chunk" in fixes:
+        m["indexer_query_chunk"] = INDEXER_CHUNKS[0]
+    if "tiled_mlp" in fixes:
+        m["tiled_mlp"], m["mlp_tile_tokens"] = True, TILE_CHUNKS[0]
+    m["recompute"] = "recompute" in fixes
+    m["optimizer_offload"] = "optimizer_offload" in fixes
+    if "checkpoint_offload" in fixes:
+        bnd = C.boundary_bytes(run.spec, run.n, run.prec)
+        opt_host = C.optimizer_host_bytes(run.counts, run.mesh, m["optimizer_offload"])
+        m["checkpoint_offload"] = True
+        m["offload_host_budget"] = max(0, min(run.spec.num_layers * bnd, host_room - opt_host))
+    return m
+
+
+def _candidates(run: Run, costs: dict[str, float]) -> list[tuple[str, ...]]:
+    """Every fix set (SCO needs recompute), cheapest first; ties go to fewer fixes, then the ladder."""
+    usable = [f for f in LADDER if f != "indexer_query_chunk" or "dsa" in run.spec.layer_types]
+    sets = []
+    for r in range(len(usable) + 1):
+        for combo in itertools.combinations(usable, r):
+            if "checkpoint_offload" in combo and "recompute" not in combo:
+                continue
+            sets.append(combo)
+    return sorted(
+        sets, key=lambda s: (round(sum(costs[f] for f in s), 6), len(s), [LADDER.index(f) for f in s])
+    )
+
+
+def _fits(ev: Evaluation, budgets: Budgets, mesh: Mesh) -> bool:
+    return ev.peak_gpu <= budgets.gpu_bytes and ev.peak_host <= budgets.host(mesh)
+
+
+def _grow(run: Run, m: dict[str, Any], budgets: Budgets) -> dict[str, Any]:
+    """Each enabled chunk size as large as still fits (powers of two, ladder order)."""
+    for key, flag, (lo, hi) in (
+        ("indexer_query_chunk", None, INDEXER_CHUNKS),
+        ("loss_chunk_tokens", "chunked_loss", LOSS_CHUNKS),
+        ("mlp_tile_tokens", "tiled_mlp", TILE_CHUNKS),
+    ):
+        if (flag is None and m[key] >= run.n) or (flag is not None and not m[flag]):
+            continue
+        size = lo
+        while size * 2 <= min(hi, run.n):
+            trial = dict(m, **{key: size * 2})
+            if not _fits(evaluate(replace(run, memory=trial)), budgets, run.mesh):
+                break
+            size *= 2
+        m[key] = size
+    return m
+
+
+def choose(
+    run: Run, budgets: Budgets, memory_cfg: Any | None
+) -> tuple[dict[str, Any], tuple[str, ...], bool]:
+    """(settings, enabled fixes, fits): the cheapest fix set that fits, chunk sizes grown to the budget."""
+    base = default_memory(memory_cfg, run.n)
+    costs = fix_costs(run)
+    host_room = budgets.host(run.mesh) // run.mesh.gpus_on_host - run.cal.process_host_bytes
+    for fixes in _candidates(run, costs):
+        m = _with_fixes(base, fixes, run, host_room)
+        if _fits(evaluate(replace(run, memory=m)), budgets, run.mesh):
+            return _grow(run, m, budgets), fixes, True
+    every = tuple(f for f in LADDER if f != "indexer_query_chunk" or "dsa" in run.spec.layer_types)
+    return _with_fixes(base, every, run, host_room), every, False

@@ -1,0 +1,204 @@
+"""Model FLOPs (for MFU), the time shares the planner prices its fixes with, and communication volume.
+
+Pure Python. Conventions (``docs/planner.md`` has the arithmetic):
+
+- A matmul ``[m, k] @ [k, n]`` is ``2 m k n`` FLOPs. Training = forward + backward = 3 x forward for
+  everything that gets gradients. The DSA indexer runs under ``no_grad`` (HF and megaseq alike), so
+  its projections and scoring count once. Recompute is not counted (model FLOPs, not hardware FLOPs).
+- Causal attention counts the keys each query really attends: DSA ``min(t + 1, topk + tail)`` keys at
+  position t (tail = the incomplete pool, on average ``(kpool - 1) / 2`` tokens), softmax attention
+  ``t + 1``; the indexer scores the ``(t + 1) / kpool`` complete pools before each query.
+- KDA's chunked delta rule (chunk C = 64, head dims dk = dv = d): per token and head ``Aqk`` and ``Akk``
+  within the chunk ``2 * 2 * (C/2) * d``, ``w = A k`` and ``u = A v`` ``2 * 2 * (C/2) * d``, output
+  ``Aqk @ v_new`` ``2 * (C/2) * d``, and the state terms ``q h``, ``w h`` and ``k^T v_new`` ``3 * 2 d^2``.
+- MoE counts the router and the K active experts (plus the shared ones) per token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megaseq.models.spec import ModelSpec
+from megaseq.plan.components import Mesh
+
+H200_BF16_DENSE = 989.4e12  # NVIDIA H200 SXM datasheet, dense bf16 (the MFU denominator)
+H200_BF16_MEASURED = 775e12  # BRIEF section 6: bf16 matmul 8192^3 on one H200
+ACHIEVED_FRACTION = 0.35  # assumed share of the measured matmul rate a training step reaches (time model)
+PINNED_BYTES_PER_S = 55e9  # BRIEF section 6: host <-> device, pinned
+DEVICE_BYTES_PER_S = 4.24e12  # BRIEF section 6: device copy
+KDA_CHUNK = 64
+
+
+def causal_keys(seq_len: int, window: float) -> float:
+    """``sum_{t=0}^{S-1} min(t + 1, window)``: keys attended over a causal sequence."""
+    S, K = seq_len, min(window, seq_len)
+    return K * (K + 1) / 2 + (S - K) * K
+
+
+@dataclass
+class LayerFlops:
+    """Forward FLOPs of one layer over one sequence, by part."""
+
+    mixer: float = 0.0  # projections + attention / recurrence (trainable)
+    indexer: float = 0.0  # DSA indexer (no grad: forward only)
+    mlp: float = 0.0
+    hc: float = 0.0  # mHC weights + collapse/merge
+
+
+def kda_flops(spec: ModelSpec, S: int) -> float:
+    H, Hh, d = spec.hidden_size, spec.linear_num_heads, spec.linear_head_dim
+    D, C = Hh * d, KDA_CHUNK
+    proj = 2 * S * (3 * H * D + H * d + d * D + H * Hh + H * d + d * D + D * H)
+    conv = 2 * S * 3 * D * spec.linear_conv_kernel
+    per_token_head = 2 * 2 * (C / 2) * d * 2 + 2 * (C / 2) * d + 3 * 2 * d * d
+    return proj + conv + S * Hh * per_token_head
+
+
+def dsa_flops(spec: ModelSpec, S: int, full_indexer: bool) -> tuple[float, float]:
+    """(trainable mixer FLOPs, indexer FLOPs) of one DSA layer over a sequence of S tokens."""
+    H, Hh = spec.hidden_size, spec.num_attention_heads
+    ql, kl, qk, v = spec.q_lora_rank, spec.kv_lora_rank, spec.qk_head_dim, spec.v_head_dim
+    proj = (
+        2
+        * S
+        * (
+            H * ql
+            + ql * Hh * qk
+            + H * (kl + spec.qk_rope_head_dim)
+            + kl * Hh * (spec.qk_nope_head_dim + v)
+            + Hh * v * H
+        )
+    )
+    tail = (spec.index_kpool - 1) / 2 if spec.index_kpool_always_select_tail else 0.0
+    keys = causal_keys(S, spec.index_topk + tail)
+    attn = 2 * Hh * (qk + v) * keys
+    if not full_indexer:
+        return proj + attn, 0.0
+    I, Di, kp = spec.index_n_heads, spec.index_head_dim, max(spec.index_kpool, 1)
+    idx_proj = 2 * S * (ql * I * Di + H * Di + H * I + Di * H) + 2 * S * Di * kp  # + pooling
+    pools = causal_keys(S, S) / kp  # complete pools before each query, summed
+    return proj + attn, idx_proj + 2 * pools * I * Di + 2 * pools * I
+
+
+def attention_flops(spec: ModelSpec, S: int) -> float:
+    H, Hq, Hkv = spec.hidden_size, spec.num_attention_heads, spec.num_key_value_heads
+    D = spec.head_dim or H // Hq
+    return 2 * S * H * (Hq + 2 * Hkv) * D + 2 * S * Hq * D * H + 4 * Hq * D * causal_keys(S, S)
+
+
+def mlp_flops(spec: ModelSpec, S: int, kind: str) -> float:
+    H = spec.hidden_size
+    if kind == "dense":
+        return 6 * S * H * spec.intermediate_size
+    I, K = spec.moe_intermediate_size, spec.num_experts_per_tok
+    return 2 * S * H * spec.num_experts + 6 * S * H * I * (K + spec.num_shared_experts)
+
+
+def layer_flops(spec: ModelSpec, S: int, i: int) -> LayerFlops:
+    kind, N, H = spec.layer_types[i], spec.hc_mult, spec.hidden_size
+    out = LayerFlops(mlp=mlp_flops(spec, S, spec.mlp_types[i]))
+    if N > 1:  # two hyper-connections: fn linear + collapse + merge (N x N mix)
+        out.hc = 2 * (2 * S * N * H * (2 + N) * N + 2 * S * N * H + 2 * S * N * N * H)
+    if kind == "kda":
+        out.mixer = kda_flops(spec, S)
+    elif kind == "dsa":
+        out.mixer, out.indexer = dsa_flops(spec, S, spec.indexer_types[i] == "full")
+    else:
+        out.mixer = attention_flops(spec, S)
+    return out
+
+
+@dataclass
+class StepFlops:
+    """Training FLOPs of one sequence of S tokens (all GPUs together), by part."""
+
+    seq_len: int
+    layers: float  # mixers + hc, fwd + bwd
+    mlp: float  # dense MLP + MoE, fwd + bwd
+    indexer: float  # forward only
+    loss: float  # lm_head, fwd + bwd
+    layers_forward: float  # one forward of all layers (what full recompute adds)
+
+    @property
+    def total(self) -> float:
+        return self.layers + self.mlp + self.indexer + self.loss
+
+    @property
+    def per_token(self) -> float:
+        return self.total / self.seq_len
+
+
+def step_flops(spec: ModelSpec, seq_len: int) -> StepFlops:
+    """Model FLOPs of one training sequence (forward + backward = 3x forward; indexer 1x)."""
+    parts = [layer_flops(spec, seq_len, i) for i in range(spec.num_layers)]
+    mixer = sum(p.mixer + p.hc for p in parts)
+    mlp = sum(p.mlp for p in parts)
+    idx = sum(p.indexer for p in parts)
+    loss = 2 * seq_len * spec.hidden_size * spec.vocab_size
+    return StepFlops(
+        seq_len=seq_len,
+        layers=3 * mixer,
+        mlp=3 * mlp,
+        indexer=idx,
+        loss=3 * loss,
+        layers_forward=mixer + mlp + idx,
+    )
+
+
+def mfu(tokens_per_s: float, flops_per_token: float, num_gpus: int, peak: float = H200_BF16_DENSE) -> float:
+    """Model FLOPs utilisation: achieved model FLOP/s over the GPUs' peak."""
+    return tokens_per_s * flops_per_token / (num_gpus * peak)
+
+
+def step_seconds(spec: ModelSpec, seq_len: int, batch: int, mesh: Mesh) -> float:
+    """Rough step time of one GPU for the fix costs: its share of the FLOPs at an assumed rate."""
+    flops = step_flops(spec, seq_len).total * batch / mesh.cp
+    return flops / (ACHIEVED_FRACTION * H200_BF16_MEASURED)
+
+
+# ---- communication volume ---------------------------------------------------------------------------
+def comm_volume(spec: ModelSpec, seq_len: int, mesh: Mesh, batch: int = 1) -> dict[str, dict]:
+    """Bytes each GPU sends per layer and step (forward + backward) for context parallelism, per layer
+    kind and mode, and the cheaper mode. An all-to-all over P ranks sends ``(P - 1) / P`` of its input;
+    an all-gather receives ``(P - 1)`` shards; its backward reduce-scatter moves the same amount.
+
+    KDA (Ulysses): q, k, v bf16 ``3 * D * 2``, the per-channel log-decay g fp32 ``D * 4``, beta
+    ``heads * 2`` in; o ``D * 2`` out; the backward moves the same gradients back.
+    MLA/DSA Ulysses: q, k ``Hh * qk``, v ``Hh * v`` in, o ``Hh * v`` out, bf16. MLA/DSA gather-KV: the
+    latent ``(kv_lora + rope)`` of every other rank's tokens, in fp32 under autocast (its RMSNorm output
+    is fp32), gathered in forward and its gradient reduce-scattered in backward, plus the indexer keys
+    and pooling gates ``2 * Di`` (fp32 after the LayerNorm; forward only: no grad); queries stay local.
+    GLM-5.3-Flash is NoPE (rope 0): ``512`` latent + ``2 * 128`` indexer values per token (DeepSeek-V3.2's
+    ``576 + 128`` counts its 64 RoPE dims and the keys alone).
+    Softmax attention (Ulysses): q ``Hq * D``, k, v ``Hkv' * D`` in, o out.
+    """
+    P = mesh.cp
+    n = batch * seq_len // P
+    a2a = (P - 1) / P
+    out: dict[str, dict] = {}
+    kinds = sorted(set(spec.layer_types))
+    for kind in kinds:
+        if kind == "kda":
+            D, Hh = spec.linear_num_heads * spec.linear_head_dim, spec.linear_num_heads
+            fwd = n * a2a * (3 * D * 2 + D * 4 + Hh * 2 + D * 2)
+            out[kind] = {"ulysses": 2 * fwd, "mode": "ulysses"}
+        elif kind == "attention":
+            Hq, Hkv = spec.num_attention_heads, spec.num_key_value_heads
+            D = spec.head_dim or spec.hidden_size // Hq
+            kv = max(Hkv, P) if P > 1 else Hkv  # KV heads repeated until cp splits them
+            fwd = n * a2a * (Hq * D * (4 + 2) + 2 * kv * D * 2)  # q fp32 after RoPE, o bf16, k/v bf16
+            out[kind] = {"ulysses": 2 * fwd, "mode": "ulysses"}
+        else:
+            Hh = spec.num_attention_heads
+            uly = n * a2a * 2 * (2 * Hh * spec.qk_head_dim + 2 * Hh * spec.v_head_dim)
+            latent = (spec.kv_lora_rank + spec.qk_rope_head_dim) * 4
+            gather = n * (P - 1) * (2 * latent + 2 * spec.index_head_dim * 4)  # indexer keys: no backward
+            out[kind] = {
+                "ulysses": 2 * uly,
+                "gather_kv": gather,
+                "mode": "gather_kv" if gather <= 2 * uly else "ulysses",
+            }
+    for kind, v in out.items():
+        v["layers"] = spec.layer_types.count(kind)
+        v["per_step"] = v[v["mode"]] * v["layers"]
+    return out

@@ -1,0 +1,254 @@
+"""Per-layer-kind working sets: what each token mixer and MLP kind saves for backward, and its temporaries.
+
+Pure Python. One function per kind and direction (``kda_saved`` / ``kda_temp``, ``dsa_saved`` /
+``dsa_temp``, ``indexer_temp``, ``attention_saved`` / ``attention_temp``, ``mlp_saved``, ``moe_saved``,
+``mlp_temp``), in bytes for ``n`` tokens on one GPU, following the megaseq blocks op by op; named
+coefficients live in ``components.Calibration``. Notation as in ``components``: c compute bytes, f fp32
+bytes, xb bytes of the normed block input, D = KDA heads x head dim. ``docs/planner.md`` has the arithmetic.
+"""
+
+from __future__ import annotations
+
+from megaseq.models.spec import ModelSpec
+from megaseq.plan.components import CAL, Calibration, Mesh, Precision, linear_inputs, norm_saved
+
+
+# ---- token mixers: saved per layer, and temporaries --------------------------------------------------
+def kda_saved(spec: ModelSpec, n: int, xb: int, prec: Precision, cal: Calibration = CAL) -> dict[str, int]:
+    """KDA (``blocks/kda.py``) with fla's ``chunk_kda`` on the GPU; ``xb`` bytes of the normed input.
+
+    Per token: the six projections' inputs (q, k, v, f_a, b, g_a); the conv's cast input and its output
+    ``2 * c * 3D``; the forget gate ``2 * f * D`` (g before the decay product, the sigmoid output);
+    chunk_kda's ``q, k`` (l2-normed), ``v`` in bf16, ``g`` and its chunk cumsum in fp32, the intra-chunk
+    ``Aqk, Akk`` ``2 * f * heads * 64``; the gated output norm ``4 * f * D`` + o_proj's input ``c * D``.
+    """
+    H, Hh, Dk = spec.hidden_size, spec.linear_num_heads, spec.linear_head_dim
+    D, c, f = Hh * Dk, prec.compute, prec.f32
+    return {
+        "kda projections' inputs": n * linear_inputs(H, 6, xb, prec),
+        "kda conv": n * cal.kda_conv_copies * c * 3 * D,
+        "kda forget gate": n * 2 * f * D,
+        "kda chunk state (q,k,v,g,A)": n * (3 * c * D + 2 * f * D + 2 * f * Hh * 64 + 2 * f * Hh),
+        "kda output norm + o_proj input": n * (4 * f * D + c * D + 2 * c * Dk),
+    }
+
+
+def kda_temp(spec: ModelSpec, n: int, prec: Precision, backward: bool, cal: Calibration = CAL) -> int:
+    """KDA temporaries above the saved set: forward ``7 c D`` + the chunk states
+    ``heads * Dk * Dv * c / 64`` per token; backward fp32 grads ``8 f D`` + recomputed ``4 c D`` + the
+    states, their fp32 grads and the recomputed states ``heads * Dk * Dv * (2c + f) / 64``."""
+    Hh, Dk, c, f = spec.linear_num_heads, spec.linear_head_dim, prec.compute, prec.f32
+    D, states = Hh * Dk, Hh * Dk * Dk / 64
+    if not backward:
+        return int(n * (cal.kda_fwd_temp_cd * c * D + c * states))
+    return int(n * (cal.kda_bwd_temp_fd * f * D + cal.kda_bwd_temp_cd * c * D + (2 * c + f) * states))
+
+
+def dsa_selection_bytes(spec: ModelSpec, n: int) -> int:
+    """The DSA selection ``[n, W]`` int32, W = topk + kpool - 1 (the incomplete tail pool)."""
+    tail = spec.index_kpool - 1 if spec.index_kpool_always_select_tail else 0
+    return 4 * n * (spec.index_topk + tail)
+
+
+def dsa_kv_rows(n: int, batch: int, seq_len: int, mesh: Mesh, mode: str) -> int:
+    """Rows of expanded K/V (all heads) per GPU: the whole sequence ``B * S`` under gather-KV (every rank
+    expands the gathered latent for all heads), ``n`` under Ulysses (S rows x heads / cp)."""
+    return batch * seq_len if (mode == "gather_kv" and mesh.cp > 1) else n
+
+
+def dsa_score_block(
+    spec: ModelSpec, n: int, batch: int, seq_len: int, mesh: Mesh, mode: str, cal: Calibration = CAL
+) -> tuple[int, bool]:
+    """(score elements of one query block, whether the whole layer is one block) of the reference
+    sparse attention: blocks of ``ATTENTION_BLOCK_ELEMS // (B * heads * S)`` queries."""
+    heads = spec.num_attention_heads // (mesh.cp if mode == "ulysses" else 1)
+    queries = n // batch if mode == "gather_kv" or mesh.cp == 1 else seq_len
+    per_query = batch * heads * seq_len
+    block = max(1, cal.attn_block_elems // max(1, per_query))
+    return min(block, queries) * per_query, block >= queries
+
+
+def dsa_saved(
+    spec: ModelSpec,
+    n: int,
+    batch: int,
+    seq_len: int,
+    xb: int,
+    prec: Precision,
+    mesh: Mesh,
+    mode: str,
+    full_indexer: bool,
+    cal: Calibration = CAL,
+) -> dict[str, int]:
+    """MLA + DSA (``blocks/mla_dsa.py``); K/V rows from ``dsa_kv_rows``.
+
+    Per query token: q_a/kv_a inputs; q_a_layernorm and kv_a_layernorm (``(f + c) * rank``); q_b's input;
+    q ``c * Hh * qk``; o_proj's input ``c * Hh * v``; the selection ``4 * W`` (full-indexer layers, kept by
+    the checkpointed query blocks; a shared layer reuses it). Per K/V row: kv_b's input ``c * kv_lora``,
+    the keys ``c * Hh * qk`` (a concatenation) and kv_b's output ``c * Hh * (nope + v)`` (v is a view of
+    it). The reference sparse attention runs in query blocks recomputed in backward; a single block
+    (short sequences) saves its scores: the fp32 softmax and the bf16 probabilities, ``(f + c)`` per
+    score element.
+    """
+    H, Hh, c, f = spec.hidden_size, spec.num_attention_heads, prec.compute, prec.f32
+    ql, kl, qk, v = spec.q_lora_rank, spec.kv_lora_rank, spec.qk_head_dim, spec.v_head_dim
+    kv_rows = dsa_kv_rows(n, batch, seq_len, mesh, mode)
+    q_norm, q_out = norm_saved(ql, c, prec)
+    kv_norm, kv_out = norm_saved(kl, c, prec)
+    out = {
+        "dsa projections' inputs": n * linear_inputs(H, 2, xb, prec),
+        "dsa q/kv norms + q_b input": n * (q_norm + kv_norm + linear_inputs(ql, 1, q_out, prec)),
+        "dsa q": n * c * Hh * qk,
+        "dsa K/V (kv_b input, k, kv_b output)": kv_rows
+        * (linear_inputs(kl, 1, kv_out, prec) + c * Hh * qk + c * Hh * (spec.qk_nope_head_dim + v)),
+        "dsa o_proj input": n * c * Hh * v,
+    }
+    block, single = dsa_score_block(spec, n, batch, seq_len, mesh, mode, cal)
+    if single:  # the softmax output (compute dtype promoted to fp32) and its cast, if any, for p @ v
+        out["dsa attention scores (one block)"] = (f + (c if c != f else 0)) * block
+    elif full_indexer:  # checkpointed query blocks save their slice of the selection
+        out["dsa selection (int32)"] = dsa_selection_bytes(spec, n)
+    return out
+
+
+def indexer_scoring_bytes(query_chunk: int, num_pools: int, num_heads: int, num_select: int) -> int:
+    """One scoring chunk (``memory/indexer_scoring.py``, same formula): per query row the head scores
+    ``[I, P]``, the head sum ``[P]`` in fp32, the validity mask ``[P]`` and the top-K values/indices:
+    ``c * (P * ((I + 1) * 4 + 1) + K * 13)``."""
+    return query_chunk * (num_pools * ((num_heads + 1) * 4 + 1) + num_select * 13)
+
+
+def indexer_temp(spec: ModelSpec, n: int, batch: int, seq_len: int, query_chunk: int, prec: Precision) -> int:
+    """The indexer's forward (no grad): its queries ``c * I * Di`` and head weights ``f * I`` per query,
+    the gathered keys + gates and pooling temporaries ``(3c + 2f) * Di`` and positions/documents
+    ``16`` per sequence token, one scoring chunk, and the selection in int64 then int32 ``12 * W``."""
+    I, Di, c, f = spec.index_n_heads, spec.index_head_dim, prec.compute, prec.f32
+    kp = max(spec.index_kpool, 1)
+    chunk = min(query_chunk, n // batch)
+    per_query = c * I * Di + f * I + c * 2 * Di
+    per_key = (3 * c + 2 * f) * Di + 16
+    scoring = indexer_scoring_bytes(chunk, seq_len // kp, I, spec.index_topk // kp)
+    return n * per_query + batch * seq_len * per_key + scoring + 3 * dsa_selection_bytes(spec, n)
+
+
+def dsa_temp(
+    spec: ModelSpec,
+    n: int,
+    batch: int,
+    seq_len: int,
+    prec: Precision,
+    mesh: Mesh,
+    mode: str,
+    backward: bool,
+    cal: Calibration = CAL,
+) -> int:
+    """Sparse attention temporaries: one query block's scores (forward: scores, masked scores, fp32
+    softmax, bf16 probabilities ``3c + f`` per element; backward: the recomputed block and its grads
+    ``5c + 3f``), the gathered fp32 latent ``f * kv_lora`` per K/V row, and in backward the K/V
+    gradients ``c * Hh * (qk + v)`` and the latent's fp32 gradient per K/V row, and dq."""
+    Hh, c, f = spec.num_attention_heads, prec.compute, prec.f32
+    kv_rows = dsa_kv_rows(n, batch, seq_len, mesh, mode)
+    block, _ = dsa_score_block(spec, n, batch, seq_len, mesh, mode, cal)
+    latent = kv_rows * f * (spec.kv_lora_rank + spec.qk_rope_head_dim)
+    if not backward:
+        return block * (3 * c + f) + latent
+    grads = kv_rows * (c * Hh * (spec.qk_head_dim + spec.v_head_dim) + f * spec.kv_lora_rank)
+    return block * (5 * c + 3 * f) + latent + grads + n * c * Hh * spec.qk_head_dim
+
+
+def attention_saved(spec: ModelSpec, n: int, xb: int, prec: Precision, mesh: Mesh) -> dict[str, int]:
+    """GQA softmax attention (``blocks/attention.py``) with SDPA: q/k/v inputs, q/k RMSNorm per head
+    ``(f + c) * (Hq + Hkv) * D``, RoPE's cos/sin, SDPA's q, k, v, o (bf16 casts) and log-sum-exp, and
+    o_proj's input. KV heads repeated for Ulysses when cp does not divide them."""
+    H, Hq, Hkv = spec.hidden_size, spec.num_attention_heads, spec.num_key_value_heads
+    D, c, f = spec.head_dim or H // Hq, prec.compute, prec.f32
+    rep = 1
+    if mesh.cp > 1 and Hkv % mesh.cp:
+        rep = next(r for r in range(1, Hq // Hkv + 1) if (Hq // Hkv) % r == 0 and (Hkv * r) % mesh.cp == 0)
+    norms = (f + c) * (Hq + Hkv) * D if spec.qk_norm else 0
+    return {
+        "attention projections' inputs": n * linear_inputs(H, 3, xb, prec),
+        "attention q/k norms + rope": n * (norms + 2 * f * D),
+        "attention q,k,v,o + lse": n * (c * (2 * Hq + 2 * Hkv * rep) * D + f * Hq),
+        "attention o_proj input": n * c * Hq * D,
+    }
+
+
+def attention_temp(spec: ModelSpec, n: int, prec: Precision, backward: bool) -> int:
+    """Flash/cuDNN SDPA temporaries: forward the fp32 q/k after RoPE before their bf16 casts; backward
+    dq, dk, dv and the fp32 dq accumulator."""
+    H, Hq, Hkv = spec.hidden_size, spec.num_attention_heads, spec.num_key_value_heads
+    D, c, f = spec.head_dim or H // Hq, prec.compute, prec.f32
+    if not backward:
+        return n * f * (Hq + Hkv) * D
+    return n * (c * (Hq + 2 * Hkv) * D + f * Hq * D)
+
+
+# ---- MLP and MoE -------------------------------------------------------------------------------------
+def swiglu_saved_ci(spec: ModelSpec) -> int:
+    """SwiGLU (``blocks/mlp.py: swiglu``) per row, in units of ``c * I``: the gate/up outputs (kept by
+    the clamps or the SiLU and product), the clamped gate, SiLU output, clamped up and the product
+    (down_proj's input): 6 with GLM's clamp, 4 without."""
+    return 6 if spec.swiglu_limit is not None else 4
+
+
+def mlp_saved(spec: ModelSpec, n: int, intermediate: int, xb: int, prec: Precision) -> int:
+    """Dense SwiGLU: gate/up inputs + ``swiglu * c * I`` per token."""
+    return n * (
+        linear_inputs(spec.hidden_size, 2, xb, prec) + swiglu_saved_ci(spec) * prec.compute * intermediate
+    )
+
+
+def moe_rows(spec: ModelSpec, tokens: int, mesh: Mesh, imbalance: float) -> int:
+    """Routed rows one GPU computes for ``tokens`` tokens: ``tokens * K``. With expert parallelism a GPU
+    receives rows from its ep group: ``imbalance`` (max/mean load) times the mean, and never more than
+    every token of the group routed to its ``E/ep`` experts (under tiling: every token of a tile)."""
+    K = spec.num_experts_per_tok
+    if mesh.ep == 1:
+        return tokens * K
+    local = max(1, spec.num_experts // mesh.ep)
+    return int(min(tokens * K * imbalance, tokens * mesh.ep * min(K, local)))
+
+
+def moe_saved(
+    spec: ModelSpec, n: int, xb: int, prec: Precision, mesh: Mesh, imbalance: float
+) -> dict[str, int]:
+    """MoE (``blocks/moe.py``): the router's cast input and its scores ``2 * c * E``, per routed row the
+    expert input (a cast copy), the SwiGLU set and the expert output ``c * H`` kept by the weighting,
+    and the shared expert as a dense SwiGLU."""
+    H, I, c = spec.hidden_size, spec.moe_intermediate_size, prec.compute
+    rows = moe_rows(spec, n, mesh, imbalance)
+    router_in = linear_inputs(H, 1, prec.f32, prec)  # the router casts x to fp32 first
+    logits = c if prec.autocast else prec.f32  # autocast runs the fp32 router linear in bf16
+    E, K = spec.num_experts, spec.num_experts_per_tok
+    out = {  # scores (sigmoid/softmax output), the group mask, the top-k indices (int64)
+        "moe router": n * (router_in + logits * E + E + 8 * (K + 3)),
+        "moe routed rows (x, SwiGLU, y)": rows
+        * (linear_inputs(H, 1, xb, prec) + swiglu_saved_ci(spec) * c * I + c * H),
+    }
+    if spec.num_shared_experts:
+        out["moe shared expert"] = mlp_saved(spec, n, I * spec.num_shared_experts, xb, prec)
+    return out
+
+
+def mlp_temp(
+    spec: ModelSpec,
+    n: int,
+    kind: str,
+    xb: int,
+    prec: Precision,
+    mesh: Mesh,
+    imbalance: float,
+    backward: bool,
+    cal: Calibration = CAL,
+) -> int:
+    """MLP/MoE temporaries above the saved set, per token (dense) or per routed row (MoE)."""
+    c = prec.compute
+    if kind == "dense":
+        coef = cal.mlp_bwd_temp_ci if backward else cal.mlp_fwd_temp_ci
+        return int(n * coef * c * spec.intermediate_size)
+    rows = moe_rows(spec, n, mesh, imbalance)
+    coef = cal.moe_bwd_temp_rows if backward else cal.moe_fwd_temp_rows
+    extra = cal.mlp_bwd_temp_ci if backward else cal.mlp_fwd_temp_ci
+    dispatch = 2 * rows * c * spec.hidden_size if mesh.ep > 1 else 0  # all-to-all send + receive
+    return int(rows * (coef * xb * spec.hidden_size + extra * c * spec.moe_intermediate_size + 24) + dispatch)

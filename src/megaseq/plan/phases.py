@@ -1,0 +1,389 @@
+"""One evaluation of a memory setting: each layer's saved set and temporaries, swept over a step's phases.
+
+Pure Python. ``evaluate(Run)`` returns the peak GPU bytes (and at which phase), the component breakdown
+at that peak, and the host bytes. The phases (``docs/planner.md``, "Peak model"):
+
+    forward  at layer l   state + saved(layers < l) + layer l's own forward (its saved part + temporaries)
+    loss                  state + saved(all layers) + final norm + vocabulary projection
+    backward at layer l   state + saved(layers <= l) + layer l's backward temporaries + grads(layers >= l)
+    step                  parameters + gradients + optimizer state
+
+Under recompute "saved" is the boundaries kept on the GPU (SCO moves the first layers' to the host; at
+most two of those are back on the GPU at once) and layer l's graph is rebuilt in its backward. State is
+the parameters, the optimizer state (steady state: after the first step), gradients when accumulated
+over micro-batches, and FSDP buffers when parameters are sharded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from megaseq.models.spec import ModelSpec
+from megaseq.plan import components as C
+from megaseq.plan import layers
+from megaseq.plan.components import CAL, Calibration, Mesh, ParamCounts, Precision
+
+
+@dataclass(frozen=True)
+class Run:
+    """Everything one evaluation depends on; ``memory`` holds the MemoryPlan keys."""
+
+    spec: ModelSpec
+    seq_len: int
+    batch: int
+    mesh: Mesh
+    model_dtype: str
+    memory: dict[str, Any]
+    counts: ParamCounts
+    mla_mode: str = "gather_kv"
+    imbalance: float = 4.0
+    grad_accum: int = 1
+    cal: Calibration = CAL
+
+    @property
+    def prec(self) -> Precision:
+        """Dtypes follow the settings: OffloadStreamAdamW leaves a bf16 model on the GPU."""
+        return C.precision_for(self.model_dtype, bool(self.memory.get("optimizer_offload")))
+
+    @property
+    def n(self) -> int:
+        """Tokens one GPU holds: ``B * S / cp``."""
+        return self.batch * self.seq_len // self.mesh.cp
+
+
+@dataclass
+class LayerTerms:
+    """One layer: saved bytes by name (attention half, MLP half) and its temporaries."""
+
+    attn: dict[str, int]
+    ffn: dict[str, int]
+    mixer_fwd: int
+    mixer_bwd: int
+    mlp_fwd: int
+    mlp_bwd: int
+    merge_fwd: int  # the mHC merge's forward temporaries (after either half)
+    wgrad: int  # one weight's gradient temporary (the largest tensor of the layer)
+    boundary_term: int  # the part of ``attn`` that is the layer input itself
+    tiled: bool = False  # the MLP runs tiled: its weights are not held by the layer's graph
+
+    @property
+    def saved(self) -> int:
+        return sum(self.attn.values()) + sum(self.ffn.values())
+
+
+@dataclass
+class Evaluation:
+    peak_tensors: int
+    peak_gpu: int  # + allocator reserve + CUDA context
+    phase: str
+    breakdown: dict[str, int]
+    notes: dict[str, str]
+    phases: dict[str, int]
+    host_per_gpu: dict[str, int]
+    peak_host: int  # per host
+    saved_terms: dict[str, int] = field(default_factory=dict)
+
+
+# ---- per layer --------------------------------------------------------------------------------------
+def _mixer(run: Run, i: int, xb: int) -> tuple[dict[str, int], int, int]:
+    spec, n, prec, mesh = run.spec, run.n, run.prec, run.mesh
+    kind = spec.layer_types[i]
+    comm = C.comm_buffer_bytes(spec, n, kind, prec, mesh, run.mla_mode)
+    if kind == "kda":
+        return (
+            layers.kda_saved(spec, n, xb, prec, run.cal),
+            layers.kda_temp(spec, n, prec, False, run.cal) + comm,
+            layers.kda_temp(spec, n, prec, True, run.cal) + comm,
+        )
+    if kind == "attention":
+        return (
+            layers.attention_saved(spec, n, xb, prec, mesh),
+            layers.attention_temp(spec, n, prec, False) + comm,
+            layers.attention_temp(spec, n, prec, True) + comm,
+        )
+    full = spec.indexer_types[i] == "full"
+    B, S, mode = run.batch, run.seq_len, run.mla_mode
+    saved = layers.dsa_saved(spec, n, B, S, xb, prec, mesh, mode, full, run.cal)
+    fwd = layers.dsa_temp(spec, n, B, S, prec, mesh, mode, False, run.cal)
+    if full:
+        fwd = max(fwd, layers.indexer_temp(spec, n, B, S, int(run.memory["indexer_query_chunk"]), prec))
+    return saved, fwd + comm, layers.dsa_temp(spec, n, B, S, prec, mesh, mode, True, run.cal) + comm
+
+
+def _mlp(run: Run, i: int, xb: int, tokens: int) -> tuple[dict[str, int], int, int]:
+    """(saved, forward temp, backward temp) of layer i's MLP over ``tokens`` tokens."""
+    spec, prec, mesh = run.spec, run.prec, run.mesh
+    kind = spec.mlp_types[i]
+    if kind == "dense":
+        saved = {"mlp (dense SwiGLU)": layers.mlp_saved(spec, tokens, spec.intermediate_size, xb, prec)}
+    else:
+        saved = layers.moe_saved(spec, tokens, xb, prec, mesh, run.imbalance)
+    fwd = layers.mlp_temp(spec, tokens, kind, xb, prec, mesh, run.imbalance, False, run.cal)
+    bwd = layers.mlp_temp(spec, tokens, kind, xb, prec, mesh, run.imbalance, True, run.cal)
+    return saved, fwd, bwd
+
+
+def _largest_weight(spec: ModelSpec, i: int) -> int:
+    """Elements of the layer's largest non-expert weight (its gradient's temporary in backward; the
+    experts' per-expert gradients accumulate without a full-size temporary, as measured on an H200)."""
+    H = spec.hidden_size
+    if spec.mlp_types[i] == "moe":
+        mlp = max(H * spec.moe_intermediate_size * max(spec.num_shared_experts, 1), spec.num_experts * H)
+    else:
+        mlp = H * spec.intermediate_size
+    if spec.layer_types[i] == "kda":
+        mix = H * spec.linear_num_heads * spec.linear_head_dim
+    elif spec.layer_types[i] == "dsa":
+        Hh = spec.num_attention_heads
+        mix = max(
+            spec.q_lora_rank * Hh * spec.qk_head_dim,
+            Hh * spec.v_head_dim * H,
+            spec.kv_lora_rank * Hh * (spec.qk_nope_head_dim + spec.v_head_dim),
+        )
+    else:
+        mix = H * spec.num_attention_heads * (spec.head_dim or H // spec.num_attention_heads)
+    return max(mlp, mix)
+
+
+def layer_terms(run: Run, i: int) -> LayerTerms:
+    spec, n, prec = run.spec, run.n, run.prec
+    N, H, s, c, f = spec.hc_mult, spec.hidden_size, prec.stream, prec.compute, prec.f32
+    norm, xb = C.norm_saved(H, s, prec)
+    mixer, mixer_fwd, mixer_bwd = _mixer(run, i, xb)
+    # with a plain residual (N = 1) an fp32 stream is the norms' own fp32 input: count it once
+    resid = N * H * s if (N > 1 or s == f) else 0
+    attn = {"layer input (boundary)": n * resid}
+    ffn = {"mid-layer residual": n * resid}
+    if N > 1:
+        attn["mHC"] = ffn["mHC"] = n * C.hc_saved(spec, prec, run.cal)
+    attn["input norm"] = ffn["post-attention norm"] = n * norm - (n * resid if N == 1 else 0)
+    attn.update(mixer)
+    tiled = bool(run.memory.get("tiled_mlp"))
+    tile = min(int(run.memory.get("mlp_tile_tokens") or n), n) if tiled else n
+    mlp, mlp_fwd, mlp_bwd = _mlp(run, i, xb, tile)
+    grad_in = n * f * H  # the gradient of the sublayer's input, accumulated in fp32
+    if tiled:  # the tiles run without a graph: their weights' bf16 copies live only inside backward
+        tile_saved = sum(mlp.values())
+        mlp_params = sum(C.mlp_params(spec, spec.mlp_types[i]))
+        mlp_fwd = int(run.cal.nograd_fraction * tile_saved) + mlp_fwd
+        mlp_bwd = tile_saved + mlp_bwd + 2 * C.grad_bytes(mlp_params, run.mesh, prec)
+        mlp_bwd += C.weight_copy_bytes(mlp_params, prec, run.mesh)
+        mlp = {"mlp (tiled: input only)": n * xb * H}
+    ffn.update(mlp)
+    if N > 1:
+        attn["mHC merge"] = n * C.merge_saved(spec, c, prec)
+        ffn["mHC merge (mlp)"] = n * C.merge_saved(spec, c if spec.mlp_types[i] == "dense" else xb, prec)
+    wgrad = prec.grad * _largest_weight(spec, i)
+    merge = n * C.merge_temp(spec, prec) if N > 1 else 0
+    return LayerTerms(
+        attn=attn,
+        ffn=ffn,
+        mixer_fwd=mixer_fwd,
+        mixer_bwd=mixer_bwd + grad_in,
+        mlp_fwd=mlp_fwd,
+        mlp_bwd=mlp_bwd + grad_in,
+        merge_fwd=merge,
+        wgrad=wgrad,
+        boundary_term=attn["layer input (boundary)"],
+        tiled=tiled,
+    )
+
+
+def all_layer_terms(run: Run) -> list[LayerTerms]:
+    """Per layer, computing each distinct (mixer, MLP, indexer) combination once."""
+    cache: dict[tuple, LayerTerms] = {}
+    out = []
+    spec = run.spec
+    for i in range(spec.num_layers):
+        key = (spec.layer_types[i], spec.mlp_types[i], spec.indexer_types[i] if spec.indexer_types else "")
+        if key not in cache:
+            cache[key] = layer_terms(run, i)
+        out.append(cache[key])
+    return out
+
+
+# ---- the sweep ---------------------------------------------------------------------------------------
+def _readers(spec: ModelSpec) -> list[bool]:
+    """Per layer: a full-indexer DSA layer whose selection a later shared layer reads."""
+    out = [False] * spec.num_layers
+    last = None
+    for i, kind in enumerate(spec.layer_types):
+        if kind != "dsa":
+            continue
+        if spec.indexer_types[i] == "full":
+            last = i
+        elif last is not None:
+            out[last] = True
+    return out
+
+
+def _state(run: Run) -> tuple[dict[str, int], list[int], int, int]:
+    """(persistent state, per-layer gradients, head gradient, embedding gradient)."""
+    counts, mesh, prec, m = run.counts, run.mesh, run.prec, run.memory
+    offload = bool(m.get("optimizer_offload"))
+    state = {
+        "parameters": C.param_bytes(counts, mesh, prec),
+        "optimizer state": C.optimizer_gpu_bytes(
+            counts, mesh, prec, offload, int(m["optimizer_bucket_params"])
+        ),
+    }
+    g_layers = [C.grad_bytes(d + x, mesh, prec) for d, x, _ in counts.layers]
+    tied = run.spec.tie_word_embeddings
+    g_head = C.grad_bytes(counts.final_norm + (counts.embed if tied else counts.head), mesh, prec)
+    g_embed = 0 if tied else C.grad_bytes(counts.embed, mesh, prec)
+    return state, g_layers, g_head, g_embed
+
+
+def _copies(run: Run, i: int, cached_only: bool) -> int:
+    """bf16 weight copies of layer i (autocast). ``cached_only``: the autocast cache of a no-grad forward
+    keeps the leaf weights' casts, not the experts' (cast per expert from a view). A tiled MLP runs its
+    tiles without a graph, so the layer's graph holds no copies of the MLP's weights."""
+    dense, experts, _ = run.counts.layers[i]
+    if cached_only:
+        experts = 0
+    elif run.memory.get("tiled_mlp"):
+        dense -= C.mlp_params(run.spec, run.spec.mlp_types[i])[0]
+        experts = 0
+    return C.weight_copy_bytes(dense + experts, run.prec, run.mesh)
+
+
+def _sco_offloaded(run: Run, bnd: int) -> int:
+    m = run.memory
+    if not (m.get("recompute") and m.get("checkpoint_offload")) or bnd == 0:
+        return 0
+    slot = -(-bnd // 512) * 512
+    return min(run.spec.num_layers, int(m.get("offload_host_budget") or 0) // slot)
+
+
+def _phases(run: Run, terms: list[LayerTerms]) -> list[tuple[str, dict[str, int], str]]:
+    spec, prec, mesh, n = run.spec, run.prec, run.mesh, run.n
+    L, H, s = spec.num_layers, spec.hidden_size, prec.stream
+    rec = bool(run.memory.get("recompute"))
+    state, g_layers, g_head, g_embed = _state(run)
+    acc = run.grad_accum > 1
+    g_all = sum(g_layers) + g_head + g_embed
+    counts = run.counts
+    max_layer = max(counts.layer(i) for i in range(L))
+    max_experts = max(x for _, x, _ in counts.layers)
+    fsdp_f = C.fsdp_buffers(max_layer, max_experts, mesh, False)
+    fsdp_b = C.fsdp_buffers(max_layer, max_experts, mesh, True)
+    bnd = C.boundary_bytes(spec, n, prec)
+    final = n * (C.norm_saved(H, s, prec)[0] + s * H)
+    loss = C.loss_bytes(
+        spec, n, s, bool(run.memory.get("chunked_loss")), int(run.memory["loss_chunk_tokens"])
+    )
+    sel = layers.dsa_selection_bytes(spec, n) if "dsa" in spec.layer_types else 0
+    readers = _readers(spec)
+    k = _sco_offloaded(run, bnd)
+    fwd_state = dict(state, **{"gradients": g_all if acc else 0, "FSDP buffers": fsdp_f})
+    out: list[tuple[str, dict[str, int], str]] = []
+    saved_before, copies_before, carry = 0, 0, 0
+    for i, t in enumerate(terms):  # forward
+        A, F = sum(t.attn.values()), t.saved - sum(t.attn.values())
+        kind = f"layer {i} ({spec.layer_types[i]} + {spec.mlp_types[i]})"
+        carry += sel if (rec and readers[i]) else 0
+        if rec:
+            copies_before += _copies(run, i, cached_only=True)
+            kept = max(0, i + 1 - k) + (1 if i < k else 0)
+            work = int(run.cal.nograd_fraction * (t.saved - t.boundary_term))
+            work += max(t.mixer_fwd, t.mlp_fwd, t.merge_fwd)
+            comps = {"checkpoint boundaries": kept * bnd, "layer working set": work}
+        else:
+            copies_before += _copies(run, i, cached_only=False)
+            part, work = max((A, t.mixer_fwd), (A + F, t.mlp_fwd), (A + F, t.merge_fwd), key=sum)
+            comps = {"saved activations": saved_before + part, "layer working set": work}
+            saved_before += t.saved
+        out.append(
+            (
+                f"forward, {kind}",
+                dict(
+                    fwd_state,
+                    **comps,
+                    **{"weight copies (bf16)": copies_before, "DSA selections (carry)": carry},
+                ),
+                kind,
+            )
+        )
+    loss_comps = {
+        "vocabulary projection (loss)": loss,
+        "final norm + hidden": final,
+        "DSA selections (carry)": carry,
+    }
+    if rec:
+        loss_comps["checkpoint boundaries"] = (L - k) * bnd
+    else:
+        loss_comps.update({"saved activations": saved_before, "weight copies (bf16)": copies_before})
+    out.append(("loss", dict(fwd_state, **loss_comps), "loss"))
+    grads = g_head + (g_embed if acc else 0) + (sum(g_layers) if acc else 0)
+    for i in range(L - 1, -1, -1):  # backward
+        t = terms[i]
+        A, F = sum(t.attn.values()), t.saved - sum(t.attn.values())
+        grads += 0 if acc else g_layers[i]
+        kind = f"layer {i} ({spec.layer_types[i]} + {spec.mlp_types[i]})"
+        common = dict(
+            state, **{"gradients": grads, "FSDP buffers": fsdp_b, "activation gradients": 2 * bnd + t.wgrad}
+        )
+        if rec:
+            kept = max(0, i + 1 - k) + min(2, min(i + 1, k))
+            live = sum(sel for j in range(i + 1) if readers[j])
+            comps = {
+                "checkpoint boundaries": kept * bnd,
+                "recomputed layer": t.saved - t.boundary_term,
+                "layer working set": max(t.mixer_bwd, t.mlp_bwd, t.mixer_fwd, t.mlp_fwd),
+                "weight copies (bf16)": _copies(run, i, False),
+                "DSA selections (carry)": live,
+            }
+        else:
+            saved_before -= t.saved
+            part, work = max((A + F, t.mlp_bwd), (A, t.mixer_bwd), key=sum)
+            copies = sum(_copies(run, j, False) for j in range(i + 1))
+            comps = {
+                "saved activations": saved_before + part,
+                "layer working set": work,
+                "weight copies (bf16)": copies,
+            }
+        out.append((f"backward, {kind}", dict(common, **comps), kind))
+    out.append(("optimizer step", dict(state, gradients=g_all), "step"))
+    return out
+
+
+def evaluate(run: Run) -> Evaluation:
+    """The peak over the phases of one step, its breakdown, and the host memory."""
+    terms = all_layer_terms(run)
+    phases = _phases(run, terms)
+    name, comps, where = max(phases, key=lambda p: sum(p[1].values()))
+    tensors = sum(comps.values())
+    reserve = C.allocator_reserve(tensors, run.cal)
+    breakdown = {k: v for k, v in comps.items() if v} | {
+        "allocator reserve": reserve,
+        "CUDA context": run.cal.cuda_context_bytes,
+    }
+    summary: dict[str, int] = {}
+    for label, _, _ in (("forward", 0, 0), ("loss", 0, 0), ("backward", 0, 0), ("optimizer step", 0, 0)):
+        summary[label] = max(sum(c.values()) for p, c, _ in phases if p.startswith(label))
+    saved_terms: dict[str, int] = {}
+    for t in terms:
+        for k, v in list(t.attn.items()) + list(t.ffn.items()):
+            saved_terms[k] = saved_terms.get(k, 0) + v
+    bnd = C.boundary_bytes(run.spec, run.n, run.prec)
+    k = _sco_offloaded(run, bnd)
+    host = {
+        "process (Python, torch, CUDA host state)": run.cal.process_host_bytes,
+        "SCO pinned boundaries": k * (-(-bnd // 512) * 512),
+        "optimizer state (OffloadStreamAdamW)": C.optimizer_host_bytes(
+            run.counts, run.mesh, bool(run.memory.get("optimizer_offload"))
+        ),
+    }
+    notes = {"layer working set": where, "recomputed layer": where, "saved activations": name}
+    return Evaluation(
+        peak_tensors=tensors,
+        peak_gpu=tensors + reserve + run.cal.cuda_context_bytes,
+        phase=name,
+        breakdown=breakdown,
+        notes=notes,
+        phases=summary,
+        host_per_gpu=host,
+        peak_host=sum(host.values()) * run.mesh.gpus_on_host,
+        saved_terms=saved_terms,
+    )

@@ -1,0 +1,438 @@
+"""The memory planner: predict each component's GPU and host bytes, choose the cheapest fixes that fit.
+
+Pure Python (no torch). ``plan(spec, seq_len, mesh)`` sweeps the phases of one training step and takes
+the largest (``docs/planner.md``, ``phases.py``):
+
+- forward at layer l: the saved activations of layers < l (or, with recompute, the boundaries kept on
+  the GPU) + layer l's own forward working set (the largest at the last layers);
+- loss: every layer's saved state + the final norm + the vocabulary projection;
+- backward at layer l: what layers <= l still hold + layer l's backward working set (its recomputed
+  graph under recompute) + the gradients of layers >= l (the largest at the first layers);
+- optimizer step: parameters + gradients + optimizer state;
+
+each on top of the parameters and optimizer state. The fixes are tried cheapest first (``fixes.py``):
+chunked loss, indexer query chunking, MLP/MoE tiling, full recompute, SCO, OffloadStreamAdamW;
+context parallelism needs more GPUs and is only advised, with the other ways to fit, when nothing fits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from megaseq.models.spec import ModelSpec
+from megaseq.plan import components as C
+from megaseq.plan.components import GB, GIB, Calibration, Mesh
+from megaseq.plan.fixes import (  # noqa: F401  (Budgets, H200_GPU_BYTES, HOST_BYTES_PER_GPU: re-exported)
+    H200_GPU_BYTES,
+    HOST_BYTES_PER_GPU,
+    LADDER,
+    Budgets,
+    choose,
+    default_memory,
+    fix_costs,
+)
+from megaseq.plan.flops import (
+    comm_volume,
+    step_flops,
+)
+from megaseq.plan.phases import Evaluation, Run, evaluate
+
+MEMORY_KEYS = (
+    "chunked_loss",
+    "loss_chunk_tokens",
+    "tiled_mlp",
+    "mlp_tile_tokens",
+    "indexer_query_chunk",
+    "recompute",
+    "checkpoint_offload",
+    "offload_host_budget",
+    "optimizer_offload",
+    "optimizer_bucket_params",
+)
+
+
+@dataclass
+class Plan:
+    """A memory plan: components at the peak phase, the chosen fixes and the settings to apply."""
+
+    model: str
+    seq_len: int
+    batch_size: int
+    mesh: dict[str, Any]
+    components: list[tuple[str, int, int, str]]  # (name, GPU bytes at the peak, host bytes per GPU, note)
+    peak_gpu: int  # tensors + allocator reserve + CUDA context: what must fit in gpu_budget
+    peak_gpu_tensors: int  # what torch.cuda.max_memory_allocated should read
+    peak_host: int  # per host (all its GPUs' processes)
+    gpu_budget: int
+    host_budget: int
+    fixes: list[tuple[str, float, str]]  # (setting, estimated step-time cost fraction, why)
+    memory: dict[str, Any]  # MemoryPlan fields (megaseq.memory.apply)
+    fits: bool
+    binding: str
+    advice: str
+    headroom: int
+    peak_phase: str = ""
+    phases: dict[str, int] = field(default_factory=dict)
+    comm: dict[str, Any] = field(default_factory=dict)
+    flops: dict[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dict(self.__dict__)
+        d["components"] = [list(c) for c in self.components]
+        d["fixes"] = [list(f) for f in self.fixes]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Plan:
+        d = dict(d)
+        d["components"] = [tuple(c) for c in d["components"]]
+        d["fixes"] = [tuple(f) for f in d["fixes"]]
+        return cls(**d)
+
+
+# ---- validation -------------------------------------------------------------------------------------
+def validate_mesh(spec: ModelSpec, seq_len: int, mesh: Mesh) -> None:
+    """ValueError when the cp group cannot split the sequence or a token mixer's heads."""
+    cp = mesh.cp
+    if seq_len % cp:
+        raise ValueError(
+            f"data.seq_len = {seq_len} is not divisible by parallel.cp = {cp}: each GPU holds "
+            f"seq_len / cp tokens; use a multiple of {cp}"
+        )
+    if mesh.ep > 1 and spec.num_experts % mesh.ep:
+        raise ValueError(f"parallel.ep = {mesh.ep} must divide num_experts = {spec.num_experts}")
+    if cp == 1:
+        return
+    checks = []
+    kinds = set(spec.layer_types)
+    if "kda" in kinds:
+        checks.append(("KDA layers", "linear_num_heads", spec.linear_num_heads))
+    if "attention" in kinds:
+        checks.append(("attention layers", "num_attention_heads", spec.num_attention_heads))
+    if "dsa" in kinds and mesh.mla_mode == "ulysses":
+        # the indexer is split by queries in both modes (each rank scores its own): its heads need not divide
+        checks.append(
+            ("DSA layers (parallel.mla_mode ulysses)", "num_attention_heads", spec.num_attention_heads)
+        )
+    for what, name, heads in checks:
+        if heads % cp:
+            divisors = [d for d in range(1, heads + 1) if heads % d == 0]
+            extra = " or set --parallel.mla_mode gather_kv (no head limit)" if "mla_mode" in what else ""
+            raise ValueError(
+                f"{what}: {name} = {heads} cannot be split over parallel.cp = {cp} ranks (Ulysses "
+                f"gives each rank heads / cp): use a cp among {divisors}{extra}"
+            )
+
+
+def mla_modes(spec: ModelSpec, mesh: Mesh) -> list[str]:
+    """The DSA context-parallel modes to consider: the configured one, or both when ``auto``."""
+    if "dsa" not in spec.layer_types or mesh.cp == 1 or mesh.mla_mode != "auto":
+        return ["gather_kv" if mesh.mla_mode == "auto" else mesh.mla_mode]
+    return ["gather_kv", "ulysses"] if spec.num_attention_heads % mesh.cp == 0 else ["gather_kv"]
+
+
+# ---- advice when nothing fits -------------------------------------------------------------------------
+def _all_fixes_fit(run: Run, budgets: Budgets, memory_cfg: Any | None) -> bool:
+    return choose(run, budgets, memory_cfg)[2]
+
+
+def _smallest_cp(run: Run, budgets: Budgets, memory_cfg: Any | None) -> int | None:
+    """The smallest cp above the current one (same dp, ep) with which some fix set fits."""
+    spec = run.spec
+    for cp in range(run.mesh.cp + 1, 1025):
+        mesh = replace(
+            run.mesh, cp=cp, mla_mode="gather_kv" if run.mesh.mla_mode == "auto" else run.mesh.mla_mode
+        )
+        try:
+            validate_mesh(spec, run.seq_len, mesh)
+        except ValueError:
+            continue
+        if _all_fixes_fit(replace(run, mesh=mesh, mla_mode=mla_modes(spec, mesh)[0]), budgets, memory_cfg):
+            return cp
+    return None
+
+
+def _longest(run: Run, budgets: Budgets, memory_cfg: Any | None) -> int:
+    """The longest multiple of 1024 * cp tokens that fits on this mesh (0 if none)."""
+    step = 1024 * run.mesh.cp
+    lo, hi = 0, max(1, run.seq_len // step)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if _all_fixes_fit(replace(run, seq_len=mid * step), budgets, memory_cfg):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo * step
+
+
+def no_fit_advice(run: Run, ev: Evaluation, budgets: Budgets, memory_cfg: Any | None, binding: str) -> str:
+    """Name the binding component and what would make the run fit."""
+    gib = f"{ev.peak_gpu / GIB:.1f} GiB > {budgets.gpu_bytes / GIB:.1f} GiB"
+    lines = [f"does not fit: GPU peak {gib} at {ev.phase}; binding component: {binding}."]
+    if ev.peak_host > budgets.host(run.mesh):
+        lines.append(
+            f"host memory: needs {ev.peak_host / GB:.0f} GB per host, the budget is "
+            f"{budgets.host(run.mesh) / GB:.0f} GB: give the host more RAM (--host-mem)."
+        )
+    big_host = replace(budgets, host_bytes=1 << 60)
+    if ev.peak_host <= budgets.host(run.mesh) and _all_fixes_fit(run, big_host, memory_cfg):
+        need = choose(run, big_host, memory_cfg)
+        ev2 = evaluate(replace(run, memory=need[0]))
+        lines.append(
+            f"more host RAM would do: {ev2.peak_host / GB:.0f} GB per host lets SCO / optimizer "
+            "offload take the rest."
+        )
+    state = sum(evaluate(run).breakdown.get(k, 0) for k in ("parameters", "optimizer state"))
+    if state > budgets.gpu_bytes and not run.mesh.fsdp:
+        lines.append(
+            f"parameters + optimizer state alone need {state / GIB:.0f} GiB per GPU: shard them over "
+            f"the GPUs (FSDP) or offload the optimizer."
+        )
+    if binding == "FSDP buffers" and run.mesh.ep == 1 and run.spec.num_experts > 1:
+        lines.append(
+            "most of the FSDP buffers are one layer's gathered routed experts: expert parallelism "
+            "(--parallel.ep) keeps each GPU's experts local."
+        )
+    cp = _smallest_cp(run, budgets, memory_cfg)
+    if cp is not None:
+        gpus = run.mesh.dp * run.mesh.ep * cp
+        lines.append(f"context parallelism: --parallel.cp {cp} ({gpus} GPUs) fits.")
+    longest = _longest(run, budgets, memory_cfg)
+    lines.append(
+        f"the longest length that fits this mesh is {longest} tokens ({longest // 1024}K)."
+        if longest
+        else "no length fits this mesh: the model state itself does not fit."
+    )
+    return " ".join(lines)
+
+
+def _binding(ev: Evaluation) -> str:
+    """The largest component at the peak (allocator slack aside), with its dominant part."""
+    comps = {k: v for k, v in ev.breakdown.items() if k not in ("allocator reserve", "CUDA context")}
+    name = max(comps, key=comps.get)
+    if name == "saved activations" and ev.saved_terms:
+        top = max(ev.saved_terms, key=ev.saved_terms.get)
+        return f"saved activations ({top})"
+    if name in ("layer working set", "recomputed layer"):
+        return f"{name} ({ev.notes.get(name, '')})"
+    return name
+
+
+# ---- entry points -------------------------------------------------------------------------------------
+def _forced(memory_cfg: Any, n: int) -> dict[str, Any]:
+    """The user's settings (memory.auto false), as MemoryPlan fields."""
+    m = default_memory(memory_cfg, n)
+    for key in MEMORY_KEYS:
+        m[key] = getattr(memory_cfg, key)
+    m["offload_host_budget"] = int(m["offload_host_budget"]) if m["checkpoint_offload"] else 0
+    return m
+
+
+def _make_plan(run: Run, budgets: Budgets, memory_cfg: Any | None, name: str) -> Plan:
+    auto = memory_cfg is None or getattr(memory_cfg, "auto", True)
+    if auto:
+        memory, fixes, _ = choose(run, budgets, memory_cfg)
+    else:
+        memory = _forced(memory_cfg, run.n)
+        fixes = tuple(
+            f
+            for f in LADDER
+            if (memory[f] < run.n if f == "indexer_query_chunk" else memory[f])
+            and (f != "indexer_query_chunk" or "dsa" in run.spec.layer_types)
+        )
+    run = replace(run, memory=memory)
+    ev = evaluate(run)
+    fits = ev.peak_gpu <= budgets.gpu_bytes and ev.peak_host <= budgets.host(run.mesh)
+    costs = fix_costs(run)
+    sco_gb = memory["offload_host_budget"] / GB
+    why = {
+        "chunked_loss": f"vocabulary projection in chunks of {memory['loss_chunk_tokens']} tokens",
+        "indexer_query_chunk": f"indexer scores {memory['indexer_query_chunk']} queries at a time",
+        "tiled_mlp": f"MLP/MoE in tiles of {memory['mlp_tile_tokens']} tokens, recomputed in backward",
+        "recompute": "each layer keeps only its input; its forward is rerun in backward",
+        "checkpoint_offload": f"layer inputs to pinned host memory, {sco_gb:.1f} GB",
+        "optimizer_offload": "fp32 master weights, moments and gradients in host memory, streamed",
+    }
+    binding = _binding(ev)
+    advice = (
+        f"fits: GPU peak {ev.peak_gpu / GIB:.1f} of {budgets.gpu_bytes / GIB:.1f} GiB at {ev.phase}"
+        if fits
+        else no_fit_advice(run, ev, budgets, memory_cfg, binding)
+    )
+    host = ev.host_per_gpu
+    components = [(k, v, 0, ev.notes.get(k, "")) for k, v in ev.breakdown.items()]
+    components += [(f"host: {k}", 0, v, "per GPU process") for k, v in host.items() if v]
+    sf = step_flops(run.spec, run.seq_len)
+    return Plan(
+        model=name,
+        seq_len=run.seq_len,
+        batch_size=run.batch,
+        mesh={
+            "dp": run.mesh.dp,
+            "cp": run.mesh.cp,
+            "ep": run.mesh.ep,
+            "gpus_per_host": run.mesh.gpus_per_host,
+            "fsdp": run.mesh.fsdp,
+            "mla_mode": run.mla_mode,
+        },
+        components=components,
+        peak_gpu=ev.peak_gpu,
+        peak_gpu_tensors=ev.peak_tensors,
+        peak_host=ev.peak_host,
+        gpu_budget=budgets.gpu_bytes,
+        host_budget=budgets.host(run.mesh),
+        fixes=[(f, round(costs[f], 4), why[f]) for f in fixes],
+        memory=memory,
+        fits=fits,
+        binding=binding,
+        advice=advice,
+        headroom=budgets.gpu_bytes - ev.peak_gpu,
+        peak_phase=ev.phase,
+        phases=ev.phases,
+        comm=comm_volume(run.spec, run.seq_len, run.mesh, run.batch) if run.mesh.cp > 1 else {},
+        flops={
+            "per_token": sf.per_token,
+            "per_step": sf.total * run.batch,
+            "loss": sf.loss,
+            "mlp": sf.mlp,
+            "layers": sf.layers,
+            "indexer": sf.indexer,
+        },
+    )
+
+
+def plan(
+    spec: ModelSpec,
+    seq_len: int,
+    mesh: Mesh | None = None,
+    budgets: Budgets | None = None,
+    memory_cfg: Any | None = None,
+    batch_size: int = 1,
+    *,
+    model_dtype: str = "bf16",
+    grad_accum: int = 1,
+    moe_imbalance: float = 4.0,
+    calibration: Calibration = C.CAL,
+    name: str = "",
+) -> Plan:
+    """Plan one training step of ``spec`` at ``seq_len`` tokens per sequence on ``mesh``.
+
+    ``memory_cfg`` (a ``megaseq.config.MemoryConfig``): with ``auto`` false its settings are used as
+    given; otherwise the planner picks the cheapest fixes that fit. ``moe_imbalance`` is the max/mean
+    expert load used under expert parallelism (BRIEF: about 4 on real long-context data).
+    """
+    mesh = mesh or Mesh()
+    budgets = budgets or Budgets()
+    if seq_len < 1 or batch_size < 1:
+        raise ValueError(f"seq_len ({seq_len}) and batch_size ({batch_size}) must be >= 1")
+    validate_mesh(spec, seq_len, mesh)
+    counts = C.count_params(spec)
+    best: Plan | None = None
+    for mode in mla_modes(spec, mesh):
+        run = Run(
+            spec=spec,
+            seq_len=seq_len,
+            batch=batch_size,
+            mesh=mesh,
+            model_dtype=model_dtype,
+            memory=default_memory(memory_cfg, batch_size * seq_len // mesh.cp),
+            counts=counts,
+            mla_mode=mode,
+            imbalance=moe_imbalance,
+            grad_accum=grad_accum,
+            cal=calibration,
+        )
+        p = _make_plan(run, budgets, memory_cfg, name or spec.family)
+        if best is None or _better(p, best):
+            best = p
+    assert best is not None
+    return best
+
+
+def _better(a: Plan, b: Plan) -> bool:
+    """Fits beats not; then the cheaper fixes (+ the DSA mode's communication); then the lower peak."""
+    if a.fits != b.fits:
+        return a.fits
+    cost_a, cost_b = sum(f[1] for f in a.fixes), sum(f[1] for f in b.fixes)
+    comm_a = a.comm.get("dsa", {}).get(a.mesh["mla_mode"], 0)
+    comm_b = b.comm.get("dsa", {}).get(b.mesh["mla_mode"], 0)
+    return (round(cost_a, 6), comm_a, a.peak_gpu) < (round(cost_b, 6), comm_b, b.peak_gpu)
+
+
+def peak_for(
+    spec: ModelSpec,
+    seq_len: int,
+    memory: dict[str, Any],
+    mesh: Mesh | None = None,
+    batch_size: int = 1,
+    *,
+    model_dtype: str = "bf16",
+    grad_accum: int = 1,
+    moe_imbalance: float = 4.0,
+    mla_mode: str | None = None,
+    calibration: Calibration = C.CAL,
+) -> Evaluation:
+    """Evaluate one given setting (MemoryPlan keys) without choosing anything: the phase peaks and
+    the breakdown. ``mla_mode`` defaults to the mesh's (``auto`` meaning gather_kv, as the runtime)."""
+    mesh = mesh or Mesh()
+    validate_mesh(spec, seq_len, mesh)
+    mode = mla_mode or ("gather_kv" if mesh.mla_mode == "auto" else mesh.mla_mode)
+    full = dict(default_memory(None, batch_size * seq_len // mesh.cp), **memory)
+    run = Run(
+        spec=spec,
+        seq_len=seq_len,
+        batch=batch_size,
+        mesh=mesh,
+        model_dtype=model_dtype,
+        memory=full,
+        counts=C.count_params(spec),
+        mla_mode=mode,
+        imbalance=moe_imbalance,
+        grad_accum=grad_accum,
+        cal=calibration,
+    )
+    return evaluate(run)
+
+
+def plan_from_config(
+    cfg: Any,
+    world_size: int,
+    gpu_bytes: int | None = None,
+    host_bytes: int | None = None,
+    gpus_per_host: int | None = None,
+) -> Plan:
+    """Plan a ``megaseq.config.Config`` run on ``world_size`` GPUs (H200s unless told otherwise)."""
+    from megaseq.models.presets import resolve_spec
+
+    spec = resolve_spec(cfg.model.name)
+    pc, mc = cfg.parallel, cfg.memory
+    inner = pc.cp * pc.ep
+    if world_size % inner:
+        raise ValueError(
+            f"world size {world_size} is not a multiple of parallel.cp * parallel.ep = {inner}: "
+            f"use a multiple of {inner} GPUs or lower --parallel.cp"
+        )
+    dp = world_size // inner if pc.dp == -1 else pc.dp
+    if dp * inner != world_size:
+        raise ValueError(
+            f"parallel.dp * cp * ep = {dp * inner} but {world_size} GPUs were given: set "
+            f"--parallel.dp {world_size // inner} (or -1)"
+        )
+    mesh = Mesh(
+        dp=dp, cp=pc.cp, ep=pc.ep, gpus_per_host=gpus_per_host or min(world_size, 8), mla_mode=pc.mla_mode
+    )
+    gpu = [b for b in (gpu_bytes, None if mc.gpu_budget == "auto" else mc.gpu_budget) if b]
+    host = host_bytes or (None if mc.host_budget == "auto" else mc.host_budget)
+    budgets = Budgets(gpu_bytes=min(gpu) if gpu else H200_GPU_BYTES, host_bytes=host)
+    return plan(
+        spec,
+        cfg.data.seq_len,
+        mesh,
+        budgets,
+        mc,
+        cfg.train.batch_size,
+        model_dtype=cfg.model.dtype,
+        grad_accum=cfg.train.grad_accum,
+        name=cfg.model.name,
+    )

@@ -1,0 +1,114 @@
+"""Render a memory plan: a table of components (GPU and host GiB), the chosen fixes with their time
+cost, the headroom or the no-fit message, and the per-phase peaks. Plain text, rich, or JSON."""
+
+from __future__ import annotations
+
+import io
+import json
+from typing import Any
+
+from megaseq.plan.components import GB, GIB
+from megaseq.plan.planner import Plan
+
+
+def _gib(b: float) -> str:
+    return f"{b / GIB:,.2f}" if b else "-"
+
+
+def _size(n: int) -> str:
+    for unit, k in (("M", 1 << 20), ("K", 1 << 10)):
+        if n >= k and n % k == 0:
+            return f"{n // k}{unit}"
+    return str(n)
+
+
+def _rows(plan: Plan) -> list[tuple[str, str, str, str]]:
+    return [(name, _gib(gpu), _gib(host), note) for name, gpu, host, note in plan.components]
+
+
+def _header(plan: Plan) -> str:
+    m = plan.mesh
+    gpus = m["dp"] * m["cp"] * m["ep"]
+    return (
+        f"{plan.model}: {_size(plan.seq_len)} tokens x batch {plan.batch_size} on {gpus} GPU(s) "
+        f"(dp {m['dp']}, cp {m['cp']}, ep {m['ep']}{', FSDP' if m.get('fsdp') else ''}"
+        f"{', MLA ' + m['mla_mode'] if m['cp'] > 1 else ''})"
+    )
+
+
+def _footer(plan: Plan) -> list[str]:
+    lines = [
+        f"peak GPU {plan.peak_gpu / GIB:.2f} GiB of {plan.gpu_budget / GIB:.2f} GiB "
+        f"(tensors {plan.peak_gpu_tensors / GIB:.2f} GiB) at {plan.peak_phase}; "
+        f"headroom {plan.headroom / GIB:+.2f} GiB",
+        f"peak host {plan.peak_host / GB:.1f} GB per host of {plan.host_budget / GB:.1f} GB",
+    ]
+    if plan.phases:
+        lines.append(
+            "phase peaks (tensors): " + ", ".join(f"{k} {v / GIB:.1f} GiB" for k, v in plan.phases.items())
+        )
+    if plan.fixes:
+        lines.append("fixes (estimated step-time cost):")
+        lines += [f"  {name:<20} +{cost * 100:5.1f}%  {why}" for name, cost, why in plan.fixes]
+    else:
+        lines.append("fixes: none needed")
+    for kind, v in plan.comm.items():
+        mode = v["mode"]
+        lines.append(
+            f"context parallel {kind}: {mode}, {v[mode] / GB:.2f} GB per layer per step "
+            f"({v['per_step'] / GB:.1f} GB over {v['layers']} layers)"
+            + (
+                f"; the other mode moves {v['ulysses' if mode == 'gather_kv' else 'gather_kv'] / GB:.2f} GB"
+                if "gather_kv" in v
+                else ""
+            )
+        )
+    if plan.flops:
+        lines.append(
+            f"model FLOPs per token {plan.flops['per_token'] / 1e9:.1f} GFLOP (training, no recompute)"
+        )
+    lines.append(plan.advice[0].upper() + plan.advice[1:] if plan.advice else "")
+    return lines
+
+
+def format_plan(plan: Plan, rich: bool | None = None, width: int = 110) -> str:
+    """The plan as text; with ``rich`` (default: when the rich package imports) a rich table."""
+    if rich is None or rich:
+        try:
+            return _format_rich(plan, width)
+        except ImportError:
+            if rich:
+                raise
+    name_w = max(len(r[0]) for r in _rows(plan))
+    lines = [_header(plan), f"{'component':<{name_w}}  {'GPU GiB':>10}  {'host GiB':>10}  note"]
+    lines += [f"{n:<{name_w}}  {g:>10}  {h:>10}  {note}" for n, g, h, note in _rows(plan)]
+    return "\n".join(lines + _footer(plan))
+
+
+def _format_rich(plan: Plan, width: int) -> str:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=_header(plan), title_justify="left")
+    table.add_column("component")
+    table.add_column("GPU GiB", justify="right")
+    table.add_column("host GiB", justify="right")
+    table.add_column("note")
+    for row in _rows(plan):
+        table.add_row(*row)
+    buf = io.StringIO()
+    console = Console(file=buf, width=width, force_terminal=False, color_system=None)
+    console.print(table)
+    for line in _footer(plan):
+        console.print(line, highlight=False, markup=False)
+    return buf.getvalue().rstrip("\n")
+
+
+def plan_json(plan: Plan) -> str:
+    """The plan as JSON (what the run directory stores as plan.json)."""
+    return json.dumps(plan.to_dict(), indent=2, default=str)
+
+
+def plan_from_json(text: str) -> Plan:
+    data: dict[str, Any] = json.loads(text)
+    return Plan.from_dict(data)

@@ -1,0 +1,97 @@
+"""The softmax-attention block's ops and helpers: reference vs SDPA, document masking, KV repeats."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megaseq.models.blocks.attention import (
+    Attention,
+    attention_reference,
+    attention_sdpa,
+    kv_repeats,
+    positions_for,
+)
+from megaseq.models.context import SeqContext
+from megaseq.models.presets import get_preset
+from megaseq.ops import dispatch
+
+torch.set_num_threads(2)
+
+
+def _qkv(B: int, S: int, Hq: int, Hkv: int, D: int, dtype: torch.dtype, device: str = "cpu", seed: int = 0):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    return [torch.randn(B, S, h, D, generator=gen, device=device).to(dtype) for h in (Hq, Hkv, Hkv)]
+
+
+def _dense_reference(q, k, v, doc_ids, scale):
+    """The plain S x S masked softmax in float64, the definition the two ops must agree with."""
+    q, k, v = (t.double() for t in (q, k, v))
+    g = q.shape[2] // k.shape[2]
+    k, v = k.repeat_interleave(g, 2), v.repeat_interleave(g, 2)
+    S = q.shape[1]
+    allowed = torch.ones(S, S, dtype=torch.bool, device=q.device).tril()[None]
+    if doc_ids is not None:
+        allowed = allowed & (doc_ids[:, :, None] == doc_ids[:, None, :])
+    scores = torch.einsum("bshd,bthd->bhst", q, k) * scale
+    scores = scores.masked_fill(~allowed[:, None], float("-inf"))
+    return torch.einsum("bhst,bthd->bshd", scores.softmax(-1), v)
+
+
+DOCS = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2, 2, 2, 3], [5, 5, 5, 5, 5, 5, 5, 6, 6, 6, 6]])
+
+
+@pytest.mark.parametrize("doc_ids", [None, DOCS])
+def test_reference_and_sdpa_match_dense_definition(doc_ids) -> None:
+    q, k, v = _qkv(2, 11, 6, 2, 5, torch.float64, seed=1)
+    want = _dense_reference(q, k, v, doc_ids, 5**-0.5)
+    torch.testing.assert_close(attention_reference(q, k, v, doc_ids, 5**-0.5), want, rtol=1e-6, atol=1e-7)
+    q32, k32, v32 = (t.float() for t in (q, k, v))
+    torch.testing.assert_close(attention_sdpa(q32, k32, v32, doc_ids, 5**-0.5).double(), want,
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_reference_blocks_over_queries(monkeypatch: pytest.MonkeyPatch) -> None:
+    import megaseq.models.blocks.attention as attn
+
+    q, k, v = _qkv(1, 23, 4, 4, 3, torch.float64, seed=2)
+    whole = attention_reference(q, k, v, None, 0.5)
+    monkeypatch.setattr(attn, "REFERENCE_BLOCK_ELEMS", 4 * 23 * 5)  # blocks of 5 queries
+    blocked = attention_reference(q, k, v, None, 0.5)  # GEMM shapes differ: equal up to float64 rounding
+    torch.testing.assert_close(blocked, whole, rtol=1e-12, atol=1e-14)
+
+
+def test_sdpa_is_skipped_for_float64_and_recorded() -> None:
+    spec = get_preset("qwen3-moe-tiny")
+    block = Attention(spec, layer="layers.0.self_attn")
+    dispatch.reset_records()
+    block(torch.randn(1, 7, spec.hidden_size), SeqContext())
+    block.double()(torch.randn(1, 7, spec.hidden_size, dtype=torch.float64), SeqContext())
+    rec = {r.impl: r.reason for layer, r in dispatch.records() if layer == "layers.0.self_attn"}
+    assert "torch_reference" in rec and "float64" in rec["torch_reference"]
+
+
+def test_positions_restart_at_documents() -> None:
+    ctx = SeqContext(doc_ids=DOCS)
+    pos = positions_for(ctx, 2, 11, torch.device("cpu"))
+    assert pos.tolist()[0] == [0, 1, 2, 0, 1, 0, 1, 2, 3, 4, 0]
+    assert positions_for(SeqContext(), 1, 4, torch.device("cpu")).tolist() == [[0, 1, 2, 3]]
+
+
+@pytest.mark.parametrize("Hq, Hkv, cp, rep", [(8, 2, 2, 1), (8, 2, 4, 2), (6, 2, 3, 3), (12, 4, 6, 3),
+                                               (8, 8, 4, 1)])
+def test_kv_repeats(Hq: int, Hkv: int, cp: int, rep: int) -> None:
+    assert kv_repeats(Hq, Hkv, cp) == rep
+    with pytest.raises(ValueError, match="must divide num_attention_heads"):
+        kv_repeats(Hq, Hkv, Hq + 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_sdpa_matches_reference_on_gpu_bf16() -> None:
+    doc_ids = torch.repeat_interleave(torch.arange(3), torch.tensor([700, 1, 323]))[None].cuda()
+    q, k, v = _qkv(1, 1024, 8, 2, 128, torch.bfloat16, device="cuda", seed=3)
+    want = _dense_reference(q, k, v, doc_ids, 128**-0.5)
+    for op in (attention_sdpa, attention_reference):
+        got = op(q, k, v, doc_ids, 128**-0.5)
+        torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=2e-2)

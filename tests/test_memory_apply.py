@@ -1,0 +1,113 @@
+"""apply_memory_plan on the real GLM-5.3-Flash and Qwen3-MoE blocks: every scheme at once vs plain.
+
+A 12-layer GLM model has DSA layers 3 (full indexer), 7 (shared: reuses layer 3's selection) and 11
+(full), so during backward ``ctx.carry`` holds layer 11's selection when layer 7 is recomputed: the
+recompute must see what layer 7 saw. Two documents per row, a top-k smaller than the pool count.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from megaseq.memory import indexer_scoring
+from megaseq.memory.apply import MemoryPlan, apply_memory_plan, loss_fn, make_optimizer
+from megaseq.memory.offload import boundary_bytes, round_up
+from megaseq.memory.offload_adam import OffloadStreamAdamW
+from megaseq.models.build import build_model
+from megaseq.models.presets import _glm5_indexer, _glm5_pattern, glm5_flash_tiny, qwen3_moe_tiny
+
+torch.set_num_threads(1)
+S = 53
+
+
+def _glm5_12() -> object:
+    lt = _glm5_pattern(12)
+    return glm5_flash_tiny().replace(num_layers=12, layer_types=lt, mlp_types=("dense",) + ("moe",) * 11,
+                                     indexer_types=_glm5_indexer(lt, share_every_other=True), index_topk=32)
+
+
+def _batch(vocab: int):
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (2, S), generator=g)
+    doc_ids = torch.tensor([[0] * 20 + [1] * (S - 20), [0] * S])
+    labels = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], dim=1)
+    labels[0, 19] = -100  # no target across the document boundary
+    return ids, doc_ids, labels
+
+
+def _step(model, plan: MemoryPlan | None):
+    ids, doc_ids, labels = _batch(model.spec.vocab_size)
+    model.zero_grad(set_to_none=True)
+    hidden = model(ids, doc_ids=doc_ids)
+    fn = loss_fn(plan or MemoryPlan())
+    loss = fn(hidden, model.lm_head.weight, labels)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    counts = {n: m.last_tokens_per_expert.clone() for n, m in model.named_modules()
+              if hasattr(m, "last_tokens_per_expert")}
+    return loss.detach(), grads, counts
+
+
+# the routers compute in float32 (HF fidelity): their weight gradients are float32 sums over tokens,
+# whose order tiling changes
+ROUTER_TOL = {"rtol": 1e-5, "atol": 1e-9}
+TOL = {"rtol": 1e-10, "atol": 1e-12}
+
+
+@pytest.mark.parametrize("make_spec", [_glm5_12, qwen3_moe_tiny], ids=["glm5", "qwen3_moe"])
+def test_every_scheme_at_once_matches_plain(make_spec):
+    spec = make_spec()
+    plain = build_model(spec, dtype=torch.float64, seed=0)
+    model = copy.deepcopy(plain)
+    ref = _step(plain, None)
+    hc = spec.hc_mult
+    plan = MemoryPlan(chunked_loss=True, loss_chunk_tokens=13, tiled_mlp=True, mlp_tile_tokens=10,
+                      indexer_query_chunk=7, recompute=True, checkpoint_offload=True,
+                      offload_host_budget=5 * round_up(boundary_bytes(2 * S, spec.hidden_size, hc, 8)))
+    done = apply_memory_plan(model, plan)
+    try:
+        got = _step(model, plan)
+    finally:
+        indexer_scoring.QUERY_CHUNK = 1 << 40
+    assert done.checkpointed == spec.num_layers and len(done.tiled) == spec.num_layers
+    assert done.offloader.num_offloaded == min(5, spec.num_layers)
+    torch.testing.assert_close(got[0], ref[0], **TOL)
+    assert got[1].keys() == ref[1].keys()
+    for name in ref[1]:
+        tol = ROUTER_TOL if name.endswith("mlp.gate.weight") else TOL
+        torch.testing.assert_close(got[1][name], ref[1][name], **tol, msg=lambda m, n=name: f"{n}: {m}")
+    for name in ref[2]:  # MoE load metrics: the forward's counts, not doubled by recompute
+        assert torch.equal(got[2][name], ref[2][name]), name
+
+
+def test_reapplying_replaces_the_plan():
+    model = build_model(qwen3_moe_tiny(), dtype=torch.float64, seed=0)
+    apply_memory_plan(model, MemoryPlan(tiled_mlp=True, mlp_tile_tokens=4, recompute=True))
+    apply_memory_plan(model, MemoryPlan(tiled_mlp=True, mlp_tile_tokens=9, recompute=True))
+    assert model.layers[0].mlp.forward.tile_tokens == 9
+    assert model.layers[0].forward.inner.__func__ is type(model.layers[0]).forward  # not stacked
+    apply_memory_plan(model, MemoryPlan())
+    assert "forward" not in model.layers[0].__dict__ and "forward" not in model.layers[0].mlp.__dict__
+    keys = set(build_model(qwen3_moe_tiny(), dtype=torch.float64, seed=0).state_dict())
+    assert set(model.state_dict()) == keys
+
+
+def test_plan_validation_and_from_dict():
+    with pytest.raises(ValueError, match="memory.recompute"):
+        MemoryPlan(checkpoint_offload=True)
+    with pytest.raises(ValueError, match="memory.mlp_tile_tokens"):
+        MemoryPlan(mlp_tile_tokens=0)
+    plan = MemoryPlan.from_dict({"tiled_mlp": True, "mlp_tile_tokens": 512, "gpu_budget": "auto"})
+    assert plan.tiled_mlp and plan.mlp_tile_tokens == 512
+    with pytest.raises(ValueError, match="layers"):
+        apply_memory_plan(torch.nn.Linear(2, 2), plan)
+
+
+def test_make_optimizer_follows_the_plan():
+    params = [torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))]
+    hp = (1e-3, (0.9, 0.95), 1e-8, 0.1)
+    assert isinstance(make_optimizer(params, MemoryPlan(optimizer_offload=True), *hp), OffloadStreamAdamW)
+    assert type(make_optimizer(params, MemoryPlan(), *hp)) is torch.optim.AdamW

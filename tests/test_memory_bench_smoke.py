@@ -1,0 +1,23 @@
+"""benchmarks/bench_memory_schemes.py runs end to end on tiny CPU shapes (--smoke) and writes its report."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_memory_schemes.py"
+
+
+def test_memory_benchmark_smoke(tmp_path):
+    spec = importlib.util.spec_from_file_location("bench_memory_schemes", BENCH)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "mem.json"
+    assert bench.main(["--smoke", "--out", str(out)]) == 0
+    results = json.loads(out.read_text())["results"]
+    assert set(results) == {"vocab_loss", "chunked_long", "tiled_moe", "sco", "offload_adam"}
+    for name, section in results.items():
+        assert "error" not in section, (name, section.get("error"))
+    assert results["sco"]["sco_all_offloaded"]["offloaded_per_step"] == 3
+    assert "| SCO step time |" in out.with_suffix(".md").read_text()

@@ -1,0 +1,189 @@
+"""The planner's choices: no fix where none is needed, the cheapest fixes as the length grows, each one
+needed, refusal naming the binding component, mesh validation, forced settings, torch-free planning."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from megaseq.config import MemoryConfig, build_config
+from megaseq.models.presets import get_preset
+from megaseq.plan import GB, GIB, Mesh, plan, plan_from_config
+from megaseq.plan.planner import LADDER, MEMORY_KEYS, Budgets, Plan, peak_for
+from test_plan_components import small_spec
+
+SPEC_1GPU = get_preset("glm5-flash-1gpu")
+K = 1024
+
+
+def _fits(spec, seq_len, memory, mesh=None, budgets=Budgets()):
+    ev = peak_for(spec, seq_len, memory, mesh)
+    return ev.peak_gpu <= budgets.gpu_bytes and ev.peak_host <= budgets.host(mesh or Mesh())
+
+
+def _without(memory: dict, fix: str, n: int) -> dict:
+    m = dict(memory)
+    if fix == "indexer_query_chunk":
+        m[fix] = n
+    else:
+        m[fix] = False
+    if fix == "recompute":
+        m["checkpoint_offload"] = False
+    return m
+
+
+@pytest.fixture(scope="module")
+def ladder() -> dict[int, Plan]:
+    return {k: plan(SPEC_1GPU, k * K) for k in (8, 20, 32, 48, 96, 128, 160, 192, 240)}
+
+
+def test_no_fixes_when_none_needed(ladder):
+    p = ladder[8]
+    assert p.fits and p.fixes == []
+    assert not any(p.memory[k] for k in ("chunked_loss", "tiled_mlp", "recompute", "checkpoint_offload",
+                                         "optimizer_offload"))
+    assert p.memory["indexer_query_chunk"] == 8 * K  # all queries in one block
+
+
+def test_fixes_grow_with_length_in_ladder_order(ladder):
+    first_seen: dict[str, int] = {}
+    for k, p in sorted(ladder.items()):
+        assert p.fits, (k, p.advice)
+        names = [f[0] for f in p.fixes]
+        assert names == sorted(names, key=LADDER.index)  # listed cheapest-first, in ladder order
+        for name in names:
+            first_seen.setdefault(name, k)
+    assert min(first_seen, key=first_seen.get) == "chunked_loss"  # the cheapest fix comes first
+    assert first_seen["recompute"] <= first_seen["checkpoint_offload"]  # SCO only on top of recompute
+    assert set(first_seen) == set(LADDER)  # by 240K every rung has been needed somewhere
+
+
+def test_every_chosen_fix_is_needed(ladder):
+    """Dropping any enabled fix (SCO with recompute) makes the plan no longer fit."""
+    for k, p in ladder.items():
+        for name, _, _ in p.fixes:
+            assert not _fits(SPEC_1GPU, k * K, _without(p.memory, name, k * K)), (k, name)
+        assert _fits(SPEC_1GPU, k * K, p.memory)
+
+
+def test_refusal_names_binding_component_and_ways_to_fit():
+    p = plan(SPEC_1GPU, 1 << 20)
+    assert not p.fits and p.headroom < 0
+    assert p.binding and p.binding in p.advice
+    assert "--parallel.cp" in p.advice and "longest length that fits" in p.advice
+    longest = int(p.advice.split("longest length that fits this mesh is ")[1].split(" ")[0])
+    assert 0 < longest < 1 << 20 and plan(SPEC_1GPU, longest).fits
+    assert not plan(SPEC_1GPU, longest + 1024).fits
+    full = plan(get_preset("glm5-flash"), 1 << 20)  # 313B parameters on one GPU: the state alone is too big
+    assert not full.fits and full.binding in full.advice
+    assert "FSDP" in full.advice and "no length fits" in full.advice
+
+
+def test_full_model_on_64_gpus_plans_without_torch():
+    code = (
+        "import sys\n"
+        "from megaseq.models.presets import get_preset\n"
+        "from megaseq.plan import Mesh, format_plan, plan\n"
+        "from megaseq.plan.planner import Budgets\n"
+        "spec = get_preset('glm5-flash')\n"
+        "sharded = plan(spec, 1 << 20, Mesh(cp=64, gpus_per_host=8, fsdp=True), Budgets(host_bytes=2 * 10**12))\n"
+        "replicated = plan(spec, 1 << 20, Mesh(cp=64, gpus_per_host=8))\n"
+        "text = format_plan(sharded)\n"
+        "assert 'torch' not in sys.modules, 'the planner imported torch'\n"
+        "print(sharded.fits, replicated.fits, replicated.binding, sharded.mesh['mla_mode'])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    sharded_fits, replicated_fits, binding, mode = out.stdout.split()
+    # replicated, 313B parameters in bf16 alone exceed a GPU: the state must bind
+    assert replicated_fits == "False" and binding in ("parameters", "gradients")
+    assert mode in ("gather_kv", "ulysses")
+
+
+def test_mesh_validation_errors():
+    with pytest.raises(ValueError, match=r"seq_len = 4096 is not divisible by parallel.cp = 3"):
+        plan(SPEC_1GPU, 4096, Mesh(cp=3))
+    with pytest.raises(ValueError, match=r"KDA layers: linear_num_heads = 16 .* parallel.cp = 32"):
+        plan(SPEC_1GPU, 32 * K, Mesh(cp=32))
+    spec = small_spec(linear_num_heads=4, num_attention_heads=2)
+    with pytest.raises(ValueError, match=r"DSA layers .*num_attention_heads = 2.*gather_kv"):
+        plan(spec, 1024, Mesh(cp=4, mla_mode="ulysses"))
+    assert plan(spec, 1024, Mesh(cp=4, mla_mode="gather_kv")).mesh["mla_mode"] == "gather_kv"
+    with pytest.raises(ValueError, match=r"attention layers: num_attention_heads = 4"):
+        plan(get_preset("qwen3-moe-tiny"), 1024, Mesh(cp=8))
+    with pytest.raises(ValueError, match="parallel.ep"):
+        plan(spec, 1024, Mesh(ep=3))
+
+
+def test_user_forced_settings_are_respected():
+    cfg = MemoryConfig(auto=False, chunked_loss=True, loss_chunk_tokens="4K", recompute=True,
+                       indexer_query_chunk="512")
+    p = plan(SPEC_1GPU, 64 * K, memory_cfg=cfg)
+    assert p.memory["chunked_loss"] and p.memory["loss_chunk_tokens"] == 4096 and p.memory["recompute"]
+    assert not p.memory["tiled_mlp"] and p.memory["indexer_query_chunk"] == 512
+    assert [f[0] for f in p.fixes] == ["chunked_loss", "indexer_query_chunk", "recompute"]
+    bare = plan(SPEC_1GPU, 128 * K, memory_cfg=MemoryConfig(auto=False))
+    # the config's default indexer chunk (1K) applies as given; nothing else is switched on
+    assert not bare.fits and [f[0] for f in bare.fixes] == ["indexer_query_chunk"] and "does not fit" in bare.advice
+
+
+def test_memory_dict_is_a_memory_plan():
+    p = plan(SPEC_1GPU, 160 * K)
+    assert tuple(p.memory) == MEMORY_KEYS
+    assert p.memory["checkpoint_offload"] and p.memory["offload_host_budget"] > 0
+    try:
+        from megaseq.memory.apply import MemoryPlan
+    except ImportError:
+        pytest.skip("megaseq.memory.apply not present")
+    MemoryPlan(**p.memory)
+
+
+def test_peak_model_responds_to_each_fix():
+    n = 64 * K
+    base = peak_for(SPEC_1GPU, n, {})
+    chunked = peak_for(SPEC_1GPU, n, {"chunked_loss": True, "loss_chunk_tokens": 1024})
+    assert chunked.phases["loss"] < base.phases["loss"]
+    rec = peak_for(SPEC_1GPU, n, {"recompute": True})
+    assert rec.phases["forward"] < base.phases["forward"] and "checkpoint boundaries" in rec.breakdown
+    sco = peak_for(SPEC_1GPU, n, {"recompute": True, "checkpoint_offload": True, "offload_host_budget": 40 * GB})
+    assert sco.breakdown.get("checkpoint boundaries", 0) < rec.breakdown["checkpoint boundaries"]
+    assert sco.host_per_gpu["SCO pinned boundaries"] > 0 and sco.peak_host > rec.peak_host
+    opt = peak_for(SPEC_1GPU, n, {"optimizer_offload": True})
+    assert opt.phases["optimizer step"] < base.phases["optimizer step"]
+    assert opt.host_per_gpu["optimizer state (OffloadStreamAdamW)"] > 0
+
+
+def test_smaller_budgets_need_more_fixes():
+    roomy = plan(SPEC_1GPU, 32 * K)
+    tight = plan(SPEC_1GPU, 32 * K, budgets=Budgets(gpu_bytes=80 * GIB))
+    assert sum(f[1] for f in tight.fixes) > sum(f[1] for f in roomy.fixes)
+    assert tight.peak_gpu <= 80 * GIB
+
+
+def test_plan_round_trips_through_json():
+    p = plan(SPEC_1GPU, 1 << 20)
+    again = Plan.from_dict(json.loads(json.dumps(p.to_dict())))
+    assert again == p
+
+
+def test_plan_from_config():
+    cfg = build_config({"model": {"name": "glm5-flash-1gpu"}, "data": {"seq_len": "32K"}})
+    p = plan_from_config(cfg, world_size=1)
+    assert p.fits and p.seq_len == 32 * K and tuple(p.memory) == MEMORY_KEYS
+    small = plan_from_config(cfg, world_size=1, gpu_bytes=60 * GIB)
+    assert small.gpu_budget == 60 * GIB and small.peak_gpu <= 60 * GIB
+    cp = build_config({"model": {"name": "glm5-flash-1gpu"}, "data": {"seq_len": "256K"}, "parallel": {"cp": 4, "dp": -1}})
+    p4 = plan_from_config(cp, world_size=8, host_bytes=512 * GB)
+    assert p4.mesh["dp"] == 2 and p4.mesh["cp"] == 4 and "dsa" in p4.comm
+    with pytest.raises(ValueError, match="not a multiple of parallel.cp"):
+        plan_from_config(cp, world_size=6)
+
+
+def test_context_parallel_comm_mode_is_reported():
+    p = plan(SPEC_1GPU, 256 * K, Mesh(cp=4, gpus_per_host=4))
+    dsa = p.comm["dsa"]
+    assert p.mesh["mla_mode"] in ("gather_kv", "ulysses") and {"gather_kv", "ulysses"} <= set(dsa)
+    assert p.comm["kda"]["mode"] == "ulysses"
