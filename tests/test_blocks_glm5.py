@@ -150,6 +150,15 @@ def test_chunked_scoring_gives_identical_indices():
     assert one >= 4096 * 32 * 4  # at least one query's head scores
 
 
+def test_topk_ties_go_to_the_lowest_index():
+    gen = torch.Generator().manual_seed(17)
+    x = torch.randint(0, 4, (60, 23), generator=gen).to(F64)  # many exact ties
+    for k in (1, 5, 23):
+        got = indexer_scoring.topk_lowest_index_ties(x, k)
+        want = torch.sort(x, dim=-1, descending=True, stable=True).indices[:, :k]
+        assert got.sort(-1).values.tolist() == want.sort(-1).values.tolist()
+
+
 def test_blocked_sparse_attention_equals_single_block(monkeypatch):
     gen = torch.Generator().manual_seed(7)
     q, k, v = (_randn(2, 3, 29, 6, gen=gen).requires_grad_() for _ in range(3))

@@ -68,7 +68,7 @@ def make_config(mlp: str = "mixed", **kw):
         qk_nope_head_dim=12, n_group=4, topk_group=2, num_experts_per_tok=3,
         layer_types=[lin, lin, lin, dsa, dsa, lin, lin, dsa], mlp_layer_types=mlp_types,
         indexer_types=["full"] * 4 + ["shared"] + ["full"] * 3,
-        index_topk=8, index_head_dim=10, index_n_heads=8, index_kpool=4, linear_head_dim=6,
+        index_topk=8, index_head_dim=10, index_n_heads=16, index_kpool=4, linear_head_dim=6,
         linear_num_heads=3, linear_conv_kernel_dim=4, hc_mult=4, hc_sinkhorn_iters=5, pad_token_id=0,
         swiglu_limit=1.5, rms_norm_eps=1e-5)
     cfg = hf_glm.Glm5NextTextConfig(**{**base, **kw})

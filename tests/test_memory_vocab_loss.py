@@ -56,6 +56,18 @@ def test_chunked_matches_plain(reduction, chunk_tokens, vocab_chunk):
         torch.testing.assert_close(o, r, **TOL, msg=lambda m, name=name: f"{name}: {m}")
 
 
+def test_weight_gradient_row_blocks(monkeypatch):
+    """The weight gradient is accumulated in row blocks (bounding a temporary); blocks that split a strip."""
+    import megaseq.memory.vocab_loss as vl
+
+    monkeypatch.setattr(vl, "WEIGHT_GRAD_ROWS", 7)
+    hidden, weight, labels = _inputs(9)
+    ref = _loss_and_grads(plain_linear_cross_entropy, hidden, weight, labels)
+    got = _loss_and_grads(chunked_linear_cross_entropy, hidden, weight, labels, chunk_tokens=11, vocab_chunk=30)
+    for r, o in zip(ref, got):
+        torch.testing.assert_close(o, r, **TOL)
+
+
 def test_plain_matches_torch_cross_entropy():
     hidden, weight, labels = _inputs(1)
     expected = F.cross_entropy(hidden @ weight.T, labels, ignore_index=-100)

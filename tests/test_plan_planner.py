@@ -12,6 +12,7 @@ import pytest
 from megaseq.config import MemoryConfig, build_config
 from megaseq.models.presets import get_preset
 from megaseq.plan import GB, GIB, Mesh, plan, plan_from_config
+from megaseq.plan.fixes import INDEXER_SCORING_MAX
 from megaseq.plan.planner import LADDER, MEMORY_KEYS, Budgets, Plan, peak_for
 from test_plan_components import small_spec
 
@@ -19,7 +20,8 @@ SPEC_1GPU = get_preset("glm5-flash-1gpu")
 K = 1024
 
 
-def _fits(spec, seq_len, memory, mesh=None, budgets=Budgets()):
+def _fits(spec, seq_len, memory, mesh=None, budgets=None):
+    budgets = budgets or Budgets()
     ev = peak_for(spec, seq_len, memory, mesh)
     return ev.peak_gpu <= budgets.gpu_bytes and ev.peak_host <= budgets.host(mesh or Mesh())
 
@@ -37,11 +39,11 @@ def _without(memory: dict, fix: str, n: int) -> dict:
 
 @pytest.fixture(scope="module")
 def ladder() -> dict[int, Plan]:
-    return {k: plan(SPEC_1GPU, k * K) for k in (8, 20, 32, 48, 96, 128, 160, 192, 240)}
+    return {k: plan(SPEC_1GPU, k * K) for k in (8, 16, 20, 32, 48, 96, 128, 160, 192, 224)}
 
 
 def test_no_fixes_when_none_needed(ladder):
-    p = ladder[8]
+    p = ladder[8]  # 8K tokens on one H200: nothing to fix
     assert p.fits and p.fixes == []
     assert not any(p.memory[k] for k in ("chunked_loss", "tiled_mlp", "recompute", "checkpoint_offload",
                                          "optimizer_offload"))
@@ -56,17 +58,28 @@ def test_fixes_grow_with_length_in_ladder_order(ladder):
         assert names == sorted(names, key=LADDER.index)  # listed cheapest-first, in ladder order
         for name in names:
             first_seen.setdefault(name, k)
-    assert min(first_seen, key=first_seen.get) == "chunked_loss"  # the cheapest fix comes first
+    costly = {f: k for f, k in first_seen.items() if f != "indexer_query_chunk"}
+    assert min(costly, key=costly.get) == "chunked_loss"  # the cheapest fix with a cost comes first
     assert first_seen["recompute"] <= first_seen["checkpoint_offload"]  # SCO only on top of recompute
-    assert set(first_seen) == set(LADDER)  # by 240K every rung has been needed somewhere
+    assert set(first_seen) == set(LADDER)  # by 224K every rung has been needed somewhere
 
 
 def test_every_chosen_fix_is_needed(ladder):
-    """Dropping any enabled fix (SCO with recompute) makes the plan no longer fit."""
+    """Dropping any enabled fix (SCO with recompute) makes the plan no longer fit; the free indexer
+    chunking is on exactly when all queries at once would score more than INDEXER_SCORING_MAX."""
+    from megaseq.plan.layers import indexer_scoring_bytes
+
     for k, p in ladder.items():
+        n = k * K
         for name, _, _ in p.fixes:
-            assert not _fits(SPEC_1GPU, k * K, _without(p.memory, name, k * K)), (k, name)
-        assert _fits(SPEC_1GPU, k * K, p.memory)
+            if name != "indexer_query_chunk":
+                assert not _fits(SPEC_1GPU, n, _without(p.memory, name, n)), (k, name)
+        whole = indexer_scoring_bytes(n, n // 16, 32, 128)  # 16-token pools, 32 heads, 2048 / 16 selected
+        chunked = "indexer_query_chunk" in [f[0] for f in p.fixes]
+        unchunked_fits = _fits(SPEC_1GPU, n, dict(p.memory, indexer_query_chunk=n))
+        assert chunked == (whole > INDEXER_SCORING_MAX or not unchunked_fits)
+        assert indexer_scoring_bytes(p.memory["indexer_query_chunk"], n // 16, 32, 128) <= INDEXER_SCORING_MAX
+        assert _fits(SPEC_1GPU, n, p.memory)
 
 
 def test_refusal_names_binding_component_and_ways_to_fit():
@@ -89,7 +102,8 @@ def test_full_model_on_64_gpus_plans_without_torch():
         "from megaseq.plan import Mesh, format_plan, plan\n"
         "from megaseq.plan.planner import Budgets\n"
         "spec = get_preset('glm5-flash')\n"
-        "sharded = plan(spec, 1 << 20, Mesh(cp=64, gpus_per_host=8, fsdp=True), Budgets(host_bytes=2 * 10**12))\n"
+        "mesh = Mesh(cp=64, gpus_per_host=8, fsdp=True)\n"
+        "sharded = plan(spec, 1 << 20, mesh, Budgets(host_bytes=2 * 10**12))\n"
         "replicated = plan(spec, 1 << 20, Mesh(cp=64, gpus_per_host=8))\n"
         "text = format_plan(sharded)\n"
         "assert 'torch' not in sys.modules, 'the planner imported torch'\n"
@@ -127,11 +141,12 @@ def test_user_forced_settings_are_respected():
     assert [f[0] for f in p.fixes] == ["chunked_loss", "indexer_query_chunk", "recompute"]
     bare = plan(SPEC_1GPU, 128 * K, memory_cfg=MemoryConfig(auto=False))
     # the config's default indexer chunk (1K) applies as given; nothing else is switched on
-    assert not bare.fits and [f[0] for f in bare.fixes] == ["indexer_query_chunk"] and "does not fit" in bare.advice
+    assert not bare.fits and "does not fit" in bare.advice
+    assert [f[0] for f in bare.fixes] == ["indexer_query_chunk"]
 
 
 def test_memory_dict_is_a_memory_plan():
-    p = plan(SPEC_1GPU, 160 * K)
+    p = plan(SPEC_1GPU, 192 * K)
     assert tuple(p.memory) == MEMORY_KEYS
     assert p.memory["checkpoint_offload"] and p.memory["offload_host_budget"] > 0
     try:
@@ -148,7 +163,8 @@ def test_peak_model_responds_to_each_fix():
     assert chunked.phases["loss"] < base.phases["loss"]
     rec = peak_for(SPEC_1GPU, n, {"recompute": True})
     assert rec.phases["forward"] < base.phases["forward"] and "checkpoint boundaries" in rec.breakdown
-    sco = peak_for(SPEC_1GPU, n, {"recompute": True, "checkpoint_offload": True, "offload_host_budget": 40 * GB})
+    sco_memory = {"recompute": True, "checkpoint_offload": True, "offload_host_budget": 40 * GB}
+    sco = peak_for(SPEC_1GPU, n, sco_memory)
     assert sco.breakdown.get("checkpoint boundaries", 0) < rec.breakdown["checkpoint boundaries"]
     assert sco.host_per_gpu["SCO pinned boundaries"] > 0 and sco.peak_host > rec.peak_host
     opt = peak_for(SPEC_1GPU, n, {"optimizer_offload": True})
@@ -175,7 +191,8 @@ def test_plan_from_config():
     assert p.fits and p.seq_len == 32 * K and tuple(p.memory) == MEMORY_KEYS
     small = plan_from_config(cfg, world_size=1, gpu_bytes=60 * GIB)
     assert small.gpu_budget == 60 * GIB and small.peak_gpu <= 60 * GIB
-    cp = build_config({"model": {"name": "glm5-flash-1gpu"}, "data": {"seq_len": "256K"}, "parallel": {"cp": 4, "dp": -1}})
+    cp = build_config({"model": {"name": "glm5-flash-1gpu"}, "data": {"seq_len": "256K"},
+                       "parallel": {"cp": 4, "dp": -1}})
     p4 = plan_from_config(cp, world_size=8, host_bytes=512 * GB)
     assert p4.mesh["dp"] == 2 and p4.mesh["cp"] == 4 and "dsa" in p4.comm
     with pytest.raises(ValueError, match="not a multiple of parallel.cp"):

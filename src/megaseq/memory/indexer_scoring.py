@@ -25,10 +25,11 @@ def indexer_scoring_bytes(query_chunk: int, num_pools: int, num_heads: int, num_
     """Peak bytes of one scoring chunk.
 
     Per query row: head scores ``[I, P]`` (computed and relu'd in place), the head-summed scores
-    ``[P]``, the validity mask ``[P]`` (bool) and the top-K values and int64 indices plus their
-    validity: ``c * (P * ((I + 1) * itemsize + 1) + K * (itemsize + 9))``.
+    ``[P]``, the validity mask ``[P]`` (bool), the tie-break masks and ranks (8 bytes per pool) and
+    the top-K values and int64 indices plus their validity:
+    ``c * (P * ((I + 1) * itemsize + 9) + K * (itemsize + 9))``.
     """
-    per_row = num_pools * ((num_heads + 1) * itemsize + 1) + num_select * (itemsize + 9)
+    per_row = num_pools * ((num_heads + 1) * itemsize + 9) + num_select * (itemsize + 9)
     return query_chunk * per_row
 
 
@@ -61,7 +62,24 @@ def select_pools(q_QID: torch.Tensor, weights_QI: torch.Tensor, keys_PD: torch.T
         del scores_cIP
         valid_cP = (pool_end_P[None, :] <= q_pos_Q[s:e, None]) & (pool_doc_P[None, :] == q_doc_Q[s:e, None])
         index_cP.masked_fill_(~valid_cP, floor)
-        top = index_cP.topk(k, dim=-1).indices
+        top = topk_lowest_index_ties(index_cP, k)
         sel[s:e] = top
         ok[s:e] = valid_cP.gather(-1, top)
     return sel, ok
+
+
+def topk_lowest_index_ties(x_cP: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest entries per row; among equal values at the cut the lowest indices win.
+
+    ``torch.topk`` leaves the choice among ties unspecified (on the CPU it depends on the row's length
+    and layout), and exact ties are common here: a pool whose head scores are all relu'd to zero scores
+    exactly 0. A fixed rule makes the selection independent of how rows and pools are laid out
+    (documents packed or not, queries chunked or sharded). Returns ``[c, k]`` in no particular order.
+    """
+    cut = x_cP.topk(k, dim=-1).values[:, -1:]
+    above = x_cP > cut
+    at = x_cP == cut
+    room = k - above.sum(-1, keepdim=True, dtype=torch.int32)
+    chosen = above | (at & (at.to(torch.int32).cumsum(-1, dtype=torch.int32) <= room))
+    # exactly k ones per row, so this topk has no ties to break
+    return chosen.to(torch.int8).topk(k, dim=-1).indices

@@ -300,8 +300,8 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
 
     # ---- checkpoints -----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """torch layout: ``state`` by parameter index (step, exp_avg, exp_avg_sq, master; host tensors)."""
-        self.grads_to_host()
+        """torch layout: ``state`` by parameter index (step, exp_avg, exp_avg_sq, master: views of the host
+        buffers, complete since ``step`` synchronises its copies; clone them to keep a snapshot)."""
         return super().state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

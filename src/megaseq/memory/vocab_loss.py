@@ -29,6 +29,9 @@ import torch
 import torch.nn.functional as F
 
 REDUCTIONS = ("mean", "sum", "none")
+# grad_weight rows updated per matmul: the fp32-output addmm makes a temporary of its output
+# (rows x H x 4 bytes), so a whole-vocabulary update would cost another V x H x 4
+WEIGHT_GRAD_ROWS = 16384
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -196,7 +199,9 @@ class _ChunkedLinearCE(torch.autograd.Function):
                 if need_h:
                     _addmm_acc(gh_CH, d_CV, weight[v0:v1])
                 if need_w:
-                    _addmm_acc(grad_w32[v0:v1], d_CV.T, h_CH)
+                    for r0 in range(v0, v1, WEIGHT_GRAD_ROWS):
+                        r1 = min(r0 + WEIGHT_GRAD_ROWS, v1)
+                        _addmm_acc(grad_w32[r0:r1], d_CV[:, r0 - v0:r1 - v0].T, h_CH)
             if need_h:
                 grad_h[a:b] = gh_CH
         grad_w = grad_w32.to(weight.dtype) if need_w else None
@@ -248,17 +253,18 @@ def vocab_loss_bytes(N: int, H: int, V: int, chunk_tokens: int, dtype_bytes: int
              on an H200 in bf16), ``N*V*3a`` otherwise. Its peak comes before the input gradients exist.
     chunked: the input gradient ``N*H*d``, the per-token lse and loss ``2*N*a``, and in backward one
              strip ``C*Vc*(d + a)`` (recomputed logits, then the fp32 softmax and the input-dtype result)
-             with the chunk's fp32 input-gradient accumulator ``C*H*a``; for half inputs the fp32 weight
-             gradient ``V*H*4`` is held throughout and cast to ``V*H*d`` at the end (after the strips),
-             otherwise the weight gradient ``V*H*d`` is the accumulator itself. Independent of N but for
-             the two per-token terms.
+             with the chunk's fp32 input-gradient accumulator ``C*H*a`` and, for half inputs, the fp32
+             addmm output temporary of one block of weight-gradient rows ``min(Vc, 16384)*H*4``; for half
+             inputs the fp32 weight gradient ``V*H*4`` is held throughout and cast to ``V*H*d`` at the end
+             (after the strips), otherwise the weight gradient ``V*H*d`` is the accumulator itself.
+             Independent of N but for the two per-token terms.
     """
     d = dtype_bytes
     half = d < 4
     a = 4 if half else d
     C, Vc = min(chunk_tokens, N), min(vocab_chunk or V, V)
     plain = N * V * (2 * a + 2 * d) if half else N * V * 3 * a
-    strip = C * Vc * (d + a) + C * H * a
+    strip = C * Vc * (d + a) + C * H * a + (min(Vc, WEIGHT_GRAD_ROWS) * H * 4 if half else 0)
     per_token = 2 * N * a + N * H * d
     chunked = per_token + (V * H * 4 + max(strip, V * H * d) if half else V * H * d + strip)
     return {"plain": plain, "chunked": chunked}

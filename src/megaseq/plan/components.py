@@ -330,26 +330,27 @@ def merge_saved(spec: ModelSpec, y_bytes: int, prec: Precision) -> int:
 
 
 # ---- loss, communication, allocator ------------------------------------------------------------------
-def loss_bytes(spec: ModelSpec, n: int, d: int, chunked: bool, chunk_tokens: int) -> int:
-    """Vocabulary projection + cross-entropy working set, its weight gradient left to the gradients,
-    with the hidden gradient ``n * H * d``; ``a = max(d, 4)``, ``u = a`` for half inputs (the upcast) else 0.
+WEIGHT_GRAD_ROWS = 16384  # memory/vocab_loss.py: rows of one fp32 weight-gradient addmm block (half inputs)
 
-    plain (``memory/vocab_loss.py: plain_linear_cross_entropy``): forward the logits, their upcast and
-    the saved log-softmax ``n V (d + u + a)``; backward the log-softmax, its gradient and the logits'
-    gradient (+ its cast back for half inputs) ``n V (3a + u/2)``; the larger of the two.
-    chunked: ``3 n a`` per-token state + the fp32 weight-gradient accumulator ``V H 4`` (half inputs) +
-    the larger of a forward strip ``C V (d + a)`` (logits, exp temporary) and a backward strip
-    ``C V (d + u) + C H a`` (recomputed logits, their probabilities, the grad_hidden accumulator).
-    (Measured on an H200 with fp32 hidden: 12 B per logit plain, 8 chunked.)"""
+
+def loss_bytes(spec: ModelSpec, n: int, d: int, chunked: bool, chunk_tokens: int) -> int:
+    """Vocabulary projection + cross-entropy working set (``memory/vocab_loss.py: vocab_loss_bytes``,
+    the same formula; its owner measured it on an H200), ``d`` the hidden's bytes, ``a = max(d, 4)``.
+
+    plain: the logits and what cross-entropy keeps and makes of them, ``n V (2a + 2d)`` for half inputs
+    and ``3 a n V`` otherwise (12 B per logit either way; the peak comes before the input gradients).
+    chunked: the input gradient ``n H d`` and the per-token lse and loss ``2 n a``; one backward strip
+    ``C V (d + a) + C H a`` (+ an fp32 block of weight-gradient rows for half inputs); the weight
+    gradient (fp32 ``V H 4`` held, cast to ``V H d`` at the end, for half inputs; else ``V H d``)."""
     H, V = spec.hidden_size, spec.vocab_size
-    a = 4 if d < 4 else d
-    u = a if d < 4 else 0
-    grad_h = n * H * d
+    half = d < 4
+    a = 4 if half else d
     if not chunked:
-        return n * V * max(d + u + a, 3 * a + u // 2) + grad_h
+        return n * V * (2 * a + 2 * d) if half else n * V * 3 * a
     C = min(chunk_tokens, n)
-    w_acc = V * H * 4 if d < 4 else 0
-    return 3 * n * a + grad_h + w_acc + max(C * V * (d + a), C * V * (d + u) + C * H * a)
+    strip = C * V * (d + a) + C * H * a + (min(V, WEIGHT_GRAD_ROWS) * H * 4 if half else 0)
+    per_token = 2 * n * a + n * H * d
+    return per_token + (V * H * 4 + max(strip, V * H * d) if half else V * H * d + strip)
 
 
 def comm_buffer_bytes(spec: ModelSpec, n: int, kind: str, prec: Precision, mesh: Mesh, mode: str) -> int:

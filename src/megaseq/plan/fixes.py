@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from megaseq.plan import components as C
+from megaseq.plan import layers
 from megaseq.plan.components import GB, GIB, Mesh
 from megaseq.plan.flops import DEVICE_BYTES_PER_S, PINNED_BYTES_PER_S, step_flops, step_seconds
 from megaseq.plan.phases import Evaluation, Run, evaluate
@@ -29,8 +30,14 @@ LADDER = (
     "checkpoint_offload",
     "optimizer_offload",
 )
-# chunk-size ranges (powers of two) the planner chooses from: (smallest, largest worth having)
-LOSS_CHUNKS, TILE_CHUNKS, INDEXER_CHUNKS = (512, 8192), (1024, 65536), (64, 4096)
+# chunk-size ranges (powers of two) the planner chooses from, (smallest, largest worth having): past
+# 8K-token loss chunks and 16K-token tiles the launches are amortised, so growing further would only spend
+# headroom; the indexer's ceiling is INDEXER_SCORING_MAX
+LOSS_CHUNKS, TILE_CHUNKS, INDEXER_CHUNKS = (512, 8192), (1024, 16384), (64, None)
+# one indexer scoring chunk stays under this (BRIEF: "a few hundred queries at a time keeps that under
+# 2 GiB"); chunking is free, and an unchunked 32 GiB scoring tensor failed at 64K tokens on an H200 with
+# 58 GiB reserved but free (allocator fragmentation), so the bound applies whether or not memory is short
+INDEXER_SCORING_MAX = 2 * GIB
 SCO_BASE_COST = 0.019  # BRIEF section 4: SCO throughput within 1.9%
 LOSS_CHUNK_COST = 0.05  # BRIEF section 4: +4-5% of the loss time
 
@@ -120,10 +127,31 @@ def _fits(ev: Evaluation, budgets: Budgets, mesh: Mesh) -> bool:
     return ev.peak_gpu <= budgets.gpu_bytes and ev.peak_host <= budgets.host(mesh)
 
 
+def indexer_chunk_cap(run: Run) -> int:
+    """The largest query chunk (a power of two, or every local query) whose scoring chunk stays under
+    ``INDEXER_SCORING_MAX``; ``n`` when the model has no DSA layer or all queries fit at once."""
+    spec = run.spec
+    if "dsa" not in spec.layer_types:
+        return run.n
+    kp = max(spec.index_kpool, 1)
+    pools, select = run.seq_len // kp, spec.index_topk // kp
+
+    def scoring(q: int) -> int:
+        return layers.indexer_scoring_bytes(q, pools, spec.index_n_heads, select)
+
+    if scoring(run.n // run.batch) <= INDEXER_SCORING_MAX:
+        return run.n
+    q = 1
+    while q * 2 <= run.n and scoring(q * 2) <= INDEXER_SCORING_MAX:
+        q *= 2
+    return q
+
+
 def _grow(run: Run, m: dict[str, Any], budgets: Budgets) -> dict[str, Any]:
     """Each enabled chunk size as large as still fits (powers of two, ladder order)."""
+    cap = indexer_chunk_cap(run)
     for key, flag, (lo, hi) in (
-        ("indexer_query_chunk", None, INDEXER_CHUNKS),
+        ("indexer_query_chunk", None, (INDEXER_CHUNKS[0], cap)),
         ("loss_chunk_tokens", "chunked_loss", LOSS_CHUNKS),
         ("mlp_tile_tokens", "tiled_mlp", TILE_CHUNKS),
     ):
@@ -143,12 +171,15 @@ def choose(
     run: Run, budgets: Budgets, memory_cfg: Any | None
 ) -> tuple[dict[str, Any], tuple[str, ...], bool]:
     """(settings, enabled fixes, fits): the cheapest fix set that fits, chunk sizes grown to the budget."""
-    base = default_memory(memory_cfg, run.n)
+    base = dict(default_memory(memory_cfg, run.n), indexer_query_chunk=indexer_chunk_cap(run))
     costs = fix_costs(run)
     host_room = budgets.host(run.mesh) // run.mesh.gpus_on_host - run.cal.process_host_bytes
     for fixes in _candidates(run, costs):
         m = _with_fixes(base, fixes, run, host_room)
         if _fits(evaluate(replace(run, memory=m)), budgets, run.mesh):
-            return _grow(run, m, budgets), fixes, True
+            m = _grow(run, m, budgets)
+            if m["indexer_query_chunk"] < run.n and "indexer_query_chunk" not in fixes:  # the 2 GiB bound
+                fixes = tuple(f for f in LADDER if f in fixes or f == "indexer_query_chunk")
+            return m, fixes, True
     every = tuple(f for f in LADDER if f != "indexer_query_chunk" or "dsa" in run.spec.layer_types)
     return _with_fixes(base, every, run, host_room), every, False

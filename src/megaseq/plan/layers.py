@@ -113,22 +113,25 @@ def dsa_saved(
 
 def indexer_scoring_bytes(query_chunk: int, num_pools: int, num_heads: int, num_select: int) -> int:
     """One scoring chunk (``memory/indexer_scoring.py``, same formula): per query row the head scores
-    ``[I, P]``, the head sum ``[P]`` in fp32, the validity mask ``[P]`` and the top-K values/indices:
-    ``c * (P * ((I + 1) * 4 + 1) + K * 13)``."""
-    return query_chunk * (num_pools * ((num_heads + 1) * 4 + 1) + num_select * 13)
+    ``[I, P]`` and their head sum ``[P]`` in fp32, the validity mask, the tie-break masks and ranks
+    (9 B per pool) and the top-K values, int64 indices and validity:
+    ``c * (P * ((I + 1) * 4 + 9) + K * 13)``."""
+    return query_chunk * (num_pools * ((num_heads + 1) * 4 + 9) + num_select * 13)
 
 
 def indexer_temp(spec: ModelSpec, n: int, batch: int, seq_len: int, query_chunk: int, prec: Precision) -> int:
     """The indexer's forward (no grad): its queries ``c * I * Di`` and head weights ``f * I`` per query,
     the gathered keys + gates and pooling temporaries ``(3c + 2f) * Di`` and positions/documents
-    ``16`` per sequence token, one scoring chunk, and the selection in int64 then int32 ``12 * W``."""
+    ``16`` per sequence token, and the larger of one scoring chunk and the selection in int64 then
+    int32 ``12 * W`` (built after the scoring)."""
     I, Di, c, f = spec.index_n_heads, spec.index_head_dim, prec.compute, prec.f32
     kp = max(spec.index_kpool, 1)
     chunk = min(query_chunk, n // batch)
     per_query = c * I * Di + f * I + c * 2 * Di
     per_key = (3 * c + 2 * f) * Di + 16
     scoring = indexer_scoring_bytes(chunk, seq_len // kp, I, spec.index_topk // kp)
-    return n * per_query + batch * seq_len * per_key + scoring + 3 * dsa_selection_bytes(spec, n)
+    # the int64 selection and its int32 copy are built after the last scoring chunk is freed
+    return n * per_query + batch * seq_len * per_key + max(scoring, 3 * dsa_selection_bytes(spec, n))
 
 
 def dsa_temp(

@@ -71,6 +71,13 @@ class LayerTerms:
     def saved(self) -> int:
         return sum(self.attn.values()) + sum(self.ffn.values())
 
+    @property
+    def before_mixer_output(self) -> int:
+        """The attention half's saved bytes while the mixer's working set peaks: before its output
+        stage (o_proj's input, the merge) and, for DSA, before the selection exists."""
+        late = ("o_proj input", "merge", "selection")
+        return sum(v for k, v in self.attn.items() if not any(w in k for w in late))
+
 
 @dataclass
 class Evaluation:
@@ -162,7 +169,9 @@ def layer_terms(run: Run, i: int) -> LayerTerms:
     tiled = bool(run.memory.get("tiled_mlp"))
     tile = min(int(run.memory.get("mlp_tile_tokens") or n), n) if tiled else n
     mlp, mlp_fwd, mlp_bwd = _mlp(run, i, xb, tile)
-    grad_in = n * f * H  # the gradient of the sublayer's input, accumulated in fp32
+    # backward: the gradient of the sublayer's output and of its input (accumulated in fp32)
+    grad_attn = n * H * (c + f)
+    grad_mlp = n * H * ((c if spec.mlp_types[i] == "dense" else xb) + f)
     if tiled:  # the tiles run without a graph: their weights' bf16 copies live only inside backward
         tile_saved = sum(mlp.values())
         mlp_params = sum(C.mlp_params(spec, spec.mlp_types[i]))
@@ -180,9 +189,9 @@ def layer_terms(run: Run, i: int) -> LayerTerms:
         attn=attn,
         ffn=ffn,
         mixer_fwd=mixer_fwd,
-        mixer_bwd=mixer_bwd + grad_in,
+        mixer_bwd=mixer_bwd + grad_attn,
         mlp_fwd=mlp_fwd,
-        mlp_bwd=mlp_bwd + grad_in,
+        mlp_bwd=mlp_bwd + grad_mlp,
         merge_fwd=merge,
         wgrad=wgrad,
         boundary_term=attn["layer input (boundary)"],
@@ -291,7 +300,9 @@ def _phases(run: Run, terms: list[LayerTerms]) -> list[tuple[str, dict[str, int]
             comps = {"checkpoint boundaries": kept * bnd, "layer working set": work}
         else:
             copies_before += _copies(run, i, cached_only=False)
-            part, work = max((A, t.mixer_fwd), (A + F, t.mlp_fwd), (A + F, t.merge_fwd), key=sum)
+            part, work = max(
+                (t.before_mixer_output, t.mixer_fwd), (A + F, t.mlp_fwd), (A + F, t.merge_fwd), key=sum
+            )
             comps = {"saved activations": saved_before + part, "layer working set": work}
             saved_before += t.saved
         out.append(
@@ -321,26 +332,36 @@ def _phases(run: Run, terms: list[LayerTerms]) -> list[tuple[str, dict[str, int]
         A, F = sum(t.attn.values()), t.saved - sum(t.attn.values())
         grads += 0 if acc else g_layers[i]
         kind = f"layer {i} ({spec.layer_types[i]} + {spec.mlp_types[i]})"
-        common = dict(
-            state, **{"gradients": grads, "FSDP buffers": fsdp_b, "activation gradients": 2 * bnd + t.wgrad}
-        )
+        common = dict(state, **{"gradients": grads, "FSDP buffers": fsdp_b})
+        # layer i's own peak, as (saved part, temporaries, activation gradients) at each moment: its
+        # backward (the MLP half first, then the mixer with the MLP half freed); under recompute first its
+        # rerun forward, when only the incoming gradient exists, and in its backward the rerun's output,
+        # which memory/offload.py keeps alive while autograd.grad runs
+        out_alive = bnd if rec else 0
+        agrad = 2 * bnd + t.wgrad + out_alive
+        branches = [(A + F, t.mlp_bwd, agrad), (A, t.mixer_bwd, agrad)]
+        if rec:
+            pre = t.before_mixer_output
+            branches += [(pre, t.mixer_fwd, bnd), (A + F, t.mlp_fwd, bnd), (A + F, t.merge_fwd, bnd)]
+        part, work, agrad = max(branches, key=sum)
         if rec:
             kept = max(0, i + 1 - k) + min(2, min(i + 1, k))
             live = sum(sel for j in range(i + 1) if readers[j])
             comps = {
                 "checkpoint boundaries": kept * bnd,
-                "recomputed layer": t.saved - t.boundary_term,
-                "layer working set": max(t.mixer_bwd, t.mlp_bwd, t.mixer_fwd, t.mlp_fwd),
+                "recomputed layer": part - t.boundary_term,
+                "layer working set": work,
+                "activation gradients": agrad,
                 "weight copies (bf16)": _copies(run, i, False),
                 "DSA selections (carry)": live,
             }
         else:
             saved_before -= t.saved
-            part, work = max((A + F, t.mlp_bwd), (A, t.mixer_bwd), key=sum)
             copies = sum(_copies(run, j, False) for j in range(i + 1))
             comps = {
                 "saved activations": saved_before + part,
                 "layer working set": work,
+                "activation gradients": agrad,
                 "weight copies (bf16)": copies,
             }
         out.append((f"backward, {kind}", dict(common, **comps), kind))

@@ -248,7 +248,8 @@ def _make_plan(run: Run, budgets: Budgets, memory_cfg: Any | None, name: str) ->
     sco_gb = memory["offload_host_budget"] / GB
     why = {
         "chunked_loss": f"vocabulary projection in chunks of {memory['loss_chunk_tokens']} tokens",
-        "indexer_query_chunk": f"indexer scores {memory['indexer_query_chunk']} queries at a time",
+        "indexer_query_chunk": f"indexer scores {memory['indexer_query_chunk']} queries at a time "
+        "(one scoring chunk under 2 GiB or as the budget needs)",
         "tiled_mlp": f"MLP/MoE in tiles of {memory['mlp_tile_tokens']} tokens, recomputed in backward",
         "recompute": "each layer keeps only its input; its forward is rerun in backward",
         "checkpoint_offload": f"layer inputs to pinned host memory, {sco_gb:.1f} GB",

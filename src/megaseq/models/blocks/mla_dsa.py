@@ -101,13 +101,13 @@ class Indexer(nn.Module):
     def forward(self, x_BQH: torch.Tensor, q_resid_BQR: torch.Tensor, ctx: SeqContext) -> torch.Tensor:
         """Selected key indices (global, -1 = empty) ``[B, Q, W]`` int32."""
         B, Q, _ = x_BQH.shape
-        assert Q < 2**31
         q_BQID = self.wq_b(q_resid_BQR).view(B, Q, self.n_heads, self.head_dim)
         k_BQD = self.k_norm(self.wk(x_BQH))
         gate_BQD = F.linear(x_BQH, self.index_kpool_compress_gate)
         k_BSD, gate_BSD = ctx.gather_seq(torch.cat([k_BQD, gate_BQD], dim=-1)).split(self.head_dim, dim=-1)
         weights_BQI = self.weights_proj(x_BQH).to(compute_dtype(x_BQH.dtype)) * self.n_heads**-0.5
         S = k_BSD.shape[1]
+        assert S < 2**31, "key indices are int32"
         doc_BS = ctx.full_doc_ids()
         if doc_BS is None:
             doc_BS = torch.zeros(B, S, dtype=torch.int64, device=x_BQH.device)
@@ -116,7 +116,7 @@ class Indexer(nn.Module):
         rows = [self._select_row(q_BQID[b], weights_BQI[b], k_BSD[b], gate_BSD[b], doc_BS[b], pos_BS[b],
                                  q_pos_Q) for b in range(B)]
         width = max(r.shape[-1] for r in rows)
-        return torch.stack([F.pad(r, (0, width - r.shape[-1]), value=-1) for r in rows]).to(torch.int32)
+        return torch.stack([F.pad(r, (0, width - r.shape[-1]), value=-1) for r in rows])
 
     def _pool_keys(self, k_SD: torch.Tensor, gate_SD: torch.Tensor, pos_S: torch.Tensor):
         """Complete pools: (keys ``[P, Di]``, token indices ``[P, kp]``)."""
@@ -129,14 +129,15 @@ class Indexer(nn.Module):
         return (probs * k_SD[tok_Pk]).sum(dim=1), tok_Pk
 
     def _select_row(self, q_QID, w_QI, k_SD, gate_SD, doc_S, pos_S, q_pos_Q) -> torch.Tensor:
-        """One batch row: ``[Q, K' * kp (+ kp - 1)]`` int64 key indices, -1 where empty."""
+        """One batch row: ``[Q, K' * kp (+ kp - 1)]`` int32 key indices, -1 where empty."""
         kp = self.kpool
         keys_PD, tok_Pk = self._pool_keys(k_SD, gate_SD, pos_S)
         pool_end_P = tok_Pk[:, -1]
         sel_QK, ok_QK = indexer_scoring.select_pools(
             q_QID, w_QI, keys_PD, pool_end_P, doc_S[pool_end_P], q_pos_Q, doc_S[q_pos_Q],
             self.index_topk // kp, self.softmax_scale)
-        idx = tok_Pk[sel_QK].masked_fill(~ok_QK[..., None], -1).flatten(1)
+        # expand pools to tokens directly in int32: this [Q, K' * kp] tensor is the big one
+        idx = tok_Pk.to(torch.int32)[sel_QK].masked_fill(~ok_QK[..., None], -1).flatten(1)
         if not self.select_tail or kp == 1:
             return idx
         # the query's own incomplete pool: the last (pos + 1) % kp tokens up to and including it
@@ -144,7 +145,7 @@ class Indexer(nn.Module):
         offs = torch.arange(kp - 1, device=idx.device)
         tail = (q_pos_Q - tail_count + 1)[:, None] + offs
         tail = tail.masked_fill(offs[None, :] >= tail_count[:, None], -1)
-        return torch.cat([idx, tail], dim=-1)
+        return torch.cat([idx, tail.to(torch.int32)], dim=-1)
 
 
 # ---- attention -----------------------------------------------------------------------------------------
