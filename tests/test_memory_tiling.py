@@ -156,3 +156,14 @@ def test_enable_keeps_state_dict_names_and_can_be_undone():
     assert "forward" not in m.__dict__
     with pytest.raises(ValueError, match="mlp_tile_tokens"):
         tiled_forward(m, _x((4, H)), 0)
+
+
+def test_frozen_module_gives_input_gradient_only():
+    torch.manual_seed(2)
+    plain = MLP(H, 19).double().requires_grad_(False)
+    tiled = enable_tiling(copy.deepcopy(plain), 4)
+    x = _x((13, H), seed=6)
+    xr, xt = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    plain(xr).sum().backward()
+    tiled(xt).sum().backward()
+    torch.testing.assert_close(xt.grad, xr.grad, **TOL)

@@ -1,6 +1,18 @@
-"""MoE block parity with the transformers routers/experts (float64, CPU) and dispatch bookkeeping."""
+"""MoE block parity with the transformers routers/experts (float64, CPU) and dispatch bookkeeping.
+
+megaseq's routers compute in ``promote_types(x.dtype, float32)`` where HF casts to float32 literally,
+so the float64 comparisons run HF's router code with those casts promoted (``promote_hf_routers_``);
+``test_routers_match_unmodified_hf_bitwise`` checks the real code in float32 and bf16, where both agree.
+"""
 
 from __future__ import annotations
+
+import functools
+import inspect
+import re
+import sys
+import textwrap
+import types
 
 import pytest
 import torch
@@ -34,22 +46,50 @@ def _qwen_spec(**kw) -> ModelSpec:
     return ModelSpec(**{**base, **kw})
 
 
-def _hf_glm_moe(spec: ModelSpec) -> torch.nn.Module:
+HF_ROUTERS = ("Glm5NextTextTopkRouter", "Qwen3MoeTopKRouter")
+
+
+def promote_hf_routers_(model: torch.nn.Module) -> torch.nn.Module:
+    """Rebinds every HF router of ``model`` to its own ``forward`` with the float32 casts turned into
+    float64 (megaseq's ``promote_types(x, float32)`` for float64 input); the rest of HF is untouched."""
+    found = 0
+    for m in model.modules():
+        if type(m).__name__ in HF_ROUTERS:
+            m.forward = types.MethodType(_promoted_forward(type(m)), m)
+            found += 1
+    assert found, "no HF router in the model"
+    return model
+
+
+@functools.cache
+def _promoted_forward(cls: type) -> types.FunctionType:
+    src = textwrap.dedent(inspect.getsource(cls.forward))
+    new = re.sub(r"\btorch\.float(32)?\b", "torch.float64", src).replace(".float()", ".double()")
+    assert new != src, f"{cls.__name__}.forward has no float32 cast any more: update promote_hf_routers_"
+    scope: dict = {}
+    exec(compile(new, f"{inspect.getsourcefile(cls)}[{cls.__name__} float64]", "exec"),
+         sys.modules[cls.__module__].__dict__, scope)  # HF's module globals (torch, F), not modified
+    return scope["forward"]
+
+
+def _hf_glm_moe(spec: ModelSpec, promote: bool = True) -> torch.nn.Module:
     cfg = hf_glm.Glm5NextTextConfig(
         hidden_size=H, moe_intermediate_size=I, n_routed_experts=E, num_hidden_layers=1,
         num_experts_per_tok=spec.num_experts_per_tok, n_shared_experts=spec.num_shared_experts,
         n_group=spec.n_group, topk_group=spec.topk_group, norm_topk_prob=spec.norm_topk_prob,
         routed_scaling_factor=spec.routed_scaling_factor, swiglu_limit=spec.swiglu_limit)
     cfg._experts_implementation = "eager"
-    return hf_glm.Glm5NextTextMoE(cfg)
+    hf = hf_glm.Glm5NextTextMoE(cfg)
+    return promote_hf_routers_(hf) if promote else hf
 
 
-def _hf_qwen_moe(spec: ModelSpec) -> torch.nn.Module:
+def _hf_qwen_moe(spec: ModelSpec, promote: bool = True) -> torch.nn.Module:
     cfg = hf_qwen.Qwen3MoeConfig(hidden_size=H, moe_intermediate_size=I, num_experts=E,
                                  num_experts_per_tok=spec.num_experts_per_tok,
                                  norm_topk_prob=spec.norm_topk_prob)
     cfg._experts_implementation = "eager"
-    return hf_qwen.Qwen3MoeSparseMoeBlock(cfg)
+    hf = hf_qwen.Qwen3MoeSparseMoeBlock(cfg)
+    return promote_hf_routers_(hf) if promote else hf
 
 
 def _randomize_and_copy(hf: torch.nn.Module, ours: torch.nn.Module, gen: torch.Generator, bias: bool) -> None:
@@ -100,6 +140,30 @@ def test_softmax_router_matches_qwen3(norm: bool) -> None:
 def test_sigmoid_bias_router_matches_glm5(n_group: int, topk_group: int, norm: bool) -> None:
     spec = _glm_spec(n_group=n_group, topk_group=topk_group, norm_topk_prob=norm)
     _check_parity(spec, _hf_glm_moe(spec), seed=2 + n_group)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("router", ["softmax", "sigmoid_bias"])
+def test_routers_match_unmodified_hf_bitwise(router: str, dtype: torch.dtype) -> None:
+    """The installed HF routers as they are, in float32 and bf16: same weights and experts, bit for bit."""
+    if router == "softmax":
+        spec = _qwen_spec()
+        hf = _hf_qwen_moe(spec, promote=False).gate
+    else:
+        spec = _glm_spec(n_group=4, topk_group=2)
+        hf = _hf_glm_moe(spec, promote=False).gate
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for t in hf.state_dict().values():
+            t.copy_(torch.randn(t.shape, generator=gen) * 0.5)
+    if router == "softmax":
+        hf.to(dtype)  # HF's Qwen router weight lives in the model dtype; megaseq keeps it float32
+    ours = MoE(spec).gate
+    ours.load_state_dict(hf.state_dict(), strict=True)
+    x = torch.randn(37, H, generator=gen).to(dtype)
+    _, w_hf, e_hf = hf(x)
+    w_ours, e_ours = ours(x)
+    assert w_ours.dtype == w_hf.dtype and torch.equal(e_ours, e_hf) and torch.equal(w_ours, w_hf)
 
 
 def test_group_limited_choice_stays_in_chosen_groups() -> None:

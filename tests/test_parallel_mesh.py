@@ -102,7 +102,11 @@ def _distribute_worker(rank: int, dp: int, cp: int) -> None:
         reads.append(rank)
         return _batch(seed=mesh.dp_rank)
 
-    shard = distribute_batch(loader() if mesh.reads_data else None, mesh)
+    batch = loader() if mesh.reads_data else None
+    if batch is not None:  # what a data source may add: an absent entry as None, a non-tensor value
+        batch.update(position_ids=None, source=f"row of dp group {mesh.dp_rank}")
+    shard = distribute_batch(batch, mesh)
+    assert shard["source"] == f"row of dp group {mesh.dp_rank}"
     assert len(reads) == (1 if mesh.cp_rank == 0 else 0)
     n = 12 // cp
     for key in ("input_ids", "labels", "doc_ids", "position_ids"):

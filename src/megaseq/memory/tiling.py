@@ -141,6 +141,7 @@ class _TiledFn(torch.autograd.Function):
                         else g.clone()
                 else:
                     grad_p[i].add_(g)
+            grads = g = None  # a tile's parameter gradients must not outlive it into the next tile
         restore_side_state(snap)
         return (None, None, None, grad_x, *grad_p)
 

@@ -202,6 +202,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
                     for r0 in range(v0, v1, WEIGHT_GRAD_ROWS):
                         r1 = min(r0 + WEIGHT_GRAD_ROWS, v1)
                         _addmm_acc(grad_w32[r0:r1], d_CV[:, r0 - v0:r1 - v0].T, h_CH)
+                del d_CV  # before the next strip's logits: otherwise two strips' results coexist
             if need_h:
                 grad_h[a:b] = gh_CH
         grad_w = grad_w32.to(weight.dtype) if need_w else None

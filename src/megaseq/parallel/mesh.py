@@ -245,7 +245,7 @@ def complete_batch(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     ``labels[t]`` is the target of token ``t`` (already shifted); when absent it is ``input_ids[t+1]``
     within a document and ``IGNORE_INDEX`` at each document's last token.
     """
-    out = dict(batch)
+    out = {k: v for k, v in batch.items() if v is not None}  # an absent entry may come as None
     ids = out["input_ids"]
     doc = out.get("doc_ids")
     if "labels" not in out:
@@ -277,7 +277,7 @@ def distribute_batch(batch: dict[str, torch.Tensor] | None, mesh: Mesh) -> dict[
     """cp-rank 0 passes the batch it read; every rank of its cp group returns its own shard.
 
     The reader scatters the shards (one read per group, each rank receives only S_loc tokens). Other
-    ranks pass ``None``. Non-sequence entries are broadcast whole.
+    ranks pass ``None``. Other tensors are broadcast whole; non-tensor entries travel as objects.
     """
     if mesh.cp == 1:
         assert batch is not None, "with cp = 1 every rank reads its own batch"
@@ -287,12 +287,16 @@ def distribute_batch(batch: dict[str, torch.Tensor] | None, mesh: Mesh) -> dict[
         assert batch is not None, "the cp group's reader (cp rank 0) must pass the batch"
         full = complete_batch(batch)
         assert full["input_ids"].shape[1] % mesh.cp == 0, "init_mesh checks that cp divides data.seq_len"
-        meta = [{k: (tuple(v.shape), v.dtype) for k, v in full.items()}]
+        meta = [{k: ((tuple(v.shape), v.dtype) if torch.is_tensor(v) else None) for k, v in full.items()},
+                {k: v for k, v in full.items() if not torch.is_tensor(v)}]
     else:
-        meta = [None]
+        meta = [None, None]
     dist.broadcast_object_list(meta, src=src, group=group)
-    out = {}
-    for key, (shape, dtype) in meta[0].items():
+    out = dict(meta[1])
+    for key, spec in meta[0].items():
+        if spec is None:
+            continue
+        shape, dtype = spec
         if key in SEQ_KEYS:
             shard = torch.empty((shape[0], shape[1] // mesh.cp, *shape[2:]), dtype=dtype, device=mesh.device)
             parts = None

@@ -91,7 +91,7 @@ def latest_complete(run_dir: Path) -> Path | None:
     return found[-1][1] if found else None
 
 
-def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer: Any, scheduler: Any,
+def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer: Any | None, scheduler: Any | None,
                     extra_meta: dict[str, Any], keep: int = 2) -> Path:
     """Save model, optimizer, scheduler, RNG and data position at ``step``; returns the directory."""
     run_dir = Path(run_dir)
@@ -103,7 +103,9 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer:
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     dcp.save(_state(model, optimizer), checkpoint_id=str(tmp))
-    torch.save({"scheduler": scheduler.state_dict(), "rng": rng_state()}, tmp / "trainer_state.pt")
+    if optimizer is not None:
+        torch.save({"scheduler": scheduler.state_dict() if scheduler is not None else None, "rng": rng_state()},
+                   tmp / "trainer_state.pt")
     meta = {**extra_meta, "step": step, "complete": True}
     atomic_write_text(tmp / META, json.dumps(meta, indent=2))
     if final.exists():
@@ -163,9 +165,11 @@ def load_checkpoint(ckpt: Path, model: torch.nn.Module, optimizer: Any = None, s
     else:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optim"])
-    if scheduler is not None or optimizer is not None:
+    if optimizer is not None:
+        if not (ckpt / "trainer_state.pt").is_file():
+            raise ValueError(f"{ckpt} holds model weights only (no optimizer state): it cannot be resumed")
         trainer_state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
-        if scheduler is not None:
+        if scheduler is not None and trainer_state["scheduler"] is not None:
             scheduler.load_state_dict(trainer_state["scheduler"])
         set_rng_state(trainer_state["rng"])
     return meta

@@ -12,17 +12,23 @@ Working memory of the routed path: about ``M * (2H + 3I)`` elements (x_MH, gu_M2
 weighted/unsorted copy), never an ``[N, E]`` one-hot. The module is token-separable, so
 ``memory.tiling`` can run it over sequence chunks (the fix for skewed real-data routing) from outside.
 
-Routers (``spec.router``), each matching its HF reference op for op, casts included:
-  ``sigmoid_bias``  ``Glm5NextTextTopkRouter``: float32 logits, sigmoid scores, choice on scores + bias
+Routers (``spec.router``), each matching its HF reference op for op; c below is the router's compute
+dtype ``promote_types(x.dtype, float32)``, HF's float32 for bf16/fp32 inputs:
+  ``sigmoid_bias``  ``Glm5NextTextTopkRouter``: logits in c, sigmoid scores, choice on scores + bias
                     (``e_score_correction_bias``) with group-limited top-k (groups ranked by the sum of
                     their top-2 scores), weights from the unbiased scores, renormalised when
                     ``norm_topk_prob`` (``+ 1e-20``), times ``routed_scaling_factor``.
-  ``softmax``       ``Qwen3MoeTopKRouter``: logits in the input dtype, softmax in float32, top-k,
+  ``softmax``       ``Qwen3MoeTopKRouter``: logits in the input dtype, softmax in c, top-k,
                     renormalised when ``norm_topk_prob``, cast back to the logits' dtype.
+
+Why c and not HF's literal float32: in a float64 model a float32 router GEMM rounds differently when
+the number of tokens per call changes (sequence tiling, packed documents, context-parallel shards), so
+routing weights move by ~1e-7 and expert choices can flip; in c the result is independent of how the
+tokens are split. bf16/fp32 numerics are HF's bit for bit.
 
 The router's ``weight`` (and the bias buffer) are created in float32, as HF keeps them
 (``_keep_in_fp32_modules_strict``); ``FP32_PARAM_SUFFIXES`` lists them for a builder that casts the
-rest of the model to bf16. The forward casts exactly as HF does whatever their stored dtype.
+rest of the model to bf16. The forward casts as described whatever their stored dtype.
 
 Expert weights use the HF v5 fused layout: ``gate_up_proj [E, 2I, H]`` (gate rows first) and
 ``down_proj [E, H, I]``. The per-expert matmuls go through op ``grouped_mm`` of ``megaseq.ops.dispatch``.
@@ -96,14 +102,15 @@ class TopKRouter(nn.Module):
             self.register_buffer("e_score_correction_bias", torch.zeros(E, dtype=torch.float32))
 
     def forward(self, x_NH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``x_NH -> (weights_NK, experts_NK)``; weights float32 (sigmoid) or x's dtype (softmax)."""
+        """``x_NH -> (weights_NK, experts_NK)``; weights in ``promote_types(x.dtype, float32)`` (sigmoid)
+        or x's dtype (softmax)."""
         if self.router == "softmax":
             return self._softmax(x_NH)
         return self._sigmoid_bias(x_NH)
 
     def _softmax(self, x_NH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits_NE = F.linear(x_NH, self.weight.to(x_NH.dtype))
-        probs_NE = F.softmax(logits_NE, dim=-1, dtype=torch.float32)
+        probs_NE = F.softmax(logits_NE, dim=-1, dtype=torch.promote_types(logits_NE.dtype, torch.float32))
         top_NK, experts_NK = torch.topk(probs_NE, self.top_k, dim=-1)
         if self.norm_topk_prob:
             top_NK = top_NK / top_NK.sum(dim=-1, keepdim=True)
@@ -111,8 +118,10 @@ class TopKRouter(nn.Module):
 
     def _sigmoid_bias(self, x_NH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         E, G = self.num_experts, self.n_group
-        logits_NE = F.linear(x_NH.to(torch.float32), self.weight.to(torch.float32))
+        c = torch.promote_types(x_NH.dtype, torch.float32)
+        logits_NE = F.linear(x_NH.to(c), self.weight.to(c))
         scores_NE = logits_NE.sigmoid()
+        # no cast of the bias: the sum is in c or wider, as in HF (float32 scores + a float64 bias is float64)
         choice_NE = scores_NE + self.e_score_correction_bias
         # rank groups by the sum of their two best biased scores, keep topk_group of them
         group_NG = choice_NE.view(-1, G, E // G).topk(2, dim=-1)[0].sum(dim=-1)

@@ -1,0 +1,81 @@
+"""``megaseq eval``: held-out loss by position for a run (before vs after) or named checkpoints.
+
+    megaseq eval runs/r1                                  # step 0 vs the newest checkpoint of the run
+    megaseq eval runs/r1 --data held-out.fa --by-position 32K
+    megaseq eval runs/a/checkpoints/step_000000,runs/a/checkpoints/step_000300
+
+The data settings come from the run's resolved config (``RUN/config.yaml``), so the held-out split
+and tokenizer are the ones the run used; ``--data`` replaces the held-out files.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from megaseq.config import build_config
+from megaseq.train import checkpoint as ckpt
+
+
+def _run_dir_of(target: Path) -> Path:
+    """The run directory a target belongs to (the target itself, or two levels above a checkpoint)."""
+    if (target / "config.yaml").is_file():
+        return target
+    if (target / ckpt.META).is_file() and (target.parent.parent / "config.yaml").is_file():
+        return target.parent.parent
+    raise ValueError(f"{target} is neither a megaseq run directory nor a checkpoint inside one")
+
+
+def _checkpoints(targets: list[Path]) -> dict[str, Path]:
+    if len(targets) == 1 and (targets[0] / "config.yaml").is_file():
+        found = ckpt.list_complete(targets[0])
+        if not found:
+            raise ValueError(f"run directory {targets[0]} has no complete checkpoint to evaluate")
+        out = {}
+        if found[0][0] == 0 and len(found) > 1:
+            out["before"] = found[0][1]
+        out["after"] = found[-1][1]
+        return out
+    for t in targets:
+        ckpt.read_meta(t)  # refuses incomplete or foreign directories with a clear message
+    return {t.name: t for t in targets}
+
+
+def evaluate_targets(targets: list[str], data: list[str] | None = None, overrides: list[str] | None = None,
+                     out: str | None = None) -> str:
+    from megaseq.convert import load_megaseq_checkpoint
+    from megaseq.data import build_data
+    from megaseq.eval import build_kmer_baseline, evaluate_by_position, markdown_table, write_report
+    from megaseq.train.parallel_env import ParallelEnv
+    from megaseq.train.trainer import per_token_loss_fn
+
+    paths = [Path(t) for t in targets]
+    for p in paths:
+        if not p.exists():
+            raise ValueError(f"eval: {p} does not exist")
+    run_dir = _run_dir_of(paths[0])
+    raw: dict[str, Any] = yaml.safe_load((run_dir / "config.yaml").read_text())
+    extra = list(overrides or [])
+    if data:
+        extra += [f"data.heldout={','.join(data)}", "data.heldout_records=[]", "data.heldout_tail=0"]
+    cfg = build_config(raw, extra)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    env = ParallelEnv(torch.device(device))
+    autocast = torch.bfloat16 if device == "cuda" and cfg.model.dtype == "bf16" else None
+    models, spec = {}, None
+    for name, path in _checkpoints(paths).items():
+        model, spec, _ = load_megaseq_checkpoint(path, device=device)
+        models[name] = per_token_loss_fn(model.eval(), env, autocast, cfg.memory.loss_chunk_tokens)
+    dataset = build_data(cfg.data, cfg.eval, vocab_size=spec.vocab_size)
+    if not dataset.heldout:
+        raise ValueError("eval: no held-out data; pass --data FILE or set data.heldout in the run's config")
+    kmer = build_kmer_baseline(dataset, cfg.eval.kmer_k)
+    baseline = (kmer.name, kmer.batch_loss) if kmer is not None else None
+    report = evaluate_by_position(models, dataset.heldout_batches(cfg.eval.batch_size), cfg.eval.by_position,
+                                  baseline, dataset.score_ids, dataset.unit)
+    out_dir = Path(out) if out else run_dir / "eval"
+    paths_written = write_report(report, out_dir)
+    return markdown_table(report) + f"\nwrote {', '.join(str(p) for p in paths_written.values())}"
