@@ -15,6 +15,7 @@ from megaseq.models.hf_io import export_hf_checkpoint, load_hf_checkpoint, spec_
 from megaseq.models.spec import from_hf_config
 
 transformers = pytest.importorskip("transformers")
+from test_moe import promote_hf_routers_  # noqa: E402
 from test_qwen3_moe_parity import assert_close, hf_config, make_pair  # noqa: E402
 
 torch.set_num_threads(2)
@@ -61,6 +62,7 @@ def test_export_reloads_in_transformers(qwen_ckpt, tmp_path: Path) -> None:
     back = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float64)
     back.config._experts_implementation = "eager"
     back.config._attn_implementation = "eager"
+    promote_hf_routers_(back)  # as make_pair's model: both HF routers in float64
     assert type(back).__name__ == "Qwen3MoeForCausalLM"
     ids = _ids(53)
     assert_close("re-exported logits", back(input_ids=ids).logits, hf(input_ids=ids).logits)
@@ -173,11 +175,13 @@ def _glm5_hf(seed: int) -> torch.nn.Module:
     from transformers.models.glm5_next import configuration_glm5_next as cfg_mod
     from transformers.models.glm5_next import modeling_glm5_next as hf_glm
 
+    # 16 indexer heads, not 2: with 2 (ReLU'd) heads exact zero-score ties are common, and megaseq's
+    # lowest-index tie rule then picks other keys than torch.topk's arbitrary choice in HF
     text = dict(vocab_size=37, hidden_size=32, intermediate_size=40, moe_intermediate_size=12,
                 num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=2, n_shared_experts=1,
                 n_routed_experts=6, num_experts_per_tok=2, kv_lora_rank=8, q_lora_rank=12,
                 qk_nope_head_dim=8, v_head_dim=8, qk_rope_head_dim=0, index_topk=8, index_head_dim=8,
-                index_n_heads=2, index_kpool=4, linear_head_dim=8, linear_num_heads=2,
+                index_n_heads=16, index_kpool=4, linear_head_dim=8, linear_num_heads=2,
                 hc_mult=4, pad_token_id=0,
                 mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
                 layer_types=["linear_attention"] * 3 + ["indexed_attention"])

@@ -1,7 +1,9 @@
 """Qwen3-MoE parity with transformers: hidden states, logits and every gradient, float64 on the CPU.
 
 A tiny config with odd sizes: 3 layers (one dense via mlp_only_layers), GQA 6/2 heads, head_dim 10 not
-equal to hidden/heads, 7 experts top-3. HF runs its eager attention and eager experts.
+equal to hidden/heads, 7 experts top-3. HF runs its eager attention and eager experts, and its router's
+float32 softmax promoted to float64 (``promote_hf_routers_``), as megaseq's router computes in
+``promote_types(dtype, float32)``; tests/test_moe.py checks the unmodified router in float32 and bf16.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from megaseq.models.spec import from_hf_config
 from megaseq.ops import dispatch
 
 transformers = pytest.importorskip("transformers")
+from test_moe import promote_hf_routers_  # noqa: E402
 
 torch.set_num_threads(2)
 RTOL = 1e-10
@@ -33,9 +36,9 @@ def hf_config(norm_topk_prob: bool = True, **kw) -> transformers.Qwen3MoeConfig:
 
 
 def make_pair(cfg: transformers.Qwen3MoeConfig, seed: int) -> tuple[torch.nn.Module, Qwen3MoeModel]:
-    """A randomized HF model and a megaseq model holding the same float64 weights."""
+    """A randomized HF model (routers promoted to float64) and a megaseq model with the same weights."""
     torch.manual_seed(seed)
-    hf = transformers.Qwen3MoeForCausalLM(cfg).to(torch.float64).eval()
+    hf = promote_hf_routers_(transformers.Qwen3MoeForCausalLM(cfg).to(torch.float64).eval())
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in hf.named_parameters():

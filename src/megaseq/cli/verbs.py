@@ -45,6 +45,8 @@ def cmd_plan(args: argparse.Namespace, rest: list[str]) -> int:
     overrides = split_overrides(rest)
     if args.seq_len:
         overrides.append(f"data.seq_len={args.seq_len}")
+    if args.gpus and not any(o.startswith("parallel.dp=") for o in overrides):
+        overrides.append("parallel.dp=-1")  # --gpus N: data parallelism takes what cp x ep leaves
     from megaseq.cli.main import default_recipe
     from megaseq.config import load_config
 

@@ -20,13 +20,14 @@ from megaseq.config import build_config
 from megaseq.train import checkpoint as ckpt
 
 
-def _run_dir_of(target: Path) -> Path:
-    """The run directory a target belongs to (the target itself, or two levels above a checkpoint)."""
+def _run_dir_of(target: Path) -> Path | None:
+    """The run directory a target belongs to (the target itself, or two levels above a checkpoint);
+    None for a checkpoint outside any run (e.g. written by ``megaseq convert``)."""
     if (target / "config.yaml").is_file():
         return target
-    if (target / ckpt.META).is_file() and (target.parent.parent / "config.yaml").is_file():
-        return target.parent.parent
-    raise ValueError(f"{target} is neither a megaseq run directory nor a checkpoint inside one")
+    if (target / ckpt.META).is_file():
+        return target.parent.parent if (target.parent.parent / "config.yaml").is_file() else None
+    raise ValueError(f"{target} is neither a megaseq run directory nor a checkpoint")
 
 
 def _checkpoints(targets: list[Path]) -> dict[str, Path]:
@@ -57,7 +58,14 @@ def evaluate_targets(targets: list[str], data: list[str] | None = None, override
         if not p.exists():
             raise ValueError(f"eval: {p} does not exist")
     run_dir = _run_dir_of(paths[0])
-    raw: dict[str, Any] = yaml.safe_load((run_dir / "config.yaml").read_text())
+    if run_dir is None:
+        if not data:
+            raise ValueError(f"{paths[0]} is not inside a run directory, so it has no held-out data: pass --data")
+        from megaseq.cli.main import default_recipe
+
+        raw: dict[str, Any] = yaml.safe_load(Path(default_recipe()).read_text())
+    else:
+        raw = yaml.safe_load((run_dir / "config.yaml").read_text())
     extra = list(overrides or [])
     if data:
         extra += [f"data.heldout={','.join(data)}", "data.heldout_records=[]", "data.heldout_tail=0"]
@@ -76,6 +84,6 @@ def evaluate_targets(targets: list[str], data: list[str] | None = None, override
     baseline = (kmer.name, kmer.batch_loss) if kmer is not None else None
     report = evaluate_by_position(models, dataset.heldout_batches(cfg.eval.batch_size), cfg.eval.by_position,
                                   baseline, dataset.score_ids, dataset.unit)
-    out_dir = Path(out) if out else run_dir / "eval"
+    out_dir = Path(out) if out else (run_dir or paths[0].parent.parent) / "eval"
     paths_written = write_report(report, out_dir)
     return markdown_table(report) + f"\nwrote {', '.join(str(p) for p in paths_written.values())}"

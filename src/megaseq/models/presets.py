@@ -22,16 +22,10 @@ def _glm5_pattern(n: int) -> tuple[str, ...]:
     return tuple("dsa" if i % 4 == 3 else "kda" for i in range(n))
 
 
-def _glm5_indexer(layer_types: tuple[str, ...], share_every_other: bool) -> tuple[str, ...]:
-    """'full' for the first DSA layer; later DSA layers alternate shared/full when asked."""
-    out, seen = [], 0
-    for kind in layer_types:
-        if kind != "dsa":
-            out.append("full")
-            continue
-        out.append("shared" if (share_every_other and seen % 2 == 1) else "full")
-        seen += 1
-    return tuple(out)
+def _glm5_indexer(layer_types: tuple[str, ...]) -> tuple[str, ...]:
+    """Every DSA layer runs its own indexer. (A 'shared' layer must directly follow a 'full' DSA layer,
+    as in transformers; with DSA every 4th layer no layer can share.)"""
+    return ("full",) * len(layer_types)
 
 
 def glm5_flash() -> ModelSpec:
@@ -44,7 +38,7 @@ def glm5_flash() -> ModelSpec:
         moe_intermediate_size=2048, num_shared_experts=1, router="sigmoid_bias", routed_scaling_factor=2.5,
         num_attention_heads=64, num_key_value_heads=64, q_lora_rank=1536, kv_lora_rank=512,
         qk_nope_head_dim=256, qk_rope_head_dim=0, v_head_dim=256, index_topk=2048, index_n_heads=32,
-        index_head_dim=128, index_kpool=16, indexer_types=_glm5_indexer(lt, share_every_other=True),
+        index_head_dim=128, index_kpool=16, indexer_types=_glm5_indexer(lt),
         linear_num_heads=64, linear_head_dim=128, linear_conv_kernel=4, linear_lower_bound=-5.0,
         hc_mult=4, hc_sinkhorn_iters=20, hc_eps=1e-6,
     )
@@ -57,7 +51,7 @@ def glm5_flash_1gpu() -> ModelSpec:
         hidden_size=2048, num_layers=n, layer_types=lt, mlp_types=("dense",) + ("moe",) * (n - 1),
         intermediate_size=6144, num_experts=32, moe_intermediate_size=1024,
         num_attention_heads=16, num_key_value_heads=16, linear_num_heads=16,
-        indexer_types=_glm5_indexer(lt, share_every_other=False),
+        indexer_types=_glm5_indexer(lt),
     )
 
 
@@ -66,7 +60,7 @@ def glm5_flash_slice() -> ModelSpec:
     lt = _glm5_pattern(n)
     return glm5_flash().replace(
         num_layers=n, layer_types=lt, mlp_types=("moe",) * n, num_experts=32,
-        indexer_types=_glm5_indexer(lt, share_every_other=False),
+        indexer_types=_glm5_indexer(lt),
     )
 
 
@@ -79,8 +73,8 @@ def glm5_flash_tiny() -> ModelSpec:
         intermediate_size=128, swiglu_limit=10.0, num_experts=8, num_experts_per_tok=2,
         moe_intermediate_size=32, num_shared_experts=1, router="sigmoid_bias", routed_scaling_factor=2.5,
         num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32,
-        qk_nope_head_dim=16, qk_rope_head_dim=0, v_head_dim=16, index_topk=256, index_n_heads=4,
-        index_head_dim=16, index_kpool=16, indexer_types=_glm5_indexer(lt, share_every_other=True),
+        qk_nope_head_dim=16, qk_rope_head_dim=0, v_head_dim=16, index_topk=256, index_n_heads=16,
+        index_head_dim=16, index_kpool=16, indexer_types=_glm5_indexer(lt),
         linear_num_heads=4, linear_head_dim=16, linear_conv_kernel=4, linear_lower_bound=-5.0,
         hc_mult=4, hc_sinkhorn_iters=20, hc_eps=1e-6,
     )

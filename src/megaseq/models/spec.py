@@ -120,9 +120,14 @@ class ModelSpec:
                 raise ValueError(
                     f"index_topk ({self.index_topk}) must be divisible by index_kpool ({self.index_kpool})"
                 )
-            first_dsa = self.layer_types.index("dsa")
-            if self.indexer_types[first_dsa] != "full":
-                raise ValueError(f"layer {first_dsa} is the first DSA layer, so its indexer must be 'full'")
+            for i, (kind, mode) in enumerate(zip(self.layer_types, self.indexer_types)):
+                if kind == "dsa" and mode == "shared" and not (
+                    i > 0 and self.layer_types[i - 1] == "dsa" and self.indexer_types[i - 1] == "full"
+                ):
+                    raise ValueError(
+                        f"layer {i} has indexer_types 'shared' but layer {i - 1} is not a 'full' DSA layer: a "
+                        "shared layer reuses the selection of the DSA layer right before it (as in transformers)"
+                    )
         if "moe" in self.mlp_types and (self.num_experts < self.num_experts_per_tok or self.num_experts_per_tok < 1):
             raise ValueError(
                 f"num_experts ({self.num_experts}) must be >= num_experts_per_tok ({self.num_experts_per_tok}) >= 1"

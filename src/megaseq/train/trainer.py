@@ -8,7 +8,7 @@ message naming the binding component.
 from __future__ import annotations
 
 import contextlib
-import json
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -133,6 +133,9 @@ def run_training(cfg: Config) -> RunResult:
     from megaseq.models.build import build_model
     from megaseq.data import build_data
 
+    # long sequences allocate a few huge, differently sized blocks per step: expandable segments keep
+    # the caching allocator from fragmenting them (set before the first CUDA allocation)
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     env = setup_parallel(cfg)
     device = env.device = resolve_device(cfg) if env.world_size == 1 else env.device
     plan_dict, memory = make_plan(cfg, env, device)

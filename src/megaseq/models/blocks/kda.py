@@ -34,6 +34,7 @@ from megaseq.models.blocks.mhc import compute_dtype
 from megaseq.models.context import SeqContext, doc_spans
 from megaseq.models.spec import ModelSpec
 from megaseq.ops import dispatch
+from megaseq.ops import fla_kda as _fla_kda  # noqa: F401  (registers the fla kda and conv ops)
 
 
 def _segments(S: int, cu_seqlens: torch.Tensor | None) -> list[tuple[int, int]]:

@@ -1,15 +1,20 @@
 """MLA attention (NoPE) with DeepSeek sparse attention and GLM's pooled lightning indexer.
 
 Shapes: B batch, Q = S_loc queries on this rank, S the full sequence (keys), Hh attention heads,
-R kv_lora_rank, Dr qk_rope_head_dim (0 in GLM-5.3-Flash), Dn qk_nope_head_dim, Dv v_head_dim,
+R kv_lora_rank, Dn qk_nope_head_dim, Dv v_head_dim (qk_rope_head_dim is 0: GLM's MLA is NoPE),
 I indexer heads, Di indexer head dim, kp = index_kpool, P complete pools, K = index_topk // kp,
 W = K * kp + kp - 1 selected key slots per query (-1 = empty).
 
-    x --q_a_proj, q_a_layernorm--> q_resid --q_b_proj--> q [B, Hh, Q, Dn+Dr]        (local)
-    x --kv_a_proj_with_mqa--> (kv_a_layernorm(kv), k_rot) --gather_seq--> latent [B, S, R+Dr]
-      --kv_b_proj--> k [B, Hh, S, Dn+Dr] (k_rot shared by all heads, unrotated: NoPE), v [B, Hh, S, Dv]
+    x --q_a_proj, q_a_layernorm--> q_resid --q_b_proj--> q [B, Q, Hh, Dn]            (local)
+    x --kv_a_proj_with_mqa, kv_a_layernorm--> c [B, Q, R] --gather_seq--> latent c [B, S, R]
     indexer (no grad): top-K pools of kp keys per query + the query's own incomplete pool -> idx [B, Q, W]
-    softmax attention over the selected keys only -> o_proj
+    op sparse_attention(q, c, kv_b_proj.weight, idx, scale) -> [B, Q, Hh, Dv] -> o_proj
+
+Op ``sparse_attention`` (``megaseq.ops.dispatch``) takes the latent, not expanded keys: the reference
+``torch_masked`` here expands ``k [B, Hh, S, Dn]``, ``v [B, Hh, S, Dv]`` with ``kv_b_proj`` and attends
+with a mask (HF's computation, O(block * S) scores); ``absorbed`` (``megaseq.ops.sparse_mla``) folds the
+key part of ``kv_b_proj`` into the query and attends over the gathered latents of the selected keys
+only, O(block * W * R), which is what runs at long context.
 
 Indexer (``Glm5NextTextIndexer``): keys ``k_norm(wk x)`` are pooled in groups of ``kp`` consecutive
 tokens from each document's first token, weighted per channel by ``softmax(gate x + ape)``; only
@@ -36,6 +41,7 @@ from megaseq.models.blocks.norm import RMSNorm
 from megaseq.models.context import SeqContext, positions_from_doc_ids
 from megaseq.models.spec import ModelSpec
 from megaseq.ops import dispatch
+from megaseq.ops import sparse_mla as _sparse_mla  # noqa: F401  (registers the absorbed op)
 
 # score elements per query block of the reference sparse attention (bounds its working set)
 ATTENTION_BLOCK_ELEMS: int = 1 << 26
@@ -58,7 +64,6 @@ def _attend_block(q_BHqD: torch.Tensor, k_BHKD: torch.Tensor, v_BHKD: torch.Tens
     return torch.matmul(probs, v_BHKD).transpose(1, 2)
 
 
-@dispatch.register("sparse_attention", "torch_masked", reference=True)
 def sparse_attention_reference(q_BHQD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor,
                                idx_BQW: torch.Tensor, scale: float) -> torch.Tensor:
     """Softmax attention of each query over the keys listed in ``idx`` (-1 = none): ``[B, Q, Hh, Dv]``.
@@ -77,6 +82,31 @@ def sparse_attention_reference(q_BHQD: torch.Tensor, k_BHSD: torch.Tensor, v_BHS
         args = (q_BHQD[:, :, s:s + block], k_BHSD, v_BHSD, idx_BQW[:, s:s + block], scale)
         outs.append(checkpoint(_attend_block, *args, use_reentrant=False) if grad else _attend_block(*args))
     return torch.cat(outs, dim=1)
+
+
+def expand_latent(c_BSR: torch.Tensor, kv_b_weight: torch.Tensor, num_heads: int,
+                  nope_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Latent ``[B, S, R]`` -> keys ``[B, Hh, S, Dn]`` (contiguous), values ``[B, Hh, S, Dv]`` (kv_b_proj)."""
+    B, S, _ = c_BSR.shape
+    kv = F.linear(c_BSR, kv_b_weight).view(B, S, num_heads, -1).transpose(1, 2)
+    k_nope, v = kv.split([nope_dim, kv.shape[-1] - nope_dim], dim=-1)
+    # one contiguous copy of the keys: each query block's matmul would otherwise copy the strided view
+    return k_nope.contiguous(), v
+
+
+@dispatch.register("sparse_attention", "torch_masked", reference=True)
+def sparse_mla_reference(q_BQHD: torch.Tensor, c_BSR: torch.Tensor, kv_b_weight: torch.Tensor,
+                         idx_BQW: torch.Tensor, scale: float) -> torch.Tensor:
+    """NoPE MLA over the selected keys: ``[B, Q, Hh, Dv]``, the HF computation.
+
+    ``q [B, Q, Hh, Dn]``, the latent ``c [B, S, R]`` (kv_a_layernorm output, whole sequence), the
+    ``kv_b_proj`` weight ``[Hh * (Dn + Dv), R]``; the keys and values are expanded for all heads and
+    every selected key is attended with a mask (``sparse_attention_reference``). The fast op
+    ``absorbed`` (``megaseq.ops.sparse_mla``) takes the same arguments.
+    """
+    Hh, Dn = q_BQHD.shape[2], q_BQHD.shape[3]
+    k, v = expand_latent(c_BSR, kv_b_weight, Hh, Dn)
+    return sparse_attention_reference(q_BQHD.transpose(1, 2), k, v, idx_BQW, scale)
 
 
 # ---- indexer -------------------------------------------------------------------------------------------
@@ -176,15 +206,6 @@ class MLASparseAttention(nn.Module):
         self.scaling = (Dn + Dr) ** -0.5
         self.indexer = Indexer(spec) if topk_source is None else None
 
-    def _keys_values(self, latent_BSL: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Whole-sequence latents ``[B, S, R + Dr]`` -> k ``[B, Hh, S, Dn + Dr]``, v ``[B, Hh, S, Dv]``."""
-        B, S, _ = latent_BSL.shape
-        kv, k_rot = latent_BSL.split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        kv = self.kv_b_proj(kv).view(B, S, self.num_heads, self.nope_dim + self.v_dim).transpose(1, 2)
-        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
-        k_rot = k_rot.unsqueeze(1).expand(-1, self.num_heads, -1, -1)  # NoPE: shared, never rotated
-        return torch.cat([k_nope, k_rot], dim=-1), v
-
     def _selection(self, x_BQH: torch.Tensor, q_resid: torch.Tensor, ctx: SeqContext) -> torch.Tensor:
         if self.indexer is None:
             if ctx.carry.get("topk_layer") != self.topk_source:
@@ -200,10 +221,9 @@ class MLASparseAttention(nn.Module):
     def forward(self, x_BQH: torch.Tensor, ctx: SeqContext) -> torch.Tensor:
         B, Q, _ = x_BQH.shape
         q_resid = self.q_a_layernorm(self.q_a_proj(x_BQH))
-        q = self.q_b_proj(q_resid).view(B, Q, self.num_heads, -1).transpose(1, 2)
-        kv, k_rot = self.kv_a_proj_with_mqa(x_BQH).split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        latent_BSL = ctx.gather_seq(torch.cat([self.kv_a_layernorm(kv), k_rot], dim=-1))
-        k, v = self._keys_values(latent_BSL)
+        q_BQHD = self.q_b_proj(q_resid).view(B, Q, self.num_heads, self.nope_dim)
+        c_BSR = ctx.gather_seq(self.kv_a_layernorm(self.kv_a_proj_with_mqa(x_BQH)))
         idx = self._selection(x_BQH, q_resid, ctx)
-        out = dispatch.call("sparse_attention", q, k, v, idx, self.scaling, layer=self.layer)
+        out = dispatch.call("sparse_attention", q_BQHD, c_BSR, self.kv_b_proj.weight, idx, self.scaling,
+                            layer=self.layer)
         return self.o_proj(out.reshape(B, Q, -1))

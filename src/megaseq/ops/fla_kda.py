@@ -1,0 +1,105 @@
+"""flash-linear-attention (fla-core) Triton kernels for ops ``kda`` and ``causal_conv``.
+
+Shapes: B batch (1 when ``cu_seqlens`` is given: documents flattened into one row), S tokens,
+H heads, D head dim, C conv channels, K conv kernel size.
+
+``kda``: ``fla.ops.kda.chunk_kda`` with the decay pre-computed (``g`` in log space, the block's forget
+gate) and q, k l2-normalised in the kernel (eps 1e-6 inside the sqrt, as the reference). Its memory is
+O(S * H * D) (chunk states ``[S / 64, H, D, D]``), where the pure-torch reference's is
+O(S * chunk * D) per head: the reference cannot run at 1M tokens, this can.
+``causal_conv``: ``fla.modules.causal_conv1d.causal_conv1d`` (Triton backend), depthwise causal conv +
+SiLU restarting at every segment of ``cu_seqlens``; no fp32 copy of the input (the reference casts the
+input to the conv weight's dtype first: 4 bytes x C x S, 24 GiB at 1M tokens for C = 6144).
+
+fla is imported lazily inside the calls and the ``supports`` checks, so megaseq imports without it; each
+check returns the reason the kernel cannot run (device, dtype, shape, package) and the dispatcher falls
+back to the reference. Inputs are cast to one working dtype (autocast's when it is on, else q's);
+``g`` goes in as float32.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from megaseq.ops import dispatch
+
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+MAX_HEAD_DIM = 256  # chunk_kda's limit on the key head dim
+
+
+def fla_available() -> str | None:
+    """None when fla-core (and Triton) can be imported, else why not."""
+    if importlib.util.find_spec("fla") is None:
+        return "fla-core is not installed (pip install fla-core)"
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed"
+    return None
+
+
+def _work_dtype(x: torch.Tensor) -> torch.dtype:
+    if x.device.type == "cuda" and torch.is_autocast_enabled("cuda"):
+        return torch.get_autocast_dtype("cuda")
+    return x.dtype
+
+
+def _common_supports(x: torch.Tensor, cu_seqlens: torch.Tensor | None) -> str | None:
+    if x.device.type != "cuda":
+        return f"device {x.device.type} (fla's Triton kernels need cuda)"
+    if _work_dtype(x) not in DTYPES:
+        return f"dtype {_work_dtype(x)} (fla runs bf16/fp16/fp32)"
+    if cu_seqlens is not None and x.shape[0] != 1:
+        return "cu_seqlens needs the batch flattened to one row"
+    return fla_available()
+
+
+# ---- kda ----------------------------------------------------------------------------------------------
+def kda_fla_supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     cu_seqlens: torch.Tensor | None = None, chunk_size: int = 64) -> str | None:
+    if q.shape != k.shape or g.shape != k.shape or beta.shape != q.shape[:3] or v.shape[:3] != q.shape[:3]:
+        return f"shapes q {tuple(q.shape)}, v {tuple(v.shape)}, g {tuple(g.shape)}, beta {tuple(beta.shape)}"
+    if q.shape[-1] > MAX_HEAD_DIM:
+        return f"head dim {q.shape[-1]} > {MAX_HEAD_DIM}"
+    return _common_supports(q, cu_seqlens)
+
+
+@dispatch.register("kda", "fla", supports=kda_fla_supports)
+def kda_fla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+            cu_seqlens: torch.Tensor | None = None, chunk_size: int = 64) -> torch.Tensor:
+    """KDA over ``[B, S, H, D]`` (``g [B, S, H, Dk]`` log decay, ``beta [B, S, H]``) -> ``[B, S, H, Dv]``.
+
+    Same contract as ``kda_reference``: zero initial state per row or per ``cu_seqlens`` segment, scale
+    ``Dk ** -0.5``. ``chunk_size`` is the reference's knob; fla uses its own (64), which changes nothing
+    but the order of sums.
+    """
+    from fla.ops.kda import chunk_kda
+
+    del chunk_size
+    dt = _work_dtype(q)
+    o, _ = chunk_kda(q.to(dt), k.to(dt), v.to(dt), g.float(), beta.to(dt), scale=q.shape[-1] ** -0.5,
+                     use_qk_l2norm_in_kernel=True,
+                     cu_seqlens=None if cu_seqlens is None else cu_seqlens.long())
+    return o.to(q.dtype)
+
+
+# ---- causal_conv --------------------------------------------------------------------------------------
+def conv_fla_supports(x_BSC: torch.Tensor, weight_CK: torch.Tensor, activation: str | None = "silu",
+                      cu_seqlens: torch.Tensor | None = None) -> str | None:
+    if activation not in ("silu", None):
+        return f"activation {activation!r}"
+    if x_BSC.dim() != 3 or weight_CK.shape[0] != x_BSC.shape[-1]:
+        return f"x {tuple(x_BSC.shape)} vs weight {tuple(weight_CK.shape)}"
+    return _common_supports(x_BSC, cu_seqlens)
+
+
+@dispatch.register("causal_conv", "fla", supports=conv_fla_supports)
+def conv_fla(x_BSC: torch.Tensor, weight_CK: torch.Tensor, activation: str | None = "silu",
+             cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+    """Depthwise causal conv (+ SiLU) ``[B, S, C] -> [B, S, C]`` in x's dtype, as ``causal_conv_reference``."""
+    from fla.modules.causal_conv1d import causal_conv1d
+
+    dt = _work_dtype(x_BSC)
+    y, _ = causal_conv1d(x_BSC.to(dt), weight_CK, activation=activation, backend="triton",
+                         cu_seqlens=None if cu_seqlens is None else cu_seqlens.long())
+    return y.to(x_BSC.dtype)

@@ -1,0 +1,170 @@
+"""Fast ops against their references: absorbed sparse MLA (float64 on the CPU, exact), the fla KDA and
+causal conv ops (GPU only), and the dispatcher's choice of each."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megaseq.models.blocks import mla_dsa
+from megaseq.models.blocks.kda import causal_conv_reference, kda_reference
+from megaseq.models.blocks.mla_dsa import MLASparseAttention, sparse_mla_reference
+from megaseq.models.context import SeqContext
+from megaseq.models.presets import get_preset
+from megaseq.ops import dispatch, fla_kda, sparse_mla
+
+torch.set_num_threads(1)
+F64 = torch.float64
+GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-300)).item()
+
+
+def _distinct_indices(gen, B: int, Q: int, S: int, W: int, offset: int = 0) -> torch.Tensor:
+    """Causal, distinct valid indices per row, -1 padding scattered among them, and the edge rows."""
+    idx = torch.full((B, Q, W), -1, dtype=torch.int32)
+    for b in range(B):
+        for i in range(Q):
+            pos = offset + i
+            n = int(torch.randint(0, min(W, pos + 1) + 1, (1,), generator=gen))
+            keys = torch.randperm(pos + 1, generator=gen)[:n]
+            slots = torch.randperm(W, generator=gen)[:n]
+            idx[b, i, slots] = keys.to(torch.int32)
+    idx[0, 3] = -1                      # a row without any valid key (all slots empty)
+    idx[0, 4] = -1
+    idx[0, 4, W - 1] = offset + 4       # a row whose only valid key is its own tail slot
+    idx[-1, -1, 0] = S + 5              # out of range: empty, as in the reference
+    return idx
+
+
+def _sparse_inputs(seed: int, B=2, Q=29, S=37, Hh=3, Dn=5, Dv=7, R=11, W=9, offset=8):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, Q, Hh, Dn, generator=gen, dtype=F64).requires_grad_()
+    c = torch.randn(B, S, R, generator=gen, dtype=F64).requires_grad_()
+    w = (torch.randn(Hh * (Dn + Dv), R, generator=gen, dtype=F64) * R**-0.5).requires_grad_()
+    return q, c, w, _distinct_indices(gen, B, Q, S, W, offset), gen
+
+
+@pytest.mark.parametrize("block_bytes", [1 << 40, 1])  # one block / one query per block
+def test_absorbed_sparse_mla_equals_reference(block_bytes, monkeypatch):
+    monkeypatch.setattr(sparse_mla, "BLOCK_BYTES", block_bytes)
+    q, c, w, idx, gen = _sparse_inputs(0)
+    ref = sparse_mla_reference(q, c, w, idx, 0.37)
+    out = sparse_mla.sparse_mla(q, c, w, idx, 0.37)
+    g_out = torch.randn(*out.shape, generator=gen, dtype=F64)
+    grads_ref = torch.autograd.grad((ref * g_out).sum(), (q, c, w))
+    grads = torch.autograd.grad((out * g_out).sum(), (q, c, w))
+    assert rel_err(out, ref) < 1e-12
+    for name, a, b in zip("qcw", grads, grads_ref):
+        assert rel_err(a, b) < 1e-12, name
+    # the empty row really took the reference's all-keys fallback, and the tail row its one key
+    assert rel_err(out[0, 3], ref[0, 3]) < 1e-12 and out[0, 3].abs().max() > 0
+
+
+def test_block_queries_fits_the_budget():
+    W, R, Hh = 2063, 512, 16
+    n = sparse_mla.block_queries(W, R, Hh, torch.bfloat16, budget=2 << 30)
+    per_query_floor = W * R * (2 + 4)  # gathered latents (bf16) + their fp32 gradient
+    assert n * per_query_floor <= 2 << 30 and n >= 100
+
+
+def test_mla_layer_absorbed_equals_reference_with_documents():
+    spec = get_preset("glm5-flash-tiny").replace(index_topk=8, index_kpool=4, kv_lora_rank=13, v_head_dim=7)
+    torch.manual_seed(0)
+    layer = MLASparseAttention(spec, layer_idx=3).double()
+    gen = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=F64) * p.shape[-1] ** -0.5)
+    x = torch.randn(2, 43, spec.hidden_size, generator=gen, dtype=F64).requires_grad_()
+    doc_ids = torch.tensor([[0] * 11 + [1] * 30 + [2] * 2, [0] * 43])
+    w = torch.randn(2, 43, spec.hidden_size, generator=gen, dtype=F64)
+    runs = {}
+    for impl in ("absorbed", "torch_masked"):
+        dispatch.reset_records()
+        dispatch.configure(preferred={"sparse_attention": [impl]})
+        try:
+            ctx = SeqContext(doc_ids=doc_ids)
+            out = layer(x, ctx)
+            runs[impl] = (out, torch.autograd.grad((out * w).sum(), [x, *layer.parameters()], allow_unused=True))
+            assert [r.impl for _, r in dispatch.records() if r.op == "sparse_attention"] == [impl]
+        finally:
+            dispatch.configure()
+    (out_a, g_a), (out_r, g_r) = runs["absorbed"], runs["torch_masked"]
+    assert rel_err(out_a, out_r) < 1e-12
+    for a, b in zip(g_a, g_r):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert rel_err(a, b) < 1e-12
+
+
+def test_dispatcher_choices_on_cpu():
+    q, c, w, idx, _ = _sparse_inputs(3)
+    assert sparse_mla.sparse_mla_supports(q, c, w, idx, 0.5) is None  # float64: exact, so allowed
+    assert "cpu" in sparse_mla.sparse_mla_supports(q.float(), c.float(), w.float(), idx, 0.5)
+    assert "latent" in sparse_mla.sparse_mla_supports(q, c[0], w, idx, 0.5)
+    x = torch.randn(1, 8, 4, 3, dtype=F64)
+    why = fla_kda.kda_fla_supports(x, x, x, x, x[..., 0])
+    assert why is not None and "cuda" in why
+    assert fla_kda.conv_fla_supports(x.flatten(2), torch.randn(12, 4, dtype=F64)) is not None
+
+
+# ---- GPU: fla kernels against the references -----------------------------------------------------------
+def _kda_inputs(device, dtype, B=2, S=300, H=3, D=64, seed=0):
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    q, k, v = (torch.randn(B, S, H, D, generator=gen) for _ in range(3))
+    g = -5.0 * torch.sigmoid(torch.randn(B, S, H, D, generator=gen))
+    beta = torch.sigmoid(torch.randn(B, S, H, generator=gen))
+    return [t.to(device, dtype if t is not g else torch.float32).requires_grad_() for t in (q, k, v, g, beta)]
+
+
+@pytest.mark.gpu
+@GPU
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-3), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("docs", [False, True])
+def test_fla_kda_matches_reference(dtype, tol, docs):
+    inputs = _kda_inputs("cuda", dtype)
+    cu = None
+    if docs:
+        inputs = [t.detach().reshape(1, -1, *t.shape[2:]).requires_grad_() for t in inputs]
+        cu = torch.tensor([0, 77, 301, 600], device="cuda")
+    assert fla_kda.kda_fla_supports(*inputs, cu) is None
+    ref = kda_reference(*[t.double() for t in inputs], cu)
+    out = fla_kda.kda_fla(*inputs, cu)
+    w = torch.randn_like(ref)
+    g_ref = torch.autograd.grad((ref * w).sum(), inputs)
+    g_out = torch.autograd.grad((out.double() * w).sum(), inputs)
+    assert rel_err(out.double(), ref) < tol
+    for a, b in zip(g_out, g_ref):
+        assert rel_err(a.double(), b.double()) < tol
+
+
+@pytest.mark.gpu
+@GPU
+def test_fla_conv_matches_reference():
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(1, 300, 48, generator=gen).cuda().requires_grad_()
+    wt = torch.randn(48, 4, generator=gen).cuda().requires_grad_()
+    cu = torch.tensor([0, 100, 300], device="cuda")
+    assert fla_kda.conv_fla_supports(x, wt, "silu", cu) is None
+    ref = causal_conv_reference(x, wt, "silu", cu)
+    out = fla_kda.conv_fla(x, wt, "silu", cu)
+    assert rel_err(out, ref) < 1e-4
+    g = torch.randn_like(ref)
+    for a, b in zip(torch.autograd.grad((out * g).sum(), (x, wt)), torch.autograd.grad((ref * g).sum(), (x, wt))):
+        assert rel_err(a, b) < 1e-4
+
+
+@pytest.mark.gpu
+@GPU
+def test_absorbed_sparse_mla_on_gpu_bf16():
+    q, c, w, idx, _ = _sparse_inputs(4, B=1, Q=200, S=200, Hh=4, Dn=32, Dv=32, R=64, W=40, offset=0)
+    q, c, w = (t.detach().cuda().requires_grad_() for t in (q, c, w))
+    idx = idx.cuda()
+    ref = sparse_mla_reference(q, c, w, idx, 0.2)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = sparse_mla.sparse_mla(q.float(), c.float(), w, idx, 0.2)
+    assert out.dtype == torch.bfloat16 and rel_err(out.double(), ref) < 3e-2
+    assert mla_dsa.ATTENTION_BLOCK_ELEMS > 0
