@@ -192,5 +192,10 @@ def test_build_data_errors(tmp_path):
 def test_build_data_reverse_complement_and_records():
     lam = read_fasta(default_genome_path())[0]
     assert lam.id.startswith("gi|")
-    data = build_data(DataConfig(seq_len=500, reverse_complement=True))
+    data = build_data(DataConfig(seq_len=500, reverse_complement=True, heldout_tail=0.0))
     assert data.train.complement is not None and data.heldout == {}
+    # the default (-1) holds out the last tenth of the built-in genome when nothing else is held out
+    default = build_data(DataConfig(seq_len=500))
+    (held,) = default.heldout.values()
+    assert sum(len(w.tokens) for w in held) > 0
+    assert abs(sum(len(r.tokens) for r in default.train_records) - 0.9 * len(lam.tokens)) <= 1

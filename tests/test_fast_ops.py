@@ -88,7 +88,8 @@ def test_mla_layer_absorbed_equals_reference_with_documents():
         try:
             ctx = SeqContext(doc_ids=doc_ids)
             out = layer(x, ctx)
-            runs[impl] = (out, torch.autograd.grad((out * w).sum(), [x, *layer.parameters()], allow_unused=True))
+            grads = torch.autograd.grad((out * w).sum(), [x, *layer.parameters()], allow_unused=True)
+            runs[impl] = (out, grads)
             assert [r.impl for _, r in dispatch.records() if r.op == "sparse_attention"] == [impl]
         finally:
             dispatch.configure()
@@ -153,7 +154,8 @@ def test_fla_conv_matches_reference():
     out = fla_kda.conv_fla(x, wt, "silu", cu)
     assert rel_err(out, ref) < 1e-4
     g = torch.randn_like(ref)
-    for a, b in zip(torch.autograd.grad((out * g).sum(), (x, wt)), torch.autograd.grad((ref * g).sum(), (x, wt))):
+    grads = torch.autograd.grad((ref * g).sum(), (x, wt))
+    for a, b in zip(torch.autograd.grad((out * g).sum(), (x, wt)), grads):
         assert rel_err(a, b) < 1e-4
 
 

@@ -96,7 +96,7 @@ def conv_fla_supports(x_BSC: torch.Tensor, weight_CK: torch.Tensor, activation: 
 @dispatch.register("causal_conv", "fla", supports=conv_fla_supports)
 def conv_fla(x_BSC: torch.Tensor, weight_CK: torch.Tensor, activation: str | None = "silu",
              cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
-    """Depthwise causal conv (+ SiLU) ``[B, S, C] -> [B, S, C]`` in x's dtype, as ``causal_conv_reference``."""
+    """Depthwise causal conv (+ SiLU) ``[B, S, C] -> [B, S, C]`` in x's dtype, as the reference."""
     from fla.modules.causal_conv1d import causal_conv1d
 
     dt = _work_dtype(x_BSC)

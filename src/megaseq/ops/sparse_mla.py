@@ -50,7 +50,7 @@ def block_queries(W: int, R: int, Hh: int, dtype: torch.dtype, budget: int | Non
     Per query: the gathered latents ``W * R`` (input dtype) and their gradient (compute dtype), about
     eight ``[Hh, W]`` score-sized tensors in the compute dtype, and two int64 index rows.
     """
-    d, c = torch.empty((), dtype=dtype).element_size(), torch.empty((), dtype=compute_dtype(dtype)).element_size()
+    d, c = dtype.itemsize, compute_dtype(dtype).itemsize
     per_query = W * R * (d + c) + 8 * Hh * W * c + 16 * W
     return max(1, int(budget if budget is not None else BLOCK_BYTES) // per_query)
 

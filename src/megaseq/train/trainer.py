@@ -129,9 +129,9 @@ def run_training(cfg: Config) -> RunResult:
     from megaseq.models.presets import resolve_spec
 
     spec = resolve_spec(cfg.model.name)  # a bad model name fails before anything else happens
+    from megaseq.data import build_data
     from megaseq.memory.apply import MemoryPlan, apply_memory_plan
     from megaseq.models.build import build_model
-    from megaseq.data import build_data
 
     # long sequences allocate a few huge, differently sized blocks per step: expandable segments keep
     # the caching allocator from fragmenting them (set before the first CUDA allocation)

@@ -16,9 +16,13 @@ DSA layer's selection to the ``shared`` layers after it.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Sequence
+
 import torch
 from torch import nn
 
+from megaseq.memory.tiling import TILE_SUMMED_ATTRS, restore_side_state, snapshot_side_state
 from megaseq.models.blocks.kda import GatedRMSNorm, KimiDeltaAttention, init_kda_
 from megaseq.models.blocks.mhc import HyperConnection, collapse_streams, expand_streams
 from megaseq.models.blocks.mla_dsa import Indexer, MLASparseAttention
@@ -49,13 +53,115 @@ def _topk_sources(spec: ModelSpec) -> list[int | None]:
     return sources
 
 
+# ---- token tiling with recompute: several inputs and outputs, all [T, ...] token-major ---------------
+TileFn = Callable[..., tuple[torch.Tensor, ...]]
+
+
+def _autocast_state() -> list[tuple[str, bool, torch.dtype]]:
+    return [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")]
+
+
+def _sum_counts(modules: Sequence[nn.Module], totals: dict) -> None:
+    """Add this tile's per-forward counts (``MoE.last_tokens_per_expert``) to ``totals``."""
+    for mod in modules:
+        for m in mod.modules():
+            for name in TILE_SUMMED_ATTRS:
+                v = getattr(m, name, None)
+                if isinstance(v, torch.Tensor):
+                    prev = totals.get((id(m), name))
+                    totals[(id(m), name)] = (m, v.detach().clone() if prev is None else prev[1] + v.detach())
+
+
+def _run_tiles(fn: TileFn, modules, tile: int, inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """All tiles without a graph into preallocated outputs; per-forward counts summed over the tiles."""
+    N, outs, totals = inputs[0].shape[0], None, {}
+    for a in range(0, N, tile):
+        ys = fn(*(x[a:a + tile] for x in inputs))
+        if outs is None:
+            outs = tuple(y.new_empty((N,) + tuple(y.shape[1:])) for y in ys)
+        for o, y in zip(outs, ys):
+            o[a:a + tile] = y
+        del ys
+        _sum_counts(modules, totals)
+    for m, total in totals.values():
+        setattr(m, next(n for n in TILE_SUMMED_ATTRS if hasattr(m, n)), total)
+    assert outs is not None, "token tiling needs at least one token"
+    return outs
+
+
+class _TokenTiledFn(torch.autograd.Function):
+    """Forward: the tiles without a graph, saving the inputs. Backward: each tile again (same autocast
+    as the forward) and its gradients; parameter gradients summed over the tiles."""
+
+    @staticmethod
+    def forward(actx, fn, modules, tile, num_inputs, *args):
+        inputs = args[:num_inputs]
+        actx.fn, actx.modules, actx.tile, actx.num_inputs = fn, modules, tile, num_inputs
+        actx.autocast = _autocast_state()
+        actx.save_for_backward(*inputs)
+        return _run_tiles(fn, modules, tile, inputs)
+
+    @staticmethod
+    def backward(actx, *grad_outs):
+        inputs = actx.saved_tensors
+        need_x = actx.needs_input_grad[4:4 + actx.num_inputs]
+        params = [p for m in actx.modules for p in m.parameters()]
+        need_p = actx.needs_input_grad[4 + actx.num_inputs:]
+        assert len(params) == len(need_p), "the tiled modules' parameters changed since the forward"
+        grad_x = [torch.zeros_like(x) if need else None for x, need in zip(inputs, need_x)]
+        grad_p: list[torch.Tensor | None] = [None] * len(params)
+        snaps = [snapshot_side_state(m) for m in actx.modules]
+        for a in range(0, inputs[0].shape[0], actx.tile):
+            xs = [x[a:a + actx.tile].detach().requires_grad_(need) for x, need in zip(inputs, need_x)]
+            with torch.enable_grad(), contextlib.ExitStack() as stack:
+                for dev, enabled, dtype in actx.autocast:
+                    stack.enter_context(torch.autocast(dev, dtype=dtype, enabled=enabled))
+                ys = actx.fn(*xs)
+            wrt = [x for x, need in zip(xs, need_x) if need] + [p for p, need in zip(params, need_p) if need]
+            pairs = [(y, g[a:a + actx.tile]) for y, g in zip(ys, grad_outs) if y.requires_grad]
+            grads = iter(torch.autograd.grad([y for y, _ in pairs], wrt, [g for _, g in pairs],
+                                             allow_unused=True))
+            del ys, pairs
+            for i, need in enumerate(need_x):
+                g = next(grads) if need else None
+                if g is not None:
+                    grad_x[i][a:a + actx.tile] = g
+            for i, need in enumerate(need_p):
+                g = next(grads) if need else None
+                if g is not None:
+                    grad_p[i] = g.clone() if grad_p[i] is None else grad_p[i].add_(g)
+        for snap in snaps:
+            restore_side_state(snap)
+        return (None, None, None, None, *grad_x, *grad_p)
+
+
+def token_tiled(fn: TileFn, modules: Sequence[nn.Module], tile: int,
+                *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``fn(*inputs)`` for a token-separable ``fn`` (row i of every output depends on row i of the
+    inputs only), over tiles of ``tile`` rows; ``modules`` hold every parameter ``fn`` uses. With a graph
+    to build, only the inputs are saved and each tile is recomputed in backward."""
+    params = [p for m in modules for p in m.parameters()]
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (*inputs, *params)):
+        return _TokenTiledFn.apply(fn, tuple(modules), tile, len(inputs), *inputs, *params)
+    return _run_tiles(fn, modules, tile, inputs)
+
+
 class Glm5DecoderLayer(nn.Module):
-    """One GLM-5.3-Flash layer over the N-stream residual ``h [B, S, N, H] -> [B, S, N, H]``."""
+    """One GLM-5.3-Flash layer over the N-stream residual ``h [B, S, N, H] -> [B, S, N, H]``.
+
+    ``token_tile`` (None: off) runs the token-separable parts over tiles of that many tokens, with
+    recompute in backward (``token_tiled``): ``attn_hc`` + ``input_layernorm`` before the token mixer,
+    and the residual merge + ``ffn_hc`` + ``post_attention_layernorm`` + MLP/MoE + merge after it. Only
+    the token mixer (KDA or DSA) then sees the whole sequence; the layer saves its input ``h``, the mixer's
+    input and output and the small mHC weights instead of every ``[S, N * H]`` fp32 temporary of the
+    mHC maps and the MLP's activations. The memory plan sets it from outside (exact: same result).
+    """
 
     def __init__(self, spec: ModelSpec, layer_idx: int, topk_source: int | None = None) -> None:
         super().__init__()
         name = f"layers.{layer_idx}"
         self.layer_type = spec.layer_types[layer_idx]
+        self.token_tile: int | None = None
         self.attn_hc = HyperConnection(spec)
         self.input_layernorm = RMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
         if self.layer_type == "kda":
@@ -72,12 +178,37 @@ class Glm5DecoderLayer(nn.Module):
             self.mlp = MLP(spec.hidden_size, spec.intermediate_size, spec.swiglu_limit)
 
     def forward(self, h_BSNH: torch.Tensor, ctx: SeqContext) -> torch.Tensor:
+        if self.token_tile is not None:
+            return self._forward_tiled(h_BSNH, ctx, int(self.token_tile))
         post, comb, x = self.attn_hc(h_BSNH)
         y = self.self_attn(self.input_layernorm(x), ctx)
         h_BSNH = self.attn_hc.merge(post, comb, y, h_BSNH)
         post, comb, x = self.ffn_hc(h_BSNH)
         y = self.mlp(self.post_attention_layernorm(x))
         return self.ffn_hc.merge(post, comb, y, h_BSNH)
+
+    # ---- token tiling: the same computation, token-separable parts tile by tile --------------------
+    def _mixer_input(self, h_TNH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        post, comb, x = self.attn_hc(h_TNH.unsqueeze(0))
+        return post[0], comb[0], self.input_layernorm(x[0])
+
+    def _ffn_block(self, post_TN, comb_TNN, y_TH, h_TNH) -> torch.Tensor:
+        h_TNH = self.attn_hc.merge(post_TN, comb_TNN, y_TH, h_TNH)
+        post, comb, x = self.ffn_hc(h_TNH.unsqueeze(0))
+        y = self.mlp(self.post_attention_layernorm(x[0]))
+        return self.ffn_hc.merge(post[0], comb[0], y, h_TNH)
+
+    def _forward_tiled(self, h_BSNH: torch.Tensor, ctx: SeqContext, tile: int) -> torch.Tensor:
+        if tile < 1:
+            raise ValueError(f"token_tile must be >= 1 tokens, got {tile}")
+        B, S, N, H = h_BSNH.shape
+        h_TNH = h_BSNH.reshape(B * S, N, H)
+        post, comb, x = token_tiled(self._mixer_input, (self.attn_hc, self.input_layernorm), tile, h_TNH)
+        y = self.self_attn(x.view(B, S, H), ctx)
+        mods = (self.ffn_hc, self.post_attention_layernorm, self.mlp)
+        (out,) = token_tiled(lambda *a: (self._ffn_block(*a),), mods, tile, post, comb, y.reshape(B * S, H),
+                             h_TNH)
+        return out.view(B, S, N, H)
 
 
 class Glm5Model(nn.Module):
