@@ -126,10 +126,16 @@ def loss_fn(plan: MemoryPlan) -> Callable[..., torch.Tensor]:
 
 def make_optimizer(params: Iterable[Any], plan: MemoryPlan, lr: float, betas: tuple[float, float],
                    eps: float, weight_decay: float) -> torch.optim.Optimizer:
-    """OffloadStreamAdamW when the plan offloads the optimizer, else ``torch.optim.AdamW``.
+    """OffloadStreamAdamW when the plan offloads the optimizer, else ``torch.optim.AdamW`` (fused on CUDA).
 
-    With the offloaded optimizer, clip with ``optimizer.clip_grad_norm_`` (gradients live on the host)."""
+    ``params``: tensors or parameter groups. With the offloaded optimizer each gradient moves to the host
+    as soon as backward produces it, so the model's gradients never all sit on the GPU; clip with
+    ``optimizer.clip_grad_norm_`` (gradients live on the host)."""
+    params = list(params)
     if plan.optimizer_offload:
         return OffloadStreamAdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                                  bucket_params=int(plan.optimizer_bucket_params))
-    return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+                                  bucket_params=int(plan.optimizer_bucket_params), grads_in_backward=True)
+    flat = [p for g in params for p in (g["params"] if isinstance(g, dict) else [g])]
+    on_cuda = bool(flat) and all(p.is_cuda for p in flat)
+    return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                             fused=True if on_cuda else None, foreach=None if on_cuda else False)

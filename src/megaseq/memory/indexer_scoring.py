@@ -10,14 +10,22 @@ row, so scoring ``query_chunk`` rows at a time and keeping only their top-K give
 with the working set of one chunk (``indexer_scoring_bytes``). The reference system kept this under
 2 GiB by scoring a few hundred queries at a time.
 
-``QUERY_CHUNK`` is the default chunk; the memory planner (or a test) sets it from outside.
+Only pools whose last token is at or before the chunk's last query can be selected, so each chunk is
+scored against that causal prefix of the pools only (at least ``K`` of them): the same selection at
+about half the work over a sequence. The selected pools of each query are returned in ascending
+order, so the selection does not depend on how queries are chunked or sharded.
+
+The chunk is, in order: the ``query_chunk`` argument (the DSA indexer passes its module attribute,
+which the memory plan sets), ``QUERY_CHUNK`` when set, else as many rows as fit ``SCORING_BUDGET_BYTES``
+by ``indexer_scoring_bytes``: the scoring is bounded even when no plan was applied.
 """
 
 from __future__ import annotations
 
 import torch
 
-QUERY_CHUNK: int = 1 << 40  # rows per scoring chunk; default: the whole query range in one chunk
+QUERY_CHUNK: int | None = None  # rows per scoring chunk (None: from SCORING_BUDGET_BYTES)
+SCORING_BUDGET_BYTES: int = 2 << 30  # the reference system's bound on one scoring chunk
 
 
 def indexer_scoring_bytes(query_chunk: int, num_pools: int, num_heads: int, num_select: int,
@@ -33,17 +41,28 @@ def indexer_scoring_bytes(query_chunk: int, num_pools: int, num_heads: int, num_
     return query_chunk * per_row
 
 
+def resolve_query_chunk(query_chunk: int | None, num_pools: int, num_heads: int, num_select: int) -> int:
+    """The scoring chunk in rows (see the module docstring for the order of precedence)."""
+    if query_chunk is None:
+        query_chunk = QUERY_CHUNK
+    if query_chunk is None:
+        one = indexer_scoring_bytes(1, max(num_pools, 1), num_heads, num_select)
+        query_chunk = SCORING_BUDGET_BYTES // one
+    return max(1, int(query_chunk))
+
+
 @torch.no_grad()
 def select_pools(q_QID: torch.Tensor, weights_QI: torch.Tensor, keys_PD: torch.Tensor,
                  pool_end_P: torch.Tensor, pool_doc_P: torch.Tensor, q_pos_Q: torch.Tensor,
                  q_doc_Q: torch.Tensor, num_select: int, scale: float,
                  query_chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top pools per query: ``(pool index [Q, K'] int64, selected-and-valid [Q, K'] bool)``.
+    """Top pools per query: ``(pool index [Q, K'] int64 ascending, selected-and-valid [Q, K'] bool)``.
 
     A pool is a candidate for a query when its last token is at or before the query
-    (``pool_end <= q_pos``) and in the same document. ``K' = min(num_select, P)``: as in the
-    reference, when a query has fewer candidates than K' the remaining picks are invalid pools,
-    flagged False. Scores are computed in ``promote_types(q.dtype, float32)`` (HF: float32).
+    (``pool_end <= q_pos``) and in the same document; ``pool_end_P`` must be ascending (pools in
+    sequence order). ``K' = min(num_select, P)``: as in the reference, when a query has fewer
+    candidates than K' the remaining picks are invalid pools, flagged False. Scores are computed in
+    ``promote_types(q.dtype, float32)`` (HF: float32).
     """
     Q, P = q_QID.shape[0], keys_PD.shape[0]
     k = min(num_select, P)
@@ -53,16 +72,21 @@ def select_pools(q_QID: torch.Tensor, weights_QI: torch.Tensor, keys_PD: torch.T
         return sel, ok
     cd = torch.promote_types(q_QID.dtype, torch.float32)
     keys_DP = keys_PD.transpose(0, 1).to(cd)
-    chunk = max(1, int(query_chunk if query_chunk is not None else QUERY_CHUNK))
+    chunk = resolve_query_chunk(query_chunk, P, q_QID.shape[1], k)
     floor = torch.finfo(cd).min
+    ends_P = pool_end_P.contiguous()
     for s in range(0, Q, chunk):
         e = min(s + chunk, Q)
-        scores_cIP = torch.matmul(q_QID[s:e].to(cd), keys_DP).mul_(scale).relu_()
+        # the causal prefix of pools any query of the chunk can see (at least k columns for top-k);
+        # the columns left out are invalid for every query here, so the selection is unchanged
+        visible = int(torch.searchsorted(ends_P, q_pos_Q[s:e].max(), right=True))
+        n = max(k, visible)
+        scores_cIP = torch.matmul(q_QID[s:e].to(cd), keys_DP[:, :n]).mul_(scale).relu_()
         index_cP = torch.matmul(weights_QI[s:e].to(cd).unsqueeze(-2), scores_cIP).squeeze(-2)
         del scores_cIP
-        valid_cP = (pool_end_P[None, :] <= q_pos_Q[s:e, None]) & (pool_doc_P[None, :] == q_doc_Q[s:e, None])
+        valid_cP = (pool_end_P[None, :n] <= q_pos_Q[s:e, None]) & (pool_doc_P[None, :n] == q_doc_Q[s:e, None])
         index_cP.masked_fill_(~valid_cP, floor)
-        top = topk_lowest_index_ties(index_cP, k)
+        top = topk_lowest_index_ties(index_cP, k).sort(dim=-1).values
         sel[s:e] = top
         ok[s:e] = valid_cP.gather(-1, top)
     return sel, ok

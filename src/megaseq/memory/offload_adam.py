@@ -164,6 +164,8 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
 
     def _move_grad(self, p: torch.Tensor) -> None:
         g = p.grad
+        if g is None:  # a hook of an inner backward (recompute, tiling) already moved this gradient
+            return
         host = self._host_view(p, "grad")
         s = self.streams
         if self.has_grad[p]:  # accumulation: bring the host copy back, add, go again

@@ -48,6 +48,11 @@ def build_model(spec: ModelSpec, dtype: torch.dtype = torch.float32, device: str
         with device:
             model = cls(spec)
     model = model.to(dtype=dtype)
+    # The DSA indexer runs under no_grad (as in the reference) and feeds only integer indices forward,
+    # so the LM loss never reaches its weights: mark them frozen, so optimizers carry no state for them.
+    for name, p in model.named_parameters():
+        if ".indexer." in name:
+            p.requires_grad_(False)
     if torch.finfo(dtype).bits < 32:
         keep = fp32_param_suffixes(spec.family)
         for name, t in list(model.named_parameters()) + list(model.named_buffers()):

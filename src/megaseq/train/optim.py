@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from megaseq.config import OptimConfig
+from megaseq.memory.apply import MemoryPlan, make_optimizer
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -35,18 +36,11 @@ def lr_lambda(step: int, total_steps: int, warmup_steps: int, min_lr_ratio: floa
     return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, total_steps: int, offload: bool = False,
-                    bucket_params: int = 100_000_000) -> tuple[Any, torch.optim.lr_scheduler.LambdaLR]:
-    groups = param_groups(model, cfg.weight_decay)
-    if offload:
-        from megaseq.memory.offload_adam import OffloadStreamAdamW
-
-        opt = OffloadStreamAdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
-                                 weight_decay=cfg.weight_decay, bucket_params=bucket_params)
-    else:
-        fused = next(model.parameters()).is_cuda
-        opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
-                                weight_decay=cfg.weight_decay, fused=fused or None, foreach=None if fused else False)
+def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, total_steps: int,
+                    plan: MemoryPlan) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    """The planned optimizer (AdamW, or OffloadStreamAdamW) over decay / no-decay groups, and its schedule."""
+    opt = make_optimizer(param_groups(model, cfg.weight_decay), plan, lr=cfg.lr, betas=tuple(cfg.betas),
+                         eps=cfg.eps, weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: lr_lambda(s, total_steps, cfg.warmup_steps, cfg.min_lr_ratio)
     )

@@ -92,8 +92,9 @@ def train_step(model: torch.nn.Module, micro_batches: list[dict[str, torch.Tenso
                scheduler: Any, cfg: Config, env: ParallelEnv, autocast: torch.dtype | None,
                memory: dict[str, Any]) -> tuple[float, float]:
     """One optimizer step over ``grad_accum`` micro-batches; returns (mean loss, grad norm)."""
-    from megaseq.memory.vocab_loss import chunked_linear_cross_entropy, plain_linear_cross_entropy
+    from megaseq.memory.apply import MemoryPlan, loss_fn
 
+    vocab_loss = loss_fn(MemoryPlan.from_dict(memory))
     local = sum(int((b["labels"] != -100).sum()) for b in micro_batches)
     total = env.all_reduce_count(local)  # the loss is a mean over every token of the global batch
     loss_sum = 0.0
@@ -102,12 +103,7 @@ def train_step(model: torch.nn.Module, micro_batches: list[dict[str, torch.Tenso
         with _autocast(autocast, env.device):
             hidden = model(b["input_ids"], doc_ids=b.get("doc_ids"), ctx=env.context(b))
         H = hidden.shape[-1]
-        labels = b["labels"].reshape(-1)
-        if memory.get("chunked_loss"):
-            loss = chunked_linear_cross_entropy(hidden.reshape(-1, H), model.lm_head.weight, labels,
-                                                memory["loss_chunk_tokens"], reduction="sum")
-        else:
-            loss = plain_linear_cross_entropy(hidden.reshape(-1, H), model.lm_head.weight, labels, reduction="sum")
+        loss = vocab_loss(hidden.reshape(-1, H), model.lm_head.weight, b["labels"].reshape(-1), reduction="sum")
         (loss / max(total, 1)).backward()
         loss_sum += float(loss.detach())
     env.reduce_gradients(model)
@@ -152,9 +148,8 @@ def run_training(cfg: Config) -> RunResult:
         from megaseq.models.hf_io import load_hf_checkpoint
 
         load_hf_checkpoint(cfg.model.init_from, model=model, spec=spec)
-    apply_memory_plan(model, MemoryPlan(**memory))
-    optimizer, scheduler = build_optimizer(model, cfg.optim, cfg.train.steps, memory.get("optimizer_offload", False),
-                                           memory.get("optimizer_bucket_params", 100_000_000))
+    applied = apply_memory_plan(model, MemoryPlan.from_dict(memory))
+    optimizer, scheduler = build_optimizer(model, cfg.optim, cfg.train.steps, MemoryPlan.from_dict(memory))
     spec_dict = spec.to_dict()
     start = 0
     if resume_from is not None:
@@ -193,6 +188,7 @@ def run_training(cfg: Config) -> RunResult:
             env.barrier()
     finally:
         logger.close()
+        applied.release()  # the SCO pinned pool
 
     if cfg.train.export_hf and env.is_main:
         from megaseq.models.hf_io import export_hf_checkpoint

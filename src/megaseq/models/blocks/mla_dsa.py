@@ -126,15 +126,16 @@ class Indexer(nn.Module):
         self.weights_proj = nn.Linear(spec.hidden_size, I, bias=False)
         self.index_kpool_compress_ape = nn.Parameter(torch.zeros(kp, Di))
         self.index_kpool_compress_gate = nn.Parameter(torch.ones(Di, spec.hidden_size))
+        self.query_chunk: int | None = None  # scoring rows per chunk; the memory plan sets it
 
     @torch.no_grad()
     def forward(self, x_BQH: torch.Tensor, q_resid_BQR: torch.Tensor, ctx: SeqContext) -> torch.Tensor:
         """Selected key indices (global, -1 = empty) ``[B, Q, W]`` int32."""
         B, Q, _ = x_BQH.shape
-        q_BQID = self.wq_b(q_resid_BQR).view(B, Q, self.n_heads, self.head_dim)
         k_BQD = self.k_norm(self.wk(x_BQH))
         gate_BQD = F.linear(x_BQH, self.index_kpool_compress_gate)
         k_BSD, gate_BSD = ctx.gather_seq(torch.cat([k_BQD, gate_BQD], dim=-1)).split(self.head_dim, dim=-1)
+        del k_BQD, gate_BQD
         weights_BQI = self.weights_proj(x_BQH).to(compute_dtype(x_BQH.dtype)) * self.n_heads**-0.5
         S = k_BSD.shape[1]
         assert S < 2**31, "key indices are int32"
@@ -143,13 +144,20 @@ class Indexer(nn.Module):
             doc_BS = torch.zeros(B, S, dtype=torch.int64, device=x_BQH.device)
         pos_BS = positions_from_doc_ids(doc_BS)
         q_pos_Q = ctx.seq_offset() + torch.arange(Q, device=x_BQH.device)
-        rows = [self._select_row(q_BQID[b], weights_BQI[b], k_BSD[b], gate_BSD[b], doc_BS[b], pos_BS[b],
-                                 q_pos_Q) for b in range(B)]
-        width = max(r.shape[-1] for r in rows)
-        return torch.stack([F.pad(r, (0, width - r.shape[-1]), value=-1) for r in rows])
+        pools = [self._pool_keys(k_BSD[b], gate_BSD[b], pos_BS[b]) for b in range(B)]
+        del k_BSD, gate_BSD
+        kp = self.kpool
+        num = [min(self.index_topk // kp, tok_Pk.shape[0]) for _, tok_Pk in pools]
+        tail = kp - 1 if self.select_tail and kp > 1 else 0
+        # the selection is the big tensor ([Q, W] int32: 8 GiB at 1M tokens): written in place, once
+        out = torch.full((B, Q, max(num) * kp + tail), -1, dtype=torch.int32, device=x_BQH.device)
+        for b, (keys_PD, tok_Pk) in enumerate(pools):
+            self._select_row(out[b], num[b], q_resid_BQR[b], weights_BQI[b], keys_PD, tok_Pk, doc_BS[b],
+                             pos_BS[b], q_pos_Q)
+        return out
 
     def _pool_keys(self, k_SD: torch.Tensor, gate_SD: torch.Tensor, pos_S: torch.Tensor):
-        """Complete pools: (keys ``[P, Di]``, token indices ``[P, kp]``)."""
+        """Complete pools: (keys ``[P, Di]``, token indices ``[P, kp]``), in sequence order."""
         kp = self.kpool
         ends_P = torch.nonzero((pos_S + 1) % kp == 0).squeeze(-1)
         tok_Pk = ends_P[:, None] - (kp - 1) + torch.arange(kp, device=k_SD.device)
@@ -158,24 +166,31 @@ class Indexer(nn.Module):
         probs = logits.softmax(dim=1).to(k_SD.dtype)  # per channel, over the kp tokens of the pool
         return (probs * k_SD[tok_Pk]).sum(dim=1), tok_Pk
 
-    def _select_row(self, q_QID, w_QI, k_SD, gate_SD, doc_S, pos_S, q_pos_Q) -> torch.Tensor:
-        """One batch row: ``[Q, K' * kp (+ kp - 1)]`` int32 key indices, -1 where empty."""
-        kp = self.kpool
-        keys_PD, tok_Pk = self._pool_keys(k_SD, gate_SD, pos_S)
+    def _select_row(self, out_QW, num_pools, q_resid_QR, w_QI, keys_PD, tok_Pk, doc_S, pos_S, q_pos_Q) -> None:
+        """One batch row into ``out_QW``: ``num_pools * kp`` selected pool tokens, then the tail pool.
+
+        Queries go a scoring chunk at a time (``query_chunk``), their indexer queries projected per
+        chunk: neither ``[Q, I * Di]`` nor ``[Q, P]`` is ever built.
+        """
+        kp, I, Di = self.kpool, self.n_heads, self.head_dim
         pool_end_P = tok_Pk[:, -1]
-        sel_QK, ok_QK = indexer_scoring.select_pools(
-            q_QID, w_QI, keys_PD, pool_end_P, doc_S[pool_end_P], q_pos_Q, doc_S[q_pos_Q],
-            self.index_topk // kp, self.softmax_scale)
-        # expand pools to tokens directly in int32: this [Q, K' * kp] tensor is the big one
-        idx = tok_Pk.to(torch.int32)[sel_QK].masked_fill(~ok_QK[..., None], -1).flatten(1)
-        if not self.select_tail or kp == 1:
-            return idx
-        # the query's own incomplete pool: the last (pos + 1) % kp tokens up to and including it
-        tail_count = (pos_S[q_pos_Q] + 1) % kp
-        offs = torch.arange(kp - 1, device=idx.device)
-        tail = (q_pos_Q - tail_count + 1)[:, None] + offs
-        tail = tail.masked_fill(offs[None, :] >= tail_count[:, None], -1)
-        return torch.cat([idx, tail.to(torch.int32)], dim=-1)
+        pool_doc_P, q_doc_Q = doc_S[pool_end_P], doc_S[q_pos_Q]
+        tok_Pk = tok_Pk.to(torch.int32)
+        Q, width = q_resid_QR.shape[0], num_pools * kp
+        chunk = indexer_scoring.resolve_query_chunk(self.query_chunk, tok_Pk.shape[0], I, num_pools)
+        for s in range(0, Q, chunk):
+            e = min(s + chunk, Q)
+            q_cID = self.wq_b(q_resid_QR[s:e]).view(e - s, I, Di)
+            sel_cK, ok_cK = indexer_scoring.select_pools(
+                q_cID, w_QI[s:e], keys_PD, pool_end_P, pool_doc_P, q_pos_Q[s:e], q_doc_Q[s:e],
+                self.index_topk // kp, self.softmax_scale, query_chunk=e - s)
+            out_QW[s:e, :width] = tok_Pk[sel_cK].masked_fill_(~ok_cK[..., None], -1).flatten(1)
+        if self.select_tail and kp > 1:
+            # the query's own incomplete pool: the last (pos + 1) % kp tokens up to and including it
+            tail_count = (pos_S[q_pos_Q] + 1) % kp
+            offs = torch.arange(kp - 1, device=out_QW.device)
+            tail = (q_pos_Q - tail_count + 1)[:, None] + offs
+            out_QW[:, width:width + kp - 1] = tail.masked_fill_(offs[None, :] >= tail_count[:, None], -1)
 
 
 # ---- attention -----------------------------------------------------------------------------------------

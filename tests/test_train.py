@@ -1,0 +1,123 @@
+"""The training path end to end on the CPU: overfit, exact resume, run-directory safety, bad input."""
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from megaseq.config import build_config
+from megaseq.train import checkpoint as ckpt
+from megaseq.train.trainer import run_training
+
+torch.set_num_threads(2)
+
+
+def _fasta(path: Path, n: int, seed: int = 0) -> Path:
+    rng = np.random.default_rng(seed)
+    path.write_text(">rec\n" + "".join(rng.choice(list("ACGT"), n)) + "\n")
+    return path
+
+
+def _cfg(tmp_path: Path, run: str, **sections):
+    raw = {
+        "data": {"train": [str(_fasta(tmp_path / "one.fa", 129))], "seq_len": 128, "heldout_tail": 0},
+        "train": {"steps": 6, "run_dir": str(tmp_path / run), "eval_after": False, "export_hf": False},
+        "optim": {"lr": 1e-2, "warmup_steps": 5, "weight_decay": 0.0},
+        "log": {"progress": False, "tensorboard": False},
+        "model": {"dtype": "fp32"},
+    }
+    for k, v in sections.items():
+        raw.setdefault(k, {}).update(v)
+    return build_config(raw)
+
+
+def _losses(run_dir: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_overfits_one_sequence(tmp_path):
+    """One fixed 128-base sequence (the only window of a 129-base record): loss falls >= 80% in 50 steps."""
+    result = run_training(_cfg(tmp_path, "r", train={"steps": 50}))
+    first, best = result.losses[0], min(result.losses)
+    assert best <= 0.2 * first, f"loss {first:.3f} -> {best:.3f}"
+
+
+def test_resume_equals_uninterrupted(tmp_path):
+    _fasta(tmp_path / "g.fa", 3000, seed=1)
+    data = {"train": [str(tmp_path / "g.fa")], "seq_len": 64, "reverse_complement": True}
+    full = run_training(_cfg(tmp_path, "full", data=data, train={"steps": 6}))
+    run_training(_cfg(tmp_path, "part", data=data, train={"steps": 3}))
+    resumed = run_training(_cfg(tmp_path, "part", data=data, train={"steps": 6, "resume": True}))
+    assert len(resumed.losses) == 3
+    np.testing.assert_allclose(_losses(tmp_path / "part"), full.losses, rtol=1e-6)
+    np.testing.assert_allclose(_losses(tmp_path / "part")[3:], resumed.losses, rtol=0)
+
+
+def test_run_dir_refuses_another_run(tmp_path):
+    run_training(_cfg(tmp_path, "r", train={"steps": 1}))
+    with pytest.raises(ValueError, match="already holds the same run.*--train.resume true"):
+        run_training(_cfg(tmp_path, "r", train={"steps": 2}))
+    with pytest.raises(ValueError, match="holds a different run.*model"):
+        run_training(_cfg(tmp_path, "r", model={"name": "qwen3-moe-tiny"}, train={"steps": 2, "resume": True}))
+    again = run_training(_cfg(tmp_path, "r", train={"steps": 1, "overwrite": True}))
+    assert len(again.losses) == 1
+
+
+def test_resume_refuses_checkpoint_of_another_model(tmp_path):
+    run_training(_cfg(tmp_path, "r", train={"steps": 1}))
+    with pytest.raises(ValueError, match="different model"):
+        # same run-directory identity check bypassed by loading the checkpoint directly
+        from megaseq.models.build import build_model
+        from megaseq.models.presets import get_preset
+
+        spec = get_preset("qwen3-moe-tiny")
+        ckpt.load_checkpoint(ckpt.latest_complete(tmp_path / "r"), build_model(spec), expected_spec=spec.to_dict())
+
+
+def test_interrupted_checkpoint_is_never_loaded(tmp_path):
+    run_training(_cfg(tmp_path, "r", train={"steps": 2, "save_every": 1}))
+    root = tmp_path / "r" / ckpt.CKPT_DIR
+    assert [s for s, _ in ckpt.list_complete(tmp_path / "r")] == [1, 2]
+    # a write that died before its rename, and one that lost its meta.json
+    shutil.copytree(root / "step_000002", root / "step_000003.tmp-999")
+    shutil.copytree(root / "step_000002", root / "step_000004")
+    (root / "step_000004" / ckpt.META).unlink()
+    assert ckpt.latest_complete(tmp_path / "r") == root / "step_000002"
+    with pytest.raises(ValueError, match="interrupted write"):
+        ckpt.read_meta(root / "step_000004")
+    resumed = run_training(_cfg(tmp_path, "r", train={"steps": 3, "resume": True}))
+    assert len(resumed.losses) == 1  # continued from step 2, not from the broken 3 or 4
+
+
+@pytest.mark.parametrize(
+    "data, match",
+    [
+        ({"train": ["/nonexistent/genome.fa"]}, "nonexistent"),
+        ({"seq_len": 4096}, "data.seq_len=4096"),
+        ({"tokenizer": "/nonexistent/tokenizer.json"}, "tokenizer"),
+    ],
+)
+def test_bad_data_fails_before_anything_is_written(tmp_path, data, match):
+    cfg = _cfg(tmp_path, "r", data=data)
+    with pytest.raises(ValueError, match=match):
+        run_training(cfg)
+    assert not (tmp_path / "r" / "checkpoints").exists()
+
+
+def test_default_job_writes_every_output(tmp_path):
+    """The embedded default (lambda phage, held-out tail), shortened: outputs, export and the eval report."""
+    from megaseq.cli.main import default_recipe
+    from megaseq.config import load_config
+
+    cfg = load_config(default_recipe(), [f"train.run_dir={tmp_path / 'd'}", "train.steps=2", "data.seq_len=256",
+                                         "eval.by_position=64", "log.progress=false"])
+    result = run_training(cfg)
+    run = tmp_path / "d"
+    for name in ("config.yaml", "plan.json", "metrics.jsonl", "hf/config.json", "eval/eval_by_position.md",
+                 "eval/eval_by_position.png"):
+        assert (run / name).exists(), name
+    report = result.eval_report
+    assert set(report["models"]) >= {"before", "after"} and report["baseline"] is not None
