@@ -71,8 +71,9 @@ def kernel_table(spec: ModelSpec, device: torch.device, strict: bool) -> str:
     return dispatch.format_table()
 
 
-def load_reference_model(path: str, dtype: torch.dtype = torch.float64) -> torch.nn.Module:
-    """The transformers model of an exported checkpoint, on its pure-torch (eager) code paths."""
+def load_reference_model(path: str, dtype: torch.dtype = torch.float64, attn: str = "eager",
+                         experts: str = "eager") -> torch.nn.Module:
+    """The transformers model of an exported checkpoint (pure-torch eager paths unless told otherwise)."""
     import json
     from pathlib import Path
 
@@ -84,8 +85,8 @@ def load_reference_model(path: str, dtype: torch.dtype = torch.float64) -> torch
     config = transformers.AutoConfig.from_pretrained(path)
     for c in (config, getattr(config, "text_config", None)):
         if c is not None:
-            c._experts_implementation = "eager"
-    model = getattr(transformers, cls).from_pretrained(path, config=config, dtype=dtype, attn_implementation="eager")
+            c._experts_implementation = experts
+    model = getattr(transformers, cls).from_pretrained(path, config=config, dtype=dtype, attn_implementation=attn)
     return model.eval()
 
 

@@ -67,8 +67,12 @@ def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
 
     cfg = _config(args, rest)
     lens = [parse_size(s) for s in args.seq_lens.split(",") if s]
-    run_bench(cfg, lens, steps=args.steps, source=args.source, find_max=args.find_max,
-              baseline=args.baseline, out=args.out)
+    result = run_bench(cfg, lens, steps=args.steps, source=args.source, find_max_len=args.find_max,
+                       baseline=args.baseline, out=args.out)
+    from megaseq.bench import markdown
+
+    print(markdown(result))
+    print(f"wrote {args.out}.json, .md, .png")
     return 0
 
 

@@ -1,0 +1,240 @@
+"""``megaseq bench``: measured peak memory, tokens/s and MFU per sequence length, next to the plan.
+
+For each length the planner chooses the fixes (as ``megaseq train`` would), the model runs real
+training steps (forward, backward, optimizer) on random tokens and/or real genome windows, and the
+result records predicted vs measured peak GPU and host memory, tokens/s, model FLOPs utilization
+(model FLOPs only: attention and indexer included, recompute not), the fixes used and the MoE load
+imbalance seen. ``--find-max`` searches the longest length that trains; ``--baseline`` runs the
+transformers reference of the same architecture and weights (gradient checkpointing on, its best
+attention) so every table carries the megaseq / reference ratios.
+
+Outputs: ``OUT.json``, ``OUT.md`` and ``OUT.png`` (memory and throughput against length).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import platform
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megaseq.config import Config
+
+GIB = 2**30
+H200_BF16_FLOPS = 989e12  # dense bf16 peak of the H100/H200 SXM datasheet (MFU denominator)
+
+
+def host_rss_peak_reset() -> None:
+    """Reset the kernel's peak-RSS counter (VmHWM) so each length reports its own host peak."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
+def host_rss_peak() -> int:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _cfg_for(cfg: Config, seq_len: int, source: str) -> Config:
+    c = copy.deepcopy(cfg)
+    c.data.seq_len = seq_len
+    if source == "random":
+        c.data.kind = "random"
+    elif source == "genome" and c.data.kind == "random":
+        c.data.kind = "fasta"  # data.train (or the built-in genome) through the DNA tokenizer
+    c.train.eval_after = False
+    c.train.export_hf = False
+    return c
+
+
+def measure_megaseq(cfg: Config, seq_len: int, steps: int, source: str) -> dict[str, Any]:
+    """Warm-up step + ``steps`` timed steps of megaseq at ``seq_len``; an OOM is a result, not an error."""
+    from megaseq.data import build_data
+    from megaseq.memory.apply import MemoryPlan, apply_memory_plan
+    from megaseq.models.build import build_model
+    from megaseq.models.presets import resolve_spec
+    from megaseq.plan.planner import plan_from_config
+    from megaseq.train.metrics import moe_load
+    from megaseq.train.optim import build_optimizer
+    from megaseq.train.parallel_env import ParallelEnv
+    from megaseq.train.trainer import dtypes, resolve_device, train_step
+
+    c = _cfg_for(cfg, seq_len, source)
+    device = resolve_device(c)
+    spec = resolve_spec(c.model.name)
+    gpu_bytes = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+    plan = plan_from_config(c, world_size=1, gpu_bytes=gpu_bytes)
+    row: dict[str, Any] = {"seq_len": seq_len, "source": source, "system": "megaseq",
+                           "fixes": [f[0] if isinstance(f, (list, tuple)) else str(f) for f in plan.fixes],
+                           "predicted_gpu_gib": plan.peak_gpu / GIB, "predicted_host_gib": plan.peak_host / 1e9,
+                           "plan_fits": plan.fits}
+    model = applied = None
+    try:
+        param_dtype, autocast = dtypes(c, device)
+        data = build_data(c.data, None, batch_size=c.train.batch_size, vocab_size=spec.vocab_size)
+        model = build_model(spec, dtype=param_dtype, device=device, seed=c.train.seed)
+        memory = dict(plan.memory)
+        applied = apply_memory_plan(model, MemoryPlan.from_dict(memory))
+        opt, sched = build_optimizer(model, c.optim, steps + 1, MemoryPlan.from_dict(memory))
+        env = ParallelEnv(device)
+        _sync(device)
+        host_rss_peak_reset()
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        times = []
+        for i in range(steps + 1):
+            batch = data.train.next_batch()
+            t0 = time.perf_counter()
+            train_step(model, [batch], opt, sched, c, env, autocast, memory)
+            _sync(device)
+            if i > 0:  # the first step warms up kernels and the allocator
+                times.append(time.perf_counter() - t0)
+        dt = sum(times) / len(times)
+        tokens = c.train.batch_size * seq_len
+        row.update(status="ok", step_s=dt, tokens_per_s=tokens / dt,
+                   mfu=tokens / dt * plan.flops["per_token"] / H200_BF16_FLOPS if device.type == "cuda" else None,
+                   measured_gpu_gib=torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None,
+                   measured_host_gib=host_rss_peak() / 1e9, moe_max_over_mean=moe_load(model))
+    except torch.OutOfMemoryError as e:
+        row.update(status="oom", error=str(e).splitlines()[0][:200])
+    finally:
+        if applied is not None:
+            applied.release()
+        del model
+        _free(device)
+    return row
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _free(device: torch.device) -> None:
+    import gc
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def find_max(measure, start: int, granularity: int) -> tuple[int | None, list[dict[str, Any]]]:
+    """Double from ``start`` until a length fails, then bisect to ``granularity``; returns (max ok, rows)."""
+    rows, ok, bad, L = [], None, None, start
+    while bad is None:
+        r = measure(L)
+        rows.append(r)
+        if r["status"] == "ok":
+            ok, L = L, L * 2
+        else:
+            bad = L
+        if ok is None and bad is not None and L <= granularity:
+            return None, rows
+    lo = ok or 0
+    while bad - lo > granularity:
+        mid = (lo + bad) // 2 // granularity * granularity
+        if mid <= lo:
+            break
+        r = measure(mid)
+        rows.append(r)
+        lo, bad = (mid, bad) if r["status"] == "ok" else (lo, mid)
+    return (lo or None), rows
+
+
+def run_bench(cfg: Config, lengths: list[int], steps: int = 3, source: str = "random", find_max_len: bool = False,
+              baseline: bool = False, out: str = "benchmarks/results/bench") -> dict[str, Any]:
+    sources = ["random", "genome"] if source == "both" else [source]
+    rows = [measure_megaseq(cfg, L, steps, s) for s in sources for L in lengths]
+    result: dict[str, Any] = {"meta": _meta(cfg, lengths, steps, source), "rows": rows}
+    if find_max_len:
+        best, search = find_max(lambda L: measure_megaseq(cfg, L, 1, sources[0]), max(lengths), max(lengths) // 8)
+        result["max_len"] = {"megaseq": best, "search": search}
+    if baseline:
+        from megaseq.bench_reference import measure_reference
+
+        ref_rows = [measure_reference(cfg, L, steps) for L in lengths]
+        result["reference_rows"] = ref_rows
+        if find_max_len:
+            best, search = find_max(lambda L: measure_reference(cfg, L, 1), min(lengths), max(min(lengths) // 4, 1))
+            result["max_len"]["reference"] = best
+            result["max_len"]["reference_search"] = search
+    write_outputs(result, Path(out))
+    return result
+
+
+def _meta(cfg: Config, lengths: list[int], steps: int, source: str) -> dict[str, Any]:
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return {"model": cfg.model.name, "gpu": gpu, "torch": torch.__version__, "python": platform.python_version(),
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "lengths": lengths, "steps": steps,
+            "source": source, "dtype": cfg.model.dtype}
+
+
+def markdown(result: dict[str, Any]) -> str:
+    m = result["meta"]
+    lines = [f"# megaseq bench: {m['model']} on {m['gpu']} (torch {m['torch']}, {m['date']})", "",
+             "| length | source | status | fixes | pred GPU GiB | meas GPU GiB | err | host GB | tok/s | MFU | MoE max/mean |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        meas = r.get("measured_gpu_gib")
+        err = f"{(r['predicted_gpu_gib'] - meas) / meas:+.1%}" if meas else "-"
+        moe = r.get("moe_max_over_mean") or {}
+        mfu = "-" if r.get("mfu") is None else f"{r['mfu']:.1%}"
+        lines.append(
+            f"| {r['seq_len']:,} | {r['source']} | {r['status']} | {', '.join(r['fixes']) or '-'} | "
+            f"{r['predicted_gpu_gib']:.1f} | {meas if meas is None else f'{meas:.1f}'} | {err} | "
+            f"{r.get('measured_host_gib', 0) or 0:.1f} | {r.get('tokens_per_s', 0) or 0:,.0f} | "
+            f"{mfu} | {max(moe.values()) if moe else 0:.2f} |")
+    ref = {r["seq_len"]: r for r in result.get("reference_rows", [])}
+    if ref:
+        lines += ["", "| length | reference status | reference tok/s | megaseq / reference tok/s |", "|---|---|---|---|"]
+        for r in result["rows"]:
+            b = ref.get(r["seq_len"])
+            if b is None:
+                continue
+            ratio = (r.get("tokens_per_s") or 0) / b["tokens_per_s"] if b.get("tokens_per_s") else None
+            lines.append(f"| {r['seq_len']:,} | {b['status']} | {b.get('tokens_per_s', 0) or 0:,.0f} | "
+                         f"{'-' if ratio is None else f'{ratio:.2f}x'} |")
+    if "max_len" in result:
+        mx = result["max_len"]
+        lines += ["", f"longest length that trains: megaseq {mx.get('megaseq')}, reference {mx.get('reference')}"]
+    return "\n".join(lines) + "\n"
+
+
+def write_outputs(result: dict[str, Any], out: Path) -> None:
+    from megaseq.eval.report import write_atomic
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(out.with_suffix(".json"), json.dumps(result, indent=2, default=str))
+    write_atomic(out.with_suffix(".md"), markdown(result))
+    ok = [r for r in result["rows"] if r["status"] == "ok"]
+    if not ok:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    xs = [r["seq_len"] for r in ok]
+    a.plot(xs, [r["predicted_gpu_gib"] for r in ok], "o--", label="planned")
+    if ok[0].get("measured_gpu_gib") is not None:
+        a.plot(xs, [r["measured_gpu_gib"] for r in ok], "o-", label="measured")
+    a.set(xscale="log", xlabel="tokens per sequence", ylabel="peak GPU GiB", title="memory")
+    a.legend()
+    b.plot(xs, [r["tokens_per_s"] for r in ok], "o-")
+    b.set(xscale="log", xlabel="tokens per sequence", ylabel="tokens/s", title="throughput")
+    fig.tight_layout()
+    fig.savefig(out.with_suffix(".png"), dpi=120)
+    plt.close(fig)
