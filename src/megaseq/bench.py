@@ -184,7 +184,8 @@ def _meta(cfg: Config, lengths: list[int], steps: int, source: str) -> dict[str,
 def markdown(result: dict[str, Any]) -> str:
     m = result["meta"]
     lines = [f"# megaseq bench: {m['model']} on {m['gpu']} (torch {m['torch']}, {m['date']})", "",
-             "| length | source | status | fixes | pred GPU GiB | meas GPU GiB | err | host GB | tok/s | MFU | MoE max/mean |",
+             "| length | source | status | fixes | pred GPU GiB | meas GPU GiB | err | host GB | tok/s | MFU "
+             "| MoE max/mean |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         meas = r.get("measured_gpu_gib")
@@ -198,7 +199,8 @@ def markdown(result: dict[str, Any]) -> str:
             f"{mfu} | {max(moe.values()) if moe else 0:.2f} |")
     ref = {r["seq_len"]: r for r in result.get("reference_rows", [])}
     if ref:
-        lines += ["", "| length | reference status | reference tok/s | megaseq / reference tok/s |", "|---|---|---|---|"]
+        lines += ["", "| length | reference status | reference tok/s | megaseq / reference tok/s |",
+                  "|---|---|---|---|"]
         for r in result["rows"]:
             b = ref.get(r["seq_len"])
             if b is None:
