@@ -28,8 +28,10 @@ def build_reference(cfg: Config, device: torch.device) -> tuple[torch.nn.Module,
         export_hf_checkpoint(ours, spec, f"{tmp}/hf")
         del ours
         ref = load_reference_model(f"{tmp}/hf", dtype=torch.bfloat16, attn="sdpa", experts="grouped_mm")
-    enable = getattr(ref, "activation_checkpointing_enable", None) or ref.gradient_checkpointing_enable
-    enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if hasattr(ref, "activation_checkpointing_enable"):  # transformers >= 5.24
+        ref.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        ref.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     ref.config.use_cache = False
     return ref.to(device).train(), spec
 

@@ -1,0 +1,54 @@
+"""`megaseq bench` and `megaseq verify` on the CPU (GPU numbers come from the same code on an H200)."""
+
+import json
+
+import pytest
+
+from megaseq.bench import find_max, run_bench
+from megaseq.config import build_config
+from megaseq.models.presets import get_preset
+from megaseq.verify import hf_parity, shrink, verify
+
+
+def test_find_max_doubles_then_bisects():
+    limit = 700
+    seen = []
+
+    def measure(L):
+        seen.append(L)
+        return {"status": "ok" if L <= limit else "oom"}
+
+    best, rows = find_max(measure, 100, 25)
+    assert best == 700 and len(rows) == len(seen)
+    assert seen[:4] == [100, 200, 400, 800]  # doubling until the first failure
+    assert find_max(lambda L: {"status": "oom"}, 100, 100)[0] is None
+
+
+def test_bench_writes_json_md_png_with_reference(tmp_path):
+    cfg = build_config(None, ["model.name=glm5-flash-tiny", "data.kind=random", "model.dtype=fp32"])
+    out = tmp_path / "b"
+    result = run_bench(cfg, [96], steps=1, source="both", baseline=True, out=str(out))
+    assert {r["source"] for r in result["rows"]} == {"random", "genome"}
+    assert all(r["status"] == "ok" and r["tokens_per_s"] > 0 for r in result["rows"])
+    assert result["reference_rows"][0]["status"] == "ok"
+    assert json.loads(out.with_suffix(".json").read_text())["meta"]["model"] == "glm5-flash-tiny"
+    assert "megaseq / reference" in out.with_suffix(".md").read_text()
+    assert out.with_suffix(".png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("preset", ["glm5-flash-tiny", "qwen3-moe-tiny"])
+def test_verify_parity_with_transformers(preset):
+    assert hf_parity(get_preset(preset)) < 1e-5
+
+
+def test_verify_prints_kernel_table(capsys):
+    assert verify(build_config(None, ["model.name=qwen3-moe-tiny"]))
+    out = capsys.readouterr().out
+    assert "layers.0.self_attn" in out and "attention" in out and "parity with transformers" in out
+
+
+def test_shrink_keeps_shapes_and_kinds():
+    full = get_preset("glm5-flash")
+    small = shrink(full)
+    assert set(zip(small.layer_types, small.mlp_types)) == set(zip(full.layer_types, full.mlp_types))
+    assert small.hidden_size == full.hidden_size and small.num_experts == full.num_experts
