@@ -16,7 +16,14 @@ Sections:
               with ``token_tile`` and bf16 autocast at 32K, 128K, 512K tokens: peak memory
               (``max_memory_allocated``), the input's share of it, and time; an out-of-memory length is
               recorded and the longer ones of that kind are skipped
-Writes one JSON (``--out``) and prints a compact table.
+Writes one JSON (``--out``, rewritten after every section) and prints a compact table.
+
+Time: every section runs under an alarm (``SECTION_SECONDS``) and records ``timeout`` instead of hanging
+the run. fla's kernels are Triton-autotuned over dozens of configs each on their first call, minutes on
+a fresh machine; ``--autotune one`` (the default) keeps one conservative config per kernel (fewest
+stages, smallest blocks), so the first call compiles each kernel once: fla's timings are then a lower
+bound. ``--autotune full`` tunes as fla does; set ``TRITON_CACHE_DIR`` to a folder that survives the
+machine to pay that once.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import datetime
 import gc
 import json
 import platform
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -45,6 +53,7 @@ K = 1024
 FULL = dict(kda=(4096, 4, 128), sparse=(4096, 512), dispatch_tokens=8192, lengths=(32 * K, 128 * K, 512 * K),
             warmup=4096, tile=16384)
 QUICK = dict(FULL, lengths=(32 * K, 128 * K))
+SECTION_SECONDS = {"sparse_mla": 40, "kda": 110, "dispatch": 50, "layers": 150}  # about 6 minutes in all
 SMOKE = dict(kda=(200, 2, 16), sparse=(97, 24), dispatch_tokens=64, lengths=(96, 160), warmup=32, tile=64)
 
 
@@ -60,13 +69,13 @@ def _sync(dev: torch.device) -> None:
 
 
 # ---- kda ------------------------------------------------------------------------------------------------
-def bench_kda(dev: torch.device, cfg: dict) -> dict[str, Any]:
+def bench_kda(out: dict[str, Any], dev: torch.device, cfg: dict) -> None:
     S, H, D = cfg["kda"]
     gen = torch.Generator().manual_seed(0)
     base = [torch.randn(1, S, H, D, generator=gen) for _ in range(3)]
     base += [-5.0 * torch.sigmoid(torch.randn(1, S, H, D, generator=gen)), torch.rand(1, S, H, generator=gen)]
     cu = torch.tensor([0, S // 3, S], device=dev)
-    out: dict[str, Any] = {"shape": {"S": S, "heads": H, "head_dim": D, "documents": 2}}
+    out["shape"] = {"S": S, "heads": H, "head_dim": D, "documents": 2}
     for dtype in (torch.bfloat16, torch.float32):
         inputs = [t.to(dev, dtype if i != 3 else torch.float32).requires_grad_() for i, t in enumerate(base)]
         why = fla_kda.kda_fla_supports(*inputs, cu)
@@ -87,7 +96,6 @@ def bench_kda(dev: torch.device, cfg: dict) -> dict[str, Any]:
     why = fla_kda.conv_fla_supports(x, wt, "silu", cu)
     out["causal_conv_fp32"] = {"skipped": why} if why else {
         "out": _errs(fla_kda.conv_fla(x, wt, "silu", cu), causal_conv_reference(x.double(), wt.double(), "silu", cu))}
-    return out
 
 
 # ---- sparse MLA -----------------------------------------------------------------------------------------
@@ -108,7 +116,7 @@ def _fwd_bwd_time(fn, args, dev) -> float:
     return time.perf_counter() - t0
 
 
-def bench_sparse(dev: torch.device, cfg: dict, spec) -> dict[str, Any]:
+def bench_sparse(out: dict[str, Any], dev: torch.device, cfg: dict, spec) -> None:
     S, width = cfg["sparse"]
     Hh, Dn, Dv, R = spec.num_attention_heads, spec.qk_nope_head_dim, spec.v_head_dim, spec.kv_lora_rank
     gen = torch.Generator().manual_seed(1)
@@ -120,7 +128,7 @@ def bench_sparse(dev: torch.device, cfg: dict, spec) -> dict[str, Any]:
     ref_in = [t.double().requires_grad_() for t in (q, c, w)]
     ref = sparse_mla_reference(*ref_in, idx, scale)
     g_ref = torch.autograd.grad(ref.square().sum(), ref_in)
-    out: dict[str, Any] = {"shape": {"S": S, "W": width, "heads": Hh, "nope": Dn, "v": Dv, "kv_lora": R}}
+    out["shape"] = {"S": S, "W": width, "heads": Hh, "nope": Dn, "v": Dv, "kv_lora": R}
     autocast = (False, True) if dev.type == "cuda" else (False,)
     for ac in autocast:
         for name, fn in (("absorbed", sparse_mla.sparse_mla), ("torch_masked", sparse_mla_reference)):
@@ -139,20 +147,18 @@ def bench_sparse(dev: torch.device, cfg: dict, spec) -> dict[str, Any]:
                 with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=ac):
                     res["fwd_bwd_seconds"] = _fwd_bwd_time(fn, (*x, idx, scale), dev)
             out[f"{name}_{'bf16' if ac else 'fp32'}"] = res
-    return out
 
 
 # ---- dispatcher table -----------------------------------------------------------------------------------
-def bench_dispatch(dev: torch.device, cfg: dict, spec) -> dict[str, Any]:
+def bench_dispatch(out: dict[str, Any], dev: torch.device, cfg: dict, spec) -> None:
     model = build_model(spec, dtype=torch.float32, device=dev, seed=0)
     ids = torch.randint(1, spec.vocab_size, (1, cfg["dispatch_tokens"]), device=dev)
     dispatch.reset_records()
     with torch.no_grad(), torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
         model(ids)
-    rows = [{"layer": layer, "op": r.op, "impl": r.impl, "why": r.reason} for layer, r in dispatch.records()]
-    table = dispatch.format_table()
-    del model
-    return {"tokens": cfg["dispatch_tokens"], "records": rows, "table": table}
+    out["tokens"] = cfg["dispatch_tokens"]
+    out["records"] = [{"layer": layer, "op": r.op, "impl": r.impl, "why": r.reason} for layer, r in dispatch.records()]
+    out["table"] = dispatch.format_table()
 
 
 # ---- one layer at long context --------------------------------------------------------------------------
@@ -196,8 +202,8 @@ def _layer_step(layer, S: int, spec, dev: torch.device) -> dict[str, Any]:
     return res
 
 
-def bench_layers(dev: torch.device, cfg: dict, spec) -> dict[str, Any]:
-    out: dict[str, Any] = {"token_tile": cfg["tile"], "autocast": "bf16" if dev.type == "cuda" else None}
+def bench_layers(out: dict[str, Any], dev: torch.device, cfg: dict, spec) -> None:
+    out.update(token_tile=cfg["tile"], autocast="bf16" if dev.type == "cuda" else None)
     kinds = {"kda_moe": next(i for i, t in enumerate(spec.layer_types) if t == "kda" and spec.mlp_types[i] == "moe"),
              "dsa_moe": next(i for i, t in enumerate(spec.layer_types) if t == "dsa" and spec.mlp_types[i] == "moe")}
     for kind, idx in kinds.items():
@@ -211,7 +217,6 @@ def bench_layers(dev: torch.device, cfg: dict, spec) -> dict[str, Any]:
             if "oom" in res:
                 break
         del layer
-    return out
 
 
 def _row(res: dict[str, Any]) -> str:
@@ -236,40 +241,84 @@ def _env(dev: torch.device) -> dict[str, Any]:
     return env
 
 
+class SectionTimeout(Exception):
+    pass
+
+
+def _on_alarm(signum, frame):
+    raise SectionTimeout
+
+
+def limit_autotune() -> None:
+    """One config per Triton autotuner (fla's kernels): the fewest stages, the smallest blocks, 4 warps."""
+    from triton.runtime.autotuner import Autotuner
+
+    run = Autotuner.run
+
+    def cost(c) -> tuple:
+        blocks = 1
+        for v in c.kwargs.values():
+            blocks *= v if isinstance(v, int) else 1
+        return (c.num_stages or 0, blocks, abs((c.num_warps or 4) - 4))
+
+    def run_one(self, *args, **kwargs):
+        if len(self.configs) > 1:
+            self.configs = [min(self.configs, key=cost)]
+        return run(self, *args, **kwargs)
+
+    Autotuner.run = run_one
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, help="JSON file to write")
     ap.add_argument("--quick", action="store_true", help="layers at 32K and 128K only")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes (checks that it runs)")
-    ap.add_argument("--only", default="kda,sparse_mla,dispatch,layers", help="comma-separated sections")
+    ap.add_argument("--autotune", choices=("one", "full"), default="one", help="Triton autotuning of fla kernels")
+    ap.add_argument("--only", default="sparse_mla,kda,dispatch,layers", help="comma-separated sections")
     args = ap.parse_args()
     dev = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
     cfg = SMOKE if args.smoke else QUICK if args.quick else FULL
     spec = glm5_flash_tiny() if args.smoke else glm5_flash_1gpu()
-    result: dict[str, Any] = {"env": _env(dev), "mode": "smoke" if args.smoke else "quick" if args.quick else "full"}
-    sections = {"kda": lambda: bench_kda(dev, cfg), "sparse_mla": lambda: bench_sparse(dev, cfg, spec),
-                "dispatch": lambda: bench_dispatch(dev, cfg, spec), "layers": lambda: bench_layers(dev, cfg, spec)}
+    if dev.type == "cuda" and args.autotune == "one" and fla_kda.fla_available() is None:
+        limit_autotune()
+    result: dict[str, Any] = {"env": _env(dev), "autotune": args.autotune,
+                              "mode": "smoke" if args.smoke else "quick" if args.quick else "full"}
+    sections = {"kda": lambda o: bench_kda(o, dev, cfg), "sparse_mla": lambda o: bench_sparse(o, dev, cfg, spec),
+                "dispatch": lambda o: bench_dispatch(o, dev, cfg, spec),
+                "layers": lambda o: bench_layers(o, dev, cfg, spec)}
+    signal.signal(signal.SIGALRM, _on_alarm)
     t_all = time.perf_counter()
     for name in args.only.split(","):
         t0 = time.perf_counter()
         print(f"[{name}]", flush=True)
+        result[name] = out = {}
+        signal.alarm(SECTION_SECONDS[name] * (10 if args.smoke else 1))
         try:
-            result[name] = sections[name]()
+            sections[name](out)
+        except SectionTimeout:
+            out["timeout"] = f"stopped after {SECTION_SECONDS[name]} s (what finished is kept)"
         except Exception as e:  # noqa: BLE001  (record and go on: the other sections still inform)
-            result[name] = {"error": f"{type(e).__name__}: {e}"[:2000]}
-        result[name]["section_seconds"] = time.perf_counter() - t0
+            out["error"] = f"{type(e).__name__}: {e}"[:2000]
+        finally:
+            signal.alarm(0)
+        out["section_seconds"] = time.perf_counter() - t0
+        gc.collect()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=1, default=str))  # after every section
-        _print_section(name, result[name])
+        Path(args.out).write_text(json.dumps(result, indent=1, default=str))
+        _print_section(name, out)
     result["total_seconds"] = time.perf_counter() - t_all
     Path(args.out).write_text(json.dumps(result, indent=1, default=str))
     print(f"total {result['total_seconds']:.1f} s -> {args.out}")
 
 
 def _print_section(name: str, res: dict[str, Any]) -> None:
-    if "error" in res:
-        print(f"  ERROR {res['error'][:500]}")
-    elif name == "dispatch":
+    for bad in ("error", "timeout"):
+        if bad in res:
+            print(f"  {bad.upper()} {res[bad][:500]}")
+    if name == "dispatch" and "table" in res:
         print(res["table"])
     elif name in ("kda", "sparse_mla"):
         for key, v in res.items():

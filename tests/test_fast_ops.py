@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megaseq.memory import indexer_scoring
 from megaseq.models.blocks import mla_dsa
 from megaseq.models.blocks.kda import causal_conv_reference, kda_reference
 from megaseq.models.blocks.mla_dsa import MLASparseAttention, sparse_mla_reference
@@ -170,3 +171,54 @@ def test_absorbed_sparse_mla_on_gpu_bf16():
         out = sparse_mla.sparse_mla(q.float(), c.float(), w, idx, 0.2)
     assert out.dtype == torch.bfloat16 and rel_err(out.double(), ref) < 3e-2
     assert mla_dsa.ATTENTION_BLOCK_ELEMS > 0
+
+
+# ---- indexer scoring at long context -------------------------------------------------------------------
+def _valid_sets(sel: torch.Tensor, ok: torch.Tensor) -> list[set[int]]:
+    return [set(s[o].tolist()) for s, o in zip(sel, ok)]
+
+
+def test_select_pools_causal_prefix_equals_all_pools():
+    """Scoring each chunk against the causal prefix of pools only picks the same valid pools as scoring
+    every pool (ties included: many scores are relu'd to exactly 0), in ascending order."""
+    gen = torch.Generator().manual_seed(9)
+    Q, P, I, D, kp = 53, 23, 3, 4, 3
+    q = torch.randn(Q, I, D, generator=gen, dtype=F64)
+    w = torch.randn(Q, I, generator=gen, dtype=F64)
+    keys = torch.randn(P, D, generator=gen, dtype=F64)
+    pool_end = torch.arange(P) * kp + kp - 1
+    doc = (torch.arange(Q + 20) >= 30).long()  # two documents
+    q_pos = torch.arange(Q) + 7
+    sel, ok = indexer_scoring.select_pools(q, w, keys, pool_end, doc[pool_end], q_pos, doc[q_pos], 5, 0.3,
+                                           query_chunk=4)
+    # brute force: every pool scored, the same tie rule
+    scores = (torch.einsum("qid,pd->qip", q, keys) * 0.3).relu()
+    index = torch.einsum("qi,qip->qp", w, scores)
+    valid = (pool_end[None] <= q_pos[:, None]) & (doc[pool_end][None] == doc[q_pos][:, None])
+    top = indexer_scoring.topk_lowest_index_ties(index.masked_fill(~valid, torch.finfo(F64).min), 5)
+    assert _valid_sets(sel, ok) == _valid_sets(top, valid.gather(-1, top))
+    assert (sel.diff(dim=-1) > 0).all()
+    assert ok.any() and not ok.all()  # both kinds of rows are exercised
+
+
+def test_indexer_query_chunk_attribute_bounds_scoring(monkeypatch):
+    spec = get_preset("glm5-flash-tiny").replace(index_topk=8, index_kpool=4)
+    torch.manual_seed(1)
+    layer = MLASparseAttention(spec, layer_idx=3).double()
+    x = torch.randn(1, 61, spec.hidden_size, dtype=F64)
+    q_resid = torch.randn(1, 61, spec.q_lora_rank, dtype=F64)
+    whole = layer.indexer(x, q_resid, SeqContext())
+    sizes = []
+    real = indexer_scoring.select_pools
+    monkeypatch.setattr(indexer_scoring, "select_pools", lambda q, *a, **k: sizes.append(len(q)) or real(q, *a, **k))
+    layer.indexer.query_chunk = 9  # what apply_memory_plan sets
+    assert torch.equal(layer.indexer(x, q_resid, SeqContext()), whole)
+    assert max(sizes) == 9 and sum(sizes) == 61
+
+
+def test_default_scoring_chunk_is_bounded(monkeypatch):
+    monkeypatch.setattr(indexer_scoring, "QUERY_CHUNK", None)
+    P, I, K = (1 << 20) // 16, 32, 128  # 1M tokens, 16-token pools
+    chunk = indexer_scoring.resolve_query_chunk(None, P, I, K)
+    assert 1 <= chunk and indexer_scoring.indexer_scoring_bytes(chunk, P, I, K) <= indexer_scoring.SCORING_BUDGET_BYTES
+    assert indexer_scoring.resolve_query_chunk(7, P, I, K) == 7  # an explicit chunk wins

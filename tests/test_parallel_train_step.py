@@ -18,7 +18,6 @@ from megaseq.models.presets import get_preset
 from megaseq.parallel.env import DistributedEnv
 from megaseq.parallel.launch import spawn_local
 from megaseq.parallel.mesh import complete_batch
-from megaseq.train.optim import build_optimizer
 
 S, NUM_SEQS = 32, 2  # the global batch: 2 sequences, split over dp
 OPTIM = OptimConfig(lr=3e-3, warmup_steps=0, weight_decay=0.1, grad_clip=0.5)
@@ -45,6 +44,11 @@ def global_batch(num_seqs: int) -> dict[str, torch.Tensor]:
     return batch
 
 
+def adamw(model: torch.nn.Module) -> torch.optim.AdamW:
+    return torch.optim.AdamW(model.parameters(), lr=OPTIM.lr, betas=tuple(OPTIM.betas), eps=OPTIM.eps,
+                             weight_decay=OPTIM.weight_decay, foreach=False)
+
+
 def train_step(model, batch, env, optimizer) -> tuple[float, dict[str, torch.Tensor]]:
     """The trainer's step, small: global token count first, Ring-DTP / local loss, summed gradients."""
     total = env.all_reduce_count(int((batch["labels"] != -100).sum()))
@@ -64,7 +68,7 @@ def reference_step(num_seqs: int) -> tuple[float, dict, dict]:
 
     torch.manual_seed(0)
     model = build_model(get_preset("glm5-flash-tiny"), dtype=torch.float64, seed=0)
-    opt, _ = build_optimizer(model, OPTIM, total_steps=1)
+    opt = adamw(model)
     batch = global_batch(num_seqs)
     hidden = model(batch["input_ids"], doc_ids=batch["doc_ids"])
     loss = plain_linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), model.lm_head.weight,
@@ -85,7 +89,7 @@ def _rank_step(rank: int, dp: int, cp: int, loss_parallel: str, ref_loss: float,
     assert env.uses_ring_dtp() == (cp > 1 and loss_parallel == "ring_dtp")
     torch.manual_seed(0)
     model = build_model(get_preset("glm5-flash-tiny"), dtype=torch.float64, seed=0)
-    opt, _ = build_optimizer(model, OPTIM, total_steps=1)
+    opt = adamw(model)
     full, per_dp = global_batch(NUM_SEQS), NUM_SEQS // dp
     mine = {k: v[env.dp_rank * per_dp:(env.dp_rank + 1) * per_dp] for k, v in full.items()}
     batch = env.shard_batch(mine if env.reads_data else None)

@@ -121,3 +121,11 @@ def test_default_job_writes_every_output(tmp_path):
         assert (run / name).exists(), name
     report = result.eval_report
     assert set(report["models"]) >= {"before", "after"} and report["baseline"] is not None
+
+
+def test_before_checkpoint_does_not_change_the_run(tmp_path):
+    """The step-0 ("before") checkpoint must not touch optimizer state: same curve with and without it."""
+    with_before = run_training(_cfg(tmp_path, "a", train={"steps": 3, "eval_after": True}))
+    without = run_training(_cfg(tmp_path, "b", train={"steps": 3, "eval_after": False}))
+    assert (tmp_path / "a" / "checkpoints" / "step_000000").is_dir()
+    assert with_before.losses == without.losses

@@ -64,7 +64,7 @@ def kda_fla_supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     return _common_supports(q, cu_seqlens)
 
 
-@dispatch.register("kda", "fla", supports=kda_fla_supports)
+@dispatch.register("kda", "fla_chunk", supports=kda_fla_supports)
 def kda_fla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
             cu_seqlens: torch.Tensor | None = None, chunk_size: int = 64) -> torch.Tensor:
     """KDA over ``[B, S, H, D]`` (``g [B, S, H, Dk]`` log decay, ``beta [B, S, H]``) -> ``[B, S, H, Dv]``.

@@ -55,18 +55,18 @@ def block_queries(W: int, R: int, Hh: int, dtype: torch.dtype, budget: int | Non
     return max(1, int(budget if budget is not None else BLOCK_BYTES) // per_query)
 
 
-def sparse_mla_bytes(Q: int, S: int, W: int, R: int, Hh: int, Dn: int, dtype_bytes: int,
-                     block: int) -> dict[str, int]:
-    """Memory of one call: what the forward saves for backward, and the working set of one block.
-
-    ``saved``: the cast latent ``S * R``, the selection ``4 * Q * W`` (int32, shared with the indexer),
-    the fp32 log-sum-exp ``4 * Q * Hh`` (q and the weight are saved by reference, no copy).
-    ``block``: ``block * (W * R * (d + 4) + 32 * Hh * W + 16 * W)``; in backward add the fp32 latent
-    gradient ``4 * S * R``.
-    """
-    return {"saved": S * R * dtype_bytes + 4 * Q * W + 4 * Q * Hh,
-            "block": block * (W * R * (dtype_bytes + 4) + 32 * Hh * W + 16 * W),
-            "backward_extra": 4 * S * R + 4 * Hh * (Dn + Dn) * R}
+def sparse_mla_bytes(Q: int, S: int, W: int, R: int, Hh: int, Dn: int, Dv: int, dtype: torch.dtype,
+                     budget: int | None = None) -> dict[str, int]:
+    """GPU bytes of one call beyond its inputs (q, the latent, the weight and the selection), for the
+    memory planner. ``saved``: the latent cast to the work dtype (a copy when the latent is fp32 under
+    autocast, else shared) and the compute-dtype log-sum-exp ``[Q, Hh]``. ``block``: one query block's
+    working set (``block_queries``). ``backward``: the output-sized gradient of q ``Q * Hh * Dn``,
+    the compute-dtype latent gradient ``S * R`` and weight gradients, plus one block."""
+    d, c = dtype.itemsize, compute_dtype(dtype).itemsize
+    n = min(block_queries(W, R, Hh, dtype, budget), Q)
+    block = n * (W * R * (d + c) + 8 * Hh * W * c + 16 * W)
+    return {"saved": S * R * d + Q * Hh * c, "block": block,
+            "backward": block + Q * Hh * Dn * d + S * R * c + Hh * (Dn + Dv) * R * c}
 
 
 # ---- one query block ------------------------------------------------------------------------------------
@@ -111,8 +111,14 @@ class _EmptyRows:
         self.u_R = torch.zeros(c_SR.shape[1], dtype=cd, device=c_SR.device)
 
     @staticmethod
-    def has_empty(idx_QW: torch.Tensor, S: int) -> bool:
-        return bool((~((idx_QW >= 0) & (idx_QW < S)).any(-1)).any())
+    def has_empty(idx_QW: torch.Tensor, S: int, rows: int = 1 << 16) -> bool:
+        """Whether any row has no valid slot; by row blocks (``[Q, W]`` bool temporaries would be 2 GiB
+        each at 1M tokens), one host sync."""
+        found = torch.zeros((), dtype=torch.bool, device=idx_QW.device)
+        for a in range(0, idx_QW.shape[0], rows):
+            x = idx_QW[a:a + rows]
+            found |= ~((x >= 0) & (x < S)).any(-1).all()
+        return bool(found)
 
     def cov(self) -> torch.Tensor:
         if self._cov is None:
@@ -173,14 +179,16 @@ class AbsorbedSparseMLA(torch.autograd.Function):
         grads = (torch.empty_like(q_BQHD), torch.zeros(B, S, R, dtype=cd, device=c_BSR.device),
                  torch.zeros(w_uk.shape, dtype=cd, device=w_OR.device),
                  torch.zeros(w_uv.shape, dtype=cd, device=w_OR.device))
-        for b in range(B):
-            empty = _EmptyRows(c_BSR[b], cd) if _EmptyRows.has_empty(idx_BQW[b], S) else None
-            for s, e in _blocks(Q, W, R, Hh, q_BQHD.dtype):
-                blk = _Block(q_BQHD[b, s:e], c_BSR[b], w_uk, idx_BQW[b, s:e], ctx.scale, cd)
-                _block_backward(blk, b, s, e, q_BQHD, grad_BQHV, lse, w_uk, w_uv, empty, ctx.scale, grads)
-                del blk
-            if empty is not None:
-                grads[1][b] += empty.grad_c(ctx.scale)
+        # backward may run inside the caller's autocast region: the dtypes here are explicit
+        with torch.autocast(q_BQHD.device.type, enabled=False):
+            for b in range(B):
+                empty = _EmptyRows(c_BSR[b], cd) if _EmptyRows.has_empty(idx_BQW[b], S) else None
+                for s, e in _blocks(Q, W, R, Hh, q_BQHD.dtype):
+                    blk = _Block(q_BQHD[b, s:e], c_BSR[b], w_uk, idx_BQW[b, s:e], ctx.scale, cd)
+                    _block_backward(blk, b, s, e, q_BQHD, grad_BQHV, lse, w_uk, w_uv, empty, ctx.scale, grads)
+                    del blk
+                if empty is not None:
+                    grads[1][b] += empty.grad_c(ctx.scale)
         dq, dc, dw_uk, dw_uv = grads
         dw = torch.cat([dw_uk, dw_uv], dim=1).reshape(w_OR.shape).to(w_OR.dtype)
         return dq, dc.to(c_BSR.dtype), dw, None, None

@@ -102,7 +102,8 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer:
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
-    dcp.save(_state(model, optimizer), checkpoint_id=str(tmp))
+    # parameters are replicated over the ranks, so one rank writes the whole state: no collectives
+    dcp.save(_state(model, optimizer), checkpoint_id=str(tmp), no_dist=True)
     if optimizer is not None:
         torch.save({"scheduler": scheduler.state_dict() if scheduler is not None else None, "rng": rng_state()},
                    tmp / "trainer_state.pt")
@@ -157,7 +158,7 @@ def load_checkpoint(ckpt: Path, model: torch.nn.Module, optimizer: Any = None, s
             "resume with the config that wrote it, or start a new run directory"
         )
     state = _state(model, optimizer)
-    dcp.load(state, checkpoint_id=str(ckpt))
+    dcp.load(state, checkpoint_id=str(ckpt), no_dist=True)
     if optimizer is None:
         model.load_state_dict(state["model"])
     elif isinstance(optimizer, torch.optim.Optimizer):

@@ -24,6 +24,7 @@ class ParallelEnv:
     dp_size = 1
     cp_size = 1
     is_main = True
+    reads_data = True
 
     def __init__(self, device: torch.device | None = None) -> None:
         self.device = device or torch.device("cpu")
@@ -39,6 +40,14 @@ class ParallelEnv:
 
     def gather_seq(self, x: torch.Tensor) -> torch.Tensor:
         return x
+
+    def loss_sum(self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                 chunk_tokens: int | None = None) -> torch.Tensor:
+        """Sum of the per-token losses (chunked when ``chunk_tokens`` is set)."""
+        from megaseq.memory.vocab_loss import linear_cross_entropy
+
+        h_NH = hidden.reshape(-1, hidden.shape[-1])
+        return linear_cross_entropy(h_NH, weight, labels.reshape(-1), chunk_tokens=chunk_tokens, reduction="sum")
 
     def all_reduce_count(self, n: int) -> int:
         return n

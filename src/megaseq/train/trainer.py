@@ -92,9 +92,7 @@ def train_step(model: torch.nn.Module, micro_batches: list[dict[str, torch.Tenso
                scheduler: Any, cfg: Config, env: ParallelEnv, autocast: torch.dtype | None,
                memory: dict[str, Any]) -> tuple[float, float]:
     """One optimizer step over ``grad_accum`` micro-batches; returns (mean loss, grad norm)."""
-    from megaseq.memory.apply import MemoryPlan, loss_fn
-
-    vocab_loss = loss_fn(MemoryPlan.from_dict(memory))
+    chunk = memory["loss_chunk_tokens"] if memory.get("chunked_loss") else None
     local = sum(int((b["labels"] != -100).sum()) for b in micro_batches)
     total = env.all_reduce_count(local)  # the loss is a mean over every token of the global batch
     loss_sum = 0.0
@@ -102,8 +100,8 @@ def train_step(model: torch.nn.Module, micro_batches: list[dict[str, torch.Tenso
         b = env.to_device(batch)
         with _autocast(autocast, env.device):
             hidden = model(b["input_ids"], doc_ids=b.get("doc_ids"), ctx=env.context(b))
-        H = hidden.shape[-1]
-        loss = vocab_loss(hidden.reshape(-1, H), model.lm_head.weight, b["labels"].reshape(-1), reduction="sum")
+        # Ring-DTP over the context-parallel group when cp > 1, else the (chunked) local loss
+        loss = env.loss_sum(hidden, model.lm_head.weight, b["labels"], chunk)
         (loss / max(total, 1)).backward()
         loss_sum += float(loss.detach())
     env.reduce_gradients(model)
@@ -158,7 +156,9 @@ def run_training(cfg: Config) -> RunResult:
         data.train.load_state_dict(meta["data"])
         env.log(f"resumed from {resume_from} at step {start}")
     elif cfg.train.eval_after and env.is_main:
-        ckpt.save_checkpoint(run_dir, 0, model, optimizer, scheduler, _meta(spec_dict, data, 0), keep=10**9)
+        # the "before" weights only: DCP's optimizer state_dict would initialise AdamW's state (a step
+        # with lr 0), shifting its bias correction and so the whole run
+        ckpt.save_checkpoint(run_dir, 0, model, None, None, _meta(spec_dict, data, 0), keep=10**9)
 
     result = RunResult(run_dir=run_dir, last_checkpoint=resume_from)
     logger = MetricsLogger(run_dir, cfg.train.steps, start, cfg.log.tensorboard, cfg.log.progress, env.is_main)
@@ -168,7 +168,8 @@ def run_training(cfg: Config) -> RunResult:
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             t0 = time.perf_counter()
-            batches = [data.train.next_batch() for _ in range(cfg.train.grad_accum)]
+            # one rank of each context-parallel group reads the sequence and scatters the shards
+            batches = [data.train.next_batch() if env.reads_data else None for _ in range(cfg.train.grad_accum)]
             batches = [env.shard_batch(b) for b in batches]
             lr = optimizer.param_groups[0]["lr"]
             loss, gnorm = train_step(model, batches, optimizer, scheduler, cfg, env, autocast, memory)
