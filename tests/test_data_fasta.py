@@ -12,7 +12,7 @@ from megaseq.config import DataConfig
 from megaseq.data.fasta import default_genome_path, expand_paths, load_dna_split, read_fasta
 from megaseq.data.tokenizer import A_ID, C_ID, G_ID, N_ID, T_ID
 
-GENOMES = Path("/work/shared/data/genomes")
+GENOMES = Path(__file__).resolve().parents[2] / "shared" / "data" / "genomes"  # shared/ beside the repo
 # an independent spelling of the id table, for comparing against the vectorized reader
 IDS = {"A": A_ID, "C": C_ID, "G": G_ID, "T": T_ID, "N": N_ID}
 
