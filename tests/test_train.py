@@ -129,3 +129,14 @@ def test_before_checkpoint_does_not_change_the_run(tmp_path):
     without = run_training(_cfg(tmp_path, "b", train={"steps": 3, "eval_after": False}))
     assert (tmp_path / "a" / "checkpoints" / "step_000000").is_dir()
     assert with_before.losses == without.losses
+
+
+def test_train_refuses_a_plan_that_cannot_fit(tmp_path):
+    """Planned on the CPU for a GPU budget: refused before data or weights, naming the binding component."""
+    from megaseq.config import build_config
+
+    cfg = build_config(None, ["model.name=glm5-flash-1gpu", "data.kind=random", "data.seq_len=1M",
+                              "memory.gpu_budget=139G", f"train.run_dir={tmp_path / 'r'}"])
+    with pytest.raises(ValueError, match="binding component: checkpoint boundaries.*--parallel.cp"):
+        run_training(cfg)
+    assert not (tmp_path / "r").exists()
