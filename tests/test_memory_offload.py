@@ -260,3 +260,28 @@ def _step_cuda(layers):
     torch.cuda.synchronize()
     grads = {n: p.grad.cpu() for n, p in layers.named_parameters() if p.grad is not None}
     return loss.item(), [h0.grad.cpu()], grads, [m.mlp.tokens_seen.cpu() for m in layers]
+
+
+class _AutocastProbe(nn.Module):
+    """A layer that records, at every call, whether CPU autocast was on (recompute must re-enter it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+        self.seen: list[bool] = []
+
+    def forward(self, h, ctx=None):
+        self.seen.append(torch.is_autocast_enabled("cpu"))
+        return h + self.lin(h).float()
+
+
+def test_recompute_and_tiling_reenter_the_forwards_autocast():
+    layers = nn.ModuleList([_AutocastProbe(), _AutocastProbe()])
+    checkpoint_layers(layers, None)
+    enable_tiling(layers[1].lin, 2)
+    h = torch.randn(1, 5, 6, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = layers[1](layers[0](h, SeqContext()), SeqContext())
+    out.sum().backward()  # outside autocast, as the trainer does
+    for layer in layers:
+        assert layer.seen == [True, True], layer.seen  # forward, then the recompute in backward

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from megaseq.memory.tiling import restore_side_state, snapshot_side_state
+from megaseq.ops.amp import autocast_as, autocast_state
 
 SLOT_ALIGN = 512  # bytes; each boundary slot starts on this boundary (DMA-friendly, any dtype view)
 
@@ -270,6 +271,7 @@ class _Recompute(torch.autograd.Function):
     @staticmethod
     def forward(actx, fwd, layer, seq_ctx, offloader, h, *params):
         actx.fwd, actx.layer, actx.seq_ctx, actx.offloader = fwd, layer, seq_ctx, offloader
+        actx.autocast = autocast_state()
         actx.rec = offloader.offload(h) if offloader is not None else None
         # a boundary kept on the GPU is saved; an offloaded one lives in its host slot
         actx.save_for_backward(*([] if actx.rec is not None else [h]))
@@ -314,7 +316,7 @@ def _rerun(actx: Any, h_in: torch.Tensor) -> torch.Tensor:
             )
         seq_ctx.carry = dict(actx.carry)
     try:
-        with torch.enable_grad():
+        with torch.enable_grad(), autocast_as(actx.autocast):
             out = actx.fwd(h_in, seq_ctx)
     finally:
         if actx.carry is not None:

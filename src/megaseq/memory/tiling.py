@@ -28,6 +28,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from megaseq.ops.amp import autocast_as, autocast_state
+
 # attributes (per submodule) that hold a per-forward count: summed over the tiles of one forward
 TILE_SUMMED_ATTRS: tuple[str, ...] = ("last_tokens_per_expert",)
 # buffers up to this size are cloned before a recompute and restored after; larger ones (caches)
@@ -111,6 +113,7 @@ class _TiledFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, run, module, tile_tokens, x_NH, *params):
         ctx.run, ctx.module, ctx.tile_tokens = run, module, tile_tokens
+        ctx.autocast = autocast_state()
         ctx.save_for_backward(x_NH)
         return _run_tiles(run, module, tile_tokens, x_NH)
 
@@ -126,7 +129,7 @@ class _TiledFn(torch.autograd.Function):
         snap = snapshot_side_state(ctx.module)
         for a, b in _tiles(x_NH.shape[0], ctx.tile_tokens):
             x_T = x_NH[a:b].detach().requires_grad_(need_x)
-            with torch.enable_grad():
+            with torch.enable_grad(), autocast_as(ctx.autocast):
                 y_T = ctx.run(x_T)
             inputs = ([x_T] if need_x else []) + [params[i] for i in wanted]
             grads = list(torch.autograd.grad(y_T, inputs, grad_y_N[a:b], allow_unused=True))

@@ -16,7 +16,8 @@ accumulator of shard ``(r + P - 1) % P = r - 1``, whose owner is the rank the ri
 more hop of the accumulator alone brings every shard's gradient home.
 
 Peak memory per rank: one strip ``N x Vo`` plus two padded shards and two accumulators, instead of
-``N x V`` logits. ``ring_dtp_bytes`` compares this variant's traffic with the activation-rotating one.
+``N x V`` logits. ``ring_dtp_bytes`` compares this variant's traffic with the activation-rotating one;
+every hop is counted (ops ``ring_weight`` and ``ring_grad_acc``) in ``parallel.ulysses.COMM_BYTES``.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from megaseq.parallel.ulysses import _SCOPE, count_bytes
 
 IGNORE_INDEX = -100
 
@@ -53,8 +56,12 @@ def _ring_peers(group: Any) -> tuple[int, int, int, int]:
     return r, P, dist.get_global_rank(group, (r - 1) % P), dist.get_global_rank(group, (r + 1) % P)
 
 
-def _shift(tensors: list[torch.Tensor], send_to: int, recv_from: int, group: Any) -> tuple[list, list]:
-    """Start sending ``tensors`` to ``send_to`` and receiving same-shaped ones from ``recv_from``."""
+def _shift(tensors: list[torch.Tensor], send_to: int, recv_from: int, group: Any,
+           count: tuple[str, str, str]) -> tuple[list, list]:
+    """Start sending ``tensors`` to ``send_to`` and receiving same-shaped ones from ``recv_from``;
+    ``count``: (op, direction, scope) the sent bytes are counted under."""
+    op, direction, scope = count
+    count_bytes(op, direction, sum(t.numel() * t.element_size() for t in tensors), scope)
     received = [torch.empty_like(t) for t in tensors]
     ops = [dist.P2POp(dist.isend, t, send_to, group) for t in tensors]
     ops += [dist.P2POp(dist.irecv, t, recv_from, group) for t in received]
@@ -101,7 +108,7 @@ class RingDTPLoss(torch.autograd.Function):
         for k in range(P):
             o = (r + k) % P
             if k < P - 1:
-                nxt, reqs = _shift([buf], send_to, recv_from, group)
+                nxt, reqs = _shift([buf], send_to, recv_from, group, ("ring_weight", "fwd", _SCOPE[0]))
             start, end = bounds[o]
             if end > start:  # V < P leaves some shards empty
                 state = lse_update(state, h_NH @ buf[: end - start].t(), labels_N, start)  # strip freed here
@@ -112,7 +119,7 @@ class RingDTPLoss(torch.autograd.Function):
         valid = labels_N != ignore_index
         loss = torch.where(valid, lse - state.t, torch.zeros_like(lse))
         ctx.save_for_backward(h_NH, w_VoH, labels_N, lse, valid)
-        ctx.vocab_size, ctx.group = vocab_size, group
+        ctx.vocab_size, ctx.group, ctx.scope = vocab_size, group, _SCOPE[0]
         return loss
 
     @staticmethod
@@ -130,14 +137,15 @@ class RingDTPLoss(torch.autograd.Function):
             o = (r + k) % P
             start, end = bounds[o]
             if k < P - 1:  # the weight can travel on while this strip is computed
-                nxt_w, reqs_w = _shift([w_buf], send_to, recv_from, ctx.group)
+                nxt_w, reqs_w = _shift([w_buf], send_to, recv_from, ctx.group, ("ring_weight", "bwd", ctx.scope))
             if end > start:
                 w_o = w_buf[: end - start]
                 d_NV = _strip_grad(h_NH, w_o, labels_N, lse, g_N, start)
                 grad_h += d_NV @ w_o.to(gdtype)
                 acc[: end - start] += d_NV.t() @ h_NH.to(gdtype)
                 del d_NV
-            nxt_acc, reqs_acc = _shift([acc], send_to, recv_from, ctx.group)  # the last hop reaches the owner
+            hop = ("ring_grad_acc", "bwd", ctx.scope)
+            nxt_acc, reqs_acc = _shift([acc], send_to, recv_from, ctx.group, hop)  # the last hop: to the owner
             _wait(reqs_acc)
             acc = nxt_acc[0]
             if k < P - 1:

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megaseq.models.spec import ModelSpec
-from megaseq.plan.components import Mesh
+from megaseq.plan.components import Mesh, Precision
 
 H200_BF16_DENSE = 989.4e12  # NVIDIA H200 SXM datasheet, dense bf16 (the MFU denominator)
 H200_BF16_MEASURED = 775e12  # BRIEF section 6: bf16 matmul 8192^3 on one H200
@@ -157,21 +157,30 @@ def step_seconds(spec: ModelSpec, seq_len: int, batch: int, mesh: Mesh) -> float
 
 
 # ---- communication volume ---------------------------------------------------------------------------
-def comm_volume(spec: ModelSpec, seq_len: int, mesh: Mesh, batch: int = 1) -> dict[str, dict]:
+def comm_volume(spec: ModelSpec, seq_len: int, mesh: Mesh, batch: int = 1,
+                prec: Precision | None = None) -> dict[str, dict]:
     """Bytes each GPU sends per layer and step (forward + backward) for context parallelism, per layer
     kind and mode, and the cheaper mode. An all-to-all over P ranks sends ``(P - 1) / P`` of its input;
-    an all-gather receives ``(P - 1)`` shards; its backward reduce-scatter moves the same amount.
+    an all-gather sends its shard to ``P - 1`` ranks; its backward reduce-scatter moves the same amount.
+    ``c`` / ``f`` are ``prec.compute`` / ``prec.f32`` (default the trainer's bf16 autocast: 2 / 4; a
+    float32 run is 4 / 4). ``tests/test_parallel_comm_volume.py`` checks every term against the bytes
+    the collectives of a real multi-process step send (``parallel.ulysses.COMM_BYTES``).
 
-    KDA (Ulysses): q, k, v bf16 ``3 * D * 2``, the per-channel log-decay g fp32 ``D * 4``, beta
-    ``heads * 2`` in; o ``D * 2`` out; the backward moves the same gradients back.
-    MLA/DSA Ulysses: q, k ``Hh * qk``, v ``Hh * v`` in, o ``Hh * v`` out, bf16. MLA/DSA gather-KV: the
-    latent ``(kv_lora + rope)`` of every other rank's tokens, in fp32 under autocast (its RMSNorm output
-    is fp32), gathered in forward and its gradient reduce-scattered in backward, plus the indexer keys
-    and pooling gates ``2 * Di`` (fp32 after the LayerNorm; forward only: no grad); queries stay local.
-    GLM-5.3-Flash is NoPE (rope 0): ``512`` latent + ``2 * 128`` indexer values per token (DeepSeek-V3.2's
-    ``576 + 128`` counts its 64 RoPE dims and the keys alone).
-    Softmax attention (Ulysses): q ``Hq * D``, k, v ``Hkv' * D`` in, o out.
+    KDA (Ulysses): q, k, v ``3 * D * c``, the per-channel log-decay g ``D * f``, beta ``heads * c`` in;
+    o ``D * c`` out; the backward moves the same gradients back.
+    MLA/DSA Ulysses: q, k ``Hh * qk``, v ``Hh * v`` in, o ``Hh * v`` out, ``c``. MLA/DSA gather-KV: the
+    latent ``(kv_lora + rope)`` of every other rank's tokens, ``f`` under autocast (its RMSNorm output
+    is fp32), gathered in forward and its gradient reduce-scattered in backward, plus, in layers with
+    their own indexer (``indexer_types`` 'full'; 'shared' ones reuse a selection), the indexer keys and
+    pooling gates ``2 * Di * f`` (the LayerNorm output is fp32; forward only: no grad); queries stay
+    local. The per-layer ``gather_kv`` figure is a full-indexer layer's; ``gather_kv_per_step`` counts
+    each layer (what the runtime moves: it always runs gather-KV), ``per_step`` the cheaper mode's.
+    GLM-5.3-Flash is NoPE (rope 0): ``512`` latent + ``2 * 128`` indexer values per token
+    (DeepSeek-V3.2's ``576 + 128`` counts its 64 RoPE dims and the keys alone).
+    Softmax attention (Ulysses): q and k ``f`` with qk_norm (the RMSNorm's fp32 weight promotes them,
+    and RoPE keeps the dtype), else ``c``; v (k and v: repeated KV heads ``Hkv'``) and o ``c``.
     """
+    c, f = (2, 4) if prec is None else (prec.compute, prec.f32)
     P = mesh.cp
     n = batch * seq_len // P
     a2a = (P - 1) / P
@@ -180,25 +189,52 @@ def comm_volume(spec: ModelSpec, seq_len: int, mesh: Mesh, batch: int = 1) -> di
     for kind in kinds:
         if kind == "kda":
             D, Hh = spec.linear_num_heads * spec.linear_head_dim, spec.linear_num_heads
-            fwd = n * a2a * (3 * D * 2 + D * 4 + Hh * 2 + D * 2)
+            fwd = n * a2a * (3 * D * c + D * f + Hh * c + D * c)
             out[kind] = {"ulysses": 2 * fwd, "mode": "ulysses"}
         elif kind == "attention":
             Hq, Hkv = spec.num_attention_heads, spec.num_key_value_heads
             D = spec.head_dim or spec.hidden_size // Hq
             kv = max(Hkv, P) if P > 1 else Hkv  # KV heads repeated until cp splits them
-            fwd = n * a2a * (Hq * D * (4 + 2) + 2 * kv * D * 2)  # q fp32 after RoPE, o bf16, k/v bf16
+            qk = f if spec.qk_norm else c
+            fwd = n * a2a * (Hq * D * (qk + c) + kv * D * (qk + c))  # q and o; k and v
             out[kind] = {"ulysses": 2 * fwd, "mode": "ulysses"}
         else:
             Hh = spec.num_attention_heads
-            uly = n * a2a * 2 * (2 * Hh * spec.qk_head_dim + 2 * Hh * spec.v_head_dim)
-            latent = (spec.kv_lora_rank + spec.qk_rope_head_dim) * 4
-            gather = n * (P - 1) * (2 * latent + 2 * spec.index_head_dim * 4)  # indexer keys: no backward
+            uly = n * a2a * c * (2 * Hh * spec.qk_head_dim + 2 * Hh * spec.v_head_dim)
+            latent = n * (P - 1) * 2 * (spec.kv_lora_rank + spec.qk_rope_head_dim) * f
+            index = n * (P - 1) * 2 * spec.index_head_dim * f  # indexer keys + gates: no backward
+            full = sum(1 for i, t in enumerate(spec.layer_types) if t == kind and _own_indexer(spec, i))
+            gather = latent + index
             out[kind] = {
                 "ulysses": 2 * uly,
                 "gather_kv": gather,
                 "mode": "gather_kv" if gather <= 2 * uly else "ulysses",
+                "gather_kv_per_step": latent * spec.layer_types.count(kind) + index * full,
             }
     for kind, v in out.items():
         v["layers"] = spec.layer_types.count(kind)
-        v["per_step"] = v[v["mode"]] * v["layers"]
+        v["per_step"] = v["gather_kv_per_step"] if v["mode"] == "gather_kv" else v[v["mode"]] * v["layers"]
     return out
+
+
+def _own_indexer(spec: ModelSpec, i: int) -> bool:
+    """Layer i scores with its own indexer (a 'shared' one reuses the previous selection: no gather)."""
+    types = spec.indexer_types
+    return not types or types[i] != "shared"
+
+
+def ring_dtp_volume(spec: ModelSpec, seq_len: int, mesh: Mesh, batch: int = 1,
+                    prec: Precision | None = None) -> int:
+    """Bytes each GPU sends per step in the weight-rotating Ring-DTP loss over the cp group
+    (``parallel.ring_dtp.ring_dtp_bytes``, the same count): forward ``P - 1`` hops of a padded shard
+    of ``ceil(V / P)`` rows of ``lm_head.weight`` in the *parameter* dtype (fp32 master weights under
+    autocast: 4 B), backward ``P - 1`` shard hops plus ``P`` hops of the shard's gradient accumulator
+    (``promote(param, fp32)``). Independent of the sequence length. 0 without context parallelism."""
+    del seq_len, batch  # the weight variant moves rows of the head, not tokens
+    P = mesh.cp
+    if P == 1:
+        return 0
+    w = 4 if prec is None else prec.param
+    acc = max(w, 4)
+    rows = -(-spec.vocab_size // P)
+    return (P - 1) * rows * spec.hidden_size * w * 2 + P * rows * spec.hidden_size * acc

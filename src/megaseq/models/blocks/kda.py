@@ -19,8 +19,10 @@ Ops (``megaseq.ops.dispatch``): ``causal_conv`` and ``kda``, each with a pure-to
 the ``kda`` reference is HF's ``chunk_kimi_delta_attention`` (its row-by-row substitution loop done
 as one triangular solve). Its working set is O(S * chunk * Dk) per head: a reference for tests and
 short CPU runs, not for long sequences. On CUDA the dispatcher picks fla's Triton kernels
-(``megaseq.ops.fla_kda``: ``chunk_kda``, O(S * H * D), and its causal conv) when fla-core is installed. Precision: where HF casts to float32 we compute in
-``promote_types(dtype, float32)`` (float64 stays float64).
+(``megaseq.ops.fla_kda``: ``chunk_kda``, O(S * H * D), and its causal conv) when fla-core is installed.
+Precision: where HF casts to float32 we compute in ``promote_types(dtype, float32)`` (float64 stays
+float64). The reference's chunk is 16: its cost has a chunk^2 * Dk term per chunk, and 16 is fastest
+on a CPU.
 """
 
 from __future__ import annotations

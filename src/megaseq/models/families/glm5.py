@@ -16,7 +16,6 @@ DSA layer's selection to the ``shared`` layers after it.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Sequence
 
 import torch
@@ -32,6 +31,7 @@ from megaseq.models.blocks.moe import Experts, MoE, TopKRouter
 from megaseq.models.blocks.norm import RMSNorm
 from megaseq.models.context import SeqContext, positions_from_doc_ids
 from megaseq.models.spec import ModelSpec
+from megaseq.ops.amp import autocast_as, autocast_state
 
 # tensors HF keeps in float32 in a bf16 model (``_keep_in_fp32_modules_strict``), by name suffix
 FP32_PARAM_SUFFIXES = MOE_FP32_SUFFIXES + (
@@ -55,10 +55,6 @@ def _topk_sources(spec: ModelSpec) -> list[int | None]:
 
 # ---- token tiling with recompute: several inputs and outputs, all [T, ...] token-major ---------------
 TileFn = Callable[..., tuple[torch.Tensor, ...]]
-
-
-def _autocast_state() -> list[tuple[str, bool, torch.dtype]]:
-    return [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")]
 
 
 def _sum_counts(modules: Sequence[nn.Module], totals: dict) -> None:
@@ -97,7 +93,7 @@ class _TokenTiledFn(torch.autograd.Function):
     def forward(actx, fn, modules, tile, num_inputs, *args):
         inputs = args[:num_inputs]
         actx.fn, actx.modules, actx.tile, actx.num_inputs = fn, modules, tile, num_inputs
-        actx.autocast = _autocast_state()
+        actx.autocast = autocast_state()
         actx.save_for_backward(*inputs)
         return _run_tiles(fn, modules, tile, inputs)
 
@@ -113,9 +109,7 @@ class _TokenTiledFn(torch.autograd.Function):
         snaps = [snapshot_side_state(m) for m in actx.modules]
         for a in range(0, inputs[0].shape[0], actx.tile):
             xs = [x[a:a + actx.tile].detach().requires_grad_(need) for x, need in zip(inputs, need_x)]
-            with torch.enable_grad(), contextlib.ExitStack() as stack:
-                for dev, enabled, dtype in actx.autocast:
-                    stack.enter_context(torch.autocast(dev, dtype=dtype, enabled=enabled))
+            with torch.enable_grad(), autocast_as(actx.autocast):
                 ys = actx.fn(*xs)
             wrt = [x for x, need in zip(xs, need_x) if need] + [p for p, need in zip(params, need_p) if need]
             pairs = [(y, g[a:a + actx.tile]) for y, g in zip(ys, grad_outs) if y.requires_grad]

@@ -1,0 +1,28 @@
+"""Autocast state capture for recomputation.
+
+A backward runs outside the forward's ``torch.autocast`` region, so every scheme that recomputes a
+forward in backward (tiling, full-layer recompute, token-tiled layers) must re-enter the autocast
+state the forward saw, as ``torch.utils.checkpoint`` does; otherwise a bf16 run recomputes in fp32:
+gradients of a different forward, more memory, and fast kernels that refuse fp32 inputs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+AutocastState = tuple[tuple[str, bool, torch.dtype], ...]
+
+
+def autocast_state() -> AutocastState:
+    """Whether autocast is on, and at which dtype, for the CPU and CUDA."""
+    return tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda"))
+
+
+def autocast_as(state: AutocastState) -> contextlib.ExitStack:
+    """A context that restores ``state`` (enter it around the recomputation)."""
+    stack = contextlib.ExitStack()
+    for dev, enabled, dtype in state:
+        stack.enter_context(torch.autocast(dev, dtype=dtype, enabled=enabled))
+    return stack
