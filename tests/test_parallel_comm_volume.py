@@ -55,8 +55,8 @@ def scope_layers(model: torch.nn.Module, kinds: tuple[str, ...]) -> None:
     """Run each layer's token mixer (forward, and through autograd its backward) under its kind."""
     for layer, kind in zip(model.layers, kinds, strict=True):
         stack = ExitStack()
-        layer.self_attn.register_forward_pre_hook(lambda m, a, k=kind, s=stack: s.enter_context(
-            ulysses.comm_scope(k)) and None)
+        layer.self_attn.register_forward_pre_hook(
+            lambda m, a, k=kind, s=stack: s.enter_context(ulysses.comm_scope(k)))  # returns None
         layer.self_attn.register_forward_hook(lambda m, a, o, s=stack: s.close())
 
 

@@ -97,7 +97,14 @@ def apply_memory_plan(model: nn.Module, plan: MemoryPlan) -> AppliedMemory:
         mlp = getattr(layer, "mlp", None)
         if mlp is None:
             continue
-        if plan.tiled_mlp:
+        if hasattr(layer, "token_tile"):
+            # a layer that tiles all its token-separable parts (GLM-5: mHC, norms, merge and MLP/MoE)
+            # covers the MLP too; tiling the MLP inside it again would run the MoE forward three times
+            layer.token_tile = int(plan.mlp_tile_tokens) if plan.tiled_mlp else None
+            disable_tiling(mlp)
+            if plan.tiled_mlp:
+                done.tiled.append(f"layers.{i}")
+        elif plan.tiled_mlp:
             enable_tiling(mlp, int(plan.mlp_tile_tokens))
             done.tiled.append(f"layers.{i}.mlp")
         else:

@@ -52,6 +52,8 @@ def resolve_query_chunk(query_chunk: int | None, num_pools: int, num_heads: int,
 
 
 @torch.no_grad()
+@torch.autocast("cuda", enabled=False)
+@torch.autocast("cpu", enabled=False)
 def select_pools(q_QID: torch.Tensor, weights_QI: torch.Tensor, keys_PD: torch.Tensor,
                  pool_end_P: torch.Tensor, pool_doc_P: torch.Tensor, q_pos_Q: torch.Tensor,
                  q_doc_Q: torch.Tensor, num_select: int, scale: float,
@@ -62,7 +64,8 @@ def select_pools(q_QID: torch.Tensor, weights_QI: torch.Tensor, keys_PD: torch.T
     (``pool_end <= q_pos``) and in the same document; ``pool_end_P`` must be ascending (pools in
     sequence order). ``K' = min(num_select, P)``: as in the reference, when a query has fewer
     candidates than K' the remaining picks are invalid pools, flagged False. Scores are computed in
-    ``promote_types(q.dtype, float32)`` (HF: float32).
+    ``promote_types(q.dtype, float32)`` (HF: float32), with autocast off so a bf16 run scores in fp32
+    too (the selection is discrete: scores must not change with the compute dtype of the matmuls).
     """
     Q, P = q_QID.shape[0], keys_PD.shape[0]
     k = min(num_select, P)
