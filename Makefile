@@ -24,7 +24,7 @@ train: setup
 
 test: setup
 	$(BIN)/ruff check src tests benchmarks
-	$(BIN)/python -m pytest -q -m "not gpu" --durations=15
+	$(BIN)/python -m pytest -m "not gpu" --durations=15
 
 lint: setup
 	$(BIN)/ruff check src tests benchmarks
