@@ -109,6 +109,24 @@ class ParallelConfig:
         if self.launcher not in ("auto", "ray", "none", "torchrun"):
             raise ValueError(f"parallel.launcher must be auto, torchrun, ray or none, got {self.launcher!r}")
 
+    def axis_sizes(self, world_size: int) -> tuple[int, int, int]:
+        """(dp, cp, ep) for ``world_size`` processes; one clear ValueError for each misfit."""
+        if self.dp != -1 and self.dp < 1:
+            raise ValueError(f"parallel.dp must be >= 1 or -1 (fill the world), got {self.dp}")
+        inner = self.cp * self.ep
+        if world_size % inner:
+            raise ValueError(
+                f"world size {world_size} is not a multiple of parallel.cp * parallel.ep = {self.cp} * {self.ep}: "
+                f"launch a multiple of {inner} processes or lower --parallel.cp"
+            )
+        dp = world_size // inner if self.dp == -1 else self.dp
+        if dp * inner != world_size:
+            raise ValueError(
+                f"parallel.dp * cp * ep = {self.dp} * {self.cp} * {self.ep} = {dp * inner} but the world size is "
+                f"{world_size}: set --parallel.dp {world_size // inner} (or -1 to fill the world)"
+            )
+        return dp, self.cp, self.ep
+
 
 @dataclass
 class MemoryConfig:

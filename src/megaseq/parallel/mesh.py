@@ -51,20 +51,7 @@ class MeshShape:
 
 def resolve_shape(cfg: ParallelConfig, world_size: int) -> MeshShape:
     """Axis sizes from the config and the world size; one clear ValueError for each misfit."""
-    if cfg.dp != -1 and cfg.dp < 1:
-        raise ValueError(f"parallel.dp must be >= 1 or -1 (fill the world), got {cfg.dp}")
-    inner = cfg.cp * cfg.ep
-    if world_size % inner:
-        raise ValueError(
-            f"world size {world_size} is not a multiple of parallel.cp * parallel.ep = {cfg.cp} * {cfg.ep}: "
-            f"launch a multiple of {inner} processes or lower --parallel.cp"
-        )
-    dp = world_size // inner if cfg.dp == -1 else cfg.dp
-    if dp * inner != world_size:
-        raise ValueError(
-            f"parallel.dp * cp * ep = {cfg.dp} * {cfg.cp} * {cfg.ep} = {dp * inner} but the world size is "
-            f"{world_size}: set --parallel.dp {world_size // inner} (or -1 to fill the world)"
-        )
+    dp, _, _ = cfg.axis_sizes(world_size)
     return MeshShape(dp=dp, ep=cfg.ep, cp=cfg.cp)
 
 

@@ -408,18 +408,7 @@ def plan_from_config(
 
     spec = resolve_spec(cfg.model.name)
     pc, mc = cfg.parallel, cfg.memory
-    inner = pc.cp * pc.ep
-    if world_size % inner:
-        raise ValueError(
-            f"world size {world_size} is not a multiple of parallel.cp * parallel.ep = {inner}: "
-            f"use a multiple of {inner} GPUs or lower --parallel.cp"
-        )
-    dp = world_size // inner if pc.dp == -1 else pc.dp
-    if dp * inner != world_size:
-        raise ValueError(
-            f"parallel.dp * cp * ep = {dp * inner} but {world_size} GPUs were given: set "
-            f"--parallel.dp {world_size // inner} (or -1)"
-        )
+    dp, _, _ = pc.axis_sizes(world_size)
     mesh = Mesh(
         dp=dp, cp=pc.cp, ep=pc.ep, gpus_per_host=gpus_per_host or min(world_size, 8), mla_mode=pc.mla_mode
     )
