@@ -15,14 +15,72 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megaseq.models.context import SeqContext
 from megaseq.parallel import grads
 from megaseq.parallel.mesh import Mesh, distribute_batch, init_mesh, resolve_mla_mode, shutdown
 from megaseq.parallel.ring_dtp import ring_dtp_loss, vocab_shard
 from megaseq.parallel.ulysses import _gather_seq, make_context
 
 
-class DistributedEnv:
-    """One process of a dp x cp world; the same interface as ``megaseq.train.parallel_env.ParallelEnv``."""
+class ParallelEnv:
+    """One process: every collective is the identity. ``DistributedEnv`` overrides what differs."""
+
+    rank = 0
+    world_size = 1
+    dp_rank = 0
+    dp_size = 1
+    cp_size = 1
+    is_main = True
+    reads_data = True
+
+    def __init__(self, device: torch.device | None = None) -> None:
+        self.device = device or torch.device("cpu")
+
+    def to_device(self, batch: dict[str, Any]) -> dict[str, Any]:
+        return {k: (v.to(self.device, non_blocking=True) if torch.is_tensor(v) else v) for k, v in batch.items()}
+
+    def context(self, batch: dict[str, Any]) -> SeqContext:
+        return SeqContext(doc_ids=batch.get("doc_ids"), position_ids=batch.get("position_ids"))
+
+    def shard_batch(self, batch: dict[str, Any]) -> dict[str, Any]:
+        return batch
+
+    def gather_seq(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def loss_sum(self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                 chunk_tokens: int | None = None) -> torch.Tensor:
+        """Sum of the per-token losses (chunked when ``chunk_tokens`` is set)."""
+        from megaseq.memory.vocab_loss import linear_cross_entropy
+
+        h_NH = hidden.reshape(-1, hidden.shape[-1])
+        return linear_cross_entropy(h_NH, weight, labels.reshape(-1), chunk_tokens=chunk_tokens, reduction="sum")
+
+    def all_reduce_count(self, n: int) -> int:
+        return n
+
+    def all_reduce_sum(self, x: float) -> float:
+        return x
+
+    def reduce_gradients(self, model: torch.nn.Module) -> None:
+        return None
+
+    def broadcast_object(self, obj: Any) -> Any:
+        return obj
+
+    def barrier(self) -> None:
+        return None
+
+    def log(self, msg: str) -> None:
+        if self.is_main:
+            print(msg, file=sys.stderr)
+
+    def shutdown(self) -> None:
+        return None
+
+
+class DistributedEnv(ParallelEnv):
+    """One process of a dp x cp world."""
 
     def __init__(self, cfg: Any, spec: Any | None = None, **mesh_kwargs: Any) -> None:
         if cfg.parallel.ep != 1:
@@ -45,10 +103,6 @@ class DistributedEnv:
         self.reads_data = m.reads_data
 
     # ---- data --------------------------------------------------------------------------------
-    def to_device(self, batch: dict[str, Any]) -> dict[str, Any]:
-        dev = self.device
-        return {k: (v.to(dev, non_blocking=True) if torch.is_tensor(v) else v) for k, v in batch.items()}
-
     def shard_batch(self, batch: dict[str, Any] | None) -> dict[str, Any]:
         """This rank's sequence shard. Only the cp group's reader's batch is used (others may pass None)."""
         return distribute_batch(batch if self.reads_data else None, self.mesh)
@@ -69,13 +123,11 @@ class DistributedEnv:
     def loss_sum(self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                  chunk_tokens: int | None = None) -> torch.Tensor:
         """Sum of this rank's per-token losses (``hidden [..., H]``, ``labels [...]``); Ring-DTP over cp."""
+        if not self.uses_ring_dtp():
+            return super().loss_sum(hidden, weight, labels, chunk_tokens)
         h_NH, labels_N = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
-        if self.uses_ring_dtp():
-            shard = vocab_shard(weight, self.cp_rank, self.cp_size)
-            return ring_dtp_loss(h_NH, shard, labels_N, weight.shape[0], self.mesh.cp_group).sum()
-        from megaseq.memory.vocab_loss import linear_cross_entropy
-
-        return linear_cross_entropy(h_NH, weight, labels_N, chunk_tokens=chunk_tokens, reduction="sum")
+        shard = vocab_shard(weight, self.cp_rank, self.cp_size)
+        return ring_dtp_loss(h_NH, shard, labels_N, weight.shape[0], self.mesh.cp_group).sum()
 
     def all_reduce_count(self, n: int) -> int:
         return grads.all_reduce_int(n)
@@ -97,10 +149,6 @@ class DistributedEnv:
     def barrier(self) -> None:
         if self.mesh.distributed:
             dist.barrier()
-
-    def log(self, msg: str) -> None:
-        if self.is_main:
-            print(msg, file=sys.stderr)
 
     def shutdown(self) -> None:
         shutdown(self.mesh)

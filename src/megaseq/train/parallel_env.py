@@ -1,75 +1,19 @@
 """What the trainer needs to know about the processes it runs in.
 
-``ParallelEnv`` is the one-process environment: every collective is the identity. Under torchrun
-or Ray (world size > 1) ``setup_parallel`` returns ``DistributedEnv`` from megaseq.parallel, which
-shards sequences over the context-parallel ranks and reduces gradients over dp x cp.
+``ParallelEnv`` (in megaseq.parallel.env) is the one-process environment: every collective is the
+identity. Under torchrun or Ray (world size > 1) ``setup_parallel`` returns its subclass
+``DistributedEnv``, which shards sequences over the context-parallel ranks and reduces gradients
+over dp x cp.
 """
 
 from __future__ import annotations
 
 import os
-import sys
-from typing import Any
-
-import torch
 
 from megaseq.config import Config
-from megaseq.models.context import SeqContext
+from megaseq.parallel.env import ParallelEnv
 
-
-class ParallelEnv:
-    rank = 0
-    world_size = 1
-    dp_rank = 0
-    dp_size = 1
-    cp_size = 1
-    is_main = True
-    reads_data = True
-
-    def __init__(self, device: torch.device | None = None) -> None:
-        self.device = device or torch.device("cpu")
-
-    def to_device(self, batch: dict[str, Any]) -> dict[str, Any]:
-        return {k: (v.to(self.device, non_blocking=True) if torch.is_tensor(v) else v) for k, v in batch.items()}
-
-    def context(self, batch: dict[str, Any]) -> SeqContext:
-        return SeqContext(doc_ids=batch.get("doc_ids"), position_ids=batch.get("position_ids"))
-
-    def shard_batch(self, batch: dict[str, Any]) -> dict[str, Any]:
-        return batch
-
-    def gather_seq(self, x: torch.Tensor) -> torch.Tensor:
-        return x
-
-    def loss_sum(self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                 chunk_tokens: int | None = None) -> torch.Tensor:
-        """Sum of the per-token losses (chunked when ``chunk_tokens`` is set)."""
-        from megaseq.memory.vocab_loss import linear_cross_entropy
-
-        h_NH = hidden.reshape(-1, hidden.shape[-1])
-        return linear_cross_entropy(h_NH, weight, labels.reshape(-1), chunk_tokens=chunk_tokens, reduction="sum")
-
-    def all_reduce_count(self, n: int) -> int:
-        return n
-
-    def all_reduce_sum(self, x: float) -> float:
-        return x
-
-    def reduce_gradients(self, model: torch.nn.Module) -> None:
-        return None
-
-    def broadcast_object(self, obj: Any) -> Any:
-        return obj
-
-    def barrier(self) -> None:
-        return None
-
-    def log(self, msg: str) -> None:
-        if self.is_main:
-            print(msg, file=sys.stderr)
-
-    def shutdown(self) -> None:
-        return None
+__all__ = ["ParallelEnv", "setup_parallel"]
 
 
 def setup_parallel(cfg: Config) -> ParallelEnv:
