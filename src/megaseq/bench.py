@@ -62,14 +62,11 @@ def _cfg_for(cfg: Config, seq_len: int, source: str) -> Config:
 def measure_megaseq(cfg: Config, seq_len: int, steps: int, source: str) -> dict[str, Any]:
     """Warm-up step + ``steps`` timed steps of megaseq at ``seq_len``; an OOM is a result, not an error."""
     from megaseq.data import build_data
-    from megaseq.memory.apply import MemoryPlan, apply_memory_plan
-    from megaseq.models.build import build_model
     from megaseq.models.presets import resolve_spec
     from megaseq.plan.planner import plan_from_config
     from megaseq.train.metrics import moe_load
-    from megaseq.train.optim import build_optimizer
     from megaseq.train.parallel_env import ParallelEnv
-    from megaseq.train.trainer import dtypes, resolve_device, train_step
+    from megaseq.train.trainer import build_planned_model, dtypes, resolve_device, train_step
 
     c = _cfg_for(cfg, seq_len, source)
     device = resolve_device(c)
@@ -82,12 +79,10 @@ def measure_megaseq(cfg: Config, seq_len: int, steps: int, source: str) -> dict[
                            "plan_fits": plan.fits}
     model = applied = None
     try:
-        param_dtype, autocast = dtypes(c, device)
+        autocast = dtypes(c, device)[1]
         data = build_data(c.data, None, batch_size=c.train.batch_size, vocab_size=spec.vocab_size)
-        model = build_model(spec, dtype=param_dtype, device=device, seed=c.train.seed)
         memory = dict(plan.memory)
-        applied = apply_memory_plan(model, MemoryPlan.from_dict(memory))
-        opt, sched = build_optimizer(model, c.optim, steps + 1, MemoryPlan.from_dict(memory))
+        model, applied, opt, sched = build_planned_model(c, spec, device, memory, steps + 1)
         env = ParallelEnv(device)
         _sync(device)
         host_rss_peak_reset()

@@ -22,6 +22,7 @@ from megaseq.eval.report import markdown_table, plot_by_position, write_atomic, 
 
 __all__ = [
     "KmerModel", "PositionLoss", "build_kmer_baseline", "compare", "evaluate_by_position", "markdown_table",
+    "report_by_position",
     "plot_by_position", "position_loss", "scored_mask", "write_atomic", "write_json", "write_report",
 ]
 
@@ -35,3 +36,14 @@ def build_kmer_baseline(data: Any, k: int, reverse_complement_too: bool | None =
     if reverse_complement_too is None:
         reverse_complement_too = getattr(data.train, "complement", None) is not None
     return KmerModel(k).fit(data.train_records, reverse_complement_too=reverse_complement_too)
+
+
+def report_by_position(models: dict[str, Any], data: Any, eval_cfg: Any, out_dir: Any) -> dict[str, Any]:
+    """Evaluate named per-token loss functions on ``data``'s held-out windows beside the k-mer baseline
+    (DNA), and write the JSON, markdown and PNG report to ``out_dir``; returns the result."""
+    kmer = build_kmer_baseline(data, eval_cfg.kmer_k)
+    baseline = (kmer.name, kmer.batch_loss) if kmer is not None else None
+    report = evaluate_by_position(models, data.heldout_batches(eval_cfg.batch_size), eval_cfg.by_position,
+                                  baseline, data.score_ids, data.unit)
+    write_report(report, out_dir)
+    return report

@@ -49,7 +49,7 @@ def evaluate_targets(targets: list[str], data: list[str] | None = None, override
                      out: str | None = None) -> str:
     from megaseq.convert import load_megaseq_checkpoint
     from megaseq.data import build_data
-    from megaseq.eval import build_kmer_baseline, evaluate_by_position, markdown_table, write_report
+    from megaseq.eval import markdown_table, report_by_position
     from megaseq.train.parallel_env import ParallelEnv
     from megaseq.train.trainer import per_token_loss_fn
 
@@ -80,10 +80,7 @@ def evaluate_targets(targets: list[str], data: list[str] | None = None, override
     dataset = build_data(cfg.data, cfg.eval, vocab_size=spec.vocab_size)
     if not dataset.heldout:
         raise ValueError("eval: no held-out data; pass --data FILE or set data.heldout in the run's config")
-    kmer = build_kmer_baseline(dataset, cfg.eval.kmer_k)
-    baseline = (kmer.name, kmer.batch_loss) if kmer is not None else None
-    report = evaluate_by_position(models, dataset.heldout_batches(cfg.eval.batch_size), cfg.eval.by_position,
-                                  baseline, dataset.score_ids, dataset.unit)
     out_dir = Path(out) if out else (run_dir or paths[0].parent.parent) / "eval"
-    paths_written = write_report(report, out_dir)
-    return markdown_table(report) + f"\nwrote {', '.join(str(p) for p in paths_written.values())}"
+    report = report_by_position(models, dataset, cfg.eval, out_dir)
+    stem = out_dir / "eval_by_position"
+    return markdown_table(report) + f"\nwrote {stem}.json, .md, .png"

@@ -121,13 +121,29 @@ def train_step(model: torch.nn.Module, micro_batches: list[dict[str, torch.Tenso
     return env.all_reduce_sum(loss_sum) / max(total, 1), grad_norm
 
 
+def build_planned_model(cfg: Config, spec: Any, device: torch.device, memory: dict[str, Any], total_steps: int,
+                        init_from: str | None = None) -> tuple[torch.nn.Module, Any, Any, Any]:
+    """The model with the plan's memory schemes applied, and its planned optimizer and LR schedule:
+    (model, applied memory plan (release it at the end), optimizer, scheduler)."""
+    from megaseq.memory.apply import MemoryPlan, apply_memory_plan
+    from megaseq.models.build import build_model
+
+    model = build_model(spec, dtype=dtypes(cfg, device)[0], device=device, seed=cfg.train.seed)
+    if init_from:
+        from megaseq.models.hf_io import load_hf_checkpoint
+
+        load_hf_checkpoint(init_from, model=model, spec=spec)
+    plan = MemoryPlan.from_dict(memory)
+    applied = apply_memory_plan(model, plan)
+    optimizer, scheduler = build_optimizer(model, cfg.optim, total_steps, plan)
+    return model, applied, optimizer, scheduler
+
+
 def run_training(cfg: Config) -> RunResult:
     from megaseq.models.presets import resolve_spec
 
     spec = resolve_spec(cfg.model.name)  # a bad model name fails before anything else happens
     from megaseq.data import build_data
-    from megaseq.memory.apply import MemoryPlan, apply_memory_plan
-    from megaseq.models.build import build_model
 
     # long sequences allocate a few huge, differently sized blocks per step: expandable segments keep
     # the caching allocator from fragmenting them (set before the first CUDA allocation)
@@ -141,15 +157,9 @@ def run_training(cfg: Config) -> RunResult:
         write_plan(run_dir, plan_dict)
     data = build_data(cfg.data, cfg.eval, batch_size=cfg.train.batch_size, vocab_size=spec.vocab_size,
                       rank=env.dp_rank, world_size=env.dp_size)
-    param_dtype, autocast = dtypes(cfg, device)
-
-    model = build_model(spec, dtype=param_dtype, device=device, seed=cfg.train.seed)
-    if cfg.model.init_from:
-        from megaseq.models.hf_io import load_hf_checkpoint
-
-        load_hf_checkpoint(cfg.model.init_from, model=model, spec=spec)
-    applied = apply_memory_plan(model, MemoryPlan.from_dict(memory))
-    optimizer, scheduler = build_optimizer(model, cfg.optim, cfg.train.steps, MemoryPlan.from_dict(memory))
+    autocast = dtypes(cfg, device)[1]
+    model, applied, optimizer, scheduler = build_planned_model(cfg, spec, device, memory, cfg.train.steps,
+                                                               cfg.model.init_from)
     spec_dict = spec.to_dict()
     start = 0
     if resume_from is not None:
@@ -214,20 +224,14 @@ def _meta(spec_dict: dict[str, Any], data: Any, step: int) -> dict[str, Any]:
 def evaluate_run(cfg: Config, run_dir: Path, model: torch.nn.Module, spec: Any, data: Any, env: ParallelEnv,
                  autocast: torch.dtype | None, memory: dict[str, Any]) -> dict[str, Any]:
     """Held-out loss by position for the model before (step 0) and after training, with the k-mer baseline."""
-    from megaseq.eval import build_kmer_baseline, evaluate_by_position, write_report
-    from megaseq.models.build import build_model
+    from megaseq.convert import load_megaseq_checkpoint
+    from megaseq.eval import report_by_position
 
     chunk = memory.get("loss_chunk_tokens") or 8192
     models = {}
     before = Path(run_dir) / ckpt.CKPT_DIR / "step_000000"
     if before.is_dir():
-        m0 = build_model(spec, dtype=next(model.parameters()).dtype, device=env.device)
-        ckpt.load_checkpoint(before, m0)
+        m0, _, _ = load_megaseq_checkpoint(before, device=env.device, dtype=next(model.parameters()).dtype)
         models["before"] = per_token_loss_fn(m0.eval(), env, autocast, chunk)
     models["after"] = per_token_loss_fn(model.eval(), env, autocast, chunk)
-    kmer = build_kmer_baseline(data, cfg.eval.kmer_k)
-    baseline = (kmer.name, kmer.batch_loss) if kmer is not None else None
-    report = evaluate_by_position(models, data.heldout_batches(cfg.eval.batch_size), cfg.eval.by_position,
-                                  baseline, data.score_ids, data.unit)
-    write_report(report, Path(run_dir) / "eval")
-    return report
+    return report_by_position(models, data, cfg.eval, Path(run_dir) / "eval")
