@@ -8,7 +8,13 @@ Sections (each bounded in time; the whole run is meant to finish in under 8 minu
                  importable): peak extra memory (max_memory_allocated delta) and fwd+bwd time; predicted
                  bytes from ``vocab_loss_bytes``
   chunked_long   the chunked loss at 128K and 1M tokens against its stated bound
-  tiled_moe      glm5-flash-1gpu MoE layer at 128K tokens, random and skewed routing, tiled vs untiled
+  tiled_moe      glm5-flash-1gpu MoE layer at 128K tokens, tiled vs untiled, with three routings: random
+                 hidden states, the embeddings of a real E. coli window (``--genome``; DNA tokens through the
+                 model's random-init embedding: few distinct rows, so routing is as uneven as real data gets)
+                 and a forced worst case (every token to expert 0)
+  indexer        the DSA indexer's chunked scoring (``memory/indexer_scoring.py``, glm5-flash-1gpu indexer:
+                 32 heads x 128, 16-token pools, top 128 pools) at 128K, 512K and 1M tokens: peak memory and
+                 time; indices identical to one-chunk scoring at 32K and to a 8x larger chunk at 128K
   sco            a stack of mHC-shaped layers under recompute: boundaries on the GPU vs SCO offload
                  (GPU peak drop vs offloaded bytes, step time, pinned bytes)
   offload_adam   OffloadStreamAdamW on ~2B parameters vs the same without overlap and vs
@@ -46,9 +52,10 @@ from megaseq.models.presets import glm5_flash_1gpu, glm5_flash_tiny
 
 GIB = 2**30
 FULL = dict(vocab=(32768, 4096, 154880, 8192), long=(131072, 1048576), moe_tokens=131072, moe_tile=16384,
-            sco=(8, 65536, 2048, 12288), adam=(80, 4096, 6144, 100_000_000))
+            sco=(8, 65536, 2048, 12288), adam=(80, 4096, 6144, 100_000_000),
+            indexer=(32768, 131072, (131072, 524288, 1048576)))
 SMOKE = dict(vocab=(512, 64, 1000, 128), long=(1024, 2048), moe_tokens=256, moe_tile=64,
-             sco=(3, 128, 32, 64), adam=(8, 64, 96, 10_000))
+             sco=(3, 128, 32, 64), adam=(8, 64, 96, 10_000), indexer=(256, 512, (512, 1024)))
 
 
 # ---- measuring -------------------------------------------------------------------------------------
@@ -158,27 +165,107 @@ def _moe_step(moe: MoE, x: torch.Tensor, dy: torch.Tensor) -> Callable[[], None]
     return step
 
 
-def bench_tiled_moe(m: Meter, cfg: dict, dtype, smoke: bool) -> dict[str, Any]:
+def _genome_embeddings(spec, N: int, device, dtype, genome: str | None) -> tuple[torch.Tensor, str] | None:
+    """``[1, N, H]``: a real DNA window of ``N`` bases through a HF-initialised embedding (std 0.02)."""
+    if not genome:
+        return None
+    from megaseq.data.fasta import read_fasta
+
+    recs = read_fasta(genome)
+    rec = max(recs, key=len)
+    ids = torch.from_numpy(rec.tokens[:N].astype("int64"))
+    ids = ids.repeat(-(-N // ids.numel()))[:N].to(device)
+    g = torch.Generator(device=device).manual_seed(0)
+    emb = torch.randn(spec.vocab_size, spec.hidden_size, device=device, dtype=dtype, generator=g) * 0.02
+    return emb[ids][None].contiguous(), f"{Path(genome).name}:{rec.id}[:{N}]"
+
+
+def bench_tiled_moe(m: Meter, cfg: dict, dtype, smoke: bool, genome: str | None = None) -> dict[str, Any]:
     spec = glm5_flash_tiny() if smoke else glm5_flash_1gpu()
     N, T = cfg["moe_tokens"], cfg["moe_tile"]
     g = torch.Generator(device=m.device).manual_seed(0)
-    x = torch.randn(1, N, spec.hidden_size, device=m.device, dtype=dtype, generator=g).requires_grad_(True)
+    x_rand = torch.randn(1, N, spec.hidden_size, device=m.device, dtype=dtype, generator=g)
     dy = torch.randn(1, N, spec.hidden_size, device=m.device, dtype=dtype, generator=g)
     res: dict[str, Any] = {"shape": {"tokens": N, "tile_tokens": T, "hidden": spec.hidden_size,
                                      "experts": spec.num_experts, "top_k": spec.num_experts_per_tok}}
-    for routing in ("random", "skewed"):
+    inputs = {"random": x_rand, "skewed": x_rand}
+    real = _genome_embeddings(spec, N, m.device, dtype, genome)
+    if real is not None:
+        inputs["genome"], res["genome_window"] = real
+    for routing, x0 in inputs.items():
+        x = x0.detach().clone().requires_grad_(True)
         moe = _moe(spec, m.device, dtype)
         if routing == "skewed":  # expert 0 takes every token (the real-data imbalance, at its worst)
             moe.gate.e_score_correction_bias[0] = 1e3
         step = _moe_step(moe, x, dy)
         m.run(step)  # warm-up
         row = {"untiled": m.run(step)}
-        row["max_tokens_per_expert"] = int(moe.last_tokens_per_expert.max())
+        counts = moe.last_tokens_per_expert.float()
+        row["max_tokens_per_expert"] = int(counts.max())
+        row["max_over_mean"] = float(counts.max() / counts.mean())
         enable_tiling(moe, T)
         m.run(step)
         row["tiled"] = m.run(step)
         res[routing] = row
-        del moe, step
+        del moe, step, x
+    return res
+
+
+# ---- DSA indexer scoring ---------------------------------------------------------------------------
+def _indexer_inputs(spec, S: int, device, gen: torch.Generator):
+    """Indexer tensors of one sequence of ``S`` tokens (bf16 queries as the model makes them)."""
+    I, D, kp = spec.index_n_heads, spec.index_head_dim, spec.index_kpool
+    P = S // kp
+    q = torch.randn(S, I, D, device=device, dtype=torch.bfloat16, generator=gen)
+    w = torch.randn(S, I, device=device, dtype=torch.bfloat16, generator=gen) * I**-0.5
+    keys = torch.randn(P, D, device=device, dtype=torch.bfloat16, generator=gen)
+    pos = torch.arange(S, device=device)
+    ends = torch.arange(P, device=device) * kp + kp - 1
+    zeros_P, zeros_S = torch.zeros(P, dtype=torch.int64, device=device), torch.zeros_like(pos)
+    return q, w, keys, ends, zeros_P, pos, zeros_S
+
+
+def bench_indexer(m: Meter, cfg: dict, smoke: bool) -> dict[str, Any]:
+    from megaseq.memory.indexer_scoring import indexer_scoring_bytes, resolve_query_chunk, select_pools
+
+    spec = glm5_flash_tiny() if smoke else glm5_flash_1gpu()
+    K = spec.index_topk // spec.index_kpool
+    scale = spec.index_head_dim**-0.5
+    small, mid, lengths = cfg["indexer"]
+    res: dict[str, Any] = {"shape": {"heads": spec.index_n_heads, "head_dim": spec.index_head_dim,
+                                     "kpool": spec.index_kpool, "select_pools": K}}
+    gen = torch.Generator(device=m.device).manual_seed(0)
+    out: dict[str, torch.Tensor] = {}
+
+    def run(S: int, chunk: int | None, key: str) -> dict[str, Any]:
+        held = [_indexer_inputs(spec, S, m.device, gen.manual_seed(S))]
+
+        def call() -> None:
+            out[key] = select_pools(*held[0], num_select=K, scale=scale, query_chunk=chunk)[0]
+
+        m.run(call)  # warm-up
+        row = m.run(call)
+        P = S // spec.index_kpool
+        c = resolve_query_chunk(chunk, P, spec.index_n_heads, K)
+        row.update(query_chunk=c, predicted_chunk_bytes=indexer_scoring_bytes(c, P, spec.index_n_heads, K))
+        held.clear()
+        return row
+
+    # identical indices: one chunk vs the default chunk at `small`; a chunk 8x larger at `mid`
+    res[f"{small}_one_chunk"] = run(small, small, "one")
+    res[f"{small}_chunked"] = run(small, None, "chunked")
+    res[f"{small}_identical"] = bool("one" in out and "chunked" in out and torch.equal(out["one"], out["chunked"]))
+    out.clear()
+    default = resolve_query_chunk(None, mid // spec.index_kpool, spec.index_n_heads, K)
+    res[f"{mid}_chunk_x8"] = run(mid, default * 8, "big")
+    for S in lengths:
+        res[str(S)] = run(S, None, "chunked")
+        if S == mid:
+            res[f"{mid}_identical_to_x8"] = bool("big" in out and torch.equal(out["big"], out["chunked"]))
+            out.pop("big", None)
+        out.pop("chunked", None)
+        if "oom" in res[str(S)]:
+            break
     return res
 
 
@@ -296,13 +383,23 @@ def markdown(results: dict[str, Any]) -> str:
             continue
         lines.append(f"| chunked loss {n} tok | - | {_gib(row.get('peak_extra_bytes'))}, "
                      f"{_sec(row.get('seconds'))} | - | bound {_gib(row.get('predicted_bytes'))} |")
-    for routing in ("random", "skewed"):
+    for routing in ("random", "genome", "skewed"):
         row = results.get("tiled_moe", {}).get(routing)
         if row:
             for key, fmt in (("peak_extra_bytes", _gib), ("seconds", _sec)):
                 lines.append(f"| MoE {routing} routing, {key} | {fmt(row['untiled'].get(key))} | "
                              f"{fmt(row['tiled'].get(key))} | {_ratio(row['tiled'], row['untiled'], key)} | "
-                             f"busiest expert {row['max_tokens_per_expert']} tokens |")
+                             f"busiest expert {row['max_tokens_per_expert']} tokens "
+                             f"({row.get('max_over_mean', 0):.1f}x the mean) |")
+    ix = results.get("indexer", {})
+    for key, row in ix.items():
+        if isinstance(row, dict) and ("seconds" in row or "oom" in row):
+            lines.append(f"| indexer scoring {key} | - | {_gib(row.get('peak_extra_bytes', row.get('oom')))}, "
+                         f"{_sec(row.get('seconds'))} | - | chunk {row.get('query_chunk')} rows, predicted "
+                         f"{_gib(row.get('predicted_chunk_bytes'))} per chunk |")
+    for key, v in ix.items():
+        if key.endswith(("identical", "identical_to_x8")):
+            lines.append(f"| indexer indices {key} | - | {v} | - | selections compared with torch.equal |")
     s = results.get("sco", {})
     if "recompute_on_gpu" in s:
         a, b = s["recompute_on_gpu"], s["sco_all_offloaded"]
@@ -331,6 +428,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true",
                     help="tiny shapes on the CPU: checks that the script runs")
     ap.add_argument("--only", default="", help="comma-separated sections to run (default: all)")
+    ap.add_argument("--genome", default="", help="FASTA file whose first window routes the tiled-MoE section")
     args = ap.parse_args(argv)
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
@@ -341,7 +439,8 @@ def main(argv: list[str] | None = None) -> int:
     sections = {
         "vocab_loss": lambda: bench_vocab(m, cfg, dtype),
         "chunked_long": lambda: bench_chunked_long(m, cfg, dtype),
-        "tiled_moe": lambda: bench_tiled_moe(m, cfg, dtype, args.smoke),
+        "tiled_moe": lambda: bench_tiled_moe(m, cfg, dtype, args.smoke, args.genome),
+        "indexer": lambda: bench_indexer(m, cfg, args.smoke),
         "sco": lambda: bench_sco(m, cfg, dtype),
         "offload_adam": lambda: bench_offload_adam(m, cfg, dtype),
     }

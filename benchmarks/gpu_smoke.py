@@ -249,26 +249,6 @@ def _on_alarm(signum, frame):
     raise SectionTimeout
 
 
-def limit_autotune() -> None:
-    """One config per Triton autotuner (fla's kernels): the fewest stages, the smallest blocks, 4 warps."""
-    from triton.runtime.autotuner import Autotuner
-
-    run = Autotuner.run
-
-    def cost(c) -> tuple:
-        blocks = 1
-        for v in c.kwargs.values():
-            blocks *= v if isinstance(v, int) else 1
-        return (c.num_stages or 0, blocks, abs((c.num_warps or 4) - 4))
-
-    def run_one(self, *args, **kwargs):
-        if len(self.configs) > 1:
-            self.configs = [min(self.configs, key=cost)]
-        return run(self, *args, **kwargs)
-
-    Autotuner.run = run_one
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, help="JSON file to write")
@@ -281,7 +261,7 @@ def main() -> None:
     cfg = SMOKE if args.smoke else QUICK if args.quick else FULL
     spec = glm5_flash_tiny() if args.smoke else glm5_flash_1gpu()
     if dev.type == "cuda" and args.autotune == "one" and fla_kda.fla_available() is None:
-        limit_autotune()
+        fla_kda.limit_autotune()
     result: dict[str, Any] = {"env": _env(dev), "autotune": args.autotune,
                               "mode": "smoke" if args.smoke else "quick" if args.quick else "full"}
     sections = {"kda": lambda o: bench_kda(o, dev, cfg), "sparse_mla": lambda o: bench_sparse(o, dev, cfg, spec),

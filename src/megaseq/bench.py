@@ -125,10 +125,13 @@ def _free(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def find_max(measure, start: int, granularity: int) -> tuple[int | None, list[dict[str, Any]]]:
-    """Double from ``start`` until a length fails, then bisect to ``granularity``; returns (max ok, rows)."""
+def find_max(measure, start: int, granularity: int, limit: int = 4 << 20) -> tuple[int | None, list[dict[str, Any]]]:
+    """Double from ``start`` until a length fails (or passes ``limit``: then ``limit`` is the answer),
+    then bisect to ``granularity``; returns (max ok, rows)."""
     rows, ok, bad, L = [], None, None, start
     while bad is None:
+        if L > limit:
+            return ok, rows
         r = measure(L)
         rows.append(r)
         if r["status"] == "ok":
@@ -149,23 +152,44 @@ def find_max(measure, start: int, granularity: int) -> tuple[int | None, list[di
 
 
 def run_bench(cfg: Config, lengths: list[int], steps: int = 3, source: str = "random", find_max_len: bool = False,
-              baseline: bool = False, out: str = "benchmarks/results/bench") -> dict[str, Any]:
+              baseline: bool = False, out: str = "benchmarks/results/bench",
+              logprob_lengths: list[int] | None = None, max_limit: int = 4 << 20) -> dict[str, Any]:
+    """Every measurement in order; the outputs are rewritten after each, so a run stopped early keeps
+    what it measured."""
     sources = ["random", "genome"] if source == "both" else [source]
-    rows = [measure_megaseq(cfg, L, steps, s) for s in sources for L in lengths]
+    rows: list[dict[str, Any]] = []
     result: dict[str, Any] = {"meta": _meta(cfg, lengths, steps, source), "rows": rows}
+    path = Path(out)
+
+    def keep(row: dict[str, Any], into: list[dict[str, Any]]) -> dict[str, Any]:
+        into.append(row)
+        write_outputs(result, path)
+        return row
+
+    for s in sources:
+        for L in lengths:
+            keep(measure_megaseq(cfg, L, steps, s), rows)
     if find_max_len:
-        best, search = find_max(lambda L: measure_megaseq(cfg, L, 1, sources[0]), max(lengths), max(lengths) // 8)
-        result["max_len"] = {"megaseq": best, "search": search}
+        result["max_len"] = mx = {"megaseq": None, "search": []}
+        mx["megaseq"], _ = find_max(lambda L: keep(measure_megaseq(cfg, L, 1, sources[0]), mx["search"]),
+                                    max(lengths), max(lengths) // 8, max_limit)
+        write_outputs(result, path)
     if baseline:
         from megaseq.bench_reference import measure_reference
 
-        ref_rows = [measure_reference(cfg, L, steps) for L in lengths]
-        result["reference_rows"] = ref_rows
+        result["reference_rows"] = ref_rows = []
+        for L in lengths:
+            keep(measure_reference(cfg, L, steps), ref_rows)
         if find_max_len:
-            best, search = find_max(lambda L: measure_reference(cfg, L, 1), min(lengths), max(min(lengths) // 4, 1))
-            result["max_len"]["reference"] = best
-            result["max_len"]["reference_search"] = search
-    write_outputs(result, Path(out))
+            mx = result["max_len"]
+            mx["reference_search"] = []
+            mx["reference"], _ = find_max(lambda L: keep(measure_reference(cfg, L, 1), mx["reference_search"]),
+                                          min(lengths), max(min(lengths) // 4, 1), max_limit)
+    if logprob_lengths:
+        from megaseq.bench_reference import logprob_check
+
+        result["logprob_check"] = logprob_check(cfg, logprob_lengths)
+    write_outputs(result, path)
     return result
 
 
@@ -197,7 +221,7 @@ def markdown(result: dict[str, Any]) -> str:
         lines += ["", "| length | reference status | reference tok/s | megaseq / reference tok/s |",
                   "|---|---|---|---|"]
         for r in result["rows"]:
-            b = ref.get(r["seq_len"])
+            b = ref.get(r["seq_len"]) if r["source"] == "random" else None
             if b is None:
                 continue
             ratio = (r.get("tokens_per_s") or 0) / b["tokens_per_s"] if b.get("tokens_per_s") else None
@@ -206,6 +230,12 @@ def markdown(result: dict[str, Any]) -> str:
     if "max_len" in result:
         mx = result["max_len"]
         lines += ["", f"longest length that trains: megaseq {mx.get('megaseq')}, reference {mx.get('reference')}"]
+    lp = (result.get("logprob_check") or {}).get("result")
+    if lp:
+        lines += ["", f"per-token log-probabilities at {lp['seq_len']:,} tokens, megaseq ({lp['megaseq']}) vs "
+                  f"reference ({lp['reference']}): mean |diff| {lp['mean_abs_diff']:.4f}, max "
+                  f"{lp['max_abs_diff']:.3f} (reference log-probs {lp['ref_logprob_mean']:.2f} ± "
+                  f"{lp['ref_logprob_std']:.2f})"]
     return "\n".join(lines) + "\n"
 
 

@@ -72,3 +72,58 @@ def measure_reference(cfg: Config, seq_len: int, steps: int) -> dict[str, Any]:
         del model
         _free(device)
     return row
+
+
+def _token_logprobs(hidden_SH: torch.Tensor, head: torch.Tensor, targets_S: torch.Tensor,
+                    chunk: int = 4096) -> torch.Tensor:
+    """``log p(target)`` per token in fp32, the vocabulary projection a chunk of tokens at a time."""
+    out = torch.empty(targets_S.shape[0], dtype=torch.float32, device=hidden_SH.device)
+    for s in range(0, targets_S.shape[0], chunk):
+        logits = hidden_SH[s:s + chunk].float() @ head.float().T
+        out[s:s + chunk] = logits.log_softmax(-1).gather(-1, targets_S[s:s + chunk, None])[:, 0]
+        del logits
+    return out
+
+
+def logprob_check(cfg: Config, lengths: list[int]) -> dict[str, Any]:
+    """Per-token log-probabilities of megaseq as it trains (fp32 weights, bf16 autocast, the planned fixes
+    off: a forward) against the transformers reference in fp32 on the same random weights and tokens.
+
+    Tries ``lengths`` from the longest down and reports the first the reference can run: mean and max
+    absolute difference, and the spread of the log-probabilities themselves for scale.
+    """
+    from megaseq.models.build import build_model
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    autocast = device.type == "cuda"
+    tried: list[dict[str, Any]] = []
+    for L in sorted(lengths, reverse=True):
+        ref = ours = None
+        try:
+            ref, spec = build_reference(cfg, device)
+            ref = ref.float().eval()
+            g = torch.Generator().manual_seed(cfg.train.seed + 1)
+            ids = torch.randint(0, spec.vocab_size, (1, L + 1), generator=g).to(device)
+            with torch.no_grad():
+                text = getattr(ref.model, "language_model", ref.model)
+                h_ref = text(input_ids=ids[:, :-1]).last_hidden_state[0]
+                lp_ref = _token_logprobs(h_ref, ref.lm_head.weight, ids[0, 1:])
+            del ref, h_ref
+            ref = None
+            _free(device)
+            ours = build_model(spec, dtype=torch.float32, device=device, seed=cfg.train.seed).eval()
+            with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+                h = ours(ids[:, :-1])[0]
+            lp = _token_logprobs(h, ours.lm_head.weight, ids[0, 1:])
+            d = (lp - lp_ref).abs()
+            row = {"seq_len": L, "status": "ok", "mean_abs_diff": d.mean().item(), "max_abs_diff": d.max().item(),
+                   "ref_logprob_mean": lp_ref.mean().item(), "ref_logprob_std": lp_ref.std().item(),
+                   "megaseq": "fp32 weights, bf16 autocast", "reference": "transformers, fp32, sdpa"}
+            tried.append(row)
+            return {"result": row, "tried": tried}
+        except torch.OutOfMemoryError as e:
+            tried.append({"seq_len": L, "status": "oom", "error": str(e).splitlines()[0][:200]})
+        finally:
+            del ref, ours
+            _free(device)
+    return {"result": None, "tried": tried}

@@ -113,6 +113,10 @@ def parser() -> argparse.ArgumentParser:
             sp.add_argument("--find-max", action="store_true", help="search the longest length that trains")
             sp.add_argument("--baseline", action="store_true", help="also run the transformers reference")
             sp.add_argument("--out", default="benchmarks/results/bench", help="output path prefix")
+            sp.add_argument("--logprob-check", default="", metavar="LENS",
+                            help="per-token log-probs of megaseq (bf16) vs the reference (fp32) at the longest "
+                                 "of these lengths the reference can run, e.g. 32K,16K,8K")
+            sp.add_argument("--max-limit", default="4M", help="--find-max stops doubling at this length")
         if verb == "eval":
             sp.add_argument("target", help="a run directory or checkpoint directories (comma-separated)")
             sp.add_argument("--data", default=None, help="held-out FASTA/text files (comma-separated)")

@@ -67,8 +67,10 @@ def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
 
     cfg = _config(args, rest)
     lens = [parse_size(s) for s in args.seq_lens.split(",") if s]
+    lp = [parse_size(s) for s in args.logprob_check.split(",") if s]
     result = run_bench(cfg, lens, steps=args.steps, source=args.source, find_max_len=args.find_max,
-                       baseline=args.baseline, out=args.out)
+                       baseline=args.baseline, out=args.out, logprob_lengths=lp,
+                       max_limit=parse_size(args.max_limit))
     from megaseq.bench import markdown
 
     print(markdown(result))

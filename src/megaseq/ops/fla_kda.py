@@ -20,6 +20,7 @@ back to the reference. Inputs are cast to one working dtype (autocast's when it 
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import torch
 
@@ -36,6 +37,43 @@ def fla_available() -> str | None:
     if importlib.util.find_spec("triton") is None:
         return "triton is not installed"
     return None
+
+
+_AUTOTUNE_LIMITED = False
+
+
+def limit_autotune() -> None:
+    """One config per Triton autotuner (fla's kernels): the fewest stages, the smallest blocks, 4 warps.
+
+    fla tunes each kernel over dozens of configs on its first call (minutes on a fresh machine). With
+    ``MEGASEQ_FLA_AUTOTUNE=one`` the first fla call applies this instead: every kernel compiles once and
+    runs a conservative config, so timings are a lower bound on what full tuning gives.
+    """
+    global _AUTOTUNE_LIMITED
+    if _AUTOTUNE_LIMITED:
+        return
+    from triton.runtime.autotuner import Autotuner
+
+    run = Autotuner.run
+
+    def cost(c) -> tuple:
+        blocks = 1
+        for v in c.kwargs.values():
+            blocks *= v if isinstance(v, int) else 1
+        return (c.num_stages or 0, blocks, abs((c.num_warps or 4) - 4))
+
+    def run_one(self, *args, **kwargs):
+        if len(self.configs) > 1:
+            self.configs = [min(self.configs, key=cost)]
+        return run(self, *args, **kwargs)
+
+    Autotuner.run = run_one
+    _AUTOTUNE_LIMITED = True
+
+
+def _maybe_limit_autotune() -> None:
+    if os.environ.get("MEGASEQ_FLA_AUTOTUNE", "full") == "one":
+        limit_autotune()
 
 
 def _work_dtype(x: torch.Tensor) -> torch.dtype:
@@ -75,6 +113,7 @@ def kda_fla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
     """
     from fla.ops.kda import chunk_kda
 
+    _maybe_limit_autotune()
     del chunk_size
     dt = _work_dtype(q)
     o, _ = chunk_kda(q.to(dt), k.to(dt), v.to(dt), g.float(), beta.to(dt), scale=q.shape[-1] ** -0.5,
@@ -99,6 +138,7 @@ def conv_fla(x_BSC: torch.Tensor, weight_CK: torch.Tensor, activation: str | Non
     """Depthwise causal conv (+ SiLU) ``[B, S, C] -> [B, S, C]`` in x's dtype, as the reference."""
     from fla.modules.causal_conv1d import causal_conv1d
 
+    _maybe_limit_autotune()
     dt = _work_dtype(x_BSC)
     y, _ = causal_conv1d(x_BSC.to(dt), weight_CK, activation=activation, backend="triton",
                          cu_seqlens=None if cu_seqlens is None else cu_seqlens.long())

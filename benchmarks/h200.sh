@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The H200 measurements of this repository, in stages that each fit one 10-minute device call.
+#   bash benchmarks/h200.sh STAGE            (from the repo root, with .whl/ and .data/ carried)
+# .whl/ holds fla-core, liger-kernel and transformers wheels; .data/ the E. coli genomes from
+# ../shared/data/genomes; .tcache/ (optional) a Triton cache from an earlier call. Results go to $OUT.
+set -u
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 MEGASEQ_FLA_AUTOTUNE=${MEGASEQ_FLA_AUTOTUNE:-one}
+export TRITON_CACHE_DIR=$PWD/.tcache
+mkdir -p .tcache
+G=.data/ecoli_MG1655.fa.gz
+ms() { python3 -m megaseq "$@"; }
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
+case "$1" in
+  1)  # kernels vs references, indexer + tiled MoE on genome routing, first full bench
+    timeout 100 python3 benchmarks/gpu_smoke.py --only kda,dispatch --out "$OUT/gpu_smoke.json"
+    timeout 130 python3 benchmarks/bench_memory_schemes.py --only indexer,tiled_moe --genome $G \
+      --out "$OUT/memory_schemes_b.json"
+    timeout 320 python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml --seq-lens 32K,128K --steps 2 \
+      --source both --baseline --logprob-check 16K,8K --data.train $G --out "$OUT/bench_1gpu_a"
+    ;;
+  *) echo "unknown stage $1"; exit 2 ;;
+esac
+tar czf "$OUT/tcache.tgz" .tcache 2>/dev/null
+ls -la "$OUT"
