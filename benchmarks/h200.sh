@@ -22,6 +22,14 @@ case "$1" in
     timeout 320 python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml --seq-lens 32K,128K --steps 2 \
       --source both --baseline --logprob-check 16K,8K --data.train $G --out "$OUT/bench_1gpu_a"
     ;;
+  2)  # where a step's time goes; log-probs vs the reference; the planner at three lengths, random and genome
+    timeout 80 python3 benchmarks/profile_step.py recipes/glm5-flash-1gpu.yaml 32K > "$OUT/profile_1gpu_32k.txt" 2>&1
+    tail -32 "$OUT/profile_1gpu_32k.txt"
+    timeout 70 python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml --seq-lens 8K --steps 1 \
+      --logprob-check 16K,8K --out "$OUT/bench_1gpu_logprob"
+    timeout 400 python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml --seq-lens 32K,128K,256K --steps 1 \
+      --source both --data.train $G --out "$OUT/bench_1gpu"
+    ;;
   *) echo "unknown stage $1"; exit 2 ;;
 esac
 tar czf "$OUT/tcache.tgz" .tcache 2>/dev/null

@@ -16,7 +16,8 @@ def test_memory_benchmark_smoke(tmp_path):
     out = tmp_path / "mem.json"
     assert bench.main(["--smoke", "--out", str(out)]) == 0
     results = json.loads(out.read_text())["results"]
-    assert set(results) == {"vocab_loss", "chunked_long", "tiled_moe", "sco", "offload_adam"}
+    assert set(results) == {"vocab_loss", "chunked_long", "tiled_moe", "indexer", "sco", "offload_adam"}
+    assert results["indexer"]["256_identical"] and results["indexer"]["512_identical_to_x8"]
     for name, section in results.items():
         assert "error" not in section, (name, section.get("error"))
     assert results["sco"]["sco_all_offloaded"]["offloaded_per_step"] == 3

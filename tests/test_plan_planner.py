@@ -39,7 +39,7 @@ def _without(memory: dict, fix: str, n: int) -> dict:
 
 @pytest.fixture(scope="module")
 def ladder() -> dict[int, Plan]:
-    return {k: plan(SPEC_1GPU, k * K) for k in (8, 16, 20, 32, 48, 96, 128, 160, 192, 224)}
+    return {k: plan(SPEC_1GPU, k * K) for k in (8, 16, 20, 32, 48, 96, 128, 160, 192, 224, 256)}
 
 
 def test_no_fixes_when_none_needed(ladder):
@@ -61,7 +61,7 @@ def test_fixes_grow_with_length_in_ladder_order(ladder):
     costly = {f: k for f, k in first_seen.items() if f != "indexer_query_chunk"}
     assert min(costly, key=costly.get) == "chunked_loss"  # the cheapest fix with a cost comes first
     assert first_seen["recompute"] <= first_seen["checkpoint_offload"]  # SCO only on top of recompute
-    assert set(first_seen) == set(LADDER)  # by 224K every rung has been needed somewhere
+    assert set(first_seen) == set(LADDER)  # by 256K every rung has been needed somewhere
 
 
 def test_every_chosen_fix_is_needed(ladder):

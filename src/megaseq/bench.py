@@ -75,7 +75,9 @@ def measure_megaseq(cfg: Config, seq_len: int, steps: int, source: str) -> dict[
     plan = plan_from_config(c, world_size=1, gpu_bytes=gpu_bytes)
     row: dict[str, Any] = {"seq_len": seq_len, "source": source, "system": "megaseq",
                            "fixes": [f[0] if isinstance(f, (list, tuple)) else str(f) for f in plan.fixes],
-                           "predicted_gpu_gib": plan.peak_gpu / GIB, "predicted_host_gib": plan.peak_host / 1e9,
+                           "predicted_gpu_gib": plan.peak_gpu / GIB,
+                           "predicted_gpu_tensors_gib": plan.peak_gpu_tensors / GIB,
+                           "predicted_host_gib": plan.peak_host / 1e9, "memory_plan": dict(plan.memory),
                            "plan_fits": plan.fits}
     model = applied = None
     try:
@@ -101,6 +103,8 @@ def measure_megaseq(cfg: Config, seq_len: int, steps: int, source: str) -> dict[
         row.update(status="ok", step_s=dt, tokens_per_s=tokens / dt,
                    mfu=tokens / dt * plan.flops["per_token"] / H200_BF16_FLOPS if device.type == "cuda" else None,
                    measured_gpu_gib=torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None,
+                   measured_gpu_reserved_gib=(torch.cuda.max_memory_reserved(device) / GIB
+                                              if device.type == "cuda" else None),
                    measured_host_gib=host_rss_peak() / 1e9, moe_max_over_mean=moe_load(model))
     except torch.OutOfMemoryError as e:
         row.update(status="oom", error=str(e).splitlines()[0][:200])
@@ -203,18 +207,23 @@ def _meta(cfg: Config, lengths: list[int], steps: int, source: str) -> dict[str,
 def markdown(result: dict[str, Any]) -> str:
     m = result["meta"]
     lines = [f"# megaseq bench: {m['model']} on {m['gpu']} (torch {m['torch']}, {m['date']})", "",
-             "| length | source | status | fixes | pred GPU GiB | meas GPU GiB | err | host GB | tok/s | MFU "
-             "| MoE max/mean |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "GPU: planned tensor peak vs `max_memory_allocated`; host: planned vs the process's peak RSS (VmHWM).",
+             "",
+             "| length | source | status | fixes | pred GPU GiB | meas GPU GiB | err | pred host GB | host GB | err "
+             "| tok/s | MFU | MoE max/mean |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         meas = r.get("measured_gpu_gib")
-        err = f"{(r['predicted_gpu_gib'] - meas) / meas:+.1%}" if meas else "-"
+        pred = r.get("predicted_gpu_tensors_gib", r["predicted_gpu_gib"])
+        err = f"{(pred - meas) / meas:+.1%}" if meas else "-"
+        host = r.get("measured_host_gib")
+        herr = f"{(r['predicted_host_gib'] - host) / host:+.1%}" if host else "-"
         moe = r.get("moe_max_over_mean") or {}
         mfu = "-" if r.get("mfu") is None else f"{r['mfu']:.1%}"
         lines.append(
             f"| {r['seq_len']:,} | {r['source']} | {r['status']} | {', '.join(r['fixes']) or '-'} | "
-            f"{r['predicted_gpu_gib']:.1f} | {meas if meas is None else f'{meas:.1f}'} | {err} | "
-            f"{r.get('measured_host_gib', 0) or 0:.1f} | {r.get('tokens_per_s', 0) or 0:,.0f} | "
+            f"{pred:.1f} | {meas if meas is None else f'{meas:.1f}'} | {err} | {r['predicted_host_gib']:.1f} | "
+            f"{host or 0:.1f} | {herr} | {r.get('tokens_per_s', 0) or 0:,.0f} | "
             f"{mfu} | {max(moe.values()) if moe else 0:.2f} |")
     ref = {r["seq_len"]: r for r in result.get("reference_rows", [])}
     if ref:

@@ -99,6 +99,9 @@ def kda_fla_supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         return f"shapes q {tuple(q.shape)}, v {tuple(v.shape)}, g {tuple(g.shape)}, beta {tuple(beta.shape)}"
     if q.shape[-1] > MAX_HEAD_DIM:
         return f"head dim {q.shape[-1]} > {MAX_HEAD_DIM}"
+    if q.device.type == "cuda" and _work_dtype(q) == torch.float32:
+        # fla 0.6.0 on an H200: "out of resource: shared memory, Required: 245760, Hardware limit: 232448"
+        return "float32 (fla 0.6.0's chunk_kda asks more shared memory than an H200 has; bf16 autocast runs it)"
     return _common_supports(q, cu_seqlens)
 
 

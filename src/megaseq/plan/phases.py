@@ -179,12 +179,26 @@ def layer_terms(run: Run, i: int) -> LayerTerms:
         mlp_bwd = tile_saved + mlp_bwd + 2 * C.grad_bytes(mlp_params, run.mesh, prec)
         mlp_bwd += C.weight_copy_bytes(mlp_params, prec, run.mesh)
         mlp = {"mlp (tiled: input only)": n * xb * H}
-    ffn.update(mlp)
     if N > 1:
         attn["mHC merge"] = n * C.merge_saved(spec, c, prec)
-        ffn["mHC merge (mlp)"] = n * C.merge_saved(spec, c if spec.mlp_types[i] == "dense" else xb, prec)
+        y_mlp = c if spec.mlp_types[i] == "dense" else xb
+        ffn["mHC merge (mlp)"] = n * C.merge_saved(spec, y_mlp, prec)
+    if tiled and N > 1:
+        # Glm5DecoderLayer.token_tile: the mHC maps, norms, merges and the MLP run tile by tile with
+        # recompute; the layer keeps its input (the boundary), the mHC weights post/comb of both halves,
+        # the mixer's own saved set and the mixer output y (the second tiled half's input). The tiles'
+        # full per-token sets become one tile's temporaries in backward.
+        per_token = sum(v for k, v in {**attn, **ffn}.items()
+                        if k not in mixer and k != "layer input (boundary)") // max(n, 1) - xb * H
+        tile_part = tile * per_token
+        mlp_fwd += int(run.cal.nograd_fraction * tile_part)
+        mlp_bwd += tile_part
+        attn = {"layer input (boundary)": n * resid, "mHC maps (post, comb)": 2 * n * f * (N + N * N), **mixer}
+        ffn = {"mixer output (tiled input)": n * H * c}
+    else:
+        ffn.update(mlp)
     wgrad = prec.grad * _largest_weight(spec, i)
-    merge = n * C.merge_temp(spec, prec) if N > 1 else 0
+    merge = (tile if tiled else n) * C.merge_temp(spec, prec) if N > 1 else 0
     return LayerTerms(
         attn=attn,
         ffn=ffn,

@@ -57,13 +57,20 @@ def grouped_mm_reference(x_MD: torch.Tensor, w_EOD: torch.Tensor, counts_E: torc
     return torch.cat([F.linear(xe, w_EOD[e]) for e, xe in enumerate(chunks)], dim=0)
 
 
+def _mm_dtype(x_MD: torch.Tensor, w_EOD: torch.Tensor) -> torch.dtype:
+    """The dtype the matmul runs in: bf16 autocast's (as ``F.linear`` would), else the inputs' common one."""
+    if x_MD.device.type == "cuda" and torch.is_autocast_enabled("cuda"):
+        return torch.get_autocast_dtype("cuda")
+    return x_MD.dtype if x_MD.dtype == w_EOD.dtype else torch.promote_types(x_MD.dtype, w_EOD.dtype)
+
+
 def _grouped_mm_supports(x_MD: torch.Tensor, w_EOD: torch.Tensor, counts_E: torch.Tensor) -> str | None:
     if not hasattr(F, "grouped_mm") and not hasattr(torch, "_grouped_mm"):
         return "torch has no grouped_mm"
     if x_MD.device.type != "cuda":
         return f"device {x_MD.device.type} (needs cuda)"
-    if x_MD.dtype != torch.bfloat16 or w_EOD.dtype != torch.bfloat16:
-        return f"dtype {x_MD.dtype}/{w_EOD.dtype} (needs bfloat16)"
+    if _mm_dtype(x_MD, w_EOD) != torch.bfloat16:
+        return f"dtype {x_MD.dtype}/{w_EOD.dtype} without bf16 autocast (needs bfloat16)"
     if torch.cuda.get_device_capability(x_MD.device) < (9, 0):
         return "needs compute capability >= 9.0"
     if x_MD.shape[-1] % 8 or w_EOD.shape[1] % 8:
@@ -81,6 +88,8 @@ def grouped_mm_fast(x_MD: torch.Tensor, w_EOD: torch.Tensor, counts_E: torch.Ten
     """
     offs = torch.cumsum(counts_E, dim=0, dtype=torch.int32)
     gmm = getattr(F, "grouped_mm", None) or torch._grouped_mm
+    dt = _mm_dtype(x_MD, w_EOD)  # under bf16 autocast cast as F.linear does (fp32 weights, bf16 matmul)
+    x_MD, w_EOD = x_MD.to(dt), w_EOD.to(dt)
     # w_EOD.transpose(-2, -1) is the column-major [E, D, O] operand the kernel wants (out = x @ w.T)
     return gmm(x_MD, w_EOD.transpose(-2, -1), offs=offs)
 
