@@ -30,6 +30,14 @@ case "$1" in
     timeout 400 python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml --seq-lens 32K,128K,256K --steps 1 \
       --source both --data.train $G --out "$OUT/bench_1gpu"
     ;;
+  3)  # log-probs (weights built on the CPU for both); a second preset at 3 lengths; genome rows isolated
+    timeout 80 python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml --seq-lens 8K --steps 1 \
+      --logprob-check 16K,8K --out "$OUT/bench_1gpu_logprob"
+    timeout 170 python3 -m megaseq bench recipes/glm5-flash-tiny-dna.yaml --model.dtype bf16 \
+      --seq-lens 128K,512K,1M --steps 1 --source both --data.train $G --out "$OUT/bench_tiny"
+    timeout 250 python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml --seq-lens 32K,128K,256K --steps 1 \
+      --source genome --data.train $G --out "$OUT/bench_1gpu_genome"
+    ;;
   *) echo "unknown stage $1"; exit 2 ;;
 esac
 tar czf "$OUT/tcache.tgz" .tcache 2>/dev/null

@@ -52,3 +52,15 @@ def test_shrink_keeps_shapes_and_kinds():
     small = shrink(full)
     assert set(zip(small.layer_types, small.mlp_types)) == set(zip(full.layer_types, full.mlp_types))
     assert small.hidden_size == full.hidden_size and small.num_experts == full.num_experts
+
+
+def test_bench_isolates_each_length_in_its_own_process(tmp_path):
+    """On a GPU every length runs in a fresh spawned process (no offload buffers or cached blocks carried
+    from one length to the next); the same path on the CPU gives an ordinary row."""
+    from megaseq.config import load_config
+
+    result = run_bench(load_config(None, []), [128], steps=1, isolate=True, out=str(tmp_path / "b"))
+    (row,) = result["rows"]
+    assert row["status"] == "ok", row
+    assert row["tokens_per_s"] > 0 and row["measured_host_gib"] > 0
+    assert (tmp_path / "b.md").exists()

@@ -116,6 +116,9 @@ def measure_megaseq(cfg: Config, seq_len: int, steps: int, source: str) -> dict[
     return row
 
 
+_measure_megaseq = measure_megaseq
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -155,11 +158,37 @@ def find_max(measure, start: int, granularity: int, limit: int = 4 << 20) -> tup
     return (lo or None), rows
 
 
+def isolated(fn, *args) -> dict[str, Any]:
+    """``fn(*args)`` in a fresh spawned process: each length starts from an empty GPU, an empty pinned-memory
+    cache and its own peak RSS (one length's offload buffers must not count against the next)."""
+    import multiprocessing as mp
+
+    with mp.get_context("spawn").Pool(1) as pool:
+        try:
+            return pool.apply(fn, args)
+        except Exception as e:  # noqa: BLE001  (a crashed length is a result, the next still runs)
+            return {"status": "error", "error": f"{type(e).__name__}: {e}"[:300]}
+
+
 def run_bench(cfg: Config, lengths: list[int], steps: int = 3, source: str = "random", find_max_len: bool = False,
               baseline: bool = False, out: str = "benchmarks/results/bench",
-              logprob_lengths: list[int] | None = None, max_limit: int = 4 << 20) -> dict[str, Any]:
+              logprob_lengths: list[int] | None = None, max_limit: int = 4 << 20,
+              isolate: bool | None = None) -> dict[str, Any]:
     """Every measurement in order; the outputs are rewritten after each, so a run stopped early keeps
-    what it measured."""
+    what it measured. ``isolate`` (default: on a GPU) runs each measurement in its own process."""
+    if isolate is None:
+        isolate = torch.cuda.is_available()
+    if isolate:
+        from megaseq import bench_reference
+
+        def measure_megaseq(*a):  # noqa: F811  (the isolated form of the module function)
+            return isolated(_measure_megaseq, *a)
+
+        def measure_reference(*a):
+            return isolated(bench_reference.measure_reference, *a)
+    else:
+        measure_megaseq = _measure_megaseq
+        measure_reference = None
     sources = ["random", "genome"] if source == "both" else [source]
     rows: list[dict[str, Any]] = []
     result: dict[str, Any] = {"meta": _meta(cfg, lengths, steps, source), "rows": rows}
@@ -179,8 +208,8 @@ def run_bench(cfg: Config, lengths: list[int], steps: int = 3, source: str = "ra
                                     max(lengths), max(lengths) // 8, max_limit)
         write_outputs(result, path)
     if baseline:
-        from megaseq.bench_reference import measure_reference
-
+        if measure_reference is None:
+            from megaseq.bench_reference import measure_reference
         result["reference_rows"] = ref_rows = []
         for L in lengths:
             keep(measure_reference(cfg, L, steps), ref_rows)

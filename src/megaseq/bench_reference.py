@@ -111,7 +111,8 @@ def logprob_check(cfg: Config, lengths: list[int]) -> dict[str, Any]:
             del ref, h_ref
             ref = None
             _free(device)
-            ours = build_model(spec, dtype=torch.float32, device=device, seed=cfg.train.seed).eval()
+            # built on the CPU as build_reference does: the same seed on a CUDA generator gives other weights
+            ours = build_model(spec, dtype=torch.float32, device="cpu", seed=cfg.train.seed).to(device).eval()
             with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
                 h = ours(ids[:, :-1])[0]
             lp = _token_logprobs(h, ours.lm_head.weight, ids[0, 1:])
