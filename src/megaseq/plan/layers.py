@@ -79,8 +79,15 @@ def dsa_saved(
     mode: str,
     full_indexer: bool,
     cal: Calibration = CAL,
+    impl: str = "torch_masked",
 ) -> dict[str, int]:
     """MLA + DSA (``blocks/mla_dsa.py``); K/V rows from ``dsa_kv_rows``.
+
+    ``impl`` is the sparse-attention implementation: ``torch_masked`` (the reference, the CPU path) as
+    below, or ``absorbed`` (``ops/sparse_mla.py``, the GPU path): no per-head K/V at all; the op saves
+    the latent's compute-dtype copy ``c * (kv_lora + rope)`` per K/V row, the per-(query, head)
+    log-sum-exp ``f * Hh`` and the selection (every layer that computes one), its blocks being
+    recomputed in backward.
 
     Per query token: q_a/kv_a inputs; q_a_layernorm and kv_a_layernorm (``(f + c) * rank``); q_b's input;
     q ``c * Hh * qk``; o_proj's input ``c * Hh * v``; the selection ``4 * W`` (full-indexer layers, kept by
@@ -103,6 +110,12 @@ def dsa_saved(
         * (linear_inputs(kl, 1, kv_out, prec) + c * Hh * qk + c * Hh * (spec.qk_nope_head_dim + v)),
         "dsa o_proj input": n * c * Hh * v,
     }
+    if impl == "absorbed":
+        del out["dsa K/V (kv_b input, k, kv_b output)"]
+        out["dsa latent copy + log-sum-exp"] = kv_rows * c * (kl + spec.qk_rope_head_dim) + n * f * Hh
+        if full_indexer:
+            out["dsa selection (int32)"] = dsa_selection_bytes(spec, n)
+        return out
     block, single = dsa_score_block(spec, n, batch, seq_len, mesh, mode, cal)
     if single:  # the softmax output (compute dtype promoted to fp32) and its cast, if any, for p @ v
         out["dsa attention scores (one block)"] = (f + (c if c != f else 0)) * block
@@ -144,11 +157,14 @@ def dsa_temp(
     mode: str,
     backward: bool,
     cal: Calibration = CAL,
+    impl: str = "torch_masked",
 ) -> int:
-    """Sparse attention temporaries: one query block's scores (forward: scores, masked scores, fp32
+    """Sparse attention temporaries (``impl="absorbed"``: see ``absorbed_temp``): one query block's scores (forward: scores, masked scores, fp32
     softmax, bf16 probabilities ``3c + f`` per element; backward: the recomputed block and its grads
     ``5c + 3f``), the gathered fp32 latent ``f * kv_lora`` per K/V row, and in backward the K/V
     gradients ``c * Hh * (qk + v)`` and the latent's fp32 gradient per K/V row, and dq."""
+    if impl == "absorbed":
+        return absorbed_temp(spec, n, batch, seq_len, prec, mesh, mode, backward)
     Hh, c, f = spec.num_attention_heads, prec.compute, prec.f32
     kv_rows = dsa_kv_rows(n, batch, seq_len, mesh, mode)
     block, _ = dsa_score_block(spec, n, batch, seq_len, mesh, mode, cal)
@@ -157,6 +173,27 @@ def dsa_temp(
         return block * (3 * c + f) + latent
     grads = kv_rows * (c * Hh * (spec.qk_head_dim + spec.v_head_dim) + f * spec.kv_lora_rank)
     return block * (5 * c + 3 * f) + latent + grads + n * c * Hh * spec.qk_head_dim
+
+
+ABSORBED_BLOCK_BYTES = 2 << 30  # ops/sparse_mla.py BLOCK_BYTES: one query block's budget
+
+
+def absorbed_temp(spec: ModelSpec, n: int, batch: int, seq_len: int, prec: Precision, mesh: Mesh, mode: str,
+                  backward: bool) -> int:
+    """The absorbed sparse MLA's temporaries (``ops/sparse_mla.py``, same per-query formula as its
+    ``block_queries``): one query block ``Qb * (W * R * (c + f) + 8 * Hh * W * f + 16 * W)`` within
+    ``ABSORBED_BLOCK_BYTES``, the latent copy being made ``c * R`` per K/V row; in backward also the
+    latent's fp32 gradient and its cast ``(f + c) * R`` per K/V row and dq ``c * Hh * qk`` per query."""
+    Hh, c, f = spec.num_attention_heads, prec.compute, prec.f32
+    R = spec.kv_lora_rank + spec.qk_rope_head_dim
+    W = spec.index_topk + (spec.index_kpool - 1 if spec.index_kpool_always_select_tail else 0)
+    per_query = W * R * (c + f) + 8 * Hh * W * f + 16 * W
+    queries = max(1, ABSORBED_BLOCK_BYTES // per_query)
+    block = min(queries, n) * per_query
+    kv_rows = dsa_kv_rows(n, batch, seq_len, mesh, mode)
+    if not backward:
+        return block + kv_rows * c * R
+    return block + kv_rows * (f + c) * R + n * c * Hh * spec.qk_head_dim
 
 
 def attention_saved(spec: ModelSpec, n: int, xb: int, prec: Precision, mesh: Mesh) -> dict[str, int]:

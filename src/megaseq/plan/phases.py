@@ -39,6 +39,7 @@ class Run:
     mla_mode: str = "gather_kv"
     imbalance: float = 4.0
     grad_accum: int = 1
+    sparse_impl: str = "absorbed"  # ops/sparse_mla.py on the GPU; "torch_masked" is the CPU reference
     cal: Calibration = CAL
 
     @property
@@ -111,11 +112,12 @@ def _mixer(run: Run, i: int, xb: int) -> tuple[dict[str, int], int, int]:
         )
     full = spec.indexer_types[i] == "full"
     B, S, mode = run.batch, run.seq_len, run.mla_mode
-    saved = layers.dsa_saved(spec, n, B, S, xb, prec, mesh, mode, full, run.cal)
-    fwd = layers.dsa_temp(spec, n, B, S, prec, mesh, mode, False, run.cal)
+    impl = run.sparse_impl
+    saved = layers.dsa_saved(spec, n, B, S, xb, prec, mesh, mode, full, run.cal, impl)
+    fwd = layers.dsa_temp(spec, n, B, S, prec, mesh, mode, False, run.cal, impl)
     if full:
         fwd = max(fwd, layers.indexer_temp(spec, n, B, S, int(run.memory["indexer_query_chunk"]), prec))
-    return saved, fwd + comm, layers.dsa_temp(spec, n, B, S, prec, mesh, mode, True, run.cal) + comm
+    return saved, fwd + comm, layers.dsa_temp(spec, n, B, S, prec, mesh, mode, True, run.cal, impl) + comm
 
 
 def _mlp(run: Run, i: int, xb: int, tokens: int) -> tuple[dict[str, int], int, int]:
@@ -185,7 +187,7 @@ def layer_terms(run: Run, i: int) -> LayerTerms:
         ffn["mHC merge (mlp)"] = n * C.merge_saved(spec, y_mlp, prec)
     if tiled and N > 1:
         # Glm5DecoderLayer.token_tile: the mHC maps, norms, merges and the MLP run tile by tile with
-        # recompute; the layer keeps its input (the boundary), the mHC weights post/comb of both halves,
+        # recompute; the layer keeps its input (the boundary), the first half's mHC weights post/comb,
         # the mixer's own saved set and the mixer output y (the second tiled half's input). The tiles'
         # full per-token sets become one tile's temporaries in backward.
         per_token = sum(v for k, v in {**attn, **ffn}.items()
@@ -193,7 +195,7 @@ def layer_terms(run: Run, i: int) -> LayerTerms:
         tile_part = tile * per_token
         mlp_fwd += int(run.cal.nograd_fraction * tile_part)
         mlp_bwd += tile_part
-        attn = {"layer input (boundary)": n * resid, "mHC maps (post, comb)": 2 * n * f * (N + N * N), **mixer}
+        attn = {"layer input (boundary)": n * resid, "mHC maps (post, comb)": n * f * (N + N * N), **mixer}
         ffn = {"mixer output (tiled input)": n * H * c}
     else:
         ffn.update(mlp)

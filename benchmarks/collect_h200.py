@@ -1,0 +1,71 @@
+"""Collect the H200 bench outputs of one session into benchmarks/results/h200/ (JSON + markdown + plot).
+
+    python benchmarks/collect_h200.py OUT1/bench_a.json OUT2/bench_b.json ... --out benchmarks/results/h200/NAME
+
+Rows are taken as measured; each row's predicted peak is re-evaluated with this checkout's planner for
+the memory plan the row ran (``memory_plan``), so the table states the committed planner's error. Rows
+listed in ``--drop`` (``LEN:SOURCE@FILE``) are left out with the reason in ``meta.dropped``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from megaseq.bench import GIB, write_outputs
+from megaseq.models.presets import resolve_spec
+from megaseq.plan import components as C
+from megaseq.plan import phases as P
+
+
+def replan(model: str, row: dict) -> None:
+    spec = resolve_spec(model)
+    run = P.Run(spec=spec, seq_len=row["seq_len"], batch=1, mesh=C.Mesh(), model_dtype="bf16",
+                memory=row["memory_plan"], counts=C.count_params(spec))
+    e = P.evaluate(run)
+    row["predicted_at_run_gib"] = row.get("predicted_gpu_tensors_gib")
+    row["predicted_gpu_tensors_gib"] = e.peak_tensors / GIB
+    row["predicted_gpu_gib"] = e.peak_gpu / GIB
+    row["predicted_phase"] = e.phase
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("inputs", nargs="+")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--drop", action="append", default=[], help="LEN:SOURCE@FILENAME=why")
+    ap.add_argument("--note", default="")
+    args = ap.parse_args()
+    drops = {}
+    for d in args.drop:
+        key, why = d.split("=", 1)
+        drops[key] = why
+    result: dict = {"rows": [], "reference_rows": [], "meta": None}
+    dropped = []
+    for f in args.inputs:
+        r = json.loads(Path(f).read_text())
+        result["meta"] = result["meta"] or dict(r["meta"])
+        for row in r["rows"]:
+            key = f"{row['seq_len']}:{row['source']}@{Path(f).name}"
+            if key in drops:
+                dropped.append({"row": key, "why": drops[key]})
+                continue
+            if row.get("status") == "ok" and "memory_plan" in row:
+                replan(r["meta"]["model"], row)
+            row["file"] = Path(f).name
+            result["rows"].append(row)
+        result["reference_rows"] += r.get("reference_rows", [])
+        for k in ("max_len", "logprob_check"):
+            if k in r:
+                result[k] = r[k]
+    result["meta"]["dropped"] = dropped
+    result["meta"]["note"] = args.note
+    result["meta"]["lengths"] = sorted({row["seq_len"] for row in result["rows"]})
+    write_outputs(result, Path(args.out))
+    print(Path(args.out).with_suffix(".md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
