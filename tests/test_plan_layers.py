@@ -167,7 +167,7 @@ def test_saved_set_matches_blocks(name, seq, autocast, block, kda_uncounted, mon
     h = torch.randn(*shape, requires_grad=True)
     run = Run(spec=spec, seq_len=seq, batch=1, mesh=Mesh(), model_dtype="bf16" if autocast else "fp32",
               memory=default_memory(None, seq), counts=C.count_params(spec),
-              cal=Calibration(attn_block_elems=block or 1 << 26))
+              cal=Calibration(attn_block_elems=block or 1 << 26), sparse_impl="torch_masked")  # the CPU path
     for i, layer in enumerate(model.layers):
         if spec.layer_types[i] == "dsa" and (autocast or spec.indexer_types[i] == "shared"):
             continue  # DSA under CPU autocast: see the planner report (indexer scoring overflows in bf16)
@@ -177,3 +177,34 @@ def test_saved_set_matches_blocks(name, seq, autocast, block, kda_uncounted, mon
         predicted = terms.saved - terms.attn.get("kda chunk state (q,k,v,g,A)", 0) + copies
         measured = _measure_saved(layer, h, autocast)
         assert abs(predicted / measured - 1) < 0.05, (i, spec.layer_types[i], predicted / seq, measured / seq)
+
+
+def test_token_tiled_saved_set_matches_blocks(kda_uncounted):
+    """A token-tiled GLM-5 layer (``token_tile``, what ``tiled_mlp`` sets) keeps what the planner says:
+    its input, one set of mHC weights, the mixer's own saved set and the mixer output (fp32, CPU)."""
+    import torch
+
+    from megaseq.models.build import build_model
+    from megaseq.models.presets import get_preset
+    from megaseq.plan import components as C
+    from megaseq.plan.phases import Run, layer_terms
+    from megaseq.plan.planner import default_memory
+
+    torch.manual_seed(0)
+    spec, seq, tile = get_preset("glm5-flash-tiny"), 999, 128
+    model = build_model(spec, dtype=torch.float32, seed=0)
+    h = torch.randn(1, seq, spec.hc_mult, spec.hidden_size, requires_grad=True)
+    memory = dict(default_memory(None, seq), tiled_mlp=True, mlp_tile_tokens=tile)
+    run = Run(spec=spec, seq_len=seq, batch=1, mesh=Mesh(), model_dtype="fp32", memory=memory,
+              counts=C.count_params(spec), sparse_impl="torch_masked")
+    untiled = Run(spec=spec, seq_len=seq, batch=1, mesh=Mesh(), model_dtype="fp32",
+                  memory=default_memory(None, seq), counts=C.count_params(spec), sparse_impl="torch_masked")
+    for i, layer in enumerate(model.layers):
+        if spec.layer_types[i] != "kda":
+            continue
+        layer.token_tile = tile
+        terms = layer_terms(run, i)
+        predicted = terms.saved - terms.attn.get("kda chunk state (q,k,v,g,A)", 0)
+        measured = _measure_saved(layer, h, autocast=False)
+        assert abs(predicted / measured - 1) < 0.05, (i, predicted / seq, measured / seq)
+        assert predicted < 0.6 * layer_terms(untiled, i).saved  # the tiling is what the planner counts on

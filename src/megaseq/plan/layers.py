@@ -159,10 +159,11 @@ def dsa_temp(
     cal: Calibration = CAL,
     impl: str = "torch_masked",
 ) -> int:
-    """Sparse attention temporaries (``impl="absorbed"``: see ``absorbed_temp``): one query block's scores (forward: scores, masked scores, fp32
-    softmax, bf16 probabilities ``3c + f`` per element; backward: the recomputed block and its grads
-    ``5c + 3f``), the gathered fp32 latent ``f * kv_lora`` per K/V row, and in backward the K/V
-    gradients ``c * Hh * (qk + v)`` and the latent's fp32 gradient per K/V row, and dq."""
+    """Sparse attention temporaries (``impl="absorbed"``: see ``absorbed_temp``): one query block's
+    scores (forward: scores, masked scores, fp32 softmax, bf16 probabilities ``3c + f`` per element;
+    backward: the recomputed block and its grads ``5c + 3f``), the gathered fp32 latent ``f * kv_lora``
+    per K/V row, and in backward the K/V gradients ``c * Hh * (qk + v)`` and the latent's fp32 gradient
+    per K/V row, and dq."""
     if impl == "absorbed":
         return absorbed_temp(spec, n, batch, seq_len, prec, mesh, mode, backward)
     Hh, c, f = spec.num_attention_heads, prec.compute, prec.f32

@@ -295,9 +295,11 @@ def _phases(run: Run, terms: list[LayerTerms]) -> list[tuple[str, dict[str, int]
     fsdp_b = C.fsdp_buffers(max_layer, max_experts, mesh, True)
     bnd = C.boundary_bytes(spec, n, prec)
     final = n * (C.norm_saved(H, s, prec)[0] + s * H)
+    # under autocast the trainer casts the hidden states and the head to the compute dtype for the loss
+    d_loss = prec.compute if prec.autocast else s
     loss = C.loss_bytes(
-        spec, n, s, bool(run.memory.get("chunked_loss")), int(run.memory["loss_chunk_tokens"])
-    )
+        spec, n, d_loss, bool(run.memory.get("chunked_loss")), int(run.memory["loss_chunk_tokens"])
+    ) + ((n + spec.vocab_size) * H * d_loss if prec.autocast else 0)
     sel = layers.dsa_selection_bytes(spec, n) if "dsa" in spec.layer_types else 0
     readers = _readers(spec)
     k = _sco_offloaded(run, bnd)

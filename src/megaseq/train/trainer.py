@@ -102,8 +102,11 @@ def train_step(model: torch.nn.Module, micro_batches: list[dict[str, torch.Tenso
         b = env.to_device(batch)
         with _autocast(autocast, env.device):
             hidden = model(b["input_ids"], doc_ids=b.get("doc_ids"), ctx=env.context(b))
+        head = model.lm_head.weight
+        if autocast is not None:  # the vocabulary projection in the compute dtype, as lm_head under autocast
+            hidden, head = hidden.to(autocast), head.to(autocast)  # (the losses accumulate in fp32)
         # Ring-DTP over the context-parallel group when cp > 1, else the (chunked) local loss
-        loss = env.loss_sum(hidden, model.lm_head.weight, b["labels"], chunk)
+        loss = env.loss_sum(hidden, head, b["labels"], chunk)
         (loss / max(total, 1)).backward()
         loss_sum += float(loss.detach())
     env.reduce_gradients(model)
