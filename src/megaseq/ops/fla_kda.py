@@ -94,9 +94,14 @@ def _common_supports(x: torch.Tensor, cu_seqlens: torch.Tensor | None) -> str | 
 
 # ---- kda ----------------------------------------------------------------------------------------------
 def kda_fla_supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                     cu_seqlens: torch.Tensor | None = None, chunk_size: int = 64) -> str | None:
+                     cu_seqlens: torch.Tensor | None = None, chunk_size: int = 64,
+                     initial_state: torch.Tensor | None = None, return_state: bool = False) -> str | None:
     if q.shape != k.shape or g.shape != k.shape or beta.shape != q.shape[:3] or v.shape[:3] != q.shape[:3]:
         return f"shapes q {tuple(q.shape)}, v {tuple(v.shape)}, g {tuple(g.shape)}, beta {tuple(beta.shape)}"
+    if initial_state is not None:
+        n = q.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
+        if initial_state.shape != (n, q.shape[2], k.shape[-1], v.shape[-1]):
+            return f"initial_state {tuple(initial_state.shape)}, expected [{n}, H, Dk, Dv]"
     if q.shape[-1] > MAX_HEAD_DIM:
         return f"head dim {q.shape[-1]} > {MAX_HEAD_DIM}"
     if q.device.type == "cuda" and _work_dtype(q) == torch.float32:
@@ -107,22 +112,26 @@ def kda_fla_supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
 
 @dispatch.register("kda", "fla_chunk", supports=kda_fla_supports)
 def kda_fla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-            cu_seqlens: torch.Tensor | None = None, chunk_size: int = 64) -> torch.Tensor:
+            cu_seqlens: torch.Tensor | None = None, chunk_size: int = 64, initial_state: torch.Tensor | None = None,
+            return_state: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """KDA over ``[B, S, H, D]`` (``g [B, S, H, Dk]`` log decay, ``beta [B, S, H]``) -> ``[B, S, H, Dv]``.
 
-    Same contract as ``kda_reference``: zero initial state per row or per ``cu_seqlens`` segment, scale
-    ``Dk ** -0.5``. ``chunk_size`` is the reference's knob; fla uses its own (64), which changes nothing
-    but the order of sums.
+    Same contract as ``kda_reference``: the state starts at ``initial_state [N, H, Dk, Dv]`` (None: zero)
+    per row or per ``cu_seqlens`` segment, scale ``Dk ** -0.5``; with ``return_state`` returns
+    ``(out, final_state [N, H, Dk, Dv] float32)``. fla backprops through both states (``initial_state``
+    goes in as float32). ``chunk_size`` is the reference's knob; fla uses its own (64), which changes
+    nothing but the order of sums.
     """
     from fla.ops.kda import chunk_kda
 
     _maybe_limit_autotune()
     del chunk_size
     dt = _work_dtype(q)
-    o, _ = chunk_kda(q.to(dt), k.to(dt), v.to(dt), g.float(), beta.to(dt), scale=q.shape[-1] ** -0.5,
-                     use_qk_l2norm_in_kernel=True,
-                     cu_seqlens=None if cu_seqlens is None else cu_seqlens.long())
-    return o.to(q.dtype)
+    h0 = None if initial_state is None else initial_state.float().contiguous()
+    o, ht = chunk_kda(q.to(dt), k.to(dt), v.to(dt), g.float(), beta.to(dt), scale=q.shape[-1] ** -0.5,
+                      initial_state=h0, output_final_state=return_state, use_qk_l2norm_in_kernel=True,
+                      cu_seqlens=None if cu_seqlens is None else cu_seqlens.long())
+    return (o.to(q.dtype), ht) if return_state else o.to(q.dtype)
 
 
 # ---- causal_conv --------------------------------------------------------------------------------------

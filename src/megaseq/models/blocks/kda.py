@@ -15,6 +15,11 @@ Context parallelism (Ulysses): the conv and the recurrence are per channel / per
 this is the plain computation. Document boundaries (``ctx.full_doc_ids()``) restart the conv and the
 recurrence: both ops take fla-style ``cu_seqlens`` over the batch flattened to one row.
 
+Segments (``segment_tokens``, one rank, no documents): the ``kda`` op takes an ``initial_state`` and
+returns the final one (``return_state=True``), so ``segment_step`` runs tokens ``[s, e)`` from the state at
+s, with the conv over the ``K - 1`` tokens before s recomputed; ``megaseq.memory.kda_segments`` chains the
+segments and recomputes each in backward.
+
 Ops (``megaseq.ops.dispatch``): ``causal_conv`` and ``kda``, each with a pure-torch reference here;
 the ``kda`` reference is HF's ``chunk_kimi_delta_attention`` (its row-by-row substitution loop done
 as one triangular solve). Its working set is O(S * chunk * Dk) per head: a reference for tests and
@@ -33,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megaseq.memory.kda_segments import segmented_kda
 from megaseq.models.blocks.mhc import compute_dtype
 from megaseq.models.context import SeqContext, doc_spans
 from megaseq.models.spec import ModelSpec
@@ -75,11 +81,15 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x / torch.sqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
-def _kda_chunked(q, k, v, g, beta, chunk_size: int) -> torch.Tensor:
-    """One segment, zero initial state; inputs ``[B, H, L, D]`` (beta ``[B, H, L]``) in compute dtype.
+def _kda_chunked(q, k, v, g, beta, chunk_size: int, initial_state: torch.Tensor | None = None,
+                 return_state: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """One segment; inputs ``[B, H, L, D]`` (beta ``[B, H, L]``) in compute dtype.
 
     A port of HF ``chunk_kimi_delta_attention``: within a chunk the delta rule's unit lower-triangular
-    system is solved at once, across chunks the state ``[B, H, Dk, Dv]`` is carried.
+    system is solved at once, across chunks the state ``[B, H, Dk, Dv]`` is carried. It starts at
+    ``initial_state`` (None: zero); with ``return_state`` the state after the last token comes back too,
+    ``(out, state)``. The zero padding of the last chunk leaves the state unchanged (k, v and beta pad
+    to zero, g to zero log decay), so the returned state is the one after token L - 1.
     """
     B, Hn, L, Dk = k.shape
     Dv = v.shape[-1]
@@ -110,33 +120,54 @@ def _kda_chunked(q, k, v, g, beta, chunk_size: int) -> torch.Tensor:
     q_decayed = q * g.exp()
     k_decayed = (k * (g[..., -1:, :] - g).exp()).transpose(-1, -2)
     chunk_decay = g[..., -1, :].exp().unsqueeze(-1)
-    state = torch.zeros(B, Hn, Dk, Dv, dtype=u.dtype, device=dev)
+    if initial_state is None:
+        state = torch.zeros(B, Hn, Dk, Dv, dtype=u.dtype, device=dev)
+    else:
+        assert initial_state.shape == (B, Hn, Dk, Dv), f"initial_state {tuple(initial_state.shape)}"
+        state = initial_state.to(u.dtype)
     outs = []
     for qd_i, intra_i, u_i, w_i, kd_i, cd_i in zip(*(t.unbind(2) for t in (q_decayed, intra, u, w, k_decayed,
                                                                          chunk_decay))):
         v_new = u_i - w_i @ state
         outs.append(qd_i @ state + intra_i @ v_new)
         state = state * cd_i + kd_i @ v_new
-    out = torch.stack(outs, dim=2)
-    return out.reshape(B, Hn, -1, Dv)[:, :, :L]
+    out = torch.stack(outs, dim=2).reshape(B, Hn, -1, Dv)[:, :, :L]
+    return (out, state) if return_state else out
 
 
 @dispatch.register("kda", "torch_chunked", reference=True)
 def kda_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                  cu_seqlens: torch.Tensor | None = None, chunk_size: int = 16) -> torch.Tensor:
+                  cu_seqlens: torch.Tensor | None = None, chunk_size: int = 16,
+                  initial_state: torch.Tensor | None = None,
+                  return_state: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """KDA over ``[B, S, H, D]`` inputs (``g`` log-decay ``[B, S, H, Dk]``, ``beta [B, S, H]``).
 
-    q and k are l2-normalised here (HF's ``use_qk_l2norm_in_kernel=True``). The state starts at zero
-    at every segment of ``cu_seqlens`` (batch 1) or at every row. Returns ``[B, S, H, Dv]`` in q's dtype.
+    q and k are l2-normalised here (HF's ``use_qk_l2norm_in_kernel=True``). The state starts at
+    ``initial_state`` ``[N, H, Dk, Dv]`` (None: zero) at every segment of ``cu_seqlens`` (batch 1,
+    N segments) or at every row (N = B). Returns ``[B, S, H, Dv]`` in q's dtype; with ``return_state``
+    ``(out, final_state [N, H, Dk, Dv])``, the state in compute dtype (fla's kernel returns float32).
     """
     assert cu_seqlens is None or q.shape[0] == 1, "cu_seqlens needs the batch flattened to one row"
     cd = compute_dtype(q.dtype)
-    outs = []
-    for start, end in _segments(q.shape[1], cu_seqlens):
+    segments = _segments(q.shape[1], cu_seqlens)
+    if initial_state is not None:
+        n = len(segments) if cu_seqlens is not None else q.shape[0]
+        assert initial_state.shape == (n, q.shape[2], k.shape[-1], v.shape[-1]), (
+            f"initial_state {tuple(initial_state.shape)}, expected [{n}, H, Dk, Dv]")
+    outs, states = [], []
+    for i, (start, end) in enumerate(segments):
         qs, ks, vs, bs, gs = (t[:, start:end].transpose(1, 2).contiguous().to(cd) for t in (q, k, v, beta, g))
-        outs.append(_kda_chunked(l2norm(qs), l2norm(ks), vs, gs, bs, chunk_size).transpose(1, 2))
+        h0 = initial_state if initial_state is None or cu_seqlens is None else initial_state[i:i + 1]
+        res = _kda_chunked(l2norm(qs), l2norm(ks), vs, gs, bs, chunk_size, h0, return_state)
+        if return_state:
+            res, state = res
+            states.append(state)
+        outs.append(res.transpose(1, 2))
     out = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
-    return out.contiguous().to(q.dtype)
+    out = out.contiguous().to(q.dtype)
+    if return_state:
+        return out, torch.cat(states) if len(states) > 1 else states[0]
+    return out
 
 
 # ---- modules ------------------------------------------------------------------------------------------
@@ -190,7 +221,14 @@ def cu_seqlens_from_doc_ids(doc_ids_BS: torch.Tensor) -> torch.Tensor:
 
 
 class KimiDeltaAttention(nn.Module):
-    """The KDA token mixer; parameter names mirror ``Glm5NextTextLinearAttention``."""
+    """The KDA token mixer; parameter names mirror ``Glm5NextTextLinearAttention``.
+
+    ``segment_tokens`` (None: off; the memory plan's ``memory.kda_segment_tokens`` sets it) runs a
+    sequence longer than that in segments with the recurrent state carried between them and a per-segment
+    recompute in backward (``megaseq.memory.kda_segments``): exact, and the layer saves its input and one
+    ``[B, Hh, D, D]`` state per segment instead of the whole sequence's activations. ``segment_step`` is
+    the one-segment computation it runs.
+    """
 
     def __init__(self, spec: ModelSpec, layer: str = "kda") -> None:
         super().__init__()
@@ -208,6 +246,7 @@ class KimiDeltaAttention(nn.Module):
         self.g_b_proj = nn.Linear(D, Hh * D, bias=False)
         self.o_norm = GatedRMSNorm(D, spec.rms_norm_eps)
         self.o_proj = nn.Linear(Hh * D, H, bias=False)
+        self.segment_tokens: int | None = None
 
     def _conv_weight(self, heads: slice) -> torch.Tensor:
         """This rank's conv channels ``[3 * Hl * D, K]`` (q, k and v blocks each sliced by head)."""
@@ -216,6 +255,8 @@ class KimiDeltaAttention(nn.Module):
         return w.reshape(-1, w.shape[-1])
 
     def forward(self, x_BSH: torch.Tensor, ctx: SeqContext) -> torch.Tensor:
+        if self.segment_tokens is not None and x_BSH.shape[1] * ctx.cp_size > self.segment_tokens:
+            return segmented_kda(self, x_BSH, ctx, self.segment_tokens)
         B, S_loc, _ = x_BSH.shape
         Hh, D = self.num_heads, self.head_dim
         if Hh % ctx.cp_size:
@@ -239,6 +280,38 @@ class KimiDeltaAttention(nn.Module):
         o = ctx.heads_to_seq(o.reshape(B, S, Hl, D))
         gate = self.g_b_proj(self.g_a_proj(x_BSH)).view(B, S_loc, Hh, D)
         return self.o_proj(self.o_norm(o, gate).reshape(B, S_loc, Hh * D))
+
+    # ---- one segment of the sequence (megaseq.memory.kda_segments) ---------------------------------
+    @property
+    def segment_halo(self) -> int:
+        """Tokens before a segment its outputs depend on through the causal conv (K - 1)."""
+        return self.conv1d.kernel_size[0] - 1
+
+    def segment_step(self, x_BLH: torch.Tensor, halo: int,
+                     state_BHKV: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The outputs ``[B, L - halo, H]`` of the tokens after the first ``halo`` of ``x_BLH`` and the
+        recurrent state after them ``[B, Hh, D, D]`` (compute dtype).
+
+        ``x_BLH`` is the segment with the ``halo = min(K - 1, start)`` tokens before it: the conv runs over
+        all L tokens (zero padding before the first) and its first ``halo`` outputs are dropped, which is
+        exact (the padding then lies before the true sequence start only). ``state_BHKV`` is the
+        recurrent state before the segment (None: zero, at the sequence start). One rank, no documents.
+        """
+        B, L, _ = x_BLH.shape
+        Hh, D = self.num_heads, self.head_dim
+        T = L - halo
+        x_BTH = x_BLH[:, halo:]
+        q, k, v = (p(x_BLH).view(B, L, Hh, D) for p in (self.q_proj, self.k_proj, self.v_proj))
+        g = self.forget_gate(x_BTH)
+        beta = torch.sigmoid(self.b_proj(x_BTH))
+        mixed = torch.cat([t.reshape(B, L, Hh * D) for t in (q, k, v)], dim=-1)
+        mixed = dispatch.call("causal_conv", mixed, self._conv_weight(slice(0, Hh)), "silu", None,
+                              layer=self.layer)[:, halo:]
+        q, k, v = (t.reshape(B, T, Hh, D) for t in mixed.split(Hh * D, dim=-1))
+        o, state = dispatch.call("kda", q, k, v, g, beta, None, initial_state=state_BHKV, return_state=True,
+                                 layer=self.layer)
+        gate = self.g_b_proj(self.g_a_proj(x_BTH)).view(B, T, Hh, D)
+        return self.o_proj(self.o_norm(o, gate).reshape(B, T, Hh * D)), state
 
 
 def init_kda_(module: KimiDeltaAttention) -> None:
