@@ -110,3 +110,36 @@ def test_make_optimizer_follows_the_plan():
     hp = (1e-3, (0.9, 0.95), 1e-8, 0.1)
     assert isinstance(make_optimizer(params, MemoryPlan(optimizer_offload=True), *hp), OffloadStreamAdamW)
     assert type(make_optimizer(params, MemoryPlan(), *hp)) is torch.optim.AdamW
+
+
+def test_every_scheme_with_kda_segments_matches_plain():
+    """``kda_segment_tokens`` on top of every other scheme (one document per row: the segmented KDA
+    rejects document boundaries), 12-layer GLM-5, float64."""
+    spec = _glm5_12()
+    plain = build_model(spec, dtype=torch.float64, seed=0)
+    model = copy.deepcopy(plain)
+    ids, _, labels = _batch(spec.vocab_size)
+
+    def step(m, plan):
+        m.zero_grad(set_to_none=True)
+        loss = loss_fn(plan)(m(ids), m.lm_head.weight, labels)
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+
+    ref = step(plain, MemoryPlan())
+    plan = MemoryPlan(chunked_loss=True, loss_chunk_tokens=13, tiled_mlp=True, mlp_tile_tokens=10,
+                      indexer_query_chunk=7, recompute=True, kda_segment_tokens=11)
+    done = apply_memory_plan(model, plan)
+    try:
+        got = step(model, plan)
+    finally:
+        indexer_scoring.QUERY_CHUNK = 1 << 40
+    assert done.kda_segmented == 11
+    assert all(layer.self_attn.segment_tokens == 11 for layer in model.layers if layer.layer_type == "kda")
+    torch.testing.assert_close(got[0], ref[0], **TOL)
+    for name in ref[1]:
+        torch.testing.assert_close(got[1][name], ref[1][name], **TOL, msg=lambda m, n=name: f"{n}: {m}")
+    apply_memory_plan(model, MemoryPlan())
+    assert all(getattr(layer.self_attn, "segment_tokens", None) is None for layer in model.layers)
+    with pytest.raises(ValueError, match="memory.kda_segment_tokens"):
+        MemoryPlan(kda_segment_tokens=-1)

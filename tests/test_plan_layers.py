@@ -208,3 +208,29 @@ def test_token_tiled_saved_set_matches_blocks(kda_uncounted):
         measured = _measure_saved(layer, h, autocast=False)
         assert abs(predicted / measured - 1) < 0.05, (i, predicted / seq, measured / seq)
         assert predicted < 0.6 * layer_terms(untiled, i).saved  # the tiling is what the planner counts on
+
+
+def test_kda_segmented_by_hand():
+    """Segmented KDA keeps its input and one fp32 state per segment; its working set is one segment's."""
+    spec = small_spec()  # H 8, KDA 2 heads x 3, conv kernel from the spec
+    K = spec.linear_conv_kernel
+    saved, fwd, bwd = LY.kda_segmented(spec, 40, 1, 8, 4, AUTOCAST)
+    assert saved == {"kda segmented: input": 40 * 4 * 8, "kda segmented: states": 5 * 4 * 2 * 3 * 3}
+    m = 8 + K - 1
+    seg = sum(LY.kda_saved(spec, m, 4, AUTOCAST).values())
+    assert bwd == seg + LY.kda_temp(spec, m, AUTOCAST, True) + 40 * 4 * 8
+    assert fwd == LY.kda_temp(spec, m, AUTOCAST, False) + int(Calibration().nograd_fraction * seg) + 40 * 2 * 8
+
+
+def test_planner_counts_kda_segments_only_when_asked():
+    """The planner never turns segmented KDA on by itself; asked for, it lowers the KDA layers' share."""
+    from megaseq.config import MemoryConfig
+    from megaseq.models.presets import get_preset
+    from megaseq.plan import plan
+
+    spec, S = get_preset("glm5-flash-1gpu"), 384 * 1024
+    off = plan(spec, S)
+    on = plan(spec, S, memory_cfg=MemoryConfig(kda_segment_tokens=16384))
+    assert off.memory["kda_segment_tokens"] == 0 and "kda_segments" not in [f[0] for f in off.fixes]
+    assert on.memory["kda_segment_tokens"] == 16384 and "kda_segments" in [f[0] for f in on.fixes]
+    assert not off.fits and on.fits and on.peak_gpu < off.peak_gpu

@@ -143,12 +143,15 @@ class MemoryConfig:
     offload_host_budget: Any = opt("64G", "host bytes SCO may pin for boundaries (accepts 64G)")
     optimizer_offload: bool = opt(False, "OffloadStreamAdamW: master weights, moments and grads in host memory")
     optimizer_bucket_params: Any = opt("100M", "parameters per OffloadStreamAdamW bucket")
+    kda_segment_tokens: Any = opt(0, "KDA layers over the sequence in segments of this many tokens, the recurrent "
+                                     "state carried, each segment recomputed in backward (0: off). Opt-in: the "
+                                     "planner counts it but never turns it on (not yet measured on a GPU)")
     gpu_budget: Any = opt("auto", "GPU bytes the plan may use (auto: the device's total less a reserve)")
     host_budget: Any = opt("auto", "host bytes the plan may use (auto: 90% of physical RAM)")
 
     def __post_init__(self) -> None:
         for name in ("loss_chunk_tokens", "mlp_tile_tokens", "indexer_query_chunk", "offload_host_budget",
-                     "optimizer_bucket_params"):
+                     "optimizer_bucket_params", "kda_segment_tokens"):
             setattr(self, name, parse_size(getattr(self, name)))
         for name in ("gpu_budget", "host_budget"):
             v = getattr(self, name)

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from megaseq.memory import indexer_scoring
+from megaseq.memory.kda_segments import enable_kda_segments
 from megaseq.memory.offload import BoundaryOffloader, checkpoint_layers, uncheckpoint_layer
 from megaseq.memory.offload_adam import OffloadStreamAdamW
 from megaseq.memory.tiling import disable_tiling, enable_tiling
@@ -47,12 +48,15 @@ class MemoryPlan:
     offload_host_budget: int = 0
     optimizer_offload: bool = False
     optimizer_bucket_params: int = 100_000_000
+    kda_segment_tokens: int = 0  # 0: off
 
     def __post_init__(self) -> None:
         for name in ("loss_chunk_tokens", "mlp_tile_tokens", "indexer_query_chunk",
                      "optimizer_bucket_params"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"memory.{name} must be >= 1, got {getattr(self, name)}")
+        if int(self.kda_segment_tokens) < 0:
+            raise ValueError(f"memory.kda_segment_tokens must be >= 0 (0: off), got {self.kda_segment_tokens}")
         if self.offload_host_budget < 0:
             raise ValueError(f"memory.offload_host_budget must be >= 0, got {self.offload_host_budget}")
         if self.checkpoint_offload and not self.recompute:
@@ -74,6 +78,7 @@ class AppliedMemory:
     tiled: list[str] = field(default_factory=list)  # names of the tiled modules
     query_chunked: list[str] = field(default_factory=list)  # modules given a query_chunk
     checkpointed: int = 0  # layers under full recompute
+    kda_segmented: int = 0  # tokens per KDA segment (0: off)
 
     def release(self) -> None:
         """Free the SCO pinned pool (re-planned on demand if training continues)."""
@@ -114,6 +119,9 @@ def apply_memory_plan(model: nn.Module, plan: MemoryPlan) -> AppliedMemory:
             module.query_chunk = int(plan.indexer_query_chunk)
             done.query_chunked.append(name)
     indexer_scoring.QUERY_CHUNK = int(plan.indexer_query_chunk)
+    segments = int(plan.kda_segment_tokens) or None
+    if enable_kda_segments(model, segments) and segments:
+        done.kda_segmented = segments
     if plan.recompute:
         offloader = BoundaryOffloader(int(plan.offload_host_budget)) if plan.checkpoint_offload else None
         done.offloader = checkpoint_layers(layers, offloader)

@@ -44,6 +44,26 @@ def kda_temp(spec: ModelSpec, n: int, prec: Precision, backward: bool, cal: Cali
     return int(n * (cal.kda_bwd_temp_fd * f * D + cal.kda_bwd_temp_cd * c * D + (2 * c + f) * states))
 
 
+def kda_segmented(
+    spec: ModelSpec, n: int, batch: int, T: int, xb: int, prec: Precision, cal: Calibration = CAL
+) -> tuple[dict[str, int], int, int]:
+    """KDA in segments of ``T`` tokens (``memory/kda_segments.py``): (saved, forward temp, backward temp).
+
+    Saved: the layer's input ``xb * H`` per token (the tensor itself) and one recurrent state
+    ``f * Hh * Dk * Dk`` per segment and row (``segmented_saved_bytes``). Forward: one segment's
+    no-grad forward (``kda_temp`` over ``T + K - 1`` tokens plus ``nograd_fraction`` of its saved set)
+    and the output ``c * H`` per token being filled. Backward: one segment's saved set and backward
+    temporaries over ``T + K - 1`` tokens, and the input's gradient ``f * H`` per token."""
+    H, Hh, Dk, c, f = spec.hidden_size, spec.linear_num_heads, spec.linear_head_dim, prec.compute, prec.f32
+    m = min(T + spec.linear_conv_kernel - 1, n)
+    segments = -(-n // (batch * T)) if batch else 0
+    seg_saved = sum(kda_saved(spec, m * batch, xb, prec, cal).values())
+    saved = {"kda segmented: input": n * xb * H, "kda segmented: states": segments * batch * f * Hh * Dk * Dk}
+    fwd = kda_temp(spec, m * batch, prec, False, cal) + int(cal.nograd_fraction * seg_saved) + n * c * H
+    bwd = seg_saved + kda_temp(spec, m * batch, prec, True, cal) + n * f * H
+    return saved, fwd, bwd
+
+
 def dsa_selection_bytes(spec: ModelSpec, n: int) -> int:
     """The DSA selection ``[n, W]`` int32, W = topk + kpool - 1 (the incomplete tail pool)."""
     tail = spec.index_kpool - 1 if spec.index_kpool_always_select_tail else 0

@@ -98,6 +98,9 @@ def _mixer(run: Run, i: int, xb: int) -> tuple[dict[str, int], int, int]:
     spec, n, prec, mesh = run.spec, run.n, run.prec, run.mesh
     kind = spec.layer_types[i]
     comm = C.comm_buffer_bytes(spec, n, kind, prec, mesh, run.mla_mode)
+    T = int(run.memory.get("kda_segment_tokens") or 0)
+    if kind == "kda" and 0 < T < n:
+        return layers.kda_segmented(spec, n, run.batch, T, xb, prec, run.cal)
     if kind == "kda":
         return (
             layers.kda_saved(spec, n, xb, prec, run.cal),

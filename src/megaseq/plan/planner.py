@@ -49,6 +49,7 @@ MEMORY_KEYS = (
     "offload_host_budget",
     "optimizer_offload",
     "optimizer_bucket_params",
+    "kda_segment_tokens",
 )
 
 
@@ -229,6 +230,18 @@ def _forced(memory_cfg: Any, n: int) -> dict[str, Any]:
     return m
 
 
+def _segment_fix(run: Run, costs: dict[str, float]) -> list[tuple[str, float, str]]:
+    """The opt-in ``kda_segment_tokens`` as a fix line: it reruns each KDA layer's forward once in
+    backward, estimated as the recompute cost's share of the KDA layers."""
+    T = int(run.memory.get("kda_segment_tokens") or 0)
+    kda = run.spec.layer_types.count("kda")
+    if not T or not kda or T >= run.n:
+        return []
+    cost = costs.get("recompute", 0.0) * kda / run.spec.num_layers
+    return [("kda_segments", round(cost, 4), f"KDA in segments of {T} tokens with state carry (opt-in, "
+             "not yet measured on a GPU)")]
+
+
 def _make_plan(run: Run, budgets: Budgets, memory_cfg: Any | None, name: str) -> Plan:
     auto = memory_cfg is None or getattr(memory_cfg, "auto", True)
     if auto:
@@ -283,7 +296,7 @@ def _make_plan(run: Run, budgets: Budgets, memory_cfg: Any | None, name: str) ->
         peak_host=ev.peak_host,
         gpu_budget=budgets.gpu_bytes,
         host_budget=budgets.host(run.mesh),
-        fixes=[(f, round(costs[f], 4), why[f]) for f in fixes],
+        fixes=[(f, round(costs[f], 4), why[f]) for f in fixes] + _segment_fix(run, costs),
         memory=memory,
         fits=fits,
         binding=binding,
