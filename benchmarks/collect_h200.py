@@ -19,10 +19,10 @@ from megaseq.plan import components as C
 from megaseq.plan import phases as P
 
 
-def replan(model: str, row: dict) -> None:
+def replan(model: str, row: dict, fp32_loss: bool) -> None:
     spec = resolve_spec(model)
     run = P.Run(spec=spec, seq_len=row["seq_len"], batch=1, mesh=C.Mesh(), model_dtype="bf16",
-                memory=row["memory_plan"], counts=C.count_params(spec))
+                memory=row["memory_plan"], counts=C.count_params(spec), loss_in_compute_dtype=not fp32_loss)
     e = P.evaluate(run)
     row["predicted_at_run_gib"] = row.get("predicted_gpu_tensors_gib")
     row["predicted_gpu_tensors_gib"] = e.peak_tensors / GIB
@@ -36,6 +36,8 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--drop", action="append", default=[], help="LEN:SOURCE@FILENAME=why")
     ap.add_argument("--note", default="")
+    ap.add_argument("--fp32-loss", action="store_true",
+                    help="the rows ran the loss in fp32 outside autocast (megaseq before 2026-11-29 13:00 UTC)")
     args = ap.parse_args()
     drops = {}
     for d in args.drop:
@@ -52,7 +54,7 @@ def main() -> int:
                 dropped.append({"row": key, "why": drops[key]})
                 continue
             if row.get("status") == "ok" and "memory_plan" in row:
-                replan(r["meta"]["model"], row)
+                replan(r["meta"]["model"], row, args.fp32_loss)
             row["file"] = Path(f).name
             result["rows"].append(row)
         result["reference_rows"] += r.get("reference_rows", [])
@@ -61,6 +63,7 @@ def main() -> int:
                 result[k] = r[k]
     result["meta"]["dropped"] = dropped
     result["meta"]["note"] = args.note
+    result["meta"]["planner"] = "re-evaluated" + (" with the fp32 loss the rows ran" if args.fp32_loss else "")
     result["meta"]["lengths"] = sorted({row["seq_len"] for row in result["rows"]})
     write_outputs(result, Path(args.out))
     print(Path(args.out).with_suffix(".md").read_text())

@@ -218,19 +218,23 @@ def test_kda_segmented_by_hand():
     assert saved == {"kda segmented: input": 40 * 4 * 8, "kda segmented: states": 5 * 4 * 2 * 3 * 3}
     m = 8 + K - 1
     seg = sum(LY.kda_saved(spec, m, 4, AUTOCAST).values())
-    assert bwd == seg + LY.kda_temp(spec, m, AUTOCAST, True) + 40 * 4 * 8
+    seg_cal = Calibration(kda_bwd_temp_fd=Calibration().kda_segment_bwd_temp_fd)  # its own fitted coefficient
+    assert bwd == seg + LY.kda_temp(spec, m, AUTOCAST, True, seg_cal) + 40 * 4 * 8
     assert fwd == LY.kda_temp(spec, m, AUTOCAST, False) + int(Calibration().nograd_fraction * seg) + 40 * 2 * 8
 
 
-def test_planner_counts_kda_segments_only_when_asked():
-    """The planner never turns segmented KDA on by itself; asked for, it lowers the KDA layers' share."""
+def test_planner_chooses_kda_segments_only_where_usable():
+    """Segmented KDA is a rung of the ladder where it can run (one rank of context, no packed documents);
+    with ``memory.auto`` false a given segment size is used as is; it lowers the KDA layers' share."""
     from megaseq.config import MemoryConfig
     from megaseq.models.presets import get_preset
     from megaseq.plan import plan
 
     spec, S = get_preset("glm5-flash-1gpu"), 384 * 1024
-    off = plan(spec, S)
-    on = plan(spec, S, memory_cfg=MemoryConfig(kda_segment_tokens=16384))
-    assert off.memory["kda_segment_tokens"] == 0 and "kda_segments" not in [f[0] for f in off.fixes]
-    assert on.memory["kda_segment_tokens"] == 16384 and "kda_segments" in [f[0] for f in on.fixes]
-    assert not off.fits and on.fits and on.peak_gpu < off.peak_gpu
+    auto = plan(spec, S)
+    assert auto.fits and "kda_segments" in [f[0] for f in auto.fixes] and auto.memory["kda_segment_tokens"] > 0
+    docs = plan(spec, S, packed_documents=True)  # text data: the segmented layer would refuse documents
+    assert "kda_segments" not in [f[0] for f in docs.fixes] and docs.memory["kda_segment_tokens"] == 0
+    assert not docs.fits and auto.peak_gpu < docs.peak_gpu
+    given = plan(spec, S, memory_cfg=MemoryConfig(auto=False, kda_segment_tokens=8192))  # forced: as given
+    assert given.memory["kda_segment_tokens"] == 8192 and "kda_segments" in [f[0] for f in given.fixes]

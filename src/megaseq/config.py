@@ -144,8 +144,8 @@ class MemoryConfig:
     optimizer_offload: bool = opt(False, "OffloadStreamAdamW: master weights, moments and grads in host memory")
     optimizer_bucket_params: Any = opt("100M", "parameters per OffloadStreamAdamW bucket")
     kda_segment_tokens: Any = opt(0, "KDA layers over the sequence in segments of this many tokens, the recurrent "
-                                     "state carried, each segment recomputed in backward (0: off). Opt-in: the "
-                                     "planner counts it but never turns it on (not yet measured on a GPU)")
+                                     "state carried, each segment recomputed in backward (0: off; one rank, "
+                                     "no packed documents)")
     gpu_budget: Any = opt("auto", "GPU bytes the plan may use (auto: the device's total less a reserve)")
     host_budget: Any = opt("auto", "host bytes the plan may use (auto: 90% of physical RAM)")
 

@@ -114,7 +114,8 @@ class Calibration:
 
     kda_conv_copies: int = 2  # causal conv saves its (cast) input and its output (SiLU's input)
     kda_fwd_temp_cd: float = 7.0  # fla chunk_kda: contiguous q/k/v copies, w, u, kg, v_new, o
-    kda_bwd_temp_fd: float = 8.0  # fla backward: dq, dk, dv, dg (fp32), o_norm and gate grads
+    kda_bwd_temp_fd: float = 0.0  # fla backward: its fp32 grads (fitted to 0 on the H200, see docs/planner.md)
+    kda_segment_bwd_temp_fd: float = 8.0  # the same, for one recomputed segment (segmented KDA, H200)
     kda_bwd_temp_cd: float = 4.0  # fla backward: recomputed w, u, v_new, conv grads
     mlp_fwd_temp_ci: float = 2.0  # SwiGLU forward temporaries (x c x I per token or row)
     mlp_bwd_temp_ci: float = 4.0  # SwiGLU backward: grads of gate/up/activation

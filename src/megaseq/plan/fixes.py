@@ -26,6 +26,7 @@ LADDER = (
     "chunked_loss",
     "indexer_query_chunk",
     "tiled_mlp",
+    "kda_segments",
     "recompute",
     "checkpoint_offload",
     "optimizer_offload",
@@ -34,6 +35,10 @@ LADDER = (
 # 8K-token loss chunks and 16K-token tiles the launches are amortised, so growing further would only spend
 # headroom; the indexer's ceiling is INDEXER_SCORING_MAX
 LOSS_CHUNKS, TILE_CHUNKS, INDEXER_CHUNKS = (512, 8192), (1024, 16384), (64, None)
+SEGMENT_CHUNKS = (4096, 65536)  # KDA segments: fla's chunk is 64 tokens; past 64K the saving is spent
+# a segmented KDA layer reruns its forward in backward: one KDA forward, about half its layer's forward
+# (measured on the H200: the segmented layer's forward + backward 1.31x / 1.43x the plain one at 128K / 256K)
+KDA_MIXER_SHARE = 0.5
 # one indexer scoring chunk stays under this (BRIEF: "a few hundred queries at a time keeps that under
 # 2 GiB"); chunking is free, and an unchunked 32 GiB scoring tensor failed at 64K tokens on an H200 with
 # 58 GiB reserved but free (allocator fragmentation), so the bound applies whether or not memory is short
@@ -87,6 +92,8 @@ def fix_costs(run: Run) -> dict[str, float]:
         "indexer_query_chunk": 0.0,
         "tiled_mlp": sf.mlp / 3 / sf.total,  # the tile's forward is rerun in backward
         "recompute": sf.layers_forward / sf.total,
+        "kda_segments": KDA_MIXER_SHARE * sf.layers_forward / sf.total
+        * run.spec.layer_types.count("kda") / max(run.spec.num_layers, 1),
         "checkpoint_offload": SCO_BASE_COST + sco_excess / T,
         "optimizer_offload": opt / T,
     }
@@ -101,6 +108,8 @@ def _with_fixes(base: dict[str, Any], fixes: tuple[str, ...], run: Run, host_roo
         m["indexer_query_chunk"] = INDEXER_CHUNKS[0]
     if "tiled_mlp" in fixes:
         m["tiled_mlp"], m["mlp_tile_tokens"] = True, TILE_CHUNKS[0]
+    if "kda_segments" in fixes:
+        m["kda_segment_tokens"] = base["kda_segment_tokens"] or SEGMENT_CHUNKS[0]
     m["recompute"] = "recompute" in fixes
     m["optimizer_offload"] = "optimizer_offload" in fixes
     if "checkpoint_offload" in fixes:
@@ -111,9 +120,19 @@ def _with_fixes(base: dict[str, Any], fixes: tuple[str, ...], run: Run, host_roo
     return m
 
 
+def usable_fix(run: Run, fix: str) -> bool:
+    """Fixes that apply to this model and run: the indexer chunk needs DSA layers; segmented KDA needs
+    KDA layers, one rank of context (cp 1) and no packed documents (its first version's limits)."""
+    if fix == "indexer_query_chunk":
+        return "dsa" in run.spec.layer_types
+    if fix == "kda_segments":
+        return "kda" in run.spec.layer_types and run.mesh.cp == 1 and not run.packed_documents
+    return True
+
+
 def _candidates(run: Run, costs: dict[str, float]) -> list[tuple[str, ...]]:
     """Every fix set (SCO needs recompute), cheapest first; ties go to fewer fixes, then the ladder."""
-    usable = [f for f in LADDER if f != "indexer_query_chunk" or "dsa" in run.spec.layer_types]
+    usable = [f for f in LADDER if usable_fix(run, f)]
     sets = []
     for r in range(len(usable) + 1):
         for combo in itertools.combinations(usable, r):
@@ -156,6 +175,7 @@ def _grow(run: Run, m: dict[str, Any], budgets: Budgets) -> dict[str, Any]:
         ("indexer_query_chunk", None, (INDEXER_CHUNKS[0], cap)),
         ("loss_chunk_tokens", "chunked_loss", LOSS_CHUNKS),
         ("mlp_tile_tokens", "tiled_mlp", TILE_CHUNKS),
+        ("kda_segment_tokens", "kda_segment_tokens", SEGMENT_CHUNKS),
     ):
         if (flag is None and m[key] >= run.n) or (flag is not None and not m[flag]):
             continue
@@ -183,5 +203,5 @@ def choose(
             if m["indexer_query_chunk"] < run.n and "indexer_query_chunk" not in fixes:  # the 2 GiB bound
                 fixes = tuple(f for f in LADDER if f in fixes or f == "indexer_query_chunk")
             return m, fixes, True
-    every = tuple(f for f in LADDER if f != "indexer_query_chunk" or "dsa" in run.spec.layer_types)
+    every = tuple(f for f in LADDER if usable_fix(run, f))
     return _with_fixes(base, every, run, host_room), every, False

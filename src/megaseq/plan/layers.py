@@ -9,6 +9,8 @@ bytes, xb bytes of the normed block input, D = KDA heads x head dim. ``docs/plan
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from megaseq.models.spec import ModelSpec
 from megaseq.plan.components import CAL, Calibration, Mesh, Precision, linear_inputs, norm_saved
 
@@ -60,7 +62,8 @@ def kda_segmented(
     seg_saved = sum(kda_saved(spec, m * batch, xb, prec, cal).values())
     saved = {"kda segmented: input": n * xb * H, "kda segmented: states": segments * batch * f * Hh * Dk * Dk}
     fwd = kda_temp(spec, m * batch, prec, False, cal) + int(cal.nograd_fraction * seg_saved) + n * c * H
-    bwd = seg_saved + kda_temp(spec, m * batch, prec, True, cal) + n * f * H
+    seg_cal = replace(cal, kda_bwd_temp_fd=cal.kda_segment_bwd_temp_fd)
+    bwd = seg_saved + kda_temp(spec, m * batch, prec, True, seg_cal) + n * f * H
     return saved, fwd, bwd
 
 

@@ -40,6 +40,8 @@ class Run:
     imbalance: float = 4.0
     grad_accum: int = 1
     sparse_impl: str = "absorbed"  # ops/sparse_mla.py on the GPU; "torch_masked" is the CPU reference
+    packed_documents: bool = False  # data with document boundaries (text): no segmented KDA
+    loss_in_compute_dtype: bool = True  # the trainer casts hidden + head for the loss (False: before 2026-11-29)
     cal: Calibration = CAL
 
     @property
@@ -299,10 +301,11 @@ def _phases(run: Run, terms: list[LayerTerms]) -> list[tuple[str, dict[str, int]
     bnd = C.boundary_bytes(spec, n, prec)
     final = n * (C.norm_saved(H, s, prec)[0] + s * H)
     # under autocast the trainer casts the hidden states and the head to the compute dtype for the loss
-    d_loss = prec.compute if prec.autocast else s
+    cast = prec.autocast and run.loss_in_compute_dtype
+    d_loss = prec.compute if cast else s
     loss = C.loss_bytes(
         spec, n, d_loss, bool(run.memory.get("chunked_loss")), int(run.memory["loss_chunk_tokens"])
-    ) + ((n + spec.vocab_size) * H * d_loss if prec.autocast else 0)
+    ) + ((n + spec.vocab_size) * H * d_loss if cast else 0)
     sel = layers.dsa_selection_bytes(spec, n) if "dsa" in spec.layer_types else 0
     readers = _readers(spec)
     k = _sco_offloaded(run, bnd)

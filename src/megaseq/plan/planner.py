@@ -31,6 +31,7 @@ from megaseq.plan.fixes import (  # noqa: F401  (Budgets, H200_GPU_BYTES, HOST_B
     choose,
     default_memory,
     fix_costs,
+    usable_fix,
 )
 from megaseq.plan.flops import (
     comm_volume,
@@ -230,16 +231,15 @@ def _forced(memory_cfg: Any, n: int) -> dict[str, Any]:
     return m
 
 
-def _segment_fix(run: Run, costs: dict[str, float]) -> list[tuple[str, float, str]]:
-    """The opt-in ``kda_segment_tokens`` as a fix line: it reruns each KDA layer's forward once in
-    backward, estimated as the recompute cost's share of the KDA layers."""
-    T = int(run.memory.get("kda_segment_tokens") or 0)
-    kda = run.spec.layer_types.count("kda")
-    if not T or not kda or T >= run.n:
-        return []
-    cost = costs.get("recompute", 0.0) * kda / run.spec.num_layers
-    return [("kda_segments", round(cost, 4), f"KDA in segments of {T} tokens with state carry (opt-in, "
-             "not yet measured on a GPU)")]
+def _enabled(run: Run, memory: dict[str, Any], fix: str) -> bool:
+    """Whether ``memory`` (MemoryPlan keys) has ``fix`` of the ladder switched on for this run."""
+    if not usable_fix(run, fix):
+        return False
+    if fix == "indexer_query_chunk":
+        return memory[fix] < run.n
+    if fix == "kda_segments":
+        return 0 < int(memory.get("kda_segment_tokens") or 0) < run.n
+    return bool(memory[fix])
 
 
 def _make_plan(run: Run, budgets: Budgets, memory_cfg: Any | None, name: str) -> Plan:
@@ -248,12 +248,7 @@ def _make_plan(run: Run, budgets: Budgets, memory_cfg: Any | None, name: str) ->
         memory, fixes, _ = choose(run, budgets, memory_cfg)
     else:
         memory = _forced(memory_cfg, run.n)
-        fixes = tuple(
-            f
-            for f in LADDER
-            if (memory[f] < run.n if f == "indexer_query_chunk" else memory[f])
-            and (f != "indexer_query_chunk" or "dsa" in run.spec.layer_types)
-        )
+        fixes = tuple(f for f in LADDER if _enabled(run, memory, f))
     run = replace(run, memory=memory)
     ev = evaluate(run)
     fits = ev.peak_gpu <= budgets.gpu_bytes and ev.peak_host <= budgets.host(run.mesh)
@@ -264,6 +259,8 @@ def _make_plan(run: Run, budgets: Budgets, memory_cfg: Any | None, name: str) ->
         "indexer_query_chunk": f"indexer scores {memory['indexer_query_chunk']} queries at a time "
         "(one scoring chunk under 2 GiB or as the budget needs)",
         "tiled_mlp": f"MLP/MoE in tiles of {memory['mlp_tile_tokens']} tokens, recomputed in backward",
+        "kda_segments": f"KDA layers in segments of {memory['kda_segment_tokens']} tokens, the state "
+        "carried, each segment recomputed in backward",
         "recompute": "each layer keeps only its input; its forward is rerun in backward",
         "checkpoint_offload": f"layer inputs to pinned host memory, {sco_gb:.1f} GB",
         "optimizer_offload": "fp32 master weights, moments and gradients in host memory, streamed",
@@ -296,7 +293,7 @@ def _make_plan(run: Run, budgets: Budgets, memory_cfg: Any | None, name: str) ->
         peak_host=ev.peak_host,
         gpu_budget=budgets.gpu_bytes,
         host_budget=budgets.host(run.mesh),
-        fixes=[(f, round(costs[f], 4), why[f]) for f in fixes] + _segment_fix(run, costs),
+        fixes=[(f, round(costs[f], 4), why[f]) for f in fixes],
         memory=memory,
         fits=fits,
         binding=binding,
@@ -329,6 +326,7 @@ def plan(
     moe_imbalance: float = 4.0,
     calibration: Calibration = C.CAL,
     name: str = "",
+    packed_documents: bool = False,
 ) -> Plan:
     """Plan one training step of ``spec`` at ``seq_len`` tokens per sequence on ``mesh``.
 
@@ -356,6 +354,7 @@ def plan(
             imbalance=moe_imbalance,
             grad_accum=grad_accum,
             cal=calibration,
+            packed_documents=packed_documents,
         )
         p = _make_plan(run, budgets, memory_cfg, name or spec.family)
         if best is None or _better(p, best):
@@ -438,4 +437,5 @@ def plan_from_config(
         model_dtype=cfg.model.dtype,
         grad_accum=cfg.train.grad_accum,
         name=cfg.model.name,
+        packed_documents=cfg.data.kind == "text",
     )
