@@ -64,3 +64,16 @@ def test_bench_isolates_each_length_in_its_own_process(tmp_path):
     assert row["status"] == "ok", row
     assert row["tokens_per_s"] > 0 and row["measured_host_gib"] > 0
     assert (tmp_path / "b.md").exists()
+
+
+def test_logprob_check_same_weights_agree_on_cpu():
+    """The log-prob check compares the same weights: on the CPU both run in fp32, so megaseq and the
+    transformers reference agree to float32 rounding (on a GPU megaseq runs under bf16 autocast)."""
+    from megaseq.bench_reference import logprob_check
+
+    cfg = build_config(None, ["model.name=glm5-flash-tiny", "data.kind=random", "model.dtype=fp32"])
+    out = logprob_check(cfg, [64, 48])
+    row = out["result"]
+    assert row["seq_len"] == 64 and row["status"] == "ok"
+    assert row["mean_abs_diff"] < 1e-5 and row["max_abs_diff"] < 1e-4, row
+    assert row["ref_logprob_std"] > 0.01  # not a degenerate (uniform) distribution

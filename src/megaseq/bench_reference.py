@@ -15,8 +15,10 @@ from megaseq.bench import GIB, H200_BF16_FLOPS, _free, _sync, host_rss_peak, hos
 from megaseq.config import Config
 
 
-def build_reference(cfg: Config, device: torch.device) -> tuple[torch.nn.Module, Any]:
-    """(transformers model in bf16 with gradient checkpointing, spec) on the weights megaseq would start from."""
+def build_reference(cfg: Config, device: torch.device,
+                    dtype: torch.dtype = torch.bfloat16) -> tuple[torch.nn.Module, Any]:
+    """(transformers model in ``dtype`` with gradient checkpointing, spec) on the weights megaseq would start
+    from (built in fp32 on the CPU, exported, loaded in ``dtype``)."""
     from megaseq.models.build import build_model
     from megaseq.models.hf_io import export_hf_checkpoint
     from megaseq.models.presets import resolve_spec
@@ -27,7 +29,7 @@ def build_reference(cfg: Config, device: torch.device) -> tuple[torch.nn.Module,
     with tempfile.TemporaryDirectory() as tmp:
         export_hf_checkpoint(ours, spec, f"{tmp}/hf")
         del ours
-        ref = load_reference_model(f"{tmp}/hf", dtype=torch.bfloat16, attn="sdpa", experts="grouped_mm")
+        ref = load_reference_model(f"{tmp}/hf", dtype=dtype, attn="sdpa", experts="grouped_mm")
     if hasattr(ref, "activation_checkpointing_enable"):  # transformers >= 5.24
         ref.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     else:
@@ -100,8 +102,8 @@ def logprob_check(cfg: Config, lengths: list[int]) -> dict[str, Any]:
     for L in sorted(lengths, reverse=True):
         ref = ours = None
         try:
-            ref, spec = build_reference(cfg, device)
-            ref = ref.float().eval()
+            ref, spec = build_reference(cfg, device, dtype=torch.float32)  # fp32 weights, not bf16 upcast
+            ref = ref.eval()
             g = torch.Generator().manual_seed(cfg.train.seed + 1)
             ids = torch.randint(0, spec.vocab_size, (1, L + 1), generator=g).to(device)
             with torch.no_grad():
