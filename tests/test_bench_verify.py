@@ -77,3 +77,12 @@ def test_logprob_check_same_weights_agree_on_cpu():
     assert row["seq_len"] == 64 and row["status"] == "ok"
     assert row["mean_abs_diff"] < 1e-5 and row["max_abs_diff"] < 1e-4, row
     assert row["ref_logprob_std"] > 0.01  # not a degenerate (uniform) distribution
+
+
+def test_bench_refuses_a_genome_shorter_than_the_length_before_building_anything(tmp_path):
+    cfg = build_config(None, ["model.name=glm5-flash-tiny", "data.kind=random", "model.dtype=fp32"])
+    with pytest.raises(ValueError, match="data.seq_len=65536 needs sequences"):
+        run_bench(cfg, [1024, 65536], steps=1, source="both", out=str(tmp_path / "b"))
+    assert not (tmp_path / "b.json").exists()
+    with pytest.raises(ValueError, match="--source"):
+        run_bench(cfg, [64], source="genomes", out=str(tmp_path / "b"))

@@ -190,6 +190,12 @@ def run_bench(cfg: Config, lengths: list[int], steps: int = 3, source: str = "ra
         measure_megaseq = _measure_megaseq
         measure_reference = None
     sources = ["random", "genome"] if source == "both" else [source]
+    if source not in ("random", "genome", "both"):
+        raise ValueError(f"--source must be random, genome or both, got {source!r}")
+    if "genome" in sources:  # one clear message before any model is built: is the genome long enough?
+        from megaseq.data import build_data
+
+        build_data(_cfg_for(cfg, max(lengths), "genome").data, None)
     rows: list[dict[str, Any]] = []
     result: dict[str, Any] = {"meta": _meta(cfg, lengths, steps, source), "rows": rows}
     path = Path(out)
