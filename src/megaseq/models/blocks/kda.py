@@ -257,29 +257,7 @@ class KimiDeltaAttention(nn.Module):
     def forward(self, x_BSH: torch.Tensor, ctx: SeqContext) -> torch.Tensor:
         if self.segment_tokens is not None and x_BSH.shape[1] * ctx.cp_size > self.segment_tokens:
             return segmented_kda(self, x_BSH, ctx, self.segment_tokens)
-        B, S_loc, _ = x_BSH.shape
-        Hh, D = self.num_heads, self.head_dim
-        if Hh % ctx.cp_size:
-            raise ValueError(f"KDA has {Hh} heads, which context parallelism cp={ctx.cp_size} does not "
-                             "divide: choose a cp that divides linear_num_heads")
-        q, k, v = (p(x_BSH).view(B, S_loc, Hh, D) for p in (self.q_proj, self.k_proj, self.v_proj))
-        g = self.forget_gate(x_BSH)
-        beta = torch.sigmoid(self.b_proj(x_BSH)).unsqueeze(-1)
-        # Ulysses: all of the sequence, this rank's heads (identity with one rank)
-        q, k, v, g, beta = (ctx.seq_to_heads(t) for t in (q, k, v, g, beta))
-        S, Hl = q.shape[1], q.shape[2]
-        doc_ids = ctx.full_doc_ids()
-        cu = None if doc_ids is None else cu_seqlens_from_doc_ids(doc_ids)
-        rows = 1 if cu is not None else B
-        mixed = torch.cat([t.reshape(rows, -1, Hl * D) for t in (q, k, v)], dim=-1)
-        mixed = dispatch.call("causal_conv", mixed, self._conv_weight(ctx.head_slice(Hh)), "silu", cu,
-                              layer=self.layer)
-        q, k, v = (t.reshape(rows, -1, Hl, D) for t in mixed.split(Hl * D, dim=-1))
-        o = dispatch.call("kda", q, k, v, g.reshape(rows, -1, Hl, D), beta.reshape(rows, -1, Hl), cu,
-                          layer=self.layer)
-        o = ctx.heads_to_seq(o.reshape(B, S, Hl, D))
-        gate = self.g_b_proj(self.g_a_proj(x_BSH)).view(B, S_loc, Hh, D)
-        return self.o_proj(self.o_norm(o, gate).reshape(B, S_loc, Hh * D))
+        return self._mix(x_BSH, ctx)[0]
 
     # ---- one segment of the sequence (megaseq.memory.kda_segments) ---------------------------------
     @property
@@ -297,19 +275,37 @@ class KimiDeltaAttention(nn.Module):
         exact (the padding then lies before the true sequence start only). ``state_BHKV`` is the
         recurrent state before the segment (None: zero, at the sequence start). One rank, no documents.
         """
+        return self._mix(x_BLH, SeqContext(), halo, state_BHKV, return_state=True)
+
+    def _mix(self, x_BLH: torch.Tensor, ctx: SeqContext, halo: int = 0, state_BHKV: torch.Tensor | None = None,
+             return_state: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The layer over ``x_BLH`` (this rank's tokens), whose first ``halo`` tokens only feed the causal
+        conv; the recurrence starts at ``state_BHKV`` (None: zero). Returns the output ``[B, L - halo, H]``
+        and, with ``return_state``, the final recurrent state (else None)."""
         B, L, _ = x_BLH.shape
         Hh, D = self.num_heads, self.head_dim
-        T = L - halo
-        x_BTH = x_BLH[:, halo:]
+        if Hh % ctx.cp_size:
+            raise ValueError(f"KDA has {Hh} heads, which context parallelism cp={ctx.cp_size} does not "
+                             "divide: choose a cp that divides linear_num_heads")
+        T, x_BTH = L - halo, x_BLH[:, halo:]
         q, k, v = (p(x_BLH).view(B, L, Hh, D) for p in (self.q_proj, self.k_proj, self.v_proj))
         g = self.forget_gate(x_BTH)
-        beta = torch.sigmoid(self.b_proj(x_BTH))
-        mixed = torch.cat([t.reshape(B, L, Hh * D) for t in (q, k, v)], dim=-1)
-        mixed = dispatch.call("causal_conv", mixed, self._conv_weight(slice(0, Hh)), "silu", None,
+        beta = torch.sigmoid(self.b_proj(x_BTH)).unsqueeze(-1)
+        # Ulysses: all of the sequence, this rank's heads (identity with one rank)
+        q, k, v, g, beta = (ctx.seq_to_heads(t) for t in (q, k, v, g, beta))
+        Hl = q.shape[2]
+        doc_ids = ctx.full_doc_ids()
+        cu = None if doc_ids is None else cu_seqlens_from_doc_ids(doc_ids)
+        rows = 1 if cu is not None else B
+        mixed = torch.cat([t.reshape(rows, -1, Hl * D) for t in (q, k, v)], dim=-1)
+        mixed = dispatch.call("causal_conv", mixed, self._conv_weight(ctx.head_slice(Hh)), "silu", cu,
                               layer=self.layer)[:, halo:]
-        q, k, v = (t.reshape(B, T, Hh, D) for t in mixed.split(Hh * D, dim=-1))
-        o, state = dispatch.call("kda", q, k, v, g, beta, None, initial_state=state_BHKV, return_state=True,
-                                 layer=self.layer)
+        q, k, v = (t.reshape(rows, -1, Hl, D) for t in mixed.split(Hl * D, dim=-1))
+        state_kw = {"initial_state": state_BHKV, "return_state": True} if return_state else {}
+        o = dispatch.call("kda", q, k, v, g.reshape(rows, -1, Hl, D), beta.reshape(rows, -1, Hl), cu,
+                          **state_kw, layer=self.layer)
+        o, state = o if return_state else (o, None)
+        o = ctx.heads_to_seq(o.reshape(B, -1, Hl, D))
         gate = self.g_b_proj(self.g_a_proj(x_BTH)).view(B, T, Hh, D)
         return self.o_proj(self.o_norm(o, gate).reshape(B, T, Hh * D)), state
 
