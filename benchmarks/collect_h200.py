@@ -15,15 +15,11 @@ from pathlib import Path
 
 from megaseq.bench import GIB, write_outputs
 from megaseq.models.presets import resolve_spec
-from megaseq.plan import components as C
-from megaseq.plan import phases as P
+from megaseq.plan.planner import peak_for
 
 
 def replan(model: str, row: dict, fp32_loss: bool) -> None:
-    spec = resolve_spec(model)
-    run = P.Run(spec=spec, seq_len=row["seq_len"], batch=1, mesh=C.Mesh(), model_dtype="bf16",
-                memory=row["memory_plan"], counts=C.count_params(spec), loss_in_compute_dtype=not fp32_loss)
-    e = P.evaluate(run)
+    e = peak_for(resolve_spec(model), row["seq_len"], row["memory_plan"], loss_in_compute_dtype=not fp32_loss)
     row["predicted_at_run_gib"] = row.get("predicted_gpu_tensors_gib")
     row["predicted_gpu_tensors_gib"] = e.peak_tensors / GIB
     row["predicted_gpu_gib"] = e.peak_gpu / GIB

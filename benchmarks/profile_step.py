@@ -11,16 +11,13 @@ import sys
 
 import torch
 
-from megaseq.bench import _cfg_for
+from megaseq.bench import _cfg_for, plan_on, planned_step
 from megaseq.config import load_config, parse_size
 
 
 def main(argv: list[str]) -> int:
-    from megaseq.data import build_data
     from megaseq.models.presets import resolve_spec
-    from megaseq.plan.planner import plan_from_config
-    from megaseq.train.parallel_env import ParallelEnv
-    from megaseq.train.trainer import build_planned_model, dtypes, resolve_device, train_step
+    from megaseq.train.trainer import resolve_device
 
     recipe, length, *rest = argv
     source = "random"
@@ -28,17 +25,13 @@ def main(argv: list[str]) -> int:
         source, rest = rest[1], rest[2:]
     cfg = _cfg_for(load_config(recipe, rest), parse_size(length), source)
     device = resolve_device(cfg)
-    spec = resolve_spec(cfg.model.name)
-    plan = plan_from_config(cfg, world_size=1, gpu_bytes=torch.cuda.get_device_properties(device).total_memory)
+    plan = plan_on(cfg, device)
     print("fixes:", [f[0] for f in plan.fixes], dict(plan.memory))
-    data = build_data(cfg.data, None, batch_size=cfg.train.batch_size, vocab_size=spec.vocab_size)
-    memory = dict(plan.memory)
-    model, applied, opt, sched = build_planned_model(cfg, spec, device, memory, 3)
-    env, autocast = ParallelEnv(device), dtypes(cfg, device)[1]
-    train_step(model, [data.train.next_batch()], opt, sched, cfg, env, autocast, memory)  # warm-up
+    _, applied, next_batch, step = planned_step(cfg, resolve_spec(cfg.model.name), device, plan, 3)
+    step(next_batch())  # warm-up
     torch.cuda.synchronize(device)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        train_step(model, [data.train.next_batch()], opt, sched, cfg, env, autocast, memory)
+        step(next_batch())
         torch.cuda.synchronize(device)
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=70))
     applied.release()

@@ -59,20 +59,43 @@ def _cfg_for(cfg: Config, seq_len: int, source: str) -> Config:
     return c
 
 
+def plan_on(c: Config, device: torch.device) -> Any:
+    """The plan ``megaseq train`` would make for ``c`` on this one device (its real memory on a GPU)."""
+    from megaseq.plan.planner import plan_from_config
+
+    gpu_bytes = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+    return plan_from_config(c, world_size=1, gpu_bytes=gpu_bytes)
+
+
+def planned_step(c: Config, spec: Any, device: torch.device, plan: Any, total_steps: int) -> tuple:
+    """``(model, applied memory, next_batch(), step(batch))``: the trainer's data, model, optimizer and step
+    with ``plan``'s fixes applied, as ``megaseq train`` runs them."""
+    from megaseq.data import build_data
+    from megaseq.train.parallel_env import ParallelEnv
+    from megaseq.train.trainer import build_planned_model, dtypes, train_step
+
+    autocast = dtypes(c, device)[1]
+    data = build_data(c.data, None, batch_size=c.train.batch_size, vocab_size=spec.vocab_size)
+    memory = dict(plan.memory)
+    model, applied, opt, sched = build_planned_model(c, spec, device, memory, total_steps)
+    env = ParallelEnv(device)
+
+    def step(batch: dict[str, torch.Tensor]) -> None:
+        train_step(model, [batch], opt, sched, c, env, autocast, memory)
+
+    return model, applied, data.train.next_batch, step
+
+
 def measure_megaseq(cfg: Config, seq_len: int, steps: int, source: str) -> dict[str, Any]:
     """Warm-up step + ``steps`` timed steps of megaseq at ``seq_len``; an OOM is a result, not an error."""
-    from megaseq.data import build_data
     from megaseq.models.presets import resolve_spec
-    from megaseq.plan.planner import plan_from_config
     from megaseq.train.metrics import moe_load
-    from megaseq.train.parallel_env import ParallelEnv
-    from megaseq.train.trainer import build_planned_model, dtypes, resolve_device, train_step
+    from megaseq.train.trainer import resolve_device
 
     c = _cfg_for(cfg, seq_len, source)
     device = resolve_device(c)
     spec = resolve_spec(c.model.name)
-    gpu_bytes = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
-    plan = plan_from_config(c, world_size=1, gpu_bytes=gpu_bytes)
+    plan = plan_on(c, device)
     row: dict[str, Any] = {"seq_len": seq_len, "source": source, "system": "megaseq",
                            "fixes": [f[0] if isinstance(f, (list, tuple)) else str(f) for f in plan.fixes],
                            "predicted_gpu_gib": plan.peak_gpu / GIB,
@@ -81,20 +104,16 @@ def measure_megaseq(cfg: Config, seq_len: int, steps: int, source: str) -> dict[
                            "plan_fits": plan.fits}
     model = applied = None
     try:
-        autocast = dtypes(c, device)[1]
-        data = build_data(c.data, None, batch_size=c.train.batch_size, vocab_size=spec.vocab_size)
-        memory = dict(plan.memory)
-        model, applied, opt, sched = build_planned_model(c, spec, device, memory, steps + 1)
-        env = ParallelEnv(device)
+        model, applied, next_batch, step = planned_step(c, spec, device, plan, steps + 1)
         _sync(device)
         host_rss_peak_reset()
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         times = []
         for i in range(steps + 1):
-            batch = data.train.next_batch()
+            batch = next_batch()
             t0 = time.perf_counter()
-            train_step(model, [batch], opt, sched, c, env, autocast, memory)
+            step(batch)
             _sync(device)
             if i > 0:  # the first step warms up kernels and the allocator
                 times.append(time.perf_counter() - t0)
@@ -114,9 +133,6 @@ def measure_megaseq(cfg: Config, seq_len: int, steps: int, source: str) -> dict[
         del model
         _free(device)
     return row
-
-
-_measure_megaseq = measure_megaseq
 
 
 def _sync(device: torch.device) -> None:
@@ -158,6 +174,10 @@ def find_max(measure, start: int, granularity: int, limit: int = 4 << 20) -> tup
     return (lo or None), rows
 
 
+def _direct(fn, *args) -> dict[str, Any]:
+    return fn(*args)
+
+
 def isolated(fn, *args) -> dict[str, Any]:
     """``fn(*args)`` in a fresh spawned process: each length starts from an empty GPU, an empty pinned-memory
     cache and its own peak RSS (one length's offload buffers must not count against the next)."""
@@ -176,19 +196,7 @@ def run_bench(cfg: Config, lengths: list[int], steps: int = 3, source: str = "ra
               isolate: bool | None = None) -> dict[str, Any]:
     """Every measurement in order; the outputs are rewritten after each, so a run stopped early keeps
     what it measured. ``isolate`` (default: on a GPU) runs each measurement in its own process."""
-    if isolate is None:
-        isolate = torch.cuda.is_available()
-    if isolate:
-        from megaseq import bench_reference
-
-        def measure_megaseq(*a):  # noqa: F811  (the isolated form of the module function)
-            return isolated(_measure_megaseq, *a)
-
-        def measure_reference(*a):
-            return isolated(bench_reference.measure_reference, *a)
-    else:
-        measure_megaseq = _measure_megaseq
-        measure_reference = None
+    call = isolated if (torch.cuda.is_available() if isolate is None else isolate) else _direct
     sources = ["random", "genome"] if source == "both" else [source]
     if source not in ("random", "genome", "both"):
         raise ValueError(f"--source must be random, genome or both, got {source!r}")
@@ -207,22 +215,22 @@ def run_bench(cfg: Config, lengths: list[int], steps: int = 3, source: str = "ra
 
     for s in sources:
         for L in lengths:
-            keep(measure_megaseq(cfg, L, steps, s), rows)
+            keep(call(measure_megaseq, cfg, L, steps, s), rows)
     if find_max_len:
         result["max_len"] = mx = {"megaseq": None, "search": []}
-        mx["megaseq"], _ = find_max(lambda L: keep(measure_megaseq(cfg, L, 1, sources[0]), mx["search"]),
+        mx["megaseq"], _ = find_max(lambda L: keep(call(measure_megaseq, cfg, L, 1, sources[0]), mx["search"]),
                                     max(lengths), max(lengths) // 8, max_limit)
         write_outputs(result, path)
     if baseline:
-        if measure_reference is None:
-            from megaseq.bench_reference import measure_reference
+        from megaseq.bench_reference import measure_reference
+
         result["reference_rows"] = ref_rows = []
         for L in lengths:
-            keep(measure_reference(cfg, L, steps), ref_rows)
+            keep(call(measure_reference, cfg, L, steps), ref_rows)
         if find_max_len:
             mx = result["max_len"]
             mx["reference_search"] = []
-            mx["reference"], _ = find_max(lambda L: keep(measure_reference(cfg, L, 1), mx["reference_search"]),
+            mx["reference"], _ = find_max(lambda L: keep(call(measure_reference, cfg, L, 1), mx["reference_search"]),
                                           min(lengths), max(min(lengths) // 4, 1), max_limit)
     if logprob_lengths:
         from megaseq.bench_reference import logprob_check

@@ -110,8 +110,7 @@ def logprob_check(cfg: Config, lengths: list[int]) -> dict[str, Any]:
                 text = getattr(ref.model, "language_model", ref.model)
                 h_ref = text(input_ids=ids[:, :-1]).last_hidden_state[0]
                 lp_ref = _token_logprobs(h_ref, ref.lm_head.weight, ids[0, 1:])
-            del ref, h_ref
-            ref = None
+            ref = h_ref = None
             _free(device)
             # built on the CPU as build_reference does: the same seed on a CUDA generator gives other weights
             ours = build_model(spec, dtype=torch.float32, device="cpu", seed=cfg.train.seed).to(device).eval()

@@ -73,7 +73,7 @@ def default_memory(memory_cfg: Any | None, n_local: int) -> dict[str, Any]:
         "offload_host_budget": 0,
         "optimizer_offload": False,
         "optimizer_bucket_params": int(get("optimizer_bucket_params", 100_000_000)),
-        # opt-in, never chosen by the planner: the user's setting is kept in every candidate
+        # 0: off; a configured size is where the planner starts when it chooses segmented KDA
         "kda_segment_tokens": int(get("kda_segment_tokens", 0)),
     }
 

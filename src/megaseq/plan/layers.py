@@ -67,10 +67,14 @@ def kda_segmented(
     return saved, fwd, bwd
 
 
+def dsa_width(spec: ModelSpec) -> int:
+    """Key slots a DSA query attends to: W = topk + kpool - 1 (the incomplete tail pool)."""
+    return spec.index_topk + (spec.index_kpool - 1 if spec.index_kpool_always_select_tail else 0)
+
+
 def dsa_selection_bytes(spec: ModelSpec, n: int) -> int:
-    """The DSA selection ``[n, W]`` int32, W = topk + kpool - 1 (the incomplete tail pool)."""
-    tail = spec.index_kpool - 1 if spec.index_kpool_always_select_tail else 0
-    return 4 * n * (spec.index_topk + tail)
+    """The DSA selection ``[n, W]`` int32 (``dsa_width``)."""
+    return 4 * n * dsa_width(spec)
 
 
 def dsa_kv_rows(n: int, batch: int, seq_len: int, mesh: Mesh, mode: str) -> int:
@@ -210,7 +214,7 @@ def absorbed_temp(spec: ModelSpec, n: int, batch: int, seq_len: int, prec: Preci
     latent's fp32 gradient and its cast ``(f + c) * R`` per K/V row and dq ``c * Hh * qk`` per query."""
     Hh, c, f = spec.num_attention_heads, prec.compute, prec.f32
     R = spec.kv_lora_rank + spec.qk_rope_head_dim
-    W = spec.index_topk + (spec.index_kpool - 1 if spec.index_kpool_always_select_tail else 0)
+    W = dsa_width(spec)
     per_query = W * R * (c + f) + 8 * Hh * W * f + 16 * W
     queries = max(1, ABSORBED_BLOCK_BYTES // per_query)
     block = min(queries, n) * per_query

@@ -385,6 +385,7 @@ def peak_for(
     moe_imbalance: float = 4.0,
     mla_mode: str | None = None,
     calibration: Calibration = C.CAL,
+    loss_in_compute_dtype: bool = True,
 ) -> Evaluation:
     """Evaluate one given setting (MemoryPlan keys) without choosing anything: the phase peaks and
     the breakdown. ``mla_mode`` defaults to the mesh's (``auto`` meaning gather_kv, as the runtime)."""
@@ -404,6 +405,7 @@ def peak_for(
         imbalance=moe_imbalance,
         grad_accum=grad_accum,
         cal=calibration,
+        loss_in_compute_dtype=loss_in_compute_dtype,
     )
     return evaluate(run)
 
