@@ -11,12 +11,18 @@ Document boundaries travel as ``doc_ids`` (one integer per token, equal within a
 increasing along the sequence); every token-mixing block must keep tokens of different
 documents apart (the KDA conv and recurrence, attention masks, the indexer's pools).
 ``position_ids`` count from 0 at each document start.
+
+Sequence segments (``megaseq.memory.model_segments``) run the whole model over the sequence a segment
+at a time; their context subclasses this one and implements the two hooks of state carried from the
+tokens before the segment: ``gather_seq(x, key)`` (the keyed latents and keys of all tokens so far) and
+``carried_in`` / ``carried_out`` (a recurrent layer's state and conv halo). With one rank and no
+segments both are identities.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -81,6 +87,20 @@ class SeqContext:
         return slice(0, num_heads)
 
     # ---- gather-KV: queries stay local, keys/values of the whole sequence gathered ------
-    def gather_seq(self, x: torch.Tensor) -> torch.Tensor:
-        """``[B, S_loc, ...] -> [B, S, ...]`` with a backward that reduce-scatters the gradient."""
+    def gather_seq(self, x: torch.Tensor, key: str | None = None) -> torch.Tensor:
+        """``[B, S_loc, ...] -> [B, S, ...]`` with a backward that reduce-scatters the gradient. ``key``
+        names the tensor (unique per layer) for contexts that keep it across sequence segments."""
         return x
+
+    # ---- sequence segments: a recurrent layer's state from the tokens before these ----------
+    segmented: ClassVar[bool] = False  # True in megaseq.memory.model_segments' context
+
+    def carried_in(self, key: str, x: torch.Tensor, halo: int) -> tuple[torch.Tensor, int, torch.Tensor | None]:
+        """``(x with up to halo earlier tokens before it, how many, the recurrent state before x or None)``
+        for the recurrent layer ``key``; here the sequence starts with ``x``."""
+        return x, 0, None
+
+    def carried_out(self, key: str, tail: torch.Tensor, state: torch.Tensor | None) -> None:
+        """The layer's last ``halo`` inputs and its recurrent state after these tokens (for the next
+        segment); nothing to keep here."""
+        return None

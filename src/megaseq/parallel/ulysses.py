@@ -212,7 +212,7 @@ class UlyssesContext(SeqContext):
         j = r // (P // num_heads)  # replicated (GQA KV) heads: one per rank
         return slice(j, j + 1)
 
-    def gather_seq(self, x: torch.Tensor) -> torch.Tensor:
+    def gather_seq(self, x: torch.Tensor, key: str | None = None) -> torch.Tensor:
         return GatherSeq.apply(x, self.group, self.cp_size)
 
 

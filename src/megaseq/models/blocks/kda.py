@@ -255,6 +255,11 @@ class KimiDeltaAttention(nn.Module):
         return w.reshape(-1, w.shape[-1])
 
     def forward(self, x_BSH: torch.Tensor, ctx: SeqContext) -> torch.Tensor:
+        if ctx.segmented:  # the whole model runs the sequence in segments (megaseq.memory.model_segments)
+            x_BLH, halo, state = ctx.carried_in(self.layer, x_BSH, self.segment_halo)
+            y_BSH, state = self._mix(x_BLH, SeqContext(), halo, state, return_state=True)
+            ctx.carried_out(self.layer, x_BLH[:, max(0, x_BLH.shape[1] - self.segment_halo):], state)
+            return y_BSH
         if self.segment_tokens is not None and x_BSH.shape[1] * ctx.cp_size > self.segment_tokens:
             return segmented_kda(self, x_BSH, ctx, self.segment_tokens)
         return self._mix(x_BSH, ctx)[0]

@@ -127,6 +127,7 @@ class Indexer(nn.Module):
         self.index_kpool_compress_ape = nn.Parameter(torch.zeros(kp, Di))
         self.index_kpool_compress_gate = nn.Parameter(torch.ones(Di, spec.hidden_size))
         self.query_chunk: int | None = None  # scoring rows per chunk; the memory plan sets it
+        self.layer = "indexer"  # the owning layer's name (MLASparseAttention sets it)
 
     @torch.no_grad()
     def forward(self, x_BQH: torch.Tensor, q_resid_BQR: torch.Tensor, ctx: SeqContext) -> torch.Tensor:
@@ -134,7 +135,8 @@ class Indexer(nn.Module):
         B, Q, _ = x_BQH.shape
         k_BQD = self.k_norm(self.wk(x_BQH))
         gate_BQD = F.linear(x_BQH, self.index_kpool_compress_gate)
-        k_BSD, gate_BSD = ctx.gather_seq(torch.cat([k_BQD, gate_BQD], dim=-1)).split(self.head_dim, dim=-1)
+        k_BSD, gate_BSD = ctx.gather_seq(torch.cat([k_BQD, gate_BQD], dim=-1), key=f"{self.layer}.keys").split(
+            self.head_dim, dim=-1)
         del k_BQD, gate_BQD
         weights_BQI = self.weights_proj(x_BQH).to(compute_dtype(x_BQH.dtype)) * self.n_heads**-0.5
         S = k_BSD.shape[1]
@@ -220,6 +222,8 @@ class MLASparseAttention(nn.Module):
         self.o_proj = nn.Linear(Hh * Dv, H, bias=bias)
         self.scaling = (Dn + Dr) ** -0.5
         self.indexer = Indexer(spec) if topk_source is None else None
+        if self.indexer is not None:
+            self.indexer.layer = f"{layer}.indexer"
 
     def _selection(self, x_BQH: torch.Tensor, q_resid: torch.Tensor, ctx: SeqContext) -> torch.Tensor:
         if self.indexer is None:
@@ -237,7 +241,7 @@ class MLASparseAttention(nn.Module):
         B, Q, _ = x_BQH.shape
         q_resid = self.q_a_layernorm(self.q_a_proj(x_BQH))
         q_BQHD = self.q_b_proj(q_resid).view(B, Q, self.num_heads, self.nope_dim)
-        c_BSR = ctx.gather_seq(self.kv_a_layernorm(self.kv_a_proj_with_mqa(x_BQH)))
+        c_BSR = ctx.gather_seq(self.kv_a_layernorm(self.kv_a_proj_with_mqa(x_BQH)), key=f"{self.layer}.latent")
         idx = self._selection(x_BQH, q_resid, ctx)
         out = dispatch.call("sparse_attention", q_BQHD, c_BSR, self.kv_b_proj.weight, idx, self.scaling,
                             layer=self.layer)

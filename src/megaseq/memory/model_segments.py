@@ -1,0 +1,252 @@
+"""Sequence segments: the whole model over the sequence a segment at a time, with exact gradients.
+
+Shapes: B batch, S tokens, T tokens per segment (the last may be shorter), n = ceil(S / T) segments,
+R the DSA latent width, Hh / D KDA heads / head dim, K the KDA conv kernel.
+
+Tokens of a GLM-5.3-Flash sequence meet in the token mixers only: everything else (embedding, mHC,
+norms, MLP/MoE, the loss) is per token. And what a mixer needs from the tokens before a segment is
+small and known:
+
+- a KDA layer: its recurrent state ``[B, Hh, D, D]`` and its last ``K - 1`` inputs (the conv halo);
+- a DSA layer: the latent ``c [B, s, R]`` of every earlier token (with gradient) and the indexer's keys
+  and pool gates (no gradient: the indexer runs under ``no_grad``).
+
+So a training step can run as an inference engine runs a prompt in chunks, and then backwards:
+
+1. forward without a graph, segment by segment: each layer reads the carried state through the context
+   hooks (``SeqContext.carried_in`` / ``gather_seq(x, key)``) and writes its own. Kept for step 2: the
+   DSA caches ``[B, S, ...]`` and, per KDA layer, the state and halo at every segment start.
+2. segments in reverse: segment j is recomputed with a graph from its carried inputs, which are leaves
+   (the state and halo at its start, the latents of tokens ``< s``); its loss (``/ total`` tokens) and the
+   gradients that later segments sent back to what it carried out (its final state and halo, its
+   latents ``[s, e)``) are backpropagated together. Parameter gradients accumulate in ``.grad``; the
+   leaves' gradients go to the earlier segments (the latent gradient into one fp32 ``[B, S, R]``
+   accumulator per DSA layer).
+
+Exact: the same computation with the sums in another order. The working set is one segment's graph
+plus the caches, so peak memory grows with S only through the DSA latents and keys (about
+``S * (R * 6 + 2 * Di * 2)`` bytes per DSA layer in bf16 with its gradient) instead of the
+``S * N * H`` layer boundaries: it replaces recompute, checkpoint offload, tiling and segmented KDA for
+long sequences, at the cost of one more forward (as recompute).
+
+First version: one rank (cp 1), no document boundaries, no other layer scheme (recompute, SCO,
+segmented KDA) at the same time; models whose token mixers all implement the hooks (``glm5_next``).
+``check_model_segments`` says so with the setting to change before anything runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from megaseq.memory.tiling import TILE_SUMMED_ATTRS, restore_side_state, snapshot_side_state
+from megaseq.models.context import SeqContext
+
+SETTING = "memory.model_segment_tokens"
+# the families whose token mixers implement the segment hooks (KDA, MLA/DSA); softmax attention does not
+SEGMENTABLE_FAMILIES = ("glm5_next",)
+
+
+def segment_bounds(S: int, segment_tokens: int) -> list[tuple[int, int]]:
+    """``[start, end)`` of each segment of ``segment_tokens`` tokens (the last may be shorter)."""
+    if segment_tokens < 1:
+        raise ValueError(f"{SETTING} must be >= 1, got {segment_tokens}")
+    return [(s, min(s + segment_tokens, S)) for s in range(0, S, segment_tokens)]
+
+
+def check_model_segments(family: str, segment_tokens: int, cp: int = 1, documents: bool = False,
+                         layer_schemes: tuple[str, ...] = ()) -> None:
+    """ValueError naming ``memory.model_segment_tokens`` and the fix for what sequence segments cannot run."""
+    if segment_tokens < 1:
+        raise ValueError(f"{SETTING} must be >= 1 (0: off), got {segment_tokens}")
+    if family not in SEGMENTABLE_FAMILIES:
+        raise ValueError(f"{SETTING}={segment_tokens}: the {family} family's token mixers do not carry their "
+                         f"state across segments (supported: {', '.join(SEGMENTABLE_FAMILIES)}); unset {SETTING}")
+    if cp != 1:
+        raise ValueError(f"{SETTING}={segment_tokens} with context parallelism cp={cp}: sequence segments run on "
+                         f"one rank for now; unset {SETTING} or use --parallel.cp 1")
+    if documents:
+        raise ValueError(f"{SETTING}={segment_tokens} with packed documents: sequence segments do not restart the "
+                         f"KDA state or the indexer at document boundaries yet; unset {SETTING} or train on "
+                         "data without document boundaries (genomes, random tokens)")
+    if layer_schemes:
+        raise ValueError(f"{SETTING}={segment_tokens} with {', '.join(layer_schemes)}: sequence segments already "
+                         "bound each layer's memory by the segment; turn those off (--memory.recompute false, "
+                         "--memory.checkpoint_offload false, --memory.kda_segment_tokens 0)")
+
+
+class SegmentStore:
+    """What the segments carry, by layer key: the DSA caches of every token so far (and their gradient
+    accumulators in the backward pass), and each KDA layer's (halo, state) at every segment start."""
+
+    def __init__(self, num_segments: int) -> None:
+        self.n = num_segments
+        self.cache: dict[str, torch.Tensor] = {}  # [B, S, ...] written segment by segment
+        self.cache_grad: dict[str, torch.Tensor] = {}  # fp32 [B, S, ...] gradient from later segments
+        self.carried: dict[str, list[tuple[torch.Tensor, torch.Tensor] | None]] = {}  # per segment start
+        self.carried_grad: dict[str, tuple[torch.Tensor | None, torch.Tensor | None]] = {}
+
+    def nbytes(self) -> int:
+        tensors = list(self.cache.values()) + list(self.cache_grad.values())
+        tensors += [t for per in self.carried.values() for c in per if c is not None for t in c]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class SegmentContext(SeqContext):
+    """The context of segment ``j = [s, e)``: in the forward pass (``grad`` False) it fills the store;
+    in the backward pass it hands out leaves for what the earlier segments carried and collects what
+    this one carried out together with the gradients the later segments sent back."""
+
+    segmented: ClassVar[bool] = True
+
+    def __init__(self, store: SegmentStore, j: int, s: int, e: int, S: int, grad: bool) -> None:
+        super().__init__()
+        self.store, self.j, self.s, self.e, self.S, self.grad = store, j, s, e, S, grad
+        self.outputs: list[torch.Tensor] = []  # carried-out tensors with a gradient from later segments
+        self.output_grads: list[torch.Tensor] = []
+        self.leaves: list[tuple[str, str, torch.Tensor]] = []  # (kind, key, leaf)
+
+    def seq_offset(self) -> int:
+        return self.s
+
+    # ---- DSA: latents and indexer keys of every token up to this segment's end --------------
+    def gather_seq(self, x: torch.Tensor, key: str | None = None) -> torch.Tensor:
+        if key is None:
+            raise ValueError("a token mixer under sequence segments must name what it gathers (gather_seq key)")
+        st = self.store
+        if not self.grad:
+            if key not in st.cache:
+                st.cache[key] = x.new_empty((x.shape[0], self.S) + tuple(x.shape[2:]))
+            st.cache[key][:, self.s:self.e] = x
+            return st.cache[key][:, :self.e]
+        cache = st.cache[key]
+        if not x.requires_grad:  # no gradient to carry (the indexer's keys): the forward pass's values
+            return cache[:, :self.e]
+        if self.j + 1 < st.n and key in st.cache_grad:
+            self.outputs.append(x)
+            self.output_grads.append(st.cache_grad[key][:, self.s:self.e].to(x.dtype))
+        if self.s == 0:
+            return x
+        prefix = cache[:, :self.s].detach().requires_grad_(True)
+        self.leaves.append(("cache", key, prefix))
+        return torch.cat([prefix, x], dim=1)
+
+    # ---- KDA: the recurrent state and conv halo at this segment's start ----------------------
+    def carried_in(self, key: str, x: torch.Tensor, halo: int) -> tuple[torch.Tensor, int, torch.Tensor | None]:
+        per = self.store.carried.setdefault(key, [None] * self.store.n)
+        if self.j == 0:
+            return x, 0, None
+        got = per[self.j]
+        if got is None:
+            raise RuntimeError(f"segment {self.j}: no state carried into {key} (run the segments in order)")
+        halo_x, state = got
+        if self.grad:
+            halo_x = halo_x.detach().requires_grad_(x.requires_grad)
+            state = state.detach().requires_grad_(True)
+            self.leaves += [("halo", key, halo_x), ("state", key, state)]
+        return torch.cat([halo_x.to(x.dtype), x], dim=1), halo_x.shape[1], state
+
+    def carried_out(self, key: str, tail: torch.Tensor, state: torch.Tensor | None) -> None:
+        st = self.store
+        if self.j + 1 >= st.n or state is None:
+            return
+        if not self.grad:
+            st.carried[key][self.j + 1] = (tail.detach().clone(), state.detach())
+            return
+        d_halo, d_state = st.carried_grad.get(key, (None, None))
+        for t, g in ((tail, d_halo), (state, d_state)):
+            if g is not None and t.requires_grad:
+                self.outputs.append(t)
+                self.output_grads.append(g.to(t.dtype))
+
+    def collect(self) -> None:
+        """After this segment's backward: the leaves' gradients to the earlier segments."""
+        st = self.store
+        halo_state: dict[str, dict[str, torch.Tensor | None]] = {}
+        for kind, key, leaf in self.leaves:
+            g = leaf.grad
+            if kind == "cache":
+                if g is None:
+                    continue
+                if key not in st.cache_grad:
+                    acc = torch.promote_types(g.dtype, torch.float32)
+                    st.cache_grad[key] = torch.zeros(st.cache[key].shape, dtype=acc, device=g.device)
+                st.cache_grad[key][:, :self.s] += g
+            else:
+                halo_state.setdefault(key, {"halo": None, "state": None})[kind] = g
+        for key, d in halo_state.items():
+            st.carried_grad[key] = (d["halo"], d["state"])
+            st.carried[key][self.j] = None  # the state at this segment's start is spent
+        self.leaves.clear()
+
+
+# ---- the step -------------------------------------------------------------------------------------
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (hidden [B, T, H], labels [B, T]) -> sum
+
+
+def _add_counts(model: nn.Module, totals: dict[tuple[int, str], tuple[nn.Module, torch.Tensor]]) -> None:
+    for m in model.modules():
+        for name in TILE_SUMMED_ATTRS:
+            v = getattr(m, name, None)
+            if isinstance(v, torch.Tensor):
+                prev = totals.get((id(m), name))
+                totals[(id(m), name)] = (m, v.detach().clone() if prev is None else prev[1] + v.detach())
+
+
+def segmented_loss_backward(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, loss_fn: LossFn,
+                            scale: float, segment_tokens: int) -> torch.Tensor:
+    """Forward and backward of ``loss_fn(model(input_ids), labels) * scale`` over segments of
+    ``segment_tokens`` tokens (see the module docstring): parameter gradients are accumulated into
+    ``.grad`` as ``(loss * scale).backward()`` would; returns the unscaled loss sum (no graph).
+
+    ``model(ids, ctx=ctx)`` must return the final hidden states ``[B, T, H]`` of the ids it is given and
+    read every token mixer's earlier state through ``ctx``; ``loss_fn`` maps (hidden, labels) of one
+    segment to the sum of its per-token losses. Per-forward counts (MoE ``last_tokens_per_expert``) hold
+    the whole sequence's after the step.
+    """
+    B, S = input_ids.shape
+    bounds = segment_bounds(S, segment_tokens)
+    store = SegmentStore(len(bounds))
+    totals: dict[tuple[int, str], tuple[nn.Module, torch.Tensor]] = {}
+    with torch.no_grad():
+        for j, (s, e) in enumerate(bounds):
+            model(input_ids[:, s:e], ctx=SegmentContext(store, j, s, e, S, grad=False))
+            _add_counts(model, totals)
+    snap = snapshot_side_state(model)
+    loss_sum = None
+    with torch.enable_grad():
+        for j in reversed(range(len(bounds))):
+            s, e = bounds[j]
+            ctx = SegmentContext(store, j, s, e, S, grad=True)
+            hidden = model(input_ids[:, s:e], ctx=ctx)
+            loss = loss_fn(hidden, labels[:, s:e])
+            del hidden
+            outs = [loss * scale] + ctx.outputs
+            grads = [torch.ones_like(outs[0])] + ctx.output_grads
+            torch.autograd.backward(outs, grads)
+            del outs, grads
+            ctx.collect()
+            loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
+    restore_side_state(snap)
+    for m, total in totals.values():
+        setattr(m, next(n for n in TILE_SUMMED_ATTRS if hasattr(m, n)), total)
+    assert loss_sum is not None, "sequence segments need at least one token"
+    return loss_sum
+
+
+def cache_bytes(B: int, S: int, dsa_layers: int, kda_layers: int, R: int, Di: int, Hh: int, D: int, K: int,
+                segment_tokens: int, x_bytes: int, acc_bytes: int = 4, state_bytes: int = 4,
+                hidden: int = 0) -> dict[str, int]:
+    """Bytes the store holds at the backward pass's peak: per DSA layer the latent and the indexer's keys
+    and gates (``x_bytes``) and the latent's gradient accumulator (``acc_bytes``); per KDA layer the state
+    and halo at every segment start."""
+    n = -(-S // segment_tokens)
+    return {
+        "DSA caches (latent, indexer keys)": dsa_layers * B * S * (R + 2 * Di) * x_bytes,
+        "DSA latent gradients": dsa_layers * B * S * R * acc_bytes,
+        "KDA states at segment starts": kda_layers * n * B * (Hh * D * D * state_bytes + (K - 1) * hidden * x_bytes),
+    }
+

@@ -1,0 +1,146 @@
+"""Sequence segments (the whole model a segment at a time, carried KDA state + DSA caches) vs the plain
+step: the loss and every parameter gradient (float64, CPU), the MoE counts, the errors; and that the
+carry is needed (a segment that forgets its state is caught)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megaseq.memory import model_segments as ms
+from megaseq.memory.vocab_loss import linear_cross_entropy
+from megaseq.models.build import build_model
+from megaseq.models.spec import from_hf_config
+
+pytest.importorskip("transformers")
+from test_glm5_parity import make_config, randomize_, rel_err  # noqa: E402
+
+torch.set_num_threads(1)
+F64 = torch.float64
+
+
+def _model(mlp: str = "mixed", seed: int = 0, **kw):
+    cfg = make_config(mlp, **kw)
+    model = build_model(from_hf_config(cfg.to_dict()), dtype=F64, seed=seed)
+    randomize_(model, seed=seed + 1)
+    return model, cfg
+
+
+def _loss_fn(model):
+    def fn(hidden, labels):
+        return linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), model.lm_head.weight,
+                                    labels.reshape(-1), reduction="sum")
+    return fn
+
+
+def _batch(cfg, B: int, S: int, seed: int = 5):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, cfg.vocab_size, (B, S), generator=gen)
+    labels = torch.randint(1, cfg.vocab_size, (B, S), generator=gen)
+    labels[0, 3] = -100  # an ignored label
+    return ids, labels
+
+
+def _plain(model, ids, labels, scale):
+    model.zero_grad(set_to_none=True)
+    loss = _loss_fn(model)(model(ids), labels)
+    (loss * scale).backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _segmented(model, ids, labels, scale, T):
+    model.zero_grad(set_to_none=True)
+    loss = ms.segmented_loss_backward(model, ids, labels, _loss_fn(model), scale, T)
+    return loss, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("mlp,B,S,T", [("mixed", 2, 61, 16), ("mixed", 1, 53, 7), ("dense", 1, 40, 2),
+                                       ("mixed", 1, 24, 24), ("dense", 2, 33, 11)])
+def test_segments_equal_plain_step(mlp, B, S, T):
+    """Loss and every gradient: KDA x5 (state + conv halo carried), full and shared DSA (latents with
+    gradient, indexer keys carried), dense + MoE, an uneven last segment, segments shorter than the halo
+    (T 2 < K - 1 = 3), one segment (T = S)."""
+    model, cfg = _model(mlp)
+    ids, labels = _batch(cfg, B, S)
+    scale = 1.0 / int((labels != -100).sum())
+    l0, g0 = _plain(model, ids, labels, scale)
+    l1, g1 = _segmented(model, ids, labels, scale, T)
+    assert g1.keys() == g0.keys()
+    worst = max(rel_err(g1[n], g0[n]) for n in g0)
+    print(f"\nsegments {T} over {B}x{S} ({mlp}): loss {rel_err(l1, l0):.2e}, worst grad {worst:.2e}")
+    assert rel_err(l1, l0) < 1e-12
+    assert worst < 1e-10
+    # every token mixer's parameters are in play (the DSA latent path, KDA's state path)
+    assert any(".kv_a_proj_with_mqa." in n for n in g1) and any(".forget_gate." in n for n in g1)
+
+
+def test_segments_moe_counts_are_the_whole_sequence():
+    model, cfg = _model("mixed")
+    ids, labels = _batch(cfg, 2, 45)
+    model(ids)
+    plain = {i: l.mlp.last_tokens_per_expert.clone() for i, l in enumerate(model.layers)
+             if hasattr(l.mlp, "last_tokens_per_expert")}
+    _segmented(model, ids, labels, 1.0, 8)
+    for i, c in plain.items():
+        assert torch.equal(model.layers[i].mlp.last_tokens_per_expert, c)
+
+
+def test_forgetting_the_carry_is_caught(monkeypatch):
+    """The test above can fail: a segment that drops the KDA state, or the earlier DSA latents' gradient,
+    changes the gradients."""
+    model, cfg = _model("mixed")
+    ids, labels = _batch(cfg, 1, 40)
+    _, g0 = _plain(model, ids, labels, 1.0)
+    orig_in = ms.SegmentContext.carried_in
+
+    def no_state(self, key, x, halo):
+        x_in, h, state = orig_in(self, key, x, halo)
+        return x_in, h, None if state is None else torch.zeros_like(state)
+
+    monkeypatch.setattr(ms.SegmentContext, "carried_in", no_state)
+    _, g1 = _segmented(model, ids, labels, 1.0, 10)
+    assert max(rel_err(g1[n], g0[n]) for n in g0) > 1e-3
+    monkeypatch.undo()
+    orig_collect = ms.SegmentContext.collect
+
+    def no_latent_grad(self):
+        self.leaves = [leaf for leaf in self.leaves if leaf[0] != "cache"]
+        orig_collect(self)
+
+    monkeypatch.setattr(ms.SegmentContext, "collect", no_latent_grad)
+    _, g2 = _segmented(model, ids, labels, 1.0, 10)
+    bad = [n for n in g0 if rel_err(g2[n], g0[n]) > 1e-6]
+    assert any("kv_a_proj_with_mqa" in n for n in bad)
+
+
+def test_store_is_small_and_errors_name_the_setting():
+    model, cfg = _model("mixed")
+    ids, labels = _batch(cfg, 1, 64)
+    store_bytes = []
+    orig = ms.SegmentContext.collect
+
+    def spy(self):
+        orig(self)
+        store_bytes.append(self.store.nbytes())
+
+    ms.SegmentContext.collect = spy
+    try:
+        _segmented(model, ids, labels, 1.0, 16)
+    finally:
+        ms.SegmentContext.collect = orig
+    R, Di = cfg.kv_lora_rank, cfg.index_head_dim
+    dsa = cfg.layer_types.count("indexed_attention")
+    # latents + gradients (8 B each in float64) and keys + gates of 64 tokens, and < 4 segments of KDA state
+    bound = dsa * 64 * (R * 16 + 2 * Di * 8) + 5 * 4 * (cfg.linear_num_heads * 36 * 8 + 3 * cfg.hidden_size * 8)
+    assert 0 < max(store_bytes) <= bound
+    with pytest.raises(ValueError, match="memory.model_segment_tokens.*qwen3_moe"):
+        ms.check_model_segments("qwen3_moe", 4096)
+    with pytest.raises(ValueError, match="cp=2.*--parallel.cp 1"):
+        ms.check_model_segments("glm5_next", 4096, cp=2)
+    with pytest.raises(ValueError, match="packed documents"):
+        ms.check_model_segments("glm5_next", 4096, documents=True)
+    with pytest.raises(ValueError, match="recompute"):
+        ms.check_model_segments("glm5_next", 4096, layer_schemes=("memory.recompute",))
+    with pytest.raises(ValueError, match=">= 1"):
+        ms.segment_bounds(10, 0)
+    assert ms.segment_bounds(10, 4) == [(0, 4), (4, 8), (8, 10)]
