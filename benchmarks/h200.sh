@@ -38,6 +38,23 @@ case "$1" in
     timeout 250 python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml --seq-lens 32K,128K,256K --steps 1 \
       --source genome --data.train $G --out "$OUT/bench_1gpu_genome"
     ;;
+  4)  # sequence segments: bf16 gradients vs the plain step; log-probs vs the reference; 256K, both sources
+    timeout 150 python3 benchmarks/model_segments_gpu.py --out "$OUT/model_segments.json"
+    timeout 230 python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml --seq-lens 8K --steps 1 \
+      --logprob-check 16K,8K --out "$OUT/bench_1gpu_logprob"
+    timeout 250 python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml --seq-lens 256K --steps 0 \
+      --source both --data.train $G --out "$OUT/bench_1gpu_256k"
+    ;;
+  5)  # 1M tokens on one H200 (one cold step: a step is minutes long)
+    timeout 500 python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml --seq-lens 1M --steps 0 \
+      --source ${SOURCE:-random} --data.train $G --out "$OUT/bench_1gpu_1m_${SOURCE:-random}"
+    ;;
+  6)  # the second preset at 3 lengths on genome windows and random tokens; 512K of the first
+    timeout 200 python3 -m megaseq bench recipes/glm5-flash-tiny-dna.yaml --model.dtype bf16 \
+      --seq-lens 128K,512K,1M --steps 1 --source both --data.train $G --out "$OUT/bench_tiny"
+    timeout 300 python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml --seq-lens 512K --steps 0 \
+      --source both --data.train $G --out "$OUT/bench_1gpu_512k"
+    ;;
   *) echo "unknown stage $1"; exit 2 ;;
 esac
 tar czf "$OUT/tcache.tgz" .tcache 2>/dev/null

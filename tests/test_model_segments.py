@@ -11,6 +11,7 @@ from megaseq.memory import model_segments as ms
 from megaseq.memory.vocab_loss import linear_cross_entropy
 from megaseq.models.build import build_model
 from megaseq.models.spec import from_hf_config
+from megaseq.ops import dispatch
 
 pytest.importorskip("transformers")
 from test_glm5_parity import make_config, randomize_, rel_err  # noqa: E402
@@ -54,17 +55,25 @@ def _segmented(model, ids, labels, scale, T):
     return loss, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("mlp,B,S,T", [("mixed", 2, 61, 16), ("mixed", 1, 53, 7), ("dense", 1, 40, 2),
-                                       ("mixed", 1, 24, 24), ("dense", 2, 33, 11)])
-def test_segments_equal_plain_step(mlp, B, S, T):
+@pytest.mark.parametrize("mlp,B,S,T,impl", [("mixed", 2, 61, 16, "torch_masked"), ("mixed", 1, 53, 7, "absorbed"),
+                                            ("dense", 1, 40, 2, "torch_masked"), ("mixed", 1, 24, 24, "absorbed"),
+                                            ("dense", 2, 33, 11, "absorbed")])
+def test_segments_equal_plain_step(mlp, B, S, T, impl):
     """Loss and every gradient: KDA x5 (state + conv halo carried), full and shared DSA (latents with
-    gradient, indexer keys carried), dense + MoE, an uneven last segment, segments shorter than the halo
-    (T 2 < K - 1 = 3), one segment (T = S)."""
+    gradient, indexer keys carried; the reference and the absorbed sparse attention, which runs on the
+    GPU), dense + MoE, an uneven last segment, segments shorter than the halo (T 2 < K - 1 = 3), one
+    segment (T = S)."""
     model, cfg = _model(mlp)
     ids, labels = _batch(cfg, B, S)
     scale = 1.0 / int((labels != -100).sum())
-    l0, g0 = _plain(model, ids, labels, scale)
-    l1, g1 = _segmented(model, ids, labels, scale, T)
+    dispatch.configure(preferred={"sparse_attention": [impl]})
+    try:
+        l0, g0 = _plain(model, ids, labels, scale)
+        dispatch.reset_records()
+        l1, g1 = _segmented(model, ids, labels, scale, T)
+        assert {r.impl for _, r in dispatch.records() if r.op == "sparse_attention"} == {impl}
+    finally:
+        dispatch.configure()
     assert g1.keys() == g0.keys()
     worst = max(rel_err(g1[n], g0[n]) for n in g0)
     print(f"\nsegments {T} over {B}x{S} ({mlp}): loss {rel_err(l1, l0):.2e}, worst grad {worst:.2e}")

@@ -230,11 +230,16 @@ def test_planner_chooses_kda_segments_only_where_usable():
     from megaseq.models.presets import get_preset
     from megaseq.plan import plan
 
-    spec, S = get_preset("glm5-flash-1gpu"), 384 * 1024
+    spec, S = get_preset("glm5-flash-1gpu"), 160 * 1024
     auto = plan(spec, S)
     assert auto.fits and "kda_segments" in [f[0] for f in auto.fixes] and auto.memory["kda_segment_tokens"] > 0
     docs = plan(spec, S, packed_documents=True)  # text data: the segmented layer would refuse documents
     assert "kda_segments" not in [f[0] for f in docs.fixes] and docs.memory["kda_segment_tokens"] == 0
-    assert not docs.fits and auto.peak_gpu < docs.peak_gpu
+    assert docs.fits and sum(f[1] for f in auto.fixes) < sum(f[1] for f in docs.fixes)  # a costlier way
+    # sequence segments likewise: at 384K they carry random or genome data, documents need cp or more fixes
+    long_auto, long_docs = plan(spec, 384 * 1024), plan(spec, 384 * 1024, packed_documents=True)
+    assert long_auto.fits and "model_segments" in [f[0] for f in long_auto.fixes]
+    assert "model_segments" not in [f[0] for f in long_docs.fixes] and long_docs.memory["model_segment_tokens"] == 0
+    assert not long_docs.fits
     given = plan(spec, S, memory_cfg=MemoryConfig(auto=False, kda_segment_tokens=8192))  # forced: as given
     assert given.memory["kda_segment_tokens"] == 8192 and "kda_segments" in [f[0] for f in given.fixes]

@@ -32,6 +32,8 @@ def _without(memory: dict, fix: str, n: int) -> dict:
         m[fix] = n
     elif fix == "kda_segments":
         m["kda_segment_tokens"] = 0
+    elif fix == "model_segments":
+        m["model_segment_tokens"] = 0
     else:
         m[fix] = False
     if fix == "recompute":
@@ -41,7 +43,7 @@ def _without(memory: dict, fix: str, n: int) -> dict:
 
 @pytest.fixture(scope="module")
 def ladder() -> dict[int, Plan]:
-    return {k: plan(SPEC_1GPU, k * K) for k in (8, 16, 20, 32, 48, 96, 128, 160, 192, 224, 256, 320, 384, 432)}
+    return {k: plan(SPEC_1GPU, k * K) for k in (8, 16, 20, 32, 48, 96, 128, 160, 192, 224, 256, 384, 1024)}
 
 
 def test_no_fixes_when_none_needed(ladder):
@@ -62,11 +64,18 @@ def test_fixes_grow_with_length_in_ladder_order(ladder):
             first_seen.setdefault(name, k)
     costly = {f: k for f, k in first_seen.items() if f != "indexer_query_chunk"}
     assert min(costly, key=costly.get) == "chunked_loss"  # the cheapest fix with a cost comes first
-    assert first_seen["recompute"] <= first_seen["checkpoint_offload"]  # SCO only on top of recompute
-    # by 432K (the longest that fits one H200) every rung but the optimizer offload has been needed; that
-    # one comes first on a smaller GPU
-    assert set(first_seen) == set(LADDER) - {"optimizer_offload"}
-    small = plan(SPEC_1GPU, 256 * K, budgets=Budgets(gpu_bytes=90 * GIB))
+    # per-layer fixes first; sequence segments (one forward more, like recompute, and a per-segment cost)
+    # once those no longer fit, and they carry the run to 1M on one H200 alone
+    assert first_seen["recompute"] < first_seen["model_segments"]
+    assert set(first_seen) == set(LADDER) - {"checkpoint_offload", "optimizer_offload"}
+    for k in (224, 256, 384, 1024):
+        assert [f[0] for f in ladder[k].fixes] == ["indexer_query_chunk", "model_segments"], k
+    # SCO and the optimizer offload come in where segments cannot run (context parallelism) or on a
+    # smaller GPU
+    cp2 = plan(SPEC_1GPU, 512 * K, Mesh(cp=2, gpus_per_host=2))
+    assert cp2.fits and "checkpoint_offload" in [f[0] for f in cp2.fixes]
+    assert "model_segments" not in [f[0] for f in cp2.fixes]
+    small = plan(SPEC_1GPU, 256 * K, budgets=Budgets(gpu_bytes=40 * GIB))
     assert small.fits and "optimizer_offload" in [f[0] for f in small.fixes]
 
 
@@ -89,13 +98,15 @@ def test_every_chosen_fix_is_needed(ladder):
 
 
 def test_refusal_names_binding_component_and_ways_to_fit():
-    p = plan(SPEC_1GPU, 1 << 20)
+    p = plan(SPEC_1GPU, 8 << 20)  # 8M tokens: even sequence segments' caches outgrow one H200
     assert not p.fits and p.headroom < 0
     assert p.binding and p.binding in p.advice
-    assert "--parallel.cp" in p.advice and "longest length that fits" in p.advice
+    assert "longest length that fits" in p.advice
     longest = int(p.advice.split("longest length that fits this mesh is ")[1].split(" ")[0])
-    assert 0 < longest < 1 << 20 and plan(SPEC_1GPU, longest).fits
-    assert not plan(SPEC_1GPU, longest + 1024).fits
+    assert 1 << 20 < longest < 8 << 20 and plan(SPEC_1GPU, longest).fits
+    per_layer = plan(SPEC_1GPU, 1 << 20, memory_cfg=MemoryConfig(auto=False, recompute=True, chunked_loss=True,
+                                                                tiled_mlp=True, checkpoint_offload=True))
+    assert not per_layer.fits and "--parallel.cp" in per_layer.advice  # cp is advised where it would help
     full = plan(get_preset("glm5-flash"), 1 << 20)  # 313B parameters on one GPU: the state alone is too big
     assert not full.fits and full.binding in full.advice
     assert "FSDP" in full.advice and "no length fits" in full.advice
@@ -152,7 +163,7 @@ def test_user_forced_settings_are_respected():
 
 
 def test_memory_dict_is_a_memory_plan():
-    p = plan(SPEC_1GPU, 384 * K)
+    p = plan(SPEC_1GPU, 512 * K, Mesh(cp=2, gpus_per_host=2))
     assert tuple(p.memory) == MEMORY_KEYS
     assert p.memory["checkpoint_offload"] and p.memory["offload_host_budget"] > 0
     try:

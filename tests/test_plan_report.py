@@ -18,7 +18,7 @@ def fits():
 
 @pytest.fixture(scope="module")
 def too_long():
-    return plan(SPEC, 1 << 20)
+    return plan(SPEC, 1 << 20, packed_documents=True)  # text: no sequence segments, so 1M needs cp
 
 
 @pytest.mark.parametrize("rich", [False, True])

@@ -135,8 +135,33 @@ def test_train_refuses_a_plan_that_cannot_fit(tmp_path):
     """Planned on the CPU for a GPU budget: refused before data or weights, naming the binding component."""
     from megaseq.config import build_config
 
-    cfg = build_config(None, ["model.name=glm5-flash-1gpu", "data.kind=random", "data.seq_len=1M",
+    cfg = build_config(None, ["model.name=glm5-flash-1gpu", "data.kind=random", "data.seq_len=8M",
                               "memory.gpu_budget=139G", f"train.run_dir={tmp_path / 'r'}"])
-    with pytest.raises(ValueError, match="binding component: checkpoint boundaries.*--parallel.cp"):
+    with pytest.raises(ValueError, match="binding component: segment latent gradients.*longest length that fits"):
         run_training(cfg)
     assert not (tmp_path / "r").exists()
+
+
+def test_sequence_segments_train_as_the_plain_step(tmp_path, monkeypatch):
+    """``memory.model_segment_tokens`` (forced) through ``megaseq train``: the same losses step after step
+    as the plain step (float64, a genome window of 96 tokens in segments of 40), the segments recorded in
+    the plan; and one clear refusal where segments cannot run (packed text documents)."""
+    _fasta(tmp_path / "g.fa", 3000, seed=2)
+    data = {"train": [str(tmp_path / "g.fa")], "seq_len": 96}
+    common = dict(data=data, model={"dtype": "fp64"}, train={"steps": 3})
+    plain = run_training(_cfg(tmp_path, "plain", **common))
+    from megaseq.memory import model_segments
+
+    calls = []
+    real = model_segments.segmented_loss_backward
+    monkeypatch.setattr(model_segments, "segmented_loss_backward",
+                        lambda *a, **k: calls.append(a[-1]) or real(*a, **k))
+    seg = run_training(_cfg(tmp_path, "seg", **common, memory={"auto": False, "model_segment_tokens": 40}))
+    assert calls == [40, 40, 40]  # every step ran in segments
+    np.testing.assert_allclose(seg.losses, plain.losses, rtol=1e-10)
+    plan = json.loads((tmp_path / "seg" / "plan.json").read_text())
+    assert plan["memory"]["model_segment_tokens"] == 40 and "model_segments" in [f[0] for f in plan["fixes"]]
+    with pytest.raises(ValueError, match="memory.model_segment_tokens.*recompute"):
+        run_training(_cfg(tmp_path, "both", **common,
+                          memory={"auto": False, "model_segment_tokens": 40, "recompute": True}))
+    assert not (tmp_path / "both").exists()  # refused by the plan, before the run directory

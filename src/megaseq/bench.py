@@ -87,7 +87,8 @@ def planned_step(c: Config, spec: Any, device: torch.device, plan: Any, total_st
 
 
 def measure_megaseq(cfg: Config, seq_len: int, steps: int, source: str) -> dict[str, Any]:
-    """Warm-up step + ``steps`` timed steps of megaseq at ``seq_len``; an OOM is a result, not an error."""
+    """Warm-up step + ``steps`` timed steps of megaseq at ``seq_len`` (``steps`` 0: the one step, timed cold);
+    an OOM is a result, not an error."""
     from megaseq.models.presets import resolve_spec
     from megaseq.train.metrics import moe_load
     from megaseq.train.trainer import resolve_device
@@ -115,8 +116,9 @@ def measure_megaseq(cfg: Config, seq_len: int, steps: int, source: str) -> dict[
             t0 = time.perf_counter()
             step(batch)
             _sync(device)
-            if i > 0:  # the first step warms up kernels and the allocator
+            if i > 0 or steps == 0:  # the first step warms up kernels and the allocator (steps 0: cold)
                 times.append(time.perf_counter() - t0)
+        row["timed_steps"] = len(times) if steps else "1 (cold: includes the warm-up)"
         dt = sum(times) / len(times)
         tokens = c.train.batch_size * seq_len
         row.update(status="ok", step_s=dt, tokens_per_s=tokens / dt,

@@ -60,7 +60,7 @@ def measure_reference(cfg: Config, seq_len: int, steps: int) -> dict[str, Any]:
             opt.step()
             opt.zero_grad(set_to_none=True)
             _sync(device)
-            if i > 0:
+            if i > 0 or steps == 0:  # steps 0: the one (cold) step, as measure_megaseq
                 times.append(time.perf_counter() - t0)
         dt = sum(times) / len(times)
         per_token = step_flops(spec, seq_len).per_token

@@ -146,12 +146,16 @@ class MemoryConfig:
     kda_segment_tokens: Any = opt(0, "KDA layers over the sequence in segments of this many tokens, the recurrent "
                                      "state carried, each segment recomputed in backward (0: off; one rank, "
                                      "no packed documents)")
+    model_segment_tokens: Any = opt(0, "sequence segments: the whole model over the sequence this many tokens at a "
+                                       "time, each layer's state (KDA state, DSA latents) carried, each segment "
+                                       "rerun in backward; replaces recompute/SCO/tiling at long lengths (0: off; "
+                                       "glm5 models, one rank, no packed documents)")
     gpu_budget: Any = opt("auto", "GPU bytes the plan may use (auto: the device's total less a reserve)")
     host_budget: Any = opt("auto", "host bytes the plan may use (auto: 90% of physical RAM)")
 
     def __post_init__(self) -> None:
         for name in ("loss_chunk_tokens", "mlp_tile_tokens", "indexer_query_chunk", "offload_host_budget",
-                     "optimizer_bucket_params", "kda_segment_tokens"):
+                     "optimizer_bucket_params", "kda_segment_tokens", "model_segment_tokens"):
             setattr(self, name, parse_size(getattr(self, name)))
         for name in ("gpu_budget", "host_budget"):
             v = getattr(self, name)

@@ -108,7 +108,9 @@ def parser() -> argparse.ArgumentParser:
             sp.add_argument("--json", action="store_true", help="print the plan as JSON")
         if verb == "bench":
             sp.add_argument("--seq-lens", default="4K", help="comma-separated lengths, e.g. 32K,128K,1M")
-            sp.add_argument("--steps", type=int, default=3, help="measured steps per length (after one warm-up)")
+            sp.add_argument("--steps", type=int, default=3,
+                            help="measured steps per length (after one warm-up); 0: time the one (cold) step, "
+                            "for lengths whose step is minutes long")
             sp.add_argument("--source", default="random", help="random, genome, or both")
             sp.add_argument("--find-max", action="store_true", help="search the longest length that trains")
             sp.add_argument("--baseline", action="store_true", help="also run the transformers reference")

@@ -66,6 +66,8 @@ def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
     from megaseq.bench import run_bench
 
     cfg = _config(args, rest)
+    if args.steps < 0:
+        raise ValueError(f"--steps must be >= 0 (0: one cold step per length), got {args.steps}")
     lens = [parse_size(s) for s in args.seq_lens.split(",") if s]
     lp = [parse_size(s) for s in args.logprob_check.split(",") if s]
     result = run_bench(cfg, lens, steps=args.steps, source=args.source, find_max_len=args.find_max,

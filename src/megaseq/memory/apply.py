@@ -7,7 +7,9 @@
 - sets the DSA indexer's query chunk (``query_chunk`` on every module that has that attribute, and
   ``indexer_scoring.QUERY_CHUNK`` for indexers that read the module default);
 - wraps every layer of ``model.layers`` in full recompute, with SCO boundary offload up to
-  ``offload_host_budget`` host bytes when ``checkpoint_offload`` (``offload``).
+  ``offload_host_budget`` host bytes when ``checkpoint_offload`` (``offload``);
+- checks that the model can run sequence segments (``model_segment_tokens``; the trainer's step runs
+  them, ``model_segments.segmented_loss_backward``).
 
 The vocabulary loss and the optimizer are the trainer's to build: ``loss_fn(plan)`` and
 ``make_optimizer(params, plan, ...)`` return the planned ones. Applying again with another plan
@@ -49,14 +51,22 @@ class MemoryPlan:
     optimizer_offload: bool = False
     optimizer_bucket_params: int = 100_000_000
     kda_segment_tokens: int = 0  # 0: off
+    model_segment_tokens: int = 0  # 0: off; sequence segments (memory/model_segments.py), run by the trainer
 
     def __post_init__(self) -> None:
         for name in ("loss_chunk_tokens", "mlp_tile_tokens", "indexer_query_chunk",
                      "optimizer_bucket_params"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"memory.{name} must be >= 1, got {getattr(self, name)}")
-        if int(self.kda_segment_tokens) < 0:
-            raise ValueError(f"memory.kda_segment_tokens must be >= 0 (0: off), got {self.kda_segment_tokens}")
+        for name in ("kda_segment_tokens", "model_segment_tokens"):
+            if int(getattr(self, name)) < 0:
+                raise ValueError(f"memory.{name} must be >= 0 (0: off), got {getattr(self, name)}")
+        if int(self.model_segment_tokens):
+            on = [f"memory.{k}" for k in ("recompute", "checkpoint_offload", "kda_segment_tokens") if getattr(self, k)]
+            if on:
+                from megaseq.memory.model_segments import check_model_segments
+
+                check_model_segments("glm5_next", int(self.model_segment_tokens), layer_schemes=tuple(on))
         if self.offload_host_budget < 0:
             raise ValueError(f"memory.offload_host_budget must be >= 0, got {self.offload_host_budget}")
         if self.checkpoint_offload and not self.recompute:
@@ -79,6 +89,7 @@ class AppliedMemory:
     query_chunked: list[str] = field(default_factory=list)  # modules given a query_chunk
     checkpointed: int = 0  # layers under full recompute
     kda_segmented: int = 0  # tokens per KDA segment (0: off)
+    model_segmented: int = 0  # tokens per sequence segment (0: off)
 
     def release(self) -> None:
         """Free the SCO pinned pool (re-planned on demand if training continues)."""
@@ -122,6 +133,12 @@ def apply_memory_plan(model: nn.Module, plan: MemoryPlan) -> AppliedMemory:
     segments = int(plan.kda_segment_tokens) or None
     if enable_kda_segments(model, segments) and segments:
         done.kda_segmented = segments
+    if int(plan.model_segment_tokens):
+        from megaseq.memory.model_segments import check_model_segments
+
+        family = getattr(getattr(model, "spec", None), "family", type(model).__name__)
+        check_model_segments(family, int(plan.model_segment_tokens))
+        done.model_segmented = int(plan.model_segment_tokens)
     if plan.recompute:
         offloader = BoundaryOffloader(int(plan.offload_host_budget)) if plan.checkpoint_offload else None
         done.offloader = checkpoint_layers(layers, offloader)
@@ -148,8 +165,11 @@ def make_optimizer(params: Iterable[Any], plan: MemoryPlan, lr: float, betas: tu
     ``optimizer.clip_grad_norm_`` (gradients live on the host)."""
     params = list(params)
     if plan.optimizer_offload:
+        # under sequence segments every gradient arrives once per segment: keep them on the GPU until the
+        # step (a hook would send each one down and back once per segment)
         return OffloadStreamAdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                                  bucket_params=int(plan.optimizer_bucket_params), grads_in_backward=True)
+                                  bucket_params=int(plan.optimizer_bucket_params),
+                                  grads_in_backward=not int(plan.model_segment_tokens))
     flat = [p for g in params for p in (g["params"] if isinstance(g, dict) else [g])]
     on_cuda = bool(flat) and all(p.is_cuda for p in flat)
     return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,

@@ -2,10 +2,12 @@
 
 Pure Python. The ladder, cheapest first in the usual case (costs are computed per run from the FLOPs
 model, ``fix_costs``): chunked loss (+5% of the loss time), indexer query chunking (free), MLP/MoE
-tiling (one more forward of the tiled module), full recompute (one more forward of every layer), SCO
-(1.9% + any copy time the compute cannot hide), OffloadStreamAdamW (the host<->device traffic of the
-optimizer step). Every set of fixes is tried in order of total cost (SCO only with recompute); the
-first that fits wins and its chunk sizes then grow, in powers of two, as far as the budget allows.
+tiling (one more forward of the tiled module), segmented KDA, full recompute (one more forward of every
+layer), sequence segments (the same, plus a small per-segment cost; they bound each layer's memory by
+the segment instead of the sequence and replace recompute, SCO and segmented KDA), SCO (1.9% + any copy
+time the compute cannot hide), OffloadStreamAdamW (the host<->device traffic of the optimizer step).
+Every set of fixes is tried in order of total cost (SCO only with recompute); the first that fits wins
+and its chunk sizes then grow, in powers of two, as far as the budget allows.
 """
 
 from __future__ import annotations
@@ -28,14 +30,22 @@ LADDER = (
     "tiled_mlp",
     "kda_segments",
     "recompute",
+    "model_segments",
     "checkpoint_offload",
     "optimizer_offload",
 )
+# sequence segments replace these (each layer's memory is already bounded by the segment)
+SEGMENT_EXCLUDES = ("kda_segments", "recompute", "checkpoint_offload")
 # chunk-size ranges (powers of two) the planner chooses from, (smallest, largest worth having): past
 # 8K-token loss chunks and 16K-token tiles the launches are amortised, so growing further would only spend
 # headroom; the indexer's ceiling is INDEXER_SCORING_MAX
 LOSS_CHUNKS, TILE_CHUNKS, INDEXER_CHUNKS = (512, 8192), (1024, 16384), (64, None)
 SEGMENT_CHUNKS = (4096, 65536)  # KDA segments: fla's chunk is 64 tokens; past 64K the saving is spent
+# sequence segments: below 8K tokens a segment's kernels are short (launch-bound); past 64K the saving is spent
+MODEL_SEGMENT_CHUNKS = (8192, 65536)
+# a sequence segment's overhead over full recompute: per segment, the earlier tokens' latents are joined
+# and the indexer's pools rebuilt (O(S) each) -- an estimate until measured
+MODEL_SEGMENT_OVERHEAD = 0.03
 # a segmented KDA layer reruns its forward in backward: one KDA forward, about half its layer's forward
 # (measured on the H200: the segmented layer's forward + backward 1.31x / 1.43x the plain one at 128K / 256K)
 KDA_MIXER_SHARE = 0.5
@@ -75,6 +85,7 @@ def default_memory(memory_cfg: Any | None, n_local: int) -> dict[str, Any]:
         "optimizer_bucket_params": int(get("optimizer_bucket_params", 100_000_000)),
         # 0: off; a configured size is where the planner starts when it chooses segmented KDA
         "kda_segment_tokens": int(get("kda_segment_tokens", 0)),
+        "model_segment_tokens": int(get("model_segment_tokens", 0)),
     }
 
 
@@ -94,6 +105,7 @@ def fix_costs(run: Run) -> dict[str, float]:
         "recompute": sf.layers_forward / sf.total,
         "kda_segments": KDA_MIXER_SHARE * sf.layers_forward / sf.total
         * run.spec.layer_types.count("kda") / max(run.spec.num_layers, 1),
+        "model_segments": sf.layers_forward / sf.total + MODEL_SEGMENT_OVERHEAD,
         "checkpoint_offload": SCO_BASE_COST + sco_excess / T,
         "optimizer_offload": opt / T,
     }
@@ -110,6 +122,8 @@ def _with_fixes(base: dict[str, Any], fixes: tuple[str, ...], run: Run, host_roo
         m["tiled_mlp"], m["mlp_tile_tokens"] = True, TILE_CHUNKS[0]
     if "kda_segments" in fixes:
         m["kda_segment_tokens"] = base["kda_segment_tokens"] or SEGMENT_CHUNKS[0]
+    if "model_segments" in fixes:
+        m["model_segment_tokens"] = base["model_segment_tokens"] or MODEL_SEGMENT_CHUNKS[0]
     m["recompute"] = "recompute" in fixes
     m["optimizer_offload"] = "optimizer_offload" in fixes
     if "checkpoint_offload" in fixes:
@@ -127,6 +141,8 @@ def usable_fix(run: Run, fix: str) -> bool:
         return "dsa" in run.spec.layer_types
     if fix == "kda_segments":
         return "kda" in run.spec.layer_types and run.mesh.cp == 1 and not run.packed_documents
+    if fix == "model_segments":  # memory/model_segments.py: check_model_segments
+        return run.spec.family == "glm5_next" and run.mesh.cp == 1 and not run.packed_documents
     return True
 
 
@@ -137,6 +153,8 @@ def _candidates(run: Run, costs: dict[str, float]) -> list[tuple[str, ...]]:
     for r in range(len(usable) + 1):
         for combo in itertools.combinations(usable, r):
             if "checkpoint_offload" in combo and "recompute" not in combo:
+                continue
+            if "model_segments" in combo and any(f in combo for f in SEGMENT_EXCLUDES):
                 continue
             sets.append(combo)
     return sorted(
@@ -172,6 +190,7 @@ def _grow(run: Run, m: dict[str, Any], budgets: Budgets) -> dict[str, Any]:
     """Each enabled chunk size as large as still fits (powers of two, ladder order)."""
     cap = indexer_chunk_cap(run)
     for key, flag, (lo, hi) in (
+        ("model_segment_tokens", "model_segment_tokens", MODEL_SEGMENT_CHUNKS),
         ("indexer_query_chunk", None, (INDEXER_CHUNKS[0], cap)),
         ("loss_chunk_tokens", "chunked_loss", LOSS_CHUNKS),
         ("mlp_tile_tokens", "tiled_mlp", TILE_CHUNKS),
@@ -180,7 +199,13 @@ def _grow(run: Run, m: dict[str, Any], budgets: Budgets) -> dict[str, Any]:
         if (flag is None and m[key] >= run.n) or (flag is not None and not m[flag]):
             continue
         size = lo
-        while size * 2 <= min(hi, run.n):
+        # a sequence segment grows first (fewer, longer segments; one as long as the sequence is none);
+        # the chunks inside it then follow the segment's length
+        if key == "model_segment_tokens":
+            top = min(hi, run.n_seq - 1)
+        else:
+            top = min(hi, replace(run, memory=m).n)
+        while size * 2 <= top:
             trial = dict(m, **{key: size * 2})
             if not _fits(evaluate(replace(run, memory=trial)), budgets, run.mesh):
                 break

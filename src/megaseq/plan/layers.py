@@ -79,8 +79,9 @@ def dsa_selection_bytes(spec: ModelSpec, n: int) -> int:
 
 def dsa_kv_rows(n: int, batch: int, seq_len: int, mesh: Mesh, mode: str) -> int:
     """Rows of expanded K/V (all heads) per GPU: the whole sequence ``B * S`` under gather-KV (every rank
-    expands the gathered latent for all heads), ``n`` under Ulysses (S rows x heads / cp)."""
-    return batch * seq_len if (mode == "gather_kv" and mesh.cp > 1) else n
+    expands the gathered latent for all heads) and under sequence segments (``n`` the segment's queries,
+    the keys all tokens so far), ``n`` under Ulysses (S rows x heads / cp)."""
+    return batch * seq_len if mode == "gather_kv" else n
 
 
 def dsa_score_block(

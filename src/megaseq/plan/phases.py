@@ -50,8 +50,19 @@ class Run:
         return C.precision_for(self.model_dtype, bool(self.memory.get("optimizer_offload")))
 
     @property
+    def segment(self) -> int:
+        """Tokens per sequence segment (``memory.model_segment_tokens``), 0 when the step is not segmented."""
+        T = int(self.memory.get("model_segment_tokens") or 0)
+        return T if 0 < T < self.seq_len else 0
+
+    @property
     def n(self) -> int:
-        """Tokens one GPU holds: ``B * S / cp``."""
+        """Tokens one GPU runs at once: ``B * S / cp``, or ``B * T`` under sequence segments."""
+        return self.batch * (self.segment or self.seq_len) // self.mesh.cp
+
+    @property
+    def n_seq(self) -> int:
+        """Tokens of the sequence one GPU holds: ``B * S / cp``."""
         return self.batch * self.seq_len // self.mesh.cp
 
 
@@ -258,11 +269,34 @@ def _state(run: Run) -> tuple[dict[str, int], list[int], int, int]:
             counts, mesh, prec, offload, int(m["optimizer_bucket_params"])
         ),
     }
+    if run.segment:
+        state.update(segment_store_bytes(run))
     g_layers = [C.grad_bytes(d + x, mesh, prec) for d, x, _ in counts.layers]
     tied = run.spec.tie_word_embeddings
     g_head = C.grad_bytes(counts.final_norm + (counts.embed if tied else counts.head), mesh, prec)
     g_embed = 0 if tied else C.grad_bytes(counts.embed, mesh, prec)
     return state, g_layers, g_head, g_embed
+
+
+def segment_store_bytes(run: Run) -> dict[str, int]:
+    """What sequence segments keep over the whole sequence (``memory/model_segments.py``): per DSA layer
+    the latent ``c * R`` and the indexer's keys + gates ``f * 2 Di`` per token (fp32: LayerNorm under
+    autocast) and the latent's fp32 gradient accumulator; during a DSA layer's backward one more fp32
+    ``[s, R]`` (the earlier latents' gradient) and the latents gathered for its graph ``c * R`` (in
+    ``dsa_saved``); per KDA layer the fp32 state ``[Hh, D, D]`` and the ``K - 1`` halo inputs at every
+    segment start."""
+    spec, prec, B, S, T = run.spec, run.prec, run.batch, run.seq_len, run.segment
+    c, f = prec.compute, prec.f32
+    R = spec.kv_lora_rank + spec.qk_rope_head_dim
+    dsa = spec.layer_types.count("dsa")
+    kda = spec.layer_types.count("kda")
+    segs = -(-S // T)
+    state = spec.linear_num_heads * spec.linear_head_dim**2 * f + (spec.linear_conv_kernel - 1) * spec.hidden_size * c
+    return {
+        "segment caches (DSA latents, indexer keys)": dsa * B * S * (R * c + 2 * spec.index_head_dim * f),
+        "segment latent gradients (fp32)": (dsa + (1 if dsa else 0)) * B * S * R * f,
+        "segment KDA states": kda * segs * B * state,
+    }
 
 
 def _copies(run: Run, i: int, cached_only: bool) -> int:

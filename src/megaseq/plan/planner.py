@@ -51,6 +51,7 @@ MEMORY_KEYS = (
     "optimizer_offload",
     "optimizer_bucket_params",
     "kda_segment_tokens",
+    "model_segment_tokens",
 )
 
 
@@ -239,7 +240,32 @@ def _enabled(run: Run, memory: dict[str, Any], fix: str) -> bool:
         return memory[fix] < run.n
     if fix == "kda_segments":
         return 0 < int(memory.get("kda_segment_tokens") or 0) < run.n
+    if fix == "model_segments":
+        return 0 < int(memory.get("model_segment_tokens") or 0) < run.seq_len
     return bool(memory[fix])
+
+
+def _check_forced_segments(run: Run, memory: dict[str, Any]) -> None:
+    """The rules of ``memory/model_segments.py: check_model_segments``, before anything runs."""
+    T = int(memory.get("model_segment_tokens") or 0)
+    if not T:
+        return
+    setting = f"memory.model_segment_tokens={T}"
+    if run.spec.family != "glm5_next":
+        raise ValueError(f"{setting}: the {run.spec.family} family's token mixers do not carry their state "
+                         "across segments (supported: glm5_next); unset memory.model_segment_tokens")
+    if run.mesh.cp != 1:
+        raise ValueError(f"{setting} with context parallelism cp={run.mesh.cp}: sequence segments run on one "
+                         "rank for now; unset memory.model_segment_tokens or use --parallel.cp 1")
+    if run.packed_documents:
+        raise ValueError(f"{setting} with packed documents: sequence segments do not restart the KDA state "
+                         "or the indexer at document boundaries yet; unset memory.model_segment_tokens or "
+                         "train on data without document boundaries (genomes, random tokens)")
+    on = [f"memory.{k}" for k in ("recompute", "checkpoint_offload", "kda_segment_tokens") if memory.get(k)]
+    if on:
+        raise ValueError(f"{setting} with {', '.join(on)}: sequence segments already bound each layer's "
+                         "memory by the segment; turn those off (--memory.recompute false, "
+                         "--memory.checkpoint_offload false, --memory.kda_segment_tokens 0)")
 
 
 def _make_plan(run: Run, budgets: Budgets, memory_cfg: Any | None, name: str) -> Plan:
@@ -248,6 +274,7 @@ def _make_plan(run: Run, budgets: Budgets, memory_cfg: Any | None, name: str) ->
         memory, fixes, _ = choose(run, budgets, memory_cfg)
     else:
         memory = _forced(memory_cfg, run.n)
+        _check_forced_segments(run, memory)
         fixes = tuple(f for f in LADDER if _enabled(run, memory, f))
     run = replace(run, memory=memory)
     ev = evaluate(run)
@@ -262,6 +289,8 @@ def _make_plan(run: Run, budgets: Budgets, memory_cfg: Any | None, name: str) ->
         "kda_segments": f"KDA layers in segments of {memory['kda_segment_tokens']} tokens, the state "
         "carried, each segment recomputed in backward",
         "recompute": "each layer keeps only its input; its forward is rerun in backward",
+        "model_segments": f"the whole model over the sequence {memory['model_segment_tokens']} tokens at a time "
+        "(KDA state, DSA latents and keys carried), each segment rerun in backward",
         "checkpoint_offload": f"layer inputs to pinned host memory, {sco_gb:.1f} GB",
         "optimizer_offload": "fp32 master weights, moments and gradients in host memory, streamed",
     }

@@ -98,8 +98,12 @@ def train_step(model: torch.nn.Module, micro_batches: list[dict[str, torch.Tenso
     local = sum(int((b["labels"] != -100).sum()) for b in micro_batches)
     total = env.all_reduce_count(local)  # the loss is a mean over every token of the global batch
     loss_sum = 0.0
+    segment = int(memory.get("model_segment_tokens") or 0)
     for batch in micro_batches:
         b = env.to_device(batch)
+        if segment and b["input_ids"].shape[1] > segment:  # sequence segments (memory/model_segments.py)
+            loss_sum += float(_segmented_step(model, b, env, autocast, chunk, segment, total))
+            continue
         with _autocast(autocast, env.device):
             hidden = model(b["input_ids"], doc_ids=b.get("doc_ids"), ctx=env.context(b))
         head = model.lm_head.weight
@@ -122,6 +126,23 @@ def train_step(model: torch.nn.Module, micro_batches: list[dict[str, torch.Tenso
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return env.all_reduce_sum(loss_sum) / max(total, 1), grad_norm
+
+
+def _segmented_step(model: torch.nn.Module, b: dict[str, torch.Tensor], env: ParallelEnv,
+                    autocast: torch.dtype | None, chunk: int | None, segment: int, total: int) -> torch.Tensor:
+    """Forward + backward of one micro-batch in sequence segments; returns its loss sum (no graph)."""
+    from megaseq.memory.model_segments import check_model_segments, segmented_loss_backward
+
+    check_model_segments(model.spec.family, segment, env.cp_size, b.get("doc_ids") is not None)
+
+    def loss_fn(hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        head = model.lm_head.weight
+        if autocast is not None:  # as train_step: the vocabulary projection in the compute dtype
+            hidden, head = hidden.to(autocast), head.to(autocast)
+        return env.loss_sum(hidden, head, labels, chunk)
+
+    with _autocast(autocast, env.device):
+        return segmented_loss_backward(model, b["input_ids"], b["labels"], loss_fn, 1.0 / max(total, 1), segment)
 
 
 def build_planned_model(cfg: Config, spec: Any, device: torch.device, memory: dict[str, Any], total_steps: int,
