@@ -55,6 +55,16 @@ case "$1" in
     timeout 300 python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml --seq-lens 512K --steps 0 \
       --source both --data.train $G --out "$OUT/bench_1gpu_512k"
     ;;
+  7)  # sequence segments at fp32 (exact) and bf16 (noise vs the plain step run twice); plain 16K (the
+      # planner's per-layer terms at a segment's length); 1M tokens, one cold step
+    timeout 120 python3 benchmarks/model_segments_gpu.py --fp32 --seq-len 8192 --segment 2048 \
+      --out "$OUT/model_segments_fp32.json"
+    timeout 100 python3 benchmarks/model_segments_gpu.py --out "$OUT/model_segments.json"
+    timeout 90 python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml --seq-lens 16K --steps 1 \
+      --memory.auto false --memory.indexer_query_chunk 4K --out "$OUT/bench_1gpu_16k_plain"
+    timeout 330 python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml --seq-lens 1M --steps 0 \
+      --out "$OUT/bench_1gpu_1m_random"
+    ;;
   *) echo "unknown stage $1"; exit 2 ;;
 esac
 tar czf "$OUT/tcache.tgz" .tcache 2>/dev/null

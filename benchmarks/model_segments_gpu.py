@@ -39,6 +39,8 @@ def main() -> int:
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--seq-len", type=int, default=16384)
     ap.add_argument("--segment", type=int, default=4096)
+    ap.add_argument("--fp32", action="store_true",
+                    help="no autocast, the reference KDA (fla refuses fp32 on an H200): the exactness check at fp32")
     args = ap.parse_args()
     dev = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
     spec = glm5_flash_tiny() if args.smoke else glm5_flash_1gpu()
@@ -49,11 +51,16 @@ def main() -> int:
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, spec.vocab_size, (1, S + 1), generator=g).to(dev)
     ids, labels = ids[:, :-1], ids[:, 1:]
-    amp = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda")
+    half = dev.type == "cuda" and not args.fp32
+    amp = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=half)
+    if args.fp32:
+        from megaseq.ops import dispatch
+
+        dispatch.configure(preferred={"kda": ["reference"]})
 
     def loss_fn(hidden, lab):
         head = model.lm_head.weight
-        if dev.type == "cuda":
+        if half:
             hidden, head = hidden.to(torch.bfloat16), head.to(torch.bfloat16)
         return linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), head, lab.reshape(-1),
                                     chunk_tokens=4096, reduction="sum")
@@ -81,17 +88,18 @@ def main() -> int:
     res: dict = {"gpu": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "torch": torch.__version__,
                  "model": f"{'glm5-flash-tiny' if args.smoke else 'glm5-flash-1gpu'}, 4 layers (3 KDA + 1 DSA)",
                  "seq_len": S, "segment_tokens": T,
-                 "dtype": "fp32 weights, bf16 autocast" if dev.type == "cuda" else "fp32"}
+                 "dtype": "fp32 weights, bf16 autocast" if half else "fp32 (reference KDA)"}
     run(False)  # warm-up (kernels, autotune)
     l0, g0, t0, m0 = run(False)
     l1, g1, t1, m1 = run(True)
     l2, g2, t2, m2 = run(False)
     rel = {n: _rel(g1[n], g0[n]) for n in g0}
-    again = max(_rel(g2[n], g0[n]) for n in g0)
+    again = {n: _rel(g2[n], g0[n]) for n in g0}
     worst = max(rel, key=rel.get)
     res.update(loss_plain=l0, loss_segmented=l1, loss_rel_diff=abs(l1 - l0) / abs(l0),
                grad_rel_diff_median=sorted(rel.values())[len(rel) // 2], grad_rel_diff_max=rel[worst],
-               grad_rel_diff_max_param=worst, plain_vs_plain_again=again, same_param_set=g1.keys() == g0.keys(),
+               grad_rel_diff_max_param=worst, plain_again_median=sorted(again.values())[len(again) // 2],
+               plain_again_max=max(again.values()), same_param_set=g1.keys() == g0.keys(),
                plain_s=t0, segmented_s=t1, plain_peak_gib=m0, segmented_peak_gib=m1)
     Path(args.out).write_text(json.dumps(res, indent=2))
     print(json.dumps(res, indent=2))

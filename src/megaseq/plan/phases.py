@@ -325,7 +325,9 @@ def _phases(run: Run, terms: list[LayerTerms]) -> list[tuple[str, dict[str, int]
     L, H, s = spec.num_layers, spec.hidden_size, prec.stream
     rec = bool(run.memory.get("recompute"))
     state, g_layers, g_head, g_embed = _state(run)
-    acc = run.grad_accum > 1
+    # gradients accumulate over micro-batches, and over sequence segments (a segment's forward runs with
+    # the later segments' gradients held)
+    acc = run.grad_accum > 1 or bool(run.segment)
     g_all = sum(g_layers) + g_head + g_embed
     counts = run.counts
     max_layer = max(counts.layer(i) for i in range(L))
