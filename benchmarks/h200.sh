@@ -65,6 +65,18 @@ case "$1" in
     timeout 330 python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml --seq-lens 1M --steps 0 \
       --out "$OUT/bench_1gpu_1m_random"
     ;;
+  8)  # bf16 segments vs plain with every pool selected (no near-tie can flip the DSA selection) and with
+      # the preset's top-k (how many selections flip); the tiny preset's memory by layer and phase;
+      # 1M on a genome window; 32K on both sources
+    timeout 80 python3 benchmarks/model_segments_gpu.py --topk-all --out "$OUT/model_segments_topk_all.json"
+    timeout 70 python3 benchmarks/model_segments_gpu.py --out "$OUT/model_segments.json"
+    timeout 60 python3 benchmarks/memory_phases.py recipes/glm5-flash-tiny-dna.yaml 128K --model.dtype bf16 \
+      --out "$OUT/memory_phases_tiny_128k.json"
+    timeout 300 python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml --seq-lens 1M --steps 0 \
+      --source genome --data.train $G --out "$OUT/bench_1gpu_1m_genome"
+    timeout 80 python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml --seq-lens 32K --steps 1 \
+      --source both --data.train $G --out "$OUT/bench_1gpu_32k"
+    ;;
   *) echo "unknown stage $1"; exit 2 ;;
 esac
 tar czf "$OUT/tcache.tgz" .tcache 2>/dev/null

@@ -33,12 +33,21 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
+def _differs(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Fraction of queries whose selected key sets (sorted rows, -1 padded) differ."""
+    W = max(a.shape[-1], b.shape[-1])
+    a, b = (torch.nn.functional.pad(t, (W - t.shape[-1], 0), value=-1).sort(dim=-1).values for t in (a, b))
+    return float((a != b).any(dim=-1).float().mean())
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--seq-len", type=int, default=16384)
     ap.add_argument("--segment", type=int, default=4096)
+    ap.add_argument("--topk-all", action="store_true",
+                    help="index_topk = seq_len: every pool selected, so no near-tie can flip the selection")
     ap.add_argument("--fp32", action="store_true",
                     help="no autocast, the reference KDA (fla refuses fp32 on an H200): the exactness check at fp32")
     args = ap.parse_args()
@@ -47,6 +56,8 @@ def main() -> int:
     spec = spec.replace(num_layers=4, layer_types=spec.layer_types[:4], mlp_types=spec.mlp_types[:4],
                         indexer_types=spec.indexer_types[:4])
     S, T = (300, 64) if args.smoke else (args.seq_len, args.segment)
+    if args.topk_all:
+        spec = spec.replace(index_topk=-(-S // spec.index_kpool) * spec.index_kpool)
     model = build_model(spec, dtype=torch.float32, device=dev, seed=0)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, spec.vocab_size, (1, S + 1), generator=g).to(dev)
@@ -65,7 +76,28 @@ def main() -> int:
         return linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), head, lab.reshape(-1),
                                     chunk_tokens=4096, reduction="sum")
 
+    # the DSA selections of each run's first forward (the segmented step's forward pass, in order)
+    from megaseq.models.blocks.mla_dsa import Indexer
+
+    picks: list[torch.Tensor] = []
+    real_forward = Indexer.forward
+
+    def spy(self, *a, **k):
+        out = real_forward(self, *a, **k)
+        picks.append(out)
+        return out
+
+    Indexer.forward = spy
+
+    def selection(segmented: bool) -> torch.Tensor:
+        n = -(-S // T) if segmented else 1
+        W = max(t.shape[-1] for t in picks[:n])  # early segments have fewer pools to choose from
+        got = torch.cat([torch.nn.functional.pad(t, (0, W - t.shape[-1]), value=-1) for t in picks[:n]], dim=1)
+        picks.clear()
+        return got.sort(dim=-1).values  # as sets
+
     def run(segmented: bool):
+        picks.clear()
         model.zero_grad(set_to_none=True)
         if dev.type == "cuda":
             torch.cuda.synchronize()
@@ -83,16 +115,16 @@ def main() -> int:
         dt = time.perf_counter() - t0
         peak = (torch.cuda.max_memory_allocated() - base) / GIB if dev.type == "cuda" else None
         grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-        return float(loss.detach()) / S, grads, dt, peak
+        return float(loss.detach()) / S, grads, dt, peak, selection(segmented)
 
     res: dict = {"gpu": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "torch": torch.__version__,
                  "model": f"{'glm5-flash-tiny' if args.smoke else 'glm5-flash-1gpu'}, 4 layers (3 KDA + 1 DSA)",
                  "seq_len": S, "segment_tokens": T,
                  "dtype": "fp32 weights, bf16 autocast" if half else "fp32 (reference KDA)"}
     run(False)  # warm-up (kernels, autotune)
-    l0, g0, t0, m0 = run(False)
-    l1, g1, t1, m1 = run(True)
-    l2, g2, t2, m2 = run(False)
+    l0, g0, t0, m0, s0 = run(False)
+    l1, g1, t1, m1, s1 = run(True)
+    l2, g2, t2, m2, s2 = run(False)
     rel = {n: _rel(g1[n], g0[n]) for n in g0}
     again = {n: _rel(g2[n], g0[n]) for n in g0}
     worst = max(rel, key=rel.get)
@@ -100,7 +132,12 @@ def main() -> int:
                grad_rel_diff_median=sorted(rel.values())[len(rel) // 2], grad_rel_diff_max=rel[worst],
                grad_rel_diff_max_param=worst, plain_again_median=sorted(again.values())[len(again) // 2],
                plain_again_max=max(again.values()), same_param_set=g1.keys() == g0.keys(),
-               plain_s=t0, segmented_s=t1, plain_peak_gib=m0, segmented_peak_gib=m1)
+               plain_s=t0, segmented_s=t1, plain_peak_gib=m0, segmented_peak_gib=m1,
+               index_topk=spec.index_topk,
+               # queries whose selected key set differs from the plain step's (near-ties in the indexer's
+               # scores: the segments compute its queries and keys in other GEMM shapes)
+               selection_differs_frac=_differs(s1, s0),
+               selection_differs_plain_again_frac=_differs(s2, s0))
     Path(args.out).write_text(json.dumps(res, indent=2))
     print(json.dumps(res, indent=2))
     return 0

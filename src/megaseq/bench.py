@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import platform
 import time
 from datetime import datetime, timezone
@@ -119,6 +120,9 @@ def measure_megaseq(cfg: Config, seq_len: int, steps: int, source: str) -> dict[
             if i > 0 or steps == 0:  # the first step warms up kernels and the allocator (steps 0: cold)
                 times.append(time.perf_counter() - t0)
         row["timed_steps"] = len(times) if steps else "1 (cold: includes the warm-up)"
+        if not steps:  # the one step ran without the optimizer state (made by its update): compare with that
+            row["predicted_gpu_tensors_gib"] = plan.first_step_gpu_tensors / GIB
+            row["predicted_is_first_step"] = True
         dt = sum(times) / len(times)
         tokens = c.train.batch_size * seq_len
         row.update(status="ok", step_s=dt, tokens_per_s=tokens / dt,
@@ -198,6 +202,8 @@ def run_bench(cfg: Config, lengths: list[int], steps: int = 3, source: str = "ra
               isolate: bool | None = None) -> dict[str, Any]:
     """Every measurement in order; the outputs are rewritten after each, so a run stopped early keeps
     what it measured. ``isolate`` (default: on a GPU) runs each measurement in its own process."""
+    # the allocator as `megaseq train` sets it (before any CUDA allocation; spawned processes inherit it)
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     call = isolated if (torch.cuda.is_available() if isolate is None else isolate) else _direct
     sources = ["random", "genome"] if source == "both" else [source]
     if source not in ("random", "genome", "both"):
@@ -252,7 +258,9 @@ def _meta(cfg: Config, lengths: list[int], steps: int, source: str) -> dict[str,
 def markdown(result: dict[str, Any]) -> str:
     m = result["meta"]
     lines = [f"# megaseq bench: {m['model']} on {m['gpu']} (torch {m['torch']}, {m['date']})", "",
-             "GPU: planned tensor peak vs `max_memory_allocated`; host: planned vs the process's peak RSS (VmHWM).",
+             "GPU: planned tensor peak vs `max_memory_allocated` (with `--steps 0` the one step is the first, "
+             "so the plan's first-step peak, without the optimizer state its update creates); host: planned vs "
+             "the process's peak RSS (VmHWM).",
              "",
              "| length | source | status | fixes | pred GPU GiB | meas GPU GiB | err | pred host GB | host GB | err "
              "| tok/s | MFU | MoE max/mean |",

@@ -104,6 +104,9 @@ class Evaluation:
     host_per_gpu: dict[str, int]
     peak_host: int  # per host
     saved_terms: dict[str, int] = field(default_factory=dict)
+    # the first step's tensor peak: the optimizer's state is created by its first update, so the forward,
+    # loss and backward of step 1 run without it (what a one-step measurement reads)
+    first_step_tensors: int = 0
 
 
 # ---- per layer --------------------------------------------------------------------------------------
@@ -457,7 +460,10 @@ def evaluate(run: Run) -> Evaluation:
         ),
     }
     notes = {"layer working set": where, "recomputed layer": where, "saved activations": name}
+    first = max(sum(v for k, v in c.items() if k != "optimizer state" or p == "optimizer step")
+                for p, c, _ in phases)
     return Evaluation(
+        first_step_tensors=first,
         peak_tensors=tensors,
         peak_gpu=tensors + reserve + run.cal.cuda_context_bytes,
         phase=name,

@@ -65,7 +65,7 @@ class Plan:
     mesh: dict[str, Any]
     components: list[tuple[str, int, int, str]]  # (name, GPU bytes at the peak, host bytes per GPU, note)
     peak_gpu: int  # tensors + allocator reserve + CUDA context: what must fit in gpu_budget
-    peak_gpu_tensors: int  # what torch.cuda.max_memory_allocated should read
+    peak_gpu_tensors: int  # what torch.cuda.max_memory_allocated should read (steady state: after step 1)
     peak_host: int  # per host (all its GPUs' processes)
     gpu_budget: int
     host_budget: int
@@ -76,6 +76,7 @@ class Plan:
     advice: str
     headroom: int
     peak_phase: str = ""
+    first_step_gpu_tensors: int = 0  # step 1's peak: the optimizer state does not exist before its update
     phases: dict[str, int] = field(default_factory=dict)
     comm: dict[str, Any] = field(default_factory=dict)
     flops: dict[str, float] = field(default_factory=dict)
@@ -319,6 +320,7 @@ def _make_plan(run: Run, budgets: Budgets, memory_cfg: Any | None, name: str) ->
         components=components,
         peak_gpu=ev.peak_gpu,
         peak_gpu_tensors=ev.peak_tensors,
+        first_step_gpu_tensors=ev.first_step_tensors,
         peak_host=ev.peak_host,
         gpu_budget=budgets.gpu_bytes,
         host_budget=budgets.host(run.mesh),
