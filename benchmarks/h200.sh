@@ -77,7 +77,16 @@ case "$1" in
     timeout 80 python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml --seq-lens 32K --steps 1 \
       --source both --data.train $G --out "$OUT/bench_1gpu_32k"
     ;;
+  9)  # the second preset at 3 lengths on both sources (steady state); its memory by layer at 1M (tiled);
+      # bf16 segments vs plain with every pool selected
+    timeout 80 python3 benchmarks/model_segments_gpu.py --topk-all --out "$OUT/model_segments_topk_all.json"
+    timeout 260 python3 -m megaseq bench recipes/glm5-flash-tiny-dna.yaml --model.dtype bf16 \
+      --seq-lens 128K,512K,1M --steps 1 --source both --data.train $G --out "$OUT/bench_tiny"
+    timeout 90 python3 benchmarks/memory_phases.py recipes/glm5-flash-tiny-dna.yaml 1M --model.dtype bf16 \
+      --out "$OUT/memory_phases_tiny_1m.json"
+    NOTAR=1
+    ;;
   *) echo "unknown stage $1"; exit 2 ;;
 esac
-tar czf "$OUT/tcache.tgz" .tcache 2>/dev/null
+[ -n "${NOTAR:-}" ] || tar czf "$OUT/tcache.tgz" .tcache 2>/dev/null
 ls -la "$OUT"

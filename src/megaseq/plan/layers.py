@@ -22,7 +22,8 @@ def kda_saved(spec: ModelSpec, n: int, xb: int, prec: Precision, cal: Calibratio
     Per token: the six projections' inputs (q, k, v, f_a, b, g_a); the conv's cast input and its output
     ``2 * c * 3D``; the forget gate ``2 * f * D`` (g before the decay product, the sigmoid output);
     chunk_kda's ``q, k`` (l2-normed), ``v`` in bf16, ``g`` and its chunk cumsum in fp32, the intra-chunk
-    ``Aqk, Akk`` ``2 * f * heads * 64``; the gated output norm ``4 * f * D`` + o_proj's input ``c * D``.
+    ``Aqk, Akk`` ``2 * c * heads * 64`` (fla 0.6 keeps them in the input dtype); the gated output norm
+    ``4 * f * D`` + o_proj's input ``c * D``.
     """
     H, Hh, Dk = spec.hidden_size, spec.linear_num_heads, spec.linear_head_dim
     D, c, f = Hh * Dk, prec.compute, prec.f32
@@ -30,7 +31,7 @@ def kda_saved(spec: ModelSpec, n: int, xb: int, prec: Precision, cal: Calibratio
         "kda projections' inputs": n * linear_inputs(H, 6, xb, prec),
         "kda conv": n * cal.kda_conv_copies * c * 3 * D,
         "kda forget gate": n * 2 * f * D,
-        "kda chunk state (q,k,v,g,A)": n * (3 * c * D + 2 * f * D + 2 * f * Hh * 64 + 2 * f * Hh),
+        "kda chunk state (q,k,v,g,A)": n * (3 * c * D + 2 * f * D + 2 * c * Hh * 64 + 2 * f * Hh),
         "kda output norm + o_proj input": n * (4 * f * D + c * D + 2 * c * Dk),
     }
 
