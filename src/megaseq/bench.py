@@ -316,14 +316,18 @@ def write_outputs(result: dict[str, Any], out: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
-    xs = [r["seq_len"] for r in ok]
-    a.plot(xs, [r["predicted_gpu_gib"] for r in ok], "o--", label="planned")
-    if ok[0].get("measured_gpu_gib") is not None:
-        a.plot(xs, [r["measured_gpu_gib"] for r in ok], "o-", label="measured")
-    a.set(xscale="log", xlabel="tokens per sequence", ylabel="peak GPU GiB", title="memory")
+    for source in sorted({r["source"] for r in ok}):  # one line per data source (random, genome)
+        rows = sorted((r for r in ok if r["source"] == source), key=lambda r: r["seq_len"])
+        xs = [r["seq_len"] for r in rows]
+        a.plot(xs, [r.get("predicted_gpu_tensors_gib", r["predicted_gpu_gib"]) for r in rows], "o--",
+               label=f"planned ({source})")
+        if rows[0].get("measured_gpu_gib") is not None:
+            a.plot(xs, [r["measured_gpu_gib"] for r in rows], "o-", label=f"measured ({source})")
+        b.plot(xs, [r["tokens_per_s"] for r in rows], "o-", label=source)
+    a.set(xscale="log", xlabel="tokens per sequence", ylabel="peak GPU GiB (tensors)", title="memory")
     a.legend()
-    b.plot(xs, [r["tokens_per_s"] for r in ok], "o-")
     b.set(xscale="log", xlabel="tokens per sequence", ylabel="tokens/s", title="throughput")
+    b.legend()
     fig.tight_layout()
     fig.savefig(out.with_suffix(".png"), dpi=120)
     plt.close(fig)

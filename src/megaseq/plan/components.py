@@ -124,8 +124,9 @@ class Calibration:
     attn_block_elems: int = 1 << 26  # score elements per query block of the reference sparse attention
     nograd_fraction: float = 0.35  # peak of a layer's no-grad forward, as a fraction of its saved set
     sinkhorn_saved: bool = True  # Sinkhorn's 2*iters-1 divisions each save [N, N] + [N] in fp32
-    process_host_bytes: int = int(1.95 * GIB)  # one training process: Python, torch, CUDA host state, data
-    # (H200, torch 2.11: VmHWM 2.03-2.11 GB for glm5-flash-1gpu at 32K and 128K without offload)
+    process_host_bytes: int = 2_010_000_000  # one training process: Python, torch, CUDA host state, data
+    # (H200, torch 2.11: VmHWM 1.95-2.07 GB, mean 2.01 GB, over 14 runs of glm5-flash-1gpu 8K-1M and
+    # glm5-flash-tiny 128K-1M without offload, benchmarks/results/h200/)
     cuda_context_bytes: int = int(0.6 * GIB)  # CUDA context + cuBLAS/cuDNN workspaces, outside torch's count
     allocator_fixed: int = 2 * GIB  # caching-allocator reserve: a fixed part ...
     allocator_fraction: float = 0.05  # ... plus 5% of the tensors for fragmentation
