@@ -240,7 +240,7 @@ class ThreadCtx(SeqContext):
         s = self.extra["s_loc"]
         return full[:, self.cp_rank * s:(self.cp_rank + 1) * s]
 
-    def gather_seq(self, x):
+    def gather_seq(self, x, key=None):
         return torch.cat(self.group.all_gather(self.cp_rank, x), dim=1)
 
 

@@ -19,10 +19,11 @@ def test_kda_saved_by_hand():
     spec = small_spec()  # H 8, KDA 2 heads x 3 (D = 6); input: the fp32 norm output (xb 4)
     got = LY.kda_saved(spec, 10, 4, AUTOCAST)
     assert got["kda projections' inputs"] == 10 * 6 * 2 * 8  # six linears, a bf16 cast each
-    assert got["kda conv"] == 10 * 2 * 2 * 3 * 6  # cast input + output, bf16, 3D channels
+    assert got["kda conv"] == 10 * 1 * 2 * 3 * 6  # fla's conv saves its bf16 input only, 3D channels
     assert got["kda forget gate"] == 10 * 2 * 4 * 6
-    # q, k, v bf16 (3 * 2 * 6) + g and its cumsum fp32 (2 * 4 * 6) + Aqk, Akk (2 * 4 * 2 heads * 64) + rstd
-    assert got["kda chunk state (q,k,v,g,A)"] == 10 * (36 + 48 + 1024 + 16)
+    # q, k, v bf16 (3 * 2 * 6) + g and its cumsum fp32 (2 * 4 * 6) + Aqk, Akk bf16 (2 * 2 * 2 heads * 64)
+    # + rstd
+    assert got["kda chunk state (q,k,v,g,A)"] == 10 * (36 + 48 + 512 + 16)
     # gated norm 4 fp32 tensors (4 * 4 * 6) + o_proj input (2 * 6) + f_a, g_a outputs (2 * 2 * 3)
     assert got["kda output norm + o_proj input"] == 10 * (96 + 12 + 12)
     # forward temporaries: 7 * c * D + the chunk states heads*dk*dv*c/64 = 84 + 0.5625 per token
@@ -167,7 +168,8 @@ def test_saved_set_matches_blocks(name, seq, autocast, block, kda_uncounted, mon
     h = torch.randn(*shape, requires_grad=True)
     run = Run(spec=spec, seq_len=seq, batch=1, mesh=Mesh(), model_dtype="bf16" if autocast else "fp32",
               memory=default_memory(None, seq), counts=C.count_params(spec),
-              cal=Calibration(attn_block_elems=block or 1 << 26), sparse_impl="torch_masked")  # the CPU path
+              # the CPU path: the reference sparse attention, and the torch conv (which keeps its output)
+              cal=Calibration(attn_block_elems=block or 1 << 26, kda_conv_copies=2), sparse_impl="torch_masked")
     for i, layer in enumerate(model.layers):
         if spec.layer_types[i] == "dsa" and (autocast or spec.indexer_types[i] == "shared"):
             continue  # DSA under CPU autocast: see the planner report (indexer scoring overflows in bf16)
@@ -195,10 +197,11 @@ def test_token_tiled_saved_set_matches_blocks(kda_uncounted):
     model = build_model(spec, dtype=torch.float32, seed=0)
     h = torch.randn(1, seq, spec.hc_mult, spec.hidden_size, requires_grad=True)
     memory = dict(default_memory(None, seq), tiled_mlp=True, mlp_tile_tokens=tile)
+    cpu = Calibration(kda_conv_copies=2)  # the torch reference conv keeps its output too (fla's does not)
     run = Run(spec=spec, seq_len=seq, batch=1, mesh=Mesh(), model_dtype="fp32", memory=memory,
-              counts=C.count_params(spec), sparse_impl="torch_masked")
+              counts=C.count_params(spec), sparse_impl="torch_masked", cal=cpu)
     untiled = Run(spec=spec, seq_len=seq, batch=1, mesh=Mesh(), model_dtype="fp32",
-                  memory=default_memory(None, seq), counts=C.count_params(spec), sparse_impl="torch_masked")
+                  memory=default_memory(None, seq), counts=C.count_params(spec), sparse_impl="torch_masked", cal=cpu)
     for i, layer in enumerate(model.layers):
         if spec.layer_types[i] != "kda":
             continue

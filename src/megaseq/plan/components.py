@@ -112,7 +112,8 @@ class Calibration:
     ``7 * c * D`` bytes per token above the saved set while a KDA layer's forward runs.
     """
 
-    kda_conv_copies: int = 2  # causal conv saves its (cast) input and its output (SiLU's input)
+    kda_conv_copies: int = 1  # fla's causal_conv1d saves only its input (SiLU fused, recomputed); the
+    # torch reference conv would keep its output too (2)
     kda_fwd_temp_cd: float = 7.0  # fla chunk_kda: contiguous q/k/v copies, w, u, kg, v_new, o
     kda_bwd_temp_fd: float = 0.0  # fla backward: its fp32 grads (fitted to 0 on the H200, see docs/planner.md)
     kda_segment_bwd_temp_fd: float = 8.0  # the same, for one recomputed segment (segmented KDA, H200)

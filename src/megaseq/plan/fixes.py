@@ -218,6 +218,8 @@ def choose(
     run: Run, budgets: Budgets, memory_cfg: Any | None
 ) -> tuple[dict[str, Any], tuple[str, ...], bool]:
     """(settings, enabled fixes, fits): the cheapest fix set that fits, chunk sizes grown to the budget."""
+    # the choice must not depend on the settings ``run`` carries (its ``n`` would be a segment's)
+    run = replace(run, memory=dict(run.memory, model_segment_tokens=0))
     base = dict(default_memory(memory_cfg, run.n), indexer_query_chunk=indexer_chunk_cap(run))
     costs = fix_costs(run)
     host_room = budgets.host(run.mesh) // run.mesh.gpus_on_host - run.cal.process_host_bytes
@@ -228,5 +230,7 @@ def choose(
             if m["indexer_query_chunk"] < run.n and "indexer_query_chunk" not in fixes:  # the 2 GiB bound
                 fixes = tuple(f for f in LADDER if f in fixes or f == "indexer_query_chunk")
             return m, fixes, True
-    every = tuple(f for f in LADDER if usable_fix(run, f))
+    # nothing fits: every usable fix, as one valid set (sequence segments replace the fixes they exclude)
+    segments = usable_fix(run, "model_segments")
+    every = tuple(f for f in LADDER if usable_fix(run, f) and not (segments and f in SEGMENT_EXCLUDES))
     return _with_fixes(base, every, run, host_room), every, False

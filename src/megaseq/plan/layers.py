@@ -19,11 +19,11 @@ from megaseq.plan.components import CAL, Calibration, Mesh, Precision, linear_in
 def kda_saved(spec: ModelSpec, n: int, xb: int, prec: Precision, cal: Calibration = CAL) -> dict[str, int]:
     """KDA (``blocks/kda.py``) with fla's ``chunk_kda`` on the GPU; ``xb`` bytes of the normed input.
 
-    Per token: the six projections' inputs (q, k, v, f_a, b, g_a); the conv's cast input and its output
-    ``2 * c * 3D``; the forget gate ``2 * f * D`` (g before the decay product, the sigmoid output);
-    chunk_kda's ``q, k`` (l2-normed), ``v`` in bf16, ``g`` and its chunk cumsum in fp32, the intra-chunk
-    ``Aqk, Akk`` ``2 * c * heads * 64`` (fla 0.6 keeps them in the input dtype); the gated output norm
-    ``4 * f * D`` + o_proj's input ``c * D``.
+    Per token: the six projections' inputs (q, k, v, f_a, b, g_a); the conv's input ``c * 3D`` (fla's
+    conv fuses the SiLU and saves only its input; ``kda_conv_copies``); the forget gate ``2 * f * D``
+    (g before the decay product, the sigmoid output); chunk_kda's ``q, k`` (l2-normed), ``v`` in bf16,
+    ``g`` and its chunk cumsum in fp32, the intra-chunk ``Aqk, Akk`` ``2 * c * heads * 64`` (fla 0.6
+    keeps them in the input dtype); the gated output norm ``4 * f * D`` + o_proj's input ``c * D``.
     """
     H, Hh, Dk = spec.hidden_size, spec.linear_num_heads, spec.linear_head_dim
     D, c, f = Hh * Dk, prec.compute, prec.f32
