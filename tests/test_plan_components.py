@@ -175,3 +175,34 @@ def test_sco_count_matches_offload_module():
 
 def test_allocator_reserve():
     assert C.allocator_reserve(100 * GIB) == 2 * GIB + 5 * GIB
+
+
+def test_sequence_segment_terms_by_hand():
+    """Sequence segments (``memory.model_segment_tokens``): the per-layer terms see one segment's tokens
+    and the DSA keys of the whole sequence; the caches are over the whole sequence; gradients are held."""
+    from megaseq.plan.fixes import default_memory
+    from megaseq.plan.phases import Run, evaluate, segment_store_bytes
+
+    spec = small_spec()  # 3 KDA (2 heads x 3, conv 4, H 8) + 1 DSA (kv_lora 4, indexer dim 4)
+    S, T = 1000, 256
+    base = dict(default_memory(None, S), indexer_query_chunk=64)
+    run = Run(spec=spec, seq_len=S, batch=1, mesh=Mesh(), model_dtype="bf16", memory=dict(base, model_segment_tokens=T),
+              counts=C.count_params(spec))
+    assert (run.segment, run.n, run.n_seq) == (256, 256, 1000)
+    store = segment_store_bytes(run)
+    # DSA: latent bf16 (4 * 2) + indexer keys and gates fp32 (2 * 4 * 4) per token, one layer
+    assert store["segment caches (DSA latents, indexer keys)"] == 1000 * (4 * 2 + 2 * 4 * 4)
+    # the latent's fp32 gradient accumulator, and one more [s, R] during that layer's backward
+    assert store["segment latent gradients (fp32)"] == 2 * 1000 * 4 * 4
+    # KDA: per layer and segment (4 of them) the fp32 state 2 x 3 x 3 and 3 halo inputs of H 8 in bf16
+    assert store["segment KDA states"] == 3 * 4 * (2 * 3 * 3 * 4 + 3 * 8 * 2)
+    ev = evaluate(run)
+    for k, v in store.items():
+        assert ev.breakdown.get(k) == v or ev.phase == "optimizer step"
+    plain = evaluate(Run(spec=spec, seq_len=T, batch=1, mesh=Mesh(), model_dtype="bf16", memory=base,
+                         counts=C.count_params(spec)))
+    # the segment's forward holds the gradients of the later segments (as gradient accumulation would)
+    assert ev.phases["forward"] > plain.phases["forward"]
+    # a segment as long as the sequence is no segmentation
+    assert Run(spec=spec, seq_len=S, batch=1, mesh=Mesh(), model_dtype="bf16",
+               memory=dict(base, model_segment_tokens=S), counts=C.count_params(spec)).segment == 0
