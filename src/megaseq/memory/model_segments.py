@@ -42,7 +42,13 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from megaseq.memory.tiling import TILE_SUMMED_ATTRS, restore_side_state, snapshot_side_state
+from megaseq.memory.tiling import (
+    SummedTotals,
+    collect_summed,
+    restore_side_state,
+    set_summed,
+    snapshot_side_state,
+)
 from megaseq.models.context import SeqContext
 
 SETTING = "memory.model_segment_tokens"
@@ -187,15 +193,6 @@ class SegmentContext(SeqContext):
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (hidden [B, T, H], labels [B, T]) -> sum
 
 
-def _add_counts(model: nn.Module, totals: dict[tuple[int, str], tuple[nn.Module, torch.Tensor]]) -> None:
-    for m in model.modules():
-        for name in TILE_SUMMED_ATTRS:
-            v = getattr(m, name, None)
-            if isinstance(v, torch.Tensor):
-                prev = totals.get((id(m), name))
-                totals[(id(m), name)] = (m, v.detach().clone() if prev is None else prev[1] + v.detach())
-
-
 def segmented_loss_backward(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, loss_fn: LossFn,
                             scale: float, segment_tokens: int) -> torch.Tensor:
     """Forward and backward of ``loss_fn(model(input_ids), labels) * scale`` over segments of
@@ -210,11 +207,11 @@ def segmented_loss_backward(model: nn.Module, input_ids: torch.Tensor, labels: t
     B, S = input_ids.shape
     bounds = segment_bounds(S, segment_tokens)
     store = SegmentStore(len(bounds))
-    totals: dict[tuple[int, str], tuple[nn.Module, torch.Tensor]] = {}
+    totals: SummedTotals = {}
     with torch.no_grad():
         for j, (s, e) in enumerate(bounds):
             model(input_ids[:, s:e], ctx=SegmentContext(store, j, s, e, S, grad=False))
-            _add_counts(model, totals)
+            collect_summed(model, totals)
     snap = snapshot_side_state(model)
     loss_sum = None
     with torch.enable_grad():
@@ -231,8 +228,7 @@ def segmented_loss_backward(model: nn.Module, input_ids: torch.Tensor, labels: t
             ctx.collect()
             loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
     restore_side_state(snap)
-    for m, total in totals.values():
-        setattr(m, next(n for n in TILE_SUMMED_ATTRS if hasattr(m, n)), total)
+    set_summed(totals)
     assert loss_sum is not None, "sequence segments need at least one token"
     return loss_sum
 

@@ -69,9 +69,12 @@ def restore_side_state(snap: list[tuple[nn.Module, dict[str, Any], dict[str, Any
                     b.copy_(copy)
 
 
-def _collect_summed(module: nn.Module, totals: dict[tuple[int, str], tuple[nn.Module, torch.Tensor]]) -> None:
-    """Add this tile's value of every summed attribute to ``totals`` (looked up after each tile, since a
-    module may create the attribute in its first forward)."""
+SummedTotals = dict[tuple[int, str], tuple[nn.Module, torch.Tensor]]
+
+
+def collect_summed(module: nn.Module, totals: SummedTotals) -> None:
+    """Add this tile's (or segment's) value of every summed attribute of ``module``'s submodules to
+    ``totals`` (looked up after each forward, since a module may create the attribute in its first)."""
     for m in module.modules():
         for name in dict.fromkeys(tuple(getattr(m, "_tile_summed_attrs", ())) + TILE_SUMMED_ATTRS):
             v = getattr(m, name, None)
@@ -81,10 +84,16 @@ def _collect_summed(module: nn.Module, totals: dict[tuple[int, str], tuple[nn.Mo
                 totals[key] = (m, v.detach().clone() if prev is None else prev[1] + v.detach())
 
 
+def set_summed(totals: SummedTotals) -> None:
+    """Leave every summed attribute at its total (the whole sequence's value)."""
+    for (_, name), (m, total) in totals.items():
+        setattr(m, name, total)
+
+
 def _run_tiles(run: Callable[[torch.Tensor], torch.Tensor], module: nn.Module, tile_tokens: int,
                x_NH: torch.Tensor) -> torch.Tensor:
     """All tiles without a graph; the summed side state ends as the whole sequence's value."""
-    totals: dict[tuple[int, str], tuple[nn.Module, torch.Tensor]] = {}
+    totals: SummedTotals = {}
     y_N = None
     with torch.no_grad():
         for a, b in _tiles(x_NH.shape[0], tile_tokens):
@@ -93,9 +102,8 @@ def _run_tiles(run: Callable[[torch.Tensor], torch.Tensor], module: nn.Module, t
                 y_N = y_T.new_empty((x_NH.shape[0],) + tuple(y_T.shape[1:]))
             y_N[a:b] = y_T
             del y_T
-            _collect_summed(module, totals)
-    for (_, name), (m, total) in totals.items():
-        setattr(m, name, total)
+            collect_summed(module, totals)
+    set_summed(totals)
     assert y_N is not None, "tiled_forward needs at least one token"
     return y_N
 

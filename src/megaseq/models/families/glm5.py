@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from megaseq.memory.tiling import TILE_SUMMED_ATTRS, restore_side_state, snapshot_side_state
+from megaseq.memory.tiling import collect_summed, restore_side_state, set_summed, snapshot_side_state
 from megaseq.models.blocks.kda import GatedRMSNorm, KimiDeltaAttention, init_kda_
 from megaseq.models.blocks.mhc import HyperConnection, collapse_streams, expand_streams
 from megaseq.models.blocks.mla_dsa import Indexer, MLASparseAttention
@@ -57,17 +57,6 @@ def _topk_sources(spec: ModelSpec) -> list[int | None]:
 TileFn = Callable[..., tuple[torch.Tensor, ...]]
 
 
-def _sum_counts(modules: Sequence[nn.Module], totals: dict) -> None:
-    """Add this tile's per-forward counts (``MoE.last_tokens_per_expert``) to ``totals``."""
-    for mod in modules:
-        for m in mod.modules():
-            for name in TILE_SUMMED_ATTRS:
-                v = getattr(m, name, None)
-                if isinstance(v, torch.Tensor):
-                    prev = totals.get((id(m), name))
-                    totals[(id(m), name)] = (m, v.detach().clone() if prev is None else prev[1] + v.detach())
-
-
 def _run_tiles(fn: TileFn, modules, tile: int, inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
     """All tiles without a graph into preallocated outputs; per-forward counts summed over the tiles."""
     N, outs, totals = inputs[0].shape[0], None, {}
@@ -78,9 +67,9 @@ def _run_tiles(fn: TileFn, modules, tile: int, inputs: Sequence[torch.Tensor]) -
         for o, y in zip(outs, ys):
             o[a:a + tile] = y
         del ys
-        _sum_counts(modules, totals)
-    for m, total in totals.values():
-        setattr(m, next(n for n in TILE_SUMMED_ATTRS if hasattr(m, n)), total)
+        for mod in modules:  # this tile's per-forward counts (MoE.last_tokens_per_expert)
+            collect_summed(mod, totals)
+    set_summed(totals)
     assert outs is not None, "token tiling needs at least one token"
     return outs
 
