@@ -191,3 +191,21 @@ def test_segments_in_bf16_are_as_close_to_fp32_as_the_plain_step():
     print(f"\nbf16 vs fp32, median relative gradient error: plain {plain:.3g}, segmented {seg:.3g}")
     assert err(grads(True, amp=False), truth) < 1e-4  # fp32: the same step
     assert seg < 1.25 * plain
+
+
+def test_evaluation_in_segments_equals_plain():
+    """``per_token_loss_fn`` with the plan's segment length (what `megaseq eval` and the trainer's
+    evaluation use for a run trained in segments): the same per-token losses, float64."""
+    from megaseq.parallel.env import ParallelEnv
+    from megaseq.train.trainer import per_token_loss_fn
+
+    model, cfg = _model("mixed")
+    ids, labels = _batch(cfg, 2, 45)
+    env = ParallelEnv(torch.device("cpu"))
+    batch = {"input_ids": ids, "labels": labels}
+    plain = per_token_loss_fn(model, env, None, 16)(batch)
+    seg = per_token_loss_fn(model, env, None, 16, segment_tokens=10)(batch)
+    assert seg.shape == plain.shape == (2, 45)
+    assert rel_err(seg, plain) < 1e-12
+    assert not torch.equal(seg[:, 10:], per_token_loss_fn(model, env, None, 16)(
+        {"input_ids": ids[:, 10:], "labels": labels[:, 10:]}))  # later segments did see the earlier ones

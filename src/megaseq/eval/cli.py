@@ -10,6 +10,7 @@ and tokenizer are the ones the run used; ``--data`` replaces the held-out files.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -73,10 +74,15 @@ def evaluate_targets(targets: list[str], data: list[str] | None = None, override
     device = "cuda" if torch.cuda.is_available() else "cpu"
     env = ParallelEnv(torch.device(device))
     autocast = torch.bfloat16 if device == "cuda" and cfg.model.dtype == "bf16" else None
+    # a run trained in sequence segments is evaluated in them too (its plan says how long)
+    plan_file = run_dir / "plan.json" if run_dir is not None else None
+    segment = cfg.memory.model_segment_tokens
+    if plan_file is not None and plan_file.is_file():
+        segment = int(json.loads(plan_file.read_text()).get("memory", {}).get("model_segment_tokens") or segment)
     models, spec = {}, None
     for name, path in _checkpoints(paths).items():
         model, spec, _ = load_megaseq_checkpoint(path, device=device)
-        models[name] = per_token_loss_fn(model.eval(), env, autocast, cfg.memory.loss_chunk_tokens)
+        models[name] = per_token_loss_fn(model.eval(), env, autocast, cfg.memory.loss_chunk_tokens, segment)
     dataset = build_data(cfg.data, cfg.eval, vocab_size=spec.vocab_size)
     if not dataset.heldout:
         raise ValueError("eval: no held-out data; pass --data FILE or set data.heldout in the run's config")

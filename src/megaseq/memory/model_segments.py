@@ -193,6 +193,32 @@ class SegmentContext(SeqContext):
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (hidden [B, T, H], labels [B, T]) -> sum
 
 
+def _forward_pass(model: nn.Module, input_ids: torch.Tensor, bounds: list[tuple[int, int]], store: SegmentStore,
+                  on_hidden: Callable[[torch.Tensor, int, int], None] | None = None) -> SummedTotals:
+    """Every segment in order without a graph, filling ``store``; ``on_hidden(hidden, s, e)`` sees each
+    segment's final hidden states. Returns the per-forward counts summed over the segments."""
+    S, totals = input_ids.shape[1], {}
+    with torch.no_grad():
+        for j, (s, e) in enumerate(bounds):
+            hidden = model(input_ids[:, s:e], ctx=SegmentContext(store, j, s, e, S, grad=False))
+            if on_hidden is not None:
+                on_hidden(hidden, s, e)
+            del hidden
+            collect_summed(model, totals)
+    return totals
+
+
+def segmented_forward(model: nn.Module, input_ids: torch.Tensor, segment_tokens: int,
+                      on_hidden: Callable[[torch.Tensor, int, int], None]) -> None:
+    """The model's forward over ``input_ids [B, S]`` in segments, without a graph (evaluation):
+    ``on_hidden(hidden [B, T, H], s, e)`` is called for each segment ``[s, e)`` in order. Memory: the
+    caches and one segment's no-grad forward, as in ``segmented_loss_backward``."""
+    B, S = input_ids.shape
+    bounds = segment_bounds(S, segment_tokens)
+    store = SegmentStore(len(bounds))
+    set_summed(_forward_pass(model, input_ids, bounds, store, on_hidden))
+
+
 def segmented_loss_backward(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, loss_fn: LossFn,
                             scale: float, segment_tokens: int) -> torch.Tensor:
     """Forward and backward of ``loss_fn(model(input_ids), labels) * scale`` over segments of
@@ -207,11 +233,7 @@ def segmented_loss_backward(model: nn.Module, input_ids: torch.Tensor, labels: t
     B, S = input_ids.shape
     bounds = segment_bounds(S, segment_tokens)
     store = SegmentStore(len(bounds))
-    totals: SummedTotals = {}
-    with torch.no_grad():
-        for j, (s, e) in enumerate(bounds):
-            model(input_ids[:, s:e], ctx=SegmentContext(store, j, s, e, S, grad=False))
-            collect_summed(model, totals)
+    totals = _forward_pass(model, input_ids, bounds, store)
     snap = snapshot_side_state(model)
     loss_sum = None
     with torch.enable_grad():

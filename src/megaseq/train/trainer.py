@@ -67,19 +67,34 @@ def make_plan(cfg: Config, env: ParallelEnv, device: torch.device) -> tuple[dict
 
 
 def per_token_loss_fn(model: torch.nn.Module, env: ParallelEnv, autocast: torch.dtype | None,
-                      chunk_tokens: int) -> Any:
-    """A callable batch -> per-token loss [B, S] in nats (for evaluation)."""
+                      chunk_tokens: int, segment_tokens: int = 0) -> Any:
+    """A callable batch -> per-token loss [B, S] in nats (for evaluation). ``segment_tokens`` (the plan's
+    ``model_segment_tokens``): a longer sequence runs in sequence segments, as training did."""
     from megaseq.memory.vocab_loss import chunked_linear_cross_entropy
+
+    def token_loss(hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        B, T, H = hidden.shape
+        return chunked_linear_cross_entropy(hidden.reshape(-1, H), model.lm_head.weight, labels.reshape(-1),
+                                            chunk_tokens, reduction="none").float().reshape(B, T)
 
     @torch.no_grad()
     def fn(batch: dict[str, torch.Tensor]) -> torch.Tensor:
         b = env.to_device(batch)
+        ids = b["input_ids"]
+        if segment_tokens and ids.shape[1] > segment_tokens and b.get("doc_ids") is None and env.cp_size == 1:
+            from megaseq.memory.model_segments import segmented_forward
+
+            out = torch.empty(ids.shape, dtype=torch.float32, device=ids.device)
+
+            def put(hidden: torch.Tensor, s: int, e: int) -> None:
+                out[:, s:e] = token_loss(hidden, b["labels"][:, s:e])
+
+            with _autocast(autocast, env.device):
+                segmented_forward(model, ids, segment_tokens, put)
+            return out
         with _autocast(autocast, env.device):
-            hidden = model(b["input_ids"], doc_ids=b.get("doc_ids"), ctx=env.context(b))
-        B, S, H = hidden.shape
-        loss = chunked_linear_cross_entropy(hidden.reshape(-1, H), model.lm_head.weight, b["labels"].reshape(-1),
-                                            chunk_tokens, reduction="none")
-        return env.gather_seq(loss.float().reshape(B, S))
+            hidden = model(ids, doc_ids=b.get("doc_ids"), ctx=env.context(b))
+        return env.gather_seq(token_loss(hidden, b["labels"]))
 
     return fn
 
@@ -252,10 +267,11 @@ def evaluate_run(cfg: Config, run_dir: Path, model: torch.nn.Module, spec: Any, 
     from megaseq.eval import report_by_position
 
     chunk = memory.get("loss_chunk_tokens") or 8192
+    segment = int(memory.get("model_segment_tokens") or 0)
     models = {}
     before = Path(run_dir) / ckpt.CKPT_DIR / "step_000000"
     if before.is_dir():
         m0, _, _ = load_megaseq_checkpoint(before, device=env.device, dtype=next(model.parameters()).dtype)
-        models["before"] = per_token_loss_fn(m0.eval(), env, autocast, chunk)
-    models["after"] = per_token_loss_fn(model.eval(), env, autocast, chunk)
+        models["before"] = per_token_loss_fn(m0.eval(), env, autocast, chunk, segment)
+    models["after"] = per_token_loss_fn(model.eval(), env, autocast, chunk, segment)
     return report_by_position(models, data, cfg.eval, Path(run_dir) / "eval")
