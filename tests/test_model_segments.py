@@ -209,3 +209,12 @@ def test_evaluation_in_segments_equals_plain():
     assert rel_err(seg, plain) < 1e-12
     assert not torch.equal(seg[:, 10:], per_token_loss_fn(model, env, None, 16)(
         {"input_ids": ids[:, 10:], "labels": labels[:, 10:]}))  # later segments did see the earlier ones
+
+
+def test_progress_hears_every_segment_of_both_passes():
+    model, cfg = _model("dense")
+    ids, labels = _batch(cfg, 1, 25)
+    heard = []
+    ms.segmented_loss_backward(model, ids, labels, _loss_fn(model), 1.0, 10, progress=lambda *a: heard.append(a))
+    assert heard == [("forward", 0, 3), ("forward", 1, 3), ("forward", 2, 3),
+                     ("backward", 0, 3), ("backward", 1, 3), ("backward", 2, 3)]

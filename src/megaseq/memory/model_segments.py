@@ -194,13 +194,19 @@ class SegmentContext(SeqContext):
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (hidden [B, T, H], labels [B, T]) -> sum
 
 
+Progress = Callable[[str, int, int], None]  # (pass: "forward" | "backward", segments done, segments)
+
+
 def _forward_pass(model: nn.Module, input_ids: torch.Tensor, bounds: list[tuple[int, int]], store: SegmentStore,
-                  on_hidden: Callable[[torch.Tensor, int, int], None] | None = None) -> SummedTotals:
+                  on_hidden: Callable[[torch.Tensor, int, int], None] | None = None,
+                  progress: Progress | None = None) -> SummedTotals:
     """Every segment in order without a graph, filling ``store``; ``on_hidden(hidden, s, e)`` sees each
     segment's final hidden states. Returns the per-forward counts summed over the segments."""
     S, totals = input_ids.shape[1], {}
     with torch.no_grad():
         for j, (s, e) in enumerate(bounds):
+            if progress is not None:
+                progress("forward", j, len(bounds))
             hidden = model(input_ids[:, s:e], ctx=SegmentContext(store, j, s, e, S, grad=False))
             if on_hidden is not None:
                 on_hidden(hidden, s, e)
@@ -221,7 +227,7 @@ def segmented_forward(model: nn.Module, input_ids: torch.Tensor, segment_tokens:
 
 
 def segmented_loss_backward(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, loss_fn: LossFn,
-                            scale: float, segment_tokens: int) -> torch.Tensor:
+                            scale: float, segment_tokens: int, progress: Progress | None = None) -> torch.Tensor:
     """Forward and backward of ``loss_fn(model(input_ids), labels) * scale`` over segments of
     ``segment_tokens`` tokens (see the module docstring): parameter gradients are accumulated into
     ``.grad`` as ``(loss * scale).backward()`` would; returns the unscaled loss sum (no graph).
@@ -229,17 +235,20 @@ def segmented_loss_backward(model: nn.Module, input_ids: torch.Tensor, labels: t
     ``model(ids, ctx=ctx)`` must return the final hidden states ``[B, T, H]`` of the ids it is given and
     read every token mixer's earlier state through ``ctx``; ``loss_fn`` maps (hidden, labels) of one
     segment to the sum of its per-token losses. Per-forward counts (MoE ``last_tokens_per_expert``) hold
-    the whole sequence's after the step.
+    the whole sequence's after the step. ``progress(pass, done, total)`` is told before each segment (a
+    1M-token step is minutes long).
     """
     B, S = input_ids.shape
     bounds = segment_bounds(S, segment_tokens)
     store = SegmentStore(len(bounds))
-    totals = _forward_pass(model, input_ids, bounds, store)
+    totals = _forward_pass(model, input_ids, bounds, store, progress=progress)
     snap = snapshot_side_state(model)
     loss_sum = None
     with torch.enable_grad():
         for j in reversed(range(len(bounds))):
             s, e = bounds[j]
+            if progress is not None:
+                progress("backward", len(bounds) - 1 - j, len(bounds))
             ctx = SegmentContext(store, j, s, e, S, grad=True)
             hidden = model(input_ids[:, s:e], ctx=ctx)
             loss = loss_fn(hidden, labels[:, s:e])

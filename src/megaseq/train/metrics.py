@@ -98,6 +98,11 @@ class MetricsLogger:
             info += f"  host {record['host_peak_gib']:.1f} GiB"
             self._bar.update(self._task, completed=step, info=info)
 
+    def substep(self, what: str, done: int, total: int) -> None:
+        """Progress inside a long step (sequence segments): shown on the bar until the step's record."""
+        if self._bar is not None:
+            self._bar.update(self._task, info=f"{what} segment {done + 1}/{total}")
+
     def close(self) -> None:
         if not self.enabled:
             return

@@ -107,8 +107,9 @@ def _autocast(dtype: torch.dtype | None, device: torch.device) -> contextlib.Abs
 
 def train_step(model: torch.nn.Module, micro_batches: list[dict[str, torch.Tensor]], optimizer: Any,
                scheduler: Any, cfg: Config, env: ParallelEnv, autocast: torch.dtype | None,
-               memory: dict[str, Any]) -> tuple[float, float]:
-    """One optimizer step over ``grad_accum`` micro-batches; returns (mean loss, grad norm)."""
+               memory: dict[str, Any], progress: Any = None) -> tuple[float, float]:
+    """One optimizer step over ``grad_accum`` micro-batches; returns (mean loss, grad norm). ``progress``
+    (pass, done, total) hears of each sequence segment when the plan runs them."""
     chunk = memory["loss_chunk_tokens"] if memory.get("chunked_loss") else None
     local = sum(int((b["labels"] != -100).sum()) for b in micro_batches)
     total = env.all_reduce_count(local)  # the loss is a mean over every token of the global batch
@@ -117,7 +118,7 @@ def train_step(model: torch.nn.Module, micro_batches: list[dict[str, torch.Tenso
     for batch in micro_batches:
         b = env.to_device(batch)
         if segment and b["input_ids"].shape[1] > segment:  # sequence segments (memory/model_segments.py)
-            loss_sum += float(_segmented_step(model, b, env, autocast, chunk, segment, total))
+            loss_sum += float(_segmented_step(model, b, env, autocast, chunk, segment, total, progress))
             continue
         with _autocast(autocast, env.device):
             hidden = model(b["input_ids"], doc_ids=b.get("doc_ids"), ctx=env.context(b))
@@ -144,7 +145,8 @@ def train_step(model: torch.nn.Module, micro_batches: list[dict[str, torch.Tenso
 
 
 def _segmented_step(model: torch.nn.Module, b: dict[str, torch.Tensor], env: ParallelEnv,
-                    autocast: torch.dtype | None, chunk: int | None, segment: int, total: int) -> torch.Tensor:
+                    autocast: torch.dtype | None, chunk: int | None, segment: int, total: int,
+                    progress: Any = None) -> torch.Tensor:
     """Forward + backward of one micro-batch in sequence segments; returns its loss sum (no graph)."""
     from megaseq.memory.model_segments import check_model_segments, segmented_loss_backward
 
@@ -157,7 +159,8 @@ def _segmented_step(model: torch.nn.Module, b: dict[str, torch.Tensor], env: Par
         return env.loss_sum(hidden, head, labels, chunk)
 
     with _autocast(autocast, env.device):
-        return segmented_loss_backward(model, b["input_ids"], b["labels"], loss_fn, 1.0 / max(total, 1), segment)
+        return segmented_loss_backward(model, b["input_ids"], b["labels"], loss_fn, 1.0 / max(total, 1), segment,
+                                       progress)
 
 
 def build_planned_model(cfg: Config, spec: Any, device: torch.device, memory: dict[str, Any], total_steps: int,
@@ -223,7 +226,8 @@ def run_training(cfg: Config) -> RunResult:
             batches = [data.train.next_batch() if env.reads_data else None for _ in range(cfg.train.grad_accum)]
             batches = [env.shard_batch(b) for b in batches]
             lr = optimizer.param_groups[0]["lr"]
-            loss, gnorm = train_step(model, batches, optimizer, scheduler, cfg, env, autocast, memory)
+            loss, gnorm = train_step(model, batches, optimizer, scheduler, cfg, env, autocast, memory,
+                                     progress=logger.substep)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             dt = time.perf_counter() - t0
