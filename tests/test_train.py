@@ -155,7 +155,7 @@ def test_sequence_segments_train_as_the_plain_step(tmp_path, monkeypatch):
     calls = []
     real = model_segments.segmented_loss_backward
     monkeypatch.setattr(model_segments, "segmented_loss_backward",
-                        lambda *a, **k: calls.append(a[-1]) or real(*a, **k))
+                        lambda *a, **k: calls.append(a[5]) or real(*a, **k))  # segment_tokens
     seg = run_training(_cfg(tmp_path, "seg", **common, memory={"auto": False, "model_segment_tokens": 40}))
     assert calls == [40, 40, 40]  # every step ran in segments
     np.testing.assert_allclose(seg.losses, plain.losses, rtol=1e-10)
