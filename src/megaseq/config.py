@@ -149,7 +149,7 @@ class MemoryConfig:
     model_segment_tokens: Any = opt(0, "sequence segments: the whole model over the sequence this many tokens at a "
                                        "time, each layer's state (KDA state, DSA latents) carried, each segment "
                                        "rerun in backward; replaces recompute/SCO/tiling at long lengths (0: off; "
-                                       "glm5 models, one rank, no packed documents)")
+                                       "glm5 models, one rank)")
     gpu_budget: Any = opt("auto", "GPU bytes the plan may use (auto: the device's total less a reserve)")
     host_budget: Any = opt("auto", "host bytes the plan may use (auto: 90% of physical RAM)")
 

@@ -30,8 +30,12 @@ gates, the latent's fp32 gradient; ``plan.phases.segment_store_bytes``) instead 
 layer boundaries: it replaces recompute, checkpoint offload and segmented KDA for long sequences, at
 the cost of one more forward (as recompute). ``segmented_forward`` is the forward alone (evaluation).
 
-First version: one rank (cp 1), no document boundaries, no other layer scheme (recompute, SCO,
-segmented KDA) at the same time; models whose token mixers all implement the hooks (``glm5_next``).
+Documents (``doc_ids``, packed text): the context gives the mixers the documents of all tokens so far;
+a KDA layer restarts its conv and state at each document start and carries only a document that goes
+on past the segment's end; the indexer selects within each query's document, as in the plain step.
+
+First version: one rank (cp 1), no other layer scheme (recompute, SCO, segmented KDA) at the same
+time, models whose token mixers all implement the hooks (``glm5_next``).
 ``check_model_segments`` says so with the setting to change before anything runs.
 """
 
@@ -64,7 +68,7 @@ def segment_bounds(S: int, segment_tokens: int) -> list[tuple[int, int]]:
     return [(s, min(s + segment_tokens, S)) for s in range(0, S, segment_tokens)]
 
 
-def check_model_segments(family: str, segment_tokens: int, cp: int = 1, documents: bool = False,
+def check_model_segments(family: str, segment_tokens: int, cp: int = 1,
                          layer_schemes: tuple[str, ...] = ()) -> None:
     """ValueError naming ``memory.model_segment_tokens`` and the fix for what sequence segments cannot run."""
     if segment_tokens < 1:
@@ -75,10 +79,6 @@ def check_model_segments(family: str, segment_tokens: int, cp: int = 1, document
     if cp != 1:
         raise ValueError(f"{SETTING}={segment_tokens} with context parallelism cp={cp}: sequence segments run on "
                          f"one rank for now; unset {SETTING} or use --parallel.cp 1")
-    if documents:
-        raise ValueError(f"{SETTING}={segment_tokens} with packed documents: sequence segments do not restart the "
-                         f"KDA state or the indexer at document boundaries yet; unset {SETTING} or train on "
-                         "data without document boundaries (genomes, random tokens)")
     if layer_schemes:
         raise ValueError(f"{SETTING}={segment_tokens} with {', '.join(layer_schemes)}: sequence segments already "
                          "bound each layer's memory by the segment; turn those off (--memory.recompute false, "
@@ -109,15 +109,21 @@ class SegmentContext(SeqContext):
 
     segmented: ClassVar[bool] = True
 
-    def __init__(self, store: SegmentStore, j: int, s: int, e: int, S: int, grad: bool) -> None:
-        super().__init__()
+    def __init__(self, store: SegmentStore, j: int, s: int, e: int, S: int, grad: bool,
+                 doc_ids: torch.Tensor | None = None) -> None:
+        super().__init__(doc_ids=None if doc_ids is None else doc_ids[:, s:e])
         self.store, self.j, self.s, self.e, self.S, self.grad = store, j, s, e, S, grad
+        self.all_doc_ids = doc_ids  # [B, S] of the whole sequence, or None
         self.outputs: list[torch.Tensor] = []  # carried-out tensors with a gradient from later segments
         self.output_grads: list[torch.Tensor] = []
         self.leaves: list[tuple[str, str, torch.Tensor]] = []  # (kind, key, leaf)
 
     def seq_offset(self) -> int:
         return self.s
+
+    def full_doc_ids(self) -> torch.Tensor | None:
+        """The documents of every token up to this segment's end ``[B, e]`` (what the mixers see)."""
+        return None if self.all_doc_ids is None else self.all_doc_ids[:, :self.e]
 
     # ---- DSA: latents and indexer keys of every token up to this segment's end --------------
     def gather_seq(self, x: torch.Tensor, key: str | None = None) -> torch.Tensor:
@@ -199,7 +205,7 @@ Progress = Callable[[str, int, int], None]  # (pass: "forward" | "backward", seg
 
 def _forward_pass(model: nn.Module, input_ids: torch.Tensor, bounds: list[tuple[int, int]], store: SegmentStore,
                   on_hidden: Callable[[torch.Tensor, int, int], None] | None = None,
-                  progress: Progress | None = None) -> SummedTotals:
+                  progress: Progress | None = None, doc_ids: torch.Tensor | None = None) -> SummedTotals:
     """Every segment in order without a graph, filling ``store``; ``on_hidden(hidden, s, e)`` sees each
     segment's final hidden states. Returns the per-forward counts summed over the segments."""
     S, totals = input_ids.shape[1], {}
@@ -207,7 +213,7 @@ def _forward_pass(model: nn.Module, input_ids: torch.Tensor, bounds: list[tuple[
         for j, (s, e) in enumerate(bounds):
             if progress is not None:
                 progress("forward", j, len(bounds))
-            hidden = model(input_ids[:, s:e], ctx=SegmentContext(store, j, s, e, S, grad=False))
+            hidden = model(input_ids[:, s:e], ctx=SegmentContext(store, j, s, e, S, grad=False, doc_ids=doc_ids))
             if on_hidden is not None:
                 on_hidden(hidden, s, e)
             del hidden
@@ -216,18 +222,20 @@ def _forward_pass(model: nn.Module, input_ids: torch.Tensor, bounds: list[tuple[
 
 
 def segmented_forward(model: nn.Module, input_ids: torch.Tensor, segment_tokens: int,
-                      on_hidden: Callable[[torch.Tensor, int, int], None]) -> None:
+                      on_hidden: Callable[[torch.Tensor, int, int], None],
+                      doc_ids: torch.Tensor | None = None) -> None:
     """The model's forward over ``input_ids [B, S]`` in segments, without a graph (evaluation):
     ``on_hidden(hidden [B, T, H], s, e)`` is called for each segment ``[s, e)`` in order. Memory: the
     caches and one segment's no-grad forward, as in ``segmented_loss_backward``."""
     B, S = input_ids.shape
     bounds = segment_bounds(S, segment_tokens)
     store = SegmentStore(len(bounds))
-    set_summed(_forward_pass(model, input_ids, bounds, store, on_hidden))
+    set_summed(_forward_pass(model, input_ids, bounds, store, on_hidden, doc_ids=doc_ids))
 
 
 def segmented_loss_backward(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, loss_fn: LossFn,
-                            scale: float, segment_tokens: int, progress: Progress | None = None) -> torch.Tensor:
+                            scale: float, segment_tokens: int, progress: Progress | None = None,
+                            doc_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Forward and backward of ``loss_fn(model(input_ids), labels) * scale`` over segments of
     ``segment_tokens`` tokens (see the module docstring): parameter gradients are accumulated into
     ``.grad`` as ``(loss * scale).backward()`` would; returns the unscaled loss sum (no graph).
@@ -241,7 +249,7 @@ def segmented_loss_backward(model: nn.Module, input_ids: torch.Tensor, labels: t
     B, S = input_ids.shape
     bounds = segment_bounds(S, segment_tokens)
     store = SegmentStore(len(bounds))
-    totals = _forward_pass(model, input_ids, bounds, store, progress=progress)
+    totals = _forward_pass(model, input_ids, bounds, store, progress=progress, doc_ids=doc_ids)
     snap = snapshot_side_state(model)
     loss_sum = None
     with torch.enable_grad():
@@ -249,7 +257,7 @@ def segmented_loss_backward(model: nn.Module, input_ids: torch.Tensor, labels: t
             s, e = bounds[j]
             if progress is not None:
                 progress("backward", len(bounds) - 1 - j, len(bounds))
-            ctx = SegmentContext(store, j, s, e, S, grad=True)
+            ctx = SegmentContext(store, j, s, e, S, grad=True, doc_ids=doc_ids)
             hidden = model(input_ids[:, s:e], ctx=ctx)
             loss = loss_fn(hidden, labels[:, s:e])
             del hidden

@@ -136,13 +136,14 @@ def _with_fixes(base: dict[str, Any], fixes: tuple[str, ...], run: Run, host_roo
 
 def usable_fix(run: Run, fix: str) -> bool:
     """Fixes that apply to this model and run: the indexer chunk needs DSA layers; segmented KDA needs
-    KDA layers, one rank of context (cp 1) and no packed documents (its first version's limits)."""
+    KDA layers, one rank of context (cp 1) and no packed documents (its first version's limits); sequence
+    segments a glm5_next model and one rank of context."""
     if fix == "indexer_query_chunk":
         return "dsa" in run.spec.layer_types
     if fix == "kda_segments":
         return "kda" in run.spec.layer_types and run.mesh.cp == 1 and not run.packed_documents
     if fix == "model_segments":  # memory/model_segments.py: check_model_segments
-        return run.spec.family == "glm5_next" and run.mesh.cp == 1 and not run.packed_documents
+        return run.spec.family == "glm5_next" and run.mesh.cp == 1
     return True
 
 

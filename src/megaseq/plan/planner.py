@@ -258,10 +258,6 @@ def _check_forced_segments(run: Run, memory: dict[str, Any]) -> None:
     if run.mesh.cp != 1:
         raise ValueError(f"{setting} with context parallelism cp={run.mesh.cp}: sequence segments run on one "
                          "rank for now; unset memory.model_segment_tokens or use --parallel.cp 1")
-    if run.packed_documents:
-        raise ValueError(f"{setting} with packed documents: sequence segments do not restart the KDA state "
-                         "or the indexer at document boundaries yet; unset memory.model_segment_tokens or "
-                         "train on data without document boundaries (genomes, random tokens)")
     on = [f"memory.{k}" for k in ("recompute", "checkpoint_offload", "kda_segment_tokens") if memory.get(k)]
     if on:
         raise ValueError(f"{setting} with {', '.join(on)}: sequence segments already bound each layer's "

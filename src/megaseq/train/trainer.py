@@ -81,7 +81,7 @@ def per_token_loss_fn(model: torch.nn.Module, env: ParallelEnv, autocast: torch.
     def fn(batch: dict[str, torch.Tensor]) -> torch.Tensor:
         b = env.to_device(batch)
         ids = b["input_ids"]
-        if segment_tokens and ids.shape[1] > segment_tokens and b.get("doc_ids") is None and env.cp_size == 1:
+        if segment_tokens and ids.shape[1] > segment_tokens and env.cp_size == 1:
             from megaseq.memory.model_segments import segmented_forward
 
             out = torch.empty(ids.shape, dtype=torch.float32, device=ids.device)
@@ -90,7 +90,7 @@ def per_token_loss_fn(model: torch.nn.Module, env: ParallelEnv, autocast: torch.
                 out[:, s:e] = token_loss(hidden, b["labels"][:, s:e])
 
             with _autocast(autocast, env.device):
-                segmented_forward(model, ids, segment_tokens, put)
+                segmented_forward(model, ids, segment_tokens, put, doc_ids=b.get("doc_ids"))
             return out
         with _autocast(autocast, env.device):
             hidden = model(ids, doc_ids=b.get("doc_ids"), ctx=env.context(b))
@@ -150,7 +150,7 @@ def _segmented_step(model: torch.nn.Module, b: dict[str, torch.Tensor], env: Par
     """Forward + backward of one micro-batch in sequence segments; returns its loss sum (no graph)."""
     from megaseq.memory.model_segments import check_model_segments, segmented_loss_backward
 
-    check_model_segments(model.spec.family, segment, env.cp_size, b.get("doc_ids") is not None)
+    check_model_segments(model.spec.family, segment, env.cp_size)
 
     def loss_fn(hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         head = model.lm_head.weight
@@ -160,7 +160,7 @@ def _segmented_step(model: torch.nn.Module, b: dict[str, torch.Tensor], env: Par
 
     with _autocast(autocast, env.device):
         return segmented_loss_backward(model, b["input_ids"], b["labels"], loss_fn, 1.0 / max(total, 1), segment,
-                                       progress)
+                                       progress, doc_ids=b.get("doc_ids"))
 
 
 def build_planned_model(cfg: Config, spec: Any, device: torch.device, memory: dict[str, Any], total_steps: int,

@@ -211,6 +211,14 @@ class GatedRMSNorm(nn.Module):
         return h.to(x.dtype)
 
 
+def doc_rows(doc_ids_BS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For ``cu_seqlens_from_doc_ids(doc_ids_BS)``'s segments: the index of each row's first and last."""
+    counts = torch.tensor([len(spans) for spans in doc_spans(doc_ids_BS, doc_ids_BS.shape[1])],
+                          device=doc_ids_BS.device)
+    last = torch.cumsum(counts, 0) - 1
+    return last - counts + 1, last
+
+
 def cu_seqlens_from_doc_ids(doc_ids_BS: torch.Tensor) -> torch.Tensor:
     """Segment offsets ``[N + 1]`` of the documents of all rows, the batch flattened to one row."""
     B, S = doc_ids_BS.shape
@@ -257,7 +265,13 @@ class KimiDeltaAttention(nn.Module):
     def forward(self, x_BSH: torch.Tensor, ctx: SeqContext) -> torch.Tensor:
         if ctx.segmented:  # the whole model runs the sequence in segments (megaseq.memory.model_segments)
             x_BLH, halo, state = ctx.carried_in(self.layer, x_BSH, self.segment_halo)
-            y_BSH, state = self._mix(x_BLH, SeqContext(), halo, state, return_state=True)
+            full = ctx.full_doc_ids()  # [B, end of this segment] with documents, else None
+            inner, continues = SeqContext(), None
+            if full is not None:  # the halo's and the segment's documents; does each row's first one go on?
+                inner = SeqContext(doc_ids=full[:, full.shape[1] - x_BLH.shape[1]:])
+                s = ctx.seq_offset()
+                continues = full[:, s] == full[:, s - 1] if s > 0 else None
+            y_BSH, state = self._mix(x_BLH, inner, halo, state, return_state=True, continues_B=continues)
             ctx.carried_out(self.layer, x_BLH[:, max(0, x_BLH.shape[1] - self.segment_halo):], state)
             return y_BSH
         if self.segment_tokens is not None and x_BSH.shape[1] * ctx.cp_size > self.segment_tokens:
@@ -283,10 +297,16 @@ class KimiDeltaAttention(nn.Module):
         return self._mix(x_BLH, SeqContext(), halo, state_BHKV, return_state=True)
 
     def _mix(self, x_BLH: torch.Tensor, ctx: SeqContext, halo: int = 0, state_BHKV: torch.Tensor | None = None,
-             return_state: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+             return_state: bool = False,
+             continues_B: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The layer over ``x_BLH`` (this rank's tokens), whose first ``halo`` tokens only feed the causal
         conv; the recurrence starts at ``state_BHKV`` (None: zero). Returns the output ``[B, L - halo, H]``
-        and, with ``return_state``, the final recurrent state (else None)."""
+        and, with ``return_state``, the final recurrent state (else None).
+
+        With documents (``ctx.full_doc_ids()`` over the L tokens, one rank): the conv and the recurrence
+        restart at each document start; ``state_BHKV`` is row b's state before its first token, used only
+        where ``continues_B[b]`` (that token's document began earlier), and the returned state is each
+        row's after its last token (its last document's)."""
         B, L, _ = x_BLH.shape
         Hh, D = self.num_heads, self.head_dim
         if Hh % ctx.cp_size:
@@ -304,12 +324,25 @@ class KimiDeltaAttention(nn.Module):
         rows = 1 if cu is not None else B
         mixed = torch.cat([t.reshape(rows, -1, Hl * D) for t in (q, k, v)], dim=-1)
         mixed = dispatch.call("causal_conv", mixed, self._conv_weight(ctx.head_slice(Hh)), "silu", cu,
-                              layer=self.layer)[:, halo:]
+                              layer=self.layer)
+        mixed = mixed.reshape(B, -1, mixed.shape[-1])[:, halo:].reshape(rows, -1, mixed.shape[-1])
         q, k, v = (t.reshape(rows, -1, Hl, D) for t in mixed.split(Hl * D, dim=-1))
+        first = last = None
+        if cu is not None and halo:  # the recurrence runs over the tokens after the halo
+            cu = cu_seqlens_from_doc_ids(doc_ids[:, halo:])
+        if cu is not None and (return_state or state_BHKV is not None):
+            first, last = doc_rows(doc_ids[:, halo:])
+            if state_BHKV is not None:  # each row's carried state goes to its first document if it goes on
+                go_on = continues_B if continues_B is not None else torch.zeros(B, dtype=torch.bool)
+                rows_on = torch.nonzero(go_on.to(first.device)).squeeze(-1)
+                init = state_BHKV.new_zeros((len(cu) - 1,) + tuple(state_BHKV.shape[1:]))
+                state_BHKV = init.index_copy(0, first[rows_on], state_BHKV[rows_on].to(init.dtype))
         state_kw = {"initial_state": state_BHKV, "return_state": True} if return_state else {}
         o = dispatch.call("kda", q, k, v, g.reshape(rows, -1, Hl, D), beta.reshape(rows, -1, Hl), cu,
                           **state_kw, layer=self.layer)
         o, state = o if return_state else (o, None)
+        if state is not None and last is not None:
+            state = state.index_select(0, last)  # each row's last document's
         o = ctx.heads_to_seq(o.reshape(B, -1, Hl, D))
         gate = self.g_b_proj(self.g_a_proj(x_BTH)).view(B, T, Hh, D)
         return self.o_proj(self.o_norm(o, gate).reshape(B, T, Hh * D)), state
