@@ -259,3 +259,30 @@ def test_trainer_step_in_segments_keeps_documents_apart():
     _segmented_step(model, batch, env, None, None, 8, 29)
     g1 = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     assert max(rel_err(g1[n], g0[n]) for n in g0) < 1e-10
+
+
+def test_kept_selections_save_the_indexer_rerun():
+    """``keep_selection``: the backward's reruns take the forward pass's DSA selections instead of scoring
+    again (the indexer runs once per segment and full layer, not twice); the step is the same."""
+    from megaseq.models.blocks.mla_dsa import Indexer
+
+    model, cfg = _model("mixed")
+    ids, labels = _batch(cfg, 2, 41)
+    _, g0 = _segmented(model, ids, labels, 1.0, 10)
+    calls = []
+    real = Indexer.forward
+
+    def counted(self, *a, **k):
+        calls.append(1)
+        return real(self, *a, **k)
+
+    Indexer.forward = counted
+    try:
+        model.zero_grad(set_to_none=True)
+        ms.segmented_loss_backward(model, ids, labels, _loss_fn(model), 1.0, 10, keep_selection=True)
+    finally:
+        Indexer.forward = real
+    g1 = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    full_layers = sum(1 for layer in model.layers if getattr(layer.self_attn, "indexer", None) is not None)
+    assert len(calls) == 5 * full_layers  # 5 segments, the forward pass only
+    assert all(torch.equal(g1[n], g0[n]) for n in g0)

@@ -180,6 +180,8 @@ def test_allocator_reserve():
 def test_sequence_segment_terms_by_hand():
     """Sequence segments (``memory.model_segment_tokens``): the per-layer terms see one segment's tokens
     and the DSA keys of the whole sequence; the caches are over the whole sequence; gradients are held."""
+    from dataclasses import replace
+
     from megaseq.plan.fixes import default_memory
     from megaseq.plan.phases import Run, evaluate, segment_store_bytes
 
@@ -197,8 +199,11 @@ def test_sequence_segment_terms_by_hand():
     # KDA: per layer and segment (4 of them) the fp32 state 2 x 3 x 3 and 3 halo inputs of H 8 in bf16
     assert store["segment KDA states"] == 3 * 4 * (2 * 3 * 3 * 4 + 3 * 8 * 2)
     ev = evaluate(run)
+    assert store["segment DSA selections (kept)"] == 0  # not asked for
     for k, v in store.items():
-        assert ev.breakdown.get(k) == v or ev.phase == "optimizer step"
+        assert ev.breakdown.get(k, 0) == v
+    kept = segment_store_bytes(replace(run, memory=dict(run.memory, segment_keep_selection=True)))
+    assert kept["segment DSA selections (kept)"] == 1000 * 4 * (8 + 4 - 1)  # one full DSA layer, W = 11
     plain = evaluate(Run(spec=spec, seq_len=T, batch=1, mesh=Mesh(), model_dtype="bf16", memory=base,
                          counts=C.count_params(spec)))
     # the segment's forward holds the gradients of the later segments (as gradient accumulation would)

@@ -221,3 +221,19 @@ def test_context_parallel_comm_mode_is_reported():
     dsa = p.comm["dsa"]
     assert p.mesh["mla_mode"] in ("gather_kv", "ulysses") and {"gather_kv", "ulysses"} <= set(dsa)
     assert p.comm["kda"]["mode"] == "ulysses"
+
+
+def test_kept_selections_only_when_asked_and_with_room():
+    """``memory.segment_keep_selection`` (a speed-up, unmeasured on a GPU): off by default; asked for, the
+    planner keeps the forward's DSA selections where the plan then has 5% of the GPU to spare, and counts
+    them (int32, topk + kpool - 1 slots per token and full-indexer DSA layer)."""
+    from megaseq.plan.layers import dsa_selection_bytes
+
+    default = plan(SPEC_1GPU, 1 << 20)
+    assert not default.memory["segment_keep_selection"]
+    asked = plan(SPEC_1GPU, 1 << 20, memory_cfg=MemoryConfig(segment_keep_selection=True))
+    assert asked.memory["segment_keep_selection"] and asked.peak_gpu <= 0.95 * Budgets().gpu_bytes
+    kept = dict((c[0], c[1]) for c in asked.components)["segment DSA selections (kept)"]
+    assert kept == 2 * dsa_selection_bytes(SPEC_1GPU, 1 << 20) == 2 * 4 * (1 << 20) * (2048 + 15)
+    tight = plan(SPEC_1GPU, 512 * K, memory_cfg=MemoryConfig(segment_keep_selection=True))
+    assert tight.fits and not tight.memory["segment_keep_selection"]  # no 5% to spare there

@@ -150,6 +150,10 @@ class MemoryConfig:
                                        "time, each layer's state (KDA state, DSA latents) carried, each segment "
                                        "rerun in backward; replaces recompute/SCO/tiling at long lengths (0: off; "
                                        "glm5 models, one rank)")
+    segment_keep_selection: bool = opt(False, "under sequence segments, keep each DSA selection of the forward pass "
+                                              "for the backward (int32 [S, topk + 15] per DSA layer) instead of "
+                                              "scoring again (saves the indexer's second pass; with auto, used "
+                                              "where it fits with 5% to spare; not yet measured on a GPU)")
     gpu_budget: Any = opt("auto", "GPU bytes the plan may use (auto: the device's total less a reserve)")
     host_budget: Any = opt("auto", "host bytes the plan may use (auto: 90% of physical RAM)")
 

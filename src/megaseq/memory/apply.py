@@ -52,6 +52,7 @@ class MemoryPlan:
     optimizer_bucket_params: int = 100_000_000
     kda_segment_tokens: int = 0  # 0: off
     model_segment_tokens: int = 0  # 0: off; sequence segments (memory/model_segments.py), run by the trainer
+    segment_keep_selection: bool = False  # sequence segments keep the forward pass's DSA selections
 
     def __post_init__(self) -> None:
         for name in ("loss_chunk_tokens", "mlp_tile_tokens", "indexer_query_chunk",

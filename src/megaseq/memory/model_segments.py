@@ -89,15 +89,17 @@ class SegmentStore:
     """What the segments carry, by layer key: the DSA caches of every token so far (and their gradient
     accumulators in the backward pass), and each KDA layer's (halo, state) at every segment start."""
 
-    def __init__(self, num_segments: int) -> None:
+    def __init__(self, num_segments: int, keep_selection: bool = False) -> None:
         self.n = num_segments
+        self.keep_selection = keep_selection  # keep the DSA selections of the forward pass for the backward
+        self.kept: dict[tuple[str, int], torch.Tensor] = {}
         self.cache: dict[str, torch.Tensor] = {}  # [B, S, ...] written segment by segment
         self.cache_grad: dict[str, torch.Tensor] = {}  # fp32 [B, S, ...] gradient from later segments
         self.carried: dict[str, list[tuple[torch.Tensor, torch.Tensor] | None]] = {}  # per segment start
         self.carried_grad: dict[str, tuple[torch.Tensor | None, torch.Tensor | None]] = {}
 
     def nbytes(self) -> int:
-        tensors = list(self.cache.values()) + list(self.cache_grad.values())
+        tensors = list(self.cache.values()) + list(self.cache_grad.values()) + list(self.kept.values())
         tensors += [t for per in self.carried.values() for c in per if c is not None for t in c]
         return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -146,6 +148,17 @@ class SegmentContext(SeqContext):
         prefix = cache[:, :self.s].detach().requires_grad_(True)
         self.leaves.append(("cache", key, prefix))
         return torch.cat([prefix, x], dim=1)
+
+    # ---- DSA: the selection of the forward pass, reused by the backward's rerun ------------------
+    def reuse(self, key: str, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+        st = self.store
+        if not self.grad:
+            value = make()
+            if st.keep_selection:
+                st.kept[(key, self.j)] = value
+            return value
+        kept = st.kept.pop((key, self.j), None)  # the rerun computes the same tokens from the same inputs
+        return kept if kept is not None else make()
 
     # ---- KDA: the recurrent state and conv halo at this segment's start ----------------------
     def carried_in(self, key: str, x: torch.Tensor, halo: int) -> tuple[torch.Tensor, int, torch.Tensor | None]:
@@ -235,7 +248,7 @@ def segmented_forward(model: nn.Module, input_ids: torch.Tensor, segment_tokens:
 
 def segmented_loss_backward(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, loss_fn: LossFn,
                             scale: float, segment_tokens: int, progress: Progress | None = None,
-                            doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+                            doc_ids: torch.Tensor | None = None, keep_selection: bool = False) -> torch.Tensor:
     """Forward and backward of ``loss_fn(model(input_ids), labels) * scale`` over segments of
     ``segment_tokens`` tokens (see the module docstring): parameter gradients are accumulated into
     ``.grad`` as ``(loss * scale).backward()`` would; returns the unscaled loss sum (no graph).
@@ -244,11 +257,13 @@ def segmented_loss_backward(model: nn.Module, input_ids: torch.Tensor, labels: t
     read every token mixer's earlier state through ``ctx``; ``loss_fn`` maps (hidden, labels) of one
     segment to the sum of its per-token losses. Per-forward counts (MoE ``last_tokens_per_expert``) hold
     the whole sequence's after the step. ``progress(pass, done, total)`` is told before each segment (a
-    1M-token step is minutes long).
+    1M-token step is minutes long). ``keep_selection``: the DSA selections of the forward pass are kept
+    (``[B, T, W]`` int32 per full-indexer layer and segment) and the backward's reruns use them instead of
+    scoring again, which saves the indexer's second pass.
     """
     B, S = input_ids.shape
     bounds = segment_bounds(S, segment_tokens)
-    store = SegmentStore(len(bounds))
+    store = SegmentStore(len(bounds), keep_selection)
     totals = _forward_pass(model, input_ids, bounds, store, progress=progress, doc_ids=doc_ids)
     snap = snapshot_side_state(model)
     loss_sum = None

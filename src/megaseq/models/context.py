@@ -21,6 +21,7 @@ segments both are identities.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -99,6 +100,11 @@ class SeqContext:
         """``(x with up to halo earlier tokens before it, how many, the recurrent state before x or None)``
         for the recurrent layer ``key``; here the sequence starts with ``x``."""
         return x, 0, None
+
+    def reuse(self, key: str, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """``make()``, or what an earlier run of the same tokens kept under ``key`` (sequence segments keep
+        the DSA selection of the forward pass for the backward's rerun); no-grad results only."""
+        return make()
 
     def carried_out(self, key: str, tail: torch.Tensor, state: torch.Tensor | None) -> None:
         """The layer's last ``halo`` inputs and its recurrent state after these tokens (for the next

@@ -46,6 +46,8 @@ MODEL_SEGMENT_CHUNKS = (8192, 65536)
 # a sequence segment's overhead over full recompute: per segment, the earlier tokens' latents are joined
 # and the indexer's pools rebuilt (O(S) each) -- an estimate until measured
 MODEL_SEGMENT_OVERHEAD = 0.03
+# the kept DSA selections (a speed-up, not a fix) only where the plan then has this much of the GPU spare
+KEEP_SELECTION_MARGIN = 0.05
 # a segmented KDA layer reruns its forward in backward: one KDA forward, about half its layer's forward
 # (measured on the H200: the segmented layer's forward + backward 1.31x / 1.43x the plain one at 128K / 256K)
 KDA_MIXER_SHARE = 0.5
@@ -86,6 +88,7 @@ def default_memory(memory_cfg: Any | None, n_local: int) -> dict[str, Any]:
         # 0: off; a configured size is where the planner starts when it chooses segmented KDA
         "kda_segment_tokens": int(get("kda_segment_tokens", 0)),
         "model_segment_tokens": int(get("model_segment_tokens", 0)),
+        "segment_keep_selection": False,  # the planner turns it on where it fits (_grow)
     }
 
 
@@ -187,7 +190,7 @@ def indexer_chunk_cap(run: Run) -> int:
     return q
 
 
-def _grow(run: Run, m: dict[str, Any], budgets: Budgets) -> dict[str, Any]:
+def _grow(run: Run, m: dict[str, Any], budgets: Budgets, keep_selection: bool = False) -> dict[str, Any]:
     """Each enabled chunk size as large as still fits (powers of two, ladder order)."""
     cap = indexer_chunk_cap(run)
     for key, flag, (lo, hi) in (
@@ -212,6 +215,14 @@ def _grow(run: Run, m: dict[str, Any], budgets: Budgets) -> dict[str, Any]:
                 break
             size *= 2
         m[key] = size
+    # sequence segments, if asked (``memory.segment_keep_selection``, not yet measured on a GPU): keep the
+    # forward pass's DSA selections (no second scoring) where that fits with KEEP_SELECTION_MARGIN to
+    # spare: a speed-up is not worth a run at the edge of the planner's accuracy
+    if keep_selection and m.get("model_segment_tokens") and "dsa" in run.spec.layer_types:
+        trial = dict(m, segment_keep_selection=True)
+        room = replace(budgets, gpu_bytes=int(budgets.gpu_bytes * (1 - KEEP_SELECTION_MARGIN)))
+        if _fits(evaluate(replace(run, memory=trial)), room, run.mesh):
+            m = trial
     return m
 
 
@@ -227,7 +238,7 @@ def choose(
     for fixes in _candidates(run, costs):
         m = _with_fixes(base, fixes, run, host_room)
         if _fits(evaluate(replace(run, memory=m)), budgets, run.mesh):
-            m = _grow(run, m, budgets)
+            m = _grow(run, m, budgets, bool(getattr(memory_cfg, "segment_keep_selection", False)))
             if m["indexer_query_chunk"] < run.n and "indexer_query_chunk" not in fixes:  # the 2 GiB bound
                 fixes = tuple(f for f in LADDER if f in fixes or f == "indexer_query_chunk")
             return m, fixes, True

@@ -287,7 +287,8 @@ def segment_store_bytes(run: Run) -> dict[str, int]:
     autocast) and the latent's fp32 gradient accumulator; during a DSA layer's backward one more fp32
     ``[s, R]`` (the earlier latents' gradient) and the latents gathered for its graph ``c * R`` (in
     ``dsa_saved``); per KDA layer the fp32 state ``[Hh, D, D]`` and the ``K - 1`` halo inputs at every
-    segment start."""
+    segment start; with ``segment_keep_selection`` every full-indexer DSA layer's selection ``4 W`` per
+    token (all kept when the backward begins)."""
     spec, prec, B, S, T = run.spec, run.prec, run.batch, run.seq_len, run.segment
     c, f = prec.compute, prec.f32
     R = spec.kv_lora_rank + spec.qk_rope_head_dim
@@ -295,7 +296,10 @@ def segment_store_bytes(run: Run) -> dict[str, int]:
     kda = spec.layer_types.count("kda")
     segs = -(-S // T)
     state = spec.linear_num_heads * spec.linear_head_dim**2 * f + (spec.linear_conv_kernel - 1) * spec.hidden_size * c
+    full = sum(1 for i, k in enumerate(spec.layer_types) if k == "dsa" and spec.indexer_types[i] == "full")
+    kept = full * layers.dsa_selection_bytes(spec, B * S) if run.memory.get("segment_keep_selection") else 0
     return {
+        "segment DSA selections (kept)": kept,
         "segment caches (DSA latents, indexer keys)": dsa * B * S * (R * c + 2 * spec.index_head_dim * f),
         "segment latent gradients (fp32)": (dsa + (1 if dsa else 0)) * B * S * R * f,
         "segment KDA states": kda * segs * B * state,

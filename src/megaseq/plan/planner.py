@@ -52,6 +52,7 @@ MEMORY_KEYS = (
     "optimizer_bucket_params",
     "kda_segment_tokens",
     "model_segment_tokens",
+    "segment_keep_selection",
 )
 
 
@@ -287,7 +288,8 @@ def _make_plan(run: Run, budgets: Budgets, memory_cfg: Any | None, name: str) ->
         "carried, each segment recomputed in backward",
         "recompute": "each layer keeps only its input; its forward is rerun in backward",
         "model_segments": f"the whole model over the sequence {memory['model_segment_tokens']} tokens at a time "
-        "(KDA state, DSA latents and keys carried), each segment rerun in backward",
+        "(KDA state, DSA latents and keys carried), each segment rerun in backward"
+        + (", the forward's DSA selections kept for it" if memory.get("segment_keep_selection") else ""),
         "checkpoint_offload": f"layer inputs to pinned host memory, {sco_gb:.1f} GB",
         "optimizer_offload": "fp32 master weights, moments and gradients in host memory, streamed",
     }

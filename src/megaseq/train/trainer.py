@@ -118,7 +118,8 @@ def train_step(model: torch.nn.Module, micro_batches: list[dict[str, torch.Tenso
     for batch in micro_batches:
         b = env.to_device(batch)
         if segment and b["input_ids"].shape[1] > segment:  # sequence segments (memory/model_segments.py)
-            loss_sum += float(_segmented_step(model, b, env, autocast, chunk, segment, total, progress))
+            loss_sum += float(_segmented_step(model, b, env, autocast, chunk, segment, total, progress,
+                                              bool(memory.get("segment_keep_selection"))))
             continue
         with _autocast(autocast, env.device):
             hidden = model(b["input_ids"], doc_ids=b.get("doc_ids"), ctx=env.context(b))
@@ -146,7 +147,7 @@ def train_step(model: torch.nn.Module, micro_batches: list[dict[str, torch.Tenso
 
 def _segmented_step(model: torch.nn.Module, b: dict[str, torch.Tensor], env: ParallelEnv,
                     autocast: torch.dtype | None, chunk: int | None, segment: int, total: int,
-                    progress: Any = None) -> torch.Tensor:
+                    progress: Any = None, keep_selection: bool = False) -> torch.Tensor:
     """Forward + backward of one micro-batch in sequence segments; returns its loss sum (no graph)."""
     from megaseq.memory.model_segments import check_model_segments, segmented_loss_backward
 
@@ -160,7 +161,7 @@ def _segmented_step(model: torch.nn.Module, b: dict[str, torch.Tensor], env: Par
 
     with _autocast(autocast, env.device):
         return segmented_loss_backward(model, b["input_ids"], b["labels"], loss_fn, 1.0 / max(total, 1), segment,
-                                       progress, doc_ids=b.get("doc_ids"))
+                                       progress, doc_ids=b.get("doc_ids"), keep_selection=keep_selection)
 
 
 def build_planned_model(cfg: Config, spec: Any, device: torch.device, memory: dict[str, Any], total_steps: int,

@@ -233,7 +233,7 @@ class MLASparseAttention(nn.Module):
                     f"{self.topk_source} in ctx.carry['topk'], found layer {ctx.carry.get('topk_layer')}: "
                     "run the layers in order (and restore ctx.carry when recomputing a layer)")
             return ctx.carry["topk"]
-        idx = self.indexer(x_BQH, q_resid, ctx)
+        idx = ctx.reuse(f"{self.layer}.selection", lambda: self.indexer(x_BQH, q_resid, ctx))
         ctx.carry["topk"], ctx.carry["topk_layer"] = idx, self.layer_idx
         return idx
 
