@@ -151,7 +151,7 @@ def _segmented_step(model: torch.nn.Module, b: dict[str, torch.Tensor], env: Par
     """Forward + backward of one micro-batch in sequence segments; returns its loss sum (no graph)."""
     from megaseq.memory.model_segments import check_model_segments, segmented_loss_backward
 
-    check_model_segments(model.spec.family, segment, env.cp_size)
+    check_model_segments(getattr(getattr(model, "spec", None), "family", type(model).__name__), segment, env.cp_size)
 
     def loss_fn(hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         head = model.lm_head.weight
