@@ -86,6 +86,13 @@ case "$1" in
       --out "$OUT/memory_phases_tiny_1m.json"
     NOTAR=1
     ;;
+  10) # next: 1M with the kept DSA selections (opt-in, not yet measured); log-probs at 32K (the longest the
+      # reference was seen to run); the reference's own limit between 32K and 128K
+    timeout 330 python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml --seq-lens 1M --steps 0 \
+      --memory.segment_keep_selection true --out "$OUT/bench_1gpu_1m_kept"
+    timeout 200 python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml --seq-lens 8K --steps 1 \
+      --logprob-check 32K,16K --out "$OUT/bench_1gpu_logprob32k"
+    ;;
   *) echo "unknown stage $1"; exit 2 ;;
 esac
 [ -n "${NOTAR:-}" ] || tar czf "$OUT/tcache.tgz" .tcache 2>/dev/null
