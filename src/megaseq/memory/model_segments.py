@@ -211,8 +211,6 @@ class SegmentContext(SeqContext):
 
 # ---- the step -------------------------------------------------------------------------------------
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (hidden [B, T, H], labels [B, T]) -> sum
-
-
 Progress = Callable[[str, int, int], None]  # (pass: "forward" | "backward", segments done, segments)
 
 
@@ -240,8 +238,7 @@ def segmented_forward(model: nn.Module, input_ids: torch.Tensor, segment_tokens:
     """The model's forward over ``input_ids [B, S]`` in segments, without a graph (evaluation):
     ``on_hidden(hidden [B, T, H], s, e)`` is called for each segment ``[s, e)`` in order. Memory: the
     caches and one segment's no-grad forward, as in ``segmented_loss_backward``."""
-    B, S = input_ids.shape
-    bounds = segment_bounds(S, segment_tokens)
+    bounds = segment_bounds(input_ids.shape[1], segment_tokens)
     store = SegmentStore(len(bounds))
     set_summed(_forward_pass(model, input_ids, bounds, store, on_hidden, doc_ids=doc_ids))
 
@@ -286,18 +283,3 @@ def segmented_loss_backward(model: nn.Module, input_ids: torch.Tensor, labels: t
     set_summed(totals)
     assert loss_sum is not None, "sequence segments need at least one token"
     return loss_sum
-
-
-def cache_bytes(B: int, S: int, dsa_layers: int, kda_layers: int, R: int, Di: int, Hh: int, D: int, K: int,
-                segment_tokens: int, x_bytes: int, acc_bytes: int = 4, state_bytes: int = 4,
-                hidden: int = 0) -> dict[str, int]:
-    """Bytes the store holds at the backward pass's peak: per DSA layer the latent and the indexer's keys
-    and gates (``x_bytes``) and the latent's gradient accumulator (``acc_bytes``); per KDA layer the state
-    and halo at every segment start."""
-    n = -(-S // segment_tokens)
-    return {
-        "DSA caches (latent, indexer keys)": dsa_layers * B * S * (R + 2 * Di) * x_bytes,
-        "DSA latent gradients": dsa_layers * B * S * R * acc_bytes,
-        "KDA states at segment starts": kda_layers * n * B * (Hh * D * D * state_bytes + (K - 1) * hidden * x_bytes),
-    }
-
