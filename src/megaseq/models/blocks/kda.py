@@ -325,7 +325,10 @@ class KimiDeltaAttention(nn.Module):
         mixed = torch.cat([t.reshape(rows, -1, Hl * D) for t in (q, k, v)], dim=-1)
         mixed = dispatch.call("causal_conv", mixed, self._conv_weight(ctx.head_slice(Hh)), "silu", cu,
                               layer=self.layer)
-        mixed = mixed.reshape(B, -1, mixed.shape[-1])[:, halo:].reshape(rows, -1, mixed.shape[-1])
+        if rows == B:
+            mixed = mixed[:, halo:]
+        elif halo:  # documents: the batch is one flattened row; drop each row's halo
+            mixed = mixed.reshape(B, -1, mixed.shape[-1])[:, halo:].reshape(rows, -1, mixed.shape[-1])
         q, k, v = (t.reshape(rows, -1, Hl, D) for t in mixed.split(Hl * D, dim=-1))
         first = last = None
         if cu is not None and halo:  # the recurrence runs over the tokens after the halo
