@@ -86,8 +86,10 @@ case "$1" in
       --out "$OUT/memory_phases_tiny_1m.json"
     NOTAR=1
     ;;
-  10) # next: 1M with the kept DSA selections (opt-in, not yet measured); log-probs at 32K (the longest the
-      # reference was seen to run); the reference's own limit between 32K and 128K
+  10) # next: sequence segments' GPU tests (bf16 vs float64, with packed documents); 1M with the kept DSA
+      # selections (opt-in, not yet measured); log-probs at 32K (the longest the reference was seen to run)
+    timeout 150 python3 -m pytest -q -m gpu tests/test_model_segments.py > "$OUT/pytest_segments.log" 2>&1
+    tail -3 "$OUT/pytest_segments.log"
     timeout 330 python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml --seq-lens 1M --steps 0 \
       --memory.segment_keep_selection true --out "$OUT/bench_1gpu_1m_kept"
     timeout 200 python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml --seq-lens 8K --steps 1 \
