@@ -109,12 +109,7 @@ def _rank_step(rank: int, name: str, cp: int, B: int, S: int) -> None:
     check_against_planner(by_key, name, B, S, cp)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 @pytest.mark.parametrize("name, cp, B, S", [

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import torch_threads
 from megaseq.config import build_config
 from megaseq.parallel import launch
 from megaseq.parallel.launch import check_ray_resources, spawn_local
@@ -69,10 +70,8 @@ def _torchrun_style(rank: int, out: str) -> None:
 @pytest.fixture(scope="module")
 def reference_losses(tmp_path_factory) -> tuple[float, float]:
     """(one process, two torchrun-style processes)."""
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    ref = one_process_loss()
-    torch.set_num_threads(prev)
+    with torch_threads(1):
+        ref = one_process_loss()
     out = tmp_path_factory.mktemp("torchrun")
     spawn_local(_torchrun_style, 2, args=(str(out),))
     losses = [float((out / f"rank{r}").read_text()) for r in range(2)]

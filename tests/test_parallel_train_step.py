@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed.tensor  # noqa: F401  assert_close imports it lazily: once here, not in each fork
 
+from conftest import torch_threads
 from megaseq.config import OptimConfig, build_config
 from megaseq.models.build import build_model
 from megaseq.models.presets import get_preset
@@ -108,19 +109,11 @@ def _rank_step(rank: int, dp: int, cp: int, loss_parallel: str, ref_loss: float,
 
 @pytest.fixture(scope="module")
 def reference():
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield reference_step(NUM_SEQS)
-    torch.set_num_threads(prev)
+    with torch_threads(1):
+        yield reference_step(NUM_SEQS)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny ops: a second intra-op thread only contends with the ranks (and other tests) for the cores."""
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 @pytest.mark.parametrize("dp, cp, loss_parallel", [
