@@ -44,10 +44,11 @@ from megaseq.ops.amp import autocast_as, autocast_state
 SETTING = "memory.kda_segment_tokens"
 
 
-def segment_bounds(S: int, segment_tokens: int) -> list[tuple[int, int]]:
-    """``[start, end)`` of each segment of ``segment_tokens`` tokens (the last may be shorter)."""
+def segment_bounds(S: int, segment_tokens: int, setting: str = SETTING) -> list[tuple[int, int]]:
+    """``[start, end)`` of each segment of ``segment_tokens`` tokens (the last may be shorter); ``setting``
+    names the config key a bad size came from."""
     if segment_tokens < 1:
-        raise ValueError(f"{SETTING} must be >= 1, got {segment_tokens}")
+        raise ValueError(f"{setting} must be >= 1, got {segment_tokens}")
     return [(s, min(s + segment_tokens, S)) for s in range(0, S, segment_tokens)]
 
 

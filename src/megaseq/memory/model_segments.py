@@ -47,6 +47,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from megaseq.memory.kda_segments import segment_bounds as _bounds
 from megaseq.memory.tiling import (
     SummedTotals,
     collect_summed,
@@ -56,33 +57,16 @@ from megaseq.memory.tiling import (
 )
 from megaseq.models.context import SeqContext
 
-SETTING = "memory.model_segment_tokens"
-# the families whose token mixers implement the segment hooks (KDA, MLA/DSA); softmax attention does not
-SEGMENTABLE_FAMILIES = ("glm5_next",)
+# the rules (one rank, a family whose mixers carry their state, no other layer scheme) are the planner's
+# too, so they live in the torch-free plan package
+from megaseq.plan.fixes import SEGMENT_SETTING, check_model_segments  # noqa: F401  (re-exported)
+
+SETTING = SEGMENT_SETTING
 
 
 def segment_bounds(S: int, segment_tokens: int) -> list[tuple[int, int]]:
     """``[start, end)`` of each segment of ``segment_tokens`` tokens (the last may be shorter)."""
-    if segment_tokens < 1:
-        raise ValueError(f"{SETTING} must be >= 1, got {segment_tokens}")
-    return [(s, min(s + segment_tokens, S)) for s in range(0, S, segment_tokens)]
-
-
-def check_model_segments(family: str, segment_tokens: int, cp: int = 1,
-                         layer_schemes: tuple[str, ...] = ()) -> None:
-    """ValueError naming ``memory.model_segment_tokens`` and the fix for what sequence segments cannot run."""
-    if segment_tokens < 1:
-        raise ValueError(f"{SETTING} must be >= 1 (0: off), got {segment_tokens}")
-    if family not in SEGMENTABLE_FAMILIES:
-        raise ValueError(f"{SETTING}={segment_tokens}: the {family} family's token mixers do not carry their "
-                         f"state across segments (supported: {', '.join(SEGMENTABLE_FAMILIES)}); unset {SETTING}")
-    if cp != 1:
-        raise ValueError(f"{SETTING}={segment_tokens} with context parallelism cp={cp}: sequence segments run on "
-                         f"one rank for now; unset {SETTING} or use --parallel.cp 1")
-    if layer_schemes:
-        raise ValueError(f"{SETTING}={segment_tokens} with {', '.join(layer_schemes)}: sequence segments already "
-                         "bound each layer's memory by the segment; turn those off (--memory.recompute false, "
-                         "--memory.checkpoint_offload false, --memory.kda_segment_tokens 0)")
+    return _bounds(S, segment_tokens, setting=SETTING)
 
 
 class SegmentStore:

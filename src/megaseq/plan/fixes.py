@@ -36,6 +36,9 @@ LADDER = (
 )
 # sequence segments replace these (each layer's memory is already bounded by the segment)
 SEGMENT_EXCLUDES = ("kda_segments", "recompute", "checkpoint_offload")
+SEGMENT_SETTING = "memory.model_segment_tokens"
+# the families whose token mixers implement the segment hooks (KDA, MLA/DSA); softmax attention does not
+SEGMENTABLE_FAMILIES = ("glm5_next",)
 # chunk-size ranges (powers of two) the planner chooses from, (smallest, largest worth having): past
 # 8K-token loss chunks and 16K-token tiles the launches are amortised, so growing further would only spend
 # headroom; the indexer's ceiling is INDEXER_SCORING_MAX
@@ -137,6 +140,26 @@ def _with_fixes(base: dict[str, Any], fixes: tuple[str, ...], run: Run, host_roo
     return m
 
 
+def check_model_segments(family: str, segment_tokens: int, cp: int = 1,
+                         layer_schemes: tuple[str, ...] = ()) -> None:
+    """ValueError naming ``memory.model_segment_tokens`` and the fix for what sequence segments
+    (``memory/model_segments.py``) cannot run; the planner checks forced settings with it, the trainer its
+    step."""
+    name = SEGMENT_SETTING
+    if segment_tokens < 1:
+        raise ValueError(f"{name} must be >= 1 (0: off), got {segment_tokens}")
+    if family not in SEGMENTABLE_FAMILIES:
+        raise ValueError(f"{name}={segment_tokens}: the {family} family's token mixers do not carry their state "
+                         f"across segments (supported: {', '.join(SEGMENTABLE_FAMILIES)}); unset {name}")
+    if cp != 1:
+        raise ValueError(f"{name}={segment_tokens} with context parallelism cp={cp}: sequence segments run on one "
+                         f"rank for now; unset {name} or use --parallel.cp 1")
+    if layer_schemes:
+        raise ValueError(f"{name}={segment_tokens} with {', '.join(layer_schemes)}: sequence segments already "
+                         "bound each layer's memory by the segment; turn those off (--memory.recompute false, "
+                         "--memory.checkpoint_offload false, --memory.kda_segment_tokens 0)")
+
+
 def usable_fix(run: Run, fix: str) -> bool:
     """Fixes that apply to this model and run: the indexer chunk needs DSA layers; segmented KDA needs
     KDA layers, one rank of context (cp 1) and no packed documents (its first version's limits); sequence
@@ -145,8 +168,8 @@ def usable_fix(run: Run, fix: str) -> bool:
         return "dsa" in run.spec.layer_types
     if fix == "kda_segments":
         return "kda" in run.spec.layer_types and run.mesh.cp == 1 and not run.packed_documents
-    if fix == "model_segments":  # memory/model_segments.py: check_model_segments
-        return run.spec.family == "glm5_next" and run.mesh.cp == 1
+    if fix == "model_segments":  # the rules of check_model_segments
+        return run.spec.family in SEGMENTABLE_FAMILIES and run.mesh.cp == 1
     return True
 
 

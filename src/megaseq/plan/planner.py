@@ -28,6 +28,7 @@ from megaseq.plan.fixes import (  # noqa: F401  (Budgets, H200_GPU_BYTES, HOST_B
     HOST_BYTES_PER_GPU,
     LADDER,
     Budgets,
+    check_model_segments,
     choose,
     default_memory,
     fix_costs,
@@ -243,27 +244,17 @@ def _enabled(run: Run, memory: dict[str, Any], fix: str) -> bool:
     if fix == "kda_segments":
         return 0 < int(memory.get("kda_segment_tokens") or 0) < run.n
     if fix == "model_segments":
-        return 0 < int(memory.get("model_segment_tokens") or 0) < run.seq_len
+        return bool(replace(run, memory=memory).segment)
     return bool(memory[fix])
 
 
 def _check_forced_segments(run: Run, memory: dict[str, Any]) -> None:
-    """The rules of ``memory/model_segments.py: check_model_segments``, before anything runs."""
+    """Forced sequence segments (``memory.auto`` false) that cannot run: one clear error before anything
+    runs (``fixes.check_model_segments``)."""
     T = int(memory.get("model_segment_tokens") or 0)
-    if not T:
-        return
-    setting = f"memory.model_segment_tokens={T}"
-    if run.spec.family != "glm5_next":
-        raise ValueError(f"{setting}: the {run.spec.family} family's token mixers do not carry their state "
-                         "across segments (supported: glm5_next); unset memory.model_segment_tokens")
-    if run.mesh.cp != 1:
-        raise ValueError(f"{setting} with context parallelism cp={run.mesh.cp}: sequence segments run on one "
-                         "rank for now; unset memory.model_segment_tokens or use --parallel.cp 1")
-    on = [f"memory.{k}" for k in ("recompute", "checkpoint_offload", "kda_segment_tokens") if memory.get(k)]
-    if on:
-        raise ValueError(f"{setting} with {', '.join(on)}: sequence segments already bound each layer's "
-                         "memory by the segment; turn those off (--memory.recompute false, "
-                         "--memory.checkpoint_offload false, --memory.kda_segment_tokens 0)")
+    if T:
+        on = [f"memory.{k}" for k in ("recompute", "checkpoint_offload", "kda_segment_tokens") if memory.get(k)]
+        check_model_segments(run.spec.family, T, run.mesh.cp, tuple(on))
 
 
 def _make_plan(run: Run, budgets: Budgets, memory_cfg: Any | None, name: str) -> Plan:
