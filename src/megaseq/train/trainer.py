@@ -123,11 +123,7 @@ def train_step(model: torch.nn.Module, micro_batches: list[dict[str, torch.Tenso
             continue
         with _autocast(autocast, env.device):
             hidden = model(b["input_ids"], doc_ids=b.get("doc_ids"), ctx=env.context(b))
-        head = model.lm_head.weight
-        if autocast is not None:  # the vocabulary projection in the compute dtype, as lm_head under autocast
-            hidden, head = hidden.to(autocast), head.to(autocast)  # (the losses accumulate in fp32)
-        # Ring-DTP over the context-parallel group when cp > 1, else the (chunked) local loss
-        loss = env.loss_sum(hidden, head, b["labels"], chunk)
+        loss = _loss_sum(model, hidden, b["labels"], env, autocast, chunk)
         (loss / max(total, 1)).backward()
         loss_sum += float(loss.detach())
     env.reduce_gradients(model)
@@ -145,6 +141,17 @@ def train_step(model: torch.nn.Module, micro_batches: list[dict[str, torch.Tenso
     return env.all_reduce_sum(loss_sum) / max(total, 1), grad_norm
 
 
+def _loss_sum(model: torch.nn.Module, hidden: torch.Tensor, labels: torch.Tensor, env: ParallelEnv,
+              autocast: torch.dtype | None, chunk: int | None) -> torch.Tensor:
+    """The summed loss of ``hidden``: Ring-DTP over the context-parallel group when cp > 1, else the
+    (chunked) local loss; under autocast the vocabulary projection in the compute dtype, as lm_head would
+    run (the losses accumulate in fp32)."""
+    head = model.lm_head.weight
+    if autocast is not None:
+        hidden, head = hidden.to(autocast), head.to(autocast)
+    return env.loss_sum(hidden, head, labels, chunk)
+
+
 def _segmented_step(model: torch.nn.Module, b: dict[str, torch.Tensor], env: ParallelEnv,
                     autocast: torch.dtype | None, chunk: int | None, segment: int, total: int,
                     progress: Any = None, keep_selection: bool = False) -> torch.Tensor:
@@ -154,10 +161,7 @@ def _segmented_step(model: torch.nn.Module, b: dict[str, torch.Tensor], env: Par
     check_model_segments(getattr(getattr(model, "spec", None), "family", type(model).__name__), segment, env.cp_size)
 
     def loss_fn(hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        head = model.lm_head.weight
-        if autocast is not None:  # as train_step: the vocabulary projection in the compute dtype
-            hidden, head = hidden.to(autocast), head.to(autocast)
-        return env.loss_sum(hidden, head, labels, chunk)
+        return _loss_sum(model, hidden, labels, env, autocast, chunk)
 
     with _autocast(autocast, env.device):
         return segmented_loss_backward(model, b["input_ids"], b["labels"], loss_fn, 1.0 / max(total, 1), segment,
