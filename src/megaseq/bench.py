@@ -18,6 +18,7 @@ import json
 import os
 import platform
 import time
+from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -111,14 +112,7 @@ def measure_megaseq(cfg: Config, seq_len: int, steps: int, source: str) -> dict[
         host_rss_peak_reset()
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        times = []
-        for i in range(steps + 1):
-            batch = next_batch()
-            t0 = time.perf_counter()
-            step(batch)
-            _sync(device)
-            if i > 0 or steps == 0:  # the first step warms up kernels and the allocator (steps 0: cold)
-                times.append(time.perf_counter() - t0)
+        times = timed_steps(lambda: step(next_batch()), steps, device)
         row["timed_steps"] = len(times) if steps else "1 (cold: includes the warm-up)"
         if not steps:  # the one step ran without the optimizer state (made by its update): compare with that
             row["predicted_gpu_tensors_gib"] = plan.first_step_gpu_tensors / GIB
@@ -139,6 +133,19 @@ def measure_megaseq(cfg: Config, seq_len: int, steps: int, source: str) -> dict[
         del model
         _free(device)
     return row
+
+
+def timed_steps(run_step: Callable[[], None], steps: int, device: torch.device) -> list[float]:
+    """Seconds of each measured step: ``steps + 1`` runs of ``run_step``, the first a warm-up (kernels,
+    autotune, the allocator) left out; ``steps`` 0: the one (cold) step."""
+    times = []
+    for i in range(steps + 1):
+        t0 = time.perf_counter()
+        run_step()
+        _sync(device)
+        if i > 0 or steps == 0:
+            times.append(time.perf_counter() - t0)
+    return times
 
 
 def _sync(device: torch.device) -> None:

@@ -6,12 +6,11 @@ it supports (SDPA; GLM-5's DSA has no flash path in transformers), on the same r
 from __future__ import annotations
 
 import tempfile
-import time
 from typing import Any
 
 import torch
 
-from megaseq.bench import GIB, H200_BF16_FLOPS, _free, _sync, host_rss_peak, host_rss_peak_reset
+from megaseq.bench import GIB, H200_BF16_FLOPS, _free, host_rss_peak, host_rss_peak_reset, timed_steps
 from megaseq.config import Config
 
 
@@ -51,17 +50,14 @@ def measure_reference(cfg: Config, seq_len: int, steps: int) -> dict[str, Any]:
         host_rss_peak_reset()
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        times = []
-        for i in range(steps + 1):
+        def step(net: torch.nn.Module = model) -> None:  # (``model`` is deleted below)
             ids = torch.randint(0, spec.vocab_size, (1, seq_len + 1), generator=g).to(device)
-            t0 = time.perf_counter()
-            out = model(input_ids=ids[:, :-1], labels=ids[:, :-1])
+            out = net(input_ids=ids[:, :-1], labels=ids[:, :-1])
             out.loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-            _sync(device)
-            if i > 0 or steps == 0:  # steps 0: the one (cold) step, as measure_megaseq
-                times.append(time.perf_counter() - t0)
+
+        times = timed_steps(step, steps, device)
         dt = sum(times) / len(times)
         per_token = step_flops(spec, seq_len).per_token
         row.update(status="ok", step_s=dt, tokens_per_s=seq_len / dt,
