@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from pathlib import Path
 
 import torch
@@ -29,7 +28,6 @@ def main() -> int:
     ap.add_argument("seq_len")
     ap.add_argument("--out", required=True)
     args, rest = ap.parse_known_args()
-    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     from megaseq.bench import _cfg_for, plan_on, planned_step
     from megaseq.cli.main import split_overrides
     from megaseq.config import load_config, parse_size
@@ -37,7 +35,9 @@ def main() -> int:
     from megaseq.plan.components import Mesh, count_params
     from megaseq.plan.fixes import default_memory
     from megaseq.plan.phases import Run, all_layer_terms, evaluate
+    from megaseq.train.trainer import use_expandable_segments
 
+    use_expandable_segments()  # as `megaseq train` (before any CUDA allocation)
     cfg = load_config(args.recipe, split_overrides(rest))
     S = parse_size(args.seq_len)
     c = _cfg_for(cfg, S, "random")

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import platform
 import time
 from collections.abc import Callable
@@ -209,8 +208,9 @@ def run_bench(cfg: Config, lengths: list[int], steps: int = 3, source: str = "ra
               isolate: bool | None = None) -> dict[str, Any]:
     """Every measurement in order; the outputs are rewritten after each, so a run stopped early keeps
     what it measured. ``isolate`` (default: on a GPU) runs each measurement in its own process."""
-    # the allocator as `megaseq train` sets it (before any CUDA allocation; spawned processes inherit it)
-    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    from megaseq.train.trainer import use_expandable_segments
+
+    use_expandable_segments()  # the allocator as `megaseq train` sets it
     call = isolated if (torch.cuda.is_available() if isolate is None else isolate) else _direct
     sources = ["random", "genome"] if source == "both" else [source]
     if source not in ("random", "genome", "both"):

@@ -186,15 +186,20 @@ def build_planned_model(cfg: Config, spec: Any, device: torch.device, memory: di
     return model, applied, optimizer, scheduler
 
 
+def use_expandable_segments() -> None:
+    """Long sequences allocate a few huge, differently sized blocks per step: expandable segments keep the
+    caching allocator from fragmenting them. Call before the first CUDA allocation (processes spawned
+    later inherit it); a value the user set is kept."""
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+
+
 def run_training(cfg: Config) -> RunResult:
     from megaseq.models.presets import resolve_spec
 
     spec = resolve_spec(cfg.model.name)  # a bad model name fails before anything else happens
     from megaseq.data import build_data
 
-    # long sequences allocate a few huge, differently sized blocks per step: expandable segments keep
-    # the caching allocator from fragmenting them (set before the first CUDA allocation)
-    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    use_expandable_segments()
     env = setup_parallel(cfg)
     device = env.device = resolve_device(cfg) if env.world_size == 1 else env.device
     plan_dict, memory = make_plan(cfg, env, device)
