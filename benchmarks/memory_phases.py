@@ -32,9 +32,8 @@ def main() -> int:
     from megaseq.cli.main import split_overrides
     from megaseq.config import load_config, parse_size
     from megaseq.models.presets import resolve_spec
-    from megaseq.plan.components import Mesh, count_params
-    from megaseq.plan.fixes import default_memory
-    from megaseq.plan.phases import Run, all_layer_terms, evaluate
+    from megaseq.plan.phases import all_layer_terms, evaluate
+    from megaseq.plan.planner import run_for
     from megaseq.train.trainer import use_expandable_segments
 
     use_expandable_segments()  # as `megaseq train` (before any CUDA allocation)
@@ -48,9 +47,7 @@ def main() -> int:
         torch.cuda.get_device_name = lambda *a: "cpu"
     spec = resolve_spec(c.model.name)
     plan = plan_on(c, dev)
-    run = Run(spec=spec, seq_len=S, batch=1, mesh=Mesh(),
-              model_dtype=c.model.dtype, memory=dict(default_memory(None, S), **plan.memory),
-              counts=count_params(spec))
+    run = run_for(spec, S, plan.memory, model_dtype=c.model.dtype)
     terms = all_layer_terms(run)
     ev = evaluate(run)
     model, applied, next_batch, step = planned_step(c, spec, dev, plan, 2)

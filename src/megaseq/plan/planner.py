@@ -393,7 +393,7 @@ def _better(a: Plan, b: Plan) -> bool:
     return (round(cost_a, 6), comm_a, a.peak_gpu) < (round(cost_b, 6), comm_b, b.peak_gpu)
 
 
-def peak_for(
+def run_for(
     spec: ModelSpec,
     seq_len: int,
     memory: dict[str, Any],
@@ -406,14 +406,14 @@ def peak_for(
     mla_mode: str | None = None,
     calibration: Calibration = C.CAL,
     loss_in_compute_dtype: bool = True,
-) -> Evaluation:
-    """Evaluate one given setting (MemoryPlan keys) without choosing anything: the phase peaks and
-    the breakdown. ``mla_mode`` defaults to the mesh's (``auto`` meaning gather_kv, as the runtime)."""
+) -> Run:
+    """The planner's ``Run`` for one given setting (MemoryPlan keys, the rest at their defaults), choosing
+    nothing. ``mla_mode`` defaults to the mesh's (``auto`` meaning gather_kv, as the runtime)."""
     mesh = mesh or Mesh()
     validate_mesh(spec, seq_len, mesh)
     mode = mla_mode or ("gather_kv" if mesh.mla_mode == "auto" else mesh.mla_mode)
     full = dict(default_memory(None, batch_size * seq_len // mesh.cp), **memory)
-    run = Run(
+    return Run(
         spec=spec,
         seq_len=seq_len,
         batch=batch_size,
@@ -427,7 +427,13 @@ def peak_for(
         cal=calibration,
         loss_in_compute_dtype=loss_in_compute_dtype,
     )
-    return evaluate(run)
+
+
+def peak_for(spec: ModelSpec, seq_len: int, memory: dict[str, Any], mesh: Mesh | None = None, batch_size: int = 1,
+             **kw: Any) -> Evaluation:
+    """Evaluate one given setting (``run_for``'s arguments) without choosing anything: the phase peaks and
+    the breakdown."""
+    return evaluate(run_for(spec, seq_len, memory, mesh, batch_size, **kw))
 
 
 def plan_from_config(
