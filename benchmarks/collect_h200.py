@@ -14,7 +14,8 @@ import argparse
 import json
 from pathlib import Path
 
-from megaseq.bench import GIB, write_outputs
+from megaseq.bench.measure import GIB
+from megaseq.bench.report import write_outputs
 from megaseq.models.presets import resolve_spec
 from megaseq.plan.planner import peak_for
 

@@ -28,9 +28,8 @@ def main() -> int:
     ap.add_argument("seq_len")
     ap.add_argument("--out", required=True)
     args, rest = ap.parse_known_args()
-    from megaseq.bench import _cfg_for, plan_on, planned_step
-    from megaseq.cli.main import split_overrides
-    from megaseq.config import load_config, parse_size
+    from megaseq.bench.measure import cfg_for, plan_on, planned_step
+    from megaseq.config import load_config, parse_size, split_overrides
     from megaseq.models.presets import resolve_spec
     from megaseq.plan.phases import all_layer_terms, evaluate
     from megaseq.plan.planner import run_for
@@ -39,7 +38,7 @@ def main() -> int:
     use_expandable_segments()  # as `megaseq train` (before any CUDA allocation)
     cfg = load_config(args.recipe, split_overrides(rest))
     S = parse_size(args.seq_len)
-    c = _cfg_for(cfg, S, "random")
+    c = cfg_for(cfg, S, "random")
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # CPU: a smoke run, zeros
     if dev.type == "cpu":
         torch.cuda.synchronize = torch.cuda.reset_peak_memory_stats = lambda *a: None

@@ -11,7 +11,7 @@ import sys
 
 import torch
 
-from megaseq.bench import _cfg_for, plan_on, planned_step
+from megaseq.bench.measure import cfg_for, plan_on, planned_step
 from megaseq.config import load_config, parse_size
 
 
@@ -23,7 +23,7 @@ def main(argv: list[str]) -> int:
     source = "random"
     if rest[:1] == ["--source"]:  # before any --section.key overrides
         source, rest = rest[1], rest[2:]
-    cfg = _cfg_for(load_config(recipe, rest), parse_size(length), source)
+    cfg = cfg_for(load_config(recipe, rest), parse_size(length), source)
     device = resolve_device(cfg)
     plan = plan_on(cfg, device)
     print("fixes:", [f[0] for f in plan.fixes], dict(plan.memory))

@@ -4,10 +4,10 @@ import json
 
 import pytest
 
-from megaseq.bench import find_max, run_bench
+from megaseq.bench.run import find_max, run_bench
+from megaseq.bench.verify import hf_parity, shrink, verify
 from megaseq.config import build_config
 from megaseq.models.presets import get_preset
-from megaseq.verify import hf_parity, shrink, verify
 
 
 def test_find_max_doubles_then_bisects():
@@ -69,7 +69,7 @@ def test_bench_isolates_each_length_in_its_own_process(tmp_path):
 def test_logprob_check_same_weights_agree_on_cpu():
     """The log-prob check compares the same weights: on the CPU both run in fp32, so megaseq and the
     transformers reference agree to float32 rounding (on a GPU megaseq runs under bf16 autocast)."""
-    from megaseq.bench_reference import logprob_check
+    from megaseq.bench.reference import logprob_check
 
     cfg = build_config(None, ["model.name=glm5-flash-tiny", "data.kind=random", "model.dtype=fp32"])
     out = logprob_check(cfg, [64, 48])

@@ -5,7 +5,8 @@ import sys
 
 import pytest
 
-from megaseq.cli.main import main, split_overrides
+from megaseq.cli.main import main
+from megaseq.config import split_overrides
 
 
 def test_split_overrides():

@@ -6,16 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megaseq.memory.vocab_loss import (
-    chunked_linear_cross_entropy,
-    linear_cross_entropy,
-    lse_finalize,
-    lse_init,
-    lse_logsumexp,
-    lse_update,
-    plain_linear_cross_entropy,
-    vocab_loss_bytes,
-)
+from megaseq.memory.vocab_loss import chunked_linear_cross_entropy, linear_cross_entropy, vocab_loss_bytes
+from megaseq.ops.cross_entropy import lse_finalize, lse_init, lse_logsumexp, lse_update, plain_linear_cross_entropy
 
 torch.set_num_threads(1)
 N, H, V = 47, 31, 123

@@ -194,8 +194,8 @@ def test_segments_in_bf16_are_as_close_to_fp32_as_the_plain_step():
 def test_evaluation_in_segments_equals_plain():
     """``per_token_loss_fn`` with the plan's segment length (what `megaseq eval` and the trainer's
     evaluation use for a run trained in segments): the same per-token losses, float64."""
+    from megaseq.eval.loss import per_token_loss_fn
     from megaseq.parallel.env import ParallelEnv
-    from megaseq.train.trainer import per_token_loss_fn
 
     model, cfg = _model("mixed")
     ids, labels = _batch(cfg, 2, 45)

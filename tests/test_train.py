@@ -109,8 +109,7 @@ def test_bad_data_fails_before_anything_is_written(tmp_path, data, match):
 
 def test_default_job_writes_every_output(tmp_path):
     """The embedded default (lambda phage, held-out tail), shortened: outputs, export and the eval report."""
-    from megaseq.cli.main import default_recipe
-    from megaseq.config import load_config
+    from megaseq.config import default_recipe, load_config
 
     cfg = load_config(default_recipe(), [f"train.run_dir={tmp_path / 'd'}", "train.steps=2", "data.seq_len=256",
                                          "eval.by_position=64", "log.progress=false"])

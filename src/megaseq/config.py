@@ -356,6 +356,34 @@ def load_config(path: str | Path | None = None, overrides: list[str] | dict[str,
     return build_config(raw, overrides)
 
 
+def default_recipe() -> str:
+    """The embedded default job (glm5-flash-tiny on phage lambda), shipped inside the package."""
+    from importlib.resources import files
+
+    return str(files("megaseq") / "recipes" / "default.yaml")
+
+
+def split_overrides(rest: list[str]) -> list[str]:
+    """Command-line settings to dotted overrides: ``['--train.steps', '5', '--data.seq_len=1K']`` ->
+    ``['train.steps=5', 'data.seq_len=1K']``; a flag with no value is ``true``."""
+    out, i = [], 0
+    while i < len(rest):
+        arg = rest[i]
+        if not arg.startswith("--") or "." not in arg.split("=")[0]:
+            raise ValueError(f"unexpected argument {arg!r}: settings look like --section.key value "
+                             "(see `megaseq train --help`)")
+        if "=" in arg:
+            out.append(arg[2:])
+            i += 1
+        elif i + 1 < len(rest) and not rest[i + 1].startswith("--"):
+            out.append(f"{arg[2:]}={rest[i + 1]}")
+            i += 2
+        else:
+            out.append(f"{arg[2:]}=true")
+            i += 1
+    return out
+
+
 def field_help() -> dict[str, list[tuple[str, str, Any]]]:
     """Per section: (key, help, default) for the CLI's --help."""
     out = {}

@@ -15,7 +15,7 @@ import sys
 import textwrap
 from collections.abc import Callable
 
-from megaseq.config import Config, field_help, load_config
+from megaseq.config import field_help
 
 VERBS = {
     "train": "fine-tune a model (one GPU, torchrun, or Ray); with no config, the embedded default job",
@@ -38,33 +38,6 @@ def config_help() -> str:
     return "\n".join(lines)
 
 
-def split_overrides(rest: list[str]) -> list[str]:
-    """['--train.steps', '5', '--data.seq_len=1K'] -> ['train.steps=5', 'data.seq_len=1K']."""
-    out, i = [], 0
-    while i < len(rest):
-        arg = rest[i]
-        if not arg.startswith("--") or "." not in arg.split("=")[0]:
-            raise ValueError(f"unexpected argument {arg!r}: settings look like --section.key value "
-                             "(see `megaseq train --help`)")
-        if "=" in arg:
-            out.append(arg[2:])
-            i += 1
-        elif i + 1 < len(rest) and not rest[i + 1].startswith("--"):
-            out.append(f"{arg[2:]}={rest[i + 1]}")
-            i += 2
-        else:
-            out.append(f"{arg[2:]}=true")
-            i += 1
-    return out
-
-
-def default_recipe() -> str:
-    """The embedded default job (glm5-flash-tiny on phage lambda), shipped inside the package."""
-    from importlib.resources import files
-
-    return str(files("megaseq") / "recipes" / "default.yaml")
-
-
 def _take_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
     """Pull ``--section.key [value]`` settings out before argparse sees the verb's own options."""
     keep, overrides, i = [], [], 0
@@ -79,10 +52,6 @@ def _take_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
             keep.append(arg)
         i += 1
     return keep, overrides
-
-
-def _config(args: argparse.Namespace, rest: list[str]) -> Config:
-    return load_config(getattr(args, "config", None) or default_recipe(), split_overrides(rest))
 
 
 def parser() -> argparse.ArgumentParser:

@@ -7,19 +7,23 @@ import json
 import sys
 from pathlib import Path
 
-from megaseq.cli.main import _config, split_overrides
-from megaseq.config import parse_size
+from megaseq.config import Config, default_recipe, load_config, parse_size, split_overrides
+
+
+def _config(args: argparse.Namespace, rest: list[str]) -> Config:
+    """The verb's recipe (none: the embedded default job) with its ``--section.key value`` settings."""
+    return load_config(getattr(args, "config", None) or default_recipe(), split_overrides(rest))
 
 
 def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
     cfg = _config(args, rest)
+    from megaseq.train.trainer import run_training
+
     if cfg.parallel.launcher == "ray":
         from megaseq.parallel.launch import launch_ray
 
-        launch_ray(cfg)
+        launch_ray(cfg, run_training)
         return 0
-    from megaseq.train.trainer import run_training
-
     result = run_training(cfg)
     if result.losses:
         print(f"\ntrained {len(result.losses)} steps: loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}")
@@ -47,9 +51,6 @@ def cmd_plan(args: argparse.Namespace, rest: list[str]) -> int:
         overrides.append(f"data.seq_len={args.seq_len}")
     if args.gpus and not any(o.startswith("parallel.dp=") for o in overrides):
         overrides.append("parallel.dp=-1")  # --gpus N: data parallelism takes what cp x ep leaves
-    from megaseq.cli.main import default_recipe
-    from megaseq.config import load_config
-
     cfg = load_config(args.config or default_recipe(), overrides)
     world = args.gpus or cfg.parallel.dp * cfg.parallel.cp * cfg.parallel.ep
     plan = plan_from_config(
@@ -63,7 +64,7 @@ def cmd_plan(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
-    from megaseq.bench import run_bench
+    from megaseq.bench.run import run_bench
 
     cfg = _config(args, rest)
     if args.steps < 0:
@@ -73,7 +74,7 @@ def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
     result = run_bench(cfg, lens, steps=args.steps, source=args.source, find_max_len=args.find_max,
                        baseline=args.baseline, out=args.out, logprob_lengths=lp,
                        max_limit=parse_size(args.max_limit))
-    from megaseq.bench import markdown
+    from megaseq.bench.report import markdown
 
     print(markdown(result))
     print(f"wrote {args.out}.json, .md, .png")
@@ -81,14 +82,14 @@ def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def cmd_verify(args: argparse.Namespace, rest: list[str]) -> int:
-    from megaseq.verify import verify
+    from megaseq.bench.verify import verify
 
     cfg = _config(args, rest)
     return 0 if verify(cfg) else 1
 
 
 def cmd_eval(args: argparse.Namespace, rest: list[str]) -> int:
-    from megaseq.eval.cli import evaluate_targets
+    from megaseq.train.evaluate import evaluate_targets
 
     overrides = split_overrides(rest)
     if args.by_position:
@@ -102,7 +103,7 @@ def cmd_eval(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def cmd_convert(args: argparse.Namespace, rest: list[str]) -> int:
-    from megaseq.convert import convert
+    from megaseq.train.convert import convert
 
     if rest:
         print(f"megaseq convert: unexpected arguments {rest}", file=sys.stderr)

@@ -1,9 +1,9 @@
-"""The vocabulary projection + cross-entropy, plain and chunked (never N x V logits at once).
+"""The chunked vocabulary projection + cross-entropy (never N x V logits at once), and the loss entry point.
 
 Shapes: N tokens, H hidden, V vocabulary, C tokens per chunk, Vc vocabulary entries per strip.
 
-``plain_linear_cross_entropy`` is the reference: ``logits_NV = hidden_NH @ weight_VH.T`` (upcast to
-fp32 for bf16/fp16, as Hugging Face's loss does) then ``F.cross_entropy``. Its peak grows as N x V.
+The plain reference (``plain_linear_cross_entropy``) and the online log-sum-exp live in
+``megaseq.ops.cross_entropy``; this module is the memory scheme built on them.
 
 ``chunked_linear_cross_entropy`` computes the same loss and the same gradients with a bounded working
 set: the forward walks token chunks (and, optionally, vocabulary strips) folding each ``C x Vc`` strip
@@ -11,121 +11,27 @@ of logits into an online log-sum-exp state, and keeps only the per-token log-sum
 recomputes each chunk's logits, forms ``softmax - onehot`` and accumulates ``grad_hidden`` and
 ``grad_weight`` chunk by chunk (grad_weight in fp32 for low-precision inputs).
 
-The online log-sum-exp (``LSEState``, ``lse_init``, ``lse_update``, ``lse_finalize``) is the state
-Ring-DTP folds its vocabulary shards into: each rank's strip updates the running (max, sum-exp,
-target logit) and the loss is ``max + log(sum) - target``, exact.
-
-Reductions: ``mean`` divides by the number of non-ignored tokens (as ``torch.nn.functional.cross_entropy``),
-or by ``num_items`` when given (gradient accumulation over micro-batches and ranks); a batch whose
-tokens are all ignored gives 0, not NaN. ``none`` returns per-token losses (0 at ignored tokens).
-Losses are fp32 for bf16/fp16 inputs, else the input dtype.
+Reductions as ``megaseq.ops.cross_entropy``.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
-import torch.nn.functional as F
 
-REDUCTIONS = ("mean", "sum", "none")
+from megaseq.ops.cross_entropy import (
+    LSEState,
+    acc_dtype,
+    check_shapes,
+    lse_init,
+    lse_logsumexp,
+    lse_update,
+    plain_linear_cross_entropy,
+    reduce_loss,
+)
+
 # grad_weight rows updated per matmul: the fp32-output addmm makes a temporary of its output
 # (rows x H x 4 bytes), so a whole-vocabulary update would cost another V x H x 4
 WEIGHT_GRAD_ROWS = 16384
-
-
-def acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Accumulation dtype: fp32 for half types, else the dtype itself (fp64 stays fp64)."""
-    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
-
-
-# ---- online log-sum-exp ----------------------------------------------------------------------
-class LSEState(NamedTuple):
-    """Running log-sum-exp per token: ``m`` max so far, ``s`` sum of exp(x - m), ``t`` target logit."""
-
-    m: torch.Tensor  # [N]
-    s: torch.Tensor  # [N]
-    t: torch.Tensor  # [N] 0 until the strip holding the token's label has been seen
-
-
-def lse_init(N: int, device: torch.device | str, dtype: torch.dtype = torch.float32) -> LSEState:
-    """The empty state: max -inf, sum 0, target 0."""
-    return LSEState(
-        torch.full((N,), float("-inf"), device=device, dtype=dtype),
-        torch.zeros(N, device=device, dtype=dtype),
-        torch.zeros(N, device=device, dtype=dtype),
-    )
-
-
-def lse_update(state: LSEState, logits_strip: torch.Tensor, labels: torch.Tensor,
-               vocab_offset: int) -> LSEState:
-    """Fold one strip ``logits_strip [N, Vc]`` (vocabulary ids ``vocab_offset .. + Vc``) into ``state``.
-
-    Labels outside the strip (other strips, or ignore_index < 0) leave ``t`` unchanged.
-    """
-    x_NV = logits_strip
-    dtype = state.m.dtype
-    Vc = x_NV.shape[1]
-    local = labels - vocab_offset
-    in_strip = (local >= 0) & (local < Vc)
-    picked = x_NV.gather(1, local.clamp(0, Vc - 1)[:, None]).squeeze(1).to(dtype)
-    t_new = state.t + torch.where(in_strip, picked, torch.zeros_like(picked))
-    m_new = torch.maximum(state.m, x_NV.amax(dim=1).to(dtype))
-    # one strip-sized temporary in the state's dtype: x - m (type promotion upcasts a bf16 strip on the
-    # way, with no separate fp32 copy), then exp in place
-    e_NV = torch.sub(x_NV, m_new[:, None])
-    s_strip = e_NV.exp_().sum(dim=1)
-    # exp(-inf - finite) = 0 on the first strip, so the empty state needs no special case
-    s_new = state.s * torch.exp(state.m - m_new) + s_strip
-    return LSEState(m_new, s_new, t_new)
-
-
-def lse_logsumexp(state: LSEState) -> torch.Tensor:
-    """``log(sum(exp(logits)))`` per token: what the backward needs to form the softmax."""
-    return state.m + torch.log(state.s)
-
-
-def lse_finalize(state: LSEState) -> torch.Tensor:
-    """Per-token loss ``m + log s - t`` (callers mask ignored tokens)."""
-    return lse_logsumexp(state) - state.t
-
-
-# ---- reductions --------------------------------------------------------------------------------
-def _check(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, reduction: str) -> None:
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-    if hidden.dim() != 2 or weight.dim() != 2 or labels.dim() != 1:
-        raise ValueError(f"expected hidden [N,H], weight [V,H], labels [N]; got {tuple(hidden.shape)}, "
-                         f"{tuple(weight.shape)}, {tuple(labels.shape)} (flatten batch and sequence first)")
-    if hidden.shape[1] != weight.shape[1] or hidden.shape[0] != labels.shape[0]:
-        raise ValueError(f"shape mismatch: hidden {tuple(hidden.shape)}, weight {tuple(weight.shape)}, "
-                         f"labels {tuple(labels.shape)}")
-
-
-def _denominator(valid_N: torch.Tensor, num_items: int | float | torch.Tensor | None) -> torch.Tensor | float:
-    if num_items is not None:
-        return num_items
-    return valid_N.sum().clamp(min=1)
-
-
-def _reduce(loss_N: torch.Tensor, valid_N: torch.Tensor, reduction: str,
-            num_items: int | float | torch.Tensor | None) -> torch.Tensor:
-    if reduction == "none":
-        return loss_N
-    total = loss_N.sum()
-    return total if reduction == "sum" else total / _denominator(valid_N, num_items)
-
-
-# ---- plain reference ---------------------------------------------------------------------------
-def plain_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                               ignore_index: int = -100, reduction: str = "mean",
-                               num_items: int | float | torch.Tensor | None = None) -> torch.Tensor:
-    """Reference loss: full ``[N, V]`` logits, upcast to fp32 for half inputs, then cross-entropy."""
-    _check(hidden, weight, labels, reduction)
-    logits_NV = hidden @ weight.T
-    logits_NV = logits_NV.to(acc_dtype(logits_NV.dtype))
-    loss_N = F.cross_entropy(logits_NV, labels, ignore_index=ignore_index, reduction="none")
-    return _reduce(loss_N, labels != ignore_index, reduction, num_items)
 
 
 # ---- chunked autograd Function -----------------------------------------------------------------
@@ -217,14 +123,14 @@ def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, lab
 
     ``hidden [N,H]``, ``weight [V,H]``, ``labels [N]``; ``vocab_chunk=None`` means whole-vocabulary strips.
     """
-    _check(hidden, weight, labels, reduction)
+    check_shapes(hidden, weight, labels, reduction)
     if chunk_tokens < 1:
         raise ValueError(f"memory.loss_chunk_tokens must be >= 1, got {chunk_tokens}")
     if vocab_chunk is not None and vocab_chunk < 1:
         raise ValueError(f"vocab_chunk must be >= 1 or None, got {vocab_chunk}")
     loss_N, valid_N = _ChunkedLinearCE.apply(hidden, weight, labels, int(chunk_tokens), vocab_chunk,
                                              ignore_index)
-    return _reduce(loss_N, valid_N, reduction, num_items)
+    return reduce_loss(loss_N, valid_N, reduction, num_items)
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,

@@ -157,20 +157,17 @@ def _worker_envs(ray: Any, workers: list) -> list[dict[str, str]]:
 
 
 # ---- the training entry -------------------------------------------------------------------------
-def launch(cfg: Any, train_fn: Callable[[Any], Any] | None = None) -> Any:
-    """Run training as configured: in Ray actors with ``parallel.launcher ray``, else in this process
-    (under torchrun each process runs this and reads its environment)."""
-    if train_fn is None:
-        from megaseq.train.trainer import run_training as train_fn
+def launch(cfg: Any, train_fn: Callable[[Any], Any]) -> Any:
+    """Run ``train_fn(cfg)`` as configured: in Ray actors with ``parallel.launcher ray``, else in this
+    process (under torchrun each process runs this and reads its environment). The caller gives the
+    training function (``megaseq.train.trainer.run_training``): parallel/ sits below train/."""
     if cfg.parallel.launcher != "ray":
         return train_fn(cfg)
     return launch_ray(cfg, train_fn)
 
 
-def launch_ray(cfg: Any, train_fn: Callable[[Any], Any] | None = None) -> Any:
+def launch_ray(cfg: Any, train_fn: Callable[[Any], Any]) -> Any:
     """``train_fn(cfg)`` in ``parallel.num_workers`` Ray actors; returns rank 0's result."""
-    if train_fn is None:
-        from megaseq.train.trainer import run_training as train_fn
     worker_cfg = copy.deepcopy(cfg)
     worker_cfg.parallel.launcher = "torchrun"  # the workers read the environment Ray gives them
     use_gpu = None if cfg.train.device == "auto" else cfg.train.device.startswith("cuda")

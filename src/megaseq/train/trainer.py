@@ -66,39 +66,6 @@ def make_plan(cfg: Config, env: ParallelEnv, device: torch.device) -> tuple[dict
     return plan.to_dict(), dict(plan.memory)
 
 
-def per_token_loss_fn(model: torch.nn.Module, env: ParallelEnv, autocast: torch.dtype | None,
-                      chunk_tokens: int, segment_tokens: int = 0) -> Any:
-    """A callable batch -> per-token loss [B, S] in nats (for evaluation). ``segment_tokens`` (the plan's
-    ``model_segment_tokens``): a longer sequence runs in sequence segments, as training did."""
-    from megaseq.memory.vocab_loss import chunked_linear_cross_entropy
-
-    def token_loss(hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        B, T, H = hidden.shape
-        return chunked_linear_cross_entropy(hidden.reshape(-1, H), model.lm_head.weight, labels.reshape(-1),
-                                            chunk_tokens, reduction="none").float().reshape(B, T)
-
-    @torch.no_grad()
-    def fn(batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        b = env.to_device(batch)
-        ids = b["input_ids"]
-        if segment_tokens and ids.shape[1] > segment_tokens and env.cp_size == 1:
-            from megaseq.memory.model_segments import segmented_forward
-
-            out = torch.empty(ids.shape, dtype=torch.float32, device=ids.device)
-
-            def put(hidden: torch.Tensor, s: int, e: int) -> None:
-                out[:, s:e] = token_loss(hidden, b["labels"][:, s:e])
-
-            with _autocast(autocast, env.device):
-                segmented_forward(model, ids, segment_tokens, put, doc_ids=b.get("doc_ids"))
-            return out
-        with _autocast(autocast, env.device):
-            hidden = model(ids, doc_ids=b.get("doc_ids"), ctx=env.context(b))
-        return env.gather_seq(token_loss(hidden, b["labels"]))
-
-    return fn
-
-
 def _autocast(dtype: torch.dtype | None, device: torch.device) -> contextlib.AbstractContextManager:
     if dtype is None:
         return contextlib.nullcontext()
@@ -277,8 +244,9 @@ def _meta(spec_dict: dict[str, Any], data: Any, step: int) -> dict[str, Any]:
 def evaluate_run(cfg: Config, run_dir: Path, model: torch.nn.Module, spec: Any, data: Any, env: ParallelEnv,
                  autocast: torch.dtype | None, memory: dict[str, Any]) -> dict[str, Any]:
     """Held-out loss by position for the model before (step 0) and after training, with the k-mer baseline."""
-    from megaseq.convert import load_megaseq_checkpoint
     from megaseq.eval import report_by_position
+    from megaseq.eval.loss import per_token_loss_fn
+    from megaseq.train.convert import load_megaseq_checkpoint
 
     chunk = memory.get("loss_chunk_tokens") or 8192
     segment = int(memory.get("model_segment_tokens") or 0)

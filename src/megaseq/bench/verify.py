@@ -71,27 +71,9 @@ def kernel_table(spec: ModelSpec, device: torch.device, strict: bool) -> str:
     return dispatch.format_table()
 
 
-def load_reference_model(path: str, dtype: torch.dtype = torch.float64, attn: str = "eager",
-                         experts: str = "eager") -> torch.nn.Module:
-    """The transformers model of an exported checkpoint (pure-torch eager paths unless told otherwise)."""
-    import json
-    from pathlib import Path
-
-    import transformers
-
-    transformers.logging.set_verbosity_error()  # the GLM-5 export has no vision weights: expected
-    model_type = json.loads((Path(path) / "config.json").read_text())["model_type"]
-    cls = {"qwen3_moe": "Qwen3MoeForCausalLM", "glm5_next": "Glm5NextForConditionalGeneration"}[model_type]
-    config = transformers.AutoConfig.from_pretrained(path)
-    for c in (config, getattr(config, "text_config", None)):
-        if c is not None:
-            c._experts_implementation = experts
-    model = getattr(transformers, cls).from_pretrained(path, config=config, dtype=dtype, attn_implementation=attn)
-    return model.eval()
-
-
 def hf_parity(spec: ModelSpec) -> float:
     """Max |megaseq - transformers| / max |transformers| of the logits, float64 on the CPU."""
+    from megaseq.bench.reference import load_reference_model
     from megaseq.models.build import build_model
     from megaseq.models.hf_io import export_hf_checkpoint
 

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import yaml
 
-from megaseq.config import build_config
+from megaseq.config import build_config, default_recipe
 from megaseq.train import checkpoint as ckpt
 
 
@@ -48,11 +48,11 @@ def _checkpoints(targets: list[Path]) -> dict[str, Path]:
 
 def evaluate_targets(targets: list[str], data: list[str] | None = None, overrides: list[str] | None = None,
                      out: str | None = None) -> str:
-    from megaseq.convert import load_megaseq_checkpoint
     from megaseq.data import build_data
     from megaseq.eval import markdown_table, report_by_position
+    from megaseq.eval.loss import per_token_loss_fn
+    from megaseq.train.convert import load_megaseq_checkpoint
     from megaseq.train.parallel_env import ParallelEnv
-    from megaseq.train.trainer import per_token_loss_fn
 
     paths = [Path(t) for t in targets]
     for p in paths:
@@ -62,8 +62,6 @@ def evaluate_targets(targets: list[str], data: list[str] | None = None, override
     if run_dir is None:
         if not data:
             raise ValueError(f"{paths[0]} is not inside a run directory, so it has no held-out data: pass --data")
-        from megaseq.cli.main import default_recipe
-
         raw: dict[str, Any] = yaml.safe_load(Path(default_recipe()).read_text())
     else:
         raw = yaml.safe_load((run_dir / "config.yaml").read_text())

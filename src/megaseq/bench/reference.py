@@ -10,8 +10,27 @@ from typing import Any
 
 import torch
 
-from megaseq.bench import GIB, H200_BF16_FLOPS, _free, host_rss_peak, host_rss_peak_reset, timed_steps
+from megaseq.bench.measure import GIB, free_memory, host_rss_peak, host_rss_peak_reset, timed_steps
 from megaseq.config import Config
+
+
+def load_reference_model(path: str, dtype: torch.dtype = torch.float64, attn: str = "eager",
+                         experts: str = "eager") -> torch.nn.Module:
+    """The transformers model of an exported checkpoint (pure-torch eager paths unless told otherwise)."""
+    import json
+    from pathlib import Path
+
+    import transformers
+
+    transformers.logging.set_verbosity_error()  # the GLM-5 export has no vision weights: expected
+    model_type = json.loads((Path(path) / "config.json").read_text())["model_type"]
+    cls = {"qwen3_moe": "Qwen3MoeForCausalLM", "glm5_next": "Glm5NextForConditionalGeneration"}[model_type]
+    config = transformers.AutoConfig.from_pretrained(path)
+    for c in (config, getattr(config, "text_config", None)):
+        if c is not None:
+            c._experts_implementation = experts
+    model = getattr(transformers, cls).from_pretrained(path, config=config, dtype=dtype, attn_implementation=attn)
+    return model.eval()
 
 
 def build_reference(cfg: Config, device: torch.device,
@@ -21,7 +40,6 @@ def build_reference(cfg: Config, device: torch.device,
     from megaseq.models.build import build_model
     from megaseq.models.hf_io import export_hf_checkpoint
     from megaseq.models.presets import resolve_spec
-    from megaseq.verify import load_reference_model
 
     spec = resolve_spec(cfg.model.name)
     ours = build_model(spec, dtype=torch.float32, device="cpu", seed=cfg.train.seed)
@@ -38,7 +56,7 @@ def build_reference(cfg: Config, device: torch.device,
 
 
 def measure_reference(cfg: Config, seq_len: int, steps: int) -> dict[str, Any]:
-    from megaseq.plan.flops import step_flops
+    from megaseq.plan.flops import mfu, step_flops
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     row: dict[str, Any] = {"seq_len": seq_len, "source": "random", "system": "transformers"}
@@ -61,14 +79,14 @@ def measure_reference(cfg: Config, seq_len: int, steps: int) -> dict[str, Any]:
         dt = sum(times) / len(times)
         per_token = step_flops(spec, seq_len).per_token
         row.update(status="ok", step_s=dt, tokens_per_s=seq_len / dt,
-                   mfu=seq_len / dt * per_token / H200_BF16_FLOPS if device.type == "cuda" else None,
+                   mfu=mfu(seq_len / dt, per_token, 1) if device.type == "cuda" else None,
                    measured_gpu_gib=torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None,
                    measured_host_gib=host_rss_peak() / 1e9)
     except torch.OutOfMemoryError as e:
         row.update(status="oom", error=str(e).splitlines()[0][:200])
     finally:
         del model
-        _free(device)
+        free_memory(device)
     return row
 
 
@@ -107,7 +125,7 @@ def logprob_check(cfg: Config, lengths: list[int]) -> dict[str, Any]:
                 h_ref = text(input_ids=ids[:, :-1]).last_hidden_state[0]
                 lp_ref = _token_logprobs(h_ref, ref.lm_head.weight, ids[0, 1:])
             ref = h_ref = None
-            _free(device)
+            free_memory(device)
             # built on the CPU as build_reference does: the same seed on a CUDA generator gives other weights
             ours = build_model(spec, dtype=torch.float32, device="cpu", seed=cfg.train.seed).to(device).eval()
             with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
@@ -123,5 +141,5 @@ def logprob_check(cfg: Config, lengths: list[int]) -> dict[str, Any]:
             tried.append({"seq_len": L, "status": "oom", "error": str(e).splitlines()[0][:200]})
         finally:
             del ref, ours
-            _free(device)
+            free_memory(device)
     return {"result": None, "tried": tried}

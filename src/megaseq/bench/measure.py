@@ -1,0 +1,155 @@
+"""One measured point of ``megaseq bench``: the planned training step of a recipe at one length, timed and
+its peak GPU and host memory read, beside the plan's prediction.
+
+The step is the trainer's own (``train.trainer.train_step`` with the plan's fixes applied, as ``megaseq
+train`` runs it). Warm steps only: one warm-up step (kernels, autotune, the allocator) is left out, unless
+``steps`` is 0 (the one, cold, step of a length whose step is minutes long). MFU comes from the planner's
+FLOP count (``plan.flops.mfu``: model FLOPs only, attention and indexer included, recompute not).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megaseq.config import Config
+from megaseq.plan.flops import mfu
+
+GIB = 2**30
+
+
+def host_rss_peak_reset() -> None:
+    """Reset the kernel's peak-RSS counter (VmHWM) so each length reports its own host peak."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
+def host_rss_peak() -> int:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def cfg_for(cfg: Config, seq_len: int, source: str) -> Config:
+    c = copy.deepcopy(cfg)
+    c.data.seq_len = seq_len
+    if source == "random":
+        c.data.kind = "random"
+    elif source == "genome" and c.data.kind == "random":
+        c.data.kind = "fasta"  # data.train (or the built-in genome) through the DNA tokenizer
+    c.train.eval_after = False
+    c.train.export_hf = False
+    return c
+
+
+def plan_on(c: Config, device: torch.device) -> Any:
+    """The plan ``megaseq train`` would make for ``c`` on this one device (its real memory on a GPU)."""
+    from megaseq.plan.planner import plan_from_config
+
+    gpu_bytes = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+    return plan_from_config(c, world_size=1, gpu_bytes=gpu_bytes)
+
+
+def planned_step(c: Config, spec: Any, device: torch.device, plan: Any, total_steps: int) -> tuple:
+    """``(model, applied memory, next_batch(), step(batch))``: the trainer's data, model, optimizer and step
+    with ``plan``'s fixes applied, as ``megaseq train`` runs them."""
+    from megaseq.data import build_data
+    from megaseq.train.parallel_env import ParallelEnv
+    from megaseq.train.trainer import build_planned_model, dtypes, train_step
+
+    autocast = dtypes(c, device)[1]
+    data = build_data(c.data, None, batch_size=c.train.batch_size, vocab_size=spec.vocab_size)
+    memory = dict(plan.memory)
+    model, applied, opt, sched = build_planned_model(c, spec, device, memory, total_steps)
+    env = ParallelEnv(device)
+
+    def step(batch: dict[str, torch.Tensor]) -> None:
+        train_step(model, [batch], opt, sched, c, env, autocast, memory)
+
+    return model, applied, data.train.next_batch, step
+
+
+def measure_megaseq(cfg: Config, seq_len: int, steps: int, source: str) -> dict[str, Any]:
+    """Warm-up step + ``steps`` timed steps of megaseq at ``seq_len`` (``steps`` 0: the one step, timed cold);
+    an OOM is a result, not an error."""
+    from megaseq.models.presets import resolve_spec
+    from megaseq.train.metrics import moe_load
+    from megaseq.train.trainer import resolve_device
+
+    c = cfg_for(cfg, seq_len, source)
+    device = resolve_device(c)
+    spec = resolve_spec(c.model.name)
+    plan = plan_on(c, device)
+    row: dict[str, Any] = {"seq_len": seq_len, "source": source, "system": "megaseq",
+                           "fixes": [f[0] if isinstance(f, (list, tuple)) else str(f) for f in plan.fixes],
+                           "predicted_gpu_gib": plan.peak_gpu / GIB,
+                           "predicted_gpu_tensors_gib": plan.peak_gpu_tensors / GIB,
+                           "predicted_host_gib": plan.peak_host / 1e9, "memory_plan": dict(plan.memory),
+                           "plan_fits": plan.fits}
+    model = applied = None
+    try:
+        model, applied, next_batch, step = planned_step(c, spec, device, plan, steps + 1)
+        _sync(device)
+        host_rss_peak_reset()
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        times = timed_steps(lambda: step(next_batch()), steps, device)
+        row["timed_steps"] = len(times) if steps else "1 (cold: includes the warm-up)"
+        if not steps:  # the one step ran without the optimizer state (made by its update): compare with that
+            row["predicted_gpu_tensors_gib"] = plan.first_step_gpu_tensors / GIB
+            row["predicted_is_first_step"] = True
+        dt = sum(times) / len(times)
+        tokens = c.train.batch_size * seq_len
+        row.update(status="ok", step_s=dt, tokens_per_s=tokens / dt,
+                   mfu=mfu(tokens / dt, plan.flops["per_token"], 1) if device.type == "cuda" else None,
+                   measured_gpu_gib=torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None,
+                   measured_gpu_reserved_gib=(torch.cuda.max_memory_reserved(device) / GIB
+                                              if device.type == "cuda" else None),
+                   measured_host_gib=host_rss_peak() / 1e9, moe_max_over_mean=moe_load(model))
+    except torch.OutOfMemoryError as e:
+        row.update(status="oom", error=str(e).splitlines()[0][:200])
+    finally:
+        if applied is not None:
+            applied.release()
+        del model
+        free_memory(device)
+    return row
+
+
+def timed_steps(run_step: Callable[[], None], steps: int, device: torch.device) -> list[float]:
+    """Seconds of each measured step: ``steps + 1`` runs of ``run_step``, the first a warm-up (kernels,
+    autotune, the allocator) left out; ``steps`` 0: the one (cold) step."""
+    times = []
+    for i in range(steps + 1):
+        t0 = time.perf_counter()
+        run_step()
+        _sync(device)
+        if i > 0 or steps == 0:
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def free_memory(device: torch.device) -> None:
+    import gc
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+

@@ -1,0 +1,86 @@
+"""The tables and plot of a ``megaseq bench`` result: markdown, JSON and a PNG, written atomically after
+every measurement (a run stopped early keeps what it measured)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+
+def markdown(result: dict[str, Any]) -> str:
+    m = result["meta"]
+    lines = [f"# megaseq bench: {m['model']} on {m['gpu']} (torch {m['torch']}, {m['date']})", "",
+             "GPU: planned tensor peak vs `max_memory_allocated` (with `--steps 0` the one step is the first, "
+             "so the plan's first-step peak, without the optimizer state its update creates); host: planned vs "
+             "the process's peak RSS (VmHWM).",
+             "",
+             "| length | source | status | fixes | pred GPU GiB | meas GPU GiB | err | pred host GB | host GB | err "
+             "| tok/s | MFU | MoE max/mean |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        meas = r.get("measured_gpu_gib")
+        pred = r.get("predicted_gpu_tensors_gib", r["predicted_gpu_gib"])
+        err = f"{(pred - meas) / meas:+.1%}" if meas else "-"
+        host = r.get("measured_host_gib")
+        herr = f"{(r['predicted_host_gib'] - host) / host:+.1%}" if host else "-"
+        moe = r.get("moe_max_over_mean") or {}
+        mfu = "-" if r.get("mfu") is None else f"{r['mfu']:.1%}"
+        lines.append(
+            f"| {r['seq_len']:,} | {r['source']} | {r['status']} | {', '.join(r['fixes']) or '-'} | "
+            f"{pred:.1f} | {meas if meas is None else f'{meas:.1f}'} | {err} | {r['predicted_host_gib']:.1f} | "
+            f"{host or 0:.1f} | {herr} | {r.get('tokens_per_s', 0) or 0:,.0f} | "
+            f"{mfu} | {max(moe.values()) if moe else 0:.2f} |")
+    ref = {r["seq_len"]: r for r in result.get("reference_rows", [])}
+    if ref:
+        lines += ["", "| length | reference status | reference tok/s | megaseq / reference tok/s |",
+                  "|---|---|---|---|"]
+        for r in result["rows"]:
+            b = ref.get(r["seq_len"]) if r["source"] == "random" else None
+            if b is None:
+                continue
+            ratio = (r.get("tokens_per_s") or 0) / b["tokens_per_s"] if b.get("tokens_per_s") else None
+            lines.append(f"| {r['seq_len']:,} | {b['status']} | {b.get('tokens_per_s', 0) or 0:,.0f} | "
+                         f"{'-' if ratio is None else f'{ratio:.2f}x'} |")
+    if "max_len" in result:
+        mx = result["max_len"]
+        lines += ["", f"longest length that trains: megaseq {mx.get('megaseq')}, reference {mx.get('reference')}"]
+    lp = (result.get("logprob_check") or {}).get("result")
+    if lp:
+        lines += ["", f"per-token log-probabilities at {lp['seq_len']:,} tokens, megaseq ({lp['megaseq']}) vs "
+                  f"reference ({lp['reference']}): mean |diff| {lp['mean_abs_diff']:.4f}, max "
+                  f"{lp['max_abs_diff']:.3f} (reference log-probs {lp['ref_logprob_mean']:.2f} ± "
+                  f"{lp['ref_logprob_std']:.2f})"]
+    return "\n".join(lines) + "\n"
+
+
+def write_outputs(result: dict[str, Any], out: Path) -> None:
+    from megaseq.eval.report import write_atomic
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(out.with_suffix(".json"), json.dumps(result, indent=2, default=str))
+    write_atomic(out.with_suffix(".md"), markdown(result))
+    ok = [r for r in result["rows"] if r["status"] == "ok"]
+    if not ok:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    for source in sorted({r["source"] for r in ok}):  # one line per data source (random, genome)
+        rows = sorted((r for r in ok if r["source"] == source), key=lambda r: r["seq_len"])
+        xs = [r["seq_len"] for r in rows]
+        a.plot(xs, [r.get("predicted_gpu_tensors_gib", r["predicted_gpu_gib"]) for r in rows], "o--",
+               label=f"planned ({source})")
+        if rows[0].get("measured_gpu_gib") is not None:
+            a.plot(xs, [r["measured_gpu_gib"] for r in rows], "o-", label=f"measured ({source})")
+        b.plot(xs, [r["tokens_per_s"] for r in rows], "o-", label=source)
+    a.set(xscale="log", xlabel="tokens per sequence", ylabel="peak GPU GiB (tensors)", title="memory")
+    a.legend()
+    b.set(xscale="log", xlabel="tokens per sequence", ylabel="tokens/s", title="throughput")
+    b.legend()
+    fig.tight_layout()
+    fig.savefig(out.with_suffix(".png"), dpi=120)
+    plt.close(fig)
