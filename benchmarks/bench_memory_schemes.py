@@ -45,9 +45,9 @@ from megaseq.memory.vocab_loss import (
     plain_linear_cross_entropy,
     vocab_loss_bytes,
 )
-from megaseq.models.blocks.mlp import MLP
-from megaseq.models.blocks.moe import FP32_PARAM_SUFFIXES, MoE
-from megaseq.models.blocks.norm import RMSNorm
+from megaseq.models.common.mlp import MLP
+from megaseq.models.common.moe import FP32_PARAM_SUFFIXES, MoE
+from megaseq.models.common.norm import RMSNorm
 from megaseq.models.presets import glm5_flash_1gpu, glm5_flash_tiny
 
 GIB = 2**30
@@ -226,7 +226,7 @@ def _indexer_inputs(spec, S: int, device, gen: torch.Generator):
 
 
 def bench_indexer(m: Meter, cfg: dict, smoke: bool) -> dict[str, Any]:
-    from megaseq.memory.indexer_scoring import indexer_scoring_bytes, resolve_query_chunk, select_pools
+    from megaseq.ops.indexer_scoring import indexer_scoring_bytes, resolve_query_chunk, select_pools
 
     spec = glm5_flash_tiny() if smoke else glm5_flash_1gpu()
     K = spec.index_topk // spec.index_kpool

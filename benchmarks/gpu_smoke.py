@@ -40,11 +40,11 @@ from typing import Any
 
 import torch
 
-from megaseq.models.blocks.kda import causal_conv_reference, kda_reference
-from megaseq.models.blocks.mla_dsa import sparse_mla_reference
+from megaseq.models.common.kda import causal_conv_reference, kda_reference
+from megaseq.models.common.mla_dsa import sparse_mla_reference
 from megaseq.models.build import build_model
-from megaseq.models.context import SeqContext
-from megaseq.models.families.glm5 import Glm5DecoderLayer, Glm5Model
+from megaseq.models.common.context import SeqContext
+from megaseq.models.glm5.model import Glm5DecoderLayer, Glm5Model
 from megaseq.models.presets import glm5_flash_1gpu, glm5_flash_tiny
 from megaseq.ops import dispatch, fla_kda, sparse_mla
 

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 
-from megaseq.models.blocks.kda import KimiDeltaAttention
-from megaseq.models.context import SeqContext
-from megaseq.models.families.glm5 import Glm5Model
+from megaseq.models.common.kda import KimiDeltaAttention
+from megaseq.models.common.context import SeqContext
+from megaseq.models.glm5.model import Glm5Model
 from megaseq.models.presets import glm5_flash_1gpu, glm5_flash_tiny
 
 GIB = 2**30

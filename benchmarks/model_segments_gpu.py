@@ -77,7 +77,7 @@ def main() -> int:
                                     chunk_tokens=4096, reduction="sum")
 
     # the DSA selections of each run's first forward (the segmented step's forward pass, in order)
-    from megaseq.models.blocks.mla_dsa import Indexer
+    from megaseq.models.common.mla_dsa import Indexer
 
     picks: list[torch.Tensor] = []
     real_forward = Indexer.forward

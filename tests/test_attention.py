@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megaseq.models.blocks.attention import (
+from megaseq.models.common.attention import (
     Attention,
     attention_reference,
     attention_sdpa,
     kv_repeats,
     positions_for,
 )
-from megaseq.models.context import SeqContext
+from megaseq.models.common.context import SeqContext
 from megaseq.models.presets import get_preset
 from megaseq.ops import dispatch
 
@@ -52,7 +52,7 @@ def test_reference_and_sdpa_match_dense_definition(doc_ids) -> None:
 
 
 def test_reference_blocks_over_queries(monkeypatch: pytest.MonkeyPatch) -> None:
-    import megaseq.models.blocks.attention as attn
+    import megaseq.models.common.attention as attn
 
     q, k, v = _qkv(1, 23, 4, 4, 3, torch.float64, seed=2)
     whole = attention_reference(q, k, v, None, 0.5)

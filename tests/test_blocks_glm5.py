@@ -12,18 +12,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megaseq.memory import indexer_scoring
-from megaseq.models.blocks import mla_dsa
-from megaseq.models.blocks.kda import (
+from megaseq.ops import indexer_scoring
+from megaseq.models.common import mla_dsa
+from megaseq.models.common.kda import (
     ForgetGate,
     causal_conv_reference,
     cu_seqlens_from_doc_ids,
     kda_reference,
 )
-from megaseq.models.blocks.mhc import HyperConnection
-from megaseq.models.blocks.mla_dsa import Indexer, MLASparseAttention, sparse_attention_reference
+from megaseq.models.common.mhc import HyperConnection
+from megaseq.models.common.mla_dsa import Indexer, MLASparseAttention, sparse_attention_reference
 from megaseq.models.build import build_model
-from megaseq.models.context import SeqContext
+from megaseq.models.common.context import SeqContext
 from megaseq.models.spec import from_hf_config
 
 pytest.importorskip("transformers")

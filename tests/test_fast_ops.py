@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megaseq.memory import indexer_scoring
-from megaseq.models.blocks import mla_dsa
-from megaseq.models.blocks.kda import causal_conv_reference, kda_reference
-from megaseq.models.blocks.mla_dsa import MLASparseAttention, sparse_mla_reference
-from megaseq.models.context import SeqContext
+from megaseq.ops import indexer_scoring
+from megaseq.models.common import mla_dsa
+from megaseq.models.common.kda import causal_conv_reference, kda_reference
+from megaseq.models.common.mla_dsa import MLASparseAttention, sparse_mla_reference
+from megaseq.models.common.context import SeqContext
 from megaseq.models.presets import get_preset
 from megaseq.ops import dispatch, fla_kda, sparse_mla
 

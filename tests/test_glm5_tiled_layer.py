@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from megaseq.models.build import build_model
-from megaseq.models.context import SeqContext, positions_from_doc_ids
-from megaseq.models.families.glm5 import token_tiled
+from megaseq.models.common.context import SeqContext, positions_from_doc_ids
+from megaseq.models.glm5.model import token_tiled
 from megaseq.models.spec import from_hf_config
 
 pytest.importorskip("transformers")

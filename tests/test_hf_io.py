@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from megaseq.models.families.qwen3_moe import Qwen3MoeModel
+from megaseq.models.qwen3_moe.model import Qwen3MoeModel
 from megaseq.models.hf_io import export_hf_checkpoint, load_hf_checkpoint, spec_to_hf_config
 from megaseq.models.spec import from_hf_config
 
@@ -209,7 +209,7 @@ def _hf_from_pretrained(path: Path) -> torch.nn.Module:
 
 
 def test_glm5_round_trip(tmp_path: Path) -> None:
-    pytest.importorskip("megaseq.models.families.glm5")
+    pytest.importorskip("megaseq.models.glm5.model")
     hf = _glm5_hf(seed=61)
     src = tmp_path / "hf"
     hf.save_pretrained(src, max_shard_size="50KB")

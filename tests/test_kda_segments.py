@@ -15,9 +15,9 @@ from megaseq.memory.kda_segments import (
     segmented_kda,
     segmented_saved_bytes,
 )
-from megaseq.models.blocks import kda as kda_block
-from megaseq.models.blocks.kda import KimiDeltaAttention, kda_reference
-from megaseq.models.context import SeqContext
+from megaseq.models.common import kda as kda_block
+from megaseq.models.common.kda import KimiDeltaAttention, kda_reference
+from megaseq.models.common.context import SeqContext
 from megaseq.models.presets import glm5_flash_tiny
 from megaseq.ops import fla_kda
 

@@ -12,7 +12,7 @@ import copy
 import pytest
 import torch
 
-from megaseq.memory import indexer_scoring
+from megaseq.ops import indexer_scoring
 from megaseq.memory.apply import MemoryPlan, apply_memory_plan, loss_fn, make_optimizer
 from megaseq.memory.offload import boundary_bytes, round_up
 from megaseq.memory.offload_adam import OffloadStreamAdamW

@@ -23,7 +23,7 @@ from megaseq.memory.offload import (
     sco_plan,
 )
 from megaseq.memory.tiling import enable_tiling
-from megaseq.models.context import SeqContext
+from megaseq.models.common.context import SeqContext
 
 torch.set_num_threads(1)
 B, S, HC, H, TOPK = 2, 19, 4, 15, 5

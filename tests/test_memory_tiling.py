@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from megaseq.memory.tiling import TiledModule, disable_tiling, enable_tiling, tiled_forward
-from megaseq.models.blocks.mlp import MLP
-from megaseq.models.blocks.moe import MoE
+from megaseq.models.common.mlp import MLP
+from megaseq.models.common.moe import MoE
 from megaseq.models.presets import glm5_flash_tiny
 
 torch.set_num_threads(1)

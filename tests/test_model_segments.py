@@ -264,7 +264,7 @@ def test_trainer_step_in_segments_keeps_documents_apart():
 def test_kept_selections_save_the_indexer_rerun():
     """``keep_selection``: the backward's reruns take the forward pass's DSA selections instead of scoring
     again (the indexer runs once per segment and full layer, not twice); the step is the same."""
-    from megaseq.models.blocks.mla_dsa import Indexer
+    from megaseq.models.common.mla_dsa import Indexer
 
     model, cfg = _model("mixed")
     ids, labels = _batch(cfg, 2, 41)

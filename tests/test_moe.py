@@ -17,9 +17,9 @@ import types
 import pytest
 import torch
 
-from megaseq.models.blocks.mlp import MLP
-from megaseq.models.blocks.moe import MoE, grouped_mm_reference
-from megaseq.models.blocks.norm import RMSNorm
+from megaseq.models.common.mlp import MLP
+from megaseq.models.common.moe import MoE, grouped_mm_reference
+from megaseq.models.common.norm import RMSNorm
 from megaseq.models.spec import ModelSpec
 from megaseq.ops import dispatch
 

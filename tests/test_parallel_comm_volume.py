@@ -26,7 +26,7 @@ import torch
 
 from megaseq.config import build_config
 from megaseq.models.build import build_model
-from megaseq.models.context import SeqContext
+from megaseq.models.common.context import SeqContext
 from megaseq.models.presets import get_preset
 from megaseq.parallel import ulysses
 from megaseq.parallel.env import DistributedEnv

@@ -10,7 +10,7 @@ import torch.distributed.tensor  # noqa: F401  assert_close imports it lazily: o
 from torch import nn
 
 from megaseq.config import ParallelConfig
-from megaseq.models.context import SeqContext, positions_from_doc_ids
+from megaseq.models.common.context import SeqContext, positions_from_doc_ids
 from megaseq.models.presets import get_preset
 from megaseq.parallel.launch import spawn_local
 from megaseq.parallel.mesh import init_mesh, shard_batch, shutdown
@@ -30,7 +30,7 @@ class FullThenShared(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        from megaseq.models.blocks.mla_dsa import MLASparseAttention
+        from megaseq.models.common.mla_dsa import MLASparseAttention
 
         self.full = MLASparseAttention(_spec(), layer_idx=0)
         self.shared = MLASparseAttention(_spec(), layer_idx=1, topk_source=0)
@@ -47,7 +47,7 @@ def test_mla_dsa_matches_one_process(dp, cp):
 
 
 def _indexer_worker(rank: int, cp: int, S: int) -> None:
-    from megaseq.memory import indexer_scoring
+    from megaseq.ops import indexer_scoring
 
     torch.set_default_dtype(torch.float64)
     mesh = init_mesh(ParallelConfig(cp=cp, backend="gloo"), S)

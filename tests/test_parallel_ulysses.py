@@ -17,7 +17,7 @@ import torch.distributed.tensor  # noqa: F401  assert_close imports it lazily: o
 from torch import nn
 
 from megaseq.config import ParallelConfig
-from megaseq.models.context import SeqContext, positions_from_doc_ids
+from megaseq.models.common.context import SeqContext, positions_from_doc_ids
 from megaseq.models.presets import get_preset
 from megaseq.parallel.grads import reduce_gradients
 from megaseq.parallel.launch import spawn_local
@@ -137,7 +137,7 @@ def test_toy_attention_matches_one_process(dp, cp, Hq, Hkv, S):
 # ---- the model's softmax attention block (GQA + RoPE) -----------------------------------------
 def _attention(Hq: int, Hkv: int) -> Callable[[], nn.Module]:
     def make() -> nn.Module:
-        from megaseq.models.blocks.attention import Attention
+        from megaseq.models.common.attention import Attention
 
         spec = get_preset("qwen3-moe-tiny").replace(num_attention_heads=Hq, num_key_value_heads=Hkv,
                                                     head_dim=6, hidden_size=10)
@@ -158,7 +158,7 @@ def test_softmax_attention_matches_one_process(dp, cp, Hq, Hkv, S):
 # ---- KDA (conv + delta-rule recurrence per head over the whole sequence) ----------------------
 def _kda(Hh: int, D: int) -> Callable[[], nn.Module]:
     def make() -> nn.Module:
-        from megaseq.models.blocks.kda import KimiDeltaAttention, init_kda_
+        from megaseq.models.common.kda import KimiDeltaAttention, init_kda_
 
         spec = get_preset("glm5-flash-tiny").replace(linear_num_heads=Hh, linear_head_dim=D, hidden_size=10)
         block = KimiDeltaAttention(spec)

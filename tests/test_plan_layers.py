@@ -58,7 +58,7 @@ def test_dsa_kv_rows_by_mode():
 
 def test_indexer_scoring_matches_memory_module():
     pytest.importorskip("torch")
-    from megaseq.memory.indexer_scoring import indexer_scoring_bytes
+    from megaseq.ops.indexer_scoring import indexer_scoring_bytes
 
     assert LY.indexer_scoring_bytes(37, 1001, 5, 13) == indexer_scoring_bytes(37, 1001, 5, 13)
     # by hand: 2 queries x (3 pools x ((2 heads + 1) x 4 + 9) + 1 selected x 13)
@@ -104,7 +104,7 @@ def _measure_saved(layer, h, autocast: bool) -> int:
         return t
 
     cm = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
-    from megaseq.models.context import SeqContext
+    from megaseq.models.common.context import SeqContext
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), cm:
         layer(h, SeqContext())
@@ -116,7 +116,7 @@ def kda_uncounted():
     """Route op ``kda`` to a stand-in that saves nothing (the output is v): the planner models fla's
     chunk_kda, whose own saved set (``kda chunk state``) is left out of the comparison."""
     torch = pytest.importorskip("torch")
-    from megaseq.models.blocks import kda as kda_block  # noqa: F401  (registers the reference first)
+    from megaseq.models.common import kda as kda_block  # noqa: F401  (registers the reference first)
     from megaseq.ops import dispatch
 
     class _NoSave(torch.autograd.Function):
@@ -152,7 +152,7 @@ def test_saved_set_matches_blocks(name, seq, autocast, block, kda_uncounted, mon
     autocast; DSA with one attention block and with several checkpointed blocks)."""
     import torch
 
-    from megaseq.models.blocks import mla_dsa
+    from megaseq.models.common import mla_dsa
     from megaseq.models.build import build_model
     from megaseq.models.presets import get_preset
     from megaseq.plan import components as C

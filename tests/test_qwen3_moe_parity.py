@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megaseq.models.context import SeqContext
-from megaseq.models.families.qwen3_moe import Qwen3MoeModel
+from megaseq.models.common.context import SeqContext
+from megaseq.models.qwen3_moe.model import Qwen3MoeModel
 from megaseq.models.spec import from_hf_config
 from megaseq.ops import dispatch
 

@@ -128,11 +128,19 @@ class ParallelConfig:
         return dp, self.cp, self.ep
 
 
-@dataclass
-class MemoryConfig:
-    """Exact memory schemes. With `auto`, the planner picks the cheapest set that fits."""
+SIZE_SETTINGS = ("loss_chunk_tokens", "mlp_tile_tokens", "indexer_query_chunk", "offload_host_budget",
+                 "optimizer_bucket_params", "kda_segment_tokens", "model_segment_tokens")
+SEGMENT_SETTING = "memory.model_segment_tokens"
+# the per-layer schemes sequence segments replace (each layer's memory is already bounded by the segment)
+SEGMENT_EXCLUDED = ("recompute", "checkpoint_offload", "kda_segment_tokens")
 
-    auto: bool = opt(True, "let the planner choose the schemes and chunk sizes below (set false to force them)")
+
+@dataclass
+class MemorySettings:
+    """The exact memory schemes of one run and their chunk sizes: what ``megaseq plan`` chooses (its
+    ``memory``), what ``memory.auto false`` forces, and what a family's ``parallelize`` applies. One typed,
+    torch-free object; ``MemoryConfig`` adds the planner's own settings."""
+
     chunked_loss: bool = opt(False, "vocabulary projection + cross-entropy chunk by chunk (online log-sum-exp)")
     loss_chunk_tokens: Any = opt("8K", "tokens per chunk of the chunked loss")
     tiled_mlp: bool = opt(False, "run MLP/MoE layers over the sequence in tiles, recomputing in backward")
@@ -154,19 +162,69 @@ class MemoryConfig:
                                               "for the backward (int32 [S, topk + 15] per DSA layer) instead of "
                                               "scoring again (saves the indexer's second pass; with auto, used "
                                               "where it fits with 5% to spare; not yet measured on a GPU)")
+
+    def __post_init__(self) -> None:
+        for name in SIZE_SETTINGS:
+            setattr(self, name, parse_size(getattr(self, name)))
+        self._check_ranges()
+
+    def _check_ranges(self) -> None:
+        for name in ("loss_chunk_tokens", "mlp_tile_tokens", "indexer_query_chunk", "optimizer_bucket_params"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"memory.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("kda_segment_tokens", "model_segment_tokens", "offload_host_budget"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"memory.{name} must be >= 0 (0: off), got {getattr(self, name)}")
+
+    def check_combination(self) -> None:
+        """ValueError naming the settings when these schemes cannot run together (settings that will run as
+        given: forced ones, and what the planner chose, which never combines them)."""
+        if self.checkpoint_offload and not self.recompute:
+            raise ValueError("memory.checkpoint_offload needs memory.recompute: set --memory.recompute true")
+        on = [f"memory.{k}" for k in SEGMENT_EXCLUDED if getattr(self, k)]
+        if self.model_segment_tokens and on:
+            raise ValueError(f"{SEGMENT_SETTING}={self.model_segment_tokens} with {', '.join(on)}: sequence segments "
+                             "already bound each layer's memory by the segment; turn those off (--memory.recompute "
+                             "false, --memory.checkpoint_offload false, --memory.kda_segment_tokens 0)")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The settings alone (a plan's ``memory``), in field order."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(MemorySettings)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> MemorySettings:
+        """From a plan's ``memory`` (or ``to_dict``); an unknown key is an error naming it, never dropped."""
+        names = [f.name for f in dataclasses.fields(MemorySettings)]
+        unknown = sorted(set(d) - set(names))
+        if unknown:
+            raise ValueError(f"unknown memory settings {unknown} (a plan from another megaseq version?); "
+                             f"known: {', '.join(names)}")
+        return MemorySettings(**d)
+
+    def replace(self, **changes: Any) -> MemorySettings:
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass
+class MemoryConfig(MemorySettings):
+    """Exact memory schemes. With `auto`, the planner picks the cheapest set that fits."""
+
+    auto: bool = opt(True, "let the planner choose the schemes and chunk sizes below (set false to force them)")
     gpu_budget: Any = opt("auto", "GPU bytes the plan may use (auto: the device's total less a reserve)")
     host_budget: Any = opt("auto", "host bytes the plan may use (auto: 90% of physical RAM)")
 
     def __post_init__(self) -> None:
-        for name in ("loss_chunk_tokens", "mlp_tile_tokens", "indexer_query_chunk", "offload_host_budget",
-                     "optimizer_bucket_params", "kda_segment_tokens", "model_segment_tokens"):
-            setattr(self, name, parse_size(getattr(self, name)))
+        super().__post_init__()
         for name in ("gpu_budget", "host_budget"):
             v = getattr(self, name)
             if v != "auto":
                 setattr(self, name, parse_size(v))
-        if self.checkpoint_offload and not self.recompute and not self.auto:
-            raise ValueError("memory.checkpoint_offload needs memory.recompute: set --memory.recompute true")
+        if not self.auto:  # forced: they run as given (with auto the planner chooses the combination)
+            self.check_combination()
+
+    def settings(self) -> MemorySettings:
+        """The scheme settings as configured (what ``auto false`` runs)."""
+        return MemorySettings.from_dict(self.to_dict())
 
 
 @dataclass

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from megaseq.config import Config
+from megaseq.config import Config, MemorySettings
 from megaseq.plan.flops import mfu
 
 GIB = 2**30
@@ -70,9 +70,9 @@ def planned_step(c: Config, spec: Any, device: torch.device, plan: Any, total_st
 
     autocast = dtypes(c, device)[1]
     data = build_data(c.data, None, batch_size=c.train.batch_size, vocab_size=spec.vocab_size)
-    memory = dict(plan.memory)
-    model, applied, opt, sched = build_planned_model(c, spec, device, memory, total_steps)
+    memory = MemorySettings.from_dict(plan.memory)
     env = ParallelEnv(device)
+    model, applied, opt, sched = build_planned_model(c, spec, device, memory, total_steps, env=env)
 
     def step(batch: dict[str, torch.Tensor]) -> None:
         train_step(model, [batch], opt, sched, c, env, autocast, memory)

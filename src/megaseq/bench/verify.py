@@ -18,9 +18,8 @@ import torch
 from megaseq.config import Config
 from megaseq.models.spec import ModelSpec
 from megaseq.ops import dispatch
+from megaseq.ops.kernels import planned_kernels
 
-# kernels a GPU run is planned to use; a fallback from these is an error with strict_kernels
-PLANNED_GPU = {"kda": "fla_chunk", "grouped_mm": "torch_grouped_mm"}
 MAX_VERIFY_PARAMS = 2_000_000_000
 PARITY_MAX_PARAMS = 50_000_000
 
@@ -59,7 +58,7 @@ def kernel_table(spec: ModelSpec, device: torch.device, strict: bool) -> str:
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = build_model(spec, dtype=dtype, device=device, seed=0)
-    planned = PLANNED_GPU if device.type == "cuda" else {}
+    planned = planned_kernels(device.type, "bf16" if dtype == torch.bfloat16 else "fp32")
     dispatch.configure(planned=planned, strict=strict)
     dispatch.reset_records()
     S = _seq_len(spec)

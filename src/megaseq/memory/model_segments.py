@@ -47,15 +47,8 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from megaseq.memory.kda_segments import segment_bounds as _bounds
-from megaseq.memory.tiling import (
-    SummedTotals,
-    collect_summed,
-    restore_side_state,
-    set_summed,
-    snapshot_side_state,
-)
-from megaseq.models.context import SeqContext
+from megaseq.memory.replay import Chunk, SideState, chunk_bounds, run_chunks
+from megaseq.models.common.context import SeqContext
 
 # the rules (one rank, a family whose mixers carry their state, no other layer scheme) are the planner's
 # too, so they live in the torch-free plan package
@@ -66,7 +59,7 @@ SETTING = SEGMENT_SETTING
 
 def segment_bounds(S: int, segment_tokens: int) -> list[tuple[int, int]]:
     """``[start, end)`` of each segment of ``segment_tokens`` tokens (the last may be shorter)."""
-    return _bounds(S, segment_tokens, setting=SETTING)
+    return [(c.start, c.end) for c in chunk_bounds(S, segment_tokens, setting=SETTING)]
 
 
 class SegmentStore:
@@ -200,20 +193,21 @@ Progress = Callable[[str, int, int], None]  # (pass: "forward" | "backward", seg
 
 def _forward_pass(model: nn.Module, input_ids: torch.Tensor, bounds: list[tuple[int, int]], store: SegmentStore,
                   on_hidden: Callable[[torch.Tensor, int, int], None] | None = None,
-                  progress: Progress | None = None, doc_ids: torch.Tensor | None = None) -> SummedTotals:
+                  progress: Progress | None = None, doc_ids: torch.Tensor | None = None) -> None:
     """Every segment in order without a graph, filling ``store``; ``on_hidden(hidden, s, e)`` sees each
-    segment's final hidden states. Returns the per-forward counts summed over the segments."""
-    S, totals = input_ids.shape[1], {}
+    segment's final hidden states. The per-forward counts end summed over the segments (``run_chunks``)."""
+    S = input_ids.shape[1]
+
+    def one(j: int, c) -> None:
+        if progress is not None:
+            progress("forward", j, len(bounds))
+        hidden = model(input_ids[:, c.start:c.end],
+                       ctx=SegmentContext(store, j, c.start, c.end, S, grad=False, doc_ids=doc_ids))
+        if on_hidden is not None:
+            on_hidden(hidden, c.start, c.end)
+
     with torch.no_grad():
-        for j, (s, e) in enumerate(bounds):
-            if progress is not None:
-                progress("forward", j, len(bounds))
-            hidden = model(input_ids[:, s:e], ctx=SegmentContext(store, j, s, e, S, grad=False, doc_ids=doc_ids))
-            if on_hidden is not None:
-                on_hidden(hidden, s, e)
-            del hidden
-            collect_summed(model, totals)
-    return totals
+        run_chunks([Chunk(s, e) for s, e in bounds], one, (model,))
 
 
 def segmented_forward(model: nn.Module, input_ids: torch.Tensor, segment_tokens: int,
@@ -224,7 +218,7 @@ def segmented_forward(model: nn.Module, input_ids: torch.Tensor, segment_tokens:
     caches and one segment's no-grad forward, as in ``segmented_loss_backward``."""
     bounds = segment_bounds(input_ids.shape[1], segment_tokens)
     store = SegmentStore(len(bounds))
-    set_summed(_forward_pass(model, input_ids, bounds, store, on_hidden, doc_ids=doc_ids))
+    _forward_pass(model, input_ids, bounds, store, on_hidden, doc_ids=doc_ids)
 
 
 def segmented_loss_backward(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, loss_fn: LossFn,
@@ -245,10 +239,9 @@ def segmented_loss_backward(model: nn.Module, input_ids: torch.Tensor, labels: t
     B, S = input_ids.shape
     bounds = segment_bounds(S, segment_tokens)
     store = SegmentStore(len(bounds), keep_selection)
-    totals = _forward_pass(model, input_ids, bounds, store, progress=progress, doc_ids=doc_ids)
-    snap = snapshot_side_state(model)
+    _forward_pass(model, input_ids, bounds, store, progress=progress, doc_ids=doc_ids)
     loss_sum = None
-    with torch.enable_grad():
+    with SideState((model,)), torch.enable_grad():  # the reruns leave the forward pass's counts in place
         for j in reversed(range(len(bounds))):
             s, e = bounds[j]
             if progress is not None:
@@ -263,7 +256,5 @@ def segmented_loss_backward(model: nn.Module, input_ids: torch.Tensor, labels: t
             del outs, grads
             ctx.collect()
             loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
-    restore_side_state(snap)
-    set_summed(totals)
     assert loss_sum is not None, "sequence segments need at least one token"
     return loss_sum

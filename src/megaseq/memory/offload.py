@@ -33,8 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from megaseq.memory.tiling import restore_side_state, snapshot_side_state
-from megaseq.ops.amp import autocast_as, autocast_state
+from megaseq.memory.replay import Chunk, InputStore, Replay, replay
 
 SLOT_ALIGN = 512  # bytes; each boundary slot starts on this boundary (DMA-friendly, any dtype view)
 
@@ -267,62 +266,55 @@ def _forward_tracking_carry(fwd: Any, h: torch.Tensor, seq_ctx: Any) -> tuple[to
     return out, {k: before[k] for k in tracker.read if k in before}
 
 
-class _Recompute(torch.autograd.Function):
-    @staticmethod
-    def forward(actx, fwd, layer, seq_ctx, offloader, h, *params):
-        actx.fwd, actx.layer, actx.seq_ctx, actx.offloader = fwd, layer, seq_ctx, offloader
-        actx.autocast = autocast_state()
-        actx.rec = offloader.offload(h) if offloader is not None else None
-        # a boundary kept on the GPU is saved; an offloaded one lives in its host slot
-        actx.save_for_backward(*([] if actx.rec is not None else [h]))
-        with torch.no_grad():
-            out, actx.carry = _forward_tracking_carry(fwd, h, seq_ctx)
-        actx.carry_versions = _versions(actx.carry or {})
-        return out
+class _LayerStep:
+    """One layer's forward as the replay engine's step: the forward notes the ``ctx.carry`` entries it read
+    (as they were before it ran); the backward's rerun runs against those, not against what later layers
+    left in the carry."""
 
-    @staticmethod
-    def backward(actx, grad_out):
+    def __init__(self, fwd: Any, seq_ctx: Any) -> None:
+        self.fwd, self.seq_ctx = fwd, seq_ctx
+        self.carry: dict[str, Any] | None = None
+        self.versions: dict[str, int] = {}
+
+    def forward(self, xs: list[torch.Tensor], _carry: Any, _chunk: Any) -> tuple[tuple[torch.Tensor], None]:
+        out, self.carry = _forward_tracking_carry(self.fwd, xs[0], self.seq_ctx)
+        self.versions = _versions(self.carry or {})
+        return (out,), None
+
+    def rerun(self, xs: list[torch.Tensor], _carry: Any, _chunk: Any) -> tuple[tuple[torch.Tensor], None]:
+        seq_ctx, saved_carry = self.seq_ctx, getattr(self.seq_ctx, "carry", None)
+        if self.carry is not None:
+            for k, v in _versions(self.carry).items():
+                assert v == self.versions[k], (
+                    f"ctx.carry[{k!r}] was modified in place after the forward; recompute needs carry entries "
+                    "to be replaced, not written"
+                )
+            seq_ctx.carry = dict(self.carry)
+        try:
+            return (self.fwd(xs[0], seq_ctx),), None
+        finally:
+            if self.carry is not None:
+                seq_ctx.carry = saved_carry
+
+
+class _BoundaryStore(InputStore):
+    """SCO as the replay engine's input store: the layer input goes to a pinned host slot when the budget
+    has one (else it is saved on the GPU as plain recompute does), and comes back one layer ahead."""
+
+    def __init__(self, offloader: BoundaryOffloader) -> None:
+        self.offloader = offloader
+
+    def stash(self, actx: Any, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        actx.rec = self.offloader.offload(inputs[0])
+        return [] if actx.rec is not None else inputs
+
+    def unstash(self, actx: Any, saved: list[torch.Tensor]) -> list[torch.Tensor]:
         if actx.rec is not None:
-            h = actx.offloader.fetch(actx.rec)
+            h = self.offloader.fetch(actx.rec)
             actx.rec = None  # frees the host slot
-        else:
-            (h,) = actx.saved_tensors
-            if actx.offloader is not None:
-                actx.offloader.prefetch_next()
-        need_h, need_p = actx.needs_input_grad[4], actx.needs_input_grad[5:]
-        params = list(actx.layer.parameters())
-        assert len(params) == len(need_p), "the layer's parameters changed between forward and backward"
-        h_in = h.detach().requires_grad_(need_h)
-        out = _rerun(actx, h_in)
-        wanted = [p for p, need in zip(params, need_p) if need]
-        inputs = ([h_in] if need_h else []) + wanted
-        grads = list(torch.autograd.grad(out, inputs, grad_out, allow_unused=True))
-        grad_h = grads.pop(0) if need_h else None
-        it = iter(grads)
-        grad_p = [next(it) if need else None for need in need_p]
-        return (None, None, None, None, grad_h, *grad_p)
-
-
-def _rerun(actx: Any, h_in: torch.Tensor) -> torch.Tensor:
-    """The layer's forward again, against the carry it read in forward; side state put back after."""
-    seq_ctx = actx.seq_ctx
-    snap = snapshot_side_state(actx.layer)
-    saved_carry = getattr(seq_ctx, "carry", None)
-    if actx.carry is not None:
-        for k, v in _versions(actx.carry).items():
-            assert v == actx.carry_versions[k], (
-                f"ctx.carry[{k!r}] was modified in place after the forward; recompute needs carry entries "
-                "to be replaced, not written"
-            )
-        seq_ctx.carry = dict(actx.carry)
-    try:
-        with torch.enable_grad(), autocast_as(actx.autocast):
-            out = actx.fwd(h_in, seq_ctx)
-    finally:
-        if actx.carry is not None:
-            seq_ctx.carry = saved_carry
-        restore_side_state(snap)
-    return out
+            return [h]
+        self.offloader.prefetch_next()
+        return saved
 
 
 class _CheckpointedForward:
@@ -339,7 +331,11 @@ class _CheckpointedForward:
         params = list(layer.parameters())
         if not torch.is_grad_enabled() or not (h.requires_grad or any(p.requires_grad for p in params)):
             return self.inner(h, ctx)
-        return _Recompute.apply(self.inner, layer, ctx, self.offloader, h, *params)
+        step = _LayerStep(self.inner, ctx)
+        store = _BoundaryStore(self.offloader) if self.offloader is not None else None
+        r = Replay(step=step.forward, rerun=step.rerun, chunks=[Chunk(0, h.shape[0])], modules=(layer,),
+                   store=store)
+        return replay(r, h)[0]
 
 
 def checkpoint_layers(layers: Any, offloader: BoundaryOffloader | None = None) -> BoundaryOffloader | None:

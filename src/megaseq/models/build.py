@@ -1,35 +1,21 @@
 """``build_model(spec)``: the family's CausalLM from a ModelSpec, initialised, cast and placed.
 
-Families are imported lazily, so building a Qwen3-MoE never imports the GLM blocks and vice versa.
+Families are imported lazily through ``models.registry``, so building a Qwen3-MoE never imports the GLM
+blocks and vice versa.
 """
 
 from __future__ import annotations
 
-import importlib
-
 import torch
 from torch import nn
 
+from megaseq.models.registry import family_module
 from megaseq.models.spec import ModelSpec
-
-# family -> (module, class); explicit registry, imported only when that family is built
-FAMILY_CLASSES = {
-    "glm5_next": ("megaseq.models.families.glm5", "Glm5Model"),
-    "qwen3_moe": ("megaseq.models.families.qwen3_moe", "Qwen3MoeModel"),
-}
-
-
-def _family_class(family: str) -> type[nn.Module]:
-    if family not in FAMILY_CLASSES:
-        raise ValueError(f"model family {family!r} has no builder; known: {', '.join(FAMILY_CLASSES)}")
-    module, name = FAMILY_CLASSES[family]
-    return getattr(importlib.import_module(module), name)
 
 
 def fp32_param_suffixes(family: str) -> tuple[str, ...]:
     """Names (suffixes) of the tensors the family keeps in float32 in a bf16/fp16 model."""
-    module = importlib.import_module(FAMILY_CLASSES[family][0])
-    return tuple(getattr(module, "FP32_PARAM_SUFFIXES", ()))
+    return tuple(family_module(family, "model").FP32_PARAM_SUFFIXES)
 
 
 def build_model(spec: ModelSpec, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
@@ -39,7 +25,7 @@ def build_model(spec: ModelSpec, dtype: torch.dtype = torch.float32, device: str
     Parameters are cast to ``dtype``, except the ones HF keeps in float32 (router, KDA conv and decay,
     mHC base/scale) when ``dtype`` is narrower than float32.
     """
-    cls = _family_class(spec.family)
+    cls = family_module(spec.family, "model").Model
     device = torch.device(device)
     fork_devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=fork_devices, enabled=seed is not None):

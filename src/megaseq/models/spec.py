@@ -19,23 +19,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from megaseq.models.registry import FAMILY_PACKAGES, family_for_model_type, family_module, hf_model_types
+
+DNA_VOCAB_SIZE = 16  # A C G T N + specials, padded to 16 (see megaseq.data.tokenizer): the tiny presets' vocab
 LAYER_KINDS = ("kda", "dsa", "attention")
 MLP_KINDS = ("dense", "moe")
-FAMILIES = ("glm5_next", "qwen3_moe")
-
-# Hugging Face spellings of the layer types, across transformers versions.
-_HF_LAYER_TYPES = {
-    "linear_attention": "kda",
-    "indexed_attention": "dsa",  # transformers 5.24
-    "deepseek_sparse_attention": "dsa",  # transformers 5.17
-    "full_attention": "dsa",  # glm5_next maps full_attention to indexed_attention
-}
-# model_type values accepted per family (the text part of multimodal configs included).
-HF_MODEL_TYPES = {
-    "glm5_next": "glm5_next",
-    "glm5_next_text": "glm5_next",
-    "qwen3_moe": "qwen3_moe",
-}
 
 
 @dataclass
@@ -100,8 +88,9 @@ class ModelSpec:
         self.layer_types = tuple(self.layer_types)
         self.mlp_types = tuple(self.mlp_types)
         self.indexer_types = tuple(self.indexer_types)
-        if self.family not in FAMILIES:
-            raise ValueError(f"model family {self.family!r} is not supported; supported: {', '.join(FAMILIES)}")
+        if self.family not in FAMILY_PACKAGES:
+            raise ValueError(f"model family {self.family!r} is not supported; supported: "
+                             f"{', '.join(FAMILY_PACKAGES)}")
         if len(self.layer_types) != self.num_layers or len(self.mlp_types) != self.num_layers:
             raise ValueError(
                 f"layer_types ({len(self.layer_types)}) and mlp_types ({len(self.mlp_types)}) must both have "
@@ -162,150 +151,29 @@ class ModelSpec:
 
 
 # ---- Hugging Face config.json ------------------------------------------------------------
+def read_hf_config(cfg: dict[str, Any] | str | Path) -> dict[str, Any]:
+    """A HF ``config.json`` as a dict (from a dict, the file, or a checkpoint directory)."""
+    if isinstance(cfg, dict):
+        return cfg
+    path = Path(cfg)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise ValueError(f"no Hugging Face config at {path}: pass a checkpoint directory or its config.json")
+    return json.loads(path.read_text())
+
+
 def from_hf_config(cfg: dict[str, Any] | str | Path) -> ModelSpec:
-    """Build a spec from a HF ``config.json`` (dict, file, or checkpoint directory)."""
-    if not isinstance(cfg, dict):
-        path = Path(cfg)
-        if path.is_dir():
-            path = path / "config.json"
-        if not path.is_file():
-            raise ValueError(f"no Hugging Face config at {path}: pass a checkpoint directory or its config.json")
-        cfg = json.loads(path.read_text())
-    model_type = cfg.get("model_type")
-    if model_type == "glm5_next" and isinstance(cfg.get("text_config"), dict):
-        cfg = {**cfg["text_config"], "tie_word_embeddings": cfg.get("tie_word_embeddings", False)}
-        model_type = "glm5_next_text"
-    family = HF_MODEL_TYPES.get(model_type or "")
-    if family is None:
-        raise ValueError(
-            f"unsupported architecture: model_type {model_type!r}. megaseq supports "
-            f"{', '.join(sorted(HF_MODEL_TYPES))} (families {', '.join(FAMILIES)})"
-        )
-    return _FROM_HF[family](cfg)
+    """Build a spec from a HF ``config.json`` (dict, file, or checkpoint directory) through the family that
+    reads its ``model_type``; each family refuses the fields it does not implement."""
+    c = read_hf_config(cfg)
+    fam = family_for_model_type(c.get("model_type"))
+    if fam is None:
+        raise ValueError(f"unsupported architecture: model_type {c.get('model_type')!r}. megaseq supports "
+                         f"{', '.join(hf_model_types())} (families {', '.join(FAMILY_PACKAGES)})")
+    return family_module(fam.name, "spec").from_hf(c)
 
 
-def _glm5_from_hf(c: dict[str, Any]) -> ModelSpec:
-    n = c.get("num_hidden_layers", 45)
-    layer_types = c.get("layer_types") or [
-        "linear_attention" if i % 4 != 3 else "indexed_attention" for i in range(n)
-    ]
-    try:
-        kinds = [_HF_LAYER_TYPES[t] for t in layer_types]
-    except KeyError as e:
-        raise ValueError(
-            f"unknown glm5_next layer type {e.args[0]!r}; known: {', '.join(_HF_LAYER_TYPES)}"
-        ) from None
-    mlp = c.get("mlp_layer_types") or ["dense"] * min(3, n) + ["sparse"] * (n - 3)
-    indexer = c.get("indexer_types")
-    if indexer is None:
-        pattern = c.get("index_topk_pattern")
-        if pattern is not None:
-            indexer = [{"F": "full", "S": "shared"}[ch] for ch in pattern] if isinstance(pattern, str) else pattern
-        else:
-            freq = max(c.get("index_topk_freq", 1), 1)
-            offset = c.get("index_skip_topk_offset", 2)
-            indexer = ["full" if (max(i - offset + 1, 0) % freq) == 0 else "shared" for i in range(n)]
-    lin = c.get("linear_attn_config") or {}
-    lower = lin.get("gate_lower_bound", c.get("linear_lower_bound", -5.0))
-    return ModelSpec(
-        family="glm5_next",
-        vocab_size=c.get("vocab_size", 154880),
-        hidden_size=c.get("hidden_size", 4096),
-        num_layers=n,
-        layer_types=tuple(kinds),
-        mlp_types=tuple("moe" if m == "sparse" else "dense" for m in mlp),
-        rms_norm_eps=c.get("rms_norm_eps", 1e-5),
-        tie_word_embeddings=c.get("tie_word_embeddings", False),
-        pad_token_id=c.get("pad_token_id", 154820),
-        intermediate_size=c.get("intermediate_size", 12288),
-        swiglu_limit=c.get("swiglu_limit", 10.0),
-        num_experts=c.get("n_routed_experts", c.get("num_local_experts", 288)),
-        num_experts_per_tok=c.get("num_experts_per_tok", 8),
-        moe_intermediate_size=c.get("moe_intermediate_size", 2048),
-        num_shared_experts=c.get("n_shared_experts", 1),
-        router="sigmoid_bias",
-        n_group=c.get("n_group", 1),
-        topk_group=c.get("topk_group", 1),
-        norm_topk_prob=c.get("norm_topk_prob", True),
-        routed_scaling_factor=c.get("routed_scaling_factor", 2.5),
-        num_attention_heads=c.get("num_attention_heads", 64),
-        num_key_value_heads=c.get("num_key_value_heads", c.get("num_attention_heads", 64)),
-        attention_bias=c.get("attention_bias", False),
-        q_lora_rank=c.get("q_lora_rank", 1536),
-        kv_lora_rank=c.get("kv_lora_rank", 512),
-        qk_nope_head_dim=c.get("qk_nope_head_dim", 256),
-        qk_rope_head_dim=c.get("qk_rope_head_dim", 0),
-        v_head_dim=c.get("v_head_dim", 256),
-        index_topk=c.get("index_topk", 2048),
-        index_n_heads=c.get("index_n_heads", 32),
-        index_head_dim=c.get("index_head_dim", 128),
-        index_kpool=c.get("index_kpool", 16),
-        index_kpool_always_select_tail=c.get("index_kpool_always_select_tail", True),
-        indexer_types=tuple(indexer),
-        linear_num_heads=lin.get("num_heads", c.get("linear_num_heads", 64)),
-        linear_head_dim=lin.get("head_dim", c.get("linear_head_dim", 128)),
-        linear_conv_kernel=lin.get("short_conv_kernel_size", c.get("linear_conv_kernel_dim", 4)),
-        linear_lower_bound=lower,
-        hc_mult=c.get("hc_mult", 4),
-        hc_sinkhorn_iters=c.get("hc_sinkhorn_iters", 20),
-        hc_eps=c.get("hc_eps", 1e-6),
-    )
-
-
-def _qwen3_moe_from_hf(c: dict[str, Any]) -> ModelSpec:
-    n = c.get("num_hidden_layers", 24)
-    step = c.get("decoder_sparse_step", 1)
-    mlp_only = set(c.get("mlp_only_layers") or [])
-    # transformers 5 writes the attribute-mapped name num_local_experts; hub configs say num_experts
-    num_experts = c.get("num_experts", c.get("num_local_experts", 128))
-    _check_qwen3_moe_supported(c)
-    mlp = [
-        "moe" if (i not in mlp_only and num_experts > 0 and (i + 1) % step == 0) else "dense" for i in range(n)
-    ]
-    rope = c.get("rope_parameters") or {}
-    heads = c.get("num_attention_heads", 32)
-    return ModelSpec(
-        family="qwen3_moe",
-        vocab_size=c.get("vocab_size", 151936),
-        hidden_size=c.get("hidden_size", 2048),
-        num_layers=n,
-        layer_types=("attention",) * n,
-        mlp_types=tuple(mlp),
-        rms_norm_eps=c.get("rms_norm_eps", 1e-6),
-        tie_word_embeddings=c.get("tie_word_embeddings", False),
-        pad_token_id=c.get("pad_token_id"),
-        intermediate_size=c.get("intermediate_size", 6144),
-        num_experts=num_experts,
-        num_experts_per_tok=c.get("num_experts_per_tok", 8),
-        moe_intermediate_size=c.get("moe_intermediate_size", 768),
-        router="softmax",
-        norm_topk_prob=c.get("norm_topk_prob", False),
-        num_attention_heads=heads,
-        num_key_value_heads=c.get("num_key_value_heads", 4),
-        head_dim=c.get("head_dim") or c.get("hidden_size", 2048) // heads,
-        rope_theta=rope.get("rope_theta", c.get("rope_theta", 10000.0)),
-        qk_norm=True,
-        attention_bias=c.get("attention_bias", False),
-        hf_extra={k: c[k] for k in _QWEN3_MOE_EXTRA if k in c},
-    )
-
-
-# config.json fields a qwen3_moe spec does not model but an export should carry through unchanged
-_QWEN3_MOE_EXTRA = ("max_position_embeddings", "bos_token_id", "eos_token_id", "initializer_range",
-                    "router_aux_loss_coef", "hidden_act")
-
-
-def _check_qwen3_moe_supported(c: dict[str, Any]) -> None:
-    """Options megaseq's qwen3_moe does not implement: refuse them rather than run a different model."""
-    rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-        raise ValueError(f"qwen3_moe rope_type {rope_type!r} is not supported (only 'default' RoPE); "
-                         "remove rope scaling from config.json or use a checkpoint without it")
-    if c.get("use_sliding_window"):
-        raise ValueError("qwen3_moe use_sliding_window=true is not supported; set it to false in config.json")
-    if c.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"qwen3_moe hidden_act {c['hidden_act']!r} is not supported (SwiGLU needs 'silu')")
-
-
-_FROM_HF = {"glm5_next": _glm5_from_hf, "qwen3_moe": _qwen3_moe_from_hf}
+def to_hf_config(spec: ModelSpec) -> dict[str, Any]:
+    """The HF ``config.json`` for a spec: the inverse of ``from_hf_config``."""
+    return family_module(spec.family, "spec").to_hf(spec)

@@ -23,14 +23,16 @@ Registration::
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 
-class KernelFallbackError(RuntimeError):
-    """A layer could not run the implementation the plan asked for (``strict_kernels``)."""
+class KernelFallbackError(ValueError):
+    """A layer could not run the implementation the plan asked for (``strict_kernels``): a user-facing error
+    (the CLI prints its message), naming the layer, the kernel and the reason."""
 
 
 @dataclass
@@ -84,6 +86,18 @@ def configure(preferred: dict[str, list[str]] | None = None, planned: dict[str, 
     _state.preferred = dict(preferred or {})
     _state.planned = dict(planned or {})
     _state.strict = strict
+
+
+@contextlib.contextmanager
+def configured(preferred: dict[str, list[str]] | None = None, planned: dict[str, str] | None = None,
+               strict: bool = False) -> Iterator[None]:
+    """``configure`` for the duration of a run; the previous configuration comes back after it."""
+    before = (_state.preferred, _state.planned, _state.strict)
+    configure(preferred, planned, strict)
+    try:
+        yield
+    finally:
+        _state.preferred, _state.planned, _state.strict = before
 
 
 def reset_records() -> None:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megaseq.models.context import SeqContext
+from megaseq.models.common.context import SeqContext
 from megaseq.parallel import grads
 from megaseq.parallel.mesh import Mesh, distribute_batch, init_mesh, resolve_mla_mode, shutdown
 from megaseq.parallel.ring_dtp import ring_dtp_loss, vocab_shard

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from megaseq.config import ParallelConfig
-from megaseq.models.context import positions_from_doc_ids
+from megaseq.models.common.context import positions_from_doc_ids
 
 SEQ_KEYS = ("input_ids", "labels", "doc_ids", "position_ids")  # per-token tensors [B, S]
 IGNORE_INDEX = -100

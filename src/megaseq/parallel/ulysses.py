@@ -41,7 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megaseq.models.context import SeqContext
+from megaseq.models.common.context import SeqContext
 from megaseq.parallel.mesh import check_heads
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

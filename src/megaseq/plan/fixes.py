@@ -1,44 +1,37 @@
-"""Choosing the fixes: their estimated time costs, the cheapest set that fits, and chunk sizes.
+"""The registry of fixes: each exact memory scheme as the planner sees it, and the choice of the cheapest set.
 
-Pure Python. The ladder, cheapest first in the usual case (costs are computed per run from the FLOPs
-model, ``fix_costs``): chunked loss (+5% of the loss time), indexer query chunking (free), MLP/MoE
-tiling (one more forward of the tiled module), segmented KDA, full recompute (one more forward of every
-layer), sequence segments (the same, plus a small per-segment cost; they bound each layer's memory by
-the segment instead of the sequence and replace recompute, SCO and segmented KDA), SCO (1.9% + any copy
-time the compute cannot hide), OffloadStreamAdamW (the host<->device traffic of the optimizer step).
-Every set of fixes is tried in order of total cost (SCO only with recompute); the first that fits wins
-and its chunk sizes then grow, in powers of two, as far as the budget allows.
+Pure Python. A ``Fix`` is one object: the setting it switches or sizes (a ``MemorySettings`` field), where
+it can be used, its estimated step-time cost (from the FLOPs model), the settings its smallest form
+enables, the range its chunk size grows through, the schemes it excludes or requires, and the byte
+formula it changes. Its runtime wrapper lives in ``megaseq.memory`` (named in ``runtime``). The ladder
+(``LADDER``), the candidate sets, the chunk growth and the reports all loop over ``FIXES``.
+
+The ladder, cheapest first in the usual case: chunked loss (+5% of the loss time), indexer query chunking
+(free), MLP/MoE tiling (one more forward of the tiled module), segmented KDA, full recompute (one more
+forward of every layer), sequence segments (the same, plus a small per-segment cost; they bound each
+layer's memory by the segment instead of the sequence and replace recompute, SCO and segmented KDA), SCO
+(1.9% + any copy time the compute cannot hide), OffloadStreamAdamW (the host<->device traffic of the
+optimizer step). Every set of fixes is tried in order of total cost; the first that fits wins and its
+chunk sizes then grow, in powers of two, as far as the budget allows.
 """
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+from megaseq.config import SEGMENT_SETTING, MemorySettings
+from megaseq.models.registry import FAMILY_PACKAGES, family
 from megaseq.plan import components as C
 from megaseq.plan import layers
 from megaseq.plan.components import GB, GIB, Mesh
-from megaseq.plan.flops import DEVICE_BYTES_PER_S, PINNED_BYTES_PER_S, step_flops, step_seconds
+from megaseq.plan.flops import DEVICE_BYTES_PER_S, PINNED_BYTES_PER_S, StepFlops, step_flops, step_seconds
 from megaseq.plan.phases import Evaluation, Run, evaluate
 
 H200_GPU_BYTES = int(139.8 * GIB)  # BRIEF section 6: usable memory of one H200
 HOST_BYTES_PER_GPU = 128 * GB  # BRIEF section 6: the 1-GPU host; per GPU of a larger host by default
-LADDER = (
-    "chunked_loss",
-    "indexer_query_chunk",
-    "tiled_mlp",
-    "kda_segments",
-    "recompute",
-    "model_segments",
-    "checkpoint_offload",
-    "optimizer_offload",
-)
-# sequence segments replace these (each layer's memory is already bounded by the segment)
-SEGMENT_EXCLUDES = ("kda_segments", "recompute", "checkpoint_offload")
-SEGMENT_SETTING = "memory.model_segment_tokens"
-# the families whose token mixers implement the segment hooks (KDA, MLA/DSA); softmax attention does not
-SEGMENTABLE_FAMILIES = ("glm5_next",)
 # chunk-size ranges (powers of two) the planner chooses from, (smallest, largest worth having): past
 # 8K-token loss chunks and 16K-token tiles the launches are amortised, so growing further would only spend
 # headroom; the indexer's ceiling is INDEXER_SCORING_MAX
@@ -73,74 +66,182 @@ class Budgets:
         return self.host_bytes if self.host_bytes is not None else HOST_BYTES_PER_GPU * mesh.gpus_on_host
 
 
+@dataclass(frozen=True)
+class CostTerms:
+    """What the fixes' costs are computed from, once per run."""
+
+    sf: StepFlops
+    step_s: float  # the step's estimated seconds on one GPU
+    sco_excess_s: float  # SCO copy time the compute cannot hide
+    optimizer_s: float  # OffloadStreamAdamW's transfer time beyond an on-GPU step
+
+    @classmethod
+    def of(cls, run: Run) -> CostTerms:
+        sf = step_flops(run.spec, run.seq_len)
+        T = step_seconds(run.spec, run.seq_len, run.batch, run.mesh)
+        P = run.counts.trainable / run.mesh.shard
+        copy = C.boundary_bytes(run.spec, run.n, run.prec) * run.spec.num_layers / PINNED_BYTES_PER_S
+        excess = max(0.0, copy - T / 3) + max(0.0, copy - 2 * T / 3)  # hidden behind the fwd (1/3) and bwd
+        opt = max(0.0, P * 30 / PINNED_BYTES_PER_S - P * 32 / DEVICE_BYTES_PER_S)  # up 16 B, down 14 B
+        return cls(sf, T, excess, opt)
+
+
+@dataclass(frozen=True)
+class Growth:
+    """A chunk size the planner grows in powers of two from ``lo`` while the plan still fits."""
+
+    setting: str  # the MemorySettings field
+    rank: int  # the order sizes grow in (a sequence segment first: the chunks inside it follow its length)
+    bounds: Callable[[Run], tuple[int, int]]  # (lo, hi) for this run
+    active: Callable[[Run, MemorySettings], bool]  # whether the size is in use (else it is left alone)
+
+
+@dataclass(frozen=True)
+class Fix:
+    """One exact memory scheme, as the planner chooses it (see the module docstring)."""
+
+    name: str  # what plans and reports call it
+    setting: str  # the MemorySettings field that switches it on (or sizes it)
+    runtime: str  # where the runtime applies it
+    formula: str  # the byte formula it changes (plan/...)
+    cost: Callable[[Run, CostTerms], float]  # estimated step-time cost, a fraction of the step
+    usable: Callable[[Run], bool]
+    enable: Callable[[MemorySettings, Run, tuple[str, ...], int], dict[str, Any]]  # (base, run, set, host room)
+    enabled: Callable[[Run, MemorySettings], bool]
+    why: Callable[[MemorySettings], str]
+    growth: Growth | None = None
+    excludes: tuple[str, ...] = ()
+    requires: tuple[str, ...] = ()
+
+
+def _on(name: str) -> Callable[[Run, MemorySettings], bool]:
+    return lambda run, m: bool(getattr(m, name))
+
+
+def _kda_layer_share(run: Run) -> float:
+    return run.spec.layer_types.count("kda") / max(run.spec.num_layers, 1)
+
+
+def _sco_enable(base: MemorySettings, run: Run, fixes: tuple[str, ...], host_room: int) -> dict[str, Any]:
+    bnd = C.boundary_bytes(run.spec, run.n, run.prec)
+    opt_host = C.optimizer_host_bytes(run.counts, run.mesh, "optimizer_offload" in fixes)
+    return {"checkpoint_offload": True,
+            "offload_host_budget": max(0, min(run.spec.num_layers * bnd, host_room - opt_host))}
+
+
+FIXES: dict[str, Fix] = {f.name: f for f in (
+    Fix("chunked_loss", "chunked_loss", "memory.vocab_loss.chunked_linear_cross_entropy",
+        "components.loss_bytes (chunked)",
+        cost=lambda run, t: LOSS_CHUNK_COST * t.sf.loss / t.sf.total,
+        usable=lambda run: True,
+        enable=lambda b, run, s, h: {"chunked_loss": True, "loss_chunk_tokens": LOSS_CHUNKS[0]},
+        enabled=_on("chunked_loss"),
+        why=lambda m: f"vocabulary projection in chunks of {m.loss_chunk_tokens} tokens",
+        growth=Growth("loss_chunk_tokens", 2, lambda run: LOSS_CHUNKS, _on("chunked_loss"))),
+    Fix("indexer_query_chunk", "indexer_query_chunk", "the DSA indexer's query_chunk (parallelize)",
+        "layers.indexer_scoring_bytes",
+        cost=lambda run, t: 0.0,
+        usable=lambda run: "dsa" in run.spec.layer_types,
+        enable=lambda b, run, s, h: {"indexer_query_chunk": INDEXER_CHUNKS[0]},
+        enabled=lambda run, m: m.indexer_query_chunk < run.n,
+        why=lambda m: f"indexer scores {m.indexer_query_chunk} queries at a time (one scoring chunk under 2 GiB "
+                      "or as the budget needs)",
+        growth=Growth("indexer_query_chunk", 1, lambda run: (INDEXER_CHUNKS[0], indexer_chunk_cap(run)),
+                      lambda run, m: m.indexer_query_chunk < run.n)),
+    Fix("tiled_mlp", "tiled_mlp", "memory.tiling (tile_layer / enable_tiling)", "phases.layer_terms (tiled)",
+        cost=lambda run, t: t.sf.mlp / 3 / t.sf.total,  # the tile's forward is rerun in backward
+        usable=lambda run: True,
+        enable=lambda b, run, s, h: {"tiled_mlp": True, "mlp_tile_tokens": TILE_CHUNKS[0]},
+        enabled=_on("tiled_mlp"),
+        why=lambda m: f"MLP/MoE in tiles of {m.mlp_tile_tokens} tokens, recomputed in backward",
+        growth=Growth("mlp_tile_tokens", 3, lambda run: TILE_CHUNKS, _on("tiled_mlp"))),
+    Fix("kda_segments", "kda_segment_tokens", "memory.kda_segments.segment", "layers.kda_segmented",
+        cost=lambda run, t: KDA_MIXER_SHARE * t.sf.layers_forward / t.sf.total * _kda_layer_share(run),
+        usable=lambda run: "kda" in run.spec.layer_types and run.mesh.cp == 1 and not run.packed_documents,
+        enable=lambda b, run, s, h: {"kda_segment_tokens": b.kda_segment_tokens or SEGMENT_CHUNKS[0]},
+        enabled=lambda run, m: 0 < m.kda_segment_tokens < run.n,
+        why=lambda m: f"KDA layers in segments of {m.kda_segment_tokens} tokens, the state carried, each segment "
+                      "recomputed in backward",
+        growth=Growth("kda_segment_tokens", 4, lambda run: SEGMENT_CHUNKS, _on("kda_segment_tokens"))),
+    Fix("recompute", "recompute", "memory.offload.checkpoint_layers", "phases._phases (recompute)",
+        cost=lambda run, t: t.sf.layers_forward / t.sf.total,
+        usable=lambda run: True,
+        enable=lambda b, run, s, h: {"recompute": True},
+        enabled=_on("recompute"),
+        why=lambda m: "each layer keeps only its input; its forward is rerun in backward"),
+    Fix("model_segments", "model_segment_tokens", "memory.model_segments.segmented_loss_backward",
+        "phases.segment_store_bytes",
+        cost=lambda run, t: t.sf.layers_forward / t.sf.total + MODEL_SEGMENT_OVERHEAD,
+        usable=lambda run: family(run.spec.family).segmentable and run.mesh.cp == 1,
+        enable=lambda b, run, s, h: {"model_segment_tokens": b.model_segment_tokens or MODEL_SEGMENT_CHUNKS[0]},
+        enabled=lambda run, m: bool(replace(run, memory=m).segment),
+        why=lambda m: f"the whole model over the sequence {m.model_segment_tokens} tokens at a time (KDA state, "
+                      "DSA latents and keys carried), each segment rerun in backward"
+                      + (", the forward's DSA selections kept for it" if m.segment_keep_selection else ""),
+        growth=Growth("model_segment_tokens", 0, lambda run: MODEL_SEGMENT_CHUNKS, _on("model_segment_tokens")),
+        excludes=("kda_segments", "recompute", "checkpoint_offload")),
+    Fix("checkpoint_offload", "checkpoint_offload", "memory.offload.BoundaryOffloader (SCO)",
+        "components.sco_slots",
+        cost=lambda run, t: SCO_BASE_COST + t.sco_excess_s / t.step_s,
+        usable=lambda run: True,
+        enable=_sco_enable,
+        enabled=_on("checkpoint_offload"),
+        why=lambda m: f"layer inputs to pinned host memory, {m.offload_host_budget / GB:.1f} GB",
+        requires=("recompute",)),
+    Fix("optimizer_offload", "optimizer_offload", "memory.offload_adam.OffloadStreamAdamW",
+        "components.optimizer_gpu_bytes / optimizer_host_bytes",
+        cost=lambda run, t: t.optimizer_s / t.step_s,
+        usable=lambda run: True,
+        enable=lambda b, run, s, h: {"optimizer_offload": True},
+        enabled=_on("optimizer_offload"),
+        why=lambda m: "fp32 master weights, moments and gradients in host memory, streamed"),
+)}
+LADDER: tuple[str, ...] = tuple(FIXES)
+# sequence segments replace these (each layer's memory is already bounded by the segment)
+SEGMENT_EXCLUDES = FIXES["model_segments"].excludes
+
+
 # ---- settings and their costs -----------------------------------------------------------------------
-def default_memory(memory_cfg: Any | None, n_local: int) -> dict[str, Any]:
-    """The settings with no fix enabled (chunk sizes from the config where it has them)."""
+def base_settings(memory_cfg: Any | None, n_local: int) -> MemorySettings:
+    """The settings with no fix enabled (chunk sizes from the config where it has them; the indexer scores
+    all ``n_local`` queries at once)."""
     get = (lambda k, d: getattr(memory_cfg, k, d)) if memory_cfg is not None else (lambda k, d: d)
-    return {
-        "chunked_loss": False,
-        "loss_chunk_tokens": int(get("loss_chunk_tokens", 8192)),
-        "tiled_mlp": False,
-        "mlp_tile_tokens": int(get("mlp_tile_tokens", 16384)),
-        "indexer_query_chunk": n_local,
-        "recompute": False,
-        "checkpoint_offload": False,
-        "offload_host_budget": 0,
-        "optimizer_offload": False,
-        "optimizer_bucket_params": int(get("optimizer_bucket_params", 100_000_000)),
-        # 0: off; a configured size is where the planner starts when it chooses segmented KDA
-        "kda_segment_tokens": int(get("kda_segment_tokens", 0)),
-        "model_segment_tokens": int(get("model_segment_tokens", 0)),
-        "segment_keep_selection": False,  # the planner turns it on where it fits (_grow)
-    }
+    return MemorySettings(
+        chunked_loss=False, loss_chunk_tokens=int(get("loss_chunk_tokens", 8192)), tiled_mlp=False,
+        mlp_tile_tokens=int(get("mlp_tile_tokens", 16384)), indexer_query_chunk=n_local, recompute=False,
+        checkpoint_offload=False, offload_host_budget=0, optimizer_offload=False,
+        optimizer_bucket_params=int(get("optimizer_bucket_params", 100_000_000)),
+        # 0: off; a configured size is where the planner starts when it chooses the scheme
+        kda_segment_tokens=int(get("kda_segment_tokens", 0)), model_segment_tokens=int(get("model_segment_tokens", 0)),
+        segment_keep_selection=False,  # the planner turns it on where it fits (_grow)
+    )
 
 
 def fix_costs(run: Run) -> dict[str, float]:
     """Estimated step-time cost of each fix, as a fraction of the step (FLOPs shares + transfer time)."""
-    sf = step_flops(run.spec, run.seq_len)
-    T = step_seconds(run.spec, run.seq_len, run.batch, run.mesh)
-    P = run.counts.trainable / run.mesh.shard
-    k = C.boundary_bytes(run.spec, run.n, run.prec) * run.spec.num_layers
-    copy = k / PINNED_BYTES_PER_S  # each direction; hidden behind the forward (1/3) and backward (2/3)
-    sco_excess = max(0.0, copy - T / 3) + max(0.0, copy - 2 * T / 3)
-    opt = max(0.0, P * 30 / PINNED_BYTES_PER_S - P * 32 / DEVICE_BYTES_PER_S)  # up 16 B, down 14 B vs on GPU
-    return {
-        "chunked_loss": LOSS_CHUNK_COST * sf.loss / sf.total,
-        "indexer_query_chunk": 0.0,
-        "tiled_mlp": sf.mlp / 3 / sf.total,  # the tile's forward is rerun in backward
-        "recompute": sf.layers_forward / sf.total,
-        "kda_segments": KDA_MIXER_SHARE * sf.layers_forward / sf.total
-        * run.spec.layer_types.count("kda") / max(run.spec.num_layers, 1),
-        "model_segments": sf.layers_forward / sf.total + MODEL_SEGMENT_OVERHEAD,
-        "checkpoint_offload": SCO_BASE_COST + sco_excess / T,
-        "optimizer_offload": opt / T,
-    }
+    terms = CostTerms.of(run)
+    return {name: fix.cost(run, terms) for name, fix in FIXES.items()}
 
 
-def _with_fixes(base: dict[str, Any], fixes: tuple[str, ...], run: Run, host_room: int) -> dict[str, Any]:
+def usable_fix(run: Run, name: str) -> bool:
+    """Whether fix ``name`` applies to this model and run (``Fix.usable``)."""
+    return FIXES[name].usable(run)
+
+
+def enabled_fixes(run: Run, memory: MemorySettings) -> tuple[str, ...]:
+    """The fixes of the ladder that ``memory`` switches on for this run."""
+    return tuple(name for name, f in FIXES.items() if f.usable(run) and f.enabled(run, memory))
+
+
+def with_fixes(base: MemorySettings, fixes: tuple[str, ...], run: Run, host_room: int) -> MemorySettings:
     """Settings with ``fixes`` enabled at their smallest chunk sizes (the feasibility test)."""
-    m = dict(base)
-    if "chunked_loss" in fixes:
-        m["chunked_loss"], m["loss_chunk_tokens"] = True, LOSS_CHUNKS[0]
-    if "indexer_query_chunk" in fixes:
-        m["indexer_query_chunk"] = INDEXER_CHUNKS[0]
-    if "tiled_mlp" in fixes:
-        m["tiled_mlp"], m["mlp_tile_tokens"] = True, TILE_CHUNKS[0]
-    if "kda_segments" in fixes:
-        m["kda_segment_tokens"] = base["kda_segment_tokens"] or SEGMENT_CHUNKS[0]
-    if "model_segments" in fixes:
-        m["model_segment_tokens"] = base["model_segment_tokens"] or MODEL_SEGMENT_CHUNKS[0]
-    m["recompute"] = "recompute" in fixes
-    m["optimizer_offload"] = "optimizer_offload" in fixes
-    if "checkpoint_offload" in fixes:
-        bnd = C.boundary_bytes(run.spec, run.n, run.prec)
-        opt_host = C.optimizer_host_bytes(run.counts, run.mesh, m["optimizer_offload"])
-        m["checkpoint_offload"] = True
-        m["offload_host_budget"] = max(0, min(run.spec.num_layers * bnd, host_room - opt_host))
-    return m
+    changes: dict[str, Any] = {}
+    for name in fixes:
+        changes.update(FIXES[name].enable(base, run, fixes, host_room))
+    return base.replace(**changes)
 
 
-def check_model_segments(family: str, segment_tokens: int, cp: int = 1,
+def check_model_segments(family_name: str, segment_tokens: int, cp: int = 1,
                          layer_schemes: tuple[str, ...] = ()) -> None:
     """ValueError naming ``memory.model_segment_tokens`` and the fix for what sequence segments
     (``memory/model_segments.py``) cannot run; the planner checks forced settings with it, the trainer its
@@ -148,9 +249,10 @@ def check_model_segments(family: str, segment_tokens: int, cp: int = 1,
     name = SEGMENT_SETTING
     if segment_tokens < 1:
         raise ValueError(f"{name} must be >= 1 (0: off), got {segment_tokens}")
-    if family not in SEGMENTABLE_FAMILIES:
-        raise ValueError(f"{name}={segment_tokens}: the {family} family's token mixers do not carry their state "
-                         f"across segments (supported: {', '.join(SEGMENTABLE_FAMILIES)}); unset {name}")
+    segmentable = [f for f in FAMILY_PACKAGES if family(f).segmentable]
+    if family_name not in segmentable:
+        raise ValueError(f"{name}={segment_tokens}: the {family_name} family's token mixers do not carry their "
+                         f"state across segments (supported: {', '.join(segmentable)}); unset {name}")
     if cp != 1:
         raise ValueError(f"{name}={segment_tokens} with context parallelism cp={cp}: sequence segments run on one "
                          f"rank for now; unset {name} or use --parallel.cp 1")
@@ -160,28 +262,16 @@ def check_model_segments(family: str, segment_tokens: int, cp: int = 1,
                          "--memory.checkpoint_offload false, --memory.kda_segment_tokens 0)")
 
 
-def usable_fix(run: Run, fix: str) -> bool:
-    """Fixes that apply to this model and run: the indexer chunk needs DSA layers; segmented KDA needs
-    KDA layers, one rank of context (cp 1) and no packed documents (its first version's limits); sequence
-    segments a glm5_next model and one rank of context."""
-    if fix == "indexer_query_chunk":
-        return "dsa" in run.spec.layer_types
-    if fix == "kda_segments":
-        return "kda" in run.spec.layer_types and run.mesh.cp == 1 and not run.packed_documents
-    if fix == "model_segments":  # the rules of check_model_segments
-        return run.spec.family in SEGMENTABLE_FAMILIES and run.mesh.cp == 1
-    return True
-
-
 def _candidates(run: Run, costs: dict[str, float]) -> list[tuple[str, ...]]:
-    """Every fix set (SCO needs recompute), cheapest first; ties go to fewer fixes, then the ladder."""
+    """Every valid fix set (requirements met, exclusions respected), cheapest first; ties go to fewer
+    fixes, then the ladder."""
     usable = [f for f in LADDER if usable_fix(run, f)]
     sets = []
     for r in range(len(usable) + 1):
         for combo in itertools.combinations(usable, r):
-            if "checkpoint_offload" in combo and "recompute" not in combo:
+            if any(req not in combo for f in combo for req in FIXES[f].requires):
                 continue
-            if "model_segments" in combo and any(f in combo for f in SEGMENT_EXCLUDES):
+            if any(x in combo for f in combo for x in FIXES[f].excludes):
                 continue
             sets.append(combo)
     return sorted(
@@ -213,59 +303,48 @@ def indexer_chunk_cap(run: Run) -> int:
     return q
 
 
-def _grow(run: Run, m: dict[str, Any], budgets: Budgets, keep_selection: bool = False) -> dict[str, Any]:
-    """Each enabled chunk size as large as still fits (powers of two, ladder order)."""
-    cap = indexer_chunk_cap(run)
-    for key, flag, (lo, hi) in (
-        ("model_segment_tokens", "model_segment_tokens", MODEL_SEGMENT_CHUNKS),
-        ("indexer_query_chunk", None, (INDEXER_CHUNKS[0], cap)),
-        ("loss_chunk_tokens", "chunked_loss", LOSS_CHUNKS),
-        ("mlp_tile_tokens", "tiled_mlp", TILE_CHUNKS),
-        ("kda_segment_tokens", "kda_segment_tokens", SEGMENT_CHUNKS),
-    ):
-        if (flag is None and m[key] >= run.n) or (flag is not None and not m[flag]):
+def _grow(run: Run, m: MemorySettings, budgets: Budgets, keep_selection: bool = False) -> MemorySettings:
+    """Each enabled chunk size as large as still fits (powers of two, in ``Growth.rank`` order)."""
+    for g in sorted((f.growth for f in FIXES.values() if f.growth is not None), key=lambda g: g.rank):
+        if not g.active(run, m):
             continue
-        size = lo
+        lo, hi = g.bounds(run)
         # a sequence segment grows first (fewer, longer segments; one as long as the sequence is none);
         # the chunks inside it then follow the segment's length
-        if key == "model_segment_tokens":
-            top = min(hi, run.n_seq - 1)
-        else:
-            top = min(hi, replace(run, memory=m).n)
+        top = min(hi, run.n_seq - 1) if g.setting == "model_segment_tokens" else min(hi, replace(run, memory=m).n)
+        size = lo
         while size * 2 <= top:
-            trial = dict(m, **{key: size * 2})
+            trial = m.replace(**{g.setting: size * 2})
             if not _fits(evaluate(replace(run, memory=trial)), budgets, run.mesh):
                 break
             size *= 2
-        m[key] = size
+        m = m.replace(**{g.setting: size})
     # sequence segments, if asked (``memory.segment_keep_selection``, not yet measured on a GPU): keep the
     # forward pass's DSA selections (no second scoring) where that fits with KEEP_SELECTION_MARGIN to
     # spare: a speed-up is not worth a run at the edge of the planner's accuracy
-    if keep_selection and m.get("model_segment_tokens") and "dsa" in run.spec.layer_types:
-        trial = dict(m, segment_keep_selection=True)
+    if keep_selection and m.model_segment_tokens and "dsa" in run.spec.layer_types:
+        trial = m.replace(segment_keep_selection=True)
         room = replace(budgets, gpu_bytes=int(budgets.gpu_bytes * (1 - KEEP_SELECTION_MARGIN)))
         if _fits(evaluate(replace(run, memory=trial)), room, run.mesh):
             m = trial
     return m
 
 
-def choose(
-    run: Run, budgets: Budgets, memory_cfg: Any | None
-) -> tuple[dict[str, Any], tuple[str, ...], bool]:
+def choose(run: Run, budgets: Budgets, memory_cfg: Any | None) -> tuple[MemorySettings, tuple[str, ...], bool]:
     """(settings, enabled fixes, fits): the cheapest fix set that fits, chunk sizes grown to the budget."""
     # the choice must not depend on the settings ``run`` carries (its ``n`` would be a segment's)
-    run = replace(run, memory=dict(run.memory, model_segment_tokens=0))
-    base = dict(default_memory(memory_cfg, run.n), indexer_query_chunk=indexer_chunk_cap(run))
+    run = replace(run, memory=run.memory.replace(model_segment_tokens=0))
+    base = base_settings(memory_cfg, run.n).replace(indexer_query_chunk=indexer_chunk_cap(run))
     costs = fix_costs(run)
     host_room = budgets.host(run.mesh) // run.mesh.gpus_on_host - run.cal.process_host_bytes
     for fixes in _candidates(run, costs):
-        m = _with_fixes(base, fixes, run, host_room)
+        m = with_fixes(base, fixes, run, host_room)
         if _fits(evaluate(replace(run, memory=m)), budgets, run.mesh):
             m = _grow(run, m, budgets, bool(getattr(memory_cfg, "segment_keep_selection", False)))
-            if m["indexer_query_chunk"] < run.n and "indexer_query_chunk" not in fixes:  # the 2 GiB bound
+            if m.indexer_query_chunk < run.n and "indexer_query_chunk" not in fixes:  # the 2 GiB bound
                 fixes = tuple(f for f in LADDER if f in fixes or f == "indexer_query_chunk")
             return m, fixes, True
     # nothing fits: every usable fix, as one valid set (sequence segments replace the fixes they exclude)
     segments = usable_fix(run, "model_segments")
     every = tuple(f for f in LADDER if usable_fix(run, f) and not (segments and f in SEGMENT_EXCLUDES))
-    return _with_fixes(base, every, run, host_room), every, False
+    return with_fixes(base, every, run, host_room), every, False

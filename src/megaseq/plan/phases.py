@@ -17,8 +17,8 @@ over micro-batches, and FSDP buffers when parameters are sharded.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
+from megaseq.config import MemorySettings
 from megaseq.models.spec import ModelSpec
 from megaseq.plan import components as C
 from megaseq.plan import layers
@@ -27,14 +27,15 @@ from megaseq.plan.components import CAL, Calibration, Mesh, ParamCounts, Precisi
 
 @dataclass(frozen=True)
 class Run:
-    """Everything one evaluation depends on; ``memory`` holds the MemoryPlan keys."""
+    """Everything one evaluation depends on; ``memory`` the settings evaluated (a dict of ``MemorySettings``
+    fields is read into one)."""
 
     spec: ModelSpec
     seq_len: int
     batch: int
     mesh: Mesh
     model_dtype: str
-    memory: dict[str, Any]
+    memory: MemorySettings
     counts: ParamCounts
     mla_mode: str = "gather_kv"
     imbalance: float = 4.0
@@ -44,15 +45,19 @@ class Run:
     loss_in_compute_dtype: bool = True  # the trainer casts hidden + head for the loss (False: before 2026-11-29)
     cal: Calibration = CAL
 
+    def __post_init__(self) -> None:
+        if isinstance(self.memory, dict):
+            object.__setattr__(self, "memory", MemorySettings.from_dict(self.memory))
+
     @property
     def prec(self) -> Precision:
         """Dtypes follow the settings: OffloadStreamAdamW leaves a bf16 model on the GPU."""
-        return C.precision_for(self.model_dtype, bool(self.memory.get("optimizer_offload")))
+        return C.precision_for(self.model_dtype, self.memory.optimizer_offload)
 
     @property
     def segment(self) -> int:
         """Tokens per sequence segment (``memory.model_segment_tokens``), 0 when the step is not segmented."""
-        T = int(self.memory.get("model_segment_tokens") or 0)
+        T = self.memory.model_segment_tokens
         return T if 0 < T < self.seq_len else 0
 
     @property
@@ -114,7 +119,7 @@ def _mixer(run: Run, i: int, xb: int) -> tuple[dict[str, int], int, int]:
     spec, n, prec, mesh = run.spec, run.n, run.prec, run.mesh
     kind = spec.layer_types[i]
     comm = C.comm_buffer_bytes(spec, n, kind, prec, mesh, run.mla_mode)
-    T = int(run.memory.get("kda_segment_tokens") or 0)
+    T = run.memory.kda_segment_tokens
     if kind == "kda" and 0 < T < n:
         return layers.kda_segmented(spec, n, run.batch, T, xb, prec, run.cal)
     if kind == "kda":
@@ -135,7 +140,7 @@ def _mixer(run: Run, i: int, xb: int) -> tuple[dict[str, int], int, int]:
     saved = layers.dsa_saved(spec, n, B, S, xb, prec, mesh, mode, full, run.cal, impl)
     fwd = layers.dsa_temp(spec, n, B, S, prec, mesh, mode, False, run.cal, impl)
     if full:
-        fwd = max(fwd, layers.indexer_temp(spec, n, B, S, int(run.memory["indexer_query_chunk"]), prec))
+        fwd = max(fwd, layers.indexer_temp(spec, n, B, S, run.memory.indexer_query_chunk, prec))
     return saved, fwd + comm, layers.dsa_temp(spec, n, B, S, prec, mesh, mode, True, run.cal, impl) + comm
 
 
@@ -187,8 +192,8 @@ def layer_terms(run: Run, i: int) -> LayerTerms:
         attn["mHC"] = ffn["mHC"] = n * C.hc_saved(spec, prec, run.cal)
     attn["input norm"] = ffn["post-attention norm"] = n * norm - (n * resid if N == 1 else 0)
     attn.update(mixer)
-    tiled = bool(run.memory.get("tiled_mlp"))
-    tile = min(int(run.memory.get("mlp_tile_tokens") or n), n) if tiled else n
+    tiled = run.memory.tiled_mlp
+    tile = min(run.memory.mlp_tile_tokens, n) if tiled else n
     mlp, mlp_fwd, mlp_bwd = _mlp(run, i, xb, tile)
     # backward: the gradient of the sublayer's output and of its input (accumulated in fp32)
     grad_attn = n * H * (c + f)
@@ -265,12 +270,9 @@ def _readers(spec: ModelSpec) -> list[bool]:
 def _state(run: Run) -> tuple[dict[str, int], list[int], int, int]:
     """(persistent state, per-layer gradients, head gradient, embedding gradient)."""
     counts, mesh, prec, m = run.counts, run.mesh, run.prec, run.memory
-    offload = bool(m.get("optimizer_offload"))
     state = {
         "parameters": C.param_bytes(counts, mesh, prec),
-        "optimizer state": C.optimizer_gpu_bytes(
-            counts, mesh, prec, offload, int(m["optimizer_bucket_params"])
-        ),
+        "optimizer state": C.optimizer_gpu_bytes(counts, mesh, prec, m.optimizer_offload, m.optimizer_bucket_params),
     }
     if run.segment:
         state.update(segment_store_bytes(run))
@@ -297,7 +299,7 @@ def segment_store_bytes(run: Run) -> dict[str, int]:
     segs = -(-S // T)
     state = spec.linear_num_heads * spec.linear_head_dim**2 * f + (spec.linear_conv_kernel - 1) * spec.hidden_size * c
     full = sum(1 for i, k in enumerate(spec.layer_types) if k == "dsa" and spec.indexer_types[i] == "full")
-    kept = full * layers.dsa_selection_bytes(spec, B * S) if run.memory.get("segment_keep_selection") else 0
+    kept = full * layers.dsa_selection_bytes(spec, B * S) if run.memory.segment_keep_selection else 0
     return {
         "segment DSA selections (kept)": kept,
         "segment caches (DSA latents, indexer keys)": dsa * B * S * (R * c + 2 * spec.index_head_dim * f),
@@ -313,7 +315,7 @@ def _copies(run: Run, i: int, cached_only: bool) -> int:
     dense, experts, _ = run.counts.layers[i]
     if cached_only:
         experts = 0
-    elif run.memory.get("tiled_mlp"):
+    elif run.memory.tiled_mlp:
         dense -= C.mlp_params(run.spec, run.spec.mlp_types[i])[0]
         experts = 0
     return C.weight_copy_bytes(dense + experts, run.prec, run.mesh)
@@ -321,16 +323,16 @@ def _copies(run: Run, i: int, cached_only: bool) -> int:
 
 def _sco_offloaded(run: Run, bnd: int) -> int:
     m = run.memory
-    if not (m.get("recompute") and m.get("checkpoint_offload")) or bnd == 0:
+    if not (m.recompute and m.checkpoint_offload) or bnd == 0:
         return 0
     slot = -(-bnd // 512) * 512
-    return min(run.spec.num_layers, int(m.get("offload_host_budget") or 0) // slot)
+    return min(run.spec.num_layers, m.offload_host_budget // slot)
 
 
 def _phases(run: Run, terms: list[LayerTerms]) -> list[tuple[str, dict[str, int], str]]:
     spec, prec, mesh, n = run.spec, run.prec, run.mesh, run.n
     L, H, s = spec.num_layers, spec.hidden_size, prec.stream
-    rec = bool(run.memory.get("recompute"))
+    rec = run.memory.recompute
     state, g_layers, g_head, g_embed = _state(run)
     # gradients accumulate over micro-batches, and over sequence segments (a segment's forward runs with
     # the later segments' gradients held)
@@ -347,7 +349,7 @@ def _phases(run: Run, terms: list[LayerTerms]) -> list[tuple[str, dict[str, int]
     cast = prec.autocast and run.loss_in_compute_dtype
     d_loss = prec.compute if cast else s
     loss = C.loss_bytes(
-        spec, n, d_loss, bool(run.memory.get("chunked_loss")), int(run.memory["loss_chunk_tokens"])
+        spec, n, d_loss, run.memory.chunked_loss, run.memory.loss_chunk_tokens
     ) + ((n + spec.vocab_size) * H * d_loss if cast else 0)
     sel = layers.dsa_selection_bytes(spec, n) if "dsa" in spec.layer_types else 0
     readers = _readers(spec)
@@ -460,7 +462,7 @@ def evaluate(run: Run) -> Evaluation:
         "process (Python, torch, CUDA host state)": run.cal.process_host_bytes,
         "SCO pinned boundaries": k * (-(-bnd // 512) * 512),
         "optimizer state (OffloadStreamAdamW)": C.optimizer_host_bytes(
-            run.counts, run.mesh, bool(run.memory.get("optimizer_offload"))
+            run.counts, run.mesh, run.memory.optimizer_offload
         ),
     }
     notes = {"layer working set": where, "recomputed layer": where, "saved activations": name}

@@ -17,44 +17,30 @@ context parallelism needs more GPUs and is only advised, with the other ways to 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+from megaseq.config import MemorySettings
 from megaseq.models.spec import ModelSpec
 from megaseq.plan import components as C
 from megaseq.plan.components import GB, GIB, Calibration, Mesh
 from megaseq.plan.fixes import (  # noqa: F401  (Budgets, H200_GPU_BYTES, HOST_BYTES_PER_GPU: re-exported)
+    FIXES,
     H200_GPU_BYTES,
     HOST_BYTES_PER_GPU,
     LADDER,
     Budgets,
+    base_settings,
     check_model_segments,
     choose,
-    default_memory,
+    enabled_fixes,
     fix_costs,
-    usable_fix,
 )
-from megaseq.plan.flops import (
-    comm_volume,
-    step_flops,
-)
+from megaseq.plan.flops import comm_volume, step_flops
 from megaseq.plan.phases import Evaluation, Run, evaluate
 
-MEMORY_KEYS = (
-    "chunked_loss",
-    "loss_chunk_tokens",
-    "tiled_mlp",
-    "mlp_tile_tokens",
-    "indexer_query_chunk",
-    "recompute",
-    "checkpoint_offload",
-    "offload_host_budget",
-    "optimizer_offload",
-    "optimizer_bucket_params",
-    "kda_segment_tokens",
-    "model_segment_tokens",
-    "segment_keep_selection",
-)
+# the memory settings a plan carries, in order (``Plan.memory``: ``MemorySettings.to_dict``)
+MEMORY_KEYS = tuple(f.name for f in fields(MemorySettings))
 
 
 @dataclass
@@ -72,7 +58,7 @@ class Plan:
     gpu_budget: int
     host_budget: int
     fixes: list[tuple[str, float, str]]  # (setting, estimated step-time cost fraction, why)
-    memory: dict[str, Any]  # MemoryPlan fields (megaseq.memory.apply)
+    memory: dict[str, Any]  # the chosen MemorySettings (``MemorySettings.from_dict`` reads it back)
     fits: bool
     binding: str
     advice: str
@@ -226,35 +212,14 @@ def _binding(ev: Evaluation) -> str:
 
 
 # ---- entry points -------------------------------------------------------------------------------------
-def _forced(memory_cfg: Any, n: int) -> dict[str, Any]:
-    """The user's settings (memory.auto false), as MemoryPlan fields."""
-    m = default_memory(memory_cfg, n)
-    for key in MEMORY_KEYS:
-        m[key] = getattr(memory_cfg, key)
-    m["offload_host_budget"] = int(m["offload_host_budget"]) if m["checkpoint_offload"] else 0
+def _forced(memory_cfg: Any, n: int, run: Run) -> MemorySettings:
+    """The user's settings (``memory.auto`` false), checked to run as given before anything runs."""
+    m = memory_cfg.settings()
+    m = m.replace(offload_host_budget=m.offload_host_budget if m.checkpoint_offload else 0)
+    m.check_combination()
+    if m.model_segment_tokens:
+        check_model_segments(run.spec.family, m.model_segment_tokens, run.mesh.cp)
     return m
-
-
-def _enabled(run: Run, memory: dict[str, Any], fix: str) -> bool:
-    """Whether ``memory`` (MemoryPlan keys) has ``fix`` of the ladder switched on for this run."""
-    if not usable_fix(run, fix):
-        return False
-    if fix == "indexer_query_chunk":
-        return memory[fix] < run.n
-    if fix == "kda_segments":
-        return 0 < int(memory.get("kda_segment_tokens") or 0) < run.n
-    if fix == "model_segments":
-        return bool(replace(run, memory=memory).segment)
-    return bool(memory[fix])
-
-
-def _check_forced_segments(run: Run, memory: dict[str, Any]) -> None:
-    """Forced sequence segments (``memory.auto`` false) that cannot run: one clear error before anything
-    runs (``fixes.check_model_segments``)."""
-    T = int(memory.get("model_segment_tokens") or 0)
-    if T:
-        on = [f"memory.{k}" for k in ("recompute", "checkpoint_offload", "kda_segment_tokens") if memory.get(k)]
-        check_model_segments(run.spec.family, T, run.mesh.cp, tuple(on))
 
 
 def _make_plan(run: Run, budgets: Budgets, memory_cfg: Any | None, name: str) -> Plan:
@@ -262,28 +227,12 @@ def _make_plan(run: Run, budgets: Budgets, memory_cfg: Any | None, name: str) ->
     if auto:
         memory, fixes, _ = choose(run, budgets, memory_cfg)
     else:
-        memory = _forced(memory_cfg, run.n)
-        _check_forced_segments(run, memory)
-        fixes = tuple(f for f in LADDER if _enabled(run, memory, f))
+        memory = _forced(memory_cfg, run.n, run)
+        fixes = enabled_fixes(run, memory)
     run = replace(run, memory=memory)
     ev = evaluate(run)
     fits = ev.peak_gpu <= budgets.gpu_bytes and ev.peak_host <= budgets.host(run.mesh)
     costs = fix_costs(run)
-    sco_gb = memory["offload_host_budget"] / GB
-    why = {
-        "chunked_loss": f"vocabulary projection in chunks of {memory['loss_chunk_tokens']} tokens",
-        "indexer_query_chunk": f"indexer scores {memory['indexer_query_chunk']} queries at a time "
-        "(one scoring chunk under 2 GiB or as the budget needs)",
-        "tiled_mlp": f"MLP/MoE in tiles of {memory['mlp_tile_tokens']} tokens, recomputed in backward",
-        "kda_segments": f"KDA layers in segments of {memory['kda_segment_tokens']} tokens, the state "
-        "carried, each segment recomputed in backward",
-        "recompute": "each layer keeps only its input; its forward is rerun in backward",
-        "model_segments": f"the whole model over the sequence {memory['model_segment_tokens']} tokens at a time "
-        "(KDA state, DSA latents and keys carried), each segment rerun in backward"
-        + (", the forward's DSA selections kept for it" if memory.get("segment_keep_selection") else ""),
-        "checkpoint_offload": f"layer inputs to pinned host memory, {sco_gb:.1f} GB",
-        "optimizer_offload": "fp32 master weights, moments and gradients in host memory, streamed",
-    }
     binding = _binding(ev)
     advice = (
         f"fits: GPU peak {ev.peak_gpu / GIB:.1f} of {budgets.gpu_bytes / GIB:.1f} GiB at {ev.phase}"
@@ -313,8 +262,8 @@ def _make_plan(run: Run, budgets: Budgets, memory_cfg: Any | None, name: str) ->
         peak_host=ev.peak_host,
         gpu_budget=budgets.gpu_bytes,
         host_budget=budgets.host(run.mesh),
-        fixes=[(f, round(costs[f], 4), why[f]) for f in fixes],
-        memory=memory,
+        fixes=[(f, round(costs[f], 4), FIXES[f].why(memory)) for f in fixes],
+        memory=memory.to_dict(),
         fits=fits,
         binding=binding,
         advice=advice,
@@ -368,7 +317,7 @@ def plan(
             batch=batch_size,
             mesh=mesh,
             model_dtype=model_dtype,
-            memory=default_memory(memory_cfg, batch_size * seq_len // mesh.cp),
+            memory=base_settings(memory_cfg, batch_size * seq_len // mesh.cp),
             counts=counts,
             mla_mode=mode,
             imbalance=moe_imbalance,
@@ -396,7 +345,7 @@ def _better(a: Plan, b: Plan) -> bool:
 def run_for(
     spec: ModelSpec,
     seq_len: int,
-    memory: dict[str, Any],
+    memory: dict[str, Any] | MemorySettings,
     mesh: Mesh | None = None,
     batch_size: int = 1,
     *,
@@ -407,12 +356,14 @@ def run_for(
     calibration: Calibration = C.CAL,
     loss_in_compute_dtype: bool = True,
 ) -> Run:
-    """The planner's ``Run`` for one given setting (MemoryPlan keys, the rest at their defaults), choosing
-    nothing. ``mla_mode`` defaults to the mesh's (``auto`` meaning gather_kv, as the runtime)."""
+    """The planner's ``Run`` for one given setting (``MemorySettings``, or a dict of some of its fields, the
+    rest at the planner's base), choosing nothing. ``mla_mode`` defaults to the mesh's (``auto`` meaning
+    gather_kv, as the runtime)."""
     mesh = mesh or Mesh()
     validate_mesh(spec, seq_len, mesh)
     mode = mla_mode or ("gather_kv" if mesh.mla_mode == "auto" else mesh.mla_mode)
-    full = dict(default_memory(None, batch_size * seq_len // mesh.cp), **memory)
+    given = memory.to_dict() if isinstance(memory, MemorySettings) else memory
+    full = base_settings(None, batch_size * seq_len // mesh.cp).replace(**given)
     return Run(
         spec=spec,
         seq_len=seq_len,
@@ -429,7 +380,8 @@ def run_for(
     )
 
 
-def peak_for(spec: ModelSpec, seq_len: int, memory: dict[str, Any], mesh: Mesh | None = None, batch_size: int = 1,
+def peak_for(spec: ModelSpec, seq_len: int, memory: dict[str, Any] | MemorySettings, mesh: Mesh | None = None,
+             batch_size: int = 1,
              **kw: Any) -> Evaluation:
     """Evaluate one given setting (``run_for``'s arguments) without choosing anything: the phase peaks and
     the breakdown."""

@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
-from megaseq.config import OptimConfig
-from megaseq.memory.apply import MemoryPlan, make_optimizer
+from megaseq.config import MemorySettings, OptimConfig
+from megaseq.memory.apply import make_optimizer
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -37,9 +37,9 @@ def lr_lambda(step: int, total_steps: int, warmup_steps: int, min_lr_ratio: floa
 
 
 def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, total_steps: int,
-                    plan: MemoryPlan) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+                    memory: MemorySettings) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
     """The planned optimizer (AdamW, or OffloadStreamAdamW) over decay / no-decay groups, and its schedule."""
-    opt = make_optimizer(param_groups(model, cfg.weight_decay), plan, lr=cfg.lr, betas=tuple(cfg.betas),
+    opt = make_optimizer(param_groups(model, cfg.weight_decay), memory, lr=cfg.lr, betas=tuple(cfg.betas),
                          eps=cfg.eps, weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: lr_lambda(s, total_steps, cfg.warmup_steps, cfg.min_lr_ratio)

@@ -16,7 +16,10 @@ from typing import Any
 
 import torch
 
-from megaseq.config import Config
+from megaseq.config import Config, MemorySettings
+from megaseq.ops import dispatch
+from megaseq.ops.kernels import planned_kernels
+from megaseq.plan.flops import mfu
 from megaseq.train import checkpoint as ckpt
 from megaseq.train.metrics import MetricsLogger, gpu_peak_bytes, host_peak_bytes, moe_load
 from megaseq.train.optim import build_optimizer
@@ -53,8 +56,8 @@ def dtypes(cfg: Config, device: torch.device) -> tuple[torch.dtype, torch.dtype 
     return torch.float32, None  # bf16 on the CPU is slow and unhelpful: compute in fp32
 
 
-def make_plan(cfg: Config, env: ParallelEnv, device: torch.device) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Plan memory before anything is allocated; returns (plan as dict, memory settings)."""
+def make_plan(cfg: Config, env: ParallelEnv, device: torch.device) -> tuple[dict[str, Any], MemorySettings]:
+    """Plan memory before anything is allocated; returns (plan as dict, the memory settings to apply)."""
     from megaseq.plan.planner import plan_from_config
 
     gpu_bytes = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
@@ -63,7 +66,7 @@ def make_plan(cfg: Config, env: ParallelEnv, device: torch.device) -> tuple[dict
     if (device.type == "cuda" or cfg.memory.gpu_budget != "auto") and not plan.fits:
         raise ValueError(f"the memory plan does not fit, so nothing was started. {plan.advice} "
                          "(see `megaseq plan` for the table per component)")
-    return plan.to_dict(), dict(plan.memory)
+    return plan.to_dict(), MemorySettings.from_dict(plan.memory)
 
 
 def _autocast(dtype: torch.dtype | None, device: torch.device) -> contextlib.AbstractContextManager:
@@ -74,19 +77,19 @@ def _autocast(dtype: torch.dtype | None, device: torch.device) -> contextlib.Abs
 
 def train_step(model: torch.nn.Module, micro_batches: list[dict[str, torch.Tensor]], optimizer: Any,
                scheduler: Any, cfg: Config, env: ParallelEnv, autocast: torch.dtype | None,
-               memory: dict[str, Any], progress: Any = None) -> tuple[float, float]:
+               memory: MemorySettings, progress: Any = None) -> tuple[float, float]:
     """One optimizer step over ``grad_accum`` micro-batches; returns (mean loss, grad norm). ``progress``
     (pass, done, total) hears of each sequence segment when the plan runs them."""
-    chunk = memory["loss_chunk_tokens"] if memory.get("chunked_loss") else None
+    chunk = memory.loss_chunk_tokens if memory.chunked_loss else None
     local = sum(int((b["labels"] != -100).sum()) for b in micro_batches)
     total = env.all_reduce_count(local)  # the loss is a mean over every token of the global batch
     loss_sum = 0.0
-    segment = int(memory.get("model_segment_tokens") or 0)
+    segment = memory.model_segment_tokens
     for batch in micro_batches:
         b = env.to_device(batch)
         if segment and b["input_ids"].shape[1] > segment:  # sequence segments (memory/model_segments.py)
             loss_sum += float(_segmented_step(model, b, env, autocast, chunk, segment, total, progress,
-                                              bool(memory.get("segment_keep_selection"))))
+                                              memory.segment_keep_selection))
             continue
         with _autocast(autocast, env.device):
             hidden = model(b["input_ids"], doc_ids=b.get("doc_ids"), ctx=env.context(b))
@@ -135,21 +138,20 @@ def _segmented_step(model: torch.nn.Module, b: dict[str, torch.Tensor], env: Par
                                        progress, doc_ids=b.get("doc_ids"), keep_selection=keep_selection)
 
 
-def build_planned_model(cfg: Config, spec: Any, device: torch.device, memory: dict[str, Any], total_steps: int,
-                        init_from: str | None = None) -> tuple[torch.nn.Module, Any, Any, Any]:
-    """The model with the plan's memory schemes applied, and its planned optimizer and LR schedule:
-    (model, applied memory plan (release it at the end), optimizer, scheduler)."""
-    from megaseq.memory.apply import MemoryPlan, apply_memory_plan
+def build_planned_model(cfg: Config, spec: Any, device: torch.device, memory: MemorySettings, total_steps: int,
+                        init_from: str | None = None, env: Any = None) -> tuple[torch.nn.Module, Any, Any, Any]:
+    """The model with the plan's memory schemes applied by its family's ``parallelize``, and its planned
+    optimizer and LR schedule: (model, what was applied (release it at the end), optimizer, scheduler)."""
     from megaseq.models.build import build_model
+    from megaseq.models.registry import family_module
 
     model = build_model(spec, dtype=dtypes(cfg, device)[0], device=device, seed=cfg.train.seed)
     if init_from:
         from megaseq.models.hf_io import load_hf_checkpoint
 
         load_hf_checkpoint(init_from, model=model, spec=spec)
-    plan = MemoryPlan.from_dict(memory)
-    applied = apply_memory_plan(model, plan)
-    optimizer, scheduler = build_optimizer(model, cfg.optim, total_steps, plan)
+    applied = family_module(spec.family, "parallelize").parallelize(model, memory, env)
+    optimizer, scheduler = build_optimizer(model, cfg.optim, total_steps, memory)
     return model, applied, optimizer, scheduler
 
 
@@ -161,15 +163,24 @@ def use_expandable_segments() -> None:
 
 
 def run_training(cfg: Config) -> RunResult:
+    """Plan, then train as planned: the dispatcher holds the run to its planned kernels when
+    ``model.strict_kernels`` is set (a fallback is an error naming the layer and the reason)."""
     from megaseq.models.presets import resolve_spec
 
     spec = resolve_spec(cfg.model.name)  # a bad model name fails before anything else happens
-    from megaseq.data import build_data
-
     use_expandable_segments()
     env = setup_parallel(cfg)
     device = env.device = resolve_device(cfg) if env.world_size == 1 else env.device
     plan_dict, memory = make_plan(cfg, env, device)
+    planned = planned_kernels(device.type, cfg.model.dtype)
+    with dispatch.configured(planned=planned, strict=cfg.model.strict_kernels):
+        return _run_planned(cfg, spec, env, device, plan_dict, memory)
+
+
+def _run_planned(cfg: Config, spec: Any, env: ParallelEnv, device: torch.device, plan_dict: dict[str, Any],
+                 memory: MemorySettings) -> RunResult:
+    from megaseq.data import build_data
+
     run_dir, resume_from = claim_run_dir(cfg) if env.is_main else (Path(cfg.train.run_dir), None)
     resume_from = env.broadcast_object(resume_from)
     if env.is_main:
@@ -178,7 +189,7 @@ def run_training(cfg: Config) -> RunResult:
                       rank=env.dp_rank, world_size=env.dp_size)
     autocast = dtypes(cfg, device)[1]
     model, applied, optimizer, scheduler = build_planned_model(cfg, spec, device, memory, cfg.train.steps,
-                                                               cfg.model.init_from)
+                                                               cfg.model.init_from, env)
     spec_dict = spec.to_dict()
     start = 0
     if resume_from is not None:
@@ -190,39 +201,12 @@ def run_training(cfg: Config) -> RunResult:
         # the "before" weights only: DCP's optimizer state_dict would initialise AdamW's state (a step
         # with lr 0), shifting its bias correction and so the whole run
         ckpt.save_checkpoint(run_dir, 0, model, None, None, _meta(spec_dict, data, 0), keep=10**9)
-
     result = RunResult(run_dir=run_dir, last_checkpoint=resume_from)
-    logger = MetricsLogger(run_dir, cfg.train.steps, start, cfg.log.tensorboard, cfg.log.progress, env.is_main)
-    tokens_per_step = cfg.train.batch_size * cfg.train.grad_accum * cfg.data.seq_len * env.dp_size
+    loop = _Loop(cfg, env, device, plan_dict, memory, autocast, model, optimizer, scheduler, data, spec_dict)
     try:
-        for step in range(start + 1, cfg.train.steps + 1):
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(device)
-            t0 = time.perf_counter()
-            # one rank of each context-parallel group reads the sequence and scatters the shards
-            batches = [data.train.next_batch() if env.reads_data else None for _ in range(cfg.train.grad_accum)]
-            batches = [env.shard_batch(b) for b in batches]
-            lr = optimizer.param_groups[0]["lr"]
-            loss, gnorm = train_step(model, batches, optimizer, scheduler, cfg, env, autocast, memory,
-                                     progress=logger.substep)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            dt = time.perf_counter() - t0
-            result.losses.append(loss)
-            if step % cfg.log.every == 0 or step == cfg.train.steps:
-                logger.log({"step": step, "loss": loss, "lr": lr, "grad_norm": gnorm,
-                            "tokens_per_s": tokens_per_step / dt, "step_s": dt,
-                            "gpu_peak_gib": gpu_peak_bytes(device) / GIB, "host_peak_gib": host_peak_bytes() / GIB,
-                            "plan_gpu_gib": plan_dict.get("peak_gpu", 0) / GIB, "moe_max_over_mean": moe_load(model)})
-            save_now = cfg.train.save_every and step % cfg.train.save_every == 0
-            if (save_now or step == cfg.train.steps) and env.is_main:
-                result.last_checkpoint = ckpt.save_checkpoint(run_dir, step, model, optimizer, scheduler,
-                                                              _meta(spec_dict, data, step), cfg.train.keep_checkpoints)
-            env.barrier()
+        loop.run(start, result)
     finally:
-        logger.close()
         applied.release()  # the SCO pinned pool
-
     if cfg.train.export_hf and env.is_main:
         from megaseq.models.hf_io import export_hf_checkpoint
 
@@ -237,19 +221,80 @@ def run_training(cfg: Config) -> RunResult:
     return result
 
 
+@dataclass
+class _Loop:
+    """The optimizer steps of a run: each step's batches, the step, its metrics record, checkpoints."""
+
+    cfg: Config
+    env: ParallelEnv
+    device: torch.device
+    plan: dict[str, Any]
+    memory: MemorySettings
+    autocast: torch.dtype | None
+    model: torch.nn.Module
+    optimizer: Any
+    scheduler: Any
+    data: Any
+    spec_dict: dict[str, Any]
+
+    def run(self, start: int, result: RunResult) -> None:
+        cfg, env = self.cfg, self.env
+        logger = MetricsLogger(result.run_dir, cfg.train.steps, start, cfg.log.tensorboard, cfg.log.progress,
+                               env.is_main)
+        try:
+            for step in range(start + 1, cfg.train.steps + 1):
+                loss, record = self.step(step, logger)
+                result.losses.append(loss)
+                if step % cfg.log.every == 0 or step == cfg.train.steps:
+                    logger.log(record)
+                save_now = cfg.train.save_every and step % cfg.train.save_every == 0
+                if (save_now or step == cfg.train.steps) and env.is_main:
+                    result.last_checkpoint = ckpt.save_checkpoint(
+                        result.run_dir, step, self.model, self.optimizer, self.scheduler,
+                        _meta(self.spec_dict, self.data, step), cfg.train.keep_checkpoints)
+                env.barrier()
+        finally:
+            logger.close()
+
+    def step(self, step: int, logger: MetricsLogger) -> tuple[float, dict[str, Any]]:
+        """One optimizer step and its metrics record (loss, tokens/s, MFU against the H200's bf16 peak,
+        peak GPU and host memory beside the plan, MoE load)."""
+        cfg, env, device = self.cfg, self.env, self.device
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        t0 = time.perf_counter()
+        # one rank of each context-parallel group reads the sequence and scatters the shards
+        batches = [self.data.train.next_batch() if env.reads_data else None for _ in range(cfg.train.grad_accum)]
+        batches = [env.shard_batch(b) for b in batches]
+        lr = self.optimizer.param_groups[0]["lr"]
+        loss, gnorm = train_step(self.model, batches, self.optimizer, self.scheduler, cfg, env, self.autocast,
+                                 self.memory, progress=logger.substep)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        dt = time.perf_counter() - t0
+        tokens_per_s = cfg.train.batch_size * cfg.train.grad_accum * cfg.data.seq_len * env.dp_size / dt
+        record = {"step": step, "loss": loss, "lr": lr, "grad_norm": gnorm, "tokens_per_s": tokens_per_s,
+                  "step_s": dt, "gpu_peak_gib": gpu_peak_bytes(device) / GIB,
+                  "host_peak_gib": host_peak_bytes() / GIB, "plan_gpu_gib": self.plan.get("peak_gpu", 0) / GIB,
+                  "moe_max_over_mean": moe_load(self.model)}
+        if device.type == "cuda":  # model FLOPs utilisation (plan.flops: recompute not counted)
+            record["mfu"] = mfu(tokens_per_s, self.plan["flops"]["per_token"], env.world_size)
+        return loss, record
+
+
 def _meta(spec_dict: dict[str, Any], data: Any, step: int) -> dict[str, Any]:
     return {"spec": spec_dict, "data": data.train.state_dict(), "step": step}
 
 
 def evaluate_run(cfg: Config, run_dir: Path, model: torch.nn.Module, spec: Any, data: Any, env: ParallelEnv,
-                 autocast: torch.dtype | None, memory: dict[str, Any]) -> dict[str, Any]:
+                 autocast: torch.dtype | None, memory: MemorySettings) -> dict[str, Any]:
     """Held-out loss by position for the model before (step 0) and after training, with the k-mer baseline."""
     from megaseq.eval import report_by_position
     from megaseq.eval.loss import per_token_loss_fn
     from megaseq.train.convert import load_megaseq_checkpoint
 
-    chunk = memory.get("loss_chunk_tokens") or 8192
-    segment = int(memory.get("model_segment_tokens") or 0)
+    chunk = memory.loss_chunk_tokens
+    segment = memory.model_segment_tokens
     models = {}
     before = Path(run_dir) / ckpt.CKPT_DIR / "step_000000"
     if before.is_dir():

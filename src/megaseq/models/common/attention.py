@@ -32,8 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megaseq.models.blocks.norm import RMSNorm
-from megaseq.models.context import SeqContext, doc_spans, positions_from_doc_ids
+from megaseq.models.common.context import SeqContext, doc_spans, positions_from_doc_ids
+from megaseq.models.common.norm import RMSNorm
 from megaseq.models.spec import ModelSpec
 from megaseq.ops import dispatch
 

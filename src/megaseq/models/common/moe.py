@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megaseq.models.blocks.mlp import MLP, swiglu
+from megaseq.models.common.mlp import MLP, swiglu
 from megaseq.models.spec import ModelSpec
 from megaseq.ops import dispatch
 
@@ -110,6 +110,12 @@ class TopKRouter(nn.Module):
         if self.router == "sigmoid_bias":
             self.register_buffer("e_score_correction_bias", torch.zeros(E, dtype=torch.float32))
 
+    @torch.no_grad()
+    def init_weights(self, std: float) -> None:
+        self.weight.normal_(0.0, std)
+        if self.router == "sigmoid_bias":
+            self.e_score_correction_bias.zero_()
+
     def forward(self, x_NH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``x_NH -> (weights_NK, experts_NK)``; weights in ``promote_types(x.dtype, float32)`` (sigmoid)
         or x's dtype (softmax)."""
@@ -158,6 +164,11 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(E, H, I).normal_(0.0, 0.02))
         self.swiglu_limit = swiglu_limit
         self.layer = layer  # name used in the dispatcher's per-layer record
+
+    @torch.no_grad()
+    def init_weights(self, std: float) -> None:
+        self.gate_up_proj.normal_(0.0, std)
+        self.down_proj.normal_(0.0, std)
 
     def forward(self, x_NH: torch.Tensor, experts_NK: torch.Tensor,
                 weights_NK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,10 +15,11 @@ Context parallelism (Ulysses): the conv and the recurrence are per channel / per
 this is the plain computation. Document boundaries (``ctx.full_doc_ids()``) restart the conv and the
 recurrence: both ops take fla-style ``cu_seqlens`` over the batch flattened to one row.
 
-Segments (``segment_tokens``, one rank, no documents): the ``kda`` op takes an ``initial_state`` and
-returns the final one (``return_state=True``), so ``segment_step`` runs tokens ``[s, e)`` from the state at
-s, with the conv over the ``K - 1`` tokens before s recomputed; ``megaseq.memory.kda_segments`` chains the
-segments and recomputes each in backward.
+The recurrence in pieces: the ``kda`` op takes an ``initial_state`` and returns the final one
+(``return_state=True``), so ``segment_step`` runs tokens ``[s, e)`` from the state at s, with the conv over
+the ``segment_halo = K - 1`` tokens before s recomputed. Schemes that run the layer in segments from
+outside (``megaseq.memory.kda_segments``) chain these steps; under sequence segments the layer takes the
+state and halo from ``ctx.carried_in`` instead. The layer itself knows no memory scheme.
 
 Ops (``megaseq.ops.dispatch``): ``causal_conv`` and ``kda``, each with a pure-torch reference here;
 the ``kda`` reference is HF's ``chunk_kimi_delta_attention`` (its row-by-row substitution loop done
@@ -38,9 +39,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megaseq.memory.kda_segments import segmented_kda
-from megaseq.models.blocks.mhc import compute_dtype
-from megaseq.models.context import SeqContext, doc_spans
+from megaseq.models.common.context import SeqContext, doc_spans
+from megaseq.models.common.mhc import compute_dtype
 from megaseq.models.spec import ModelSpec
 from megaseq.ops import dispatch
 from megaseq.ops import fla_kda as _fla_kda  # noqa: F401  (registers the fla kda and conv ops)
@@ -231,11 +231,8 @@ def cu_seqlens_from_doc_ids(doc_ids_BS: torch.Tensor) -> torch.Tensor:
 class KimiDeltaAttention(nn.Module):
     """The KDA token mixer; parameter names mirror ``Glm5NextTextLinearAttention``.
 
-    ``segment_tokens`` (None: off; the memory plan's ``memory.kda_segment_tokens`` sets it) runs a
-    sequence longer than that in segments with the recurrent state carried between them and a per-segment
-    recompute in backward (``megaseq.memory.kda_segments``): exact, and the layer saves its input and one
-    ``[B, Hh, D, D]`` state per segment instead of the whole sequence's activations. ``segment_step`` is
-    the one-segment computation it runs.
+    ``segment_step`` / ``segment_halo`` are the one-segment computation (the recurrence from a given state,
+    the conv over the halo before it) that segmented schemes chain from outside.
     """
 
     def __init__(self, spec: ModelSpec, layer: str = "kda") -> None:
@@ -254,7 +251,10 @@ class KimiDeltaAttention(nn.Module):
         self.g_b_proj = nn.Linear(D, Hh * D, bias=False)
         self.o_norm = GatedRMSNorm(D, spec.rms_norm_eps)
         self.o_proj = nn.Linear(Hh * D, H, bias=False)
-        self.segment_tokens: int | None = None
+
+    def init_weights(self, std: float) -> None:
+        """HF's init of the forget gate (its linears, conv and norm are initialised as modules)."""
+        init_kda_(self)
 
     def _conv_weight(self, heads: slice) -> torch.Tensor:
         """This rank's conv channels ``[3 * Hl * D, K]`` (q, k and v blocks each sliced by head)."""
@@ -274,11 +274,9 @@ class KimiDeltaAttention(nn.Module):
             y_BSH, state = self._mix(x_BLH, inner, halo, state, return_state=True, continues_B=continues)
             ctx.carried_out(self.layer, x_BLH[:, max(0, x_BLH.shape[1] - self.segment_halo):], state)
             return y_BSH
-        if self.segment_tokens is not None and x_BSH.shape[1] * ctx.cp_size > self.segment_tokens:
-            return segmented_kda(self, x_BSH, ctx, self.segment_tokens)
         return self._mix(x_BSH, ctx)[0]
 
-    # ---- one segment of the sequence (megaseq.memory.kda_segments) ---------------------------------
+    # ---- one segment of the sequence (chained from outside, e.g. megaseq.memory.kda_segments) --------
     @property
     def segment_halo(self) -> int:
         """Tokens before a segment its outputs depend on through the causal conv (K - 1)."""

@@ -60,6 +60,13 @@ class HyperConnection(nn.Module):
         self.base = nn.Parameter(torch.zeros(width, dtype=torch.float32))
         self.scale = nn.Parameter(torch.ones(3, dtype=torch.float32))
 
+    @torch.no_grad()
+    def init_weights(self, std: float) -> None:
+        """HF's init: ``fn`` normal(0, 0.02) whatever ``initializer_range`` is, ``base`` 0, ``scale`` 1."""
+        self.fn.normal_(0.0, 0.02)
+        self.base.zero_()
+        self.scale.fill_(1.0)
+
     def forward(self, h_BSNH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``h_BSNH -> (post_BSN, comb_BSNN, x_BSH)``; post/comb in the compute dtype, x in h's dtype."""
         B, S, N, _ = h_BSNH.shape

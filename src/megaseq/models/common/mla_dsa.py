@@ -35,12 +35,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from megaseq.memory import indexer_scoring
-from megaseq.models.blocks.mhc import compute_dtype
-from megaseq.models.blocks.norm import RMSNorm
-from megaseq.models.context import SeqContext, positions_from_doc_ids
+from megaseq.models.common.context import SeqContext, positions_from_doc_ids
+from megaseq.models.common.mhc import compute_dtype
+from megaseq.models.common.norm import RMSNorm
 from megaseq.models.spec import ModelSpec
-from megaseq.ops import dispatch
+from megaseq.ops import dispatch, indexer_scoring
 from megaseq.ops import sparse_mla as _sparse_mla  # noqa: F401  (registers the absorbed op)
 
 # score elements per query block of the reference sparse attention (bounds its working set)
@@ -126,8 +125,16 @@ class Indexer(nn.Module):
         self.weights_proj = nn.Linear(spec.hidden_size, I, bias=False)
         self.index_kpool_compress_ape = nn.Parameter(torch.zeros(kp, Di))
         self.index_kpool_compress_gate = nn.Parameter(torch.ones(Di, spec.hidden_size))
-        self.query_chunk: int | None = None  # scoring rows per chunk; the memory plan sets it
+        # scoring rows per chunk (None: as many as ``ops.indexer_scoring.SCORING_BUDGET_BYTES`` allows): the
+        # op's working-set bound, which the family's ``parallelize`` sets from the memory plan
+        self.query_chunk: int | None = None
         self.layer = "indexer"  # the owning layer's name (MLASparseAttention sets it)
+
+    @torch.no_grad()
+    def init_weights(self, std: float) -> None:
+        """HF's init of the pooling tensors (the linears and the key norm are initialised as modules)."""
+        self.index_kpool_compress_ape.zero_()
+        self.index_kpool_compress_gate.fill_(1.0)
 
     @torch.no_grad()
     def forward(self, x_BQH: torch.Tensor, q_resid_BQR: torch.Tensor, ctx: SeqContext) -> torch.Tensor:
@@ -183,9 +190,9 @@ class Indexer(nn.Module):
         for s in range(0, Q, chunk):
             e = min(s + chunk, Q)
             q_cID = self.wq_b(q_resid_QR[s:e]).view(e - s, I, Di)
-            sel_cK, ok_cK = indexer_scoring.select_pools(
-                q_cID, w_QI[s:e], keys_PD, pool_end_P, pool_doc_P, q_pos_Q[s:e], q_doc_Q[s:e],
-                self.index_topk // kp, self.softmax_scale, query_chunk=e - s)
+            sel_cK, ok_cK = dispatch.call(
+                "indexer_topk", q_cID, w_QI[s:e], keys_PD, pool_end_P, pool_doc_P, q_pos_Q[s:e], q_doc_Q[s:e],
+                self.index_topk // kp, self.softmax_scale, query_chunk=e - s, layer=self.layer)
             out_QW[s:e, :width] = tok_Pk[sel_cK].masked_fill_(~ok_cK[..., None], -1).flatten(1)
         if self.select_tail and kp > 1:
             # the query's own incomplete pool: the last (pos + 1) % kp tokens up to and including it

@@ -1,4 +1,4 @@
-"""Chunked scoring for the DSA lightning indexer: pick the top pools per query, a block of queries at a time.
+"""Op ``indexer_topk``: the DSA lightning indexer's scoring, the top pools per query, a block of queries at a time.
 
 Shapes: Q queries (this rank's), P pooled keys (complete k-pools of the whole sequence), I indexer
 heads, D indexer head dim, K pools selected per query, c = query_chunk.
@@ -15,16 +15,18 @@ scored against that causal prefix of the pools only (at least ``K`` of them): th
 about half the work over a sequence. The selected pools of each query are returned in ascending
 order, so the selection does not depend on how queries are chunked or sharded.
 
-The chunk is, in order: the ``query_chunk`` argument (the DSA indexer passes its module attribute,
-which the memory plan sets), ``QUERY_CHUNK`` when set, else as many rows as fit ``SCORING_BUDGET_BYTES``
-by ``indexer_scoring_bytes``: the scoring is bounded even when no plan was applied.
+The chunk is the ``query_chunk`` argument (the DSA indexer passes its ``query_chunk``, which the family's
+``parallelize`` sets from the memory plan), else as many rows as fit ``SCORING_BUDGET_BYTES`` by
+``indexer_scoring_bytes``: the scoring is bounded even when no plan was applied. Its reference
+implementation is ``torch_fp32`` (below); fast ones register against the same op and contract.
 """
 
 from __future__ import annotations
 
 import torch
 
-QUERY_CHUNK: int | None = None  # rows per scoring chunk (None: from SCORING_BUDGET_BYTES)
+from megaseq.ops import dispatch
+
 SCORING_BUDGET_BYTES: int = 2 << 30  # the reference system's bound on one scoring chunk
 
 
@@ -44,13 +46,12 @@ def indexer_scoring_bytes(query_chunk: int, num_pools: int, num_heads: int, num_
 def resolve_query_chunk(query_chunk: int | None, num_pools: int, num_heads: int, num_select: int) -> int:
     """The scoring chunk in rows (see the module docstring for the order of precedence)."""
     if query_chunk is None:
-        query_chunk = QUERY_CHUNK
-    if query_chunk is None:
         one = indexer_scoring_bytes(1, max(num_pools, 1), num_heads, num_select)
         query_chunk = SCORING_BUDGET_BYTES // one
     return max(1, int(query_chunk))
 
 
+@dispatch.register("indexer_topk", "torch_fp32", reference=True)
 @torch.no_grad()
 @torch.autocast("cuda", enabled=False)
 @torch.autocast("cpu", enabled=False)

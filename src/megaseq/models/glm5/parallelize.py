@@ -1,0 +1,48 @@
+"""``parallelize(model, settings, env)``: GLM-5.3-Flash's memory schemes applied from outside the model.
+
+The one module of the family that may import ``megaseq.memory`` and ``megaseq.parallel`` (import-linter
+keeps the rest of ``models`` from it). It knows the family's layers, so nothing here probes attributes:
+
+- ``tiled_mlp``: every layer's token-separable parts (the mHC maps, norms, merges and the MLP/MoE) in tiles
+  (``memory.tiling.tile_layer`` over ``Glm5DecoderLayer.parts()``): only the token mixer sees the whole
+  sequence; tiling the MLP inside it again would run the MoE forward three times;
+- ``indexer_query_chunk``: every full DSA indexer's scoring chunk;
+- ``kda_segment_tokens``: every KDA mixer in segments (``memory.kda_segments.segment``);
+- ``model_segment_tokens``: checked here, run by the trainer's step;
+- ``recompute`` (+ ``checkpoint_offload``): every layer recomputed, SCO offloading its input.
+
+Context parallelism reaches the blocks through the ``SeqContext`` the environment builds per batch
+(``parallel.env``), so with one rank ``env`` may be None. Applying again replaces the previous schemes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from megaseq.config import MemorySettings
+from megaseq.memory import apply, kda_segments, tiling
+from megaseq.memory.apply import AppliedMemory
+from megaseq.models.glm5.model import Glm5Model
+
+
+def parallelize(model: Glm5Model, settings: MemorySettings, env: Any = None) -> AppliedMemory:
+    """Install ``settings``' schemes on ``model`` in place; returns what was applied (release it at the end)."""
+    layers = list(model.layers)
+    done = apply.begin(layers, settings)
+    tile = settings.mlp_tile_tokens if settings.tiled_mlp else None
+    segment = settings.kda_segment_tokens or None
+    for i, layer in enumerate(layers):
+        tiling.tile_layer(layer, tile)
+        tiling.disable_tiling(layer.mlp)  # the layer's tiles cover it: tiling it inside again reruns the MoE
+        if tile is not None:
+            done.tiled.append(f"layers.{i}")
+        mixer = layer.self_attn
+        if layer.layer_type == "dsa" and mixer.indexer is not None:
+            mixer.indexer.query_chunk = settings.indexer_query_chunk
+            done.query_chunked.append(f"layers.{i}.self_attn.indexer")
+        if layer.layer_type == "kda":
+            kda_segments.segment(mixer, segment)
+            done.kda_segmented = segment or 0
+    apply.check_segments(model.spec.family, settings, done, apply.env_cp(env))
+    apply.recompute_layers(layers, settings, done)
+    return done

@@ -1,0 +1,65 @@
+"""The model families megaseq builds: one explicit registry, and what each family declares about itself.
+
+A family is one package ``megaseq.models.<pkg>`` holding
+
+- ``spec.py``                (torch-free) ``FAMILY``, ``from_hf(config.json dict) -> ModelSpec``,
+                             ``to_hf(spec) -> dict`` and ``PRESETS``;
+- ``model.py``               the CausalLM (on ``models.common.decoder.CausalLM``) and
+                             ``FP32_PARAM_SUFFIXES``;
+- ``state_dict_adapter.py``  ``ADAPTER``: HF checkpoint keys <-> megaseq names;
+- ``parallelize.py``         ``parallelize(model, settings, env)``: memory schemes (and later sharding,
+                             expert parallelism, adapters) applied from outside the model.
+
+Adding a family is adding one package and one line to ``FAMILY_PACKAGES``. Everything else (the
+planner, the trainer, checkpoint I/O) asks the family through this module, never by its name. Torch-free:
+the planner reads it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from types import ModuleType
+
+# ModelSpec.family -> the family's package (explicit: no import-time scanning)
+FAMILY_PACKAGES: dict[str, str] = {
+    "glm5_next": "megaseq.models.glm5",
+    "qwen3_moe": "megaseq.models.qwen3_moe",
+}
+
+
+@dataclass(frozen=True)
+class Family:
+    """What a family is and which schemes its blocks support (read by the planner and the trainer)."""
+
+    name: str  # ModelSpec.family
+    hf_model_types: tuple[str, ...]  # config.json model_type values it reads (the text part included)
+    layer_kinds: tuple[str, ...]  # token mixers it builds (spec.LAYER_KINDS)
+    segmentable: bool  # every token mixer carries its state through SeqContext: sequence segments can run it
+    tiles_whole_layer: bool  # the layer tiles all its token-separable parts (else only the MLP/MoE)
+
+
+def family_module(family: str, part: str) -> ModuleType:
+    """``megaseq.models.<pkg>.<part>`` of a family (``spec``, ``model``, ``state_dict_adapter``,
+    ``parallelize``); a ValueError naming the known families otherwise."""
+    if family not in FAMILY_PACKAGES:
+        raise ValueError(f"model family {family!r} is not supported; supported: {', '.join(FAMILY_PACKAGES)}")
+    return importlib.import_module(f"{FAMILY_PACKAGES[family]}.{part}")
+
+
+def family(name: str) -> Family:
+    """The ``Family`` declaration of ``ModelSpec.family`` ``name``."""
+    return family_module(name, "spec").FAMILY
+
+
+def family_for_model_type(model_type: str | None) -> Family | None:
+    """The family that reads a config.json of this ``model_type`` (None: none does)."""
+    for name in FAMILY_PACKAGES:
+        fam = family(name)
+        if model_type in fam.hf_model_types:
+            return fam
+    return None
+
+
+def hf_model_types() -> list[str]:
+    return sorted(t for name in FAMILY_PACKAGES for t in family(name).hf_model_types)
