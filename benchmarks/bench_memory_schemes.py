@@ -48,7 +48,7 @@ from megaseq.memory.vocab_loss import (
 from megaseq.models.common.mlp import MLP
 from megaseq.models.common.moe import FP32_PARAM_SUFFIXES, MoE
 from megaseq.models.common.norm import RMSNorm
-from megaseq.models.presets import glm5_flash_1gpu, glm5_flash_tiny
+from megaseq.models.glm5.spec import glm5_flash_1gpu, glm5_flash_tiny
 
 GIB = 2**30
 FULL = dict(vocab=(32768, 4096, 154880, 8192), long=(131072, 1048576), moe_tokens=131072, moe_tile=16384,

@@ -40,12 +40,13 @@ from typing import Any
 
 import torch
 
-from megaseq.models.common.kda import causal_conv_reference, kda_reference
-from megaseq.models.common.mla_dsa import sparse_mla_reference
+from megaseq.memory.tiling import tile_layer
 from megaseq.models.build import build_model
 from megaseq.models.common.context import SeqContext
+from megaseq.models.common.kda import causal_conv_reference, kda_reference
+from megaseq.models.common.mla_dsa import sparse_mla_reference
 from megaseq.models.glm5.model import Glm5DecoderLayer, Glm5Model
-from megaseq.models.presets import glm5_flash_1gpu, glm5_flash_tiny
+from megaseq.models.glm5.spec import glm5_flash_1gpu, glm5_flash_tiny
 from megaseq.ops import dispatch, fla_kda, sparse_mla
 
 GIB = 2**30
@@ -167,7 +168,7 @@ def _layer(spec, idx: int, dev: torch.device, tile: int) -> Glm5DecoderLayer:
     with torch.device(dev):
         layer = Glm5DecoderLayer(spec, idx)
     Glm5Model.reset_parameters(layer)  # HF init, applied to this layer's modules only
-    layer.token_tile = tile
+    tile_layer(layer, tile)
     return layer
 
 

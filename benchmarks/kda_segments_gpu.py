@@ -21,10 +21,11 @@ from pathlib import Path
 
 import torch
 
-from megaseq.models.common.kda import KimiDeltaAttention
+from megaseq.memory.kda_segments import segment
 from megaseq.models.common.context import SeqContext
+from megaseq.models.common.kda import KimiDeltaAttention
 from megaseq.models.glm5.model import Glm5Model
-from megaseq.models.presets import glm5_flash_1gpu, glm5_flash_tiny
+from megaseq.models.glm5.spec import glm5_flash_1gpu, glm5_flash_tiny
 
 GIB = 2**30
 
@@ -63,9 +64,9 @@ def main() -> int:
     x = torch.randn(1, S, spec.hidden_size, device=dev, generator=g)
     w = torch.randn(1, S, spec.hidden_size, device=dev, generator=g)
     ac = dev.type == "cuda"
-    layer.segment_tokens = None
+    segment(layer, None)
     plain = _run(layer, x, w, dev, ac)
-    layer.segment_tokens = T
+    segment(layer, T)
     seg = _run(layer, x, w, dev, ac)
     errs = {"out": _rel(seg[0], plain[0]), "grad_x": _rel(seg[1], plain[1])}
     errs.update({f"grad_{n}": _rel(seg[2][n], plain[2][n]) for n in plain[2]})
@@ -84,7 +85,7 @@ def main() -> int:
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated() if ac else 0
-            layer.segment_tokens = t
+            segment(layer, t)
             t0 = time.perf_counter()
             try:
                 _run(layer, x, w.float() if not ac else w, dev, ac)

@@ -24,7 +24,7 @@ import torch
 from megaseq.memory.model_segments import segmented_loss_backward
 from megaseq.memory.vocab_loss import linear_cross_entropy
 from megaseq.models.build import build_model
-from megaseq.models.presets import glm5_flash_1gpu, glm5_flash_tiny
+from megaseq.models.glm5.spec import glm5_flash_1gpu, glm5_flash_tiny
 
 GIB = 2**30
 

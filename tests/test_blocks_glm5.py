@@ -12,8 +12,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megaseq.ops import indexer_scoring
+from megaseq.models.build import build_model
 from megaseq.models.common import mla_dsa
+from megaseq.models.common.context import SeqContext
 from megaseq.models.common.kda import (
     ForgetGate,
     causal_conv_reference,
@@ -22,9 +23,8 @@ from megaseq.models.common.kda import (
 )
 from megaseq.models.common.mhc import HyperConnection
 from megaseq.models.common.mla_dsa import Indexer, MLASparseAttention, sparse_attention_reference
-from megaseq.models.build import build_model
-from megaseq.models.common.context import SeqContext
 from megaseq.models.spec import from_hf_config
+from megaseq.ops import indexer_scoring
 
 pytest.importorskip("transformers")
 from test_glm5_parity import hf_glm5_module, make_config, randomize_, rel_err  # noqa: E402
@@ -138,13 +138,9 @@ def test_indexer_selects_the_same_keys_as_hf(tail):
 def test_chunked_scoring_gives_identical_indices():
     _, ours, x, q_resid = _indexer_pair(6)
     full = ours(x, q_resid, SeqContext())
-    default = indexer_scoring.QUERY_CHUNK
-    try:
-        for chunk in (1, 7):
-            indexer_scoring.QUERY_CHUNK = chunk
-            assert torch.equal(ours(x, q_resid, SeqContext()), full)
-    finally:
-        indexer_scoring.QUERY_CHUNK = default
+    for chunk in (1, 7):
+        ours.query_chunk = chunk  # what the family's parallelize sets from the plan
+        assert torch.equal(ours(x, q_resid, SeqContext()), full)
     one = indexer_scoring.indexer_scoring_bytes(1, 4096, 32, 128)
     assert indexer_scoring.indexer_scoring_bytes(256, 4096, 32, 128) == 256 * one
     assert one >= 4096 * 32 * 4  # at least one query's head scores

@@ -6,13 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megaseq.ops import indexer_scoring
 from megaseq.models.common import mla_dsa
+from megaseq.models.common.context import SeqContext
 from megaseq.models.common.kda import causal_conv_reference, kda_reference
 from megaseq.models.common.mla_dsa import MLASparseAttention, sparse_mla_reference
-from megaseq.models.common.context import SeqContext
 from megaseq.models.presets import get_preset
-from megaseq.ops import dispatch, fla_kda, sparse_mla
+from megaseq.ops import dispatch, fla_kda, indexer_scoring, sparse_mla
 
 torch.set_num_threads(1)
 F64 = torch.float64
@@ -210,14 +209,13 @@ def test_indexer_query_chunk_attribute_bounds_scoring(monkeypatch):
     whole = layer.indexer(x, q_resid, SeqContext())
     sizes = []
     real = indexer_scoring.select_pools
-    monkeypatch.setattr(indexer_scoring, "select_pools", lambda q, *a, **k: sizes.append(len(q)) or real(q, *a, **k))
-    layer.indexer.query_chunk = 9  # what apply_memory_plan sets
-    assert torch.equal(layer.indexer(x, q_resid, SeqContext()), whole)
+    layer.indexer.query_chunk = 9  # what the family's parallelize sets from the plan
+    with dispatch.override("indexer_topk", "torch_fp32", lambda q, *a, **k: sizes.append(len(q)) or real(q, *a, **k)):
+        assert torch.equal(layer.indexer(x, q_resid, SeqContext()), whole)
     assert max(sizes) == 9 and sum(sizes) == 61
 
 
 def test_default_scoring_chunk_is_bounded(monkeypatch):
-    monkeypatch.setattr(indexer_scoring, "QUERY_CHUNK", None)
     P, I, K = (1 << 20) // 16, 32, 128  # 1M tokens, 16-token pools
     chunk = indexer_scoring.resolve_query_chunk(None, P, I, K)
     assert 1 <= chunk and indexer_scoring.indexer_scoring_bytes(chunk, P, I, K) <= indexer_scoring.SCORING_BUDGET_BYTES

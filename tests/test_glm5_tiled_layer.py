@@ -1,4 +1,5 @@
-"""GLM-5.3-Flash layers with ``token_tile``: the token-separable parts run in tiles with recompute, and
+"""GLM-5.3-Flash layers tiled (``memory.tiling.tile_layer``): the token-separable parts run in tiles with
+recompute, and
 the result equals the untiled layer (float64, CPU): outputs, the input gradient, every parameter
 gradient, the MoE load counts, the DSA selection handed to a shared layer."""
 
@@ -7,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megaseq.memory.tiling import tile_layer, token_tiled
 from megaseq.models.build import build_model
 from megaseq.models.common.context import SeqContext, positions_from_doc_ids
-from megaseq.models.glm5.model import token_tiled
 from megaseq.models.spec import from_hf_config
 
 pytest.importorskip("transformers")
@@ -28,7 +29,7 @@ def _model(mlp: str, seed: int = 0):
 
 def _run(model, ids, doc_ids, w, tile):
     for layer in model.layers:
-        layer.token_tile = tile
+        tile_layer(layer, tile)
     model.zero_grad(set_to_none=True)
     ctx = SeqContext(doc_ids=doc_ids, position_ids=positions_from_doc_ids(doc_ids))
     hidden = model.embed(ids)
@@ -69,7 +70,7 @@ def test_tiled_layer_input_grad_and_no_grad_path():
     w = torch.randn(h.shape, generator=gen, dtype=F64)
     outs = {}
     for tile in (None, 5, 64):
-        layer.token_tile = tile
+        tile_layer(layer, tile)
         out = layer(h, SeqContext())
         outs[tile] = (out, torch.autograd.grad((out * w).sum(), h)[0])
         with torch.no_grad():
@@ -77,9 +78,8 @@ def test_tiled_layer_input_grad_and_no_grad_path():
     for tile in (5, 64):
         assert rel_err(outs[tile][0], outs[None][0]) < 1e-12
         assert rel_err(outs[tile][1], outs[None][1]) < 1e-12
-    layer.token_tile = 0
-    with pytest.raises(ValueError, match="token_tile"):
-        layer(h, SeqContext())
+    with pytest.raises(ValueError, match="mlp_tile_tokens"):  # refused when applied, before any forward
+        tile_layer(layer, 0)
 
 
 def test_recompute_keeps_the_forward_autocast():
@@ -93,7 +93,7 @@ def test_recompute_keeps_the_forward_autocast():
     w = torch.randn(h.shape, generator=gen)
     grads = []
     for tile in (None, 64):
-        layer.token_tile = tile
+        tile_layer(layer, tile)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             out = layer(h, SeqContext())
         grads.append(torch.autograd.grad((out.float() * w).sum(), [h, *layer.parameters()], allow_unused=True))

@@ -10,9 +10,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from megaseq.models.hf_io import export_hf_checkpoint, load_hf_checkpoint
 from megaseq.models.qwen3_moe.model import Qwen3MoeModel
-from megaseq.models.hf_io import export_hf_checkpoint, load_hf_checkpoint, spec_to_hf_config
 from megaseq.models.spec import from_hf_config
+from megaseq.models.spec import to_hf_config as spec_to_hf_config
 
 transformers = pytest.importorskip("transformers")
 from test_moe import promote_hf_routers_  # noqa: E402

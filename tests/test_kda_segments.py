@@ -8,18 +8,14 @@ import copy
 import pytest
 import torch
 
-from megaseq.memory.kda_segments import (
-    SegmentedKDA,
-    enable_kda_segments,
-    segment_bounds,
-    segmented_kda,
-    segmented_saved_bytes,
-)
-from megaseq.models.common import kda as kda_block
-from megaseq.models.common.kda import KimiDeltaAttention, kda_reference
+from megaseq.memory import kda_segments as kda_seg
+from megaseq.memory.kda_segments import segment, segment_bounds, segment_tokens_of, segmented_kda
 from megaseq.models.common.context import SeqContext
-from megaseq.models.presets import glm5_flash_tiny
+from megaseq.models.common.kda import KimiDeltaAttention, kda_reference
+from megaseq.models.glm5.spec import glm5_flash_tiny
 from megaseq.ops import fla_kda
+from megaseq.plan import layers as LY
+from megaseq.plan.components import precision_for
 
 torch.set_num_threads(1)
 F64 = torch.float64
@@ -30,11 +26,14 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-300)).item()
 
 
+def block_spec(lower_bound: float | None = -5.0, conv_kernel: int = K):
+    return glm5_flash_tiny().replace(hidden_size=HID, linear_num_heads=HH, linear_head_dim=D,
+                                     linear_conv_kernel=conv_kernel, linear_lower_bound=lower_bound)
+
+
 def make_kda(lower_bound: float | None = -5.0, seed: int = 0, conv_kernel: int = K) -> KimiDeltaAttention:
     """A tiny GLM-5 KDA block in float64, every parameter random (slow decay: long memory is exercised)."""
-    spec = glm5_flash_tiny().replace(hidden_size=HID, linear_num_heads=HH, linear_head_dim=D,
-                                     linear_conv_kernel=conv_kernel, linear_lower_bound=lower_bound)
-    block = KimiDeltaAttention(spec).double()
+    block = KimiDeltaAttention(block_spec(lower_bound, conv_kernel)).double()
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in block.named_parameters():
@@ -84,7 +83,7 @@ def test_segmented_matches_plain(T, lower_bound):
     ref = _run(block, x, w)
     for n, g in ref[2].items():
         assert g.abs().max() > 0, f"{n}: zero gradient in the plain run, the test would not see it"
-    block.segment_tokens = T
+    segment(block, T)
     seg = _run(block, x, w)
     assert _worst(seg, ref) < 1e-12
 
@@ -95,7 +94,7 @@ def test_segmented_matches_plain_other_conv_kernels(conv_kernel):
     block = make_kda(conv_kernel=conv_kernel, seed=3)
     x, w = _inputs(seed=4)
     ref = _run(block, x, w)
-    block.segment_tokens = 3
+    segment(block, 3)
     assert _worst(_run(block, x, w), ref) < 1e-12
 
 
@@ -103,13 +102,13 @@ def test_routes_only_when_longer_and_off_is_plain(monkeypatch):
     block = make_kda()
     x, w = _inputs()
     calls = []
-    monkeypatch.setattr(kda_block, "segmented_kda", lambda *a: calls.append(1) or segmented_kda(*a))
+    monkeypatch.setattr(kda_seg, "segmented_kda", lambda *a: calls.append(1) or segmented_kda(*a))
     ref = _run(block, x, w)
-    block.segment_tokens = S  # not longer: the plain path
+    segment(block, S)  # not longer: the plain path
     same = _run(block, x, w)
     assert not calls
     assert torch.equal(same[0], ref[0]) and torch.equal(same[1], ref[1])
-    block.segment_tokens = S - 1
+    segment(block, S - 1)
     _run(block, x, w)
     assert calls
 
@@ -119,15 +118,15 @@ def test_no_grad_forward_and_params_only():
     x, w = _inputs(seed=6)
     with torch.no_grad():
         ref = block(x, SeqContext())
-        block.segment_tokens = 6
+        segment(block, 6)
         out = block(x, SeqContext())
     assert _rel(out, ref) < 1e-12
     # the input does not require grad: parameter gradients only
-    block.segment_tokens = None
+    segment(block, None)
     block.zero_grad(set_to_none=True)
     (block(x, SeqContext()) * w).sum().backward()
     ref_p = {n: p.grad.clone() for n, p in block.named_parameters()}
-    block.segment_tokens = 6
+    segment(block, 6)
     block.zero_grad(set_to_none=True)
     (block(x, SeqContext()) * w).sum().backward()
     for n, p in block.named_parameters():
@@ -142,20 +141,22 @@ def test_input_grad_only():
     xg = x.clone().requires_grad_(True)
     (block(xg, SeqContext()) * w).sum().backward()
     ref = xg.grad
-    block.segment_tokens = 4
+    segment(block, 4)
     xg = x.clone().requires_grad_(True)
     (block(xg, SeqContext()) * w).sum().backward()
     assert _rel(xg.grad, ref) < 1e-12
 
 
-def test_enable_kda_segments_sets_every_kda_module():
+def test_segment_installs_and_removes_on_each_kda_module():
+    """``segment`` (what glm5's parallelize applies to every KDA mixer) installs, resizes and removes."""
     model = torch.nn.ModuleList([make_kda(), torch.nn.Linear(2, 2), make_kda(seed=2)])
-    assert enable_kda_segments(model, 7) == 2
-    assert [getattr(m, "segment_tokens", "-") for m in model] == [7, "-", 7]
-    assert enable_kda_segments(model, None) == 2
-    assert model[0].segment_tokens is None
+    for m in (model[0], model[2]):
+        segment(m, 7)
+    assert [segment_tokens_of(m) for m in model] == [7, None, 7]
+    segment(model[0], None)
+    assert segment_tokens_of(model[0]) is None and "forward" not in model[0].__dict__
     with pytest.raises(ValueError, match="memory.kda_segment_tokens"):
-        enable_kda_segments(model, 0)
+        segment(model[2], 0)
 
 
 def test_backward_reenters_autocast(monkeypatch):
@@ -169,7 +170,7 @@ def test_backward_reenters_autocast(monkeypatch):
         return real(self, x, halo, state)
 
     monkeypatch.setattr(KimiDeltaAttention, "segment_step", spy)
-    block.segment_tokens = 16
+    segment(block, 16)
     x = torch.randn(1, 40, HID, requires_grad=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = block(x, SeqContext())
@@ -187,7 +188,7 @@ def test_state_carry_is_exercised(monkeypatch):
     real = KimiDeltaAttention.segment_step
     monkeypatch.setattr(KimiDeltaAttention, "segment_step",
                         lambda self, x, halo, state=None: real(self, x, halo, None))  # zero state per segment
-    block.segment_tokens = 8
+    segment(block, 8)
     broken = _run(block, x, w)
     assert _rel(broken[0][:, :8], ref[0][:, :8]) < 1e-12  # the first segment does not need a carry
     assert _rel(broken[0][:, 8:], ref[0][:, 8:]) > 1e-3
@@ -204,7 +205,7 @@ def test_conv_halo_is_exercised(monkeypatch):
         return real(self, x[:, halo:], 0, state)
 
     monkeypatch.setattr(KimiDeltaAttention, "segment_step", no_halo)
-    block.segment_tokens = 8
+    segment(block, 8)
     broken = _run(block, x, w)
     assert _rel(broken[0][:, 8:], ref[0][:, 8:]) > 1e-3
 
@@ -281,7 +282,7 @@ def test_fla_supports_accepts_the_state_keywords():
 def test_saves_only_input_and_states():
     block = make_kda()
     T = 8
-    block.segment_tokens = T
+    segment(block, T)
     x = torch.randn(B, S, HID, dtype=F64, requires_grad=True)
     saved = []
 
@@ -292,16 +293,17 @@ def test_saves_only_input_and_states():
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = block(x, SeqContext())
     n = len(segment_bounds(S, T))
-    assert out.grad_fn is not None and "SegmentedKDA" in type(out.grad_fn).__name__
+    assert out.grad_fn is not None and "_ReplayFn" in type(out.grad_fn).__name__  # the replay engine's Function
     assert len(saved) == 2
     assert saved[0] is x  # the tensor passed in, not a copy
     assert saved[1].shape == (n, B, HH, D, D) and saved[1].dtype == F64
     nbytes = sum(t.numel() * t.element_size() for t in saved)
     assert nbytes == x.numel() * 8 + n * B * HH * D * D * 8
-    assert nbytes == segmented_saved_bytes(B, S, HID, HH, D, D, T, x_bytes=8, state_bytes=8)
+    spec = block_spec()  # the planner's one formula (plan/layers.kda_segmented) for what was saved
+    assert nbytes == sum(LY.kda_segmented(spec, B * S, B, T, 8, precision_for("fp64"))[0].values())
     assert torch.count_nonzero(saved[1][0]) == 0 and torch.count_nonzero(saved[1][1:]) > 0
     # vs the plain layer, which saves many sequence-sized tensors
-    block.segment_tokens = None
+    segment(block, None)
     plain = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: plain.append(t) or t, lambda t: t):
         block(x, SeqContext())
@@ -315,7 +317,7 @@ def test_function_directly(T):
     x, w = _inputs(seed=10)
     ref = _run(block, x, w)
     xg = x.clone().requires_grad_(True)
-    out = SegmentedKDA.apply(block, T, xg, *block.parameters())
+    out = segmented_kda(block, xg, SeqContext(), T)
     assert _rel(out, ref[0]) < 1e-12
     gx = torch.autograd.grad((out * w).sum(), xg)[0]
     assert _rel(gx, ref[1]) < 1e-12
@@ -325,7 +327,7 @@ def test_function_directly(T):
 def test_errors_name_the_setting():
     block = make_kda()
     x = torch.randn(B, S, HID, dtype=F64)
-    block.segment_tokens = 8
+    segment(block, 8)
     docs = torch.tensor([[0] * 20 + [1] * (S - 20)] * B)
     with pytest.raises(ValueError, match="memory.kda_segment_tokens.*document"):
         block(x, SeqContext(doc_ids=docs))
@@ -333,16 +335,15 @@ def test_errors_name_the_setting():
         block(x, SeqContext(cp_size=3))
     with pytest.raises(ValueError, match="memory.kda_segment_tokens.*cp=2"):
         segmented_kda(block, x, SeqContext(cp_size=2), 8)
-    for bad in (0, -3):
-        block.segment_tokens = bad
+    for bad in (0, -3):  # refused when applied, before any forward
         with pytest.raises(ValueError, match="memory.kda_segment_tokens must be >= 1"):
-            block(x, SeqContext())
-    block.segment_tokens = 40  # not segmented: documents run the plain path
+            segment(block, bad)
+    segment(block, 40)  # not segmented: documents run the plain path
     assert block(x, SeqContext(doc_ids=docs)).shape == (B, S, HID)
 
 
 def test_dataclass_copy_keeps_attribute():
     block = make_kda()
-    block.segment_tokens = 5
-    assert copy.deepcopy(block).segment_tokens == 5
-    assert "segment_tokens" not in block.state_dict()
+    segment(block, 5)
+    assert segment_tokens_of(copy.deepcopy(block)) == 5
+    assert not any("segment" in k for k in block.state_dict())

@@ -1,4 +1,4 @@
-"""apply_memory_plan on the real GLM-5.3-Flash and Qwen3-MoE blocks: every scheme at once vs plain.
+"""A family's parallelize on the real GLM-5.3-Flash and Qwen3-MoE blocks: every scheme at once vs plain.
 
 A 12-layer GLM model has DSA layers 3 (full indexer), 7 (shared: reuses layer 3's selection) and 11
 (full), so during backward ``ctx.carry`` holds layer 11's selection when layer 7 is recomputed: the
@@ -12,12 +12,15 @@ import copy
 import pytest
 import torch
 
-from megaseq.ops import indexer_scoring
-from megaseq.memory.apply import MemoryPlan, apply_memory_plan, loss_fn, make_optimizer
+from megaseq.config import MemorySettings as MemoryPlan
+from megaseq.memory.apply import loss_fn, make_optimizer
+from megaseq.memory.kda_segments import segment_tokens_of
 from megaseq.memory.offload import boundary_bytes, round_up
 from megaseq.memory.offload_adam import OffloadStreamAdamW
 from megaseq.models.build import build_model
-from megaseq.models.presets import _glm5_pattern, glm5_flash_tiny, qwen3_moe_tiny
+from megaseq.models.glm5.spec import _glm5_pattern, glm5_flash_tiny
+from megaseq.models.qwen3_moe.spec import qwen3_moe_tiny
+from megaseq.models.registry import parallelize as apply_memory_plan
 
 torch.set_num_threads(1)
 S = 53
@@ -68,10 +71,7 @@ def test_every_scheme_at_once_matches_plain(make_spec):
                       indexer_query_chunk=7, recompute=True, checkpoint_offload=True,
                       offload_host_budget=5 * round_up(boundary_bytes(2 * S, spec.hidden_size, hc, 8)))
     done = apply_memory_plan(model, plan)
-    try:
-        got = _step(model, plan)
-    finally:
-        indexer_scoring.QUERY_CHUNK = 1 << 40
+    got = _step(model, plan)
     assert done.checkpointed == spec.num_layers and len(done.tiled) == spec.num_layers
     assert done.offloader.num_offloaded == min(5, spec.num_layers)
     torch.testing.assert_close(got[0], ref[0], **TOL)
@@ -96,11 +96,13 @@ def test_reapplying_replaces_the_plan():
 
 def test_plan_validation_and_from_dict():
     with pytest.raises(ValueError, match="memory.recompute"):
-        MemoryPlan(checkpoint_offload=True)
+        MemoryPlan(checkpoint_offload=True).check_combination()  # (run as given: checked when applied)
     with pytest.raises(ValueError, match="memory.mlp_tile_tokens"):
         MemoryPlan(mlp_tile_tokens=0)
-    plan = MemoryPlan.from_dict({"tiled_mlp": True, "mlp_tile_tokens": 512, "gpu_budget": "auto"})
+    plan = MemoryPlan.from_dict({"tiled_mlp": True, "mlp_tile_tokens": 512})
     assert plan.tiled_mlp and plan.mlp_tile_tokens == 512
+    with pytest.raises(ValueError, match="gpu_budget"):  # an unknown key is refused, never dropped
+        MemoryPlan.from_dict({"tiled_mlp": True, "gpu_budget": "auto"})
     with pytest.raises(ValueError, match="layers"):
         apply_memory_plan(torch.nn.Linear(2, 2), plan)
 
@@ -130,16 +132,13 @@ def test_every_scheme_with_kda_segments_matches_plain():
     plan = MemoryPlan(chunked_loss=True, loss_chunk_tokens=13, tiled_mlp=True, mlp_tile_tokens=10,
                       indexer_query_chunk=7, recompute=True, kda_segment_tokens=11)
     done = apply_memory_plan(model, plan)
-    try:
-        got = step(model, plan)
-    finally:
-        indexer_scoring.QUERY_CHUNK = 1 << 40
+    got = step(model, plan)
     assert done.kda_segmented == 11
-    assert all(layer.self_attn.segment_tokens == 11 for layer in model.layers if layer.layer_type == "kda")
+    assert all(segment_tokens_of(layer.self_attn) == 11 for layer in model.layers if layer.layer_type == "kda")
     torch.testing.assert_close(got[0], ref[0], **TOL)
     for name in ref[1]:
         torch.testing.assert_close(got[1][name], ref[1][name], **TOL, msg=lambda m, n=name: f"{n}: {m}")
     apply_memory_plan(model, MemoryPlan())
-    assert all(getattr(layer.self_attn, "segment_tokens", None) is None for layer in model.layers)
+    assert all(segment_tokens_of(layer.self_attn) is None for layer in model.layers)
     with pytest.raises(ValueError, match="memory.kda_segment_tokens"):
         MemoryPlan(kda_segment_tokens=-1)

@@ -11,7 +11,7 @@ from torch import nn
 from megaseq.memory.tiling import TiledModule, disable_tiling, enable_tiling, tiled_forward
 from megaseq.models.common.mlp import MLP
 from megaseq.models.common.moe import MoE
-from megaseq.models.presets import glm5_flash_tiny
+from megaseq.models.glm5.spec import glm5_flash_tiny
 
 torch.set_num_threads(1)
 TOL = {"rtol": 1e-12, "atol": 1e-12}

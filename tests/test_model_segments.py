@@ -157,7 +157,7 @@ def test_segments_in_bf16_are_as_close_to_fp32_as_the_plain_step():
     """Under bf16 autocast the segmented and the plain step round differently (their gradients differ by
     a few percent on a random model, as the GPU run shows); what matters is that neither is further from
     the fp32 step than the other: the carried state adds no error of its own."""
-    from megaseq.models.presets import glm5_flash_tiny
+    from megaseq.models.glm5.spec import glm5_flash_tiny
 
     spec = glm5_flash_tiny().replace(num_layers=4, layer_types=("kda", "kda", "kda", "dsa"),
                                      mlp_types=("dense", "moe", "moe", "moe"), indexer_types=("full",) * 4,

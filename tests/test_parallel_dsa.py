@@ -47,7 +47,7 @@ def test_mla_dsa_matches_one_process(dp, cp):
 
 
 def _indexer_worker(rank: int, cp: int, S: int) -> None:
-    from megaseq.ops import indexer_scoring
+    from megaseq.ops import dispatch, indexer_scoring
 
     torch.set_default_dtype(torch.float64)
     mesh = init_mesh(ParallelConfig(cp=cp, backend="gloo"), S)
@@ -63,8 +63,7 @@ def _indexer_worker(rank: int, cp: int, S: int) -> None:
         scored.append(q_QID.shape[0])
         return real(q_QID, *args, **kw)
 
-    indexer_scoring.select_pools = counting
-    with torch.no_grad():
+    with torch.no_grad(), dispatch.override("indexer_topk", "torch_fp32", counting):
         q_resid = layer.q_a_layernorm(layer.q_a_proj(x))
         ref = layer.indexer(x, q_resid, SeqContext(doc_ids=doc, position_ids=positions_from_doc_ids(doc)))
         assert scored == [S] * B

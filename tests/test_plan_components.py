@@ -182,12 +182,12 @@ def test_sequence_segment_terms_by_hand():
     and the DSA keys of the whole sequence; the caches are over the whole sequence; gradients are held."""
     from dataclasses import replace
 
-    from megaseq.plan.fixes import default_memory
+    from megaseq.plan.fixes import base_settings
     from megaseq.plan.phases import Run, evaluate, segment_store_bytes
 
     spec = small_spec()  # 3 KDA (2 heads x 3, conv 4, H 8) + 1 DSA (kv_lora 4, indexer dim 4)
     S, T = 1000, 256
-    base = dict(default_memory(None, S), indexer_query_chunk=64)
+    base = dict(base_settings(None, S).to_dict(), indexer_query_chunk=64)
     run = Run(spec=spec, seq_len=S, batch=1, mesh=Mesh(), model_dtype="bf16", memory=dict(base, model_segment_tokens=T),
               counts=C.count_params(spec))
     assert (run.segment, run.n, run.n_seq) == (256, 256, 1000)
@@ -202,7 +202,7 @@ def test_sequence_segment_terms_by_hand():
     assert store["segment DSA selections (kept)"] == 0  # not asked for
     for k, v in store.items():
         assert ev.breakdown.get(k, 0) == v
-    kept = segment_store_bytes(replace(run, memory=dict(run.memory, segment_keep_selection=True)))
+    kept = segment_store_bytes(replace(run, memory=run.memory.replace(segment_keep_selection=True)))
     assert kept["segment DSA selections (kept)"] == 1000 * 4 * (8 + 4 - 1)  # one full DSA layer, W = 11
     plain = evaluate(Run(spec=spec, seq_len=T, batch=1, mesh=Mesh(), model_dtype="bf16", memory=base,
                          counts=C.count_params(spec)))

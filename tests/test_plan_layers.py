@@ -152,12 +152,12 @@ def test_saved_set_matches_blocks(name, seq, autocast, block, kda_uncounted, mon
     autocast; DSA with one attention block and with several checkpointed blocks)."""
     import torch
 
-    from megaseq.models.common import mla_dsa
     from megaseq.models.build import build_model
+    from megaseq.models.common import mla_dsa
     from megaseq.models.presets import get_preset
     from megaseq.plan import components as C
+    from megaseq.plan.fixes import base_settings
     from megaseq.plan.phases import Run, layer_terms
-    from megaseq.plan.planner import default_memory
 
     if block:
         monkeypatch.setattr(mla_dsa, "ATTENTION_BLOCK_ELEMS", block)
@@ -167,7 +167,7 @@ def test_saved_set_matches_blocks(name, seq, autocast, block, kda_uncounted, mon
     shape = (1, seq, spec.hc_mult, spec.hidden_size) if spec.hc_mult > 1 else (1, seq, spec.hidden_size)
     h = torch.randn(*shape, requires_grad=True)
     run = Run(spec=spec, seq_len=seq, batch=1, mesh=Mesh(), model_dtype="bf16" if autocast else "fp32",
-              memory=default_memory(None, seq), counts=C.count_params(spec),
+              memory=base_settings(None, seq).to_dict(), counts=C.count_params(spec),
               # the CPU path: the reference sparse attention, and the torch conv (which keeps its output)
               cal=Calibration(attn_block_elems=block or 1 << 26, kda_conv_copies=2), sparse_impl="torch_masked")
     for i, layer in enumerate(model.layers):
@@ -182,30 +182,31 @@ def test_saved_set_matches_blocks(name, seq, autocast, block, kda_uncounted, mon
 
 
 def test_token_tiled_saved_set_matches_blocks(kda_uncounted):
-    """A token-tiled GLM-5 layer (``token_tile``, what ``tiled_mlp`` sets) keeps what the planner says:
+    """A token-tiled GLM-5 layer (``tile_layer``, what ``tiled_mlp`` applies) keeps what the planner says:
     its input, one set of mHC weights, the mixer's own saved set and the mixer output (fp32, CPU)."""
     import torch
 
+    from megaseq.memory.tiling import tile_layer
     from megaseq.models.build import build_model
     from megaseq.models.presets import get_preset
     from megaseq.plan import components as C
+    from megaseq.plan.fixes import base_settings
     from megaseq.plan.phases import Run, layer_terms
-    from megaseq.plan.planner import default_memory
 
     torch.manual_seed(0)
     spec, seq, tile = get_preset("glm5-flash-tiny"), 999, 128
     model = build_model(spec, dtype=torch.float32, seed=0)
     h = torch.randn(1, seq, spec.hc_mult, spec.hidden_size, requires_grad=True)
-    memory = dict(default_memory(None, seq), tiled_mlp=True, mlp_tile_tokens=tile)
+    memory = dict(base_settings(None, seq).to_dict(), tiled_mlp=True, mlp_tile_tokens=tile)
     cpu = Calibration(kda_conv_copies=2)  # the torch reference conv keeps its output too (fla's does not)
     run = Run(spec=spec, seq_len=seq, batch=1, mesh=Mesh(), model_dtype="fp32", memory=memory,
               counts=C.count_params(spec), sparse_impl="torch_masked", cal=cpu)
-    untiled = Run(spec=spec, seq_len=seq, batch=1, mesh=Mesh(), model_dtype="fp32",
-                  memory=default_memory(None, seq), counts=C.count_params(spec), sparse_impl="torch_masked", cal=cpu)
+    untiled = Run(spec=spec, seq_len=seq, batch=1, mesh=Mesh(), model_dtype="fp32", memory=base_settings(None, seq),
+                  counts=C.count_params(spec), sparse_impl="torch_masked", cal=cpu)
     for i, layer in enumerate(model.layers):
         if spec.layer_types[i] != "kda":
             continue
-        layer.token_tile = tile
+        tile_layer(layer, tile)
         terms = layer_terms(run, i)
         predicted = terms.saved - terms.attn.get("kda chunk state (q,k,v,g,A)", 0)
         measured = _measure_saved(layer, h, autocast=False)

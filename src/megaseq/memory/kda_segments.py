@@ -77,15 +77,15 @@ class _SegmentedForward:
     in segments (under sequence segments the mixer's own forward carries its state itself)."""
 
     def __init__(self, module: nn.Module, segment_tokens: int) -> None:
-        self.prior = module.__dict__.get("forward")
-        self.inner = self.prior or type(module).forward.__get__(module)
+        self.prior = module.__dict__.get("forward")  # an instance forward installed before is kept
         self.module_ref = module
         self.segment_tokens = segment_tokens
 
     def __call__(self, x_BSH: torch.Tensor, ctx: SeqContext) -> torch.Tensor:
+        m = self.module_ref
         if not ctx.segmented and x_BSH.shape[1] * ctx.cp_size > self.segment_tokens:
-            return segmented_kda(self.module_ref, x_BSH, ctx, self.segment_tokens)
-        return self.inner(x_BSH, ctx)
+            return segmented_kda(m, x_BSH, ctx, self.segment_tokens)
+        return self.prior(x_BSH, ctx) if self.prior is not None else type(m).forward(m, x_BSH, ctx)
 
 
 def segment(module: nn.Module, segment_tokens: int | None) -> nn.Module:

@@ -100,6 +100,19 @@ def configured(preferred: dict[str, list[str]] | None = None, planned: dict[str,
         _state.preferred, _state.planned, _state.strict = before
 
 
+@contextlib.contextmanager
+def override(op: str, name: str, fn: Callable[..., Any]) -> Iterator[Callable[..., Any]]:
+    """Run ``fn`` in place of implementation ``name`` of ``op`` for the duration (instrumentation and tests:
+    ``fn`` may wrap the original, which the context yields)."""
+    impl = _state.registry[op][name]
+    original = impl.fn
+    impl.fn = fn
+    try:
+        yield original
+    finally:
+        impl.fn = original
+
+
 def reset_records() -> None:
     with _lock:
         _state.records.clear()

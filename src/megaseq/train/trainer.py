@@ -143,14 +143,14 @@ def build_planned_model(cfg: Config, spec: Any, device: torch.device, memory: Me
     """The model with the plan's memory schemes applied by its family's ``parallelize``, and its planned
     optimizer and LR schedule: (model, what was applied (release it at the end), optimizer, scheduler)."""
     from megaseq.models.build import build_model
-    from megaseq.models.registry import family_module
+    from megaseq.models.registry import parallelize
 
     model = build_model(spec, dtype=dtypes(cfg, device)[0], device=device, seed=cfg.train.seed)
     if init_from:
         from megaseq.models.hf_io import load_hf_checkpoint
 
         load_hf_checkpoint(init_from, model=model, spec=spec)
-    applied = family_module(spec.family, "parallelize").parallelize(model, memory, env)
+    applied = parallelize(model, memory, env)
     optimizer, scheduler = build_optimizer(model, cfg.optim, total_steps, memory)
     return model, applied, optimizer, scheduler
 
