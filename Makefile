@@ -24,10 +24,12 @@ train: setup
 
 test: setup
 	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/lint-imports --no-cache
 	$(BIN)/python -m pytest -m "not gpu" --durations=15
 
 lint: setup
 	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/lint-imports --no-cache
 
 clean:
 	rm -rf $(VENV) runs
