@@ -37,18 +37,17 @@ from typing import Any
 
 import torch
 
-from megaseq.memory.offload import BoundaryOffloader, boundary_bytes, checkpoint_layers, sco_plan
-from megaseq.memory.offload_adam import OffloadStreamAdamW, SequentialOffloadAdamW, offload_adam_bytes
+from megaseq.memory.offload import BoundaryOffloader, checkpoint_layers
+from megaseq.memory.offload_adam import OffloadStreamAdamW, SequentialOffloadAdamW
 from megaseq.memory.tiling import enable_tiling
-from megaseq.memory.vocab_loss import (
-    chunked_linear_cross_entropy,
-    plain_linear_cross_entropy,
-    vocab_loss_bytes,
-)
+from megaseq.memory.vocab_loss import chunked_linear_cross_entropy
 from megaseq.models.common.mlp import MLP
 from megaseq.models.common.moe import FP32_PARAM_SUFFIXES, MoE
 from megaseq.models.common.norm import RMSNorm
 from megaseq.models.glm5.spec import glm5_flash_1gpu, glm5_flash_tiny
+from megaseq.ops.cross_entropy import plain_linear_cross_entropy
+from megaseq.plan.components import layer_input_bytes as boundary_bytes
+from megaseq.plan.components import offload_adam_bytes, sco_plan, vocab_loss_bytes
 
 GIB = 2**30
 FULL = dict(vocab=(32768, 4096, 154880, 8192), long=(131072, 1048576), moe_tokens=131072, moe_tile=16384,

@@ -11,7 +11,7 @@ from megaseq.models.common.context import SeqContext
 from megaseq.models.common.kda import causal_conv_reference, kda_reference
 from megaseq.models.common.mla_dsa import MLASparseAttention, sparse_mla_reference
 from megaseq.models.presets import get_preset
-from megaseq.ops import dispatch, fla_kda, indexer_scoring, sparse_mla
+from megaseq.ops import dispatch, fla_kda, indexer_scoring, sparse_mla, workspace
 
 torch.set_num_threads(1)
 F64 = torch.float64
@@ -49,7 +49,7 @@ def _sparse_inputs(seed: int, B=2, Q=29, S=37, Hh=3, Dn=5, Dv=7, R=11, W=9, offs
 
 @pytest.mark.parametrize("block_bytes", [1 << 40, 1])  # one block / one query per block
 def test_absorbed_sparse_mla_equals_reference(block_bytes, monkeypatch):
-    monkeypatch.setattr(sparse_mla, "BLOCK_BYTES", block_bytes)
+    monkeypatch.setattr(workspace, "ABSORBED_BLOCK_BYTES", block_bytes)
     q, c, w, idx, gen = _sparse_inputs(0)
     ref = sparse_mla_reference(q, c, w, idx, 0.37)
     out = sparse_mla.sparse_mla(q, c, w, idx, 0.37)

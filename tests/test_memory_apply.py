@@ -15,12 +15,13 @@ import torch
 from megaseq.config import MemorySettings as MemoryPlan
 from megaseq.memory.apply import loss_fn, make_optimizer
 from megaseq.memory.kda_segments import segment_tokens_of
-from megaseq.memory.offload import boundary_bytes, round_up
 from megaseq.memory.offload_adam import OffloadStreamAdamW
 from megaseq.models.build import build_model
 from megaseq.models.glm5.spec import _glm5_pattern, glm5_flash_tiny
 from megaseq.models.qwen3_moe.spec import qwen3_moe_tiny
 from megaseq.models.registry import parallelize as apply_memory_plan
+from megaseq.plan.components import layer_input_bytes as boundary_bytes
+from megaseq.plan.components import round_up
 
 torch.set_num_threads(1)
 S = 53

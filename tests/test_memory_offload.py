@@ -14,16 +14,11 @@ import pytest
 import torch
 from torch import nn
 
-from megaseq.memory.offload import (
-    BoundaryOffloader,
-    _forward_tracking_carry,
-    boundary_bytes,
-    checkpoint_layers,
-    round_up,
-    sco_plan,
-)
+from megaseq.memory.offload import BoundaryOffloader, _forward_tracking_carry, checkpoint_layers
 from megaseq.memory.tiling import enable_tiling
 from megaseq.models.common.context import SeqContext
+from megaseq.plan.components import layer_input_bytes as boundary_bytes
+from megaseq.plan.components import round_up, sco_plan
 
 torch.set_num_threads(1)
 B, S, HC, H, TOPK = 2, 19, 4, 15, 5

@@ -27,15 +27,13 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from megaseq.memory.replay import Chunk, InputStore, Replay, replay
-
-SLOT_ALIGN = 512  # bytes; each boundary slot starts on this boundary (DMA-friendly, any dtype view)
+from megaseq.plan.components import SLOT_ALIGN, round_up  # the planner's slot sizing (one formula: sco_plan)
 
 
 # ---- host memory: one exactly sized buffer --------------------------------------------------------
@@ -73,10 +71,6 @@ class HostBuffer:
             self.pinned = False
         self.base = torch.empty(0, dtype=torch.uint8)
         self.nbytes = 0
-
-
-def round_up(n: int, align: int = SLOT_ALIGN) -> int:
-    return -(-n // align) * align
 
 
 # ---- the offloader ------------------------------------------------------------------------------
@@ -356,29 +350,3 @@ def uncheckpoint_layer(layer: nn.Module) -> None:
         del layer.forward
         if current.prior is not None:
             layer.forward = current.prior
-
-
-# ---- memory formulas ----------------------------------------------------------------------------
-def boundary_bytes(tokens: int, hidden: int, hc_mult: int, dtype_bytes: int) -> int:
-    """One layer input: ``tokens x hc x H`` elements (4 x a hidden state for mHC)."""
-    return tokens * hc_mult * hidden * dtype_bytes
-
-
-@dataclass
-class SCOPlan:
-    num_offloaded: int  # layers whose boundary goes to host memory (the first ones)
-    slot_bytes: int  # one boundary, rounded up to SLOT_ALIGN
-    host_pinned_bytes: int  # the pool: num_offloaded x slot_bytes, exactly
-    gpu_boundary_bytes: int  # boundaries resident on the GPU at the peak of backward
-
-
-def sco_plan(num_layers: int, boundary: int, host_budget: int) -> SCOPlan:
-    """What SCO keeps where, given one boundary's bytes and the host budget.
-
-    GPU boundary bytes: the kept layers' boundaries plus at most two offloaded ones (the one in use and
-    the one prefetched); with no offload (``host_budget`` 0) this is plain recompute, ``L x boundary``.
-    """
-    slot = round_up(boundary)
-    k = min(num_layers, host_budget // slot) if slot else 0
-    gpu = (num_layers - k + min(k, 2)) * boundary
-    return SCOPlan(num_offloaded=k, slot_bytes=slot, host_pinned_bytes=k * slot, gpu_boundary_bytes=gpu)

@@ -37,7 +37,8 @@ from typing import Any
 
 import torch
 
-from megaseq.memory.offload import HostBuffer, round_up
+from megaseq.memory.offload import HostBuffer
+from megaseq.plan.components import round_up
 
 
 @dataclass
@@ -362,11 +363,3 @@ class SequentialOffloadAdamW(torch.optim.Optimizer):
             if m.grad is not None:
                 p.copy_(m, non_blocking=True)
         return loss
-
-
-# ---- memory formula --------------------------------------------------------------------------------
-def offload_adam_bytes(num_params: int, bucket_params: int, master_bytes: int = 4) -> dict[str, int]:
-    """Host: master, two moments and the gradient per parameter (16 bytes in fp32), exactly.
-    GPU: two staging slots of four bucket-sized arrays plus one bucket-sized temporary (the denominator)."""
-    n = min(bucket_params, num_params)
-    return {"host": 4 * num_params * master_bytes, "gpu_staging": (2 * 4 + 1) * n * master_bytes}

@@ -28,10 +28,7 @@ from megaseq.ops.cross_entropy import (
     plain_linear_cross_entropy,
     reduce_loss,
 )
-
-# grad_weight rows updated per matmul: the fp32-output addmm makes a temporary of its output
-# (rows x H x 4 bytes), so a whole-vocabulary update would cost another V x H x 4
-WEIGHT_GRAD_ROWS = 16384
+from megaseq.plan.components import WEIGHT_GRAD_ROWS  # the planner's formula counts these blocks
 
 
 # ---- chunked autograd Function -----------------------------------------------------------------
@@ -146,32 +143,3 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     else:
         out = plain_linear_cross_entropy(h_NH, weight, labels_N, ignore_index, reduction, num_items)
     return out.reshape(labels.shape) if reduction == "none" else out
-
-
-# ---- memory formulas ---------------------------------------------------------------------------
-def vocab_loss_bytes(N: int, H: int, V: int, chunk_tokens: int, dtype_bytes: int,
-                     vocab_chunk: int | None = None) -> dict[str, int]:
-    """Peak working bytes of the loss's forward + backward, beyond its inputs (hidden, weight, labels).
-
-    ``d`` = dtype_bytes, ``a`` = accumulation bytes (4 for half inputs, else d), ``C x Vc`` one strip.
-
-    plain:   the logits and what cross-entropy keeps and makes of them: ``N*V*(2a + 2d)`` for half
-             inputs (logits, their fp32 copy, the log-softmax, its gradient; 12 bytes per logit measured
-             on an H200 in bf16), ``N*V*3a`` otherwise. Its peak comes before the input gradients exist.
-    chunked: the input gradient ``N*H*d``, the per-token lse and loss ``2*N*a``, and in backward one
-             strip ``C*Vc*(d + a)`` (recomputed logits, then the fp32 softmax and the input-dtype result)
-             with the chunk's fp32 input-gradient accumulator ``C*H*a`` and, for half inputs, the fp32
-             addmm output temporary of one block of weight-gradient rows ``min(Vc, 16384)*H*4``; for half
-             inputs the fp32 weight gradient ``V*H*4`` is held throughout and cast to ``V*H*d`` at the end
-             (after the strips), otherwise the weight gradient ``V*H*d`` is the accumulator itself.
-             Independent of N but for the two per-token terms.
-    """
-    d = dtype_bytes
-    half = d < 4
-    a = 4 if half else d
-    C, Vc = min(chunk_tokens, N), min(vocab_chunk or V, V)
-    plain = N * V * (2 * a + 2 * d) if half else N * V * 3 * a
-    strip = C * Vc * (d + a) + C * H * a + (min(Vc, WEIGHT_GRAD_ROWS) * H * 4 if half else 0)
-    per_token = 2 * N * a + N * H * d
-    chunked = per_token + (V * H * 4 + max(strip, V * H * d) if half else V * H * d + strip)
-    return {"plain": plain, "chunked": chunked}

@@ -26,28 +26,13 @@ from __future__ import annotations
 import torch
 
 from megaseq.ops import dispatch
-
-SCORING_BUDGET_BYTES: int = 2 << 30  # the reference system's bound on one scoring chunk
-
-
-def indexer_scoring_bytes(query_chunk: int, num_pools: int, num_heads: int, num_select: int,
-                          itemsize: int = 4) -> int:
-    """Peak bytes of one scoring chunk.
-
-    Per query row: head scores ``[I, P]`` (computed and relu'd in place), the head-summed scores
-    ``[P]``, the validity mask ``[P]`` (bool), the tie-break masks and ranks (8 bytes per pool) and
-    the top-K values and int64 indices plus their validity:
-    ``c * (P * ((I + 1) * itemsize + 9) + K * (itemsize + 9))``.
-    """
-    per_row = num_pools * ((num_heads + 1) * itemsize + 9) + num_select * (itemsize + 9)
-    return query_chunk * per_row
+from megaseq.ops.workspace import SCORING_BUDGET_BYTES, indexer_scoring_bytes, scoring_chunk  # noqa: F401
 
 
 def resolve_query_chunk(query_chunk: int | None, num_pools: int, num_heads: int, num_select: int) -> int:
     """The scoring chunk in rows (see the module docstring for the order of precedence)."""
     if query_chunk is None:
-        one = indexer_scoring_bytes(1, max(num_pools, 1), num_heads, num_select)
-        query_chunk = SCORING_BUDGET_BYTES // one
+        return scoring_chunk(num_pools, num_heads, num_select)
     return max(1, int(query_chunk))
 
 

@@ -13,7 +13,7 @@ the key part of ``kv_b_proj`` is folded into the query and the value part applie
     o[h]     = (p[h] @ c_sel) @ W_uv[h]^T  [Qb, Hh, Dv]
 
 an exact reassociation (float64 agrees with the reference to ~1e-15). Queries run in blocks of ``Qb``
-sized from ``BLOCK_BYTES``; the forward saves only ``q``, ``c``, ``kv_b`` weight, ``idx`` and the
+sized from ``ops.workspace.ABSORBED_BLOCK_BYTES``; the forward saves only ``q``, ``c``, ``kv_b`` weight, ``idx`` and the
 per-(query, head) log-sum-exp, and the backward recomputes each block. The gradient of ``c`` is
 accumulated with ``index_add_`` in ``promote_types(dtype, float32)``. Beyond the inputs the working set
 is one block: ``Qb * W * R`` gathered latents plus their gradient, and ``Qb * Hh * W`` scores.
@@ -33,9 +33,8 @@ from __future__ import annotations
 import torch
 
 from megaseq.ops import dispatch
+from megaseq.ops.workspace import absorbed_block_queries
 
-# bytes one query block may use beyond the inputs (forward or backward); the memory plan may set it
-BLOCK_BYTES: int = 2 << 30
 # run on the CPU for these dtypes (float64: exact to the reference, so the float64 parity tests cover it)
 CPU_DTYPES: tuple[torch.dtype, ...] = (torch.float64,)
 
@@ -45,28 +44,9 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def block_queries(W: int, R: int, Hh: int, dtype: torch.dtype, budget: int | None = None) -> int:
-    """Queries per block so that one backward block (the larger) stays within ``budget`` bytes.
-
-    Per query: the gathered latents ``W * R`` (input dtype) and their gradient (compute dtype), about
-    eight ``[Hh, W]`` score-sized tensors in the compute dtype, and two int64 index rows.
-    """
-    d, c = dtype.itemsize, compute_dtype(dtype).itemsize
-    per_query = W * R * (d + c) + 8 * Hh * W * c + 16 * W
-    return max(1, int(budget if budget is not None else BLOCK_BYTES) // per_query)
-
-
-def sparse_mla_bytes(Q: int, S: int, W: int, R: int, Hh: int, Dn: int, Dv: int, dtype: torch.dtype,
-                     budget: int | None = None) -> dict[str, int]:
-    """GPU bytes of one call beyond its inputs (q, the latent, the weight and the selection), for the
-    memory planner. ``saved``: the latent cast to the work dtype (a copy when the latent is fp32 under
-    autocast, else shared) and the compute-dtype log-sum-exp ``[Q, Hh]``. ``block``: one query block's
-    working set (``block_queries``). ``backward``: the output-sized gradient of q ``Q * Hh * Dn``,
-    the compute-dtype latent gradient ``S * R`` and weight gradients, plus one block."""
-    d, c = dtype.itemsize, compute_dtype(dtype).itemsize
-    n = min(block_queries(W, R, Hh, dtype, budget), Q)
-    block = n * (W * R * (d + c) + 8 * Hh * W * c + 16 * W)
-    return {"saved": S * R * d + Q * Hh * c, "block": block,
-            "backward": block + Q * Hh * Dn * d + S * R * c + Hh * (Dn + Dv) * R * c}
+    """Queries per block so that one backward block stays within ``budget`` bytes (``ops.workspace``,
+    the planner's formula too)."""
+    return absorbed_block_queries(W, R, Hh, dtype.itemsize, compute_dtype(dtype).itemsize, budget)
 
 
 # ---- one query block ------------------------------------------------------------------------------------

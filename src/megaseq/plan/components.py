@@ -246,20 +246,27 @@ def grad_bytes(params: int, mesh: Mesh, prec: Precision) -> int:
     return params * prec.grad // mesh.shard
 
 
+def offload_adam_bytes(num_params: int, bucket_params: int, master_bytes: int = 4) -> dict[str, int]:
+    """OffloadStreamAdamW (``memory/offload_adam.py``). Host: master, two moments and the gradient per
+    parameter (16 bytes in fp32), exactly. GPU: two staging slots of four bucket-sized arrays plus one
+    bucket-sized temporary (the denominator)."""
+    n = min(bucket_params, num_params)
+    return {"host": 4 * num_params * master_bytes, "gpu_staging": (2 * 4 + 1) * n * master_bytes}
+
+
 def optimizer_gpu_bytes(
     counts: ParamCounts, mesh: Mesh, prec: Precision, offload: bool, bucket_params: int
 ) -> int:
-    """AdamW moments on the GPU (``P_trainable * moments / shard``), or OffloadStreamAdamW's staging:
-    two slots of master, both moments and the gradient plus one temporary, ``9 * bucket * 4``
-    (``memory/offload_adam.py: offload_adam_bytes``)."""
+    """AdamW moments on the GPU (``P_trainable * moments / shard``), or OffloadStreamAdamW's staging
+    (``offload_adam_bytes``: two slots of master, both moments and the gradient plus one temporary)."""
     if offload:
-        return 9 * min(bucket_params, counts.trainable) * 4
+        return offload_adam_bytes(counts.trainable, bucket_params)["gpu_staging"]
     return counts.trainable * prec.moments // mesh.shard
 
 
 def optimizer_host_bytes(counts: ParamCounts, mesh: Mesh, offload: bool) -> int:
     """OffloadStreamAdamW host state per GPU: fp32 master, m, v and gradient, ``P_trainable * 16 / shard``."""
-    return counts.trainable * 16 // mesh.shard if offload else 0
+    return offload_adam_bytes(counts.trainable, 1)["host"] // mesh.shard if offload else 0
 
 
 def weight_copy_bytes(layer_params: int, prec: Precision, mesh: Mesh) -> int:
@@ -281,9 +288,42 @@ def fsdp_buffers(max_layer_params: int, max_layer_experts: int, mesh: Mesh, back
 
 
 # ---- small shared pieces -----------------------------------------------------------------------------
+def layer_input_bytes(tokens: int, hidden: int, hc_mult: int, dtype_bytes: int) -> int:
+    """One layer input: ``tokens x hc x H`` elements (4 x a hidden state for mHC)."""
+    return tokens * hc_mult * hidden * dtype_bytes
+
+
 def boundary_bytes(spec: ModelSpec, n: int, prec: Precision) -> int:
     """One checkpoint boundary (a layer input): ``n * N * H * s`` (4 x a hidden state with mHC)."""
-    return n * spec.hc_mult * spec.hidden_size * prec.stream
+    return layer_input_bytes(n, spec.hidden_size, spec.hc_mult, prec.stream)
+
+
+SLOT_ALIGN = 512  # bytes; each SCO boundary slot starts on this boundary (DMA-friendly, any dtype view)
+
+
+def round_up(n: int, align: int = SLOT_ALIGN) -> int:
+    return -(-n // align) * align
+
+
+@dataclass
+class SCOPlan:
+    num_offloaded: int  # layers whose boundary goes to host memory (the first ones)
+    slot_bytes: int  # one boundary, rounded up to SLOT_ALIGN
+    host_pinned_bytes: int  # the pool: num_offloaded x slot_bytes, exactly
+    gpu_boundary_bytes: int  # boundaries resident on the GPU at the peak of backward
+
+
+def sco_plan(num_layers: int, boundary: int, host_budget: int) -> SCOPlan:
+    """What SCO (``memory/offload.py``: ``BoundaryOffloader`` sizes its pool with ``round_up``) keeps where,
+    given one boundary's bytes and the host budget.
+
+    GPU boundary bytes: the kept layers' boundaries plus at most two offloaded ones (the one in use and
+    the one prefetched); with no offload (``host_budget`` 0) this is plain recompute, ``L x boundary``.
+    """
+    slot = round_up(boundary)
+    k = min(num_layers, host_budget // slot) if slot else 0
+    gpu = (num_layers - k + min(k, 2)) * boundary
+    return SCOPlan(num_offloaded=k, slot_bytes=slot, host_pinned_bytes=k * slot, gpu_boundary_bytes=gpu)
 
 
 def linear_inputs(width: int, num_linears: int, in_bytes: int, prec: Precision) -> int:
@@ -334,27 +374,46 @@ def merge_saved(spec: ModelSpec, y_bytes: int, prec: Precision) -> int:
 
 
 # ---- loss, communication, allocator ------------------------------------------------------------------
-WEIGHT_GRAD_ROWS = 16384  # memory/vocab_loss.py: rows of one fp32 weight-gradient addmm block (half inputs)
+# memory/vocab_loss.py updates the fp32 weight gradient this many vocabulary rows per matmul: the
+# fp32-output addmm makes a temporary of its output (rows x H x 4 bytes), so a whole-vocabulary update
+# would cost another V x H x 4
+WEIGHT_GRAD_ROWS = 16384
+
+
+def vocab_loss_bytes(N: int, H: int, V: int, chunk_tokens: int, dtype_bytes: int,
+                     vocab_chunk: int | None = None) -> dict[str, int]:
+    """Peak working bytes of the loss's forward + backward, beyond its inputs (hidden, weight, labels)
+    (``memory/vocab_loss.py``, which takes ``WEIGHT_GRAD_ROWS`` from here).
+
+    ``d`` = dtype_bytes, ``a`` = accumulation bytes (4 for half inputs, else d), ``C x Vc`` one strip.
+
+    plain:   the logits and what cross-entropy keeps and makes of them: ``N*V*(2a + 2d)`` for half
+             inputs (logits, their fp32 copy, the log-softmax, its gradient; 12 bytes per logit measured
+             on an H200 in bf16), ``N*V*3a`` otherwise. Its peak comes before the input gradients exist.
+    chunked: the input gradient ``N*H*d``, the per-token lse and loss ``2*N*a``, and in backward one
+             strip ``C*Vc*(d + a)`` (recomputed logits, then the fp32 softmax and the input-dtype result)
+             with the chunk's fp32 input-gradient accumulator ``C*H*a`` and, for half inputs, the fp32
+             addmm output temporary of one block of weight-gradient rows ``min(Vc, WEIGHT_GRAD_ROWS)*H*4``;
+             for half inputs the fp32 weight gradient ``V*H*4`` is held throughout and cast to ``V*H*d`` at
+             the end (after the strips), otherwise the weight gradient ``V*H*d`` is the accumulator itself.
+             Independent of N but for the two per-token terms.
+    """
+    d = dtype_bytes
+    half = d < 4
+    a = 4 if half else d
+    C, Vc = min(chunk_tokens, N), min(vocab_chunk or V, V)
+    plain = N * V * (2 * a + 2 * d) if half else N * V * 3 * a
+    strip = C * Vc * (d + a) + C * H * a + (min(Vc, WEIGHT_GRAD_ROWS) * H * 4 if half else 0)
+    per_token = 2 * N * a + N * H * d
+    chunked = per_token + (V * H * 4 + max(strip, V * H * d) if half else V * H * d + strip)
+    return {"plain": plain, "chunked": chunked}
 
 
 def loss_bytes(spec: ModelSpec, n: int, d: int, chunked: bool, chunk_tokens: int) -> int:
-    """Vocabulary projection + cross-entropy working set (``memory/vocab_loss.py: vocab_loss_bytes``,
-    the same formula; its owner measured it on an H200), ``d`` the hidden's bytes, ``a = max(d, 4)``.
-
-    plain: the logits and what cross-entropy keeps and makes of them, ``n V (2a + 2d)`` for half inputs
-    and ``3 a n V`` otherwise (12 B per logit either way; the peak comes before the input gradients).
-    chunked: the input gradient ``n H d`` and the per-token lse and loss ``2 n a``; one backward strip
-    ``C V (d + a) + C H a`` (+ an fp32 block of weight-gradient rows for half inputs); the weight
-    gradient (fp32 ``V H 4`` held, cast to ``V H d`` at the end, for half inputs; else ``V H d``)."""
-    H, V = spec.hidden_size, spec.vocab_size
-    half = d < 4
-    a = 4 if half else d
-    if not chunked:
-        return n * V * (2 * a + 2 * d) if half else n * V * 3 * a
-    C = min(chunk_tokens, n)
-    strip = C * V * (d + a) + C * H * a + (min(V, WEIGHT_GRAD_ROWS) * H * 4 if half else 0)
-    per_token = 2 * n * a + n * H * d
-    return per_token + (V * H * 4 + max(strip, V * H * d) if half else V * H * d + strip)
+    """The vocabulary projection + cross-entropy working set of ``spec``'s head over ``n`` tokens
+    (``vocab_loss_bytes``), ``d`` the hidden's bytes."""
+    both = vocab_loss_bytes(n, spec.hidden_size, spec.vocab_size, chunk_tokens or n, d)
+    return both["chunked" if chunked else "plain"]
 
 
 def comm_buffer_bytes(spec: ModelSpec, n: int, kind: str, prec: Precision, mesh: Mesh, mode: str) -> int:

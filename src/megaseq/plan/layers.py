@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from megaseq.models.spec import ModelSpec
+from megaseq.ops.workspace import absorbed_bytes, indexer_scoring_bytes  # noqa: F401  (the ops' own formulas)
 from megaseq.plan.components import CAL, Calibration, Mesh, Precision, linear_inputs, norm_saved
 
 
@@ -153,14 +154,6 @@ def dsa_saved(
     return out
 
 
-def indexer_scoring_bytes(query_chunk: int, num_pools: int, num_heads: int, num_select: int) -> int:
-    """One scoring chunk (``memory/indexer_scoring.py``, same formula): per query row the head scores
-    ``[I, P]`` and their head sum ``[P]`` in fp32, the validity mask, the tie-break masks and ranks
-    (9 B per pool) and the top-K values, int64 indices and validity:
-    ``c * (P * ((I + 1) * 4 + 9) + K * 13)``."""
-    return query_chunk * (num_pools * ((num_heads + 1) * 4 + 9) + num_select * 13)
-
-
 def indexer_temp(spec: ModelSpec, n: int, batch: int, seq_len: int, query_chunk: int, prec: Precision) -> int:
     """The indexer's forward (no grad): its queries ``c * I * Di`` and head weights ``f * I`` per query,
     the gathered keys + gates and pooling temporaries ``(3c + 2f) * Di`` and positions/documents
@@ -205,21 +198,16 @@ def dsa_temp(
     return block * (5 * c + 3 * f) + latent + grads + n * c * Hh * spec.qk_head_dim
 
 
-ABSORBED_BLOCK_BYTES = 2 << 30  # ops/sparse_mla.py BLOCK_BYTES: one query block's budget
-
-
 def absorbed_temp(spec: ModelSpec, n: int, batch: int, seq_len: int, prec: Precision, mesh: Mesh, mode: str,
                   backward: bool) -> int:
-    """The absorbed sparse MLA's temporaries (``ops/sparse_mla.py``, same per-query formula as its
-    ``block_queries``): one query block ``Qb * (W * R * (c + f) + 8 * Hh * W * f + 16 * W)`` within
-    ``ABSORBED_BLOCK_BYTES``, the latent copy being made ``c * R`` per K/V row; in backward also the
-    latent's fp32 gradient and its cast ``(f + c) * R`` per K/V row and dq ``c * Hh * qk`` per query."""
+    """The absorbed sparse MLA's temporaries (``ops.workspace.absorbed_bytes``, the op's own block sizing):
+    one query block within ``ABSORBED_BLOCK_BYTES``, the latent copy being made ``c * R`` per K/V row; in
+    backward also the latent's fp32 gradient and its cast ``(f + c) * R`` per K/V row and dq ``c * Hh * qk``
+    per query."""
     Hh, c, f = spec.num_attention_heads, prec.compute, prec.f32
     R = spec.kv_lora_rank + spec.qk_rope_head_dim
     W = dsa_width(spec)
-    per_query = W * R * (c + f) + 8 * Hh * W * f + 16 * W
-    queries = max(1, ABSORBED_BLOCK_BYTES // per_query)
-    block = min(queries, n) * per_query
+    block = absorbed_bytes(n, seq_len, W, R, Hh, spec.qk_nope_head_dim, spec.v_head_dim, c, f)["block"]
     kv_rows = dsa_kv_rows(n, batch, seq_len, mesh, mode)
     if not backward:
         return block + kv_rows * c * R

@@ -325,8 +325,7 @@ def _sco_offloaded(run: Run, bnd: int) -> int:
     m = run.memory
     if not (m.recompute and m.checkpoint_offload) or bnd == 0:
         return 0
-    slot = -(-bnd // 512) * 512
-    return min(run.spec.num_layers, m.offload_host_budget // slot)
+    return C.sco_plan(run.spec.num_layers, bnd, m.offload_host_budget).num_offloaded
 
 
 def _phases(run: Run, terms: list[LayerTerms]) -> list[tuple[str, dict[str, int], str]]:
@@ -460,7 +459,7 @@ def evaluate(run: Run) -> Evaluation:
     k = _sco_offloaded(run, bnd)
     host = {
         "process (Python, torch, CUDA host state)": run.cal.process_host_bytes,
-        "SCO pinned boundaries": k * (-(-bnd // 512) * 512),
+        "SCO pinned boundaries": k * C.round_up(bnd),
         "optimizer state (OffloadStreamAdamW)": C.optimizer_host_bytes(
             run.counts, run.mesh, run.memory.optimizer_offload
         ),

@@ -1,0 +1,56 @@
+"""The working sets of the compute ops, as byte formulas: one definition for the op (which sizes its blocks
+with them) and for the planner (which counts them). Torch-free, so ``megaseq.plan`` imports it.
+
+Itemsizes are plain byte counts: ``d`` the work dtype's, ``c = max(d, 4)`` the compute dtype's
+(``promote_types(dtype, float32)``: the softmax, the scores).
+"""
+
+from __future__ import annotations
+
+# ---- op indexer_topk (ops/indexer_scoring.py): one scoring chunk ------------------------------------
+SCORING_BUDGET_BYTES: int = 2 << 30  # the reference system's bound on one scoring chunk
+
+
+def indexer_scoring_bytes(query_chunk: int, num_pools: int, num_heads: int, num_select: int,
+                          itemsize: int = 4) -> int:
+    """Peak bytes of one scoring chunk of the fp32 reference.
+
+    Per query row: head scores ``[I, P]`` (computed and relu'd in place), the head-summed scores ``[P]``,
+    the validity mask ``[P]`` (bool), the tie-break masks and ranks (8 bytes per pool) and the top-K values
+    and int64 indices plus their validity: ``c * (P * ((I + 1) * itemsize + 9) + K * (itemsize + 9))``.
+    """
+    per_row = num_pools * ((num_heads + 1) * itemsize + 9) + num_select * (itemsize + 9)
+    return query_chunk * per_row
+
+
+def scoring_chunk(num_pools: int, num_heads: int, num_select: int, budget: int = SCORING_BUDGET_BYTES) -> int:
+    """The most query rows whose scoring chunk stays within ``budget`` (at least one)."""
+    return max(1, budget // indexer_scoring_bytes(1, max(num_pools, 1), num_heads, num_select))
+
+
+# ---- op sparse_attention, implementation absorbed (ops/sparse_mla.py) --------------------------------
+ABSORBED_BLOCK_BYTES: int = 2 << 30  # one query block's budget (forward or backward)
+
+
+def absorbed_per_query(W: int, R: int, Hh: int, d: int, c: int) -> int:
+    """One query of a block: the gathered latents ``W * R`` (work dtype) and their gradient (compute dtype),
+    about eight ``[Hh, W]`` score-sized tensors in the compute dtype, and two int64 index rows."""
+    return W * R * (d + c) + 8 * Hh * W * c + 16 * W
+
+
+def absorbed_block_queries(W: int, R: int, Hh: int, d: int, c: int, budget: int | None = None) -> int:
+    """Queries per block so that one backward block (the larger) stays within ``budget`` bytes."""
+    return max(1, int(budget if budget is not None else ABSORBED_BLOCK_BYTES) // absorbed_per_query(W, R, Hh, d, c))
+
+
+def absorbed_bytes(Q: int, S: int, W: int, R: int, Hh: int, Dn: int, Dv: int, d: int, c: int,
+                   budget: int | None = None) -> dict[str, int]:
+    """GPU bytes of one call beyond its inputs (q, the latent, the weight and the selection). ``saved``: the
+    latent cast to the work dtype (a copy when the latent is fp32 under autocast, else shared) and the
+    compute-dtype log-sum-exp ``[Q, Hh]``. ``block``: one query block's working set. ``backward``: the
+    output-sized gradient of q ``Q * Hh * Dn``, the compute-dtype latent gradient ``S * R`` and weight
+    gradients, plus one block."""
+    n = min(absorbed_block_queries(W, R, Hh, d, c, budget), Q)
+    block = n * absorbed_per_query(W, R, Hh, d, c)
+    return {"saved": S * R * d + Q * Hh * c, "block": block,
+            "backward": block + Q * Hh * Dn * d + S * R * c + Hh * (Dn + Dv) * R * c}
