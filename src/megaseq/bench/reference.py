@@ -23,8 +23,7 @@ def load_reference_model(path: str, dtype: torch.dtype = torch.float64, attn: st
     import transformers
 
     transformers.logging.set_verbosity_error()  # the GLM-5 export has no vision weights: expected
-    model_type = json.loads((Path(path) / "config.json").read_text())["model_type"]
-    cls = {"qwen3_moe": "Qwen3MoeForCausalLM", "glm5_next": "Glm5NextForConditionalGeneration"}[model_type]
+    cls = json.loads((Path(path) / "config.json").read_text())["architectures"][0]  # what the export names
     config = transformers.AutoConfig.from_pretrained(path)
     for c in (config, getattr(config, "text_config", None)):
         if c is not None:
