@@ -13,7 +13,10 @@ Timing (CUDA events, warm calls, median): forward, backward (``autograd.grad`` o
 forward + backward of both implementations in bf16 at (Hh=16, Q=S=32768), (Hh=16, the last 8192 queries
 of S=1M keys: a sequence segment), (Hh=64, Q=S=32768). Attention TFLOP/s count the dots over all W slots
 (empty ones included): forward ``4 Hh W R Q`` (scores, p @ c), backward ``10 Hh W R Q`` (scores again,
-dp, dq, and the latent gradient's two), the GEMMs with W_uk / W_uv left out. Each measurement is written
+dp, dq, and the latent gradient's two), the GEMMs with W_uk / W_uv left out; ``matrix_floor_ms`` is
+that count at 790 TFLOP/s. The kernels are not matrix-bound at 16 heads: each query reads its W * R
+latents (2 MiB bf16) for 16 heads' dots (32 flop/byte, from L2 at 32K keys, from HBM at 1M), and the
+backward adds W * R fp32 atomics per query and head block. Each measurement is written
 to the JSON as it completes; a failure is recorded and the script goes on.
 """
 
@@ -31,6 +34,7 @@ from pathlib import Path
 import torch
 
 SCALE = 256**-0.5
+BF16_TFLOPS = 790  # dense bf16 measured on an H200 (BRIEF.md section 6): the attention dots' floor
 
 
 def _errors(a: dict, b: dict) -> dict:
@@ -78,7 +82,7 @@ def check(Hh: int, Q: int, dev, small: bool) -> dict:
     return res
 
 
-def _median_ms(fn, dev, budget_s: float = 3.0, max_reps: int = 20) -> float:
+def _median_ms(fn, dev, budget_s: float = 2.0, max_reps: int = 10) -> float:
     fn()  # warm-up (and compilation)
     if dev.type != "cuda":
         t = time.perf_counter()
@@ -123,7 +127,8 @@ def timings(Hh: int, Q: int, S: int, dev, small: bool) -> dict:
     leaves, idx, g = _inputs(Hh, Q, S, torch.bfloat16 if dev.type == "cuda" else torch.float32, dev, small=small)
     W, R = idx.shape[-1], leaves[1].shape[-1]
     flops = {"forward_ms": 4 * Hh * W * R * Q, "backward_ms": 10 * Hh * W * R * Q, "fwd_bwd_ms": 14 * Hh * W * R * Q}
-    res = {"shape": {"Hh": Hh, "Q": Q, "S": S, "W": W, "R": R}}
+    res = {"shape": {"Hh": Hh, "Q": Q, "S": S, "W": W, "R": R},
+           "matrix_floor_ms": {k: v / (BF16_TFLOPS * 1e9) for k, v in flops.items()}}
     for name, fn in (("triton", triton_sparse_mla), ("absorbed", sparse_mla)):
         if dev.type == "cuda":
             torch.cuda.empty_cache()

@@ -179,7 +179,8 @@ COMPILE_SM90 = textwrap.dedent("""
     from megaseq.ops.triton_sparse_mla_kernels import compile_ptx
     for kind, dtype, Hh in [("fwd", torch.bfloat16, 16), ("bwd", torch.bfloat16, 16), ("fwd", torch.bfloat16, 64),
                             ("bwd", torch.float32, 16), ("fwd", torch.float32, 5)]:
-        ptx = compile_ptx(kind, dtype, Hh, 512, 2063)
+        ptx, smem = compile_ptx(kind, dtype, Hh, 512, 2063)
+        assert smem <= 232448, (kind, dtype, Hh, smem)  # an H200's shared memory per block
         print(kind, dtype, Hh, "v4-atomics" if "atom.global.gpu.relaxed.add.v4.f32" in ptx else "-", flush=True)
 """)
 

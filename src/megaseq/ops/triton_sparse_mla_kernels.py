@@ -14,8 +14,9 @@ log-sum-exp ``[Hh, N]`` fp32 in base 2 (``lse2 = max + log2(sum)`` of the base-2
 - forward: online softmax over the slots; ``o_lat = softmax(scale * q_abs c^T) @ c`` and ``lse2``.
 - backward: ``delta = rowsum(o_lat * do_lat)`` (= ``sum_j p_j dp_j``), then per slot block the scores
   and ``p`` again, ``dp = do_lat c^T``, ``ds = scale * p * (dp - delta)``, ``dq_abs += ds @ c`` and
-  ``dc[idx] += ds^T q_abs + p^T do_lat``, the last by fp32 atomics (relaxed, result unused: ``red``, and
-  on Hopper vectorized 4-wide when the row pointers are provably contiguous, as here with R constexpr).
+  ``dc[idx] += ds^T q_abs + p^T do_lat``, the last by fp32 atomics (relaxed, result unused; on Hopper
+  Triton 3.6 emits ``atom.global.gpu.relaxed.add.v4.f32``: 4-wide, since the row pointers are provably
+  contiguous with R constexpr).
 
 Empty slots (``idx < 0`` or ``>= S``) read no memory and weigh 0. A query with no valid slot gets
 ``o_lat = 0`` and ``lse2 = +inf`` (so its backward is 0); the op hands such batch rows to ``absorbed``.
@@ -267,11 +268,11 @@ def backward(q_abs_HNR: torch.Tensor, do_lat_HNR: torch.Tensor, o_lat_HNR: torch
 
 
 def compile_ptx(kind: str, dtype: torch.dtype, Hh: int, R: int, W: int, cfg: Config | None = None,
-                arch: int = 90) -> str:
-    """PTX of one kernel compiled for ``sm_<arch>`` without a GPU (Triton's bundled ptxas also checks
-    that it assembles): what the CPU test uses to catch code that only the interpreter accepts, and a way
-    to read registers, shared memory and the atomics' width (``ptxas -v`` on the result). Needs triton
-    imported without ``TRITON_INTERPRET``."""
+                arch: int = 90) -> tuple[str, int]:
+    """PTX and shared-memory bytes of one kernel compiled for ``sm_<arch>`` without a GPU (Triton's
+    bundled ptxas also checks that it assembles): what the CPU test uses to catch code that only the
+    interpreter accepts, and a way to read registers, spills (``ptxas -v`` on the PTX) and the atomics'
+    width. Needs triton imported without ``TRITON_INTERPRET``."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -294,4 +295,4 @@ def compile_ptx(kind: str, dtype: torch.dtype, Hh: int, R: int, W: int, cfg: Con
                     attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
     compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
                               options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
-    return compiled.asm["ptx"]
+    return compiled.asm["ptx"], compiled.metadata.shared
