@@ -1,0 +1,298 @@
+"""Triton kernels of the fused sparse MLA (``triton_sparse_mla.py`` owns the op, this file the GPU code).
+
+Shapes: B batch, Q queries per batch row, N = B * Q flattened queries, S keys per batch row, Hh heads,
+R latent rank (kv_lora_rank), RP = R padded to a power of two, W selected slots per query,
+BH heads per program (>= 16: ``tl.dot`` needs M, N, K >= 16), BW slots per loop step.
+
+Both kernels run one program per (query, head block): the latent rows ``c[idx]`` of the query's W slots
+are gathered ``BW`` at a time straight into the dot operands (no ``[N, W, R]`` gather in memory) and
+shared by the ``BH`` heads of the program. The per-head tensors ``q_abs``, ``o_lat``, ``do_lat`` and
+``dq_abs`` are ``[Hh, N, R]`` (the layout of the batched GEMMs around the kernels: no permute copy), the
+log-sum-exp ``[Hh, N]`` fp32 in base 2 (``lse2 = max + log2(sum)`` of the base-2 logits
+``scale * log2(e) * q_abs . c``).
+
+- forward: online softmax over the slots; ``o_lat = softmax(scale * q_abs c^T) @ c`` and ``lse2``.
+- backward: ``delta = rowsum(o_lat * do_lat)`` (= ``sum_j p_j dp_j``), then per slot block the scores
+  and ``p`` again, ``dp = do_lat c^T``, ``ds = scale * p * (dp - delta)``, ``dq_abs += ds @ c`` and
+  ``dc[idx] += ds^T q_abs + p^T do_lat``, the last by fp32 atomics (relaxed, result unused; on Hopper
+  Triton 3.6 emits ``atom.global.gpu.relaxed.add.v4.f32``: 4-wide, since the row pointers are provably
+  contiguous with R constexpr).
+
+Empty slots (``idx < 0`` or ``>= S``) read no memory and weigh 0. A query with no valid slot gets
+``o_lat = 0`` and ``lse2 = +inf`` (so its backward is 0); the op hands such batch rows to ``absorbed``.
+W is a compile-time constant (one per model: index_topk + kpool - 1): Triton 3.6's interpreter cannot
+loop to a run-time bound under NumPy >= 2.3 (``int()`` of its 1-element scalar arrays). Offsets that can
+pass 2^31 (``h * N * R``, ``n * W``, ``b * S * R``) are int64.
+
+Precision: the dots take the work dtype's operands with fp32 accumulation (fp32 operands with
+``input_precision="ieee"``: no tf32), the softmax and ``ds`` are fp32, as ``absorbed``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from triton.compiler.errors import CompilationError
+from triton.runtime.errors import OutOfResources
+
+LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class Config:
+    """One launch configuration: heads and slots per program step, warps, software-pipeline stages."""
+
+    BH: int
+    BW: int
+    num_warps: int
+    num_stages: int
+
+
+# the autotune spaces (MEGASEQ_MLA_AUTOTUNE=1): a handful each, pruned to BH <= the padded head count
+FWD_CONFIGS = (Config(16, 32, 8, 2), Config(16, 64, 8, 2), Config(16, 32, 4, 2), Config(32, 32, 8, 2),
+               Config(64, 32, 8, 2))
+BWD_CONFIGS = (Config(16, 32, 8, 2), Config(16, 16, 8, 2), Config(16, 16, 4, 2), Config(32, 16, 8, 2),
+               Config(16, 32, 8, 3))
+
+
+def _head_block(Hh: int, cap: int) -> int:
+    return min(cap, max(16, triton.next_power_of_2(Hh)))
+
+
+def default_config(kind: str, Hh: int, R: int, dtype: torch.dtype) -> Config:
+    """The untuned choice. fp32 (the checking path) halves the slot block: its tiles are twice the bytes.
+    The backward holds ``dq_abs [BH, R]`` and ``dc [BW, R]`` in fp32 registers, hence BH = 16.
+
+    ptxas for sm_90 at R = 512, W = 2063, bf16 (``compile_ptx``; registers per thread, shared memory):
+    forward (16, 32, 8 warps) 103 regs, 50 KB (4 warps: 202 regs, every warp holds all of q_abs);
+    (32, 32, 8) 180, 68 KB; (64, 32, 8) 255, 131 KB, wgmma. Backward (16, 32, 8) 250, 98 KB;
+    (16, 16, 8) 168, 82 KB; (32, 32, 8, 1 stage) and (16, 32, 4, 1) spill; (16, 64, 8) needs 262 KB.
+    None of these has been timed yet."""
+    wide = dtype == torch.float32 or R > 512
+    if kind == "fwd":
+        return Config(_head_block(Hh, 32), 16 if wide else 32, 8, 2)
+    return Config(16, 16 if wide else 32, 8, 1 if wide else 2)
+
+
+def _autotune_space(kind: str, Hh: int, R: int, dtype: torch.dtype) -> list[Config]:
+    bh_max = _head_block(Hh, 64)
+    space = [c for c in (FWD_CONFIGS if kind == "fwd" else BWD_CONFIGS) if c.BH <= bh_max]
+    if dtype == torch.float32 or R > 512:
+        space = [Config(c.BH, min(c.BW, 16), c.num_warps, 1) for c in space]
+    return list(dict.fromkeys(space)) or [default_config(kind, Hh, R, dtype)]
+
+
+# ---- kernels -------------------------------------------------------------------------------------------
+@triton.jit
+def _gather_latents(c_row0, idx_row, w0, W: tl.constexpr, S, offs_r, R: tl.constexpr, RP: tl.constexpr,
+                    BW: tl.constexpr):
+    """Slots ``w0 .. w0 + BW`` of one query: the latent rows [BW, RP] (0 where empty), their row index
+    (int64, 0 where empty) and the validity mask."""
+    offs_w = w0 + tl.arange(0, BW)
+    key = tl.load(idx_row + offs_w, mask=offs_w < W, other=-1)
+    valid = (key >= 0) & (key < S)
+    row = tl.where(valid, key, 0).to(tl.int64)
+    ptrs = c_row0 + row[:, None] * R + offs_r[None, :]
+    if RP == R:
+        c_WR = tl.load(ptrs, mask=valid[:, None], other=0.0)
+    else:
+        c_WR = tl.load(ptrs, mask=valid[:, None] & (offs_r[None, :] < R), other=0.0)
+    return c_WR, row, valid
+
+
+@triton.jit
+def _head_tile(h_off, n_off, offs_r, mask_h, R: tl.constexpr, RP: tl.constexpr):
+    """Element offsets (int64) and mask of one query's [BH, RP] tile of a ``[Hh, N, R]`` tensor (read or
+    written once per program: the mask on R costs nothing here, unlike in the slot loop)."""
+    return h_off[:, None] + n_off + offs_r[None, :], mask_h[:, None] & (offs_r[None, :] < R)
+
+
+@triton.jit
+def sparse_mla_fwd_kernel(qabs_ptr, c_ptr, idx_ptr, olat_ptr, lse_ptr, scale_log2, N, Q, S, stride_h,
+                          W: tl.constexpr, Hh: tl.constexpr, R: tl.constexpr, RP: tl.constexpr, BH: tl.constexpr,
+                          BW: tl.constexpr, DOT_PREC: tl.constexpr):
+    NHB: tl.constexpr = (Hh + BH - 1) // BH
+    pid = tl.program_id(0)
+    n = pid // NHB
+    offs_h = (pid % NHB) * BH + tl.arange(0, BH)
+    mask_h = offs_h < Hh
+    offs_r = tl.arange(0, RP)
+    n64 = n.to(tl.int64)
+    h_off = offs_h.to(tl.int64) * stride_h
+    t_off, t_mask = _head_tile(h_off, n64 * R, offs_r, mask_h, R, RP)
+    qa_HR = tl.load(qabs_ptr + t_off, mask=t_mask, other=0.0)
+    c_row0 = c_ptr + (n64 // Q) * S * R
+    idx_row = idx_ptr + n64 * W
+
+    m_H = tl.full([BH], float("-inf"), tl.float32)
+    l_H = tl.zeros([BH], tl.float32)
+    acc_HR = tl.zeros([BH, RP], tl.float32)
+    for w0 in range(0, W, BW):
+        c_WR, _, valid = _gather_latents(c_row0, idx_row, w0, W, S, offs_r, R, RP, BW)
+        s_HW = tl.dot(qa_HR, tl.trans(c_WR), input_precision=DOT_PREC) * scale_log2
+        s_HW = tl.where(valid[None, :], s_HW, float("-inf"))
+        m_new = tl.maximum(m_H, tl.max(s_HW, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all empty so far: keep exp2 finite
+        alpha = tl.exp2(m_H - m_safe)
+        p_HW = tl.exp2(s_HW - m_safe[:, None])
+        l_H = l_H * alpha + tl.sum(p_HW, 1)
+        acc_HR = acc_HR * alpha[:, None] + tl.dot(p_HW.to(c_WR.dtype), c_WR, input_precision=DOT_PREC)
+        m_H = m_new
+
+    empty = l_H == 0.0
+    o_HR = acc_HR / tl.where(empty, 1.0, l_H)[:, None]
+    tl.store(olat_ptr + t_off, o_HR.to(olat_ptr.dtype.element_ty), mask=t_mask)
+    lse2 = tl.where(empty, float("inf"), m_H + tl.log2(tl.where(empty, 1.0, l_H)))
+    tl.store(lse_ptr + offs_h.to(tl.int64) * N + n64, lse2, mask=mask_h)
+
+
+@triton.jit
+def sparse_mla_bwd_kernel(qabs_ptr, dolat_ptr, olat_ptr, lse_ptr, c_ptr, idx_ptr, dqabs_ptr, dc_ptr, scale,
+                          scale_log2, N, Q, S, stride_h, W: tl.constexpr, Hh: tl.constexpr, R: tl.constexpr,
+                          RP: tl.constexpr,
+                          BH: tl.constexpr, BW: tl.constexpr, DOT_PREC: tl.constexpr):
+    NHB: tl.constexpr = (Hh + BH - 1) // BH
+    pid = tl.program_id(0)
+    n = pid // NHB
+    offs_h = (pid % NHB) * BH + tl.arange(0, BH)
+    mask_h = offs_h < Hh
+    offs_r = tl.arange(0, RP)
+    n64 = n.to(tl.int64)
+    h_off = offs_h.to(tl.int64) * stride_h
+    t_off, t_mask = _head_tile(h_off, n64 * R, offs_r, mask_h, R, RP)
+    qa_HR = tl.load(qabs_ptr + t_off, mask=t_mask, other=0.0)
+    do_HR = tl.load(dolat_ptr + t_off, mask=t_mask, other=0.0)
+    o_HR = tl.load(olat_ptr + t_off, mask=t_mask, other=0.0)
+    delta_H = tl.sum(o_HR.to(tl.float32) * do_HR.to(tl.float32), 1)
+    lse2_H = tl.load(lse_ptr + offs_h.to(tl.int64) * N + n64, mask=mask_h, other=float("inf"))
+    b64 = n64 // Q
+    c_row0 = c_ptr + b64 * S * R
+    dc_row0 = dc_ptr + b64 * S * R
+    idx_row = idx_ptr + n64 * W
+
+    dq_HR = tl.zeros([BH, RP], tl.float32)
+    for w0 in range(0, W, BW):
+        c_WR, row, valid = _gather_latents(c_row0, idx_row, w0, W, S, offs_r, R, RP, BW)
+        s_HW = tl.dot(qa_HR, tl.trans(c_WR), input_precision=DOT_PREC) * scale_log2
+        p_HW = tl.where(valid[None, :], tl.exp2(s_HW - lse2_H[:, None]), 0.0)
+        dp_HW = tl.dot(do_HR, tl.trans(c_WR), input_precision=DOT_PREC)
+        ds_HW = (p_HW * (dp_HW - delta_H[:, None]) * scale).to(c_WR.dtype)  # d(q_abs . c), scale folded
+        dq_HR = tl.dot(ds_HW, c_WR, dq_HR, input_precision=DOT_PREC)
+        dc_WR = tl.dot(tl.trans(p_HW.to(c_WR.dtype)), do_HR, input_precision=DOT_PREC)
+        dc_WR = tl.dot(tl.trans(ds_HW), qa_HR, dc_WR, input_precision=DOT_PREC)
+        dc_ptrs = dc_row0 + row[:, None] * R + offs_r[None, :]
+        if RP == R:
+            tl.atomic_add(dc_ptrs, dc_WR, mask=valid[:, None], sem="relaxed")
+        else:
+            tl.atomic_add(dc_ptrs, dc_WR, mask=valid[:, None] & (offs_r[None, :] < R), sem="relaxed")
+
+    tl.store(dqabs_ptr + t_off, dq_HR.to(dqabs_ptr.dtype.element_ty), mask=t_mask)
+
+
+# ---- launchers -----------------------------------------------------------------------------------------
+def _dot_precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit operands
+
+
+def _autotune() -> bool:
+    return os.environ.get("MEGASEQ_MLA_AUTOTUNE", "0") == "1"
+
+
+_TUNED: dict[tuple, Config] = {}
+
+
+def _pick(kind: str, Hh: int, R: int, dtype: torch.dtype, run) -> Config:
+    """The config for this (kind, Hh, R, dtype): the default, or with autotuning the fastest of the space
+    (timed once per key with ``triton.testing.do_bench``; ``run(cfg)`` launches on the real arguments and
+    must be repeatable: the backward's ``dc`` is re-zeroed by the caller after tuning)."""
+    if not _autotune():
+        return default_config(kind, Hh, R, dtype)
+    key = (kind, Hh, R, dtype)
+    if key not in _TUNED:
+        times = {}
+        for cfg in _autotune_space(kind, Hh, R, dtype):
+            try:
+                times[cfg] = triton.testing.do_bench(lambda c=cfg: run(c), warmup=5, rep=20)
+            except (OutOfResources, CompilationError):  # a config over the shared-memory or register limit
+                times[cfg] = float("inf")
+        best = min(times, key=times.get)
+        _TUNED[key] = best if times[best] < float("inf") else default_config(kind, Hh, R, dtype)
+    return _TUNED[key]
+
+
+def forward(q_abs_HNR: torch.Tensor, c_BSR: torch.Tensor, idx_BQW: torch.Tensor,
+            scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``o_lat [Hh, N, R]`` (q_abs's dtype) and ``lse2 [Hh, N]`` fp32 of the sparse softmax."""
+    Hh, N, R = q_abs_HNR.shape
+    B, S, _ = c_BSR.shape
+    Q, W = idx_BQW.shape[1:]
+    o_lat = torch.empty_like(q_abs_HNR)
+    lse2 = torch.empty(Hh, N, dtype=torch.float32, device=q_abs_HNR.device)
+
+    def run(cfg: Config) -> None:
+        grid = (N * triton.cdiv(Hh, cfg.BH),)
+        sparse_mla_fwd_kernel[grid](q_abs_HNR, c_BSR, idx_BQW, o_lat, lse2, scale * LOG2E, N, Q, S, N * R,
+                                    W=W, Hh=Hh, R=R, RP=triton.next_power_of_2(R), BH=cfg.BH, BW=cfg.BW,
+                                    DOT_PREC=_dot_precision(q_abs_HNR.dtype), num_warps=cfg.num_warps,
+                                    num_stages=cfg.num_stages)
+
+    run(_pick("fwd", Hh, R, q_abs_HNR.dtype, run))
+    return o_lat, lse2
+
+
+def backward(q_abs_HNR: torch.Tensor, do_lat_HNR: torch.Tensor, o_lat_HNR: torch.Tensor, lse2_HN: torch.Tensor,
+             c_BSR: torch.Tensor, idx_BQW: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``dq_abs [Hh, N, R]`` (q_abs's dtype) and the latent gradient ``dc [B, S, R]`` fp32."""
+    Hh, N, R = q_abs_HNR.shape
+    B, S, _ = c_BSR.shape
+    Q, W = idx_BQW.shape[1:]
+    dq_abs = torch.empty_like(q_abs_HNR)
+    dc = torch.zeros(B, S, R, dtype=torch.float32, device=c_BSR.device)
+
+    def run(cfg: Config) -> None:
+        grid = (N * triton.cdiv(Hh, cfg.BH),)
+        sparse_mla_bwd_kernel[grid](q_abs_HNR, do_lat_HNR, o_lat_HNR, lse2_HN, c_BSR, idx_BQW, dq_abs, dc, scale,
+                                    scale * LOG2E, N, Q, S, N * R, W=W, Hh=Hh, R=R, RP=triton.next_power_of_2(R),
+                                    BH=cfg.BH, BW=cfg.BW, DOT_PREC=_dot_precision(q_abs_HNR.dtype),
+                                    num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+    cfg = _pick("bwd", Hh, R, q_abs_HNR.dtype, run)
+    if _autotune():
+        dc.zero_()  # tuning may have run the atomics several times
+    run(cfg)
+    return dq_abs, dc
+
+
+def compile_ptx(kind: str, dtype: torch.dtype, Hh: int, R: int, W: int, cfg: Config | None = None,
+                arch: int = 90) -> tuple[str, int]:
+    """PTX and shared-memory bytes of one kernel compiled for ``sm_<arch>`` without a GPU (Triton's
+    bundled ptxas also checks that it assembles): what the CPU test uses to catch code that only the
+    interpreter accepts, and a way to read registers, spills (``ptxas -v`` on the PTX) and the atomics'
+    width. Needs triton imported without ``TRITON_INTERPRET``."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    cfg = cfg or default_config(kind, Hh, R, dtype)
+    t = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}[dtype]
+    ints = {"N": "i32", "Q": "i32", "S": "i32", "stride_h": "i64"}
+    if kind == "fwd":
+        fn, ptrs = sparse_mla_fwd_kernel, {"qabs_ptr": t, "c_ptr": t, "idx_ptr": "*i32", "olat_ptr": t,
+                                           "lse_ptr": "*fp32", "scale_log2": "fp32"}
+    else:
+        fn, ptrs = sparse_mla_bwd_kernel, {"qabs_ptr": t, "dolat_ptr": t, "olat_ptr": t, "lse_ptr": "*fp32",
+                                           "c_ptr": t, "idx_ptr": "*i32", "dqabs_ptr": t, "dc_ptr": "*fp32",
+                                           "scale": "fp32", "scale_log2": "fp32"}
+    consts = {"W": W, "Hh": Hh, "R": R, "RP": triton.next_power_of_2(R), "BH": cfg.BH, "BW": cfg.BW,
+              "DOT_PREC": _dot_precision(dtype)}
+    sig = {**ptrs, **ints, **dict.fromkeys(consts, "constexpr")}
+    names = list(fn.arg_names)
+    aligned = [n for n, ty in sig.items() if ty.startswith("*") or n in ints]  # as Triton specializes them
+    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(n),): v for n, v in consts.items()},
+                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
+    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                              options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+    return compiled.asm["ptx"], compiled.metadata.shared

@@ -1,0 +1,266 @@
+"""The fused Triton sparse MLA (op ``sparse_attention``, implementation ``triton``) against the reference
+``torch_masked`` and against ``absorbed``: outputs and the gradients of q, c and the kv_b weight.
+
+Without a GPU the kernels run under Triton's interpreter in fp32 and fp16 on odd small shapes:
+``TRITON_INTERPRET=1`` is set here before anything imports triton (its own library functions are
+decorated at import), and the ``device`` fixture sets ``CPU_INTERPRETER`` for these tests only, so other
+modules' CPU tests never dispatch to the interpreter. With a GPU (``-m gpu``): bf16 and fp32 at the
+glm5-flash-1gpu shapes (R = 512, Dn = Dv = 256, W = 2063, causal pool selections) with 16 and 64 heads.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from megaseq.models.blocks.mla_dsa import sparse_mla_reference  # noqa: E402
+from megaseq.ops import dispatch, sparse_mla  # noqa: E402
+from megaseq.ops import triton_sparse_mla as tsm  # noqa: E402
+
+triton = pytest.importorskip("triton")
+torch.set_num_threads(1)
+CUDA = torch.cuda.is_available()
+GPU = pytest.mark.skipif(not CUDA, reason="needs a GPU")
+# max |a - b| / max |b| per work dtype, against a float64 reference on the same (rounded) inputs
+TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 3e-2}
+TOL_GPU = {torch.float32: 1e-4, torch.bfloat16: 3e-2}  # fp32 GEMMs around the kernels may use other orders
+
+
+@pytest.fixture
+def device(monkeypatch) -> str:
+    """cuda when present, else the cpu under the interpreter (skipped if triton was imported without it)."""
+    if CUDA:
+        return "cuda"
+    if os.environ.get("TRITON_INTERPRET") != "1" or not triton.knobs.runtime.interpret:
+        pytest.skip("triton was imported before TRITON_INTERPRET=1 was set")
+    monkeypatch.setattr(tsm, "CPU_INTERPRETER", True)
+    return "cpu"
+
+
+def where_differ(name: str, a: torch.Tensor, b: torch.Tensor) -> str:
+    """Max abs and relative error and the index where ``a`` and ``b`` differ most."""
+    err = (a.double() - b.double()).abs()
+    i = int(err.argmax())
+    at = tuple(int(x) for x in torch.unravel_index(torch.tensor(i), err.shape))
+    rel = err.max().item() / max(b.double().abs().max().item(), 1e-300)
+    return (f"{name}: max abs {err.max().item():.3e} at {at} (got {a.flatten()[i].item():.6g}, want "
+            f"{b.flatten()[i].item():.6g}), rel {rel:.3e}")
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-300)).item()
+
+
+def assert_close(name: str, a: torch.Tensor, b: torch.Tensor, tol: float) -> None:
+    assert torch.isfinite(a).all(), f"{name}: non-finite values"
+    assert rel_err(a, b) < tol, where_differ(name, a, b)
+
+
+def causal_indices(gen, B: int, Q: int, S: int, W: int) -> torch.Tensor:
+    """Queries at the last Q of S positions: distinct valid keys at or before each, -1 slots scattered
+    among them, one row whose only valid key is itself (its last slot), one out-of-range slot (>= S)."""
+    idx = torch.full((B, Q, W), -1, dtype=torch.int32)
+    for b in range(B):
+        for i in range(Q):
+            pos = S - Q + i
+            n = int(torch.randint(1, min(W, pos + 1) + 1, (1,), generator=gen))
+            keys = torch.randperm(pos + 1, generator=gen)[:n]
+            idx[b, i, torch.randperm(W, generator=gen)[:n]] = keys.to(torch.int32)
+    idx[0, 2] = -1
+    idx[0, 2, W - 1] = S - Q + 2
+    idx[-1, -1, 0] = S + 5
+    return idx
+
+
+def make_inputs(seed: int, B: int, Q: int, S: int, Hh: int, R: int, W: int, D: int = 16, dtype=torch.float32,
+                device: str = "cpu"):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, Q, Hh, D, generator=gen)
+    c = torch.randn(B, S, R, generator=gen)
+    w = torch.randn(Hh * 2 * D, R, generator=gen) * R**-0.5
+    idx = causal_indices(gen, B, Q, S, W)
+    g_out = torch.randn(B, Q, Hh, D, generator=gen)
+    leaves = [t.to(device, dtype).requires_grad_() for t in (q, c, w)]
+    return leaves, idx.to(device), g_out.to(device)
+
+
+def run(fn, leaves, idx, g_out, scale: float):
+    out = fn(*leaves, idx, scale)
+    grads = torch.autograd.grad((out.double() * g_out.double()).sum(), leaves)
+    return out, grads
+
+
+def check_against_reference(leaves, idx, g_out, scale: float, tol: float) -> None:
+    out, grads = run(tsm.triton_sparse_mla, leaves, idx, g_out, scale)
+    ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
+    ref, ref_grads = run(sparse_mla_reference, ref_leaves, idx, g_out, scale)
+    assert out.dtype == leaves[0].dtype
+    assert_close("out", out, ref, tol)
+    for name, a, b in zip(("dq", "dc", "dw"), grads, ref_grads):
+        assert_close(name, a, b, tol)
+
+
+# ---- CPU (interpreter) or GPU, fp32: odd shapes ---------------------------------------------------------
+@pytest.mark.parametrize("B,Q,S,Hh,R,W", [
+    (2, 37, 53, 5, 32, 21),   # heads padded to a block of 16, a partial slot block
+    (1, 19, 40, 17, 48, 9),   # two head blocks (atomics from two programs per query), R padded to 64
+    (2, 11, 12, 4, 16, 40),   # more slots than keys: most empty
+])
+def test_triton_matches_reference_fp32(device, B, Q, S, Hh, R, W):
+    leaves, idx, g_out = make_inputs(0, B, Q, S, Hh, R, W, device=device)
+    assert tsm.triton_sparse_mla_supports(*leaves, idx, 0.37) is None
+    check_against_reference(leaves, idx, g_out, 0.37, TOL[torch.float32])
+
+
+def test_triton_matches_absorbed_fp32(device):
+    leaves, idx, g_out = make_inputs(1, 2, 29, 41, 3, 32, 17, device=device)
+    out, grads = run(tsm.triton_sparse_mla, leaves, idx, g_out, 0.2)
+    ref, ref_grads = run(sparse_mla.sparse_mla, leaves, idx, g_out, 0.2)
+    assert_close("out", out, ref, TOL[torch.float32])
+    for name, a, b in zip(("dq", "dc", "dw"), grads, ref_grads):
+        assert_close(name, a, b, TOL[torch.float32])
+
+
+def test_empty_rows_take_absorbed(device):
+    """A batch row with a query that selects nothing goes to ``absorbed`` (the reference's uniform
+    fallback); the other row still runs the kernels, which alone give such a query 0 and no gradient."""
+    leaves, idx, g_out = make_inputs(2, 2, 13, 20, 3, 16, 8, device=device)
+    idx[0, 5] = -1
+    check_against_reference(leaves, idx, g_out, 0.5, TOL[torch.float32])
+    assert tsm.empty_batch_rows(idx, 20) == [True, False]
+    q, c, w = (t.detach().requires_grad_() for t in leaves)
+    out = tsm.TritonSparseMLA.apply(q, c, w, idx, 0.5)
+    assert out[0, 5].abs().max() == 0
+    grads = torch.autograd.grad((out * g_out).sum(), (q, c, w))
+    assert all(torch.isfinite(g).all() for g in grads) and grads[0][0, 5].abs().max() == 0
+
+
+def test_autocast_fp16_runs_in_fp16(device):
+    leaves, idx, g_out = make_inputs(3, 1, 23, 30, 4, 32, 12, device=device)
+    with torch.autocast(device, dtype=torch.float16):
+        assert tsm.triton_sparse_mla_supports(*leaves, idx, 0.3) is None
+        out = tsm.triton_sparse_mla(*leaves, idx, 0.3)
+    assert out.dtype == torch.float16
+    grads = torch.autograd.grad((out.double() * g_out.double()).sum(), leaves)
+    assert all(g.dtype == torch.float32 for g in grads)  # through the casts to the fp32 leaves
+    half = [t.detach().half().double().requires_grad_() for t in leaves]
+    ref, ref_grads = run(sparse_mla_reference, half, idx, g_out, 0.3)
+    assert_close("out", out, ref, TOL[torch.float16])
+    for name, a, b in zip(("dq", "dc", "dw"), grads, ref_grads):
+        assert_close(name, a, b, TOL[torch.float16])
+
+
+def test_dispatcher_runs_triton_when_preferred(device):
+    leaves, idx, _ = make_inputs(4, 1, 9, 12, 2, 16, 5, device=device)
+    dispatch.reset_records()
+    dispatch.configure(preferred={"sparse_attention": ["triton"]}, planned={"sparse_attention": "triton"},
+                       strict=True)
+    try:
+        out = dispatch.call("sparse_attention", *leaves, idx, 0.4, layer="layers.3.self_attn")
+    finally:
+        dispatch.configure()
+    assert [r.impl for _, r in dispatch.records()] == ["triton"]
+    assert rel_err(out, sparse_mla_reference(*[t.double() for t in leaves], idx, 0.4)) < TOL[torch.float32]
+
+
+# ---- the GPU code compiles for sm_90 (no GPU needed) ------------------------------------------------------
+COMPILE_SM90 = textwrap.dedent("""
+    import torch
+    from megaseq.ops.triton_sparse_mla_kernels import compile_ptx
+    for kind, dtype, Hh in [("fwd", torch.bfloat16, 16), ("bwd", torch.bfloat16, 16), ("fwd", torch.bfloat16, 64),
+                            ("bwd", torch.float32, 16), ("fwd", torch.float32, 5)]:
+        ptx, smem = compile_ptx(kind, dtype, Hh, 512, 2063)
+        assert smem <= 232448, (kind, dtype, Hh, smem)  # an H200's shared memory per block
+        print(kind, dtype, Hh, "v4-atomics" if "atom.global.gpu.relaxed.add.v4.f32" in ptx else "-", flush=True)
+""")
+
+
+def test_kernels_compile_for_sm90():
+    """Triton's interpreter accepts code the compiler refuses (it did: a helper returning masks of two
+    shapes); compile both kernels for an H200 in a process without TRITON_INTERPRET. The latent gradient's
+    atomics must come out 4-wide (``atom...add.v4.f32``): scalar ones would be 4x the atomic operations."""
+    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
+        pytest.skip("triton without its bundled ptxas")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(tsm.__file__).parents[2]), env.get("PYTHONPATH", "")])
+    run_ = subprocess.run([sys.executable, "-c", COMPILE_SM90], env=env, capture_output=True, text=True, timeout=600)
+    assert run_.returncode == 0, run_.stderr[-3000:]
+    lines = run_.stdout.splitlines()
+    assert len(lines) == 5, run_.stdout
+    assert "bwd torch.bfloat16 16 v4-atomics" in lines and "bwd torch.float32 16 v4-atomics" in lines
+
+
+# ---- what supports refuses, and the memory formula -----------------------------------------------------
+def test_supports_gives_reasons(monkeypatch):
+    leaves, idx, _ = make_inputs(5, 1, 6, 8, 2, 16, 4)
+    q, c, w = (t.detach() for t in leaves)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert "device cpu" in tsm.triton_sparse_mla_supports(q, c, w, idx, 0.5)  # CPU_INTERPRETER unset
+    monkeypatch.setattr(tsm, "CPU_INTERPRETER", True)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert "device cpu" in tsm.triton_sparse_mla_supports(q, c, w, idx, 0.5)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert tsm.triton_sparse_mla_supports(q, c, w, idx, 0.5) is None
+    assert "bfloat16" in tsm.triton_sparse_mla_supports(q.bfloat16(), c, w, idx, 0.5)
+    assert "float64" in tsm.triton_sparse_mla_supports(q.double(), c, w, idx, 0.5)
+    assert "multiple of 16" in tsm.triton_sparse_mla_supports(q, c[..., :12], w[:, :12], idx, 0.5)
+    assert "latent" in tsm.triton_sparse_mla_supports(q, c[0], w, idx, 0.5)
+    assert "do not match" in tsm.triton_sparse_mla_supports(q, c, w, idx[:, :3], 0.5)
+    assert "int32" in tsm.triton_sparse_mla_supports(q, c, w, idx.float(), 0.5)
+
+
+def test_bytes_count_saved_latent_outputs_and_no_per_slot_state():
+    Q, S, W, R, Hh, Dn, Dv = 32768, 32768, 2063, 512, 16, 256, 256
+    got = tsm.triton_sparse_mla_bytes(Q, S, W, R, Hh, Dn, Dv, torch.bfloat16)
+    assert got["saved"] == S * R * 2 + Q * Hh * R * 2 + Q * Hh * 4
+    assert got == tsm.triton_sparse_mla_bytes(Q, S, 4 * W, R, Hh, Dn, Dv, torch.bfloat16)  # nothing per slot
+    assert got["forward"] == Q * Hh * (Dn + R + Dv) * 2
+    # the saved o_lat is the price of a backward without a third pass: more than absorbed saves
+    assert got["saved"] - sparse_mla.sparse_mla_bytes(Q, S, W, R, Hh, Dn, Dv, torch.bfloat16)["saved"] == Q * Hh * R * 2
+
+
+# ---- GPU: the glm5-flash shapes ------------------------------------------------------------------------
+def gpu_inputs(Hh: int, Q: int, S: int, dtype: torch.dtype, seed: int = 0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    R, D = 512, 256
+    q = torch.randn(1, Q, Hh, D, device="cuda", generator=gen)
+    c = torch.randn(1, S, R, device="cuda", generator=gen)
+    w = torch.randn(Hh * 2 * D, R, device="cuda", generator=gen) * R**-0.5
+    idx = tsm.causal_pool_selection(1, Q, S, generator=gen, device="cuda")
+    g_out = torch.randn(1, Q, Hh, D, device="cuda", generator=gen)
+    return [t.to(dtype).requires_grad_() for t in (q, c, w)], idx, g_out
+
+
+@pytest.mark.gpu
+@GPU
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("Hh", [16, 64])
+def test_gpu_matches_reference(dtype, Hh):
+    leaves, idx, g_out = gpu_inputs(Hh, 4096, 4096, dtype)
+    out, grads = run(tsm.triton_sparse_mla, leaves, idx, g_out, 256**-0.5)
+    ref_leaves = [t.detach().float().requires_grad_() for t in leaves]
+    ref, ref_grads = run(sparse_mla_reference, ref_leaves, idx, g_out, 256**-0.5)  # fp32: no tf32 by default
+    assert_close("out", out, ref, TOL_GPU[dtype])
+    for name, a, b in zip(("dq", "dc", "dw"), grads, ref_grads):
+        assert_close(name, a, b, TOL_GPU[dtype])
+
+
+@pytest.mark.gpu
+@GPU
+def test_gpu_bf16_matches_absorbed_at_32k():
+    leaves, idx, g_out = gpu_inputs(16, 32768, 32768, torch.bfloat16, seed=1)
+    out, grads = run(tsm.triton_sparse_mla, leaves, idx, g_out, 256**-0.5)
+    ref, ref_grads = run(sparse_mla.sparse_mla, leaves, idx, g_out, 256**-0.5)
+    assert_close("out", out, ref, TOL_GPU[torch.bfloat16])
+    for name, a, b in zip(("dq", "dc", "dw"), grads, ref_grads):
+        assert_close(name, a, b, TOL_GPU[torch.bfloat16])
