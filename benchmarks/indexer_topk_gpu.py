@@ -129,6 +129,17 @@ def bound_ratio(args, scale: float, rows: int = 256) -> float:
     return float(((L.double() - exact).abs() * vis / e[:, None]).max())
 
 
+def breakdown(args, scale: float, K: int, dev, reps: int) -> dict:
+    """ms of the steps on the whole case as one chunk: the kernel, the candidates' topk (the rest is the
+    re-check, the certificate and the bookkeeping)."""
+    q, w, keys, ends, pdoc, pos, qdoc = args
+    n = max(K, int(torch.searchsorted(ends, pos.max(), right=True)))
+    floor = torch.finfo(torch.float32).min
+    t_kernel, L = timed(lambda: kern.index_scores(q, w, keys, ends, pdoc, pos, qdoc, n, scale, floor), dev, reps)
+    t_topk, _ = timed(lambda: L.topk(min(K + indexer_topk.MARGIN, n), dim=-1), dev, reps)
+    return {"ms_kernel": t_kernel, "ms_topk": t_topk}
+
+
 def compare(args, scale, K, dev, reps, ref_reps, ref=None, **kw) -> tuple[dict, tuple]:
     """One case: both implementations timed (the reference's ``(ms, result, peak)`` reused when given),
     their results compared, the fast path's counters."""
@@ -172,7 +183,9 @@ def case_32k(shape, dev, gen, smoke, reps) -> dict:
         out[name], r = compare(args, scale, shape.K, dev, reps, 2, ref=ref if same_ref else None, **kw)
         ref = r if name == "q_bf16_keys_fp32" else ref
         out[name]["bound_ratio"] = bound_ratio(args, scale) if not kw else None
-        print("32k", name, _fmt(out[name]), flush=True)
+        out[name].update(breakdown(args, scale, shape.K, dev, reps) if not kw else {})
+        print("32k", name, _fmt(out[name]), {k: out[name].get(k) for k in ("bound_ratio", "ms_kernel", "ms_topk")},
+              flush=True)
     return out
 
 
@@ -190,6 +203,8 @@ def case_1m(shape, dev, gen, smoke, reps) -> tuple[dict, dict]:
         seg[f"margin_{margin}"], ref = compare(args, scale, shape.K, dev, reps, 2, ref=ref, margin=margin)
         print("1m_segment", margin, _fmt(seg[f"margin_{margin}"]), flush=True)
     seg["margin_32"]["bound_ratio"] = bound_ratio(args, scale)
+    seg["margin_32"].update(breakdown(args, scale, shape.K, dev, reps))
+    print("1m_segment", {k: seg["margin_32"][k] for k in ("bound_ratio", "ms_kernel", "ms_topk")}, flush=True)
     full = {"chunks": []}
     for start in (S // 8, S // 2):
         args = (q, w, keys, ends, zeros_P, torch.arange(start, start + Q, device=dev), zeros_Q)
