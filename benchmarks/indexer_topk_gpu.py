@@ -140,6 +140,21 @@ def breakdown(args, scale: float, K: int, dev, reps: int) -> dict:
     return {"ms_kernel": t_kernel, "ms_topk": t_topk}
 
 
+def profile(args, scale: float, K: int, dev, label: str) -> None:
+    """The device kernels of one ``triton`` call, by total time (``--profile``)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    with torch_profile(activities=acts) as prof:
+        indexer_topk.indexer_topk_triton(*args, K, scale)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+    sort = "cuda_time_total" if dev.type == "cuda" else "cpu_time_total"
+    print(f"profile {label}\n" + prof.key_averages().table(sort_by=sort, row_limit=10, max_name_column_width=40),
+          flush=True)
+
+
 def compare(args, scale, K, dev, reps, ref_reps, ref=None, **kw) -> tuple[dict, tuple]:
     """One case: both implementations timed (the reference's ``(ms, result, peak)`` reused when given),
     their results compared, the fast path's counters."""
@@ -163,7 +178,7 @@ def compare(args, scale, K, dev, reps, ref_reps, ref=None, **kw) -> tuple[dict, 
     return row, ref
 
 
-def case_32k(shape, dev, gen, smoke, reps) -> dict:
+def case_32k(shape, dev, gen, smoke, reps, prof=False) -> dict:
     """The 1gpu preset's 32K step: Q = S, one document, autocast dtypes and the other operand dtypes."""
     S = 256 if smoke else 32768
     keys = make_keys(shape, S, dev, gen)
@@ -184,12 +199,14 @@ def case_32k(shape, dev, gen, smoke, reps) -> dict:
         ref = r if name == "q_bf16_keys_fp32" else ref
         out[name]["bound_ratio"] = bound_ratio(args, scale) if not kw else None
         out[name].update(breakdown(args, scale, shape.K, dev, reps) if not kw else {})
+        if prof and name == "q_bf16_keys_fp32":
+            profile(args, scale, shape.K, dev, f"32k {name}")
         print("32k", name, _fmt(out[name]), {k: out[name].get(k) for k in ("bound_ratio", "ms_kernel", "ms_topk")},
               flush=True)
     return out
 
 
-def case_1m(shape, dev, gen, smoke, reps) -> tuple[dict, dict]:
+def case_1m(shape, dev, gen, smoke, reps, prof=False) -> tuple[dict, dict]:
     """One sequence segment (8192 queries at the end of 1M tokens) and the full 1M extrapolated."""
     S, Q = (2048, 128) if smoke else (1 << 20, 8192)
     keys = make_keys(shape, S, dev, gen)
@@ -204,6 +221,8 @@ def case_1m(shape, dev, gen, smoke, reps) -> tuple[dict, dict]:
         print("1m_segment", margin, _fmt(seg[f"margin_{margin}"]), flush=True)
     seg["margin_32"]["bound_ratio"] = bound_ratio(args, scale)
     seg["margin_32"].update(breakdown(args, scale, shape.K, dev, reps))
+    if prof:
+        profile(args, scale, shape.K, dev, "1m_segment")
     print("1m_segment", {k: seg["margin_32"][k] for k in ("bound_ratio", "ms_kernel", "ms_topk")}, flush=True)
     full = {"chunks": []}
     for start in (S // 8, S // 2):
@@ -241,6 +260,7 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (the CPU under the Triton interpreter)")
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--profile", action="store_true", help="print the kernels of one call per main case")
     args = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     shape = Shape(args.smoke)
@@ -251,9 +271,9 @@ def main() -> int:
                  "shape": vars(shape)}
     out = Path(args.out)
     save = lambda: out.write_text(json.dumps(res, indent=1))  # noqa: E731
-    res["32k"] = case_32k(shape, dev, gen, args.smoke, args.reps)
+    res["32k"] = case_32k(shape, dev, gen, args.smoke, args.reps, args.profile)
     save()
-    res["1m_segment"], res["1m_full"] = case_1m(shape, dev, gen, args.smoke, args.reps)
+    res["1m_segment"], res["1m_full"] = case_1m(shape, dev, gen, args.smoke, args.reps, args.profile)
     res["seconds"] = time.perf_counter() - t0
     save()
     print(f"done in {res['seconds']:.0f} s -> {out}")

@@ -49,7 +49,7 @@ from megaseq.ops import dispatch
 MARGIN: int = 32  # candidates beyond K per row
 SPLIT: bool = True  # split fp32 operands into bf16 hi + lo (False: round them to bf16, a 64x looser bound)
 SCORING_BUDGET_BYTES: int = 2 << 30  # one chunk's working set when no query_chunk is given
-RECHECK_ROWS: int = 2048  # rows per re-check sub-block (gathered fp32 keys [r, M, D])
+RECHECK_ROWS: int = 16384  # rows per re-check sub-block (the sort and tie masks of [r, M])
 DTYPES = (torch.float32, torch.bfloat16)
 F32_UNIT = 2.0**-24  # fp32 unit roundoff
 
@@ -77,14 +77,17 @@ def indexer_topk_bytes(query_chunk: int, num_pools: int, num_heads: int, num_sel
 
     Per row of the chunk: the scores ``L [P]`` fp32 (4P); the candidates' values fp32 and indices int64
     (12M), the few-pool keys (int64, 8(M + K)) and the selection and validity (9K). Per row of one
-    re-check sub-block (``RECHECK_ROWS`` rows at most): the gathered keys fp32 ``[M, D]`` (4MD), the
-    head scores ``[I, M]`` fp32 (4IM), then ``E``, its sorted copy, the sort permutation and the tie masks
-    (about 40M). The fallback's chunks stay within this total (``_fallback``).
+    re-check sub-block (``RECHECK_ROWS`` rows at most): the sorted candidates, their permutation and
+    values (20M), the exact scores ``E`` (4M) and the tie-break masks, ranks and picks
+    (``topk_lowest_index_ties``, about 24M). The candidates' keys are gathered in the kernel's
+    registers (never ``[M, D]`` in memory). ``num_heads`` and ``head_dim`` do not enter: no
+    ``[c, I, P]`` head scores exist. The fallback's chunks stay within this total (``_fallback``).
     """
+    del num_heads, head_dim
     P, K = num_pools, min(num_select, num_pools)
     M = min(K + margin, P)
     per_row = 4 * P + 12 * M + 8 * (M + K) + 9 * K
-    per_recheck_row = 4 * M * head_dim + 4 * num_heads * M + 40 * M
+    per_recheck_row = 48 * M
     return query_chunk * per_row + min(query_chunk, RECHECK_ROWS) * per_recheck_row
 
 
@@ -213,8 +216,7 @@ class _Run:
         self.pool_doc_P, self.q_pos_Q, self.q_doc_Q = pool_doc_P, q_pos_Q, q_doc_Q
         self.k, self.scale, self.split = k, scale, split
         self.floor = torch.finfo(torch.float32).min
-        self.keys_f32_PD = keys_PD.float()  # the re-check's keys, as the reference casts them
-        self.key_norm_max = float(torch.linalg.vector_norm(self.keys_f32_PD, dim=-1).max())
+        self.key_norm_max = float(torch.linalg.vector_norm(keys_PD, dim=-1, dtype=torch.float32).max())
 
     def chunk(self, s: int, e: int, margin: int) -> tuple[torch.Tensor, torch.Tensor]:
         from megaseq.ops.indexer_topk_kernel import index_scores
@@ -225,11 +227,12 @@ class _Run:
         L_cn = index_scores(self.q_QID[s:e], self.w_QI[s:e], self.keys_PD, self.ends_P, self.pool_doc_P, pos_c,
                             doc_c, n, self.scale, floor, self.split)
         M = min(k + margin, n)
-        vals_cM, cand_cM = L_cn.topk(M, dim=-1)
+        vals_cM, cand_cM = L_cn.topk(M, dim=-1, sorted=False)
         bad_c = ~torch.isfinite(vals_cM).all(-1)
-        few_c = (vals_cM[:, k - 1] == floor) & ~bad_c  # fewer than k visible pools
+        few_c = ((vals_cM > floor).sum(-1) < k) & ~bad_c  # fewer than k visible pools
         sel_cK = torch.empty(e - s, k, dtype=torch.int64, device=L_cn.device)
-        if bool(few_c.any()):
+        num_few = int(few_c.sum())
+        if num_few:
             sel_cK[few_c] = _few_pool_selection(L_cn[few_c, :k], vals_cM[few_c], cand_cM[few_c], k, floor)
         del L_cn
         many = torch.nonzero(~few_c & ~bad_c).squeeze(-1)
@@ -240,7 +243,7 @@ class _Run:
         redo = torch.nonzero(bad_c | ~cert_c).squeeze(-1)
         STATS.rows += e - s
         STATS.chunks += 1
-        STATS.few_pool_rows += int(few_c.sum())
+        STATS.few_pool_rows += num_few
         if redo.numel():
             STATS.fallback_rows += redo.numel()
             sel_cK[redo] = self._fallback(s + redo, e - s, margin)
@@ -249,15 +252,12 @@ class _Run:
 
     def _recheck(self, rows_r, vals_rM, cand_rM, all_pools: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Exact top-k among the candidates (ascending) and the certificate that it is the rows' top-k."""
+        from megaseq.ops.indexer_topk_kernel import recheck_scores
+
         k, floor = self.k, self.floor
-        q_rID, w_rI = self.q_QID[rows_r], self.w_QI[rows_r]
         cand_rM, perm_rM = cand_rM.sort(dim=-1)  # pool order, so the lowest-index rule sees pool indices
         vals_rM = vals_rM.gather(-1, perm_rM)
-        keys_rDM = self.keys_f32_PD[cand_rM].transpose(1, 2)
-        # the reference's op order: fp32 matmul, mul_(scale), relu_, head sum as a matmul
-        scores_rIM = torch.matmul(q_rID.float(), keys_rDM).mul_(self.scale).relu_()
-        exact_rM = torch.matmul(w_rI.float().unsqueeze(-2), scores_rIM).squeeze(-2)
-        del scores_rIM, keys_rDM
+        exact_rM = recheck_scores(self.q_QID, self.w_QI, self.keys_PD, rows_r, cand_rM, self.scale)
         exact_rM.masked_fill_(vals_rM == floor, floor)  # the kernel writes floor exactly where not visible
         pick_rK = indexer_scoring.topk_lowest_index_ties(exact_rM, k)
         sel_rK = cand_rM.gather(-1, pick_rK).sort(dim=-1).values
@@ -265,7 +265,8 @@ class _Run:
             return sel_rK, torch.ones(len(rows_r), dtype=torch.bool, device=sel_rK.device)
         kth_r = exact_rM.gather(-1, pick_rK).min(dim=-1).values
         t_r = vals_rM.min(dim=-1).values  # the M-th largest kernel score
-        err_r = score_error_bound(q_rID, w_rI, self.keys_PD.dtype, self.key_norm_max, self.scale, self.split)
+        err_r = score_error_bound(self.q_QID[rows_r], self.w_QI[rows_r], self.keys_PD.dtype, self.key_norm_max,
+                                  self.scale, self.split)
         cert_r = (t_r == floor) | (t_r.double() + err_r < kth_r.double())
         return sel_rK, cert_r
 

@@ -128,3 +128,54 @@ def index_scores(q_cID: torch.Tensor, w_cI: torch.Tensor, keys_PD: torch.Tensor,
 
         _tuned[grid](*args, **meta)
     return out_cn
+
+
+# ---- the exact re-check: fp32 scores of each row's candidates ---------------------------------------------
+@triton.jit
+def _recheck_kernel(q_ptr, w_ptr, k_ptr, rows_ptr, cand_ptr, out_ptr, M, stride_qc, stride_qh, stride_qd,
+                    stride_wc, stride_wh, stride_kp, stride_kd, stride_cr, stride_or, scale,
+                    NUM_HEADS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BH: tl.constexpr,
+                    BM: tl.constexpr):
+    r = tl.program_id(0)
+    offs_m = tl.program_id(1) * BM + tl.arange(0, BM)
+    offs_d = tl.arange(0, DP)
+    offs_h = tl.arange(0, BH)
+    in_m = offs_m < M
+    in_d = offs_d < D
+    row = tl.load(rows_ptr + r).to(tl.int64)
+    cand = tl.load(cand_ptr + r.to(tl.int64) * stride_cr + offs_m, mask=in_m, other=0).to(tl.int64)
+    k = tl.load(k_ptr + cand[:, None] * stride_kp + offs_d[None, :] * stride_kd, mask=in_m[:, None] & in_d[None, :],
+                other=0.0).to(tl.float32)
+    kt = tl.trans(k)
+    acc = tl.zeros((BM,), dtype=tl.float32)
+    for h0 in range(0, NUM_HEADS, BH):
+        heads = h0 + offs_h
+        in_h = heads < NUM_HEADS
+        q = tl.load(q_ptr + row * stride_qc + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+                    mask=in_h[:, None] & in_d[None, :], other=0.0).to(tl.float32)
+        s = tl.maximum(tl.dot(q, kt, input_precision="ieee") * scale, 0.0)  # fp32 FMA, as the reference
+        w = tl.load(w_ptr + row * stride_wc + heads * stride_wh, mask=in_h, other=0.0).to(tl.float32)
+        acc += tl.sum(w[:, None] * s, axis=0)
+    tl.store(out_ptr + r.to(tl.int64) * stride_or + offs_m, acc, mask=in_m)
+
+
+def recheck_scores(q_QID: torch.Tensor, w_QI: torch.Tensor, keys_PD: torch.Tensor, rows_r: torch.Tensor,
+                   cand_rM: torch.Tensor, scale: float) -> torch.Tensor:
+    """fp32 scores ``[r, M]`` of query rows ``rows_r`` against their candidate pools ``cand_rM``.
+
+    The reference's formula in fp32 arithmetic (fp32 inputs, IEEE fp32 dot products, ``* scale``, relu, the
+    weighted head sum); the candidates' keys are gathered in registers, never materialised.
+    """
+    r, M = cand_rM.shape
+    out_rM = torch.empty(r, M, dtype=torch.float32, device=q_QID.device)
+    if r == 0 or M == 0:
+        return out_rM
+    I, D = q_QID.shape[1], q_QID.shape[2]
+    BM = 16 if INTERPRET else 64
+    BH = 16 if INTERPRET or I <= 16 else 32
+    cand_rM = cand_rM.contiguous()
+    _recheck_kernel[(r, triton.cdiv(M, BM))](
+        q_QID, w_QI, keys_PD, rows_r.contiguous(), cand_rM, out_rM, M, *q_QID.stride(), *w_QI.stride(),
+        *keys_PD.stride(), cand_rM.stride(0), out_rM.stride(0), float(scale), NUM_HEADS=I, D=D,
+        DP=triton.next_power_of_2(D), BH=BH, BM=BM, num_warps=4)
+    return out_rM
