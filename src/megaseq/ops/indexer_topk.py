@@ -14,8 +14,9 @@ The fast implementation ``triton`` computes the same selection in four steps per
 1. ``indexer_topk_kernel.index_scores``: the scores ``L [c, n]`` on tensor cores (bf16 operands, an fp32
    operand split into bf16 ``hi + lo``, fp32 accumulation), masked as the reference; no ``[c, I, n]``.
 2. Candidates: ``torch.topk(L, M)``.
-3. Re-check: the candidates' scores ``E`` recomputed in fp32 with the reference's op order (fp32 matmul,
-   ``mul_(scale)``, ``relu_``, weighted head sum as a matmul), top-K of ``E`` with the lowest-index rule.
+3. Re-check: ``indexer_topk_kernel.recheck_scores``, the candidates' scores ``E`` recomputed in fp32
+   arithmetic (fp32 inputs, IEEE fp32 dots, ``* scale``, relu, the weighted head sum; keys gathered in
+   registers), top-K of ``E`` with the lowest-index rule.
 4. Certificate: with ``|L - E| <= e`` per row (``score_error_bound``), every pool outside the candidates has
    ``E <= t + e`` where ``t`` is the M-th largest ``L``; when ``t + e < E_K`` (the K-th largest exact
    candidate score) none of them can enter the top-K, not even by a tie, so step 3's pick is the exact
@@ -25,9 +26,9 @@ The fast implementation ``triton`` computes the same selection in four steps per
 
 So the selection equals fp32 scoring exactly: pools outside the candidates are excluded by a proof,
 and the pick among candidates uses fp32 scores computed as the reference does. "fp32 scoring" is the
-re-check's: where cuBLAS (or the CPU BLAS) sums the reference's ``[c * I, D] x [D, n]`` GEMM in another
-order than the re-check's batched one, the two can differ in the last bit, and a tie at that level (1e-7
-relative) can go either way, as between two chunkings of the reference itself. Rows with a non-finite
+re-check's: cuBLAS (or the CPU BLAS) sums the reference's ``[c * I, D] x [D, n]`` GEMM in its own order,
+so the two can differ in the last bit, and a tie at that level (1e-7 relative) can go either way, as
+between two chunkings of the reference itself. Rows with a non-finite
 candidate score go to the fallback.
 
 Memory: ``indexer_topk_bytes`` (chunk rows from ``resolve_query_chunk``, ``SCORING_BUDGET_BYTES`` when no
