@@ -219,6 +219,8 @@ def case_1m(shape, dev, gen, smoke, reps, prof=False) -> tuple[dict, dict]:
     for margin in (32, 16, 64):
         seg[f"margin_{margin}"], ref = compare(args, scale, shape.K, dev, reps, 2, ref=ref, margin=margin)
         print("1m_segment", margin, _fmt(seg[f"margin_{margin}"]), flush=True)
+    seg["nosplit_margin_256"], _ = compare(args, scale, shape.K, dev, reps, 2, ref=ref, margin=256, split=False)
+    print("1m_segment nosplit 256", _fmt(seg["nosplit_margin_256"]), flush=True)
     seg["margin_32"]["bound_ratio"] = bound_ratio(args, scale)
     seg["margin_32"].update(breakdown(args, scale, shape.K, dev, reps))
     if prof:
