@@ -155,6 +155,25 @@ def profile(args, scale: float, K: int, dev, label: str) -> None:
           flush=True)
 
 
+def near_ties(args, scale: float, sel, sel_ref, rows) -> list[dict]:
+    """Differing rows: the pools only one side picked and their float64 scores, with the relative gap
+    between the two sides' sets (an fp32-level tie when ~1e-7)."""
+    q, w, keys = args[0], args[1], args[2]
+    out = []
+    for r in rows.tolist():
+        a, b = set(sel[r].tolist()), set(sel_ref[r].tolist())
+        pools = torch.tensor(sorted(a ^ b), device=q.device)
+        s = torch.einsum("id,pd->ip", q[r].double(), keys[pools].double()).mul(scale).relu()
+        e64 = (w[r].double() @ s).tolist()
+        only = {int(p): v for p, v in zip(pools.tolist(), e64)}
+        fa = [v for p, v in only.items() if p in a]
+        fb = [v for p, v in only.items() if p in b]
+        gap = abs(max(fa + fb) - min(fa + fb)) / max(abs(max(fa + fb)), 1e-30)
+        out.append({"row": r, "only_triton": [p for p in only if p in a], "only_ref": [p for p in only if p in b],
+                    "float64": only, "relative_gap": gap})
+    return out
+
+
 def compare(args, scale, K, dev, reps, ref_reps, ref=None, **kw) -> tuple[dict, tuple]:
     """One case: both implementations timed (the reference's ``(ms, result, peak)`` reused when given),
     their results compared, the fast path's counters."""
@@ -167,9 +186,13 @@ def compare(args, scale, K, dev, reps, ref_reps, ref=None, **kw) -> tuple[dict, 
     indexer_topk.STATS.reset()
     fast = fast_fn()
     st = indexer_topk.STATS
-    row = {"fallback_rows": st.fallback_rows, "few_pool_rows": st.few_pool_rows, "rows": st.rows}
+    row = {"fallback_rows": st.fallback_rows, "few_pool_rows": st.few_pool_rows, "exact_rows": st.exact_rows,
+           "band_max": st.band_max, "rows": st.rows}
     t_fast, _ = timed(fast_fn, dev, reps)
-    diff = ((fast[0] != out_ref[0]).any(-1) | (fast[1] != out_ref[1]).any(-1)).sum()
+    diff_Q = (fast[0] != out_ref[0]).any(-1) | (fast[1] != out_ref[1]).any(-1)
+    diff = diff_Q.sum()
+    if int(diff):
+        row["differences"] = near_ties(args, scale, fast[0], out_ref[0], torch.nonzero(diff_Q).squeeze(-1)[:4])
     flops = 2 * args[0].shape[1] * args[0].shape[2] * visible_pairs(args[3], args[5])
     row.update({"ms_triton": t_fast, "ms_torch_fp32": t_ref, "speedup": t_ref / t_fast,
                 "tflops_triton": flops / t_fast / 1e9, "tflops_torch_fp32": flops / t_ref / 1e9,

@@ -23,6 +23,7 @@ pytest.importorskip("triton")
 from megaseq.memory import indexer_scoring  # noqa: E402
 from megaseq.ops import dispatch, indexer_topk  # noqa: E402
 from megaseq.ops import indexer_topk_kernel as kern  # noqa: E402
+from megaseq.ops import indexer_topk_select as sel_mod  # noqa: E402
 
 torch.set_num_threads(1)
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
@@ -116,6 +117,19 @@ def test_certified_rows_need_no_fallback():
 
 
 @CPU
+@pytest.mark.parametrize("band", [2, 32])
+@pytest.mark.parametrize("ties", [False, True])
+def test_exact_band_recheck(band, ties, monkeypatch):
+    """Without the split the bound is wide: most rows re-check their band (narrow, or all M candidates)."""
+    monkeypatch.setattr(indexer_topk, "BAND", band)
+    args, scale = make_inputs(13, S=400, I=5, doc_split=90, ties=ties)
+    got, ref = run_both(args, scale, 7, margin=12, split=False)
+    assert_same(got, ref, f"band={band} ties={ties}")
+    st = indexer_topk.STATS
+    assert st.exact_rows >= 3 and st.band_max > band or band > 2, st
+
+
+@CPU
 def test_unsorted_queries_and_bf16_like_inputs():
     """Query rows in any order; inputs exact in the low dtype take the single-dot path."""
     args, scale = make_inputs(11, I=3)
@@ -154,11 +168,16 @@ def test_near_tie_is_caught_by_the_certificate():
 
 @CPU
 def test_broken_variants_fail(monkeypatch):
-    """Dropping the certificate (margin 0, near-tie) or the causal mask (kernel) must change the result."""
+    """Dropping the certificate (margin 0, near-tie), the band's exact re-check or the causal mask (kernel)
+    must change the result."""
     args = _near_tie()
     with monkeypatch.context() as m:
         m.setattr(indexer_topk, "score_error_bound", lambda q, *a: torch.full((len(q),), -float("inf")))
         got, ref = run_both(args, 1.0, 1, margin=0, split=False)
+        assert got[0][:, 0].tolist() == [1, 1] != ref[0][:, 0].tolist()
+    with monkeypatch.context() as m:  # trust the kernel's order inside the band: the near tie flips
+        m.setattr(sel_mod.Run, "_band_selection", lambda self, rows, cand, *a: cand[:, :self.k].sort(-1).values)
+        got, ref = run_both(args, 1.0, 1, margin=3, split=False)
         assert got[0][:, 0].tolist() == [1, 1] != ref[0][:, 0].tolist()
     real = kern.index_scores
     with monkeypatch.context() as m:

@@ -50,22 +50,26 @@ from megaseq.ops import dispatch
 MARGIN: int = 32  # candidates beyond K per row
 SPLIT: bool = True  # split fp32 operands into bf16 hi + lo (False: round them to bf16, a 64x looser bound)
 SCORING_BUDGET_BYTES: int = 2 << 30  # one chunk's working set when no query_chunk is given
-RECHECK_ROWS: int = 16384  # rows per re-check sub-block (the sort and tie masks of [r, M])
+BAND: int = 32  # band positions re-checked per row (rows with a wider band re-check all M candidates)
+RECHECK_BYTES: int = 256 << 20  # one re-check sub-block (gathered fp32 keys [r, W, D], head scores [r, I, W])
 DTYPES = (torch.float32, torch.bfloat16)
 F32_UNIT = 2.0**-24  # fp32 unit roundoff
 
 
 @dataclass
 class TopkStats:
-    """Rows seen, rows with fewer than K visible pools (no scores needed), rows rescored by the fallback."""
+    """Rows seen, rows with fewer than K visible pools (no scores needed), rows whose band needed exact
+    scores, the widest such band, rows rescored by the fallback."""
 
     rows: int = 0
     few_pool_rows: int = 0
+    exact_rows: int = 0
+    band_max: int = 0
     fallback_rows: int = 0
     chunks: int = 0
 
     def reset(self) -> None:
-        self.rows = self.few_pool_rows = self.fallback_rows = self.chunks = 0
+        self.rows = self.few_pool_rows = self.exact_rows = self.band_max = self.fallback_rows = self.chunks = 0
 
 
 STATS = TopkStats()
@@ -76,20 +80,20 @@ def indexer_topk_bytes(query_chunk: int, num_pools: int, num_heads: int, num_sel
                        head_dim: int = 128) -> int:
     """Peak bytes of one chunk of ``triton`` beyond its inputs, for the planner.
 
-    Per row of the chunk: the scores ``L [P]`` fp32 (4P); the candidates' values fp32 and indices int64
-    (12M), the few-pool keys (int64, 8(M + K)) and the selection and validity (9K). Per row of one
-    re-check sub-block (``RECHECK_ROWS`` rows at most): the sorted candidates, their permutation and
-    values (20M), the exact scores ``E`` (4M) and the tie-break masks, ranks and picks
-    (``topk_lowest_index_ties``, about 24M). The candidates' keys are gathered in the kernel's
-    registers (never ``[M, D]`` in memory). ``num_heads`` and ``head_dim`` do not enter: no
-    ``[c, I, P]`` head scores exist. The fallback's chunks stay within this total (``_fallback``).
+    Per row of the chunk: the scores ``L [P]`` fp32 (4P); the sorted candidates' values fp32 and indices
+    int64 (12M); the error bound, the band limits and the searchsorted counts (16M + 32); the few-pool
+    keys (int64, 8(M + K)); the selection and validity (9K). One re-check sub-block (``RECHECK_BYTES``,
+    rows whose band is ambiguous): the gathered fp32 keys ``[W, D]``, the head scores ``[I, W]`` and the
+    sorts (4WD + 4IW + 64W a row). The fallback's chunks stay within this total (``Run._fallback``).
     """
-    del num_heads, head_dim
+    per_row, recheck_row = _row_bytes(num_pools, num_heads, num_select, margin, head_dim)
+    return query_chunk * per_row + min(RECHECK_BYTES, query_chunk * recheck_row)
+
+
+def _row_bytes(num_pools: int, num_heads: int, num_select: int, margin: int, head_dim: int) -> tuple[int, int]:
     P, K = num_pools, min(num_select, num_pools)
     M = min(K + margin, P)
-    per_row = 4 * P + 12 * M + 8 * (M + K) + 9 * K
-    per_recheck_row = 48 * M
-    return query_chunk * per_row + min(query_chunk, RECHECK_ROWS) * per_recheck_row
+    return 4 * P + 28 * M + 32 + 8 * (M + K) + 9 * K, M * (4 * head_dim + 4 * num_heads + 64)
 
 
 def resolve_query_chunk(query_chunk: int | None, num_pools: int, num_heads: int, num_select: int,
@@ -97,11 +101,8 @@ def resolve_query_chunk(query_chunk: int | None, num_pools: int, num_heads: int,
     """Rows per chunk: ``query_chunk`` when given, else as many as fit ``SCORING_BUDGET_BYTES``."""
     if query_chunk is not None:
         return max(1, int(query_chunk))
-    fixed = indexer_topk_bytes(0, num_pools, num_heads, num_select, margin, head_dim)
-    one = indexer_topk_bytes(1, num_pools, num_heads, num_select, margin, head_dim) - fixed
-    recheck = indexer_topk_bytes(RECHECK_ROWS, num_pools, num_heads, num_select, margin, head_dim)
-    recheck -= RECHECK_ROWS * one
-    return max(1, (SCORING_BUDGET_BYTES - recheck) // one)
+    per_row, _ = _row_bytes(num_pools, num_heads, num_select, margin, head_dim)
+    return max(1, (SCORING_BUDGET_BYTES - RECHECK_BYTES) // per_row)
 
 
 # ---- the error bound of the kernel's scores ------------------------------------------------------------------
@@ -200,98 +201,12 @@ def indexer_topk_triton(q_QID: torch.Tensor, weights_QI: torch.Tensor, keys_PD: 
     if k == 0 or Q == 0:
         return sel, ok
     margin = MARGIN if margin is None else margin
-    run = _Run(q_QID, weights_QI, keys_PD, pool_end_P.contiguous(), pool_doc_P, q_pos_Q, q_doc_Q, k, scale,
+    from megaseq.ops.indexer_topk_select import Run
+
+    run = Run(q_QID, weights_QI, keys_PD, pool_end_P.contiguous(), pool_doc_P, q_pos_Q, q_doc_Q, k, scale,
                SPLIT if split is None else split)
     chunk = resolve_query_chunk(query_chunk, P, I, k, margin, D)
     for s in range(0, Q, chunk):
         e = min(s + chunk, Q)
         sel[s:e], ok[s:e] = run.chunk(s, e, margin)
     return sel, ok
-
-
-class _Run:
-    """The inputs of one call and the per-chunk steps (kernel, candidates, re-check, certificate, fallback)."""
-
-    def __init__(self, q_QID, w_QI, keys_PD, ends_P, pool_doc_P, q_pos_Q, q_doc_Q, k, scale, split) -> None:
-        self.q_QID, self.w_QI, self.keys_PD, self.ends_P = q_QID, w_QI, keys_PD, ends_P
-        self.pool_doc_P, self.q_pos_Q, self.q_doc_Q = pool_doc_P, q_pos_Q, q_doc_Q
-        self.k, self.scale, self.split = k, scale, split
-        self.floor = torch.finfo(torch.float32).min
-        self.key_norm_max = float(torch.linalg.vector_norm(keys_PD, dim=-1, dtype=torch.float32).max())
-
-    def chunk(self, s: int, e: int, margin: int) -> tuple[torch.Tensor, torch.Tensor]:
-        from megaseq.ops.indexer_topk_kernel import index_scores
-
-        k, floor = self.k, self.floor
-        pos_c, doc_c = self.q_pos_Q[s:e], self.q_doc_Q[s:e]
-        n = max(k, int(torch.searchsorted(self.ends_P, pos_c.max(), right=True)))
-        L_cn = index_scores(self.q_QID[s:e], self.w_QI[s:e], self.keys_PD, self.ends_P, self.pool_doc_P, pos_c,
-                            doc_c, n, self.scale, floor, self.split)
-        M = min(k + margin, n)
-        vals_cM, cand_cM = L_cn.topk(M, dim=-1, sorted=False)
-        bad_c = ~torch.isfinite(vals_cM).all(-1)
-        few_c = ((vals_cM > floor).sum(-1) < k) & ~bad_c  # fewer than k visible pools
-        sel_cK = torch.empty(e - s, k, dtype=torch.int64, device=L_cn.device)
-        num_few = int(few_c.sum())
-        if num_few:
-            sel_cK[few_c] = _few_pool_selection(L_cn[few_c, :k], vals_cM[few_c], cand_cM[few_c], k, floor)
-        del L_cn
-        many = torch.nonzero(~few_c & ~bad_c).squeeze(-1)
-        cert_c = torch.ones(e - s, dtype=torch.bool, device=sel_cK.device)
-        for r0 in range(0, many.numel(), RECHECK_ROWS):
-            rows = many[r0:r0 + RECHECK_ROWS]
-            sel_cK[rows], cert_c[rows] = self._recheck(s + rows, vals_cM[rows], cand_cM[rows], M == n)
-        redo = torch.nonzero(bad_c | ~cert_c).squeeze(-1)
-        STATS.rows += e - s
-        STATS.chunks += 1
-        STATS.few_pool_rows += num_few
-        if redo.numel():
-            STATS.fallback_rows += redo.numel()
-            sel_cK[redo] = self._fallback(s + redo, e - s, margin)
-        ok_cK = (self.ends_P[sel_cK] <= pos_c[:, None]) & (self.pool_doc_P[sel_cK] == doc_c[:, None])
-        return sel_cK, ok_cK
-
-    def _recheck(self, rows_r, vals_rM, cand_rM, all_pools: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """Exact top-k among the candidates (ascending) and the certificate that it is the rows' top-k."""
-        from megaseq.ops.indexer_topk_kernel import recheck_scores
-
-        k, floor = self.k, self.floor
-        cand_rM, perm_rM = cand_rM.sort(dim=-1)  # pool order, so the lowest-index rule sees pool indices
-        vals_rM = vals_rM.gather(-1, perm_rM)
-        exact_rM = recheck_scores(self.q_QID, self.w_QI, self.keys_PD, rows_r, cand_rM, self.scale)
-        exact_rM.masked_fill_(vals_rM == floor, floor)  # the kernel writes floor exactly where not visible
-        pick_rK = indexer_scoring.topk_lowest_index_ties(exact_rM, k)
-        sel_rK = cand_rM.gather(-1, pick_rK).sort(dim=-1).values
-        if all_pools:
-            return sel_rK, torch.ones(len(rows_r), dtype=torch.bool, device=sel_rK.device)
-        kth_r = exact_rM.gather(-1, pick_rK).min(dim=-1).values
-        t_r = vals_rM.min(dim=-1).values  # the M-th largest kernel score
-        err_r = score_error_bound(self.q_QID[rows_r], self.w_QI[rows_r], self.keys_PD.dtype, self.key_norm_max,
-                                  self.scale, self.split)
-        cert_r = (t_r == floor) | (t_r.double() + err_r < kth_r.double())
-        return sel_rK, cert_r
-
-    def _fallback(self, rows_f: torch.Tensor, chunk_rows: int, margin: int) -> torch.Tensor:
-        """The reference on the rows that failed the certificate, in chunks within this call's working set."""
-        P, I, D = self.keys_PD.shape[0], self.q_QID.shape[1], self.q_QID.shape[2]
-        budget = indexer_topk_bytes(chunk_rows, P, I, self.k, margin, D)
-        ref_chunk = max(1, budget // indexer_scoring.indexer_scoring_bytes(1, P, I, self.k))
-        sel_fK, _ = indexer_scoring.select_pools(
-            self.q_QID[rows_f], self.w_QI[rows_f], self.keys_PD, self.ends_P, self.pool_doc_P,
-            self.q_pos_Q[rows_f], self.q_doc_Q[rows_f], self.k, self.scale, query_chunk=ref_chunk)
-        return sel_fK
-
-
-def _few_pool_selection(head_rK: torch.Tensor, vals_rM: torch.Tensor, cand_rM: torch.Tensor, k: int,
-                        floor: float) -> torch.Tensor:
-    """Rows with fewer than k visible pools: all of them (all among the candidates) plus the lowest-index
-    invalid pools, as the reference's tie rule picks at the cut ``floor``; at most v of the first k columns
-    are visible, so the invalid ones needed lie there (``head_rK`` = those columns of the scores)."""
-    big = torch.iinfo(torch.int64).max
-    visible_rM = vals_rM > floor
-    room_r1 = k - visible_rM.sum(-1, keepdim=True)
-    invalid_rK = head_rK == floor
-    take_rK = invalid_rK & (invalid_rK.cumsum(-1) <= room_r1)
-    col_K = torch.arange(k, device=head_rK.device)
-    keys = torch.cat([cand_rM.masked_fill(~visible_rM, big), col_K.expand_as(take_rK).masked_fill(~take_rK, big)], -1)
-    return keys.sort(dim=-1).values[:, :k]
