@@ -96,6 +96,28 @@ def test_equals_reference_two_documents(I, split):
 
 
 @CPU
+@pytest.mark.parametrize("split", [True, False])
+@pytest.mark.parametrize("q_exact", [False, True])
+def test_kernel_error_within_bound(split, q_exact):
+    """The kernel's scores are within ``score_error_bound`` of float64 on every visible pair (the bound is
+    what the certificate trusts), and masked pairs score exactly the dtype's min."""
+    args, scale = make_inputs(17, Q=37, S=400, I=5, doc_split=90)
+    q, w, keys, ends, pdoc, pos, qdoc = args
+    if q_exact:  # exact in the low dtype: no split, no rounding of q
+        q = q.to(kern.low_dtype()).float()
+    floor = torch.finfo(torch.float32).min
+    L = kern.index_scores(q, w, keys, ends, pdoc, pos, qdoc, len(ends), scale, floor, split)
+    exact = torch.einsum("qid,pd->qip", q.double(), keys.double()).mul(scale).relu()
+    exact = torch.einsum("qi,qip->qp", w.double(), exact)
+    vis = (ends[None] <= pos[:, None]) & (pdoc[None] == qdoc[:, None])
+    kmax = float(torch.linalg.vector_norm(keys, dim=-1).max())
+    e = indexer_topk.score_error_bound(q.to(kern.low_dtype()) if q_exact else q, w, keys.dtype, kmax, scale, split)
+    ratio = ((L.double() - exact).abs() * vis / e[:, None]).max()
+    assert 0 < ratio < 1, ratio
+    assert (L[~vis] == floor).all()
+
+
+@CPU
 @pytest.mark.parametrize("margin", [0, 3, 200])
 def test_many_exact_ties(margin):
     args, scale = make_inputs(7, I=5, ties=True)

@@ -9,31 +9,30 @@ Contract (``megaseq.memory.indexer_scoring.select_pools``, registered here as th
 the query (pool end at or before it, same document; the others score the dtype's min), each row's top-K
 with ties to the lowest pool index, returned ascending, with the validity of each pick.
 
-The fast implementation ``triton`` computes the same selection in four steps per chunk of rows:
+The fast implementation ``triton`` computes the same selection, per chunk of rows:
 
 1. ``indexer_topk_kernel.index_scores``: the scores ``L [c, n]`` on tensor cores (bf16 operands, an fp32
    operand split into bf16 ``hi + lo``, fp32 accumulation), masked as the reference; no ``[c, I, n]``.
-2. Candidates: ``torch.topk(L, M)``.
-3. Re-check: ``indexer_topk_kernel.recheck_scores``, the candidates' scores ``E`` recomputed in fp32
-   arithmetic (fp32 inputs, IEEE fp32 dots, ``* scale``, relu, the weighted head sum; keys gathered in
-   registers), top-K of ``E`` with the lowest-index rule.
-4. Certificate: with ``|L - E| <= e`` per row (``score_error_bound``), every pool outside the candidates has
-   ``E <= t + e`` where ``t`` is the M-th largest ``L``; when ``t + e < E_K`` (the K-th largest exact
-   candidate score) none of them can enter the top-K, not even by a tie, so step 3's pick is the exact
-   top-K. It also holds when every visible pool is a candidate. Rows that fail go to the fallback: the
-   reference on those rows. Rows with fewer than K visible pools need no scores: the reference picks all
-   visible pools plus the lowest-index invalid ones, which lie in the first K columns.
+2. Candidates: ``torch.topk(L, M)``, sorted.
+3. Certificate and band (``indexer_topk_select``): with ``|L - E| <= e`` per row (``score_error_bound``;
+   ``E`` the fp32 score) the sorted candidates split into sure-in, an ambiguous band and sure-out; every
+   pool outside the candidates is sure out when the M-th candidate is (``L_(M) < L_(K) - 2e``) or when
+   every visible pool is a candidate. Rows that fail go to the fallback: the reference on those rows.
+4. Exact re-check of the band only: its fp32 scores in the reference's op order (torch matmuls over the
+   gathered fp32 keys), the best of them with the lowest-index rule. Rows with fewer than K visible pools
+   need no scores: the reference picks all visible pools plus the lowest-index invalid ones.
 
-So the selection equals fp32 scoring exactly: pools outside the candidates are excluded by a proof,
-and the pick among candidates uses fp32 scores computed as the reference does. "fp32 scoring" is the
-re-check's: cuBLAS (or the CPU BLAS) sums the reference's ``[c * I, D] x [D, n]`` GEMM in its own order,
-so the two can differ in the last bit, and a tie at that level (1e-7 relative) can go either way, as
-between two chunkings of the reference itself. Rows with a non-finite
-candidate score go to the fallback.
+So the selection equals fp32 scoring exactly: pools outside the band are placed by a proof, and the pick
+inside it uses fp32 scores computed as the reference computes them. On an H200 (torch 2.11, cuBLAS) the
+selection equalled the reference in every row measured (32K queries x 4 dtype cases, 8K queries at 1M x 3
+margins, 2 more 1M chunks). "fp32 scoring" is the re-check's: where a BLAS sums in another order than the
+reference's ``[c * I, D] x [D, n]`` GEMM, a tie at the last bit (1e-7 relative) can go either way, as
+between two chunkings of the reference itself. Rows with a non-finite candidate score go to the fallback.
 
 Memory: ``indexer_topk_bytes`` (chunk rows from ``resolve_query_chunk``, ``SCORING_BUDGET_BYTES`` when no
 chunk is given). The fallback scores its rows in chunks no larger than the main working set.
-``STATS`` counts rows, few-pool rows and fallback rows since the last ``STATS.reset()``.
+``STATS`` counts rows, few-pool rows, rows whose band needed exact scores and fallback rows since the
+last ``STATS.reset()``.
 """
 
 from __future__ import annotations
