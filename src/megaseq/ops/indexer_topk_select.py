@@ -1,0 +1,150 @@
+"""The exact selection of op ``indexer_topk`` from the kernel's scores: candidates, certificate, re-check.
+
+Shapes: c rows of one chunk, r rows of a sub-block, n pools scored, M candidates per row (sorted by the
+kernel score ``L``, descending), K pools selected, W positions of a row's ambiguous band, D head dim,
+I heads.
+
+With ``|L - E| <= e`` per row (``indexer_topk.score_error_bound``; E the fp32 score) the sorted candidates
+split in three (positions 0-based, ``L_(K)`` the K-th largest):
+
+- sure in: positions ``p < s``, where at most K pools (p included) have ``L >= L_p - 2e``: no pool can
+  reach or tie ``E_p`` but those, so p is in the top K whatever the exact scores;
+- sure out: ``L_p < L_(K) - 2e``: the K first positions all beat p strictly;
+- the band ``[s, b)`` between them. Pools outside the candidates are sure out when the M-th candidate is
+  (``b < M``, the certificate), or when every visible pool is a candidate.
+
+The top K is then the sure-in pools plus the best ``K - s`` of the band by exact score with the lowest
+pool index among ties (removing part of a top K from a set leaves the rest of it on top). When the band
+holds exactly ``K - s`` pools (``b = K``) no exact score is needed; otherwise the band's fp32 scores are
+computed with the reference's op order (fp32 matmul over the gathered keys, ``mul_(scale)``, ``relu_``,
+the weighted head sum as a matmul: on an H200 these reproduced the reference's selection in every row
+measured, where a Triton fp32 kernel summing in its own order flipped 1 row in 8K at an fp32-level tie).
+Rows that fail the certificate or hold a non-finite score go to the reference (the fallback). Rows with
+fewer than K visible pools need no score: all of them plus the lowest-index invalid pools.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megaseq.memory import indexer_scoring
+from megaseq.ops import indexer_topk as op
+
+BIG = torch.iinfo(torch.int64).max
+
+
+class Run:
+    """The inputs of one call and the per-chunk steps (kernel, candidates, certificate, re-check, fallback)."""
+
+    def __init__(self, q_QID, w_QI, keys_PD, ends_P, pool_doc_P, q_pos_Q, q_doc_Q, k, scale, split) -> None:
+        self.q_QID, self.w_QI, self.keys_PD, self.ends_P = q_QID, w_QI, keys_PD, ends_P
+        self.pool_doc_P, self.q_pos_Q, self.q_doc_Q = pool_doc_P, q_pos_Q, q_doc_Q
+        self.k, self.scale, self.split = k, scale, split
+        self.floor = torch.finfo(torch.float32).min
+        self.keys_f32_PD = keys_PD.float()  # the re-check's keys, as the reference casts them
+        self.key_norm_max = float(torch.linalg.vector_norm(self.keys_f32_PD, dim=-1).max())
+
+    def chunk(self, s: int, e: int, margin: int) -> tuple[torch.Tensor, torch.Tensor]:
+        from megaseq.ops.indexer_topk_kernel import index_scores
+
+        k, floor = self.k, self.floor
+        pos_c, doc_c = self.q_pos_Q[s:e], self.q_doc_Q[s:e]
+        n = max(k, int(torch.searchsorted(self.ends_P, pos_c.max(), right=True)))
+        L_cn = index_scores(self.q_QID[s:e], self.w_QI[s:e], self.keys_PD, self.ends_P, self.pool_doc_P, pos_c,
+                            doc_c, n, self.scale, floor, self.split)
+        M = min(k + margin, n)
+        vals_cM, cand_cM = L_cn.topk(M, dim=-1)  # sorted, descending
+        bad_c = ~torch.isfinite(vals_cM).all(-1)
+        few_c = (vals_cM[:, k - 1] == floor) & ~bad_c  # fewer than k visible pools
+        sel_cK = torch.empty(e - s, k, dtype=torch.int64, device=L_cn.device)
+        num_few = int(few_c.sum())
+        if num_few:
+            sel_cK[few_c] = few_pool_selection(L_cn[few_c, :k], vals_cM[few_c], cand_cM[few_c], k, floor)
+        del L_cn
+        many = torch.nonzero(~few_c & ~bad_c).squeeze(-1)
+        cert_c = torch.ones(e - s, dtype=torch.bool, device=sel_cK.device)
+        if many.numel():
+            sel_cK[many], cert_c[many] = self._certified(s + many, vals_cM[many], cand_cM[many], M == n)
+        redo = torch.nonzero(bad_c | ~cert_c).squeeze(-1)
+        op.STATS.rows += e - s
+        op.STATS.chunks += 1
+        op.STATS.few_pool_rows += num_few
+        if redo.numel():
+            op.STATS.fallback_rows += redo.numel()
+            sel_cK[redo] = self._fallback(s + redo, e - s, margin)
+        ok_cK = (self.ends_P[sel_cK] <= pos_c[:, None]) & (self.pool_doc_P[sel_cK] == doc_c[:, None])
+        return sel_cK, ok_cK
+
+    def _certified(self, rows_r, vals_rM, cand_rM, all_pools: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The top k of rows with at least k visible pools (ascending) and whether the certificate holds."""
+        k, M = self.k, vals_rM.shape[1]
+        err_r = op.score_error_bound(self.q_QID[rows_r], self.w_QI[rows_r], self.keys_PD.dtype, self.key_norm_max,
+                                     self.scale, self.split)
+        neg_rM = -vals_rM.double()  # ascending
+        two_e = 2 * err_r[:, None]
+        first_r = (torch.searchsorted(neg_rM, neg_rM + two_e, right=True) <= k).sum(-1)  # sure in: p < first
+        end_r = torch.searchsorted(neg_rM, neg_rM[:, k - 1:k] + two_e, right=True).squeeze(-1)  # band: p < end
+        cert_r = (end_r < M) | (vals_rM[:, -1] == self.floor) | all_pools
+        sel_rK = cand_rM[:, :k].sort(dim=-1).values  # right where the band is exactly the free slots
+        need = torch.nonzero(cert_r & (end_r > k)).squeeze(-1)
+        if need.numel():
+            op.STATS.exact_rows += need.numel()
+            width_r = end_r[need] - first_r[need]
+            op.STATS.band_max = max(op.STATS.band_max, int(width_r.max()))
+            narrow = width_r <= op.BAND
+            for group, W in ((need[narrow], op.BAND), (need[~narrow], M)):
+                if group.numel():
+                    sel_rK[group] = self._band_selection(rows_r[group], cand_rM[group], first_r[group],
+                                                         end_r[group], min(W, M))
+        return sel_rK, cert_r
+
+    def _band_selection(self, rows_r, cand_rM, first_r, end_r, W: int) -> torch.Tensor:
+        """Sure-in pools + the best of the band ``[first, end)`` by fp32 score (ties: lowest pool index)."""
+        k, M = self.k, cand_rM.shape[1]
+        out = torch.empty(len(rows_r), k, dtype=torch.int64, device=cand_rM.device)
+        D, I = self.keys_PD.shape[1], self.q_QID.shape[1]
+        block = max(1, op.RECHECK_BYTES // (W * (4 * D + 4 * I + 64)))
+        offs_W = torch.arange(W, device=cand_rM.device)
+        for b0 in range(0, len(rows_r), block):
+            sl = slice(b0, b0 + block)
+            first, end, cand = first_r[sl], end_r[sl], cand_rM[sl]
+            in_band = offs_W[None] < (end - first)[:, None]
+            band_rW = cand.gather(-1, (first[:, None] + offs_W).clamp_(max=M - 1)).masked_fill_(~in_band, BIG)
+            band_rW, perm = band_rW.sort(dim=-1)  # pool order: the stable sort below keeps it among ties
+            exact_rW = self._exact(rows_r[sl], band_rW.clamp(max=self.keys_PD.shape[0] - 1))
+            exact_rW.masked_fill_(~in_band.gather(-1, perm), -float("inf"))
+            order = exact_rW.sort(dim=-1, descending=True, stable=True).indices
+            best_rW = band_rW.gather(-1, order).masked_fill_(offs_W[None] >= (k - first)[:, None], BIG)
+            sure_rK = cand[:, :k].masked_fill(torch.arange(k, device=cand.device)[None] >= first[:, None], BIG)
+            out[sl] = torch.cat([sure_rK, best_rW], dim=-1).sort(dim=-1).values[:, :k]
+        return out
+
+    def _exact(self, rows_r: torch.Tensor, pools_rW: torch.Tensor) -> torch.Tensor:
+        """fp32 scores ``[r, W]`` of rows against pools, in the reference's op order."""
+        keys_rDW = self.keys_f32_PD[pools_rW].transpose(1, 2)
+        scores_rIW = torch.matmul(self.q_QID[rows_r].float(), keys_rDW).mul_(self.scale).relu_()
+        return torch.matmul(self.w_QI[rows_r].float().unsqueeze(-2), scores_rIW).squeeze(-2)
+
+    def _fallback(self, rows_f: torch.Tensor, chunk_rows: int, margin: int) -> torch.Tensor:
+        """The reference on the rows that failed the certificate, in chunks within this call's working set."""
+        P, I, D = self.keys_PD.shape[0], self.q_QID.shape[1], self.q_QID.shape[2]
+        budget = op.indexer_topk_bytes(chunk_rows, P, I, self.k, margin, D)
+        ref_chunk = max(1, budget // indexer_scoring.indexer_scoring_bytes(1, P, I, self.k))
+        sel_fK, _ = indexer_scoring.select_pools(
+            self.q_QID[rows_f], self.w_QI[rows_f], self.keys_PD, self.ends_P, self.pool_doc_P,
+            self.q_pos_Q[rows_f], self.q_doc_Q[rows_f], self.k, self.scale, query_chunk=ref_chunk)
+        return sel_fK
+
+
+def few_pool_selection(head_rK: torch.Tensor, vals_rM: torch.Tensor, cand_rM: torch.Tensor, k: int,
+                       floor: float) -> torch.Tensor:
+    """Rows with fewer than k visible pools: all of them (all among the candidates) plus the lowest-index
+    invalid pools, as the reference's tie rule picks at the cut ``floor``; at most v of the first k columns
+    are visible, so the invalid ones needed lie there (``head_rK`` = those columns of the scores)."""
+    visible_rM = vals_rM > floor
+    room_r1 = k - visible_rM.sum(-1, keepdim=True)
+    invalid_rK = head_rK == floor
+    take_rK = invalid_rK & (invalid_rK.cumsum(-1) <= room_r1)
+    col_K = torch.arange(k, device=head_rK.device)
+    keys = torch.cat([cand_rM.masked_fill(~visible_rM, BIG), col_K.expand_as(take_rK).masked_fill(~take_rK, BIG)], -1)
+    return keys.sort(dim=-1).values[:, :k]
