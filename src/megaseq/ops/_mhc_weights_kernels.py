@@ -94,11 +94,13 @@ def hc_weights_fwd_kernel(mix_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_
 
 
 @triton.jit
-def _sinkhorn_bwd(P, gA, hc_eps, ITERS: tl.constexpr, SEG: tl.constexpr):
+def _sinkhorn_bwd(P, gA, mat_m, hc_eps, ITERS: tl.constexpr, SEG: tl.constexpr):
     """Gradient wrt ``P`` of the Sinkhorn output, given its gradient ``gA`` (see the module docstring).
 
     The segment loop is unrolled (its bounds are compile-time), the loops inside are not; every loop
     bound is a compile-time value or a loop index, never a tensor (the interpreter cannot range over one).
+    Padded entries are zeroed after each pair: their denominators are eps alone, and the 1/eps factors would
+    overflow to inf and then NaN (inf * 0) within a few pairs.
     """
     NUM_SEG: tl.constexpr = (ITERS - 1 + SEG - 1) // SEG
     for s in tl.static_range(NUM_SEG):
@@ -112,8 +114,8 @@ def _sinkhorn_bwd(P, gA, hc_eps, ITERS: tl.constexpr, SEG: tl.constexpr):
             for _ in range(p1 - 1 - q - p0):
                 X = _col(_row(X, hc_eps), hc_eps)  # X = A_{p - 1}, p = p1 - 1 - q
             R = _row(X, hc_eps)
-            gA = _row_bwd(X, _col_bwd(R, gA, hc_eps), hc_eps)
-    return _col_bwd(P, gA, hc_eps)
+            gA = tl.where(mat_m, _row_bwd(X, tl.where(mat_m, _col_bwd(R, gA, hc_eps), 0.0), hc_eps), 0.0)
+    return tl.where(mat_m, _col_bwd(P, gA, hc_eps), 0.0)
 
 
 @triton.jit
@@ -153,7 +155,7 @@ def hc_weights_bwd_kernel(mix_ptr, base_ptr, scale_ptr, gpre_ptr, gpost_ptr, gco
     w_comb, sm, P = _softmax_rows(mix_ptr, base_ptr, s_comb, row, n, mat_m, hc_eps, N)
     if HAS_GCOMB:
         gA = tl.load(gcomb_ptr + mat_off, mask=mat_m, other=0.0).to(tl.float32)
-        gP = tl.where(mat_m, _sinkhorn_bwd(P, gA, hc_eps, ITERS, SEG), 0.0)
+        gP = _sinkhorn_bwd(P, gA, mat_m, hc_eps, ITERS, SEG)
         gz = sm * (gP - tl.sum(gP * sm, axis=2)[:, :, None])  # softmax backward (P = sm + eps)
     else:
         gz = tl.zeros((BT, NP, NP), dtype=tl.float32)

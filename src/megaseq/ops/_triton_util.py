@@ -27,6 +27,8 @@ def triton_supports(*tensors: torch.Tensor) -> str | None:
     for x in tensors:
         if x.device.type != "cuda" and not interpreting():
             return f"device {x.device.type} (Triton kernels need cuda, or TRITON_INTERPRET=1)"
+        if interpreting() and x.dtype == torch.bfloat16:
+            return "bfloat16 under Triton's interpreter (its numpy bf16 is broken)"
     devices = {x.device for x in tensors}
     if len(devices) > 1:
         return f"tensors on several devices {sorted(map(str, devices))}"
