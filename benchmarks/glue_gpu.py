@@ -2,7 +2,7 @@
 
     python benchmarks/glue_gpu.py --out $OUT/glue.json              # about 1-2 minutes on an H200
     python benchmarks/glue_gpu.py --out $OUT/glue.json --no-loss    # the ops only
-    python benchmarks/glue_gpu.py --smoke --out /tmp/glue.json      # tiny shapes (CPU: TRITON_INTERPRET=1)
+    TRITON_INTERPRET=1 python benchmarks/glue_gpu.py --smoke --dtypes float32 --out /tmp/glue.json  # CPU check
 
 Per op (hc_weights, hc_collapse, hc_merge, swiglu, rms_norm; Liger's RMSNorm where installed): median
 warm time (``triton.testing.do_bench``, L2 flushed between calls) of the forward and of forward + backward,
@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 GIB, MIB = 2**30, 2**20
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _err(got: torch.Tensor, want: torch.Tensor) -> dict:
@@ -45,6 +46,8 @@ def _run(fn, inputs, grads):
 
 def _held_bytes(fn, inputs) -> int:
     """Bytes the forward leaves allocated (outputs + what autograd saved for the backward)."""
+    if DEV != "cuda":
+        return 0
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     outs = fn(*inputs)
@@ -55,6 +58,9 @@ def _held_bytes(fn, inputs) -> int:
 
 
 def _time(fn, inputs, grads) -> dict:
+    if DEV != "cuda":  # the CPU smoke run: one call each, no timing
+        fn(*inputs), _run(fn, inputs, grads)
+        return {"fwd_ms": 0.0, "fwd_bwd_ms": 1.0, "held_MiB": 0.0}
     from triton.testing import do_bench
 
     fwd = do_bench(lambda: fn(*inputs), warmup=5, rep=40)
@@ -64,9 +70,9 @@ def _time(fn, inputs, grads) -> dict:
 
 def bench_op(name: str, shape: str, ref, fast, inputs, dtype: torch.dtype, extra: dict | None = None) -> dict:
     """Time and check ``fast`` against ``ref`` (and both against ``ref`` in float64)."""
-    gen = torch.Generator(device="cuda").manual_seed(0)
+    gen = torch.Generator(device=DEV).manual_seed(0)
     outs = _as_tuple(ref(*inputs))
-    grads = [torch.randn(o.shape, generator=gen, device="cuda").to(o.dtype) for o in outs]
+    grads = [torch.randn(o.shape, generator=gen, device=DEV).to(o.dtype) for o in outs]
     r_out, r_grad = _run(ref, inputs, grads)
     f_out, f_grad = _run(fast, inputs, grads)
     x64 = [t.detach().double().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) and t.is_floating_point()
@@ -89,7 +95,7 @@ def op_cases(S: int, H: int, N: int, dtype: torch.dtype, smoke: bool):
     """(name, shape, ref, fused, inputs, extra implementations) at the brief's shapes."""
     from megaseq.ops import triton_mhc, triton_mhc_streams, triton_rms_norm, triton_swiglu
 
-    dev, M, gen = "cuda", 2 * N + N * N, torch.Generator(device="cuda").manual_seed(1)
+    dev, M, gen = DEV, 2 * N + N * N, torch.Generator(device=DEV).manual_seed(1)
 
     def rnd(*shape, scale=1.0, dt=torch.float32):
         return (torch.randn(*shape, generator=gen, device=dev) * scale).to(dt).requires_grad_()
@@ -129,10 +135,10 @@ def bench_loss(N: int, V: int, H: int, chunk_tokens: tuple[int, ...]) -> list[di
     from megaseq.memory.vocab_loss import chunked_linear_cross_entropy, plain_linear_cross_entropy
     from megaseq.ops import liger_loss
 
-    gen = torch.Generator(device="cuda").manual_seed(2)
-    hidden = (torch.randn(N, H, generator=gen, device="cuda") * 0.5).bfloat16().requires_grad_()
-    weight = (torch.randn(V, H, generator=gen, device="cuda") * H**-0.5).bfloat16().requires_grad_()
-    labels = torch.randint(0, V, (N,), generator=gen, device="cuda")
+    gen = torch.Generator(device=DEV).manual_seed(2)
+    hidden = (torch.randn(N, H, generator=gen, device=DEV) * 0.5).bfloat16().requires_grad_()
+    weight = (torch.randn(V, H, generator=gen, device=DEV) * H**-0.5).bfloat16().requires_grad_()
+    labels = torch.randint(0, V, (N,), generator=gen, device=DEV)
     labels[::97] = -100
     impls = {"plain": plain_linear_cross_entropy}
     for c in chunk_tokens:
@@ -181,12 +187,12 @@ def main() -> int:
     ap.add_argument("--no-loss", action="store_true")
     ap.add_argument("--dtypes", default="bfloat16,float32")
     args = ap.parse_args()
-    assert torch.cuda.is_available(), "benchmarks/glue_gpu.py needs a GPU"
+    assert DEV == "cuda" or args.smoke, "benchmarks/glue_gpu.py needs a GPU (or --smoke under TRITON_INTERPRET=1)"
     import triton
 
     S, H, N = (256, 96, 4) if args.smoke else (32768, 2048, 4)
-    res: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-                 "ops": [], "loss": []}
+    res: dict = {"gpu": torch.cuda.get_device_name() if DEV == "cuda" else "cpu", "torch": torch.__version__,
+                 "triton": triton.__version__, "ops": [], "loss": []}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
@@ -205,7 +211,7 @@ def main() -> int:
             del inputs
             gc.collect()
             torch.cuda.empty_cache()
-    if not args.no_loss:
+    if not args.no_loss and DEV == "cuda":
         n, v, h = (512, 1000, 64) if args.smoke else (32768, 154880, 4096)
         res["loss_shape"] = {"tokens": n, "vocab": v, "hidden": h, "dtype": "bfloat16"}
         res["loss"] = bench_loss(n, v, h, (4096, 8192) if not args.smoke else (128,))
