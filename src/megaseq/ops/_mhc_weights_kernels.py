@@ -97,15 +97,14 @@ def hc_weights_fwd_kernel(mix_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_
 def _sinkhorn_bwd(P, gA, mat_m, hc_eps, ITERS: tl.constexpr, SEG: tl.constexpr):
     """Gradient wrt ``P`` of the Sinkhorn output, given its gradient ``gA`` (see the module docstring).
 
-    The segment loop is unrolled (its bounds are compile-time), the loops inside are not; every loop
-    bound is a compile-time value or a loop index, never a tensor (the interpreter cannot range over one).
+    The segment loop is unrolled (its bounds are compile-time), the loops inside are not.
     Padded entries are zeroed after each pair: their denominators are eps alone, and the 1/eps factors would
     overflow to inf and then NaN (inf * 0) within a few pairs.
     """
     NUM_SEG: tl.constexpr = (ITERS - 1 + SEG - 1) // SEG
     for s in tl.static_range(NUM_SEG):
-        p0: tl.constexpr = 1 + (NUM_SEG - 1 - s) * SEG  # first pair of this segment
-        p1: tl.constexpr = ITERS if p0 + SEG > ITERS else p0 + SEG
+        p0 = 1 + (NUM_SEG - 1 - s) * SEG  # first pair of this segment (compile-time: s is a static index)
+        p1 = ITERS if p0 + SEG > ITERS else p0 + SEG  # (an annotated constexpr cannot be reassigned per s)
         C = _col(P, hc_eps)
         for _ in range(1, p0):
             C = _col(_row(C, hc_eps), hc_eps)  # C = A_{p0 - 1}

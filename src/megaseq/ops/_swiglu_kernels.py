@@ -23,28 +23,30 @@ CONFIGS = _CONFIGS[:1] if interpreting() else _CONFIGS
 @triton.jit
 def _load(g_ptr, u_ptr, g_stride, u_stride, R, I, limit, HAS_LIMIT: tl.constexpr, BR: tl.constexpr,
           BC: tl.constexpr):
-    """This tile's raw gate and up (fp32), their clamped values rounded to the input dtype, offsets, mask."""
+    """This tile's raw gate and up (fp32), their clamped values rounded to the input dtype, offsets, mask.
+
+    (A jit function cannot return a dtype: callers name it as ``g_ptr.dtype.element_ty``.)
+    """
     r = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)
     c = tl.program_id(1) * BC + tl.arange(0, BC)
     mask = (r < R)[:, None] & (c < I)[None, :]
     g_raw = tl.load(g_ptr + r[:, None] * g_stride + c[None, :], mask=mask, other=0.0)
     u_raw = tl.load(u_ptr + r[:, None] * u_stride + c[None, :], mask=mask, other=0.0)
-    dt = g_raw.dtype
     g, u = g_raw.to(tl.float32), u_raw.to(tl.float32)
     if HAS_LIMIT:
-        gc = tl.minimum(g, limit).to(dt).to(tl.float32)
-        uc = tl.minimum(tl.maximum(u, -limit), limit).to(dt).to(tl.float32)
+        gc = tl.minimum(g, limit).to(g_ptr.dtype.element_ty).to(tl.float32)
+        uc = tl.minimum(tl.maximum(u, -limit), limit).to(g_ptr.dtype.element_ty).to(tl.float32)
     else:
         gc, uc = g, u
-    return g, u, gc, uc, r[:, None] * I + c[None, :], mask, dt
+    return g, u, gc, uc, r[:, None] * I + c[None, :], mask
 
 
 @triton.autotune(configs=CONFIGS, key=["I", "HAS_LIMIT"])
 @triton.jit
 def swiglu_fwd_kernel(g_ptr, u_ptr, out_ptr, g_stride, u_stride, R, I, limit, HAS_LIMIT: tl.constexpr,
                       BR: tl.constexpr, BC: tl.constexpr):
-    _, _, gc, uc, off, mask, dt = _load(g_ptr, u_ptr, g_stride, u_stride, R, I, limit, HAS_LIMIT, BR, BC)
-    s = (gc * tl.sigmoid(gc)).to(dt).to(tl.float32)
+    _, _, gc, uc, off, mask = _load(g_ptr, u_ptr, g_stride, u_stride, R, I, limit, HAS_LIMIT, BR, BC)
+    s = (gc * tl.sigmoid(gc)).to(g_ptr.dtype.element_ty).to(tl.float32)
     tl.store(out_ptr + off, s * uc, mask=mask)
 
 
@@ -54,12 +56,12 @@ def swiglu_bwd_kernel(g_ptr, u_ptr, go_ptr, gg_ptr, gu_ptr, g_stride, u_stride, 
                       HAS_LIMIT: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
     """``gu = go * silu(gc)``, ``gg = silu'(gc) * (go * uc)``, each zero where its clamp was active (torch's
     clamp passes the gradient at the bound itself: ``x <= limit``)."""
-    g, u, gc, uc, off, mask, dt = _load(g_ptr, u_ptr, g_stride, u_stride, R, I, limit, HAS_LIMIT, BR, BC)
+    g, u, gc, uc, off, mask = _load(g_ptr, u_ptr, g_stride, u_stride, R, I, limit, HAS_LIMIT, BR, BC)
     go = tl.load(go_ptr + off, mask=mask, other=0.0).to(tl.float32)
     sig = tl.sigmoid(gc)
-    s = (gc * sig).to(dt).to(tl.float32)
+    s = (gc * sig).to(g_ptr.dtype.element_ty).to(tl.float32)
     gu = go * s
-    gs = (go * uc).to(dt).to(tl.float32)
+    gs = (go * uc).to(g_ptr.dtype.element_ty).to(tl.float32)
     gg = gs * sig * (1 + gc * (1 - sig))
     if HAS_LIMIT:
         gu = tl.where((u >= -limit) & (u <= limit), gu, 0.0)

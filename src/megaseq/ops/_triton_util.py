@@ -37,7 +37,30 @@ def triton_supports(*tensors: torch.Tensor) -> str | None:
 
 def kernels(name: str) -> ModuleType:
     """The kernel module ``megaseq.ops.<name>`` (imported on first use: it imports Triton)."""
+    if interpreting():
+        _fix_interpreter_index()
     return importlib.import_module(f"megaseq.ops.{name}")
+
+
+def _fix_interpreter_index() -> None:
+    """Let the interpreter ``range`` over a scalar tensor (a loop bound computed in the kernel).
+
+    Triton 3.6's interpreter turns a scalar into an int with ``int(ndarray of shape [1])``, which numpy >= 2.3
+    refuses ("only 0-dimensional arrays can be converted to Python scalars"); compiled kernels are unaffected.
+    """
+    import numpy as np
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+    if getattr(original, "megaseq_fixed", False):
+        return
+
+    def patched(tensor, scope) -> None:
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+
+    patched.megaseq_fixed = True
+    interpreter._patch_lang_tensor = patched
 
 
 def cdiv(a: int, b: int) -> int:

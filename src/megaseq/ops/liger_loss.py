@@ -24,9 +24,10 @@ import importlib.util
 
 import torch
 
-from megaseq.memory.vocab_loss import REDUCTIONS, plain_linear_cross_entropy
+from megaseq.memory.vocab_loss import plain_linear_cross_entropy
 from megaseq.ops import dispatch
 
+REDUCTIONS = ("mean", "sum", "none")  # memory/vocab_loss.py's (its home moves in the redesign)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # dtype of Liger's weight-gradient accumulator; None: the weight's (bf16 for a bf16 head: Liger's default)
 WEIGHT_GRAD_DTYPE: torch.dtype | None = None
@@ -41,10 +42,10 @@ def linear_cross_entropy_reference(hidden: torch.Tensor, weight: torch.Tensor, l
 
 def liger_loss_supports(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100,
                         reduction: str = "mean", num_items: int | float | torch.Tensor | None = None) -> str | None:
-    if importlib.util.find_spec("liger_kernel") is None:
-        return "liger-kernel is not installed (pip install liger-kernel)"
     if reduction not in REDUCTIONS:
         return f"reduction {reduction!r} (one of {REDUCTIONS})"
+    if importlib.util.find_spec("liger_kernel") is None:
+        return "liger-kernel is not installed (pip install liger-kernel)"
     if hidden.device.type != "cuda" or weight.device != hidden.device or labels.device != hidden.device:
         return f"devices {hidden.device}/{weight.device}/{labels.device} (Liger's kernels need one cuda device)"
     if hidden.dim() != 2 or weight.dim() != 2 or labels.dim() != 1 or hidden.shape[1] != weight.shape[1] \
