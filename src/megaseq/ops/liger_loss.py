@@ -16,6 +16,11 @@ The weight gradient accumulates in the weight's dtype across chunks unless ``WEI
 (float32: exact to fp32 accumulation like megaseq's chunked loss, V * H * 4 bytes more, 2.4 GiB here).
 Liger is called with ``sum`` or ``none`` only; megaseq divides for ``mean`` (Liger's own ``mean`` divides by
 zero on an all-ignored batch, and has no ``num_items``).
+
+Measured on an H200 (benchmarks/glue_gpu.py: 32K tokens x V 154,880 x H 4096, bf16, forward + backward, peak
+above the inputs): plain 0.249 s / 56.7 GiB; chunked (4096 tokens) 0.338 s / 6.2 GiB; Liger 0.197 s /
+1.73 GiB, with an fp32 weight-gradient accumulator 0.210 s / 3.80 GiB. grad weight against the plain loss:
+7.1e-3 of its largest value for Liger either way (the bf16 ``softmax - onehot`` dominates), 3.6e-3 chunked.
 """
 
 from __future__ import annotations
