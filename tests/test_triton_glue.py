@@ -49,6 +49,11 @@ def assert_close(name: str, got: torch.Tensor, want: torch.Tensor, rtol: float) 
                              f"want {want.flatten()[i].item()}), rel {rel:.3e} > {rtol:.1e}")
 
 
+def assert_supported(why: str | None) -> None:
+    """The kernel's ``supports`` accepts the arguments; on the CPU only the device stops the dispatcher."""
+    assert why is None if DEV == "cuda" else why.startswith("device cpu"), why
+
+
 def _grads(out, inputs, seed: int = 7):
     """Gradients of ``sum(out * w)`` for fixed random ``w`` per output (a tuple of outputs or one)."""
     outs = out if isinstance(out, tuple) else (out,)
@@ -83,7 +88,7 @@ def _hc_inputs(N: int, B: int = 2, S: int = 37, seed: int = 0, device: str = DEV
 @pytest.mark.parametrize("N", [4, 3])
 def test_hc_weights_matches_reference(N, iters):
     mix, base, scale = _hc_inputs(N)
-    assert mhc.hc_weights_triton_supports(mix, base, scale, N, iters, 1e-6) is None
+    assert_supported(mhc.hc_weights_triton_supports(mix, base, scale, N, iters, 1e-6))
     _compare("hc_weights", mhc.hc_weights_triton, mhc.hc_weights_reference, (mix, base, scale, N, iters, 1e-6), F32)
 
 
@@ -135,7 +140,7 @@ def _stream_inputs(N: int, H: int, dtype, B: int = 2, S: int = 37, seed: int = 3
 @pytest.mark.parametrize("N,H", [(4, 24), (3, 300)])
 def test_hc_collapse_matches_reference(N, H, dtype):
     pre, _, _, h, _ = _stream_inputs(N, H, dtype)
-    assert streams.hc_collapse_triton_supports(pre, h) is None
+    assert_supported(streams.hc_collapse_triton_supports(pre, h))
     _compare("hc_collapse", streams.hc_collapse_triton, streams.hc_collapse_reference, (pre, h), dtype)
 
 
@@ -143,7 +148,7 @@ def test_hc_collapse_matches_reference(N, H, dtype):
 @pytest.mark.parametrize("N,H", [(4, 24), (3, 300)])
 def test_hc_merge_matches_reference(N, H, dtype):
     _, post, comb, h, y = _stream_inputs(N, H, dtype)
-    assert streams.hc_merge_triton_supports(post, comb, y, h) is None
+    assert_supported(streams.hc_merge_triton_supports(post, comb, y, h))
     _compare("hc_merge", streams.hc_merge_triton, streams.hc_merge_reference, (post, comb, y, h), dtype)
 
 
@@ -163,7 +168,8 @@ def _swiglu_inputs(dtype, limit, R: int = 37, I: int = 77, seed: int = 5, device
 @pytest.mark.parametrize("limit", [None, 1.5, 10.0])
 def test_swiglu_matches_reference(dtype, limit):
     gu, gate, up = _swiglu_inputs(dtype, limit)
-    assert gate.stride(0) == 2 * gate.shape[1] and swi.swiglu_triton_supports(gate, up, limit) is None
+    assert gate.stride(0) == 2 * gate.shape[1]
+    assert_supported(swi.swiglu_triton_supports(gate, up, limit))
     fo, ro = swi.swiglu_triton(gate, up, limit), swi.swiglu_reference(gate, up, limit)
     assert fo.dtype == ro.dtype == dtype
     assert_close("swiglu", fo, ro, TOL[dtype][0])
@@ -193,15 +199,20 @@ def test_rms_norm_matches_reference(H, dtype, wdtype):
     gen = torch.Generator().manual_seed(11)
     x = (torch.randn(2, 37, H, generator=gen) * 2).to(dtype).to(DEV).requires_grad_()
     w = (1 + 0.1 * torch.randn(H, generator=gen)).to(wdtype).to(DEV).requires_grad_()
-    assert rms.rms_norm_triton_supports(x, w, 1e-6) is None
+    assert_supported(rms.rms_norm_triton_supports(x, w, 1e-6))
     _compare("rms_norm", rms.rms_norm_triton, rms.rms_norm_reference, (x, w, 1e-6), dtype)
 
 
-def test_dispatch_prefers_triton_where_it_runs():
+def test_dispatch_prefers_triton_on_cuda_only():
+    """The dispatcher picks the kernels on CUDA, the references elsewhere and for float64 (with the reason)."""
     gate = torch.randn(5, 8, device=DEV)
-    assert dispatch.select("swiglu", "test", gate, gate, 10.0).name == "triton"
+    dispatch.reset_records()
+    assert dispatch.select("swiglu", "test", gate, gate, 10.0).name == ("triton" if DEV == "cuda" else "torch")
     assert dispatch.select("rms_norm", "test", gate.double(), torch.ones(8, device=DEV, dtype=torch.float64),
                            1e-6).name == "torch"
+    reasons = {rec.op: rec.reason for _, rec in dispatch.records()}
+    assert "float64" in reasons["rms_norm"]
+    assert DEV == "cuda" or "device cpu" in reasons["swiglu"]
 
 
 # ---- GPU: bf16 and fp32 at the glm5-flash-1gpu shapes ---------------------------------------------------
