@@ -1,0 +1,72 @@
+"""Op ``linear_cross_entropy``: Liger's fused linear cross-entropy against megaseq's plain loss.
+
+On the CPU only the ``supports`` reasons and the dispatcher's fallback are checked (Liger's kernels need
+cuda); the ``gpu`` tests compare every reduction, ``ignore_index``, ``num_items`` and an all-ignored batch.
+Tolerances: fp32 1e-5 (another order of summation); bf16 2e-2 relative to the largest gradient (Liger
+writes ``softmax - onehot`` in bf16 and, with ``WEIGHT_GRAD_DTYPE=None``, accumulates the weight gradient
+in bf16 across its token chunks).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megaseq.ops import dispatch, liger_loss
+
+GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+
+
+def _inputs(N=37, H=24, V=301, dtype=torch.float32, device="cpu", seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(N, H, generator=gen).to(dtype).to(device).requires_grad_()
+    weight = (torch.randn(V, H, generator=gen) * H**-0.5).to(dtype).to(device).requires_grad_()
+    labels = torch.randint(0, V, (N,), generator=gen).to(device)
+    labels[::5] = -100
+    return hidden, weight, labels
+
+
+def _rel(a, b) -> float:
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
+
+
+def test_liger_declines_cpu_and_falls_back():
+    hidden, weight, labels = _inputs()
+    why = liger_loss.liger_loss_supports(hidden, weight, labels)
+    assert why is not None and ("cuda" in why or "not installed" in why)
+    assert "reduction" in liger_loss.liger_loss_supports(hidden, weight, labels, reduction="max")
+    impl = dispatch.select("linear_cross_entropy", "test", hidden, weight, labels)
+    assert impl.name == "torch"
+    loss = impl.fn(hidden, weight, labels)
+    assert torch.isfinite(loss)
+
+
+@pytest.mark.gpu
+@GPU
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("reduction,num_items", [("mean", None), ("mean", 123.0), ("sum", None), ("none", None)])
+def test_liger_matches_plain(dtype, tol, reduction, num_items):
+    pytest.importorskip("liger_kernel")
+    hidden, weight, labels = _inputs(N=1031, H=256, V=5003, dtype=dtype, device="cuda")
+    assert liger_loss.liger_loss_supports(hidden, weight, labels, -100, reduction, num_items) is None
+    ref = liger_loss.linear_cross_entropy_reference(hidden, weight, labels, -100, reduction, num_items)
+    out = liger_loss.linear_cross_entropy_liger(hidden, weight, labels, -100, reduction, num_items)
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    assert _rel(out, ref) < tol
+    w = torch.randn_like(ref)
+    g_ref = torch.autograd.grad((ref * w).sum(), (hidden, weight))
+    g_out = torch.autograd.grad((out * w).sum(), (hidden, weight))
+    for a, b in zip(g_out, g_ref):
+        assert _rel(a, b) < tol
+
+
+@pytest.mark.gpu
+@GPU
+def test_liger_all_ignored_gives_zero():
+    pytest.importorskip("liger_kernel")
+    hidden, weight, labels = _inputs(device="cuda")
+    labels[:] = -100
+    loss = liger_loss.linear_cross_entropy_liger(hidden, weight, labels)
+    assert loss.item() == 0.0
+    g_h, g_w = torch.autograd.grad(loss, (hidden, weight))
+    assert g_h.abs().max().item() == 0.0 and g_w.abs().max().item() == 0.0
