@@ -93,6 +93,9 @@ def bench_op(name: str, shape: str, ref, fast, inputs, dtype: torch.dtype, extra
 
 def op_cases(S: int, H: int, N: int, dtype: torch.dtype, smoke: bool):
     """(name, shape, ref, fused, inputs, extra implementations) at the brief's shapes."""
+    from megaseq.models.common import mhc as blocks_mhc
+    from megaseq.models.common import mlp as blocks_mlp
+    from megaseq.models.common import norm as blocks_norm
     from megaseq.ops import triton_mhc, triton_mhc_streams, triton_rms_norm, triton_swiglu
 
     dev, M, gen = DEV, 2 * N + N * N, torch.Generator(device=DEV).manual_seed(1)
@@ -100,21 +103,21 @@ def op_cases(S: int, H: int, N: int, dtype: torch.dtype, smoke: bool):
     def rnd(*shape, scale=1.0, dt=torch.float32):
         return (torch.randn(*shape, generator=gen, device=dev) * scale).to(dt).requires_grad_()
 
-    yield ("hc_weights", f"mix [1, {S}, {M}] fp32, iters 20", triton_mhc.hc_weights_reference,
+    yield ("hc_weights", f"mix [1, {S}, {M}] fp32, iters 20", blocks_mhc.hc_weights_reference,
            triton_mhc.hc_weights_triton, [rnd(1, S, M, scale=2.0), rnd(M, scale=0.5),
                                           (1 + 0.3 * torch.randn(3, generator=gen, device=dev)).requires_grad_(), N, 20,
                                           1e-6], {})
     pre = (torch.rand(1, S, N, generator=gen, device=dev) + 1e-6).requires_grad_()
     h = rnd(1, S, N, H, dt=dtype)
-    yield ("hc_collapse", f"h [1, {S}, {N}, {H}]", triton_mhc_streams.hc_collapse_reference,
+    yield ("hc_collapse", f"h [1, {S}, {N}, {H}]", blocks_mhc.hc_collapse_reference,
            triton_mhc_streams.hc_collapse_triton, [pre, h], {})
     comb = torch.softmax(torch.randn(1, S, N, N, generator=gen, device=dev), -1).requires_grad_()
-    yield ("hc_merge", f"residual [1, {S}, {N}, {H}]", triton_mhc_streams.hc_merge_reference,
+    yield ("hc_merge", f"residual [1, {S}, {N}, {H}]", blocks_mhc.hc_merge_reference,
            triton_mhc_streams.hc_merge_triton, [(2 * pre.detach()).requires_grad_(), comb, rnd(1, S, H, dt=dtype), h],
            {})
     for R, I in ((S * 8, 1024), (S, 6144)) if not smoke else ((S, 64),):
         gu = rnd(R, 2 * I, scale=4.0, dt=dtype)
-        yield ("swiglu", f"[{R}, {I}] halves of [{R}, {2 * I}], limit 10", triton_swiglu.swiglu_reference,
+        yield ("swiglu", f"[{R}, {I}] halves of [{R}, {2 * I}], limit 10", blocks_mlp.swiglu,
                triton_swiglu.swiglu_triton, [*gu.chunk(2, -1), 10.0], {})
         del gu
     for R in (S, 4 * S):
@@ -125,15 +128,16 @@ def op_cases(S: int, H: int, N: int, dtype: torch.dtype, smoke: bool):
             extra["liger"] = lambda x, w, eps: LigerRMSNormFunction.apply(x, w, eps, 0.0, "llama", False)
         except ImportError:
             pass
-        yield ("rms_norm", f"[{R}, {H}]", triton_rms_norm.rms_norm_reference, triton_rms_norm.rms_norm_triton,
+        yield ("rms_norm", f"[{R}, {H}]", blocks_norm.rms_norm_reference, triton_rms_norm.rms_norm_triton,
                [rnd(R, H, dt=dtype), (1 + 0.1 * torch.randn(H, generator=gen, device=dev)).to(dtype).requires_grad_(),
                 1e-6], extra)
 
 
 def bench_loss(N: int, V: int, H: int, chunk_tokens: tuple[int, ...]) -> list[dict]:
     """Plain vs chunked vs Liger linear cross-entropy: time, peak memory above the inputs, errors."""
-    from megaseq.memory.vocab_loss import chunked_linear_cross_entropy, plain_linear_cross_entropy
+    from megaseq.memory.vocab_loss import chunked_linear_cross_entropy
     from megaseq.ops import liger_loss
+    from megaseq.ops.cross_entropy import plain_linear_cross_entropy
 
     gen = torch.Generator(device=DEV).manual_seed(2)
     hidden = (torch.randn(N, H, generator=gen, device=DEV) * 0.5).bfloat16().requires_grad_()

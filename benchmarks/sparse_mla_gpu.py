@@ -65,7 +65,7 @@ def _run(fn, leaves, idx, g) -> dict:
 
 
 def check(Hh: int, Q: int, dev, small: bool) -> dict:
-    from megaseq.models.blocks.mla_dsa import sparse_mla_reference
+    from megaseq.models.common.mla_dsa import sparse_mla_reference
     from megaseq.ops.sparse_mla import sparse_mla
     from megaseq.ops.triton_sparse_mla import triton_sparse_mla
 

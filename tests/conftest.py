@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    # Triton kernels are tested on the CPU through Triton's interpreter, which must be chosen before triton is
+    # first imported (by any module): here, before every test module. The dispatcher never picks a Triton
+    # kernel for CPU tensors, so no other test runs through it.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @contextlib.contextmanager

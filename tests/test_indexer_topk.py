@@ -20,8 +20,11 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
-from megaseq.memory import indexer_scoring  # noqa: E402
-from megaseq.ops import dispatch, indexer_topk  # noqa: E402
+from megaseq.ops import (  # noqa: E402
+    dispatch,
+    indexer_scoring,  # noqa: E402
+    indexer_topk,
+)
 from megaseq.ops import indexer_topk_kernel as kern  # noqa: E402
 from megaseq.ops import indexer_topk_select as sel_mod  # noqa: E402
 
@@ -218,10 +221,13 @@ def test_dispatch_and_supports():
                                                                   *args[3:], 7, scale)
     assert "dtypes" in indexer_topk.indexer_topk_supports(args[0].double(), *args[1:], 7, scale)
     assert "scale" in indexer_topk.indexer_topk_supports(*args, 7, -1.0)
-    impl = dispatch.select("indexer_topk", "test.indexer", *args, 7, scale)
+    with dispatch.configured(preferred={"indexer_topk": ["triton"]}):  # opt-in: model.kernels fast
+        impl = dispatch.select("indexer_topk", "test.indexer", *args, 7, scale)
     assert impl.name == "triton"
+    assert dispatch.select("indexer_topk", "test.indexer", *args, 7, scale).name == "torch_fp32"  # by default
     ref = dispatch.implementations("indexer_topk")["torch_fp32"].fn(*args, 7, scale)
-    assert_same(dispatch.call("indexer_topk", *args, 7, scale, layer="test.indexer"), ref)
+    with dispatch.configured(preferred={"indexer_topk": ["triton"]}):
+        assert_same(dispatch.call("indexer_topk", *args, 7, scale, layer="test.indexer"), ref)
 
 
 def test_bytes_and_chunk():

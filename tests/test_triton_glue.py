@@ -22,6 +22,9 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton is imported (the kernels import it lazily)
 pytest.importorskip("triton")
 
+from megaseq.models.common import mhc as blocks_mhc  # noqa: E402  (the references live in the blocks)
+from megaseq.models.common import mlp as blocks_mlp  # noqa: E402
+from megaseq.models.common import norm as blocks_norm  # noqa: E402
 from megaseq.ops import _triton_util, dispatch  # noqa: E402
 from megaseq.ops import triton_mhc as mhc  # noqa: E402
 from megaseq.ops import triton_mhc_streams as streams  # noqa: E402
@@ -89,7 +92,8 @@ def _hc_inputs(N: int, B: int = 2, S: int = 37, seed: int = 0, device: str = DEV
 def test_hc_weights_matches_reference(N, iters):
     mix, base, scale = _hc_inputs(N)
     assert_supported(mhc.hc_weights_triton_supports(mix, base, scale, N, iters, 1e-6))
-    _compare("hc_weights", mhc.hc_weights_triton, mhc.hc_weights_reference, (mix, base, scale, N, iters, 1e-6), F32)
+    _compare("hc_weights", mhc.hc_weights_triton, blocks_mhc.hc_weights_reference, (mix, base, scale, N, iters, 1e-6),
+             F32)
 
 
 @pytest.mark.parametrize("used", [(2,), (0,), (0, 1)])
@@ -98,7 +102,7 @@ def test_hc_weights_some_outputs_unused(used):
     mix, base, scale = _hc_inputs(4, seed=1)
     args = (mix, base, scale, 4, 20, 1e-6)
     fo = [mhc.hc_weights_triton(*args)[i] for i in used]
-    ro = [mhc.hc_weights_reference(*args)[i] for i in used]
+    ro = [blocks_mhc.hc_weights_reference(*args)[i] for i in used]
     for i, (a, b) in enumerate(zip(_grads(tuple(fo), [mix, base, scale]), _grads(tuple(ro), [mix, base, scale]))):
         assert_close(f"grad {i}", a, b, TOL[F32][1])
 
@@ -115,7 +119,8 @@ def test_hc_weights_backward_one_iteration_short_fails(monkeypatch):
     monkeypatch.setattr(K, "hc_weights_bwd_kernel", OneShort())
     mix, base, scale = _hc_inputs(4)
     with pytest.raises(AssertionError, match="grad"):
-        _compare("hc_weights", mhc.hc_weights_triton, mhc.hc_weights_reference, (mix, base, scale, 4, 20, 1e-6), F32)
+        _compare("hc_weights", mhc.hc_weights_triton, blocks_mhc.hc_weights_reference,
+                 (mix, base, scale, 4, 20, 1e-6), F32)
 
 
 def test_hc_weights_declines_float64():
@@ -141,7 +146,7 @@ def _stream_inputs(N: int, H: int, dtype, B: int = 2, S: int = 37, seed: int = 3
 def test_hc_collapse_matches_reference(N, H, dtype):
     pre, _, _, h, _ = _stream_inputs(N, H, dtype)
     assert_supported(streams.hc_collapse_triton_supports(pre, h))
-    _compare("hc_collapse", streams.hc_collapse_triton, streams.hc_collapse_reference, (pre, h), dtype)
+    _compare("hc_collapse", streams.hc_collapse_triton, blocks_mhc.hc_collapse_reference, (pre, h), dtype)
 
 
 @pytest.mark.parametrize("dtype", [F32, F16])
@@ -149,7 +154,7 @@ def test_hc_collapse_matches_reference(N, H, dtype):
 def test_hc_merge_matches_reference(N, H, dtype):
     _, post, comb, h, y = _stream_inputs(N, H, dtype)
     assert_supported(streams.hc_merge_triton_supports(post, comb, y, h))
-    _compare("hc_merge", streams.hc_merge_triton, streams.hc_merge_reference, (post, comb, y, h), dtype)
+    _compare("hc_merge", streams.hc_merge_triton, blocks_mhc.hc_merge_reference, (post, comb, y, h), dtype)
 
 
 # ---- swiglu -----------------------------------------------------------------------------------------------
@@ -170,7 +175,7 @@ def test_swiglu_matches_reference(dtype, limit):
     gu, gate, up = _swiglu_inputs(dtype, limit)
     assert gate.stride(0) == 2 * gate.shape[1]
     assert_supported(swi.swiglu_triton_supports(gate, up, limit))
-    fo, ro = swi.swiglu_triton(gate, up, limit), swi.swiglu_reference(gate, up, limit)
+    fo, ro = swi.swiglu_triton(gate, up, limit), blocks_mlp.swiglu(gate, up, limit)
     assert fo.dtype == ro.dtype == dtype
     assert_close("swiglu", fo, ro, TOL[dtype][0])
     assert_close("swiglu grad", *(_grads(o, [gu])[0] for o in (fo, ro)), TOL[dtype][1])
@@ -189,7 +194,7 @@ def test_swiglu_broken_clamp_mask_fails(monkeypatch):
     gu, gate, up = _swiglu_inputs(F32, 1.5)
     with pytest.raises(AssertionError, match="grad"):
         assert_close("swiglu grad", *(_grads(f(gate, up, 1.5), [gu])[0]
-                                      for f in (swi.swiglu_triton, swi.swiglu_reference)), TOL[F32][1])
+                                      for f in (swi.swiglu_triton, blocks_mlp.swiglu)), TOL[F32][1])
 
 
 # ---- rms_norm -----------------------------------------------------------------------------------------------
@@ -200,16 +205,19 @@ def test_rms_norm_matches_reference(H, dtype, wdtype):
     x = (torch.randn(2, 37, H, generator=gen) * 2).to(dtype).to(DEV).requires_grad_()
     w = (1 + 0.1 * torch.randn(H, generator=gen)).to(wdtype).to(DEV).requires_grad_()
     assert_supported(rms.rms_norm_triton_supports(x, w, 1e-6))
-    _compare("rms_norm", rms.rms_norm_triton, rms.rms_norm_reference, (x, w, 1e-6), dtype)
+    _compare("rms_norm", rms.rms_norm_triton, blocks_norm.rms_norm_reference, (x, w, 1e-6), dtype)
 
 
 def test_dispatch_prefers_triton_on_cuda_only():
-    """The dispatcher picks the kernels on CUDA, the references elsewhere and for float64 (with the reason)."""
+    """Preferred (``model.kernels fast``), the dispatcher picks the kernels on CUDA, the references elsewhere
+    and for float64 (with the reason); by default the references (the kernels are opt-in)."""
     gate = torch.randn(5, 8, device=DEV)
+    assert dispatch.select("swiglu", "test", gate, gate, 10.0).name == "torch"
     dispatch.reset_records()
-    assert dispatch.select("swiglu", "test", gate, gate, 10.0).name == ("triton" if DEV == "cuda" else "torch")
-    assert dispatch.select("rms_norm", "test", gate.double(), torch.ones(8, device=DEV, dtype=torch.float64),
-                           1e-6).name == "torch"
+    with dispatch.configured(preferred={"swiglu": ["triton"], "rms_norm": ["triton"]}):
+        assert dispatch.select("swiglu", "test", gate, gate, 10.0).name == ("triton" if DEV == "cuda" else "torch")
+        assert dispatch.select("rms_norm", "test", gate.double(), torch.ones(8, device=DEV, dtype=torch.float64),
+                               1e-6).name == "torch"
     reasons = {rec.op: rec.reason for _, rec in dispatch.records()}
     assert "float64" in reasons["rms_norm"]
     assert DEV == "cuda" or "device cpu" in reasons["swiglu"]
@@ -222,15 +230,15 @@ def test_dispatch_prefers_triton_on_cuda_only():
 def test_glue_ops_on_gpu(dtype):
     S, N, H = 32768, 4, 2048
     mix, base, scale = _hc_inputs(N, B=1, S=S, device="cuda")
-    _compare("hc_weights", mhc.hc_weights_triton, mhc.hc_weights_reference, (mix, base, scale, N, 20, 1e-6), F32)
+    _compare("hc_weights", mhc.hc_weights_triton, blocks_mhc.hc_weights_reference, (mix, base, scale, N, 20, 1e-6), F32)
     pre, post, comb, h, y = _stream_inputs(N, H, dtype, B=1, S=S, device="cuda")
-    _compare("hc_collapse", streams.hc_collapse_triton, streams.hc_collapse_reference, (pre, h), dtype)
-    _compare("hc_merge", streams.hc_merge_triton, streams.hc_merge_reference, (post, comb, y, h), dtype)
+    _compare("hc_collapse", streams.hc_collapse_triton, blocks_mhc.hc_collapse_reference, (pre, h), dtype)
+    _compare("hc_merge", streams.hc_merge_triton, blocks_mhc.hc_merge_reference, (post, comb, y, h), dtype)
     for R, I in ((S, 6144), (S * 8, 1024)):
         gen = torch.Generator().manual_seed(R)
         gu = (torch.randn(R, 2 * I, generator=gen) * 4).to(dtype).cuda().requires_grad_()
-        _compare("swiglu", swi.swiglu_triton, swi.swiglu_reference, (*gu.chunk(2, -1), 10.0), dtype)
+        _compare("swiglu", swi.swiglu_triton, blocks_mlp.swiglu, (*gu.chunk(2, -1), 10.0), dtype)
     for R in (S, 4 * S):
         x = torch.randn(R, H, device="cuda", dtype=dtype, requires_grad=True)
         w = (1 + 0.1 * torch.randn(H, device="cuda")).to(dtype).requires_grad_()
-        _compare("rms_norm", rms.rms_norm_triton, rms.rms_norm_reference, (x, w, 1e-6), dtype)
+        _compare("rms_norm", rms.rms_norm_triton, blocks_norm.rms_norm_reference, (x, w, 1e-6), dtype)

@@ -23,8 +23,8 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from megaseq.models.blocks.mla_dsa import sparse_mla_reference  # noqa: E402
-from megaseq.ops import dispatch, sparse_mla  # noqa: E402
+from megaseq.models.common.mla_dsa import sparse_mla_reference  # noqa: E402
+from megaseq.ops import dispatch, sparse_mla, workspace  # noqa: E402
 from megaseq.ops import triton_sparse_mla as tsm  # noqa: E402
 
 triton = pytest.importorskip("triton")
@@ -226,7 +226,7 @@ def test_bytes_count_saved_latent_outputs_and_no_per_slot_state():
     assert got == tsm.triton_sparse_mla_bytes(Q, S, 4 * W, R, Hh, Dn, Dv, torch.bfloat16)  # nothing per slot
     assert got["forward"] == Q * Hh * (Dn + R + Dv) * 2
     # the saved o_lat is the price of a backward without a third pass: more than absorbed saves
-    assert got["saved"] - sparse_mla.sparse_mla_bytes(Q, S, W, R, Hh, Dn, Dv, torch.bfloat16)["saved"] == Q * Hh * R * 2
+    assert got["saved"] - workspace.absorbed_bytes(Q, S, W, R, Hh, Dn, Dv, 2, 4)["saved"] == Q * Hh * R * 2
 
 
 # ---- GPU: the glm5-flash shapes ------------------------------------------------------------------------

@@ -47,10 +47,16 @@ class ModelConfig:
                                 "random init when unset (or when `name` is a config without weights)")
     dtype: str = opt("bf16", "compute dtype on the GPU: bf16, fp32 or fp64 (the CPU default job uses fp32)")
     strict_kernels: bool = opt(False, "fail when a layer falls back from its planned fast kernel")
+    kernels: str = opt("default", "GPU kernels: default (the set the memory plan is calibrated on) or fast (the "
+                                  "Triton kernels for sparse MLA, the indexer, mHC, SwiGLU, RMSNorm and Liger's "
+                                  "loss; checked per op, not yet measured in full steps; the plan is then an "
+                                  "upper bound)")
 
     def __post_init__(self) -> None:
         if self.dtype not in ("bf16", "fp32", "fp64"):
             raise ValueError(f"model.dtype must be bf16, fp32 or fp64, got {self.dtype!r}")
+        if self.kernels not in ("default", "fast"):
+            raise ValueError(f"model.kernels must be default or fast, got {self.kernels!r}")
 
 
 @dataclass

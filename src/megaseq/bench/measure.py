@@ -85,7 +85,7 @@ def measure_megaseq(cfg: Config, seq_len: int, steps: int, source: str) -> dict[
     an OOM is a result, not an error."""
     from megaseq.models.presets import resolve_spec
     from megaseq.train.metrics import moe_load
-    from megaseq.train.trainer import resolve_device
+    from megaseq.train.trainer import kernels_for, resolve_device
 
     c = cfg_for(cfg, seq_len, source)
     device = resolve_device(c)
@@ -99,12 +99,13 @@ def measure_megaseq(cfg: Config, seq_len: int, steps: int, source: str) -> dict[
                            "plan_fits": plan.fits}
     model = applied = None
     try:
-        model, applied, next_batch, step = planned_step(c, spec, device, plan, steps + 1)
-        _sync(device)
-        host_rss_peak_reset()
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        times = timed_steps(lambda: step(next_batch()), steps, device)
+        with kernels_for(c, device):  # the dispatcher as `megaseq train` sets it up
+            model, applied, next_batch, step = planned_step(c, spec, device, plan, steps + 1)
+            _sync(device)
+            host_rss_peak_reset()
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            times = timed_steps(lambda: step(next_batch()), steps, device)
         row["timed_steps"] = len(times) if steps else "1 (cold: includes the warm-up)"
         if not steps:  # the one step ran without the optimizer state (made by its update): compare with that
             row["predicted_gpu_tensors_gib"] = plan.first_step_gpu_tensors / GIB

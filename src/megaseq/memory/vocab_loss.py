@@ -18,6 +18,10 @@ from __future__ import annotations
 
 import torch
 
+from megaseq.ops import (
+    dispatch,
+    liger_loss,  # noqa: F401  (registers Liger's fused loss, opt-in)
+)
 from megaseq.ops.cross_entropy import (
     LSEState,
     acc_dtype,
@@ -25,7 +29,6 @@ from megaseq.ops.cross_entropy import (
     lse_init,
     lse_logsumexp,
     lse_update,
-    plain_linear_cross_entropy,
     reduce_loss,
 )
 from megaseq.plan.components import WEIGHT_GRAD_ROWS  # the planner's formula counts these blocks
@@ -141,5 +144,6 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
         out = chunked_linear_cross_entropy(h_NH, weight, labels_N, chunk_tokens, vocab_chunk, ignore_index,
                                            reduction, num_items)
     else:
-        out = plain_linear_cross_entropy(h_NH, weight, labels_N, ignore_index, reduction, num_items)
+        out = dispatch.call("linear_cross_entropy", h_NH, weight, labels_N, ignore_index, reduction, num_items,
+                            layer="loss")
     return out.reshape(labels.shape) if reduction == "none" else out

@@ -41,6 +41,7 @@ class Impl:
     fn: Callable[..., Any]
     supports: Callable[..., str | None] | None = None
     reference: bool = False
+    opt_in: bool = False  # tried only when preferred or planned (a kernel not yet in the calibrated plan)
 
 
 @dataclass
@@ -64,13 +65,14 @@ _state = _State()
 _lock = threading.Lock()
 
 
-def register(op: str, name: str, *, reference: bool = False,
-             supports: Callable[..., str | None] | None = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Decorator: register ``fn`` as implementation ``name`` of ``op``."""
+def register(op: str, name: str, *, reference: bool = False, supports: Callable[..., str | None] | None = None,
+             opt_in: bool = False) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Decorator: register ``fn`` as implementation ``name`` of ``op``. ``opt_in``: tried only where a run
+    prefers or plans it (``model.kernels fast``), not by default."""
 
     def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
         impls = _state.registry.setdefault(op, {})
-        impls[name] = Impl(name, fn, supports, reference)
+        impls[name] = Impl(name, fn, supports, reference, opt_in)
         return fn
 
     return deco
@@ -129,7 +131,9 @@ def _order(op: str) -> list[Impl]:
     if not impls:
         raise KeyError(f"no implementation registered for op {op!r}; known ops: {sorted(_state.registry)}")
     names = list(_state.preferred.get(op, []))
-    fast = [n for n, i in impls.items() if not i.reference and n not in names]
+    if op in _state.planned and _state.planned[op] not in names:
+        names.append(_state.planned[op])
+    fast = [n for n, i in impls.items() if not i.reference and not i.opt_in and n not in names]
     refs = [n for n, i in impls.items() if i.reference and n not in names]
     return [impls[n] for n in names + fast + refs if n in impls]
 

@@ -4,7 +4,7 @@ Shapes: Q queries, P complete pools, I indexer heads, D indexer head dim, K pool
 (``min(num_select, P)``), c query rows of one chunk, n pools scored for the chunk (its causal prefix),
 M = min(K + margin, n) candidates per row, r rows of a sub-block.
 
-Contract (``megaseq.memory.indexer_scoring.select_pools``, registered here as the reference
+Contract (``megaseq.ops.indexer_scoring.select_pools``, registered here as the reference
 ``torch_fp32``): ``index[q, p] = sum_h w[q, h] * relu(scale * q[q, h] . k[p])`` over the pools visible to
 the query (pool end at or before it, same document; the others score the dtype's min), each row's top-K
 with ties to the lowest pool index, returned ascending, with the validity of each pick.
@@ -43,7 +43,6 @@ from dataclasses import dataclass
 
 import torch
 
-from megaseq.memory import indexer_scoring
 from megaseq.ops import dispatch
 
 MARGIN: int = 32  # candidates beyond K per row
@@ -145,12 +144,7 @@ def score_error_bound(q_cID: torch.Tensor, w_cI: torch.Tensor, key_dtype: torch.
 
 
 # ---- the op --------------------------------------------------------------------------------------------------
-@dispatch.register("indexer_topk", "torch_fp32", reference=True)
-def indexer_topk_reference(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-    """``indexer_scoring.select_pools`` unchanged (looked up at call time, so a patched one runs)."""
-    kwargs.pop("margin", None)
-    kwargs.pop("split", None)
-    return indexer_scoring.select_pools(*args, **kwargs)
+# the reference, ``torch_fp32``, is ``ops.indexer_scoring.select_pools`` (registered there)
 
 
 def indexer_topk_supports(q_QID: torch.Tensor, weights_QI: torch.Tensor, keys_PD: torch.Tensor,
@@ -179,7 +173,7 @@ def indexer_topk_supports(q_QID: torch.Tensor, weights_QI: torch.Tensor, keys_PD
     return None
 
 
-@dispatch.register("indexer_topk", "triton", supports=indexer_topk_supports)
+@dispatch.register("indexer_topk", "triton", supports=indexer_topk_supports, opt_in=True)
 @torch.no_grad()
 @torch.autocast("cuda", enabled=False)
 @torch.autocast("cpu", enabled=False)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from megaseq.memory import indexer_scoring
+from megaseq.ops import indexer_scoring
 from megaseq.ops import indexer_topk as op
 
 BIG = torch.iinfo(torch.int64).max

@@ -18,6 +18,32 @@ GPU_BF16 = {
 }
 
 
+# ``model.kernels fast``: the Triton kernels of the speed work (issue 13), each checked against its reference
+# and timed per op on an H200 (benchmarks/results/h200/glue_gpu.json, benchmarks/results/indexer_topk/), the
+# sparse MLA only in Triton's CPU interpreter so far; not yet measured in full training steps, so the memory
+# plan keeps the default kernels' working sets (for these, an upper bound)
+FAST_GPU = {
+    "sparse_attention": "triton",
+    "indexer_topk": "triton",
+    "hc_weights": "triton",
+    "hc_collapse": "triton",
+    "hc_merge": "triton",
+    "swiglu": "triton",
+    "rms_norm": "triton",
+    "linear_cross_entropy": "liger",
+}
+KERNEL_SETS = ("default", "fast")
+
+
 def planned_kernels(device_type: str, model_dtype: str) -> dict[str, str]:
     """op -> the implementation a run on ``device_type`` with ``model.dtype`` is planned to use."""
     return dict(GPU_BF16) if device_type == "cuda" and model_dtype == "bf16" else {}
+
+
+def preferred_kernels(device_type: str, kernels: str) -> dict[str, list[str]]:
+    """op -> the implementations ``model.kernels`` puts first (the fast set only on a GPU)."""
+    if kernels not in KERNEL_SETS:
+        raise ValueError(f"model.kernels must be one of {', '.join(KERNEL_SETS)}, got {kernels!r}")
+    if kernels == "fast" and device_type == "cuda":
+        return {op: [name] for op, name in FAST_GPU.items()}
+    return {}

@@ -29,20 +29,15 @@ import importlib.util
 
 import torch
 
-from megaseq.memory.vocab_loss import plain_linear_cross_entropy
 from megaseq.ops import dispatch
+from megaseq.ops.cross_entropy import REDUCTIONS
 
-REDUCTIONS = ("mean", "sum", "none")  # memory/vocab_loss.py's (its home moves in the redesign)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # dtype of Liger's weight-gradient accumulator; None: the weight's (bf16 for a bf16 head: Liger's default)
 WEIGHT_GRAD_DTYPE: torch.dtype | None = None
 
 
-@dispatch.register("linear_cross_entropy", "torch", reference=True)
-def linear_cross_entropy_reference(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                                   ignore_index: int = -100, reduction: str = "mean",
-                                   num_items: int | float | torch.Tensor | None = None) -> torch.Tensor:
-    return plain_linear_cross_entropy(hidden, weight, labels, ignore_index, reduction, num_items)
+# the reference, ``torch``, is ``ops.cross_entropy.plain_linear_cross_entropy`` (registered there)
 
 
 def liger_loss_supports(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100,
@@ -61,7 +56,7 @@ def liger_loss_supports(hidden: torch.Tensor, weight: torch.Tensor, labels: torc
     return None
 
 
-@dispatch.register("linear_cross_entropy", "liger", supports=liger_loss_supports)
+@dispatch.register("linear_cross_entropy", "liger", supports=liger_loss_supports, opt_in=True)
 def linear_cross_entropy_liger(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                                ignore_index: int = -100, reduction: str = "mean",
                                num_items: int | float | torch.Tensor | None = None) -> torch.Tensor:

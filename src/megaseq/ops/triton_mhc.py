@@ -44,30 +44,7 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-# ---- reference: the lines of HyperConnection.forward from the split of mix to the Sinkhorn -------------
-def sinkhorn_reference(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-    """Doubly stochastic ``[..., N, N]``: one column normalisation, then ``iters - 1`` (row, column) pairs."""
-    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-    for _ in range(iters - 1):
-        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-    return comb
-
-
-@dispatch.register("hc_weights", "torch", reference=True)
-def hc_weights_reference(mix_BSM: torch.Tensor, base_M: torch.Tensor, scale_3: torch.Tensor, N: int,
-                         iters: int, hc_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``mix_BSM -> (pre_BSN, post_BSN, comb_BSNN)`` exactly as ``HyperConnection.forward``."""
-    cd = compute_dtype(mix_BSM.dtype)
-    mix = mix_BSM.to(cd)
-    pre_w, post_w, comb_w = mix.split([N, N, N * N], dim=-1)
-    pre_b, post_b, comb_b = base_M.to(cd).split([N, N, N * N])
-    pre_s, post_s, comb_s = scale_3.to(cd).unbind(0)
-    pre = torch.sigmoid(pre_w * pre_s + pre_b) + hc_eps
-    post = 2 * torch.sigmoid(post_w * post_s + post_b)
-    comb = torch.softmax(comb_w.unflatten(-1, (N, N)) * comb_s + comb_b.view(N, N), dim=-1) + hc_eps
-    comb = sinkhorn_reference(comb, iters, hc_eps)
-    return pre, post, comb
+# the reference, ``torch``, is ``models.common.mhc.hc_weights_reference`` (registered there)
 
 
 # ---- Triton -------------------------------------------------------------------------------------------
@@ -128,7 +105,7 @@ def hc_weights_triton_supports(mix_BSM: torch.Tensor, base_M: torch.Tensor, scal
     return triton_supports(mix_BSM, base_M, scale_3)
 
 
-@dispatch.register("hc_weights", "triton", supports=hc_weights_triton_supports)
+@dispatch.register("hc_weights", "triton", supports=hc_weights_triton_supports, opt_in=True)
 def hc_weights_triton(mix_BSM: torch.Tensor, base_M: torch.Tensor, scale_3: torch.Tensor, N: int, iters: int,
                       hc_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Same contract as ``hc_weights_reference``; outputs float32."""

@@ -34,19 +34,7 @@ MAX_STREAMS = 8
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-# ---- references (HyperConnection.forward's last line and HyperConnection.merge) -----------------------------
-@dispatch.register("hc_collapse", "torch", reference=True)
-def hc_collapse_reference(pre_BSN: torch.Tensor, h_BSNH: torch.Tensor) -> torch.Tensor:
-    return (pre_BSN.unsqueeze(-1) * h_BSNH).sum(dim=2).to(h_BSNH.dtype)
-
-
-@dispatch.register("hc_merge", "torch", reference=True)
-def hc_merge_reference(post_BSN: torch.Tensor, comb_BSNN: torch.Tensor, y_BSH: torch.Tensor,
-                       residual_BSNH: torch.Tensor) -> torch.Tensor:
-    dtype = residual_BSNH.dtype
-    return post_BSN.to(dtype).unsqueeze(-1) * y_BSH.unsqueeze(-2) + torch.matmul(
-        comb_BSNN.to(dtype).transpose(-1, -2), residual_BSNH
-    )
+# the references, ``torch``, are ``models.common.mhc.hc_collapse_reference`` / ``hc_merge_reference``
 
 
 # ---- Triton -------------------------------------------------------------------------------------------
@@ -131,7 +119,7 @@ def hc_collapse_triton_supports(pre_BSN: torch.Tensor, h_BSNH: torch.Tensor) -> 
     return _stream_supports(h_BSNH, pre_BSN)
 
 
-@dispatch.register("hc_collapse", "triton", supports=hc_collapse_triton_supports)
+@dispatch.register("hc_collapse", "triton", supports=hc_collapse_triton_supports, opt_in=True)
 def hc_collapse_triton(pre_BSN: torch.Tensor, h_BSNH: torch.Tensor) -> torch.Tensor:
     """Same contract as ``hc_collapse_reference``."""
     return _Collapse.apply(pre_BSN, h_BSNH)
@@ -149,7 +137,7 @@ def hc_merge_triton_supports(post_BSN: torch.Tensor, comb_BSNN: torch.Tensor, y_
     return _stream_supports(residual_BSNH, post_BSN, comb_BSNN, y_BSH)
 
 
-@dispatch.register("hc_merge", "triton", supports=hc_merge_triton_supports)
+@dispatch.register("hc_merge", "triton", supports=hc_merge_triton_supports, opt_in=True)
 def hc_merge_triton(post_BSN: torch.Tensor, comb_BSNN: torch.Tensor, y_BSH: torch.Tensor,
                     residual_BSNH: torch.Tensor) -> torch.Tensor:
     """Same contract as ``hc_merge_reference``."""

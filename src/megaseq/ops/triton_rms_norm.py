@@ -31,14 +31,7 @@ MAX_HIDDEN = 32768  # a whole row in registers
 ELEMENTS_PER_BLOCK = 4096  # BR * BH: rows per block for small H
 
 
-@dispatch.register("rms_norm", "torch", reference=True)
-def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``blocks/norm.py: RMSNorm.forward`` (float32 statistics, normalised row cast back before the weight)."""
-    input_dtype = x.dtype
-    x32 = x.to(torch.float32)
-    variance = x32.pow(2).mean(-1, keepdim=True)
-    x32 = x32 * torch.rsqrt(variance + eps)
-    return weight * x32.to(input_dtype)
+# the reference, ``torch``, is ``models.common.norm.rms_norm_reference`` (registered there)
 
 
 def _config(H: int) -> tuple[int, int, int]:
@@ -99,7 +92,7 @@ def rms_norm_triton_supports(x: torch.Tensor, weight: torch.Tensor, eps: float) 
     return triton_supports(x, weight)
 
 
-@dispatch.register("rms_norm", "triton", supports=rms_norm_triton_supports)
+@dispatch.register("rms_norm", "triton", supports=rms_norm_triton_supports, opt_in=True)
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Same contract as ``rms_norm_reference``."""
     return _RMSNorm.apply(x, weight, float(eps))

@@ -161,7 +161,7 @@ def empty_batch_rows(idx_BQW: torch.Tensor, S: int) -> list[bool]:
     return found_B.tolist()
 
 
-@dispatch.register("sparse_attention", "triton", supports=triton_sparse_mla_supports)
+@dispatch.register("sparse_attention", "triton", supports=triton_sparse_mla_supports, opt_in=True)
 def triton_sparse_mla(q_BQHD: torch.Tensor, c_BSR: torch.Tensor, kv_b_weight: torch.Tensor,
                       idx_BQW: torch.Tensor, scale: float) -> torch.Tensor:
     """Fused sparse MLA, ``[B, Q, Hh, Dv]`` in the work dtype; same arguments and result as ``absorbed``."""

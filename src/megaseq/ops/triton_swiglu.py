@@ -22,7 +22,6 @@ to torch, grad gate within 2e-5 of it.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from megaseq.ops import dispatch
 from megaseq.ops._triton_util import cdiv, kernels, triton_supports
@@ -31,13 +30,7 @@ KERNELS = "_swiglu_kernels"
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-@dispatch.register("swiglu", "torch", reference=True)
-def swiglu_reference(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.Tensor:
-    """``silu(gate) * up`` with GLM's clamp when ``limit`` is set (``blocks/mlp.py: swiglu``)."""
-    if limit is not None:
-        gate = gate.clamp(max=limit)
-        up = up.clamp(min=-limit, max=limit)
-    return F.silu(gate) * up
+# the reference, ``torch``, is ``models.common.mlp.swiglu`` (registered there)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -94,7 +87,7 @@ def swiglu_triton_supports(gate: torch.Tensor, up: torch.Tensor, limit: float | 
     return triton_supports(gate, up)
 
 
-@dispatch.register("swiglu", "triton", supports=swiglu_triton_supports)
+@dispatch.register("swiglu", "triton", supports=swiglu_triton_supports, opt_in=True)
 def swiglu_triton(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.Tensor:
     """Same contract as ``swiglu_reference``."""
     return _SwiGLU.apply(gate, up, None if limit is None else float(limit))

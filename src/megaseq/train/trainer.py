@@ -18,7 +18,7 @@ import torch
 
 from megaseq.config import Config, MemorySettings
 from megaseq.ops import dispatch
-from megaseq.ops.kernels import planned_kernels
+from megaseq.ops.kernels import planned_kernels, preferred_kernels
 from megaseq.plan.flops import mfu
 from megaseq.train import checkpoint as ckpt
 from megaseq.train.metrics import MetricsLogger, gpu_peak_bytes, host_peak_bytes, moe_load
@@ -155,6 +155,13 @@ def build_planned_model(cfg: Config, spec: Any, device: torch.device, memory: Me
     return model, applied, optimizer, scheduler
 
 
+def kernels_for(cfg: Config, device: torch.device) -> contextlib.AbstractContextManager:
+    """The dispatcher set up as the run is planned: ``model.kernels``' preferences, the planned kernels, and
+    with ``model.strict_kernels`` a fallback from them an error naming the layer and the reason."""
+    return dispatch.configured(preferred=preferred_kernels(device.type, cfg.model.kernels),
+                               planned=planned_kernels(device.type, cfg.model.dtype), strict=cfg.model.strict_kernels)
+
+
 def use_expandable_segments() -> None:
     """Long sequences allocate a few huge, differently sized blocks per step: expandable segments keep the
     caching allocator from fragmenting them. Call before the first CUDA allocation (processes spawned
@@ -172,8 +179,7 @@ def run_training(cfg: Config) -> RunResult:
     env = setup_parallel(cfg)
     device = env.device = resolve_device(cfg) if env.world_size == 1 else env.device
     plan_dict, memory = make_plan(cfg, env, device)
-    planned = planned_kernels(device.type, cfg.model.dtype)
-    with dispatch.configured(planned=planned, strict=cfg.model.strict_kernels):
+    with kernels_for(cfg, device):
         return _run_planned(cfg, spec, env, device, plan_dict, memory)
 
 

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megaseq.models.spec import ModelSpec
+from megaseq.ops import dispatch, triton_mhc, triton_mhc_streams  # noqa: F401  (register the fused kernels, opt-in)
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -45,11 +46,45 @@ def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     return comb
 
 
+# ---- ops hc_weights, hc_collapse, hc_merge: the references (fast ones: megaseq.ops.triton_mhc*) ----------
+@dispatch.register("hc_weights", "torch", reference=True)
+def hc_weights_reference(mix_BSM: torch.Tensor, base_M: torch.Tensor, scale_3: torch.Tensor, N: int, iters: int,
+                         hc_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``mix`` (the ``fn`` linear's output, compute dtype) -> ``(pre_BSN, post_BSN, comb_BSNN)``: the sigmoid
+    gates, the row softmax of ``comb`` and its Sinkhorn normalisation, in the compute dtype."""
+    cd = compute_dtype(mix_BSM.dtype)
+    mix = mix_BSM.to(cd)
+    pre_w, post_w, comb_w = mix.split([N, N, N * N], dim=-1)
+    pre_b, post_b, comb_b = base_M.to(cd).split([N, N, N * N])
+    pre_s, post_s, comb_s = scale_3.to(cd).unbind(0)
+    pre = torch.sigmoid(pre_w * pre_s + pre_b) + hc_eps
+    post = 2 * torch.sigmoid(post_w * post_s + post_b)
+    comb = torch.softmax(comb_w.unflatten(-1, (N, N)) * comb_s + comb_b.view(N, N), dim=-1) + hc_eps
+    return pre, post, sinkhorn(comb, iters, hc_eps)
+
+
+@dispatch.register("hc_collapse", "torch", reference=True)
+def hc_collapse_reference(pre_BSN: torch.Tensor, h_BSNH: torch.Tensor) -> torch.Tensor:
+    """The block input ``x = sum_n pre[n] * h[n]``, in h's dtype."""
+    return (pre_BSN.unsqueeze(-1) * h_BSNH).sum(dim=2).to(h_BSNH.dtype)
+
+
+@dispatch.register("hc_merge", "torch", reference=True)
+def hc_merge_reference(post_BSN: torch.Tensor, comb_BSNN: torch.Tensor, y_BSH: torch.Tensor,
+                       residual_BSNH: torch.Tensor) -> torch.Tensor:
+    """``post[n] * y + sum_m comb[m, n] * residual[m]`` in the residual's dtype (HF's op order)."""
+    dtype = residual_BSNH.dtype
+    return post_BSN.to(dtype).unsqueeze(-1) * y_BSH.unsqueeze(-2) + torch.matmul(
+        comb_BSNN.to(dtype).transpose(-1, -2), residual_BSNH
+    )
+
+
 class HyperConnection(nn.Module):
     """Computes ``(post, comb, collapsed input)`` from the N streams; HF name ``attn_hc`` / ``ffn_hc``."""
 
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, layer: str = "hc") -> None:
         super().__init__()
+        self.layer = layer  # name in the dispatcher's per-layer record
         N, H = spec.hc_mult, spec.hidden_size
         self.hc_mult = N
         self.sinkhorn_iters = spec.hc_sinkhorn_iters
@@ -75,24 +110,15 @@ class HyperConnection(nn.Module):
         # unweighted RMSNorm over all N*H features (HF's Glm5NextTextUnweightedRMSNorm)
         flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + self.norm_eps)
         mix = F.linear(flat, self.fn.to(cd))
-        pre_w, post_w, comb_w = mix.split([N, N, N * N], dim=-1)
-        pre_b, post_b, comb_b = self.base.to(cd).split([N, N, N * N])
-        pre_s, post_s, comb_s = self.scale.to(cd).unbind(0)
-        pre = torch.sigmoid(pre_w * pre_s + pre_b) + self.hc_eps
-        post = 2 * torch.sigmoid(post_w * post_s + post_b)
-        comb = torch.softmax(comb_w.view(B, S, N, N) * comb_s + comb_b.view(N, N), dim=-1) + self.hc_eps
-        comb = sinkhorn(comb, self.sinkhorn_iters, self.hc_eps)
-        x_BSH = (pre.unsqueeze(-1) * h_BSNH).sum(dim=2).to(h_BSNH.dtype)
+        pre, post, comb = dispatch.call("hc_weights", mix, self.base, self.scale, N, self.sinkhorn_iters, self.hc_eps,
+                                        layer=self.layer)
+        x_BSH = dispatch.call("hc_collapse", pre, h_BSNH, layer=self.layer)
         return post, comb, x_BSH
 
-    @staticmethod
-    def merge(post_BSN: torch.Tensor, comb_BSNN: torch.Tensor, y_BSH: torch.Tensor,
+    def merge(self, post_BSN: torch.Tensor, comb_BSNN: torch.Tensor, y_BSH: torch.Tensor,
               residual_BSNH: torch.Tensor) -> torch.Tensor:
-        """New streams: ``post[n] * y + sum_m comb[m, n] * residual[m]`` (HF's op order)."""
-        dtype = residual_BSNH.dtype
-        return post_BSN.to(dtype).unsqueeze(-1) * y_BSH.unsqueeze(-2) + torch.matmul(
-            comb_BSNN.to(dtype).transpose(-1, -2), residual_BSNH
-        )
+        """New streams: ``post[n] * y + sum_m comb[m, n] * residual[m]`` (op ``hc_merge``)."""
+        return dispatch.call("hc_merge", post_BSN, comb_BSNN, y_BSH, residual_BSNH, layer=self.layer)
 
 
 def expand_streams(x_BSH: torch.Tensor, hc_mult: int) -> torch.Tensor:

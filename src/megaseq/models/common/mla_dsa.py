@@ -39,7 +39,7 @@ from megaseq.models.common.context import SeqContext, positions_from_doc_ids
 from megaseq.models.common.mhc import compute_dtype
 from megaseq.models.common.norm import RMSNorm
 from megaseq.models.spec import ModelSpec
-from megaseq.ops import dispatch, indexer_scoring
+from megaseq.ops import dispatch, indexer_scoring, indexer_topk, triton_sparse_mla  # noqa: F401  (register the Triton kernels, opt-in)
 from megaseq.ops import sparse_mla as _sparse_mla  # noqa: F401  (registers the absorbed op)
 
 # score elements per query block of the reference sparse attention (bounds its working set)

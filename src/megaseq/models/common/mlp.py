@@ -14,9 +14,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megaseq.ops import (
+    dispatch,
+    triton_swiglu,  # noqa: F401  (registers the fused kernel, opt-in)
+)
 
+
+@dispatch.register("swiglu", "torch", reference=True)
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.Tensor:
-    """``silu(gate) * up`` with GLM's clamp when ``limit`` is set (shared with the routed experts)."""
+    """``silu(gate) * up`` with GLM's clamp when ``limit`` is set (shared with the routed experts); op
+    ``swiglu``'s reference (the fused one: ``megaseq.ops.triton_swiglu``)."""
     if limit is not None:
         gate = gate.clamp(max=limit)
         up = up.clamp(min=-limit, max=limit)
@@ -26,12 +33,15 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.T
 class MLP(nn.Module):
     """Bias-free SwiGLU MLP ``H -> I -> H``."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, swiglu_limit: float | None = None) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, swiglu_limit: float | None = None,
+                 layer: str = "mlp") -> None:
         super().__init__()
+        self.layer = layer  # name in the dispatcher's per-layer record
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
         self.swiglu_limit = swiglu_limit
 
     def forward(self, x_SH: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(swiglu(self.gate_proj(x_SH), self.up_proj(x_SH), self.swiglu_limit))
+        gated = dispatch.call("swiglu", self.gate_proj(x_SH), self.up_proj(x_SH), self.swiglu_limit, layer=self.layer)
+        return self.down_proj(gated)

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megaseq.models.common.mlp import MLP, swiglu
+from megaseq.models.common.mlp import MLP
 from megaseq.models.spec import ModelSpec
 from megaseq.ops import dispatch
 
@@ -180,7 +180,7 @@ class Experts(nn.Module):
         x_MH = x_NH[order_M // K]
         gu_M2I = dispatch.call("grouped_mm", x_MH, self.gate_up_proj, counts_E, layer=self.layer)
         gate_MI, up_MI = gu_M2I.chunk(2, dim=-1)
-        a_MI = swiglu(gate_MI, up_MI, self.swiglu_limit)
+        a_MI = dispatch.call("swiglu", gate_MI, up_MI, self.swiglu_limit, layer=self.layer)
         y_MH = dispatch.call("grouped_mm", a_MI, self.down_proj, counts_E, layer=self.layer)
         # weight after down_proj and cast back, as HF does (weights may be float32 in a bf16 model)
         y_MH = (y_MH * weights_NK.reshape(-1)[order_M].unsqueeze(-1)).to(x_NH.dtype)
@@ -203,7 +203,7 @@ class MoE(nn.Module):
         self.shared_experts = None
         if spec.num_shared_experts > 0:
             self.shared_experts = MLP(spec.hidden_size, spec.moe_intermediate_size * spec.num_shared_experts,
-                                      spec.swiglu_limit)
+                                      spec.swiglu_limit, layer=f"{layer}.shared_experts")
         self.last_tokens_per_expert = torch.zeros(spec.num_experts, dtype=torch.int64)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

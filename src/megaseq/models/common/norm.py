@@ -13,22 +13,34 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from megaseq.ops import (
+    dispatch,
+    triton_rms_norm,  # noqa: F401  (registers the fused kernel, opt-in)
+)
+
+
+@dispatch.register("rms_norm", "torch", reference=True)
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Op ``rms_norm``'s reference (fast ones: ``megaseq.ops.triton_rms_norm``): HF's numerics."""
+    input_dtype = x.dtype
+    # float32 for the statistics (HF does the same; in float64 this is a down-cast, as in HF)
+    x32 = x.to(torch.float32)
+    variance = x32.pow(2).mean(-1, keepdim=True)
+    x32 = x32 * torch.rsqrt(variance + eps)
+    return weight * x32.to(input_dtype)
+
 
 class RMSNorm(nn.Module):
     """``weight * x / sqrt(mean(x^2) + eps)`` over the last dimension; parameter ``weight [dim]``."""
 
-    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+    def __init__(self, dim: int, eps: float = 1e-6, layer: str = "rms_norm") -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.layer = layer  # name in the dispatcher's per-layer record
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        input_dtype = x.dtype
-        # float32 for the statistics (HF does the same; in float64 this is a down-cast, as in HF)
-        x32 = x.to(torch.float32)
-        variance = x32.pow(2).mean(-1, keepdim=True)
-        x32 = x32 * torch.rsqrt(variance + self.eps)
-        return self.weight * x32.to(input_dtype)
+        return dispatch.call("rms_norm", x, self.weight, self.eps, layer=self.layer)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}"
