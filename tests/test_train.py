@@ -164,3 +164,26 @@ def test_sequence_segments_train_as_the_plain_step(tmp_path, monkeypatch):
         run_training(_cfg(tmp_path, "both", **common,
                           memory={"auto": False, "model_segment_tokens": 40, "recompute": True}))
     assert not (tmp_path / "both").exists()  # refused by the plan, before the run directory
+
+
+def test_strict_kernels_fails_a_run_whose_planned_kernel_cannot_run(tmp_path, monkeypatch):
+    """``model.strict_kernels``: a layer that falls back from its planned kernel stops the run with the
+    layer, the kernel and the reason (here fla's KDA, planned as on a GPU, cannot run on the CPU)."""
+    from megaseq.ops import dispatch
+    from megaseq.train import trainer
+
+    monkeypatch.setattr(trainer, "planned_kernels", lambda device, dtype: {"kda": "fla_chunk"})
+    with pytest.raises(dispatch.KernelFallbackError, match=r"layers\.0\.self_attn: planned kernel kda=fla_chunk "
+                                                           r"did not run.*fla_chunk: .*(device|not installed)"):
+        run_training(_cfg(tmp_path, "strict", model={"strict_kernels": True}))
+    # without strict the same plan falls back to the reference, recorded with its reason
+    result = run_training(_cfg(tmp_path, "lenient", train={"steps": 1}))
+    assert result.losses and dispatch._state.planned == {} and not dispatch._state.strict  # restored after the run
+
+
+def test_step_mfu_from_the_plans_flops():
+    from megaseq.train.trainer import step_mfu
+
+    plan = {"flops": {"per_token": 6e9}}
+    assert step_mfu(1e4, plan, 2, torch.device("cpu")) is None
+    assert step_mfu(1e4, plan, 2, torch.device("cuda")) == pytest.approx(1e4 * 6e9 / (2 * 989.4e12))

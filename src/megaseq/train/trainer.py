@@ -280,12 +280,18 @@ class _Loop:
         dt = time.perf_counter() - t0
         tokens_per_s = cfg.train.batch_size * cfg.train.grad_accum * cfg.data.seq_len * env.dp_size / dt
         record = {"step": step, "loss": loss, "lr": lr, "grad_norm": gnorm, "tokens_per_s": tokens_per_s,
-                  "step_s": dt, "gpu_peak_gib": gpu_peak_bytes(device) / GIB,
-                  "host_peak_gib": host_peak_bytes() / GIB, "plan_gpu_gib": self.plan.get("peak_gpu", 0) / GIB,
-                  "moe_max_over_mean": moe_load(self.model)}
-        if device.type == "cuda":  # model FLOPs utilisation (plan.flops: recompute not counted)
-            record["mfu"] = mfu(tokens_per_s, self.plan["flops"]["per_token"], env.world_size)
+                  "step_s": dt, "mfu": step_mfu(tokens_per_s, self.plan, env.world_size, device),
+                  "gpu_peak_gib": gpu_peak_bytes(device) / GIB, "host_peak_gib": host_peak_bytes() / GIB,
+                  "plan_gpu_gib": self.plan.get("peak_gpu", 0) / GIB, "moe_max_over_mean": moe_load(self.model)}
         return loss, record
+
+
+def step_mfu(tokens_per_s: float, plan: dict[str, Any], world_size: int, device: torch.device) -> float | None:
+    """Model FLOPs utilisation of a step against the H200's dense bf16 peak (``plan.flops``: the model's
+    FLOPs per token, recompute not counted); None off a GPU, where that peak means nothing."""
+    if device.type != "cuda":
+        return None
+    return mfu(tokens_per_s, plan["flops"]["per_token"], world_size)
 
 
 def _meta(spec_dict: dict[str, Any], data: Any, step: int) -> dict[str, Any]:
