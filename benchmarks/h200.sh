@@ -7,7 +7,8 @@ set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 MEGASEQ_FLA_AUTOTUNE=${MEGASEQ_FLA_AUTOTUNE:-one}
+export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 MEGASEQ_FLA_AUTOTUNE=${MEGASEQ_FLA_AUTOTUNE:-full}
+export TRITON_CACHE_AUTOTUNING=1  # fla's autotune results persist in .tcache (carried between calls)
 export TRITON_CACHE_DIR=$PWD/.tcache
 mkdir -p .tcache
 G=.data/ecoli_MG1655.fa.gz
@@ -95,7 +96,17 @@ case "$1" in
     timeout 200 python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml --seq-lens 8K --steps 1 \
       --logprob-check 32K,16K --out "$OUT/bench_1gpu_logprob32k"
     ;;
+  11) # the speed issue's figures with the fast kernels (8K + 32K against the reference: about 6 minutes)
+    timeout 540 python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml --seq-lens 8K,32K --baseline \
+      --model.kernels fast --out "$OUT/bench_1gpu_fast"
+    ;;
+  12) # a profile of a 32K step with the fast kernels, and a warm 1M step (after a warm-up)
+    timeout 120 python3 benchmarks/profile_step.py recipes/glm5-flash-1gpu.yaml 32K --model.kernels fast \
+      > "$OUT/profile_1gpu_32k_fast.txt" 2>&1
+    timeout 450 python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml --seq-lens 1M --steps 1 \
+      --model.kernels fast --out "$OUT/bench_1gpu_1m_fast"
+    ;;
   *) echo "unknown stage $1"; exit 2 ;;
 esac
-[ -n "${NOTAR:-}" ] || tar czf "$OUT/tcache.tgz" .tcache 2>/dev/null
+[ -n "${NOTAR:-}" ] || tar czf "$OUT/tcache.tgz" .tcache 2>/dev/null  # untar into .tcache/ before the next call
 ls -la "$OUT"
