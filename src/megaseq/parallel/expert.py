@@ -177,10 +177,11 @@ class EPDispatch(ExpertDispatch):
         dest_M = destinations(e_nK, part, self.ep)
         send_M = torch.argsort(dest_M * experts.num_experts + e_nK.reshape(-1), stable=True)
         assert torch.bincount(dest_M, minlength=self.ep).tolist() == part.send, "rows and plan disagree"
-        x_RH = AllToAll.apply(x_nH[send_M // K], part.send, part.recv, self.group, "ep_dispatch", self.scope)
-        y_RH = self.experts(experts, route, part, x_RH, held, foreign)
-        del x_RH
+        # the received rows are passed on without a name here, so they are freed once regrouped
+        y_RH = self.experts(experts, route, part, AllToAll.apply(x_nH[send_M // K], part.send, part.recv,
+                                                                 self.group, "ep_dispatch", self.scope), held, foreign)
         y_MH = AllToAll.apply(y_RH, part.recv, part.send, self.group, "ep_combine", self.scope)
+        del y_RH
         inverse = torch.empty_like(send_M)
         inverse[send_M] = torch.arange(send_M.numel(), device=send_M.device)
         return combine(y_MH[inverse], w_nK, x_nH.dtype)
@@ -195,7 +196,9 @@ class EPDispatch(ExpertDispatch):
         ys = [experts.routed_mlp(x_RH[:held_rows], held[0], held[1], per_served[:Ep])]
         if foreign and x_RH.shape[0] > held_rows:
             ys.append(experts.routed_mlp(x_RH[held_rows:], foreign[0], foreign[1], per_served[Ep:]))
+        del x_RH
         y_RH = torch.cat(ys) if len(ys) > 1 else ys[0]
+        del ys
         inverse = torch.empty_like(order_R)
         inverse[order_R] = torch.arange(order_R.numel(), device=order_R.device)
         return y_RH[inverse]
