@@ -79,22 +79,28 @@ def reference_step(num_seqs: int, skew: bool) -> tuple[float, float, dict, dict,
     return float(loss.detach()), gnorm, grads, {n: p.detach().clone() for n, p in model.named_parameters()}, low
 
 
-def _rank(rank: int, dp: int, ep: int, cp: int, mode: str, skew: bool, ref: tuple) -> None:
+def _rank(rank: int, dp: int, ep: int, cp: int, mode: str, skew: bool, ref: tuple, memory: dict) -> None:
     ref_loss, ref_norm, ref_grads, ref_params, _ = ref
     cfg = build_config(overrides={"parallel.dp": dp, "parallel.ep": ep, "parallel.cp": cp, "parallel.backend": "gloo",
                                   "parallel.loss_parallel": "ring_dtp", "parallel.ep_dispatch": mode,
                                   "data.seq_len": S, "train.device": "cpu", **EP_FLAGS})
     env = DistributedEnv(cfg)
     model = make_model(skew)
-    parallelize(model, MemorySettings(), env)
+    settings = MemorySettings(**memory)
+    parallelize(model, settings, env)
     opt = adamw(model)
     full = global_batch(dp * ep)
     mine = {k: v[env.dp_rank:env.dp_rank + 1] for k, v in full.items()}
     batch = env.shard_batch(mine if env.reads_data else None)
     total = env.all_reduce_count(int((batch["labels"] != -100).sum()))
-    hidden = model(batch["input_ids"], ctx=env.context(batch))
-    loss_sum = env.loss_sum(hidden, model.lm_head.weight, batch["labels"])
-    (loss_sum / total).backward()
+    if settings.model_segment_tokens:  # the trainer's step over sequence segments
+        from megaseq.train.trainer import _segmented_step
+
+        loss_sum = _segmented_step(model, batch, env, None, None, settings.model_segment_tokens, total)
+    else:
+        hidden = model(batch["input_ids"], ctx=env.context(batch))
+        loss_sum = env.loss_sum(hidden, model.lm_head.weight, batch["labels"])
+        (loss_sum / total).backward()
     env.reduce_gradients(model)
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     gnorm = float(env.clip_grad_norm([p for p in model.parameters() if p.grad is not None], OPTIM.grad_clip))
@@ -136,16 +142,20 @@ def references():
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
-@pytest.mark.parametrize("dp, ep, cp, mode, skew", [
-    (1, 2, 1, "pipelined_llep", False),
-    (1, 2, 1, "pipelined_llep", True),
-    (1, 4, 1, "pipelined_llep", True),
-    (1, 2, 2, "pipelined_llep", True),  # ep x cp
-    (2, 2, 1, "llep", True),  # ep with dp
-    (1, 2, 2, "plain", False),
+SCHEMES = {"tiled_mlp": True, "mlp_tile_tokens": 12, "recompute": True}  # tiles of 12 tokens: uneven chunks inside
+
+
+@pytest.mark.parametrize("dp, ep, cp, mode, skew, memory", [
+    (1, 2, 1, "pipelined_llep", False, {}),
+    (1, 4, 1, "pipelined_llep", True, {}),
+    (1, 2, 2, "pipelined_llep", True, {}),  # ep x cp
+    (2, 2, 1, "llep", True, {}),  # ep with dp
+    (1, 2, 2, "plain", False, {}),
+    (1, 2, 1, "pipelined_llep", True, SCHEMES),  # with the memory schemes: tiles inside recomputed layers
+    (1, 2, 1, "pipelined_llep", True, {"model_segment_tokens": 16}),  # and sequence segments
 ])
-def test_step_matches_one_process(dp, ep, cp, mode, skew, references):
+def test_step_matches_one_process(dp, ep, cp, mode, skew, memory, references):
     ref = references[(dp * ep, skew)]
     if skew:
         assert ref[4] > 0.6, f"the skewed routing should favour the low experts, got {ref[4]:.2f}"
-    spawn_local(_rank, dp * ep * cp, args=(dp, ep, cp, mode, skew, ref))
+    spawn_local(_rank, dp * ep * cp, args=(dp, ep, cp, mode, skew, ref, memory))
