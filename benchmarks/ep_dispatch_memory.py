@@ -2,18 +2,18 @@
 
     python benchmarks/ep_dispatch_memory.py --out benchmarks/results/ep_dispatch_memory.json
 
-P processes each hold E / P experts and N tokens; one MoE dispatch (forward + backward) runs under
-torch's ``MemTracker`` on every rank (every storage torch creates during the call, freed when it is; the
-inputs made before it not counted) and the table reports the busiest rank's peak, for routings from even
-to adversarial: ``balanced`` (random), ``genome`` (glm5-flash-tiny's router on lambda phage),
-``skew95`` (95% of tokens choose expert 0; glm5-flash-tiny's own shapes throughout), ``one_gpu`` (every token chooses rank 0's experts: plain EP
-sends every row to one GPU). Modes: ``plain`` (one all-to-all, the graph kept), ``pipelined`` (chunks, LLEP
-off: the structural bound alone) and ``pipelined_llep``. Beside each: the rows the busiest rank received at
-once, the bound ``2 * ep * k * c_eff * H * bytes`` on the dispatch buffer, and the planner's working set
-(``plan.expert.dispatch_terms`` at that bound). float32; shapes are small so that it runs on a laptop: the
-ratios, not the bytes, are what compares with the paper's matched-component result (dispatch peak
-52.7 -> 21.4 GiB, -59.3%, at 65K tokens on GPUs: BRIEF section 4). Writes the JSON and a markdown table
-beside it (same name, ``.md``).
+P processes each hold E / P experts and N tokens; one MoE dispatch (forward + backward) runs under torch's
+``MemTracker`` on every rank (every storage torch creates during the call, freed when it is; the inputs made
+before it not counted) and the table reports the busiest rank's peak, for routings from even to adversarial:
+``balanced`` (random), ``genome`` (glm5-flash-tiny's router on lambda phage), ``skew95`` (95% of tokens choose
+expert 0), ``one_gpu`` (every token chooses rank 0's experts: plain EP sends every row to one GPU);
+glm5-flash-tiny's MoE shapes throughout. Modes: ``plain`` (one all-to-all, the graph kept), ``pipelined``
+(chunks, LLEP off: the structural bound alone) and ``pipelined_llep``. Beside each: the rows the busiest rank
+received at once, the bound ``2 * ep * k * c_eff * H * bytes`` on the dispatch buffer, and the planner's
+working set (``plan.expert.dispatch_terms`` at that bound). float32; shapes are small so that it runs on a
+laptop: the ratios, not the bytes, are what compares with the paper's matched-component result (dispatch peak
+52.7 -> 21.4 GiB, -59.3%, at 65K tokens on GPUs: BRIEF section 4). Writes the JSON and a markdown table beside
+it (same name, ``.md``).
 """
 
 from __future__ import annotations
