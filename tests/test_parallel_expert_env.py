@@ -33,7 +33,9 @@ def test_bad_dispatch_settings_name_the_flag(override, words):
 
 
 def test_dispatch_settings_from_config():
-    cfg = build_config(overrides={"parallel.ep_chunk_tokens": "4K", "parallel.ep_dispatch": "llep"})
+    with pytest.warns(UserWarning, match="no effect with parallel.ep 1"):
+        build_config(overrides={"parallel.ep_dispatch": "plain"})
+    cfg = build_config(overrides={"parallel.ep": 2, "parallel.ep_chunk_tokens": "4K", "parallel.ep_dispatch": "llep"})
     d = cfg.parallel.ep_dispatch_settings()
     assert d == ExpertDispatchSettings(mode="llep", chunk_tokens=4096)
     assert d.balances and not d.pipelined

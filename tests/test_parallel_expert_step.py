@@ -79,7 +79,19 @@ def reference_step(num_seqs: int, skew: bool) -> tuple[float, float, dict, dict,
     return float(loss.detach()), gnorm, grads, {n: p.detach().clone() for n, p in model.named_parameters()}, low
 
 
-def _rank(rank: int, dp: int, ep: int, cp: int, mode: str, skew: bool, ref: tuple, memory: dict) -> None:
+def _rank(rank: int, cases: list[tuple], refs: dict) -> None:
+    """Every case ``(dp, ep, cp, mode, skew, memory)`` of this world size, one after the other in one process
+    group (each case builds its own mesh groups over it)."""
+    env = None
+    for dp, ep, cp, mode, skew, memory in cases:
+        try:
+            env = _case(dp, ep, cp, mode, skew, memory, refs[(dp * ep, skew)])
+        except AssertionError as e:
+            raise AssertionError(f"dp {dp} x ep {ep} x cp {cp}, {mode}, skew={skew}, memory {memory}: {e}") from e
+    env.shutdown()
+
+
+def _case(dp: int, ep: int, cp: int, mode: str, skew: bool, memory: dict, ref: tuple) -> DistributedEnv:
     ref_loss, ref_norm, ref_grads, ref_params, _ = ref
     cfg = build_config(overrides={"parallel.dp": dp, "parallel.ep": ep, "parallel.cp": cp, "parallel.backend": "gloo",
                                   "parallel.loss_parallel": "ring_dtp", "parallel.ep_dispatch": mode,
@@ -122,7 +134,7 @@ def _rank(rank: int, dp: int, ep: int, cp: int, mode: str, skew: bool, ref: tupl
         assert sum(out) == 0, out
     elif skew:
         assert sum(out) > 0, out  # the skewed routing makes LLEP move experts
-    env.shutdown()
+    return env
 
 
 def _held(model: torch.nn.Module, name: str) -> slice:
@@ -143,19 +155,21 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 SCHEMES = {"tiled_mlp": True, "mlp_tile_tokens": 12, "recompute": True}  # tiles of 12 tokens: uneven chunks inside
+CASES = {  # (dp, ep, cp, dispatch mode, skewed routing, memory settings), by world size
+    2: [(1, 2, 1, "pipelined_llep", False, {}),
+        (1, 2, 1, "pipelined_llep", True, SCHEMES),  # with the memory schemes: tiles inside recomputed layers
+        (1, 2, 1, "pipelined_llep", True, {"model_segment_tokens": 16})],  # and sequence segments
+    4: [(1, 4, 1, "pipelined_llep", True, {}),
+        (1, 2, 2, "pipelined_llep", True, {}),  # ep x cp
+        (2, 2, 1, "llep", True, {}),  # ep with dp
+        (1, 2, 2, "plain", False, {})],
+}
 
 
-@pytest.mark.parametrize("dp, ep, cp, mode, skew, memory", [
-    (1, 2, 1, "pipelined_llep", False, {}),
-    (1, 4, 1, "pipelined_llep", True, {}),
-    (1, 2, 2, "pipelined_llep", True, {}),  # ep x cp
-    (2, 2, 1, "llep", True, {}),  # ep with dp
-    (1, 2, 2, "plain", False, {}),
-    (1, 2, 1, "pipelined_llep", True, SCHEMES),  # with the memory schemes: tiles inside recomputed layers
-    (1, 2, 1, "pipelined_llep", True, {"model_segment_tokens": 16}),  # and sequence segments
-])
-def test_step_matches_one_process(dp, ep, cp, mode, skew, memory, references):
-    ref = references[(dp * ep, skew)]
-    if skew:
-        assert ref[4] > 0.6, f"the skewed routing should favour the low experts, got {ref[4]:.2f}"
-    spawn_local(_rank, dp * ep * cp, args=(dp, ep, cp, mode, skew, ref, memory))
+@pytest.mark.parametrize("world", sorted(CASES))
+def test_step_matches_one_process(world, references):
+    for dp, ep, _, _, skew, _ in CASES[world]:
+        if skew:
+            low = references[(dp * ep, skew)][4]
+            assert low > 0.6, f"the skewed routing should favour the low experts, got {low:.2f}"
+    spawn_local(_rank, world, args=(CASES[world], references))

@@ -10,6 +10,7 @@ import dataclasses
 import difflib
 import types
 import typing
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -168,7 +169,9 @@ class ParallelConfig:
             raise ValueError(f"parallel.launcher must be auto, torchrun, ray or none, got {self.launcher!r}")
         self.ep_chunk_tokens = parse_size(self.ep_chunk_tokens)
         self.llep_min_tokens = parse_size(self.llep_min_tokens)
-        self.ep_dispatch_settings()  # validates the dispatch settings
+        if self.ep_dispatch_settings() != ExpertDispatchSettings() and self.ep == 1:  # (validates them too)
+            warnings.warn("parallel.ep_dispatch / ep_* / llep_* have no effect with parallel.ep 1 (every expert "
+                          "is on every rank)", stacklevel=2)
 
     def ep_dispatch_settings(self) -> ExpertDispatchSettings:
         """The typed dispatch settings the runtime and the planner read."""
@@ -184,7 +187,7 @@ class ParallelConfig:
         if world_size % inner:
             raise ValueError(
                 f"world size {world_size} is not a multiple of parallel.cp * parallel.ep = {self.cp} * {self.ep}: "
-                f"launch a multiple of {inner} processes or lower --parallel.cp"
+                f"launch a multiple of {inner} processes or lower --parallel.cp / --parallel.ep"
             )
         dp = world_size // inner if self.dp == -1 else self.dp
         if dp * inner != world_size:

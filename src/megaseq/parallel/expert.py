@@ -31,6 +31,7 @@ the experts over ``expert_group`` (their gradients then reduce-scattered there i
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,18 +53,11 @@ def all_to_all_rows(x: torch.Tensor, send: list[int], recv: list[int], group: An
     if len(send) == 1:
         return x
     me = dist.get_rank(group)
-    row_bytes = x[0].numel() * x.element_size() if x.shape[0] else _row_bytes(x)
+    row_bytes = math.prod(x.shape[1:]) * x.element_size()
     count_bytes(op, direction, (sum(send) - send[me]) * row_bytes, scope)  # the block to itself stays
     out = x.new_empty((sum(recv), *x.shape[1:]))
     dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
     return out
-
-
-def _row_bytes(x: torch.Tensor) -> int:
-    n = 1
-    for d in x.shape[1:]:
-        n *= d
-    return n * x.element_size()
 
 
 class AllToAll(torch.autograd.Function):
@@ -154,6 +148,8 @@ class EPDispatch(ExpertDispatch):
                 y_NH = y.new_empty((x_NH.shape[0], y.shape[1]))
             y_NH[c.start:c.end] = y
             del y
+        if y_NH is None:  # no chunk at all (no tokens anywhere)
+            y_NH = x_NH.new_zeros((0, gate_up.shape[2]))
         return y_NH, foreign
 
     def send_weights(self, gate_up: torch.Tensor, down: torch.Tensor, route: Route) -> Weights:
@@ -178,16 +174,16 @@ class EPDispatch(ExpertDispatch):
         send_M = torch.argsort(dest_M * experts.num_experts + e_nK.reshape(-1), stable=True)
         assert torch.bincount(dest_M, minlength=self.ep).tolist() == part.send, "rows and plan disagree"
         # the received rows are passed on without a name here, so they are freed once regrouped
-        y_RH = self.experts(experts, route, part, AllToAll.apply(x_nH[send_M // K], part.send, part.recv,
-                                                                 self.group, "ep_dispatch", self.scope), held, foreign)
+        y_RH = self.serve(experts, route, part, AllToAll.apply(x_nH[send_M // K], part.send, part.recv,
+                                                               self.group, "ep_dispatch", self.scope), held, foreign)
         y_MH = AllToAll.apply(y_RH, part.recv, part.send, self.group, "ep_combine", self.scope)
         del y_RH
         inverse = torch.empty_like(send_M)
         inverse[send_M] = torch.arange(send_M.numel(), device=send_M.device)
         return combine(y_MH[inverse], w_nK, x_nH.dtype)
 
-    def experts(self, experts: Experts, route: Route, part: ChunkRoute, x_RH: torch.Tensor, held: Weights,
-                foreign: Weights) -> torch.Tensor:
+    def serve(self, experts: Experts, route: Route, part: ChunkRoute, x_RH: torch.Tensor, held: Weights,
+              foreign: Weights) -> torch.Tensor:
         """The received rows through the experts this rank serves: its own, then the spilled ones."""
         order_R, per_served = group_by_served(part, route.served_E)
         x_RH = x_RH[order_R]
