@@ -96,3 +96,30 @@ def test_planner_splits_experts_and_bounds_the_dispatch():
     assert plain == sorted(plain) and plain[2] == 4 * n * 8  # plain EP grows with the imbalance
     llep = dispatch_terms(spec, n, Mesh(ep=8, cp=8), ExpertDispatchSettings(mode="llep"), 4, prec, 4.0)
     assert llep.rows_in == int(n * 8 * 1.1)  # LLEP above its threshold: alpha x the mean
+
+
+class RecordingEnv(ParallelEnv):
+    """An environment with ep > 1 that records which modules its ``shard_moe`` was handed."""
+
+    ep_size = 2
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sharded: list[torch.nn.Module] = []
+
+    def shard_moe(self, moe: torch.nn.Module) -> None:
+        self.sharded.append(moe)
+
+
+@pytest.mark.parametrize("name", ["glm5-flash-tiny", "qwen3-moe-tiny"])
+def test_each_family_shards_every_moe_layer(name):
+    from megaseq.config import MemorySettings
+    from megaseq.models.build import build_model
+    from megaseq.models.common.moe import MoE
+    from megaseq.models.registry import parallelize
+
+    model = build_model(get_preset(name), dtype=torch.float32, seed=0)
+    env = RecordingEnv()
+    parallelize(model, MemorySettings(), env)
+    assert env.sharded == [m for m in model.modules() if isinstance(m, MoE)] and env.sharded
+    parallelize(model, MemorySettings(), ParallelEnv())  # ep 1: nothing to shard
