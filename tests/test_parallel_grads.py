@@ -51,7 +51,8 @@ def test_reduce_gradients_sums_and_keeps_none(world):
     spawn_local(_reduce_worker, world, args=(world,))
 
 
-def test_expert_parallel_is_refused_until_implemented():
+def test_expert_parallel_needs_its_processes():
+    """ep is an axis of the mesh now (tests/test_parallel_expert*.py); one process cannot hold it."""
     cfg = build_config(overrides={"parallel.ep": 2, "train.device": "cpu"})
-    with pytest.raises(ValueError, match="parallel.ep = 2: expert parallelism is not available yet"):
+    with pytest.raises(ValueError, match="not a multiple of parallel.cp \\* parallel.ep = 1 \\* 2"):
         DistributedEnv(cfg)

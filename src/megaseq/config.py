@@ -10,6 +10,7 @@ import dataclasses
 import difflib
 import types
 import typing
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -95,18 +96,70 @@ class DataConfig:
             raise ValueError(f"data.non_acgt must be 'n' or 'error', got {self.non_acgt!r}")
 
 
+EP_DISPATCH = ("pipelined_llep", "llep", "plain")
+
+
+@dataclass(frozen=True)
+class ExpertDispatchSettings:
+    """How routed tokens reach experts on other ep ranks (``parallel/expert.py``, docs/expert_parallel.md);
+    read from ``parallel.ep_*`` / ``parallel.llep_*`` by ``ParallelConfig.ep_dispatch_settings``."""
+
+    mode: str = "pipelined_llep"  # pipelined_llep, llep or plain
+    chunk_tokens: int = 8192  # c: tokens per source per chunk (PipelinedLLEP)
+    max_chunks: int = 32  # K_max
+    alpha: float = 1.1  # LLEP per-GPU cap: alpha * total / ep
+    threshold: float = 1.3  # LLEP only when max / mean GPU load exceeds this
+    min_tokens: int = 512  # no spilled piece smaller than this
+
+    def __post_init__(self) -> None:
+        if self.mode not in EP_DISPATCH:
+            raise ValueError(f"parallel.ep_dispatch must be one of {', '.join(EP_DISPATCH)}, got {self.mode!r}")
+        for name, flag in (("chunk_tokens", "ep_chunk_tokens"), ("max_chunks", "ep_max_chunks"),
+                           ("min_tokens", "llep_min_tokens")):
+            if getattr(self, name) < 1:
+                raise ValueError(f"parallel.{flag} must be >= 1, got {getattr(self, name)}")
+        if self.alpha < 1.0:
+            raise ValueError(f"parallel.llep_alpha must be >= 1 (the GPUs' caps must hold every row), got "
+                             f"{self.alpha}")
+        if self.threshold < self.alpha:
+            raise ValueError(f"parallel.llep_threshold ({self.threshold}) must be >= parallel.llep_alpha "
+                             f"({self.alpha}): below it LLEP could make the busiest GPU busier; raise "
+                             "--parallel.llep_threshold")
+
+    @property
+    def balances(self) -> bool:
+        """LLEP plans the dispatch (above the threshold)."""
+        return self.mode != "plain"
+
+    @property
+    def pipelined(self) -> bool:
+        """Chunked dispatch, each chunk recomputed in backward (the dispatch buffer bounded)."""
+        return self.mode == "pipelined_llep"
+
+
 @dataclass
 class ParallelConfig:
-    """The device mesh: data-parallel x context-parallel (x expert-parallel, reserved)."""
+    """The device mesh: data-parallel x expert-parallel x context-parallel, and the expert dispatch."""
 
     dp: int = opt(1, "data-parallel size (-1: whatever the world size leaves after cp and ep)")
     cp: int = opt(1, "context-parallel (Ulysses) size: each rank holds seq_len / cp tokens")
-    ep: int = opt(1, "expert-parallel size (reserved; must be 1 for now)")
+    ep: int = opt(1, "expert-parallel size: each rank holds num_experts / ep experts; ep ranks read different "
+                  "sequences (a data axis for every other parameter)")
     launcher: str = opt("auto", "auto (torchrun env if present, else one process), ray, or none")
     num_workers: int = opt(1, "Ray workers (with --parallel.launcher ray)")
     backend: str = opt("auto", "collective backend: auto (nccl on GPU, gloo on CPU), nccl or gloo")
     mla_mode: str = opt("auto", "how DSA/MLA layers go context-parallel: ulysses, gather_kv or auto")
     loss_parallel: str = opt("auto", "vocabulary loss over the cp group: ring_dtp, local or auto")
+    ep_dispatch: str = opt("pipelined_llep", "expert dispatch with ep > 1: pipelined_llep (LLEP in chunks, each "
+                           "recomputed in backward: the dispatch buffer bounded whatever the routing), llep (one "
+                           "all-to-all, LLEP-balanced) or plain (one all-to-all, every expert serves its own rows)")
+    ep_chunk_tokens: Any = opt("8K", "pipelined_llep: tokens each rank sends per chunk (c); the chunks are "
+                               "K = min(ceil(N / c), ep_max_chunks)")
+    ep_max_chunks: int = opt(32, "pipelined_llep: the most chunks per MoE layer (K_max)")
+    llep_alpha: float = opt(1.1, "LLEP: per-GPU cap = llep_alpha * rows / ep (>= 1)")
+    llep_threshold: float = opt(1.3, "LLEP: balance only when the busiest GPU's rows exceed this times the mean "
+                                "(>= llep_alpha)")
+    llep_min_tokens: Any = opt(512, "LLEP: no expert's rows are spilled to another GPU in a piece smaller than this")
 
     def __post_init__(self) -> None:
         for name in ("cp", "ep", "num_workers"):
@@ -114,6 +167,17 @@ class ParallelConfig:
                 raise ValueError(f"parallel.{name} must be >= 1, got {getattr(self, name)}")
         if self.launcher not in ("auto", "ray", "none", "torchrun"):
             raise ValueError(f"parallel.launcher must be auto, torchrun, ray or none, got {self.launcher!r}")
+        self.ep_chunk_tokens = parse_size(self.ep_chunk_tokens)
+        self.llep_min_tokens = parse_size(self.llep_min_tokens)
+        if self.ep_dispatch_settings() != ExpertDispatchSettings() and self.ep == 1:  # (validates them too)
+            warnings.warn("parallel.ep_dispatch / ep_* / llep_* have no effect with parallel.ep 1 (every expert "
+                          "is on every rank)", stacklevel=2)
+
+    def ep_dispatch_settings(self) -> ExpertDispatchSettings:
+        """The typed dispatch settings the runtime and the planner read."""
+        return ExpertDispatchSettings(mode=self.ep_dispatch, chunk_tokens=self.ep_chunk_tokens,
+                                      max_chunks=self.ep_max_chunks, alpha=self.llep_alpha,
+                                      threshold=self.llep_threshold, min_tokens=self.llep_min_tokens)
 
     def axis_sizes(self, world_size: int) -> tuple[int, int, int]:
         """(dp, cp, ep) for ``world_size`` processes; one clear ValueError for each misfit."""
@@ -123,7 +187,7 @@ class ParallelConfig:
         if world_size % inner:
             raise ValueError(
                 f"world size {world_size} is not a multiple of parallel.cp * parallel.ep = {self.cp} * {self.ep}: "
-                f"launch a multiple of {inner} processes or lower --parallel.cp"
+                f"launch a multiple of {inner} processes or lower --parallel.cp / --parallel.ep"
             )
         dp = world_size // inner if self.dp == -1 else self.dp
         if dp * inner != world_size:

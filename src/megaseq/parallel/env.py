@@ -1,10 +1,12 @@
-"""``DistributedEnv``: the trainer's view of a dp x cp run (the multi-process ``ParallelEnv``).
+"""``DistributedEnv``: the trainer's view of a dp x ep x cp run (the multi-process ``ParallelEnv``).
 
 ``megaseq.train.parallel_env.setup_parallel`` returns it when torchrun or a Ray worker set
 WORLD_SIZE > 1. It owns the mesh and exposes what the training loop needs: the batch shard, the
 sequence context, the vocabulary loss (Ring-DTP over the cp group), the global token count and
-the gradient reduction. Parameters are replicated; see ``grads`` for why the loss is divided by
-the *global* token count and gradients are summed.
+the gradient reduction. Parameters are replicated but the routed experts, which ``shard_moe`` spreads
+over the ep group (a family's ``parallelize`` calls it); see ``grads`` for why the loss is divided by
+the *global* token count and gradients are summed. ``dp_rank`` / ``dp_size`` count the ranks that read
+different sequences: dp x ep.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ class ParallelEnv:
     dp_rank = 0
     dp_size = 1
     cp_size = 1
+    ep_size = 1
+    ep_rank = 0
     is_main = True
     reads_data = True
 
@@ -65,6 +69,16 @@ class ParallelEnv:
     def reduce_gradients(self, model: torch.nn.Module) -> None:
         return None
 
+    def clip_grad_norm(self, params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+        """The global gradient norm, the gradients clipped to ``max_norm`` first when it is > 0."""
+        if max_norm > 0:
+            return torch.nn.utils.clip_grad_norm_(params, max_norm)
+        return torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params]))
+
+    def shard_moe(self, moe: torch.nn.Module) -> None:
+        raise ValueError("expert parallelism needs parallel.ep > 1 processes; with one process every expert "
+                         "stays here (nothing to shard)")
+
     def broadcast_object(self, obj: Any) -> Any:
         return obj
 
@@ -80,12 +94,9 @@ class ParallelEnv:
 
 
 class DistributedEnv(ParallelEnv):
-    """One process of a dp x cp world."""
+    """One process of a dp x ep x cp world."""
 
     def __init__(self, cfg: Any, spec: Any | None = None, **mesh_kwargs: Any) -> None:
-        if cfg.parallel.ep != 1:
-            raise ValueError(f"parallel.ep = {cfg.parallel.ep}: expert parallelism is not available yet; "
-                             "set --parallel.ep 1")
         if spec is None:
             from megaseq.models.presets import resolve_spec
 
@@ -99,8 +110,13 @@ class DistributedEnv(ParallelEnv):
         self.device = self.mesh.device
         m = self.mesh
         self.rank, self.world_size, self.is_main = m.rank, m.world_size, m.is_main
-        self.dp_size, self.cp_size, self.dp_rank, self.cp_rank = m.dp, m.cp, m.dp_rank, m.cp_rank
+        self.cp_size, self.cp_rank, self.ep_size, self.ep_rank = m.cp, m.cp_rank, m.ep, m.ep_rank
+        self.dp_size, self.dp_rank = m.dp * m.ep, m.dp_rank * m.ep + m.ep_rank  # ranks reading their own data
         self.reads_data = m.reads_data
+        self.ep_settings = cfg.parallel.ep_dispatch_settings()
+        self.expert_params: list[torch.nn.Parameter] = []  # the ep-sharded parameters (shard_moe)
+        if self.ep_size > 1 and spec.num_experts % self.ep_size:
+            raise ValueError(f"parallel.ep = {self.ep_size} must divide num_experts = {spec.num_experts}")
 
     # ---- data --------------------------------------------------------------------------------
     def shard_batch(self, batch: dict[str, Any] | None) -> dict[str, Any]:
@@ -136,7 +152,32 @@ class DistributedEnv(ParallelEnv):
         return grads.all_reduce_float(x)
 
     def reduce_gradients(self, model: torch.nn.Module) -> None:
-        grads.reduce_gradients(model)
+        """Replicated parameters summed over the world; the ep-sharded experts over their ``expert_group``."""
+        sharded = {id(p) for p in self.expert_params}
+        params = [p for p in model.parameters() if p.requires_grad]
+        grads.reduce_gradients([p for p in params if id(p) not in sharded])
+        if self.expert_params:
+            grads.reduce_gradients([p for p in params if id(p) in sharded], group=self.mesh.expert_group)
+
+    def clip_grad_norm(self, params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+        if not self.expert_params:
+            return super().clip_grad_norm(params, max_norm)
+        return grads.clip_grad_norm(params, max_norm, self.expert_params, group=self.mesh.ep_group)
+
+    # ---- expert parallelism ----------------------------------------------------------------------
+    def shard_moe(self, moe: torch.nn.Module) -> None:
+        """Keep this rank's ``num_experts / ep`` of ``moe.experts`` and install the expert-parallel dispatch
+        (``parallel.expert.EPDispatch``) on ``moe.expert_dispatch``; its experts' gradients are then reduced
+        over the ranks holding the same experts. Applying again is a no-op."""
+        from megaseq.parallel.expert import EPDispatch, shard_experts
+
+        if self.ep_size == 1:
+            return
+        shard_experts(moe.experts, self.ep_size, self.ep_rank)
+        moe.expert_dispatch = EPDispatch(group=self.mesh.ep_group, ep=self.ep_size, rank=self.ep_rank,
+                                         settings=self.ep_settings, scope=moe.experts.layer)
+        known = {id(p) for p in self.expert_params}
+        self.expert_params += [p for p in moe.experts.parameters() if id(p) not in known]
 
     # ---- misc ------------------------------------------------------------------------------
     def broadcast_object(self, obj: Any) -> Any:

@@ -10,9 +10,11 @@ each rank's partial derivative is the derivative of the global loss. Dividing by
 averaging gradients over ranks, is wrong as soon as ranks hold different numbers of labelled
 tokens (ignored labels, document ends, uneven shards).
 
-Every parameter is replicated on every rank in this release, so the group is the whole world
-(``dp x ep x cp``). After the reduction every rank holds the same gradient, so global-norm
-clipping and the optimizer step run locally and identically.
+Every parameter but the routed experts is replicated on every rank, so its group is the whole world
+(``dp x ep x cp``). Under expert parallelism each rank holds E / ep experts, replicated over the dp x cp
+ranks with the same ep coordinate (``mesh.expert_group``), whose gradients are summed there. After the
+reduction every rank holds the same gradient of each parameter it holds; the global norm adds the
+experts' squares over the ep group (``clip_grad_norm``), so clipping and the step agree everywhere.
 """
 
 from __future__ import annotations
@@ -115,3 +117,26 @@ def broadcast_parameters(model: torch.nn.Module, src: int = 0, group: Any = None
         return
     for t in list(model.parameters()) + list(model.buffers()):
         dist.broadcast(t.data, src=src, group=group)
+
+
+def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float, sharded: Iterable[torch.nn.Parameter] = (),
+                   group: Any = None) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` over parameters of which ``sharded`` are split over ``group`` (each
+    rank holds different ones, the others are replicated): the norm of every gradient of the model, the
+    same on every rank. ``max_norm`` 0: the norm only."""
+    params = [p for p in params if p.grad is not None]
+    shard_ids = {id(p) for p in sharded}
+    norms = [torch.linalg.vector_norm(p.grad) for p in params]
+    rep = [n for p, n in zip(params, norms) if id(p) not in shard_ids]
+    own = [n for p, n in zip(params, norms) if id(p) in shard_ids]
+    dtype = norms[0].dtype if norms else torch.float32
+    sq = torch.zeros((), dtype=dtype, device=params[0].grad.device if params else None)
+    sq_own = sum((n * n for n in own), sq.clone())
+    if _initialized() and group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(sq_own, group=group)
+    total = torch.sqrt(sum((n * n for n in rep), sq) + sq_own)
+    if max_norm > 0:
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for p in params:
+            p.grad.mul_(coef.to(p.grad.dtype))
+    return total

@@ -10,7 +10,8 @@ head count Ulysses cannot shard) raises one ValueError before any process group 
 
 Data: each cp group reads each sequence once. The group's cp-rank 0 reads the whole batch and
 scatters the contiguous shards to its group (``distribute_batch``); the other ranks read nothing.
-dp groups read different sequences (keyed by ``mesh.dp_rank``).
+dp and ep ranks read different sequences (keyed by ``dp_rank * ep + ep_rank``): expert parallelism is
+a data axis for every parameter but the experts (``parallel/expert.py``).
 
 Shapes: B batch, S full sequence, S_loc = S / cp tokens held by one rank.
 """
@@ -112,6 +113,7 @@ class Mesh:
     cp_group: Any = None
     dp_group: Any = None
     ep_group: Any = None
+    expert_group: Any = None  # the dp x cp ranks holding the same experts (ep > 1): their gradients' group
     device_mesh: Any = None  # torch DeviceMesh over ("dp", "ep", "cp") when distributed
 
     @property
@@ -211,6 +213,11 @@ def _build_groups(mesh: Mesh) -> None:
     mesh.cp_group = dm.get_group("cp")
     mesh.dp_group = dm.get_group("dp")
     mesh.ep_group = dm.get_group("ep")
+    if s.ep > 1:  # every rank creates every group, in the same order
+        for e in range(s.ep):
+            group = dist.new_group([r for r in range(s.world_size) if s.coords(r)[1] == e])
+            if mesh.ep_rank == e:
+                mesh.expert_group = group
 
 
 def resolve_mla_mode(mode: str) -> str:

@@ -17,7 +17,7 @@ parameters (the trainer's mode), or in a bf16 model (``optimizer_offload``: see 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from megaseq.models.spec import ModelSpec
 
@@ -212,6 +212,15 @@ def mlp_params(spec: ModelSpec, kind: str) -> tuple[int, int]:
         return 3 * H * spec.intermediate_size, 0
     shared = 3 * H * spec.moe_intermediate_size * spec.num_shared_experts
     return spec.num_experts * H + shared, 3 * spec.num_experts * H * spec.moe_intermediate_size
+
+
+def gpu_counts(counts: ParamCounts, mesh: Mesh) -> ParamCounts:
+    """The parameters one GPU holds: the routed experts split over ep (``parallel.expert.shard_experts``).
+    Under FSDP the counts stay whole: its shard over the world already gives each GPU ``1 / world`` of the
+    experts (``E / ep`` of them, sharded again over dp x cp) and of everything else."""
+    if mesh.ep == 1 or mesh.fsdp:
+        return counts
+    return replace(counts, layers=[(d, x // mesh.ep, g) for d, x, g in counts.layers])
 
 
 def count_params(spec: ModelSpec) -> ParamCounts:

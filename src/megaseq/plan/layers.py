@@ -268,21 +268,38 @@ def moe_rows(spec: ModelSpec, tokens: int, mesh: Mesh, imbalance: float) -> int:
     return int(min(tokens * K * imbalance, tokens * mesh.ep * min(K, local)))
 
 
+def moe_row_saved(spec: ModelSpec, xb: int, prec: Precision) -> int:
+    """Per routed row: the expert input (a cast copy), the SwiGLU set and the expert output ``c * H`` kept
+    by the weighting."""
+    H, I, c = spec.hidden_size, spec.moe_intermediate_size, prec.compute
+    return linear_inputs(H, 1, xb, prec) + swiglu_saved_ci(spec) * c * I + c * H
+
+
+def moe_row_temp(spec: ModelSpec, xb: int, prec: Precision, backward: bool, cal: Calibration = CAL) -> float:
+    """Per routed row: the temporaries above the saved set (forward, or backward)."""
+    coef = cal.moe_bwd_temp_rows if backward else cal.moe_fwd_temp_rows
+    extra = cal.mlp_bwd_temp_ci if backward else cal.mlp_fwd_temp_ci
+    return coef * xb * spec.hidden_size + extra * prec.compute * spec.moe_intermediate_size + 24
+
+
+def moe_router_saved(spec: ModelSpec, n: int, prec: Precision) -> int:
+    """The router's cast input and its scores ``2 * c * E``, the group mask, the top-k indices (int64)."""
+    router_in = linear_inputs(spec.hidden_size, 1, prec.f32, prec)  # the router casts x to fp32 first
+    logits = prec.compute if prec.autocast else prec.f32  # autocast runs the fp32 router linear in bf16
+    E, K = spec.num_experts, spec.num_experts_per_tok
+    return n * (router_in + logits * E + E + 8 * (K + 3))
+
+
 def moe_saved(
     spec: ModelSpec, n: int, xb: int, prec: Precision, mesh: Mesh, imbalance: float
 ) -> dict[str, int]:
-    """MoE (``blocks/moe.py``): the router's cast input and its scores ``2 * c * E``, per routed row the
-    expert input (a cast copy), the SwiGLU set and the expert output ``c * H`` kept by the weighting,
-    and the shared expert as a dense SwiGLU."""
-    H, I, c = spec.hidden_size, spec.moe_intermediate_size, prec.compute
+    """MoE (``blocks/moe.py``): the router (``moe_router_saved``), per routed row ``moe_row_saved``, and the
+    shared expert as a dense SwiGLU."""
+    I = spec.moe_intermediate_size
     rows = moe_rows(spec, n, mesh, imbalance)
-    router_in = linear_inputs(H, 1, prec.f32, prec)  # the router casts x to fp32 first
-    logits = c if prec.autocast else prec.f32  # autocast runs the fp32 router linear in bf16
-    E, K = spec.num_experts, spec.num_experts_per_tok
-    out = {  # scores (sigmoid/softmax output), the group mask, the top-k indices (int64)
-        "moe router": n * (router_in + logits * E + E + 8 * (K + 3)),
-        "moe routed rows (x, SwiGLU, y)": rows
-        * (linear_inputs(H, 1, xb, prec) + swiglu_saved_ci(spec) * c * I + c * H),
+    out = {
+        "moe router": moe_router_saved(spec, n, prec),
+        "moe routed rows (x, SwiGLU, y)": rows * moe_row_saved(spec, xb, prec),
     }
     if spec.num_shared_experts:
         out["moe shared expert"] = mlp_saved(spec, n, I * spec.num_shared_experts, xb, prec)
@@ -306,7 +323,5 @@ def mlp_temp(
         coef = cal.mlp_bwd_temp_ci if backward else cal.mlp_fwd_temp_ci
         return int(n * coef * c * spec.intermediate_size)
     rows = moe_rows(spec, n, mesh, imbalance)
-    coef = cal.moe_bwd_temp_rows if backward else cal.moe_fwd_temp_rows
-    extra = cal.mlp_bwd_temp_ci if backward else cal.mlp_fwd_temp_ci
     dispatch = 2 * rows * c * spec.hidden_size if mesh.ep > 1 else 0  # all-to-all send + receive
-    return int(rows * (coef * xb * spec.hidden_size + extra * c * spec.moe_intermediate_size + 24) + dispatch)
+    return int(rows * moe_row_temp(spec, xb, prec, backward, cal) + dispatch)

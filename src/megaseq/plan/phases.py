@@ -18,10 +18,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from megaseq.config import MemorySettings
+from megaseq.config import ExpertDispatchSettings, MemorySettings
 from megaseq.models.spec import ModelSpec
 from megaseq.plan import components as C
-from megaseq.plan import layers
+from megaseq.plan import expert, layers
 from megaseq.plan.components import CAL, Calibration, Mesh, ParamCounts, Precision
 
 
@@ -44,6 +44,7 @@ class Run:
     packed_documents: bool = False  # data with document boundaries (text): no segmented KDA
     loss_in_compute_dtype: bool = True  # the trainer casts hidden + head for the loss (False: before 2026-11-29)
     cal: Calibration = CAL
+    ep_dispatch: ExpertDispatchSettings = ExpertDispatchSettings()  # how routed rows travel when mesh.ep > 1
 
     def __post_init__(self) -> None:
         if isinstance(self.memory, dict):
@@ -148,6 +149,8 @@ def _mlp(run: Run, i: int, xb: int, tokens: int) -> tuple[dict[str, int], int, i
     """(saved, forward temp, backward temp) of layer i's MLP over ``tokens`` tokens."""
     spec, prec, mesh = run.spec, run.prec, run.mesh
     kind = spec.mlp_types[i]
+    if kind == "moe" and mesh.ep > 1:
+        return _moe_ep(run, xb, tokens)
     if kind == "dense":
         saved = {"mlp (dense SwiGLU)": layers.mlp_saved(spec, tokens, spec.intermediate_size, xb, prec)}
     else:
@@ -155,6 +158,18 @@ def _mlp(run: Run, i: int, xb: int, tokens: int) -> tuple[dict[str, int], int, i
     fwd = layers.mlp_temp(spec, tokens, kind, xb, prec, mesh, run.imbalance, False, run.cal)
     bwd = layers.mlp_temp(spec, tokens, kind, xb, prec, mesh, run.imbalance, True, run.cal)
     return saved, fwd, bwd
+
+
+def _moe_ep(run: Run, xb: int, tokens: int) -> tuple[dict[str, int], int, int]:
+    """An MoE layer under expert parallelism: the router and the shared expert here, the routed path as the
+    dispatch mode runs it (``plan.expert.dispatch_terms``: PipelinedLLEP at its bound)."""
+    spec, prec = run.spec, run.prec
+    t = expert.dispatch_terms(spec, tokens, run.mesh, run.ep_dispatch, xb, prec, run.imbalance, run.cal)
+    saved = {"moe router": layers.moe_router_saved(spec, tokens, prec), **t.saved}
+    if spec.num_shared_experts:
+        I = spec.moe_intermediate_size * spec.num_shared_experts
+        saved["moe shared expert"] = layers.mlp_saved(spec, tokens, I, xb, prec)
+    return saved, t.fwd_temp, t.bwd_temp
 
 
 def _largest_weight(spec: ModelSpec, i: int) -> int:

@@ -20,10 +20,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from megaseq.config import MemorySettings
+from megaseq.config import ExpertDispatchSettings, MemorySettings
 from megaseq.models.spec import ModelSpec
 from megaseq.plan import components as C
 from megaseq.plan.components import GB, GIB, Calibration, Mesh
+from megaseq.plan.expert import dispatch_terms, expected_step_bytes
 from megaseq.plan.fixes import (  # noqa: F401  (Budgets, H200_GPU_BYTES, HOST_BYTES_PER_GPU: re-exported)
     FIXES,
     H200_GPU_BYTES,
@@ -68,6 +69,7 @@ class Plan:
     phases: dict[str, int] = field(default_factory=dict)
     comm: dict[str, Any] = field(default_factory=dict)
     flops: dict[str, float] = field(default_factory=dict)
+    expert_dispatch: dict[str, Any] = field(default_factory=dict)  # the MoE dispatch under ep > 1
 
     def to_dict(self) -> dict[str, Any]:
         d = dict(self.__dict__)
@@ -270,7 +272,8 @@ def _make_plan(run: Run, budgets: Budgets, memory_cfg: Any | None, name: str) ->
         headroom=budgets.gpu_bytes - ev.peak_gpu,
         peak_phase=ev.phase,
         phases=ev.phases,
-        comm=comm_volume(run.spec, run.seq_len, run.mesh, run.batch) if run.mesh.cp > 1 else {},
+        comm=_comm(run),
+        expert_dispatch=_expert_dispatch(run),
         flops={
             "per_token": sf.per_token,
             "per_step": sf.total * run.batch,
@@ -280,6 +283,31 @@ def _make_plan(run: Run, budgets: Budgets, memory_cfg: Any | None, name: str) ->
             "indexer": sf.indexer,
         },
     )
+
+
+def _comm(run: Run) -> dict[str, Any]:
+    """Bytes per GPU per step: context parallelism's per layer kind, expert parallelism's under ``moe``."""
+    out = comm_volume(run.spec, run.seq_len, run.mesh, run.batch) if run.mesh.cp > 1 else {}
+    if run.mesh.ep > 1:
+        out["moe"] = expected_step_bytes(run.spec, run.seq_len, run.mesh, run.ep_dispatch, run.batch, run.prec)
+    return out
+
+
+def _expert_dispatch(run: Run) -> dict[str, Any]:
+    """The dispatch component of one MoE layer under ep > 1: rows, chunks, the buffer bound, and the rows the
+    measured imbalance would give (what plain EP would plan with)."""
+    if run.mesh.ep == 1 or "moe" not in run.spec.mlp_types:
+        return {}
+    n = run.n if not run.memory.tiled_mlp else min(run.memory.mlp_tile_tokens, run.n)
+    xb = C.norm_saved(run.spec.hidden_size, run.prec.stream, run.prec)[1]
+    t = dispatch_terms(run.spec, n, run.mesh, run.ep_dispatch, xb, run.prec, run.imbalance, run.cal)
+    plain = dispatch_terms(run.spec, n, run.mesh, replace(run.ep_dispatch, mode="plain"), xb, run.prec,
+                           run.imbalance, run.cal)
+    return {"mode": t.mode, "chunks": t.chunks, "c_eff": t.c_eff, "rows_in": t.rows_in,
+            "rows_in_bound": t.rows_in_bound, "rows_in_expected": t.rows_in_expected,
+            "buffer_bound": t.buffer_bound, "working_set": sum(t.saved.values()) + max(t.fwd_temp, t.bwd_temp),
+            "imbalance": run.imbalance,
+            "plain_working_set": sum(plain.saved.values()) + max(plain.fwd_temp, plain.bwd_temp)}
 
 
 def plan(
@@ -296,19 +324,21 @@ def plan(
     calibration: Calibration = C.CAL,
     name: str = "",
     packed_documents: bool = False,
+    ep_dispatch: ExpertDispatchSettings | None = None,
 ) -> Plan:
     """Plan one training step of ``spec`` at ``seq_len`` tokens per sequence on ``mesh``.
 
     ``memory_cfg`` (a ``megaseq.config.MemoryConfig``): with ``auto`` false its settings are used as
     given; otherwise the planner picks the cheapest fixes that fit. ``moe_imbalance`` is the max/mean
-    expert load used under expert parallelism (BRIEF: about 4 on real long-context data).
+    expert load used under expert parallelism (BRIEF: about 4 on real long-context data); ``ep_dispatch``
+    how routed rows travel then (default: PipelinedLLEP, planned at its routing-independent bound).
     """
     mesh = mesh or Mesh()
     budgets = budgets or Budgets()
     if seq_len < 1 or batch_size < 1:
         raise ValueError(f"seq_len ({seq_len}) and batch_size ({batch_size}) must be >= 1")
     validate_mesh(spec, seq_len, mesh)
-    counts = C.count_params(spec)
+    counts = C.gpu_counts(C.count_params(spec), mesh)
     best: Plan | None = None
     for mode in mla_modes(spec, mesh):
         run = Run(
@@ -324,6 +354,7 @@ def plan(
             grad_accum=grad_accum,
             cal=calibration,
             packed_documents=packed_documents,
+            ep_dispatch=ep_dispatch or ExpertDispatchSettings(),
         )
         p = _make_plan(run, budgets, memory_cfg, name or spec.family)
         if best is None or _better(p, best):
@@ -355,6 +386,7 @@ def run_for(
     mla_mode: str | None = None,
     calibration: Calibration = C.CAL,
     loss_in_compute_dtype: bool = True,
+    ep_dispatch: ExpertDispatchSettings | None = None,
 ) -> Run:
     """The planner's ``Run`` for one given setting (``MemorySettings``, or a dict of some of its fields, the
     rest at the planner's base), choosing nothing. ``mla_mode`` defaults to the mesh's (``auto`` meaning
@@ -371,12 +403,13 @@ def run_for(
         mesh=mesh,
         model_dtype=model_dtype,
         memory=full,
-        counts=C.count_params(spec),
+        counts=C.gpu_counts(C.count_params(spec), mesh),
         mla_mode=mode,
         imbalance=moe_imbalance,
         grad_accum=grad_accum,
         cal=calibration,
         loss_in_compute_dtype=loss_in_compute_dtype,
+        ep_dispatch=ep_dispatch or ExpertDispatchSettings(),
     )
 
 
@@ -418,4 +451,5 @@ def plan_from_config(
         grad_accum=cfg.train.grad_accum,
         name=cfg.model.name,
         packed_documents=cfg.data.kind == "text",
+        ep_dispatch=pc.ep_dispatch_settings(),
     )

@@ -53,6 +53,10 @@ def _footer(plan: Plan) -> list[str]:
     else:
         lines.append("fixes: none needed")
     for kind, v in plan.comm.items():
+        if kind == "moe":
+            lines.append(f"expert parallel: {v['mode']}, {v['per_layer'] / GB:.2f} GB per MoE layer per step with "
+                         f"even routing ({v['per_step'] / GB:.1f} GB over {v['moe_layers']} layers)")
+            continue
         mode = v["mode"]
         lines.append(
             f"context parallel {kind}: {mode}, {v[mode] / GB:.2f} GB per layer per step "
@@ -63,6 +67,12 @@ def _footer(plan: Plan) -> list[str]:
                 else ""
             )
         )
+    d = plan.expert_dispatch
+    if d:
+        lines.append(f"expert dispatch ({d['mode']}, {d['chunks']} chunks of {d['c_eff']} tokens): at most "
+                     f"{d['rows_in_bound']} rows into a GPU at once whatever the routing (buffer "
+                     f"{d['buffer_bound'] / GIB:.2f} GiB, working set {d['working_set'] / GIB:.2f} GiB); plain "
+                     f"EP at max/mean load {d['imbalance']:g}: {d['plain_working_set'] / GIB:.2f} GiB")
     if plan.flops:
         lines.append(
             f"model FLOPs per token {plan.flops['per_token'] / 1e9:.1f} GFLOP (training, no recompute)"

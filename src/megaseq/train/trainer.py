@@ -98,13 +98,10 @@ def train_step(model: torch.nn.Module, micro_batches: list[dict[str, torch.Tenso
         loss_sum += float(loss.detach())
     env.reduce_gradients(model)
     params = [p for p in model.parameters() if p.grad is not None]
-    if cfg.optim.grad_clip > 0:
-        if hasattr(optimizer, "clip_grad_norm_"):
-            grad_norm = float(optimizer.clip_grad_norm_(cfg.optim.grad_clip))
-        else:
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip))
-    else:
-        grad_norm = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params])))
+    if cfg.optim.grad_clip > 0 and hasattr(optimizer, "clip_grad_norm_"):
+        grad_norm = float(optimizer.clip_grad_norm_(cfg.optim.grad_clip))
+    else:  # the environment's norm: under expert parallelism each rank holds other experts' gradients
+        grad_norm = float(env.clip_grad_norm(params, cfg.optim.grad_clip))
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
@@ -155,6 +152,19 @@ def build_planned_model(cfg: Config, spec: Any, device: torch.device, memory: Me
     return model, applied, optimizer, scheduler
 
 
+def check_expert_parallel_run(cfg: Config) -> None:
+    """Refuse what an expert-parallel run cannot do yet, before anything starts: its checkpoints and HF
+    export would hold rank 0's experts only (one rank writes the whole state, parameters being replicated),
+    and OffloadStreamAdamW clips with a norm that does not see the other ranks' experts."""
+    if cfg.parallel.ep == 1:
+        return
+    raise ValueError(
+        f"parallel.ep = {cfg.parallel.ep}: the trainer cannot yet save an expert-parallel run (checkpoints and the HF "
+        "export are written by one rank from replicated parameters; the experts' shards need the sharded DCP "
+        "checkpoint of the FSDP work). Expert parallelism runs through the library (DistributedEnv + the family's "
+        "parallelize + train_step: docs/expert_parallel.md); for `megaseq train` set --parallel.ep 1")
+
+
 def kernels_for(cfg: Config, device: torch.device) -> contextlib.AbstractContextManager:
     """The dispatcher set up as the run is planned: ``model.kernels``' preferences, the planned kernels, and
     with ``model.strict_kernels`` a fallback from them an error naming the layer and the reason."""
@@ -175,6 +185,7 @@ def run_training(cfg: Config) -> RunResult:
     from megaseq.models.presets import resolve_spec
 
     spec = resolve_spec(cfg.model.name)  # a bad model name fails before anything else happens
+    check_expert_parallel_run(cfg)
     use_expandable_segments()
     env = setup_parallel(cfg)
     device = env.device = resolve_device(cfg) if env.world_size == 1 else env.device

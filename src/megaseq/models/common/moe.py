@@ -3,6 +3,9 @@
 Shapes: N tokens (all leading dims of the input flattened), H hidden, E routed experts, K experts per
 token, I expert intermediate size, M = N * K routed rows.
 
+Where the experts run is the ``expert_dispatch`` strategy's business (``ExpertDispatch``: all here; a
+family's ``parallelize`` installs the expert-parallel one of ``megaseq.parallel.expert`` from outside).
+
     x_NH --gate--> weights_NK, experts_NK          (router; scores [N, E] are its only dense tensor)
          --sort rows by expert--> x_MH             (only the N*K routed rows are gathered)
          --grouped_mm(gate_up_proj)--> gu_M2I --swiglu--> a_MI --grouped_mm(down_proj)--> y_MH
@@ -151,15 +154,20 @@ class TopKRouter(nn.Module):
         return weights_NK * self.routed_scaling_factor, experts_NK
 
 
-# ---- experts --------------------------------------------------------------------------------------
+# ---- experts ----------------------------------------------------------------------------------------
 class Experts(nn.Module):
-    """E SwiGLU experts in the fused HF v5 layout; HF module name ``experts``."""
+    """E SwiGLU experts in the fused HF v5 layout; HF module name ``experts``.
+
+    ``held`` are the global ids of the experts whose weights this module holds: all E in one process;
+    under expert parallelism ``parallel.expert`` keeps a contiguous ``E / ep`` of them on each rank (the
+    parameters' first dim is then ``len(held)``)."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
                  swiglu_limit: float | None = None, layer: str = "moe") -> None:
         super().__init__()
         E, H, I = num_experts, hidden_size, intermediate_size
         self.num_experts = E
+        self.held = range(E)
         self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, H).normal_(0.0, 0.02))
         self.down_proj = nn.Parameter(torch.empty(E, H, I).normal_(0.0, 0.02))
         self.swiglu_limit = swiglu_limit
@@ -170,6 +178,15 @@ class Experts(nn.Module):
         self.gate_up_proj.normal_(0.0, std)
         self.down_proj.normal_(0.0, std)
 
+    def routed_mlp(self, x_MH: torch.Tensor, gate_up_EOH: torch.Tensor, down_EHI: torch.Tensor,
+                   counts_E: torch.Tensor) -> torch.Tensor:
+        """``y_MH``: rows grouped by expert (``counts_E`` rows for each expert of the weights given) through
+        their SwiGLU experts; the weights may be this module's or experts received from other ranks."""
+        gu_M2I = dispatch.call("grouped_mm", x_MH, gate_up_EOH, counts_E, layer=self.layer)
+        gate_MI, up_MI = gu_M2I.chunk(2, dim=-1)
+        a_MI = dispatch.call("swiglu", gate_MI, up_MI, self.swiglu_limit, layer=self.layer)
+        return dispatch.call("grouped_mm", a_MI, down_EHI, counts_E, layer=self.layer)
+
     def forward(self, x_NH: torch.Tensor, experts_NK: torch.Tensor,
                 weights_NK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``-> (out_NH, tokens_per_expert_E)``; only the N*K routed rows are materialised."""
@@ -177,18 +194,32 @@ class Experts(nn.Module):
         flat_M = experts_NK.reshape(-1)
         order_M = torch.argsort(flat_M, stable=True)  # routed rows grouped by expert
         counts_E = torch.bincount(flat_M, minlength=self.num_experts)
-        x_MH = x_NH[order_M // K]
-        gu_M2I = dispatch.call("grouped_mm", x_MH, self.gate_up_proj, counts_E, layer=self.layer)
-        gate_MI, up_MI = gu_M2I.chunk(2, dim=-1)
-        a_MI = dispatch.call("swiglu", gate_MI, up_MI, self.swiglu_limit, layer=self.layer)
-        y_MH = dispatch.call("grouped_mm", a_MI, self.down_proj, counts_E, layer=self.layer)
-        # weight after down_proj and cast back, as HF does (weights may be float32 in a bf16 model)
-        y_MH = (y_MH * weights_NK.reshape(-1)[order_M].unsqueeze(-1)).to(x_NH.dtype)
+        y_MH = self.routed_mlp(x_NH[order_M // K], self.gate_up_proj, self.down_proj, counts_E)
         inverse_M = torch.empty_like(order_M)
         inverse_M[order_M] = torch.arange(order_M.numel(), device=order_M.device)
-        # unsort + sum over K instead of index_add_: deterministic on every device
-        out_NH = y_MH[inverse_M].view(N, K, -1).sum(dim=1)
-        return out_NH, counts_E
+        return combine(y_MH[inverse_M], weights_NK, x_NH.dtype), counts_E
+
+
+def combine(y_MH: torch.Tensor, weights_NK: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``out_NH``: the routed rows' outputs in token-major order (row ``n * K + k``), weighted and summed
+    over K. Weighted after down_proj and cast back, as HF does (weights may be float32 in a bf16 model);
+    a sum over K instead of index_add_: deterministic on every device."""
+    N, K = weights_NK.shape
+    y_MH = (y_MH * weights_NK.reshape(-1, 1)).to(dtype)
+    return y_MH.view(N, K, -1).sum(dim=1)
+
+
+class ExpertDispatch:
+    """How an MoE's routed rows reach their experts and come back; this one: every expert in this process.
+
+    ``MoE.expert_dispatch`` holds one; a family's ``parallelize`` installs another from outside the model
+    (``parallel.expert.EPDispatch``: experts spread over the ep ranks, rows moved by all-to-all), whose
+    result must equal this one's for the same tokens. ``(experts, x_NH, experts_NK, weights_NK) ->
+    (out_NH, tokens_per_expert_E)``, the counts of this process's own routing."""
+
+    def __call__(self, experts: Experts, x_NH: torch.Tensor, experts_NK: torch.Tensor,
+                 weights_NK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return experts(x_NH, experts_NK, weights_NK)
 
 
 class MoE(nn.Module):
@@ -204,12 +235,13 @@ class MoE(nn.Module):
         if spec.num_shared_experts > 0:
             self.shared_experts = MLP(spec.hidden_size, spec.moe_intermediate_size * spec.num_shared_experts,
                                       spec.swiglu_limit, layer=f"{layer}.shared_experts")
+        self.expert_dispatch = ExpertDispatch()
         self.last_tokens_per_expert = torch.zeros(spec.num_experts, dtype=torch.int64)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x_NH = x.reshape(-1, x.shape[-1])
         weights_NK, experts_NK = self.gate(x_NH)
-        out_NH, counts_E = self.experts(x_NH, experts_NK, weights_NK)
+        out_NH, counts_E = self.expert_dispatch(self.experts, x_NH, experts_NK, weights_NK)
         self.last_tokens_per_expert = counts_E.detach().to(torch.int64)
         if self.shared_experts is not None:
             out_NH = out_NH + self.shared_experts(x_NH)

@@ -12,7 +12,9 @@ keeps the rest of ``models`` from it). It knows the family's layers, so nothing 
 - ``recompute`` (+ ``checkpoint_offload``): every layer recomputed, SCO offloading its input.
 
 Context parallelism reaches the blocks through the ``SeqContext`` the environment builds per batch
-(``parallel.env``), so with one rank ``env`` may be None. Applying again replaces the previous schemes.
+(``parallel.env``), so with one rank ``env`` may be None. With ``parallel.ep > 1`` every MoE's experts are
+sharded over the ep group and its ``expert_dispatch`` becomes the expert-parallel one
+(``env.shard_moe``). Applying again replaces the previous schemes (the sharding stays).
 """
 
 from __future__ import annotations
@@ -29,6 +31,10 @@ def parallelize(model: Glm5Model, settings: MemorySettings, env: Any = None) -> 
     """Install ``settings``' schemes on ``model`` in place; returns what was applied (release it at the end)."""
     layers = list(model.layers)
     done = apply.begin(layers, settings)
+    if env is not None and env.ep_size > 1:  # routed experts sharded over ep (FSDP of the rest plugs in after)
+        for layer, kind in zip(layers, model.spec.mlp_types):
+            if kind == "moe":
+                env.shard_moe(layer.mlp)
     tile = settings.mlp_tile_tokens if settings.tiled_mlp else None
     segment = settings.kda_segment_tokens or None
     for i, layer in enumerate(layers):

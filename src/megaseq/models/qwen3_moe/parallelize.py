@@ -4,7 +4,8 @@ The one module of the family that may import ``megaseq.memory`` and ``megaseq.pa
 ``h + attn(norm(h))`` then ``h + mlp(norm(h))``: ``tiled_mlp`` tiles each layer's MLP/MoE
 (``memory.tiling.enable_tiling``); ``recompute`` (+ ``checkpoint_offload``) recomputes every layer.
 Softmax attention does not carry its state across sequence segments, so ``model_segment_tokens`` is
-refused; there is no indexer and no KDA. Applying again replaces the previous schemes.
+refused; there is no indexer and no KDA. With ``parallel.ep > 1`` every MoE's experts are sharded over the
+ep group (``env.shard_moe``). Applying again replaces the previous schemes (the sharding stays).
 """
 
 from __future__ import annotations
@@ -21,6 +22,10 @@ def parallelize(model: Qwen3MoeModel, settings: MemorySettings, env: Any = None)
     """Install ``settings``' schemes on ``model`` in place; returns what was applied (release it at the end)."""
     layers = list(model.layers)
     done = apply.begin(layers, settings)
+    if env is not None and env.ep_size > 1:  # routed experts sharded over ep (FSDP of the rest plugs in after)
+        for layer, kind in zip(layers, model.spec.mlp_types):
+            if kind == "moe":
+                env.shard_moe(layer.mlp)
     for i, layer in enumerate(layers):
         tiling.disable_tiling(layer.mlp)
         if settings.tiled_mlp:
