@@ -32,6 +32,8 @@ class ParallelEnv:
     cp_size = 1
     is_main = True
     reads_data = True
+    fsdp: str | None = None  # parallel.fsdp: how parameters are sharded (None: one process, nothing to shard)
+    reduce_dtype = "fp32"
 
     def __init__(self, device: torch.device | None = None) -> None:
         self.device = device or torch.device("cpu")
@@ -42,7 +44,7 @@ class ParallelEnv:
     def context(self, batch: dict[str, Any]) -> SeqContext:
         return SeqContext(doc_ids=batch.get("doc_ids"), position_ids=batch.get("position_ids"))
 
-    def shard_batch(self, batch: dict[str, Any]) -> dict[str, Any]:
+    def shard_batch(self, batch: dict[str, Any], segment_tokens: int = 0) -> dict[str, Any]:
         return batch
 
     def gather_seq(self, x: torch.Tensor) -> torch.Tensor:
@@ -101,11 +103,13 @@ class DistributedEnv(ParallelEnv):
         self.rank, self.world_size, self.is_main = m.rank, m.world_size, m.is_main
         self.dp_size, self.cp_size, self.dp_rank, self.cp_rank = m.dp, m.cp, m.dp_rank, m.cp_rank
         self.reads_data = m.reads_data
+        self.fsdp, self.reduce_dtype = cfg.parallel.fsdp, cfg.parallel.reduce_dtype
 
     # ---- data --------------------------------------------------------------------------------
-    def shard_batch(self, batch: dict[str, Any] | None) -> dict[str, Any]:
-        """This rank's sequence shard. Only the cp group's reader's batch is used (others may pass None)."""
-        return distribute_batch(batch if self.reads_data else None, self.mesh)
+    def shard_batch(self, batch: dict[str, Any] | None, segment_tokens: int = 0) -> dict[str, Any]:
+        """This rank's sequence shard. Only the cp group's reader's batch is used (others may pass None).
+        With ``segment_tokens`` (sequence segments) the shard is this rank's piece of every segment."""
+        return distribute_batch(batch if self.reads_data else None, self.mesh, segment_tokens)
 
     def context(self, batch: dict[str, Any]) -> Any:
         return make_context(self.mesh, batch, self.mla_mode)
@@ -136,6 +140,7 @@ class DistributedEnv(ParallelEnv):
         return grads.all_reduce_float(x)
 
     def reduce_gradients(self, model: torch.nn.Module) -> None:
+        """Whole parameters summed over the world (FSDP reduced its shards in the backward)."""
         grads.reduce_gradients(model)
 
     # ---- misc ------------------------------------------------------------------------------

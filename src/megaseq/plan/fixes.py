@@ -172,7 +172,7 @@ FIXES: dict[str, Fix] = {f.name: f for f in (
     Fix("model_segments", "model_segment_tokens", "memory.model_segments.segmented_loss_backward",
         "phases.segment_store_bytes",
         cost=lambda run, t: t.sf.layers_forward / t.sf.total + MODEL_SEGMENT_OVERHEAD,
-        usable=lambda run: family(run.spec.family).segmentable and run.mesh.cp == 1,
+        usable=lambda run: family(run.spec.family).segmentable and MODEL_SEGMENT_CHUNKS[0] % run.mesh.cp == 0,
         enable=lambda b, run, s, h: {"model_segment_tokens": b.model_segment_tokens or MODEL_SEGMENT_CHUNKS[0]},
         enabled=lambda run, m: bool(replace(run, memory=m).segment),
         why=lambda m: f"the whole model over the sequence {m.model_segment_tokens} tokens at a time (KDA state, "
@@ -253,9 +253,9 @@ def check_model_segments(family_name: str, segment_tokens: int, cp: int = 1,
     if family_name not in segmentable:
         raise ValueError(f"{name}={segment_tokens}: the {family_name} family's token mixers do not carry their "
                          f"state across segments (supported: {', '.join(segmentable)}); unset {name}")
-    if cp != 1:
-        raise ValueError(f"{name}={segment_tokens} with context parallelism cp={cp}: sequence segments run on one "
-                         f"rank for now; unset {name} or use --parallel.cp 1")
+    if segment_tokens % cp:
+        raise ValueError(f"{name}={segment_tokens} with context parallelism cp={cp}: each segment is split over the "
+                         f"cp ranks, so it must be a multiple of {cp}; set --{name} to a multiple of {cp}")
     if layer_schemes:
         raise ValueError(f"{name}={segment_tokens} with {', '.join(layer_schemes)}: sequence segments already "
                          "bound each layer's memory by the segment; turn those off (--memory.recompute false, "

@@ -87,7 +87,7 @@ def train_step(model: torch.nn.Module, micro_batches: list[dict[str, torch.Tenso
     segment = memory.model_segment_tokens
     for batch in micro_batches:
         b = env.to_device(batch)
-        if segment and b["input_ids"].shape[1] > segment:  # sequence segments (memory/model_segments.py)
+        if segment and b["input_ids"].shape[1] * env.cp_size > segment:  # sequence segments (memory/model_segments.py)
             loss_sum += float(_segmented_step(model, b, env, autocast, chunk, segment, total, progress,
                                               memory.segment_keep_selection))
             continue
@@ -125,7 +125,8 @@ def _loss_sum(model: torch.nn.Module, hidden: torch.Tensor, labels: torch.Tensor
 def _segmented_step(model: torch.nn.Module, b: dict[str, torch.Tensor], env: ParallelEnv,
                     autocast: torch.dtype | None, chunk: int | None, segment: int, total: int,
                     progress: Any = None, keep_selection: bool = False) -> torch.Tensor:
-    """Forward + backward of one micro-batch in sequence segments; returns its loss sum (no graph)."""
+    """Forward + backward of one micro-batch in sequence segments; returns its loss sum (no graph). Under
+    cp the shard is this rank's piece of every segment (``env.shard_batch(batch, segment)``)."""
     from megaseq.memory.model_segments import check_model_segments, segmented_loss_backward
 
     check_model_segments(getattr(getattr(model, "spec", None), "family", type(model).__name__), segment, env.cp_size)
@@ -133,9 +134,13 @@ def _segmented_step(model: torch.nn.Module, b: dict[str, torch.Tensor], env: Par
     def loss_fn(hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return _loss_sum(model, hidden, labels, env, autocast, chunk)
 
+    def contexts(lo: int, hi: int) -> Any:  # the cp group's context of rows [lo, hi) of this shard
+        return env.context({k: v[:, lo:hi] for k, v in b.items() if k in ("input_ids", "doc_ids", "position_ids")})
+
     with _autocast(autocast, env.device):
         return segmented_loss_backward(model, b["input_ids"], b["labels"], loss_fn, 1.0 / max(total, 1), segment,
-                                       progress, doc_ids=b.get("doc_ids"), keep_selection=keep_selection)
+                                       progress, doc_ids=b.get("doc_ids"), keep_selection=keep_selection,
+                                       cp=env.cp_size, contexts=contexts if env.cp_size > 1 else None)
 
 
 def build_planned_model(cfg: Config, spec: Any, device: torch.device, memory: MemorySettings, total_steps: int,
@@ -271,7 +276,7 @@ class _Loop:
         t0 = time.perf_counter()
         # one rank of each context-parallel group reads the sequence and scatters the shards
         batches = [self.data.train.next_batch() if env.reads_data else None for _ in range(cfg.train.grad_accum)]
-        batches = [env.shard_batch(b) for b in batches]
+        batches = [env.shard_batch(b, self.memory.model_segment_tokens) for b in batches]
         lr = self.optimizer.param_groups[0]["lr"]
         loss, gnorm = train_step(self.model, batches, self.optimizer, self.scheduler, cfg, env, self.autocast,
                                  self.memory, progress=logger.substep)
