@@ -85,6 +85,13 @@ def _cfg(dp: int = 1, cp: int = 1, fsdp: str = "off", segment: int = 0):
                                    "data.seq_len": S, "train.device": "cpu", "optim.grad_clip": CLIP})
 
 
+def _collect_without_cache_grads(collect):
+    def broken(self) -> None:
+        self.leaves = [leaf for leaf in self.leaves if leaf[0] != "cache"]
+        collect(self)
+    return broken
+
+
 def _count_segmented_runs() -> list[int]:
     """Counts ``segmented_loss_backward`` calls from now on in this process (a fork: no restore needed)."""
     from megaseq.memory import model_segments
@@ -114,6 +121,10 @@ def _rank(rank: int, dp: int, cp: int, fsdp: str, segment: int, broken: str, ref
     assert applied.sharded is not None and len(applied.sharded.blocks) == 9  # the embedding + 8 layers
     if broken == "unreduced":
         applied.sharded.blocks[3].set_requires_gradient_sync(False)
+    if broken == "partial_latents":  # the earlier segments' latents never get their gradient
+        from megaseq.memory import model_segments
+
+        model_segments.SegmentContext.collect = _collect_without_cache_grads(model_segments.SegmentContext.collect)
     runs = _count_segmented_runs()
     losses, grads, params = run_steps(model, env, memory, cfg)
     assert len(runs) == (STEPS if segment else 0)  # the micro-batch really ran in segments
@@ -155,6 +166,13 @@ def test_fsdp_steps_match_one_process(dp, cp, fsdp, segment, ref):
 def test_a_block_whose_gradient_is_not_reduced_fails(ref):
     with pytest.raises(Exception, match=r"layers\.2\."):  # blocks[3]: the embedding is blocks[0]
         spawn_local(_rank, 2, args=(2, 1, "dp", 0, "unreduced", ref))
+
+
+def test_segments_under_cp_that_drop_the_latent_gradient_of_earlier_segments_fail(ref):
+    """The DSA latents of earlier segments get their gradient from later segments' queries; dropping it (the
+    cache gradient never reaching the gathered segment's reduce-scatter) must fail."""
+    with pytest.raises(Exception, match="step 0 grad"):
+        spawn_local(_rank, 2, args=(1, 2, "dp_cp", 8, "partial_latents", ref))
 
 
 # ---- the prefetch: which blocks are gathered while each block computes ---------------------------------

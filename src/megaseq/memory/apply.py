@@ -12,8 +12,8 @@ calls the appliers here and in the scheme modules:
 
 The vocabulary loss and the optimizer are the trainer's to build: ``loss_fn(settings)`` and
 ``make_optimizer(params, settings, ...)`` return the planned ones (OffloadStreamAdamW, MasterAdamW for bf16
-weights, or torch's AdamW). FSDP2 (``parallel.fsdp``) is applied last by the family's ``parallelize``. Applying again with other settings
-replaces the previous ones (nothing stacks).
+weights, or torch's AdamW). FSDP2 (``parallel.fsdp``) is applied last by the family's ``parallelize``.
+Applying again with other settings replaces the previous ones (nothing stacks).
 """
 
 from __future__ import annotations

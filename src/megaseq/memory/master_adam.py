@@ -64,13 +64,15 @@ def _shard_groups(t: torch.Tensor) -> list[Any]:
     return [t.device_mesh.get_group(d) for d, pl in enumerate(t.placements) if pl.is_shard()]
 
 
-def grad_norm(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def grad_norm(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]],
+              dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Global 2-norm of gradients given as (parameter, local gradient) pairs: whole gradients count once,
     a sharded one's squares are summed over its sharded mesh dims. The same value on every rank."""
     return combine_norms([(p, torch.linalg.vector_norm(g, dtype=dtype)) for p, g in pairs], dtype)
 
 
-def combine_norms(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def combine_norms(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]],
+                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The global 2-norm from (parameter, 2-norm of its local gradient) pairs (see ``grad_norm``)."""
     whole: list[torch.Tensor] = []
     sharded: dict[tuple[int, ...], tuple[list[Any], list[torch.Tensor]]] = {}  # by the groups it is split over

@@ -24,8 +24,8 @@ from typing import Any
 from megaseq.config import MemorySettings
 from megaseq.memory import apply, kda_segments, tiling
 from megaseq.memory.apply import AppliedMemory
-from megaseq.parallel.fsdp import apply_fsdp
 from megaseq.models.glm5.model import Glm5Model
+from megaseq.parallel.fsdp import apply_fsdp
 
 
 def parallelize(model: Glm5Model, settings: MemorySettings, env: Any = None) -> AppliedMemory:

@@ -15,8 +15,8 @@ from typing import Any
 from megaseq.config import MemorySettings
 from megaseq.memory import apply, tiling
 from megaseq.memory.apply import AppliedMemory
-from megaseq.parallel.fsdp import apply_fsdp
 from megaseq.models.qwen3_moe.model import Qwen3MoeModel
+from megaseq.parallel.fsdp import apply_fsdp
 
 
 def parallelize(model: Qwen3MoeModel, settings: MemorySettings, env: Any = None) -> AppliedMemory:
