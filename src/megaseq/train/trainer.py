@@ -48,9 +48,12 @@ def resolve_device(cfg: Config) -> torch.device:
 
 
 def dtypes(cfg: Config, device: torch.device) -> tuple[torch.dtype, torch.dtype | None]:
-    """(parameter dtype, autocast dtype). bf16 compute keeps fp32 master weights under autocast."""
+    """(parameter dtype, autocast dtype). bf16 compute keeps fp32 weights under autocast, or with
+    ``model.weights bf16`` bf16 weights (the optimizer's fp32 master beside them) and no autocast."""
     if cfg.model.dtype == "fp64":
         return torch.float64, None
+    if cfg.model.weights == "bf16":
+        return torch.bfloat16, None
     if cfg.model.dtype == "bf16" and device.type == "cuda":
         return torch.float32, torch.bfloat16
     return torch.float32, None  # bf16 on the CPU is slow and unhelpful: compute in fp32
@@ -97,18 +100,28 @@ def train_step(model: torch.nn.Module, micro_batches: list[dict[str, torch.Tenso
         (loss / max(total, 1)).backward()
         loss_sum += float(loss.detach())
     env.reduce_gradients(model)
-    params = [p for p in model.parameters() if p.grad is not None]
-    if cfg.optim.grad_clip > 0:
-        if hasattr(optimizer, "clip_grad_norm_"):
-            grad_norm = float(optimizer.clip_grad_norm_(cfg.optim.grad_clip))
-        else:
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip))
-    else:
-        grad_norm = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params])))
+    grad_norm = _clip(model, optimizer, cfg.optim.grad_clip)
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return env.all_reduce_sum(loss_sum) / max(total, 1), grad_norm
+
+
+def _clip(model: torch.nn.Module, optimizer: Any, max_norm: float) -> float:
+    """The global gradient norm, the gradients clipped to ``max_norm`` (0: not clipped): the optimizer's own
+    clip when it holds the gradients (OffloadStreamAdamW, MasterAdamW), the shard-aware one under FSDP,
+    else torch's."""
+    from megaseq.memory.master_adam import clip_grad_norm_, is_dtensor
+
+    limit = max_norm if max_norm > 0 else float("inf")
+    if hasattr(optimizer, "clip_grad_norm_"):
+        return float(optimizer.clip_grad_norm_(limit))
+    params = [p for p in model.parameters() if p.grad is not None]
+    if any(is_dtensor(p) for p in params):
+        return float(clip_grad_norm_(params, limit))
+    if max_norm > 0:
+        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+    return float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params])))
 
 
 def _loss_sum(model: torch.nn.Module, hidden: torch.Tensor, labels: torch.Tensor, env: ParallelEnv,
@@ -156,7 +169,9 @@ def build_planned_model(cfg: Config, spec: Any, device: torch.device, memory: Me
 
         load_hf_checkpoint(init_from, model=model, spec=spec)
     applied = parallelize(model, memory, env)
-    optimizer, scheduler = build_optimizer(model, cfg.optim, total_steps, memory)
+    several = cfg.train.grad_accum > 1 or 0 < memory.model_segment_tokens < cfg.data.seq_len
+    optimizer, scheduler = build_optimizer(model, cfg.optim, total_steps, memory, accumulate=several,
+                                           distributed=getattr(env, "world_size", 1) > 1)
     return model, applied, optimizer, scheduler
 
 
