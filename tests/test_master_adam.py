@@ -160,3 +160,38 @@ def start_dtype(name: str, model) -> torch.dtype:
 @pytest.mark.parametrize("which", ["master", "offload"])
 def test_fsdp_shards_of_bf16_weights_step_as_the_fp32_master_cast(which):
     spawn_local(_bf16_rank, 2, args=(which,))
+
+
+# ---- the trainer with bf16 weights (one process) -------------------------------------------------------
+def test_trainer_with_bf16_weights_resumes_exactly(tmp_path):
+    import json
+
+    import numpy as np
+
+    from megaseq.config import build_config
+    from megaseq.train.trainer import run_training
+
+    rng = np.random.default_rng(2)
+    (tmp_path / "g.fa").write_text(">r\n" + "".join(rng.choice(list("ACGT"), 3000)) + "\n")
+
+    def cfg(run: str, steps: int, **train):
+        return build_config(overrides={
+            "model.dtype": "bf16", "model.weights": "bf16", "data.train": [str(tmp_path / "g.fa")],
+            "data.seq_len": 64, "data.heldout_tail": 0, "train.steps": steps, "train.run_dir": str(tmp_path / run),
+            "train.eval_after": False, "train.export_hf": False, "train.device": "cpu", "optim.lr": 1e-2,
+            "optim.warmup_steps": 5, "log.progress": False, "log.tensorboard": False, **train})
+
+    full = run_training(cfg("full", 6))
+    run_training(cfg("part", 3))
+    resumed = run_training(cfg("part", 6, **{"train.resume": True}))
+    assert full.losses[-1] < full.losses[0]
+    np.testing.assert_array_equal(resumed.losses, full.losses[3:])  # bf16 weights + fp32 master: exact resume
+    logged = [json.loads(line)["loss"] for line in (tmp_path / "part" / "metrics.jsonl").read_text().splitlines()]
+    np.testing.assert_array_equal(logged, full.losses)
+    import torch.distributed.checkpoint as dcp
+
+    saved = dcp.FileSystemReader(str(full.last_checkpoint)).read_metadata().state_dict_metadata
+    dtypes = {k: v.properties.dtype for k, v in saved.items() if hasattr(v, "properties")}
+    assert dtypes["model.layers.0.self_attn.q_proj.weight"] == BF16  # the weights the GPU holds
+    assert dtypes["optim.state.layers.0.self_attn.q_proj.weight.master"] == torch.float32  # the master
+    assert dtypes["model.layers.1.mlp.gate.weight"] == torch.float32  # the router stays fp32

@@ -158,17 +158,30 @@ def _segmented_step(model: torch.nn.Module, b: dict[str, torch.Tensor], env: Par
 
 def build_planned_model(cfg: Config, spec: Any, device: torch.device, memory: MemorySettings, total_steps: int,
                         init_from: str | None = None, env: Any = None) -> tuple[torch.nn.Module, Any, Any, Any]:
-    """The model with the plan's memory schemes applied by its family's ``parallelize``, and its planned
-    optimizer and LR schedule: (model, what was applied (release it at the end), optimizer, scheduler)."""
+    """The model with the plan's memory schemes (and FSDP) applied by its family's ``parallelize``, and its
+    planned optimizer and LR schedule: (model, what was applied (release it at the end), optimizer, scheduler).
+
+    Under FSDP the whole model never sits on the device: loaded from ``init_from`` it is built on the meta
+    device, sharded, then each rank reads only its rows of the safetensors files; a random init is drawn on
+    the host (the one-process weights, one full copy per process) and sharded to the device."""
     from megaseq.models.build import build_model
+    from megaseq.models.hf_io import load_hf_checkpoint
     from megaseq.models.registry import parallelize
 
-    model = build_model(spec, dtype=dtypes(cfg, device)[0], device=device, seed=cfg.train.seed)
-    if init_from:
-        from megaseq.models.hf_io import load_hf_checkpoint
-
-        load_hf_checkpoint(init_from, model=model, spec=spec)
-    applied = parallelize(model, memory, env)
+    dtype = dtypes(cfg, device)[0]
+    sharded = getattr(env, "fsdp", None) not in (None, "off") and getattr(env, "world_size", 1) > 1
+    if not sharded:
+        model = build_model(spec, dtype=dtype, device=device, seed=cfg.train.seed)
+        if init_from:
+            load_hf_checkpoint(init_from, model=model, spec=spec)
+        applied = parallelize(model, memory, env)
+    else:
+        model = build_model(spec, dtype=dtype, device="meta" if init_from else "cpu", seed=cfg.train.seed)
+        applied = parallelize(model, memory, env)  # shards (moves each rank's shards to the device)
+        if init_from:
+            model.to_empty(device=device)
+            load_hf_checkpoint(init_from, model=model, spec=spec)  # this rank's rows of each tensor only
+        model.to(device)  # the parameters FSDP keeps whole (a bf16 model's fp32 router) and the buffers
     several = cfg.train.grad_accum > 1 or 0 < memory.model_segment_tokens < cfg.data.seq_len
     optimizer, scheduler = build_optimizer(model, cfg.optim, total_steps, memory, accumulate=several,
                                            distributed=getattr(env, "world_size", 1) > 1)
@@ -223,9 +236,9 @@ def _run_planned(cfg: Config, spec: Any, env: ParallelEnv, device: torch.device,
         start = meta["step"]
         data.train.load_state_dict(meta["data"])
         env.log(f"resumed from {resume_from} at step {start}")
-    elif cfg.train.eval_after and env.is_main:
+    elif cfg.train.eval_after:
         # the "before" weights only: DCP's optimizer state_dict would initialise AdamW's state (a step
-        # with lr 0), shifting its bias correction and so the whole run
+        # with lr 0), shifting its bias correction and so the whole run (every rank: each writes its shards)
         ckpt.save_checkpoint(run_dir, 0, model, None, None, _meta(spec_dict, data, 0), keep=10**9)
     result = RunResult(run_dir=run_dir, last_checkpoint=resume_from)
     loop = _Loop(cfg, env, device, plan_dict, memory, autocast, model, optimizer, scheduler, data, spec_dict)
@@ -233,7 +246,7 @@ def _run_planned(cfg: Config, spec: Any, env: ParallelEnv, device: torch.device,
         loop.run(start, result)
     finally:
         applied.release()  # the SCO pinned pool
-    if cfg.train.export_hf and env.is_main:
+    if cfg.train.export_hf:  # every rank: the shards are gathered tensor by tensor, rank 0 writes
         from megaseq.models.hf_io import export_hf_checkpoint
 
         result.hf_export = Path(run_dir) / "hf"
@@ -274,7 +287,7 @@ class _Loop:
                 if step % cfg.log.every == 0 or step == cfg.train.steps:
                     logger.log(record)
                 save_now = cfg.train.save_every and step % cfg.train.save_every == 0
-                if (save_now or step == cfg.train.steps) and env.is_main:
+                if save_now or step == cfg.train.steps:  # every rank writes its shards
                     result.last_checkpoint = ckpt.save_checkpoint(
                         result.run_dir, step, self.model, self.optimizer, self.scheduler,
                         _meta(self.spec_dict, self.data, step), cfg.train.keep_checkpoints)
