@@ -135,6 +135,8 @@ def _bf16_rank(rank: int, which: str) -> None:
     names = {p: n for n, p in model.named_parameters()}
     grads = {names[p]: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
              for p in trainable if p.grad is not None}
+    if which == "master":
+        _check_planner_state(model, applied, opt)
     opt.step()
     ref = {}
     for n, gr in grads.items():  # AdamW on an fp32 copy of the whole tensor, cast: elementwise, so a shard
@@ -149,6 +151,29 @@ def _bf16_rank(rank: int, which: str) -> None:
         assert full.dtype == start_dtype(n, model), n
         assert torch.equal(full, ref[n].to(full.dtype)), f"{n}: the shard's update is not the fp32 update cast"
     env.shutdown()
+
+
+def _check_planner_state(model, applied, opt) -> None:
+    """The planner's state formulas (plan.components) against what this rank holds: the fp32 parameters FSDP
+    keeps whole, what each layer gathers, the local weights and MasterAdamW's fp32 master and moments."""
+    from megaseq.plan import components as C
+
+    counts, mesh = C.count_params(model.spec), C.Mesh(dp=2, fsdp="dp")
+    prec = C.precision_for("bf16", "bf16")
+    assert sum(p.numel() for p in applied.sharded.replicated) == counts.kept
+    for i, layer in enumerate(model.layers):
+        gathered = sum(p.numel() for p in layer.parameters() if hasattr(p, "to_local"))
+        assert gathered == C.gathered_params(counts, i, mesh, prec), i
+    local = sum(_local_bytes(p) for p in model.parameters())
+    state = sum(_local_bytes(t) for st in opt.state.values() for k, t in st.items() if k != "step")
+    for held, planned in ((local, C.param_bytes(counts, mesh, prec)),
+                          (state, C.optimizer_gpu_bytes(counts, mesh, prec, False, 1))):
+        assert abs(held / planned - 1) < 0.05, (held, planned)  # uneven dim-0 shards of a tiny model
+
+
+def _local_bytes(t: torch.Tensor) -> int:
+    t = t.to_local() if hasattr(t, "to_local") else t
+    return t.numel() * t.element_size()
 
 
 def start_dtype(name: str, model) -> torch.dtype:
