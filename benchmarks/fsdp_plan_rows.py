@@ -23,10 +23,13 @@ from megaseq.plan.planner import Budgets, longest_length
 
 K = 1024
 FIXTURES = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "configs"
-CASES = {  # model -> (GPU counts, cp sizes to try, the length asked about)
-    "qwen3-30b-a3b": ([1, 8], [1, 2, 4, 8], 128 * K),
-    "qwen3-235b-a22b": ([8, 16, 32, 64], [1, 2, 4, 8, 16, 32, 64], 128 * K),
-    "glm-5.3-flash": ([8, 16, 32, 64], [1, 2, 4, 8, 16, 32, 64], 1 << 20),
+# model -> (GPU counts, cp sizes to try, the length asked about). Under parallel.fsdp dp_cp the state is
+# sharded over every GPU whatever the split, so the largest cp (fewest tokens per GPU) reaches furthest;
+# dp > 1 only multiplies the batch.
+CASES = {
+    "qwen3-30b-a3b": ([1, 8], [1, 8], 128 * K),
+    "qwen3-235b-a22b": ([8, 16, 32, 64], [8, 16, 32, 64], 128 * K),
+    "glm-5.3-flash": ([8, 16, 32, 64], [8, 16, 32, 64], 1 << 20),
 }
 
 
@@ -46,7 +49,7 @@ def rows(model: str, gpus: list[int], cps: list[int], asked: int) -> list[dict]:
     spec = from_hf_config(FIXTURES / model)
     out = []
     for n in gpus:
-        for cp in [c for c in cps if n % c == 0]:
+        for cp in [c for c in cps if n % c == 0 and (c == n or c == 1)]:
             mesh = Mesh(dp=n // cp, cp=cp, gpus_per_host=min(n, 8), fsdp="dp_cp" if n > 1 else "off")
             try:
                 longest = longest_length(spec, mesh, Budgets(), weights="bf16")
@@ -55,9 +58,12 @@ def rows(model: str, gpus: list[int], cps: list[int], asked: int) -> list[dict]:
             p = plan(spec, max(longest, 1024 * cp), mesh, Budgets(), weights="bf16")
             at = plan(spec, asked, mesh, Budgets(), weights="bf16")
             out.append({"model": model, "gpus": n, "dp": n // cp, "cp": cp, "longest": longest,
-                        "peak_gib": p.peak_gpu / GIB, "fixes": [f[0] for f in p.fixes], "binding": p.binding,
+                        "peak_gib": p.peak_gpu / GIB, "peak_host_gb": p.peak_host / GB, "fixes": [f[0] for f in p.fixes],
+                        "binding": p.binding, "memory": p.memory, "comm_fsdp": p.comm.get("fsdp", {}),
                         "asked": asked, "asked_fits": at.fits, "asked_peak_gib": at.peak_gpu / GIB,
-                        "asked_binding": at.binding, "state": state_arithmetic(spec, mesh)})
+                        "asked_peak_host_gb": at.peak_host / GB, "asked_binding": at.binding,
+                        "asked_advice": at.advice, "host_budget_gb": at.host_budget / GB,
+                        "state": state_arithmetic(spec, mesh)})
             print(f"{model} {n} GPUs dp {n // cp} cp {cp}: longest {longest // K}K (peak {p.peak_gpu / GIB:.1f} GiB, "
                   f"{'+'.join(r for r in out[-1]['fixes'])}); {asked // K}K fits={at.fits} "
                   f"({at.peak_gpu / GIB:.1f} GiB, {at.binding})", flush=True)

@@ -106,19 +106,20 @@ def _count_segmented_runs() -> list[int]:
     return runs
 
 
-def reference() -> tuple[list[float], list[dict], dict]:
+def reference(preset: str = "glm5-flash-tiny") -> tuple[list[float], list[dict], dict]:
     cfg = _cfg()
-    model = build_model(get_preset("glm5-flash-tiny"), dtype=torch.float64, seed=0)
+    model = build_model(get_preset(preset), dtype=torch.float64, seed=0)
     return run_steps(model, ParallelEnv(), MemorySettings(), cfg)
 
 
-def _rank(rank: int, dp: int, cp: int, fsdp: str, segment: int, broken: str, ref) -> None:
+def _rank(rank: int, dp: int, cp: int, fsdp: str, segment: int, broken: str, ref,
+          preset: str = "glm5-flash-tiny") -> None:
     cfg = _cfg(dp, cp, fsdp, segment)
     env = DistributedEnv(cfg)
-    model = build_model(get_preset("glm5-flash-tiny"), dtype=torch.float64, seed=0)
+    model = build_model(get_preset(preset), dtype=torch.float64, seed=0)
     memory = MemorySettings(model_segment_tokens=segment)
     applied = parallelize(model, memory, env)
-    assert applied.sharded is not None and len(applied.sharded.blocks) == 9  # the embedding + 8 layers
+    assert applied.sharded is not None and len(applied.sharded.blocks) == 1 + len(model.layers)  # + embedding
     if broken == "unreduced":
         applied.sharded.blocks[3].set_requires_gradient_sync(False)
     if broken == "partial_latents":  # the earlier segments' latents never get their gradient
@@ -161,6 +162,13 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 ])
 def test_fsdp_steps_match_one_process(dp, cp, fsdp, segment, ref):
     spawn_local(_rank, dp * cp, args=(dp, cp, fsdp, segment, "", ref))
+
+
+def test_qwen3_moe_under_fsdp_matches_one_process():
+    """The second family (softmax attention with GQA under Ulysses, its own parallelize): fully sharded."""
+    with torch_threads(1):
+        ref = reference("qwen3-moe-tiny")
+    spawn_local(_rank, 4, args=(2, 2, "dp_cp", 0, "", ref, "qwen3-moe-tiny"))
 
 
 def test_a_block_whose_gradient_is_not_reduced_fails(ref):
