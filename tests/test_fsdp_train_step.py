@@ -236,13 +236,17 @@ class GatherTrace:
                 assert gathered == want, f"{kind} of block {i}: gathered {sorted(gathered)}, want {sorted(want)}"
 
 
-def _trace_rank(rank: int, broken: bool) -> None:
+def _trace_rank(rank: int, broken: bool, segment: int = 0) -> None:
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+
+    from megaseq.plan.flops import fsdp_passes
     from megaseq.train.trainer import train_step
 
     cfg = _cfg(2, 1, "dp")
     env = DistributedEnv(cfg)
     model = build_model(get_preset("glm5-flash-tiny"), dtype=torch.float64, seed=0)
-    applied = parallelize(model, MemorySettings(), env)
+    memory = MemorySettings(model_segment_tokens=segment)
+    applied = parallelize(model, memory, env)
     blocks = applied.sharded.blocks
     if broken:  # block 2 prefetches block 4 instead of block 3
         blocks[2].set_modules_to_forward_prefetch([blocks[4]])
@@ -251,10 +255,28 @@ def _trace_rank(rank: int, broken: bool) -> None:
         cls.unshard, cls.reshard = unshard, reshard
 
     trace = GatherTrace(model, blocks, patch)
+    scatters: dict[int, int] = {}
+    real_reduce = _fsdp_param_group.foreach_reduce
+
+    def counted_reduce(fsdp_params, *a, **kw):  # one call per reduce-scatter of a group's gradients
+        for i, b in enumerate(blocks):
+            if any(fp in b._get_fsdp_state()._fsdp_param_group.fsdp_params for fp in fsdp_params[:1]):
+                scatters[i] = scatters.get(i, 0) + 1
+        return real_reduce(fsdp_params, *a, **kw)
+
+    _fsdp_param_group.foreach_reduce = counted_reduce
     opt = RecordingAdamW(model)
     batch = env.shard_batch({k: v[rank:rank + 1] for k, v in global_batch(0).items()})
     train_step(model, [batch], opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0), cfg, env, None,
-               MemorySettings())
+               memory)
+    if segment:  # what plan.flops.fsdp_passes counts: 3 gathers and 1 reduce-scatter of every block a segment
+        gathers, want_scatters = fsdp_passes(-(-S // segment))
+        for i in range(len(blocks)):
+            assert sum(1 for k, j in trace.events if k == "gather" and j == i) == gathers, (i, trace.events)
+            assert scatters.get(i) == want_scatters, (i, scatters)
+        env.shutdown()
+        return
+    assert [scatters.get(i) for i in range(len(blocks))] == [1] * len(blocks)
     assert sum(k == "forward" for k, _ in trace.events) == len(blocks)
     assert sum(k == "backward" for k, _ in trace.events) == len(blocks)
     trace.check(len(blocks))
@@ -263,6 +285,12 @@ def _trace_rank(rank: int, broken: bool) -> None:
 
 def test_each_block_prefetches_the_next_ones_gather():
     spawn_local(_trace_rank, 2, args=(False,))
+
+
+def test_a_segmented_step_gathers_and_reduces_each_block_as_the_plan_counts():
+    """Each segment gathers every block 3 times (its no-grad forward, the rerun, the backward) and
+    reduce-scatters it once: the per-segment cost the plan reports (``plan.flops.fsdp_passes``)."""
+    spawn_local(_trace_rank, 2, args=(False, 12))
 
 
 def test_a_prefetch_of_the_wrong_block_is_caught():

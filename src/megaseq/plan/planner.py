@@ -195,21 +195,22 @@ def no_fit_advice(run: Run, ev: Evaluation, budgets: Budgets, memory_cfg: Any | 
 
 
 def _state_advice(run: Run, budgets: Budgets) -> list[str]:
-    """When parameters + optimizer state alone overflow the GPU: what shards or shrinks them (the settings
-    the runtime has: ``parallel.fsdp``, ``model.weights bf16``, ``memory.optimizer_offload``)."""
-    state = sum(evaluate(run).breakdown.get(k, 0) for k in ("parameters", "optimizer state"))
+    """When parameters + optimizer state (on the GPU) alone overflow it: what shards or shrinks them (the
+    settings the runtime has: ``parallel.fsdp``, ``model.weights bf16``, ``memory.optimizer_offload``)."""
+    counts, mesh, prec = run.counts, run.mesh, run.prec
+    state = C.param_bytes(counts, mesh, prec) + C.optimizer_gpu_bytes(counts, mesh, prec, False, 1)
     if state <= budgets.gpu_bytes:
         return []
     line = f"parameters + optimizer state alone need {state / GIB:.0f} GiB per GPU"
     options = []
-    if run.mesh.fsdp != "dp_cp" and run.mesh.world > 1:
+    if mesh.fsdp != "dp_cp" and mesh.world > 1:
         options.append("shard them over all the GPUs (FSDP: --parallel.fsdp dp_cp)")
     if run.weights != "bf16" and run.model_dtype == "bf16":
         options.append("keep the weights in bf16 (--model.weights bf16: 2 B per weight and gradient, the fp32 "
                        "master with the optimizer)")
     if not run.memory.optimizer_offload:
         options.append("offload the optimizer (--memory.optimizer_offload true)")
-    if run.mesh.world == 1:
+    if mesh.world == 1:
         options.append("or shard them over more GPUs (FSDP: --parallel.fsdp dp_cp)")
     return [f"{line}: " + "; ".join(options) + "." if options else f"{line}."]
 
