@@ -58,7 +58,8 @@ def rows(model: str, gpus: list[int], cps: list[int], asked: int) -> list[dict]:
             p = plan(spec, max(longest, 1024 * cp), mesh, Budgets(), weights="bf16")
             at = plan(spec, asked, mesh, Budgets(), weights="bf16")
             out.append({"model": model, "gpus": n, "dp": n // cp, "cp": cp, "longest": longest,
-                        "peak_gib": p.peak_gpu / GIB, "peak_host_gb": p.peak_host / GB, "fixes": [f[0] for f in p.fixes],
+                        "peak_gib": p.peak_gpu / GIB, "peak_host_gb": p.peak_host / GB,
+                        "fixes": [f[0] for f in p.fixes],
                         "binding": p.binding, "memory": p.memory, "comm_fsdp": p.comm.get("fsdp", {}),
                         "asked": asked, "asked_fits": at.fits, "asked_peak_gib": at.peak_gpu / GIB,
                         "asked_peak_host_gb": at.peak_host / GB, "asked_binding": at.binding,

@@ -5,6 +5,8 @@ same shards. Gradients of several backward passes are summed in fp32, not in bf1
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed.tensor  # noqa: F401  (imported once here, not in each fork)
@@ -104,7 +106,14 @@ def test_clip_equals_torchs_on_the_fp32_gradients():
 
 
 # ---- FSDP2 shards of a bf16 model, 2 ranks -----------------------------------------------------------
-def _bf16_rank(rank: int, which: str) -> None:
+def test_reduce_dtype_is_the_setting_or_the_weights_when_wider():
+    from megaseq.parallel.fsdp import reduce_dtype
+
+    assert reduce_dtype(BF16, "fp32") == torch.float32 and reduce_dtype(BF16, "bf16") == BF16
+    assert reduce_dtype(torch.float64, "fp32") == torch.float64  # the float64 tests reduce exactly
+
+
+def _bf16_rank(rank: int, which: str, out: str) -> None:
     from megaseq.config import MemorySettings, build_config
     from megaseq.models.build import build_model
     from megaseq.models.presets import get_preset
@@ -120,6 +129,8 @@ def _bf16_rank(rank: int, which: str) -> None:
     start = {n: p.detach().float().clone() for n, p in model.named_parameters()}
     applied = parallelize(model, MemorySettings(), env)
     assert any(p.dtype == torch.float32 for p in applied.sharded.replicated)  # the router: fp32, whole
+    for unit in applied.sharded.units:  # gradients reduce-scattered in fp32 (parallel.reduce_dtype)
+        assert unit._get_fsdp_state()._mp_policy.reduce_dtype == torch.float32
     trainable = [p for p in model.parameters() if p.requires_grad]
     if which == "master":
         opt = MasterAdamW(trainable, **HYPER, weight_decay=0.1, foreach=False)
@@ -150,6 +161,11 @@ def _bf16_rank(rank: int, which: str) -> None:
         full = p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach()
         assert full.dtype == start_dtype(n, model), n
         assert torch.equal(full, ref[n].to(full.dtype)), f"{n}: the shard's update is not the fp32 update cast"
+    from megaseq.train import checkpoint as ckpt
+
+    ckpt.save_checkpoint(Path(out), 1, model, opt, None, {"spec": model.spec.to_dict()})  # every rank: its shards
+    if rank == 0:
+        torch.save(ref, Path(out) / "ref.pt")
     env.shutdown()
 
 
@@ -183,8 +199,26 @@ def start_dtype(name: str, model) -> torch.dtype:
 
 
 @pytest.mark.parametrize("which", ["master", "offload"])
-def test_fsdp_shards_of_bf16_weights_step_as_the_fp32_master_cast(which):
-    spawn_local(_bf16_rank, 2, args=(which,))
+def test_fsdp_shards_of_bf16_weights_step_as_the_fp32_master_cast(which, tmp_path):
+    """On 2 ranks each shard's step is the fp32 update cast; their sharded checkpoint (DCP: weights, fp32
+    masters, moments as DTensors) then loads in one process (resharded) with those masters bit for bit."""
+    from megaseq.models.build import build_model
+    from megaseq.models.presets import get_preset
+    from megaseq.train import checkpoint as ckpt
+
+    spawn_local(_bf16_rank, 2, args=(which, str(tmp_path)))
+    model = build_model(get_preset("glm5-flash-tiny"), dtype=BF16, seed=1)  # other weights: all overwritten
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = (MasterAdamW(trainable, **HYPER, weight_decay=0.1, foreach=False) if which == "master"
+           else OffloadStreamAdamW(trainable, **HYPER, weight_decay=0.1, overlap=False))
+    ckpt.load_checkpoint(tmp_path / ckpt.CKPT_DIR / "step_000001", model, opt, None)
+    ref = torch.load(tmp_path / "ref.pt")
+    names = {p: n for n, p in model.named_parameters()}
+    for p in trainable:
+        n = names[p]
+        if n in ref:
+            assert torch.equal(opt.state[p]["master"].reshape(ref[n].shape), ref[n]), n
+            assert torch.equal(p.detach(), ref[n].to(p.dtype)), n
 
 
 # ---- the trainer with bf16 weights (one process) -------------------------------------------------------

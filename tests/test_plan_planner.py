@@ -76,8 +76,10 @@ def test_fixes_grow_with_length_in_ladder_order(ladder):
     assert cp2.memory["model_segment_tokens"] % 2 == 0
     # SCO where segments cannot run (softmax attention carries no state across segments); the optimizer
     # offload on a smaller GPU
-    qwen = plan(get_preset("qwen3-moe-tiny").replace(hidden_size=2048, num_layers=24, layer_types=("attention",) * 24,
-                                                     mlp_types=("moe",) * 24), 256 * K, budgets=Budgets(gpu_bytes=40 * GIB))
+    wide = get_preset("qwen3-moe-tiny").replace(hidden_size=2048, num_layers=24, layer_types=("attention",) * 24,
+                                                mlp_types=("moe",) * 24)
+    qwen = plan(wide, 256 * K, budgets=Budgets(gpu_bytes=40 * GIB))
+    assert qwen.fits and "checkpoint_offload" in [f[0] for f in qwen.fixes], qwen.fixes
     assert "model_segments" not in [f[0] for f in qwen.fixes]
     small = plan(SPEC_1GPU, 256 * K, budgets=Budgets(gpu_bytes=50 * GIB))
     assert small.fits and "optimizer_offload" in [f[0] for f in small.fixes]
