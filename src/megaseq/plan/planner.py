@@ -160,8 +160,12 @@ def _longest(run: Run, budgets: Budgets, memory_cfg: Any | None) -> int:
 
 def no_fit_advice(run: Run, ev: Evaluation, budgets: Budgets, memory_cfg: Any | None, binding: str) -> str:
     """Name the binding component and what would make the run fit."""
-    gib = f"{ev.peak_gpu / GIB:.1f} GiB > {budgets.gpu_bytes / GIB:.1f} GiB"
-    lines = [f"does not fit: GPU peak {gib} at {ev.phase}; binding component: {binding}."]
+    if ev.peak_gpu > budgets.gpu_bytes:
+        gib = f"{ev.peak_gpu / GIB:.1f} GiB > {budgets.gpu_bytes / GIB:.1f} GiB"
+        lines = [f"does not fit: GPU peak {gib} at {ev.phase}; binding component: {binding}."]
+    else:  # only the host overflows: never print a GPU peak under its budget as if it were over
+        lines = [f"does not fit in host memory; the GPU peak, {ev.peak_gpu / GIB:.1f} GiB at {ev.phase}, is "
+                 f"within {budgets.gpu_bytes / GIB:.1f} GiB."]
     if ev.peak_host > budgets.host(run.mesh):
         lines.append(
             f"host memory: needs {ev.peak_host / GB:.0f} GB per host, the budget is "
