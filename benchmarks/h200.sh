@@ -106,6 +106,31 @@ case "$1" in
     timeout 450 python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml --seq-lens 1M --steps 1 \
       --model.kernels fast --out "$OUT/bench_1gpu_1m_fast"
     ;;
+  fsdp1)  # bf16 weights + fp32 master (model.weights bf16, issue #14) on one H200 against today's fp32 weights
+      # (32K: 130.3 GiB, 10.1K tok/s): 32K both ways, the planned peaks and the planned longest length
+    timeout 150 python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml --seq-lens 32K --steps 2 \
+      --model.weights bf16 --out "$OUT/bench_1gpu_bf16w_32k"
+    timeout 150 python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml --seq-lens 32K --steps 2 \
+      --out "$OUT/bench_1gpu_fp32w_32k"
+    python3 -m megaseq plan recipes/glm5-flash-1gpu.yaml --seq-len 32K --model.weights bf16 --json \
+      > "$OUT/plan_1gpu_bf16w_32k.json"
+    python3 -c "from megaseq.models.presets import get_preset; from megaseq.plan.planner import longest_length; \
+print('planned longest, bf16 weights:', longest_length(get_preset('glm5-flash-1gpu'), weights='bf16'))" \
+      | tee "$OUT/longest_1gpu_bf16w.txt"
+    NOTAR=1
+    ;;
+  fsdp2)  # the same at 1M (today warm: 93.9 GiB, 208 s per step): one warm-up step and one measured
+    timeout 560 python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml --seq-lens 1M --steps 1 \
+      --model.weights bf16 --out "$OUT/bench_1gpu_bf16w_1m"
+    NOTAR=1
+    ;;
+  fsdp8)  # (nvidia-h200-x8) FSDP2 over 8 GPUs, bf16 weights: glm5-flash-slice (the full model's layer shapes)
+      # at 64K, dp_cp over dp 2 x cp 4; metrics.jsonl holds each step's measured and planned peak
+    timeout 500 torchrun --nproc-per-node 8 -m megaseq train recipes/glm5-flash-slice.yaml --train.steps 3 \
+      --parallel.dp 2 --parallel.cp 4 --parallel.fsdp dp_cp --model.weights bf16 \
+      --train.run_dir "$OUT/fsdp8_slice_64k" --train.overwrite true
+    NOTAR=1
+    ;;
   *) echo "unknown stage $1"; exit 2 ;;
 esac
 [ -n "${NOTAR:-}" ] || tar czf "$OUT/tcache.tgz" .tcache 2>/dev/null  # untar into .tcache/ before the next call

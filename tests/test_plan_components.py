@@ -12,7 +12,7 @@ from megaseq.plan.components import GIB, Mesh, Precision
 
 AUTOCAST = Precision()  # fp32 params + bf16 autocast: param 4, grad 4, moments 8, compute 2, stream 4
 FP32 = C.precision_for("fp32")
-BF16_MODEL = Precision(param=2, grad=2, moments=0, compute=2, stream=2, f32=4, autocast=False)
+BF16_WEIGHTS = Precision(param=2, grad=2, moments=8, compute=2, stream=2, f32=4, autocast=False, master=4)
 
 
 def small_spec(**kw) -> ModelSpec:
@@ -31,22 +31,25 @@ def small_spec(**kw) -> ModelSpec:
     return ModelSpec(**base)
 
 
-def test_precision_modes(monkeypatch):
-    assert C.precision_for("bf16") == AUTOCAST
-    # the trainer keeps fp32 weights + autocast under OffloadStreamAdamW ...
-    assert C.precision_for("bf16", optimizer_offload=True) == AUTOCAST
-    # ... until it builds a bf16 model there
-    monkeypatch.setattr(C, "OFFLOAD_BF16_MODEL", True)
-    assert C.precision_for("bf16", optimizer_offload=True) == BF16_MODEL
+def test_precision_modes():
+    assert C.precision_for("bf16") == AUTOCAST  # fp32 weights + bf16 autocast
+    # model.weights bf16: bf16 weights and gradients, the optimizer's fp32 master (4 B) + moments (8 B)
+    assert C.precision_for("bf16", "bf16") == BF16_WEIGHTS
     assert C.precision_for("fp64").compute == 8
     with pytest.raises(ValueError, match="model.dtype"):
         C.precision_for("fp8")
+    with pytest.raises(ValueError, match="model.weights"):
+        C.precision_for("bf16", "fp8")
 
 
 def test_mesh_sizes_and_errors():
     m = Mesh(dp=3, cp=4, ep=2, gpus_per_host=8)
     assert (m.world, m.gpus_on_host, m.hosts, m.shard) == (24, 8, 3, 1)
-    assert Mesh(dp=2, fsdp=True).shard == 2
+    assert Mesh(dp=2, fsdp=True).shard == 2  # True: over the whole world (dp_cp)
+    assert (Mesh(dp=2, cp=4, fsdp="dp").shard, Mesh(dp=2, cp=4, fsdp="dp_cp").shard) == (2, 8)
+    assert not Mesh(dp=1, cp=1, fsdp="dp_cp").sharded and Mesh(dp=2, fsdp="dp").sharded
+    with pytest.raises(ValueError, match="parallel.fsdp"):
+        Mesh(fsdp="zero3")
     assert Mesh(cp=2, gpus_per_host=8).gpus_on_host == 2
     with pytest.raises(ValueError, match="cp"):
         Mesh(cp=0)
@@ -75,7 +78,7 @@ def test_hc_and_merge():
     # Sinkhorn (2*2-1) divisions x (N*N + N) = 3 * 12 = 36, + 3*N*N + 4*N = 27 + 12 = 39 -> 75 floats = 300 B
     assert C.hc_saved(spec, AUTOCAST) == 2 * N * H + 4 * 75 == 348
     # bf16 model: flat fp32 copy 4*N*H = 96, fp32 normalised input 96, + 300
-    assert C.hc_saved(spec, BF16_MODEL) == 96 + 96 + 300
+    assert C.hc_saved(spec, BF16_WEIGHTS) == 96 + 96 + 300
     # merge: y (2 B x H) + bf16 cast of the residual 2*N*H + post 4*N + comb 2*N*N = 16 + 48 + 12 + 18
     assert C.merge_saved(spec, 2, AUTOCAST) == 94
     assert C.merge_saved(spec, 4, FP32) == 32 + 0 + 12 + 4 * 9
@@ -127,10 +130,21 @@ def test_state_bytes():
     assert C.optimizer_gpu_bytes(counts, Mesh(), AUTOCAST, True, 100) == (2 * 4 + 1) * 100 * 4
     assert C.optimizer_host_bytes(counts, Mesh(), True) == 16 * T
     assert C.weight_copy_bytes(1000, AUTOCAST, Mesh()) == 2000
-    assert C.weight_copy_bytes(1000, FP32, Mesh()) == 0
-    # FSDP: current + prefetched bf16 layer (4 B/param); backward adds bf16 grad + fp32 reduce input (6 B)
-    assert C.fsdp_buffers(1000, 800, Mesh(dp=2, ep=4, fsdp=True), True) == 10 * (200 + 200)
-    assert C.fsdp_buffers(1000, 800, Mesh(dp=2), True) == 0
+    assert C.weight_copy_bytes(1000, AUTOCAST, Mesh(dp=2, fsdp=True)) == 2000  # FSDP gathers fp32: still cast
+    assert C.weight_copy_bytes(1000, FP32, Mesh()) == C.weight_copy_bytes(1000, BF16_WEIGHTS, Mesh()) == 0
+    # bf16 weights: 2 B weights; the fp32-kept ones (router, KDA conv/decay, mHC base/scale) 4 B and whole
+    K = counts.kept
+    assert 0 < K < P
+    assert C.param_bytes(counts, Mesh(dp=4, fsdp=True), BF16_WEIGHTS) == 2 * (P - K) // 4 + 4 * K
+    assert C.optimizer_gpu_bytes(counts, Mesh(dp=4, fsdp=True), BF16_WEIGHTS, False, 1) == 12 * (T - K) // 4 + 12 * K
+    assert C.grad_bytes(1000, Mesh(dp=4, fsdp=True), BF16_WEIGHTS, 0) == 2 * 1000 // 4
+    assert C.grad_bytes(1000, Mesh(dp=4, fsdp=True), BF16_WEIGHTS, 0, accumulate=True) == 4 * 1000 // 4  # fp32 sum
+    # FSDP: the running and the prefetched block, and the root's head, in the weights' dtype; in backward also
+    # the block's unsharded gradient, the fp32 reduce-scatter input and output, and the head's gradient
+    m2 = Mesh(dp=2, fsdp="dp")
+    assert C.fsdp_buffers(100, 60, 30, m2, BF16_WEIGHTS, 4, False) == (100 + 60 + 30) * 2
+    assert C.fsdp_buffers(100, 60, 30, m2, BF16_WEIGHTS, 4, True) == (100 + 60 + 30) * 2 + 100 * 6 + 200 + 30 * 2
+    assert C.fsdp_buffers(100, 60, 30, Mesh(dp=2), BF16_WEIGHTS, 4, True) == 0
 
 
 def test_loss_bytes_by_hand():
@@ -165,8 +179,9 @@ def test_sequence_segment_terms_by_hand():
     assert store["segment caches (DSA latents, indexer keys)"] == 1000 * (4 * 2 + 2 * 4 * 4)
     # the latent's fp32 gradient accumulator, and one more [s, R] during that layer's backward
     assert store["segment latent gradients (fp32)"] == 2 * 1000 * 4 * 4
-    # KDA: per layer and segment (4 of them) the fp32 state 2 x 3 x 3 and 3 halo inputs of H 8 in bf16
-    assert store["segment KDA states"] == 3 * 4 * (2 * 3 * 3 * 4 + 3 * 8 * 2)
+    # KDA: per layer and segment (4 of them) the fp32 state 2 x 3 x 3 and 3 halo rows of the projected q, k, v
+    # (3 x 2 heads x 3 = 18 wide) in bf16
+    assert store["segment KDA states"] == 3 * 4 * (2 * 3 * 3 * 4 + 3 * 18 * 2)
     ev = evaluate(run)
     assert store["segment DSA selections (kept)"] == 0  # not asked for
     for k, v in store.items():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from megaseq.config import MemoryConfig
 from megaseq.models.presets import get_preset
 from megaseq.plan import Mesh, format_plan, plan, plan_json
 from megaseq.plan.report import plan_from_json
@@ -18,8 +19,9 @@ def fits():
 
 @pytest.fixture(scope="module")
 def too_long():
-    # two GPUs of context parallelism (no sequence segments there yet): 1M needs the per-layer fixes, and more
-    return plan(SPEC, 1 << 20, Mesh(cp=2, gpus_per_host=2))
+    # two GPUs of context parallelism and the per-layer fixes only (forced): 1M needs more GPUs
+    forced = MemoryConfig(auto=False, recompute=True, chunked_loss=True, tiled_mlp=True, checkpoint_offload=True)
+    return plan(SPEC, 1 << 20, Mesh(cp=2, gpus_per_host=2), memory_cfg=forced)
 
 
 @pytest.mark.parametrize("rich", [False, True])

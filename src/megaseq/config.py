@@ -48,6 +48,10 @@ class ModelConfig:
                                 "random init when unset (or when `name` is a config without weights)")
     dtype: str = opt("bf16", "compute dtype on the GPU: bf16, fp32 or fp64 (the CPU default job uses fp32)")
     strict_kernels: bool = opt(False, "fail when a layer falls back from its planned fast kernel")
+    weights: str = opt("fp32", "parameter dtype: fp32 (fp32 weights, bf16 compute by autocast) or bf16 (bf16 weights "
+                       "on the GPU, half the weight and gradient bytes; the optimizer keeps fp32 master weights "
+                       "and moments, sharded with --parallel.fsdp, in host memory with memory.optimizer_offload; "
+                       "needs model.dtype bf16)")
     kernels: str = opt("default", "GPU kernels: default (the set the memory plan is calibrated on) or fast (the "
                                   "Triton kernels for sparse MLA, the indexer, mHC, SwiGLU, RMSNorm and Liger's "
                                   "loss; checked per op, not yet measured in full steps; the plan is then an "
@@ -58,6 +62,11 @@ class ModelConfig:
             raise ValueError(f"model.dtype must be bf16, fp32 or fp64, got {self.dtype!r}")
         if self.kernels not in ("default", "fast"):
             raise ValueError(f"model.kernels must be default or fast, got {self.kernels!r}")
+        if self.weights not in ("fp32", "bf16"):
+            raise ValueError(f"model.weights must be fp32 or bf16, got {self.weights!r}")
+        if self.weights == "bf16" and self.dtype != "bf16":
+            raise ValueError(f"model.weights bf16 computes in bf16: it needs model.dtype bf16 (got {self.dtype}); "
+                             "set --model.dtype bf16 or --model.weights fp32")
 
 
 @dataclass
@@ -160,6 +169,10 @@ class ParallelConfig:
     llep_threshold: float = opt(1.3, "LLEP: balance only when the busiest GPU's rows exceed this times the mean "
                                 "(>= llep_alpha)")
     llep_min_tokens: Any = opt(512, "LLEP: no expert's rows are spilled to another GPU in a piece smaller than this")
+    fsdp: str = opt("off", "FSDP2: shard parameters, gradients and optimizer state per layer over the dp ranks (dp) "
+                           "or over dp x cp (dp_cp), or off (every rank holds all of them)")
+    reduce_dtype: str = opt("fp32", "dtype gradients are reduced in across ranks: fp32 or bf16 (fp64 parameters "
+                                    "reduce in fp64)")
 
     def __post_init__(self) -> None:
         for name in ("cp", "ep", "num_workers"):
@@ -167,6 +180,13 @@ class ParallelConfig:
                 raise ValueError(f"parallel.{name} must be >= 1, got {getattr(self, name)}")
         if self.launcher not in ("auto", "ray", "none", "torchrun"):
             raise ValueError(f"parallel.launcher must be auto, torchrun, ray or none, got {self.launcher!r}")
+        if self.fsdp not in ("off", "dp", "dp_cp"):
+            raise ValueError(f"parallel.fsdp must be off, dp or dp_cp, got {self.fsdp!r}")
+        if self.reduce_dtype not in ("fp32", "bf16"):
+            raise ValueError(f"parallel.reduce_dtype must be fp32 or bf16, got {self.reduce_dtype!r}")
+        if self.fsdp != "off" and self.ep > 1:
+            raise ValueError("parallel.fsdp with parallel.ep > 1 is not supported yet (the experts would need an "
+                             "FSDP mesh without the ep axis): set --parallel.fsdp off or --parallel.ep 1")
         self.ep_chunk_tokens = parse_size(self.ep_chunk_tokens)
         self.llep_min_tokens = parse_size(self.llep_min_tokens)
         if self.ep_dispatch_settings() != ExpertDispatchSettings() and self.ep == 1:  # (validates them too)
@@ -227,7 +247,8 @@ class MemorySettings:
     model_segment_tokens: Any = opt(0, "sequence segments: the whole model over the sequence this many tokens at a "
                                        "time, each layer's state (KDA state, DSA latents) carried, each segment "
                                        "rerun in backward; replaces recompute/SCO/tiling at long lengths (0: off; "
-                                       "glm5 models, one rank)")
+                                       "glm5 models; a multiple of parallel.cp, each segment split over the cp "
+                                       "ranks)")
     segment_keep_selection: bool = opt(False, "under sequence segments, keep each DSA selection of the forward pass "
                                               "for the backward (int32 [S, topk + 15] per DSA layer) instead of "
                                               "scoring again (saves the indexer's second pass; with auto, used "

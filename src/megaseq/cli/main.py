@@ -2,7 +2,7 @@
 
     megaseq train  [config.yaml] [--section.key value ...]
     megaseq eval   RUN_OR_CHECKPOINT [--data held-out.fa] [--by-position 32K]
-    megaseq plan   [config.yaml] [--seq-len 1M] [--gpus 8]
+    megaseq plan   [config.yaml | HF-checkpoint-dir] [--seq-len 1M] [--gpus 8]
     megaseq bench  [config.yaml] [--seq-lens 32K,128K,1M] [--find-max]
     megaseq verify [config.yaml]
     megaseq convert SRC DST
@@ -67,7 +67,9 @@ def parser() -> argparse.ArgumentParser:
         sp = sub.add_parser(verb, help=help_text, description=help_text, formatter_class=fmt,
                             epilog=config_help() if verb in ("train", "plan", "bench", "verify", "eval") else None)
         if verb in ("train", "plan", "bench", "verify"):
-            sp.add_argument("config", nargs="?", help="YAML recipe (see recipes/); none: the embedded default")
+            sp.add_argument("config", nargs="?", help="YAML recipe (see recipes/); none: the embedded default"
+                            + ("; or a Hugging Face checkpoint directory / config.json to plan" if verb == "plan"
+                               else ""))
         if verb == "plan":
             sp.add_argument("--seq-len", help="tokens per sequence (e.g. 1M); default: data.seq_len")
             sp.add_argument("--gpus", type=int, default=None, help="GPUs in all (default: dp x cp x ep)")

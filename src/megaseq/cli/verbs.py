@@ -51,7 +51,7 @@ def cmd_plan(args: argparse.Namespace, rest: list[str]) -> int:
         overrides.append(f"data.seq_len={args.seq_len}")
     if args.gpus and not any(o.startswith("parallel.dp=") for o in overrides):
         overrides.append("parallel.dp=-1")  # --gpus N: data parallelism takes what cp x ep leaves
-    cfg = load_config(args.config or default_recipe(), overrides)
+    cfg = load_config(*_plan_source(args.config, overrides))
     world = args.gpus or cfg.parallel.dp * cfg.parallel.cp * cfg.parallel.ep
     plan = plan_from_config(
         cfg, world_size=world,
@@ -61,6 +61,19 @@ def cmd_plan(args: argparse.Namespace, rest: list[str]) -> int:
     )
     print(json.dumps(plan.to_dict(), indent=2, default=str) if args.json else format_plan(plan))
     return 0 if plan.fits else 1
+
+
+def _plan_source(config: str | None, overrides: list[str]) -> tuple[str | None, list[str]]:
+    """(recipe, overrides) for ``megaseq plan``: a YAML recipe as given, or a Hugging Face checkpoint
+    directory (or its config.json) as the model of a bf16 run on random tokens (``--model.name DIR``)."""
+    if config is None:
+        return default_recipe(), overrides
+    path = Path(config)
+    if path.is_dir() or path.suffix == ".json":
+        if not (path / "config.json" if path.is_dir() else path).is_file():
+            raise ValueError(f"{path} is neither a YAML recipe nor a checkpoint directory with a config.json")
+        return None, [f"model.name={path}", "model.dtype=bf16", "data.kind=random", *overrides]
+    return config, overrides
 
 
 def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:

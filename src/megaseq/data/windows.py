@@ -120,14 +120,19 @@ class WindowSampler:
 
     def state_dict(self) -> dict[str, int]:
         return {"seed": self.seed, "index": self.index, "seq_len": self.seq_len,
-                "num_positions": self.num_positions, "batch_size": self.batch_size}
+                "num_positions": self.num_positions, "batch_size": self.batch_size,
+                "global_batch": self.batch_size * self.world_size}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        for key in ("seq_len", "num_positions", "batch_size"):
-            if key in state and state[key] != getattr(self, key):
+        """Resume at the same windows: a step takes windows ``[index * G, (index + 1) * G)`` of the global batch
+        ``G = batch_size x dp``, so another dp size with the same G (a resharded resume) continues exactly."""
+        mine = {**self.state_dict(), "global_batch": self.batch_size * self.world_size}
+        keys = ("seq_len", "num_positions", "global_batch" if "global_batch" in state else "batch_size")
+        for key in keys:
+            if key in state and state[key] != mine[key]:
                 raise ValueError(f"cannot resume the data sampler: {key} was {state[key]} in the checkpoint "
-                                 f"and is {getattr(self, key)} now; resume with the same data files and "
-                                 f"data.seq_len (and train.batch_size), or start a new run")
+                                 f"and is {mine[key]} now; resume with the same data files and "
+                                 f"data.seq_len (and train.batch_size x parallel.dp), or start a new run")
         self.seed, self.index = int(state["seed"]), int(state["index"])
 
 

@@ -11,8 +11,9 @@ calls the appliers here and in the scheme modules:
 - full recompute with SCO boundary offload: ``recompute_layers``.
 
 The vocabulary loss and the optimizer are the trainer's to build: ``loss_fn(settings)`` and
-``make_optimizer(params, settings, ...)`` return the planned ones. Applying again with other settings
-replaces the previous ones (nothing stacks).
+``make_optimizer(params, settings, ...)`` return the planned ones (OffloadStreamAdamW, MasterAdamW for bf16
+weights, or torch's AdamW). FSDP2 (``parallel.fsdp``) is applied last by the family's ``parallelize``.
+Applying again with other settings replaces the previous ones (nothing stacks).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ class AppliedMemory:
     checkpointed: int = 0  # layers under full recompute
     kda_segmented: int = 0  # tokens per KDA segment (0: off)
     model_segmented: int = 0  # tokens per sequence segment (0: off)
+    sharded: Any = None  # what FSDP sharded (``parallel.fsdp.ShardedModel``), None when nothing is
 
     def release(self) -> None:
         """Free the SCO pinned pool (re-planned on demand if training continues)."""
@@ -89,20 +91,34 @@ def loss_fn(settings: MemorySettings) -> Callable[..., torch.Tensor]:
 
 
 def make_optimizer(params: Iterable[Any], settings: MemorySettings, lr: float, betas: tuple[float, float],
-                   eps: float, weight_decay: float) -> torch.optim.Optimizer:
-    """OffloadStreamAdamW when the settings offload the optimizer, else ``torch.optim.AdamW`` (fused on CUDA).
+                   eps: float, weight_decay: float, accumulate: bool = False,
+                   distributed: bool = False) -> torch.optim.Optimizer:
+    """OffloadStreamAdamW when the settings offload the optimizer; ``MasterAdamW`` (fp32 master weights and
+    moments beside them) when some weights are narrower than fp32 (``model.weights bf16``); else
+    ``torch.optim.AdamW`` (fused on CUDA).
 
-    ``params``: tensors or parameter groups. With the offloaded optimizer each gradient moves to the host
-    as soon as backward produces it, so the model's gradients never all sit on the GPU; clip with
-    ``optimizer.clip_grad_norm_`` (gradients live on the host)."""
+    ``params``: tensors or parameter groups (FSDP2 shards included). With the offloaded optimizer each
+    gradient moves to the host as soon as backward produces it, so the model's gradients never all sit on the
+    GPU; clip with ``optimizer.clip_grad_norm_`` (gradients live on the host). ``accumulate``: a step has
+    several backward passes (micro-batches, sequence segments), whose gradients MasterAdamW sums in fp32;
+    ``distributed``: several ranks, so only FSDP's shards (complete when FSDP hands them over) may leave
+    ``.grad`` before the whole parameters are all-reduced."""
+    from megaseq.memory.master_adam import MasterAdamW, is_dtensor
+
     params = list(params)
+    flat = [p for g in params for p in (g["params"] if isinstance(g, dict) else [g])]
     if settings.optimizer_offload:
         # under sequence segments every gradient arrives once per segment: keep them on the GPU until the
-        # step (a hook would send each one down and back once per segment)
+        # step (a hook would send each one down and back once per segment); on several ranks only FSDP's
+        # shards are complete when the backward leaves them
         return OffloadStreamAdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                                   bucket_params=settings.optimizer_bucket_params,
-                                  grads_in_backward=not settings.model_segment_tokens)
-    flat = [p for g in params for p in (g["params"] if isinstance(g, dict) else [g])]
+                                  grads_in_backward=not settings.model_segment_tokens,
+                                  hookable=(lambda p: is_dtensor(p)) if distributed else None)
     on_cuda = bool(flat) and all(p.is_cuda for p in flat)
+    if any(p.dtype in (torch.bfloat16, torch.float16) for p in flat):
+        return MasterAdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                           foreach=None if on_cuda else False, accumulate=accumulate,
+                           foldable=(lambda p: is_dtensor(p)) if distributed else None)
     return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                              fused=True if on_cuda else None, foreach=None if on_cuda else False)

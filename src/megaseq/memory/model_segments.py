@@ -34,9 +34,18 @@ Documents (``doc_ids``, packed text): the context gives the mixers the documents
 a KDA layer restarts its conv and state at each document start and carries only a document that goes
 on past the segment's end; the indexer selects within each query's document, as in the plain step.
 
-First version: one rank (cp 1), no other layer scheme (recompute, SCO, segmented KDA) at the same
-time, models whose token mixers all implement the hooks (``glm5_next``).
-``check_model_segments`` says so with the setting to change before anything runs.
+Context parallelism (cp > 1): a segment ``[s, e)`` is split over the cp ranks like a sequence: rank r holds
+the r-th of its cp equal pieces (``parallel.mesh.segment_stripes`` lays the batch out so, rows
+``[s / cp, e / cp)`` of every rank's shard), and the segment's context wraps the cp group's context for that
+piece (``inner``): Ulysses' all-to-alls within the segment, and ``gather_seq`` gathers the segment's
+latents over the group before they join the cache of the earlier ones (every rank keeps the whole
+``[B, S, R]`` cache, as gather-KV does). A cache's gradient is each rank's partial sum (its own queries');
+fed back as the gradient of the gathered segment, the gather's backward (a reduce-scatter) sums the ranks'
+parts. A KDA layer carries its own heads' state and halo (``KimiDeltaAttention._mix_carried``).
+
+No other layer scheme (recompute, SCO, segmented KDA) at the same time; models whose token mixers all
+implement the hooks (``glm5_next``). ``check_model_segments`` says so with the setting to change before
+anything runs.
 """
 
 from __future__ import annotations
@@ -50,8 +59,8 @@ from torch import nn
 from megaseq.memory.replay import Chunk, SideState, chunk_bounds, run_chunks
 from megaseq.models.common.context import SeqContext
 
-# the rules (one rank, a family whose mixers carry their state, no other layer scheme) are the planner's
-# too, so they live in the torch-free plan package
+# the rules (a segment split evenly over the cp ranks, a family whose mixers carry their state, no other
+# layer scheme) are the planner's too, so they live in the torch-free plan package
 from megaseq.plan.fixes import SEGMENT_SETTING, check_model_segments  # noqa: F401  (re-exported)
 
 SETTING = SEGMENT_SETTING
@@ -74,6 +83,7 @@ class SegmentStore:
         self.cache_grad: dict[str, torch.Tensor] = {}  # fp32 [B, S, ...] gradient from later segments
         self.carried: dict[str, list[tuple[torch.Tensor, torch.Tensor] | None]] = {}  # per segment start
         self.carried_grad: dict[str, tuple[torch.Tensor | None, torch.Tensor | None]] = {}
+        self.docs: torch.Tensor | None = None  # [B, S] the documents of every token (gathered over cp)
 
     def nbytes(self) -> int:
         tensors = list(self.cache.values()) + list(self.cache_grad.values()) + list(self.kept.values())
@@ -84,25 +94,40 @@ class SegmentStore:
 class SegmentContext(SeqContext):
     """The context of segment ``j = [s, e)``: in the forward pass (``grad`` False) it fills the store;
     in the backward pass it hands out leaves for what the earlier segments carried and collects what
-    this one carried out together with the gradients the later segments sent back."""
+    this one carried out together with the gradients the later segments sent back. ``inner`` is the
+    context of this rank's tokens of the segment (the cp group's, or a plain one): the head/sequence
+    all-to-alls and the gathers within the segment are its."""
 
     segmented: ClassVar[bool] = True
 
-    def __init__(self, store: SegmentStore, j: int, s: int, e: int, S: int, grad: bool,
-                 doc_ids: torch.Tensor | None = None) -> None:
-        super().__init__(doc_ids=None if doc_ids is None else doc_ids[:, s:e])
-        self.store, self.j, self.s, self.e, self.S, self.grad = store, j, s, e, S, grad
-        self.all_doc_ids = doc_ids  # [B, S] of the whole sequence, or None
+    def __init__(self, store: SegmentStore, j: int, s: int, e: int, S: int, grad: bool, inner: SeqContext) -> None:
+        super().__init__(doc_ids=inner.doc_ids, position_ids=inner.position_ids, cp_size=inner.cp_size,
+                         cp_rank=inner.cp_rank)
+        self.store, self.j, self.s, self.e, self.S, self.grad, self.inner = store, j, s, e, S, grad, inner
         self.outputs: list[torch.Tensor] = []  # carried-out tensors with a gradient from later segments
         self.output_grads: list[torch.Tensor] = []
         self.leaves: list[tuple[str, str, torch.Tensor]] = []  # (kind, key, leaf)
+        if not grad and inner.doc_ids is not None:  # the forward pass keeps the documents of every segment
+            docs = inner.full_doc_ids()  # [B, e - s] (gathered over the cp group)
+            if store.docs is None:
+                store.docs = docs.new_empty((docs.shape[0], S))
+            store.docs[:, s:e] = docs
 
     def seq_offset(self) -> int:
-        return self.s
+        return self.s + self.inner.seq_offset()
 
     def full_doc_ids(self) -> torch.Tensor | None:
         """The documents of every token up to this segment's end ``[B, e]`` (what the mixers see)."""
-        return None if self.all_doc_ids is None else self.all_doc_ids[:, :self.e]
+        return None if self.store.docs is None else self.store.docs[:, :self.e]
+
+    def seq_to_heads(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner.seq_to_heads(x)
+
+    def heads_to_seq(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner.heads_to_seq(x)
+
+    def head_slice(self, num_heads: int) -> slice:
+        return self.inner.head_slice(num_heads)
 
     # ---- DSA: latents and indexer keys of every token up to this segment's end --------------
     def gather_seq(self, x: torch.Tensor, key: str | None = None) -> torch.Tensor:
@@ -110,6 +135,7 @@ class SegmentContext(SeqContext):
             raise ValueError("a token mixer under sequence segments must name what it gathers (gather_seq key)")
         st = self.store
         if not self.grad:
+            x = self.inner.gather_seq(x, key)  # [B, e - s, ...] the whole segment
             if key not in st.cache:
                 st.cache[key] = x.new_empty((x.shape[0], self.S) + tuple(x.shape[2:]))
             st.cache[key][:, self.s:self.e] = x
@@ -117,6 +143,7 @@ class SegmentContext(SeqContext):
         cache = st.cache[key]
         if not x.requires_grad:  # no gradient to carry (the indexer's keys): the forward pass's values
             return cache[:, :self.e]
+        x = self.inner.gather_seq(x, key)  # its backward sums the ranks' partial gradients (a reduce-scatter)
         if self.j + 1 < st.n and key in st.cache_grad:
             self.outputs.append(x)
             self.output_grads.append(st.cache_grad[key][:, self.s:self.e].to(x.dtype))
@@ -191,18 +218,28 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (hidden [B, T, 
 Progress = Callable[[str, int, int], None]  # (pass: "forward" | "backward", segments done, segments)
 
 
+Contexts = Callable[[int, int], SeqContext]  # (first, end) rows of this rank's shard -> their context
+
+
+def plain_contexts(doc_ids: torch.Tensor | None) -> Contexts:
+    """One rank: the context of rows ``[lo, hi)`` of the sequence holds their documents."""
+    return lambda lo, hi: SeqContext(doc_ids=None if doc_ids is None else doc_ids[:, lo:hi])
+
+
 def _forward_pass(model: nn.Module, input_ids: torch.Tensor, bounds: list[tuple[int, int]], store: SegmentStore,
+                  contexts: Contexts, cp: int = 1,
                   on_hidden: Callable[[torch.Tensor, int, int], None] | None = None,
-                  progress: Progress | None = None, doc_ids: torch.Tensor | None = None) -> None:
+                  progress: Progress | None = None) -> None:
     """Every segment in order without a graph, filling ``store``; ``on_hidden(hidden, s, e)`` sees each
     segment's final hidden states. The per-forward counts end summed over the segments (``run_chunks``)."""
-    S = input_ids.shape[1]
+    S = input_ids.shape[1] * cp
 
     def one(j: int, c) -> None:
         if progress is not None:
             progress("forward", j, len(bounds))
-        hidden = model(input_ids[:, c.start:c.end],
-                       ctx=SegmentContext(store, j, c.start, c.end, S, grad=False, doc_ids=doc_ids))
+        lo, hi = c.start // cp, c.end // cp
+        ctx = SegmentContext(store, j, c.start, c.end, S, grad=False, inner=contexts(lo, hi))
+        hidden = model(input_ids[:, lo:hi], ctx=ctx)
         if on_hidden is not None:
             on_hidden(hidden, c.start, c.end)
 
@@ -213,17 +250,18 @@ def _forward_pass(model: nn.Module, input_ids: torch.Tensor, bounds: list[tuple[
 def segmented_forward(model: nn.Module, input_ids: torch.Tensor, segment_tokens: int,
                       on_hidden: Callable[[torch.Tensor, int, int], None],
                       doc_ids: torch.Tensor | None = None) -> None:
-    """The model's forward over ``input_ids [B, S]`` in segments, without a graph (evaluation):
+    """The model's forward over ``input_ids [B, S]`` in segments, without a graph (evaluation, one rank):
     ``on_hidden(hidden [B, T, H], s, e)`` is called for each segment ``[s, e)`` in order. Memory: the
     caches and one segment's no-grad forward, as in ``segmented_loss_backward``."""
     bounds = segment_bounds(input_ids.shape[1], segment_tokens)
     store = SegmentStore(len(bounds))
-    _forward_pass(model, input_ids, bounds, store, on_hidden, doc_ids=doc_ids)
+    _forward_pass(model, input_ids, bounds, store, plain_contexts(doc_ids), on_hidden=on_hidden)
 
 
 def segmented_loss_backward(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, loss_fn: LossFn,
                             scale: float, segment_tokens: int, progress: Progress | None = None,
-                            doc_ids: torch.Tensor | None = None, keep_selection: bool = False) -> torch.Tensor:
+                            doc_ids: torch.Tensor | None = None, keep_selection: bool = False, cp: int = 1,
+                            contexts: Contexts | None = None) -> torch.Tensor:
     """Forward and backward of ``loss_fn(model(input_ids), labels) * scale`` over segments of
     ``segment_tokens`` tokens (see the module docstring): parameter gradients are accumulated into
     ``.grad`` as ``(loss * scale).backward()`` would; returns the unscaled loss sum (no graph).
@@ -235,20 +273,28 @@ def segmented_loss_backward(model: nn.Module, input_ids: torch.Tensor, labels: t
     1M-token step is minutes long). ``keep_selection``: the DSA selections of the forward pass are kept
     (``[B, T, W]`` int32 per full-indexer layer and segment) and the backward's reruns use them instead of
     scoring again, which saves the indexer's second pass.
+
+    Context parallelism: ``input_ids``, ``labels`` are this rank's shard in the segment layout
+    (``parallel.mesh.segment_stripes``) of a sequence of ``cp`` times their length, and ``contexts(lo, hi)``
+    the cp group's context of rows ``[lo, hi)`` of it (one rank: ``plain_contexts(doc_ids)``).
     """
-    B, S = input_ids.shape
+    B, S_loc = input_ids.shape
+    S = S_loc * cp
     bounds = segment_bounds(S, segment_tokens)
+    assert all(s % cp == 0 and e % cp == 0 for s, e in bounds), "every segment splits into cp equal pieces"
+    contexts = contexts or plain_contexts(doc_ids)
     store = SegmentStore(len(bounds), keep_selection)
-    _forward_pass(model, input_ids, bounds, store, progress=progress, doc_ids=doc_ids)
+    _forward_pass(model, input_ids, bounds, store, contexts, cp, progress=progress)
     loss_sum = None
     with SideState((model,)), torch.enable_grad():  # the reruns leave the forward pass's counts in place
         for j in reversed(range(len(bounds))):
             s, e = bounds[j]
             if progress is not None:
                 progress("backward", len(bounds) - 1 - j, len(bounds))
-            ctx = SegmentContext(store, j, s, e, S, grad=True, doc_ids=doc_ids)
-            hidden = model(input_ids[:, s:e], ctx=ctx)
-            loss = loss_fn(hidden, labels[:, s:e])
+            lo, hi = s // cp, e // cp
+            ctx = SegmentContext(store, j, s, e, S, grad=True, inner=contexts(lo, hi))
+            hidden = model(input_ids[:, lo:hi], ctx=ctx)
+            loss = loss_fn(hidden, labels[:, lo:hi])
             del hidden
             outs = [loss * scale] + ctx.outputs
             grads = [torch.ones_like(outs[0])] + ctx.output_grads

@@ -22,7 +22,10 @@ Clipping: ``clip_grad_norm_(max_norm)`` replaces ``torch.nn.utils.clip_grad_norm
 host gradients): the global 2-norm over all gradients before the update, with torch's coefficient
 ``min(1, max_norm / (norm + 1e-6))`` applied in the update. ``param_groups`` carry ``lr``, so LR
 schedulers work; ``state_dict()/load_state_dict()`` hold steps, moments and the master weights.
-Plain tensors only (not FSDP2 DTensors). On a CPU-only run the same code runs, the streams being no-ops.
+FSDP2 shards (DTensor parameters): the host arrays hold each rank's local shard, the update runs on it and
+writes the local bf16 shard back; clipping sums each sharded gradient's squares over its mesh
+(``master_adam.combine_norms``) and ``state_dict`` wraps the host views as DTensors with the parameters'
+placements (DCP reshards them). On a CPU-only run the same code runs, the streams being no-ops.
 
 ``SequentialOffloadAdamW`` is the baseline: gradients to the host, ``torch.optim.AdamW`` on the CPU,
 parameters back.
@@ -37,6 +40,7 @@ from typing import Any
 
 import torch
 
+from megaseq.memory.master_adam import combine_norms, like_param, local
 from megaseq.memory.offload import HostBuffer
 from megaseq.plan.components import round_up
 
@@ -59,12 +63,13 @@ def _build_buckets(groups: list[dict[str, Any]], bucket_params: int) -> list[_Bu
         offs: list[int] = []
         n = 0
         for p in group["params"]:
-            if cur and n + p.numel() > bucket_params:
+            numel = local(p).numel()
+            if cur and n + numel > bucket_params:
                 buckets.append(_Bucket(gi, cur, offs, n))
                 cur, offs, n = [], [], 0
             cur.append(p)
             offs.append(n)
-            n += p.numel()
+            n += numel
         if cur:
             buckets.append(_Bucket(gi, cur, offs, n))
     return buckets
@@ -101,7 +106,8 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, bucket_params: int = 100_000_000,
-                 overlap: bool = True, grads_in_backward: bool = False) -> None:
+                 overlap: bool = True, grads_in_backward: bool = False,
+                 hookable: Callable[[torch.Tensor], bool] | None = None) -> None:
         if bucket_params < 1:
             raise ValueError(f"memory.optimizer_bucket_params must be >= 1, got {bucket_params}")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
@@ -120,8 +126,9 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
         self.has_grad: dict[torch.Tensor, bool] = {p: False for p in all_params}
         self.norms: dict[torch.Tensor, torch.Tensor] = {}
         self.clip_coef: torch.Tensor | None = None
+        hookable = hookable or (lambda p: True)  # several ranks: only FSDP's shards are complete in the backward
         self.hooks = [p.register_post_accumulate_grad_hook(self._grad_hook)
-                      for p in all_params if grads_in_backward and p.requires_grad]
+                      for p in all_params if grads_in_backward and p.requires_grad and hookable(p)]
 
     # ---- host state ----------------------------------------------------------------------------
     def _alloc_host(self) -> None:
@@ -136,20 +143,22 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
             for name, buf in self.host_buffers.items():
                 b.host[name] = buf.view(b.host_offset, (b.numel,), self.dtype)
             for p, off in zip(b.params, b.offsets):
-                view = b.host["master"][off:off + p.numel()]
-                view.copy_(p.detach().reshape(-1))  # bf16 -> fp32 is exact
-                b.host["exp_avg"][off:off + p.numel()].zero_()
-                b.host["exp_avg_sq"][off:off + p.numel()].zero_()
+                lp = local(p)
+                n = lp.numel()
+                view = b.host["master"][off:off + n]
+                view.copy_(lp.detach().reshape(-1))  # bf16 -> fp32 is exact
+                b.host["exp_avg"][off:off + n].zero_()
+                b.host["exp_avg_sq"][off:off + n].zero_()
                 self.state[p] = {
                     "step": torch.tensor(0.0, dtype=torch.float64),
-                    "exp_avg": b.host["exp_avg"][off:off + p.numel()].view(p.shape),
-                    "exp_avg_sq": b.host["exp_avg_sq"][off:off + p.numel()].view(p.shape),
-                    "master": view.view(p.shape),
+                    "exp_avg": like_param(b.host["exp_avg"][off:off + n].view(lp.shape), p),
+                    "exp_avg_sq": like_param(b.host["exp_avg_sq"][off:off + n].view(lp.shape), p),
+                    "master": like_param(view.view(lp.shape), p),
                 }
 
     def _host_view(self, p: torch.Tensor, name: str) -> torch.Tensor:
         b, off = self.bucket_of[p]
-        return b.host[name][off:off + p.numel()]
+        return b.host[name][off:off + local(p).numel()]
 
     @property
     def host_bytes(self) -> int:
@@ -164,15 +173,15 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
         self._move_grad(p)
 
     def _move_grad(self, p: torch.Tensor) -> None:
-        g = p.grad
-        if g is None:  # a hook of an inner backward (recompute, tiling) already moved this gradient
+        if p.grad is None:  # a hook of an inner backward (recompute, tiling) already moved this gradient
             return
+        g = local(p.grad)
         host = self._host_view(p, "grad")
         s = self.streams
         if self.has_grad[p]:  # accumulation: bring the host copy back, add, go again
             if s.down is not None:
                 torch.cuda.current_stream(self.device).wait_stream(s.down)
-            g = g.to(self.dtype) + host.view(p.shape).to(g.device, non_blocking=True)
+            g = g.to(self.dtype) + host.view(g.shape).to(g.device, non_blocking=True)
         # torch's clip_grad_norm_ takes each gradient's norm, then the norm of those norms (here in the
         # master dtype, so bf16 gradients are not squared in bf16)
         self.norms[p] = torch.linalg.vector_norm(g, dtype=self.dtype)
@@ -196,10 +205,10 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Global 2-norm of all gradients (returned); the update scales them by torch's clip coefficient."""
         self.grads_to_host()
-        norms = [n for p, n in self.norms.items() if self.has_grad[p]]
+        norms = [(p, n) for p, n in self.norms.items() if self.has_grad[p]]
         if not norms:
             return torch.tensor(0.0)
-        total = torch.linalg.vector_norm(torch.stack(norms))
+        total = combine_norms(norms, self.dtype)
         self.clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         return total
 
@@ -244,7 +253,7 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
         group = self.param_groups[b.group]
         lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
         idx = [i for i, p in enumerate(b.params) if self.has_grad[p]]
-        views = {name: [slot[name][b.offsets[i]:b.offsets[i] + b.params[i].numel()] for i in idx]
+        views = {name: [slot[name][b.offsets[i]:b.offsets[i] + local(b.params[i]).numel()] for i in idx]
                  for name in self.ARRAYS}
         P, M, V, G = views["master"], views["exp_avg"], views["exp_avg_sq"], views["grad"]
         steps = []
@@ -265,8 +274,8 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
         torch._foreach_addcdiv_(P, M, denom, [-(lr / (1 - beta1**k)) for k in steps])
         del denom
         for i, master in zip(idx, P):  # the GPU weights, in their own dtype, from the new master
-            p = b.params[i]
-            p.detach().copy_(master.view(p.shape))
+            lp = local(b.params[i])
+            lp.detach().copy_(master.view(lp.shape))
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -325,10 +334,10 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
                 mine = self.state[p]
                 mine["step"].fill_(float(st["step"]))
                 for name in ("exp_avg", "exp_avg_sq", "master"):
-                    if name in st:
-                        mine[name].copy_(st[name].reshape(p.shape))
+                    if name in st and st[name] is not mine[name]:
+                        local(mine[name]).copy_(local(st[name]).reshape(local(mine[name]).shape))
                 if "master" in st:
-                    p.detach().copy_(mine["master"])
+                    local(p).detach().copy_(local(mine["master"]))
 
 
 class SequentialOffloadAdamW(torch.optim.Optimizer):

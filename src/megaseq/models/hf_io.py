@@ -4,11 +4,15 @@ Loading streams one tensor at a time (``safe_open``) into the parameters of an a
 so host memory never holds a second copy of the weights; the family's ``StateDictAdapter``
 (``models/<family>/state_dict_adapter.py``) says which megaseq tensor, or which slice of a fused one,
 each checkpoint key fills, and what is skipped. Every tensor must be filled exactly once: a missing
-tensor or a wrong shape is one error naming it.
+tensor or a wrong shape is one error naming it. A parameter sharded by FSDP2 (a DTensor, split along dim 0)
+gets only this rank's rows: a plain key is read as the slice ``[a, b)`` of its rows (safetensors reads only
+those bytes), an expert's key only when the expert is one of the rank's, a fused part only where its rows
+meet the rank's; no rank reads, or holds, a whole tensor it does not own.
 
 Export writes what ``save_pretrained`` of transformers writes (the on-disk format, per-expert keys):
 ``config.json`` from ``models.spec.to_hf_config`` plus shards of at most ``max_shard_bytes`` and, when
 there is more than one, ``model.safetensors.index.json``; all into a temporary directory renamed into place.
+Under FSDP every rank calls it: each tensor is gathered whole in turn (``full_tensor``) and rank 0 writes.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import warnings
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from megaseq.models.common.state_dict_adapter import StateDictAdapter
@@ -82,12 +87,12 @@ def load_hf_checkpoint(path: str | Path, model: nn.Module | None = None, spec: M
                     if name is None:
                         continue
                     if name in targets:
-                        _copy(targets[name], f.get_tensor(key), key)
+                        _fill(targets[name], f, key)
                         filled.add(id(targets[name]))
                     elif (routed := adapter.route(name, targets)) is not None:
                         target, index, slice_id = routed
-                        _copy(targets[target][index], f.get_tensor(key), key)
-                        sliced.setdefault(target, set()).add(slice_id)
+                        if _fill_part(targets[target], index, f, key):
+                            sliced.setdefault(target, set()).add(slice_id)
                     else:
                         unexpected.append(key)
     _check_complete(targets, filled, sliced, adapter)
@@ -97,11 +102,68 @@ def load_hf_checkpoint(path: str | Path, model: nn.Module | None = None, spec: M
     return model
 
 
+def _is_dtensor(t: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def local_rows(t: torch.Tensor) -> tuple[int, int]:
+    """``[a, b)``: the rows (dim 0) of a tensor this rank holds (all of a whole tensor; FSDP2's shard of a
+    DTensor, replicated over any other mesh dim)."""
+    if not _is_dtensor(t):
+        return 0, t.shape[0]
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    assert all(p.is_replicate() or (p.is_shard() and p.dim == 0) for p in t.placements), t.placements
+    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return offset[0], offset[0] + shape[0]
+
+
+def _fill(dst: torch.Tensor, f, key: str) -> None:
+    """The key's tensor into ``dst``; only this rank's rows of it for an FSDP shard."""
+    if not _is_dtensor(dst):
+        _copy(dst, f.get_tensor(key), key)
+        return
+    sl = f.get_slice(key)
+    _check_shape(tuple(sl.get_shape()), tuple(dst.shape), key)
+    a, b = local_rows(dst)
+    if b > a:
+        dst.to_local().copy_(sl[a:b])
+
+
+def _fill_part(dst: torch.Tensor, index: tuple, f, key: str) -> bool:
+    """The key's tensor into ``dst[index]`` (an expert ``(j, ...)`` or a dim-0 part ``(slice, ...)`` of a fused
+    tensor); under FSDP only where it meets this rank's rows. Returns whether this rank holds any of it."""
+    if not _is_dtensor(dst):
+        _copy(dst[index], f.get_tensor(key), key)
+        return True
+    a, b = local_rows(dst)
+    head, rest = index[0], index[1:]
+    out = dst.to_local()
+    if isinstance(head, int):
+        if not a <= head < b:
+            return False
+        _copy(out[(head - a, *rest)], f.get_tensor(key), key)
+        return True
+    lo, hi = max(head.start, a), min(head.stop, b)
+    if lo >= hi:
+        return False
+    sl = f.get_slice(key)
+    _check_shape(tuple(sl.get_shape())[:1], (head.stop - head.start,), key)
+    _copy(out[(slice(lo - a, hi - a), *rest)], sl[lo - head.start:hi - head.start], key)
+    return True
+
+
 def _copy(dst: torch.Tensor, src: torch.Tensor, key: str) -> None:
-    if tuple(dst.shape) != tuple(src.shape):
-        raise ValueError(f"checkpoint tensor {key} has shape {tuple(src.shape)}, the model expects "
-                         f"{tuple(dst.shape)}: config.json and the weights disagree, or the spec is wrong")
+    _check_shape(tuple(src.shape), tuple(dst.shape), key)
     dst.copy_(src)
+
+
+def _check_shape(got: tuple, want: tuple, key: str) -> None:
+    if got != want:
+        raise ValueError(f"checkpoint tensor {key} has shape {got}, the model expects "
+                         f"{want}: config.json and the weights disagree, or the spec is wrong")
 
 
 def _check_complete(targets: dict[str, torch.Tensor], filled: set[int], sliced: dict[str, set[str]],
@@ -110,13 +172,36 @@ def _check_complete(targets: dict[str, torch.Tensor], filled: set[int], sliced: 
     for name, t in targets.items():
         if id(t) in filled:  # tied weights count once
             continue
-        if name not in sliced:
+        need = _parts_needed(adapter, name, t)
+        if need and name not in sliced:
             missing.append(name)
-        elif len(sliced[name]) < (need := adapter.slices_needed(name, t)):
+        elif need and len(sliced[name]) < need:
             missing.append(f"{name} ({len(sliced[name])} of {need} parts)")
     if missing:
         raise ValueError(f"checkpoint is missing {len(missing)} tensors the model needs, e.g. {missing[:5]}; "
                          "check that config.json matches the weights")
+
+
+def _parts_needed(adapter: StateDictAdapter, name: str, t: torch.Tensor) -> int:
+    """Slices that fill a fused target (only those meeting this rank's rows for an FSDP shard); 1 for a
+    plain tensor."""
+    if not _is_dtensor(t):
+        return adapter.slices_needed(name, t) if _is_fused(adapter, name) else 1
+    a, b = local_rows(t)
+    if name.endswith(".experts.gate_up_proj"):
+        return 2 * (b - a)
+    if name.endswith(".experts.down_proj"):
+        return b - a
+    for _, suffix, parts in adapter.part_fusions:
+        if name.endswith("." + suffix):
+            size = t.shape[0] // len(parts)
+            return sum(1 for i in range(len(parts)) if max(i * size, a) < min((i + 1) * size, b))
+    return 1
+
+
+def _is_fused(adapter: StateDictAdapter, name: str) -> bool:
+    return name.endswith((".experts.gate_up_proj", ".experts.down_proj")) or any(
+        name.endswith("." + suffix) for _, suffix, _ in adapter.part_fusions)
 
 
 # ---- export -----------------------------------------------------------------------------------
@@ -126,11 +211,18 @@ def export_hf_checkpoint(model: nn.Module, spec: ModelSpec, out_dir: str | Path,
     """Write ``model`` as a HF checkpoint transformers loads (``from_pretrained``); returns ``out_dir``.
 
     ``dtype`` casts every tensor (None keeps each tensor's dtype). At most one shard is held in host
-    memory at a time. The directory appears complete or not at all.
+    memory at a time. The directory appears complete or not at all. With several processes every rank
+    calls it (FSDP2's shards are gathered one tensor at a time) and rank 0 writes.
     """
     from safetensors.torch import save_file
 
     out_dir = Path(out_dir)
+    if not _writes():  # several processes: take part in every gather (FSDP's shards), write nothing
+        if any(_is_dtensor(t) for t in model.state_dict().values()):
+            for _ in adapter_for(spec).hf_items(model, spec.tie_word_embeddings, dtype):
+                pass
+        _barrier()
+        return out_dir
     config = to_hf_config(spec)
     tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -162,7 +254,22 @@ def export_hf_checkpoint(model: nn.Module, spec: ModelSpec, out_dir: str | Path,
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     _replace_dir(tmp, out_dir)
+    _barrier()
     return out_dir
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _writes() -> bool:
+    """Whether this process writes the export (rank 0 of several, or the only one)."""
+    return not _distributed() or dist.get_rank() == 0
+
+
+def _barrier() -> None:
+    if _distributed():
+        dist.barrier()
 
 
 def _name_shards(tmp: Path, names: list[str]) -> dict[str, str]:

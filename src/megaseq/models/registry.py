@@ -37,6 +37,9 @@ class Family:
     layer_kinds: tuple[str, ...]  # token mixers it builds (spec.LAYER_KINDS)
     segmentable: bool  # every token mixer carries its state through SeqContext: sequence segments can run it
     tiles_whole_layer: bool  # the layer tiles all its token-separable parts (else only the MLP/MoE)
+    # the parameters a bf16 model keeps in fp32 (its FP32_PARAM_SUFFIXES), by kind, for the planner: "router"
+    # (the MoE gate), "kda" (the KDA conv and decay), "hc" (the mHC base and scale)
+    fp32_params: tuple[str, ...] = ()
 
 
 def family_module(family: str, part: str) -> ModuleType:

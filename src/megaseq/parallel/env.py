@@ -36,6 +36,8 @@ class ParallelEnv:
     ep_rank = 0
     is_main = True
     reads_data = True
+    fsdp: str | None = None  # parallel.fsdp: how parameters are sharded (None: one process, nothing to shard)
+    reduce_dtype = "fp32"
 
     def __init__(self, device: torch.device | None = None) -> None:
         self.device = device or torch.device("cpu")
@@ -46,7 +48,7 @@ class ParallelEnv:
     def context(self, batch: dict[str, Any]) -> SeqContext:
         return SeqContext(doc_ids=batch.get("doc_ids"), position_ids=batch.get("position_ids"))
 
-    def shard_batch(self, batch: dict[str, Any]) -> dict[str, Any]:
+    def shard_batch(self, batch: dict[str, Any], segment_tokens: int = 0) -> dict[str, Any]:
         return batch
 
     def gather_seq(self, x: torch.Tensor) -> torch.Tensor:
@@ -117,11 +119,13 @@ class DistributedEnv(ParallelEnv):
         self.expert_params: list[torch.nn.Parameter] = []  # the ep-sharded parameters (shard_moe)
         if self.ep_size > 1 and spec.num_experts % self.ep_size:
             raise ValueError(f"parallel.ep = {self.ep_size} must divide num_experts = {spec.num_experts}")
+        self.fsdp, self.reduce_dtype = cfg.parallel.fsdp, cfg.parallel.reduce_dtype
 
     # ---- data --------------------------------------------------------------------------------
-    def shard_batch(self, batch: dict[str, Any] | None) -> dict[str, Any]:
-        """This rank's sequence shard. Only the cp group's reader's batch is used (others may pass None)."""
-        return distribute_batch(batch if self.reads_data else None, self.mesh)
+    def shard_batch(self, batch: dict[str, Any] | None, segment_tokens: int = 0) -> dict[str, Any]:
+        """This rank's sequence shard. Only the cp group's reader's batch is used (others may pass None).
+        With ``segment_tokens`` (sequence segments) the shard is this rank's piece of every segment."""
+        return distribute_batch(batch if self.reads_data else None, self.mesh, segment_tokens)
 
     def context(self, batch: dict[str, Any]) -> Any:
         return make_context(self.mesh, batch, self.mla_mode)
@@ -152,7 +156,8 @@ class DistributedEnv(ParallelEnv):
         return grads.all_reduce_float(x)
 
     def reduce_gradients(self, model: torch.nn.Module) -> None:
-        """Replicated parameters summed over the world; the ep-sharded experts over their ``expert_group``."""
+        """Replicated parameters summed over the world; the ep-sharded experts over their ``expert_group``;
+        FSDP's shards (DTensors) are skipped: FSDP reduce-scattered them in the backward."""
         sharded = {id(p) for p in self.expert_params}
         params = [p for p in model.parameters() if p.requires_grad]
         grads.reduce_gradients([p for p in params if id(p) not in sharded])

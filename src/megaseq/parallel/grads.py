@@ -15,6 +15,8 @@ Every parameter but the routed experts is replicated on every rank, so its group
 ranks with the same ep coordinate (``mesh.expert_group``), whose gradients are summed there. After the
 reduction every rank holds the same gradient of each parameter it holds; the global norm adds the
 experts' squares over the ep group (``clip_grad_norm``), so clipping and the step agree everywhere.
+Parameters sharded by FSDP (``parallel.fsdp``) are reduce-scattered by FSDP in the backward; global-norm
+clipping then sums each shard's squares over its mesh (``memory.master_adam.grad_norm``).
 """
 
 from __future__ import annotations
@@ -66,15 +68,16 @@ def _device(group: Any) -> torch.device:
 
 def reduce_gradients(model: torch.nn.Module | Iterable[torch.nn.Parameter], group: Any = None,
                      bucket_numel: int = BUCKET_NUMEL) -> None:
-    """Sum every parameter's gradient over ``group`` (default: the world), in flat buckets.
+    """Sum every whole (replicated) parameter's gradient over ``group`` (default: the world), in flat buckets.
 
     A parameter that received no gradient on any rank keeps ``grad = None`` (AdamW then skips it,
     exactly as in one process: e.g. the DSA indexer, which runs under no_grad); one that has a
     gradient on some rank only (an expert no local token was routed to) gets zeros elsewhere so
-    every rank reduces the same list of tensors.
+    every rank reduces the same list of tensors. FSDP's shards (DTensor parameters) are skipped: their
+    gradients were reduce-scattered in the backward (``parallel.fsdp``).
     """
     params = model.parameters() if isinstance(model, torch.nn.Module) else model
-    params = [p for p in params if p.requires_grad]
+    params = [p for p in params if p.requires_grad and not _is_dtensor(p)]
     if not _initialized() or dist.get_world_size(group) == 1 or not params:
         return
     device = params[0].device
@@ -87,26 +90,39 @@ def reduce_gradients(model: torch.nn.Module | Iterable[torch.nn.Parameter], grou
         if p.grad is None:
             p.grad = torch.zeros_like(p)
         live.append(p)
-    for bucket in _buckets(live, bucket_numel):
-        flat = torch.cat([p.grad.reshape(-1) for p in bucket])
+    all_reduce_tensors([p.grad for p in live], group, bucket_numel)
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+@torch.no_grad()
+def all_reduce_tensors(tensors: list[torch.Tensor], group: Any = None, bucket_numel: int = BUCKET_NUMEL) -> None:
+    """Sum each tensor over ``group`` in place, in flat buckets of same-dtype, same-device tensors."""
+    if not _initialized() or dist.get_world_size(group) == 1:
+        return
+    for bucket in _buckets(tensors, bucket_numel):
+        flat = torch.cat([t.reshape(-1) for t in bucket])
         dist.all_reduce(flat, group=group)
-        for p, g in zip(bucket, flat.split([p.numel() for p in bucket])):
-            p.grad.copy_(g.view_as(p.grad))
+        for t, g in zip(bucket, flat.split([t.numel() for t in bucket])):
+            t.copy_(g.view_as(t))
 
 
-def _buckets(params: list[torch.nn.Parameter], bucket_numel: int) -> list[list[torch.nn.Parameter]]:
-    """Consecutive runs of same-dtype, same-device parameters of at most ``bucket_numel`` elements."""
-    out: list[list[torch.nn.Parameter]] = []
+def _buckets(tensors: list[torch.Tensor], bucket_numel: int) -> list[list[torch.Tensor]]:
+    """Consecutive runs of same-dtype, same-device tensors of at most ``bucket_numel`` elements."""
+    out: list[list[torch.Tensor]] = []
     size = 0
-    for p in params:
-        g = p.grad
-        if out and size + g.numel() <= bucket_numel and (g.dtype, g.device) == (out[-1][0].grad.dtype,
-                                                                                   out[-1][0].grad.device):
-            out[-1].append(p)
-            size += g.numel()
+    for t in tensors:
+        if out and size + t.numel() <= bucket_numel and (t.dtype, t.device) == (out[-1][0].dtype,
+                                                                                  out[-1][0].device):
+            out[-1].append(t)
+            size += t.numel()
         else:
-            out.append([p])
-            size = g.numel()
+            out.append([t])
+            size = t.numel()
     return out
 
 

@@ -267,11 +267,34 @@ def shard_batch(batch: dict[str, torch.Tensor], mesh: Mesh | None = None, *, cp:
     return {k: (v[:, cp_rank * n:(cp_rank + 1) * n] if k in SEQ_KEYS else v) for k, v in batch.items()}
 
 
-def distribute_batch(batch: dict[str, torch.Tensor] | None, mesh: Mesh) -> dict[str, torch.Tensor]:
+def segment_stripes(S: int, segment_tokens: int, cp: int) -> torch.Tensor:
+    """The token order whose contiguous ``S / cp`` shards are the sequence-segment layout: rank r holds, of
+    every segment ``[s, e)`` of ``segment_tokens`` tokens (the last may be shorter), the r-th of its cp
+    equal pieces, so segment j is rows ``[s / cp, e / cp)`` of every rank's shard (``model_segments``)."""
+    order = []
+    for r in range(cp):
+        for s in range(0, S, segment_tokens):
+            n = (min(s + segment_tokens, S) - s) // cp
+            order.append(torch.arange(s + r * n, s + (r + 1) * n))
+    return torch.cat(order)
+
+
+def check_segment_split(S: int, segment_tokens: int, cp: int) -> None:
+    """Every segment must split into cp equal pieces (one per rank)."""
+    if segment_tokens % cp or S % cp:
+        raise ValueError(f"memory.model_segment_tokens = {segment_tokens} with parallel.cp = {cp}: each segment is "
+                         f"split over the cp ranks, so both it and data.seq_len ({S}) must be multiples of {cp}; "
+                         f"set --memory.model_segment_tokens to a multiple of {cp}")
+
+
+def distribute_batch(batch: dict[str, torch.Tensor] | None, mesh: Mesh,
+                     segment_tokens: int = 0) -> dict[str, torch.Tensor]:
     """cp-rank 0 passes the batch it read; every rank of its cp group returns its own shard.
 
     The reader scatters the shards (one read per group, each rank receives only S_loc tokens). Other
-    ranks pass ``None``. Other tensors are broadcast whole; non-tensor entries travel as objects.
+    ranks pass ``None``. Other tensors are broadcast whole; non-tensor entries travel as objects. With
+    ``segment_tokens`` (sequence segments, cp > 1) a shard is this rank's piece of every segment
+    (``segment_stripes``), and ``position_ids`` always travel (a piece's positions are not its offset).
     """
     if mesh.cp == 1:
         assert batch is not None, "with cp = 1 every rank reads its own batch"
@@ -280,6 +303,13 @@ def distribute_batch(batch: dict[str, torch.Tensor] | None, mesh: Mesh) -> dict[
     if mesh.reads_data:
         assert batch is not None, "the cp group's reader (cp rank 0) must pass the batch"
         full = complete_batch(batch)
+        S = full["input_ids"].shape[1]
+        if segment_tokens and segment_tokens < S:
+            check_segment_split(S, segment_tokens, mesh.cp)
+            if "position_ids" not in full:
+                full["position_ids"] = torch.arange(S).expand_as(full["input_ids"])
+            order = segment_stripes(S, segment_tokens, mesh.cp)
+            full = {k: (v[:, order] if k in SEQ_KEYS else v) for k, v in full.items()}
         assert full["input_ids"].shape[1] % mesh.cp == 0, "init_mesh checks that cp divides data.seq_len"
         meta = [{k: ((tuple(v.shape), v.dtype) if torch.is_tensor(v) else None) for k, v in full.items()},
                 {k: v for k, v in full.items() if not torch.is_tensor(v)}]

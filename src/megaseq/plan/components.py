@@ -26,12 +26,16 @@ GB = 10**9
 
 
 # ---- mesh and dtypes -----------------------------------------------------------------------------
+FSDP_MODES = ("off", "dp", "dp_cp")
+
+
 @dataclass(frozen=True)
 class Mesh:
     """The GPUs of a run: ``world = dp * ep * cp`` (megaseq.parallel.mesh lays ranks out the same way).
 
-    ``fsdp`` shards parameters, gradients and optimizer state over the world (FSDP2 / ZeRO-3);
-    megaseq's release replicates them (``parallel/grads.py``), so it defaults to False.
+    ``fsdp`` (``parallel.fsdp``) shards parameters, gradients and optimizer state per layer (FSDP2): over the
+    dp ranks (``dp``, replicated over cp) or over the whole world (``dp_cp``); ``off`` replicates them.
+    ``True`` / ``False`` are read as ``dp_cp`` / ``off``.
     ``mla_mode``: how DSA/MLA layers go context-parallel (``auto``, ``gather_kv`` or ``ulysses``).
     """
 
@@ -39,7 +43,7 @@ class Mesh:
     cp: int = 1
     ep: int = 1
     gpus_per_host: int = 1
-    fsdp: bool = False
+    fsdp: bool | str = "off"
     mla_mode: str = "auto"
 
     def __post_init__(self) -> None:
@@ -48,6 +52,10 @@ class Mesh:
                 raise ValueError(f"mesh {name} must be >= 1, got {getattr(self, name)}")
         if self.mla_mode not in ("auto", "gather_kv", "ulysses"):
             raise ValueError(f"parallel.mla_mode must be auto, gather_kv or ulysses, got {self.mla_mode!r}")
+        if isinstance(self.fsdp, bool):
+            object.__setattr__(self, "fsdp", "dp_cp" if self.fsdp else "off")
+        if self.fsdp not in FSDP_MODES:
+            raise ValueError(f"parallel.fsdp must be off, dp or dp_cp, got {self.fsdp!r}")
 
     @property
     def world(self) -> int:
@@ -65,43 +73,46 @@ class Mesh:
     @property
     def shard(self) -> int:
         """Ranks the parameters, gradients and optimizer state are split over."""
-        return self.world if self.fsdp else 1
+        return {"off": 1, "dp": self.dp, "dp_cp": self.world}[self.fsdp]
+
+    @property
+    def sharded(self) -> bool:
+        """Whether FSDP runs (it shards over more than one rank)."""
+        return self.shard > 1
 
 
 @dataclass(frozen=True)
 class Precision:
     """Bytes per element of each class of tensor."""
 
-    param: int = 4  # parameters on the GPU (fp32 master weights under autocast)
+    param: int = 4  # parameters on the GPU (fp32 weights under autocast, or bf16 weights)
     grad: int = 4
     moments: int = 8  # AdamW exp_avg + exp_avg_sq
     compute: int = 2  # matmul outputs (bf16 under autocast)
     stream: int = 4  # residual stream, norm outputs, embeddings: the parameter dtype
     f32: int = 4  # what the blocks compute "in float32" (promote_types(dtype, fp32))
     autocast: bool = True  # a linear casts its fp32 input: each linear saves its own bf16 copy
+    master: int = 0  # the optimizer's fp32 master copy of bf16 weights (MasterAdamW), made with the optimizer
 
 
-# OffloadStreamAdamW overwrites "the low-precision GPU weights" from its host master copy; the trainer
-# (train/trainer.py: dtypes) still builds fp32 weights + autocast when it is on. Set True once the trainer
-# builds a bf16 model under optimizer offload: the planner then drops 2 B/param and the fp32 stream.
-OFFLOAD_BF16_MODEL = False
+BF16_WEIGHTS = Precision(param=2, grad=2, moments=8, compute=2, stream=2, f32=4, autocast=False, master=4)
 
 
-def precision_for(model_dtype: str = "bf16", optimizer_offload: bool = False) -> Precision:
+def precision_for(model_dtype: str = "bf16", weights: str = "fp32") -> Precision:
     """The trainer's dtypes (``train/trainer.py: dtypes``) for a GPU run.
 
-    bf16: fp32 parameters + bf16 autocast (with OffloadStreamAdamW too, unless ``OFFLOAD_BF16_MODEL``:
-    then a bf16 model, no autocast casts, a bf16 residual stream). fp32 / fp64: everything in that dtype.
-    """
+    bf16: fp32 parameters + bf16 autocast, or with ``model.weights bf16`` bf16 parameters (no autocast, a
+    bf16 residual stream) and the optimizer's fp32 master beside them (``BF16_WEIGHTS``). fp32 / fp64:
+    everything in that dtype."""
     if model_dtype == "fp64":
         return Precision(param=8, grad=8, moments=16, compute=8, stream=8, f32=8, autocast=False)
     if model_dtype == "fp32":
         return Precision(param=4, grad=4, moments=8, compute=4, stream=4, f32=4, autocast=False)
     if model_dtype != "bf16":
         raise ValueError(f"model.dtype must be bf16, fp32 or fp64, got {model_dtype!r}")
-    if optimizer_offload and OFFLOAD_BF16_MODEL:
-        return Precision(param=2, grad=2, moments=0, compute=2, stream=2, f32=4, autocast=False)
-    return Precision()
+    if weights not in ("fp32", "bf16"):
+        raise ValueError(f"model.weights must be fp32 or bf16, got {weights!r}")
+    return BF16_WEIGHTS if weights == "bf16" else Precision()
 
 
 @dataclass(frozen=True)
@@ -145,6 +156,12 @@ class ParamCounts:
     head: int
     final_norm: int
     layers: list[tuple[int, int, int]] = field(default_factory=list)
+    fp32_kept: list[int] = field(default_factory=list)  # per layer: parameters a bf16 model keeps fp32 (of dense)
+
+    @property
+    def kept(self) -> int:
+        """Parameters a bf16 model keeps in fp32 (all trainable): whole on every rank under FSDP."""
+        return sum(self.fp32_kept)
 
     @property
     def total(self) -> int:
@@ -218,9 +235,27 @@ def gpu_counts(counts: ParamCounts, mesh: Mesh) -> ParamCounts:
     """The parameters one GPU holds: the routed experts split over ep (``parallel.expert.shard_experts``).
     Under FSDP the counts stay whole: its shard over the world already gives each GPU ``1 / world`` of the
     experts (``E / ep`` of them, sharded again over dp x cp) and of everything else."""
-    if mesh.ep == 1 or mesh.fsdp:
+    if mesh.ep == 1 or mesh.fsdp != "off":
         return counts
     return replace(counts, layers=[(d, x // mesh.ep, g) for d, x, g in counts.layers])
+
+
+def fp32_kept_params(spec: ModelSpec, i: int) -> int:
+    """Parameters of layer i a bf16 model keeps in fp32 (``Family.fp32_params``, the family's
+    ``FP32_PARAM_SUFFIXES``): the MoE router ``E * H``, the KDA conv ``3 * D * K`` and decay ``D + Hh``, the mHC
+    base and scale ``2 * ((2 + N) * N + 3)``."""
+    from megaseq.models.registry import family
+
+    kinds = family(spec.family).fp32_params
+    H, N, n = spec.hidden_size, spec.hc_mult, 0
+    if "router" in kinds and spec.mlp_types[i] == "moe":
+        n += spec.num_experts * H
+    if "kda" in kinds and spec.layer_types[i] == "kda":
+        D = spec.linear_num_heads * spec.linear_head_dim
+        n += 3 * D * spec.linear_conv_kernel + D + spec.linear_num_heads
+    if "hc" in kinds and N > 1:
+        n += 2 * ((2 + N) * N + 3)
+    return n
 
 
 def count_params(spec: ModelSpec) -> ParamCounts:
@@ -241,18 +276,31 @@ def count_params(spec: ModelSpec) -> ParamCounts:
             mixer = attention_params(spec)
         dense, experts = mlp_params(spec, spec.mlp_types[i])
         counts.layers.append((hc + 2 * H + mixer + dense, experts, no_grad))
+        counts.fp32_kept.append(fp32_kept_params(spec, i))
     return counts
 
 
 # ---- state: parameters, gradients, optimizer ---------------------------------------------------------
+# A bf16-weight model (``Precision.master``) keeps ``ParamCounts.kept`` parameters in fp32; FSDP2 groups need
+# one dtype, so those stay whole on every rank (``parallel.fsdp``: ``ignored_params``) and are all-reduced.
+def _split(counts: ParamCounts, prec: Precision, params: int) -> tuple[int, int]:
+    """(sharded, whole fp32) parts of ``params`` parameters (the kept ones are whole only in bf16 models)."""
+    kept = min(counts.kept, params) if prec.master else 0
+    return params - kept, kept
+
+
 def param_bytes(counts: ParamCounts, mesh: Mesh, prec: Precision) -> int:
-    """Parameters resident on one GPU: ``P * param / shard``."""
-    return counts.total * prec.param // mesh.shard
+    """Parameters resident on one GPU: ``P * param / shard`` (+ the kept fp32 ones whole: ``4 * K``)."""
+    sharded, kept = _split(counts, prec, counts.total)
+    return sharded * prec.param // mesh.shard + kept * 4
 
 
-def grad_bytes(params: int, mesh: Mesh, prec: Precision) -> int:
-    """Gradients of ``params`` parameters: ``params * grad / shard``."""
-    return params * prec.grad // mesh.shard
+def grad_bytes(params: int, mesh: Mesh, prec: Precision, kept: int = 0, accumulate: bool = False) -> int:
+    """Gradients of ``params`` parameters (``kept`` of them fp32 and whole): ``params * grad / shard``; bf16
+    weights whose step sums several backward passes keep the sum in fp32 (``MasterAdamW``'s ``accumulate``:
+    4 B, one process or FSDP shards) instead of the bf16 ``.grad``."""
+    g = 4 if (accumulate and prec.master and (mesh.sharded or mesh.world == 1)) else prec.grad
+    return (params - kept) * g // mesh.shard + kept * max(4, prec.grad)
 
 
 def offload_adam_bytes(num_params: int, bucket_params: int, master_bytes: int = 4) -> dict[str, int]:
@@ -266,34 +314,53 @@ def offload_adam_bytes(num_params: int, bucket_params: int, master_bytes: int = 
 def optimizer_gpu_bytes(
     counts: ParamCounts, mesh: Mesh, prec: Precision, offload: bool, bucket_params: int
 ) -> int:
-    """AdamW moments on the GPU (``P_trainable * moments / shard``), or OffloadStreamAdamW's staging
+    """AdamW moments on the GPU (``P_trainable * moments / shard``; with bf16 weights ``MasterAdamW``'s fp32
+    master too, ``(4 + 8) / shard``, the kept fp32 parameters' whole), or OffloadStreamAdamW's staging
     (``offload_adam_bytes``: two slots of master, both moments and the gradient plus one temporary)."""
     if offload:
         return offload_adam_bytes(counts.trainable, bucket_params)["gpu_staging"]
-    return counts.trainable * prec.moments // mesh.shard
+    sharded, kept = _split(counts, prec, counts.trainable)
+    per = prec.moments + prec.master
+    return sharded * per // mesh.shard + kept * per
 
 
-def optimizer_host_bytes(counts: ParamCounts, mesh: Mesh, offload: bool) -> int:
+def optimizer_host_bytes(counts: ParamCounts, mesh: Mesh, offload: bool, prec: Precision = Precision()) -> int:
     """OffloadStreamAdamW host state per GPU: fp32 master, m, v and gradient, ``P_trainable * 16 / shard``."""
-    return offload_adam_bytes(counts.trainable, 1)["host"] // mesh.shard if offload else 0
+    if not offload:
+        return 0
+    sharded, kept = _split(counts, prec, counts.trainable)
+    return offload_adam_bytes(sharded, 1)["host"] // mesh.shard + offload_adam_bytes(kept, 1)["host"]
 
 
 def weight_copy_bytes(layer_params: int, prec: Precision, mesh: Mesh) -> int:
     """bf16 copies of a layer's weights held for backward: autocast casts each fp32 weight per use
-    (``2 * params``); under FSDP the gathered bf16 layer plays that part (``fsdp_buffers``)."""
-    if mesh.fsdp and mesh.world > 1:
-        return 0
+    (``2 * params``), FSDP or not (FSDP gathers the fp32 weights; ``fsdp_buffers``). bf16 weights need none."""
     return 2 * layer_params if prec.autocast else 0
 
 
-def fsdp_buffers(max_layer_params: int, max_layer_experts: int, mesh: Mesh, backward: bool) -> int:
-    """FSDP2 unsharded buffers: the current and the prefetched layer in bf16 (``2 * 2 * P_layer``),
-    and in backward the layer's bf16 gradient plus its fp32 reduce-scatter input (``6 * P_layer``).
-    Routed experts are split over ``ep`` ranks, not gathered."""
-    if not (mesh.fsdp and mesh.world > 1):
+def gathered_params(counts: ParamCounts, i: int, mesh: Mesh, prec: Precision) -> int:
+    """Parameters FSDP gathers for layer i: its dense part (the kept fp32 ones are whole already) and its
+    routed experts (split over ``ep`` ranks, not gathered)."""
+    dense, experts, no_grad = counts.layers[i]
+    kept = counts.fp32_kept[i] if prec.master else 0
+    return dense + no_grad - kept + experts // mesh.ep
+
+
+def fsdp_buffers(current: int, other: int, head: int, mesh: Mesh, prec: Precision, reduce_bytes: int,
+                 backward: bool) -> int:
+    """FSDP2 unsharded buffers (``parallel.fsdp``) while a block of ``current`` parameters runs: it and the
+    block whose all-gather is prefetched (``other``: the next in forward, the previous in backward) in the
+    parameter dtype, and the root's head (``head``: the head weight and final norm, gathered from the
+    forward to the end of the backward). In backward also the block's unsharded gradient (parameter dtype),
+    the reduce-scatter input in ``reduce_bytes`` and its output ``/ shard``, and the head's unsharded
+    gradient (reduce-scattered when the backward ends)."""
+    if not mesh.sharded:
         return 0
-    p = max_layer_params - max_layer_experts + max_layer_experts // mesh.ep
-    return 4 * p + (6 * p if backward else 0)
+    p = prec.param
+    fwd = (current + other) * p + head * p
+    if not backward:
+        return fwd
+    return fwd + current * (p + reduce_bytes) + current * reduce_bytes // mesh.shard + head * p
 
 
 # ---- small shared pieces -----------------------------------------------------------------------------

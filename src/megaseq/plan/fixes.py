@@ -27,7 +27,14 @@ from megaseq.models.registry import FAMILY_PACKAGES, family
 from megaseq.plan import components as C
 from megaseq.plan import layers
 from megaseq.plan.components import GB, GIB, Mesh
-from megaseq.plan.flops import DEVICE_BYTES_PER_S, PINNED_BYTES_PER_S, StepFlops, step_flops, step_seconds
+from megaseq.plan.flops import (
+    DEVICE_BYTES_PER_S,
+    PINNED_BYTES_PER_S,
+    StepFlops,
+    fsdp_traffic,
+    step_flops,
+    step_seconds,
+)
 from megaseq.plan.phases import Evaluation, Run, evaluate
 
 H200_GPU_BYTES = int(139.8 * GIB)  # BRIEF section 6: usable memory of one H200
@@ -74,6 +81,7 @@ class CostTerms:
     step_s: float  # the step's estimated seconds on one GPU
     sco_excess_s: float  # SCO copy time the compute cannot hide
     optimizer_s: float  # OffloadStreamAdamW's transfer time beyond an on-GPU step
+    segment_regather_s: float = 0.0  # FSDP: what sequence segments' re-gathers add (0 without FSDP)
 
     @classmethod
     def of(cls, run: Run) -> CostTerms:
@@ -83,7 +91,7 @@ class CostTerms:
         copy = C.boundary_bytes(run.spec, run.n, run.prec) * run.spec.num_layers / PINNED_BYTES_PER_S
         excess = max(0.0, copy - T / 3) + max(0.0, copy - 2 * T / 3)  # hidden behind the fwd (1/3) and bwd
         opt = max(0.0, P * 30 / PINNED_BYTES_PER_S - P * 32 / DEVICE_BYTES_PER_S)  # up 16 B, down 14 B
-        return cls(sf, T, excess, opt)
+        return cls(sf, T, excess, opt, segment_regather_seconds(run))
 
 
 @dataclass(frozen=True)
@@ -112,6 +120,28 @@ class Fix:
     growth: Growth | None = None
     excludes: tuple[str, ...] = ()
     requires: tuple[str, ...] = ()
+
+
+def segments_of(run: Run) -> int:
+    """Sequence segments of this run's step (the growth cap's count while the planner has not sized them)."""
+    T = run.segment or min(MODEL_SEGMENT_CHUNKS[1], run.seq_len)
+    return -(-run.seq_len // T)
+
+
+def fsdp_step_traffic(run: Run, num_segments: int = 1) -> dict[str, float]:
+    """``flops.fsdp_traffic`` of this run's layers (what FSDP gathers; nothing without FSDP)."""
+    from megaseq.plan.phases import fsdp_per_layer
+
+    layers, embed, head = fsdp_per_layer(run)
+    return fsdp_traffic(sum(layers) + embed, run.prec.param, run.reduce_bytes, run.mesh, num_segments,
+                        run.grad_accum)
+
+
+def segment_regather_seconds(run: Run) -> float:
+    """FSDP: the extra all-gathers and reduce-scatters of a segmented step over a plain one, in seconds."""
+    if not run.mesh.sharded:
+        return 0.0
+    return fsdp_step_traffic(run, max(2, segments_of(run)))["seconds"] - fsdp_step_traffic(run)["seconds"]
 
 
 def _on(name: str) -> Callable[[Run, MemorySettings], bool]:
@@ -171,8 +201,8 @@ FIXES: dict[str, Fix] = {f.name: f for f in (
         why=lambda m: "each layer keeps only its input; its forward is rerun in backward"),
     Fix("model_segments", "model_segment_tokens", "memory.model_segments.segmented_loss_backward",
         "phases.segment_store_bytes",
-        cost=lambda run, t: t.sf.layers_forward / t.sf.total + MODEL_SEGMENT_OVERHEAD,
-        usable=lambda run: family(run.spec.family).segmentable and run.mesh.cp == 1,
+        cost=lambda run, t: t.sf.layers_forward / t.sf.total + MODEL_SEGMENT_OVERHEAD + t.segment_regather_s / t.step_s,
+        usable=lambda run: family(run.spec.family).segmentable and MODEL_SEGMENT_CHUNKS[0] % run.mesh.cp == 0,
         enable=lambda b, run, s, h: {"model_segment_tokens": b.model_segment_tokens or MODEL_SEGMENT_CHUNKS[0]},
         enabled=lambda run, m: bool(replace(run, memory=m).segment),
         why=lambda m: f"the whole model over the sequence {m.model_segment_tokens} tokens at a time (KDA state, "
@@ -253,9 +283,9 @@ def check_model_segments(family_name: str, segment_tokens: int, cp: int = 1,
     if family_name not in segmentable:
         raise ValueError(f"{name}={segment_tokens}: the {family_name} family's token mixers do not carry their "
                          f"state across segments (supported: {', '.join(segmentable)}); unset {name}")
-    if cp != 1:
-        raise ValueError(f"{name}={segment_tokens} with context parallelism cp={cp}: sequence segments run on one "
-                         f"rank for now; unset {name} or use --parallel.cp 1")
+    if segment_tokens % cp:
+        raise ValueError(f"{name}={segment_tokens} with context parallelism cp={cp}: each segment is split over the "
+                         f"cp ranks, so it must be a multiple of {cp}; set --{name} to a multiple of {cp}")
     if layer_schemes:
         raise ValueError(f"{name}={segment_tokens} with {', '.join(layer_schemes)}: sequence segments already "
                          "bound each layer's memory by the segment; turn those off (--memory.recompute false, "

@@ -238,3 +238,45 @@ def ring_dtp_volume(spec: ModelSpec, seq_len: int, mesh: Mesh, batch: int = 1,
     acc = max(w, 4)
     rows = -(-spec.vocab_size // P)
     return (P - 1) * rows * spec.hidden_size * w * 2 + P * rows * spec.hidden_size * acc
+
+
+# ---- FSDP traffic ---------------------------------------------------------------------------------------
+# Assumed all-gather / reduce-scatter bandwidth per GPU (the bytes one rank sends per second); not measured
+# in this repository: NVLink within an H200 host (NCCL reaches roughly this bus bandwidth), one 400 Gb/s NIC
+# per GPU across hosts.
+FSDP_BYTES_PER_S_HOST = 300e9
+FSDP_BYTES_PER_S_NET = 40e9
+
+
+def fsdp_passes(num_segments: int) -> tuple[int, int]:
+    """(all-gathers of every layer, reduce-scatters of its gradients) per step and micro-batch
+    (``parallel.fsdp``: a layer is freed after its forward): 2 and 1 for one pass over the sequence; under
+    sequence segments each segment's no-grad forward, its rerun's forward and its backward gather again,
+    and each segment's backward reduce-scatters: ``3 n`` and ``n``."""
+    if num_segments <= 1:
+        return 2, 1
+    return 3 * num_segments, num_segments
+
+
+def fsdp_traffic(gathered_params: int, param_bytes: int, reduce_bytes: int, mesh: Mesh, num_segments: int = 1,
+                 micro_batches: int = 1) -> dict[str, float]:
+    """Bytes one rank sends per step for FSDP (ring collectives: ``(N - 1) / N`` of the gathered tensor per
+    all-gather and per reduce-scatter; with ``parallel.fsdp dp`` and cp > 1 the reduced shard is all-reduced
+    over cp, ``2 (cp - 1) / cp`` of it) and the seconds they take at ``FSDP_BYTES_PER_S_*`` (upper bound:
+    nothing overlapped with compute); ``per_segment`` is what one more sequence segment adds."""
+    N = mesh.shard
+    if N <= 1:
+        return {}
+    gathers, scatters = fsdp_passes(num_segments)
+    gathers, scatters = gathers * micro_batches, scatters * micro_batches
+    share = (N - 1) / N
+    ag = gathered_params * param_bytes * share
+    rs = gathered_params * reduce_bytes * share
+    if mesh.fsdp == "dp" and mesh.cp > 1:  # HSDP: the shards' all-reduce over the cp replicas
+        rs += gathered_params * reduce_bytes / N * 2 * (mesh.cp - 1) / mesh.cp
+    rate = FSDP_BYTES_PER_S_HOST if mesh.hosts == 1 else FSDP_BYTES_PER_S_NET
+    total = gathers * ag + scatters * rs
+    return {"ranks": N, "all_gathers": gathers, "reduce_scatters": scatters, "all_gather_bytes": gathers * ag,
+            "reduce_scatter_bytes": scatters * rs, "bytes": total, "seconds": total / rate,
+            "per_segment_bytes": 3 * ag + rs if num_segments > 1 else 0.0,
+            "per_segment_seconds": (3 * ag + rs) / rate if num_segments > 1 else 0.0, "bytes_per_s": rate}

@@ -45,6 +45,8 @@ class Run:
     loss_in_compute_dtype: bool = True  # the trainer casts hidden + head for the loss (False: before 2026-11-29)
     cal: Calibration = CAL
     ep_dispatch: ExpertDispatchSettings = ExpertDispatchSettings()  # how routed rows travel when mesh.ep > 1
+    weights: str = "fp32"  # model.weights: fp32 (+ autocast) or bf16 (fp32 master in the optimizer)
+    reduce_dtype: str = "fp32"  # parallel.reduce_dtype: the FSDP reduce-scatter's dtype
 
     def __post_init__(self) -> None:
         if isinstance(self.memory, dict):
@@ -52,8 +54,18 @@ class Run:
 
     @property
     def prec(self) -> Precision:
-        """Dtypes follow the settings: OffloadStreamAdamW leaves a bf16 model on the GPU."""
-        return C.precision_for(self.model_dtype, self.memory.optimizer_offload)
+        """Dtypes of ``model.dtype`` and ``model.weights`` (``components.precision_for``)."""
+        return C.precision_for(self.model_dtype, self.weights)
+
+    @property
+    def reduce_bytes(self) -> int:
+        """Bytes per element of FSDP's reduce-scatter (fp64 parameters reduce in fp64)."""
+        return max(self.prec.param, 4 if self.reduce_dtype == "fp32" else 2)
+
+    @property
+    def accumulates(self) -> bool:
+        """Several backward passes per step (micro-batches, sequence segments): gradients accumulate."""
+        return self.grad_accum > 1 or bool(self.segment)
 
     @property
     def segment(self) -> int:
@@ -291,11 +303,23 @@ def _state(run: Run) -> tuple[dict[str, int], list[int], int, int]:
     }
     if run.segment:
         state.update(segment_store_bytes(run))
-    g_layers = [C.grad_bytes(d + x, mesh, prec) for d, x, _ in counts.layers]
+    acc = run.accumulates
+    kept = counts.fp32_kept if prec.master else [0] * len(counts.layers)
+    g_layers = [C.grad_bytes(d + x, mesh, prec, k, acc) for (d, x, _), k in zip(counts.layers, kept)]
     tied = run.spec.tie_word_embeddings
-    g_head = C.grad_bytes(counts.final_norm + (counts.embed if tied else counts.head), mesh, prec)
-    g_embed = 0 if tied else C.grad_bytes(counts.embed, mesh, prec)
+    g_head = C.grad_bytes(counts.final_norm + (counts.embed if tied else counts.head), mesh, prec, 0, acc)
+    g_embed = 0 if tied else C.grad_bytes(counts.embed, mesh, prec, 0, acc)
     return state, g_layers, g_head, g_embed
+
+
+def fsdp_per_layer(run: Run) -> tuple[list[int], int, int]:
+    """(parameters FSDP gathers for each layer, for the embedding (0 when tied: it is the root's head), the
+    root's head + final norm)."""
+    counts, mesh, prec = run.counts, run.mesh, run.prec
+    layers = [C.gathered_params(counts, i, mesh, prec) for i in range(len(counts.layers))]
+    tied = run.spec.tie_word_embeddings
+    head = counts.final_norm + (counts.embed if tied else counts.head)
+    return layers, 0 if tied else counts.embed, head
 
 
 def segment_store_bytes(run: Run) -> dict[str, int]:
@@ -304,15 +328,18 @@ def segment_store_bytes(run: Run) -> dict[str, int]:
     autocast) and the latent's fp32 gradient accumulator; during a DSA layer's backward one more fp32
     ``[s, R]`` (the earlier latents' gradient) and the latents gathered for its graph ``c * R`` (in
     ``dsa_saved``); per KDA layer the fp32 state ``[Hh, D, D]`` and the ``K - 1`` halo inputs at every
-    segment start; with ``segment_keep_selection`` every full-indexer DSA layer's selection ``4 W`` per
-    token (all kept when the backward begins)."""
+    segment start (this rank's cp share of the heads: the halo is carried after the q/k/v projections,
+    ``3 * Hh / cp * D`` wide); with ``segment_keep_selection`` every full-indexer DSA layer's selection ``4 W``
+    per token (all kept when the backward begins)."""
     spec, prec, B, S, T = run.spec, run.prec, run.batch, run.seq_len, run.segment
     c, f = prec.compute, prec.f32
     R = spec.kv_lora_rank + spec.qk_rope_head_dim
     dsa = spec.layer_types.count("dsa")
     kda = spec.layer_types.count("kda")
     segs = -(-S // T)
-    state = spec.linear_num_heads * spec.linear_head_dim**2 * f + (spec.linear_conv_kernel - 1) * spec.hidden_size * c
+    # per rank: its cp share of the KDA heads' state [Hh/cp, D, D] (fp32) and halo [K - 1, 3 * Hh/cp * D]
+    Hl, D = spec.linear_num_heads // run.mesh.cp, spec.linear_head_dim
+    state = Hl * D * D * f + (spec.linear_conv_kernel - 1) * 3 * Hl * D * c
     full = sum(1 for i, k in enumerate(spec.layer_types) if k == "dsa" and spec.indexer_types[i] == "full")
     kept = full * layers.dsa_selection_bytes(spec, B * S) if run.memory.segment_keep_selection else 0
     return {
@@ -352,11 +379,15 @@ def _phases(run: Run, terms: list[LayerTerms]) -> list[tuple[str, dict[str, int]
     # the later segments' gradients held)
     acc = run.grad_accum > 1 or bool(run.segment)
     g_all = sum(g_layers) + g_head + g_embed
-    counts = run.counts
-    max_layer = max(counts.layer(i) for i in range(L))
-    max_experts = max(x for _, x, _ in counts.layers)
-    fsdp_f = C.fsdp_buffers(max_layer, max_experts, mesh, False)
-    fsdp_b = C.fsdp_buffers(max_layer, max_experts, mesh, True)
+    gathered, embed_block, head = fsdp_per_layer(run)
+    blocks = ([embed_block] if embed_block else []) + gathered  # FSDP units in forward order (root apart)
+    first = 1 if embed_block else 0
+
+    def fsdp(i: int, backward: bool) -> int:  # layer i running, its neighbour's all-gather prefetched
+        j = first + i
+        other = blocks[j - 1] if backward and j > 0 else (blocks[j + 1] if not backward and j + 1 < len(blocks)
+                                                          else 0)
+        return C.fsdp_buffers(blocks[j], other, head, mesh, prec, run.reduce_bytes, backward)
     bnd = C.boundary_bytes(spec, n, prec)
     final = n * (C.norm_saved(H, s, prec)[0] + s * H)
     # under autocast the trainer casts the hidden states and the head to the compute dtype for the loss
@@ -368,7 +399,7 @@ def _phases(run: Run, terms: list[LayerTerms]) -> list[tuple[str, dict[str, int]
     sel = layers.dsa_selection_bytes(spec, n) if "dsa" in spec.layer_types else 0
     readers = _readers(spec)
     k = _sco_offloaded(run, bnd)
-    fwd_state = dict(state, **{"gradients": g_all if acc else 0, "FSDP buffers": fsdp_f})
+    fwd_state = dict(state, **{"gradients": g_all if acc else 0})
     out: list[tuple[str, dict[str, int], str]] = []
     saved_before, copies_before, carry = 0, 0, 0
     for i, t in enumerate(terms):  # forward
@@ -394,7 +425,8 @@ def _phases(run: Run, terms: list[LayerTerms]) -> list[tuple[str, dict[str, int]
                 dict(
                     fwd_state,
                     **comps,
-                    **{"weight copies (bf16)": copies_before, "DSA selections (carry)": carry},
+                    **{"weight copies (bf16)": copies_before, "DSA selections (carry)": carry,
+                       "FSDP buffers": fsdp(i, False)},
                 ),
                 kind,
             )
@@ -408,6 +440,7 @@ def _phases(run: Run, terms: list[LayerTerms]) -> list[tuple[str, dict[str, int]
         loss_comps["checkpoint boundaries"] = (L - k) * bnd
     else:
         loss_comps.update({"saved activations": saved_before, "weight copies (bf16)": copies_before})
+    loss_comps["FSDP buffers"] = C.fsdp_buffers(0, 0, head, mesh, prec, run.reduce_bytes, False)
     out.append(("loss", dict(fwd_state, **loss_comps), "loss"))
     grads = g_head + (g_embed if acc else 0) + (sum(g_layers) if acc else 0)
     for i in range(L - 1, -1, -1):  # backward
@@ -415,7 +448,7 @@ def _phases(run: Run, terms: list[LayerTerms]) -> list[tuple[str, dict[str, int]
         A, F = sum(t.attn.values()), t.saved - sum(t.attn.values())
         grads += 0 if acc else g_layers[i]
         kind = f"layer {i} ({spec.layer_types[i]} + {spec.mlp_types[i]})"
-        common = dict(state, **{"gradients": grads, "FSDP buffers": fsdp_b})
+        common = dict(state, **{"gradients": grads, "FSDP buffers": fsdp(i, True)})
         # layer i's own peak, as (saved part, temporaries, activation gradients) at each moment: its
         # backward (the MLP half first, then the mixer with the MLP half freed); under recompute first its
         # rerun forward, when only the incoming gradient exists, and in its backward the rerun's output,
@@ -476,11 +509,14 @@ def evaluate(run: Run) -> Evaluation:
         "process (Python, torch, CUDA host state)": run.cal.process_host_bytes,
         "SCO pinned boundaries": k * C.round_up(bnd),
         "optimizer state (OffloadStreamAdamW)": C.optimizer_host_bytes(
-            run.counts, run.mesh, run.memory.optimizer_offload
+            run.counts, run.mesh, run.memory.optimizer_offload, run.prec
         ),
     }
     notes = {"layer working set": where, "recomputed layer": where, "saved activations": name}
-    first = max(sum(v for k, v in c.items() if k != "optimizer state" or p == "optimizer step")
+    # torch's AdamW makes its moments in the first update; MasterAdamW (bf16 weights) makes its state with
+    # the optimizer, so step 1 has it too
+    eager = bool(run.prec.master) and not run.memory.optimizer_offload
+    first = max(sum(v for k, v in c.items() if k != "optimizer state" or p == "optimizer step" or eager)
                 for p, c, _ in phases)
     return Evaluation(
         first_step_tensors=first,

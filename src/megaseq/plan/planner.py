@@ -162,8 +162,12 @@ def _longest(run: Run, budgets: Budgets, memory_cfg: Any | None) -> int:
 
 def no_fit_advice(run: Run, ev: Evaluation, budgets: Budgets, memory_cfg: Any | None, binding: str) -> str:
     """Name the binding component and what would make the run fit."""
-    gib = f"{ev.peak_gpu / GIB:.1f} GiB > {budgets.gpu_bytes / GIB:.1f} GiB"
-    lines = [f"does not fit: GPU peak {gib} at {ev.phase}; binding component: {binding}."]
+    if ev.peak_gpu > budgets.gpu_bytes:
+        gib = f"{ev.peak_gpu / GIB:.1f} GiB > {budgets.gpu_bytes / GIB:.1f} GiB"
+        lines = [f"does not fit: GPU peak {gib} at {ev.phase}; binding component: {binding}."]
+    else:  # only the host overflows: never print a GPU peak under its budget as if it were over
+        lines = [f"does not fit in host memory; the GPU peak, {ev.peak_gpu / GIB:.1f} GiB at {ev.phase}, is "
+                 f"within {budgets.gpu_bytes / GIB:.1f} GiB."]
     if ev.peak_host > budgets.host(run.mesh):
         lines.append(
             f"host memory: needs {ev.peak_host / GB:.0f} GB per host, the budget is "
@@ -177,16 +181,11 @@ def no_fit_advice(run: Run, ev: Evaluation, budgets: Budgets, memory_cfg: Any | 
             f"more host RAM would do: {ev2.peak_host / GB:.0f} GB per host lets SCO / optimizer "
             "offload take the rest."
         )
-    state = sum(evaluate(run).breakdown.get(k, 0) for k in ("parameters", "optimizer state"))
-    if state > budgets.gpu_bytes and not run.mesh.fsdp:
-        lines.append(
-            f"parameters + optimizer state alone need {state / GIB:.0f} GiB per GPU: shard them over "
-            f"the GPUs (FSDP) or offload the optimizer."
-        )
+    lines += _state_advice(run, budgets)
     if binding == "FSDP buffers" and run.mesh.ep == 1 and run.spec.num_experts > 1:
         lines.append(
-            "most of the FSDP buffers are one layer's gathered routed experts: expert parallelism "
-            "(--parallel.ep) keeps each GPU's experts local."
+            "most of the FSDP buffers are one layer's gathered routed experts: expert parallelism would keep "
+            "each GPU's experts local (not in this release: parallel.ep must be 1)."
         )
     cp = _smallest_cp(run, budgets, memory_cfg)
     if cp is not None:
@@ -199,6 +198,27 @@ def no_fit_advice(run: Run, ev: Evaluation, budgets: Budgets, memory_cfg: Any | 
         else "no length fits this mesh: the model state itself does not fit."
     )
     return " ".join(lines)
+
+
+def _state_advice(run: Run, budgets: Budgets) -> list[str]:
+    """When parameters + optimizer state (on the GPU) alone overflow it: what shards or shrinks them (the
+    settings the runtime has: ``parallel.fsdp``, ``model.weights bf16``, ``memory.optimizer_offload``)."""
+    counts, mesh, prec = run.counts, run.mesh, run.prec
+    state = C.param_bytes(counts, mesh, prec) + C.optimizer_gpu_bytes(counts, mesh, prec, False, 1)
+    if state <= budgets.gpu_bytes:
+        return []
+    line = f"parameters + optimizer state alone need {state / GIB:.0f} GiB per GPU"
+    options = []
+    if mesh.fsdp != "dp_cp" and mesh.world > 1:
+        options.append("shard them over all the GPUs (FSDP: --parallel.fsdp dp_cp)")
+    if run.weights != "bf16" and run.model_dtype == "bf16":
+        options.append("keep the weights in bf16 (--model.weights bf16: 2 B per weight and gradient, the fp32 "
+                       "master with the optimizer)")
+    if not run.memory.optimizer_offload:
+        options.append("offload the optimizer (--memory.optimizer_offload true)")
+    if mesh.world == 1:
+        options.append("or shard them over more GPUs (FSDP: --parallel.fsdp dp_cp)")
+    return [f"{line}: " + "; ".join(options) + "." if options else f"{line}."]
 
 
 def _binding(ev: Evaluation) -> str:
@@ -256,6 +276,7 @@ def _make_plan(run: Run, budgets: Budgets, memory_cfg: Any | None, name: str) ->
             "gpus_per_host": run.mesh.gpus_per_host,
             "fsdp": run.mesh.fsdp,
             "mla_mode": run.mla_mode,
+            "weights": run.weights,
         },
         components=components,
         peak_gpu=ev.peak_gpu,
@@ -325,6 +346,8 @@ def plan(
     name: str = "",
     packed_documents: bool = False,
     ep_dispatch: ExpertDispatchSettings | None = None,
+    weights: str = "fp32",
+    reduce_dtype: str = "fp32",
 ) -> Plan:
     """Plan one training step of ``spec`` at ``seq_len`` tokens per sequence on ``mesh``.
 
@@ -355,6 +378,8 @@ def plan(
             cal=calibration,
             packed_documents=packed_documents,
             ep_dispatch=ep_dispatch or ExpertDispatchSettings(),
+            weights=weights,
+            reduce_dtype=reduce_dtype,
         )
         p = _make_plan(run, budgets, memory_cfg, name or spec.family)
         if best is None or _better(p, best):
@@ -363,14 +388,47 @@ def plan(
     return best
 
 
+def _comm(run: Run) -> dict[str, Any]:
+    """Context-parallel traffic per layer kind and, under FSDP, the all-gathers and reduce-scatters of a step
+    (``fsdp``: with sequence segments each segment's rerun gathers the weights again)."""
+    comm: dict[str, Any] = comm_volume(run.spec, run.seq_len, run.mesh, run.batch) if run.mesh.cp > 1 else {}
+    if run.mesh.sharded:
+        from megaseq.plan.fixes import fsdp_step_traffic, segments_of
+
+        comm["fsdp"] = fsdp_step_traffic(run, segments_of(run) if run.segment else 1)
+    return comm
+
+
 def _better(a: Plan, b: Plan) -> bool:
     """Fits beats not; then the cheaper fixes (+ the DSA mode's communication); then the lower peak."""
     if a.fits != b.fits:
         return a.fits
     cost_a, cost_b = sum(f[1] for f in a.fixes), sum(f[1] for f in b.fixes)
-    comm_a = a.comm.get("dsa", {}).get(a.mesh["mla_mode"], 0)
-    comm_b = b.comm.get("dsa", {}).get(b.mesh["mla_mode"], 0)
+    comm_a = a.comm.get("dsa", {}).get(a.mesh["mla_mode"], 0) if "dsa" in a.comm else 0
+    comm_b = b.comm.get("dsa", {}).get(b.mesh["mla_mode"], 0) if "dsa" in b.comm else 0
     return (round(cost_a, 6), comm_a, a.peak_gpu) < (round(cost_b, 6), comm_b, b.peak_gpu)
+
+
+def longest_length(spec: ModelSpec, mesh: Mesh | None = None, budgets: Budgets | None = None,
+                   memory_cfg: Any | None = None, limit: int = 1 << 26, **kw: Any) -> int:
+    """The longest sequence (a multiple of ``1024 * cp`` tokens, at most ``limit``) whose plan fits: doubling
+    from ``1024 * cp`` while it fits, then bisecting. 0 when none does. ``kw`` as ``plan``'s."""
+    mesh = mesh or Mesh()
+    step, cap = 1024 * mesh.cp, max(1, limit // (1024 * mesh.cp))
+
+    def fits(n: int) -> bool:
+        return plan(spec, n * step, mesh, budgets, memory_cfg, **kw).fits
+
+    if not fits(1):
+        return 0
+    lo = 1
+    while lo * 2 <= cap and fits(lo * 2):
+        lo *= 2
+    hi = min(lo * 2, cap + 1)  # lo fits; hi does not (or is past the cap)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo * step
 
 
 def run_for(
@@ -387,6 +445,8 @@ def run_for(
     calibration: Calibration = C.CAL,
     loss_in_compute_dtype: bool = True,
     ep_dispatch: ExpertDispatchSettings | None = None,
+    weights: str = "fp32",
+    reduce_dtype: str = "fp32",
 ) -> Run:
     """The planner's ``Run`` for one given setting (``MemorySettings``, or a dict of some of its fields, the
     rest at the planner's base), choosing nothing. ``mla_mode`` defaults to the mesh's (``auto`` meaning
@@ -410,6 +470,8 @@ def run_for(
         cal=calibration,
         loss_in_compute_dtype=loss_in_compute_dtype,
         ep_dispatch=ep_dispatch or ExpertDispatchSettings(),
+        weights=weights,
+        reduce_dtype=reduce_dtype,
     )
 
 
@@ -435,7 +497,8 @@ def plan_from_config(
     pc, mc = cfg.parallel, cfg.memory
     dp, _, _ = pc.axis_sizes(world_size)
     mesh = Mesh(
-        dp=dp, cp=pc.cp, ep=pc.ep, gpus_per_host=gpus_per_host or min(world_size, 8), mla_mode=pc.mla_mode
+        dp=dp, cp=pc.cp, ep=pc.ep, gpus_per_host=gpus_per_host or min(world_size, 8), mla_mode=pc.mla_mode,
+        fsdp=pc.fsdp,
     )
     gpu = [b for b in (gpu_bytes, None if mc.gpu_budget == "auto" else mc.gpu_budget) if b]
     host = host_bytes or (None if mc.host_budget == "auto" else mc.host_budget)
@@ -452,4 +515,6 @@ def plan_from_config(
         name=cfg.model.name,
         packed_documents=cfg.data.kind == "text",
         ep_dispatch=pc.ep_dispatch_settings(),
+        weights=cfg.model.weights,
+        reduce_dtype=pc.reduce_dtype,
     )

@@ -31,9 +31,26 @@ def _header(plan: Plan) -> str:
     gpus = m["dp"] * m["cp"] * m["ep"]
     return (
         f"{plan.model}: {_size(plan.seq_len)} tokens x batch {plan.batch_size} on {gpus} GPU(s) "
-        f"(dp {m['dp']}, cp {m['cp']}, ep {m['ep']}{', FSDP' if m.get('fsdp') else ''}"
+        f"(dp {m['dp']}, cp {m['cp']}, ep {m['ep']}{_fsdp_label(m)}"
         f"{', MLA ' + m['mla_mode'] if m['cp'] > 1 else ''})"
     )
+
+
+def _fsdp_label(m: dict[str, Any]) -> str:
+    fsdp = {True: "dp_cp", False: "off"}.get(m.get("fsdp"), m.get("fsdp") or "off")
+    label = {"off": "", "dp": ", FSDP over dp", "dp_cp": ", FSDP over dp x cp"}[fsdp]
+    return label + (", bf16 weights" if m.get("weights") == "bf16" else "")
+
+
+def _fsdp_line(v: dict[str, Any]) -> str:
+    """FSDP's traffic per step; with sequence segments what each segment's re-gather costs."""
+    line = (f"FSDP over {v['ranks']} ranks: {v['all_gathers']} all-gathers of every layer and "
+            f"{v['reduce_scatters']} reduce-scatters of its gradients per step, {v['bytes'] / GB:.1f} GB sent per "
+            f"GPU (~{v['seconds']:.1f} s at {v['bytes_per_s'] / GB:.0f} GB/s if none of it overlaps compute)")
+    if v.get("per_segment_bytes"):
+        line += (f"; each sequence segment gathers the weights 3 times and reduce-scatters once: "
+                 f"{v['per_segment_bytes'] / GB:.1f} GB, ~{v['per_segment_seconds']:.2f} s per segment")
+    return line
 
 
 def _footer(plan: Plan) -> list[str]:
@@ -56,6 +73,8 @@ def _footer(plan: Plan) -> list[str]:
         if kind == "moe":
             lines.append(f"expert parallel: {v['mode']}, {v['per_layer'] / GB:.2f} GB per MoE layer per step with "
                          f"even routing ({v['per_step'] / GB:.1f} GB over {v['moe_layers']} layers)")
+        if kind == "fsdp":
+            lines.append(_fsdp_line(v))
             continue
         mode = v["mode"]
         lines.append(

@@ -9,6 +9,13 @@ A checkpoint is trusted only when its directory has no ``.tmp`` suffix and holds
 with ``"complete": true``. The directory is written under a temporary name and renamed when
 everything, ``meta.json`` last, is on disk, so a crash at any point leaves nothing a resume
 would load.
+
+Several processes (``torch.distributed`` initialised, world > 1): every rank calls ``save_checkpoint`` and
+``load_checkpoint``. DCP writes each rank's shards (FSDP2 DTensors: model, fp32 masters, moments; a
+tensor held whole by several ranks is written once) into the temporary directory, whose name rank 0 chose;
+after a barrier rank 0 writes the trainer state and ``meta.json`` and renames it. A load reads the shards
+each rank's tensors need, whatever mesh wrote them: a 4-rank checkpoint resumes on 2 ranks or on 1 (DCP
+reshards).
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -91,29 +99,61 @@ def latest_complete(run_dir: Path) -> Path | None:
     return found[-1][1] if found else None
 
 
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _is_main() -> bool:
+    return not _distributed() or dist.get_rank() == 0
+
+
+def _barrier() -> None:
+    if _distributed():
+        dist.barrier()
+
+
+def _tmp_name(final: Path) -> Path:
+    """The temporary directory of a save: rank 0's pid in its name, agreed by every rank."""
+    box = [os.getpid()]
+    if _distributed():
+        dist.broadcast_object_list(box, src=0)
+    return final.with_name(f"{final.name}.tmp-{box[0]}")
+
+
 def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer: Any | None, scheduler: Any | None,
                     extra_meta: dict[str, Any], keep: int = 2) -> Path:
-    """Save model, optimizer, scheduler, RNG and data position at ``step``; returns the directory."""
+    """Save model, optimizer, scheduler, RNG and data position at ``step``; returns the directory. With
+    several processes every rank calls it (each writes its shards)."""
     run_dir = Path(run_dir)
     final = _step_dir(run_dir, step)
-    tmp = final.with_name(f"{final.name}.tmp-{os.getpid()}")
-    for stale in final.parent.glob("*.tmp-*") if final.parent.exists() else []:
-        shutil.rmtree(stale, ignore_errors=True)
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    # parameters are replicated over the ranks, so one rank writes the whole state: no collectives
-    dcp.save(_state(model, optimizer), checkpoint_id=str(tmp), no_dist=True)
+    tmp = _tmp_name(final)
+    if _is_main():
+        for stale in final.parent.glob("*.tmp-*") if final.parent.exists() else []:
+            shutil.rmtree(stale, ignore_errors=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+    _barrier()
+    # one process writes everything without collectives; several write their own shards
+    dcp.save(_state(model, optimizer), checkpoint_id=str(tmp), no_dist=not _distributed())
+    _barrier()
+    if _is_main():
+        _write_trainer_state(tmp, optimizer, scheduler)
+        meta = {**extra_meta, "step": step, "complete": True}
+        atomic_write_text(tmp / META, json.dumps(meta, indent=2))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _prune(run_dir, keep, protect={final})
+    _barrier()
+    return final
+
+
+def _write_trainer_state(tmp: Path, optimizer: Any | None, scheduler: Any | None) -> None:
+    """The scheduler and the RNG state (rank 0's: a step draws no random numbers)."""
     if optimizer is not None:
         torch.save({"scheduler": scheduler.state_dict() if scheduler is not None else None, "rng": rng_state()},
                    tmp / "trainer_state.pt")
-    meta = {**extra_meta, "step": step, "complete": True}
-    atomic_write_text(tmp / META, json.dumps(meta, indent=2))
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    _prune(run_dir, keep, protect={final})
-    return final
 
 
 def _prune(run_dir: Path, keep: int, protect: set[Path]) -> None:
@@ -125,7 +165,8 @@ def _prune(run_dir: Path, keep: int, protect: set[Path]) -> None:
 
 
 def _state(model: torch.nn.Module, optimizer: Any) -> dict[str, Any]:
-    """FQN-keyed model (+ optimizer) state that DCP saves and loads in place."""
+    """FQN-keyed model (+ optimizer) state that DCP saves and loads in place: FSDP2's shards as DTensors
+    (MasterAdamW's masters and moments too), so a load reshards them."""
     if optimizer is None:
         return {"model": model.state_dict()}
     if isinstance(optimizer, torch.optim.Optimizer):
@@ -158,7 +199,7 @@ def load_checkpoint(ckpt: Path, model: torch.nn.Module, optimizer: Any = None, s
             "resume with the config that wrote it, or start a new run directory"
         )
     state = _state(model, optimizer)
-    dcp.load(state, checkpoint_id=str(ckpt), no_dist=True)
+    dcp.load(state, checkpoint_id=str(ckpt), no_dist=not _distributed())
     if optimizer is None:
         model.load_state_dict(state["model"])
     elif isinstance(optimizer, torch.optim.Optimizer):
@@ -167,10 +208,14 @@ def load_checkpoint(ckpt: Path, model: torch.nn.Module, optimizer: Any = None, s
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optim"])
     if optimizer is not None:
-        if not (ckpt / "trainer_state.pt").is_file():
-            raise ValueError(f"{ckpt} holds model weights only (no optimizer state): it cannot be resumed")
-        trainer_state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
-        if scheduler is not None and trainer_state["scheduler"] is not None:
-            scheduler.load_state_dict(trainer_state["scheduler"])
-        set_rng_state(trainer_state["rng"])
+        _read_trainer_state(ckpt, scheduler)
     return meta
+
+
+def _read_trainer_state(ckpt: Path, scheduler: Any | None) -> None:
+    if not (ckpt / "trainer_state.pt").is_file():
+        raise ValueError(f"{ckpt} holds model weights only (no optimizer state): it cannot be resumed")
+    trainer_state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
+    if scheduler is not None and trainer_state["scheduler"] is not None:
+        scheduler.load_state_dict(trainer_state["scheduler"])
+    set_rng_state(trainer_state["rng"])

@@ -36,11 +36,13 @@ def lr_lambda(step: int, total_steps: int, warmup_steps: int, min_lr_ratio: floa
     return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, total_steps: int,
-                    memory: MemorySettings) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
-    """The planned optimizer (AdamW, or OffloadStreamAdamW) over decay / no-decay groups, and its schedule."""
+def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, total_steps: int, memory: MemorySettings,
+                    accumulate: bool = False,
+                    distributed: bool = False) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    """The planned optimizer (AdamW, MasterAdamW for bf16 weights, or OffloadStreamAdamW) over decay /
+    no-decay groups, and its schedule (``memory.apply.make_optimizer``: ``accumulate``, ``distributed``)."""
     opt = make_optimizer(param_groups(model, cfg.weight_decay), memory, lr=cfg.lr, betas=tuple(cfg.betas),
-                         eps=cfg.eps, weight_decay=cfg.weight_decay)
+                         eps=cfg.eps, weight_decay=cfg.weight_decay, accumulate=accumulate, distributed=distributed)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: lr_lambda(s, total_steps, cfg.warmup_steps, cfg.min_lr_ratio)
     )

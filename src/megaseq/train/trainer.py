@@ -48,9 +48,12 @@ def resolve_device(cfg: Config) -> torch.device:
 
 
 def dtypes(cfg: Config, device: torch.device) -> tuple[torch.dtype, torch.dtype | None]:
-    """(parameter dtype, autocast dtype). bf16 compute keeps fp32 master weights under autocast."""
+    """(parameter dtype, autocast dtype). bf16 compute keeps fp32 weights under autocast, or with
+    ``model.weights bf16`` bf16 weights (the optimizer's fp32 master beside them) and no autocast."""
     if cfg.model.dtype == "fp64":
         return torch.float64, None
+    if cfg.model.weights == "bf16":
+        return torch.bfloat16, None
     if cfg.model.dtype == "bf16" and device.type == "cuda":
         return torch.float32, torch.bfloat16
     return torch.float32, None  # bf16 on the CPU is slow and unhelpful: compute in fp32
@@ -87,7 +90,7 @@ def train_step(model: torch.nn.Module, micro_batches: list[dict[str, torch.Tenso
     segment = memory.model_segment_tokens
     for batch in micro_batches:
         b = env.to_device(batch)
-        if segment and b["input_ids"].shape[1] > segment:  # sequence segments (memory/model_segments.py)
+        if segment and b["input_ids"].shape[1] * env.cp_size > segment:  # sequence segments (memory/model_segments.py)
             loss_sum += float(_segmented_step(model, b, env, autocast, chunk, segment, total, progress,
                                               memory.segment_keep_selection))
             continue
@@ -97,15 +100,26 @@ def train_step(model: torch.nn.Module, micro_batches: list[dict[str, torch.Tenso
         (loss / max(total, 1)).backward()
         loss_sum += float(loss.detach())
     env.reduce_gradients(model)
-    params = [p for p in model.parameters() if p.grad is not None]
-    if cfg.optim.grad_clip > 0 and hasattr(optimizer, "clip_grad_norm_"):
-        grad_norm = float(optimizer.clip_grad_norm_(cfg.optim.grad_clip))
-    else:  # the environment's norm: under expert parallelism each rank holds other experts' gradients
-        grad_norm = float(env.clip_grad_norm(params, cfg.optim.grad_clip))
+    grad_norm = _clip(model, optimizer, cfg.optim.grad_clip, env)
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return env.all_reduce_sum(loss_sum) / max(total, 1), grad_norm
+
+
+def _clip(model: torch.nn.Module, optimizer: Any, max_norm: float, env: ParallelEnv) -> float:
+    """The global gradient norm, the gradients clipped to ``max_norm`` (0: not clipped): the optimizer's own
+    clip when it holds the gradients (OffloadStreamAdamW, MasterAdamW), the shard-aware one under FSDP,
+    else the environment's (under expert parallelism each rank holds other experts' gradients)."""
+    from megaseq.memory.master_adam import clip_grad_norm_, is_dtensor
+
+    limit = max_norm if max_norm > 0 else float("inf")
+    if hasattr(optimizer, "clip_grad_norm_"):
+        return float(optimizer.clip_grad_norm_(limit))
+    params = [p for p in model.parameters() if p.grad is not None]
+    if any(is_dtensor(p) for p in params):
+        return float(clip_grad_norm_(params, limit))
+    return float(env.clip_grad_norm(params, max_norm))
 
 
 def _loss_sum(model: torch.nn.Module, hidden: torch.Tensor, labels: torch.Tensor, env: ParallelEnv,
@@ -122,7 +136,8 @@ def _loss_sum(model: torch.nn.Module, hidden: torch.Tensor, labels: torch.Tensor
 def _segmented_step(model: torch.nn.Module, b: dict[str, torch.Tensor], env: ParallelEnv,
                     autocast: torch.dtype | None, chunk: int | None, segment: int, total: int,
                     progress: Any = None, keep_selection: bool = False) -> torch.Tensor:
-    """Forward + backward of one micro-batch in sequence segments; returns its loss sum (no graph)."""
+    """Forward + backward of one micro-batch in sequence segments; returns its loss sum (no graph). Under
+    cp the shard is this rank's piece of every segment (``env.shard_batch(batch, segment)``)."""
     from megaseq.memory.model_segments import check_model_segments, segmented_loss_backward
 
     check_model_segments(getattr(getattr(model, "spec", None), "family", type(model).__name__), segment, env.cp_size)
@@ -130,25 +145,44 @@ def _segmented_step(model: torch.nn.Module, b: dict[str, torch.Tensor], env: Par
     def loss_fn(hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return _loss_sum(model, hidden, labels, env, autocast, chunk)
 
+    def contexts(lo: int, hi: int) -> Any:  # the cp group's context of rows [lo, hi) of this shard
+        return env.context({k: v[:, lo:hi] for k, v in b.items() if k in ("input_ids", "doc_ids", "position_ids")})
+
     with _autocast(autocast, env.device):
         return segmented_loss_backward(model, b["input_ids"], b["labels"], loss_fn, 1.0 / max(total, 1), segment,
-                                       progress, doc_ids=b.get("doc_ids"), keep_selection=keep_selection)
+                                       progress, doc_ids=b.get("doc_ids"), keep_selection=keep_selection,
+                                       cp=env.cp_size, contexts=contexts if env.cp_size > 1 else None)
 
 
 def build_planned_model(cfg: Config, spec: Any, device: torch.device, memory: MemorySettings, total_steps: int,
                         init_from: str | None = None, env: Any = None) -> tuple[torch.nn.Module, Any, Any, Any]:
-    """The model with the plan's memory schemes applied by its family's ``parallelize``, and its planned
-    optimizer and LR schedule: (model, what was applied (release it at the end), optimizer, scheduler)."""
+    """The model with the plan's memory schemes (and FSDP) applied by its family's ``parallelize``, and its
+    planned optimizer and LR schedule: (model, what was applied (release it at the end), optimizer, scheduler).
+
+    Under FSDP the whole model never sits on the device: loaded from ``init_from`` it is built on the meta
+    device, sharded, then each rank reads only its rows of the safetensors files; a random init is drawn on
+    the host (the one-process weights, one full copy per process) and sharded to the device."""
     from megaseq.models.build import build_model
+    from megaseq.models.hf_io import load_hf_checkpoint
     from megaseq.models.registry import parallelize
 
-    model = build_model(spec, dtype=dtypes(cfg, device)[0], device=device, seed=cfg.train.seed)
-    if init_from:
-        from megaseq.models.hf_io import load_hf_checkpoint
-
-        load_hf_checkpoint(init_from, model=model, spec=spec)
-    applied = parallelize(model, memory, env)
-    optimizer, scheduler = build_optimizer(model, cfg.optim, total_steps, memory)
+    dtype = dtypes(cfg, device)[0]
+    sharded = getattr(env, "fsdp", None) not in (None, "off") and getattr(env, "world_size", 1) > 1
+    if not sharded:
+        model = build_model(spec, dtype=dtype, device=device, seed=cfg.train.seed)
+        if init_from:
+            load_hf_checkpoint(init_from, model=model, spec=spec)
+        applied = parallelize(model, memory, env)
+    else:
+        model = build_model(spec, dtype=dtype, device="meta" if init_from else "cpu", seed=cfg.train.seed)
+        applied = parallelize(model, memory, env)  # shards (moves each rank's shards to the device)
+        if init_from:
+            model.to_empty(device=device)
+            load_hf_checkpoint(init_from, model=model, spec=spec)  # this rank's rows of each tensor only
+        model.to(device)  # the parameters FSDP keeps whole (a bf16 model's fp32 router) and the buffers
+    several = cfg.train.grad_accum > 1 or 0 < memory.model_segment_tokens < cfg.data.seq_len
+    optimizer, scheduler = build_optimizer(model, cfg.optim, total_steps, memory, accumulate=several,
+                                           distributed=getattr(env, "world_size", 1) > 1)
     return model, applied, optimizer, scheduler
 
 
@@ -214,9 +248,9 @@ def _run_planned(cfg: Config, spec: Any, env: ParallelEnv, device: torch.device,
         start = meta["step"]
         data.train.load_state_dict(meta["data"])
         env.log(f"resumed from {resume_from} at step {start}")
-    elif cfg.train.eval_after and env.is_main:
+    elif cfg.train.eval_after:
         # the "before" weights only: DCP's optimizer state_dict would initialise AdamW's state (a step
-        # with lr 0), shifting its bias correction and so the whole run
+        # with lr 0), shifting its bias correction and so the whole run (every rank: each writes its shards)
         ckpt.save_checkpoint(run_dir, 0, model, None, None, _meta(spec_dict, data, 0), keep=10**9)
     result = RunResult(run_dir=run_dir, last_checkpoint=resume_from)
     loop = _Loop(cfg, env, device, plan_dict, memory, autocast, model, optimizer, scheduler, data, spec_dict)
@@ -224,7 +258,7 @@ def _run_planned(cfg: Config, spec: Any, env: ParallelEnv, device: torch.device,
         loop.run(start, result)
     finally:
         applied.release()  # the SCO pinned pool
-    if cfg.train.export_hf and env.is_main:
+    if cfg.train.export_hf:  # every rank: the shards are gathered tensor by tensor, rank 0 writes
         from megaseq.models.hf_io import export_hf_checkpoint
 
         result.hf_export = Path(run_dir) / "hf"
@@ -265,7 +299,7 @@ class _Loop:
                 if step % cfg.log.every == 0 or step == cfg.train.steps:
                     logger.log(record)
                 save_now = cfg.train.save_every and step % cfg.train.save_every == 0
-                if (save_now or step == cfg.train.steps) and env.is_main:
+                if save_now or step == cfg.train.steps:  # every rank writes its shards
                     result.last_checkpoint = ckpt.save_checkpoint(
                         result.run_dir, step, self.model, self.optimizer, self.scheduler,
                         _meta(self.spec_dict, self.data, step), cfg.train.keep_checkpoints)
@@ -282,7 +316,7 @@ class _Loop:
         t0 = time.perf_counter()
         # one rank of each context-parallel group reads the sequence and scatters the shards
         batches = [self.data.train.next_batch() if env.reads_data else None for _ in range(cfg.train.grad_accum)]
-        batches = [env.shard_batch(b) for b in batches]
+        batches = [env.shard_batch(b, self.memory.model_segment_tokens) for b in batches]
         lr = self.optimizer.param_groups[0]["lr"]
         loss, gnorm = train_step(self.model, batches, self.optimizer, self.scheduler, cfg, env, self.autocast,
                                  self.memory, progress=logger.substep)

@@ -19,7 +19,8 @@ The recurrence in pieces: the ``kda`` op takes an ``initial_state`` and returns 
 (``return_state=True``), so ``segment_step`` runs tokens ``[s, e)`` from the state at s, with the conv over
 the ``segment_halo = K - 1`` tokens before s recomputed. Schemes that run the layer in segments from
 outside (``megaseq.memory.kda_segments``) chain these steps; under sequence segments the layer takes the
-state and halo from ``ctx.carried_in`` instead. The layer itself knows no memory scheme.
+state and the halo of its projected q/k/v (this rank's heads, so it composes with Ulysses CP) from
+``ctx.carried_in`` instead. The layer itself knows no memory scheme.
 
 Ops (``megaseq.ops.dispatch``): ``causal_conv`` and ``kda``, each with a pure-torch reference here;
 the ``kda`` reference is HF's ``chunk_kimi_delta_attention`` (its row-by-row substitution loop done
@@ -264,16 +265,7 @@ class KimiDeltaAttention(nn.Module):
 
     def forward(self, x_BSH: torch.Tensor, ctx: SeqContext) -> torch.Tensor:
         if ctx.segmented:  # the whole model runs the sequence in segments (megaseq.memory.model_segments)
-            x_BLH, halo, state = ctx.carried_in(self.layer, x_BSH, self.segment_halo)
-            full = ctx.full_doc_ids()  # [B, end of this segment] with documents, else None
-            inner, continues = SeqContext(), None
-            if full is not None:  # the halo's and the segment's documents; does each row's first one go on?
-                inner = SeqContext(doc_ids=full[:, full.shape[1] - x_BLH.shape[1]:])
-                s = ctx.seq_offset()
-                continues = full[:, s] == full[:, s - 1] if s > 0 else None
-            y_BSH, state = self._mix(x_BLH, inner, halo, state, return_state=True, continues_B=continues)
-            ctx.carried_out(self.layer, x_BLH[:, max(0, x_BLH.shape[1] - self.segment_halo):], state)
-            return y_BSH
+            return self._mix_carried(x_BSH, ctx)
         return self._mix(x_BSH, ctx)[0]
 
     # ---- one segment of the sequence (chained from outside, e.g. megaseq.memory.kda_segments) --------
@@ -294,6 +286,25 @@ class KimiDeltaAttention(nn.Module):
         """
         return self._mix(x_BLH, SeqContext(), halo, state_BHKV, return_state=True)
 
+    def _mix_carried(self, x_BTH: torch.Tensor, ctx: SeqContext) -> torch.Tensor:
+        """Sequence segments: this segment's tokens (this rank's piece of them under cp), the conv halo and
+        the recurrent state of the tokens before it from ``ctx.carried_in``. The halo is carried after the
+        projections and ``seq_to_heads`` (``[B, K - 1, 3 * Hl * D]``, this rank's heads), so every rank of a
+        cp group carries its own heads' halo and state: the segment is split over the ranks like a sequence.
+        """
+        mixed_BTC, g, beta = self._project(x_BTH, 0, ctx)
+        mixed_BLC, halo, state = ctx.carried_in(self.layer, mixed_BTC, self.segment_halo)
+        full = ctx.full_doc_ids()  # [B, end of this segment] with documents, else None
+        docs = continues = None
+        if full is not None:  # the halo's and the segment's documents; does each row's first one go on?
+            docs = full[:, full.shape[1] - mixed_BLC.shape[1]:]
+            s = full.shape[1] - mixed_BTC.shape[1]  # the segment's first token
+            continues = full[:, s] == full[:, s - 1] if s > 0 else None
+        o, state = self._recur(mixed_BLC, g, beta, docs, halo, state, True, continues, ctx)
+        L = mixed_BLC.shape[1]
+        ctx.carried_out(self.layer, mixed_BLC[:, max(0, L - self.segment_halo):], state)
+        return self._output(o, x_BTH, ctx)
+
     def _mix(self, x_BLH: torch.Tensor, ctx: SeqContext, halo: int = 0, state_BHKV: torch.Tensor | None = None,
              return_state: bool = False,
              continues_B: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -305,28 +316,47 @@ class KimiDeltaAttention(nn.Module):
         restart at each document start; ``state_BHKV`` is row b's state before its first token, used only
         where ``continues_B[b]`` (that token's document began earlier), and the returned state is each
         row's after its last token (its last document's)."""
+        mixed_BLC, g, beta = self._project(x_BLH, halo, ctx)
+        o, state = self._recur(mixed_BLC, g, beta, ctx.full_doc_ids(), halo, state_BHKV, return_state,
+                               continues_B, ctx)
+        return self._output(o, x_BLH[:, halo:], ctx), state
+
+    def _project(self, x_BLH: torch.Tensor, halo: int,
+                 ctx: SeqContext) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(conv input ``[B, L', 3 * Hl * D]``, forget gate ``[B, T', Hl, D]``, beta ``[B, T', Hl, 1]``) of this
+        rank's heads over the whole (cp-gathered) sequence; q/k/v of all L tokens, g and beta of the last
+        ``T = L - halo``."""
         B, L, _ = x_BLH.shape
         Hh, D = self.num_heads, self.head_dim
         if Hh % ctx.cp_size:
             raise ValueError(f"KDA has {Hh} heads, which context parallelism cp={ctx.cp_size} does not "
                              "divide: choose a cp that divides linear_num_heads")
-        T, x_BTH = L - halo, x_BLH[:, halo:]
+        x_BTH = x_BLH[:, halo:]
         q, k, v = (p(x_BLH).view(B, L, Hh, D) for p in (self.q_proj, self.k_proj, self.v_proj))
         g = self.forget_gate(x_BTH)
         beta = torch.sigmoid(self.b_proj(x_BTH)).unsqueeze(-1)
         # Ulysses: all of the sequence, this rank's heads (identity with one rank)
         q, k, v, g, beta = (ctx.seq_to_heads(t) for t in (q, k, v, g, beta))
         Hl = q.shape[2]
-        doc_ids = ctx.full_doc_ids()
+        return torch.cat([t.reshape(B, -1, Hl * D) for t in (q, k, v)], dim=-1), g, beta
+
+    def _recur(self, mixed_BLC: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, doc_ids: torch.Tensor | None,
+               halo: int, state_BHKV: torch.Tensor | None, return_state: bool, continues_B: torch.Tensor | None,
+               ctx: SeqContext) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The causal conv over all L tokens (the first ``halo`` only feed it) and the delta-rule recurrence
+        over the rest, for this rank's heads: (``o [B, T, Hl, D]``, the final state or None). ``doc_ids``:
+        the documents of the L tokens (None: one per row)."""
+        B, L, C = mixed_BLC.shape
+        D = self.head_dim
+        Hl = C // (3 * D)
         cu = None if doc_ids is None else cu_seqlens_from_doc_ids(doc_ids)
         rows = 1 if cu is not None else B
-        mixed = torch.cat([t.reshape(rows, -1, Hl * D) for t in (q, k, v)], dim=-1)
-        mixed = dispatch.call("causal_conv", mixed, self._conv_weight(ctx.head_slice(Hh)), "silu", cu,
-                              layer=self.layer)
+        mixed = dispatch.call("causal_conv", mixed_BLC.reshape(rows, -1, C),
+                              self._conv_weight(ctx.head_slice(self.num_heads)), "silu", cu, layer=self.layer)
         if rows == B:
             mixed = mixed[:, halo:]
         elif halo:  # documents: the batch is one flattened row; drop each row's halo
-            mixed = mixed.reshape(B, -1, mixed.shape[-1])[:, halo:].reshape(rows, -1, mixed.shape[-1])
+            mixed = mixed.reshape(B, -1, C)[:, halo:].reshape(rows, -1, C)
         q, k, v = (t.reshape(rows, -1, Hl, D) for t in mixed.split(Hl * D, dim=-1))
         first = last = None
         if cu is not None and halo:  # the recurrence runs over the tokens after the halo
@@ -344,9 +374,15 @@ class KimiDeltaAttention(nn.Module):
         o, state = o if return_state else (o, None)
         if state is not None and last is not None:
             state = state.index_select(0, last)  # each row's last document's
-        o = ctx.heads_to_seq(o.reshape(B, -1, Hl, D))
+        return o.reshape(B, -1, Hl, D), state
+
+    def _output(self, o_BTHD: torch.Tensor, x_BTH: torch.Tensor, ctx: SeqContext) -> torch.Tensor:
+        """Back to this rank's tokens (``heads_to_seq``), the gated RMSNorm and ``o_proj``: ``[B, T, H]``."""
+        B, T, _ = x_BTH.shape
+        Hh, D = self.num_heads, self.head_dim
+        o = ctx.heads_to_seq(o_BTHD)
         gate = self.g_b_proj(self.g_a_proj(x_BTH)).view(B, T, Hh, D)
-        return self.o_proj(self.o_norm(o, gate).reshape(B, T, Hh * D)), state
+        return self.o_proj(self.o_norm(o, gate).reshape(B, T, Hh * D))
 
 
 def init_kda_(module: KimiDeltaAttention) -> None:

@@ -9,7 +9,9 @@ keeps the rest of ``models`` from it). It knows the family's layers, so nothing 
 - ``indexer_query_chunk``: every full DSA indexer's scoring chunk;
 - ``kda_segment_tokens``: every KDA mixer in segments (``memory.kda_segments.segment``);
 - ``model_segment_tokens``: checked here, run by the trainer's step;
-- ``recompute`` (+ ``checkpoint_offload``): every layer recomputed, SCO offloading its input.
+- ``recompute`` (+ ``checkpoint_offload``): every layer recomputed, SCO offloading its input;
+- ``parallel.fsdp`` (``env.fsdp``): FSDP2 per layer with the next layer's all-gather prefetched
+  (``parallel.fsdp.apply_fsdp``), after the memory schemes.
 
 Context parallelism reaches the blocks through the ``SeqContext`` the environment builds per batch
 (``parallel.env``), so with one rank ``env`` may be None. With ``parallel.ep > 1`` every MoE's experts are
@@ -25,6 +27,7 @@ from megaseq.config import MemorySettings
 from megaseq.memory import apply, kda_segments, tiling
 from megaseq.memory.apply import AppliedMemory
 from megaseq.models.glm5.model import Glm5Model
+from megaseq.parallel.fsdp import apply_fsdp
 
 
 def parallelize(model: Glm5Model, settings: MemorySettings, env: Any = None) -> AppliedMemory:
@@ -51,4 +54,5 @@ def parallelize(model: Glm5Model, settings: MemorySettings, env: Any = None) -> 
             done.kda_segmented = segment or 0
     apply.check_segments(model.spec.family, settings, done, apply.env_cp(env))
     apply.recompute_layers(layers, settings, done)
+    done.sharded = apply_fsdp(model, layers, env)  # last: its hooks surround the wrapped forwards
     return done

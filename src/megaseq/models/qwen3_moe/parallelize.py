@@ -2,7 +2,8 @@
 
 The one module of the family that may import ``megaseq.memory`` and ``megaseq.parallel``. Its layers are
 ``h + attn(norm(h))`` then ``h + mlp(norm(h))``: ``tiled_mlp`` tiles each layer's MLP/MoE
-(``memory.tiling.enable_tiling``); ``recompute`` (+ ``checkpoint_offload``) recomputes every layer.
+(``memory.tiling.enable_tiling``); ``recompute`` (+ ``checkpoint_offload``) recomputes every layer;
+``parallel.fsdp`` shards every layer (``parallel.fsdp.apply_fsdp``, the next layer's all-gather prefetched).
 Softmax attention does not carry its state across sequence segments, so ``model_segment_tokens`` is
 refused; there is no indexer and no KDA. With ``parallel.ep > 1`` every MoE's experts are sharded over the
 ep group (``env.shard_moe``). Applying again replaces the previous schemes (the sharding stays).
@@ -16,6 +17,7 @@ from megaseq.config import MemorySettings
 from megaseq.memory import apply, tiling
 from megaseq.memory.apply import AppliedMemory
 from megaseq.models.qwen3_moe.model import Qwen3MoeModel
+from megaseq.parallel.fsdp import apply_fsdp
 
 
 def parallelize(model: Qwen3MoeModel, settings: MemorySettings, env: Any = None) -> AppliedMemory:
@@ -33,4 +35,5 @@ def parallelize(model: Qwen3MoeModel, settings: MemorySettings, env: Any = None)
             done.tiled.append(f"layers.{i}.mlp")
     apply.check_segments(model.spec.family, settings, done, apply.env_cp(env))
     apply.recompute_layers(layers, settings, done)
+    done.sharded = apply_fsdp(model, layers, env)  # last: its hooks surround the wrapped forwards
     return done

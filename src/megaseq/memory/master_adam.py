@@ -1,0 +1,221 @@
+"""MasterAdamW: AdamW for bf16 weights, with fp32 master weights and moments beside them (sharded as they are).
+
+Shapes: each parameter's local tensor (its FSDP2 shard, a DTensor's ``to_local()``; the whole tensor without
+FSDP), n elements.
+
+A bf16 model keeps 2 bytes per weight on the GPU; the update needs the weights to more bits than that, or
+small steps round away. Per parameter this optimizer holds, on the parameter's device and with its sharding:
+
+    master      fp32 copy of the weight (exact: bf16 -> fp32), updated by AdamW     4 B
+    exp_avg, exp_avg_sq                                                          4 + 4 B
+    acc         fp32 sum of the gradients of several backward passes (``accumulate``)  4 B
+
+and a step is ``torch.optim.AdamW``'s own arithmetic on the master (its functional ``adamw``, foreach as
+given), then ``weight <- master`` rounded to the weight's dtype. So the result equals AdamW run on an fp32
+copy and cast, bit for bit (``tests/test_master_adam.py``). Weights that are already fp32 (the router a bf16
+model keeps) get a master too, equal to them: one code path.
+
+Gradients. The bf16 gradient a backward leaves (FSDP: reduce-scattered in ``parallel.reduce_dtype``, then
+cast to the weight's dtype) is cast to fp32 at the step. With ``accumulate`` (micro-batches, sequence
+segments: several backward passes per step) a post-accumulate-grad hook adds each arriving gradient into an
+fp32 sum and frees it, so nothing is summed in bf16; only gradients that are complete when they arrive may
+be folded (FSDP's shards, or any gradient in a one-process run): a whole parameter of a multi-rank run is
+all-reduced after the backward, so it stays in ``.grad`` (fp32 in a bf16 FSDP model).
+
+Clipping: ``clip_grad_norm_(max_norm)`` is torch's (global 2-norm, coefficient ``min(1, max / (norm + 1e-6))``)
+over local shards: each sharded gradient's squares are summed over its mesh's sharded dims (``grad_norm``).
+``state_dict`` holds DTensors with the parameters' placements, so DCP reshards them on resume.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.optim.adamw import adamw
+
+
+def is_dtensor(t: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank holds: a DTensor's local shard (a view), else ``t``."""
+    return t.to_local() if is_dtensor(t) else t
+
+
+def like_param(t_local: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """``t_local`` (this rank's part of a tensor shaped and sharded as ``p``) as ``p`` is: a DTensor with its
+    mesh and placements for a DTensor ``p`` (what DCP saves and reshards), else itself."""
+    if not is_dtensor(p):
+        return t_local
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(t_local, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                              stride=p.stride())
+
+
+def _shard_groups(t: torch.Tensor) -> list[Any]:
+    """The process groups over which a DTensor is split (its mesh dims with a Shard placement)."""
+    return [t.device_mesh.get_group(d) for d, pl in enumerate(t.placements) if pl.is_shard()]
+
+
+def grad_norm(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]],
+              dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Global 2-norm of gradients given as (parameter, local gradient) pairs: whole gradients count once,
+    a sharded one's squares are summed over its sharded mesh dims. The same value on every rank."""
+    return combine_norms([(p, torch.linalg.vector_norm(g, dtype=dtype)) for p, g in pairs], dtype)
+
+
+def combine_norms(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]],
+                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The global 2-norm from (parameter, 2-norm of its local gradient) pairs (see ``grad_norm``)."""
+    whole: list[torch.Tensor] = []
+    sharded: dict[tuple[int, ...], tuple[list[Any], list[torch.Tensor]]] = {}  # by the groups it is split over
+    for p, n in pairs:
+        sq = n.to(dtype).square()
+        if is_dtensor(p):
+            groups = _shard_groups(p)
+            sharded.setdefault(tuple(id(x) for x in groups), (groups, []))[1].append(sq)
+        else:
+            whole.append(sq)
+    parts = [torch.stack(whole).sum()] if whole else []
+    for groups, sqs in sharded.values():
+        part = torch.stack(sqs).sum()
+        for group in groups:
+            dist.all_reduce(part, group=group)
+        parts.append(part)
+    return torch.stack(parts).sum().sqrt() if parts else torch.zeros((), dtype=dtype)
+
+
+def clip_coefficient(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_'s factor: ``min(1, max_norm / (norm + 1e-6))``."""
+    return torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+
+
+@torch.no_grad()
+def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` for parameters some of which are FSDP shards (DTensors): the global
+    norm (returned) over every rank's shards, then every gradient scaled by torch's coefficient."""
+    pairs = [(p, local(p.grad)) for p in params if p.grad is not None]
+    if not pairs:
+        return torch.zeros(())
+    norm = grad_norm(pairs, dtype=torch.promote_types(pairs[0][1].dtype, torch.float32))
+    coef = clip_coefficient(norm, max_norm)
+    for _, g in pairs:
+        g.mul_(coef.to(g.dtype))
+    return norm
+
+
+class MasterAdamW(torch.optim.Optimizer):
+    """AdamW with fp32 master weights and moments for low-precision weights (see the module docstring)."""
+
+    def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 1e-2, foreach: bool | None = None,
+                 accumulate: bool = False, foldable: Callable[[torch.Tensor], bool] | None = None) -> None:
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+        self.foreach = foreach
+        self.acc: dict[torch.Tensor, torch.Tensor] = {}  # fp32 gradient sums (``accumulate``), local
+        self.clip_coef: torch.Tensor | None = None
+        self.master_dtype = torch.float32
+        for group in self.param_groups:
+            for p in group["params"]:
+                self._init_state(p)
+        foldable = foldable or (lambda p: True)
+        self.hooks = [p.register_post_accumulate_grad_hook(self._fold) for g in self.param_groups
+                      for p in g["params"] if accumulate and p.requires_grad and foldable(p)]
+
+    def _init_state(self, p: torch.Tensor) -> None:
+        dt = torch.promote_types(p.dtype, self.master_dtype)  # fp64 weights keep fp64 masters
+        master = local(p).detach().to(dt, copy=True)
+        self.state[p] = {"step": torch.tensor(0.0, dtype=torch.float32),
+                         "master": like_param(master, p),
+                         "exp_avg": like_param(torch.zeros_like(master), p),
+                         "exp_avg_sq": like_param(torch.zeros_like(master), p)}
+
+    # ---- gradients -------------------------------------------------------------------------------
+    def _fold(self, p: torch.Tensor) -> None:
+        g = p.grad
+        if g is None:
+            return
+        g = local(g)
+        if p in self.acc:
+            self.acc[p].add_(g)
+        else:
+            self.acc[p] = g.to(local(self.state[p]["master"]).dtype, copy=True)
+        p.grad = None
+
+    def _grad(self, p: torch.Tensor) -> torch.Tensor | None:
+        """This step's gradient of ``p`` in the master dtype (local), folding a gradient still in ``.grad``."""
+        if p.grad is not None:
+            self._fold(p)
+        return self.acc.get(p)
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """The global gradient norm (returned); the step scales the gradients by torch's coefficient."""
+        pairs = [(p, g) for group in self.param_groups for p in group["params"] if (g := self._grad(p)) is not None]
+        if not pairs:
+            return torch.zeros(())
+        norm = grad_norm(pairs, dtype=self.master_dtype if pairs[0][1].dtype != torch.float64 else torch.float64)
+        self.clip_coef = clip_coefficient(norm, max_norm)
+        return norm
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none=True)
+        self.acc.clear()
+        self.clip_coef = None
+
+    # ---- the step --------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            live = [(p, g) for p in group["params"] if (g := self._grad(p)) is not None]
+            if not live:
+                continue
+            if self.clip_coef is not None:
+                for _, g in live:
+                    g.mul_(self.clip_coef.to(g.dtype))
+            st = [self.state[p] for p, _ in live]
+            masters = [local(s["master"]) for s in st]
+            beta1, beta2 = group["betas"]
+            adamw(masters, [g for _, g in live], [local(s["exp_avg"]) for s in st],
+                  [local(s["exp_avg_sq"]) for s in st], [], [s["step"] for s in st], foreach=self.foreach,
+                  amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
+                  eps=group["eps"], maximize=False)
+            for (p, _), m in zip(live, masters):
+                local(p).copy_(m)  # round to nearest into the weight's dtype
+        self.acc.clear()
+        self.clip_coef = None
+        return loss
+
+    # ---- checkpoints -----------------------------------------------------------------------------
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore hyperparameters, steps, moments and masters in place (torch's loader would cast the fp32
+        state to the weights' bf16), then the weights from the masters."""
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups) or any(
+                len(a["params"]) != len(b["params"]) for a, b in zip(saved_groups, self.param_groups)):
+            raise ValueError("optimizer state does not match this model's parameter groups")
+        index = {}
+        for saved, group in zip(saved_groups, self.param_groups):
+            index.update(zip(saved["params"], group["params"]))
+            group.update({k: v for k, v in saved.items() if k != "params"})
+            group["betas"] = tuple(group["betas"])
+        with torch.no_grad():
+            for key, saved in state_dict["state"].items():
+                p = index[key]
+                mine = self.state[p]
+                mine["step"].fill_(float(saved["step"]))
+                for name in ("master", "exp_avg", "exp_avg_sq"):
+                    if saved[name] is not mine[name]:
+                        local(mine[name]).copy_(local(saved[name]))
+                local(p).copy_(local(mine["master"]))

@@ -1,0 +1,134 @@
+"""FSDP2 over the data-parallel ranks (or dp x cp), applied per block by a family's ``parallelize``.
+
+Shapes: P parameters of one block, N ranks the parameters are sharded over (``dp``, or ``dp * cp``).
+
+``apply_fsdp(model, blocks, env)`` calls ``torch.distributed.fsdp.fully_shard`` on every block (a decoder
+layer), on the embedding when the head is not tied to it, and on the root (the final norm and the head):
+
+- each block's parameters are sharded over ``parallel.fsdp``'s ranks (dim 0, torch's uneven chunks); its
+  forward all-gathers them (``N - 1`` shards in) and frees them after the block (``reshard_after_forward``);
+  its backward gathers them again, and reduce-scatters the block's gradients in ``parallel.reduce_dtype``
+  (fp32, or the parameters' dtype when wider) with a plain SUM: the loss is already divided by the global
+  token count (``parallel.grads``);
+- the next block's all-gather is issued before this block runs (``prefetch_plan``: forward i -> i + 1,
+  backward i -> i - 1), so at most two blocks are gathered at once: what the planner counts
+  (``plan.components.fsdp_buffers``);
+- the root keeps the head gathered from the forward to its backward (torch's rule for the root), so the
+  trainer's losses (chunked, Ring-DTP) read ``model.lm_head.weight`` whole after ``model(...)``;
+- parameters whose dtype differs from the model's (the router, KDA conv and decay, mHC base/scale that a
+  bf16 model keeps in fp32) are left whole on every rank (FSDP2 groups need one dtype); ``reduce_gradients``
+  all-reduces them. With ``parallel.fsdp dp`` and cp > 1 the shards are replicated over the cp ranks
+  (HSDP: a 2-D mesh, cp x dp): FSDP all-reduces the reduce-scattered shards over cp in each backward, so a
+  shard's gradient is complete when FSDP hands it over (the optimizer may fold it into an fp32 sum).
+
+Composes with the memory schemes (applied first: recompute and tiling wrap the blocks' forwards, FSDP's
+hooks surround them, so a recomputed block runs on gathered weights), Ulysses CP (activations only),
+Ring-DTP (the head is whole on every rank) and sequence segments (every segment's forward and backward
+gather each block again: ``plan.flops.fsdp_traffic`` counts it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+MODES = ("off", "dp", "dp_cp")
+REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def reduce_dtype(param_dtype: torch.dtype, setting: str) -> torch.dtype:
+    """The gradient reduction dtype: ``parallel.reduce_dtype``, or the parameters' own when wider (fp64)."""
+    want = REDUCE_DTYPES[setting]
+    return param_dtype if torch.finfo(param_dtype).bits > torch.finfo(want).bits else want
+
+
+@dataclass
+class ShardedModel:
+    """What ``apply_fsdp`` did: the FSDP units in forward order, the parameters left whole, the mesh."""
+
+    mesh: Any  # the DeviceMesh the parameters are sharded over (1-D; 2-D (cp, dp) for HSDP)
+    units: list[nn.Module]  # fully_shard-ed modules in forward order (embedding, blocks), root last
+    replicated: list[nn.Parameter] = field(default_factory=list)  # kept whole: reduced by reduce_gradients
+
+    @property
+    def blocks(self) -> list[nn.Module]:
+        return self.units[:-1]
+
+
+def shard_mesh(mesh: Any, mode: str) -> Any:
+    """The DeviceMesh FSDP shards over for ``parallel.fsdp = mode`` on a ``parallel.mesh.Mesh``: the dp ranks
+    (1-D), dp x cp flattened (``dp_cp``), or with ``dp`` and cp > 1 a 2-D (cp, dp) mesh (HSDP: replicated
+    over cp, sharded over dp)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    dm = mesh.device_mesh
+    if mode == "dp_cp":
+        return dm["dp", "cp"]._flatten("dp_cp") if mesh.cp > 1 else dm["dp"]
+    assert mode == "dp", mode
+    if mesh.cp == 1:
+        return dm["dp"]
+    ranks_CD = dm.mesh[:, 0, :].t().contiguous()  # (dp, ep, cp) row-major -> (cp, dp); ep is 1
+    return DeviceMesh(dm.device_type, ranks_CD, mesh_dim_names=("cp_replicate", "dp_shard"))
+
+
+def prefetch_plan(num_units: int) -> tuple[dict[int, int], dict[int, int]]:
+    """(forward, backward) prefetch: unit i issues the all-gather of unit i + 1 before it runs forward, and
+    of unit i - 1 before its backward; one unit ahead, so two are gathered at most."""
+    forward = {i: i + 1 for i in range(num_units - 1)}
+    backward = {i: i - 1 for i in range(1, num_units)}
+    return forward, backward
+
+
+def _dominant_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype of most parameter elements (bf16 in a bf16 model whose router stays fp32)."""
+    count: dict[torch.dtype, int] = {}
+    for p in model.parameters():
+        count[p.dtype] = count.get(p.dtype, 0) + p.numel()
+    return max(count, key=count.get)
+
+
+def apply_fsdp(model: nn.Module, blocks: list[nn.Module], env: Any) -> ShardedModel | None:
+    """Shard ``model`` per block as ``env`` says (``env.fsdp``: the mode, None or "off" for none); returns
+    what was sharded, or None. Memory schemes must already be applied (they wrap the blocks' forwards)."""
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    mode = getattr(env, "fsdp", None)
+    if isinstance(model, FSDPModule):  # applying the memory schemes again keeps the sharding
+        done = model.__dict__.get("_megaseq_sharded")
+        if mode in (None, "off") or done is None:
+            raise ValueError("this model is already sharded (FSDP): build a new model to turn parallel.fsdp off")
+        return done
+    if mode in (None, "off"):
+        return None
+    device_mesh = shard_mesh(env.mesh, mode)
+    dtype = _dominant_dtype(model)
+    mp = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=reduce_dtype(dtype, env.reduce_dtype))
+    ignored = {p for p in model.parameters() if p.dtype != dtype}
+    kw = dict(mesh=device_mesh, mp_policy=mp, ignored_params=ignored or None)
+    units: list[nn.Module] = []
+    tied = model.lm_head.weight is model.embed_tokens.weight
+    if not tied:  # the embedding is needed at the start of the forward and the end of the backward only
+        units.append(fully_shard(model.embed_tokens, reshard_after_forward=True, **kw))
+    units += [fully_shard(b, reshard_after_forward=True, **kw) for b in blocks]
+    units.append(fully_shard(model, **kw))  # the root: norm and head, gathered through the step
+    for unit in units:
+        unit.set_gradient_divide_factor(1.0)  # the loss is already a global mean: sum, never average
+        unit.set_force_sum_reduction_for_comms(True)  # SUM, no PREMUL_SUM (gloo has none)
+    forward, backward = prefetch_plan(len(units) - 1)
+    for i, j in forward.items():
+        units[i].set_modules_to_forward_prefetch([units[j]])
+    for i, j in backward.items():
+        units[i].set_modules_to_backward_prefetch([units[j]])
+    done = ShardedModel(device_mesh, units, [p for p in model.parameters() if p in ignored])
+    model.__dict__["_megaseq_sharded"] = done
+    return done
+
+
+def is_sharded(t: torch.Tensor) -> bool:
+    """A DTensor parameter or gradient (FSDP's shard), as opposed to a whole tensor."""
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
