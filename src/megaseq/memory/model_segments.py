@@ -223,7 +223,8 @@ def segmented_forward(model: nn.Module, input_ids: torch.Tensor, segment_tokens:
 
 def segmented_loss_backward(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, loss_fn: LossFn,
                             scale: float, segment_tokens: int, progress: Progress | None = None,
-                            doc_ids: torch.Tensor | None = None, keep_selection: bool = False) -> torch.Tensor:
+                            doc_ids: torch.Tensor | None = None, keep_selection: bool = False,
+                            after_forward: Callable[[], None] | None = None) -> torch.Tensor:
     """Forward and backward of ``loss_fn(model(input_ids), labels) * scale`` over segments of
     ``segment_tokens`` tokens (see the module docstring): parameter gradients are accumulated into
     ``.grad`` as ``(loss * scale).backward()`` would; returns the unscaled loss sum (no graph).
@@ -234,12 +235,15 @@ def segmented_loss_backward(model: nn.Module, input_ids: torch.Tensor, labels: t
     the whole sequence's after the step. ``progress(pass, done, total)`` is told before each segment (a
     1M-token step is minutes long). ``keep_selection``: the DSA selections of the forward pass are kept
     (``[B, T, W]`` int32 per full-indexer layer and segment) and the backward's reruns use them instead of
-    scoring again, which saves the indexer's second pass.
+    scoring again, which saves the indexer's second pass. ``after_forward()`` runs between the forward
+    pass and the backward (the trainer's router balancing reads the whole sequence's loads there).
     """
     B, S = input_ids.shape
     bounds = segment_bounds(S, segment_tokens)
     store = SegmentStore(len(bounds), keep_selection)
     _forward_pass(model, input_ids, bounds, store, progress=progress, doc_ids=doc_ids)
+    if after_forward is not None:
+        after_forward()
     loss_sum = None
     with SideState((model,)), torch.enable_grad():  # the reruns leave the forward pass's counts in place
         for j in reversed(range(len(bounds))):

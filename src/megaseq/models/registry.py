@@ -37,6 +37,10 @@ class Family:
     layer_kinds: tuple[str, ...]  # token mixers it builds (spec.LAYER_KINDS)
     segmentable: bool  # every token mixer carries its state through SeqContext: sequence segments can run it
     tiles_whole_layer: bool  # the layer tiles all its token-separable parts (else only the MLP/MoE)
+    # how the family's reference trains its routers (``moe.balance auto``): "bias" (the auxiliary-loss-free
+    # score-correction bias update, sigmoid routers), "aux_loss" (the load-balancing loss, softmax routers)
+    balance: str = "none"
+    bias_update_rate: float = 1e-3  # the bias step per optimizer step of the family's reference (DeepSeek-V3)
 
 
 def family_module(family: str, part: str) -> ModuleType:

@@ -52,6 +52,7 @@ class ModelSpec:
     topk_group: int = 1
     norm_topk_prob: bool = True
     routed_scaling_factor: float = 1.0
+    router_aux_loss_coef: float = 0.0  # the auxiliary balancing loss's coefficient (config.json's), softmax routers
     # softmax attention (GQA + RoPE)
     num_attention_heads: int = 0
     num_key_value_heads: int = 0

@@ -15,7 +15,8 @@ from megaseq.models.registry import Family
 from megaseq.models.spec import DNA_VOCAB_SIZE, ModelSpec
 
 FAMILY = Family(name="qwen3_moe", hf_model_types=("qwen3_moe",), layer_kinds=("attention",), segmentable=False,
-                tiles_whole_layer=False)
+                tiles_whole_layer=False, balance="aux_loss")
+AUX_LOSS_COEF = 0.001  # Qwen3MoeConfig's router_aux_loss_coef default
 
 
 def from_hf(c: dict[str, Any]) -> ModelSpec:
@@ -47,6 +48,7 @@ def from_hf(c: dict[str, Any]) -> ModelSpec:
         moe_intermediate_size=c.get("moe_intermediate_size", 768),
         router="softmax",
         norm_topk_prob=c.get("norm_topk_prob", False),
+        router_aux_loss_coef=c.get("router_aux_loss_coef", AUX_LOSS_COEF),
         num_attention_heads=heads,
         num_key_value_heads=c.get("num_key_value_heads", 4),
         head_dim=c.get("head_dim") or c.get("hidden_size", 2048) // heads,
@@ -59,7 +61,7 @@ def from_hf(c: dict[str, Any]) -> ModelSpec:
 
 # config.json fields a qwen3_moe spec does not model but an export should carry through unchanged
 _QWEN3_MOE_EXTRA = ("max_position_embeddings", "bos_token_id", "eos_token_id", "initializer_range",
-                    "router_aux_loss_coef", "hidden_act")
+                    "hidden_act")
 
 
 def _check_qwen3_moe_supported(c: dict[str, Any]) -> None:
@@ -92,7 +94,8 @@ def to_hf(s: ModelSpec) -> dict[str, Any]:
         "use_sliding_window": False, "sliding_window": None,
         "num_experts": s.num_experts, "num_experts_per_tok": s.num_experts_per_tok,
         "moe_intermediate_size": s.moe_intermediate_size, "norm_topk_prob": s.norm_topk_prob,
-        "decoder_sparse_step": 1, "mlp_only_layers": [i for i, m in enumerate(s.mlp_types) if m == "dense"],
+        "router_aux_loss_coef": s.router_aux_loss_coef, "decoder_sparse_step": 1,
+        "mlp_only_layers": [i for i, m in enumerate(s.mlp_types) if m == "dense"],
         **extra,
     }
 
@@ -105,7 +108,8 @@ def qwen3_moe_tiny() -> ModelSpec:
         family="qwen3_moe", vocab_size=DNA_VOCAB_SIZE, hidden_size=64, num_layers=n,
         layer_types=("attention",) * n, mlp_types=("moe",) * n, rms_norm_eps=1e-6, pad_token_id=0,
         intermediate_size=128, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-        router="softmax", norm_topk_prob=True, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        router="softmax", norm_topk_prob=True, router_aux_loss_coef=AUX_LOSS_COEF, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16,
         rope_theta=10000.0, qk_norm=True,
     )
 
