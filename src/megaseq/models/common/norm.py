@@ -44,3 +44,31 @@ class RMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}"
+
+
+class ZeroCenteredRMSNorm(nn.Module):
+    """Qwen3-Next's RMSNorm: ``rmsnorm(x) * (1 + weight)`` in float32, cast back after (weight stored as
+    ``w - 1``, initialised to 0); HF's ``Qwen3NextRMSNorm`` op for op, its float32 cast kept literally as
+    ``RMSNorm`` keeps its own."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    @torch.no_grad()
+    def init_weights(self, std: float) -> None:
+        self.weight.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).type_as(x)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.eps}, zero-centered"
+
+
+def make_norm(dim: int, eps: float, zero_centered: bool = False) -> nn.Module:
+    """The family's RMSNorm over ``dim`` (``ModelSpec.norm_zero_centered``)."""
+    return ZeroCenteredRMSNorm(dim, eps) if zero_centered else RMSNorm(dim, eps)
