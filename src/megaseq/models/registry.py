@@ -25,6 +25,8 @@ from types import ModuleType
 FAMILY_PACKAGES: dict[str, str] = {
     "glm5_next": "megaseq.models.glm5",
     "qwen3_moe": "megaseq.models.qwen3_moe",
+    "olmoe": "megaseq.models.olmoe",
+    "mixtral": "megaseq.models.mixtral",
 }
 
 

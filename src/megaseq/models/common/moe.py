@@ -117,6 +117,7 @@ class TopKRouter(nn.Module):
         self.num_experts, self.top_k = E, spec.num_experts_per_tok
         self.n_group, self.topk_group = spec.n_group, spec.topk_group
         self.norm_topk_prob = spec.norm_topk_prob
+        self.weights_fp32 = spec.router_weights_fp32  # Mixtral keeps its routing weights float32
         self.routed_scaling_factor = spec.routed_scaling_factor
         self.weight = nn.Parameter(torch.empty(E, H, dtype=torch.float32).normal_(0.0, 0.02))
         if self.router == "sigmoid_bias":
@@ -146,7 +147,7 @@ class TopKRouter(nn.Module):
         top_NK, experts_NK = torch.topk(probs_NE, self.top_k, dim=-1)
         if self.norm_topk_prob:
             top_NK = top_NK / top_NK.sum(dim=-1, keepdim=True)
-        return top_NK.to(logits_NE.dtype), experts_NK, probs_NE
+        return (top_NK if self.weights_fp32 else top_NK.to(logits_NE.dtype)), experts_NK, probs_NE
 
     def _sigmoid_bias(self, x_NH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         E, G = self.num_experts, self.n_group
@@ -229,7 +230,8 @@ class _AuxLossGrad(torch.autograd.Function):
 
 
 class MoE(nn.Module):
-    """Router ``gate`` + routed ``experts`` + optional ``shared_experts``; input ``[..., H]``.
+    """Router ``gate`` + routed ``experts`` + optional ``shared_experts`` (or Qwen3-Next's gated
+    ``shared_expert``); input ``[..., H]``.
 
     ``aux_loss_coef`` (0: off; set by the trainer's balancing, not by the model) turns on the auxiliary
     loss's gradient (``_AuxLossGrad``) and the ``last_router_prob_sum`` statistic."""
@@ -243,10 +245,13 @@ class MoE(nn.Module):
         self.gate = TopKRouter(spec)
         self.experts = Experts(spec.num_experts, spec.hidden_size, spec.moe_intermediate_size,
                                spec.swiglu_limit, layer=layer)
-        self.shared_experts = None
-        if spec.num_shared_experts > 0:
-            self.shared_experts = MLP(spec.hidden_size, spec.moe_intermediate_size * spec.num_shared_experts,
-                                      spec.swiglu_limit, layer=f"{layer}.shared_experts")
+        self.shared_experts = self.shared_expert = self.shared_expert_gate = None
+        shared = spec.shared_expert_intermediate_size or spec.moe_intermediate_size * spec.num_shared_experts
+        if spec.shared_expert_gate:  # Qwen3-Next: one gated shared expert, HF names shared_expert(_gate)
+            self.shared_expert = MLP(spec.hidden_size, shared, spec.swiglu_limit, layer=f"{layer}.shared_expert")
+            self.shared_expert_gate = nn.Linear(spec.hidden_size, 1, bias=False)
+        elif spec.num_shared_experts > 0:
+            self.shared_experts = MLP(spec.hidden_size, shared, spec.swiglu_limit, layer=f"{layer}.shared_experts")
         self.last_tokens_per_expert = torch.zeros(spec.num_experts, dtype=torch.int64)
         self.aux_loss_coef = 0.0
         self.aux_grad_E: torch.Tensor | None = None
@@ -263,6 +268,8 @@ class MoE(nn.Module):
         self.last_tokens_per_expert = counts_E.detach().to(torch.int64)
         if self.shared_experts is not None:
             out_NH = out_NH + self.shared_experts(x_NH)
+        elif self.shared_expert is not None:
+            out_NH = out_NH + torch.sigmoid(self.shared_expert_gate(x_NH)) * self.shared_expert(x_NH)
         return out_NH.view(x.shape)
 
 
