@@ -156,6 +156,12 @@ def check_round_trip(hf, tmp: Path, ids: torch.Tensor, arch: str, prepare=None, 
     ``prepare(model)`` applies the test's float64 promotions to the reloaded HF model."""
     import transformers
 
+    keep32 = list(getattr(hf, "_keep_in_fp32_modules_strict", None) or []) + list(
+        getattr(hf, "_keep_in_fp32_modules", None) or [])
+    with torch.no_grad():  # HF reloads these in float32 whatever the dtype: make them exactly float32 values
+        for name, t in list(hf.named_parameters()) + list(hf.named_buffers()):
+            if any(k in name for k in keep32) and t.is_floating_point():
+                t.copy_(t.float().double())
     src = tmp / "hf"
     hf.save_pretrained(src, max_shard_size="40KB")
     assert (src / "model.safetensors.index.json").is_file(), "the test checkpoint should be sharded"
@@ -172,7 +178,7 @@ def check_round_trip(hf, tmp: Path, ids: torch.Tensor, arch: str, prepare=None, 
     assert type(back).__name__ == arch, type(back).__name__
     back.config._experts_implementation = "eager"
     back.config._attn_implementation = "eager"
-    back = (prepare(back) if prepare else back).eval()
+    back = (prepare(back) if prepare else back).to(torch.float64).eval()
     assert rel_err(back(input_ids=ids).logits, want) < rtol, "transformers after the megaseq export"
     assert from_hf_config(out) == spec
     return out

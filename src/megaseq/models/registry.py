@@ -27,6 +27,7 @@ FAMILY_PACKAGES: dict[str, str] = {
     "qwen3_moe": "megaseq.models.qwen3_moe",
     "olmoe": "megaseq.models.olmoe",
     "mixtral": "megaseq.models.mixtral",
+    "glm4_moe": "megaseq.models.glm4_moe",
 }
 
 
