@@ -80,15 +80,20 @@ def _sdpa_supports(q_BSHD: torch.Tensor, k_BSKD: torch.Tensor, v_BSKD: torch.Ten
                    doc_ids_BS: torch.Tensor | None, scale: float) -> str | None:
     if q_BSHD.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return f"dtype {q_BSHD.dtype} (float64 runs the reference, HF's eager numerics)"
-    if q_BSHD.shape[-1] != v_BSKD.shape[-1]:
-        return "q/k and v head dims differ"
+    if v_BSKD.shape[-1] > q_BSHD.shape[-1]:
+        return "v head dim larger than q/k's"
     return None
 
 
 @dispatch.register("attention", "sdpa", supports=_sdpa_supports)
 def attention_sdpa(q_BSHD: torch.Tensor, k_BSKD: torch.Tensor, v_BSKD: torch.Tensor,
                    doc_ids_BS: torch.Tensor | None, scale: float) -> torch.Tensor:
-    """torch SDPA (flash / cuDNN / efficient on GPU), one causal call per document: no S x S mask."""
+    """torch SDPA (flash / cuDNN / efficient on GPU), one causal call per document: no S x S mask. A value
+    head narrower than q/k's (MLA: Dv < Dn + Dr) is zero-padded to it and the output sliced back (exact)."""
+    Dv = v_BSKD.shape[-1]
+    if Dv < q_BSHD.shape[-1]:
+        v_pad = F.pad(v_BSKD, (0, q_BSHD.shape[-1] - Dv))
+        return attention_sdpa(q_BSHD, k_BSKD, v_pad, doc_ids_BS, scale)[..., :Dv]
     B, S = q_BSHD.shape[:2]
     q, k, v = (t.transpose(1, 2) for t in (q_BSHD, k_BSKD, v_BSKD))
     if doc_ids_BS is None:
