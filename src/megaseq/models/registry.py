@@ -28,6 +28,8 @@ FAMILY_PACKAGES: dict[str, str] = {
     "olmoe": "megaseq.models.olmoe",
     "mixtral": "megaseq.models.mixtral",
     "glm4_moe": "megaseq.models.glm4_moe",
+    "deepseek_v3": "megaseq.models.deepseek_v3",
+    "deepseek_v32": "megaseq.models.deepseek_v32",
 }
 
 
