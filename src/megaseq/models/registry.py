@@ -30,6 +30,7 @@ FAMILY_PACKAGES: dict[str, str] = {
     "glm4_moe": "megaseq.models.glm4_moe",
     "deepseek_v3": "megaseq.models.deepseek_v3",
     "deepseek_v32": "megaseq.models.deepseek_v32",
+    "kimi_linear": "megaseq.models.kimi_linear",
 }
 
 
