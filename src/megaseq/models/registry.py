@@ -31,6 +31,7 @@ FAMILY_PACKAGES: dict[str, str] = {
     "deepseek_v3": "megaseq.models.deepseek_v3",
     "deepseek_v32": "megaseq.models.deepseek_v32",
     "kimi_linear": "megaseq.models.kimi_linear",
+    "qwen3_next": "megaseq.models.qwen3_next",
 }
 
 
