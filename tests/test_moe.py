@@ -54,7 +54,7 @@ def promote_hf_routers_(model: torch.nn.Module) -> torch.nn.Module:
     float64 (megaseq's ``promote_types(x, float32)`` for float64 input); the rest of HF is untouched."""
     found = 0
     for m in model.modules():
-        if type(m).__name__ in HF_ROUTERS:
+        if type(m).__name__ in HF_ROUTERS or type(m).__name__.lower().endswith("topkrouter"):
             m.forward = types.MethodType(_promoted_forward(type(m)), m)
             found += 1
     assert found, "no HF router in the model"

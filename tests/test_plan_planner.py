@@ -243,3 +243,18 @@ def test_kept_selections_only_when_asked_and_with_room():
     assert kept == 2 * dsa_selection_bytes(SPEC_1GPU, 1 << 20) == 2 * 4 * (1 << 20) * (2048 + 15)
     tight = plan(SPEC_1GPU, 512 * K, memory_cfg=MemoryConfig(segment_keep_selection=True))
     assert tight.fits and not tight.memory["segment_keep_selection"]  # no 5% to spare there
+
+
+@pytest.mark.parametrize("preset, kind", [("deepseek-v3-tiny", "mla"), ("kimi-linear-tiny", "mla"),
+                                          ("qwen3-next-tiny", "gdn")])
+def test_unplanned_layer_kind_is_refused_by_name(preset, kind):
+    """Dense MLA and gated DeltaNet have no memory terms yet: one message naming the kind, not an IndexError."""
+    cfg = build_config(None, [f"model.name={preset}", "data.kind=random", "data.seq_len=2K"])
+    with pytest.raises(ValueError, match=f"no terms for layer kind '{kind}'"):
+        plan_from_config(cfg, world_size=1)
+
+
+@pytest.mark.parametrize("preset", ["olmoe-tiny", "mixtral-tiny", "glm4-moe-tiny", "deepseek-v32-tiny"])
+def test_new_families_plan(preset):
+    cfg = build_config(None, [f"model.name={preset}", "data.kind=random", "data.seq_len=2K"])
+    assert plan_from_config(cfg, world_size=1).fits

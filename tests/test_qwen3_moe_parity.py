@@ -130,3 +130,37 @@ def test_tied_embeddings_share_the_weight() -> None:
     assert ours.lm_head.weight is ours.embed_tokens.weight
     ids = torch.randint(0, 53, (1, 9), generator=torch.Generator().manual_seed(42))
     assert_close("tied logits", ours.logits(ours(ids)), hf(input_ids=ids).logits)
+
+
+YARN = {"rope_type": "yarn", "rope_theta": 1000.0, "factor": 4.0, "original_max_position_embeddings": 16}
+
+
+@pytest.mark.parametrize("rope", [YARN, {**YARN, "attention_factor": 1.3, "beta_fast": 16, "beta_slow": 2},
+                                  {"rope_type": "linear", "rope_theta": 1000.0, "factor": 2.0}])
+def test_scaled_rope_matches_hf(rope) -> None:
+    """Qwen3's YaRN (as its model cards add it past 32K) and linear RoPE over 71 tokens, past the original
+    16-token window: logits and every gradient."""
+    hf, ours = make_pair(hf_config(rope_parameters=dict(rope), max_position_embeddings=64), seed=51)
+    assert ours.spec.rope_scaling["rope_type"] == rope["rope_type"]
+    ids = torch.randint(0, 53, (1, 71), generator=torch.Generator().manual_seed(52))
+    out = hf(input_ids=ids)
+    logits = ours.logits(ours(ids))
+    assert_close("logits", logits, out.logits)
+    g = torch.randn(logits.shape, generator=torch.Generator().manual_seed(53), dtype=torch.float64)
+    (out.logits * g).sum().backward()
+    (logits * g).sum().backward()
+    mine = dict(ours.named_parameters())
+    for name, p in hf.named_parameters():
+        assert_close(f"grad {name}", mine[name.removeprefix("model.")].grad, p.grad)
+    # broken: the default RoPE where the config says YaRN
+    for layer in ours.layers:
+        layer.self_attn.rope_scaling = {}
+    with pytest.raises(AssertionError, match="logits"):
+        assert_close("logits", ours.logits(ours(ids)), out.logits)
+
+
+def test_refuses_unimplemented_rope() -> None:
+    with pytest.raises(ValueError, match="rope_type 'dynamic' is not supported"):
+        from_hf_config(hf_config(rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}).to_dict())
+    with pytest.raises(ValueError, match=r"rope_parameters \['low_freq_factor'\] are not implemented"):
+        from_hf_config({**hf_config().to_dict(), "rope_parameters": {**YARN, "low_freq_factor": 1.0}})

@@ -337,6 +337,31 @@ class OptimConfig:
             raise ValueError(f"optim.betas needs two numbers, got {self.betas}")
 
 
+BALANCE_MODES = ("auto", "bias", "aux_loss", "none")
+
+
+@dataclass
+class MoEConfig:
+    """Router load balancing in training, as each family's reference trains it (``train/balance.py``)."""
+
+    balance: str = opt("auto", "auto (the family's reference: the auxiliary-loss-free score-correction bias update "
+                               "for sigmoid routers: GLM-5, DeepSeek-V3, GLM-4.5, Kimi-Linear; the auxiliary "
+                               "load-balancing loss for softmax routers: Qwen3-MoE, Qwen3-Next, OLMoE, Mixtral), "
+                               "bias, aux_loss or none")
+    aux_loss_coef: float = opt(-1.0, "auxiliary loss coefficient (-1: the model's router_aux_loss_coef from its "
+                                     "config.json, else the family's default)")
+    bias_update_rate: float = opt(-1.0, "score-correction bias step per optimizer step, bias += rate * sign(mean load "
+                                        "- expert load) over the whole global batch (-1: the family's, 0.001)")
+
+    def __post_init__(self) -> None:
+        if self.balance not in BALANCE_MODES:
+            raise ValueError(f"moe.balance must be one of {', '.join(BALANCE_MODES)}, got {self.balance!r}")
+        for name in ("aux_loss_coef", "bias_update_rate"):
+            v = getattr(self, name)
+            if v < 0 and v != -1.0:
+                raise ValueError(f"moe.{name} must be >= 0 (or -1 for the default), got {v}")
+
+
 @dataclass
 class TrainConfig:
     """The training loop."""
@@ -394,6 +419,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     log: LogConfig = field(default_factory=LogConfig)
@@ -407,7 +433,7 @@ class Config:
 
 SECTIONS: dict[str, type] = {
     "model": ModelConfig, "data": DataConfig, "parallel": ParallelConfig, "memory": MemoryConfig,
-    "optim": OptimConfig, "train": TrainConfig, "eval": EvalConfig, "log": LogConfig,
+    "optim": OptimConfig, "moe": MoEConfig, "train": TrainConfig, "eval": EvalConfig, "log": LogConfig,
 }
 
 

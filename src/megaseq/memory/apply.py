@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from megaseq.config import MemorySettings
+from megaseq.memory import tiling
 from megaseq.memory.offload import BoundaryOffloader, checkpoint_layers, uncheckpoint_layer
 from megaseq.memory.offload_adam import OffloadStreamAdamW
 from megaseq.memory.vocab_loss import linear_cross_entropy
@@ -76,6 +77,26 @@ def recompute_layers(layers: list[nn.Module], settings: MemorySettings, done: Ap
     offloader = BoundaryOffloader(settings.offload_host_budget) if settings.checkpoint_offload else None
     done.offloader = checkpoint_layers(layers, offloader)
     done.checkpointed = len(layers)
+
+
+def apply_prenorm(model: nn.Module, settings: MemorySettings, env: Any = None,
+                  mixer_schemes: Callable[[int, nn.Module, AppliedMemory], None] | None = None) -> AppliedMemory:
+    """The schemes of a family of ``models.common.prenorm`` layers (``h + mixer(norm(h))``, then
+    ``h + mlp(norm(h))``): ``tiled_mlp`` tiles each layer's MLP/MoE, ``recompute`` (+ SCO) every layer;
+    ``mixer_schemes(i, mixer, done)`` applies a family's own mixer settings (a KDA segment size, an indexer's
+    query chunk); sequence segments are checked against the family. A family's ``parallelize`` calls it."""
+    layers = list(model.layers)
+    done = begin(layers, settings)
+    for i, layer in enumerate(layers):
+        tiling.disable_tiling(layer.mlp)
+        if settings.tiled_mlp:
+            tiling.enable_tiling(layer.mlp, settings.mlp_tile_tokens)
+            done.tiled.append(f"layers.{i}.mlp")
+        if mixer_schemes is not None:
+            mixer_schemes(i, layer.mixer, done)
+    check_segments(model.spec.family, settings, done, env_cp(env))
+    recompute_layers(layers, settings, done)
+    return done
 
 
 def env_cp(env: Any) -> int:

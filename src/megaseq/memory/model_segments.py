@@ -261,7 +261,8 @@ def segmented_forward(model: nn.Module, input_ids: torch.Tensor, segment_tokens:
 def segmented_loss_backward(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, loss_fn: LossFn,
                             scale: float, segment_tokens: int, progress: Progress | None = None,
                             doc_ids: torch.Tensor | None = None, keep_selection: bool = False, cp: int = 1,
-                            contexts: Contexts | None = None) -> torch.Tensor:
+                            contexts: Contexts | None = None,
+                            after_forward: Callable[[], None] | None = None) -> torch.Tensor:
     """Forward and backward of ``loss_fn(model(input_ids), labels) * scale`` over segments of
     ``segment_tokens`` tokens (see the module docstring): parameter gradients are accumulated into
     ``.grad`` as ``(loss * scale).backward()`` would; returns the unscaled loss sum (no graph).
@@ -277,6 +278,8 @@ def segmented_loss_backward(model: nn.Module, input_ids: torch.Tensor, labels: t
     Context parallelism: ``input_ids``, ``labels`` are this rank's shard in the segment layout
     (``parallel.mesh.segment_stripes``) of a sequence of ``cp`` times their length, and ``contexts(lo, hi)``
     the cp group's context of rows ``[lo, hi)`` of it (one rank: ``plain_contexts(doc_ids)``).
+    ``after_forward()`` runs between the forward pass and the backward (the trainer's router balancing
+    reads the whole sequence's loads there).
     """
     B, S_loc = input_ids.shape
     S = S_loc * cp
@@ -285,6 +288,8 @@ def segmented_loss_backward(model: nn.Module, input_ids: torch.Tensor, labels: t
     contexts = contexts or plain_contexts(doc_ids)
     store = SegmentStore(len(bounds), keep_selection)
     _forward_pass(model, input_ids, bounds, store, contexts, cp, progress=progress)
+    if after_forward is not None:
+        after_forward()
     loss_sum = None
     with SideState((model,)), torch.enable_grad():  # the reruns leave the forward pass's counts in place
         for j in reversed(range(len(bounds))):

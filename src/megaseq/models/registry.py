@@ -25,6 +25,13 @@ from types import ModuleType
 FAMILY_PACKAGES: dict[str, str] = {
     "glm5_next": "megaseq.models.glm5",
     "qwen3_moe": "megaseq.models.qwen3_moe",
+    "olmoe": "megaseq.models.olmoe",
+    "mixtral": "megaseq.models.mixtral",
+    "glm4_moe": "megaseq.models.glm4_moe",
+    "deepseek_v3": "megaseq.models.deepseek_v3",
+    "deepseek_v32": "megaseq.models.deepseek_v32",
+    "kimi_linear": "megaseq.models.kimi_linear",
+    "qwen3_next": "megaseq.models.qwen3_next",
 }
 
 
@@ -40,6 +47,10 @@ class Family:
     # the parameters a bf16 model keeps in fp32 (its FP32_PARAM_SUFFIXES), by kind, for the planner: "router"
     # (the MoE gate), "kda" (the KDA conv and decay), "hc" (the mHC base and scale)
     fp32_params: tuple[str, ...] = ()
+    # how the family's reference trains its routers (``moe.balance auto``): "bias" (the auxiliary-loss-free
+    # score-correction bias update, sigmoid routers), "aux_loss" (the load-balancing loss, softmax routers)
+    balance: str = "none"
+    bias_update_rate: float = 1e-3  # the bias step per optimizer step of the family's reference (DeepSeek-V3)
 
 
 def family_module(family: str, part: str) -> ModuleType:

@@ -6,8 +6,12 @@ spec, so a shape is written down once. No torch import: the planner uses this mo
 
 Layer kinds (``layer_types``):
   ``kda``        Kimi Delta Attention (linear attention with short conv and delta rule)
-  ``dsa``        MLA with the DeepSeek sparse-attention lightning indexer (NoPE in GLM-5.3-Flash)
-  ``attention``  full softmax attention with GQA and RoPE (Qwen3-MoE)
+  ``dsa``        MLA with the DeepSeek sparse-attention lightning indexer (NoPE in GLM-5.3-Flash, RoPE in
+                 DeepSeek-V3.2)
+  ``attention``  full softmax attention with GQA and RoPE (Qwen3-MoE, OLMoE, Mixtral, GLM-4.5; Qwen3-Next's
+                 gated attention with ``attn_output_gate``)
+  ``mla``        dense multi-head latent attention (DeepSeek-V3 with RoPE, Kimi-Linear without)
+  ``gdn``        gated DeltaNet (Qwen3-Next's linear attention)
 MLP kinds (``mlp_types``): ``dense`` (SwiGLU) or ``moe`` (routed experts + optional shared).
 """
 
@@ -22,7 +26,13 @@ from typing import Any
 from megaseq.models.registry import FAMILY_PACKAGES, family_for_model_type, family_module, hf_model_types
 
 DNA_VOCAB_SIZE = 16  # A C G T N + specials, padded to 16 (see megaseq.data.tokenizer): the tiny presets' vocab
-LAYER_KINDS = ("kda", "dsa", "attention")
+LAYER_KINDS = ("kda", "dsa", "attention", "mla", "gdn")
+ROPE_TYPES = {  # rope_type -> the rope_parameters keys megaseq implements (models/common/rope.py)
+    "default": (),
+    "linear": ("factor",),
+    "yarn": ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
+             "attention_factor", "truncate"),
+}
 MLP_KINDS = ("dense", "moe")
 
 
@@ -52,19 +62,33 @@ class ModelSpec:
     topk_group: int = 1
     norm_topk_prob: bool = True
     routed_scaling_factor: float = 1.0
+    router_aux_loss_coef: float = 0.0  # the auxiliary balancing loss's coefficient (config.json's), softmax routers
+    router_weights_fp32: bool = False  # the softmax router's weights stay float32 (Mixtral), else the logits' dtype
+    shared_expert_intermediate_size: int = 0  # 0: moe_intermediate_size * num_shared_experts
+    shared_expert_gate: bool = False  # sigmoid gate on the shared expert's output (Qwen3-Next)
     # softmax attention (GQA + RoPE)
     num_attention_heads: int = 0
     num_key_value_heads: int = 0
     head_dim: int = 0
     rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] = field(default_factory=dict)  # HF rope_parameters less rope_theta (check_rope)
+    max_position_embeddings: int = 0  # YaRN's factor when its config gives none (HF's fallback)
+    partial_rotary_factor: float = 1.0  # rotated fraction of each head (GLM-4.5 0.5, Qwen3-Next 0.25)
     qk_norm: bool = False
-    attention_bias: bool = False
+    qk_norm_scope: str = "head"  # q/k RMSNorm per head ("head": Qwen3, GLM-4.5) or over all heads ("all": OLMoE)
+    clip_qkv: float | None = None  # clamp q, k, v to [-clip, clip] after the projections (OLMoE's option)
+    attention_bias: bool = False  # q/k/v projection biases
+    o_proj_bias: bool = False  # the output projection's bias (Qwen3-MoE / OLMoE tie it to attention_bias)
+    attn_output_gate: bool = False  # sigmoid output gate from q_proj (Qwen3-Next's gated attention)
+    norm_zero_centered: bool = False  # RMSNorm weights stored as w - 1 (Qwen3-Next: x * (1 + w))
     # MLA (GLM-5.3-Flash DSA layers: NoPE, so qk_rope_head_dim = 0)
     q_lora_rank: int = 0
     kv_lora_rank: int = 0
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
+    rope_interleave: bool = False  # MLA's rotated dims in interleaved pairs (DeepSeek's rope_interleave)
+    mla_rotate: bool = True  # MLA rotates its qk_rope_head_dim dims (False: Kimi-Linear's NoPE MLA keeps them)
     # DSA lightning indexer
     index_topk: int = 0
     index_n_heads: int = 0
@@ -77,6 +101,9 @@ class ModelSpec:
     linear_head_dim: int = 0
     linear_conv_kernel: int = 4
     linear_lower_bound: float | None = -5.0
+    # gated DeltaNet (Qwen3-Next): value heads/dims when they differ from the key heads/dims above (0: same)
+    linear_num_value_heads: int = 0
+    linear_value_head_dim: int = 0
     # mHC hyper-connections (hc_mult = 1 means a plain residual stream)
     hc_mult: int = 1
     hc_sinkhorn_iters: int = 20
@@ -148,6 +175,55 @@ class ModelSpec:
         if unknown:
             raise ValueError(f"unknown ModelSpec fields: {sorted(unknown)}")
         return cls(**d)
+
+
+def rope_from_hf(c: dict[str, Any], family: str, default_theta: float = 10000.0) -> tuple[float, dict[str, Any], float]:
+    """``(rope_theta, rope_scaling, partial_rotary_factor)`` from a config.json's ``rope_parameters`` (or the
+    legacy ``rope_theta`` + ``rope_scaling``); a ValueError naming the field for a RoPE type or key megaseq
+    does not implement."""
+    params = dict(c.get("rope_parameters") or {})
+    legacy = c.get("rope_scaling") or {}
+    if not params:
+        params = dict(legacy)
+    theta = params.pop("rope_theta", c.get("rope_theta", default_theta))
+    partial = params.pop("partial_rotary_factor", c.get("partial_rotary_factor", 1.0))
+    kind = params.pop("rope_type", params.pop("type", "default")) or "default"
+    if kind not in ROPE_TYPES:
+        raise ValueError(f"{family} rope_type {kind!r} is not supported; megaseq implements "
+                         f"{', '.join(ROPE_TYPES)} RoPE (rope_parameters in config.json)")
+    unknown = sorted(k for k in params if k not in ROPE_TYPES[kind] and params[k] is not None)
+    if unknown:
+        raise ValueError(f"{family} rope_parameters {unknown} are not implemented for rope_type {kind!r}; "
+                         f"supported keys: {', '.join(ROPE_TYPES[kind]) or 'none'}")
+    if kind == "yarn" and "original_max_position_embeddings" not in params:
+        raise ValueError(f"{family} yarn RoPE needs rope_parameters.original_max_position_embeddings")
+    scaling = {"rope_type": kind, **{k: v for k, v in params.items() if v is not None}} if kind != "default" else {}
+    return float(theta), scaling, float(partial)
+
+
+def rope_to_hf(s: ModelSpec, with_partial: bool = False) -> dict[str, Any]:
+    """The ``rope_parameters`` of a spec (the inverse of ``rope_from_hf``)."""
+    out: dict[str, Any] = {"rope_type": "default", **s.rope_scaling, "rope_theta": s.rope_theta}
+    if with_partial:
+        out["partial_rotary_factor"] = s.partial_rotary_factor
+    return out
+
+
+def refuse_fields(c: dict[str, Any], family: str, checks: dict[str, Any]) -> None:
+    """``checks``: config.json field -> the values megaseq implements (a tuple), or a function of the value
+    returning None when implemented, else what is; a ValueError naming the field, its value and what is
+    supported, for the first that fails. Absent fields pass (their default is what megaseq implements)."""
+    for key, allowed in checks.items():
+        if key not in c:
+            continue
+        v = c[key]
+        if callable(allowed):
+            what = allowed(v)
+        else:
+            what = None if v in allowed else " or ".join(repr(a) for a in allowed)
+        if what is not None:
+            raise ValueError(f"{family} config.json field {key}={v!r} is not implemented by megaseq (supported: "
+                             f"{what}); use a checkpoint without it or remove the field")
 
 
 # ---- Hugging Face config.json ------------------------------------------------------------

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 GPU_BF16 = {
     "kda": "fla_chunk",
+    "gdn": "fla_chunk",
     "causal_conv": "fla",
     "grouped_mm": "torch_grouped_mm",
     "sparse_attention": "absorbed",

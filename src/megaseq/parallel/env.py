@@ -68,6 +68,10 @@ class ParallelEnv:
     def all_reduce_sum(self, x: float) -> float:
         return x
 
+    def all_reduce_tensor(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum over every rank (dp x cp x ep): statistics such as the experts' loads."""
+        return t.clone()
+
     def reduce_gradients(self, model: torch.nn.Module) -> None:
         return None
 
@@ -154,6 +158,9 @@ class DistributedEnv(ParallelEnv):
 
     def all_reduce_sum(self, x: float) -> float:
         return grads.all_reduce_float(x)
+
+    def all_reduce_tensor(self, t: torch.Tensor) -> torch.Tensor:
+        return grads.all_reduce_tensor(t)
 
     def reduce_gradients(self, model: torch.nn.Module) -> None:
         """Replicated parameters summed over the world; the ep-sharded experts over their ``expert_group``;

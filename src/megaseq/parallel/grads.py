@@ -61,6 +61,16 @@ def all_reduce_float(x: float, group: Any = None) -> float:
     return float(t.item())
 
 
+def all_reduce_tensor(t: torch.Tensor, group: Any = None) -> torch.Tensor:
+    """Sum of ``t`` over ``group`` (default: the world), as a new tensor on ``t``'s device (the collective
+    runs on the backend's device: a CUDA copy under nccl)."""
+    if not _initialized() or dist.get_world_size(group) == 1:
+        return t.clone()
+    buf = t.to(_device(group), copy=True)
+    dist.all_reduce(buf, group=group)
+    return buf.to(t.device)
+
+
 def _device(group: Any) -> torch.device:
     backend = dist.get_backend(group)
     return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")

@@ -147,6 +147,11 @@ def _mixer(run: Run, i: int, xb: int) -> tuple[dict[str, int], int, int]:
             layers.attention_temp(spec, n, prec, False) + comm,
             layers.attention_temp(spec, n, prec, True) + comm,
         )
+    if kind != "dsa":
+        raise ValueError(
+            f"the memory planner has no terms for layer kind {kind!r} (layer {i} of {spec.family}) yet: it plans "
+            "attention, kda and dsa layers. model.name: choose a model built of those; this one is built and "
+            "tested (megaseq verify) but cannot be planned or trained yet")
     full = spec.indexer_types[i] == "full"
     B, S, mode = run.batch, run.seq_len, run.mla_mode
     impl = run.sparse_impl

@@ -21,7 +21,8 @@ from megaseq.ops import dispatch
 from megaseq.ops.kernels import planned_kernels, preferred_kernels
 from megaseq.plan.flops import mfu
 from megaseq.train import checkpoint as ckpt
-from megaseq.train.metrics import MetricsLogger, gpu_peak_bytes, host_peak_bytes, moe_load
+from megaseq.train.balance import Balancer, resolve_balance
+from megaseq.train.metrics import MetricsLogger, gpu_peak_bytes, host_peak_bytes
 from megaseq.train.optim import build_optimizer
 from megaseq.train.parallel_env import ParallelEnv, setup_parallel
 from megaseq.train.run_dir import claim_run_dir, write_plan
@@ -80,9 +81,11 @@ def _autocast(dtype: torch.dtype | None, device: torch.device) -> contextlib.Abs
 
 def train_step(model: torch.nn.Module, micro_batches: list[dict[str, torch.Tensor]], optimizer: Any,
                scheduler: Any, cfg: Config, env: ParallelEnv, autocast: torch.dtype | None,
-               memory: MemorySettings, progress: Any = None) -> tuple[float, float]:
+               memory: MemorySettings, progress: Any = None, balancer: Balancer | None = None) -> tuple[float, float]:
     """One optimizer step over ``grad_accum`` micro-batches; returns (mean loss, grad norm). ``progress``
-    (pass, done, total) hears of each sequence segment when the plan runs them."""
+    (pass, done, total) hears of each sequence segment when the plan runs them; ``balancer`` reduces the
+    routers' loads after each forward (the aux loss's gradient) and updates the biases after the step."""
+    after_forward = balancer.after_forward if balancer is not None else None
     chunk = memory.loss_chunk_tokens if memory.chunked_loss else None
     local = sum(int((b["labels"] != -100).sum()) for b in micro_batches)
     total = env.all_reduce_count(local)  # the loss is a mean over every token of the global batch
@@ -92,16 +95,20 @@ def train_step(model: torch.nn.Module, micro_batches: list[dict[str, torch.Tenso
         b = env.to_device(batch)
         if segment and b["input_ids"].shape[1] * env.cp_size > segment:  # sequence segments (memory/model_segments.py)
             loss_sum += float(_segmented_step(model, b, env, autocast, chunk, segment, total, progress,
-                                              memory.segment_keep_selection))
+                                              memory.segment_keep_selection, after_forward))
             continue
         with _autocast(autocast, env.device):
             hidden = model(b["input_ids"], doc_ids=b.get("doc_ids"), ctx=env.context(b))
         loss = _loss_sum(model, hidden, b["labels"], env, autocast, chunk)
+        if after_forward is not None:
+            after_forward()
         (loss / max(total, 1)).backward()
         loss_sum += float(loss.detach())
     env.reduce_gradients(model)
     grad_norm = _clip(model, optimizer, cfg.optim.grad_clip, env)
     optimizer.step()
+    if balancer is not None:
+        balancer.after_step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return env.all_reduce_sum(loss_sum) / max(total, 1), grad_norm
@@ -135,7 +142,7 @@ def _loss_sum(model: torch.nn.Module, hidden: torch.Tensor, labels: torch.Tensor
 
 def _segmented_step(model: torch.nn.Module, b: dict[str, torch.Tensor], env: ParallelEnv,
                     autocast: torch.dtype | None, chunk: int | None, segment: int, total: int,
-                    progress: Any = None, keep_selection: bool = False) -> torch.Tensor:
+                    progress: Any = None, keep_selection: bool = False, after_forward: Any = None) -> torch.Tensor:
     """Forward + backward of one micro-batch in sequence segments; returns its loss sum (no graph). Under
     cp the shard is this rank's piece of every segment (``env.shard_batch(batch, segment)``)."""
     from megaseq.memory.model_segments import check_model_segments, segmented_loss_backward
@@ -151,7 +158,8 @@ def _segmented_step(model: torch.nn.Module, b: dict[str, torch.Tensor], env: Par
     with _autocast(autocast, env.device):
         return segmented_loss_backward(model, b["input_ids"], b["labels"], loss_fn, 1.0 / max(total, 1), segment,
                                        progress, doc_ids=b.get("doc_ids"), keep_selection=keep_selection,
-                                       cp=env.cp_size, contexts=contexts if env.cp_size > 1 else None)
+                                       cp=env.cp_size, contexts=contexts if env.cp_size > 1 else None,
+                                       after_forward=after_forward)
 
 
 def build_planned_model(cfg: Config, spec: Any, device: torch.device, memory: MemorySettings, total_steps: int,
@@ -220,6 +228,7 @@ def run_training(cfg: Config) -> RunResult:
 
     spec = resolve_spec(cfg.model.name)  # a bad model name fails before anything else happens
     check_expert_parallel_run(cfg)
+    resolve_balance(cfg.moe, spec)  # and so does a balancing rule the routers cannot train with
     use_expandable_segments()
     env = setup_parallel(cfg)
     device = env.device = resolve_device(cfg) if env.world_size == 1 else env.device
@@ -253,7 +262,9 @@ def _run_planned(cfg: Config, spec: Any, env: ParallelEnv, device: torch.device,
         # with lr 0), shifting its bias correction and so the whole run (every rank: each writes its shards)
         ckpt.save_checkpoint(run_dir, 0, model, None, None, _meta(spec_dict, data, 0), keep=10**9)
     result = RunResult(run_dir=run_dir, last_checkpoint=resume_from)
-    loop = _Loop(cfg, env, device, plan_dict, memory, autocast, model, optimizer, scheduler, data, spec_dict)
+    balancer = Balancer(model, resolve_balance(cfg.moe, spec), env, cfg.train.grad_accum)
+    loop = _Loop(cfg, env, device, plan_dict, memory, autocast, model, optimizer, scheduler, data, spec_dict,
+                 balancer)
     try:
         loop.run(start, result)
     finally:
@@ -287,6 +298,7 @@ class _Loop:
     scheduler: Any
     data: Any
     spec_dict: dict[str, Any]
+    balancer: Balancer | None = None
 
     def run(self, start: int, result: RunResult) -> None:
         cfg, env = self.cfg, self.env
@@ -319,7 +331,7 @@ class _Loop:
         batches = [env.shard_batch(b, self.memory.model_segment_tokens) for b in batches]
         lr = self.optimizer.param_groups[0]["lr"]
         loss, gnorm = train_step(self.model, batches, self.optimizer, self.scheduler, cfg, env, self.autocast,
-                                 self.memory, progress=logger.substep)
+                                 self.memory, progress=logger.substep, balancer=self.balancer)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         dt = time.perf_counter() - t0
@@ -327,7 +339,9 @@ class _Loop:
         record = {"step": step, "loss": loss, "lr": lr, "grad_norm": gnorm, "tokens_per_s": tokens_per_s,
                   "step_s": dt, "mfu": step_mfu(tokens_per_s, self.plan, env.world_size, device),
                   "gpu_peak_gib": gpu_peak_bytes(device) / GIB, "host_peak_gib": host_peak_bytes() / GIB,
-                  "plan_gpu_gib": self.plan.get("peak_gpu", 0) / GIB, "moe_max_over_mean": moe_load(self.model)}
+                  "plan_gpu_gib": self.plan.get("peak_gpu", 0) / GIB}
+        if self.balancer is not None:  # per MoE layer, the step's load over every rank (and the aux loss)
+            record.update(self.balancer.metrics())
         return loss, record
 
 

@@ -32,8 +32,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megaseq.models.common import rope
 from megaseq.models.common.context import SeqContext, doc_spans, positions_from_doc_ids
-from megaseq.models.common.norm import RMSNorm
+from megaseq.models.common.norm import make_norm
 from megaseq.models.spec import ModelSpec
 from megaseq.ops import dispatch
 
@@ -79,15 +80,20 @@ def _sdpa_supports(q_BSHD: torch.Tensor, k_BSKD: torch.Tensor, v_BSKD: torch.Ten
                    doc_ids_BS: torch.Tensor | None, scale: float) -> str | None:
     if q_BSHD.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return f"dtype {q_BSHD.dtype} (float64 runs the reference, HF's eager numerics)"
-    if q_BSHD.shape[-1] != v_BSKD.shape[-1]:
-        return "q/k and v head dims differ"
+    if v_BSKD.shape[-1] > q_BSHD.shape[-1]:
+        return "v head dim larger than q/k's"
     return None
 
 
 @dispatch.register("attention", "sdpa", supports=_sdpa_supports)
 def attention_sdpa(q_BSHD: torch.Tensor, k_BSKD: torch.Tensor, v_BSKD: torch.Tensor,
                    doc_ids_BS: torch.Tensor | None, scale: float) -> torch.Tensor:
-    """torch SDPA (flash / cuDNN / efficient on GPU), one causal call per document: no S x S mask."""
+    """torch SDPA (flash / cuDNN / efficient on GPU), one causal call per document: no S x S mask. A value
+    head narrower than q/k's (MLA: Dv < Dn + Dr) is zero-padded to it and the output sliced back (exact)."""
+    Dv = v_BSKD.shape[-1]
+    if Dv < q_BSHD.shape[-1]:
+        v_pad = F.pad(v_BSKD, (0, q_BSHD.shape[-1] - Dv))
+        return attention_sdpa(q_BSHD, k_BSKD, v_pad, doc_ids_BS, scale)[..., :Dv]
     B, S = q_BSHD.shape[:2]
     q, k, v = (t.transpose(1, 2) for t in (q_BSHD, k_BSKD, v_BSKD))
     if doc_ids_BS is None:
@@ -103,24 +109,15 @@ def attention_sdpa(q_BSHD: torch.Tensor, k_BSKD: torch.Tensor, v_BSKD: torch.Ten
     return torch.cat(rows).transpose(1, 2)
 
 
-# ---- RoPE ---------------------------------------------------------------------------------------
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+# ---- RoPE (models/common/rope.py) -----------------------------------------------------------------
+rotate_half = rope.rotate_half
 
 
 def rope_cos_sin(position_ids_BS: torch.Tensor, head_dim: int, theta: float,
                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """``cos, sin [B, S, D]`` computed in float32 as HF's default RoPE, then cast to ``dtype``.
-
-    Computed on the fly (D/2 frequencies) rather than kept as a buffer, so a model-wide ``.to(dtype)``
-    cannot round the frequencies.
-    """
-    dev = position_ids_BS.device
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=dev) / head_dim))
-    freqs = position_ids_BS[..., None].float() * inv_freq
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    """``cos, sin [B, S, D]`` of HF's default RoPE (float32, then cast to ``dtype``)."""
+    freq, factor = rope.inv_freq(head_dim, theta, device=position_ids_BS.device)
+    return rope.cos_sin(position_ids_BS, freq, factor, dtype)
 
 
 def positions_for(ctx: SeqContext, B: int, S_loc: int, device: torch.device) -> torch.Tensor:
@@ -148,7 +145,15 @@ def kv_repeats(num_heads: int, num_kv_heads: int, cp_size: int) -> int:
 
 # ---- module -------------------------------------------------------------------------------------
 class Attention(nn.Module):
-    """GQA softmax attention with RoPE; HF names q_proj, k_proj, v_proj, o_proj, q_norm, k_norm."""
+    """GQA softmax attention with RoPE; HF names q_proj, k_proj, v_proj, o_proj, q_norm, k_norm.
+
+    The options each family's reference has (``ModelSpec``): q/k RMSNorm per head (Qwen3, GLM-4.5) or over
+    all heads' channels before the head split (``qk_norm_scope = "all"``, OLMoE), ``clip_qkv`` (OLMoE),
+    partial rotation (``partial_rotary_factor``: GLM-4.5, Qwen3-Next), linear / YaRN RoPE
+    (``rope_scaling``), an output projection bias apart from q/k/v's (``o_proj_bias``), and Qwen3-Next's
+    gated attention (``attn_output_gate``: ``q_proj`` gives each head's query and a gate,
+    ``o = attn * sigmoid(gate)`` before ``o_proj``) with its zero-centered norms.
+    """
 
     def __init__(self, spec: ModelSpec, layer: str = "self_attn") -> None:
         super().__init__()
@@ -156,32 +161,57 @@ class Attention(nn.Module):
         Hq, Hkv = spec.num_attention_heads, spec.num_key_value_heads
         if Hkv < 1 or Hq % Hkv:
             raise ValueError(f"num_key_value_heads ({Hkv}) must divide num_attention_heads ({Hq})")
+        if spec.qk_norm_scope not in ("head", "all"):
+            raise ValueError(f"qk_norm_scope must be 'head' or 'all', got {spec.qk_norm_scope!r}")
         self.num_heads, self.num_kv_heads, self.head_dim = Hq, Hkv, D
-        self.rope_theta, self.scale, self.layer = spec.rope_theta, D**-0.5, layer
+        self.scale, self.layer, self.clip_qkv, self.gated = D**-0.5, layer, spec.clip_qkv, spec.attn_output_gate
+        self.rope_theta, self.rope_scaling = spec.rope_theta, dict(spec.rope_scaling)
+        self.rotary_dim = rope.rotary_dim(D, spec.partial_rotary_factor)
+        self.max_positions = spec.max_position_embeddings
         bias = spec.attention_bias
-        self.q_proj = nn.Linear(H, Hq * D, bias=bias)
+        self.q_proj = nn.Linear(H, Hq * D * (2 if self.gated else 1), bias=bias)
         self.k_proj = nn.Linear(H, Hkv * D, bias=bias)
         self.v_proj = nn.Linear(H, Hkv * D, bias=bias)
-        self.o_proj = nn.Linear(Hq * D, H, bias=bias)
-        self.q_norm = RMSNorm(D, spec.rms_norm_eps) if spec.qk_norm else None
-        self.k_norm = RMSNorm(D, spec.rms_norm_eps) if spec.qk_norm else None
+        self.o_proj = nn.Linear(Hq * D, H, bias=spec.o_proj_bias)
+        self.per_head_norm = spec.qk_norm_scope == "head"
+        q_dim, k_dim = (D, D) if self.per_head_norm else (Hq * D, Hkv * D)
+        eps, zc = spec.rms_norm_eps, spec.norm_zero_centered
+        self.q_norm = make_norm(q_dim, eps, zc) if spec.qk_norm else None
+        self.k_norm = make_norm(k_dim, eps, zc) if spec.qk_norm else None
+
+    def _qkv(self, x_BSH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """q ``[B, S, Hq, D]``, k, v ``[B, S, Hkv, D]`` after the norms and the clamp; the output gate or None."""
+        B, S_loc, _ = x_BSH.shape
+        Hq, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        q, gate = self.q_proj(x_BSH), None
+        if self.gated:  # per head [query | gate]
+            q, gate = q.view(B, S_loc, Hq, 2 * D).chunk(2, dim=-1)
+            gate = gate.reshape(B, S_loc, Hq * D)
+        k, v = self.k_proj(x_BSH), self.v_proj(x_BSH)
+        if self.q_norm is not None and not self.per_head_norm:  # over all heads' channels (OLMoE)
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip_qkv is not None:
+            q, k, v = (t.clamp(min=-self.clip_qkv, max=self.clip_qkv) for t in (q, k, v))
+        q, k, v = q.reshape(B, S_loc, Hq, D), k.view(B, S_loc, Hkv, D), v.view(B, S_loc, Hkv, D)
+        if self.q_norm is not None and self.per_head_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, v, gate
 
     def forward(self, x_BSH: torch.Tensor, ctx: SeqContext) -> torch.Tensor:
         B, S_loc, _ = x_BSH.shape
-        q = self.q_proj(x_BSH).view(B, S_loc, self.num_heads, self.head_dim)
-        k = self.k_proj(x_BSH).view(B, S_loc, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x_BSH).view(B, S_loc, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v, gate = self._qkv(x_BSH)
         positions_BS = positions_for(ctx, B, S_loc, x_BSH.device)
-        cos, sin = rope_cos_sin(positions_BS, self.head_dim, self.rope_theta, q.dtype)
+        freq, factor = rope.inv_freq(self.rotary_dim, self.rope_theta, self.rope_scaling, self.max_positions,
+                                     x_BSH.device)
+        cos, sin = rope.cos_sin(positions_BS, freq, factor, q.dtype)
         cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
         rep = kv_repeats(self.num_heads, self.num_kv_heads, ctx.cp_size) if ctx.cp_size > 1 else 1
         if rep > 1:  # copies; KV head j becomes heads j*rep .. j*rep+rep-1, so the GQA grouping holds
             k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
         q, k, v = ctx.seq_to_heads(q), ctx.seq_to_heads(k), ctx.seq_to_heads(v)
         o = dispatch.call("attention", q, k, v, ctx.full_doc_ids(), self.scale, layer=self.layer)
-        o = ctx.heads_to_seq(o)
-        return self.o_proj(o.reshape(B, S_loc, self.num_heads * self.head_dim))
+        o = ctx.heads_to_seq(o).reshape(B, S_loc, self.num_heads * self.head_dim)
+        if gate is not None:
+            o = o * torch.sigmoid(gate)
+        return self.o_proj(o)

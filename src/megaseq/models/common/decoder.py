@@ -28,7 +28,7 @@ from torch import nn
 
 from megaseq.models.common.context import SeqContext, positions_from_doc_ids
 from megaseq.models.common.kda import GatedRMSNorm
-from megaseq.models.common.norm import RMSNorm
+from megaseq.models.common.norm import RMSNorm, ZeroCenteredRMSNorm, make_norm
 from megaseq.models.spec import ModelSpec
 
 INIT_STD = 0.02  # HF's initializer_range default
@@ -39,6 +39,7 @@ def init_module(module: nn.Module, std: float) -> None:
     """HF's init of one module's own tensors: normal(0, std) for linear/conv weights and embeddings (the
     padding row zero), zero biases, ones for norm weights; a block with ``init_weights`` does its own."""
     own = getattr(type(module), "init_weights", None)
+    assert own is not None or not isinstance(module, ZeroCenteredRMSNorm)
     if own is not None:
         own(module, std)
     elif isinstance(module, (nn.Linear, nn.Conv1d)):
@@ -65,7 +66,7 @@ class CausalLM(nn.Module):
         pad = pad if pad is not None and 0 <= pad < spec.vocab_size else None  # presets may name no real row
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size, padding_idx=pad)
         self.layers = nn.ModuleList(make_layer(i) for i in range(spec.num_layers))
-        self.norm = RMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
+        self.norm = make_norm(spec.hidden_size, spec.rms_norm_eps, spec.norm_zero_centered)
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         self.reset_parameters()
         if spec.tie_word_embeddings:  # after the init, as HF ties: the head is the embedding

@@ -1,4 +1,4 @@
-"""MLA attention (NoPE) with DeepSeek sparse attention and GLM's pooled lightning indexer.
+"""MLA attention with DeepSeek sparse attention: GLM's pooled lightning indexer (NoPE) and DeepSeek-V3.2's.
 
 Shapes: B batch, Q = S_loc queries on this rank, S the full sequence (keys), Hh attention heads,
 R kv_lora_rank, Dn qk_nope_head_dim, Dv v_head_dim (qk_rope_head_dim is 0: GLM's MLA is NoPE),
@@ -23,6 +23,12 @@ visible. The incomplete tail pool (the ``pos % kp`` most recent tokens) is alway
 ``shared`` layer reuses the previous full layer's selection (``ctx.carry["topk"]``). The indexer runs
 under ``no_grad`` like the reference, so its parameters get no gradient from the LM loss.
 
+DeepSeek-V3.2 (``indexer="deepseek"``): the MLA rotates a shared key part (``Dr`` dims, ``models.common.mla``),
+so the gathered latent is ``[c | k_rot]`` ``[B, S, R + Dr]`` and q carries ``Dn + Dr`` dims; the op's
+reference appends ``k_rot`` to every head's keys. Its indexer scores every token (no pools: kp = 1, no
+gate, no ape, no tail) with RoPE on the first ``Dr`` dims of its queries and keys (half-split, not
+interleaved, as HF's ``DeepseekV32Indexer``).
+
 Context parallelism (gather-KV): queries stay local at global positions ``ctx.seq_offset() + i``;
 latents and indexer keys of the whole sequence are gathered. Documents: a query only selects keys
 of its own document, and pools never straddle documents, which equals running each document alone.
@@ -35,9 +41,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from megaseq.models.common import rope
+from megaseq.models.common.attention import positions_for
 from megaseq.models.common.context import SeqContext, positions_from_doc_ids
 from megaseq.models.common.mhc import compute_dtype
-from megaseq.models.common.norm import RMSNorm
+from megaseq.models.common.mla import MultiLatentAttention
 from megaseq.models.spec import ModelSpec
 from megaseq.ops import dispatch, indexer_scoring, indexer_topk, triton_sparse_mla  # noqa: F401  (register the Triton kernels, opt-in)
 from megaseq.ops import sparse_mla as _sparse_mla  # noqa: F401  (registers the absorbed op)
@@ -96,26 +104,38 @@ def expand_latent(c_BSR: torch.Tensor, kv_b_weight: torch.Tensor, num_heads: int
 @dispatch.register("sparse_attention", "torch_masked", reference=True)
 def sparse_mla_reference(q_BQHD: torch.Tensor, c_BSR: torch.Tensor, kv_b_weight: torch.Tensor,
                          idx_BQW: torch.Tensor, scale: float) -> torch.Tensor:
-    """NoPE MLA over the selected keys: ``[B, Q, Hh, Dv]``, the HF computation.
+    """MLA over the selected keys: ``[B, Q, Hh, Dv]``, the HF computation.
 
-    ``q [B, Q, Hh, Dn]``, the latent ``c [B, S, R]`` (kv_a_layernorm output, whole sequence), the
+    ``q [B, Q, Hh, Dn (+ Dr)]``, the latent ``c [B, S, R (+ Dr)]`` (kv_a_layernorm output, whole sequence;
+    with DeepSeek's RoPE its last Dr channels are the rotated key part every head shares), the
     ``kv_b_proj`` weight ``[Hh * (Dn + Dv), R]``; the keys and values are expanded for all heads and
-    every selected key is attended with a mask (``sparse_attention_reference``). The fast op
-    ``absorbed`` (``megaseq.ops.sparse_mla``) takes the same arguments.
+    every selected key is attended with a mask (``sparse_attention_reference``). The fast ops
+    (``absorbed``, ``megaseq.ops.sparse_mla``; Triton) take the same arguments and run NoPE latents only.
     """
-    Hh, Dn = q_BQHD.shape[2], q_BQHD.shape[3]
-    k, v = expand_latent(c_BSR, kv_b_weight, Hh, Dn)
+    Hh, Dq = q_BQHD.shape[2], q_BQHD.shape[3]
+    R = kv_b_weight.shape[1]
+    Dr = c_BSR.shape[-1] - R
+    k, v = expand_latent(c_BSR[..., :R] if Dr else c_BSR, kv_b_weight, Hh, Dq - Dr)
+    if Dr:
+        B, S = c_BSR.shape[:2]
+        k = torch.cat([k, c_BSR[..., R:].unsqueeze(1).expand(B, Hh, S, Dr)], dim=-1)
     return sparse_attention_reference(q_BQHD.transpose(1, 2), k, v, idx_BQW, scale)
 
 
 # ---- indexer -------------------------------------------------------------------------------------------
 class Indexer(nn.Module):
-    """GLM's pooled lightning indexer; HF name ``indexer``, parameters as ``Glm5NextTextIndexer``."""
+    """The lightning indexer; HF name ``indexer``. ``pooled``: GLM's (parameters as ``Glm5NextTextIndexer``);
+    else DeepSeek-V3.2's (``DeepseekV32Indexer``: kp = 1, no pooling tensors, RoPE on ``rope_dim`` dims)."""
 
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, pooled: bool = True) -> None:
         super().__init__()
         I, Di, kp = spec.index_n_heads, spec.index_head_dim, spec.index_kpool
-        self.n_heads, self.head_dim, self.kpool = I, Di, kp
+        if not pooled and kp != 1:
+            raise ValueError(f"DeepSeek's indexer scores single tokens: index_kpool must be 1, got {kp}")
+        self.n_heads, self.head_dim, self.kpool, self.pooled = I, Di, kp, pooled
+        self.rope_dim = 0 if pooled else spec.qk_rope_head_dim
+        self.rope_theta, self.rope_scaling = spec.rope_theta, dict(spec.rope_scaling)
+        self.max_positions = spec.max_position_embeddings
         self.index_topk = spec.index_topk
         self.select_tail = spec.index_kpool_always_select_tail
         self.softmax_scale = Di**-0.5
@@ -123,8 +143,9 @@ class Indexer(nn.Module):
         self.wk = nn.Linear(spec.hidden_size, Di, bias=False)
         self.k_norm = nn.LayerNorm(Di, eps=1e-6)
         self.weights_proj = nn.Linear(spec.hidden_size, I, bias=False)
-        self.index_kpool_compress_ape = nn.Parameter(torch.zeros(kp, Di))
-        self.index_kpool_compress_gate = nn.Parameter(torch.ones(Di, spec.hidden_size))
+        if pooled:
+            self.index_kpool_compress_ape = nn.Parameter(torch.zeros(kp, Di))
+            self.index_kpool_compress_gate = nn.Parameter(torch.ones(Di, spec.hidden_size))
         # scoring rows per chunk (None: as many as ``ops.indexer_scoring.SCORING_BUDGET_BYTES`` allows): the
         # op's working-set bound, which the family's ``parallelize`` sets from the memory plan
         self.query_chunk: int | None = None
@@ -133,18 +154,31 @@ class Indexer(nn.Module):
     @torch.no_grad()
     def init_weights(self, std: float) -> None:
         """HF's init of the pooling tensors (the linears and the key norm are initialised as modules)."""
-        self.index_kpool_compress_ape.zero_()
-        self.index_kpool_compress_gate.fill_(1.0)
+        if self.pooled:
+            self.index_kpool_compress_ape.zero_()
+            self.index_kpool_compress_gate.fill_(1.0)
+
+    def _rope(self, x_BQD: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None) -> torch.Tensor:
+        return x_BQD if cos is None else rope.apply(x_BQD, cos, sin)
 
     @torch.no_grad()
     def forward(self, x_BQH: torch.Tensor, q_resid_BQR: torch.Tensor, ctx: SeqContext) -> torch.Tensor:
         """Selected key indices (global, -1 = empty) ``[B, Q, W]`` int32."""
         B, Q, _ = x_BQH.shape
-        k_BQD = self.k_norm(self.wk(x_BQH))
-        gate_BQD = F.linear(x_BQH, self.index_kpool_compress_gate)
-        k_BSD, gate_BSD = ctx.gather_seq(torch.cat([k_BQD, gate_BQD], dim=-1), key=f"{self.layer}.keys").split(
-            self.head_dim, dim=-1)
-        del k_BQD, gate_BQD
+        cos = sin = None
+        if self.rope_dim:  # DeepSeek: the first rope_dim dims of keys and queries rotated at their positions
+            freq, factor = rope.inv_freq(self.rope_dim, self.rope_theta, self.rope_scaling, self.max_positions,
+                                         x_BQH.device)
+            cos, sin = rope.cos_sin(positions_for(ctx, B, Q, x_BQH.device), freq, factor, x_BQH.dtype)
+        k_BQD = self._rope(self.k_norm(self.wk(x_BQH)), cos, sin)
+        if self.pooled:
+            gate_BQD = F.linear(x_BQH, self.index_kpool_compress_gate)
+            k_BSD, gate_BSD = ctx.gather_seq(torch.cat([k_BQD, gate_BQD], dim=-1), key=f"{self.layer}.keys").split(
+                self.head_dim, dim=-1)
+            del gate_BQD
+        else:
+            k_BSD, gate_BSD = ctx.gather_seq(k_BQD, key=f"{self.layer}.keys"), None
+        del k_BQD
         weights_BQI = self.weights_proj(x_BQH).to(compute_dtype(x_BQH.dtype)) * self.n_heads**-0.5
         S = k_BSD.shape[1]
         assert S < 2**31, "key indices are int32"
@@ -153,7 +187,7 @@ class Indexer(nn.Module):
             doc_BS = torch.zeros(B, S, dtype=torch.int64, device=x_BQH.device)
         pos_BS = positions_from_doc_ids(doc_BS)
         q_pos_Q = ctx.seq_offset() + torch.arange(Q, device=x_BQH.device)
-        pools = [self._pool_keys(k_BSD[b], gate_BSD[b], pos_BS[b]) for b in range(B)]
+        pools = [self._pool_keys(k_BSD[b], None if gate_BSD is None else gate_BSD[b], pos_BS[b]) for b in range(B)]
         del k_BSD, gate_BSD
         kp = self.kpool
         num = [min(self.index_topk // kp, tok_Pk.shape[0]) for _, tok_Pk in pools]
@@ -161,13 +195,17 @@ class Indexer(nn.Module):
         # the selection is the big tensor ([Q, W] int32: 8 GiB at 1M tokens): written in place, once
         out = torch.full((B, Q, max(num) * kp + tail), -1, dtype=torch.int32, device=x_BQH.device)
         for b, (keys_PD, tok_Pk) in enumerate(pools):
+            rot = None if cos is None else (cos[b].unsqueeze(1), sin[b].unsqueeze(1))
             self._select_row(out[b], num[b], q_resid_BQR[b], weights_BQI[b], keys_PD, tok_Pk, doc_BS[b],
-                             pos_BS[b], q_pos_Q)
+                             pos_BS[b], q_pos_Q, rot)
         return out
 
     def _pool_keys(self, k_SD: torch.Tensor, gate_SD: torch.Tensor, pos_S: torch.Tensor):
-        """Complete pools: (keys ``[P, Di]``, token indices ``[P, kp]``), in sequence order."""
+        """Complete pools: (keys ``[P, Di]``, token indices ``[P, kp]``), in sequence order (unpooled: every
+        token its own pool)."""
         kp = self.kpool
+        if gate_SD is None:
+            return k_SD, torch.arange(k_SD.shape[0], device=k_SD.device)[:, None]
         ends_P = torch.nonzero((pos_S + 1) % kp == 0).squeeze(-1)
         tok_Pk = ends_P[:, None] - (kp - 1) + torch.arange(kp, device=k_SD.device)
         cd = compute_dtype(k_SD.dtype)
@@ -175,7 +213,8 @@ class Indexer(nn.Module):
         probs = logits.softmax(dim=1).to(k_SD.dtype)  # per channel, over the kp tokens of the pool
         return (probs * k_SD[tok_Pk]).sum(dim=1), tok_Pk
 
-    def _select_row(self, out_QW, num_pools, q_resid_QR, w_QI, keys_PD, tok_Pk, doc_S, pos_S, q_pos_Q) -> None:
+    def _select_row(self, out_QW, num_pools, q_resid_QR, w_QI, keys_PD, tok_Pk, doc_S, pos_S, q_pos_Q,
+                    rot: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """One batch row into ``out_QW``: ``num_pools * kp`` selected pool tokens, then the tail pool.
 
         Queries go a scoring chunk at a time (``query_chunk``), their indexer queries projected per
@@ -190,6 +229,8 @@ class Indexer(nn.Module):
         for s in range(0, Q, chunk):
             e = min(s + chunk, Q)
             q_cID = self.wq_b(q_resid_QR[s:e]).view(e - s, I, Di)
+            if rot is not None:  # DeepSeek: this chunk's queries rotated at their positions
+                q_cID = rope.apply(q_cID, rot[0][s:e], rot[1][s:e])
             sel_cK, ok_cK = dispatch.call(
                 "indexer_topk", q_cID, w_QI[s:e], keys_PD, pool_end_P, pool_doc_P, q_pos_Q[s:e], q_doc_Q[s:e],
                 self.index_topk // kp, self.softmax_scale, query_chunk=e - s, layer=self.layer)
@@ -203,32 +244,24 @@ class Indexer(nn.Module):
 
 
 # ---- attention -----------------------------------------------------------------------------------------
-class MLASparseAttention(nn.Module):
-    """MLA + DSA token mixer; parameter names mirror ``Glm5NextTextAttention``.
+class MLASparseAttention(MultiLatentAttention):
+    """MLA + DSA token mixer; parameter names mirror ``Glm5NextTextAttention`` / ``DeepseekV32Attention``.
 
     ``topk_source`` is the index of the layer whose selection a ``shared`` layer reuses (None for a
     full layer); ``layer_idx`` is this layer's index, recorded with the selection it publishes.
+    ``indexer``: "glm5" (pooled, NoPE; the latent norms at ``rms_norm_eps``) or "deepseek" (V3.2's: every
+    token scored, RoPE; the latent norms at HF's default 1e-6).
     """
 
     def __init__(self, spec: ModelSpec, layer_idx: int, topk_source: int | None = None,
-                 layer: str = "dsa") -> None:
-        super().__init__()
-        H, Hh = spec.hidden_size, spec.num_attention_heads
-        R, Dr, Dn, Dv = spec.kv_lora_rank, spec.qk_rope_head_dim, spec.qk_nope_head_dim, spec.v_head_dim
-        if Dr:  # HF's glm5_next config refuses it too; DeepSeek-style rotated MLA is not implemented
-            raise ValueError(f"qk_rope_head_dim = {Dr}: megaseq's MLA is NoPE (GLM-5.3-Flash); set it to 0")
-        self.num_heads, self.kv_lora_rank, self.rope_dim, self.nope_dim, self.v_dim = Hh, R, Dr, Dn, Dv
-        self.layer_idx, self.topk_source, self.layer = layer_idx, topk_source, layer
-        bias = spec.attention_bias
-        self.q_a_proj = nn.Linear(H, spec.q_lora_rank, bias=bias)
-        self.q_a_layernorm = RMSNorm(spec.q_lora_rank, eps=spec.rms_norm_eps)
-        self.q_b_proj = nn.Linear(spec.q_lora_rank, Hh * (Dn + Dr), bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(H, R + Dr, bias=bias)
-        self.kv_a_layernorm = RMSNorm(R, eps=spec.rms_norm_eps)
-        self.kv_b_proj = nn.Linear(R, Hh * (Dn + Dv), bias=False)
-        self.o_proj = nn.Linear(Hh * Dv, H, bias=bias)
-        self.scaling = (Dn + Dr) ** -0.5
-        self.indexer = Indexer(spec) if topk_source is None else None
+                 layer: str = "dsa", indexer: str = "glm5") -> None:
+        if indexer not in ("glm5", "deepseek"):
+            raise ValueError(f"indexer must be 'glm5' or 'deepseek', got {indexer!r}")
+        if indexer == "glm5" and spec.qk_rope_head_dim:  # HF's glm5_next config refuses it too
+            raise ValueError(f"qk_rope_head_dim = {spec.qk_rope_head_dim}: GLM-5.3-Flash's MLA is NoPE; set it to 0")
+        super().__init__(spec, layer, latent_norm_eps=spec.rms_norm_eps if indexer == "glm5" else 1e-6)
+        self.layer_idx, self.topk_source = layer_idx, topk_source
+        self.indexer = Indexer(spec, pooled=indexer == "glm5") if topk_source is None else None
         if self.indexer is not None:
             self.indexer.layer = f"{layer}.indexer"
 
@@ -246,10 +279,9 @@ class MLASparseAttention(nn.Module):
 
     def forward(self, x_BQH: torch.Tensor, ctx: SeqContext) -> torch.Tensor:
         B, Q, _ = x_BQH.shape
-        q_resid = self.q_a_layernorm(self.q_a_proj(x_BQH))
-        q_BQHD = self.q_b_proj(q_resid).view(B, Q, self.num_heads, self.nope_dim)
-        c_BSR = ctx.gather_seq(self.kv_a_layernorm(self.kv_a_proj_with_mqa(x_BQH)), key=f"{self.layer}.latent")
+        q_BQHD, latent_BQC, q_resid = self.project(x_BQH, ctx)
+        c_BSC = ctx.gather_seq(latent_BQC, key=f"{self.layer}.latent")
         idx = self._selection(x_BQH, q_resid, ctx)
-        out = dispatch.call("sparse_attention", q_BQHD, c_BSR, self.kv_b_proj.weight, idx, self.scaling,
+        out = dispatch.call("sparse_attention", q_BQHD, c_BSC, self.kv_b_proj.weight, idx, self.scaling,
                             layer=self.layer)
         return self.o_proj(out.reshape(B, Q, -1))

@@ -33,6 +33,18 @@ The router's ``weight`` (and the bias buffer) are created in float32, as HF keep
 (``_keep_in_fp32_modules_strict``); ``FP32_PARAM_SUFFIXES`` lists them for a builder that casts the
 rest of the model to bf16. The forward casts as described whatever their stored dtype.
 
+Balancing during training (``megaseq.train.balance`` drives it; the model only keeps the statistics):
+every forward leaves ``last_tokens_per_expert`` (and, with an auxiliary loss, ``last_router_prob_sum``,
+the router probabilities summed over the tokens); memory schemes that run the MoE in chunks sum both
+over the chunks (``_tile_summed_attrs``). The auxiliary load-balancing loss (Switch / HF
+``load_balancing_loss_func``) is ``coef * E * sum_i f_i P_i`` with ``f_i`` the fraction of routed
+assignments to expert i (no gradient) and ``P_i`` the mean router probability: its gradient with
+respect to each token's probability of expert i is the same constant for every token, known once the
+whole batch has been routed. So instead of a loss term the router hands that constant to its
+probabilities in backward (``_AuxLossGrad``, Megatron's ``MoEAuxLossAutoScaler`` idea): exact under
+tiling, recompute and sequence segments, whose replays all run backward after the statistics are known.
+The trainer sets ``aux_grad_E`` after each forward from the statistics of the whole (global) batch.
+
 Expert weights use the HF v5 fused layout: ``gate_up_proj [E, 2I, H]`` (gate rows first) and
 ``down_proj [E, H, I]``. The per-expert matmuls go through op ``grouped_mm`` of ``megaseq.ops.dispatch``.
 """
@@ -108,6 +120,7 @@ class TopKRouter(nn.Module):
         self.num_experts, self.top_k = E, spec.num_experts_per_tok
         self.n_group, self.topk_group = spec.n_group, spec.topk_group
         self.norm_topk_prob = spec.norm_topk_prob
+        self.weights_fp32 = spec.router_weights_fp32  # Mixtral keeps its routing weights float32
         self.routed_scaling_factor = spec.routed_scaling_factor
         self.weight = nn.Parameter(torch.empty(E, H, dtype=torch.float32).normal_(0.0, 0.02))
         if self.router == "sigmoid_bias":
@@ -122,17 +135,22 @@ class TopKRouter(nn.Module):
     def forward(self, x_NH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``x_NH -> (weights_NK, experts_NK)``; weights in ``promote_types(x.dtype, float32)`` (sigmoid)
         or x's dtype (softmax)."""
+        return self.route(x_NH)[:2]
+
+    def route(self, x_NH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``(weights_NK, experts_NK, probs_NE)``: ``probs_NE`` the softmax router's probabilities over all
+        experts (what an auxiliary loss reads), None for the sigmoid router."""
         if self.router == "softmax":
             return self._softmax(x_NH)
-        return self._sigmoid_bias(x_NH)
+        return (*self._sigmoid_bias(x_NH), None)
 
-    def _softmax(self, x_NH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _softmax(self, x_NH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         logits_NE = F.linear(x_NH, self.weight.to(x_NH.dtype))
         probs_NE = F.softmax(logits_NE, dim=-1, dtype=torch.promote_types(logits_NE.dtype, torch.float32))
         top_NK, experts_NK = torch.topk(probs_NE, self.top_k, dim=-1)
         if self.norm_topk_prob:
             top_NK = top_NK / top_NK.sum(dim=-1, keepdim=True)
-        return top_NK.to(logits_NE.dtype), experts_NK
+        return (top_NK if self.weights_fp32 else top_NK.to(logits_NE.dtype)), experts_NK, probs_NE
 
     def _sigmoid_bias(self, x_NH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         E, G = self.num_experts, self.n_group
@@ -222,8 +240,35 @@ class ExpertDispatch:
         return experts(x_NH, experts_NK, weights_NK)
 
 
+class _AuxLossGrad(torch.autograd.Function):
+    """Identity on the routing weights; in backward it gives the router probabilities ``probs_NE`` the
+    auxiliary loss's gradient ``moe.aux_grad_E`` (one value per expert, the same for every token), read
+    when backward runs: the trainer sets it after the forward, from the whole batch's statistics."""
+
+    @staticmethod
+    def forward(ctx, weights_NK: torch.Tensor, probs_NE: torch.Tensor, moe: MoE) -> torch.Tensor:
+        ctx.moe, ctx.shape, ctx.dtype = moe, probs_NE.shape, probs_NE.dtype
+        return weights_NK.view_as(weights_NK)
+
+    @staticmethod
+    def backward(ctx, grad_NK: torch.Tensor):
+        g_E = ctx.moe.aux_grad_E
+        if g_E is None:
+            raise RuntimeError(f"{ctx.moe.experts.layer}: the auxiliary balancing loss is on (aux_loss_coef "
+                               f"{ctx.moe.aux_loss_coef}) but no aux_grad_E was set between the forward and the "
+                               "backward: megaseq.train.balance.Balancer.after_forward sets it")
+        return grad_NK, g_E.to(ctx.dtype).expand(ctx.shape), None
+
+
 class MoE(nn.Module):
-    """Router ``gate`` + routed ``experts`` + optional ``shared_experts``; input ``[..., H]``."""
+    """Router ``gate`` + routed ``experts`` + optional ``shared_experts`` (or Qwen3-Next's gated
+    ``shared_expert``); input ``[..., H]``.
+
+    ``aux_loss_coef`` (0: off; set by the trainer's balancing, not by the model) turns on the auxiliary
+    loss's gradient (``_AuxLossGrad``) and the ``last_router_prob_sum`` statistic."""
+
+    # per-forward statistics that memory schemes running the module in chunks sum over the chunks
+    _tile_summed_attrs = ("last_tokens_per_expert", "last_router_prob_sum")
 
     def __init__(self, spec: ModelSpec, layer: str = "moe") -> None:
         super().__init__()
@@ -231,20 +276,32 @@ class MoE(nn.Module):
         self.gate = TopKRouter(spec)
         self.experts = Experts(spec.num_experts, spec.hidden_size, spec.moe_intermediate_size,
                                spec.swiglu_limit, layer=layer)
-        self.shared_experts = None
-        if spec.num_shared_experts > 0:
-            self.shared_experts = MLP(spec.hidden_size, spec.moe_intermediate_size * spec.num_shared_experts,
-                                      spec.swiglu_limit, layer=f"{layer}.shared_experts")
+        self.shared_experts = self.shared_expert = self.shared_expert_gate = None
+        shared = spec.shared_expert_intermediate_size or spec.moe_intermediate_size * spec.num_shared_experts
+        if spec.shared_expert_gate:  # Qwen3-Next: one gated shared expert, HF names shared_expert(_gate)
+            self.shared_expert = MLP(spec.hidden_size, shared, spec.swiglu_limit, layer=f"{layer}.shared_expert")
+            self.shared_expert_gate = nn.Linear(spec.hidden_size, 1, bias=False)
+        elif spec.num_shared_experts > 0:
+            self.shared_experts = MLP(spec.hidden_size, shared, spec.swiglu_limit, layer=f"{layer}.shared_experts")
         self.expert_dispatch = ExpertDispatch()
         self.last_tokens_per_expert = torch.zeros(spec.num_experts, dtype=torch.int64)
+        self.aux_loss_coef = 0.0
+        self.aux_grad_E: torch.Tensor | None = None
+        self.last_router_prob_sum: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x_NH = x.reshape(-1, x.shape[-1])
-        weights_NK, experts_NK = self.gate(x_NH)
+        weights_NK, experts_NK, probs_NE = self.gate.route(x_NH)
+        if self.aux_loss_coef and probs_NE is not None:
+            self.last_router_prob_sum = probs_NE.detach().sum(dim=0)
+            if probs_NE.requires_grad:
+                weights_NK = _AuxLossGrad.apply(weights_NK, probs_NE, self)
         out_NH, counts_E = self.expert_dispatch(self.experts, x_NH, experts_NK, weights_NK)
         self.last_tokens_per_expert = counts_E.detach().to(torch.int64)
         if self.shared_experts is not None:
             out_NH = out_NH + self.shared_experts(x_NH)
+        elif self.shared_expert is not None:
+            out_NH = out_NH + torch.sigmoid(self.shared_expert_gate(x_NH)) * self.shared_expert(x_NH)
         return out_NH.view(x.shape)
 
 

@@ -44,3 +44,34 @@ class RMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}"
+
+
+class ZeroCenteredRMSNorm(nn.Module):
+    """Qwen3-Next's RMSNorm: ``rmsnorm(x) * (1 + weight)``, cast back after (weight stored as ``w - 1``,
+    initialised to 0); HF's ``Qwen3NextRMSNorm`` op for op, in ``promote_types(dtype, float32)`` where HF
+    casts to float32. Unlike ``RMSNorm`` its weight multiplies in that dtype, so in a float64 model a literal
+    float32 would reduce the weight's gradient in float32, in an order that depends on how tokens are split
+    (docs/architecture.md, "Precision in float64"); bf16/fp32 numerics are HF's."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    @torch.no_grad()
+    def init_weights(self, std: float) -> None:
+        self.weight.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        cd = torch.promote_types(x.dtype, torch.float32)
+        h = x.to(cd)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.to(cd))).type_as(x)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.eps}, zero-centered"
+
+
+def make_norm(dim: int, eps: float, zero_centered: bool = False) -> nn.Module:
+    """The family's RMSNorm over ``dim`` (``ModelSpec.norm_zero_centered``)."""
+    return ZeroCenteredRMSNorm(dim, eps) if zero_centered else RMSNorm(dim, eps)

@@ -6,7 +6,8 @@ A checkpoint key becomes a megaseq name by
 2. skipping what megaseq does not model: vision tower keys, the multi-token-prediction layer
    (``layers.{num_layers}``), ``shared_head``, rotary ``inv_freq`` buffers;
 3. the family's renames (on-disk name, in-memory name);
-4. fusions: per-expert keys ``experts.{j}.gate_proj/up_proj/down_proj.weight`` become slices of
+4. fusions: per-expert keys ``experts.{j}.gate_proj/up_proj/down_proj.weight`` (a family's
+   ``expert_projs``: Mixtral's ``w1/w3/w2``) become slices of
    ``experts.gate_up_proj [E, 2I, H]`` (gate rows first) and ``experts.down_proj [E, H, I]`` (every MoE
    family), plus the family's own (GLM's ``q/k/v_conv1d.weight`` -> thirds of ``conv1d.weight``).
    Fused keys load as they are.
@@ -26,7 +27,11 @@ from torch import nn
 
 LOAD_PREFIXES = ("model.language_model.", "language_model.model.", "language_model.", "model.")
 SKIP = re.compile(r"(^|\.)(visual|vision_tower|vision_model|multi_modal_projector)\.|shared_head\.|rotary_emb\.")
-_EXPERT = re.compile(r"^(?P<base>.+\.experts)\.(?P<j>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")  # megaseq's (and most families') per-expert names
+
+
+def _expert_pattern(names: tuple[str, str, str]) -> re.Pattern:
+    return re.compile(rf"^(?P<base>.+\.experts)\.(?P<j>\d+)\.(?P<proj>{'|'.join(names)})\.weight$")
 
 Route = tuple[str, tuple, str]  # (fused target name, index into it, slice id)
 
@@ -39,6 +44,12 @@ class StateDictAdapter:
     export_prefix: str = "model."
     renames: tuple[tuple[str, str], ...] = ()
     part_fusions: tuple[tuple[re.Pattern, str, str], ...] = ()
+    # the on-disk names of each expert's gate, up and down projections (Mixtral / Kimi-Linear: w1, w3, w2)
+    expert_projs: tuple[str, str, str] = EXPERT_PROJS
+
+    @property
+    def _expert(self) -> re.Pattern:
+        return _expert_pattern(self.expert_projs)
 
     # ---- loading ------------------------------------------------------------------------------
     def model_name(self, key: str, num_layers: int) -> str | None:
@@ -59,8 +70,8 @@ class StateDictAdapter:
 
     def route(self, name: str, targets: dict[str, torch.Tensor]) -> Route | None:
         """A per-expert or per-part key -> (fused target, index into it, slice id); None if not fused."""
-        if m := _EXPERT.match(name):
-            j, proj = int(m["j"]), m["proj"]
+        if m := self._expert.match(name):
+            j, proj = int(m["j"]), EXPERT_PROJS[self.expert_projs.index(m["proj"])]
             target = f"{m['base']}.{'down_proj' if proj == 'down_proj' else 'gate_up_proj'}"
             if target not in targets:
                 return None
@@ -95,16 +106,17 @@ class StateDictAdapter:
     # ---- export -------------------------------------------------------------------------------
     def split(self, name: str, t: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
         """A fused megaseq tensor -> its on-disk parts (megaseq-side names)."""
+        gate, up, down = self.expert_projs
         if name.endswith(".experts.gate_up_proj"):
             base, half = name[: -len(".gate_up_proj")], t.shape[1] // 2
             for j in range(t.shape[0]):
-                yield f"{base}.{j}.gate_proj.weight", t[j, :half]
-                yield f"{base}.{j}.up_proj.weight", t[j, half:]
+                yield f"{base}.{j}.{gate}.weight", t[j, :half]
+                yield f"{base}.{j}.{up}.weight", t[j, half:]
             return
         if name.endswith(".experts.down_proj"):
             base = name[: -len(".down_proj")]
             for j in range(t.shape[0]):
-                yield f"{base}.{j}.down_proj.weight", t[j]
+                yield f"{base}.{j}.{down}.weight", t[j]
             return
         for pattern, suffix, parts in self.part_fusions:
             if name.endswith("." + suffix) and pattern.match(f"{name[: -len(suffix) - 1]}.{parts[0]}_{suffix}"):

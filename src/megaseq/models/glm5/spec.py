@@ -23,7 +23,7 @@ from megaseq.models.registry import Family
 from megaseq.models.spec import DNA_VOCAB_SIZE, ModelSpec
 
 FAMILY = Family(name="glm5_next", hf_model_types=("glm5_next", "glm5_next_text"), layer_kinds=("kda", "dsa"),
-                segmentable=True, tiles_whole_layer=True, fp32_params=("router", "kda", "hc"))
+                segmentable=True, tiles_whole_layer=True, fp32_params=("router", "kda", "hc"), balance="bias")
 
 # Hugging Face spellings of the layer types, across transformers versions.
 _HF_LAYER_TYPES = {

@@ -14,38 +14,18 @@ Parallel axes: attention is the only token-mixing block and goes context-paralle
 
 from __future__ import annotations
 
-import torch
-from torch import nn
-
 from megaseq.models.common.attention import Attention
-from megaseq.models.common.context import SeqContext
 from megaseq.models.common.decoder import CausalLM
-from megaseq.models.common.mlp import MLP
-from megaseq.models.common.moe import MoE
-from megaseq.models.common.norm import RMSNorm
+from megaseq.models.common.prenorm import PreNormDecoderLayer
 from megaseq.models.spec import ModelSpec
 
 # nothing stays float32 in a bf16 model: the router casts its weight to the input's dtype, as HF's does
 FP32_PARAM_SUFFIXES: tuple[str, ...] = ()
 
 
-class Qwen3MoeDecoderLayer(nn.Module):
+def Qwen3MoeDecoderLayer(spec: ModelSpec, index: int) -> PreNormDecoderLayer:
     """``h + attn(norm(h))`` then ``h + mlp(norm(h))``; ``mlp`` is a MoE or a dense SwiGLU."""
-
-    def __init__(self, spec: ModelSpec, index: int) -> None:
-        super().__init__()
-        name = f"layers.{index}"
-        self.self_attn = Attention(spec, layer=f"{name}.self_attn")
-        if spec.mlp_types[index] == "moe":
-            self.mlp: nn.Module = MoE(spec, layer=f"{name}.mlp")
-        else:
-            self.mlp = MLP(spec.hidden_size, spec.intermediate_size)
-        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-
-    def forward(self, h_BSH: torch.Tensor, ctx: SeqContext) -> torch.Tensor:
-        h_BSH = h_BSH + self.self_attn(self.input_layernorm(h_BSH), ctx)
-        return h_BSH + self.mlp(self.post_attention_layernorm(h_BSH))
+    return PreNormDecoderLayer(spec, index, Attention(spec, layer=f"layers.{index}.self_attn"))
 
 
 class Qwen3MoeModel(CausalLM):

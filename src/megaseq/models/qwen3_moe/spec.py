@@ -1,8 +1,10 @@
 """Qwen3-MoE's config.json in and out, and its preset (torch-free: the planner reads this).
 
-``from_hf`` refuses the options megaseq's Qwen3-MoE does not implement (RoPE scaling, sliding windows, an
-activation other than SiLU) rather than run a different model; fields it does not model but an export
-should carry through unchanged are kept in ``hf_extra``.
+``from_hf`` refuses the options megaseq's Qwen3-MoE does not implement (RoPE types other than default,
+linear and YaRN; sliding windows; an activation other than SiLU; attention dropout) rather than run a
+different model; fields it does not model but an export should carry through unchanged are kept in
+``hf_extra``. YaRN (``rope_parameters: {rope_type: yarn, factor, original_max_position_embeddings}``, as
+Qwen3's model cards describe for contexts past 32K) runs as ``models.common.rope`` computes it.
 
 Presets: ``qwen3-moe-tiny``, a CPU-sized Qwen3-MoE (softmax attention + GQA + RoPE + softmax router).
 """
@@ -12,10 +14,11 @@ from __future__ import annotations
 from typing import Any
 
 from megaseq.models.registry import Family
-from megaseq.models.spec import DNA_VOCAB_SIZE, ModelSpec
+from megaseq.models.spec import DNA_VOCAB_SIZE, ModelSpec, refuse_fields, rope_from_hf, rope_to_hf
 
 FAMILY = Family(name="qwen3_moe", hf_model_types=("qwen3_moe",), layer_kinds=("attention",), segmentable=False,
-                tiles_whole_layer=False)
+                tiles_whole_layer=False, balance="aux_loss")
+AUX_LOSS_COEF = 0.001  # Qwen3MoeConfig's router_aux_loss_coef default
 
 
 def from_hf(c: dict[str, Any]) -> ModelSpec:
@@ -26,10 +29,12 @@ def from_hf(c: dict[str, Any]) -> ModelSpec:
     # transformers 5 writes the attribute-mapped name num_local_experts; hub configs say num_experts
     num_experts = c.get("num_experts", c.get("num_local_experts", 128))
     _check_qwen3_moe_supported(c)
+    theta, scaling, partial = rope_from_hf(c, "qwen3_moe")
+    if partial != 1.0:
+        raise ValueError(f"qwen3_moe partial_rotary_factor {partial} is not supported (Qwen3 rotates whole heads)")
     mlp = [
         "moe" if (i not in mlp_only and num_experts > 0 and (i + 1) % step == 0) else "dense" for i in range(n)
     ]
-    rope = c.get("rope_parameters") or {}
     heads = c.get("num_attention_heads", 32)
     return ModelSpec(
         family="qwen3_moe",
@@ -47,37 +52,36 @@ def from_hf(c: dict[str, Any]) -> ModelSpec:
         moe_intermediate_size=c.get("moe_intermediate_size", 768),
         router="softmax",
         norm_topk_prob=c.get("norm_topk_prob", False),
+        router_aux_loss_coef=c.get("router_aux_loss_coef", AUX_LOSS_COEF),
         num_attention_heads=heads,
         num_key_value_heads=c.get("num_key_value_heads", 4),
         head_dim=c.get("head_dim") or c.get("hidden_size", 2048) // heads,
-        rope_theta=rope.get("rope_theta", c.get("rope_theta", 10000.0)),
+        rope_theta=theta, rope_scaling=scaling, max_position_embeddings=c.get("max_position_embeddings", 0),
         qk_norm=True,
         attention_bias=c.get("attention_bias", False),
+        o_proj_bias=c.get("attention_bias", False),
         hf_extra={k: c[k] for k in _QWEN3_MOE_EXTRA if k in c},
     )
 
 
 # config.json fields a qwen3_moe spec does not model but an export should carry through unchanged
-_QWEN3_MOE_EXTRA = ("max_position_embeddings", "bos_token_id", "eos_token_id", "initializer_range",
-                    "router_aux_loss_coef", "hidden_act")
+_QWEN3_MOE_EXTRA = ("bos_token_id", "eos_token_id", "initializer_range",
+                    "hidden_act")
 
 
 def _check_qwen3_moe_supported(c: dict[str, Any]) -> None:
     """Options megaseq's qwen3_moe does not implement: refuse them rather than run a different model."""
-    rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-        raise ValueError(f"qwen3_moe rope_type {rope_type!r} is not supported (only 'default' RoPE); "
-                         "remove rope scaling from config.json or use a checkpoint without it")
     if c.get("use_sliding_window"):
         raise ValueError("qwen3_moe use_sliding_window=true is not supported; set it to false in config.json")
     if c.get("hidden_act", "silu") != "silu":
         raise ValueError(f"qwen3_moe hidden_act {c['hidden_act']!r} is not supported (SwiGLU needs 'silu')")
+    refuse_fields(c, "qwen3_moe", {"attention_dropout": (0, 0.0), "router_jitter_noise": (0, 0.0, None)})
 
 
 # ---- config.json out ------------------------------------------------------------------------
 def to_hf(s: ModelSpec) -> dict[str, Any]:
-    if s.router != "softmax" or s.num_shared_experts or s.swiglu_limit is not None or not s.qk_norm:
+    if s.router != "softmax" or s.num_shared_experts or s.swiglu_limit is not None or not s.qk_norm \
+            or s.o_proj_bias != s.attention_bias:
         raise ValueError("this qwen3_moe spec cannot be written as a Qwen3MoeConfig: it needs router "
                          "'softmax', no shared experts, no swiglu_limit and qk_norm true")
     extra = {k: v for k, v in s.hf_extra.items() if k != "vision_config"}
@@ -88,11 +92,12 @@ def to_hf(s: ModelSpec) -> dict[str, Any]:
         "tie_word_embeddings": s.tie_word_embeddings, "pad_token_id": s.pad_token_id, "hidden_act": "silu",
         "num_attention_heads": s.num_attention_heads, "num_key_value_heads": s.num_key_value_heads,
         "head_dim": s.head_dim or s.hidden_size // s.num_attention_heads, "attention_bias": s.attention_bias,
-        "rope_parameters": {"rope_type": "default", "rope_theta": s.rope_theta}, "rope_theta": s.rope_theta,
+        "rope_parameters": rope_to_hf(s), "max_position_embeddings": s.max_position_embeddings or 32768,
         "use_sliding_window": False, "sliding_window": None,
         "num_experts": s.num_experts, "num_experts_per_tok": s.num_experts_per_tok,
         "moe_intermediate_size": s.moe_intermediate_size, "norm_topk_prob": s.norm_topk_prob,
-        "decoder_sparse_step": 1, "mlp_only_layers": [i for i, m in enumerate(s.mlp_types) if m == "dense"],
+        "router_aux_loss_coef": s.router_aux_loss_coef, "decoder_sparse_step": 1, "attention_dropout": 0.0,
+        "mlp_only_layers": [i for i, m in enumerate(s.mlp_types) if m == "dense"],
         **extra,
     }
 
@@ -105,7 +110,8 @@ def qwen3_moe_tiny() -> ModelSpec:
         family="qwen3_moe", vocab_size=DNA_VOCAB_SIZE, hidden_size=64, num_layers=n,
         layer_types=("attention",) * n, mlp_types=("moe",) * n, rms_norm_eps=1e-6, pad_token_id=0,
         intermediate_size=128, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-        router="softmax", norm_topk_prob=True, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        router="softmax", norm_topk_prob=True, router_aux_loss_coef=AUX_LOSS_COEF, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16,
         rope_theta=10000.0, qk_norm=True,
     )
 

@@ -1,0 +1,189 @@
+"""Gated DeltaNet (GDN): Qwen3-Next's linear-attention layer, with a pure-torch reference of its op.
+
+Shapes: B batch, S_loc tokens on this rank, S full sequence, Hk key heads, Hv value heads (r = Hv / Hk value
+heads per key head), Dk / Dv head dims, C = 2 Hk Dk + Hv Dv conv channels ``[q heads | k heads | v heads]``,
+K conv kernel, L one segment's tokens.
+
+    x --in_proj_qkvz--> per key head [q Dk | k Dk | v r Dv | z r Dv];  x --in_proj_ba--> [b r | a r]
+      q, k [B, S_loc, Hk, Dk], v, z [B, S_loc, Hv, Dv], beta = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias)
+      --seq_to_heads--> this rank's heads over the whole sequence
+      --causal depthwise conv + SiLU over [q | k | v]--> --op "gdn": the gated delta rule-->
+      o [B, S, Hv, Dv] --heads_to_seq--> gated RMSNorm (silu(z)) --out_proj--> [B, S_loc, H]
+
+The op ``gdn`` (``gdn_reference``) is HF's ``torch_chunk_gated_delta_rule`` op for op: q and k l2-normalised
+(``x * rsqrt(sum x^2 + 1e-6)``), repeated over each key head's value heads, q scaled by ``Dk^-0.5``, the
+chunk's unit-triangular system solved at once, the ``[Hv, Dk, Dv]`` state carried across chunks of 64,
+the state decayed by ``exp(g)`` per token and head (one scalar per head: GDN's gate, where KDA's is per
+channel). Documents (``cu_seqlens``) restart the conv and the state. On CUDA the dispatcher picks fla's
+``chunk_gated_delta_rule`` (``megaseq.ops.fla_gdn``) when fla-core is installed; its memory is O(S H D),
+the reference's O(S * 64 * D) per head (tests and short runs).
+
+Precision: where HF casts to float32 (the gate, the recurrence, the gated norm) we compute in
+``promote_types(dtype, float32)`` (docs/architecture.md). Context parallelism: Ulysses, as KDA (cp must
+divide Hk and Hv). Sequence segments are not implemented for this layer (its family says so).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megaseq.models.common.context import SeqContext
+from megaseq.models.common.kda import cu_seqlens_from_doc_ids
+from megaseq.models.common.mhc import compute_dtype
+from megaseq.models.spec import ModelSpec
+from megaseq.ops import dispatch
+from megaseq.ops import fla_gdn as _fla_gdn  # noqa: F401  (registers fla's gated delta rule)
+
+CHUNK = 64  # the reference's chunk (HF's)
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """HF's (and fla's) l2norm for the gated delta rule: ``x * rsqrt(sum x^2 + eps)``."""
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def _gdn_chunked(q, k, v, g, beta, state, chunk: int):
+    """One segment, ``[B, H, L, D]`` (g, beta ``[B, H, L]``) in compute dtype, q already scaled; returns
+    ``(out [B, H, L, Dv], final state [B, H, Dk, Dv])``."""
+    B, Hn, L, Dk = k.shape
+    pad = (chunk - L % chunk) % chunk
+    q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+    beta, g = F.pad(beta, (0, pad)), F.pad(g, (0, pad))
+    v_beta, k_beta = v * beta.unsqueeze(-1), k * beta.unsqueeze(-1)
+    q, k, k_beta, v_beta = (t.reshape(B, Hn, -1, chunk, t.shape[-1]) for t in (q, k, k_beta, v_beta))
+    g = g.reshape(B, Hn, -1, chunk).cumsum(dim=3)
+    upper = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
+    decay = (g.unsqueeze(4) - g.unsqueeze(3)).masked_fill(upper, float("-inf")).exp()
+    system = (k_beta @ k.transpose(-1, -2)) * decay
+    intra = (q @ k.transpose(-1, -2)) * decay
+    new_v = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
+    k_cum = torch.linalg.solve_triangular(system, k_beta * g.exp().unsqueeze(-1), upper=False, unitriangular=True)
+    q = q * g.exp().unsqueeze(-1)
+    k = k * (g[..., -1:] - g).exp().unsqueeze(-1)
+    chunk_decay = g[..., -1].exp()[..., None, None]
+    if state is None:
+        state = q.new_zeros(B, Hn, Dk, v.shape[-1])
+    outs = []
+    for i in range(q.shape[2]):
+        v_i = new_v[:, :, i] - k_cum[:, :, i] @ state
+        outs.append(q[:, :, i] @ state + intra[:, :, i] @ v_i)
+        state = state * chunk_decay[:, :, i] + k[:, :, i].transpose(-1, -2) @ v_i
+    return torch.cat(outs, dim=2)[:, :, :L], state
+
+
+@dispatch.register("gdn", "torch_chunked", reference=True)
+def gdn_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                  cu_seqlens: torch.Tensor | None = None, initial_state: torch.Tensor | None = None,
+                  return_state: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule over ``q, k [B, S, Hk, Dk]``, ``v [B, S, Hv, Dv]``, ``g, beta [B, S, Hv]``.
+
+    Each key head serves ``Hv / Hk`` consecutive value heads. The state ``[N, Hv, Dk, Dv]`` starts at
+    ``initial_state`` (None: zero) per row or per ``cu_seqlens`` segment (batch 1). Returns ``[B, S, Hv, Dv]``
+    in q's dtype; with ``return_state`` ``(out, final_state)`` in compute dtype.
+    """
+    assert cu_seqlens is None or q.shape[0] == 1, "cu_seqlens needs the batch flattened to one row"
+    cd = compute_dtype(q.dtype)
+    rep = v.shape[2] // k.shape[2]
+    bounds = [(0, q.shape[1])] if cu_seqlens is None else list(zip(cu_seqlens.tolist()[:-1], cu_seqlens.tolist()[1:]))
+    outs, states = [], []
+    for i, (s, e) in enumerate(bounds):
+        qs, ks = (l2norm(t[:, s:e].to(cd)).repeat_interleave(rep, dim=2).transpose(1, 2) for t in (q, k))
+        vs, gs, bs = (t[:, s:e].to(cd).transpose(1, 2) for t in (v, g, beta))
+        h0 = None if initial_state is None else (initial_state if cu_seqlens is None else initial_state[i:i + 1])
+        o, h = _gdn_chunked(qs * qs.shape[-1] ** -0.5, ks, vs, gs, bs, None if h0 is None else h0.to(cd), CHUNK)
+        outs.append(o.transpose(1, 2))
+        states.append(h)
+    out = (torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]).contiguous().to(q.dtype)
+    return (out, torch.cat(states)) if return_state else out
+
+
+class GatedRMSNormSilu(nn.Module):
+    """Qwen3-Next's ``Qwen3NextRMSNormGated``: ``weight * rmsnorm(x) * silu(gate)`` over the head dim; HF name
+    ``norm``. The statistics and the gate in compute dtype (HF: float32), the normalised value cast back
+    before the weight, as HF."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        cd = compute_dtype(x.dtype)
+        h = x.to(cd)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        h = self.weight * h.to(x.dtype)
+        return (h * F.silu(gate.to(cd))).to(x.dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    """The GDN token mixer; parameter names mirror ``Qwen3NextGatedDeltaNet``."""
+
+    def __init__(self, spec: ModelSpec, layer: str = "gdn") -> None:
+        super().__init__()
+        H, K = spec.hidden_size, spec.linear_conv_kernel
+        Hk, Dk = spec.linear_num_heads, spec.linear_head_dim
+        Hv, Dv = spec.linear_num_value_heads or Hk, spec.linear_value_head_dim or Dk
+        if Hv % Hk:
+            raise ValueError(f"linear_num_value_heads ({Hv}) must be a multiple of linear_num_key_heads ({Hk})")
+        self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim, self.layer = Hk, Hv, Dk, Dv, layer
+        C = 2 * Hk * Dk + Hv * Dv
+        self.conv1d = nn.Conv1d(C, C, kernel_size=K, groups=C, padding=K - 1, bias=False)
+        self.in_proj_qkvz = nn.Linear(H, 2 * Hk * Dk + 2 * Hv * Dv, bias=False)
+        self.in_proj_ba = nn.Linear(H, 2 * Hv, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(Hv))
+        self.A_log = nn.Parameter(torch.zeros(Hv))
+        self.norm = GatedRMSNormSilu(Dv, spec.rms_norm_eps)
+        self.out_proj = nn.Linear(Hv * Dv, H, bias=False)
+
+    @torch.no_grad()
+    def init_weights(self, std: float) -> None:
+        """HF's init: dt_bias ones, A_log = log U(0.01, 16) (its linears, conv and norm are initialised as
+        modules)."""
+        self.dt_bias.fill_(1.0)
+        self.A_log.copy_(torch.empty_like(self.A_log).uniform_(0.01, 16).log())
+
+    def _split(self, x_BSH: torch.Tensor):
+        """q, k ``[B, S, Hk, Dk]``, v, z ``[B, S, Hv, Dv]``, b, a ``[B, S, Hv]`` (HF's per-key-head grouping)."""
+        B, S, _ = x_BSH.shape
+        Hk, Hv, Dk, Dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
+        r = Hv // Hk
+        qkvz = self.in_proj_qkvz(x_BSH).view(B, S, Hk, 2 * Dk + 2 * r * Dv)
+        q, k, v, z = qkvz.split([Dk, Dk, r * Dv, r * Dv], dim=-1)
+        b, a = self.in_proj_ba(x_BSH).view(B, S, Hk, 2 * r).split([r, r], dim=-1)
+        return (q, k, v.reshape(B, S, Hv, Dv), z.reshape(B, S, Hv, Dv), b.reshape(B, S, Hv), a.reshape(B, S, Hv))
+
+    def _conv_weight(self, k_heads: slice, v_heads: slice) -> torch.Tensor:
+        """This rank's conv channels ``[q heads | k heads | v heads]`` of ``conv1d.weight``, ``[C_rank, K]``."""
+        w = self.conv1d.weight.squeeze(1)
+        nk, nv = self.num_k_heads * self.head_k_dim, self.num_v_heads * self.head_v_dim
+        wq, wk, wv = w.split([nk, nk, nv])
+        per_k = [t.view(self.num_k_heads, self.head_k_dim, -1)[k_heads].flatten(0, 1) for t in (wq, wk)]
+        return torch.cat(per_k + [wv.view(self.num_v_heads, self.head_v_dim, -1)[v_heads].flatten(0, 1)])
+
+    def forward(self, x_BSH: torch.Tensor, ctx: SeqContext) -> torch.Tensor:
+        B, S_loc, _ = x_BSH.shape
+        Hk, Hv, Dk, Dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
+        if Hk % ctx.cp_size or Hv % ctx.cp_size:
+            raise ValueError(f"gated DeltaNet has {Hk} key / {Hv} value heads, which context parallelism "
+                             f"cp={ctx.cp_size} must divide: choose a cp that divides linear_num_key_heads")
+        q, k, v, z, b, a = self._split(x_BSH)
+        cd = compute_dtype(x_BSH.dtype)
+        beta = torch.sigmoid(b)
+        g = -self.A_log.to(cd).exp() * F.softplus(a.to(cd) + self.dt_bias.to(cd))
+        q, k, v, g, beta = (ctx.seq_to_heads(t if t.dim() == 4 else t.unsqueeze(-1)) for t in (q, k, v, g, beta))
+        g, beta = g.squeeze(-1), beta.squeeze(-1)
+        hk, hv = q.shape[2], v.shape[2]
+        doc_ids = ctx.full_doc_ids()
+        cu = None if doc_ids is None else cu_seqlens_from_doc_ids(doc_ids)
+        rows = 1 if cu is not None else B
+        mixed = torch.cat([q.reshape(rows, -1, hk * Dk), k.reshape(rows, -1, hk * Dk), v.reshape(rows, -1, hv * Dv)],
+                          dim=-1)
+        w = self._conv_weight(ctx.head_slice(Hk), ctx.head_slice(Hv))
+        mixed = dispatch.call("causal_conv", mixed, w, "silu", cu, layer=self.layer)
+        q, k, v = mixed.split([hk * Dk, hk * Dk, hv * Dv], dim=-1)
+        o = dispatch.call("gdn", q.reshape(rows, -1, hk, Dk), k.reshape(rows, -1, hk, Dk), v.reshape(rows, -1, hv, Dv),
+                          g.reshape(rows, -1, hv), beta.reshape(rows, -1, hv), cu, layer=self.layer)
+        o = ctx.heads_to_seq(o.reshape(B, -1, hv, Dv))
+        return self.out_proj(self.norm(o, z).reshape(B, S_loc, Hv * Dv))

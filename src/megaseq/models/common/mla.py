@@ -1,0 +1,110 @@
+"""Multi-head latent attention (MLA), dense: DeepSeek-V3 (RoPE on a shared key part) and Kimi-Linear (NoPE).
+
+Shapes: B batch, S_loc tokens on this rank, S full sequence, Hh heads, R kv_lora_rank, Dn qk_nope_head_dim,
+Dr qk_rope_head_dim, Dv v_head_dim, Dq = Dn + Dr.
+
+    x --q_a_proj, q_a_layernorm, q_b_proj (or q_proj)--> q [B, S_loc, Hh, Dn | Dr]
+    x --kv_a_proj_with_mqa--> [c_raw R | k_rot Dr];  c = kv_a_layernorm(c_raw)
+    RoPE on q's Dr dims and on k_rot (one key part shared by all heads), at the tokens' positions
+    latent = [c | k_rot]  [B, S_loc, R + Dr]   (what the sparse layers gather; ``project``)
+    dense:  k = [kv_b(c)_nope | k_rot], v = kv_b(c)_v per head --Ulysses, op "attention"--> o_proj
+
+RoPE (``models.common.rope``): DeepSeek lays the rotated dims out in interleaved pairs (``rope_interleave``)
+and scales the softmax by YaRN's ``mscale^2`` (``rope.yarn_softmax_scale``); Kimi-Linear keeps its Dr dims
+unrotated (``mla_rotate = False``: "NoPE MLA with the rope part of the keys still shared"). GLM-5.3-Flash's
+MLA has Dr = 0.
+
+The latent norms use their own eps (DeepSeek-V3 / Kimi: HF's default 1e-6, not ``rms_norm_eps``; GLM-5:
+``rms_norm_eps``). The dense path expands keys and values locally and goes context-parallel through
+Ulysses like softmax attention (``Attention``); sequence segments do not carry it (its family says
+``segmentable = False``). ``MLASparseAttention`` (``mla_dsa.py``) gathers ``project``'s latent instead.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from megaseq.models.common import rope
+from megaseq.models.common.attention import kv_repeats, positions_for
+from megaseq.models.common.context import SeqContext
+from megaseq.models.common.norm import RMSNorm
+from megaseq.models.spec import ModelSpec
+from megaseq.ops import dispatch
+
+
+class MultiLatentAttention(nn.Module):
+    """Dense MLA; parameter names mirror ``DeepseekV3Attention`` / ``KimiLinearAttention``."""
+
+    def __init__(self, spec: ModelSpec, layer: str = "mla", latent_norm_eps: float = 1e-6) -> None:
+        super().__init__()
+        H, Hh = spec.hidden_size, spec.num_attention_heads
+        R, Dr, Dn, Dv = spec.kv_lora_rank, spec.qk_rope_head_dim, spec.qk_nope_head_dim, spec.v_head_dim
+        if Dr % 2:
+            raise ValueError(f"qk_rope_head_dim ({Dr}) must be even (RoPE rotates pairs)")
+        self.num_heads, self.kv_lora_rank, self.rope_dim, self.nope_dim, self.v_dim = Hh, R, Dr, Dn, Dv
+        self.layer = layer
+        self.rotate, self.interleave = spec.mla_rotate and Dr > 0, spec.rope_interleave
+        self.rope_theta, self.rope_scaling = spec.rope_theta, dict(spec.rope_scaling)
+        self.max_positions = spec.max_position_embeddings
+        bias = spec.attention_bias
+        self.q_lora_rank = spec.q_lora_rank
+        if spec.q_lora_rank:
+            self.q_a_proj = nn.Linear(H, spec.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(spec.q_lora_rank, eps=latent_norm_eps)
+            self.q_b_proj = nn.Linear(spec.q_lora_rank, Hh * (Dn + Dr), bias=False)
+        else:
+            self.q_proj = nn.Linear(H, Hh * (Dn + Dr), bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(H, R + Dr, bias=bias)
+        self.kv_a_layernorm = RMSNorm(R, eps=latent_norm_eps)
+        self.kv_b_proj = nn.Linear(R, Hh * (Dn + Dv), bias=False)
+        self.o_proj = nn.Linear(Hh * Dv, H, bias=bias)
+        self.scaling = rope.yarn_softmax_scale(spec.rope_scaling, (Dn + Dr) ** -0.5)
+
+    # ---- projections (shared with the sparse layer) -----------------------------------------------
+    def project(self, x_BQH: torch.Tensor, ctx: SeqContext) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``(q [B, Q, Hh, Dn + Dr], latent [B, Q, R + Dr], q_resid [B, Q, q_lora] or None)``: queries and
+        the latent ``[c | k_rot]`` of this rank's tokens, RoPE applied at their positions."""
+        B, Q, _ = x_BQH.shape
+        Hh, Dn, Dr, R = self.num_heads, self.nope_dim, self.rope_dim, self.kv_lora_rank
+        q_resid = None
+        if self.q_lora_rank:
+            q_resid = self.q_a_layernorm(self.q_a_proj(x_BQH))
+            q_BQHD = self.q_b_proj(q_resid).view(B, Q, Hh, Dn + Dr)
+        else:
+            q_BQHD = self.q_proj(x_BQH).view(B, Q, Hh, Dn + Dr)
+        c_raw, k_rot = self.kv_a_proj_with_mqa(x_BQH).split([R, Dr], dim=-1)
+        c_BQR = self.kv_a_layernorm(c_raw)
+        if self.rotate:
+            cos, sin = self.cos_sin(ctx, B, Q, x_BQH)
+            q_rot = rope.apply(q_BQHD[..., Dn:], cos.unsqueeze(2), sin.unsqueeze(2), self.interleave)
+            q_BQHD = torch.cat([q_BQHD[..., :Dn], q_rot], dim=-1)
+            k_rot = rope.apply(k_rot, cos, sin, self.interleave)
+        return q_BQHD, torch.cat([c_BQR, k_rot], dim=-1) if Dr else c_BQR, q_resid
+
+    def cos_sin(self, ctx: SeqContext, B: int, Q: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos, sin [B, Q, Dr]`` at this rank's positions (RoPE over the qk_rope_head_dim dims)."""
+        freq, factor = rope.inv_freq(self.rope_dim, self.rope_theta, self.rope_scaling, self.max_positions, x.device)
+        return rope.cos_sin(positions_for(ctx, B, Q, x.device), freq, factor, x.dtype)
+
+    def expand(self, latent_BSC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Latent -> keys ``[B, S, Hh, Dn + Dr]`` (the rope part broadcast to every head), values ``[B, S, Hh, Dv]``."""
+        B, S, _ = latent_BSC.shape
+        Hh, Dn, R = self.num_heads, self.nope_dim, self.kv_lora_rank
+        kv = self.kv_b_proj(latent_BSC[..., :R]).view(B, S, Hh, Dn + self.v_dim)
+        k_nope, v = kv.split([Dn, self.v_dim], dim=-1)
+        if not self.rope_dim:
+            return k_nope, v
+        k_rot = latent_BSC[..., R:].unsqueeze(2).expand(B, S, Hh, self.rope_dim)
+        return torch.cat([k_nope, k_rot], dim=-1), v
+
+    # ---- dense attention -------------------------------------------------------------------------------
+    def forward(self, x_BSH: torch.Tensor, ctx: SeqContext) -> torch.Tensor:
+        B, S_loc, _ = x_BSH.shape
+        q, latent, _ = self.project(x_BSH, ctx)
+        k, v = self.expand(latent)
+        rep = kv_repeats(self.num_heads, self.num_heads, ctx.cp_size) if ctx.cp_size > 1 else 1
+        assert rep == 1  # every head has its own keys: cp must divide the heads (kv_repeats checks)
+        q, k, v = ctx.seq_to_heads(q), ctx.seq_to_heads(k), ctx.seq_to_heads(v)
+        o = dispatch.call("attention", q, k, v, ctx.full_doc_ids(), self.scaling, layer=self.layer)
+        return self.o_proj(ctx.heads_to_seq(o).reshape(B, S_loc, self.num_heads * self.v_dim))

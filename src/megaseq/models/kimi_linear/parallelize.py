@@ -1,0 +1,29 @@
+"""``parallelize(model, settings, env)``: Kimi-Linear's memory schemes applied from outside the model.
+
+``models.common.prenorm`` layers (``memory.apply.apply_prenorm``: tiled MLP/MoE, recompute + SCO); the KDA
+mixers run in segments of ``kda_segment_tokens`` when the plan says so (``memory.kda_segments``). The MLA
+layers carry no state across sequence segments (``FAMILY.segmentable`` is False).
+With ``parallel.ep > 1`` the routed experts are sharded over ep, and ``parallel.fsdp`` shards every layer
+(``parallel.shard.shard_layers``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from megaseq.config import MemorySettings
+from megaseq.memory import kda_segments
+from megaseq.memory.apply import AppliedMemory, apply_prenorm
+from megaseq.parallel.shard import shard_layers
+
+
+def parallelize(model: Any, settings: MemorySettings, env: Any = None) -> AppliedMemory:
+    """Install ``settings``' schemes on ``model`` in place; returns what was applied (release it at the end)."""
+    segment = settings.kda_segment_tokens or None
+
+    def kda(i: int, mixer: Any, done: AppliedMemory) -> None:
+        if model.spec.layer_types[i] == "kda":
+            kda_segments.segment(mixer, segment)
+            done.kda_segmented = segment or 0
+
+    return shard_layers(model, apply_prenorm(model, settings, env, kda), env)
