@@ -67,7 +67,14 @@ def genome_routing(P: int) -> torch.Tensor:
     model = build_model(SPEC, dtype=torch.float64, seed=0)
     moe = model.layers[1].mlp
     captured = {}
-    moe.gate.register_forward_hook(lambda m, a, out: captured.update(experts=out[1]))  # returns None
+    route = moe.gate.route  # (weights_NK, experts_NK, probs_NE): what MoE.forward calls
+
+    def capture(x_NH: torch.Tensor):
+        out = route(x_NH)
+        captured.update(experts=out[1])
+        return out
+
+    moe.gate.route = capture
     with torch.no_grad():
         model(ids.unsqueeze(0))
     return captured["experts"]

@@ -30,6 +30,17 @@ NAME = "glm5-flash-tiny"
 EP_FLAGS = {"parallel.ep_chunk_tokens": 16, "parallel.ep_max_chunks": 4, "parallel.llep_min_tokens": 2}
 
 
+def _recording(route, routing: dict, name: str):
+    """``route`` (what ``MoE.forward`` calls) that also records the chosen experts under ``name``."""
+
+    def wrapped(x_NH: torch.Tensor):
+        out = route(x_NH)
+        routing[name] = out[1].tolist()
+        return out
+
+    return wrapped
+
+
 def _rank(rank: int, cases: list[tuple[int, int, str, int]]) -> None:
     """Every case ``(ep, cp, mode, S)`` of this world size in one process group."""
     env = None
@@ -53,8 +64,7 @@ def _case(ep: int, cp: int, mode: str, S: int) -> DistributedEnv:
     for i, (layer, kind) in enumerate(zip(model.layers, spec.mlp_types)):
         if kind == "moe":
             layer.mlp.gate.e_score_correction_bias[0] = 0.3  # skewed: LLEP spills, weights travel
-            layer.mlp.gate.register_forward_hook(
-                lambda m, a, out, name=f"layers.{i}.mlp": routing.__setitem__(name, out[1].tolist()))
+            layer.mlp.gate.route = _recording(layer.mlp.gate.route, routing, f"layers.{i}.mlp")
     parallelize(model, MemorySettings(), env)
     scope_layers(model, spec.layer_types)
     full = global_batch(ep, S)
