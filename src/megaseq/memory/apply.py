@@ -43,6 +43,7 @@ class AppliedMemory:
     checkpointed: int = 0  # layers under full recompute
     kda_segmented: int = 0  # tokens per KDA segment (0: off)
     model_segmented: int = 0  # tokens per sequence segment (0: off)
+    adapters: list[str] = field(default_factory=list)  # projections given LoRA adapters (models.common.lora)
 
     def release(self) -> None:
         """Free the SCO pinned pool (re-planned on demand if training continues)."""

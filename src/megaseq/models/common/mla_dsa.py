@@ -36,6 +36,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from megaseq.models.common.context import SeqContext, positions_from_doc_ids
+from megaseq.models.common.lora import linear_weight
 from megaseq.models.common.mhc import compute_dtype
 from megaseq.models.common.norm import RMSNorm
 from megaseq.models.spec import ModelSpec
@@ -250,6 +251,7 @@ class MLASparseAttention(nn.Module):
         q_BQHD = self.q_b_proj(q_resid).view(B, Q, self.num_heads, self.nope_dim)
         c_BSR = ctx.gather_seq(self.kv_a_layernorm(self.kv_a_proj_with_mqa(x_BQH)), key=f"{self.layer}.latent")
         idx = self._selection(x_BQH, q_resid, ctx)
-        out = dispatch.call("sparse_attention", q_BQHD, c_BSR, self.kv_b_proj.weight, idx, self.scaling,
+        # kv_b_proj's weight goes into the op itself: with a LoRA adapter, merged with it
+        out = dispatch.call("sparse_attention", q_BQHD, c_BSR, linear_weight(self.kv_b_proj), idx, self.scaling,
                             layer=self.layer)
         return self.o_proj(out.reshape(B, Q, -1))

@@ -170,6 +170,15 @@ class Experts(nn.Module):
         self.gate_up_proj.normal_(0.0, std)
         self.down_proj.normal_(0.0, std)
 
+    def routed_mlp(self, x_MH: torch.Tensor, gate_up_EOH: torch.Tensor, down_EHI: torch.Tensor,
+                   counts_E: torch.Tensor) -> torch.Tensor:
+        """``y_MH``: rows grouped by expert (``counts_E`` rows for each expert of the weights given) through
+        their SwiGLU experts; the weights may be this module's or experts received from other ranks."""
+        gu_M2I = dispatch.call("grouped_mm", x_MH, gate_up_EOH, counts_E, layer=self.layer)
+        gate_MI, up_MI = gu_M2I.chunk(2, dim=-1)
+        a_MI = dispatch.call("swiglu", gate_MI, up_MI, self.swiglu_limit, layer=self.layer)
+        return dispatch.call("grouped_mm", a_MI, down_EHI, counts_E, layer=self.layer)
+
     def forward(self, x_NH: torch.Tensor, experts_NK: torch.Tensor,
                 weights_NK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``-> (out_NH, tokens_per_expert_E)``; only the N*K routed rows are materialised."""
@@ -177,18 +186,19 @@ class Experts(nn.Module):
         flat_M = experts_NK.reshape(-1)
         order_M = torch.argsort(flat_M, stable=True)  # routed rows grouped by expert
         counts_E = torch.bincount(flat_M, minlength=self.num_experts)
-        x_MH = x_NH[order_M // K]
-        gu_M2I = dispatch.call("grouped_mm", x_MH, self.gate_up_proj, counts_E, layer=self.layer)
-        gate_MI, up_MI = gu_M2I.chunk(2, dim=-1)
-        a_MI = dispatch.call("swiglu", gate_MI, up_MI, self.swiglu_limit, layer=self.layer)
-        y_MH = dispatch.call("grouped_mm", a_MI, self.down_proj, counts_E, layer=self.layer)
-        # weight after down_proj and cast back, as HF does (weights may be float32 in a bf16 model)
-        y_MH = (y_MH * weights_NK.reshape(-1)[order_M].unsqueeze(-1)).to(x_NH.dtype)
+        y_MH = self.routed_mlp(x_NH[order_M // K], self.gate_up_proj, self.down_proj, counts_E)
         inverse_M = torch.empty_like(order_M)
         inverse_M[order_M] = torch.arange(order_M.numel(), device=order_M.device)
-        # unsort + sum over K instead of index_add_: deterministic on every device
-        out_NH = y_MH[inverse_M].view(N, K, -1).sum(dim=1)
-        return out_NH, counts_E
+        return combine(y_MH[inverse_M], weights_NK, x_NH.dtype), counts_E
+
+
+def combine(y_MH: torch.Tensor, weights_NK: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``out_NH``: the routed rows' outputs in token-major order (row ``n * K + k``), weighted and summed
+    over K. Weighted after down_proj and cast back, as HF does (weights may be float32 in a bf16 model);
+    a sum over K instead of index_add_: deterministic on every device."""
+    N, K = weights_NK.shape
+    y_MH = (y_MH * weights_NK.reshape(-1, 1)).to(dtype)
+    return y_MH.view(N, K, -1).sum(dim=1)
 
 
 class MoE(nn.Module):

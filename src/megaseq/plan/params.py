@@ -1,0 +1,163 @@
+"""Every parameter of the model a spec builds, by name and shape, and what trains when the base is frozen.
+
+Pure Python. ``param_table(spec)`` lists what ``models.build.build_model(spec).named_parameters()`` holds
+(``tests/test_lora_plan.py`` compares them for every preset), each tagged as ``models.adapters`` needs:
+``linear`` (an ``nn.Linear`` weight), ``experts`` (a fused ``[E, out, in]`` tensor) or ``other``. From it and
+the run's ``AdapterSettings``, ``trained_counts`` says what the planner must count for a frozen base
+(``train.trainable`` patterns, LoRA adapters): the trained parameters per layer (adapters included), the
+frozen matmul weights (stored in the compute dtype), and the adapters' low-rank intermediates per token
+(the ``r``-wide output of each ``A`` that its ``B`` keeps for backward).
+
+Notation: H hidden, E experts, I expert intermediate, K experts per token, r the LoRA rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from megaseq.config import AdapterSettings
+from megaseq.models.adapters import Param, layer_of, projections, resolve_targets, trainable_names
+from megaseq.models.spec import ModelSpec
+
+
+def _linear(name: str, out: int, inp: int, bias: bool = False) -> list[Param]:
+    rows = [Param(f"{name}.weight", (out, inp), "linear")]
+    return rows + ([Param(f"{name}.bias", (out,), "other")] if bias else [])
+
+
+def _norm(name: str, dim: int, bias: bool = False) -> list[Param]:
+    return [Param(f"{name}.weight", (dim,), "other")] + ([Param(f"{name}.bias", (dim,), "other")] if bias else [])
+
+
+def _attention(s: ModelSpec, p: str) -> list[Param]:
+    H, Hq, Hkv = s.hidden_size, s.num_attention_heads, s.num_key_value_heads
+    D, b = s.head_dim or H // Hq, s.attention_bias
+    rows = (_linear(f"{p}.q_proj", Hq * D, H, b) + _linear(f"{p}.k_proj", Hkv * D, H, b)
+            + _linear(f"{p}.v_proj", Hkv * D, H, b) + _linear(f"{p}.o_proj", H, Hq * D, b))
+    return rows + (_norm(f"{p}.q_norm", D) + _norm(f"{p}.k_norm", D) if s.qk_norm else [])
+
+
+def _kda(s: ModelSpec, p: str) -> list[Param]:
+    H, Hh, D = s.hidden_size, s.linear_num_heads, s.linear_head_dim
+    fg = f"{p}.forget_gate"
+    return (_linear(f"{p}.q_proj", Hh * D, H) + _linear(f"{p}.k_proj", Hh * D, H) + _linear(f"{p}.v_proj", Hh * D, H)
+            + [Param(f"{p}.conv1d.weight", (3 * Hh * D, 1, s.linear_conv_kernel), "other")]
+            + _linear(f"{fg}.f_a_proj", D, H) + _linear(f"{fg}.f_b_proj", Hh * D, D)
+            + [Param(f"{fg}.dt_bias", (Hh * D,), "other"), Param(f"{fg}.A_log", (Hh,), "other")]
+            + _linear(f"{p}.b_proj", Hh, H) + _linear(f"{p}.g_a_proj", D, H) + _linear(f"{p}.g_b_proj", Hh * D, D)
+            + _norm(f"{p}.o_norm", D) + _linear(f"{p}.o_proj", H, Hh * D))
+
+
+def _mla(s: ModelSpec, p: str, full_indexer: bool) -> list[Param]:
+    H, Hh, b = s.hidden_size, s.num_attention_heads, s.attention_bias
+    ql, R, Dr = s.q_lora_rank, s.kv_lora_rank, s.qk_rope_head_dim
+    rows = (_linear(f"{p}.q_a_proj", ql, H, b) + _norm(f"{p}.q_a_layernorm", ql)
+            + _linear(f"{p}.q_b_proj", Hh * s.qk_head_dim, ql) + _linear(f"{p}.kv_a_proj_with_mqa", R + Dr, H, b)
+            + _norm(f"{p}.kv_a_layernorm", R) + _linear(f"{p}.kv_b_proj", Hh * (s.qk_nope_head_dim + s.v_head_dim), R)
+            + _linear(f"{p}.o_proj", H, Hh * s.v_head_dim, b))
+    if full_indexer:
+        I, Di, ix = s.index_n_heads, s.index_head_dim, f"{p}.indexer"
+        rows += (_linear(f"{ix}.wq_b", I * Di, ql) + _linear(f"{ix}.wk", Di, H) + _norm(f"{ix}.k_norm", Di, True)
+                 + _linear(f"{ix}.weights_proj", I, H)
+                 + [Param(f"{ix}.index_kpool_compress_ape", (s.index_kpool, Di), "other"),
+                    Param(f"{ix}.index_kpool_compress_gate", (Di, H), "other")])
+    return rows
+
+
+def _mlp(s: ModelSpec, p: str, kind: str) -> list[Param]:
+    H = s.hidden_size
+    if kind == "dense":
+        I = s.intermediate_size
+        return _linear(f"{p}.gate_proj", I, H) + _linear(f"{p}.up_proj", I, H) + _linear(f"{p}.down_proj", H, I)
+    E, I = s.num_experts, s.moe_intermediate_size
+    rows = [Param(f"{p}.gate.weight", (E, H), "other"), Param(f"{p}.experts.gate_up_proj", (E, 2 * I, H), "experts"),
+            Param(f"{p}.experts.down_proj", (E, H, I), "experts")]
+    if s.num_shared_experts:
+        Is = I * s.num_shared_experts
+        rows += _mlp(s.replace(intermediate_size=Is), f"{p}.shared_experts", "dense")
+    return rows
+
+
+def param_table(spec: ModelSpec) -> list[Param]:
+    """The parameters of the model ``spec`` builds (``named_parameters``: a tied head is listed once)."""
+    s, H, N = spec, spec.hidden_size, spec.hc_mult
+    rows = [Param("embed_tokens.weight", (s.vocab_size, H), "other")]
+    for i, kind in enumerate(s.layer_types):
+        p = f"layers.{i}"
+        hc = (lambda name: [Param(f"{p}.{name}.fn", ((2 + N) * N, N * H), "other"),
+                            Param(f"{p}.{name}.base", ((2 + N) * N,), "other"), Param(f"{p}.{name}.scale", (3,), "other")])
+        rows += hc("attn_hc") if N > 1 else []
+        rows += _norm(f"{p}.input_layernorm", H)
+        if kind == "kda":
+            rows += _kda(s, f"{p}.self_attn")
+        elif kind == "dsa":
+            rows += _mla(s, f"{p}.self_attn", s.indexer_types[i] == "full")
+        else:
+            rows += _attention(s, f"{p}.self_attn")
+        rows += hc("ffn_hc") if N > 1 else []
+        rows += _norm(f"{p}.post_attention_layernorm", H) + _mlp(s, f"{p}.mlp", s.mlp_types[i])
+    rows += _norm("norm", H)
+    return rows + ([] if s.tie_word_embeddings else _linear("lm_head", s.vocab_size, H))
+
+
+# ---- what trains -----------------------------------------------------------------------------------------
+@dataclass
+class Trained:
+    """A frozen base's counts (elements): what trains per layer (non-expert, expert; adapters included), the
+    head / embedding / final norm, the frozen matmul weights, and per layer the adapters' ``r``-wide
+    intermediates per token and the weights adapters fold into at each forward (``kv_b_proj``)."""
+
+    layers: list[tuple[int, int]]
+    embed: int = 0
+    head: int = 0
+    final_norm: int = 0
+    frozen_matmul: int = 0
+    adapters: int = 0
+    lora_rows: list[int] = field(default_factory=list)
+    merged: list[int] = field(default_factory=list)
+
+    @property
+    def total(self) -> int:
+        return self.embed + self.head + self.final_norm + sum(d + x for d, x in self.layers)
+
+
+def trained_counts(spec: ModelSpec, adapters: AdapterSettings | None) -> Trained | None:
+    """What a run with these adapter settings trains (None when nothing is frozen: every parameter but the
+    DSA indexer trains, as ``plan.components.ParamCounts`` counts it)."""
+    if adapters is None or not adapters.freezes:
+        return None
+    table = param_table(spec)
+    lora = adapters.lora
+    train = trainable_names(table, adapters.trainable)
+    L = spec.num_layers
+    out = Trained(layers=[(0, 0)] * L, lora_rows=[0] * L, merged=[0] * L)
+    for p in table:
+        if ".indexer." in p.name:
+            train.discard(p.name)  # the indexer never trains (it runs without gradient)
+        _add(out, p.name, p.numel if p.name in train else 0, p.kind == "experts")
+        if p.name not in train and p.kind in ("linear", "experts"):
+            out.frozen_matmul += p.numel
+    if lora.enabled:
+        for proj in resolve_targets(projections(table), lora.targets, table):
+            n = proj.adapter_params(lora.rank)
+            out.adapters += n
+            _add(out, proj.name, n, proj.kind == "experts")
+            i = proj.layer
+            if i is not None:  # per token: an expert adapter runs on its K routed rows
+                rows = lora.rank * (spec.num_experts_per_tok if proj.kind == "experts" else 1)
+                out.lora_rows[i] += rows
+                out.merged[i] += proj.in_features * proj.out_features if proj.merged else 0
+    return out
+
+
+def _add(out: Trained, name: str, n: int, experts: bool) -> None:
+    i = layer_of(name)
+    if i is not None:
+        d, x = out.layers[i]
+        out.layers[i] = (d, x + n) if experts else (d + n, x)
+    elif name.startswith("embed_tokens"):
+        out.embed += n
+    elif name.startswith("lm_head"):
+        out.head += n
+    else:
+        out.final_norm += n
