@@ -166,6 +166,21 @@ def trainable_names(table: list[Param], patterns: list[str] | tuple[str, ...]) -
     return out
 
 
+# settings whose forward is replayed in backward (``memory.replay``'s users): dropout masks would be drawn again
+REPLAYING = ("tiled_mlp", "recompute", "kda_segment_tokens", "model_segment_tokens")
+
+
+def check_dropout(lora, memory) -> None:
+    """``lora.dropout`` (a ``LoraConfig``) with a memory scheme (``MemorySettings``) that reruns the forward in
+    backward: the rerun would draw other dropout masks than the forward used, and the gradient would be of
+    another function; refused, naming both settings."""
+    on = [f"memory.{k}" for k in REPLAYING if getattr(memory, k)]
+    if lora.dropout and on:
+        raise ValueError(f"lora.dropout {lora.dropout} with {', '.join(on)} (forced, or chosen by the plan): these "
+                         "rerun the forward in backward, where dropout would draw other masks and the gradients "
+                         "would be wrong; set --lora.dropout 0, or plan without them (--memory.auto false)")
+
+
 # ---- PEFT's names ----------------------------------------------------------------------------------------
 def peft_keys(proj: Projection, targeted: list[Projection], prefix: str) -> tuple[str, str]:
     """PEFT's (lora_A, lora_B) keys of ``proj`` in the transformers model whose modules sit under ``prefix``

@@ -52,8 +52,9 @@ def frozen_dtype(kind: str, compute: torch.dtype | None, param: torch.dtype) -> 
 
 def _mm_input(x: torch.Tensor) -> torch.Tensor:
     """``x`` as the matmuls under autocast will read it: the base and the adapter then share one copy."""
-    if x.is_cuda and torch.is_autocast_enabled("cuda") and x.dtype == torch.float32:
-        return x.to(torch.get_autocast_dtype("cuda"))
+    dev = x.device.type
+    if dev in ("cuda", "cpu") and torch.is_autocast_enabled(dev) and x.dtype == torch.float32:
+        return x.to(torch.get_autocast_dtype(dev))
     return x
 
 
@@ -221,6 +222,16 @@ def apply_adapters(model: nn.Module, settings: AdapterSettings) -> list[Projecti
             p.grad = None
             p.data = p.data.to(frozen_dtype(kinds.get(name, "other"), compute, p.dtype))
     return targets
+
+
+def storage_dtypes(model: nn.Module, settings: AdapterSettings, param: torch.dtype) -> dict[str, torch.dtype]:
+    """Each parameter's storage dtype under ``settings`` (for ``build_model(stored=...)``: asked of the model on
+    the meta device, so a frozen bf16 base never exists in fp32): frozen ones by ``frozen_dtype``."""
+    table = param_table(model)
+    train = trainable_names(table, settings.trainable)
+    compute = DTYPES[settings.frozen_dtype] if settings.frozen_dtype else None
+    return {p.name: param if p.name in train and ".indexer." not in p.name else frozen_dtype(p.kind, compute, param)
+            for p in table}
 
 
 def check_targets(targets: list[Projection], lora: LoraConfig) -> None:
