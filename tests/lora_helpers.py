@@ -16,9 +16,10 @@ from megaseq.models.registry import parallelize
 TOL = {"rtol": 1e-10, "atol": 1e-13}
 
 
-def settings(targets: str = "all", rank: int = 3, alpha: float = 5.0, trainable: str = "", **kw) -> AdapterSettings:
+def settings(targets: str = "all", rank: int = 3, alpha: float = 5.0, trainable: str = "",
+             frozen_dtype: str | None = None, **kw) -> AdapterSettings:
     over = {"lora.rank": rank, "lora.alpha": alpha, "lora.targets": targets, "train.trainable": trainable, **kw}
-    return AdapterSettings.of(build_config(overrides=over))
+    return AdapterSettings.of(build_config(overrides=over), frozen_dtype)
 
 
 def randomize_adapters(model: torch.nn.Module, seed: int = 100) -> None:

@@ -140,7 +140,8 @@ def test_broken_scaling_fails(monkeypatch) -> None:
 def test_broken_replay_dropping_adapters_fails(monkeypatch) -> None:
     """A replayed scheme (tiling) that leaves the adapters out of the parameters it differentiates."""
     real = replay.Replay.params
-    monkeypatch.setattr(replay.Replay, "params", lambda r: [p for p in real(r) if not (p.dim() == 3 and p.shape[1] == 3)])
+    monkeypatch.setattr(replay.Replay, "params",
+                        lambda r: [p for p in real(r) if not (p.dim() == 3 and p.shape[1] == 3)])
     spec = qwen3_moe_tiny()
     memory = MemorySettings(tiled_mlp=True, mlp_tile_tokens=10)
     model, _ = adapted_model(spec, settings(trainable=TRAIN), memory)

@@ -74,8 +74,9 @@ def test_run_exports_adapter_evaluates_and_export_verb(tmp_path: Path) -> None:
 def test_run_starts_from_an_adapter(tmp_path: Path) -> None:
     first = lora_cfg(tmp_path, "a", {"export_hf": True}, lora={})
     run_training(first)
-    start = lora_cfg(tmp_path, "b", {"steps": 1, "eval_after": True}, lora={"init_from": str(tmp_path / "a" / "adapter")},
-                     data={"heldout_tail": 0.2}, eval={"by_position": 32, "max_windows": 1, "kmer_k": 0})
+    start = lora_cfg(tmp_path, "b", {"steps": 1, "eval_after": True},
+                     lora={"init_from": str(tmp_path / "a" / "adapter")}, data={"heldout_tail": 0.2},
+                     eval={"by_position": 32, "max_windows": 1, "kmer_k": 0})
     run_training(start)
     model, _, _ = load_megaseq_checkpoint(tmp_path / "b" / "checkpoints" / "step_000000")
     final, _, _ = load_megaseq_checkpoint(tmp_path / "a")

@@ -75,7 +75,7 @@ def _build_stored(cls: type, spec: ModelSpec, dtype: torch.dtype, device: torch.
         for k, v in list(m.__dict__.items()):
             if isinstance(v, torch.Tensor) and v.is_meta:
                 setattr(m, k, torch.zeros_like(v, device=device))
-        for k, b in m._buffers.items():
+        for b in m._buffers.values():
             if b is not None:
                 b.zero_()  # every buffer megaseq has starts at zero (the router's correction bias)
     fork_devices = [device] if device.type == "cuda" else []

@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from megaseq.models.spec import ModelSpec
+from megaseq.plan.params import Trained
 
 GIB = 2**30
 GB = 10**9
@@ -79,6 +80,8 @@ class Precision:
     stream: int = 4  # residual stream, norm outputs, embeddings: the parameter dtype
     f32: int = 4  # what the blocks compute "in float32" (promote_types(dtype, fp32))
     autocast: bool = True  # a linear casts its fp32 input: each linear saves its own bf16 copy
+    norm: int = 0  # the norms' weights (0: the parameter dtype); a frozen bf16 base: 2, so their outputs are bf16
+    frozen_norms: bool = False  # the norms' weights get no gradient: their normalised value is not kept
 
 
 # OffloadStreamAdamW overwrites "the low-precision GPU weights" from its host master copy; the trainer
@@ -87,21 +90,27 @@ class Precision:
 OFFLOAD_BF16_MODEL = False
 
 
-def precision_for(model_dtype: str = "bf16", optimizer_offload: bool = False) -> Precision:
+def precision_for(model_dtype: str = "bf16", optimizer_offload: bool = False,
+                  frozen_embedding: bool = False, frozen_norms: bool = False) -> Precision:
     """The trainer's dtypes (``train/trainer.py: dtypes``) for a GPU run.
 
     bf16: fp32 parameters + bf16 autocast (with OffloadStreamAdamW too, unless ``OFFLOAD_BF16_MODEL``:
     then a bf16 model, no autocast casts, a bf16 residual stream). fp32 / fp64: everything in that dtype.
+    ``frozen_embedding`` / ``frozen_norms``: a frozen base stored in bf16 (LoRA) with the embedding / the
+    norms among it, so the residual stream / the norms' outputs are bf16 as in the transformers bf16 model;
+    autocast still casts the fp32 adapters.
     """
     if model_dtype == "fp64":
-        return Precision(param=8, grad=8, moments=16, compute=8, stream=8, f32=8, autocast=False)
+        return Precision(param=8, grad=8, moments=16, compute=8, stream=8, f32=8, autocast=False,
+                         frozen_norms=frozen_norms)
     if model_dtype == "fp32":
-        return Precision(param=4, grad=4, moments=8, compute=4, stream=4, f32=4, autocast=False)
+        return Precision(param=4, grad=4, moments=8, compute=4, stream=4, f32=4, autocast=False,
+                         frozen_norms=frozen_norms)
     if model_dtype != "bf16":
         raise ValueError(f"model.dtype must be bf16, fp32 or fp64, got {model_dtype!r}")
     if optimizer_offload and OFFLOAD_BF16_MODEL:
         return Precision(param=2, grad=2, moments=0, compute=2, stream=2, f32=4, autocast=False)
-    return Precision()
+    return Precision(stream=2 if frozen_embedding else 4, norm=2 if frozen_norms else 0, frozen_norms=frozen_norms)
 
 
 @dataclass(frozen=True)
@@ -139,21 +148,37 @@ CAL = Calibration()
 # ---- parameters ------------------------------------------------------------------------------------
 @dataclass
 class ParamCounts:
-    """Parameter counts. ``layers[i]`` = (dense, experts, no-grad) of layer i; no-grad = DSA indexer."""
+    """Parameter counts. ``layers[i]`` = (dense, experts, no-grad) of layer i; no-grad = DSA indexer.
+    ``trained``: with a frozen base (``train.trainable``, LoRA; ``plan.params.trained_counts``) what trains,
+    adapters included; None: everything but the indexer."""
 
     embed: int
     head: int
     final_norm: int
     layers: list[tuple[int, int, int]] = field(default_factory=list)
+    trained: Trained | None = None
 
     @property
     def total(self) -> int:
-        return self.embed + self.head + self.final_norm + sum(sum(t) for t in self.layers)
+        adapters = self.trained.adapters if self.trained is not None else 0
+        return self.embed + self.head + self.final_norm + sum(sum(t) for t in self.layers) + adapters
 
     @property
     def trainable(self) -> int:
         """Parameters that receive a gradient (the indexer runs under no_grad)."""
+        if self.trained is not None:
+            return self.trained.total
         return self.total - sum(t[2] for t in self.layers)
+
+    def layer_trained(self, i: int) -> tuple[int, int]:
+        """(non-expert, expert) parameters of layer i that get a gradient."""
+        if self.trained is not None:
+            return self.trained.layers[i]
+        d, x, _ = self.layers[i]
+        return d, x
+
+    def head_trained(self) -> bool:
+        return self.trained is None or self.trained.head > 0
 
     def layer(self, i: int) -> int:
         return sum(self.layers[i])
@@ -237,8 +262,12 @@ def count_params(spec: ModelSpec) -> ParamCounts:
 
 # ---- state: parameters, gradients, optimizer ---------------------------------------------------------
 def param_bytes(counts: ParamCounts, mesh: Mesh, prec: Precision) -> int:
-    """Parameters resident on one GPU: ``P * param / shard``."""
-    return counts.total * prec.param // mesh.shard
+    """Parameters resident on one GPU: ``P * param / shard``; a frozen base in the compute dtype
+    (``models.common.lora.frozen_dtype``): ``((P - P_frozen) * param + P_frozen * compute) / shard``. (The few
+    tensors a family keeps in float32, its routers and KDA decay, are counted at the compute dtype too.)"""
+    frozen = counts.trained.frozen if counts.trained is not None else 0
+    compute = prec.compute if prec.autocast else prec.param  # frozen storage narrows only under autocast
+    return ((counts.total - frozen) * prec.param + frozen * compute) // mesh.shard
 
 
 def grad_bytes(params: int, mesh: Mesh, prec: Precision) -> int:
@@ -340,19 +369,21 @@ def norm_saved(width: int, in_bytes: int, prec: Precision) -> tuple[int, int]:
 
     Saved: the fp32 input (``x.to(f32)``; the input itself when already fp32) for the variance and the
     normalised value cast back to the input dtype (kept by ``weight *``): ``(f + in) * width``. The
-    output is ``weight * x``, promoted to the wider of the weight and input dtypes."""
-    return (prec.f32 + in_bytes) * width, max(prec.param, in_bytes)
+    output is ``weight * x``, promoted to the wider of the weight and input dtypes. A frozen weight needs
+    no gradient, so the normalised value is not kept: ``f * width``."""
+    kept = 0 if prec.frozen_norms else in_bytes
+    return (prec.f32 + kept) * width, max(prec.norm or prec.param, in_bytes)
 
 
-def hc_saved(spec: ModelSpec, prec: Precision, cal: Calibration = CAL) -> int:
+def hc_saved(spec: ModelSpec, prec: Precision, cal: Calibration = CAL, fn_trains: bool = True) -> int:
     """One HyperConnection (``blocks/mhc.py``) per token, its residual input not counted.
 
     The flattened streams in fp32 (a copy unless the stream is fp32), the normalised flat input of the
-    ``fn`` linear (its bf16 cast under autocast, else fp32) and the small [N]/[N, N] weights, of which
-    Sinkhorn's ``2 * iters - 1`` divisions each save comb and its sums."""
+    ``fn`` linear (its bf16 cast under autocast, else fp32; kept only when ``fn`` trains) and the small
+    [N]/[N, N] weights, of which Sinkhorn's ``2 * iters - 1`` divisions each save comb and its sums."""
     N, H, f = spec.hc_mult, spec.hidden_size, prec.f32
     flat = 0 if prec.stream == f else f * N * H
-    normed = prec.compute * N * H if prec.autocast else f * N * H
+    normed = (prec.compute * N * H if prec.autocast else f * N * H) if fn_trains else 0
     sink = (2 * spec.hc_sinkhorn_iters - 1) * (N * N + N) if cal.sinkhorn_saved else 0
     return flat + normed + f * (sink + 3 * N * N + 4 * N)
 
@@ -381,7 +412,7 @@ WEIGHT_GRAD_ROWS = 16384
 
 
 def vocab_loss_bytes(N: int, H: int, V: int, chunk_tokens: int, dtype_bytes: int,
-                     vocab_chunk: int | None = None) -> dict[str, int]:
+                     vocab_chunk: int | None = None, weight_grad: bool = True) -> dict[str, int]:
     """Peak working bytes of the loss's forward + backward, beyond its inputs (hidden, weight, labels)
     (``memory/vocab_loss.py``, which takes ``WEIGHT_GRAD_ROWS`` from here).
 
@@ -396,7 +427,8 @@ def vocab_loss_bytes(N: int, H: int, V: int, chunk_tokens: int, dtype_bytes: int
              addmm output temporary of one block of weight-gradient rows ``min(Vc, WEIGHT_GRAD_ROWS)*H*4``;
              for half inputs the fp32 weight gradient ``V*H*4`` is held throughout and cast to ``V*H*d`` at
              the end (after the strips), otherwise the weight gradient ``V*H*d`` is the accumulator itself.
-             Independent of N but for the two per-token terms.
+             Independent of N but for the two per-token terms. A frozen head (``weight_grad`` False) has no
+             weight gradient: the strips and the per-token terms only.
     """
     d = dtype_bytes
     half = d < 4
@@ -406,13 +438,15 @@ def vocab_loss_bytes(N: int, H: int, V: int, chunk_tokens: int, dtype_bytes: int
     strip = C * Vc * (d + a) + C * H * a + (min(Vc, WEIGHT_GRAD_ROWS) * H * 4 if half else 0)
     per_token = 2 * N * a + N * H * d
     chunked = per_token + (V * H * 4 + max(strip, V * H * d) if half else V * H * d + strip)
+    if not weight_grad:
+        chunked = per_token + strip
     return {"plain": plain, "chunked": chunked}
 
 
-def loss_bytes(spec: ModelSpec, n: int, d: int, chunked: bool, chunk_tokens: int) -> int:
+def loss_bytes(spec: ModelSpec, n: int, d: int, chunked: bool, chunk_tokens: int, weight_grad: bool = True) -> int:
     """The vocabulary projection + cross-entropy working set of ``spec``'s head over ``n`` tokens
     (``vocab_loss_bytes``), ``d`` the hidden's bytes."""
-    both = vocab_loss_bytes(n, spec.hidden_size, spec.vocab_size, chunk_tokens or n, d)
+    both = vocab_loss_bytes(n, spec.hidden_size, spec.vocab_size, chunk_tokens or n, d, weight_grad=weight_grad)
     return both["chunked" if chunked else "plain"]
 
 

@@ -5,8 +5,8 @@ Pure Python. ``param_table(spec)`` lists what ``models.build.build_model(spec).n
 ``linear`` (an ``nn.Linear`` weight), ``experts`` (a fused ``[E, out, in]`` tensor) or ``other``. From it and
 the run's ``AdapterSettings``, ``trained_counts`` says what the planner must count for a frozen base
 (``train.trainable`` patterns, LoRA adapters): the trained parameters per layer (adapters included), the
-frozen matmul weights (stored in the compute dtype), and the adapters' low-rank intermediates per token
-(the ``r``-wide output of each ``A`` that its ``B`` keeps for backward).
+frozen ones (stored in the compute dtype), and the adapters' low-rank intermediates per token (the
+``r``-wide output of each ``A`` that its ``B`` keeps for backward).
 
 Notation: H hidden, E experts, I expert intermediate, K experts per token, r the LoRA rank.
 """
@@ -78,15 +78,19 @@ def _mlp(s: ModelSpec, p: str, kind: str) -> list[Param]:
     return rows
 
 
+def _hc(p: str, N: int, H: int) -> list[Param]:
+    width = (2 + N) * N  # pre (N) + post (N) + comb (N x N)
+    return [Param(f"{p}.fn", (width, N * H), "other"), Param(f"{p}.base", (width,), "other"),
+            Param(f"{p}.scale", (3,), "other")]
+
+
 def param_table(spec: ModelSpec) -> list[Param]:
     """The parameters of the model ``spec`` builds (``named_parameters``: a tied head is listed once)."""
     s, H, N = spec, spec.hidden_size, spec.hc_mult
     rows = [Param("embed_tokens.weight", (s.vocab_size, H), "other")]
     for i, kind in enumerate(s.layer_types):
         p = f"layers.{i}"
-        hc = (lambda name: [Param(f"{p}.{name}.fn", ((2 + N) * N, N * H), "other"),
-                            Param(f"{p}.{name}.base", ((2 + N) * N,), "other"), Param(f"{p}.{name}.scale", (3,), "other")])
-        rows += hc("attn_hc") if N > 1 else []
+        rows += _hc(f"{p}.attn_hc", N, H) if N > 1 else []
         rows += _norm(f"{p}.input_layernorm", H)
         if kind == "kda":
             rows += _kda(s, f"{p}.self_attn")
@@ -94,7 +98,7 @@ def param_table(spec: ModelSpec) -> list[Param]:
             rows += _mla(s, f"{p}.self_attn", s.indexer_types[i] == "full")
         else:
             rows += _attention(s, f"{p}.self_attn")
-        rows += hc("ffn_hc") if N > 1 else []
+        rows += _hc(f"{p}.ffn_hc", N, H) if N > 1 else []
         rows += _norm(f"{p}.post_attention_layernorm", H) + _mlp(s, f"{p}.mlp", s.mlp_types[i])
     rows += _norm("norm", H)
     return rows + ([] if s.tie_word_embeddings else _linear("lm_head", s.vocab_size, H))
@@ -103,18 +107,26 @@ def param_table(spec: ModelSpec) -> list[Param]:
 # ---- what trains -----------------------------------------------------------------------------------------
 @dataclass
 class Trained:
-    """A frozen base's counts (elements): what trains per layer (non-expert, expert; adapters included), the
-    head / embedding / final norm, the frozen matmul weights, and per layer the adapters' ``r``-wide
-    intermediates per token and the weights adapters fold into at each forward (``kv_b_proj``)."""
+    """A frozen base's counts (elements). Per layer: what trains (non-expert, expert; adapters included), of
+    it what sits in the MLP half (``mlp``), the largest trained tensor (its gradient's temporary), the
+    adapters' ``r``-wide intermediates per token in the attention and the MLP half (``B``'s saved input; an
+    expert adapter's per routed row, so K of them per token), and the weights adapters fold into at each
+    forward (``kv_b_proj``). Then the head / embedding / final norm, the frozen parameters (stored in the
+    compute dtype: ``models.common.lora.frozen_dtype``), the adapters' total."""
 
     layers: list[tuple[int, int]]
+    mlp: list[int] = field(default_factory=list)
+    largest: list[int] = field(default_factory=list)
+    lora_rows_attn: list[int] = field(default_factory=list)
+    lora_rows_mlp: list[int] = field(default_factory=list)
+    merged: list[int] = field(default_factory=list)
     embed: int = 0
     head: int = 0
     final_norm: int = 0
-    frozen_matmul: int = 0
+    frozen: int = 0
     adapters: int = 0
-    lora_rows: list[int] = field(default_factory=list)
-    merged: list[int] = field(default_factory=list)
+    norms: bool = False  # some norm weight trains (in fp32: its output is fp32)
+    projections: list[frozenset[str]] = field(default_factory=list)  # per layer: weights with a gradient
 
     @property
     def total(self) -> int:
@@ -128,33 +140,44 @@ def trained_counts(spec: ModelSpec, adapters: AdapterSettings | None) -> Trained
         return None
     table = param_table(spec)
     lora = adapters.lora
-    train = trainable_names(table, adapters.trainable)
+    train = {n for n in trainable_names(table, adapters.trainable) if ".indexer." not in n}
     L = spec.num_layers
-    out = Trained(layers=[(0, 0)] * L, lora_rows=[0] * L, merged=[0] * L)
+    out = Trained(layers=[(0, 0)] * L, projections=[frozenset()] * L,
+                  **{k: [0] * L for k in ("mlp", "largest", "lora_rows_attn", "lora_rows_mlp", "merged")})
     for p in table:
-        if ".indexer." in p.name:
-            train.discard(p.name)  # the indexer never trains (it runs without gradient)
-        _add(out, p.name, p.numel if p.name in train else 0, p.kind == "experts")
-        if p.name not in train and p.kind in ("linear", "experts"):
-            out.frozen_matmul += p.numel
+        if p.name in train:
+            _add(out, p.name, p.numel, p.kind == "experts")
+            out.norms |= p.name.endswith("norm.weight")
+        else:
+            out.frozen += p.numel
+    trained_w = {p.name.removesuffix(".weight") for p in table if p.name in train}
+    targets = resolve_targets(projections(table), lora.targets, table) if lora.enabled else []
+    for i in range(L):  # a projection trains through its weight or its adapter (whose A reads its input)
+        pre = f"layers.{i}."
+        names = trained_w | {p.name for p in targets}
+        out.projections[i] = frozenset(n[len(pre):] for n in names if n.startswith(pre))
     if lora.enabled:
-        for proj in resolve_targets(projections(table), lora.targets, table):
+        for proj in targets:
             n = proj.adapter_params(lora.rank)
             out.adapters += n
-            _add(out, proj.name, n, proj.kind == "experts")
+            _add(out, proj.name, n, proj.kind == "experts", max(proj.in_features, proj.out_features)
+                 * lora.rank * proj.num_experts)
             i = proj.layer
-            if i is not None:  # per token: an expert adapter runs on its K routed rows
-                rows = lora.rank * (spec.num_experts_per_tok if proj.kind == "experts" else 1)
-                out.lora_rows[i] += rows
-                out.merged[i] += proj.in_features * proj.out_features if proj.merged else 0
+            if i is None:
+                continue
+            rows = out.lora_rows_mlp if ".mlp." in proj.name else out.lora_rows_attn
+            rows[i] += lora.rank * (spec.num_experts_per_tok if proj.kind == "experts" else 1)
+            out.merged[i] += proj.in_features * proj.out_features if proj.merged else 0
     return out
 
 
-def _add(out: Trained, name: str, n: int, experts: bool) -> None:
+def _add(out: Trained, name: str, n: int, experts: bool, largest: int | None = None) -> None:
     i = layer_of(name)
     if i is not None:
         d, x = out.layers[i]
         out.layers[i] = (d, x + n) if experts else (d + n, x)
+        out.mlp[i] += n if ".mlp." in name else 0
+        out.largest[i] = max(out.largest[i], n if largest is None else largest)
     elif name.startswith("embed_tokens"):
         out.embed += n
     elif name.startswith("lm_head"):

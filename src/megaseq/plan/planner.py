@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from megaseq.config import MemorySettings
+from megaseq.config import AdapterSettings, MemorySettings
 from megaseq.models.spec import ModelSpec
 from megaseq.plan import components as C
 from megaseq.plan.components import GB, GIB, Calibration, Mesh
@@ -37,6 +37,7 @@ from megaseq.plan.fixes import (  # noqa: F401  (Budgets, H200_GPU_BYTES, HOST_B
     fix_costs,
 )
 from megaseq.plan.flops import comm_volume, step_flops
+from megaseq.plan.params import trained_counts
 from megaseq.plan.phases import Evaluation, Run, evaluate
 
 # the memory settings a plan carries, in order (``Plan.memory``: ``MemorySettings.to_dict``)
@@ -296,12 +297,15 @@ def plan(
     calibration: Calibration = C.CAL,
     name: str = "",
     packed_documents: bool = False,
+    adapters: AdapterSettings | None = None,
 ) -> Plan:
     """Plan one training step of ``spec`` at ``seq_len`` tokens per sequence on ``mesh``.
 
     ``memory_cfg`` (a ``megaseq.config.MemoryConfig``): with ``auto`` false its settings are used as
     given; otherwise the planner picks the cheapest fixes that fit. ``moe_imbalance`` is the max/mean
-    expert load used under expert parallelism (BRIEF: about 4 on real long-context data).
+    expert load used under expert parallelism (BRIEF: about 4 on real long-context data). ``adapters``: a
+    frozen base (``train.trainable``, LoRA): the frozen parameters cost their compute-dtype bytes only, the
+    trained ones (adapters included) their gradients and optimizer state (``plan.params.trained_counts``).
     """
     mesh = mesh or Mesh()
     budgets = budgets or Budgets()
@@ -309,6 +313,7 @@ def plan(
         raise ValueError(f"seq_len ({seq_len}) and batch_size ({batch_size}) must be >= 1")
     validate_mesh(spec, seq_len, mesh)
     counts = C.count_params(spec)
+    counts.trained = trained_counts(spec, adapters)
     best: Plan | None = None
     for mode in mla_modes(spec, mesh):
         run = Run(
@@ -355,6 +360,7 @@ def run_for(
     mla_mode: str | None = None,
     calibration: Calibration = C.CAL,
     loss_in_compute_dtype: bool = True,
+    adapters: AdapterSettings | None = None,
 ) -> Run:
     """The planner's ``Run`` for one given setting (``MemorySettings``, or a dict of some of its fields, the
     rest at the planner's base), choosing nothing. ``mla_mode`` defaults to the mesh's (``auto`` meaning
@@ -364,6 +370,8 @@ def run_for(
     mode = mla_mode or ("gather_kv" if mesh.mla_mode == "auto" else mesh.mla_mode)
     given = memory.to_dict() if isinstance(memory, MemorySettings) else memory
     full = base_settings(None, batch_size * seq_len // mesh.cp).replace(**given)
+    counts = C.count_params(spec)
+    counts.trained = trained_counts(spec, adapters)
     return Run(
         spec=spec,
         seq_len=seq_len,
@@ -371,7 +379,7 @@ def run_for(
         mesh=mesh,
         model_dtype=model_dtype,
         memory=full,
-        counts=C.count_params(spec),
+        counts=counts,
         mla_mode=mode,
         imbalance=moe_imbalance,
         grad_accum=grad_accum,
@@ -418,4 +426,5 @@ def plan_from_config(
         grad_accum=cfg.train.grad_accum,
         name=cfg.model.name,
         packed_documents=cfg.data.kind == "text",
+        adapters=AdapterSettings.of(cfg),
     )

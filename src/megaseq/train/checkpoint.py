@@ -6,14 +6,14 @@ Layout of a run directory's ``checkpoints/``::
     step_000040.tmp-1234/   an interrupted write: never loaded, removed by the next save
 
 A checkpoint is trusted only when its directory has no ``.tmp`` suffix and holds ``meta.json``
-with ``"complete": true``.
+with ``"complete": true``. The directory is written under a temporary name and renamed when
+everything, ``meta.json`` last, is on disk, so a crash at any point leaves nothing a resume
+would load.
 
 With a frozen base (LoRA, ``train.trainable``) a checkpoint holds only what trains (the adapters and the
 trained parameters, their optimizer state) and buffers: ``meta.json`` says ``"trainable_only": true``, lists
-the trained names and records how to make the base again (``base``: ``model.init_from`` and the seed, and
-a fingerprint of its frozen tensors that a resume checks). The directory is written under a temporary name and renamed when
-everything, ``meta.json`` last, is on disk, so a crash at any point leaves nothing a resume
-would load.
+the trained names and records how to make the base again (``base``: ``model.init_from`` and the seed), with
+a fingerprint of its frozen tensors that a resume checks.
 """
 
 from __future__ import annotations

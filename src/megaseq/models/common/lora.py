@@ -17,7 +17,8 @@ becomes ``LoRAExperts`` with ``lora_A.<tensor>`` / ``lora_B.<tensor>``. Under bf
 reads the same bf16 copy of its input as the frozen matmul (cast once), so autograd keeps one copy, not two.
 
 Frozen parameters get ``requires_grad = False`` (no ``.grad``, no optimizer state, not in the clip norm)
-and ``frozen_dtype`` decides their storage. Composes with every memory scheme (the adapters are
+and ``frozen_dtype`` decides their storage (bf16 under bf16 autocast: a bf16 residual stream, as the
+transformers bf16 model runs). Composes with every memory scheme (the adapters are
 parameters of the modules the schemes replay) and with context parallelism (token-separable).
 """
 
@@ -32,6 +33,7 @@ from torch import nn
 
 from megaseq.config import AdapterSettings, LoraConfig
 from megaseq.models.adapters import EXPERT_PARAMS, Param, Projection, projections, resolve_targets, trainable_names
+from megaseq.models.build import fp32_param_suffixes
 from megaseq.models.common.moe import Experts
 from megaseq.ops import dispatch
 
@@ -43,11 +45,14 @@ def is_adapter(name: str) -> bool:
     return ".lora_A." in f".{name}" or ".lora_B." in f".{name}"
 
 
-def frozen_dtype(kind: str, compute: torch.dtype | None, param: torch.dtype) -> torch.dtype:
-    """The dtype a frozen parameter is stored in: a matmul weight (``kind`` linear or experts) in the compute
-    dtype, which is what bf16 autocast casts it to at every use (so storing it that way changes no value
-    and needs no fp32 master); anything else (norms, embeddings, routers, mHC, KDA decay) as it is."""
-    return compute if compute is not None and kind in ("linear", "experts") else param
+def frozen_dtype(name: str, compute: torch.dtype | None, param: torch.dtype, keep_fp32: tuple[str, ...]) -> torch.dtype:
+    """The dtype a frozen parameter is stored in: the compute dtype (``compute``, bf16 under bf16 autocast on
+    a GPU; None: the parameter dtype ``param``), as transformers stores a model of that dtype. It needs no
+    fp32 master, and every matmul casts to it anyway; the tensors the family keeps in float32 in a bf16
+    model (``keep_fp32``: routers, KDA conv and decay, mHC base/scale) stay float32."""
+    if compute is None:
+        return param
+    return torch.float32 if name.endswith(keep_fp32) else compute
 
 
 def _mm_input(x: torch.Tensor) -> torch.Tensor:
@@ -213,14 +218,14 @@ def apply_adapters(model: nn.Module, settings: AdapterSettings) -> list[Projecti
             by_experts.setdefault(module, []).append(tensor)
     for module, names in by_experts.items():
         attach_experts(modules[module], names, lora, gen)
-    kinds = {p.name: p.kind for p in table}
     compute = DTYPES[settings.frozen_dtype] if settings.frozen_dtype else None
+    keep = fp32_param_suffixes(model.spec.family) if compute is not None else ()
     for name, p in model.named_parameters():
         trains = is_adapter(name) or (name in train and ".indexer." not in name)
         p.requires_grad_(trains)
         if not trains:
             p.grad = None
-            p.data = p.data.to(frozen_dtype(kinds.get(name, "other"), compute, p.dtype))
+            p.data = p.data.to(frozen_dtype(name, compute, p.dtype, keep))
     return targets
 
 
@@ -230,8 +235,9 @@ def storage_dtypes(model: nn.Module, settings: AdapterSettings, param: torch.dty
     table = param_table(model)
     train = trainable_names(table, settings.trainable)
     compute = DTYPES[settings.frozen_dtype] if settings.frozen_dtype else None
-    return {p.name: param if p.name in train and ".indexer." not in p.name else frozen_dtype(p.kind, compute, param)
-            for p in table}
+    keep = fp32_param_suffixes(model.spec.family)
+    return {p.name: param if p.name in train and ".indexer." not in p.name
+            else frozen_dtype(p.name, compute, param, keep) for p in table}
 
 
 def check_targets(targets: list[Projection], lora: LoraConfig) -> None:
