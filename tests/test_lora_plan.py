@@ -6,6 +6,7 @@ included) matches what autograd keeps in the real blocks, fp32 and bf16 autocast
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -107,3 +108,19 @@ def test_lora_saved_set_matches_blocks(name, seq, autocast) -> None:
         predicted = terms.saved - terms.attn.get("kda chunk state (q,k,v,g,A)", 0) + copies
         measured = activations_saved(layer, h, autocast)
         assert abs(predicted / measured - 1) < 0.05, (i, spec.layer_types[i], predicted / seq, measured / seq)
+
+
+def test_qwen3_30b_lora_plan_on_one_h200(monkeypatch) -> None:
+    """The figure docs/lora.md quotes: Qwen3-30B-A3B (the published config) with rank-16 LoRA on every
+    projection fits 576K tokens on one H200 and not 584K; full fine-tuning of the same model does not fit at all."""
+    from megaseq.config import load_config
+    from megaseq.plan.planner import plan_from_config
+
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])  # the recipe names its config.json from the repo root
+
+    def fits(n: int, *over: str) -> bool:
+        cfg = load_config("recipes/qwen3-30b-a3b-lora.yaml", [f"data.seq_len={n}", *over])
+        return plan_from_config(cfg, world_size=1).fits
+
+    assert fits(576 * 1024) and not fits(584 * 1024)
+    assert not fits(8192, "lora.rank=0")  # the frozen base is what makes it fit
