@@ -362,6 +362,79 @@ class MoEConfig:
                 raise ValueError(f"moe.{name} must be >= 0 (or -1 for the default), got {v}")
 
 
+LORA_INITS = ("default", "gaussian")
+
+
+@dataclass
+class LoraConfig:
+    """LoRA adapters on a frozen base (docs/lora.md): ``W x + (alpha / rank) * B A x`` per target, in PEFT's
+    format in and out. Off while ``rank`` is 0."""
+
+    rank: int = opt(0, "adapter rank r (0: no adapters; a multiple of 8 keeps the GPU's grouped GEMMs on the "
+                       "routed experts)")
+    alpha: float = opt(16.0, "scaling numerator: adapters add (alpha / rank) * B A x (alpha / sqrt(rank) with "
+                             "use_rslora)")
+    dropout: float = opt(0.0, "dropout on each adapter's input (PEFT's lora_dropout); must be 0 with the routed "
+                              "experts or kv_b_proj as targets (their adapters fold into the weight, as PEFT's do)")
+    targets: list[str] = opt(["q_proj", "k_proj", "v_proj", "o_proj"],
+                             "projections to adapt: module-name suffixes as PEFT's target_modules (q_proj, "
+                             "self_attn.o_proj, mlp.down_proj, shared_experts.up_proj), the fused routed "
+                             "experts (experts.gate_up_proj, experts.down_proj: per-expert factors), or groups: "
+                             "attention (every token-mixer projection), mlp (dense MLPs, shared experts), "
+                             "experts (both routed tensors), all")
+    use_rslora: bool = opt(False, "rank-stabilised scaling alpha / sqrt(rank) (PEFT's use_rslora)")
+    init: str = opt("default", "initialisation as PEFT's init_lora_weights: default (A Kaiming-uniform, B "
+                               "zero) or gaussian (A normal with std 1/rank, B zero)")
+    init_from: str | None = opt(None, "a PEFT adapter directory (adapter_config.json + adapter_model.safetensors) "
+                                      "to start the adapters from; its r, alpha and targets must match these")
+    export_merged: bool = opt(False, "at the end of a run also write the merged model (adapters folded into "
+                                     "the base) as a HF checkpoint (run_dir/hf), besides the adapter "
+                                     "(run_dir/adapter)")
+
+    def __post_init__(self) -> None:
+        if self.rank < 0:
+            raise ValueError(f"lora.rank must be >= 0 (0: no adapters), got {self.rank}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"lora.dropout must be in [0, 1), got {self.dropout}")
+        if self.init not in LORA_INITS:
+            raise ValueError(f"lora.init must be one of {', '.join(LORA_INITS)}, got {self.init!r}")
+        if self.rank and not self.targets:
+            raise ValueError("lora.rank > 0 needs lora.targets (e.g. --lora.targets q_proj,v_proj or all)")
+        if self.init_from is not None and not self.rank:
+            raise ValueError(f"lora.init_from {self.init_from} needs adapters: set --lora.rank to the adapter's r")
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    @property
+    def scaling(self) -> float:
+        """The factor of ``B A x``: ``alpha / rank`` (``alpha / sqrt(rank)`` with ``use_rslora``)."""
+        return self.alpha / (self.rank**0.5 if self.use_rslora else self.rank)
+
+
+@dataclass(frozen=True)
+class AdapterSettings:
+    """What a family's ``parallelize`` applies besides the memory schemes: which parameters train (the rest
+    frozen) and the LoRA adapters. Torch-free, as ``MemorySettings``; ``frozen_dtype`` is the dtype frozen
+    matmul weights are stored in (``bf16`` under bf16 autocast on a GPU; None: the parameter dtype)."""
+
+    lora: LoraConfig
+    trainable: tuple[str, ...] = ()
+    seed: int = 0
+    frozen_dtype: str | None = None
+
+    @property
+    def freezes(self) -> bool:
+        """Some parameters are frozen: adapters, or ``train.trainable`` patterns."""
+        return self.lora.enabled or bool(self.trainable)
+
+    @classmethod
+    def of(cls, cfg: Config, frozen_dtype: str | None = None) -> AdapterSettings:
+        """A run's adapter settings (``lora.*``, ``train.trainable``, ``train.seed``)."""
+        return cls(cfg.lora, tuple(cfg.train.trainable), cfg.train.seed, frozen_dtype)
+
+
 @dataclass
 class TrainConfig:
     """The training loop."""
@@ -378,11 +451,16 @@ class TrainConfig:
     overwrite: bool = opt(False, "replace a different run already in run_dir")
     export_hf: bool = opt(True, "write a Hugging Face checkpoint (safetensors + config.json) at the end")
     eval_after: bool = opt(True, "evaluate by position on the held-out data at the end")
+    trainable: list[str] = opt([], "parameters to train, as glob patterns of their names (layers.*.self_attn.*, "
+                                   "*norm*); the rest are frozen: no gradient, no optimizer state, stored in the "
+                                   "compute dtype. Empty: all (or, with LoRA, only the adapters)")
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "grad_accum"):
             if getattr(self, name) < 1:
                 raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+        if any(not str(p).strip() for p in self.trainable):
+            raise ValueError(f"train.trainable holds an empty pattern: {self.trainable!r}")
 
 
 @dataclass
@@ -420,9 +498,34 @@ class Config:
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     log: LogConfig = field(default_factory=LogConfig)
+
+    def __post_init__(self) -> None:
+        self.check_frozen_base()
+
+    def check_frozen_base(self) -> None:
+        """The combinations of a frozen base (``lora.rank > 0`` or ``train.trainable``) not tested yet, refused
+        before anything starts: under FSDP (one FSDP2 unit of frozen bf16 weights and fp32 adapters), under
+        expert parallelism (``LoRAExperts`` runs with every expert in the process) and with bf16 weights (the
+        fp32 adapters would meet bf16 activations without autocast; the frozen base is stored in bf16 anyway)."""
+        if not (self.lora.enabled or self.train.trainable):
+            return
+        what = f"lora.rank {self.lora.rank}" if self.lora.enabled else f"train.trainable {self.train.trainable}"
+        if self.parallel.fsdp != "off":
+            raise ValueError(f"{what} (a frozen base) with parallel.fsdp {self.parallel.fsdp} is not supported yet "
+                             "(FSDP2 over frozen bf16 weights and fp32 adapters is untested): set --parallel.fsdp off "
+                             "(the frozen base is stored in bf16 already, and has no gradients or optimizer state)")
+        if self.parallel.ep > 1:
+            raise ValueError(f"{what} (a frozen base) with parallel.ep {self.parallel.ep} is not supported yet "
+                             "(adapters on the routed experts run with every expert in the process): set "
+                             "--parallel.ep 1")
+        if self.model.weights == "bf16":
+            raise ValueError(f"{what} (a frozen base) with model.weights bf16 is not supported yet (the fp32 "
+                             "adapters would meet bf16 activations without autocast): set --model.weights fp32 (under "
+                             "model.dtype bf16 the frozen base is stored in bf16 anyway)")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -433,7 +536,8 @@ class Config:
 
 SECTIONS: dict[str, type] = {
     "model": ModelConfig, "data": DataConfig, "parallel": ParallelConfig, "memory": MemoryConfig,
-    "optim": OptimConfig, "moe": MoEConfig, "train": TrainConfig, "eval": EvalConfig, "log": LogConfig,
+    "optim": OptimConfig, "moe": MoEConfig, "lora": LoraConfig, "train": TrainConfig, "eval": EvalConfig,
+    "log": LogConfig,
 }
 
 

@@ -6,6 +6,7 @@
     megaseq bench  [config.yaml] [--seq-lens 32K,128K,1M] [--find-max]
     megaseq verify [config.yaml]
     megaseq convert SRC DST
+    megaseq export RUN_OR_CHECKPOINT DST [--merged]
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ VERBS = {
     "bench": "measured peak memory, tokens/s and MFU per sequence length, against the plan",
     "verify": "which kernel each layer runs, and parity with the transformers reference",
     "convert": "Hugging Face checkpoint <-> megaseq checkpoint",
+    "export": "a run's LoRA adapter in PEFT's format, or the merged model (adapters folded in) as a HF checkpoint",
 }
 
 
@@ -99,6 +101,11 @@ def parser() -> argparse.ArgumentParser:
         if verb == "convert":
             sp.add_argument("src", help="HF checkpoint dir, or a megaseq run/checkpoint dir")
             sp.add_argument("dst", help="output directory")
+        if verb == "export":
+            sp.add_argument("src", help="a megaseq run directory (its newest checkpoint) or a checkpoint directory")
+            sp.add_argument("dst", help="output directory")
+            sp.add_argument("--merged", action="store_true",
+                            help="the HF checkpoint with the adapters folded into the base, not the PEFT adapter")
     return p
 
 

@@ -124,3 +124,14 @@ def cmd_convert(args: argparse.Namespace, rest: list[str]) -> int:
     out = convert(Path(args.src), Path(args.dst))
     print(f"wrote {out}")
     return 0
+
+
+def cmd_export(args: argparse.Namespace, rest: list[str]) -> int:
+    from megaseq.train.convert import export
+
+    if rest:
+        print(f"megaseq export: unexpected arguments {rest}", file=sys.stderr)
+        return 2
+    out = export(Path(args.src), Path(args.dst), merged=args.merged)
+    print(f"wrote {out}")
+    return 0

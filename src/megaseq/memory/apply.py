@@ -46,6 +46,7 @@ class AppliedMemory:
     kda_segmented: int = 0  # tokens per KDA segment (0: off)
     model_segmented: int = 0  # tokens per sequence segment (0: off)
     sharded: Any = None  # what FSDP sharded (``parallel.fsdp.ShardedModel``), None when nothing is
+    adapters: list[str] = field(default_factory=list)  # projections given LoRA adapters (models.common.lora)
 
     def release(self) -> None:
         """Free the SCO pinned pool (re-planned on demand if training continues)."""

@@ -74,8 +74,11 @@ def load_hf_checkpoint(path: str | Path, model: nn.Module | None = None, spec: M
         from megaseq.models.build import build_model
 
         model = build_model(spec, dtype=dtype, device=device, seed=0)
+    from megaseq.models.common.lora import is_adapter
+
     adapter = adapter_for(spec)
-    targets = dict(model.state_dict(keep_vars=True))
+    # the base weights only: LoRA adapters, if the model has them already, are not in a HF checkpoint
+    targets = {k: v for k, v in model.state_dict(keep_vars=True).items() if not is_adapter(k)}
     filled: set[int] = set()  # ids of tensors written whole
     sliced: dict[str, set[str]] = {}
     unexpected: list[str] = []
@@ -207,14 +210,17 @@ def _is_fused(adapter: StateDictAdapter, name: str) -> bool:
 # ---- export -----------------------------------------------------------------------------------
 def export_hf_checkpoint(model: nn.Module, spec: ModelSpec, out_dir: str | Path,
                          max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-                         dtype: torch.dtype | None = None) -> Path:
+                         dtype: torch.dtype | None = None, merged: bool = False) -> Path:
     """Write ``model`` as a HF checkpoint transformers loads (``from_pretrained``); returns ``out_dir``.
 
-    ``dtype`` casts every tensor (None keeps each tensor's dtype). At most one shard is held in host
-    memory at a time. The directory appears complete or not at all. With several processes every rank
-    calls it (FSDP2's shards are gathered one tensor at a time) and rank 0 writes.
+    ``dtype`` casts every tensor (None keeps each tensor's dtype). LoRA adapters are left out, or with
+    ``merged`` folded into their weights (``models.common.lora.base_items``, one weight at a time). At most
+    one shard is held in host memory at a time. The directory appears complete or not at all. With several processes
+    every rank calls it (FSDP2's shards are gathered one tensor at a time) and rank 0 writes.
     """
     from safetensors.torch import save_file
+
+    from megaseq.models.common.lora import base_items
 
     out_dir = Path(out_dir)
     if not _writes():  # several processes: take part in every gather (FSDP's shards), write nothing
@@ -237,7 +243,7 @@ def export_hf_checkpoint(model: nn.Module, spec: ModelSpec, out_dir: str | Path,
         shards[-1] = {}
 
     first_dtype = None
-    for key, t in adapter_for(spec).hf_items(model, spec.tie_word_embeddings, dtype):
+    for key, t in adapter_for(spec).hf_items(model, spec.tie_word_embeddings, dtype, base_items(model, merged)):
         first_dtype = first_dtype or t.dtype
         nbytes = t.numel() * t.element_size()
         if shards[-1] and size + nbytes > max_shard_bytes:

@@ -79,11 +79,12 @@ def hf_model_types() -> list[str]:
     return sorted(t for name in FAMILY_PACKAGES for t in family(name).hf_model_types)
 
 
-def parallelize(model, settings, env=None):
-    """Apply ``settings`` (``config.MemorySettings``) to ``model`` through its family's
-    ``parallelize(model, settings, env)``; returns what was applied (``memory.apply.AppliedMemory``)."""
+def parallelize(model, settings, env=None, adapters=None):
+    """Apply ``settings`` (``config.MemorySettings``) and ``adapters`` (``config.AdapterSettings``: frozen
+    parameters, LoRA) to ``model`` through its family's ``parallelize(model, settings, env, adapters)``;
+    returns what was applied (``memory.apply.AppliedMemory``)."""
     spec = getattr(model, "spec", None)
     if spec is None or not hasattr(model, "layers"):
         raise ValueError(f"{type(model).__name__} is not a megaseq CausalLM (no spec, no `layers`): memory "
                          "schemes are applied by a model family's parallelize (docs/architecture.md)")
-    return family_module(spec.family, "parallelize").parallelize(model, settings, env)
+    return family_module(spec.family, "parallelize").parallelize(model, settings, env, adapters)

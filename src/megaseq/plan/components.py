@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from megaseq.models.spec import ModelSpec
+from megaseq.plan.params import Trained
 
 GIB = 2**30
 GB = 10**9
@@ -93,26 +94,36 @@ class Precision:
     f32: int = 4  # what the blocks compute "in float32" (promote_types(dtype, fp32))
     autocast: bool = True  # a linear casts its fp32 input: each linear saves its own bf16 copy
     master: int = 0  # the optimizer's fp32 master copy of bf16 weights (MasterAdamW), made with the optimizer
+    norm: int = 0  # the norms' weights (0: the parameter dtype); a frozen bf16 base: 2, so their outputs are bf16
+    frozen_norms: bool = False  # the norms' weights get no gradient: their normalised value is not kept
 
 
 BF16_WEIGHTS = Precision(param=2, grad=2, moments=8, compute=2, stream=2, f32=4, autocast=False, master=4)
 
 
-def precision_for(model_dtype: str = "bf16", weights: str = "fp32") -> Precision:
+def precision_for(model_dtype: str = "bf16", weights: str = "fp32", frozen_embedding: bool = False,
+                  frozen_norms: bool = False) -> Precision:
     """The trainer's dtypes (``train/trainer.py: dtypes``) for a GPU run.
 
     bf16: fp32 parameters + bf16 autocast, or with ``model.weights bf16`` bf16 parameters (no autocast, a
     bf16 residual stream) and the optimizer's fp32 master beside them (``BF16_WEIGHTS``). fp32 / fp64:
-    everything in that dtype."""
+    everything in that dtype. ``frozen_embedding`` / ``frozen_norms``: a frozen base stored in bf16 (LoRA)
+    with the embedding / the norms among it, so the residual stream / the norms' outputs are bf16 as in the
+    transformers bf16 model; autocast still casts the fp32 adapters. (With bf16 weights the base is bf16
+    already: only the norms' kept value changes.)"""
     if model_dtype == "fp64":
-        return Precision(param=8, grad=8, moments=16, compute=8, stream=8, f32=8, autocast=False)
+        return Precision(param=8, grad=8, moments=16, compute=8, stream=8, f32=8, autocast=False,
+                         frozen_norms=frozen_norms)
     if model_dtype == "fp32":
-        return Precision(param=4, grad=4, moments=8, compute=4, stream=4, f32=4, autocast=False)
+        return Precision(param=4, grad=4, moments=8, compute=4, stream=4, f32=4, autocast=False,
+                         frozen_norms=frozen_norms)
     if model_dtype != "bf16":
         raise ValueError(f"model.dtype must be bf16, fp32 or fp64, got {model_dtype!r}")
     if weights not in ("fp32", "bf16"):
         raise ValueError(f"model.weights must be fp32 or bf16, got {weights!r}")
-    return BF16_WEIGHTS if weights == "bf16" else Precision()
+    if weights == "bf16":
+        return replace(BF16_WEIGHTS, frozen_norms=frozen_norms)
+    return Precision(stream=2 if frozen_embedding else 4, norm=2 if frozen_norms else 0, frozen_norms=frozen_norms)
 
 
 @dataclass(frozen=True)
@@ -150,13 +161,16 @@ CAL = Calibration()
 # ---- parameters ------------------------------------------------------------------------------------
 @dataclass
 class ParamCounts:
-    """Parameter counts. ``layers[i]`` = (dense, experts, no-grad) of layer i; no-grad = DSA indexer."""
+    """Parameter counts. ``layers[i]`` = (dense, experts, no-grad) of layer i; no-grad = DSA indexer.
+    ``trained``: with a frozen base (``train.trainable``, LoRA; ``plan.params.trained_counts``) what trains,
+    adapters included; None: everything but the indexer."""
 
     embed: int
     head: int
     final_norm: int
     layers: list[tuple[int, int, int]] = field(default_factory=list)
     fp32_kept: list[int] = field(default_factory=list)  # per layer: parameters a bf16 model keeps fp32 (of dense)
+    trained: Trained | None = None
 
     @property
     def kept(self) -> int:
@@ -165,12 +179,25 @@ class ParamCounts:
 
     @property
     def total(self) -> int:
-        return self.embed + self.head + self.final_norm + sum(sum(t) for t in self.layers)
+        adapters = self.trained.adapters if self.trained is not None else 0
+        return self.embed + self.head + self.final_norm + sum(sum(t) for t in self.layers) + adapters
 
     @property
     def trainable(self) -> int:
         """Parameters that receive a gradient (the indexer runs under no_grad)."""
+        if self.trained is not None:
+            return self.trained.total
         return self.total - sum(t[2] for t in self.layers)
+
+    def layer_trained(self, i: int) -> tuple[int, int]:
+        """(non-expert, expert) parameters of layer i that get a gradient."""
+        if self.trained is not None:
+            return self.trained.layers[i]
+        d, x, _ = self.layers[i]
+        return d, x
+
+    def head_trained(self) -> bool:
+        return self.trained is None or self.trained.head > 0
 
     def layer(self, i: int) -> int:
         return sum(self.layers[i])
@@ -204,22 +231,34 @@ def kda_params(spec: ModelSpec) -> int:
 def mla_params(spec: ModelSpec) -> int:
     H, Hh, b = spec.hidden_size, spec.num_attention_heads, spec.attention_bias
     ql, kl, r = spec.q_lora_rank, spec.kv_lora_rank, spec.qk_rope_head_dim
-    q = H * ql + ql * (1 + b) + ql * Hh * spec.qk_head_dim
+    q = H * ql + ql * (1 + b) + ql * Hh * spec.qk_head_dim if ql else H * Hh * spec.qk_head_dim  # or one q_proj
     kv = H * (kl + r) + (kl + r) * b + kl + kl * Hh * (spec.qk_nope_head_dim + spec.v_head_dim)
     return q + kv + Hh * spec.v_head_dim * H + H * b
 
 
 def indexer_params(spec: ModelSpec) -> int:
     H, I, Di = spec.hidden_size, spec.index_n_heads, spec.index_head_dim
-    return spec.q_lora_rank * I * Di + H * Di + 2 * Di + H * I + spec.index_kpool * Di + Di * H
+    pooled = spec.index_kpool * Di + Di * H if spec.family != "deepseek_v32" else 0  # GLM-5's pooled indexer
+    return spec.q_lora_rank * I * Di + H * Di + 2 * Di + H * I + pooled
 
 
 def attention_params(spec: ModelSpec) -> int:
     H, Hq, Hkv = spec.hidden_size, spec.num_attention_heads, spec.num_key_value_heads
     D = spec.head_dim or H // Hq
     b = 1 if spec.attention_bias else 0
-    qkv = H * (Hq + 2 * Hkv) * D + b * (Hq + 2 * Hkv) * D
-    return qkv + Hq * D * H + b * H + (2 * D if spec.qk_norm else 0)
+    q = Hq * D * (2 if spec.attn_output_gate else 1)  # Qwen3-Next's output gate rides on q_proj
+    qkv = H * (q + 2 * Hkv * D) + b * (q + 2 * Hkv * D)
+    norms = (2 * D if spec.qk_norm_scope == "head" else (Hq + Hkv) * D) if spec.qk_norm else 0  # OLMoE: all heads
+    return qkv + Hq * D * H + (H if spec.o_proj_bias else 0) + norms
+
+
+def gdn_params(spec: ModelSpec) -> int:
+    """Gated DeltaNet (``models.common.gdn``): in_proj_qkvz, in_proj_ba, the depthwise conv, dt_bias, A_log,
+    the gated norm, out_proj."""
+    H, Hk, Dk = spec.hidden_size, spec.linear_num_heads, spec.linear_head_dim
+    Hv, Dv = spec.linear_num_value_heads or Hk, spec.linear_value_head_dim or Dk
+    conv = 2 * Hk * Dk + Hv * Dv
+    return H * (2 * Hk * Dk + 2 * Hv * Dv) + H * 2 * Hv + conv * spec.linear_conv_kernel + 2 * Hv + Dv + Hv * Dv * H
 
 
 def mlp_params(spec: ModelSpec, kind: str) -> tuple[int, int]:
@@ -227,7 +266,8 @@ def mlp_params(spec: ModelSpec, kind: str) -> tuple[int, int]:
     H = spec.hidden_size
     if kind == "dense":
         return 3 * H * spec.intermediate_size, 0
-    shared = 3 * H * spec.moe_intermediate_size * spec.num_shared_experts
+    Is = spec.shared_expert_intermediate_size or spec.moe_intermediate_size * spec.num_shared_experts
+    shared = 3 * H * Is + (H if spec.shared_expert_gate else 0) if Is else 0  # Qwen3-Next: the shared gate
     return spec.num_experts * H + shared, 3 * spec.num_experts * H * spec.moe_intermediate_size
 
 
@@ -272,6 +312,10 @@ def count_params(spec: ModelSpec) -> ParamCounts:
         elif kind == "dsa":
             mixer = mla_params(spec)
             no_grad = indexer_params(spec) if spec.indexer_types[i] == "full" else 0
+        elif kind == "mla":
+            mixer = mla_params(spec)
+        elif kind == "gdn":
+            mixer = gdn_params(spec)
         else:
             mixer = attention_params(spec)
         dense, experts = mlp_params(spec, spec.mlp_types[i])
@@ -290,7 +334,15 @@ def _split(counts: ParamCounts, prec: Precision, params: int) -> tuple[int, int]
 
 
 def param_bytes(counts: ParamCounts, mesh: Mesh, prec: Precision) -> int:
-    """Parameters resident on one GPU: ``P * param / shard`` (+ the kept fp32 ones whole: ``4 * K``)."""
+    """Parameters resident on one GPU: ``P * param / shard`` (+ the kept fp32 ones whole: ``4 * K``). A frozen
+    base (``models.common.lora.frozen_dtype``) is stored in the compute dtype under autocast, but for the
+    tensors the family keeps in float32 (routers, KDA conv/decay, mHC: ``ParamCounts.kept``, taken as frozen):
+    ``((P - F) * param + (F - K_F) * compute + K_F * 4) / shard``."""
+    frozen = counts.trained.frozen if counts.trained is not None else 0
+    if frozen and prec.autocast and prec.compute < prec.param:  # frozen storage narrows only under autocast
+        kept_frozen = min(counts.kept, frozen) if prec.compute < 4 else 0
+        narrow = (frozen - kept_frozen) * prec.compute + kept_frozen * 4
+        return ((counts.total - frozen) * prec.param + narrow) // mesh.shard
     sharded, kept = _split(counts, prec, counts.total)
     return sharded * prec.param // mesh.shard + kept * 4
 
@@ -416,19 +468,21 @@ def norm_saved(width: int, in_bytes: int, prec: Precision) -> tuple[int, int]:
 
     Saved: the fp32 input (``x.to(f32)``; the input itself when already fp32) for the variance and the
     normalised value cast back to the input dtype (kept by ``weight *``): ``(f + in) * width``. The
-    output is ``weight * x``, promoted to the wider of the weight and input dtypes."""
-    return (prec.f32 + in_bytes) * width, max(prec.param, in_bytes)
+    output is ``weight * x``, promoted to the wider of the weight and input dtypes. A frozen weight needs
+    no gradient, so the normalised value is not kept: ``f * width``."""
+    kept = 0 if prec.frozen_norms else in_bytes
+    return (prec.f32 + kept) * width, max(prec.norm or prec.param, in_bytes)
 
 
-def hc_saved(spec: ModelSpec, prec: Precision, cal: Calibration = CAL) -> int:
+def hc_saved(spec: ModelSpec, prec: Precision, cal: Calibration = CAL, fn_trains: bool = True) -> int:
     """One HyperConnection (``blocks/mhc.py``) per token, its residual input not counted.
 
     The flattened streams in fp32 (a copy unless the stream is fp32), the normalised flat input of the
-    ``fn`` linear (its bf16 cast under autocast, else fp32) and the small [N]/[N, N] weights, of which
-    Sinkhorn's ``2 * iters - 1`` divisions each save comb and its sums."""
+    ``fn`` linear (its bf16 cast under autocast, else fp32; kept only when ``fn`` trains) and the small
+    [N]/[N, N] weights, of which Sinkhorn's ``2 * iters - 1`` divisions each save comb and its sums."""
     N, H, f = spec.hc_mult, spec.hidden_size, prec.f32
     flat = 0 if prec.stream == f else f * N * H
-    normed = prec.compute * N * H if prec.autocast else f * N * H
+    normed = (prec.compute * N * H if prec.autocast else f * N * H) if fn_trains else 0
     sink = (2 * spec.hc_sinkhorn_iters - 1) * (N * N + N) if cal.sinkhorn_saved else 0
     return flat + normed + f * (sink + 3 * N * N + 4 * N)
 
@@ -457,7 +511,7 @@ WEIGHT_GRAD_ROWS = 16384
 
 
 def vocab_loss_bytes(N: int, H: int, V: int, chunk_tokens: int, dtype_bytes: int,
-                     vocab_chunk: int | None = None) -> dict[str, int]:
+                     vocab_chunk: int | None = None, weight_grad: bool = True) -> dict[str, int]:
     """Peak working bytes of the loss's forward + backward, beyond its inputs (hidden, weight, labels)
     (``memory/vocab_loss.py``, which takes ``WEIGHT_GRAD_ROWS`` from here).
 
@@ -472,7 +526,8 @@ def vocab_loss_bytes(N: int, H: int, V: int, chunk_tokens: int, dtype_bytes: int
              addmm output temporary of one block of weight-gradient rows ``min(Vc, WEIGHT_GRAD_ROWS)*H*4``;
              for half inputs the fp32 weight gradient ``V*H*4`` is held throughout and cast to ``V*H*d`` at
              the end (after the strips), otherwise the weight gradient ``V*H*d`` is the accumulator itself.
-             Independent of N but for the two per-token terms.
+             Independent of N but for the two per-token terms. A frozen head (``weight_grad`` False) has no
+             weight gradient: the strips and the per-token terms only.
     """
     d = dtype_bytes
     half = d < 4
@@ -482,13 +537,15 @@ def vocab_loss_bytes(N: int, H: int, V: int, chunk_tokens: int, dtype_bytes: int
     strip = C * Vc * (d + a) + C * H * a + (min(Vc, WEIGHT_GRAD_ROWS) * H * 4 if half else 0)
     per_token = 2 * N * a + N * H * d
     chunked = per_token + (V * H * 4 + max(strip, V * H * d) if half else V * H * d + strip)
+    if not weight_grad:
+        chunked = per_token + strip
     return {"plain": plain, "chunked": chunked}
 
 
-def loss_bytes(spec: ModelSpec, n: int, d: int, chunked: bool, chunk_tokens: int) -> int:
+def loss_bytes(spec: ModelSpec, n: int, d: int, chunked: bool, chunk_tokens: int, weight_grad: bool = True) -> int:
     """The vocabulary projection + cross-entropy working set of ``spec``'s head over ``n`` tokens
     (``vocab_loss_bytes``), ``d`` the hidden's bytes."""
-    both = vocab_loss_bytes(n, spec.hidden_size, spec.vocab_size, chunk_tokens or n, d)
+    both = vocab_loss_bytes(n, spec.hidden_size, spec.vocab_size, chunk_tokens or n, d, weight_grad=weight_grad)
     return both["chunked" if chunked else "plain"]
 
 

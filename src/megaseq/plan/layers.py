@@ -5,6 +5,11 @@ Pure Python. One function per kind and direction (``kda_saved`` / ``kda_temp``, 
 ``mlp_temp``), in bytes for ``n`` tokens on one GPU, following the megaseq blocks op by op; named
 coefficients live in ``components.Calibration``. Notation as in ``components``: c compute bytes, f fp32
 bytes, xb bytes of the normed block input, D = KDA heads x head dim. ``docs/planner.md`` has the arithmetic.
+
+``trains``: with a frozen base (LoRA, ``train.trainable``) the layer's projections whose weight gets a
+gradient, by name within the layer (``self_attn.q_proj``, ``mlp.experts.gate_up_proj``: an adapter counts,
+its ``A`` reads the same input); None: every one. autograd keeps a linear's input only for its weight's
+gradient, so a frozen projection's input is not saved (unless another op keeps it).
 """
 
 from __future__ import annotations
@@ -15,9 +20,22 @@ from megaseq.models.spec import ModelSpec
 from megaseq.ops.workspace import absorbed_bytes, indexer_scoring_bytes  # noqa: F401  (the ops' own formulas)
 from megaseq.plan.components import CAL, Calibration, Mesh, Precision, linear_inputs, norm_saved
 
+Trains = frozenset[str] | None
+
+
+def _inputs(width: int, names: list[str], in_bytes: int, prec: Precision, trains: Trains) -> int:
+    """``linear_inputs`` of the linears ``names`` reading one tensor, counting only those that train."""
+    k = len(names) if trains is None else sum(n in trains for n in names)
+    return linear_inputs(width, k, in_bytes, prec) if k else 0
+
+
+def _if(name: str, trains: Trains) -> int:
+    return 1 if trains is None or name in trains else 0
+
 
 # ---- token mixers: saved per layer, and temporaries --------------------------------------------------
-def kda_saved(spec: ModelSpec, n: int, xb: int, prec: Precision, cal: Calibration = CAL) -> dict[str, int]:
+def kda_saved(spec: ModelSpec, n: int, xb: int, prec: Precision, cal: Calibration = CAL,
+              trains: Trains = None) -> dict[str, int]:
     """KDA (``blocks/kda.py``) with fla's ``chunk_kda`` on the GPU; ``xb`` bytes of the normed input.
 
     Per token: the six projections' inputs (q, k, v, f_a, b, g_a); the conv's input ``c * 3D`` (fla's
@@ -28,12 +46,16 @@ def kda_saved(spec: ModelSpec, n: int, xb: int, prec: Precision, cal: Calibratio
     """
     H, Hh, Dk = spec.hidden_size, spec.linear_num_heads, spec.linear_head_dim
     D, c, f = Hh * Dk, prec.compute, prec.f32
+    p = "self_attn."
+    six = [p + x for x in ("q_proj", "k_proj", "v_proj", "forget_gate.f_a_proj", "b_proj", "g_a_proj")]
+    late = _if(p + "o_proj", trains) * c * D + (_if(p + "forget_gate.f_b_proj", trains)
+                                                 + _if(p + "g_b_proj", trains)) * c * Dk
     return {
-        "kda projections' inputs": n * linear_inputs(H, 6, xb, prec),
+        "kda projections' inputs": n * _inputs(H, six, xb, prec, trains),
         "kda conv": n * cal.kda_conv_copies * c * 3 * D,
         "kda forget gate": n * 2 * f * D,
         "kda chunk state (q,k,v,g,A)": n * (3 * c * D + 2 * f * D + 2 * c * Hh * 64 + 2 * f * Hh),
-        "kda output norm + o_proj input": n * (4 * f * D + c * D + 2 * c * Dk),
+        "kda output norm + o_proj input": n * ((3 + _if(p + "o_norm", trains)) * f * D + late),
     }
 
 
@@ -49,7 +71,8 @@ def kda_temp(spec: ModelSpec, n: int, prec: Precision, backward: bool, cal: Cali
 
 
 def kda_segmented(
-    spec: ModelSpec, n: int, batch: int, T: int, xb: int, prec: Precision, cal: Calibration = CAL
+    spec: ModelSpec, n: int, batch: int, T: int, xb: int, prec: Precision, cal: Calibration = CAL,
+    trains: Trains = None,
 ) -> tuple[dict[str, int], int, int]:
     """KDA in segments of ``T`` tokens (``memory/kda_segments.py``): (saved, forward temp, backward temp).
 
@@ -61,7 +84,7 @@ def kda_segmented(
     H, Hh, Dk, c, f = spec.hidden_size, spec.linear_num_heads, spec.linear_head_dim, prec.compute, prec.f32
     m = min(T + spec.linear_conv_kernel - 1, n)
     segments = -(-n // (batch * T)) if batch else 0
-    seg_saved = sum(kda_saved(spec, m * batch, xb, prec, cal).values())
+    seg_saved = sum(kda_saved(spec, m * batch, xb, prec, cal, trains).values())
     saved = {"kda segmented: input": n * xb * H, "kda segmented: states": segments * batch * f * Hh * Dk * Dk}
     fwd = kda_temp(spec, m * batch, prec, False, cal) + int(cal.nograd_fraction * seg_saved) + n * c * H
     seg_cal = replace(cal, kda_bwd_temp_fd=cal.kda_segment_bwd_temp_fd)
@@ -110,6 +133,7 @@ def dsa_saved(
     full_indexer: bool,
     cal: Calibration = CAL,
     impl: str = "torch_masked",
+    trains: Trains = None,
 ) -> dict[str, int]:
     """MLA + DSA (``blocks/mla_dsa.py``); K/V rows from ``dsa_kv_rows``.
 
@@ -132,13 +156,14 @@ def dsa_saved(
     kv_rows = dsa_kv_rows(n, batch, seq_len, mesh, mode)
     q_norm, q_out = norm_saved(ql, c, prec)
     kv_norm, kv_out = norm_saved(kl, c, prec)
+    p = "self_attn."
     out = {
-        "dsa projections' inputs": n * linear_inputs(H, 2, xb, prec),
-        "dsa q/kv norms + q_b input": n * (q_norm + kv_norm + linear_inputs(ql, 1, q_out, prec)),
+        "dsa projections' inputs": n * _inputs(H, [p + "q_a_proj", p + "kv_a_proj_with_mqa"], xb, prec, trains),
+        "dsa q/kv norms + q_b input": n * (q_norm + kv_norm + _inputs(ql, [p + "q_b_proj"], q_out, prec, trains)),
         "dsa q": n * c * Hh * qk,
         "dsa K/V (kv_b input, k, kv_b output)": kv_rows
-        * (linear_inputs(kl, 1, kv_out, prec) + c * Hh * qk + c * Hh * (spec.qk_nope_head_dim + v)),
-        "dsa o_proj input": n * c * Hh * v,
+        * (_inputs(kl, [p + "kv_b_proj"], kv_out, prec, trains) + c * Hh * qk + c * Hh * (spec.qk_nope_head_dim + v)),
+        "dsa o_proj input": n * c * Hh * v * _if(p + "o_proj", trains),
     }
     if impl == "absorbed":
         del out["dsa K/V (kv_b input, k, kv_b output)"]
@@ -214,7 +239,8 @@ def absorbed_temp(spec: ModelSpec, n: int, batch: int, seq_len: int, prec: Preci
     return block + kv_rows * (f + c) * R + n * c * Hh * spec.qk_head_dim
 
 
-def attention_saved(spec: ModelSpec, n: int, xb: int, prec: Precision, mesh: Mesh) -> dict[str, int]:
+def attention_saved(spec: ModelSpec, n: int, xb: int, prec: Precision, mesh: Mesh,
+                    trains: Trains = None) -> dict[str, int]:
     """GQA softmax attention (``blocks/attention.py``) with SDPA: q/k/v inputs, q/k RMSNorm per head
     ``(f + c) * (Hq + Hkv) * D``, RoPE's cos/sin, SDPA's q, k, v, o (bf16 casts) and log-sum-exp, and
     o_proj's input. KV heads repeated for Ulysses when cp does not divide them."""
@@ -223,12 +249,13 @@ def attention_saved(spec: ModelSpec, n: int, xb: int, prec: Precision, mesh: Mes
     rep = 1
     if mesh.cp > 1 and Hkv % mesh.cp:
         rep = next(r for r in range(1, Hq // Hkv + 1) if (Hq // Hkv) % r == 0 and (Hkv * r) % mesh.cp == 0)
-    norms = (f + c) * (Hq + Hkv) * D if spec.qk_norm else 0
+    norms = (f + (0 if prec.frozen_norms else c)) * (Hq + Hkv) * D if spec.qk_norm else 0
+    qkv = [f"self_attn.{x}" for x in ("q_proj", "k_proj", "v_proj")]
     return {
-        "attention projections' inputs": n * linear_inputs(H, 3, xb, prec),
+        "attention projections' inputs": n * _inputs(H, qkv, xb, prec, trains),
         "attention q/k norms + rope": n * (norms + 2 * f * D),
         "attention q,k,v,o + lse": n * (c * (2 * Hq + 2 * Hkv * rep) * D + f * Hq),
-        "attention o_proj input": n * c * Hq * D,
+        "attention o_proj input": n * c * Hq * D * _if("self_attn.o_proj", trains),
     }
 
 
@@ -250,11 +277,13 @@ def swiglu_saved_ci(spec: ModelSpec) -> int:
     return 6 if spec.swiglu_limit is not None else 4
 
 
-def mlp_saved(spec: ModelSpec, n: int, intermediate: int, xb: int, prec: Precision) -> int:
-    """Dense SwiGLU: gate/up inputs + ``swiglu * c * I`` per token."""
-    return n * (
-        linear_inputs(spec.hidden_size, 2, xb, prec) + swiglu_saved_ci(spec) * prec.compute * intermediate
-    )
+def mlp_saved(spec: ModelSpec, n: int, intermediate: int, xb: int, prec: Precision, trains: Trains = None,
+              prefix: str = "mlp.") -> int:
+    """Dense SwiGLU: gate/up inputs + ``swiglu * c * I`` per token (its last, the product, is down_proj's
+    input: kept only when down_proj trains)."""
+    gate_up = [prefix + "gate_proj", prefix + "up_proj"]
+    swiglu = swiglu_saved_ci(spec) - 1 + _if(prefix + "down_proj", trains)
+    return n * (_inputs(spec.hidden_size, gate_up, xb, prec, trains) + swiglu * prec.compute * intermediate)
 
 
 def moe_rows(spec: ModelSpec, tokens: int, mesh: Mesh, imbalance: float) -> int:
@@ -268,11 +297,13 @@ def moe_rows(spec: ModelSpec, tokens: int, mesh: Mesh, imbalance: float) -> int:
     return int(min(tokens * K * imbalance, tokens * mesh.ep * min(K, local)))
 
 
-def moe_row_saved(spec: ModelSpec, xb: int, prec: Precision) -> int:
-    """Per routed row: the expert input (a cast copy), the SwiGLU set and the expert output ``c * H`` kept
+def moe_row_saved(spec: ModelSpec, xb: int, prec: Precision, trains: Trains = None) -> int:
+    """Per routed row: the expert input (a cast copy; kept only when ``gate_up_proj`` trains), the SwiGLU set
+    (its product, ``down_proj``'s input, only when ``down_proj`` trains) and the expert output ``c * H`` kept
     by the weighting."""
     H, I, c = spec.hidden_size, spec.moe_intermediate_size, prec.compute
-    return linear_inputs(H, 1, xb, prec) + swiglu_saved_ci(spec) * c * I + c * H
+    swiglu = swiglu_saved_ci(spec) - 1 + _if("mlp.experts.down_proj", trains)
+    return _inputs(H, ["mlp.experts.gate_up_proj"], xb, prec, trains) + swiglu * c * I + c * H
 
 
 def moe_row_temp(spec: ModelSpec, xb: int, prec: Precision, backward: bool, cal: Calibration = CAL) -> float:
@@ -282,27 +313,29 @@ def moe_row_temp(spec: ModelSpec, xb: int, prec: Precision, backward: bool, cal:
     return coef * xb * spec.hidden_size + extra * prec.compute * spec.moe_intermediate_size + 24
 
 
-def moe_router_saved(spec: ModelSpec, n: int, prec: Precision) -> int:
-    """The router's cast input and its scores ``2 * c * E``, the group mask, the top-k indices (int64)."""
-    router_in = linear_inputs(spec.hidden_size, 1, prec.f32, prec)  # the router casts x to fp32 first
+def moe_router_saved(spec: ModelSpec, n: int, prec: Precision, trains: Trains = None) -> int:
+    """The router's cast input (kept only when the router trains) and its scores ``2 * c * E``, the group
+    mask, the top-k indices (int64)."""
+    router_in = _inputs(spec.hidden_size, ["mlp.gate"], prec.f32, prec, trains)  # the router casts x to fp32 first
     logits = prec.compute if prec.autocast else prec.f32  # autocast runs the fp32 router linear in bf16
     E, K = spec.num_experts, spec.num_experts_per_tok
     return n * (router_in + logits * E + E + 8 * (K + 3))
 
 
 def moe_saved(
-    spec: ModelSpec, n: int, xb: int, prec: Precision, mesh: Mesh, imbalance: float
+    spec: ModelSpec, n: int, xb: int, prec: Precision, mesh: Mesh, imbalance: float, trains: Trains = None
 ) -> dict[str, int]:
     """MoE (``blocks/moe.py``): the router (``moe_router_saved``), per routed row ``moe_row_saved``, and the
     shared expert as a dense SwiGLU."""
     I = spec.moe_intermediate_size
     rows = moe_rows(spec, n, mesh, imbalance)
     out = {
-        "moe router": moe_router_saved(spec, n, prec),
-        "moe routed rows (x, SwiGLU, y)": rows * moe_row_saved(spec, xb, prec),
+        "moe router": moe_router_saved(spec, n, prec, trains),
+        "moe routed rows (x, SwiGLU, y)": rows * moe_row_saved(spec, xb, prec, trains),
     }
     if spec.num_shared_experts:
-        out["moe shared expert"] = mlp_saved(spec, n, I * spec.num_shared_experts, xb, prec)
+        out["moe shared expert"] = mlp_saved(spec, n, I * spec.num_shared_experts, xb, prec, trains,
+                                             "mlp.shared_experts.")
     return out
 
 

@@ -54,8 +54,11 @@ class Run:
 
     @property
     def prec(self) -> Precision:
-        """Dtypes of ``model.dtype`` and ``model.weights`` (``components.precision_for``)."""
-        return C.precision_for(self.model_dtype, self.weights)
+        """Dtypes of ``model.dtype`` and ``model.weights`` (``components.precision_for``); a frozen bf16 base
+        with its embedding makes the residual stream bf16, with its norms their outputs bf16."""
+        tr = self.counts.trained
+        frozen = tr is not None
+        return C.precision_for(self.model_dtype, self.weights, frozen and tr.embed == 0, frozen and not tr.norms)
 
     @property
     def reduce_bytes(self) -> int:
@@ -128,22 +131,29 @@ class Evaluation:
 
 
 # ---- per layer --------------------------------------------------------------------------------------
+def _trains(run: Run, i: int) -> frozenset[str] | None:
+    """Layer i's projections whose weight gets a gradient (``plan.layers``' ``trains``; None: all)."""
+    tr = run.counts.trained
+    return None if tr is None else tr.projections[i]
+
+
 def _mixer(run: Run, i: int, xb: int) -> tuple[dict[str, int], int, int]:
     spec, n, prec, mesh = run.spec, run.n, run.prec, run.mesh
+    trains = _trains(run, i)
     kind = spec.layer_types[i]
     comm = C.comm_buffer_bytes(spec, n, kind, prec, mesh, run.mla_mode)
     T = run.memory.kda_segment_tokens
     if kind == "kda" and 0 < T < n:
-        return layers.kda_segmented(spec, n, run.batch, T, xb, prec, run.cal)
+        return layers.kda_segmented(spec, n, run.batch, T, xb, prec, run.cal, trains)
     if kind == "kda":
         return (
-            layers.kda_saved(spec, n, xb, prec, run.cal),
+            layers.kda_saved(spec, n, xb, prec, run.cal, trains),
             layers.kda_temp(spec, n, prec, False, run.cal) + comm,
             layers.kda_temp(spec, n, prec, True, run.cal) + comm,
         )
     if kind == "attention":
         return (
-            layers.attention_saved(spec, n, xb, prec, mesh),
+            layers.attention_saved(spec, n, xb, prec, mesh, trains),
             layers.attention_temp(spec, n, prec, False) + comm,
             layers.attention_temp(spec, n, prec, True) + comm,
         )
@@ -155,7 +165,7 @@ def _mixer(run: Run, i: int, xb: int) -> tuple[dict[str, int], int, int]:
     full = spec.indexer_types[i] == "full"
     B, S, mode = run.batch, run.seq_len, run.mla_mode
     impl = run.sparse_impl
-    saved = layers.dsa_saved(spec, n, B, S, xb, prec, mesh, mode, full, run.cal, impl)
+    saved = layers.dsa_saved(spec, n, B, S, xb, prec, mesh, mode, full, run.cal, impl, trains)
     fwd = layers.dsa_temp(spec, n, B, S, prec, mesh, mode, False, run.cal, impl)
     if full:
         fwd = max(fwd, layers.indexer_temp(spec, n, B, S, run.memory.indexer_query_chunk, prec))
@@ -169,9 +179,10 @@ def _mlp(run: Run, i: int, xb: int, tokens: int) -> tuple[dict[str, int], int, i
     if kind == "moe" and mesh.ep > 1:
         return _moe_ep(run, xb, tokens)
     if kind == "dense":
-        saved = {"mlp (dense SwiGLU)": layers.mlp_saved(spec, tokens, spec.intermediate_size, xb, prec)}
+        saved = {"mlp (dense SwiGLU)": layers.mlp_saved(spec, tokens, spec.intermediate_size, xb, prec,
+                                                        _trains(run, i))}
     else:
-        saved = layers.moe_saved(spec, tokens, xb, prec, mesh, run.imbalance)
+        saved = layers.moe_saved(spec, tokens, xb, prec, mesh, run.imbalance, _trains(run, i))
     fwd = layers.mlp_temp(spec, tokens, kind, xb, prec, mesh, run.imbalance, False, run.cal)
     bwd = layers.mlp_temp(spec, tokens, kind, xb, prec, mesh, run.imbalance, True, run.cal)
     return saved, fwd, bwd
@@ -221,18 +232,25 @@ def layer_terms(run: Run, i: int) -> LayerTerms:
     attn = {"layer input (boundary)": n * resid}
     ffn = {"mid-layer residual": n * resid}
     if N > 1:
-        attn["mHC"] = ffn["mHC"] = n * C.hc_saved(spec, prec, run.cal)
+        trains = _trains(run, i)
+        attn["mHC"], ffn["mHC"] = (n * C.hc_saved(spec, prec, run.cal, trains is None or f"{hc}.fn" in trains)
+                                   for hc in ("attn_hc", "ffn_hc"))
     attn["input norm"] = ffn["post-attention norm"] = n * norm - (n * resid if N == 1 else 0)
     attn.update(mixer)
+    tr = run.counts.trained
+    if tr is not None and (tr.lora_rows_attn[i] or tr.merged[i]):  # models.common.lora: B's saved input
+        attn["LoRA intermediates"] = n * tr.lora_rows_attn[i] * c + tr.merged[i] * c
     tiled = run.memory.tiled_mlp
     tile = min(run.memory.mlp_tile_tokens, n) if tiled else n
     mlp, mlp_fwd, mlp_bwd = _mlp(run, i, xb, tile)
+    if tr is not None and tr.lora_rows_mlp[i]:
+        mlp["LoRA intermediates (mlp)"] = tile * tr.lora_rows_mlp[i] * c
     # backward: the gradient of the sublayer's output and of its input (accumulated in fp32)
     grad_attn = n * H * (c + f)
     grad_mlp = n * H * ((c if spec.mlp_types[i] == "dense" else xb) + f)
     if tiled:  # the tiles run without a graph: their weights' bf16 copies live only inside backward
         tile_saved = sum(mlp.values())
-        mlp_params = sum(C.mlp_params(spec, spec.mlp_types[i]))
+        mlp_params = sum(C.mlp_params(spec, spec.mlp_types[i])) if tr is None else tr.mlp[i]
         mlp_fwd = int(run.cal.nograd_fraction * tile_saved) + mlp_fwd
         mlp_bwd = tile_saved + mlp_bwd + 2 * C.grad_bytes(mlp_params, run.mesh, prec)
         mlp_bwd += C.weight_copy_bytes(mlp_params, prec, run.mesh)
@@ -255,7 +273,7 @@ def layer_terms(run: Run, i: int) -> LayerTerms:
         ffn = {"mixer output (tiled input)": n * H * c}
     else:
         ffn.update(mlp)
-    wgrad = prec.grad * _largest_weight(spec, i)
+    wgrad = prec.grad * (_largest_weight(spec, i) if tr is None else tr.largest[i])
     merge = (tile if tiled else n) * C.merge_temp(spec, prec) if N > 1 else 0
     return LayerTerms(
         attn=attn,
@@ -278,6 +296,10 @@ def all_layer_terms(run: Run) -> list[LayerTerms]:
     spec = run.spec
     for i in range(spec.num_layers):
         key = (spec.layer_types[i], spec.mlp_types[i], spec.indexer_types[i] if spec.indexer_types else "")
+        tr = run.counts.trained
+        if tr is not None:  # adapters may differ per layer (lora.targets naming layers)
+            key += (tr.lora_rows_attn[i], tr.lora_rows_mlp[i], tr.merged[i], tr.mlp[i], tr.largest[i],
+                    tr.projections[i])
         if key not in cache:
             cache[key] = layer_terms(run, i)
         out.append(cache[key])
@@ -310,10 +332,15 @@ def _state(run: Run) -> tuple[dict[str, int], list[int], int, int]:
         state.update(segment_store_bytes(run))
     acc = run.accumulates
     kept = counts.fp32_kept if prec.master else [0] * len(counts.layers)
-    g_layers = [C.grad_bytes(d + x, mesh, prec, k, acc) for (d, x, _), k in zip(counts.layers, kept)]
+    tr = counts.trained
+    if tr is not None:  # a frozen base: only what trains has a gradient (the kept fp32 tensors taken as frozen)
+        kept = [0] * len(counts.layers)
+    g_layers = [C.grad_bytes(sum(counts.layer_trained(i)), mesh, prec, k, acc) for i, k in enumerate(kept)]
     tied = run.spec.tie_word_embeddings
-    g_head = C.grad_bytes(counts.final_norm + (counts.embed if tied else counts.head), mesh, prec, 0, acc)
-    g_embed = 0 if tied else C.grad_bytes(counts.embed, mesh, prec, 0, acc)
+    head, embed, norm = (counts.head, counts.embed, counts.final_norm) if tr is None else (tr.head, tr.embed,
+                                                                                            tr.final_norm)
+    g_head = C.grad_bytes(norm + (embed if tied else head), mesh, prec, 0, acc)
+    g_embed = 0 if tied else C.grad_bytes(embed, mesh, prec, 0, acc)
     return state, g_layers, g_head, g_embed
 
 
@@ -360,6 +387,9 @@ def _copies(run: Run, i: int, cached_only: bool) -> int:
     keeps the leaf weights' casts, not the experts' (cast per expert from a view). A tiled MLP runs its
     tiles without a graph, so the layer's graph holds no copies of the MLP's weights."""
     dense, experts, _ = run.counts.layers[i]
+    if run.counts.trained is not None:  # a frozen base is stored in the compute dtype: nothing to cast
+        dense, experts = run.counts.layer_trained(i)
+        return C.weight_copy_bytes(dense + (0 if cached_only else experts), run.prec, run.mesh)
     if cached_only:
         experts = 0
     elif run.memory.tiled_mlp:
@@ -398,9 +428,10 @@ def _phases(run: Run, terms: list[LayerTerms]) -> list[tuple[str, dict[str, int]
     # under autocast the trainer casts the hidden states and the head to the compute dtype for the loss
     cast = prec.autocast and run.loss_in_compute_dtype
     d_loss = prec.compute if cast else s
+    head_trains = run.counts.head_trained()  # a frozen head: no weight gradient, already in the compute dtype
     loss = C.loss_bytes(
-        spec, n, d_loss, run.memory.chunked_loss, run.memory.loss_chunk_tokens
-    ) + ((n + spec.vocab_size) * H * d_loss if cast else 0)
+        spec, n, d_loss, run.memory.chunked_loss, run.memory.loss_chunk_tokens, weight_grad=head_trains
+    ) + ((n + (spec.vocab_size if head_trains else 0)) * H * d_loss if cast else 0)
     sel = layers.dsa_selection_bytes(spec, n) if "dsa" in spec.layer_types else 0
     readers = _readers(spec)
     k = _sco_offloaded(run, bnd)

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from megaseq.config import ExpertDispatchSettings, MemorySettings
+from megaseq.config import AdapterSettings, ExpertDispatchSettings, MemorySettings
 from megaseq.models.spec import ModelSpec
 from megaseq.plan import components as C
 from megaseq.plan.components import GB, GIB, Calibration, Mesh
@@ -38,6 +38,7 @@ from megaseq.plan.fixes import (  # noqa: F401  (Budgets, H200_GPU_BYTES, HOST_B
     fix_costs,
 )
 from megaseq.plan.flops import comm_volume, step_flops
+from megaseq.plan.params import trained_counts
 from megaseq.plan.phases import Evaluation, Run, evaluate
 
 # the memory settings a plan carries, in order (``Plan.memory``: ``MemorySettings.to_dict``)
@@ -348,6 +349,7 @@ def plan(
     ep_dispatch: ExpertDispatchSettings | None = None,
     weights: str = "fp32",
     reduce_dtype: str = "fp32",
+    adapters: AdapterSettings | None = None,
 ) -> Plan:
     """Plan one training step of ``spec`` at ``seq_len`` tokens per sequence on ``mesh``.
 
@@ -355,6 +357,9 @@ def plan(
     given; otherwise the planner picks the cheapest fixes that fit. ``moe_imbalance`` is the max/mean
     expert load used under expert parallelism (BRIEF: about 4 on real long-context data); ``ep_dispatch``
     how routed rows travel then (default: PipelinedLLEP, planned at its routing-independent bound).
+    ``adapters``: a frozen base (``train.trainable``, LoRA): the frozen parameters cost their compute-dtype
+    bytes only, the trained ones (adapters included) their gradients and optimizer state
+    (``plan.params.trained_counts``).
     """
     mesh = mesh or Mesh()
     budgets = budgets or Budgets()
@@ -362,6 +367,7 @@ def plan(
         raise ValueError(f"seq_len ({seq_len}) and batch_size ({batch_size}) must be >= 1")
     validate_mesh(spec, seq_len, mesh)
     counts = C.gpu_counts(C.count_params(spec), mesh)
+    counts.trained = trained_counts(spec, adapters)
     best: Plan | None = None
     for mode in mla_modes(spec, mesh):
         run = Run(
@@ -447,6 +453,7 @@ def run_for(
     ep_dispatch: ExpertDispatchSettings | None = None,
     weights: str = "fp32",
     reduce_dtype: str = "fp32",
+    adapters: AdapterSettings | None = None,
 ) -> Run:
     """The planner's ``Run`` for one given setting (``MemorySettings``, or a dict of some of its fields, the
     rest at the planner's base), choosing nothing. ``mla_mode`` defaults to the mesh's (``auto`` meaning
@@ -456,6 +463,8 @@ def run_for(
     mode = mla_mode or ("gather_kv" if mesh.mla_mode == "auto" else mesh.mla_mode)
     given = memory.to_dict() if isinstance(memory, MemorySettings) else memory
     full = base_settings(None, batch_size * seq_len // mesh.cp).replace(**given)
+    counts = C.gpu_counts(C.count_params(spec), mesh)
+    counts.trained = trained_counts(spec, adapters)
     return Run(
         spec=spec,
         seq_len=seq_len,
@@ -463,7 +472,7 @@ def run_for(
         mesh=mesh,
         model_dtype=model_dtype,
         memory=full,
-        counts=C.gpu_counts(C.count_params(spec), mesh),
+        counts=counts,
         mla_mode=mode,
         imbalance=moe_imbalance,
         grad_accum=grad_accum,
@@ -517,4 +526,5 @@ def plan_from_config(
         ep_dispatch=pc.ep_dispatch_settings(),
         weights=cfg.model.weights,
         reduce_dtype=pc.reduce_dtype,
+        adapters=AdapterSettings.of(cfg),
     )

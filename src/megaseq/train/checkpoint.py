@@ -16,6 +16,11 @@ tensor held whole by several ranks is written once) into the temporary directory
 after a barrier rank 0 writes the trainer state and ``meta.json`` and renames it. A load reads the shards
 each rank's tensors need, whatever mesh wrote them: a 4-rank checkpoint resumes on 2 ranks or on 1 (DCP
 reshards).
+
+With a frozen base (LoRA, ``train.trainable``) a checkpoint holds only what trains (the adapters and the
+trained parameters, their optimizer state) and buffers: ``meta.json`` says ``"trainable_only": true``, lists
+the trained names and records how to make the base again (``base``: ``model.init_from`` and the seed), with
+a fingerprint of its frozen tensors that a resume checks.
 """
 
 from __future__ import annotations
@@ -32,7 +37,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
 
 # One process without torch.distributed is a supported case, not a warning.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
@@ -121,9 +131,10 @@ def _tmp_name(final: Path) -> Path:
 
 
 def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer: Any | None, scheduler: Any | None,
-                    extra_meta: dict[str, Any], keep: int = 2) -> Path:
+                    extra_meta: dict[str, Any], keep: int = 2, trainable_only: bool = False) -> Path:
     """Save model, optimizer, scheduler, RNG and data position at ``step``; returns the directory. With
-    several processes every rank calls it (each writes its shards)."""
+    several processes every rank calls it (each writes its shards). ``trainable_only``: the model's trained
+    parameters (and buffers) only, with the frozen base's fingerprint."""
     run_dir = Path(run_dir)
     final = _step_dir(run_dir, step)
     tmp = _tmp_name(final)
@@ -135,11 +146,15 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer:
         tmp.mkdir(parents=True)
     _barrier()
     # one process writes everything without collectives; several write their own shards
-    dcp.save(_state(model, optimizer), checkpoint_id=str(tmp), no_dist=not _distributed())
+    dcp.save(_state(model, optimizer, trainable_only), checkpoint_id=str(tmp), no_dist=not _distributed())
     _barrier()
     if _is_main():
         _write_trainer_state(tmp, optimizer, scheduler)
         meta = {**extra_meta, "step": step, "complete": True}
+        if trainable_only:
+            meta["trainable_only"] = True
+            meta["trainable"] = sorted(n for n, p in model.named_parameters() if p.requires_grad)
+            meta["base_fingerprint"] = base_fingerprint(model)
         atomic_write_text(tmp / META, json.dumps(meta, indent=2))
         if final.exists():
             shutil.rmtree(final)
@@ -164,16 +179,45 @@ def _prune(run_dir: Path, keep: int, protect: set[Path]) -> None:
         shutil.rmtree(p, ignore_errors=True)
 
 
-def _state(model: torch.nn.Module, optimizer: Any) -> dict[str, Any]:
+def _state(model: torch.nn.Module, optimizer: Any, trainable_only: bool = False) -> dict[str, Any]:
     """FQN-keyed model (+ optimizer) state that DCP saves and loads in place: FSDP2's shards as DTensors
-    (MasterAdamW's masters and moments too), so a load reshards them."""
+    (MasterAdamW's masters and moments too), so a load reshards them (``trainable_only``: without the frozen
+    parameters)."""
+    opts = StateDictOptions(ignore_frozen_params=trainable_only)
+    msd = get_model_state_dict(model, options=opts) if trainable_only else model.state_dict()
     if optimizer is None:
-        return {"model": model.state_dict()}
+        return {"model": msd}
     if isinstance(optimizer, torch.optim.Optimizer):
-        msd, osd = get_state_dict(model, optimizer)
+        msd, osd = get_state_dict(model, optimizer, options=opts)
         return {"model": msd, "optim": osd}
     # OffloadStreamAdamW keeps its state in host buffers and exposes a plain state_dict
-    return {"model": model.state_dict(), "optim": optimizer.state_dict()}
+    return {"model": msd, "optim": optimizer.state_dict()}
+
+
+@torch.no_grad()
+def base_fingerprint(model: torch.nn.Module) -> list[float]:
+    """Sum and sum of magnitudes of every frozen tensor, in float64 and 16M-element pieces: what a resume
+    compares to know it rebuilt the same frozen base (another seed or checkpoint differs far beyond
+    rounding). The frozen base is replicated (a frozen base under FSDP is refused): every rank's is whole."""
+    total, mag = 0.0, 0.0
+    for i, p in enumerate(p for p in model.parameters() if not p.requires_grad):
+        for piece in p.detach().reshape(-1).split(1 << 24):
+            total += (i + 1) * float(piece.sum(dtype=torch.float64))
+            mag += float(piece.abs().sum(dtype=torch.float64))
+    return [total, mag]
+
+
+def _check_base(ckpt: Path, meta: dict[str, Any], model: torch.nn.Module) -> None:
+    mine = sorted(n for n, p in model.named_parameters() if p.requires_grad)
+    if meta.get("trainable") != mine:
+        theirs = set(meta.get("trainable") or [])
+        diff = sorted(theirs.symmetric_difference(mine))
+        raise ValueError(f"checkpoint {ckpt} trained other parameters than this run does (e.g. {diff[:3]}): resume "
+                         "with the lora.* and train.trainable settings that wrote it")
+    want, got = meta.get("base_fingerprint"), base_fingerprint(model)
+    if want and any(abs(a - b) > 1e-6 * max(abs(a), abs(b), 1e-30) for a, b in zip(want, got)):
+        raise ValueError(f"checkpoint {ckpt} holds adapters for another frozen base (fingerprint {want}, this run's "
+                         f"{got}): resume with the model.init_from and train.seed that wrote it")
 
 
 def read_meta(ckpt: Path) -> dict[str, Any]:
@@ -198,14 +242,20 @@ def load_checkpoint(ckpt: Path, model: torch.nn.Module, optimizer: Any = None, s
             f"checkpoint {ckpt} is of a different model (fields differ: {', '.join(diff[:6])}); "
             "resume with the config that wrote it, or start a new run directory"
         )
-    state = _state(model, optimizer)
+    partial = bool(meta.get("trainable_only"))
+    if partial:
+        _check_base(ckpt, meta, model)
+    state = _state(model, optimizer, partial)
+    # every key of ``state`` must be in the checkpoint
     dcp.load(state, checkpoint_id=str(ckpt), no_dist=not _distributed())
+    opts = StateDictOptions(ignore_frozen_params=partial, strict=not partial)
     if optimizer is None:
-        model.load_state_dict(state["model"])
+        model.load_state_dict(state["model"], strict=not partial)
     elif isinstance(optimizer, torch.optim.Optimizer):
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=opts)
     else:
-        model.load_state_dict(state["model"])
+        model.load_state_dict(state["model"], strict=not partial)
         optimizer.load_state_dict(state["optim"])
     if optimizer is not None:
         _read_trainer_state(ckpt, scheduler)
@@ -219,3 +269,32 @@ def _read_trainer_state(ckpt: Path, scheduler: Any | None) -> None:
     if scheduler is not None and trainer_state["scheduler"] is not None:
         scheduler.load_state_dict(trainer_state["scheduler"])
     set_rng_state(trainer_state["rng"])
+
+
+def load_trained_state(ckpt: Path, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A trainable-only checkpoint's trained tensors, read into new tensors shaped as ``model``'s (the model
+    itself untouched): what the step-0 "before" model is, given this run's frozen base."""
+    meta = read_meta(ckpt)
+    _check_base(Path(ckpt), meta, model)
+    state = {n: torch.empty_like(p) for n, p in model.named_parameters() if p.requires_grad}
+    dcp.load({"model": state}, checkpoint_id=str(ckpt), no_dist=not _distributed())
+    return state
+
+
+def with_trained_state(fn: Any, model: torch.nn.Module, state: dict[str, torch.Tensor]) -> Any:
+    """``fn(*args)`` run with ``state``'s tensors in ``model``'s trained parameters, put back after each call."""
+    params = dict(model.named_parameters())
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        kept = {n: params[n].detach().clone() for n in state}
+        with torch.no_grad():
+            for n, t in state.items():
+                params[n].copy_(t)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            with torch.no_grad():
+                for n, t in kept.items():
+                    params[n].copy_(t)
+
+    return run

@@ -1,10 +1,13 @@
-"""``megaseq convert``: Hugging Face checkpoint <-> megaseq checkpoint.
+"""``megaseq convert``: Hugging Face checkpoint <-> megaseq checkpoint; ``megaseq export``: a run's adapter.
 
 - HF -> megaseq: ``SRC`` holds ``config.json`` + safetensors. The model is built from the config and
   filled tensor by tensor (no second full copy), then saved as a weights-only megaseq checkpoint
   (``DST/checkpoints/step_000000``) that ``megaseq eval`` and ``--model.init_from`` accept.
 - megaseq -> HF: ``SRC`` is a run directory (its newest complete checkpoint) or one checkpoint
   directory. The result is a directory ``transformers`` loads with ``from_pretrained``.
+- ``export``: a LoRA run's adapter in PEFT's format (``peft.PeftModel.from_pretrained`` loads it on the
+  transformers model of the base), or the merged model (adapters folded into the base) as a HF checkpoint.
+  A trainable-only checkpoint is loaded by making its frozen base again (``model.init_from``, the seed).
 """
 
 from __future__ import annotations
@@ -29,9 +32,43 @@ def load_megaseq_checkpoint(src: Path, device: str = "cpu", dtype: torch.dtype =
     if "spec" not in meta:
         raise ValueError(f"{target} has no model spec in its {ckpt.META}; it was not written by megaseq")
     spec = ModelSpec.from_dict(meta["spec"])
-    model = build_model(spec, dtype=dtype, device=device)
+    base = meta.get("base")
+    model = build_model(spec, dtype=dtype, device=device, seed=base["seed"] if base else None)
+    if base:  # a trainable-only checkpoint: the frozen base made again as the run made it, then its adapters
+        _rebuild_base(model, spec, base)
     ckpt.load_checkpoint(target, model)
     return model, spec, target
+
+
+def _rebuild_base(model: torch.nn.Module, spec: ModelSpec, base: dict) -> None:
+    from megaseq.config import AdapterSettings, LoraConfig
+    from megaseq.models.common.lora import apply_adapters
+
+    if base.get("init_from"):
+        from megaseq.models.hf_io import load_hf_checkpoint
+
+        if not Path(base["init_from"]).exists():
+            raise ValueError(f"the checkpoint's frozen base comes from {base['init_from']}, which is gone: put that "
+                             "HF checkpoint back there to load its adapters")
+        load_hf_checkpoint(base["init_from"], model=model, spec=spec)
+    lora = LoraConfig(**{**base["lora"], "init_from": None})
+    apply_adapters(model, AdapterSettings(lora, tuple(base.get("trainable") or ()), base["seed"]))
+
+
+def export(src: Path, dst: Path, merged: bool = False) -> Path:
+    """``megaseq export``: a run or checkpoint as a HF checkpoint; with LoRA adapters their PEFT adapter
+    directory, or with ``merged`` the HF checkpoint with the adapters folded into the base."""
+    from megaseq.models.hf_io import export_hf_checkpoint
+    from megaseq.models.peft_io import export_adapter, targets_of
+
+    model, spec, target = load_megaseq_checkpoint(Path(src))
+    base = ckpt.read_meta(target).get("base") or {}
+    if targets_of(model) and not merged:
+        from megaseq.config import LoraConfig
+
+        return export_adapter(model, spec, LoraConfig(**{**base["lora"], "init_from": None}), Path(dst),
+                              base.get("init_from"))
+    return export_hf_checkpoint(model, spec, Path(dst), merged=merged)
 
 
 def convert(src: Path, dst: Path) -> Path:

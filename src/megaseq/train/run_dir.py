@@ -7,6 +7,7 @@ command line never silently mixes two runs' checkpoints and metrics.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -14,17 +15,18 @@ from typing import Any
 
 import yaml
 
-from megaseq.config import Config
+from megaseq.config import Config, LoraConfig
 from megaseq.train.checkpoint import atomic_write_text, latest_complete
 
 CONFIG_FILE = "config.yaml"
 PLAN_FILE = "plan.json"
 # Sections that define what a run *is*; the others (steps, logging, ...) may change on resume.
-IDENTITY = ("model", "data")
+IDENTITY = ("model", "data", "lora")
 
 
 def _identity(cfg: dict[str, Any]) -> dict[str, Any]:
-    return {k: cfg.get(k) for k in IDENTITY}
+    # a run written before the lora section existed had no adapters: its identity holds the defaults
+    return {k: cfg.get(k, dataclasses.asdict(LoraConfig()) if k == "lora" else None) for k in IDENTITY}
 
 
 def claim_run_dir(cfg: Config) -> tuple[Path, Path | None]:

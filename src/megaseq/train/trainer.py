@@ -8,6 +8,7 @@ message naming the binding component.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import time
 from dataclasses import dataclass, field
@@ -16,7 +17,7 @@ from typing import Any
 
 import torch
 
-from megaseq.config import Config, MemorySettings
+from megaseq.config import AdapterSettings, Config, MemorySettings
 from megaseq.ops import dispatch
 from megaseq.ops.kernels import planned_kernels, preferred_kernels
 from megaseq.plan.flops import mfu
@@ -37,6 +38,7 @@ class RunResult:
     last_checkpoint: Path | None = None
     hf_export: Path | None = None
     eval_report: dict[str, Any] | None = None
+    adapter_export: Path | None = None
 
 
 def resolve_device(cfg: Config) -> torch.device:
@@ -58,6 +60,11 @@ def dtypes(cfg: Config, device: torch.device) -> tuple[torch.dtype, torch.dtype 
     if cfg.model.dtype == "bf16" and device.type == "cuda":
         return torch.float32, torch.bfloat16
     return torch.float32, None  # bf16 on the CPU is slow and unhelpful: compute in fp32
+
+
+def adapter_settings(cfg: Config, device: torch.device) -> AdapterSettings:
+    """The run's frozen parameters and adapters; frozen matmul weights stored in bf16 under bf16 autocast."""
+    return AdapterSettings.of(cfg, frozen_dtype="bf16" if dtypes(cfg, device)[1] == torch.bfloat16 else None)
 
 
 def make_plan(cfg: Config, env: ParallelEnv, device: torch.device) -> tuple[dict[str, Any], MemorySettings]:
@@ -175,23 +182,37 @@ def build_planned_model(cfg: Config, spec: Any, device: torch.device, memory: Me
     from megaseq.models.registry import parallelize
 
     dtype = dtypes(cfg, device)[0]
+    adapters = adapter_settings(cfg, device)
     sharded = getattr(env, "fsdp", None) not in (None, "off") and getattr(env, "world_size", 1) > 1
     if not sharded:
-        model = build_model(spec, dtype=dtype, device=device, seed=cfg.train.seed)
+        # a frozen base stored in bf16 is built so from the start (never its fp32 copy: 30B parameters fit)
+        frozen = frozen_base_dtypes(adapters) if adapters.freezes and adapters.frozen_dtype else None
+        model = build_model(spec, dtype=dtype, device=device, seed=cfg.train.seed, stored=frozen)
         if init_from:
             load_hf_checkpoint(init_from, model=model, spec=spec)
-        applied = parallelize(model, memory, env)
-    else:
+        applied = parallelize(model, memory, env, adapters)
+    else:  # a frozen base under FSDP is refused by the config (config.Config: not tested yet)
         model = build_model(spec, dtype=dtype, device="meta" if init_from else "cpu", seed=cfg.train.seed)
-        applied = parallelize(model, memory, env)  # shards (moves each rank's shards to the device)
+        applied = parallelize(model, memory, env, adapters)  # shards (moves each rank's shards to the device)
         if init_from:
             model.to_empty(device=device)
             load_hf_checkpoint(init_from, model=model, spec=spec)  # this rank's rows of each tensor only
         model.to(device)  # the parameters FSDP keeps whole (a bf16 model's fp32 router) and the buffers
+    if cfg.lora.init_from:
+        from megaseq.models.peft_io import load_adapter
+
+        load_adapter(model, spec, cfg.lora, cfg.lora.init_from)
     several = cfg.train.grad_accum > 1 or 0 < memory.model_segment_tokens < cfg.data.seq_len
     optimizer, scheduler = build_optimizer(model, cfg.optim, total_steps, memory, accumulate=several,
                                            distributed=getattr(env, "world_size", 1) > 1)
     return model, applied, optimizer, scheduler
+
+
+def frozen_base_dtypes(adapters: AdapterSettings) -> Any:
+    """``build_model``'s ``stored``: each parameter's storage dtype, from the model built on the meta device."""
+    from megaseq.models.common.lora import storage_dtypes
+
+    return lambda model, param_dtype: storage_dtypes(model, adapters, param_dtype)
 
 
 def check_expert_parallel_run(cfg: Config) -> None:
@@ -233,8 +254,31 @@ def run_training(cfg: Config) -> RunResult:
     env = setup_parallel(cfg)
     device = env.device = resolve_device(cfg) if env.world_size == 1 else env.device
     plan_dict, memory = make_plan(cfg, env, device)
+    check_adapters(cfg, spec, memory)
     with kernels_for(cfg, device):
         return _run_planned(cfg, spec, env, device, plan_dict, memory)
+
+
+def check_adapters(cfg: Config, spec: Any, memory: MemorySettings) -> None:
+    """What the adapters cannot do in this run, said before data or weights are touched: dropout under a
+    replaying scheme, an export PEFT could not load, an adapter to start from that does not fit."""
+    if not cfg.lora.enabled:
+        return
+    from megaseq.models.adapters import check_dropout, projections, resolve_targets
+    from megaseq.plan.params import param_table
+
+    check_dropout(cfg.lora, memory)
+    if cfg.train.export_hf:
+        from megaseq.models.peft_io import check_exportable
+
+        table = param_table(spec)
+        check_exportable(spec, resolve_targets(projections(table), cfg.lora.targets, table))
+    if cfg.lora.init_from:
+        from megaseq.models.adapters import check_peft_config
+        from megaseq.models.peft_io import CONFIG, read_adapter_config
+
+        check_peft_config(read_adapter_config(cfg.lora.init_from), f"{cfg.lora.init_from}/{CONFIG}", cfg.lora.rank,
+                          cfg.lora.alpha, cfg.lora.use_rslora)
 
 
 def _run_planned(cfg: Config, spec: Any, env: ParallelEnv, device: torch.device, plan_dict: dict[str, Any],
@@ -251,6 +295,7 @@ def _run_planned(cfg: Config, spec: Any, env: ParallelEnv, device: torch.device,
     model, applied, optimizer, scheduler = build_planned_model(cfg, spec, device, memory, cfg.train.steps,
                                                                cfg.model.init_from, env)
     spec_dict = spec.to_dict()
+    base = _base_meta(cfg)
     start = 0
     if resume_from is not None:
         meta = ckpt.load_checkpoint(resume_from, model, optimizer, scheduler, expected_spec=spec_dict)
@@ -260,20 +305,18 @@ def _run_planned(cfg: Config, spec: Any, env: ParallelEnv, device: torch.device,
     elif cfg.train.eval_after:
         # the "before" weights only: DCP's optimizer state_dict would initialise AdamW's state (a step
         # with lr 0), shifting its bias correction and so the whole run (every rank: each writes its shards)
-        ckpt.save_checkpoint(run_dir, 0, model, None, None, _meta(spec_dict, data, 0), keep=10**9)
+        ckpt.save_checkpoint(run_dir, 0, model, None, None, _meta(spec_dict, data, 0, base), keep=10**9,
+                             trainable_only=base is not None)
     result = RunResult(run_dir=run_dir, last_checkpoint=resume_from)
     balancer = Balancer(model, resolve_balance(cfg.moe, spec), env, cfg.train.grad_accum)
     loop = _Loop(cfg, env, device, plan_dict, memory, autocast, model, optimizer, scheduler, data, spec_dict,
-                 balancer)
+                 balancer, base)
     try:
         loop.run(start, result)
     finally:
         applied.release()  # the SCO pinned pool
     if cfg.train.export_hf:  # every rank: the shards are gathered tensor by tensor, rank 0 writes
-        from megaseq.models.hf_io import export_hf_checkpoint
-
-        result.hf_export = Path(run_dir) / "hf"
-        export_hf_checkpoint(model, spec, result.hf_export)
+        export_run(cfg, model, spec, Path(run_dir), result, env.is_main)
     if cfg.train.eval_after and data.heldout:
         if env.world_size > 1:
             env.log("evaluation after a multi-process run: run `megaseq eval RUN_DIR` (one process)")
@@ -299,6 +342,7 @@ class _Loop:
     data: Any
     spec_dict: dict[str, Any]
     balancer: Balancer | None = None
+    base: dict[str, Any] | None = None  # how the frozen base is made (checkpoints then hold what trains only)
 
     def run(self, start: int, result: RunResult) -> None:
         cfg, env = self.cfg, self.env
@@ -314,7 +358,8 @@ class _Loop:
                 if save_now or step == cfg.train.steps:  # every rank writes its shards
                     result.last_checkpoint = ckpt.save_checkpoint(
                         result.run_dir, step, self.model, self.optimizer, self.scheduler,
-                        _meta(self.spec_dict, self.data, step), cfg.train.keep_checkpoints)
+                        _meta(self.spec_dict, self.data, step, self.base), cfg.train.keep_checkpoints,
+                        trainable_only=self.base is not None)
                 env.barrier()
         finally:
             logger.close()
@@ -353,8 +398,33 @@ def step_mfu(tokens_per_s: float, plan: dict[str, Any], world_size: int, device:
     return mfu(tokens_per_s, plan["flops"]["per_token"], world_size)
 
 
-def _meta(spec_dict: dict[str, Any], data: Any, step: int) -> dict[str, Any]:
-    return {"spec": spec_dict, "data": data.train.state_dict(), "step": step}
+def _meta(spec_dict: dict[str, Any], data: Any, step: int, base: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {"spec": spec_dict, "data": data.train.state_dict(), "step": step, **({"base": base} if base else {})}
+
+
+def _base_meta(cfg: Config) -> dict[str, Any] | None:
+    """How a frozen base is made again (``train.convert.load_megaseq_checkpoint``); None: nothing is frozen."""
+    if not AdapterSettings.of(cfg).freezes:
+        return None
+    return {"init_from": cfg.model.init_from, "seed": cfg.train.seed, "lora": dataclasses.asdict(cfg.lora),
+            "trainable": list(cfg.train.trainable)}
+
+
+def export_run(cfg: Config, model: torch.nn.Module, spec: Any, run_dir: Path, result: RunResult,
+               is_main: bool = True) -> None:
+    """The end-of-run export: the HF checkpoint (``run_dir/hf``), or with LoRA the PEFT adapter
+    (``run_dir/adapter``, written by the main rank: adapters are replicated) and, with ``lora.export_merged``,
+    the merged model as the HF checkpoint. Every rank calls it (FSDP's shards are gathered tensor by tensor)."""
+    from megaseq.models.hf_io import export_hf_checkpoint
+
+    if cfg.lora.enabled:
+        from megaseq.models.peft_io import export_adapter
+
+        out = run_dir / "adapter"
+        result.adapter_export = export_adapter(model, spec, cfg.lora, out, cfg.model.init_from) if is_main else out
+        if not cfg.lora.export_merged:
+            return
+    result.hf_export = export_hf_checkpoint(model, spec, run_dir / "hf", merged=cfg.lora.enabled)
 
 
 def evaluate_run(cfg: Config, run_dir: Path, model: torch.nn.Module, spec: Any, data: Any, env: ParallelEnv,
@@ -368,7 +438,11 @@ def evaluate_run(cfg: Config, run_dir: Path, model: torch.nn.Module, spec: Any, 
     segment = memory.model_segment_tokens
     models = {}
     before = Path(run_dir) / ckpt.CKPT_DIR / "step_000000"
-    if before.is_dir():
+    if before.is_dir() and ckpt.read_meta(before).get("trainable_only"):
+        # the frozen base is this model's: "before" is it with the step-0 trained tensors swapped in
+        fn = per_token_loss_fn(model.eval(), env, autocast, chunk, segment)
+        models["before"] = ckpt.with_trained_state(fn, model, ckpt.load_trained_state(before, model))
+    elif before.is_dir():
         m0, _, _ = load_megaseq_checkpoint(before, device=env.device, dtype=next(model.parameters()).dtype)
         models["before"] = per_token_loss_fn(m0.eval(), env, autocast, chunk, segment)
     models["after"] = per_token_loss_fn(model.eval(), env, autocast, chunk, segment)

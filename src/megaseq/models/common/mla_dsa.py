@@ -44,6 +44,7 @@ from torch.utils.checkpoint import checkpoint
 from megaseq.models.common import rope
 from megaseq.models.common.attention import positions_for
 from megaseq.models.common.context import SeqContext, positions_from_doc_ids
+from megaseq.models.common.lora import linear_weight
 from megaseq.models.common.mhc import compute_dtype
 from megaseq.models.common.mla import MultiLatentAttention
 from megaseq.models.spec import ModelSpec
@@ -282,6 +283,7 @@ class MLASparseAttention(MultiLatentAttention):
         q_BQHD, latent_BQC, q_resid = self.project(x_BQH, ctx)
         c_BSC = ctx.gather_seq(latent_BQC, key=f"{self.layer}.latent")
         idx = self._selection(x_BQH, q_resid, ctx)
-        out = dispatch.call("sparse_attention", q_BQHD, c_BSC, self.kv_b_proj.weight, idx, self.scaling,
+        # kv_b_proj's weight goes into the op itself: with a LoRA adapter, merged with it
+        out = dispatch.call("sparse_attention", q_BQHD, c_BSC, linear_weight(self.kv_b_proj), idx, self.scaling,
                             layer=self.layer)
         return self.o_proj(out.reshape(B, Q, -1))

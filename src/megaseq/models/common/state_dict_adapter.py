@@ -20,7 +20,7 @@ which ``models.hf_io`` writes as safetensors shards. A family subclasses ``State
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -126,10 +126,11 @@ class StateDictAdapter:
                 return
         yield name, t
 
-    def hf_items(self, model: nn.Module, tie_word_embeddings: bool,
-                 dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
-        """(checkpoint key, CPU tensor) in on-disk format; one expert slice at a time."""
-        for name, t in model.state_dict().items():
+    def hf_items(self, model: nn.Module, tie_word_embeddings: bool, dtype: torch.dtype | None,
+                 tensors: Iterable[tuple[str, torch.Tensor]] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """(checkpoint key, CPU tensor) in on-disk format; one expert slice at a time. ``tensors``: the
+        (megaseq name, tensor) pairs to write (default: ``model.state_dict()``)."""
+        for name, t in tensors if tensors is not None else model.state_dict().items():
             if name == "lm_head.weight" and tie_word_embeddings:
                 continue  # transformers re-ties it from embed_tokens
             t = t.full_tensor() if hasattr(t, "full_tensor") else t

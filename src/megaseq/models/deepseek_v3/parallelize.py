@@ -11,11 +11,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from megaseq.config import MemorySettings
+from megaseq.config import AdapterSettings, MemorySettings
 from megaseq.memory.apply import AppliedMemory, apply_prenorm
+from megaseq.models.common.lora import apply_adapters
 from megaseq.parallel.shard import shard_layers
 
 
-def parallelize(model: Any, settings: MemorySettings, env: Any = None) -> AppliedMemory:
-    """Install ``settings``' schemes on ``model`` in place; returns what was applied (release it at the end)."""
-    return shard_layers(model, apply_prenorm(model, settings, env), env)
+def parallelize(model: Any, settings: MemorySettings, env: Any = None,
+                adapters: AdapterSettings | None = None) -> AppliedMemory:
+    """Install ``settings``' schemes on ``model`` in place, after ``adapters``' freezing and LoRA adapters;
+    returns what was applied (release it at the end)."""
+    adapted = apply_adapters(model, adapters) if adapters is not None else []
+    done = apply_prenorm(model, settings, env)
+    done.adapters = [p.name for p in adapted]
+    return shard_layers(model, done, env)

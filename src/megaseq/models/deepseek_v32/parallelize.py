@@ -10,17 +10,23 @@ from __future__ import annotations
 
 from typing import Any
 
-from megaseq.config import MemorySettings
+from megaseq.config import AdapterSettings, MemorySettings
 from megaseq.memory.apply import AppliedMemory, apply_prenorm
+from megaseq.models.common.lora import apply_adapters
 from megaseq.parallel.shard import shard_layers
 
 
-def parallelize(model: Any, settings: MemorySettings, env: Any = None) -> AppliedMemory:
-    """Install ``settings``' schemes on ``model`` in place; returns what was applied (release it at the end)."""
+def parallelize(model: Any, settings: MemorySettings, env: Any = None,
+                adapters: AdapterSettings | None = None) -> AppliedMemory:
+    """Install ``settings``' schemes on ``model`` in place, after ``adapters``' freezing and LoRA adapters;
+    returns what was applied (release it at the end)."""
+    adapted = apply_adapters(model, adapters) if adapters is not None else []
 
     def indexer_chunk(i: int, mixer: Any, done: AppliedMemory) -> None:
         if mixer.indexer is not None:
             mixer.indexer.query_chunk = settings.indexer_query_chunk
             done.query_chunked.append(f"layers.{i}.self_attn.indexer")
 
-    return shard_layers(model, apply_prenorm(model, settings, env, indexer_chunk), env)
+    done = apply_prenorm(model, settings, env, indexer_chunk)
+    done.adapters = [p.name for p in adapted]
+    return shard_layers(model, done, env)

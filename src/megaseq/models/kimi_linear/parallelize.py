@@ -11,14 +11,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from megaseq.config import MemorySettings
+from megaseq.config import AdapterSettings, MemorySettings
 from megaseq.memory import kda_segments
 from megaseq.memory.apply import AppliedMemory, apply_prenorm
+from megaseq.models.common.lora import apply_adapters
 from megaseq.parallel.shard import shard_layers
 
 
-def parallelize(model: Any, settings: MemorySettings, env: Any = None) -> AppliedMemory:
-    """Install ``settings``' schemes on ``model`` in place; returns what was applied (release it at the end)."""
+def parallelize(model: Any, settings: MemorySettings, env: Any = None,
+                adapters: AdapterSettings | None = None) -> AppliedMemory:
+    """Install ``settings``' schemes on ``model`` in place, after ``adapters``' freezing and LoRA adapters;
+    returns what was applied (release it at the end)."""
+    adapted = apply_adapters(model, adapters) if adapters is not None else []
     segment = settings.kda_segment_tokens or None
 
     def kda(i: int, mixer: Any, done: AppliedMemory) -> None:
@@ -26,4 +30,6 @@ def parallelize(model: Any, settings: MemorySettings, env: Any = None) -> Applie
             kda_segments.segment(mixer, segment)
             done.kda_segmented = segment or 0
 
-    return shard_layers(model, apply_prenorm(model, settings, env, kda), env)
+    done = apply_prenorm(model, settings, env, kda)
+    done.adapters = [p.name for p in adapted]
+    return shard_layers(model, done, env)

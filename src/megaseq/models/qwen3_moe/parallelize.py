@@ -13,17 +13,22 @@ from __future__ import annotations
 
 from typing import Any
 
-from megaseq.config import MemorySettings
+from megaseq.config import AdapterSettings, MemorySettings
 from megaseq.memory import apply, tiling
 from megaseq.memory.apply import AppliedMemory
+from megaseq.models.common.lora import apply_adapters
 from megaseq.models.qwen3_moe.model import Qwen3MoeModel
 from megaseq.parallel.fsdp import apply_fsdp
 
 
-def parallelize(model: Qwen3MoeModel, settings: MemorySettings, env: Any = None) -> AppliedMemory:
-    """Install ``settings``' schemes on ``model`` in place; returns what was applied (release it at the end)."""
+def parallelize(model: Qwen3MoeModel, settings: MemorySettings, env: Any = None,
+                adapters: AdapterSettings | None = None) -> AppliedMemory:
+    """Install ``settings``' schemes on ``model`` in place, after ``adapters``' freezing and LoRA adapters (the
+    schemes then replay the adapted modules); returns what was applied (release it at the end)."""
+    adapted = apply_adapters(model, adapters) if adapters is not None else []
     layers = list(model.layers)
     done = apply.begin(layers, settings)
+    done.adapters = [p.name for p in adapted]
     if env is not None and env.ep_size > 1:  # routed experts sharded over ep (FSDP of the rest plugs in after)
         for layer, kind in zip(layers, model.spec.mlp_types):
             if kind == "moe":
