@@ -9,6 +9,13 @@ tensor or a wrong shape is one error naming it.
 Export writes what ``save_pretrained`` of transformers writes (the on-disk format, per-expert keys):
 ``config.json`` from ``models.spec.to_hf_config`` plus shards of at most ``max_shard_bytes`` and, when
 there is more than one, ``model.safetensors.index.json``; all into a temporary directory renamed into place.
+A tensor that is not finite stops the export (nothing appears). ``carry_from`` (the checkpoint the run
+started from) copies the tensors megaseq does not model (a vision tower, the MTP layer) into the export
+unchanged, so it is the source checkpoint with the text model replaced.
+
+``check_hf_checkpoint`` runs the load's whole mapping on shapes alone (a meta-device model, safetensors
+headers): an empty, truncated or mismatched checkpoint is refused before a run sets anything up. Every
+error names the file.
 """
 
 from __future__ import annotations
@@ -17,7 +24,10 @@ import json
 import os
 import shutil
 import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -41,7 +51,11 @@ def _checkpoint_files(path: Path) -> dict[Path, list[str] | None]:
     single = path / "model.safetensors"
     if index.is_file():
         files: dict[Path, list[str] | None] = {}
-        for key, fname in json.loads(index.read_text())["weight_map"].items():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{index} is not a valid safetensors index ({type(e).__name__}: {e})") from None
+        for key, fname in weight_map.items():
             files.setdefault(path / fname, []).append(key)  # type: ignore[union-attr]
         absent = [str(f) for f in files if not f.is_file()]
         if absent:
@@ -49,8 +63,26 @@ def _checkpoint_files(path: Path) -> dict[Path, list[str] | None]:
         return files
     if single.is_file():
         return {single: None}
+    if any(path.glob("pytorch_model*.bin")):
+        raise ValueError(f"{path} holds pytorch_model*.bin weights (pickles); megaseq reads safetensors only: "
+                         "convert them (transformers' save_pretrained writes safetensors)")
     raise ValueError(f"no model.safetensors or model.safetensors.index.json in {path}: "
                      "pass a Hugging Face checkpoint directory")
+
+
+@contextmanager
+def _open(file: Path) -> Iterator[Any]:
+    """``safe_open`` with an empty, truncated or damaged file named in one ValueError."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        handle = safe_open(str(file), framework="pt", device="cpu")
+    except (SafetensorError, OSError) as e:
+        size = file.stat().st_size if file.exists() else 0
+        raise ValueError(f"{file} is not a readable safetensors file ({size} bytes: {e}); it is empty, truncated "
+                         "or damaged: download or copy it again") from None
+    with handle as f:
+        yield f
 
 
 def load_hf_checkpoint(path: str | Path, model: nn.Module | None = None, spec: ModelSpec | None = None,
@@ -60,8 +92,6 @@ def load_hf_checkpoint(path: str | Path, model: nn.Module | None = None, spec: M
     Raises ValueError for an unsupported architecture, missing tensors (first few and the count),
     tensors of the wrong shape (name, expected, got) or a directory that is not a checkpoint.
     """
-    from safetensors import safe_open
-
     path = Path(path)
     if spec is None:
         spec = from_hf_config(path)  # ValueError for an unsupported model_type
@@ -69,39 +99,68 @@ def load_hf_checkpoint(path: str | Path, model: nn.Module | None = None, spec: M
         from megaseq.models.build import build_model
 
         model = build_model(spec, dtype=dtype, device=device, seed=0)
-    adapter = adapter_for(spec)
-    targets = dict(model.state_dict(keep_vars=True))
-    filled: set[int] = set()  # ids of tensors written whole
-    sliced: dict[str, set[str]] = {}
-    unexpected: list[str] = []
-    with torch.no_grad():
-        for file, keys in _checkpoint_files(path).items():
-            with safe_open(str(file), framework="pt", device="cpu") as f:
-                for key in keys if keys is not None else f.keys():
-                    name = adapter.model_name(key, spec.num_layers)
-                    if name is None:
-                        continue
-                    if name in targets:
-                        _copy(targets[name], f.get_tensor(key), key)
-                        filled.add(id(targets[name]))
-                    elif (routed := adapter.route(name, targets)) is not None:
-                        target, index, slice_id = routed
-                        _copy(targets[target][index], f.get_tensor(key), key)
-                        sliced.setdefault(target, set()).add(slice_id)
-                    else:
-                        unexpected.append(key)
-    _check_complete(targets, filled, sliced, adapter)
+
+    def copy(dst: torch.Tensor, f: Any, key: str) -> None:
+        src = f.get_tensor(key)
+        _check_shape(dst, tuple(src.shape), key)
+        dst.copy_(src)
+
+    unexpected = _map_checkpoint(path, spec, dict(model.state_dict(keep_vars=True)), copy)
     if unexpected:
         warnings.warn(f"{len(unexpected)} checkpoint tensors have no place in the {spec.family} model and "
                       f"were ignored, e.g. {unexpected[:5]}", stacklevel=2)
     return model
 
 
-def _copy(dst: torch.Tensor, src: torch.Tensor, key: str) -> None:
-    if tuple(dst.shape) != tuple(src.shape):
-        raise ValueError(f"checkpoint tensor {key} has shape {tuple(src.shape)}, the model expects "
+def check_hf_checkpoint(path: str | Path, spec: ModelSpec) -> None:
+    """Everything ``load_hf_checkpoint`` would refuse (unreadable files, missing tensors, wrong shapes), from
+    the safetensors headers and a meta-device model: no weight is read or allocated."""
+    from megaseq.models.build import build_model
+
+    model = build_model(spec, dtype=torch.float32, device="meta", seed=0)
+
+    def shape_only(dst: torch.Tensor, f: Any, key: str) -> None:
+        _check_shape(dst, tuple(f.get_slice(key).get_shape()), key)
+
+    _map_checkpoint(Path(path), spec, dict(model.state_dict(keep_vars=True)), shape_only)
+
+
+def _map_checkpoint(path: Path, spec: ModelSpec, targets: dict[str, torch.Tensor],
+                    fill: Callable[[torch.Tensor, Any, str], None]) -> list[str]:
+    """Walk every checkpoint key through the family's adapter, ``fill(target, file, key)`` each, check that
+    every model tensor was filled exactly; returns the keys that have no place in the model."""
+    adapter = adapter_for(spec)
+    filled: set[int] = set()  # ids of tensors written whole
+    sliced: dict[str, set[str]] = {}
+    unexpected: list[str] = []
+    with torch.no_grad():
+        for file, keys in _checkpoint_files(path).items():
+            with _open(file) as f:
+                present = set(f.keys())
+                for key in keys if keys is not None else present:
+                    if key not in present:
+                        raise ValueError(f"{file} lacks tensor {key}, which its index lists: the shard is "
+                                         "damaged or from another checkpoint")
+                    name = adapter.model_name(key, spec.num_layers)
+                    if name is None:
+                        continue
+                    if name in targets:
+                        fill(targets[name], f, key)
+                        filled.add(id(targets[name]))
+                    elif (routed := adapter.route(name, targets)) is not None:
+                        target, index, slice_id = routed
+                        fill(targets[target][index], f, key)
+                        sliced.setdefault(target, set()).add(slice_id)
+                    else:
+                        unexpected.append(key)
+    _check_complete(targets, filled, sliced, adapter)
+    return unexpected
+
+
+def _check_shape(dst: torch.Tensor, shape: tuple[int, ...], key: str) -> None:
+    if tuple(dst.shape) != shape:
+        raise ValueError(f"checkpoint tensor {key} has shape {shape}, the model expects "
                          f"{tuple(dst.shape)}: config.json and the weights disagree, or the spec is wrong")
-    dst.copy_(src)
 
 
 def _check_complete(targets: dict[str, torch.Tensor], filled: set[int], sliced: dict[str, set[str]],
@@ -122,19 +181,51 @@ def _check_complete(targets: dict[str, torch.Tensor], filled: set[int], sliced: 
 # ---- export -----------------------------------------------------------------------------------
 def export_hf_checkpoint(model: nn.Module, spec: ModelSpec, out_dir: str | Path,
                          max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-                         dtype: torch.dtype | None = None) -> Path:
+                         dtype: torch.dtype | None = None, carry_from: str | Path | None = None) -> Path:
     """Write ``model`` as a HF checkpoint transformers loads (``from_pretrained``); returns ``out_dir``.
 
     ``dtype`` casts every tensor (None keeps each tensor's dtype). At most one shard is held in host
-    memory at a time. The directory appears complete or not at all.
+    memory at a time. The directory appears complete or not at all; a non-finite tensor is a ValueError
+    naming it, and nothing is written. ``carry_from``: a HF checkpoint whose tensors megaseq does not model
+    (vision tower, MTP layer) are copied in unchanged.
     """
-    from safetensors.torch import save_file
-
     out_dir = Path(out_dir)
     config = to_hf_config(spec)
     tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    for pattern in (f".{out_dir.name}.tmp-*", f".{out_dir.name}.old-*"):  # left by a killed export
+        for stale in out_dir.parent.glob(pattern):
+            shutil.rmtree(stale, ignore_errors=True)
     tmp.mkdir(parents=True)
+    try:
+        _write_export(model, spec, config, tmp, max_shard_bytes, dtype, carry_from)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _replace_dir(tmp, out_dir)
+    return out_dir
+
+
+def _tensors_to_export(model: nn.Module, spec: ModelSpec, dtype: torch.dtype | None,
+                       carry_from: str | Path | None) -> Iterator[tuple[str, torch.Tensor]]:
+    """The model's tensors in on-disk form (each checked finite), then the source's unmodelled ones."""
+    for key, t in adapter_for(spec).hf_items(model, spec.tie_word_embeddings, dtype):
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise ValueError(f"tensor {key} holds NaN or infinite values: the HF export was not written")
+        yield key, t
+    if carry_from is None:
+        return
+    adapter = adapter_for(spec)
+    for file, keys in _checkpoint_files(Path(carry_from)).items():
+        with _open(file) as f:
+            for key in keys if keys is not None else f.keys():
+                if adapter.model_name(key, spec.num_layers) is None:
+                    yield key, f.get_tensor(key)
+
+
+def _write_export(model: nn.Module, spec: ModelSpec, config: dict[str, Any], tmp: Path, max_shard_bytes: int,
+                  dtype: torch.dtype | None, carry_from: str | Path | None) -> None:
+    from safetensors.torch import save_file
+
     shards: list[dict[str, torch.Tensor]] = [{}]
     names: list[str] = []
     size = total = 0
@@ -145,7 +236,7 @@ def export_hf_checkpoint(model: nn.Module, spec: ModelSpec, out_dir: str | Path,
         shards[-1] = {}
 
     first_dtype = None
-    for key, t in adapter_for(spec).hf_items(model, spec.tie_word_embeddings, dtype):
+    for key, t in _tensors_to_export(model, spec, dtype, carry_from):
         first_dtype = first_dtype or t.dtype
         nbytes = t.numel() * t.element_size()
         if shards[-1] and size + nbytes > max_shard_bytes:
@@ -161,8 +252,6 @@ def export_hf_checkpoint(model: nn.Module, spec: ModelSpec, out_dir: str | Path,
     if len(names) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    _replace_dir(tmp, out_dir)
-    return out_dir
 
 
 def _name_shards(tmp: Path, names: list[str]) -> dict[str, str]:

@@ -1,8 +1,9 @@
 """Qwen3-MoE's config.json in and out, and its preset (torch-free: the planner reads this).
 
 ``from_hf`` refuses the options megaseq's Qwen3-MoE does not implement (RoPE scaling, sliding windows, an
-activation other than SiLU) rather than run a different model; fields it does not model but an export
-should carry through unchanged are kept in ``hf_extra``.
+activation other than SiLU, attention dropout, the auxiliary router loss, fields it does not know) rather
+than run a different model; every source field ``to_hf`` does not write itself is kept in ``hf_extra``
+and written back unchanged, so an export keeps the source checkpoint's whole config.
 
 Presets: ``qwen3-moe-tiny``, a CPU-sized Qwen3-MoE (softmax attention + GQA + RoPE + softmax router).
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from megaseq.models.registry import Family
-from megaseq.models.spec import DNA_VOCAB_SIZE, ModelSpec
+from megaseq.models.spec import DNA_VOCAB_SIZE, ModelSpec, check_hf_fields
 
 FAMILY = Family(name="qwen3_moe", hf_model_types=("qwen3_moe",), layer_kinds=("attention",), segmentable=False,
                 tiles_whole_layer=False)
@@ -53,26 +54,43 @@ def from_hf(c: dict[str, Any]) -> ModelSpec:
         rope_theta=rope.get("rope_theta", c.get("rope_theta", 10000.0)),
         qk_norm=True,
         attention_bias=c.get("attention_bias", False),
-        hf_extra={k: c[k] for k in _QWEN3_MOE_EXTRA if k in c},
+        hf_extra={k: v for k, v in c.items() if k not in _WRITTEN},
     )
 
 
-# config.json fields a qwen3_moe spec does not model but an export should carry through unchanged
-_QWEN3_MOE_EXTRA = ("max_position_embeddings", "bos_token_id", "eos_token_id", "initializer_range",
-                    "router_aux_loss_coef", "hidden_act")
+# the fields from_hf reads, and those that never change a training step (carried unchanged)
+_READ = frozenset({
+    "num_hidden_layers", "decoder_sparse_step", "mlp_only_layers", "num_experts", "num_local_experts",
+    "rope_parameters", "rope_scaling", "rope_theta", "num_attention_heads", "vocab_size", "hidden_size",
+    "rms_norm_eps", "tie_word_embeddings", "pad_token_id", "intermediate_size", "num_experts_per_tok",
+    "moe_intermediate_size", "norm_topk_prob", "num_key_value_heads", "head_dim", "attention_bias",
+})
+_CARRIED = frozenset({"max_position_embeddings", "router_aux_loss_coef", "sliding_window", "max_window_layers"})
+_REQUIRED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "hidden_act": (("silu",), "the experts are SwiGLU, which needs 'silu'"),
+    "use_sliding_window": ((False, None), "full attention only: set use_sliding_window false"),
+    "attention_dropout": ((0, 0.0), "no attention dropout (set it to 0)"),
+    "output_router_logits": ((False, None), "megaseq trains the router without transformers' auxiliary "
+                                            "load-balancing loss: set it to false"),
+    "quantization_config": ((None,), "quantized weights are not supported"),
+}
 
 
 def _check_qwen3_moe_supported(c: dict[str, Any]) -> None:
     """Options megaseq's qwen3_moe does not implement: refuse them rather than run a different model."""
-    rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-        raise ValueError(f"qwen3_moe rope_type {rope_type!r} is not supported (only 'default' RoPE); "
-                         "remove rope scaling from config.json or use a checkpoint without it")
-    if c.get("use_sliding_window"):
-        raise ValueError("qwen3_moe use_sliding_window=true is not supported; set it to false in config.json")
-    if c.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"qwen3_moe hidden_act {c['hidden_act']!r} is not supported (SwiGLU needs 'silu')")
+    check_hf_fields(c, "qwen3_moe", "", _READ | _CARRIED | {"layer_types"}, _REQUIRED)
+    for key in ("rope_parameters", "rope_scaling"):
+        rope = c.get(key) or {}
+        if not isinstance(rope, dict):
+            raise ValueError(f"config.json {key} must be a mapping, got {rope!r}")
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise ValueError(f"config.json {key}.rope_type = {rope_type!r} is not supported by megaseq's qwen3_moe "
+                             "(only 'default' RoPE): remove the RoPE scaling or use a checkpoint without it")
+    bad = sorted({t for t in c.get("layer_types") or [] if t != "full_attention"})
+    if bad:
+        raise ValueError(f"config.json layer_types holds {bad}; megaseq's qwen3_moe runs full attention in every "
+                         "layer ('full_attention')")
 
 
 # ---- config.json out ------------------------------------------------------------------------
@@ -80,7 +98,7 @@ def to_hf(s: ModelSpec) -> dict[str, Any]:
     if s.router != "softmax" or s.num_shared_experts or s.swiglu_limit is not None or not s.qk_norm:
         raise ValueError("this qwen3_moe spec cannot be written as a Qwen3MoeConfig: it needs router "
                          "'softmax', no shared experts, no swiglu_limit and qk_norm true")
-    extra = {k: v for k, v in s.hf_extra.items() if k != "vision_config"}
+    extra = dict(s.hf_extra)
     return {
         "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
         "vocab_size": s.vocab_size, "hidden_size": s.hidden_size, "num_hidden_layers": s.num_layers,
@@ -93,8 +111,18 @@ def to_hf(s: ModelSpec) -> dict[str, Any]:
         "num_experts": s.num_experts, "num_experts_per_tok": s.num_experts_per_tok,
         "moe_intermediate_size": s.moe_intermediate_size, "norm_topk_prob": s.norm_topk_prob,
         "decoder_sparse_step": 1, "mlp_only_layers": [i for i, m in enumerate(s.mlp_types) if m == "dense"],
-        **extra,
+        **extra,  # every source field the spec does not write itself, unchanged
     }
+
+
+# what to_hf writes from the spec (a source's value of these is not carried, it is rewritten)
+_WRITTEN = frozenset({
+    "architectures", "model_type", "vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size",
+    "rms_norm_eps", "tie_word_embeddings", "pad_token_id", "hidden_act", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "attention_bias", "rope_parameters", "rope_theta", "use_sliding_window",
+    "num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+    "decoder_sparse_step", "mlp_only_layers", "dtype", "torch_dtype",
+})
 
 
 
