@@ -237,6 +237,22 @@ def test_overwrite_removes_only_what_megaseq_wrote(tmp_path, capsys):
     assert not (run / "hf").exists()  # the first run's export went with it
 
 
+@pytest.mark.parametrize("outputs", [["../victim"], ["/abs"], [".."], ["ok", 3], "config.yaml", None])
+def test_a_manifest_naming_paths_outside_the_run_is_refused(outputs, tmp_path, capsys):
+    """Overwrite removes the manifest's names: one that reaches outside the run directory (or is not a
+    list of plain names) is a damaged manifest, refused with nothing removed."""
+    rc, err = _train(tmp_path, {"train": {"steps": 1}}, [], capsys)
+    assert rc == 0, err
+    victim = tmp_path / "victim"
+    victim.write_text("keep me")
+    run = tmp_path / "r"
+    (run / ".megaseq-run.json").write_text(json.dumps({"megaseq_run": 1, "outputs": outputs}))
+    before = sorted(p.name for p in run.iterdir())
+    rc, err = _train(tmp_path, {"train": {"steps": 1, "overwrite": True}}, [], capsys)
+    assert rc == 2 and ".megaseq-run.json is damaged" in err and "Traceback" not in err, err
+    assert victim.read_text() == "keep me" and sorted(p.name for p in run.iterdir()) == before
+
+
 # ---- model.name: a checkpoint directory with weights ---------------------------------------------
 def test_model_name_dir_with_weights_trains_from_them(tmp_path, capsys):
     from megaseq.models.build import build_model

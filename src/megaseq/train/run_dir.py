@@ -56,10 +56,14 @@ def read_manifest(run_dir: Path) -> dict[str, Any] | None:
         return None
     try:
         manifest = json.loads(path.read_text())
-        assert isinstance(manifest.get("outputs"), list)
-    except (ValueError, AssertionError, AttributeError):
+    except ValueError:
+        manifest = None
+    names = manifest.get("outputs") if isinstance(manifest, dict) else None
+    plain = isinstance(names, list) and all(isinstance(n, str) and n and Path(n).name == n and n not in (".", "..")
+                                            for n in names)
+    if not plain:  # only plain names inside the run directory: overwrite never reaches outside it
         raise ValueError(f"{path} is damaged (not megaseq's manifest JSON); remove the run directory by hand "
-                         "or choose another --train.run_dir") from None
+                         "or choose another --train.run_dir")
     return manifest
 
 
