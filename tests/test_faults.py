@@ -4,7 +4,8 @@ the fault must end in one clear message naming the file or checkpoint (and the r
 
 Each faulty run is a forked child (``forkserver``: torch imported once, no import per child) that runs
 ``megaseq train`` as a user would; the fault is a SIGKILL the child sends itself at the n-th call of a
-write or step function (n drawn from a seeded generator), a SIGKILL or SIGTERM from the parent after a
+write or step function (n drawn from a seeded generator; for the run directory's own files, inside the
+write, leaving its temporary file), a SIGKILL or SIGTERM from the parent after a
 random wall-clock delay, or a write made to fail (ENOSPC, EROFS). Where this machine lets an unprivileged
 user mount (``unshare -rm``), the disk faults are also real: a small tmpfs filled up, a mount remounted
 read-only. ``test_ledger`` (last) reports the number of faults injected and survived.
@@ -106,6 +107,16 @@ def _arm(fault: dict) -> None:
         wrap(os, "replace")
     elif point == "export":
         wrap(hf_io, "_name_shards")
+    elif point == "torn_run_file":  # killed inside the n-th write of the manifest / config.yaml / plan.json
+        from megaseq.train import run_dir
+
+        def torn(path, text):
+            calls[0] += 1
+            if calls[0] == n:
+                path.with_name(f".{path.name}.tmp-{os.getpid()}").write_text(text[: len(text) // 2])
+                _kill_self()
+            return checkpoint.atomic_write_text(path, text)
+        run_dir.atomic_write_text = torn
     elif point == "torn_metrics":  # half a JSON line on disk, then killed
         real = metrics.MetricsLogger.log
 
@@ -187,6 +198,8 @@ def _faults() -> list[tuple[str, int, dict]]:
                 out.append((f"{point}#{n}/save_every={every}", every, {"point": point, "n": n}))
         out.append((f"step#1/save_every={every}", every, {"point": "step", "n": 1}))  # before any checkpoint
     out.append(("export#1/save_every=3", 3, {"point": "export", "n": 1, "export": True}))
+    for n in (1, 2, 3):  # the run directory's own files (a kill found by test_kill_at_a_random_time)
+        out.append((f"torn_run_file#{n}/save_every=3", 3, {"point": "torn_run_file", "n": n}))
     return list({name: (name, e, f) for name, e, f in out}.values())
 
 

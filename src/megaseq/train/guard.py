@@ -7,7 +7,8 @@ exits 2) naming the step, the values, the newest resumable checkpoint and the se
 nothing is written for that step. With ``skip`` the step's gradients are dropped, the schedule and the
 data move on, and ``MAX_SKIPPED`` non-finite steps in a row stop the run as ``stop`` would. Weights are
 also checked before every checkpoint and export (``safe_checkpoint.check_finite``, ``hf_io``), so a
-non-finite weight never reaches the disk even when an update with a finite gradient overflowed.
+non-finite weight never reaches the disk even when an update with a finite gradient overflowed (the loop
+then stops with ``overflowed``, naming the step and the tensor).
 
 Signals. A batch scheduler preempts with SIGTERM; a user stops with Ctrl-C (SIGINT). ``StopSignals``
 notes the first one, the loop finishes the step it is in, writes a resumable checkpoint and raises
@@ -61,6 +62,14 @@ def diverged(step: int, loss: float, grad_norm: float, lr: float, last: Path | N
         f"the run stopped before updating the weights and wrote nothing for this step. The newest resumable "
         f"checkpoint is {last or 'none'}. Lower --optim.lr (it was {lr:g} at this step) and keep --optim.grad_clip "
         "on" + ("" if skipped else ", or set --train.on_nonfinite skip to skip such steps"))
+
+
+def overflowed(step: int, why: str, lr: float, last: Path | None) -> Diverged:
+    """The message of a run whose step-``step`` update (finite loss and gradient) made a weight non-finite."""
+    return Diverged(
+        f"training diverged at step {step}: its loss and gradient norm were finite but the update made the weights "
+        f"non-finite ({why}). The newest resumable checkpoint is {last or 'none'}. Lower --optim.lr (it was "
+        f"{lr:g} at this step) and keep --optim.grad_clip on")
 
 
 class StopSignals:

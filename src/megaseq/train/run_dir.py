@@ -145,16 +145,33 @@ def _check_megaseq_dir(cfg: Config, run_dir: Path) -> RunDirCheck:
     return RunDirCheck(run_dir, "rerun")
 
 
+def _remove(paths: list[Path]) -> None:
+    for p in paths:
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        elif p.exists() or p.is_symlink():
+            p.unlink()
+
+
+def _temporaries(run_dir: Path, name: str) -> list[Path]:
+    """What a killed write of ``name`` leaves: ``atomic_write_text``'s ``.NAME.tmp-PID``, a replace's ``.old-``."""
+    return [*run_dir.glob(f".{name}.tmp-*"), *run_dir.glob(f".{name}.old-*")]
+
+
 def _remove_outputs(run_dir: Path, manifest: dict[str, Any]) -> list[str]:
     """Remove what the manifest lists (and temporary siblings of those names); returns the names kept."""
     for name in manifest["outputs"]:
-        for p in [run_dir / name, *run_dir.glob(f".{name}.tmp-*"), *run_dir.glob(f".{name}.old-*")]:
-            if p.is_dir() and not p.is_symlink():
-                shutil.rmtree(p)
-            elif p.exists() or p.is_symlink():
-                p.unlink()
+        _remove([run_dir / name, *_temporaries(run_dir, name)])
     (run_dir / MANIFEST).unlink(missing_ok=True)
     return sorted(p.name for p in run_dir.iterdir())
+
+
+def _remove_stale_temporaries(run_dir: Path) -> None:
+    """A run killed while writing config.yaml, plan.json, metrics.jsonl or the manifest left a temporary file
+    beside it; the run taking the directory over removes those (of megaseq's names only, never a user's)."""
+    manifest = read_manifest(run_dir) or {"outputs": []}
+    for name in dict.fromkeys([MANIFEST, *OUTPUTS, *manifest["outputs"]]):
+        _remove(_temporaries(run_dir, name))
 
 
 def claim_run_dir(cfg: Config) -> tuple[Path, Path | None]:
@@ -169,6 +186,7 @@ def claim_run_dir(cfg: Config) -> tuple[Path, Path | None]:
     if check.note:
         print(check.note, file=sys.stderr)
     run_dir.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temporaries(run_dir)
     _write_manifest(run_dir)
     atomic_write_text(run_dir / CONFIG_FILE, cfg.to_yaml())
     return run_dir, check.resume_from

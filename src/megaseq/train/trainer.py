@@ -30,6 +30,7 @@ from megaseq.train.optim import build_optimizer
 from megaseq.train.parallel_env import ParallelEnv, setup_parallel
 from megaseq.train.preflight import check_disk_space, preflight
 from megaseq.train.run_dir import claim_run_dir, write_plan
+from megaseq.train.safe_checkpoint import NonFiniteWeights
 
 GIB = 2**30
 
@@ -278,19 +279,23 @@ class _Loop:
                     signum = signals.requested(env)
                     save_now = cfg.train.save_every and step % cfg.train.save_every == 0
                     if save_now or step == cfg.train.steps or signum:
-                        self.save(step, result)
+                        self.save(step, result, record["lr"])
                         signum = signum or signals.requested(env)  # a signal during the write: stop now
                     if signum:
                         raise signals.stopped(signum, step, result.last_checkpoint)
         finally:
             logger.close()
 
-    def save(self, step: int, result: RunResult) -> None:
-        """A resumable checkpoint at ``step`` (the main rank writes; every rank waits for it)."""
+    def save(self, step: int, result: RunResult, lr: float) -> None:
+        """A resumable checkpoint at ``step`` (the main rank writes; every rank waits for it). Weights the
+        update of ``step`` (at learning rate ``lr``) made non-finite stop the run naming the step."""
         if self.env.is_main:
-            result.last_checkpoint = ckpt.save_checkpoint(
-                result.run_dir, step, self.model, self.optimizer, self.scheduler,
-                _meta(self.spec_dict, self.data, step, self.cfg), self.cfg.train.keep_checkpoints)
+            try:
+                result.last_checkpoint = ckpt.save_checkpoint(
+                    result.run_dir, step, self.model, self.optimizer, self.scheduler,
+                    _meta(self.spec_dict, self.data, step, self.cfg), self.cfg.train.keep_checkpoints)
+            except NonFiniteWeights as e:  # an update with a finite gradient overflowed: nothing was written
+                raise guard.overflowed(step, str(e), lr, ckpt.latest_resumable(result.run_dir)) from None
         self.env.barrier()
         result.last_checkpoint = self.env.broadcast_object(result.last_checkpoint)
 
