@@ -277,6 +277,32 @@ def test_write_fails_then_resume(errno_, n, reference, ctx, tmp_path, capsys):
     LEDGER[-1] = (name, True)
 
 
+def test_a_disk_too_small_for_one_checkpoint_is_refused_before_the_first_step(tmp_path, capsys, monkeypatch):
+    """Less free space than one resumable checkpoint (weights + AdamW's moments): one message naming the run
+    directory, both sizes and the fix, before any step or checkpoint. The same run with exactly the bound free
+    trains (the check compares with this model's size, it is not a constant refusal)."""
+    from megaseq.train import preflight
+
+    recipe = _recipe(tmp_path, "r", 3)
+    need = []
+    real = preflight.checkpoint_bytes
+    monkeypatch.setattr(preflight, "checkpoint_bytes", lambda model: need.append(real(model)) or need[-1])
+    usage = shutil.disk_usage(tmp_path)
+    for free, ok in ((lambda n: n - 1, False), (lambda n: n, True)):
+        monkeypatch.setattr(preflight.shutil, "disk_usage",
+                            lambda p, free=free: usage._replace(free=free(need[-1]) if need else usage.free))
+        capsys.readouterr()
+        rc = _train(str(recipe), "--train.overwrite", "true", "--train.steps", "1")
+        err = capsys.readouterr().err
+        if ok:
+            assert rc == 0, err
+            continue
+        assert rc == 2 and "Traceback" not in err, err
+        assert f"train.run_dir {tmp_path / 'r'} has " in err and "one resumable checkpoint of this model needs" in err
+        assert "free space or choose another --train.run_dir" in err
+        assert not (tmp_path / "r" / "metrics.jsonl").exists() and not (tmp_path / "r" / "checkpoints").exists()
+
+
 # ---- real disk faults: a tmpfs that fills up, a mount made read-only (unprivileged mount namespace) ----
 _DRIVER = r'''
 import json, os, subprocess, sys
