@@ -102,6 +102,8 @@ ROWS = [
     ("a list as a string", {"model": {"dtype": ["fp32"]}}, [], r"model\.dtype expects a single value"),
     ("train.device gpu", {"train": {"device": "gpu"}}, [], r"train\.device must be auto, cpu, cuda or cuda:N"),
     ("backend mpi", {"parallel": {"backend": "mpi"}}, [], r"parallel\.backend must be one of auto, nccl, gloo"),
+    ("run_dir under a file", {"train": {"run_dir": "RUN_UNDER_FILE"}}, [], r"train\.run_dir .*g\.fa/r: .*g\.fa is a "
+     r"file, not a directory"),
     ("yaml syntax", lambda t: _yaml_text(t, "train:\n  steps: [1,\n"), [], r"recipe\.yaml line \d+, column \d+"),
     ("config.json syntax", lambda t: _recipe_with_model(t, _broken_json(t)), [],
      r"config\.json is not valid JSON \(line 1, column \d+"),
@@ -185,6 +187,8 @@ def _train(tmp: Path, changes, argv: list[str], capsys) -> tuple[int, str]:
         raw = _base(tmp)
         for section, values in changes.items():
             raw.setdefault(section, {}).update(values)
+        if raw["train"]["run_dir"] == "RUN_UNDER_FILE":  # a path inside the training FASTA file
+            raw["train"]["run_dir"] = str(tmp / "g.fa" / "r")
         recipe = _yaml_text(tmp, yaml.safe_dump(raw))
     capsys.readouterr()
     rc = main(["train", str(recipe), *argv])

@@ -71,12 +71,12 @@ def _writable(run_dir: Path) -> None:
     probe = run_dir
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
+    if not probe.is_dir():  # first: a file is not "read-only", whatever access() says of it
+        raise ValueError(f"train.run_dir {run_dir}: {probe} is a file, not a directory; choose another "
+                         "--train.run_dir")
     if not os.access(probe, os.W_OK | os.X_OK):
         raise ValueError(f"train.run_dir {run_dir} cannot be written ({probe} is read-only or not yours): "
                          "choose another --train.run_dir or fix its permissions")
-    if not probe.is_dir():
-        raise ValueError(f"train.run_dir {run_dir}: {probe} is a file, not a directory; choose another "
-                         "--train.run_dir")
 
 
 def check_run_dir(cfg: Config) -> RunDirCheck:
