@@ -16,13 +16,19 @@ $(VENV)/.installed: $(BIN)/activate pyproject.toml
 	$(BIN)/pip install -q -e ".[dev]"
 	touch $@
 
-.PHONY: setup train test lint clean
+.PHONY: setup train test test-all lint clean
 setup: $(VENV)/.installed
 
 train: setup
 	$(BIN)/megaseq train
 
 test: setup
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/lint-imports --no-cache
+	$(BIN)/python -m pytest -m "not gpu and not slow" --durations=15
+
+# everything `test` runs plus the tests marked slow (the rest of the fault-injection suite, ~6 more minutes)
+test-all: setup
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/lint-imports --no-cache
 	$(BIN)/python -m pytest -m "not gpu" --durations=15

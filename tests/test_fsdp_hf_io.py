@@ -128,3 +128,41 @@ def test_a_loader_reading_whole_tensors_is_caught(tmp_path):
     src = export_hf_checkpoint(_reference(), get_preset("glm5-flash-tiny"), tmp_path / "src", max_shard_bytes=200_000)
     with pytest.raises(Exception, match="assert .* <= sum\\(read\\) <="):
         spawn_local(_load_rank, RANKS, args=(str(src), str(tmp_path / "out"), "dp", 1, True))
+
+
+def _nonfinite_rank(rank: int, src: str, out: str) -> None:
+    """A NaN in one element of the last rank's shard: the export and a checkpoint are refused on every rank."""
+    from megaseq.config import MemorySettings, build_config
+    from megaseq.models.hf_io import load_hf_checkpoint
+    from megaseq.models.registry import parallelize
+    from megaseq.parallel.env import DistributedEnv
+    from megaseq.train import checkpoint as ckpt
+    from megaseq.train import safe_checkpoint
+
+    torch.set_num_threads(1)
+    cfg = build_config(overrides={"parallel.dp": RANKS, "parallel.fsdp": "dp", "parallel.backend": "gloo",
+                                  "data.seq_len": 16, "train.device": "cpu"})
+    env = DistributedEnv(cfg)
+    spec = get_preset("glm5-flash-tiny")
+    model = build_model(spec, dtype=torch.float32, device="meta")
+    parallelize(model, MemorySettings(), env)
+    model.to_empty(device="cpu")
+    load_hf_checkpoint(src, model=model, spec=spec)
+    if rank == RANKS - 1:
+        p = next(p for p in model.parameters() if hasattr(p, "to_local") and p.to_local().numel())
+        with torch.no_grad():
+            p.to_local().view(-1)[0] = float("nan")
+    # only the last rank's own shard is non-finite: without the ranks agreeing, ranks 0-2 would go on
+    assert (rank == RANKS - 1) == any(not torch.isfinite(p.to_local()).all() for p in model.parameters()
+                                      if hasattr(p, "to_local"))
+    with pytest.raises(ValueError, match="NaN or infinite"):
+        export_hf_checkpoint(model, spec, Path(out) / "hf", max_shard_bytes=200_000)
+    with pytest.raises(safe_checkpoint.NonFiniteWeights):
+        ckpt.save_checkpoint(Path(out), 1, model, None, None, {}, keep=2)
+    env.shutdown()
+
+
+def test_a_nonfinite_shard_on_one_rank_stops_the_export_and_the_checkpoint_on_every_rank(tmp_path):
+    src = export_hf_checkpoint(_reference(), get_preset("glm5-flash-tiny"), tmp_path / "src", max_shard_bytes=200_000)
+    spawn_local(_nonfinite_rank, RANKS, args=(str(src), str(tmp_path / "out")))
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").rglob("*")), "something was written"

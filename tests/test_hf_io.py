@@ -235,3 +235,36 @@ def test_glm5_round_trip(tmp_path: Path) -> None:
     assert_close("GLM-5 logits after export", got, want)
     with torch.no_grad():  # megaseq's own GLM-5 parity lives in its family tests; here a coarse check
         assert_close("megaseq GLM-5 logits", ours.logits(ours(ids)), want, rtol=1e-5)
+
+
+def test_glm5_export_carries_the_source_vision_tower_and_config(tmp_path: Path) -> None:
+    """With ``carry_from`` the export is the source checkpoint with the text model replaced: every source
+    key (vision tower included) with the vision tensors unchanged, and the source's vision_config and token
+    ids in config.json. Without it (the broken variant) the vision tensors are missing."""
+    pytest.importorskip("megaseq.models.glm5.model")
+    hf = _glm5_hf(seed=63)
+    src = tmp_path / "hf"
+    hf.save_pretrained(src, max_shard_size="50KB")
+    ours = load_hf_checkpoint(src, dtype=torch.float64)
+    out = export_hf_checkpoint(ours, ours.spec, tmp_path / "export", max_shard_bytes=40_000, carry_from=src)
+    ref_map = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]
+    out_map = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    assert set(out_map) == set(ref_map)
+    from safetensors import safe_open
+
+    for key in (k for k in ref_map if k.startswith("model.visual.")):
+        with safe_open(str(src / ref_map[key]), "pt") as a, safe_open(str(out / out_map[key]), "pt") as b:
+            assert torch.equal(a.get_tensor(key), b.get_tensor(key)), key
+    src_cfg, out_cfg = (json.loads((d / "config.json").read_text()) for d in (src, out))
+    assert out_cfg["vision_config"] == src_cfg["vision_config"]
+    assert out_cfg["image_token_id"] == src_cfg["image_token_id"]
+    bare = export_hf_checkpoint(ours, ours.spec, tmp_path / "bare", max_shard_bytes=40_000)
+    bare_keys = set(json.loads((bare / "model.safetensors.index.json").read_text())["weight_map"])
+    assert not any(k.startswith("model.visual.") for k in bare_keys)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        back = _hf_from_pretrained(out)
+    theirs = dict(hf.state_dict())
+    for name, t in back.state_dict().items():
+        if "visual" in name:
+            assert torch.equal(t, theirs[name].to(t.dtype)), name  # not freshly initialised

@@ -1,13 +1,18 @@
 """Typed configuration: one dataclass per component, YAML recipes, dotted overrides.
 
-Each field carries its help text in ``metadata["help"]``; the CLI builds ``--help`` from it.
-Unknown keys are rejected with the closest valid name. No torch import here.
+Each field carries its help text in ``metadata["help"]``; the CLI builds ``--help`` from it, and its
+bounds (``ge``, ``gt``, ``le``, ``lt``, ``choices``), which ``check_bounds`` enforces when a section is built.
+Unknown keys are rejected with the closest valid name; values of the wrong type (an integer given as 2.7, a
+number given as ``true``, a non-finite number), a YAML key given twice and a section that is not a mapping
+are each one ValueError naming the setting (and the file and line), before anything else runs. No torch
+import here.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 import warnings
@@ -25,17 +30,55 @@ def opt(default: Any, help: str, **kw: Any) -> Any:
     return field(default=default, metadata={"help": help, **kw})
 
 
-def parse_size(value: Any) -> int:
-    """'32K' -> 32768, '1M' -> 1048576, '4G' -> 4 * 2**30; ints pass through."""
+_SIZE_UNITS = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def parse_size(value: Any, setting: str | None = None) -> int:
+    """'32K' -> 32768, '1M' -> 1048576, '4G' -> 4 * 2**30, '1.5K' -> 1536; ints pass through. A value that is
+    not a whole number (2.7, '1.3K'), not finite, or a bool is a ValueError (naming ``setting`` when given)."""
+    where = f"{setting} " if setting else ""
     if isinstance(value, bool):
-        raise ValueError(f"expected a size, got {value!r}")
+        raise ValueError(f"{where}expects an integer (like 4096 or 32K), got {value!r}")
     if isinstance(value, int):
         return value
     s = str(value).strip().upper().replace("_", "")
-    mult = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
-    if s and s[-1] in mult:
-        return int(float(s[:-1]) * mult[s[-1]])
-    return int(float(s))
+    mult = 1
+    if s and s[-1] in _SIZE_UNITS:
+        s, mult = s[:-1], _SIZE_UNITS[s[-1]]
+    try:
+        v = float(s) * mult
+    except ValueError:
+        raise ValueError(f"{where}expects an integer (like 4096, 32K or 1M), got {value!r}") from None
+    if not math.isfinite(v) or not v.is_integer():
+        raise ValueError(f"{where}expects an integer (like 4096, 32K or 1M), got {value!r}")
+    return int(v)
+
+
+def check_bounds(obj: Any, section: str) -> None:
+    """Enforce each field's ``ge`` / ``gt`` / ``le`` / ``lt`` / ``choices`` metadata (None passes: unset)."""
+    for f in dataclasses.fields(obj):
+        value, m = getattr(obj, f.name), f.metadata
+        values = value if isinstance(value, (list, tuple)) else [value]
+        for v in values:
+            if v is None or isinstance(v, str) and "choices" not in m:
+                continue
+            if "choices" in m and v not in m["choices"]:
+                raise ValueError(f"{section}.{f.name} must be one of {', '.join(map(str, m['choices']))}, got {v!r}")
+            for key, ok, word in (("ge", lambda a, b: a >= b, ">="), ("gt", lambda a, b: a > b, ">"),
+                                  ("le", lambda a, b: a <= b, "<="), ("lt", lambda a, b: a < b, "<")):
+                if key in m and isinstance(v, (int, float)) and not ok(v, m[key]):
+                    what = "each entry of " if isinstance(value, (list, tuple)) else ""
+                    raise ValueError(f"{what}{section}.{f.name} must be {word} {m[key]}, got {value!r}"
+                                     f"{m.get('fix', '')}")
+
+
+def hf_weights_in(path: str | None) -> bool:
+    """Whether ``path`` is a Hugging Face checkpoint directory holding safetensors weights."""
+    p = Path(path) if path else None
+    return p is not None and p.is_dir() and any((p / f).is_file() for f in HF_WEIGHT_FILES)
+
+
+HF_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 
 
 @dataclass
@@ -44,8 +87,9 @@ class ModelConfig:
 
     name: str = opt("glm5-flash-tiny", "preset name (see `megaseq verify --list-presets`) or a path to a "
                     "Hugging Face checkpoint directory or config.json")
-    init_from: str | None = opt(None, "HF checkpoint directory (safetensors) to load weights from; "
-                                "random init when unset (or when `name` is a config without weights)")
+    init_from: str | None = opt(None, "HF checkpoint directory (safetensors) to load weights from; unset: "
+                                "`name` itself when it is a checkpoint directory with weights, else random init "
+                                "(give `name` as DIR/config.json to train a checkpoint's architecture from random)")
     dtype: str = opt("bf16", "compute dtype on the GPU: bf16, fp32 or fp64 (the CPU default job uses fp32)")
     strict_kernels: bool = opt(False, "fail when a layer falls back from its planned fast kernel")
     weights: str = opt("fp32", "parameter dtype: fp32 (fp32 weights, bf16 compute by autocast) or bf16 (bf16 weights "
@@ -58,6 +102,8 @@ class ModelConfig:
                                   "upper bound)")
 
     def __post_init__(self) -> None:
+        if self.init_from is None and hf_weights_in(self.name):
+            self.init_from = self.name  # a checkpoint directory with weights: train from them, not from random
         if self.dtype not in ("bf16", "fp32", "fp64"):
             raise ValueError(f"model.dtype must be bf16, fp32 or fp64, got {self.dtype!r}")
         if self.kernels not in ("default", "fast"):
@@ -87,10 +133,11 @@ class DataConfig:
     tokenizer: str = opt("dna", "dna (single-nucleotide) or a path to a HF tokenizer.json / checkpoint dir")
     text_field: str = opt("text", "JSONL field holding the document text")
     txt_docs: str = opt("file", ".txt files: one document per file (file) or per blank-line paragraph (paragraph)")
-    seed: int = opt(0, "seed for window sampling")
+    seed: int = opt(0, "seed for window sampling", ge=0)
 
     def __post_init__(self) -> None:
-        self.seq_len = parse_size(self.seq_len)
+        self.seq_len = parse_size(self.seq_len, "data.seq_len")
+        check_bounds(self, "data")
         if self.kind not in ("fasta", "text", "random"):
             raise ValueError(f"data.kind must be fasta, text or random, got {self.kind!r}")
         if self.seq_len < 2:
@@ -156,9 +203,12 @@ class ParallelConfig:
                   "sequences (a data axis for every other parameter)")
     launcher: str = opt("auto", "auto (torchrun env if present, else one process), ray, or none")
     num_workers: int = opt(1, "Ray workers (with --parallel.launcher ray)")
-    backend: str = opt("auto", "collective backend: auto (nccl on GPU, gloo on CPU), nccl or gloo")
-    mla_mode: str = opt("auto", "how DSA/MLA layers go context-parallel: ulysses, gather_kv or auto")
-    loss_parallel: str = opt("auto", "vocabulary loss over the cp group: ring_dtp, local or auto")
+    backend: str = opt("auto", "collective backend: auto (nccl on GPU, gloo on CPU), nccl or gloo",
+                       choices=("auto", "nccl", "gloo"))
+    mla_mode: str = opt("auto", "how DSA/MLA layers go context-parallel: ulysses, gather_kv or auto",
+                        choices=("auto", "ulysses", "gather_kv"))
+    loss_parallel: str = opt("auto", "vocabulary loss over the cp group: ring_dtp, local or auto",
+                             choices=("auto", "ring_dtp", "local"))
     ep_dispatch: str = opt("pipelined_llep", "expert dispatch with ep > 1: pipelined_llep (LLEP in chunks, each "
                            "recomputed in backward: the dispatch buffer bounded whatever the routing), llep (one "
                            "all-to-all, LLEP-balanced) or plain (one all-to-all, every expert serves its own rows)")
@@ -175,6 +225,7 @@ class ParallelConfig:
                                     "reduce in fp64)")
 
     def __post_init__(self) -> None:
+        check_bounds(self, "parallel")
         for name in ("cp", "ep", "num_workers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"parallel.{name} must be >= 1, got {getattr(self, name)}")
@@ -256,7 +307,7 @@ class MemorySettings:
 
     def __post_init__(self) -> None:
         for name in SIZE_SETTINGS:
-            setattr(self, name, parse_size(getattr(self, name)))
+            setattr(self, name, parse_size(getattr(self, name), f"memory.{name}"))
         self._check_ranges()
 
     def _check_ranges(self) -> None:
@@ -309,7 +360,7 @@ class MemoryConfig(MemorySettings):
         for name in ("gpu_budget", "host_budget"):
             v = getattr(self, name)
             if v != "auto":
-                setattr(self, name, parse_size(v))
+                setattr(self, name, parse_size(v, f"memory.{name}"))
         if not self.auto:  # forced: they run as given (with auto the planner chooses the combination)
             self.check_combination()
 
@@ -322,19 +373,18 @@ class MemoryConfig(MemorySettings):
 class OptimConfig:
     """AdamW with linear warmup and cosine decay."""
 
-    lr: float = opt(1e-3, "peak learning rate")
-    min_lr_ratio: float = opt(0.1, "final learning rate as a fraction of the peak")
-    warmup_steps: int = opt(10, "linear warmup steps")
-    betas: list[float] = opt([0.9, 0.95], "AdamW betas")
-    eps: float = opt(1e-8, "AdamW epsilon")
-    weight_decay: float = opt(0.1, "decoupled weight decay (not applied to norms, biases, gates)")
-    grad_clip: float = opt(1.0, "clip the global gradient norm to this (0 disables)")
+    lr: float = opt(1e-3, "peak learning rate", gt=0)
+    min_lr_ratio: float = opt(0.1, "final learning rate as a fraction of the peak", ge=0, le=1)
+    warmup_steps: int = opt(10, "linear warmup steps", ge=0)
+    betas: list[float] = opt([0.9, 0.95], "AdamW betas (two numbers in [0, 1))", ge=0, lt=1)
+    eps: float = opt(1e-8, "AdamW epsilon", gt=0)
+    weight_decay: float = opt(0.1, "decoupled weight decay (not applied to norms, biases, gates)", ge=0)
+    grad_clip: float = opt(1.0, "clip the global gradient norm to this (0 disables)", ge=0)
 
     def __post_init__(self) -> None:
-        if self.lr <= 0:
-            raise ValueError(f"optim.lr must be positive, got {self.lr}")
         if len(self.betas) != 2:
-            raise ValueError(f"optim.betas needs two numbers, got {self.betas}")
+            raise ValueError(f"optim.betas needs two numbers, like [0.9, 0.95], got {self.betas}")
+        check_bounds(self, "optim")
 
 
 BALANCE_MODES = ("auto", "bias", "aux_loss", "none")
@@ -442,13 +492,16 @@ class TrainConfig:
     steps: int = opt(60, "optimizer steps")
     batch_size: int = opt(1, "sequences per optimizer step and data-parallel rank, per micro-batch")
     grad_accum: int = opt(1, "micro-batches accumulated per optimizer step")
-    seed: int = opt(0, "seed for weights, data and dropout: the same seed gives the same run")
+    seed: int = opt(0, "seed for weights, data and dropout: the same seed gives the same run", ge=0)
     device: str = opt("auto", "cuda, cpu or auto")
     run_dir: str = opt("runs/default", "where the run writes config, plan, metrics, checkpoints, exports")
-    save_every: int = opt(0, "checkpoint every N steps (0: only at the end)")
-    keep_checkpoints: int = opt(2, "how many step checkpoints to keep")
-    resume: bool = opt(False, "resume from the newest complete checkpoint in run_dir")
-    overwrite: bool = opt(False, "replace a different run already in run_dir")
+    save_every: int = opt(0, "checkpoint every N steps (0: only at the end; SIGTERM/SIGINT also save one)", ge=0)
+    keep_checkpoints: int = opt(2, "how many step checkpoints to keep", ge=1)
+    resume: bool = opt(False, "resume from the newest resumable checkpoint in run_dir (none yet: start at step 0)")
+    overwrite: bool = opt(False, "replace a run already in run_dir (removes only what megaseq wrote there)")
+    on_nonfinite: str = opt("stop", "a non-finite loss or gradient norm: stop (nothing written, the step named) "
+                                    "or skip (no update for that step; stops after 5 in a row)",
+                            choices=("stop", "skip"))
     export_hf: bool = opt(True, "write a Hugging Face checkpoint (safetensors + config.json) at the end")
     eval_after: bool = opt(True, "evaluate by position on the held-out data at the end")
     trainable: list[str] = opt([], "parameters to train, as glob patterns of their names (layers.*.self_attn.*, "
@@ -461,31 +514,39 @@ class TrainConfig:
                 raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")
         if any(not str(p).strip() for p in self.trainable):
             raise ValueError(f"train.trainable holds an empty pattern: {self.trainable!r}")
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")
+                and self.device[5:].isdigit()):
+            raise ValueError(f"train.device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        check_bounds(self, "train")
 
 
 @dataclass
 class EvalConfig:
     """Held-out loss by position."""
 
-    by_position: Any = opt("32K", "position bucket width (accepts 32K)")
-    seq_len: Any = opt(None, "tokens per evaluation window (default: data.seq_len)")
-    max_windows: int = opt(8, "evaluation windows per held-out file")
-    kmer_k: int = opt(8, "order of the k-mer Markov baseline for DNA (0 disables)")
-    batch_size: int = opt(1, "evaluation windows per forward pass")
+    by_position: Any = opt("32K", "position bucket width (accepts 32K)", ge=1)
+    seq_len: Any = opt(None, "tokens per evaluation window (default: data.seq_len)", ge=2)
+    max_windows: int = opt(8, "evaluation windows per held-out file (0: all)", ge=0)
+    kmer_k: int = opt(8, "order of the k-mer Markov baseline for DNA (0 disables)", ge=0, le=30)
+    batch_size: int = opt(1, "evaluation windows per forward pass", ge=1)
 
     def __post_init__(self) -> None:
-        self.by_position = parse_size(self.by_position)
+        self.by_position = parse_size(self.by_position, "eval.by_position")
         if self.seq_len is not None:
-            self.seq_len = parse_size(self.seq_len)
+            self.seq_len = parse_size(self.seq_len, "eval.seq_len")
+        check_bounds(self, "eval")
 
 
 @dataclass
 class LogConfig:
     """Progress, metrics and TensorBoard."""
 
-    every: int = opt(1, "log metrics every N steps")
+    every: int = opt(1, "log metrics every N steps", ge=1)
     tensorboard: bool = opt(True, "write TensorBoard events to run_dir/tb")
     progress: bool = opt(True, "show a progress bar")
+
+    def __post_init__(self) -> None:
+        check_bounds(self, "log")
 
 
 @dataclass
@@ -564,25 +625,38 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         if isinstance(value, str) and value.lower() in ("false", "0", "no", "off"):
             return False
         raise ValueError(f"{key} expects true or false, got {value!r}")
+    if isinstance(value, (dict, list, tuple)) and origin is not list:
+        raise ValueError(f"{key} expects a single value, got {value!r}")
     if tp is int:
-        try:
-            return parse_size(value)
-        except (TypeError, ValueError):
-            raise ValueError(f"{key} expects an integer, got {value!r}") from None
+        if isinstance(value, float) and not value.is_integer():
+            raise ValueError(f"{key} expects an integer, got {value!r}")
+        return parse_size(value, key)
     if tp is float:
-        try:
-            return float(value)
-        except (TypeError, ValueError):
-            raise ValueError(f"{key} expects a number, got {value!r}") from None
+        return _number(value, key)
     if tp is str:
         return str(value)
     if origin is list:
         if isinstance(value, str):
             value = [v for v in value.split(",") if v] if value else []
-        if not isinstance(value, (list, tuple)):
+        if isinstance(value, dict) or not isinstance(value, (list, tuple)):
             value = [value]
         return [_coerce(v, args[0], key) for v in value] if args else list(value)
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{key} must be a finite number, got {value!r}")
     return value
+
+
+def _number(value: Any, key: str) -> float:
+    """A finite float from YAML or the command line; ``true`` and ``.inf`` are refused, not turned into 1 and inf."""
+    if isinstance(value, bool):
+        raise ValueError(f"{key} expects a number, got {value!r}")
+    try:
+        x = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{key} expects a number, got {value!r}") from None
+    if not math.isfinite(x):
+        raise ValueError(f"{key} must be a finite number, got {value!r}")
+    return x
 
 
 def _build_section(cls: type, values: dict[str, Any], section: str) -> Any:
@@ -599,11 +673,14 @@ def _build_section(cls: type, values: dict[str, Any], section: str) -> Any:
 
 def build_config(raw: dict[str, Any] | None = None, overrides: list[str] | dict[str, Any] | None = None) -> Config:
     """Build a Config from a nested dict (a recipe) plus dotted overrides (``model.name=x`` or a dict)."""
-    raw = {k: dict(v or {}) for k, v in (raw or {}).items()} if raw else {}
-    for section in raw:
+    for section, body in (raw or {}).items():
         if section not in SECTIONS:
             raise ValueError(f"unknown config section {section!r}.{_closest(section, SECTIONS)} "
                              f"Sections: {', '.join(SECTIONS)}")
+        if body is not None and not isinstance(body, dict):
+            raise ValueError(f"config section {section!r} must be a mapping of settings (like `{section}:` and "
+                             f"indented `key: value` lines below it), got {body!r}")
+    raw = {k: dict(v or {}) for k, v in (raw or {}).items()} if raw else {}
     items = overrides.items() if isinstance(overrides, dict) else [_split_override(o) for o in overrides or []]
     for key, value in items:
         section, _, name = key.partition(".")
@@ -618,7 +695,48 @@ def _split_override(item: str) -> tuple[str, Any]:
     key, sep, value = item.partition("=")
     if not sep:
         raise ValueError(f"override {item!r} must look like section.key=value")
-    return key.strip().lstrip("-"), yaml.safe_load(value) if value.strip() else ""
+    try:
+        parsed = yaml.safe_load(value) if value.strip() else ""
+    except yaml.YAMLError:
+        parsed = value  # not YAML (a path with odd characters): the string as given
+    return key.strip().lstrip("-"), parsed
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's SafeLoader, except that a key given twice in one mapping is an error, not "the last one wins"."""
+
+
+def _unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+    seen: dict[Any, int] = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        line = key_node.start_mark.line + 1
+        if key in seen:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"{key!r} is given twice (first at line {seen[key]}); YAML would silently keep only "
+                "the last one: merge the two", key_node.start_mark)
+        seen[key] = line
+    return yaml.SafeLoader.construct_mapping(loader, node, deep)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
+
+
+def read_yaml(path: str | Path) -> Any:
+    """A YAML file with duplicate keys refused; syntax errors are one ValueError naming the file and line."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except UnicodeDecodeError:
+        raise ValueError(f"config file {p} is not UTF-8 text: give a YAML recipe") from None
+    try:
+        return yaml.load(text, Loader=_UniqueKeyLoader)
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark
+        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise ValueError(f"config file {p}{where}: {e.problem or e.context}") from None
+    except yaml.YAMLError as e:
+        raise ValueError(f"config file {p} is not valid YAML: {e}") from None
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | dict[str, Any] | None = None) -> Config:
@@ -628,10 +746,13 @@ def load_config(path: str | Path | None = None, overrides: list[str] | dict[str,
         p = Path(path)
         if not p.is_file():
             raise ValueError(f"config file {p} not found: give a YAML recipe (see recipes/)")
-        loaded = yaml.safe_load(p.read_text()) or {}
+        loaded = read_yaml(p) or {}
         if not isinstance(loaded, dict):
             raise ValueError(f"config file {p} must hold a mapping of sections, got {type(loaded).__name__}")
-        raw = loaded
+        try:
+            return build_config(loaded, overrides)
+        except ValueError as e:
+            raise ValueError(f"{e} (config file {p}, or its command-line settings)") from None
     return build_config(raw, overrides)
 
 

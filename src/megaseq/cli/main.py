@@ -124,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         p.print_help()
         return 2
     from megaseq.cli import verbs
+    from megaseq.train.guard import RunStopped
 
     fn: Callable[[argparse.Namespace, list[str]], int] = getattr(verbs, f"cmd_{args.verb}")
     try:
@@ -131,6 +132,27 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # user errors: one clear message, no traceback
         print(f"megaseq {args.verb}: error: {e}", file=sys.stderr)
         return 2
+    except RunStopped as e:  # SIGTERM / SIGINT: stopped after a resumable checkpoint
+        print(f"megaseq {args.verb}: {e}", file=sys.stderr)
+        return e.exit_code
+    except OSError as e:  # a file megaseq could not read or write: name it and what would fix it
+        print(f"megaseq {args.verb}: error: {os_error_message(e)}", file=sys.stderr)
+        return 2
+
+
+def os_error_message(e: OSError) -> str:
+    """``[Errno 28] No space left on device`` as a sentence naming the file and the fix."""
+    import errno
+
+    where = e.filename or "a file"
+    fix = {errno.ENOSPC: "free disk space (or choose another --train.run_dir), then continue with --train.resume true",
+           errno.EDQUOT: "free disk space within your quota, then continue with --train.resume true",
+           errno.EROFS: "the file system is read-only: choose another --train.run_dir",
+           errno.EACCES: "permission denied: fix the permissions or choose another path",
+           errno.EPERM: "permission denied: fix the permissions or choose another path",
+           errno.ENOENT: "check the path",
+           errno.EISDIR: "give a file, not a directory"}.get(e.errno or -1, "check the path and the disk")
+    return f"{where}: {e.strerror or e}; {fix}"
 
 
 if __name__ == "__main__":

@@ -8,8 +8,11 @@ The training source is sharded over data-parallel ranks by window number (``rank
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from megaseq.data.fasta import DnaSplit, FastaRecord, default_genome_path, load_dna_split, read_fasta
 from megaseq.data.text import PackedText, load_text
@@ -90,6 +93,7 @@ def build_data(data_cfg: Any, eval_cfg: Any = None, *, batch_size: int = 1, voca
     split = load_dna_split(data_cfg, heldout_tail=heldout_tail)
     heldout = split.heldout
     if isinstance(tok, DnaTokenizer):
+        _check_bases(split.train, "data.train", "there is nothing to learn")
         train = WindowSampler(split.train, seq_len, reverse_complement=data_cfg.reverse_complement, **kw)
         unit, score_ids = "base", ACGT_IDS
     else:
@@ -99,7 +103,25 @@ def build_data(data_cfg: Any, eval_cfg: Any = None, *, batch_size: int = 1, voca
     has_eval_len = eval_cfg is not None and eval_cfg.seq_len
     setting = "eval.seq_len" if has_eval_len else "data.seq_len (eval.seq_len unset)"
     windows = {g: heldout_windows(recs, eval_len, max_windows, setting) for g, recs in heldout.items()}
+    if unit == "base":
+        for g, ws in windows.items():
+            _check_bases(ws, f"data.heldout ({g})", "its report would score 0 bases", window=True)
     return Data(train, windows, tok, unit, score_ids, split.train if unit == "base" else [])
+
+
+def _check_bases(records: Any, setting: str, why: str, window: bool = False) -> None:
+    """Refuse DNA with no A/C/G/T (all N: nothing is scored); warn when fewer than half the bases are."""
+    counts = sum((np.bincount(r.tokens, minlength=DNA_VOCAB_SIZE) for r in records), np.zeros(DNA_VOCAB_SIZE))
+    acgt, total = float(counts[list(ACGT_IDS)].sum()), float(counts.sum())
+    where = sorted({getattr(r, "source", "") or getattr(r, "id", "") for r in records} - {""})
+    named = f" ({', '.join(where[:3])})" if where and not window else ""
+    if acgt == 0:
+        what = "held-out windows" if window else "sequences"
+        raise ValueError(f"{setting}{named}: the {what} hold no A, C, G or T (all N or padding), so {why}; "
+                         "give sequences with bases" + (" or another held-out file" if window else ""))
+    if acgt < 0.5 * total:
+        warnings.warn(f"{setting}{named}: only {acgt / total:.0%} of the bases are A/C/G/T (the rest N); only "
+                      "A/C/G/T are scored", stacklevel=3)
 
 
 def _build_text(data_cfg: Any, tok: Any, seq_len: int, eval_len: int, max_windows: int,

@@ -13,6 +13,13 @@ Export writes what ``save_pretrained`` of transformers writes (the on-disk forma
 ``config.json`` from ``models.spec.to_hf_config`` plus shards of at most ``max_shard_bytes`` and, when
 there is more than one, ``model.safetensors.index.json``; all into a temporary directory renamed into place.
 Under FSDP every rank calls it: each tensor is gathered whole in turn (``full_tensor``) and rank 0 writes.
+A tensor that is not finite stops the export (nothing appears). ``carry_from`` (the checkpoint the run
+started from) copies the tensors megaseq does not model (a vision tower, the MTP layer) into the export
+unchanged, so it is the source checkpoint with the text model replaced.
+
+``check_hf_checkpoint`` runs the load's whole mapping on shapes alone (a meta-device model, safetensors
+headers): an empty, truncated or mismatched checkpoint is refused before a run sets anything up. Every
+error names the file.
 """
 
 from __future__ import annotations
@@ -21,7 +28,10 @@ import json
 import os
 import shutil
 import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -46,7 +56,11 @@ def _checkpoint_files(path: Path) -> dict[Path, list[str] | None]:
     single = path / "model.safetensors"
     if index.is_file():
         files: dict[Path, list[str] | None] = {}
-        for key, fname in json.loads(index.read_text())["weight_map"].items():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{index} is not a valid safetensors index ({type(e).__name__}: {e})") from None
+        for key, fname in weight_map.items():
             files.setdefault(path / fname, []).append(key)  # type: ignore[union-attr]
         absent = [str(f) for f in files if not f.is_file()]
         if absent:
@@ -54,8 +68,26 @@ def _checkpoint_files(path: Path) -> dict[Path, list[str] | None]:
         return files
     if single.is_file():
         return {single: None}
+    if any(path.glob("pytorch_model*.bin")):
+        raise ValueError(f"{path} holds pytorch_model*.bin weights (pickles); megaseq reads safetensors only: "
+                         "convert them (transformers' save_pretrained writes safetensors)")
     raise ValueError(f"no model.safetensors or model.safetensors.index.json in {path}: "
                      "pass a Hugging Face checkpoint directory")
+
+
+@contextmanager
+def _open(file: Path) -> Iterator[Any]:
+    """``safe_open`` with an empty, truncated or damaged file named in one ValueError."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        handle = safe_open(str(file), framework="pt", device="cpu")
+    except (SafetensorError, OSError) as e:
+        size = file.stat().st_size if file.exists() else 0
+        raise ValueError(f"{file} is not a readable safetensors file ({size} bytes: {e}); it is empty, truncated "
+                         "or damaged: download or copy it again") from None
+    with handle as f:
+        yield f
 
 
 def load_hf_checkpoint(path: str | Path, model: nn.Module | None = None, spec: ModelSpec | None = None,
@@ -65,8 +97,6 @@ def load_hf_checkpoint(path: str | Path, model: nn.Module | None = None, spec: M
     Raises ValueError for an unsupported architecture, missing tensors (first few and the count),
     tensors of the wrong shape (name, expected, got) or a directory that is not a checkpoint.
     """
-    from safetensors import safe_open
-
     path = Path(path)
     if spec is None:
         spec = from_hf_config(path)  # ValueError for an unsupported model_type
@@ -76,33 +106,62 @@ def load_hf_checkpoint(path: str | Path, model: nn.Module | None = None, spec: M
         model = build_model(spec, dtype=dtype, device=device, seed=0)
     from megaseq.models.common.lora import is_adapter
 
-    adapter = adapter_for(spec)
     # the base weights only: LoRA adapters, if the model has them already, are not in a HF checkpoint
     targets = {k: v for k, v in model.state_dict(keep_vars=True).items() if not is_adapter(k)}
+    unexpected = _map_checkpoint(path, spec, targets, _fill_into)
+    if unexpected:
+        warnings.warn(f"{len(unexpected)} checkpoint tensors have no place in the {spec.family} model and "
+                      f"were ignored, e.g. {unexpected[:5]}", stacklevel=2)
+    return model
+
+
+def check_hf_checkpoint(path: str | Path, spec: ModelSpec) -> None:
+    """Everything ``load_hf_checkpoint`` would refuse (unreadable files, missing tensors, wrong shapes), from
+    the safetensors headers and a meta-device model: no weight is read or allocated."""
+    from megaseq.models.build import build_model
+
+    model = build_model(spec, dtype=torch.float32, device="meta", seed=0)
+
+    def shape_only(dst: torch.Tensor, index: tuple | None, f: Any, key: str) -> bool:
+        part = dst if index is None else dst[index]  # meta tensors: indexing allocates nothing
+        _check_shape(tuple(f.get_slice(key).get_shape()), tuple(part.shape), key)
+        return True
+
+    _map_checkpoint(Path(path), spec, dict(model.state_dict(keep_vars=True)), shape_only)
+
+
+def _map_checkpoint(path: Path, spec: ModelSpec, targets: dict[str, torch.Tensor],
+                    fill: Callable[[torch.Tensor, tuple | None, Any, str], bool]) -> list[str]:
+    """Walk every checkpoint key through the family's adapter, ``fill(target, index, file, key)`` each (index
+    None: the whole target; else an expert or a fused part of it; returns whether this rank holds any of it),
+    check that every model tensor (this rank's rows of an FSDP shard) was filled exactly; returns the keys
+    that have no place in the model."""
+    adapter = adapter_for(spec)
     filled: set[int] = set()  # ids of tensors written whole
     sliced: dict[str, set[str]] = {}
     unexpected: list[str] = []
     with torch.no_grad():
         for file, keys in _checkpoint_files(path).items():
-            with safe_open(str(file), framework="pt", device="cpu") as f:
-                for key in keys if keys is not None else f.keys():
+            with _open(file) as f:
+                present = set(f.keys())
+                for key in keys if keys is not None else present:
+                    if key not in present:
+                        raise ValueError(f"{file} lacks tensor {key}, which its index lists: the shard is "
+                                         "damaged or from another checkpoint")
                     name = adapter.model_name(key, spec.num_layers)
                     if name is None:
                         continue
                     if name in targets:
-                        _fill(targets[name], f, key)
+                        fill(targets[name], None, f, key)
                         filled.add(id(targets[name]))
                     elif (routed := adapter.route(name, targets)) is not None:
                         target, index, slice_id = routed
-                        if _fill_part(targets[target], index, f, key):
+                        if fill(targets[target], index, f, key):
                             sliced.setdefault(target, set()).add(slice_id)
                     else:
                         unexpected.append(key)
     _check_complete(targets, filled, sliced, adapter)
-    if unexpected:
-        warnings.warn(f"{len(unexpected)} checkpoint tensors have no place in the {spec.family} model and "
-                      f"were ignored, e.g. {unexpected[:5]}", stacklevel=2)
-    return model
+    return unexpected
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:
@@ -123,7 +182,7 @@ def local_rows(t: torch.Tensor) -> tuple[int, int]:
     return offset[0], offset[0] + shape[0]
 
 
-def _fill(dst: torch.Tensor, f, key: str) -> None:
+def _fill(dst: torch.Tensor, f: Any, key: str) -> None:
     """The key's tensor into ``dst``; only this rank's rows of it for an FSDP shard."""
     if not _is_dtensor(dst):
         _copy(dst, f.get_tensor(key), key)
@@ -135,7 +194,7 @@ def _fill(dst: torch.Tensor, f, key: str) -> None:
         dst.to_local().copy_(sl[a:b])
 
 
-def _fill_part(dst: torch.Tensor, index: tuple, f, key: str) -> bool:
+def _fill_part(dst: torch.Tensor, index: tuple, f: Any, key: str) -> bool:
     """The key's tensor into ``dst[index]`` (an expert ``(j, ...)`` or a dim-0 part ``(slice, ...)`` of a fused
     tensor); under FSDP only where it meets this rank's rows. Returns whether this rank holds any of it."""
     if not _is_dtensor(dst):
@@ -161,6 +220,15 @@ def _fill_part(dst: torch.Tensor, index: tuple, f, key: str) -> bool:
 def _copy(dst: torch.Tensor, src: torch.Tensor, key: str) -> None:
     _check_shape(tuple(src.shape), tuple(dst.shape), key)
     dst.copy_(src)
+
+
+def _fill_into(dst: torch.Tensor, index: tuple | None, f: Any, key: str) -> bool:
+    """``_map_checkpoint``'s fill for a real load: whole targets through ``_fill``, parts through
+    ``_fill_part`` (each rank reads only its rows of an FSDP shard)."""
+    if index is None:
+        _fill(dst, f, key)
+        return True
+    return _fill_part(dst, index, f, key)
 
 
 def _check_shape(got: tuple, want: tuple, key: str) -> None:
@@ -210,29 +278,65 @@ def _is_fused(adapter: StateDictAdapter, name: str) -> bool:
 # ---- export -----------------------------------------------------------------------------------
 def export_hf_checkpoint(model: nn.Module, spec: ModelSpec, out_dir: str | Path,
                          max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-                         dtype: torch.dtype | None = None, merged: bool = False) -> Path:
+                         dtype: torch.dtype | None = None, carry_from: str | Path | None = None,
+                         merged: bool = False) -> Path:
     """Write ``model`` as a HF checkpoint transformers loads (``from_pretrained``); returns ``out_dir``.
 
     ``dtype`` casts every tensor (None keeps each tensor's dtype). LoRA adapters are left out, or with
     ``merged`` folded into their weights (``models.common.lora.base_items``, one weight at a time). At most
-    one shard is held in host memory at a time. The directory appears complete or not at all. With several processes
-    every rank calls it (FSDP2's shards are gathered one tensor at a time) and rank 0 writes.
+    one shard is held in host memory at a time. The directory appears complete or not at all; a non-finite
+    tensor is a ValueError naming it, and nothing is written. ``carry_from``: a HF checkpoint whose tensors
+    megaseq does not model
+    (vision tower, MTP layer) are copied in unchanged. With several processes every rank calls it (FSDP2's
+    shards are gathered one tensor at a time, and every rank checks each gathered tensor, so a non-finite
+    one raises on all of them alike) and rank 0 writes.
     """
-    from safetensors.torch import save_file
-
-    from megaseq.models.common.lora import base_items
-
     out_dir = Path(out_dir)
-    if not _writes():  # several processes: take part in every gather (FSDP's shards), write nothing
-        if any(_is_dtensor(t) for t in model.state_dict().values()):
-            for _ in adapter_for(spec).hf_items(model, spec.tie_word_embeddings, dtype):
-                pass
+    if not _writes():  # several processes: take part in every gather (FSDP's shards) and check, write nothing
+        for _ in _tensors_to_export(model, spec, dtype, None, merged):
+            pass
         _barrier()
         return out_dir
     config = to_hf_config(spec)
     tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    for pattern in (f".{out_dir.name}.tmp-*", f".{out_dir.name}.old-*"):  # left by a killed export
+        for stale in out_dir.parent.glob(pattern):
+            shutil.rmtree(stale, ignore_errors=True)
     tmp.mkdir(parents=True)
+    try:
+        _write_export(model, spec, config, tmp, max_shard_bytes, dtype, carry_from, merged)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _replace_dir(tmp, out_dir)
+    _barrier()
+    return out_dir
+
+
+def _tensors_to_export(model: nn.Module, spec: ModelSpec, dtype: torch.dtype | None,
+                       carry_from: str | Path | None, merged: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """The model's base tensors in on-disk form (LoRA adapters left out, or folded in with ``merged``; each
+    checked finite), then the source's unmodelled ones."""
+    from megaseq.models.common.lora import base_items
+
+    for key, t in adapter_for(spec).hf_items(model, spec.tie_word_embeddings, dtype, base_items(model, merged)):
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise ValueError(f"tensor {key} holds NaN or infinite values: the HF export was not written")
+        yield key, t
+    if carry_from is None:
+        return
+    adapter = adapter_for(spec)
+    for file, keys in _checkpoint_files(Path(carry_from)).items():
+        with _open(file) as f:
+            for key in keys if keys is not None else f.keys():
+                if adapter.model_name(key, spec.num_layers) is None:
+                    yield key, f.get_tensor(key)
+
+
+def _write_export(model: nn.Module, spec: ModelSpec, config: dict[str, Any], tmp: Path, max_shard_bytes: int,
+                  dtype: torch.dtype | None, carry_from: str | Path | None, merged: bool = False) -> None:
+    from safetensors.torch import save_file
+
     shards: list[dict[str, torch.Tensor]] = [{}]
     names: list[str] = []
     size = total = 0
@@ -243,7 +347,7 @@ def export_hf_checkpoint(model: nn.Module, spec: ModelSpec, out_dir: str | Path,
         shards[-1] = {}
 
     first_dtype = None
-    for key, t in adapter_for(spec).hf_items(model, spec.tie_word_embeddings, dtype, base_items(model, merged)):
+    for key, t in _tensors_to_export(model, spec, dtype, carry_from, merged):
         first_dtype = first_dtype or t.dtype
         nbytes = t.numel() * t.element_size()
         if shards[-1] and size + nbytes > max_shard_bytes:
@@ -259,9 +363,6 @@ def export_hf_checkpoint(model: nn.Module, spec: ModelSpec, out_dir: str | Path,
     if len(names) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    _replace_dir(tmp, out_dir)
-    _barrier()
-    return out_dir
 
 
 def _distributed() -> bool:

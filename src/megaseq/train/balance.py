@@ -140,6 +140,12 @@ class Balancer:
         for _, m in self.moes:
             m.aux_grad_E = None  # a backward without after_forward fails loudly
 
+    def drop_step(self) -> None:
+        """A step skipped as non-finite: its loads and aux losses are forgotten, the biases not updated."""
+        self._counts_LE, self._aux = None, []
+        for _, m in self.moes:
+            m.aux_grad_E = None
+
     def metrics(self) -> dict[str, Any]:
         """The last step's ``moe_max_over_mean`` per MoE layer (global loads) and ``moe_aux_loss``."""
         return dict(self._last)

@@ -8,14 +8,18 @@ Layout of a run directory's ``checkpoints/``::
 A checkpoint is trusted only when its directory has no ``.tmp`` suffix and holds ``meta.json``
 with ``"complete": true``. The directory is written under a temporary name and renamed when
 everything, ``meta.json`` last, is on disk, so a crash at any point leaves nothing a resume
-would load.
+would load. It is *resumable* only when it also holds the optimizer and trainer state
+(``"resumable": true``; the step-0 "before" weights are not). Nothing in it is unpickled, and a model
+with a non-finite weight is never saved (``safe_checkpoint``).
 
 Several processes (``torch.distributed`` initialised, world > 1): every rank calls ``save_checkpoint`` and
 ``load_checkpoint``. DCP writes each rank's shards (FSDP2 DTensors: model, fp32 masters, moments; a
 tensor held whole by several ranks is written once) into the temporary directory, whose name rank 0 chose;
-after a barrier rank 0 writes the trainer state and ``meta.json`` and renames it. A load reads the shards
-each rank's tensors need, whatever mesh wrote them: a 4-rank checkpoint resumes on 2 ranks or on 1 (DCP
-reshards).
+after a barrier rank 0 writes the trainer state and ``meta.json`` and renames it. Every rank checks its own
+shards for non-finite values and the ranks agree (one all-gather) before a byte is written, and a failed
+write on any rank is the same ValueError on every rank (no rank is left waiting at a barrier). A load reads
+the shards each rank's tensors need, whatever mesh wrote them: a 4-rank checkpoint resumes on 2 ranks or
+on 1 (DCP reshards).
 
 With a frozen base (LoRA, ``train.trainable``) a checkpoint holds only what trains (the adapters and the
 trained parameters, their optimizer state) and buffers: ``meta.json`` says ``"trainable_only": true``, lists
@@ -27,22 +31,23 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 import warnings
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_state_dict,
     set_state_dict,
 )
+
+from megaseq.train import safe_checkpoint as safe
 
 # One process without torch.distributed is a supported case, not a warning.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
@@ -64,25 +69,6 @@ def atomic_write_text(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-
-
-def rng_state() -> dict[str, Any]:
-    state = {
-        "torch": torch.get_rng_state(),
-        "numpy": np.random.get_state(),
-        "python": random.getstate(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def list_complete(run_dir: Path) -> list[tuple[int, Path]]:
@@ -130,45 +116,105 @@ def _tmp_name(final: Path) -> Path:
     return final.with_name(f"{final.name}.tmp-{box[0]}")
 
 
+def _agree(why: str | None) -> str | None:
+    """Every rank's failure (None: none) made the same on all of them: the first rank's that failed."""
+    if not _distributed():
+        return why
+    everyone: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, why)
+    return next((w for w in everyone if w is not None), None)
+
+
+def is_resumable(ckpt: Path) -> bool:
+    """A complete checkpoint holding the full training state (written with an optimizer)."""
+    try:
+        meta = json.loads((Path(ckpt) / META).read_text())
+    except (OSError, ValueError):
+        return False
+    return meta.get("resumable", (Path(ckpt) / safe.TRAINER_STATE).is_file()) is True
+
+
+def latest_resumable(run_dir: Path) -> Path | None:
+    """The newest checkpoint a resume can continue from (weights-only ones are skipped)."""
+    found = [p for _, p in list_complete(run_dir) if is_resumable(p)]
+    return found[-1] if found else None
+
+
 def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer: Any | None, scheduler: Any | None,
                     extra_meta: dict[str, Any], keep: int = 2, trainable_only: bool = False) -> Path:
     """Save model, optimizer, scheduler, RNG and data position at ``step``; returns the directory. With
     several processes every rank calls it (each writes its shards). ``trainable_only``: the model's trained
-    parameters (and buffers) only, with the frozen base's fingerprint."""
+    parameters (and buffers) only, with the frozen base's fingerprint.
+
+    Refused (``safe_checkpoint.NonFiniteWeights``) before anything is written when a weight (on any rank) is
+    not finite; a failed write (full disk, read-only directory) removes its temporary directory and is one
+    ValueError naming the checkpoint, the cause and the newest checkpoint still on disk."""
     run_dir = Path(run_dir)
     final = _step_dir(run_dir, step)
+    _check_finite_everywhere(model, f"checkpoint {final}")
     tmp = _tmp_name(final)
-    if _is_main():
-        for stale in final.parent.glob("*.tmp-*") if final.parent.exists() else []:
-            shutil.rmtree(stale, ignore_errors=True)
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir(parents=True)
-    _barrier()
-    # one process writes everything without collectives; several write their own shards
-    dcp.save(_state(model, optimizer, trainable_only), checkpoint_id=str(tmp), no_dist=not _distributed())
-    _barrier()
-    if _is_main():
-        _write_trainer_state(tmp, optimizer, scheduler)
-        meta = {**extra_meta, "step": step, "complete": True}
+    state = _state(model, optimizer, trainable_only)
+    why = _agree(_failure(lambda: _prepare(tmp, final), tmp) if _is_main() else None)
+    if why is None:  # one process writes everything without collectives; several write their own shards
+        why = _agree(_failure(lambda: dcp.save(state, checkpoint_id=str(tmp), no_dist=not _distributed()), tmp))
+    if why is None:  # rank 0: the trainer state, meta.json last, the rename
+        meta = {**extra_meta, "step": step, "complete": True, "resumable": optimizer is not None}
         if trainable_only:
             meta["trainable_only"] = True
             meta["trainable"] = sorted(n for n, p in model.named_parameters() if p.requires_grad)
             meta["base_fingerprint"] = base_fingerprint(model)
-        atomic_write_text(tmp / META, json.dumps(meta, indent=2))
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        why = _agree(_failure(lambda: _finish(tmp, final, optimizer, scheduler, meta), tmp) if _is_main() else None)
+    if why is not None:
+        if _is_main():
+            shutil.rmtree(tmp, ignore_errors=True)
+        last = latest_resumable(run_dir)
+        raise ValueError(f"could not write checkpoint {final}: {why}. The newest resumable checkpoint is "
+                         f"{last or 'none'}; free space or fix the directory, then continue with "
+                         "--train.resume true") from None
+    if _is_main():
         _prune(run_dir, keep, protect={final})
     _barrier()
     return final
 
 
-def _write_trainer_state(tmp: Path, optimizer: Any | None, scheduler: Any | None) -> None:
-    """The scheduler and the RNG state (rank 0's: a step draws no random numbers)."""
+def _check_finite_everywhere(model: torch.nn.Module, what: str) -> None:
+    """``safe_checkpoint.check_finite`` on this rank's tensors (an FSDP shard each), agreed by every rank."""
+    try:
+        safe.check_finite(model, what)
+        why = None
+    except safe.NonFiniteWeights as e:
+        why = str(e)
+    why = _agree(why)
+    if why is not None:
+        raise safe.NonFiniteWeights(why)
+
+
+def _failure(write: Any, tmp: Path) -> str | None:
+    """Run ``write()``; None, or one sentence for what a full disk or a read-only directory raised."""
+    try:
+        write()
+    except (OSError, RuntimeError, CheckpointException) as e:
+        return safe.write_failure(e, tmp)
+    return None
+
+
+def _prepare(tmp: Path, final: Path) -> None:
+    for stale in final.parent.glob("*.tmp-*") if final.parent.exists() else []:
+        shutil.rmtree(stale, ignore_errors=True)
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+
+
+def _finish(tmp: Path, final: Path, optimizer: Any, scheduler: Any, meta: dict[str, Any]) -> None:
+    """The trainer state (the scheduler and rank 0's RNG: a step draws no random numbers), ``meta.json``
+    last, then the rename."""
     if optimizer is not None:
-        torch.save({"scheduler": scheduler.state_dict() if scheduler is not None else None, "rng": rng_state()},
-                   tmp / "trainer_state.pt")
+        atomic_write_text(tmp / safe.TRAINER_STATE, safe.trainer_state_json(scheduler))
+    atomic_write_text(tmp / META, json.dumps(meta, indent=2))
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
 
 
 def _prune(run_dir: Path, keep: int, protect: set[Path]) -> None:
@@ -224,7 +270,10 @@ def read_meta(ckpt: Path) -> dict[str, Any]:
     meta = Path(ckpt) / META
     if not meta.is_file():
         raise ValueError(f"{ckpt} is not a complete megaseq checkpoint (no {META}); it may be an interrupted write")
-    data = json.loads(meta.read_text())
+    try:
+        data = json.loads(meta.read_text())
+    except ValueError as e:
+        raise ValueError(f"{meta} is not valid JSON ({e}); the checkpoint is damaged") from None
     if data.get("complete") is not True:
         raise ValueError(f"{ckpt} is marked incomplete; refusing to load it")
     return data
@@ -242,12 +291,20 @@ def load_checkpoint(ckpt: Path, model: torch.nn.Module, optimizer: Any = None, s
             f"checkpoint {ckpt} is of a different model (fields differ: {', '.join(diff[:6])}); "
             "resume with the config that wrote it, or start a new run directory"
         )
+    if optimizer is not None and not is_resumable(ckpt):
+        raise ValueError(f"{ckpt} holds model weights only (no optimizer state): it cannot be resumed")
     partial = bool(meta.get("trainable_only"))
     if partial:
         _check_base(ckpt, meta, model)
     state = _state(model, optimizer, partial)
-    # every key of ``state`` must be in the checkpoint
-    dcp.load(state, checkpoint_id=str(ckpt), no_dist=not _distributed())
+    try:  # every key of ``state`` must be in the checkpoint
+        dcp.load(state, checkpoint_id=str(ckpt), no_dist=not _distributed(), **safe.safe_load_kwargs(ckpt))
+    except CheckpointException as e:
+        inner = next(iter(e.failures.values()))[0] if e.failures else e
+        if isinstance(inner, ValueError):
+            raise ValueError(str(inner)) from None
+        raise ValueError(f"checkpoint {ckpt} could not be read ({type(inner).__name__}: {inner}); it is damaged "
+                         "or was not written by megaseq") from None
     opts = StateDictOptions(ignore_frozen_params=partial, strict=not partial)
     if optimizer is None:
         model.load_state_dict(state["model"], strict=not partial)
@@ -257,18 +314,14 @@ def load_checkpoint(ckpt: Path, model: torch.nn.Module, optimizer: Any = None, s
     else:
         model.load_state_dict(state["model"], strict=not partial)
         optimizer.load_state_dict(state["optim"])
+    try:
+        safe.check_finite(model, "")
+    except safe.NonFiniteWeights as e:
+        raise ValueError(f"checkpoint {ckpt}: {str(e).split(',')[0]}; it is not loaded (resume from an earlier "
+                         "checkpoint: move this one away)") from None
     if optimizer is not None:
-        _read_trainer_state(ckpt, scheduler)
+        safe.load_trainer_state(ckpt, scheduler)
     return meta
-
-
-def _read_trainer_state(ckpt: Path, scheduler: Any | None) -> None:
-    if not (ckpt / "trainer_state.pt").is_file():
-        raise ValueError(f"{ckpt} holds model weights only (no optimizer state): it cannot be resumed")
-    trainer_state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
-    if scheduler is not None and trainer_state["scheduler"] is not None:
-        scheduler.load_state_dict(trainer_state["scheduler"])
-    set_rng_state(trainer_state["rng"])
 
 
 def load_trained_state(ckpt: Path, model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -277,7 +330,8 @@ def load_trained_state(ckpt: Path, model: torch.nn.Module) -> dict[str, torch.Te
     meta = read_meta(ckpt)
     _check_base(Path(ckpt), meta, model)
     state = {n: torch.empty_like(p) for n, p in model.named_parameters() if p.requires_grad}
-    dcp.load({"model": state}, checkpoint_id=str(ckpt), no_dist=not _distributed())
+    dcp.load({"model": state}, checkpoint_id=str(ckpt), no_dist=not _distributed(),
+             **safe.safe_load_kwargs(ckpt))
     return state
 
 

@@ -83,8 +83,11 @@ def convert(src: Path, dst: Path) -> Path:
         model, spec = _load_hf(src, load_hf_checkpoint)
         return ckpt.save_checkpoint(dst, 0, model, None, None,
                                     {"spec": spec.to_dict(), "source": str(src)}, keep=10**9)
-    model, spec, _ = load_megaseq_checkpoint(src)
-    export_hf_checkpoint(model, spec, dst)
+    model, spec, target = load_megaseq_checkpoint(src)
+    meta = ckpt.read_meta(target)
+    source = meta.get("init_from") or meta.get("source")  # the HF checkpoint it came from, if still there
+    carry = source if source and (Path(source) / "config.json").is_file() else None
+    export_hf_checkpoint(model, spec, dst, carry_from=carry)
     return dst
 
 

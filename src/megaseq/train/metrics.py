@@ -41,6 +41,13 @@ def moe_load(model: torch.nn.Module) -> dict[str, float]:
     return out
 
 
+def _step_of(line: str) -> float:
+    try:
+        return json.loads(line).get("step", 0)
+    except (ValueError, AttributeError):
+        return float("inf")  # empty, or cut short by a kill
+
+
 class MetricsLogger:
     """Writes metrics.jsonl and TensorBoard scalars; draws the progress bar."""
 
@@ -72,11 +79,14 @@ class MetricsLogger:
         self._t0 = time.perf_counter()
 
     def _truncate(self, start_step: int) -> None:
+        """Keep the records up to ``start_step``, atomically (a kill here loses nothing); a line a kill cut
+        short can only be a step after the checkpoint, and goes with them."""
         if not self.path.exists():
             return
-        keep = [ln for ln in self.path.read_text().splitlines() if ln.strip()
-                and json.loads(ln).get("step", 0) <= start_step]
-        self.path.write_text("".join(ln + "\n" for ln in keep))
+        from megaseq.train.checkpoint import atomic_write_text
+
+        keep = [ln for ln in self.path.read_text().splitlines() if _step_of(ln) <= start_step]
+        atomic_write_text(self.path, "".join(ln + "\n" for ln in keep))
 
     def log(self, record: dict[str, Any]) -> None:
         if not self.enabled:

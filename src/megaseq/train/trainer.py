@@ -1,8 +1,11 @@
 """The training loop: plan, claim the run directory, build data and model, train, save, export, evaluate.
 
-Order matters for the "fixed memory, fail early" contract: the plan is made and checked before
-any data is read or any weight is allocated, so a run that cannot fit stops in a second with a
-message naming the binding component.
+Order matters for the "fixed memory, fail early" contract: the settings are checked when the config is
+built, then the run directory and the starting weights (``preflight``: nothing written), then the plan,
+before any data is read or any weight is allocated, so a run that cannot fit stops in a second with a
+message naming the binding component. The data is read before the run directory is claimed, so a bad
+file leaves nothing behind. A non-finite step stops the run before the update (``guard``); SIGTERM and
+SIGINT stop it after the step with a resumable checkpoint.
 """
 
 from __future__ import annotations
@@ -22,11 +25,14 @@ from megaseq.ops import dispatch
 from megaseq.ops.kernels import planned_kernels, preferred_kernels
 from megaseq.plan.flops import mfu
 from megaseq.train import checkpoint as ckpt
+from megaseq.train import guard
 from megaseq.train.balance import Balancer, resolve_balance
 from megaseq.train.metrics import MetricsLogger, gpu_peak_bytes, host_peak_bytes
 from megaseq.train.optim import build_optimizer
 from megaseq.train.parallel_env import ParallelEnv, setup_parallel
+from megaseq.train.preflight import check_disk_space, preflight
 from megaseq.train.run_dir import claim_run_dir, write_plan
+from megaseq.train.safe_checkpoint import NonFiniteWeights
 
 GIB = 2**30
 
@@ -91,7 +97,10 @@ def train_step(model: torch.nn.Module, micro_batches: list[dict[str, torch.Tenso
                memory: MemorySettings, progress: Any = None, balancer: Balancer | None = None) -> tuple[float, float]:
     """One optimizer step over ``grad_accum`` micro-batches; returns (mean loss, grad norm). ``progress``
     (pass, done, total) hears of each sequence segment when the plan runs them; ``balancer`` reduces the
-    routers' loads after each forward (the aux loss's gradient) and updates the biases after the step."""
+    routers' loads after each forward (the aux loss's gradient) and updates the biases after the step. A
+    non-finite loss or gradient norm never reaches the weights (nor the router biases):
+    ``guard.NonFiniteStep`` is raised (``train.on_nonfinite stop``) or the step is skipped (``skip``:
+    gradients dropped, the schedule moves on, the values returned)."""
     after_forward = balancer.after_forward if balancer is not None else None
     chunk = memory.loss_chunk_tokens if memory.chunked_loss else None
     local = sum(int((b["labels"] != -100).sum()) for b in micro_batches)
@@ -113,12 +122,21 @@ def train_step(model: torch.nn.Module, micro_batches: list[dict[str, torch.Tenso
         loss_sum += float(loss.detach())
     env.reduce_gradients(model)
     grad_norm = _clip(model, optimizer, cfg.optim.grad_clip, env)
+    loss = env.all_reduce_sum(loss_sum) / max(total, 1)
+    if not guard.is_finite_step(loss, grad_norm):  # before the update: the weights stay as they were
+        optimizer.zero_grad(set_to_none=True)
+        if balancer is not None:
+            balancer.drop_step()
+        if cfg.train.on_nonfinite != "skip":
+            raise guard.NonFiniteStep(loss, grad_norm)
+        scheduler.step()
+        return loss, grad_norm
     optimizer.step()
     if balancer is not None:
         balancer.after_step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return env.all_reduce_sum(loss_sum) / max(total, 1), grad_norm
+    return loss, grad_norm
 
 
 def _clip(model: torch.nn.Module, optimizer: Any, max_norm: float, env: ParallelEnv) -> float:
@@ -184,6 +202,8 @@ def build_planned_model(cfg: Config, spec: Any, device: torch.device, memory: Me
     dtype = dtypes(cfg, device)[0]
     adapters = adapter_settings(cfg, device)
     sharded = getattr(env, "fsdp", None) not in (None, "off") and getattr(env, "world_size", 1) > 1
+    if init_from and env is not None:
+        env.log(f"model weights from {init_from}")
     if not sharded:
         # a frozen base stored in bf16 is built so from the start (never its fp32 copy: 30B parameters fit)
         frozen = frozen_base_dtypes(adapters) if adapters.freezes and adapters.frozen_dtype else None
@@ -250,6 +270,7 @@ def run_training(cfg: Config) -> RunResult:
     spec = resolve_spec(cfg.model.name)  # a bad model name fails before anything else happens
     check_expert_parallel_run(cfg)
     resolve_balance(cfg.moe, spec)  # and so does a balancing rule the routers cannot train with
+    preflight(cfg, spec)  # the run directory and the starting weights, nothing written
     use_expandable_segments()
     env = setup_parallel(cfg)
     device = env.device = resolve_device(cfg) if env.world_size == 1 else env.device
@@ -285,15 +306,17 @@ def _run_planned(cfg: Config, spec: Any, env: ParallelEnv, device: torch.device,
                  memory: MemorySettings) -> RunResult:
     from megaseq.data import build_data
 
+    data = build_data(cfg.data, cfg.eval, batch_size=cfg.train.batch_size, vocab_size=spec.vocab_size,
+                      rank=env.dp_rank, world_size=env.dp_size)
     run_dir, resume_from = claim_run_dir(cfg) if env.is_main else (Path(cfg.train.run_dir), None)
     resume_from = env.broadcast_object(resume_from)
     if env.is_main:
         write_plan(run_dir, plan_dict)
-    data = build_data(cfg.data, cfg.eval, batch_size=cfg.train.batch_size, vocab_size=spec.vocab_size,
-                      rank=env.dp_rank, world_size=env.dp_size)
     autocast = dtypes(cfg, device)[1]
     model, applied, optimizer, scheduler = build_planned_model(cfg, spec, device, memory, cfg.train.steps,
                                                                cfg.model.init_from, env)
+    if env.is_main:
+        check_disk_space(run_dir, model)
     spec_dict = spec.to_dict()
     base = _base_meta(cfg)
     start = 0
@@ -305,7 +328,7 @@ def _run_planned(cfg: Config, spec: Any, env: ParallelEnv, device: torch.device,
     elif cfg.train.eval_after:
         # the "before" weights only: DCP's optimizer state_dict would initialise AdamW's state (a step
         # with lr 0), shifting its bias correction and so the whole run (every rank: each writes its shards)
-        ckpt.save_checkpoint(run_dir, 0, model, None, None, _meta(spec_dict, data, 0, base), keep=10**9,
+        ckpt.save_checkpoint(run_dir, 0, model, None, None, _meta(spec_dict, data, 0, cfg, base), keep=10**9,
                              trainable_only=base is not None)
     result = RunResult(run_dir=run_dir, last_checkpoint=resume_from)
     balancer = Balancer(model, resolve_balance(cfg.moe, spec), env, cfg.train.grad_accum)
@@ -348,23 +371,51 @@ class _Loop:
         cfg, env = self.cfg, self.env
         logger = MetricsLogger(result.run_dir, cfg.train.steps, start, cfg.log.tensorboard, cfg.log.progress,
                                env.is_main)
+        skipped = 0  # non-finite steps in a row (train.on_nonfinite skip)
         try:
-            for step in range(start + 1, cfg.train.steps + 1):
-                loss, record = self.step(step, logger)
-                result.losses.append(loss)
-                if step % cfg.log.every == 0 or step == cfg.train.steps:
-                    logger.log(record)
-                save_now = cfg.train.save_every and step % cfg.train.save_every == 0
-                if save_now or step == cfg.train.steps:  # every rank writes its shards
-                    result.last_checkpoint = ckpt.save_checkpoint(
-                        result.run_dir, step, self.model, self.optimizer, self.scheduler,
-                        _meta(self.spec_dict, self.data, step, self.base), cfg.train.keep_checkpoints,
-                        trainable_only=self.base is not None)
-                env.barrier()
+            with guard.StopSignals(env.log) as signals:
+                for step in range(start + 1, cfg.train.steps + 1):
+                    loss, record = self.step(step, logger, result)
+                    skipped = self._skipped(step, record, skipped, result)
+                    result.losses.append(loss)
+                    if step % cfg.log.every == 0 or step == cfg.train.steps:
+                        logger.log(record)
+                    signum = signals.requested(env)
+                    save_now = cfg.train.save_every and step % cfg.train.save_every == 0
+                    if save_now or step == cfg.train.steps or signum:
+                        self.save(step, result, record["lr"])
+                        signum = signum or signals.requested(env)  # a signal during the write: stop now
+                    if signum:
+                        raise signals.stopped(signum, step, result.last_checkpoint)
+                    env.barrier()
         finally:
             logger.close()
 
-    def step(self, step: int, logger: MetricsLogger) -> tuple[float, dict[str, Any]]:
+    def save(self, step: int, result: RunResult, lr: float) -> None:
+        """A resumable checkpoint at ``step`` (every rank writes its shards; rank 0 the rest). Weights the
+        update of ``step`` (at learning rate ``lr``) made non-finite, on any rank, stop the run naming the step
+        (the ranks agree inside ``save_checkpoint``, so all of them stop)."""
+        try:
+            result.last_checkpoint = ckpt.save_checkpoint(
+                result.run_dir, step, self.model, self.optimizer, self.scheduler,
+                _meta(self.spec_dict, self.data, step, self.cfg, self.base), self.cfg.train.keep_checkpoints,
+                trainable_only=self.base is not None)
+        except NonFiniteWeights as e:  # an update with a finite gradient overflowed: nothing was written
+            raise guard.overflowed(step, str(e), lr, ckpt.latest_resumable(result.run_dir)) from None
+
+    def _skipped(self, step: int, record: dict[str, Any], skipped: int, result: RunResult) -> int:
+        """Count the steps ``on_nonfinite skip`` skipped in a row; ``guard.MAX_SKIPPED`` of them stop the run."""
+        if guard.is_finite_step(record["loss"], record["grad_norm"]):
+            return 0
+        skipped += 1
+        self.env.log(f"step {step} skipped: loss {record['loss']}, gradient norm {record['grad_norm']} "
+                     f"({skipped} in a row; {guard.MAX_SKIPPED} stop the run)")
+        if skipped >= guard.MAX_SKIPPED:
+            raise guard.diverged(step, record["loss"], record["grad_norm"], record["lr"],
+                                 ckpt.latest_resumable(result.run_dir), skipped)
+        return skipped
+
+    def step(self, step: int, logger: MetricsLogger, result: RunResult) -> tuple[float, dict[str, Any]]:
         """One optimizer step and its metrics record (loss, tokens/s, MFU against the H200's bf16 peak,
         peak GPU and host memory beside the plan, MoE load)."""
         cfg, env, device = self.cfg, self.env, self.device
@@ -375,8 +426,11 @@ class _Loop:
         batches = [self.data.train.next_batch() if env.reads_data else None for _ in range(cfg.train.grad_accum)]
         batches = [env.shard_batch(b, self.memory.model_segment_tokens) for b in batches]
         lr = self.optimizer.param_groups[0]["lr"]
-        loss, gnorm = train_step(self.model, batches, self.optimizer, self.scheduler, cfg, env, self.autocast,
-                                 self.memory, progress=logger.substep, balancer=self.balancer)
+        try:
+            loss, gnorm = train_step(self.model, batches, self.optimizer, self.scheduler, cfg, env, self.autocast,
+                                     self.memory, progress=logger.substep, balancer=self.balancer)
+        except guard.NonFiniteStep as e:
+            raise guard.diverged(step, e.loss, e.grad_norm, lr, ckpt.latest_resumable(result.run_dir)) from None
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         dt = time.perf_counter() - t0
@@ -398,8 +452,11 @@ def step_mfu(tokens_per_s: float, plan: dict[str, Any], world_size: int, device:
     return mfu(tokens_per_s, plan["flops"]["per_token"], world_size)
 
 
-def _meta(spec_dict: dict[str, Any], data: Any, step: int, base: dict[str, Any] | None = None) -> dict[str, Any]:
-    return {"spec": spec_dict, "data": data.train.state_dict(), "step": step, **({"base": base} if base else {})}
+def _meta(spec_dict: dict[str, Any], data: Any, step: int, cfg: Config | None = None,
+          base: dict[str, Any] | None = None) -> dict[str, Any]:
+    source = cfg.model.init_from if cfg is not None else None  # `megaseq convert` carries its unmodelled tensors
+    return {"spec": spec_dict, "data": data.train.state_dict(), "step": step, "init_from": source,
+            **({"base": base} if base else {})}
 
 
 def _base_meta(cfg: Config) -> dict[str, Any] | None:
@@ -424,7 +481,8 @@ def export_run(cfg: Config, model: torch.nn.Module, spec: Any, run_dir: Path, re
         result.adapter_export = export_adapter(model, spec, cfg.lora, out, cfg.model.init_from) if is_main else out
         if not cfg.lora.export_merged:
             return
-    result.hf_export = export_hf_checkpoint(model, spec, run_dir / "hf", merged=cfg.lora.enabled)
+    result.hf_export = export_hf_checkpoint(model, spec, run_dir / "hf", merged=cfg.lora.enabled,
+                                            carry_from=cfg.model.init_from)
 
 
 def evaluate_run(cfg: Config, run_dir: Path, model: torch.nn.Module, spec: Any, data: Any, env: ParallelEnv,

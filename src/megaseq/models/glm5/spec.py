@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from megaseq.models.registry import Family
-from megaseq.models.spec import DNA_VOCAB_SIZE, ModelSpec
+from megaseq.models.spec import DNA_VOCAB_SIZE, ModelSpec, check_hf_fields
 
 FAMILY = Family(name="glm5_next", hf_model_types=("glm5_next", "glm5_next_text"), layer_kinds=("kda", "dsa"),
                 segmentable=True, tiles_whole_layer=True, fp32_params=("router", "kda", "hc"), balance="bias")
@@ -34,11 +34,76 @@ _HF_LAYER_TYPES = {
 }
 
 
+# the text fields from_hf reads into the spec (and to_hf writes back)
+_TEXT_READ = frozenset({
+    "num_hidden_layers", "layer_types", "mlp_layer_types", "indexer_types", "index_topk_pattern", "index_topk_freq",
+    "index_skip_topk_offset", "linear_attn_config", "linear_lower_bound", "vocab_size", "hidden_size",
+    "rms_norm_eps", "tie_word_embeddings", "pad_token_id", "intermediate_size", "swiglu_limit", "n_routed_experts",
+    "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "n_shared_experts", "n_group",
+    "topk_group", "norm_topk_prob", "routed_scaling_factor", "num_attention_heads", "num_key_value_heads",
+    "attention_bias", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+    "index_topk", "index_n_heads", "index_head_dim", "index_kpool", "index_kpool_always_select_tail",
+    "linear_num_heads", "linear_head_dim", "linear_conv_kernel_dim", "hc_mult", "hc_sinkhorn_iters", "hc_eps",
+})
+# text fields that do not change a training step (carried to the export unchanged)
+# (num_nextn_predict_layers: the multi-token-prediction layer, which megaseq neither runs nor trains; its
+# tensors are skipped on load and carried to the export from the source)
+_TEXT_CARRIED = frozenset({"max_position_embeddings", "router_aux_loss_coef", "head_dim", "qk_head_dim",
+                           "num_nextn_predict_layers"})
+# text fields megaseq implements only at one value: (allowed values, what is supported)
+_TEXT_REQUIRED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "hidden_act": (("silu",), "the MLPs are SwiGLU, which needs 'silu'"),
+    "attention_dropout": ((0, 0.0), "no attention dropout (set it to 0)"),
+    "qk_rope_head_dim": ((0,), "GLM-5's MLA layers are NoPE (qk_rope_head_dim 0)"),
+    "rope_scaling": ((None, {}), "GLM-5's MLA layers are NoPE: no RoPE, so no RoPE scaling"),
+    "rope_parameters": ((None, {}), "GLM-5's MLA layers are NoPE: no RoPE parameters"),
+    "output_router_logits": ((False, None), "megaseq's --moe.balance chooses how the routers are balanced "
+                                            "(GLM-5's: the score-correction bias); set it to false, and use "
+                                            "--moe.balance aux_loss for the auxiliary load-balancing loss"),
+}
+_LINEAR_ATTN_FIELDS = frozenset({"head_dim", "num_heads", "short_conv_kernel_size", "gate_lower_bound", "safe_gate"})
+# top-level glm5_next fields besides text_config: the vision tower's config and its token ids (carried)
+_TOP_CARRIED = frozenset({"vision_config", "image_token_id", "video_token_id", "image_start_token_id",
+                          "image_end_token_id", "video_start_token_id", "video_end_token_id", "tie_word_embeddings",
+                          "text_config"})
+
+
 def from_hf(c: dict[str, Any]) -> ModelSpec:
-    """A ``glm5_next`` (its ``text_config``) or ``glm5_next_text`` config.json as a spec."""
+    """A ``glm5_next`` (its ``text_config``) or ``glm5_next_text`` config.json as a spec. Every field is either
+    read, carried unchanged to the export (``hf_extra``: ``text_config`` and ``glm5_next`` for the top level),
+    or refused when megaseq does not implement it (``_TEXT_REQUIRED``, unknown fields)."""
+    top: dict[str, Any] = {}
     if c.get("model_type") == "glm5_next" and isinstance(c.get("text_config"), dict):
+        check_hf_fields(c, "glm5_next", "", _TOP_CARRIED, {"quantization_config": ((None,), "quantized weights "
+                                                                                   "are not supported")})
+        top = {k: v for k, v in c.items() if k not in ("text_config", "model_type", "dtype", "torch_dtype",
+                                                       "architectures")}
         c = {**c["text_config"], "tie_word_embeddings": c.get("tie_word_embeddings", False)}
-    return _from_text_config(c)
+    _check_text(c, "text_config." if top else "")
+    extra = {k: v for k, v in c.items() if k not in _WRITTEN}
+    return _from_text_config(c).replace(hf_extra={"text_config": extra, **({"glm5_next": top} if top else {})})
+
+
+def _check_text(c: dict[str, Any], where: str) -> None:
+    check_hf_fields(c, "glm5_next", where, _TEXT_READ | _TEXT_CARRIED,
+                    {**_TEXT_REQUIRED, "quantization_config": ((None,), "quantized weights are not supported")})
+    for name, allowed in (("mlp_layer_types", ("dense", "sparse")), ("indexer_types", ("full", "shared"))):
+        bad = sorted({v for v in c.get(name) or [] if v not in allowed})
+        if bad:
+            raise ValueError(f"config.json {where}{name} holds {bad}; megaseq's glm5_next supports "
+                             f"{' and '.join(allowed)}")
+    lin = c.get("linear_attn_config") or {}
+    unknown = sorted(set(lin) - _LINEAR_ATTN_FIELDS)
+    if unknown:
+        raise ValueError(f"config.json {where}linear_attn_config.{unknown[0]} is not supported by megaseq's "
+                         f"glm5_next (it reads {', '.join(sorted(_LINEAR_ATTN_FIELDS))})")
+    if "q_lora_rank" in c and not c["q_lora_rank"]:
+        raise ValueError(f"config.json {where}q_lora_rank = {c['q_lora_rank']!r}: megaseq's glm5_next MLA needs a "
+                         "low-rank query (q_lora_rank > 0), as transformers' does")
+    heads, kv = c.get("num_attention_heads", 64), c.get("num_key_value_heads")
+    if kv is not None and kv != heads:
+        raise ValueError(f"config.json {where}num_key_value_heads = {kv} differs from num_attention_heads = {heads}; "
+                         "GLM-5's MLA needs them equal")
 
 
 def _from_text_config(c: dict[str, Any]) -> ModelSpec:
@@ -121,7 +186,7 @@ def to_hf(s: ModelSpec) -> dict[str, Any]:
     kinds = {"kda": "linear_attention", "dsa": "indexed_attention"}  # transformers >= 5.24 spelling
     if any(k not in kinds for k in s.layer_types):
         raise ValueError(f"glm5_next layers must be 'kda' or 'dsa', got {sorted(set(s.layer_types))}")
-    extra = {k: v for k, v in s.hf_extra.items() if k != "vision_config"}
+    extra = dict(s.hf_extra.get("text_config") or {})
     text = {
         "model_type": "glm5_next_text", "vocab_size": s.vocab_size, "hidden_size": s.hidden_size,
         "num_hidden_layers": s.num_layers, "layer_types": [kinds[k] for k in s.layer_types],
@@ -141,11 +206,26 @@ def to_hf(s: ModelSpec) -> dict[str, Any]:
         "indexer_types": list(s.indexer_types), "linear_num_heads": s.linear_num_heads,
         "linear_head_dim": s.linear_head_dim, "linear_conv_kernel_dim": s.linear_conv_kernel,
         "linear_lower_bound": s.linear_lower_bound, "hc_mult": s.hc_mult,
-        "hc_sinkhorn_iters": s.hc_sinkhorn_iters, "hc_eps": s.hc_eps, **extra,
+        "hc_sinkhorn_iters": s.hc_sinkhorn_iters, "hc_eps": s.hc_eps,
     }
-    vision = dict(s.hf_extra.get("vision_config") or {**_TINY_VISION, "out_hidden_size": s.hidden_size})
-    return {"architectures": ["Glm5NextForConditionalGeneration"], "model_type": "glm5_next", "text_config": text,
-            "vision_config": vision, "tie_word_embeddings": s.tie_word_embeddings}
+    text = {**extra, **text}  # every source field the spec does not model, unchanged
+    top = dict(s.hf_extra.get("glm5_next") or {})
+    vision = dict(top.pop("vision_config", None) or {**_TINY_VISION, "out_hidden_size": s.hidden_size})
+    return {**top, "architectures": ["Glm5NextForConditionalGeneration"], "model_type": "glm5_next",
+            "text_config": text, "vision_config": vision, "tie_word_embeddings": s.tie_word_embeddings}
+
+
+# what to_hf writes in text_config from the spec (a source's value of these is not carried, it is rewritten)
+_WRITTEN = frozenset({
+    "model_type", "vocab_size", "hidden_size", "num_hidden_layers", "layer_types", "mlp_layer_types",
+    "rms_norm_eps", "pad_token_id", "hidden_act", "tie_word_embeddings", "intermediate_size", "swiglu_limit",
+    "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "n_shared_experts", "n_group",
+    "topk_group", "norm_topk_prob", "routed_scaling_factor", "num_attention_heads", "num_key_value_heads",
+    "attention_bias", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+    "index_topk", "index_n_heads", "index_head_dim", "index_kpool", "index_kpool_always_select_tail",
+    "indexer_types", "linear_num_heads", "linear_head_dim", "linear_conv_kernel_dim", "linear_lower_bound",
+    "hc_mult", "hc_sinkhorn_iters", "hc_eps", "dtype", "torch_dtype",
+})
 
 
 # ---- presets ---------------------------------------------------------------------------------

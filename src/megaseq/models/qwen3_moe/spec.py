@@ -1,10 +1,13 @@
 """Qwen3-MoE's config.json in and out, and its preset (torch-free: the planner reads this).
 
 ``from_hf`` refuses the options megaseq's Qwen3-MoE does not implement (RoPE types other than default,
-linear and YaRN; sliding windows; an activation other than SiLU; attention dropout) rather than run a
-different model; fields it does not model but an export should carry through unchanged are kept in
-``hf_extra``. YaRN (``rope_parameters: {rope_type: yarn, factor, original_max_position_embeddings}``, as
-Qwen3's model cards describe for contexts past 32K) runs as ``models.common.rope`` computes it.
+linear and YaRN; sliding windows; an activation other than SiLU; attention dropout; router jitter; fields it
+does not know) rather than run a different model; every source field ``to_hf`` does not write itself is kept
+in ``hf_extra`` and written back unchanged, so an export keeps the source checkpoint's whole config. YaRN
+(``rope_parameters: {rope_type: yarn, factor, original_max_position_embeddings}``, as Qwen3's model cards
+describe for contexts past 32K) runs as ``models.common.rope`` computes it. ``router_aux_loss_coef`` is the
+auxiliary load-balancing loss's coefficient (``moe.balance``, ``train/balance.py``); ``output_router_logits``
+(whether transformers adds that loss) is carried: in megaseq ``moe.balance`` decides.
 
 Presets: ``qwen3-moe-tiny``, a CPU-sized Qwen3-MoE (softmax attention + GQA + RoPE + softmax router).
 """
@@ -14,7 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from megaseq.models.registry import Family
-from megaseq.models.spec import DNA_VOCAB_SIZE, ModelSpec, refuse_fields, rope_from_hf, rope_to_hf
+from megaseq.models.spec import DNA_VOCAB_SIZE, ModelSpec, check_hf_fields, rope_from_hf, rope_to_hf
 
 FAMILY = Family(name="qwen3_moe", hf_model_types=("qwen3_moe",), layer_kinds=("attention",), segmentable=False,
                 tiles_whole_layer=False, balance="aux_loss")
@@ -60,22 +63,36 @@ def from_hf(c: dict[str, Any]) -> ModelSpec:
         qk_norm=True,
         attention_bias=c.get("attention_bias", False),
         o_proj_bias=c.get("attention_bias", False),
-        hf_extra={k: c[k] for k in _QWEN3_MOE_EXTRA if k in c},
+        hf_extra={k: v for k, v in c.items() if k not in _WRITTEN},
     )
 
 
-# config.json fields a qwen3_moe spec does not model but an export should carry through unchanged
-_QWEN3_MOE_EXTRA = ("bos_token_id", "eos_token_id", "initializer_range",
-                    "hidden_act")
+# the fields from_hf reads, and those that never change a training step (carried unchanged)
+_READ = frozenset({
+    "num_hidden_layers", "decoder_sparse_step", "mlp_only_layers", "num_experts", "num_local_experts",
+    "rope_parameters", "rope_scaling", "rope_theta", "partial_rotary_factor", "num_attention_heads",
+    "vocab_size", "hidden_size", "rms_norm_eps", "tie_word_embeddings", "pad_token_id", "intermediate_size",
+    "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "router_aux_loss_coef",
+    "num_key_value_heads", "head_dim", "attention_bias", "max_position_embeddings",
+})
+# output_router_logits: transformers' switch for adding the auxiliary loss; megaseq's moe.balance decides
+_CARRIED = frozenset({"sliding_window", "max_window_layers", "output_router_logits"})
+_REQUIRED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "hidden_act": (("silu",), "the experts are SwiGLU, which needs 'silu'"),
+    "use_sliding_window": ((False, None), "full attention only: set use_sliding_window false"),
+    "attention_dropout": ((0, 0.0), "no attention dropout (set it to 0)"),
+    "router_jitter_noise": ((0, 0.0, None), "no router jitter noise (set it to 0)"),
+    "quantization_config": ((None,), "quantized weights are not supported"),
+}
 
 
 def _check_qwen3_moe_supported(c: dict[str, Any]) -> None:
     """Options megaseq's qwen3_moe does not implement: refuse them rather than run a different model."""
-    if c.get("use_sliding_window"):
-        raise ValueError("qwen3_moe use_sliding_window=true is not supported; set it to false in config.json")
-    if c.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"qwen3_moe hidden_act {c['hidden_act']!r} is not supported (SwiGLU needs 'silu')")
-    refuse_fields(c, "qwen3_moe", {"attention_dropout": (0, 0.0), "router_jitter_noise": (0, 0.0, None)})
+    check_hf_fields(c, "qwen3_moe", "", _READ | _CARRIED | {"layer_types"}, _REQUIRED)
+    bad = sorted({t for t in c.get("layer_types") or [] if t != "full_attention"})
+    if bad:
+        raise ValueError(f"config.json layer_types holds {bad}; megaseq's qwen3_moe runs full attention in every "
+                         "layer ('full_attention')")
 
 
 # ---- config.json out ------------------------------------------------------------------------
@@ -84,7 +101,7 @@ def to_hf(s: ModelSpec) -> dict[str, Any]:
             or s.o_proj_bias != s.attention_bias:
         raise ValueError("this qwen3_moe spec cannot be written as a Qwen3MoeConfig: it needs router "
                          "'softmax', no shared experts, no swiglu_limit and qk_norm true")
-    extra = {k: v for k, v in s.hf_extra.items() if k != "vision_config"}
+    extra = dict(s.hf_extra)
     return {
         "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
         "vocab_size": s.vocab_size, "hidden_size": s.hidden_size, "num_hidden_layers": s.num_layers,
@@ -98,8 +115,19 @@ def to_hf(s: ModelSpec) -> dict[str, Any]:
         "moe_intermediate_size": s.moe_intermediate_size, "norm_topk_prob": s.norm_topk_prob,
         "router_aux_loss_coef": s.router_aux_loss_coef, "decoder_sparse_step": 1, "attention_dropout": 0.0,
         "mlp_only_layers": [i for i, m in enumerate(s.mlp_types) if m == "dense"],
-        **extra,
+        **extra,  # every source field the spec does not write itself, unchanged
     }
+
+
+# what to_hf writes from the spec (a source's value of these is not carried, it is rewritten)
+_WRITTEN = frozenset({
+    "architectures", "model_type", "vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size",
+    "rms_norm_eps", "tie_word_embeddings", "pad_token_id", "hidden_act", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "attention_bias", "rope_parameters", "rope_theta", "rope_scaling",
+    "partial_rotary_factor", "max_position_embeddings", "use_sliding_window", "num_experts",
+    "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "router_aux_loss_coef",
+    "attention_dropout", "decoder_sparse_step", "mlp_only_layers", "dtype", "torch_dtype",
+})
 
 
 
