@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import textwrap
 from collections.abc import Callable
@@ -120,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return fn(args, rest)
     except ValueError as e:  # user errors: one clear message, no traceback
-        print(f"megaseq {args.verb}: error: {e}", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # under torchrun every rank has the same message: say it once
+            print(f"megaseq {args.verb}: error: {e}", file=sys.stderr)
         return 2
 
 

@@ -135,6 +135,13 @@ def _state(model: torch.nn.Module, optimizer: Any) -> dict[str, Any]:
     return {"model": model.state_dict(), "optim": optimizer.state_dict()}
 
 
+def is_random_init(meta: dict[str, Any]) -> bool:
+    """Whether a checkpoint holds untrained random weights: step 0 of a run that did not start from
+    ``model.init_from`` (its meta says ``"init": "random"``, or nothing in runs written before the field),
+    and not a converted Hugging Face checkpoint (``"source"``)."""
+    return meta.get("step") == 0 and not meta.get("source") and meta.get("init", "random") == "random"
+
+
 def read_meta(ckpt: Path) -> dict[str, Any]:
     meta = Path(ckpt) / META
     if not meta.is_file():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,10 +22,11 @@ from megaseq.ops import dispatch
 from megaseq.ops.kernels import planned_kernels, preferred_kernels
 from megaseq.plan.flops import mfu
 from megaseq.train import checkpoint as ckpt
+from megaseq.train.heldout import HeldoutProbe, evaluate_run
 from megaseq.train.metrics import MetricsLogger, gpu_peak_bytes, host_peak_bytes, moe_load
 from megaseq.train.optim import build_optimizer
 from megaseq.train.parallel_env import ParallelEnv, setup_parallel
-from megaseq.train.run_dir import claim_run_dir, write_plan
+from megaseq.train.run_dir import claim_run_dir, discard_unstarted, write_plan
 
 GIB = 2**30
 
@@ -36,6 +38,7 @@ class RunResult:
     last_checkpoint: Path | None = None
     hf_export: Path | None = None
     eval_report: dict[str, Any] | None = None
+    is_main: bool = True  # rank 0 (or the one process): the one that prints
 
 
 def resolve_device(cfg: Config) -> torch.device:
@@ -177,6 +180,9 @@ def run_training(cfg: Config) -> RunResult:
     spec = resolve_spec(cfg.model.name)  # a bad model name fails before anything else happens
     use_expandable_segments()
     env = setup_parallel(cfg)
+    if cfg.train.eval_every and env.world_size > 1:
+        raise ValueError(f"train.eval_every runs on one process, and this run has {env.world_size}: set "
+                         "--train.eval_every 0 and evaluate its checkpoints with `megaseq eval RUN_DIR`")
     device = env.device = resolve_device(cfg) if env.world_size == 1 else env.device
     plan_dict, memory = make_plan(cfg, env, device)
     with kernels_for(cfg, device):
@@ -185,14 +191,29 @@ def run_training(cfg: Config) -> RunResult:
 
 def _run_planned(cfg: Config, spec: Any, env: ParallelEnv, device: torch.device, plan_dict: dict[str, Any],
                  memory: MemorySettings) -> RunResult:
+    """Claim the run directory and train; a start that fails before its first step removes the directory
+    it created (``run_dir.discard_unstarted``), so a bad path or setting leaves nothing behind."""
+    created = env.is_main and not Path(cfg.train.run_dir).exists()
+    run_dir, resume_from = claim_run_dir(cfg) if env.is_main else (Path(cfg.train.run_dir), None)
+    try:
+        return _run_claimed(cfg, spec, env, device, plan_dict, memory, run_dir, env.broadcast_object(resume_from))
+    except BaseException:
+        if created:
+            discard_unstarted(run_dir)
+        raise
+
+
+def _run_claimed(cfg: Config, spec: Any, env: ParallelEnv, device: torch.device, plan_dict: dict[str, Any],
+                 memory: MemorySettings, run_dir: Path, resume_from: Path | None) -> RunResult:
     from megaseq.data import build_data
 
-    run_dir, resume_from = claim_run_dir(cfg) if env.is_main else (Path(cfg.train.run_dir), None)
-    resume_from = env.broadcast_object(resume_from)
     if env.is_main:
         write_plan(run_dir, plan_dict)
     data = build_data(cfg.data, cfg.eval, batch_size=cfg.train.batch_size, vocab_size=spec.vocab_size,
                       rank=env.dp_rank, world_size=env.dp_size)
+    if cfg.train.eval_every and not data.heldout:
+        raise ValueError("train.eval_every needs held-out data: set data.heldout (files the model never trains "
+                         "on), data.heldout_records or data.heldout_tail, or set --train.eval_every 0")
     autocast = dtypes(cfg, device)[1]
     model, applied, optimizer, scheduler = build_planned_model(cfg, spec, device, memory, cfg.train.steps,
                                                                cfg.model.init_from, env)
@@ -203,12 +224,14 @@ def _run_planned(cfg: Config, spec: Any, env: ParallelEnv, device: torch.device,
         start = meta["step"]
         data.train.load_state_dict(meta["data"])
         env.log(f"resumed from {resume_from} at step {start}")
-    elif cfg.train.eval_after and env.is_main:
-        # the "before" weights only: DCP's optimizer state_dict would initialise AdamW's state (a step
-        # with lr 0), shifting its bias correction and so the whole run
-        ckpt.save_checkpoint(run_dir, 0, model, None, None, _meta(spec_dict, data, 0), keep=10**9)
-    result = RunResult(run_dir=run_dir, last_checkpoint=resume_from)
-    loop = _Loop(cfg, env, device, plan_dict, memory, autocast, model, optimizer, scheduler, data, spec_dict)
+    elif cfg.train.eval_after and cfg.model.init_from and env.is_main:
+        # "before" is worth a column only as a real model (the checkpoint fine-tuning starts from). The
+        # weights only: DCP's optimizer state_dict would initialise AdamW's state (a step with lr 0),
+        # shifting its bias correction and so the whole run
+        ckpt.save_checkpoint(run_dir, 0, model, None, None, _meta(cfg, spec_dict, data, 0), keep=10**9)
+    result = RunResult(run_dir=run_dir, last_checkpoint=resume_from, is_main=env.is_main)
+    probe = HeldoutProbe(cfg, data, env, autocast, memory) if cfg.train.eval_every else None
+    loop = _Loop(cfg, env, device, plan_dict, memory, autocast, model, optimizer, scheduler, data, spec_dict, probe)
     try:
         loop.run(start, result)
     finally:
@@ -222,9 +245,22 @@ def _run_planned(cfg: Config, spec: Any, env: ParallelEnv, device: torch.device,
         if env.world_size > 1:
             env.log("evaluation after a multi-process run: run `megaseq eval RUN_DIR` (one process)")
         else:
-            result.eval_report = evaluate_run(cfg, run_dir, model, spec, data, env, autocast, memory)
+            result.eval_report = evaluate_run(cfg, run_dir, model, spec, data, env, autocast, memory,
+                                              kmer=probe.kmer if probe is not None else None)
+    if env.is_main:
+        _draw_curve(run_dir, data.unit, result.eval_report)
     env.shutdown()
     return result
+
+
+def _draw_curve(run_dir: Path, unit: str, final: dict[str, Any] | None = None) -> None:
+    """``RUN/loss_curve.png``; a plot that fails must not fail the run (metrics.jsonl has the numbers)."""
+    from megaseq.train.loss_curve import plot_loss_curve
+
+    try:
+        plot_loss_curve(run_dir, unit, final)
+    except Exception as e:  # noqa: BLE001
+        print(f"warning: could not draw {run_dir}/loss_curve.png ({type(e).__name__}: {e})", file=sys.stderr)
 
 
 @dataclass
@@ -242,11 +278,14 @@ class _Loop:
     scheduler: Any
     data: Any
     spec_dict: dict[str, Any]
+    probe: HeldoutProbe | None = None  # train.eval_every
 
     def run(self, start: int, result: RunResult) -> None:
         cfg, env = self.cfg, self.env
+        every = cfg.train.eval_every
+        evals = (cfg.train.steps // every - start // every) if every else 0
         logger = MetricsLogger(result.run_dir, cfg.train.steps, start, cfg.log.tensorboard, cfg.log.progress,
-                               env.is_main)
+                               env.is_main, evals_left=evals)
         try:
             for step in range(start + 1, cfg.train.steps + 1):
                 loss, record = self.step(step, logger)
@@ -257,10 +296,14 @@ class _Loop:
                 if (save_now or step == cfg.train.steps) and env.is_main:
                     result.last_checkpoint = ckpt.save_checkpoint(
                         result.run_dir, step, self.model, self.optimizer, self.scheduler,
-                        _meta(self.spec_dict, self.data, step), cfg.train.keep_checkpoints)
+                        _meta(cfg, self.spec_dict, self.data, step), cfg.train.keep_checkpoints)
                 env.barrier()
+                if self.probe is not None and step % every == 0:  # after the save: a failed eval loses no step
+                    logger.log_eval(self.probe(self.model, step, logger.eval_progress))
         finally:
             logger.close()
+            if env.is_main:
+                _draw_curve(result.run_dir, self.data.unit)
 
     def step(self, step: int, logger: MetricsLogger) -> tuple[float, dict[str, Any]]:
         """One optimizer step and its metrics record (loss, tokens/s, MFU against the H200's bf16 peak,
@@ -294,23 +337,7 @@ def step_mfu(tokens_per_s: float, plan: dict[str, Any], world_size: int, device:
     return mfu(tokens_per_s, plan["flops"]["per_token"], world_size)
 
 
-def _meta(spec_dict: dict[str, Any], data: Any, step: int) -> dict[str, Any]:
-    return {"spec": spec_dict, "data": data.train.state_dict(), "step": step}
-
-
-def evaluate_run(cfg: Config, run_dir: Path, model: torch.nn.Module, spec: Any, data: Any, env: ParallelEnv,
-                 autocast: torch.dtype | None, memory: MemorySettings) -> dict[str, Any]:
-    """Held-out loss by position for the model before (step 0) and after training, with the k-mer baseline."""
-    from megaseq.eval import report_by_position
-    from megaseq.eval.loss import per_token_loss_fn
-    from megaseq.train.convert import load_megaseq_checkpoint
-
-    chunk = memory.loss_chunk_tokens
-    segment = memory.model_segment_tokens
-    models = {}
-    before = Path(run_dir) / ckpt.CKPT_DIR / "step_000000"
-    if before.is_dir():
-        m0, _, _ = load_megaseq_checkpoint(before, device=env.device, dtype=next(model.parameters()).dtype)
-        models["before"] = per_token_loss_fn(m0.eval(), env, autocast, chunk, segment)
-    models["after"] = per_token_loss_fn(model.eval(), env, autocast, chunk, segment)
-    return report_by_position(models, data, cfg.eval, Path(run_dir) / "eval")
+def _meta(cfg: Config, spec_dict: dict[str, Any], data: Any, step: int) -> dict[str, Any]:
+    """A checkpoint's meta; ``init`` says what step 0 was (``checkpoint.is_random_init``)."""
+    return {"spec": spec_dict, "data": data.train.state_dict(), "step": step,
+            "init": cfg.model.init_from or "random"}
