@@ -117,8 +117,8 @@ def markdown(result: dict) -> str:
             lines.append(f"| {r['seq_len']} | {r.get('megaseq', '-')} | - | {r['status']}: {r.get('error', '')} "
                          "| | | |")
             continue
-        lines.append(f"| {r['seq_len']:,} | {r['megaseq']} | {r['reference']} | {r['mean_abs_diff']:.4f} | "
-                     f"{r['max_abs_diff']:.4f} | {r['bits_per_base']:.4f} | {r['ref_bits_per_base']:.4f} |")
+        lines.append(f"| {r['seq_len']:,} | {r['megaseq']} | {r['reference']} | {r['mean_abs_diff']:.3g} | "
+                     f"{r['max_abs_diff']:.3g} | {r['bits_per_base']:.4f} | {r['ref_bits_per_base']:.4f} |")
     return "\n".join(lines) + "\n\nTarget: mean abs diff <= 0.04 at 128K and longer (issue #18).\n"
 
 

@@ -114,11 +114,15 @@ def test_heldout_genome_is_scored_after_its_relatives(tmp_path):
     held = _write(tmp_path / "sp_D.fa", c)
     cfg = DataConfig(train=[r.source for r in recs[:2]], heldout=[held], seq_len=2001, related=2)
     data = build_data(cfg, EvalConfig(max_windows=3, by_position=500))
-    (group, windows), = data.heldout.items()
+    (group, windows), (group_alone, alone) = data.heldout.items()
     assert group == "sp_D.fa (after 1 training relatives)" and len(windows) == 3
-    for w in windows:
+    assert group_alone == "sp_D.fa (after its own preceding bases)" and len(alone) == 3
+    for w, w_alone in zip(windows, alone):
         assert w.score_from == 1001 and w.tokens[1000] == SEP_ID
         np.testing.assert_array_equal(w.tokens[w.score_from:], c[w.start:w.start + 1001])
+        # the same scored bases, after the genome's own 1001 preceding bases instead of a relative's region
+        assert w_alone.start == w.start and w_alone.score_from == 1001
+        np.testing.assert_array_equal(w_alone.tokens, c[w.start - 1001:w.start + 1001])
     batch = next(iter(next(iter(data.heldout_batches().values()))))
     assert (batch["labels"][0, :1000] == -100).all() and (batch["labels"][0, 1000:] != -100).all()
     with pytest.raises(ValueError, match="data.related must be 0"):

@@ -146,3 +146,22 @@ def test_results_without_squares_still_report():
     result = compare({"after": a_old}, ("kmer-k6", b), "base")
     assert result["gain_over_baseline"]["after"]["overall_se"] is None
     assert result["verdict"][0].startswith("after beats")
+
+
+def test_each_held_out_group_has_its_row():
+    """Several held-out groups (files, or one file after relatives and after its own bases): one row each."""
+    rng = np.random.default_rng(0)
+
+    def two_groups(a_bits, b_bits):
+        r = PositionLoss(WIDTH, S)
+        for group, bits in (("g.fa (after 3 training relatives)", a_bits), ("g.fa (after its own preceding bases)",
+                                                                             b_bits)):
+            r.add(rng.normal(bits * LN2, 0.2, size=(2, S)).clip(0.01), np.ones((2, S), bool), group)
+        return r
+
+    result = compare({"after": two_groups(1.5, 1.9)}, ("kmer-k6", two_groups(1.8, 1.8)), "base")
+    md = report.markdown_table(result)
+    rows = {line.split(" | ")[0][2:]: line for line in md.splitlines() if line.startswith("| g.fa")}
+    assert set(rows) == {"g.fa (after 3 training relatives)", "g.fa (after its own preceding bases)"}
+    assert rows["g.fa (after 3 training relatives)"].rstrip(" |").split(" | ")[-1].startswith("+0.3")
+    assert rows["g.fa (after its own preceding bases)"].rstrip(" |").split(" | ")[-1].startswith("-0.1")

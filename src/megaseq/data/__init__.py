@@ -119,9 +119,10 @@ def _build_related(data_cfg: Any, split: DnaSplit, seq_len: int, eval_len: int, 
                                  **kw)
     windows = {}
     for group, recs in split.heldout.items():
-        found = heldout_related_windows(recs, train.strains, eval_len, related, max_windows)
+        found, alone = heldout_related_windows(recs, train.strains, eval_len, related, max_windows)
         if found:
             windows[f"{group} (after {related - 1} training relatives)"] = found
+            windows[f"{group} (after its own preceding bases)"] = alone
         else:
             windows[f"{group} (alone: too few training strains of its species)"] = heldout_windows(
                 recs, eval_len, max_windows, "eval.seq_len")

@@ -18,7 +18,8 @@ other strains) is retried at another region, a pure function of (seed, window nu
 ``windows.WindowSampler``, so resume and data parallelism split the stream exactly.
 
 Held-out windows (``heldout_related_windows``): a held-out genome's region comes last, after the
-homologous regions of n - 1 training strains of its species, and only its tokens are scored.
+homologous regions of n - 1 training strains of its species, and only its tokens are scored; the same
+regions are also scored after the genome's own preceding bases, so the two differ only in the context.
 """
 
 from __future__ import annotations
@@ -255,35 +256,40 @@ class RelatedWindowSampler:
 
 
 def heldout_related_windows(records: Sequence[FastaRecord], strains: Strains, seq_len: int, related: int,
-                            max_windows: int = 0) -> list[EvalWindow]:
-    """A held-out genome's regions, each after the homologous regions of ``related - 1`` training strains of
-    its species; only the held-out region is scored (``EvalWindow.score_from``). Regions tile the genome;
-    with ``max_windows`` they are evenly spaced over it. Regions without homologs in every chosen strain
-    are skipped. Empty when the species has fewer than ``related - 1`` training strains."""
+                            max_windows: int = 0) -> tuple[list[EvalWindow], list[EvalWindow]]:
+    """A held-out genome's regions, each scored (``EvalWindow.score_from``) after context, twice: after the
+    homologous regions of ``related - 1`` training strains of its species, and after the genome's own
+    preceding bases (the same length). The two lists score the same bases, so their difference is what
+    the relatives in the window add. Regions tile the genome, evenly spaced with ``max_windows``; a region
+    is skipped when a chosen strain has no homolog or too little of the genome precedes it. Both lists
+    are empty when the species has fewer than ``related - 1`` other training strains."""
     lengths = segment_lengths(seq_len + 1, related)
     own = lengths[-1]
     ctx_lengths = lengths[:-1]
+    before = seq_len + 1 - own  # bases of the genome's own context: the relatives' regions and separators
     if not records:
-        return []
+        return [], []
     species = species_of(records[0].source)
     train = sorted(s for s in strains.by_species.get(species, {}) if s != records[0].source)
     if len(train) < len(ctx_lengths):
-        return []
+        return [], []
     chosen = train[:len(ctx_lengths)]
-    slots = [(r, s) for r in records for s in range(0, len(r) - own + 1, own)]
+    slots = [(r, s) for r in records for s in range(before, len(r) - own + 1, own)]
     order = np.arange(len(slots)) if max_windows <= 0 or len(slots) <= max_windows else \
         np.unique(np.linspace(0, len(slots) - 1, max_windows).round().astype(np.int64))
     picked = set(order.tolist())
     tried = order.tolist() + [i for i in range(len(slots)) if i not in picked]  # skipped slots: the next ones
-    out: list[EvalWindow] = []
+    with_relatives: list[EvalWindow] = []
+    alone: list[EvalWindow] = []
     for i in tried:
-        if max_windows > 0 and len(out) >= max_windows:
+        if max_windows > 0 and len(with_relatives) >= max_windows:
             break
         rec, start = slots[i]
-        region = rec.tokens[start:start + own]
         rest = strains.context(rec.tokens, start, ctx_lengths, chosen, species)
         if rest is None:
             continue
-        w = _join(rest + [region])
-        out.append(EvalWindow(rec.id, start, w, None, score_from=len(w) - own))
-    return sorted(out, key=lambda w: (w.record_id, w.start))
+        w = _join(rest + [rec.tokens[start:start + own]])
+        with_relatives.append(EvalWindow(rec.id, start, w, None, score_from=len(w) - own))
+        alone.append(EvalWindow(rec.id, start, rec.tokens[start - before:start + own], None, score_from=before))
+    key = lambda w: (w.record_id, w.start)  # noqa: E731
+    return sorted(with_relatives, key=key), sorted(alone, key=key)

@@ -80,6 +80,26 @@ def summary_table(result: dict[str, Any]) -> list[str]:
     return lines
 
 
+def group_table(result: dict[str, Any]) -> list[str]:
+    """Bits per base (token) per held-out group (file, or file and context kind), when there are several."""
+    unit, base = result["unit"], result.get("baseline")
+    names = list(result["model_names"])
+    groups = list(result["models"][names[0]]["groups"])
+    if len(groups) < 2:
+        return []
+    key = f"bits_per_{unit}"
+    head = ["held-out group", "scored tokens", *names] + ([base] + [f"gain of {n} over {base}" for n in names]
+                                                         if base else [])
+    lines = ["By held-out group:", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for g in groups:
+        bits = {n: result["models"][n]["groups"][g][key] for n in names + ([base] if base else [])}
+        cells = [g, f"{result['models'][names[0]]['groups'][g]['tokens']:,}"] + [_fmt(bits[n]) for n in names]
+        if base:
+            cells += [_fmt(bits[base])] + [_gain(bits[base] - bits[n]) for n in names]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
 def markdown_table(result: dict[str, Any]) -> str:
     """The verdict in words, the summary against the baselines, then bits per base (or token) by position:
     every model, the baselines, each model's gain over the k-mer baseline, and after vs before where
@@ -95,7 +115,7 @@ def markdown_table(result: dict[str, Any]) -> str:
         [f"gain of {n} over {base}" for n in names if n in gains] + \
         ([f"{rel['after']} vs {rel['before']}"] if rel else [])
     lines = [f"**{headline(result)}.**", ""] + [f"- {v}" for v in result.get("verdict", [])[1:]] + [""]
-    lines += summary_table(result) + [""]
+    lines += summary_table(result) + [""] + group_table(result)
     lines += [f"Held-out bits per {unit} by position ({result['num_windows']} windows of "
               f"{_size(result['seq_len'])}, {result['tokens']:,} scored tokens, buckets of "
               f"{_size(result['bucket_width'])}). Gain = baseline - model: positive where the model is better.",
