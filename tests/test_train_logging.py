@@ -122,10 +122,14 @@ def test_only_rank_0_prints(tmp_path, capfd):
     from megaseq.parallel.launch import spawn_local
 
     cfg = _cfg(tmp_path, parallel={"dp": 2, "launcher": "torchrun", "backend": "gloo"},
-               train={"steps": 2, "device": "cpu"})
+               train={"steps": 2, "device": "cpu", "eval_every": 1})
     spawn_local(_two_rank_run, 2, args=(cfg,))
-    out = capfd.readouterr().out.splitlines()
+    captured = capfd.readouterr()
+    out = captured.out.splitlines()
     assert [ln.split(" |")[0] for ln in out if ln.startswith("step ")] == ["step 1/2", "step 2/2"], out
+    # held-out evaluation is one process's job: said once, and skipped
+    assert captured.err.count("train.eval_every: held-out evaluation runs in one process") == 1
+    assert not [ln for ln in out if ln.startswith("eval ")]
 
 
 def test_recipe_paths_resolve_from_the_recipe(tmp_path, monkeypatch):

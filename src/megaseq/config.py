@@ -273,7 +273,8 @@ class TrainConfig:
     export_hf: bool = opt(True, "write a Hugging Face checkpoint (safetensors + config.json) at the end")
     eval_after: bool = opt(True, "evaluate by position on the held-out data at the end")
     eval_every: int = opt(0, "held-out loss every N steps during training, beside the k-mer baseline, in "
-                          "metrics.jsonl and loss_curve.png (0: only at the end)")
+                          "metrics.jsonl and loss_curve.png (0: only at the end; one process only: skipped, with a "
+                          "message, under torchrun or Ray)")
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "grad_accum"):

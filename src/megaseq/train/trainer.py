@@ -8,6 +8,7 @@ message naming the binding component.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import sys
 import time
@@ -180,9 +181,10 @@ def run_training(cfg: Config) -> RunResult:
     spec = resolve_spec(cfg.model.name)  # a bad model name fails before anything else happens
     use_expandable_segments()
     env = setup_parallel(cfg)
-    if cfg.train.eval_every and env.world_size > 1:
-        raise ValueError(f"train.eval_every runs on one process, and this run has {env.world_size}: set "
-                         "--train.eval_every 0 and evaluate its checkpoints with `megaseq eval RUN_DIR`")
+    if cfg.train.eval_every and env.world_size > 1:  # as the end-of-run evaluation: one process only
+        env.log(f"train.eval_every: held-out evaluation runs in one process and this run has {env.world_size}, "
+                "so it is skipped; evaluate the checkpoints with `megaseq eval RUN_DIR`")
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, eval_every=0))
     device = env.device = resolve_device(cfg) if env.world_size == 1 else env.device
     plan_dict, memory = make_plan(cfg, env, device)
     with kernels_for(cfg, device):
