@@ -77,6 +77,40 @@ def test_a_better_model_and_its_trend_by_position():
                                - m["after"]["bucket_bits_per_base"][-1], rtol=1e-12)
 
 
+def edge_result():
+    """Worse than the baseline everywhere but in a bucket holding one token per window (a separator's
+    edge: the scored region starts at the first bucket's last position), where it is far better."""
+    rng = np.random.default_rng(7)
+    mask_S = np.arange(S) >= WIDTH - 1
+    model, base = PositionLoss(WIDTH, S), PositionLoss(WIDTH, S)
+    for _ in range(4):
+        for r, bits, edge in ((model, 2.02, 0.5), (base, 1.95, 3.0)):
+            bits_S = rng.normal(bits, 0.3, size=S).clip(0.01)
+            bits_S[WIDTH - 1] = edge
+            r.add((bits_S * LN2)[None], mask_S[None])
+    return compare({"after": model}, ("kmer-k6", base), "base")
+
+
+def check_edge_bucket_not_counted(result):
+    g = result["gain_over_baseline"]["after"]
+    assert g["buckets"][0] > 2 and all(b < 0 for b in g["buckets"][1:])
+    line = next(v for v in result["verdict"] if "position buckets" in v)
+    assert "better than kmer-k6 in 0 of 3 position buckets" in line, line
+    assert "1 bucket with under a tenth of the largest bucket's tokens left out" in line
+
+
+def test_a_bucket_of_a_few_edge_tokens_does_not_count_as_a_win():
+    check_edge_bucket_not_counted(edge_result())
+
+
+def test_broken_verdict_that_counts_edge_buckets_is_caught(monkeypatch):
+    real = verdict.baseline_gain
+    monkeypatch.setattr(verdict, "baseline_gain",  # the old rule: every bucket with a token counts
+                        lambda m, b: {**real(m, b), "scored_buckets": list(range(len(m.count)))})
+    with pytest.raises(AssertionError):
+        check_edge_bucket_not_counted(edge_result())
+
+
 def test_a_difference_within_noise_is_called_so():
     result = compare({"after": loss(1.975, seed=5)}, ("kmer-k6", loss(1.975, seed=6)), "base")
     assert "not distinguishable" in result["verdict"][0]

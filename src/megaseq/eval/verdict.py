@@ -71,6 +71,7 @@ def baseline_gain(model: PositionLoss, base: PositionLoss) -> dict[str, Any]:
     # the halves are over buckets holding a real share of the tokens: a bucket the scored region only
     # touches (a few tokens at a segment's edge) would otherwise be "the earlier half" on its own
     scored = np.flatnonzero(model.count >= max(0.1 * model.count.max(), 1))
+    out["scored_buckets"] = [int(i) for i in scored]
     if len(scored) >= 2:
         early, late = _halves(scored)
         out["early"], out["early_se"] = gain(early)
@@ -157,11 +158,18 @@ def _baseline_lines(result: dict[str, Any], name: str, base: str) -> list[str]:
         lines.append(f"So {name} does not yet predict better than {base}, which counts what follows each short "
                      "context in the training data; it needs more training (steps, data, a larger model) "
                      "before its context length can matter.")
-    buckets = [b for b in g["buckets"] if b is not None]
+    # counted over the buckets holding a real share of the tokens, as the halves below: a bucket the
+    # scored region only touches (one token per window at a separator) has a gain that is all noise
+    shown = [i for i, b in enumerate(g["buckets"]) if b is not None]
+    kept = [i for i in g.get("scored_buckets", shown) if g["buckets"][i] is not None]
+    buckets = [g["buckets"][i] for i in kept]
     if len(buckets) >= 2:
         wins = sum(b > 0 for b in buckets)
+        few = len(shown) - len(kept)
+        aside = (f"; {few} bucket{'s' if few > 1 else ''} with under a tenth of the largest bucket's tokens "
+                 "left out" if few else "")
         lines.append(f"{name} is better than {base} in {wins} of {len(buckets)} position buckets "
-                     f"(gain {min(buckets):+.4f} to {max(buckets):+.4f} bits per {unit}).")
+                     f"(gain {min(buckets):+.4f} to {max(buckets):+.4f} bits per {unit}{aside}).")
     if g.get("early") is not None and g.get("late") is not None:
         e, late = g["early"], g["late"]
         se_d = math.hypot(g["early_se"], g["late_se"]) if g["early_se"] is not None else None
