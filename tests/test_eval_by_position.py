@@ -117,7 +117,9 @@ def test_report_files(tmp_path, monkeypatch):
     paths = write_report(result, tmp_path / "eval")
     assert json.loads(paths["json"].read_text()) == json.loads(json.dumps(result))
     md = paths["md"].read_text()
-    for word in ("| positions | before | after | kmer-k8 | after vs before |", "+10.00%", "| all |"):
+    head = ("| positions | before | after | kmer-k8 | uniform | gain of before over kmer-k8 "
+            "| gain of after over kmer-k8 ")
+    for word in (head + "| after vs before |", "+10.00%", "| all |", "after beats the kmer-k8 baseline"):
         assert word in md
     assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert sorted(p.name for p in (tmp_path / "eval").iterdir()) == [

@@ -104,7 +104,14 @@ def test_bad_data_fails_before_anything_is_written(tmp_path, data, match):
     cfg = _cfg(tmp_path, "r", data=data)
     with pytest.raises(ValueError, match=match):
         run_training(cfg)
-    assert not (tmp_path / "r" / "checkpoints").exists()
+    assert not (tmp_path / "r").exists()  # a failed start leaves no run directory behind
+
+
+def test_a_failed_start_never_removes_an_existing_run(tmp_path):
+    run_training(_cfg(tmp_path, "r", train={"steps": 1}))
+    with pytest.raises(ValueError, match="train.eval_every needs held-out data"):  # fails after the claim
+        run_training(_cfg(tmp_path, "r", train={"steps": 2, "resume": True, "eval_every": 1}))
+    assert ckpt.latest_complete(tmp_path / "r") is not None and (tmp_path / "r" / "metrics.jsonl").is_file()
 
 
 def test_default_job_writes_every_output(tmp_path):
@@ -116,18 +123,29 @@ def test_default_job_writes_every_output(tmp_path):
     result = run_training(cfg)
     run = tmp_path / "d"
     for name in ("config.yaml", "plan.json", "metrics.jsonl", "hf/config.json", "eval/eval_by_position.md",
-                 "eval/eval_by_position.png"):
+                 "eval/eval_by_position.png", "loss_curve.png"):
         assert (run / name).exists(), name
     report = result.eval_report
-    assert set(report["models"]) >= {"before", "after"} and report["baseline"] is not None
+    # random weights are no 'before': the report is the model against the k-mer baseline and uniform
+    assert set(report["models"]) == {"after", report["baseline"]} and report["baseline"] == "kmer-k6"
+    assert "relative_improvement" not in report and not (run / "checkpoints" / "step_000000").exists()
+    assert report["uniform_bits"] == 2.0 and "does not beat the kmer-k6 baseline" in report["verdict"][0]
+    assert any("random weights" in n for n in report["notes"])
 
 
 def test_before_checkpoint_does_not_change_the_run(tmp_path):
-    """The step-0 ("before") checkpoint must not touch optimizer state: same curve with and without it."""
-    with_before = run_training(_cfg(tmp_path, "a", train={"steps": 3, "eval_after": True}))
-    without = run_training(_cfg(tmp_path, "b", train={"steps": 3, "eval_after": False}))
-    assert (tmp_path / "a" / "checkpoints" / "step_000000").is_dir()
+    """Fine-tuning from a checkpoint: the step-0 ("before") checkpoint is a real model, in the report beside
+    "after"; saving it must not touch optimizer state: the same curve with and without it."""
+    start = run_training(_cfg(tmp_path, "start", train={"steps": 2, "export_hf": True}))
+    init = {"init_from": str(start.hf_export)}
+    data = {"train": [str(_fasta(tmp_path / "g.fa", 800, seed=2))], "heldout_tail": 0.3}
+    with_before = run_training(_cfg(tmp_path, "a", model=init, data=data, train={"steps": 3, "eval_after": True},
+                                    eval={"by_position": 64, "kmer_k": 2}))
+    without = run_training(_cfg(tmp_path, "b", model=init, data=data, train={"steps": 3, "eval_after": False}))
+    assert ckpt.read_meta(tmp_path / "a" / "checkpoints" / "step_000000")["init"] == init["init_from"]
     assert with_before.losses == without.losses
+    rel = with_before.eval_report["relative_improvement"]
+    assert (rel["before"], rel["after"]) == ("before", "after")
 
 
 def test_train_refuses_a_plan_that_cannot_fit(tmp_path):

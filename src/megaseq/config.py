@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import os
 import types
 import typing
 import warnings
@@ -128,6 +129,9 @@ class DataConfig:
                               "-1: 0.1 when training on the built-in genome with nothing else held out, else 0")
     seq_len: Any = opt(4096, "tokens per training sequence (accepts 32K, 1M)")
     reverse_complement: bool = opt(False, "also draw reverse-complement windows (DNA)")
+    related: int = opt(0, "DNA: windows of this many homologous regions of different strains of one species "
+                       "(a file is a strain, its species the name before the first '_'); held-out genomes are "
+                       "scored after related - 1 training strains' regions (docs/long_context.md). 0: off")
     lowercase: str = opt("upper", "lower-case bases (soft-masked repeats): upper (keep as bases) or n (as N)")
     non_acgt: str = opt("n", "IUPAC ambiguity codes other than ACGTN: n (map to N) or error")
     tokenizer: str = opt("dna", "dna (single-nucleotide) or a path to a HF tokenizer.json / checkpoint dir")
@@ -507,6 +511,9 @@ class TrainConfig:
     trainable: list[str] = opt([], "parameters to train, as glob patterns of their names (layers.*.self_attn.*, "
                                    "*norm*); the rest are frozen: no gradient, no optimizer state, stored in the "
                                    "compute dtype. Empty: all (or, with LoRA, only the adapters)")
+    eval_every: int = opt(0, "held-out loss every N steps during training, beside the k-mer baseline, in "
+                          "metrics.jsonl and loss_curve.png (0: only at the end; one process only: skipped, with a "
+                          "message, under torchrun or Ray)")
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "grad_accum"):
@@ -518,6 +525,8 @@ class TrainConfig:
                 and self.device[5:].isdigit()):
             raise ValueError(f"train.device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         check_bounds(self, "train")
+        if self.eval_every < 0:
+            raise ValueError(f"train.eval_every must be >= 0 (0: evaluate only at the end), got {self.eval_every}")
 
 
 @dataclass
@@ -543,7 +552,8 @@ class LogConfig:
 
     every: int = opt(1, "log metrics every N steps", ge=1)
     tensorboard: bool = opt(True, "write TensorBoard events to run_dir/tb")
-    progress: bool = opt(True, "show a progress bar")
+    progress: bool = opt(True, "show progress: a bar on a terminal, one plain line per logged step otherwise "
+                         "(pipes, batch logs); rank 0 only")
 
     def __post_init__(self) -> None:
         check_bounds(self, "log")
@@ -739,8 +749,37 @@ def read_yaml(path: str | Path) -> Any:
         raise ValueError(f"config file {p} is not valid YAML: {e}") from None
 
 
+# Files a recipe names: relative paths are relative to the recipe's directory, so a recipe works from any
+# working directory (on the command line they are relative to the working directory, as usual).
+RECIPE_PATH_LISTS = (("data", "train"), ("data", "heldout"))
+# Settings that are a path or a name (a preset, "dna"): resolved only when the recipe-relative path exists.
+RECIPE_PATH_OR_NAME = (("model", "name"), ("model", "init_from"), ("data", "tokenizer"))
+
+
+def _anchor(value: Any, base: Path) -> Any:
+    if not isinstance(value, str) or not value or Path(value).expanduser().is_absolute() or value.startswith("~"):
+        return value
+    return os.path.normpath(base / value)
+
+
+def resolve_recipe_paths(raw: dict[str, Any], recipe: Path) -> dict[str, Any]:
+    """``raw`` with the recipe's relative file paths made relative to the recipe's directory."""
+    base = recipe.resolve().parent
+    for section, key in RECIPE_PATH_LISTS:
+        values = raw[section].get(key) if isinstance(raw.get(section), dict) else None
+        if values:
+            raw[section][key] = [_anchor(v, base) for v in (values if isinstance(values, list) else [values])]
+    for section, key in RECIPE_PATH_OR_NAME:
+        value = raw[section].get(key) if isinstance(raw.get(section), dict) else None
+        anchored = _anchor(value, base)
+        if anchored is not value and Path(anchored).exists():
+            raw[section][key] = anchored
+    return raw
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | dict[str, Any] | None = None) -> Config:
-    """Read a YAML recipe (or none: the embedded default) and apply overrides."""
+    """Read a YAML recipe (or none: the embedded default) and apply overrides. A relative file path in the
+    recipe is relative to the recipe's directory (``resolve_recipe_paths``)."""
     raw: dict[str, Any] = {}
     if path is not None:
         p = Path(path)
@@ -749,8 +788,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | dict[str,
         loaded = read_yaml(p) or {}
         if not isinstance(loaded, dict):
             raise ValueError(f"config file {p} must hold a mapping of sections, got {type(loaded).__name__}")
+        raw = resolve_recipe_paths({k: (dict(v) if isinstance(v, dict) else v) for k, v in loaded.items()}, p)
         try:
-            return build_config(loaded, overrides)
+            return build_config(raw, overrides)
         except ValueError as e:
             raise ValueError(f"{e} (config file {p}, or its command-line settings)") from None
     return build_config(raw, overrides)

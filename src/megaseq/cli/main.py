@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import textwrap
 from collections.abc import Callable
@@ -130,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return fn(args, rest)
     except ValueError as e:  # user errors: one clear message, no traceback
-        print(f"megaseq {args.verb}: error: {e}", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # under torchrun every rank has the same message: say it once
+            print(f"megaseq {args.verb}: error: {e}", file=sys.stderr)
         return 2
     except RunStopped as e:  # SIGTERM / SIGINT: stopped after a resumable checkpoint
         print(f"megaseq {args.verb}: {e}", file=sys.stderr)

@@ -25,11 +25,14 @@ def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
         launch_ray(cfg, run_training)
         return 0
     result = run_training(cfg)
+    if not result.is_main:  # under torchrun every process runs this verb: rank 0 speaks for the run
+        return 0
     if result.losses:
         print(f"\ntrained {len(result.losses)} steps: loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}")
     print(f"run directory:   {result.run_dir}")
     print(f"  config + plan: {result.run_dir / 'config.yaml'}, {result.run_dir / 'plan.json'}")
-    print(f"  metrics:       {result.run_dir / 'metrics.jsonl'} (TensorBoard: {result.run_dir / 'tb'})")
+    print(f"  metrics:       {result.run_dir / 'metrics.jsonl'} (TensorBoard: {result.run_dir / 'tb'}), "
+          f"loss curve: {result.run_dir / 'loss_curve.png'}")
     if result.last_checkpoint:
         print(f"  checkpoint:    {result.last_checkpoint}")
     if result.hf_export:

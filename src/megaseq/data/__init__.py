@@ -75,6 +75,9 @@ def build_data(data_cfg: Any, eval_cfg: Any = None, *, batch_size: int = 1, voca
     ``heldout_tail``: see ``fasta.load_dna_split`` (a single-genome demo split); None reads
     ``data_cfg.heldout_tail``, whose -1 means 0.1 for the built-in genome with nothing else held out.
     """
+    if getattr(data_cfg, "related", 0) and (data_cfg.kind != "fasta" or data_cfg.tokenizer != "dna"):
+        raise ValueError("data.related needs DNA with the single-nucleotide tokenizer (data.kind fasta, "
+                         "data.tokenizer dna); set --data.related 0 for other data or a model's own tokenizer")
     if heldout_tail is None:
         heldout_tail = resolve_heldout_tail(data_cfg)
     seq_len = data_cfg.seq_len
@@ -92,6 +95,9 @@ def build_data(data_cfg: Any, eval_cfg: Any = None, *, batch_size: int = 1, voca
         return _build_text(data_cfg, tok, seq_len, eval_len, max_windows, kw)
     split = load_dna_split(data_cfg, heldout_tail=heldout_tail)
     heldout = split.heldout
+    related = getattr(data_cfg, "related", 0)
+    if related:
+        return _build_related(data_cfg, split, seq_len, eval_len, max_windows, kw)
     if isinstance(tok, DnaTokenizer):
         _check_bases(split.train, "data.train", "there is nothing to learn")
         train = WindowSampler(split.train, seq_len, reverse_complement=data_cfg.reverse_complement, **kw)
@@ -122,6 +128,27 @@ def _check_bases(records: Any, setting: str, why: str, window: bool = False) -> 
     if acgt < 0.5 * total:
         warnings.warn(f"{setting}{named}: only {acgt / total:.0%} of the bases are A/C/G/T (the rest N); only "
                       "A/C/G/T are scored", stacklevel=3)
+
+
+def _build_related(data_cfg: Any, split: DnaSplit, seq_len: int, eval_len: int, max_windows: int,
+                   kw: dict[str, Any]) -> Data:
+    """``data.related``: windows of homologous regions of several strains (``data.related``); each held-out
+    file scored after its training relatives, or alone when its species has too few training strains."""
+    from megaseq.data.related import RelatedWindowSampler, heldout_related_windows
+
+    related = data_cfg.related
+    train = RelatedWindowSampler(split.train, seq_len, related, reverse_complement=data_cfg.reverse_complement,
+                                 **kw)
+    windows = {}
+    for group, recs in split.heldout.items():
+        found, alone = heldout_related_windows(recs, train.strains, eval_len, related, max_windows)
+        if found:
+            windows[f"{group} (after {related - 1} training relatives)"] = found
+            windows[f"{group} (after its own preceding bases)"] = alone
+        else:
+            windows[f"{group} (alone: too few training strains of its species)"] = heldout_windows(
+                recs, eval_len, max_windows, "eval.seq_len")
+    return Data(train, windows, build_tokenizer(data_cfg), "base", ACGT_IDS, split.train)
 
 
 def _build_text(data_cfg: Any, tok: Any, seq_len: int, eval_len: int, max_windows: int,

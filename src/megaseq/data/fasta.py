@@ -203,7 +203,8 @@ def expand_paths(patterns: list[str], setting: str) -> list[Path]:
         if p.is_dir():
             raise ValueError(f"{setting}: {p} is a directory; list its files or use a glob like {p}/*.fa.gz")
         if not p.is_file():
-            raise ValueError(f"{setting}: file {p} not found")
+            raise ValueError(f"{setting}: file {p} not found (a relative path in a recipe is relative to the "
+                             f"recipe's directory, on the command line to the working directory)")
         out.append(p)
     return out
 

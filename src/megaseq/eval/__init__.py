@@ -10,6 +10,10 @@ Typical use at the end of a run (the trainer supplies ``per_token_loss`` from th
     kmer = build_kmer_baseline(data, cfg.eval.kmer_k)
     base = (kmer.name, position_loss(kmer.batch_loss, batches, ...)) if kmer else None
     write_report(compare({"before": before, "after": after}, base, data.unit), run_dir)
+
+"before" belongs in a report only when it is a real model (the checkpoint fine-tuning started from):
+the drop from random weights (4 bits per base, uniform over 16 symbols) to anything says nothing.
+``compare`` adds each model's gain over the baseline and the verdict in words (``eval.verdict``).
 """
 
 from __future__ import annotations
@@ -38,12 +42,14 @@ def build_kmer_baseline(data: Any, k: int, reverse_complement_too: bool | None =
     return KmerModel(k).fit(data.train_records, reverse_complement_too=reverse_complement_too)
 
 
-def report_by_position(models: dict[str, Any], data: Any, eval_cfg: Any, out_dir: Any) -> dict[str, Any]:
+def report_by_position(models: dict[str, Any], data: Any, eval_cfg: Any, out_dir: Any, kmer: Any = None,
+                       **compare_kw: Any) -> dict[str, Any]:
     """Evaluate named per-token loss functions on ``data``'s held-out windows beside the k-mer baseline
-    (DNA), and write the JSON, markdown and PNG report to ``out_dir``; returns the result."""
-    kmer = build_kmer_baseline(data, eval_cfg.kmer_k)
+    (DNA; ``kmer``: one already fitted, else fit here), and write the JSON, markdown and PNG report to
+    ``out_dir``; returns the result. ``compare_kw``: ``compare``'s before, after, descriptions, notes."""
+    kmer = kmer if kmer is not None else build_kmer_baseline(data, eval_cfg.kmer_k)
     baseline = (kmer.name, kmer.batch_loss) if kmer is not None else None
     report = evaluate_by_position(models, data.heldout_batches(eval_cfg.batch_size), eval_cfg.by_position,
-                                  baseline, data.score_ids, data.unit)
+                                  baseline, data.score_ids, data.unit, **compare_kw)
     write_report(report, out_dir)
     return report

@@ -34,13 +34,19 @@ class PositionLoss:
     count: np.ndarray = None  # type: ignore[assignment]  # [NB] int64
     groups: dict[str, list[float]] = field(default_factory=dict)  # group -> [sum_nats, count]
     num_windows: int = 0
+    sum_sq_nats: np.ndarray | None = None  # [NB] float64 sums of squares (standard errors); None: unknown
 
     def __post_init__(self) -> None:
         if self.bucket_width < 1:
             raise ValueError(f"eval.by_position must be >= 1, got {self.bucket_width}")
         nb = -(-self.seq_len // self.bucket_width)
-        self.sum_nats = np.zeros(nb) if self.sum_nats is None else np.asarray(self.sum_nats, np.float64)
+        fresh = self.sum_nats is None
+        self.sum_nats = np.zeros(nb) if fresh else np.asarray(self.sum_nats, np.float64)
         self.count = np.zeros(nb, np.int64) if self.count is None else np.asarray(self.count, np.int64)
+        if fresh and self.sum_sq_nats is None:
+            self.sum_sq_nats = np.zeros(nb)
+        elif self.sum_sq_nats is not None:
+            self.sum_sq_nats = np.asarray(self.sum_sq_nats, np.float64)
 
     def add(self, loss_BS: np.ndarray, mask_BS: np.ndarray, group: str = "heldout") -> None:
         """Accumulate one batch: loss where ``mask`` holds (both ``[B, S]``)."""
@@ -51,6 +57,8 @@ class PositionLoss:
         nb = len(self.count)
         self.sum_nats += np.bincount(bucket_S, weights=masked.sum(axis=0), minlength=nb)
         self.count += np.bincount(bucket_S, weights=mask_BS.sum(axis=0), minlength=nb).astype(np.int64)
+        if self.sum_sq_nats is not None:
+            self.sum_sq_nats += np.bincount(bucket_S, weights=(masked * masked).sum(axis=0), minlength=nb)
         g = self.groups.setdefault(group, [0.0, 0])
         g[0] += float(masked.sum())
         g[1] += int(mask_BS.sum())
@@ -67,13 +75,17 @@ class PositionLoss:
             return np.where(self.count > 0, self.sum_nats / np.maximum(self.count, 1), np.nan)
 
     def to_dict(self) -> dict[str, Any]:
+        sq = None if self.sum_sq_nats is None else self.sum_sq_nats.tolist()
         return {"bucket_width": self.bucket_width, "seq_len": self.seq_len, "num_windows": self.num_windows,
-                "sum_nats": self.sum_nats.tolist(), "count": self.count.tolist(), "groups": self.groups}
+                "sum_nats": self.sum_nats.tolist(), "count": self.count.tolist(), "groups": self.groups,
+                "sum_sq_nats": sq}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> PositionLoss:
+        sq = d.get("sum_sq_nats")  # absent in results written before standard errors were kept
         return cls(d["bucket_width"], d["seq_len"], np.array(d["sum_nats"]), np.array(d["count"]),
-                   {k: list(v) for k, v in d["groups"].items()}, d["num_windows"])
+                   {k: list(v) for k, v in d["groups"].items()}, d["num_windows"],
+                   None if sq is None else np.array(sq))
 
 
 def _numpy(x: Any) -> np.ndarray:
@@ -137,10 +149,11 @@ def _nan_to_none(a: np.ndarray) -> list[float | None]:
 
 
 def _pick_pair(names: list[str], before: str | None, after: str | None) -> tuple[str, str] | None:
+    """The before/after pair: as given, else the models named 'before' and 'after', else none. A caller
+    names 'before' only when it is a real model (a checkpoint fine-tuning started from): the drop from
+    random weights says nothing about what training learned."""
     if before is None and after is None:
-        if "before" in names and "after" in names:
-            return "before", "after"
-        return (names[0], names[-1]) if len(names) >= 2 else None
+        return ("before", "after") if "before" in names and "after" in names else None
     for n in (before, after):
         if n not in names:
             raise ValueError(f"compare: no results named {n!r}; have {names}")
@@ -148,12 +161,17 @@ def _pick_pair(names: list[str], before: str | None, after: str | None) -> tuple
 
 
 def compare(results: Mapping[str, PositionLoss], baseline: tuple[str, PositionLoss] | None = None,
-            unit: str = "base", before: str | None = None, after: str | None = None) -> dict[str, Any]:
-    """One JSON-ready result: every model's loss overall and per bucket, the baseline's, and the
-    relative improvement of ``after`` over ``before`` ((before - after) / before) per bucket.
+            unit: str = "base", before: str | None = None, after: str | None = None,
+            descriptions: Mapping[str, str] | None = None, notes: Sequence[str] = ()) -> dict[str, Any]:
+    """One JSON-ready result: every model's loss overall and per bucket, the baseline's, each model's
+    gain over the baseline (``verdict.baseline_gain``), uniform A/C/G/T for DNA, the relative
+    improvement of ``after`` over ``before`` ((before - after) / before) per bucket, and the verdict
+    in words. ``descriptions``: what each name is (e.g. 'step 60'); ``notes``: sentences for the report.
 
-    Defaults: the models named 'before' and 'after', else the first and the last given.
+    The before/after pair: as given, else the models named 'before' and 'after' (see ``_pick_pair``).
     """
+    from megaseq.eval.verdict import UNIFORM_BITS, baseline_gain, verdict
+
     models = dict(results)
     if not models:
         raise ValueError("compare needs at least one model's PositionLoss")
@@ -171,7 +189,10 @@ def compare(results: Mapping[str, PositionLoss], baseline: tuple[str, PositionLo
         "buckets": [[i * width, min((i + 1) * width, first.seq_len)] for i in range(nb)],
         "models": {name: _model_entry(r, unit) for name, r in everything.items()},
         "model_names": list(models), "baseline": baseline[0] if baseline else None,
+        "uniform_bits": UNIFORM_BITS.get(unit), "descriptions": dict(descriptions or {}), "notes": list(notes),
     }
+    if baseline:
+        out["gain_over_baseline"] = {name: baseline_gain(r, baseline[1]) for name, r in models.items()}
     pair = _pick_pair(list(models), before, after)
     if pair:
         b, a = models[pair[0]], models[pair[1]]
@@ -180,13 +201,15 @@ def compare(results: Mapping[str, PositionLoss], baseline: tuple[str, PositionLo
         overall = (b.loss - a.loss) / b.loss if b.loss > 0 else None
         out["relative_improvement"] = {"before": pair[0], "after": pair[1], "overall": overall,
                                        "buckets": _nan_to_none(rel)}
+    out["verdict"] = verdict(out)
     return out
 
 
 def evaluate_by_position(models: Mapping[str, LossFn], batches: Batches, bucket_width: int,
                          baseline: tuple[str, LossFn] | None = None, score_ids: Sequence[int] | None = None,
-                         unit: str = "base") -> dict[str, Any]:
-    """Evaluate several loss functions (and a baseline) on the same batches and ``compare`` them.
+                         unit: str = "base", **compare_kw: Any) -> dict[str, Any]:
+    """Evaluate several loss functions (and a baseline) on the same batches and ``compare`` them
+    (``compare_kw``: its before, after, descriptions, notes).
 
     ``batches`` must be re-iterable (a list, or ``data.EvalBatches`` per group).
     """
@@ -194,4 +217,4 @@ def evaluate_by_position(models: Mapping[str, LossFn], batches: Batches, bucket_
     base = None
     if baseline is not None:
         base = (baseline[0], position_loss(baseline[1], batches, bucket_width, score_ids, baseline[0]))
-    return compare(results, base, unit)
+    return compare(results, base, unit, **compare_kw)

@@ -49,50 +49,167 @@ def _fmt(v: float | None, digits: int = 4) -> str:
     return "-" if v is None else f"{v:.{digits}f}"
 
 
-def markdown_table(result: dict[str, Any]) -> str:
-    """Loss per position bucket (bits per base or token) for every model, the baseline, and the change."""
-    unit = result["unit"]
-    key = f"bucket_bits_per_{unit}"
-    names = list(result["models"])
-    rel = result.get("relative_improvement")
-    head = ["positions", *names] + ([f"{rel['after']} vs {rel['before']}"] if rel else [])
-    lines = [f"Held-out bits per {unit} by position ({result['num_windows']} windows of "
-             f"{_size(result['seq_len'])}, {result['tokens']:,} scored tokens, buckets of "
-             f"{_size(result['bucket_width'])}).", "",
-             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for i, (start, end) in enumerate(result["buckets"]):
-        row = [f"{_size(start)}-{_size(end)}"] + [_fmt(result["models"][n][key][i]) for n in names]
-        if rel:
-            row.append("-" if rel["buckets"][i] is None else f"{100 * rel['buckets'][i]:+.2f}%")
+def _gain(v: float | None) -> str:
+    return "-" if v is None else f"{v:+.4f}"
+
+
+def _label(result: dict[str, Any], name: str) -> str:
+    desc = (result.get("descriptions") or {}).get(name)
+    return f"{name} ({desc})" if desc else name
+
+
+def summary_table(result: dict[str, Any]) -> list[str]:
+    """Each model and baseline overall, with its gain over the k-mer baseline and over uniform A/C/G/T."""
+    unit, base, uniform = result["unit"], result.get("baseline"), result.get("uniform_bits")
+    head = ["", f"bits per {unit}"] + ([f"gain over {base}"] if base else []) + \
+        (["gain over uniform A/C/G/T"] if uniform is not None else [])
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    base_bits = result["models"][base][f"bits_per_{unit}"] if base else None
+    rows = [(_label(result, n), result["models"][n][f"bits_per_{unit}"]) for n in result["model_names"]]
+    if base:
+        rows.append((f"{base} (baseline)", base_bits))
+    if uniform is not None:
+        rows.append(("uniform A/C/G/T (baseline)", uniform))
+    for label, bits in rows:
+        own = label.endswith("(baseline)")
+        row = [label, _fmt(bits)] + ([_gain(base_bits - bits) if label != f"{base} (baseline)" else "-"]
+                                     if base else []) + \
+            ([_gain(uniform - bits) if not (own and label.startswith("uniform")) else "-"]
+             if uniform is not None else [])
         lines.append("| " + " | ".join(row) + " |")
-    overall = ["all"] + [_fmt(result["models"][n][f"bits_per_{unit}"]) for n in names]
-    if rel:
-        overall.append("-" if rel["overall"] is None else f"{100 * rel['overall']:+.2f}%")
-    lines.append("| " + " | ".join(overall) + " |")
+    return lines
+
+
+def group_table(result: dict[str, Any]) -> list[str]:
+    """Bits per base (token) per held-out group (file, or file and context kind), when there are several."""
+    unit, base = result["unit"], result.get("baseline")
+    names = list(result["model_names"])
+    groups = list(result["models"][names[0]]["groups"])
+    if len(groups) < 2:
+        return []
+    key = f"bits_per_{unit}"
+    head = ["held-out group", "scored tokens", *names] + ([base] + [f"gain of {n} over {base}" for n in names]
+                                                         if base else [])
+    lines = ["By held-out group:", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for g in groups:
+        bits = {n: result["models"][n]["groups"][g][key] for n in names + ([base] if base else [])}
+        cells = [g, f"{result['models'][names[0]]['groups'][g]['tokens']:,}"] + [_fmt(bits[n]) for n in names]
+        if base:
+            cells += [_fmt(bits[base])] + [_gain(bits[base] - bits[n]) for n in names]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
+def markdown_table(result: dict[str, Any]) -> str:
+    """The verdict in words, the summary against the baselines, then bits per base (or token) by position:
+    every model, the baselines, each model's gain over the k-mer baseline, and after vs before where
+    'before' is a real model."""
+    from megaseq.eval.verdict import headline
+
+    unit, base, uniform = result["unit"], result.get("baseline"), result.get("uniform_bits")
+    key = f"bucket_bits_per_{unit}"
+    names = list(result["model_names"])
+    rel = result.get("relative_improvement")
+    gains = result.get("gain_over_baseline") or {}
+    head = ["positions", *names] + ([base] if base else []) + (["uniform"] if uniform is not None else []) + \
+        [f"gain of {n} over {base}" for n in names if n in gains] + \
+        ([f"{rel['after']} vs {rel['before']}"] if rel else [])
+    lines = [f"**{headline(result)}.**", ""] + [f"- {v}" for v in result.get("verdict", [])[1:]] + [""]
+    lines += summary_table(result) + [""] + group_table(result)
+    lines += [f"Held-out bits per {unit} by position ({result['num_windows']} windows of "
+              f"{_size(result['seq_len'])}, {result['tokens']:,} scored tokens, buckets of "
+              f"{_size(result['bucket_width'])}). Gain = baseline - model: positive where the model is better.",
+              "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+
+    def row(label: str, i: int | None) -> str:
+        def bits(n: str) -> float | None:
+            return result["models"][n][key][i] if i is not None else result["models"][n][f"bits_per_{unit}"]
+
+        cells = [label] + [_fmt(bits(n)) for n in names] + ([_fmt(bits(base))] if base else [])
+        empty = i is not None and not result["models"][names[0]]["bucket_tokens"][i]  # context-only positions
+        cells += [_fmt(None if empty else uniform)] if uniform is not None else []
+        cells += [_gain(gains[n]["buckets"][i] if i is not None else gains[n]["overall"]) for n in names
+                  if n in gains]
+        if rel:
+            v = rel["buckets"][i] if i is not None else rel["overall"]
+            cells.append("-" if v is None else f"{100 * v:+.2f}%")
+        return "| " + " | ".join(cells) + " |"
+
+    lines += [row(f"{_size(a)}-{_size(b)}", i) for i, (a, b) in enumerate(result["buckets"])]
+    lines.append(row("all", None))
     return "\n".join(lines) + "\n"
 
 
+def _values(result: dict[str, Any], name: str) -> list[float]:
+    return [float("nan") if v is None else v for v in result["models"][name][f"bucket_bits_per_{result['unit']}"]]
+
+
+def _y_range(result: dict[str, Any]) -> tuple[float, float]:
+    """The region that matters: the main model, the baseline and uniform A/C/G/T, with a margin. Another
+    line (a 'before' far above) is drawn clipped, its legend saying so, instead of setting the scale."""
+    from megaseq.eval.verdict import main_model
+
+    vals = [v for v in _values(result, main_model(result)) if v == v]
+    if result.get("baseline"):
+        vals += [v for v in _values(result, result["baseline"]) if v == v]
+    if result.get("uniform_bits") is not None:
+        vals.append(result["uniform_bits"])
+    lo, hi = min(vals), max(vals)
+    pad = max(0.15 * (hi - lo), 0.005)
+    return lo - pad, hi + pad
+
+
 def plot_by_position(result: dict[str, Any], path: str | Path) -> Path:
-    """Loss vs position: one line per model, the baseline dashed; PNG written atomically."""
+    """Top: bits per base (token) vs position, one line per model, the k-mer baseline dashed and uniform
+    A/C/G/T dotted, scaled to the region that matters (``_y_range``). Bottom (with a baseline): each
+    model's gain over the baseline by position, zero marked. PNG written atomically."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    unit = result["unit"]
+    from megaseq.eval.verdict import headline
+
+    unit, base, uniform = result["unit"], result.get("baseline"), result.get("uniform_bits")
     mids = [(a + b) / 2 for a, b in result["buckets"]]
-    fig = Figure(figsize=(7, 4), dpi=120)
+    gains = result.get("gain_over_baseline") or {}
+    fig = Figure(figsize=(7.5, 6.5 if gains else 4.2), dpi=120)
     FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
-    for name, entry in result["models"].items():
-        ys = [float("nan") if v is None else v for v in entry[f"bucket_bits_per_{unit}"]]
-        dashed = name == result.get("baseline")
-        ax.plot(mids, ys, "--" if dashed else "-", marker="x" if dashed else "o", markersize=3,
-                label=f"{name} ({entry[f'bits_per_{unit}']:.3f})")
-    ax.set_xlabel("position in window (tokens)")
+    ax = fig.add_subplot(211) if gains else fig.add_subplot()
+    lo, hi = _y_range(result)
+    for name in result["model_names"] + ([base] if base else []):
+        ys = _values(result, name)
+        dashed = name == base
+        off = any(v == v and not lo <= v <= hi for v in ys)
+        label = f"{_label(result, name)}: {result['models'][name][f'bits_per_{unit}']:.3f}"
+        ax.plot(mids, [min(max(v, lo), hi) if v == v else v for v in ys], "--" if dashed else "-",
+                marker="x" if dashed else "o", markersize=3,
+                label=label + (" (off the scale, clipped)" if off else "") + (" (baseline)" if dashed else ""))
+    if uniform is not None:
+        ax.axhline(uniform, color="gray", linestyle=":", label=f"uniform A/C/G/T: {uniform:.3f} (baseline)")
+    ax.set_ylim(lo, hi)
     ax.set_ylabel(f"bits per {unit}")
-    ax.set_title(f"held-out loss by position (buckets of {_size(result['bucket_width'])})")
+    ax.set_title(headline(result), fontsize=8)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7)
+    if gains:
+        gx = fig.add_subplot(212, sharex=ax)
+        for name, g in gains.items():
+            ys = [float("nan") if v is None else v for v in g["buckets"]]
+            gx.plot(mids, ys, "-o", markersize=3, label=f"{name}: {g['overall']:+.4f} overall")
+            se = [float("nan") if s is None else 2 * s for s in g["buckets_se"]]
+            gx.fill_between(mids, [y - s for y, s in zip(ys, se)], [y + s for y, s in zip(ys, se)], alpha=0.15)
+        gx.axhline(0.0, color="black", linewidth=0.8)
+        gx.set_ylabel(f"gain over {base}\n(bits per {unit}; > 0: better)")
+        gx.grid(alpha=0.3)
+        gx.legend(fontsize=7)
+        gx.set_xlabel(f"position in window (tokens), buckets of {_size(result['bucket_width'])}")
+    else:
+        ax.set_xlabel(f"position in window (tokens), buckets of {_size(result['bucket_width'])}")
     fig.tight_layout()
+    return save_figure(fig, path)
+
+
+def save_figure(fig: Any, path: str | Path) -> Path:
+    """Save a matplotlib Figure as PNG through a temporary file and a rename."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".png", dir=path.parent)

@@ -266,6 +266,13 @@ def _check_base(ckpt: Path, meta: dict[str, Any], model: torch.nn.Module) -> Non
                          f"{got}): resume with the model.init_from and train.seed that wrote it")
 
 
+def is_random_init(meta: dict[str, Any]) -> bool:
+    """Whether a checkpoint holds untrained random weights: step 0 of a run that did not start from
+    ``model.init_from`` (its meta says ``"init": "random"``, or nothing in runs written before the field),
+    and not a converted Hugging Face checkpoint (``"source"``)."""
+    return meta.get("step") == 0 and not meta.get("source") and meta.get("init", "random") == "random"
+
+
 def read_meta(ckpt: Path) -> dict[str, Any]:
     meta = Path(ckpt) / META
     if not meta.is_file():

@@ -31,19 +31,35 @@ def _run_dir_of(target: Path) -> Path | None:
     raise ValueError(f"{target} is neither a megaseq run directory nor a checkpoint")
 
 
-def _checkpoints(targets: list[Path]) -> dict[str, Path]:
+def _checkpoints(targets: list[Path]) -> tuple[dict[str, Path], dict[str, Any]]:
+    """The checkpoints to evaluate by name, and ``compare``'s arguments: the before/after pair only
+    between real models (a random initialisation is shown, never a 'before'), what each name is, notes."""
+    from megaseq.train.heldout import RANDOM_INIT_NOTE
+
     if len(targets) == 1 and (targets[0] / "config.yaml").is_file():
         found = ckpt.list_complete(targets[0])
         if not found:
             raise ValueError(f"run directory {targets[0]} has no complete checkpoint to evaluate")
-        out = {}
+        out, kw = {}, {"descriptions": {"after": f"step {found[-1][0]}"}, "notes": []}
         if found[0][0] == 0 and len(found) > 1:
-            out["before"] = found[0][1]
+            if ckpt.is_random_init(ckpt.read_meta(found[0][1])):
+                kw["notes"].append(RANDOM_INIT_NOTE)
+            else:
+                out["before"] = found[0][1]
+                kw["descriptions"]["before"] = "step 0, the checkpoint fine-tuning started from"
+        elif found[0][0] != 0:
+            run_cfg = yaml.safe_load((targets[0] / "config.yaml").read_text()) or {}
+            started = (run_cfg.get("model") or {}).get("init_from")
+            kw["notes"].append(RANDOM_INIT_NOTE if not started else
+                               f"No 'before' column: the run kept no step-0 checkpoint of {started}.")
         out["after"] = found[-1][1]
-        return out
-    for t in targets:
-        ckpt.read_meta(t)  # refuses incomplete or foreign directories with a clear message
-    return {t.name: t for t in targets}
+        return out, kw
+    metas = {t.name: ckpt.read_meta(t) for t in targets}  # refuses incomplete or foreign directories
+    real = [n for n, m in metas.items() if not ckpt.is_random_init(m)]
+    kw = {"descriptions": {n: "random initialisation" for n in metas if n not in real}, "notes": []}
+    if len(real) >= 2:
+        kw["before"], kw["after"] = real[0], real[-1]
+    return {t.name: t for t in targets}, kw
 
 
 def evaluate_targets(targets: list[str], data: list[str] | None = None, overrides: list[str] | None = None,
@@ -78,13 +94,14 @@ def evaluate_targets(targets: list[str], data: list[str] | None = None, override
     if plan_file is not None and plan_file.is_file():
         segment = int(json.loads(plan_file.read_text()).get("memory", {}).get("model_segment_tokens") or segment)
     models, spec = {}, None
-    for name, path in _checkpoints(paths).items():
+    targets_by_name, compare_kw = _checkpoints(paths)
+    for name, path in targets_by_name.items():
         model, spec, _ = load_megaseq_checkpoint(path, device=device)
         models[name] = per_token_loss_fn(model.eval(), env, autocast, cfg.memory.loss_chunk_tokens, segment)
     dataset = build_data(cfg.data, cfg.eval, vocab_size=spec.vocab_size)
     if not dataset.heldout:
         raise ValueError("eval: no held-out data; pass --data FILE or set data.heldout in the run's config")
     out_dir = Path(out) if out else (run_dir or paths[0].parent.parent) / "eval"
-    report = report_by_position(models, dataset, cfg.eval, out_dir)
+    report = report_by_position(models, dataset, cfg.eval, out_dir, **compare_kw)
     stem = out_dir / "eval_by_position"
     return markdown_table(report) + f"\nwrote {stem}.json, .md, .png"

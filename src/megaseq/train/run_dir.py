@@ -206,5 +206,21 @@ def register_output(run_dir: Path, name: str) -> None:
         _write_manifest(Path(run_dir), [name])
 
 
+def discard_unstarted(run_dir: Path) -> bool:
+    """After a failed start: remove ``run_dir``, which this start created, unless a training step was
+    recorded or a checkpoint past step 0 written (then it holds a run worth reading). True if removed.
+    Only for directories the start created: an existing run (resume, overwrite) is never touched here."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return False
+    metrics = run_dir / "metrics.jsonl"
+    stepped = metrics.is_file() and any(ln.strip() for ln in metrics.read_text().splitlines())
+    latest = latest_complete(run_dir)
+    if stepped or (latest is not None and latest.name != "step_000000"):
+        return False
+    shutil.rmtree(run_dir, ignore_errors=True)
+    return True
+
+
 def write_plan(run_dir: Path, plan_dict: dict[str, Any]) -> None:
     atomic_write_text(Path(run_dir) / PLAN_FILE, json.dumps(plan_dict, indent=2, default=str))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,11 +28,12 @@ from megaseq.plan.flops import mfu
 from megaseq.train import checkpoint as ckpt
 from megaseq.train import guard
 from megaseq.train.balance import Balancer, resolve_balance
+from megaseq.train.heldout import HeldoutProbe, evaluate_run
 from megaseq.train.metrics import MetricsLogger, gpu_peak_bytes, host_peak_bytes
 from megaseq.train.optim import build_optimizer
 from megaseq.train.parallel_env import ParallelEnv, setup_parallel
 from megaseq.train.preflight import check_disk_space, preflight
-from megaseq.train.run_dir import claim_run_dir, write_plan
+from megaseq.train.run_dir import claim_run_dir, discard_unstarted, write_plan
 from megaseq.train.safe_checkpoint import NonFiniteWeights
 
 GIB = 2**30
@@ -45,6 +47,7 @@ class RunResult:
     hf_export: Path | None = None
     eval_report: dict[str, Any] | None = None
     adapter_export: Path | None = None
+    is_main: bool = True  # rank 0 (or the one process): the one that prints
 
 
 def resolve_device(cfg: Config) -> torch.device:
@@ -273,6 +276,10 @@ def run_training(cfg: Config) -> RunResult:
     preflight(cfg, spec)  # the run directory and the starting weights, nothing written
     use_expandable_segments()
     env = setup_parallel(cfg)
+    if cfg.train.eval_every and env.world_size > 1:  # as the end-of-run evaluation: one process only
+        env.log(f"train.eval_every: held-out evaluation runs in one process and this run has {env.world_size}, "
+                "so it is skipped; evaluate the checkpoints with `megaseq eval RUN_DIR`")
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, eval_every=0))
     device = env.device = resolve_device(cfg) if env.world_size == 1 else env.device
     plan_dict, memory = make_plan(cfg, env, device)
     check_adapters(cfg, spec, memory)
@@ -304,14 +311,29 @@ def check_adapters(cfg: Config, spec: Any, memory: MemorySettings) -> None:
 
 def _run_planned(cfg: Config, spec: Any, env: ParallelEnv, device: torch.device, plan_dict: dict[str, Any],
                  memory: MemorySettings) -> RunResult:
+    """Claim the run directory and train; a start that fails before its first step removes the directory
+    it created (``run_dir.discard_unstarted``), so a bad path or setting leaves nothing behind."""
+    created = env.is_main and not Path(cfg.train.run_dir).exists()
+    run_dir, resume_from = claim_run_dir(cfg) if env.is_main else (Path(cfg.train.run_dir), None)
+    try:
+        return _run_claimed(cfg, spec, env, device, plan_dict, memory, run_dir, env.broadcast_object(resume_from))
+    except BaseException:
+        if created:
+            discard_unstarted(run_dir)
+        raise
+
+
+def _run_claimed(cfg: Config, spec: Any, env: ParallelEnv, device: torch.device, plan_dict: dict[str, Any],
+                 memory: MemorySettings, run_dir: Path, resume_from: Path | None) -> RunResult:
     from megaseq.data import build_data
 
-    data = build_data(cfg.data, cfg.eval, batch_size=cfg.train.batch_size, vocab_size=spec.vocab_size,
-                      rank=env.dp_rank, world_size=env.dp_size)
-    run_dir, resume_from = claim_run_dir(cfg) if env.is_main else (Path(cfg.train.run_dir), None)
-    resume_from = env.broadcast_object(resume_from)
     if env.is_main:
         write_plan(run_dir, plan_dict)
+    data = build_data(cfg.data, cfg.eval, batch_size=cfg.train.batch_size, vocab_size=spec.vocab_size,
+                      rank=env.dp_rank, world_size=env.dp_size)
+    if cfg.train.eval_every and not data.heldout:
+        raise ValueError("train.eval_every needs held-out data: set data.heldout (files the model never trains "
+                         "on), data.heldout_records or data.heldout_tail, or set --train.eval_every 0")
     autocast = dtypes(cfg, device)[1]
     model, applied, optimizer, scheduler = build_planned_model(cfg, spec, device, memory, cfg.train.steps,
                                                                cfg.model.init_from, env)
@@ -325,15 +347,17 @@ def _run_planned(cfg: Config, spec: Any, env: ParallelEnv, device: torch.device,
         start = meta["step"]
         data.train.load_state_dict(meta["data"])
         env.log(f"resumed from {resume_from} at step {start}")
-    elif cfg.train.eval_after:
-        # the "before" weights only: DCP's optimizer state_dict would initialise AdamW's state (a step
-        # with lr 0), shifting its bias correction and so the whole run (every rank: each writes its shards)
+    elif cfg.train.eval_after and cfg.model.init_from:
+        # "before" is worth a column only as a real model (the checkpoint fine-tuning starts from). The
+        # weights only: DCP's optimizer state_dict would initialise AdamW's state (a step with lr 0),
+        # shifting its bias correction and so the whole run (every rank: each writes its shards)
         ckpt.save_checkpoint(run_dir, 0, model, None, None, _meta(spec_dict, data, 0, cfg, base), keep=10**9,
                              trainable_only=base is not None)
-    result = RunResult(run_dir=run_dir, last_checkpoint=resume_from)
+    result = RunResult(run_dir=run_dir, last_checkpoint=resume_from, is_main=env.is_main)
     balancer = Balancer(model, resolve_balance(cfg.moe, spec), env, cfg.train.grad_accum)
+    probe = HeldoutProbe(cfg, data, env, autocast, memory) if cfg.train.eval_every else None
     loop = _Loop(cfg, env, device, plan_dict, memory, autocast, model, optimizer, scheduler, data, spec_dict,
-                 balancer, base)
+                 balancer, base, probe)
     try:
         loop.run(start, result)
     finally:
@@ -344,9 +368,22 @@ def _run_planned(cfg: Config, spec: Any, env: ParallelEnv, device: torch.device,
         if env.world_size > 1:
             env.log("evaluation after a multi-process run: run `megaseq eval RUN_DIR` (one process)")
         else:
-            result.eval_report = evaluate_run(cfg, run_dir, model, spec, data, env, autocast, memory)
+            result.eval_report = evaluate_run(cfg, run_dir, model, spec, data, env, autocast, memory,
+                                              kmer=probe.kmer if probe is not None else None)
+    if env.is_main:
+        _draw_curve(run_dir, data.unit, result.eval_report)
     env.shutdown()
     return result
+
+
+def _draw_curve(run_dir: Path, unit: str, final: dict[str, Any] | None = None) -> None:
+    """``RUN/loss_curve.png``; a plot that fails must not fail the run (metrics.jsonl has the numbers)."""
+    from megaseq.train.loss_curve import plot_loss_curve
+
+    try:
+        plot_loss_curve(run_dir, unit, final)
+    except Exception as e:  # noqa: BLE001
+        print(f"warning: could not draw {run_dir}/loss_curve.png ({type(e).__name__}: {e})", file=sys.stderr)
 
 
 @dataclass
@@ -366,11 +403,14 @@ class _Loop:
     spec_dict: dict[str, Any]
     balancer: Balancer | None = None
     base: dict[str, Any] | None = None  # how the frozen base is made (checkpoints then hold what trains only)
+    probe: HeldoutProbe | None = None  # train.eval_every
 
     def run(self, start: int, result: RunResult) -> None:
         cfg, env = self.cfg, self.env
+        every = cfg.train.eval_every
+        evals = (cfg.train.steps // every - start // every) if every else 0
         logger = MetricsLogger(result.run_dir, cfg.train.steps, start, cfg.log.tensorboard, cfg.log.progress,
-                               env.is_main)
+                               env.is_main, evals_left=evals)
         skipped = 0  # non-finite steps in a row (train.on_nonfinite skip)
         try:
             with guard.StopSignals(env.log) as signals:
@@ -388,8 +428,12 @@ class _Loop:
                     if signum:
                         raise signals.stopped(signum, step, result.last_checkpoint)
                     env.barrier()
+                    if self.probe is not None and step % every == 0:  # after the save: a failed eval loses no step
+                        logger.log_eval(self.probe(self.model, step, logger.eval_progress))
         finally:
             logger.close()
+            if env.is_main:
+                _draw_curve(result.run_dir, self.data.unit)
 
     def save(self, step: int, result: RunResult, lr: float) -> None:
         """A resumable checkpoint at ``step`` (every rank writes its shards; rank 0 the rest). Weights the
@@ -454,9 +498,10 @@ def step_mfu(tokens_per_s: float, plan: dict[str, Any], world_size: int, device:
 
 def _meta(spec_dict: dict[str, Any], data: Any, step: int, cfg: Config | None = None,
           base: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A checkpoint's meta; ``init`` says what step 0 was (``checkpoint.is_random_init``)."""
     source = cfg.model.init_from if cfg is not None else None  # `megaseq convert` carries its unmodelled tensors
     return {"spec": spec_dict, "data": data.train.state_dict(), "step": step, "init_from": source,
-            **({"base": base} if base else {})}
+            "init": source or "random", **({"base": base} if base else {})}
 
 
 def _base_meta(cfg: Config) -> dict[str, Any] | None:
@@ -483,25 +528,3 @@ def export_run(cfg: Config, model: torch.nn.Module, spec: Any, run_dir: Path, re
             return
     result.hf_export = export_hf_checkpoint(model, spec, run_dir / "hf", merged=cfg.lora.enabled,
                                             carry_from=cfg.model.init_from)
-
-
-def evaluate_run(cfg: Config, run_dir: Path, model: torch.nn.Module, spec: Any, data: Any, env: ParallelEnv,
-                 autocast: torch.dtype | None, memory: MemorySettings) -> dict[str, Any]:
-    """Held-out loss by position for the model before (step 0) and after training, with the k-mer baseline."""
-    from megaseq.eval import report_by_position
-    from megaseq.eval.loss import per_token_loss_fn
-    from megaseq.train.convert import load_megaseq_checkpoint
-
-    chunk = memory.loss_chunk_tokens
-    segment = memory.model_segment_tokens
-    models = {}
-    before = Path(run_dir) / ckpt.CKPT_DIR / "step_000000"
-    if before.is_dir() and ckpt.read_meta(before).get("trainable_only"):
-        # the frozen base is this model's: "before" is it with the step-0 trained tensors swapped in
-        fn = per_token_loss_fn(model.eval(), env, autocast, chunk, segment)
-        models["before"] = ckpt.with_trained_state(fn, model, ckpt.load_trained_state(before, model))
-    elif before.is_dir():
-        m0, _, _ = load_megaseq_checkpoint(before, device=env.device, dtype=next(model.parameters()).dtype)
-        models["before"] = per_token_loss_fn(m0.eval(), env, autocast, chunk, segment)
-    models["after"] = per_token_loss_fn(model.eval(), env, autocast, chunk, segment)
-    return report_by_position(models, data, cfg.eval, Path(run_dir) / "eval")

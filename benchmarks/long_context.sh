@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# The long-context experiment (docs/long_context.md) on one H200, in stages that each fit one 10-minute
+# device call; run them in order on one warm machine (runs/ stays between calls), or all at once:
+#   bash benchmarks/long_context.sh 1|2|3|4|all        (from the repo root; results go to $OUT)
+# GENOMES: the directory holding the shared genomes (default: the recipe's ../../shared/data/genomes;
+# on the device carry them as .data/ and set GENOMES=.data). .whl/ (optional): transformers for stage 4.
+#   1  train at 16K (related 4: 4K regions), batch 16: the model learns to copy from a relative cheaply
+#   2  train at 256K (related 4: 64K regions) from stage 1's weights; rerun until it reports step 150
+#   3  evaluate the 256K model and stage 1's: held-out genomes after 3 relatives (the run's own report) and
+#      alone (no relatives), in 32K position buckets, against the 12-mer baseline
+#   4  trained weights: per-token log-probs, megaseq bf16 with the planned fixes vs fp32 (transformers where
+#      it runs) at 128K and 256K; the overfit test on one 128K window
+# SMOKE=1: every stage on a tiny CPU configuration (the H. pylori genomes only, windows of 2K and 4K, a few
+# steps each; about 10 minutes on 2 cores): a pipeline check before device time is spent, not the experiment.
+set -u
+[ $# -eq 1 ] || { echo "usage: [SMOKE=1] [GENOMES=DIR] [OUT=DIR] bash benchmarks/long_context.sh 1|2|3|4|all"; exit 2; }
+OUT=${OUT:-out}
+PY=${PY:-python3}   # PY=/path/to/venv/bin/python elsewhere
+mkdir -p "$OUT"
+RECIPE=recipes/long-context-genomes.yaml
+SHORT=runs/long-context-16k
+LONG=runs/long-context-256k
+# the stages' settings: the experiment's, or SMOKE's tiny ones
+S1=(--data.seq_len 16K --train.batch_size 16 --train.steps 600 --train.save_every 100 --train.eval_every 200
+    --eval.seq_len 16K --eval.by_position 4K --eval.max_windows 16 --optim.lr 2e-3)
+S2=(--train.steps 150 --train.save_every 25 --train.eval_every 50)
+BUCKET=32K
+S4_LOGPROB=(--lengths 128K,256K)
+S4_OVERFIT=(--seq-len 128K --steps 30)
+if [ -n "${SMOKE:-}" ]; then
+  SHORT=runs/long-context-smoke-2k
+  LONG=runs/long-context-smoke-4k
+  S1=(--data.seq_len 2K --train.batch_size 2 --train.steps 6 --train.save_every 3 --train.eval_every 3
+      --eval.seq_len 2K --eval.by_position 512 --eval.max_windows 2 --eval.kmer_k 6 --optim.lr 2e-3
+      --optim.warmup_steps 2 --train.device cpu)
+  S2=(--data.seq_len 4K --train.steps 4 --train.save_every 2 --train.eval_every 2 --eval.seq_len 4K
+      --eval.by_position 1K --eval.max_windows 2 --eval.kmer_k 6 --optim.warmup_steps 2 --train.device cpu
+      --train.run_dir $LONG)
+  BUCKET=1K
+  S4_LOGPROB=(--lengths 2K,4K)
+  S4_OVERFIT=(--seq-len 1K --steps 8 --period 128 --lr 1e-2)
+fi
+if ls .whl/*.whl >/dev/null 2>&1; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:$PWD/src
+else
+  export PYTHONPATH=$PWD/src
+fi
+export PYTHONUNBUFFERED=1
+DATA=()
+if [ -n "${SMOKE:-}" ]; then  # H. pylori only: 4 training strains, 1 held out
+  G=${GENOMES:-../shared/data/genomes}
+  DATA=(--data.train "$G/hpylori_ELS37.fa.gz,$G/hpylori_G27.fa.gz,$G/hpylori_Gambia94_24.fa.gz,$G/hpylori_Puno120.fa.gz"
+        --data.heldout "$G/hpylori_SJM180.fa.gz")
+elif [ -n "${GENOMES:-}" ]; then  # the recipe's files, from another directory
+  DATA=(--data.train "$($PY -c "import yaml,os,sys; d=yaml.safe_load(open('$RECIPE'))['data']; \
+print(','.join(os.path.join('$GENOMES', os.path.basename(p)) for p in d['train']))")"
+        --data.heldout "$($PY -c "import yaml,os,sys; d=yaml.safe_load(open('$RECIPE'))['data']; \
+print(','.join(os.path.join('$GENOMES', os.path.basename(p)) for p in d['heldout']))")")
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null
+$PY -c "import torch; print('torch', torch.__version__)"
+date -u +%FT%TZ
+stage() {
+  case "$1" in
+    1)
+      timeout 590 $PY -m megaseq train "$RECIPE" "${DATA[@]}" --train.run_dir $SHORT "${S1[@]}" \
+        --train.resume true
+      cp -r $SHORT/eval "$OUT/stage1_eval" 2>/dev/null; cp $SHORT/metrics.jsonl $SHORT/loss_curve.png "$OUT/" 2>/dev/null
+      ;;
+    2)
+      timeout 590 $PY -m megaseq train "$RECIPE" "${DATA[@]}" --model.init_from $SHORT/hf "${S2[@]}" \
+        --train.resume true
+      cp -r $LONG/eval "$OUT/stage2_eval" 2>/dev/null
+      cp $LONG/metrics.jsonl "$OUT/stage2_metrics.jsonl"; cp $LONG/loss_curve.png "$OUT/stage2_loss_curve.png"
+      ;;
+    3)  # with relatives (as trained; before = stage 1's model), then each held-out genome alone
+      timeout 290 $PY -m megaseq eval $LONG --by-position $BUCKET --out "$OUT/eval_with_relatives"
+      timeout 290 $PY -m megaseq eval $LONG --by-position $BUCKET --data.related 0 \
+        --out "$OUT/eval_alone"
+      ;;
+    4)
+      timeout 330 $PY benchmarks/logprob_trained.py $LONG "${S4_LOGPROB[@]}" --out "$OUT/logprob_trained"
+      timeout 250 $PY benchmarks/overfit.py $LONG "${S4_OVERFIT[@]}" --out "$OUT/overfit"
+      ;;
+    *) echo "unknown stage $1"; exit 2 ;;
+  esac
+}
+if [ "$1" = all ]; then for s in 1 2 3 4; do stage $s; done; else stage "$1"; fi
+ls -la "$OUT"
