@@ -363,13 +363,18 @@ def test_checkpoint_pickles_are_never_run(tmp_path, capsys):
 
 
 def test_resume_before_the_first_resumable_checkpoint_says_so(tmp_path, capsys):
+    from megaseq.models.build import build_model
+    from megaseq.models.hf_io import export_hf_checkpoint
     from megaseq.train import checkpoint as ckpt
 
-    rc, err = _train(tmp_path, {"train": {"steps": 2, "eval_after": True}}, [], capsys)
+    spec = get_preset("qwen3-moe-tiny")  # a run from a checkpoint writes its starting weights as step 0
+    export_hf_checkpoint(build_model(spec, dtype=torch.float32, seed=123), spec, tmp_path / "ckpt")
+    start = {"model": {"init_from": str(tmp_path / "ckpt")}}
+    rc, err = _train(tmp_path, {**start, "train": {"steps": 2, "eval_after": True}}, [], capsys)
     assert rc == 0
     shutil.rmtree(tmp_path / "r" / "checkpoints" / "step_000002")  # as if killed before the end
     assert ckpt.latest_complete(tmp_path / "r") is not None and ckpt.latest_resumable(tmp_path / "r") is None
-    rc, err = _train(tmp_path, {"train": {"steps": 2, "eval_after": True, "resume": True}}, [], capsys)
+    rc, err = _train(tmp_path, {**start, "train": {"steps": 2, "eval_after": True, "resume": True}}, [], capsys)
     assert rc == 0 and "holds no resumable checkpoint: it stopped before its first resumable checkpoint" in err
     assert "starting again from step 0" in err
 

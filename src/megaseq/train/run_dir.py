@@ -31,7 +31,7 @@ CONFIG_FILE = "config.yaml"
 PLAN_FILE = "plan.json"
 MANIFEST = ".megaseq-run.json"
 # the top-level entries a run writes; register_output adds others (always before writing them)
-OUTPUTS = [CONFIG_FILE, PLAN_FILE, "metrics.jsonl", "tb", CKPT_DIR, "hf", "eval"]
+OUTPUTS = [CONFIG_FILE, PLAN_FILE, "metrics.jsonl", "tb", CKPT_DIR, "hf", "adapter", "eval", "loss_curve.png"]
 # Sections that define what a run *is*; the others (steps, logging, ...) may change on resume.
 IDENTITY = ("model", "data", "lora")
 
