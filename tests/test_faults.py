@@ -48,7 +48,15 @@ def _recipe(root: Path, run: str, save_every: int, export: bool = False) -> Path
     if not genome.exists():
         rng = np.random.default_rng(3)
         genome.write_text(">chr\n" + "".join(rng.choice(list("ACGT"), 1500)) + "\n")
-    raw = {"model": {"name": "qwen3-moe-tiny", "dtype": "fp32"},
+    start = root / "start"  # a run from a checkpoint: step 0 is then its weights-only starting point
+    if not (start / "config.json").is_file():
+        from megaseq.models.build import build_model
+        from megaseq.models.hf_io import export_hf_checkpoint
+        from megaseq.models.presets import get_preset
+
+        spec = get_preset("qwen3-moe-tiny")
+        export_hf_checkpoint(build_model(spec, dtype=torch.float32, seed=0), spec, start)
+    raw = {"model": {"name": "qwen3-moe-tiny", "dtype": "fp32", "init_from": str(start)},
            "data": {"train": [str(genome)], "seq_len": 32, "heldout_tail": 0, "reverse_complement": True},
            "train": {"steps": STEPS, "run_dir": str(root / run), "save_every": save_every, "export_hf": export,
                      "eval_after": True, "keep_checkpoints": 2},
@@ -436,9 +444,9 @@ def test_a_broken_resume_is_caught(broken, reference, ctx, tmp_path, capsys, mon
         monkeypatch.setattr(WindowSampler, "load_state_dict", lambda self, state: None)
     else:
         real = checkpoint.set_state_dict
-        monkeypatch.setattr(checkpoint, "set_state_dict", lambda model, opt, model_state_dict, optim_state_dict:
+        monkeypatch.setattr(checkpoint, "set_state_dict", lambda model, opt, model_state_dict, optim_state_dict, **kw:
                             real(model, opt, model_state_dict=model_state_dict, optim_state_dict={"state": {},
-                                 "param_groups": optim_state_dict["param_groups"]}))
+                                 "param_groups": optim_state_dict["param_groups"]}, **kw))
     capsys.readouterr()
     rc = _train(str(recipe), "--train.resume", "true")
     err = capsys.readouterr().err

@@ -26,7 +26,8 @@ LORA = {"rank": 4, "alpha": 8.0, "targets": ["q_proj", "v_proj", "experts"]}
 def lora_cfg(tmp_path: Path, run: str, train: dict | None = None, **sections):
     _fasta(tmp_path / "g.fa", 3000, seed=1)
     data = {"train": [str(tmp_path / "g.fa")], "seq_len": 64, **sections.pop("data", {})}
-    return _cfg(tmp_path, run, data=data, model={"name": "qwen3-moe-tiny"}, lora={**LORA, **sections.pop("lora", {})},
+    model = {"name": "qwen3-moe-tiny", **sections.pop("model", {})}
+    return _cfg(tmp_path, run, data=data, model=model, lora={**LORA, **sections.pop("lora", {})},
                 train={"steps": 4, "trainable": ["norm.weight"], **(train or {})}, **sections)
 
 
@@ -52,8 +53,15 @@ def test_checkpoints_hold_only_what_trains_and_resume_is_exact(tmp_path: Path) -
 
 
 def test_run_exports_adapter_evaluates_and_export_verb(tmp_path: Path) -> None:
+    from megaseq.models.build import build_model
+    from megaseq.models.hf_io import export_hf_checkpoint
+    from megaseq.models.presets import get_preset
+
+    spec = get_preset("qwen3-moe-tiny")  # a base checkpoint to start from: "before" is then a real model
+    export_hf_checkpoint(build_model(spec, dtype=torch.float32, seed=7), spec, tmp_path / "base")
     cfg = lora_cfg(tmp_path, "r", {"eval_after": True, "export_hf": True}, lora={"export_merged": True},
-                   data={"heldout_tail": 0.2}, eval={"by_position": 32, "max_windows": 2, "kmer_k": 0})
+                   data={"heldout_tail": 0.2}, eval={"by_position": 32, "max_windows": 2, "kmer_k": 0},
+                   model={"init_from": str(tmp_path / "base")})
     result = run_training(cfg)
     run = tmp_path / "r"
     assert (run / "adapter" / "adapter_config.json").is_file() and (run / "hf" / "config.json").is_file()

@@ -347,8 +347,8 @@ def _run_claimed(cfg: Config, spec: Any, env: ParallelEnv, device: torch.device,
         start = meta["step"]
         data.train.load_state_dict(meta["data"])
         env.log(f"resumed from {resume_from} at step {start}")
-    elif cfg.train.eval_after and cfg.model.init_from:
-        # "before" is worth a column only as a real model (the checkpoint fine-tuning starts from). The
+    elif cfg.train.eval_after and (cfg.model.init_from or cfg.lora.init_from):
+        # "before" is worth a column only as a real model (the checkpoint or adapter fine-tuning starts from). The
         # weights only: DCP's optimizer state_dict would initialise AdamW's state (a step with lr 0),
         # shifting its bias correction and so the whole run (every rank: each writes its shards)
         ckpt.save_checkpoint(run_dir, 0, model, None, None, _meta(spec_dict, data, 0, cfg, base), keep=10**9,
