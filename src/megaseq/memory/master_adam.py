@@ -43,6 +43,21 @@ def is_dtensor(t: Any) -> bool:
     return isinstance(t, DTensor)
 
 
+def restore_groups(optimizer: torch.optim.Optimizer, saved_groups: list[dict[str, Any]]) -> dict[Any, Any]:
+    """A saved state's hyperparameters into ``optimizer.param_groups`` (in place); returns the saved parameter
+    keys -> this optimizer's parameters. Shared by MasterAdamW and OffloadStreamAdamW, whose states torch's
+    loader would cast or move."""
+    if len(saved_groups) != len(optimizer.param_groups) or any(
+            len(a["params"]) != len(b["params"]) for a, b in zip(saved_groups, optimizer.param_groups)):
+        raise ValueError("optimizer state does not match this model's parameter groups")
+    index = {}
+    for saved, group in zip(saved_groups, optimizer.param_groups):
+        index.update(zip(saved["params"], group["params"]))
+        group.update({k: v for k, v in saved.items() if k != "params"})
+        group["betas"] = tuple(group["betas"])
+    return index
+
+
 def local(t: torch.Tensor) -> torch.Tensor:
     """The tensor this rank holds: a DTensor's local shard (a view), else ``t``."""
     return t.to_local() if is_dtensor(t) else t
@@ -201,15 +216,7 @@ class MasterAdamW(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore hyperparameters, steps, moments and masters in place (torch's loader would cast the fp32
         state to the weights' bf16), then the weights from the masters."""
-        saved_groups = state_dict["param_groups"]
-        if len(saved_groups) != len(self.param_groups) or any(
-                len(a["params"]) != len(b["params"]) for a, b in zip(saved_groups, self.param_groups)):
-            raise ValueError("optimizer state does not match this model's parameter groups")
-        index = {}
-        for saved, group in zip(saved_groups, self.param_groups):
-            index.update(zip(saved["params"], group["params"]))
-            group.update({k: v for k, v in saved.items() if k != "params"})
-            group["betas"] = tuple(group["betas"])
+        index = restore_groups(self, state_dict["param_groups"])
         with torch.no_grad():
             for key, saved in state_dict["state"].items():
                 p = index[key]

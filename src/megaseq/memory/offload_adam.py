@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from megaseq.memory.master_adam import combine_norms, like_param, local
+from megaseq.memory.master_adam import combine_norms, like_param, local, restore_groups
 from megaseq.memory.offload import HostBuffer
 from megaseq.plan.components import round_up
 
@@ -319,15 +319,7 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore hyperparameters, steps, moments and master weights (into the host buffers, in place);
         the GPU weights are set from the master. A state without ``master`` keeps the current weights."""
-        saved_groups = state_dict["param_groups"]
-        if len(saved_groups) != len(self.param_groups) or any(
-                len(a["params"]) != len(b["params"]) for a, b in zip(saved_groups, self.param_groups)):
-            raise ValueError("optimizer state does not match this model's parameter groups")
-        index = {}
-        for saved, group in zip(saved_groups, self.param_groups):
-            index.update(zip(saved["params"], group["params"]))
-            group.update({k: v for k, v in saved.items() if k != "params"})
-            group["betas"] = tuple(group["betas"])
+        index = restore_groups(self, state_dict["param_groups"])
         with torch.no_grad():
             for key, st in state_dict["state"].items():
                 p = index[key]
