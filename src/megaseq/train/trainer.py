@@ -376,14 +376,16 @@ def _run_claimed(cfg: Config, spec: Any, env: ParallelEnv, device: torch.device,
     return result
 
 
-def _draw_curve(run_dir: Path, unit: str, final: dict[str, Any] | None = None) -> None:
-    """``RUN/loss_curve.png``; a plot that fails must not fail the run (metrics.jsonl has the numbers)."""
+def _draw_curve(run_dir: Path, unit: str, final: dict[str, Any] | None = None, quiet: bool = False) -> None:
+    """``RUN/loss_curve.png``; a plot that fails must not fail the run (metrics.jsonl has the numbers).
+    ``quiet``: a failing plot says nothing (a run that is stopping with its own error)."""
     from megaseq.train.loss_curve import plot_loss_curve
 
     try:
         plot_loss_curve(run_dir, unit, final)
     except Exception as e:  # noqa: BLE001
-        print(f"warning: could not draw {run_dir}/loss_curve.png ({type(e).__name__}: {e})", file=sys.stderr)
+        if not quiet:
+            print(f"warning: could not draw {run_dir}/loss_curve.png ({type(e).__name__}: {e})", file=sys.stderr)
 
 
 @dataclass
@@ -430,10 +432,14 @@ class _Loop:
                     env.barrier()
                     if self.probe is not None and step % every == 0:  # after the save: a failed eval loses no step
                         logger.log_eval(self.probe(self.model, step, logger.eval_progress))
-        finally:
+        except BaseException:  # the curve so far, quietly: the run's own error is the one message
             logger.close()
             if env.is_main:
-                _draw_curve(result.run_dir, self.data.unit)
+                _draw_curve(result.run_dir, self.data.unit, quiet=True)
+            raise
+        logger.close()
+        if env.is_main:
+            _draw_curve(result.run_dir, self.data.unit)
 
     def save(self, step: int, result: RunResult, lr: float) -> None:
         """A resumable checkpoint at ``step`` (every rank writes its shards; rank 0 the rest). Weights the
