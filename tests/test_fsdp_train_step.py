@@ -154,11 +154,12 @@ pytestmark = pytest.mark.usefixtures("one_thread")
     (2, 1, "dp", 12),  # segments of 12, 12 and 8 tokens
     (1, 2, "dp_cp", 8),
     (2, 2, "dp", 0),  # 4 ranks: HSDP (sharded over dp, replicated over cp)
-    (2, 2, "dp", 8),
     (1, 4, "dp_cp", 16),
-    (8, 1, "dp", 8),  # 8 ranks
-    (4, 2, "dp", 0),
-    (2, 4, "dp_cp", 8),
+    # the rest under `make test-all` (-m slow): 4 more CPU ranks each, minutes on a 2-core CI machine
+    pytest.param(2, 2, "dp", 8, marks=pytest.mark.slow),
+    pytest.param(8, 1, "dp", 8, marks=pytest.mark.slow),  # 8 ranks
+    pytest.param(4, 2, "dp", 0, marks=pytest.mark.slow),
+    pytest.param(2, 4, "dp_cp", 8, marks=pytest.mark.slow),
 ])
 def test_fsdp_steps_match_one_process(dp, cp, fsdp, segment, ref):
     spawn_local(_rank, dp * cp, args=(dp, cp, fsdp, segment, "", ref))
