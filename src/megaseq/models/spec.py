@@ -285,13 +285,21 @@ def check_hf_fields(c: dict[str, Any], family: str, where: str, known: set[str] 
                          "change the model, so it is refused: remove it if it has no effect on the model")
 
 
+# architectures users ask for that no family implements yet, and what is missing
+NOT_YET = {
+    "gpt_oss": " (gpt-oss: its attention sinks and sliding-window layers are not implemented by any megaseq "
+               "attention block yet)",
+}
+
+
 def from_hf_config(cfg: dict[str, Any] | str | Path) -> ModelSpec:
     """Build a spec from a HF ``config.json`` (dict, file, or checkpoint directory) through the family that
     reads its ``model_type``; each family refuses the fields it does not implement."""
     c = read_hf_config(cfg)
     fam = family_for_model_type(c.get("model_type"))
     if fam is None:
-        raise ValueError(f"unsupported architecture: model_type {c.get('model_type')!r}. megaseq supports "
+        why = NOT_YET.get(str(c.get("model_type")), "")
+        raise ValueError(f"unsupported architecture: model_type {c.get('model_type')!r}{why}. megaseq supports "
                          f"{', '.join(hf_model_types())} (families {', '.join(FAMILY_PACKAGES)})")
     return family_module(fam.name, "spec").from_hf(c)
 
