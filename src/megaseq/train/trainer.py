@@ -239,16 +239,18 @@ def frozen_base_dtypes(adapters: AdapterSettings) -> Any:
 
 
 def check_expert_parallel_run(cfg: Config) -> None:
-    """Refuse what an expert-parallel run cannot do yet, before anything starts: its checkpoints and HF
-    export would hold rank 0's experts only (one rank writes the whole state, parameters being replicated),
-    and OffloadStreamAdamW clips with a norm that does not see the other ranks' experts."""
+    """Refuse what an expert-parallel run cannot do yet, before anything starts: every rank's experts are
+    plain tensors under the same names, so a DCP checkpoint (which writes a tensor held under one name by
+    several ranks once) and the HF export would keep one rank's experts; and OffloadStreamAdamW clips with a
+    norm that does not see the other ranks' experts."""
     if cfg.parallel.ep == 1:
         return
     raise ValueError(
-        f"parallel.ep = {cfg.parallel.ep}: the trainer cannot yet save an expert-parallel run (checkpoints and the HF "
-        "export are written by one rank from replicated parameters; the experts' shards need the sharded DCP "
-        "checkpoint of the FSDP work). Expert parallelism runs through the library (DistributedEnv + the family's "
-        "parallelize + train_step: docs/expert_parallel.md); for `megaseq train` set --parallel.ep 1")
+        f"parallel.ep = {cfg.parallel.ep}: the trainer cannot yet save an expert-parallel run (each rank's experts "
+        "are plain tensors under the same names, so the sharded checkpoint and the HF export would keep one "
+        "rank's; they need to become DTensors sharded over the ep group). Expert parallelism runs through the "
+        "library (DistributedEnv + the family's parallelize + train_step: docs/expert_parallel.md); for "
+        "`megaseq train` set --parallel.ep 1")
 
 
 def kernels_for(cfg: Config, device: torch.device) -> contextlib.AbstractContextManager:
