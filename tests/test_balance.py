@@ -174,6 +174,19 @@ def megaseq_step(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor
     return balancer
 
 
+def check_aux_loss(hf: torch.nn.Module, ours: torch.nn.Module, ids: torch.Tensor, module: types.ModuleType,
+                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A family's aux loss and every gradient of CE + coef * aux equal transformers' (``output_router_logits``)
+    on one micro-batch of ``ids`` (labels = ids)."""
+    from family_parity import compare_grads
+
+    want, aux = hf_loss_with_aux(hf, ids, ids, module, monkeypatch)
+    want.backward()
+    balancer = megaseq_step(ours, ids, ids, hf.config.router_aux_loss_coef)
+    assert abs(balancer.metrics()["moe_aux_loss"] - float(aux.detach())) < 1e-10 * float(aux.detach())
+    compare_grads(hf, ours)
+
+
 class _PerLayerMean(Balancer):
     """Broken: the mean of per-layer losses (Megatron's form), not HF's layers-concatenated statistics."""
 

@@ -12,13 +12,13 @@ import json
 import pytest
 import torch
 
-from family_parity import check_logits_and_grads, check_packed, check_round_trip, compare_grads, make_pair
+from family_parity import check_logits_and_grads, check_packed, check_round_trip, make_pair
 from megaseq.models.spec import from_hf_config
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.mixtral import modeling_mixtral  # noqa: E402
 
-from test_balance import hf_loss_with_aux, megaseq_step  # noqa: E402
+from test_balance import check_aux_loss  # noqa: E402
 from test_moe import promote_hf_routers_  # noqa: E402
 
 torch.set_num_threads(2)
@@ -59,11 +59,7 @@ def test_packed_documents() -> None:
 def test_aux_loss_matches(monkeypatch: pytest.MonkeyPatch) -> None:
     hf, ours = pair(5)
     ids = torch.randint(0, VOCAB, (2, 21), generator=torch.Generator().manual_seed(6))
-    want, aux = hf_loss_with_aux(hf, ids, ids, modeling_mixtral, monkeypatch)
-    want.backward()
-    balancer = megaseq_step(ours, ids, ids, hf.config.router_aux_loss_coef)
-    assert abs(balancer.metrics()["moe_aux_loss"] - float(aux.detach())) < 1e-10 * float(aux.detach())
-    compare_grads(hf, ours)
+    check_aux_loss(hf, ours, ids, modeling_mixtral, monkeypatch)
 
 
 def test_hf_round_trip(tmp_path) -> None:
