@@ -1,17 +1,21 @@
 """The parallel schemes a family's ``parallelize`` applies after its memory schemes: expert parallelism
 (``env.shard_moe`` on every MoE layer when ``parallel.ep > 1``) and FSDP2 per layer (``parallel.fsdp``).
 
-Families of ``models.common.prenorm`` layers call ``shard_layers`` after ``memory.apply.apply_prenorm``;
-GLM-5 and Qwen3-MoE do the same two steps inline.
+Families of ``models.common.prenorm`` layers run the whole sequence through ``parallelize_prenorm``
+(adapters, ``memory.apply.apply_prenorm``, then ``shard_layers``); GLM-5 and Qwen3-MoE do the same steps
+inline around their own layers.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from torch import nn
 
-from megaseq.memory.apply import AppliedMemory
+from megaseq.config import AdapterSettings, MemorySettings
+from megaseq.memory.apply import AppliedMemory, apply_prenorm
+from megaseq.models.common.lora import apply_adapters
 from megaseq.parallel.fsdp import apply_fsdp
 
 
@@ -25,3 +29,15 @@ def shard_layers(model: nn.Module, done: AppliedMemory, env: Any = None) -> Appl
                 env.shard_moe(layer.mlp)
     done.sharded = apply_fsdp(model, layers, env)  # last: its hooks surround the wrapped forwards
     return done
+
+
+def parallelize_prenorm(model: nn.Module, settings: MemorySettings, env: Any = None,
+                        adapters: AdapterSettings | None = None,
+                        mixer_schemes: Callable[[int, nn.Module, AppliedMemory], None] | None = None) -> AppliedMemory:
+    """A prenorm family's ``parallelize``: ``adapters``' freezing and LoRA adapters first, then the memory
+    schemes (``mixer_schemes(i, mixer, done)``: the family's own mixer settings), then EP and FSDP; returns
+    what was applied (release it at the end)."""
+    adapted = apply_adapters(model, adapters) if adapters is not None else []
+    done = apply_prenorm(model, settings, env, mixer_schemes)
+    done.adapters = [p.name for p in adapted]
+    return shard_layers(model, done, env)

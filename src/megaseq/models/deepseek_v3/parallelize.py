@@ -4,7 +4,7 @@ Its layers are ``models.common.prenorm`` layers: ``tiled_mlp`` tiles each MLP/Mo
 recomputes every layer (``memory.apply.apply_prenorm``). Dense MLA (Ulysses) carries no state across sequence
 segments (``FAMILY.segmentable`` is False), so ``model_segment_tokens`` is refused.
 With ``parallel.ep > 1`` the routed experts are sharded over ep, and ``parallel.fsdp`` shards every layer
-(``parallel.shard.shard_layers``).
+(``parallel.shard.parallelize_prenorm``).
 """
 
 from __future__ import annotations
@@ -12,16 +12,12 @@ from __future__ import annotations
 from typing import Any
 
 from megaseq.config import AdapterSettings, MemorySettings
-from megaseq.memory.apply import AppliedMemory, apply_prenorm
-from megaseq.models.common.lora import apply_adapters
-from megaseq.parallel.shard import shard_layers
+from megaseq.memory.apply import AppliedMemory
+from megaseq.parallel.shard import parallelize_prenorm
 
 
 def parallelize(model: Any, settings: MemorySettings, env: Any = None,
                 adapters: AdapterSettings | None = None) -> AppliedMemory:
     """Install ``settings``' schemes on ``model`` in place, after ``adapters``' freezing and LoRA adapters;
     returns what was applied (release it at the end)."""
-    adapted = apply_adapters(model, adapters) if adapters is not None else []
-    done = apply_prenorm(model, settings, env)
-    done.adapters = [p.name for p in adapted]
-    return shard_layers(model, done, env)
+    return parallelize_prenorm(model, settings, env, adapters)

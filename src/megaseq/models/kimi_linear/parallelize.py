@@ -4,7 +4,7 @@
 mixers run in segments of ``kda_segment_tokens`` when the plan says so (``memory.kda_segments``). The MLA
 layers carry no state across sequence segments (``FAMILY.segmentable`` is False).
 With ``parallel.ep > 1`` the routed experts are sharded over ep, and ``parallel.fsdp`` shards every layer
-(``parallel.shard.shard_layers``).
+(``parallel.shard.parallelize_prenorm``).
 """
 
 from __future__ import annotations
@@ -13,16 +13,14 @@ from typing import Any
 
 from megaseq.config import AdapterSettings, MemorySettings
 from megaseq.memory import kda_segments
-from megaseq.memory.apply import AppliedMemory, apply_prenorm
-from megaseq.models.common.lora import apply_adapters
-from megaseq.parallel.shard import shard_layers
+from megaseq.memory.apply import AppliedMemory
+from megaseq.parallel.shard import parallelize_prenorm
 
 
 def parallelize(model: Any, settings: MemorySettings, env: Any = None,
                 adapters: AdapterSettings | None = None) -> AppliedMemory:
     """Install ``settings``' schemes on ``model`` in place, after ``adapters``' freezing and LoRA adapters;
     returns what was applied (release it at the end)."""
-    adapted = apply_adapters(model, adapters) if adapters is not None else []
     segment = settings.kda_segment_tokens or None
 
     def kda(i: int, mixer: Any, done: AppliedMemory) -> None:
@@ -30,6 +28,4 @@ def parallelize(model: Any, settings: MemorySettings, env: Any = None,
             kda_segments.segment(mixer, segment)
             done.kda_segmented = segment or 0
 
-    done = apply_prenorm(model, settings, env, kda)
-    done.adapters = [p.name for p in adapted]
-    return shard_layers(model, done, env)
+    return parallelize_prenorm(model, settings, env, adapters, kda)
