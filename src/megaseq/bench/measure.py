@@ -10,7 +10,9 @@ FLOP count (``plan.flops.mfu``: model FLOPs only, attention and indexer included
 from __future__ import annotations
 
 import copy
+import sys
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -120,6 +122,11 @@ def measure_megaseq(cfg: Config, seq_len: int, steps: int, source: str) -> dict[
                    measured_host_gib=host_rss_peak() / 1e9, moe_max_over_mean=moe_load(model))
     except torch.OutOfMemoryError as e:
         row.update(status="oom", error=str(e).splitlines()[0][:200])
+        # where it ran out, for whoever reads the log (the row keeps the message only)
+        print(f"megaseq bench: {seq_len} tokens: out of memory\n{traceback.format_exc()}", file=sys.stderr)
+        if device.type == "cuda":
+            print(f"peak allocated {torch.cuda.max_memory_allocated(device) / GIB:.2f} GiB, allocated now "
+                  f"{torch.cuda.memory_allocated(device) / GIB:.2f} GiB", file=sys.stderr)
     finally:
         if applied is not None:
             applied.release()
