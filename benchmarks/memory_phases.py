@@ -46,7 +46,10 @@ def main() -> int:
         torch.cuda.get_device_name = lambda *a: "cpu"
     spec = resolve_spec(c.model.name)
     plan = plan_on(c, dev)
-    run = run_for(spec, S, plan.memory, model_dtype=c.model.dtype)
+    from megaseq.config import AdapterSettings
+
+    run = run_for(spec, S, plan.memory, model_dtype=c.model.dtype, weights=c.model.weights,
+                  adapters=AdapterSettings.of(c))  # the run plan_on planned (frozen base and adapters too)
     terms = all_layer_terms(run)
     ev = evaluate(run)
     model, applied, next_batch, step = planned_step(c, spec, dev, plan, 2)

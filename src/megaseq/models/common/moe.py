@@ -224,7 +224,9 @@ def combine(y_MH: torch.Tensor, weights_NK: torch.Tensor, dtype: torch.dtype) ->
     a sum over K instead of index_add_: deterministic on every device."""
     N, K = weights_NK.shape
     y_MH = (y_MH * weights_NK.reshape(-1, 1)).to(dtype)
-    return y_MH.view(N, K, -1).sum(dim=1)
+    # CUDA autocast runs sum in float32: cast back, or a bf16 residual stream (a frozen bf16 base under
+    # autocast) turns float32 at the first MoE layer and every later boundary doubles (measured on an H200)
+    return y_MH.view(N, K, -1).sum(dim=1).to(dtype)
 
 
 class ExpertDispatch:
