@@ -289,3 +289,34 @@ def test_moe_bf16_on_gpu_uses_grouped_mm_and_matches_float64() -> None:
         g_fast = dict(fast.named_parameters())[name].grad.double().cpu()
         rel = (g_fast - p.grad).norm() / p.grad.norm()
         assert rel < 5e-2, f"{name}: relative grad error {rel:.3e}"
+
+
+def test_combine_returns_the_residual_dtype_whatever_sum_promotes_to(monkeypatch) -> None:
+    """CUDA autocast runs ``sum`` in float32 (CPU autocast does not): the MoE's output must still be in the
+    residual stream's dtype, or a frozen bf16 base's stream turns float32 at the first MoE layer (every later
+    boundary doubled: +27% of a Qwen3-30B-A3B LoRA step's memory on an H200). The promotion is simulated here."""
+    from megaseq.models.common import moe as moe_mod
+
+    real_sum = torch.Tensor.sum
+    monkeypatch.setattr(torch.Tensor, "sum", lambda self, *a, **k: real_sum(self.float(), *a, **k))
+    y = torch.randn(6 * 2, 5, dtype=torch.bfloat16)
+    w = torch.rand(6, 2)
+    out = moe_mod.combine(y, w, torch.bfloat16)
+    assert out.dtype == torch.bfloat16
+    ref = (y.float() * w.reshape(-1, 1)).bfloat16().float().view(6, 2, 5).sum(dim=1).bfloat16()
+    assert torch.equal(out, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_moe_under_cuda_autocast_keeps_a_bf16_stream_bf16() -> None:
+    """The real promotion: a bf16 input under bf16 autocast (fp32 router, bf16 experts: a frozen bf16
+    base) comes out bf16."""
+    spec = _glm_spec(num_experts=16, num_experts_per_tok=4, hidden_size=64, moe_intermediate_size=32,
+                     n_group=4, topk_group=2)
+    moe = MoE(spec, layer="gpu.mlp").cuda()
+    moe.experts.bfloat16()
+    moe.shared_experts.bfloat16()
+    x = torch.randn(2, 33, 64, device="cuda").bfloat16()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        assert moe(x).dtype == torch.bfloat16
