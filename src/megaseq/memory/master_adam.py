@@ -43,6 +43,18 @@ def is_dtensor(t: Any) -> bool:
     return isinstance(t, DTensor)
 
 
+# A parameter attribute: its gradient is not final when the backward leaves it (an expert-parallel DTensor,
+# summed over the ranks holding the same experts afterwards), so no hook may fold or move it in the backward
+REDUCED_AFTER_BACKWARD = "reduced_after_backward"
+
+
+def complete_in_backward(p: Any) -> bool:
+    """Whether a parameter's gradient is final when the backward leaves it on a multi-rank run: an FSDP
+    shard's (reduce-scattered in the backward), not a whole parameter's nor an expert-parallel DTensor's
+    (both reduced by the environment after the backward)."""
+    return is_dtensor(p) and not getattr(p, REDUCED_AFTER_BACKWARD, False)
+
+
 def restore_groups(optimizer: torch.optim.Optimizer, saved_groups: list[dict[str, Any]]) -> dict[Any, Any]:
     """A saved state's hyperparameters into ``optimizer.param_groups`` (in place); returns the saved parameter
     keys -> this optimizer's parameters. Shared by MasterAdamW and OffloadStreamAdamW, whose states torch's
