@@ -176,6 +176,127 @@ def test_offloaded_optimizer_equals_one_process(runs):
     assert_every_expert_saved_once(runs / "offload" / ckpt.CKPT_DIR / "step_000002")
 
 
+# ---- MasterAdamW (model.weights bf16's optimizer) on dp 2 x ep 2, accumulating two micro-batches ------------
+def _sequences(n: int) -> torch.Tensor:
+    return torch.randint(0, 16, (n, 32), generator=torch.Generator().manual_seed(7))
+
+
+def _master_reference() -> tuple[float, dict[str, torch.Tensor]]:
+    """One process, all 8 sequences at once: the clipped AdamW step's gradient norm and parameters."""
+    from megaseq.models.build import build_model
+    from megaseq.models.presets import get_preset
+    from megaseq.ops.cross_entropy import plain_linear_cross_entropy
+    from megaseq.parallel.mesh import complete_batch
+
+    model = build_model(get_preset("qwen3-moe-tiny"), dtype=torch.float64, seed=0)
+    batch = complete_batch({"input_ids": _sequences(8)})
+    hidden = model(batch["input_ids"])
+    labels = batch["labels"].reshape(-1)
+    loss = plain_linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), model.lm_head.weight, labels,
+                                      reduction="sum") / int((labels != -100).sum())
+    loss.backward()
+    norm = float(torch.nn.utils.clip_grad_norm_(list(model.parameters()), CLIP))
+    torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0, foreach=False).step()
+    return norm, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _master_rank(rank: int, ref: tuple, broken: bool) -> None:
+    """dp 2 x ep 2: data rank ``rank`` reads sequences ``rank`` and ``rank + 4`` as two micro-batches, the
+    trainer's ``train_step`` with MasterAdamW (fp64 weights: fp64 masters, so exact) accumulating them."""
+    from megaseq.config import MemorySettings
+    from megaseq.memory.master_adam import MasterAdamW, complete_in_backward, is_dtensor
+    from megaseq.models.build import build_model
+    from megaseq.models.presets import get_preset
+    from megaseq.models.registry import parallelize
+    from megaseq.parallel.env import DistributedEnv
+    from megaseq.train.trainer import train_step
+
+    torch.set_num_threads(1)
+    cfg = build_config(overrides={"model.name": "qwen3-moe-tiny", "parallel.dp": 2, "parallel.ep": 2,
+                                  "parallel.backend": "gloo", "data.seq_len": 32, "train.device": "cpu",
+                                  "optim.grad_clip": CLIP, "train.grad_accum": 2})
+    env = DistributedEnv(cfg)
+    model = build_model(get_preset("qwen3-moe-tiny"), dtype=torch.float64, seed=0)
+    parallelize(model, MemorySettings(), env)
+    # the broken variant: every DTensor folded in the backward (as FSDP's shards), before the experts'
+    # gradients are summed over the dp ranks holding them
+    opt = MasterAdamW(model.parameters(), lr=3e-3, weight_decay=0.0, foreach=False, accumulate=True,
+                      foldable=is_dtensor if broken else complete_in_backward)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    ids = _sequences(8)
+    micro = [env.shard_batch({"input_ids": ids[i:i + 1]}) for i in (env.dp_rank, env.dp_rank + 4)]
+    _, norm = train_step(model, micro, opt, sched, cfg, env, None, MemorySettings())
+    ref_norm, ref_params = ref
+    assert abs(norm - ref_norm) <= 1e-10 * ref_norm, (norm, ref_norm)
+    for n, p in model.named_parameters():
+        got = p.detach().full_tensor() if is_dtensor(p) else p.detach()
+        torch.testing.assert_close(got, ref_params[n], **TOL, msg=lambda m, n=n: f"{n}: {m}")
+    env.shutdown()
+
+
+@pytest.fixture(scope="module")
+def master_reference():
+    return _master_reference()
+
+
+def test_master_adamw_accumulating_on_dp_and_ep_equals_one_process(master_reference):
+    spawn_local(_master_rank, 4, args=(master_reference, False))
+
+
+def test_master_adamw_folding_experts_in_the_backward_fails(master_reference):
+    """The broken variant: the experts' gradients taken by the fold hook before the dp reduction."""
+    with pytest.raises(Exception, match=r"AssertionError: \([\d.]+, [\d.]+\)"):  # the gradient norm differs
+        spawn_local(_master_rank, 4, args=(master_reference, True))
+
+
+# ---- torch's AdamW, foreach and fused, over experts (DTensors) and whole parameters -----------------------
+def _adamw_rank(rank: int) -> None:
+    """ep 2, one backward: ``make_optimizer``'s AdamW (``SplitAdamW``: the groups mix DTensors and whole
+    tensors) foreach and fused give the single-tensor step's parameters; torch's AdamW refuses the mix."""
+    from megaseq.config import MemorySettings
+    from megaseq.memory.apply import make_optimizer
+    from megaseq.memory.master_adam import SplitAdamW, is_dtensor
+    from megaseq.models.build import build_model
+    from megaseq.models.presets import get_preset
+    from megaseq.models.registry import parallelize
+    from megaseq.parallel.env import DistributedEnv
+    from megaseq.train.optim import param_groups
+
+    torch.set_num_threads(1)
+    cfg = build_config(overrides={"model.name": "qwen3-moe-tiny", "parallel.ep": 2, "parallel.backend": "gloo",
+                                  "data.seq_len": 32, "train.device": "cpu"})
+    env = DistributedEnv(cfg)
+    after = {}
+    for kind in ("single", "foreach", "fused", "torch_foreach"):
+        model = build_model(get_preset("qwen3-moe-tiny"), dtype=torch.float64, seed=0)
+        parallelize(model, MemorySettings(), env)
+        groups = param_groups(model, 0.1)
+        if kind == "single":
+            opt = make_optimizer(groups, MemorySettings(), lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+            assert isinstance(opt, SplitAdamW)
+        elif kind == "torch_foreach":
+            opt = torch.optim.AdamW(groups, lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1, foreach=True)
+        else:
+            opt = SplitAdamW(groups, lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1, **{kind: True})
+        batch = env.shard_batch({"input_ids": _sequences(2)[env.dp_rank:env.dp_rank + 1]})
+        model(batch["input_ids"]).square().mean().backward()
+        env.reduce_gradients(model)
+        if kind == "torch_foreach":
+            with pytest.raises(RuntimeError, match="mixed torch.Tensor and DTensor"):
+                opt.step()
+            continue
+        opt.step()
+        after[kind] = {n: (p.to_local() if is_dtensor(p) else p).detach().clone() for n, p in model.named_parameters()}
+        assert len(opt.state_dict()["param_groups"]) == 2  # the groups as built (decay, no decay)
+    for kind in ("foreach", "fused"):
+        _assert_same(after[kind], after["single"])
+    env.shutdown()
+
+
+def test_torch_adamw_foreach_and_fused_over_experts_and_whole_parameters():
+    spawn_local(_adamw_rank, 2)
+
+
 def _resume_from_step_1(tmp: Path, name: str) -> Path:
     """A copy of the ep-2 run with its step-2 checkpoint, its export and the metrics after step 1 removed."""
     run = tmp / name

@@ -138,6 +138,31 @@ def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float) -> torch.Te
     return norm
 
 
+class SplitAdamW(torch.optim.AdamW):
+    """``torch.optim.AdamW`` for parameter groups that mix DTensors and plain tensors (expert parallelism:
+    the routed experts are DTensors over the ep axis, every other parameter a whole tensor), which its
+    foreach and fused kernels refuse in one call ("got mixed torch.Tensor and DTensor"). Each step runs
+    every group as two (its plain tensors, then its DTensors) with the group's hyperparameters, so the
+    arithmetic is AdamW's and ``param_groups`` / ``state_dict`` keep the groups as built (a checkpoint of
+    an ep run has the one-process run's groups, and resumes there)."""
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        groups = self.param_groups
+        self.param_groups = [{**g, "params": part} for g in groups
+                             for part in ([p for p in g["params"] if not is_dtensor(p)],
+                                          [p for p in g["params"] if is_dtensor(p)]) if part]
+        try:
+            return super().step(closure)
+        finally:
+            self.param_groups = groups
+
+
+def mixes_dtensors(params: Iterable[torch.Tensor]) -> bool:
+    """Whether ``params`` hold both DTensors and plain tensors."""
+    kinds = {is_dtensor(p) for p in params}
+    return len(kinds) == 2
+
+
 class MasterAdamW(torch.optim.Optimizer):
     """AdamW with fp32 master weights and moments for low-precision weights (see the module docstring)."""
 
