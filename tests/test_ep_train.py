@@ -8,11 +8,15 @@ axis) and reading its own sequence, against one process reading both sequences p
   weights and AdamW's moments); resumed on ep 2 it continues exactly as the uninterrupted run, and resumed
   on one process (DCP reshards the experts) it continues as the one-process run;
 - the HF export gathers the experts whole: it equals the one-process run's export and gives transformers'
-  logits of the final weights.
+  logits of the final weights;
+- OffloadStreamAdamW on ep 2 and a dp 2 x ep 2 run (each slice on two ranks, written once) likewise;
+- the trainer's ``train_step`` with MasterAdamW (fp64 masters) accumulating two micro-batches on dp 2 x ep 2,
+  and ``make_optimizer``'s AdamW foreach and fused over the experts and the whole parameters.
 
 Broken variants that must fail: experts left as plain per-rank tensors (the code before the DTensors: the
-checkpoint then holds one rank's 4 experts under the name of all 8), and clipping with the norm of each
-rank's own gradients (the other rank's experts unseen)."""
+checkpoint then holds one rank's 4 experts under the name of all 8), clipping with the norm of each rank's
+own gradients (the other rank's experts unseen), MasterAdamW folding the experts' gradients in the backward
+(before their dp reduction), torch's foreach AdamW over groups mixing DTensors and tensors."""
 
 from __future__ import annotations
 
@@ -174,6 +178,19 @@ def test_offloaded_optimizer_equals_one_process(runs):
         assert abs(g["grad_norm"] - w["grad_norm"]) <= 1e-10 * w["grad_norm"], (g["grad_norm"], w["grad_norm"])
     _assert_same(_weights(runs / "offload"), _weights(runs / "one"))
     assert_every_expert_saved_once(runs / "offload" / ckpt.CKPT_DIR / "step_000002")
+
+
+def test_dp_and_ep_step_and_checkpoint_equal_one_process(runs):
+    """dp 2 x ep 2 (4 ranks, each expert slice on 2 of them): one clipped step equals one process reading the
+    4 sequences; the checkpoint still holds each expert slice once (DCP writes a replicated shard once)."""
+    spawn_local(_train_rank, 4, args=(_overrides(runs, "dp2ep2", 2, 1, steps=1, **{"parallel.dp": 2}),))
+    _one_process(_overrides(runs, "one4", 1, 4, steps=1))
+    got, want = _records(runs / "dp2ep2")[0], _records(runs / "one4")[0]
+    assert want["grad_norm"] > 2 * CLIP
+    assert abs(got["loss"] - want["loss"]) <= 1e-10 * abs(want["loss"]), (got["loss"], want["loss"])
+    assert abs(got["grad_norm"] - want["grad_norm"]) <= 1e-10 * want["grad_norm"], (got["grad_norm"], want["grad_norm"])
+    _assert_same(_weights(runs / "dp2ep2"), _weights(runs / "one4"))
+    assert_every_expert_saved_once(runs / "dp2ep2" / ckpt.CKPT_DIR / "step_000001")
 
 
 # ---- MasterAdamW (model.weights bf16's optimizer) on dp 2 x ep 2, accumulating two micro-batches ------------

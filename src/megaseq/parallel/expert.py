@@ -25,8 +25,9 @@ from the same gathered counts.
 Composition: ep ranks read different sequences (``DistributedEnv``: data rank = dp_rank * ep + ep_rank),
 so every non-expert parameter is replicated over dp x ep x cp and reduced over the world, the experts
 over the dp x cp ranks holding the same ones (``mesh.expert_group``). Under cp each rank dispatches its
-own sequence shard. FSDP plugs in after ``shard_moe``: the non-expert parameters sharded over the world,
-the experts over ``expert_group`` (their gradients then reduce-scattered there instead of all-reduced).
+own sequence shard. The held experts are DTensors ``Shard(0)`` over the mesh's ep axis (``shard_experts``):
+DCP saves each slice once and reshards it on load, the HF export gathers them (``full_tensor``), and the
+shard-aware clipping sums their squares over the ep group. FSDP with ep > 1 is refused (``ParallelConfig``).
 """
 
 from __future__ import annotations
