@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.tensor  # noqa: F401  assert_close imports it lazily: once here, not in each fork
+from torch.distributed.tensor import DTensor
 
 from conftest import torch_threads
 from megaseq.config import MemorySettings, OptimConfig, build_config
@@ -123,9 +124,13 @@ def _case(dp: int, ep: int, cp: int, mode: str, skew: bool, memory: dict, ref: t
     assert grads.keys() == ref_grads.keys()
     for n, p in model.named_parameters():
         held = _held(model, n)
+        assert held == slice(None) or isinstance(p, DTensor), n  # the experts are DTensors over the ep axis
         if n in grads:
-            torch.testing.assert_close(grads[n], ref_grads[n][held], **TOL, msg=lambda m, n=n: f"grad {n}: {m}")
-        torch.testing.assert_close(p.detach(), ref_params[n][held], **TOL, msg=lambda m, n=n: f"{n}: {m}")
+            torch.testing.assert_close(_local(grads[n]), ref_grads[n][held], **TOL,
+                                       msg=lambda m, n=n: f"grad {n}: {m}")
+            if isinstance(grads[n], DTensor):  # and gathered: every rank's experts
+                torch.testing.assert_close(grads[n].full_tensor(), ref_grads[n], **TOL)
+        torch.testing.assert_close(_local(p.detach()), ref_params[n][held], **TOL, msg=lambda m, n=n: f"{n}: {m}")
     spilled = sum(layer.mlp.expert_dispatch.last["foreign_experts"] for layer, kind in
                   zip(model.layers, model.spec.mlp_types) if kind == "moe")
     out = [None] * dist.get_world_size()
@@ -135,6 +140,10 @@ def _case(dp: int, ep: int, cp: int, mode: str, skew: bool, memory: dict, ref: t
     elif skew:
         assert sum(out) > 0, out  # the skewed routing makes LLEP move experts
     return env
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _held(model: torch.nn.Module, name: str) -> slice:

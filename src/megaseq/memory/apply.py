@@ -117,15 +117,17 @@ def make_optimizer(params: Iterable[Any], settings: MemorySettings, lr: float, b
                    distributed: bool = False) -> torch.optim.Optimizer:
     """OffloadStreamAdamW when the settings offload the optimizer; ``MasterAdamW`` (fp32 master weights and
     moments beside them) when some weights are narrower than fp32 (``model.weights bf16``); else
-    ``torch.optim.AdamW`` (fused on CUDA).
+    ``torch.optim.AdamW`` (fused on CUDA; ``master_adam.SplitAdamW`` when DTensors and whole parameters mix,
+    as under expert parallelism).
 
     ``params``: tensors or parameter groups (FSDP2 shards included). With the offloaded optimizer each
     gradient moves to the host as soon as backward produces it, so the model's gradients never all sit on the
     GPU; clip with ``optimizer.clip_grad_norm_`` (gradients live on the host). ``accumulate``: a step has
     several backward passes (micro-batches, sequence segments), whose gradients MasterAdamW sums in fp32;
     ``distributed``: several ranks, so only FSDP's shards (complete when FSDP hands them over) may leave
-    ``.grad`` before the whole parameters are all-reduced."""
-    from megaseq.memory.master_adam import MasterAdamW, is_dtensor
+    ``.grad`` before the whole parameters and the expert-parallel experts are all-reduced
+    (``master_adam.complete_in_backward``)."""
+    from megaseq.memory.master_adam import MasterAdamW, SplitAdamW, complete_in_backward, mixes_dtensors
 
     params = list(params)
     flat = [p for g in params for p in (g["params"] if isinstance(g, dict) else [g])]
@@ -136,11 +138,12 @@ def make_optimizer(params: Iterable[Any], settings: MemorySettings, lr: float, b
         return OffloadStreamAdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                                   bucket_params=settings.optimizer_bucket_params,
                                   grads_in_backward=not settings.model_segment_tokens,
-                                  hookable=(lambda p: is_dtensor(p)) if distributed else None)
+                                  hookable=complete_in_backward if distributed else None)
     on_cuda = bool(flat) and all(p.is_cuda for p in flat)
     if any(p.dtype in (torch.bfloat16, torch.float16) for p in flat):
         return MasterAdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                            foreach=None if on_cuda else False, accumulate=accumulate,
-                           foldable=(lambda p: is_dtensor(p)) if distributed else None)
-    return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                             fused=True if on_cuda else None, foreach=None if on_cuda else False)
+                           foldable=complete_in_backward if distributed else None)
+    adamw = SplitAdamW if mixes_dtensors(flat) else torch.optim.AdamW  # expert parallelism: fused per kind
+    return adamw(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                 fused=True if on_cuda else None, foreach=None if on_cuda else False)

@@ -43,6 +43,18 @@ def is_dtensor(t: Any) -> bool:
     return isinstance(t, DTensor)
 
 
+# A parameter attribute: its gradient is not final when the backward leaves it (an expert-parallel DTensor,
+# summed over the ranks holding the same experts afterwards), so no hook may fold or move it in the backward
+REDUCED_AFTER_BACKWARD = "reduced_after_backward"
+
+
+def complete_in_backward(p: Any) -> bool:
+    """Whether a parameter's gradient is final when the backward leaves it on a multi-rank run: an FSDP
+    shard's (reduce-scattered in the backward), not a whole parameter's nor an expert-parallel DTensor's
+    (both reduced by the environment after the backward)."""
+    return is_dtensor(p) and not getattr(p, REDUCED_AFTER_BACKWARD, False)
+
+
 def restore_groups(optimizer: torch.optim.Optimizer, saved_groups: list[dict[str, Any]]) -> dict[Any, Any]:
     """A saved state's hyperparameters into ``optimizer.param_groups`` (in place); returns the saved parameter
     keys -> this optimizer's parameters. Shared by MasterAdamW and OffloadStreamAdamW, whose states torch's
@@ -124,6 +136,31 @@ def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float) -> torch.Te
     for _, g in pairs:
         g.mul_(coef.to(g.dtype))
     return norm
+
+
+class SplitAdamW(torch.optim.AdamW):
+    """``torch.optim.AdamW`` for parameter groups that mix DTensors and plain tensors (expert parallelism:
+    the routed experts are DTensors over the ep axis, every other parameter a whole tensor), which its
+    foreach and fused kernels refuse in one call ("got mixed torch.Tensor and DTensor"). Each step runs
+    every group as two (its plain tensors, then its DTensors) with the group's hyperparameters, so the
+    arithmetic is AdamW's and ``param_groups`` / ``state_dict`` keep the groups as built (a checkpoint of
+    an ep run has the one-process run's groups, and resumes there)."""
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        groups = self.param_groups
+        self.param_groups = [{**g, "params": part} for g in groups
+                             for part in ([p for p in g["params"] if not is_dtensor(p)],
+                                          [p for p in g["params"] if is_dtensor(p)]) if part]
+        try:
+            return super().step(closure)
+        finally:
+            self.param_groups = groups
+
+
+def mixes_dtensors(params: Iterable[torch.Tensor]) -> bool:
+    """Whether ``params`` hold both DTensors and plain tensors."""
+    kinds = {is_dtensor(p) for p in params}
+    return len(kinds) == 2
 
 
 class MasterAdamW(torch.optim.Optimizer):

@@ -221,15 +221,23 @@ class _ParamGrads:
 
     def __init__(self, n: int, foreign: Sequence[torch.Tensor]) -> None:
         self.sums: list[torch.Tensor | None] = [None] * n
-        self.foreign = {t.untyped_storage().data_ptr() for t in foreign if t is not None}
+        self.foreign = {_storage(t) for t in foreign if t is not None}
 
     def add(self, i: int, g: torch.Tensor | None) -> None:
         if g is None:
             return
         if self.sums[i] is None:
-            self.sums[i] = g.clone() if g.untyped_storage().data_ptr() in self.foreign else g
+            self.sums[i] = g.clone() if _storage(g) in self.foreign else g
         else:
             self.sums[i].add_(g)
+
+
+def _storage(t: torch.Tensor) -> int:
+    """The address of ``t``'s storage (a DTensor's, an expert-parallel parameter's gradient: its local
+    tensor's)."""
+    from torch.distributed.tensor import DTensor
+
+    return (t.to_local() if isinstance(t, DTensor) else t).untyped_storage().data_ptr()
 
 
 class _ReplayFn(torch.autograd.Function):

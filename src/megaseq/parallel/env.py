@@ -168,24 +168,27 @@ class DistributedEnv(ParallelEnv):
         sharded = {id(p) for p in self.expert_params}
         params = [p for p in model.parameters() if p.requires_grad]
         grads.reduce_gradients([p for p in params if id(p) not in sharded])
-        if self.expert_params:
-            grads.reduce_gradients([p for p in params if id(p) in sharded], group=self.mesh.expert_group)
+        if self.expert_params:  # DTensors over the ep axis: their local slices, summed over the dp x cp ranks
+            grads.reduce_gradients([p for p in params if id(p) in sharded], group=self.mesh.expert_group,
+                                   dtensors=True)
 
     def clip_grad_norm(self, params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+        """The global norm: the experts' squares summed over the ep group (each rank holds other experts)."""
         if not self.expert_params:
             return super().clip_grad_norm(params, max_norm)
         return grads.clip_grad_norm(params, max_norm, self.expert_params, group=self.mesh.ep_group)
 
     # ---- expert parallelism ----------------------------------------------------------------------
     def shard_moe(self, moe: torch.nn.Module) -> None:
-        """Keep this rank's ``num_experts / ep`` of ``moe.experts`` and install the expert-parallel dispatch
+        """Keep this rank's ``num_experts / ep`` of ``moe.experts`` (DTensors ``Shard(0)`` over the mesh's ep
+        axis: ``parallel.expert.shard_experts``) and install the expert-parallel dispatch
         (``parallel.expert.EPDispatch``) on ``moe.expert_dispatch``; its experts' gradients are then reduced
         over the ranks holding the same experts. Applying again is a no-op."""
         from megaseq.parallel.expert import EPDispatch, shard_experts
 
         if self.ep_size == 1:
             return
-        shard_experts(moe.experts, self.ep_size, self.ep_rank)
+        shard_experts(moe.experts, self.ep_size, self.ep_rank, self.mesh.device_mesh)
         moe.expert_dispatch = EPDispatch(group=self.mesh.ep_group, ep=self.ep_size, rank=self.ep_rank,
                                          settings=self.ep_settings, scope=moe.experts.layer)
         known = {id(p) for p in self.expert_params}

@@ -25,8 +25,9 @@ from the same gathered counts.
 Composition: ep ranks read different sequences (``DistributedEnv``: data rank = dp_rank * ep + ep_rank),
 so every non-expert parameter is replicated over dp x ep x cp and reduced over the world, the experts
 over the dp x cp ranks holding the same ones (``mesh.expert_group``). Under cp each rank dispatches its
-own sequence shard. FSDP plugs in after ``shard_moe``: the non-expert parameters sharded over the world,
-the experts over ``expert_group`` (their gradients then reduce-scattered there instead of all-reduced).
+own sequence shard. The held experts are DTensors ``Shard(0)`` over the mesh's ep axis (``shard_experts``):
+DCP saves each slice once and reshards it on load, the HF export gathers them (``full_tensor``), and the
+shard-aware clipping sums their squares over the ep group. FSDP with ep > 1 is refused (``ParallelConfig``).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megaseq.config import ExpertDispatchSettings
+from megaseq.memory.master_adam import REDUCED_AFTER_BACKWARD, is_dtensor
 from megaseq.models.common.moe import ExpertDispatch, Experts, combine
 from megaseq.ops.amp import autocast_as, autocast_state
 from megaseq.parallel.expert_route import ChunkRoute, Route, build_route, destinations, group_by_served, strided_order
@@ -76,8 +78,16 @@ class AllToAll(torch.autograd.Function):
 
 
 # ---- sharding ----------------------------------------------------------------------------------------
-def shard_experts(experts: Experts, ep: int, rank: int) -> None:
-    """Keep experts ``[rank * E / ep, (rank + 1) * E / ep)`` of ``experts`` (in place; again: no-op)."""
+def shard_experts(experts: Experts, ep: int, rank: int, device_mesh: Any = None, mesh_dim: str = "ep") -> None:
+    """Keep experts ``[rank * E / ep, (rank + 1) * E / ep)`` of ``experts`` (in place; again: no-op).
+
+    With ``device_mesh`` (the run's ``(dp, ep, cp)`` mesh) each kept slice becomes a DTensor parameter of
+    global shape ``[E, ...]``, ``Shard(0)`` over ``mesh_dim`` and replicated over the other dims: what DCP
+    saves once per shard and reshards on load, what ``full_tensor`` gathers for the HF export, and what the
+    shard-aware clipping (``memory.master_adam.clip_grad_norm_``) sums over the ep group. The dispatch reads
+    the local slice (``local_weights``); the gradient comes back as a DTensor of the same placements. Such a
+    parameter is marked ``reduced_after_backward`` (``memory.master_adam``): its gradient is summed over the
+    ranks holding the same experts after the backward, so no optimizer hook may take it earlier."""
     E = experts.num_experts
     if E % ep:
         raise ValueError(f"parallel.ep = {ep} must divide num_experts = {E}: pick an ep among "
@@ -89,9 +99,32 @@ def shard_experts(experts: Experts, ep: int, rank: int) -> None:
     assert experts.held == range(E), f"experts already sharded as {experts.held}, not {held}"
     for name in ("gate_up_proj", "down_proj"):
         w = getattr(experts, name)
-        setattr(experts, name, nn.Parameter(w.detach()[held.start:held.stop].clone(),
-                                            requires_grad=w.requires_grad))
+        part = w.detach()[held.start:held.stop].clone()
+        if device_mesh is not None:
+            part = _as_ep_dtensor(part, device_mesh, mesh_dim, tuple(w.shape))
+        p = nn.Parameter(part, requires_grad=w.requires_grad)
+        if device_mesh is not None:
+            setattr(p, REDUCED_AFTER_BACKWARD, True)
+        setattr(experts, name, p)
     experts.held = held
+
+
+def _as_ep_dtensor(part: torch.Tensor, device_mesh: Any, mesh_dim: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """This rank's expert slice as a DTensor of global ``shape``: ``Shard(0)`` over ``mesh_dim``, replicated
+    over the mesh's other dims."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    names = device_mesh.mesh_dim_names
+    placements = [Shard(0) if d == mesh_dim else Replicate() for d in names]
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(part, device_mesh, placements, run_check=False, shape=torch.Size(shape),
+                              stride=stride)
+
+
+def local_weights(experts: Experts) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(gate_up [Ep, 2I, H], down [Ep, H, I])``: the expert weights this rank holds, as plain tensors (a
+    DTensor's local slice through ``to_local``, differentiable: its gradient lands on the DTensor)."""
+    return tuple(w.to_local() if is_dtensor(w) else w for w in (experts.gate_up_proj, experts.down_proj))
 
 
 # ---- the dispatch ------------------------------------------------------------------------------------
@@ -119,7 +152,7 @@ class EPDispatch(ExpertDispatch):
                             self.token_order)
         self.last = route.stats()
         order = route.order_N
-        ins = (x_NH[order], weights_NK[order], experts_NK[order], experts.gate_up_proj, experts.down_proj)
+        ins = (x_NH[order], weights_NK[order], experts_NK[order], *local_weights(experts))
         if torch.is_grad_enabled() and any(t.requires_grad for t in ins):
             y_NH = _DispatchFn.apply(self, experts, route, *ins)
         else:
@@ -247,8 +280,9 @@ class _DispatchFn(torch.autograd.Function):
         else:
             gx, gw, ggu, gdn, *g_for = _replay_chunks(ctx, g_NH)
         if route.moves_weights:  # the native rank receives its helpers' gradients even if it used none itself
-            ggu = torch.zeros_like(ctx.experts.gate_up_proj) if ggu is None else ggu
-            gdn = torch.zeros_like(ctx.experts.down_proj) if gdn is None else gdn
+            held_gu, held_dn = local_weights(ctx.experts)
+            ggu = torch.zeros_like(held_gu) if ggu is None else ggu
+            gdn = torch.zeros_like(held_dn) if gdn is None else gdn
             d.return_weight_grads(route, tuple(g_for), ggu, gdn)
         return None, None, None, gx, gw, None, ggu, gdn
 

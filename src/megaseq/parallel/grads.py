@@ -77,17 +77,19 @@ def _device(group: Any) -> torch.device:
 
 
 def reduce_gradients(model: torch.nn.Module | Iterable[torch.nn.Parameter], group: Any = None,
-                     bucket_numel: int = BUCKET_NUMEL) -> None:
+                     bucket_numel: int = BUCKET_NUMEL, dtensors: bool = False) -> None:
     """Sum every whole (replicated) parameter's gradient over ``group`` (default: the world), in flat buckets.
 
     A parameter that received no gradient on any rank keeps ``grad = None`` (AdamW then skips it,
     exactly as in one process: e.g. the DSA indexer, which runs under no_grad); one that has a
     gradient on some rank only (an expert no local token was routed to) gets zeros elsewhere so
     every rank reduces the same list of tensors. FSDP's shards (DTensor parameters) are skipped: their
-    gradients were reduce-scattered in the backward (``parallel.fsdp``).
+    gradients were reduce-scattered in the backward (``parallel.fsdp``). ``dtensors``: DTensor parameters
+    are reduced too, their local tensors summed over ``group`` (the expert-parallel experts, each a slice
+    replicated over the ranks of ``group``).
     """
     params = model.parameters() if isinstance(model, torch.nn.Module) else model
-    params = [p for p in params if p.requires_grad and not _is_dtensor(p)]
+    params = [p for p in params if p.requires_grad and (dtensors or not _is_dtensor(p))]
     if not _initialized() or dist.get_world_size(group) == 1 or not params:
         return
     device = params[0].device
@@ -100,13 +102,18 @@ def reduce_gradients(model: torch.nn.Module | Iterable[torch.nn.Parameter], grou
         if p.grad is None:
             p.grad = torch.zeros_like(p)
         live.append(p)
-    all_reduce_tensors([p.grad for p in live], group, bucket_numel)
+    all_reduce_tensors([_local(p.grad) for p in live], group, bucket_numel)
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:
     from torch.distributed.tensor import DTensor
 
     return isinstance(t, DTensor)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local tensor (a view: writing it writes the DTensor), else ``t``."""
+    return t.to_local() if _is_dtensor(t) else t
 
 
 @torch.no_grad()
@@ -152,7 +159,7 @@ def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float, sharde
     same on every rank. ``max_norm`` 0: the norm only."""
     params = [p for p in params if p.grad is not None]
     shard_ids = {id(p) for p in sharded}
-    norms = [torch.linalg.vector_norm(p.grad) for p in params]
+    norms = [torch.linalg.vector_norm(_local(p.grad)) for p in params]  # a DTensor's: its local slice's
     rep = [n for p, n in zip(params, norms) if id(p) not in shard_ids]
     own = [n for p, n in zip(params, norms) if id(p) in shard_ids]
     dtype = norms[0].dtype if norms else torch.float32
@@ -164,5 +171,5 @@ def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float, sharde
     if max_norm > 0:
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for p in params:
-            p.grad.mul_(coef.to(p.grad.dtype))
+            _local(p.grad).mul_(coef.to(p.grad.dtype))
     return total

@@ -144,8 +144,9 @@ def train_step(model: torch.nn.Module, micro_batches: list[dict[str, torch.Tenso
 
 def _clip(model: torch.nn.Module, optimizer: Any, max_norm: float, env: ParallelEnv) -> float:
     """The global gradient norm, the gradients clipped to ``max_norm`` (0: not clipped): the optimizer's own
-    clip when it holds the gradients (OffloadStreamAdamW, MasterAdamW), the shard-aware one under FSDP,
-    else the environment's (under expert parallelism each rank holds other experts' gradients)."""
+    clip when it holds the gradients (OffloadStreamAdamW, MasterAdamW), the shard-aware one when some
+    parameters are DTensors (FSDP's shards; under expert parallelism the routed experts, ``Shard(0)`` over
+    the ep axis: each one's squares are summed over its sharded mesh dims), else the environment's."""
     from megaseq.memory.master_adam import clip_grad_norm_, is_dtensor
 
     limit = max_norm if max_norm > 0 else float("inf")
@@ -238,21 +239,6 @@ def frozen_base_dtypes(adapters: AdapterSettings) -> Any:
     return lambda model, param_dtype: storage_dtypes(model, adapters, param_dtype)
 
 
-def check_expert_parallel_run(cfg: Config) -> None:
-    """Refuse what an expert-parallel run cannot do yet, before anything starts: every rank's experts are
-    plain tensors under the same names, so a DCP checkpoint (which writes a tensor held under one name by
-    several ranks once) and the HF export would keep one rank's experts; and OffloadStreamAdamW clips with a
-    norm that does not see the other ranks' experts."""
-    if cfg.parallel.ep == 1:
-        return
-    raise ValueError(
-        f"parallel.ep = {cfg.parallel.ep}: the trainer cannot yet save an expert-parallel run (each rank's experts "
-        "are plain tensors under the same names, so the sharded checkpoint and the HF export would keep one "
-        "rank's; they need to become DTensors sharded over the ep group). Expert parallelism runs through the "
-        "library (DistributedEnv + the family's parallelize + train_step: docs/expert_parallel.md); for "
-        "`megaseq train` set --parallel.ep 1")
-
-
 def kernels_for(cfg: Config, device: torch.device) -> contextlib.AbstractContextManager:
     """The dispatcher set up as the run is planned: ``model.kernels``' preferences, the planned kernels, and
     with ``model.strict_kernels`` a fallback from them an error naming the layer and the reason."""
@@ -273,7 +259,6 @@ def run_training(cfg: Config) -> RunResult:
     from megaseq.models.presets import resolve_spec
 
     spec = resolve_spec(cfg.model.name)  # a bad model name fails before anything else happens
-    check_expert_parallel_run(cfg)
     resolve_balance(cfg.moe, spec)  # and so does a balancing rule the routers cannot train with
     preflight(cfg, spec)  # the run directory and the starting weights, nothing written
     use_expandable_segments()
