@@ -1,0 +1,94 @@
+"""LoRA (and ``train.trainable``) under FSDP2 (``parallel.fsdp``) over gloo processes, float64: qwen3-moe-tiny
+with adapters on the attention and the routed experts and the post-attention norms trained. Two clipped AdamW
+steps through the trainer's ``train_step`` equal the one-process steps on the whole batch: the loss, every
+adapter and trained gradient, every parameter after the second step (1e-10). The frozen base is sharded
+(DTensors) with no gradient and no optimizer state; what trains is whole on every rank. Meshes: dp (2 ranks),
+dp x cp fully sharded (2), HSDP dp 2 x cp 2 and dp_cp over 4 ranks.
+
+Broken variant that must fail: the adapters' gradients not all-reduced (``reduce_gradients`` skipped).
+The PEFT adapter exported from a 2-rank FSDP run equals the one-process adapter's file, tensor by tensor.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed.tensor  # noqa: F401  assert_close imports it lazily: once here, not in each fork
+
+from conftest import torch_threads
+from lora_helpers import randomize_adapters, settings
+from megaseq.config import MemorySettings
+from megaseq.models.build import build_model
+from megaseq.models.common.lora import is_adapter
+from megaseq.models.presets import get_preset
+from megaseq.models.registry import parallelize
+from megaseq.parallel.env import DistributedEnv, ParallelEnv
+from megaseq.parallel.fsdp import is_sharded
+from megaseq.parallel.launch import spawn_local
+from test_fsdp_train_step import STEPS, TOL, _cfg, run_steps
+
+PRESET = "qwen3-moe-tiny"
+TARGETS = "attention,experts"
+TRAIN = "*.post_attention_layernorm.weight"
+
+
+def _model(env=None):
+    model = build_model(get_preset(PRESET), dtype=torch.float64, seed=0)
+    applied = parallelize(model, MemorySettings(), env, settings(targets=TARGETS, trainable=TRAIN))
+    randomize_adapters(model)  # B is zero at initialisation: the test would be trivial
+    return model, applied
+
+
+def reference():
+    model, _ = _model()
+    return run_steps(model, ParallelEnv(), MemorySettings(), _cfg())
+
+
+@pytest.fixture(scope="module")
+def ref():
+    with torch_threads(1):
+        yield reference()
+
+
+def _rank(rank: int, dp: int, cp: int, fsdp: str, broken: str, ref) -> None:
+    cfg = _cfg(dp, cp, fsdp)
+    env = DistributedEnv(cfg)
+    model, applied = _model(env)
+    sharded = applied.sharded
+    assert sharded is not None and len(sharded.blocks) == 1 + len(model.layers)  # + the embedding
+    params = dict(model.named_parameters())
+    trains = {n for n, p in params.items() if p.requires_grad}
+    assert trains and all(is_adapter(n) or n.endswith("post_attention_layernorm.weight") for n in trains)
+    assert not any(is_sharded(params[n]) for n in trains)  # what trains is whole on every rank
+    assert all(is_sharded(p) for n, p in params.items() if n not in trains)  # the frozen base is sharded
+    if broken == "unreduced":
+        env.reduce_gradients = lambda model: None
+    losses, grads, final = run_steps(model, env, MemorySettings(), cfg)
+    ref_losses, ref_grads, ref_params = ref
+    for k in range(STEPS):
+        assert abs(losses[k] - ref_losses[k]) < 1e-12 * abs(ref_losses[k]), (k, losses[k], ref_losses[k])
+        assert grads[k].keys() == ref_grads[k].keys() == trains  # the frozen base has no gradient
+        for n, g in grads[k].items():
+            torch.testing.assert_close(g, ref_grads[k][n], **TOL, msg=lambda m, n=n, k=k: f"step {k} grad {n}: {m}")
+    for n, p in final.items():
+        torch.testing.assert_close(p, ref_params[n], **TOL, msg=lambda m, n=n: f"{n}: {m}")
+    assert all(p.grad is None for n, p in params.items() if n not in trains)
+    env.shutdown()
+
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.mark.parametrize("dp, cp, fsdp", [
+    (2, 1, "dp"),  # 2 ranks
+    (1, 2, "dp_cp"),  # 2 ranks, fully sharded over the cp pair
+    (2, 2, "dp"),  # 4 ranks: HSDP (sharded over dp, replicated over cp)
+    (2, 2, "dp_cp"),  # 4 ranks, fully sharded
+])
+def test_lora_fsdp_steps_match_one_process(dp, cp, fsdp, ref):
+    spawn_local(_rank, dp * cp, args=(dp, cp, fsdp, "", ref))
+
+
+def test_adapter_gradients_not_reduced_fail(ref):
+    with pytest.raises(Exception, match=r"step 0 grad .*(lora|layernorm)"):
+        spawn_local(_rank, 2, args=(2, 1, "dp", "unreduced", ref))
