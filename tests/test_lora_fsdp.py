@@ -92,3 +92,73 @@ def test_lora_fsdp_steps_match_one_process(dp, cp, fsdp, ref):
 def test_adapter_gradients_not_reduced_fail(ref):
     with pytest.raises(Exception, match=r"step 0 grad .*(lora|layernorm)"):
         spawn_local(_rank, 2, args=(2, 1, "dp", "unreduced", ref))
+
+
+# ---- through the trainer: checkpoints, resume, the PEFT adapter and the merged export ----------------------
+def _overrides(tmp, run: str, dp: int, batch: int, fsdp: str = "off", **extra) -> dict:
+    return {"model.name": PRESET, "model.dtype": "fp64", "data.train": [str(tmp / "g.fa")], "data.seq_len": 32,
+            "data.heldout_tail": 0, "train.steps": 4, "train.batch_size": batch, "train.save_every": 2,
+            "train.keep_checkpoints": 10, "train.run_dir": str(tmp / run), "train.eval_after": False,
+            "train.export_hf": True, "lora.export_merged": True, "train.device": "cpu",
+            "train.trainable": ["norm.weight"], "optim.lr": 3e-3, "optim.warmup_steps": 1, "log.progress": False,
+            "log.tensorboard": False, "parallel.dp": dp, "parallel.fsdp": fsdp, "parallel.backend": "gloo",
+            "lora.rank": 4, "lora.alpha": 8.0, "lora.targets": ["q_proj", "v_proj", "experts"], **extra}
+
+
+def _train_rank(rank: int, overrides: dict) -> None:
+    from megaseq.config import build_config
+    from megaseq.train.trainer import run_training
+
+    torch.set_num_threads(1)
+    run_training(build_config(overrides=overrides))
+
+
+def _losses(run_dir) -> list[float]:
+    import json
+
+    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _tensors(path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(path.glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+def test_fsdp_lora_run_checkpoints_exports_and_resumes_as_one_process(tmp_path) -> None:
+    """A 2-rank FSDP LoRA run (``megaseq train``) has the one-process run's losses, writes checkpoints of what
+    trains only (every rank its part, the base's fingerprint the one process's), exports the same PEFT adapter
+    and merged HF checkpoint, and its step-2 checkpoint resumes on 2 FSDP ranks on the same loss curve."""
+    import shutil
+
+    import numpy as np
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from megaseq.train import checkpoint as ckpt
+
+    rng = np.random.default_rng(4)
+    (tmp_path / "g.fa").write_text(">rec\n" + "".join(rng.choice(list("ACGT"), 4000)) + "\n")
+    _train_rank(0, _overrides(tmp_path, "one", 1, 2))  # the same 2 sequences per step
+    spawn_local(_train_rank, 2, args=(_overrides(tmp_path, "two", 2, 1, "dp"),))
+    one, two = tmp_path / "one", tmp_path / "two"
+    np.testing.assert_allclose(_losses(two), _losses(one), rtol=1e-10, atol=0)
+    for sub in ("adapter", "hf"):
+        want, got = _tensors(one / sub), _tensors(two / sub)
+        assert got.keys() == want.keys() and got, sub
+        for k, t in want.items():
+            torch.testing.assert_close(got[k], t, rtol=1e-10, atol=1e-13, msg=lambda m, k=k, s=sub: f"{s} {k}: {m}")
+    step2 = two / ckpt.CKPT_DIR / "step_000002"
+    meta, meta_one = ckpt.read_meta(step2), ckpt.read_meta(one / ckpt.CKPT_DIR / "step_000002")
+    assert meta["trainable_only"] and meta["trainable"] == meta_one["trainable"]
+    np.testing.assert_allclose(meta["base_fingerprint"], meta_one["base_fingerprint"], rtol=1e-12)
+    keys = {k for k in FileSystemReader(str(step2)).read_metadata().state_dict_metadata if k.startswith("model.")}
+    assert keys and all(".lora_" in k or k.endswith("norm.weight") for k in keys), sorted(keys)[:5]
+    run = tmp_path / "resumed"  # the step-2 checkpoint resumed on 2 FSDP ranks
+    shutil.copytree(two, run)
+    shutil.rmtree(run / ckpt.CKPT_DIR / "step_000004")
+    (run / "metrics.jsonl").write_text("\n".join((run / "metrics.jsonl").read_text().splitlines()[:2]) + "\n")
+    spawn_local(_train_rank, 2, args=(_overrides(tmp_path, "resumed", 2, 1, "dp", **{"train.resume": True}),))
+    np.testing.assert_allclose(_losses(run), _losses(two), rtol=1e-10, atol=0)

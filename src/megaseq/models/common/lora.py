@@ -307,6 +307,8 @@ def base_items(model: nn.Module, merged: bool = False) -> Iterator[tuple[str, to
             continue
         if name in deltas:
             m, tensor = deltas[name]
+            if hasattr(t, "full_tensor"):  # an FSDP shard (a frozen base under parallel.fsdp): every rank gathers
+                t = t.full_tensor()
             with torch.no_grad():
                 wide = torch.promote_types(t.dtype, torch.float32)
                 d = m.delta_weight(wide) if tensor is None else m.delta_weight(tensor, wide)
