@@ -162,3 +162,65 @@ def test_fsdp_lora_run_checkpoints_exports_and_resumes_as_one_process(tmp_path) 
     (run / "metrics.jsonl").write_text("\n".join((run / "metrics.jsonl").read_text().splitlines()[:2]) + "\n")
     spawn_local(_train_rank, 2, args=(_overrides(tmp_path, "resumed", 2, 1, "dp", **{"train.resume": True}),))
     np.testing.assert_allclose(_losses(run), _losses(two), rtol=1e-10, atol=0)
+
+
+# ---- the planner's state terms against what each rank holds -----------------------------------------------
+PLAN_TARGETS = {"glm5-flash-tiny": "q_proj,v_proj,o_proj,kv_b_proj,experts,shared_experts.up_proj",
+                "qwen3-moe-tiny": "q_proj,v_proj,experts"}
+
+
+def _planner_rank(rank: int, name: str, broken: bool) -> None:
+    """A bf16-stored frozen base (the GPU's storage; fp32 adapters) sharded over dp 2: per layer the elements
+    FSDP gathers, the embedding's and the root's, this rank's parameter bytes, the gradient and AdamW bytes
+    (what trains is whole) equal the planner's ``plan.components`` / ``plan.phases`` terms."""
+    from megaseq.plan import components as C
+    from megaseq.plan.params import trained_counts
+    from megaseq.plan.phases import fsdp_per_layer
+
+    spec = get_preset(name)
+    env = DistributedEnv(_cfg(2, 1, "dp"), spec=spec)
+    adapters = settings(targets=PLAN_TARGETS[name], rank=4, trainable="*norm.weight", frozen_dtype="bf16")
+    model = build_model(spec, dtype=torch.float32, seed=0)
+    parallelize(model, MemorySettings(), env, adapters)
+    counts, mesh, prec = C.count_params(spec), C.Mesh(dp=2, fsdp="dp"), C.precision_for("bf16")
+    counts.trained = trained_counts(spec, adapters)
+    if broken:  # the planner's FSDP terms without the frozen base's (everything sharded, gathered in fp32)
+        counts.trained = None
+    run = type("R", (), {"counts": counts, "mesh": mesh, "prec": prec, "spec": spec})()
+    layers, embed, head = fsdp_per_layer(run)
+
+    def gathered(params) -> int:
+        return sum(p.numel() for p in params if is_sharded(p))
+
+    for i, layer in enumerate(model.layers):
+        assert gathered(layer.parameters()) == layers[i] == C.gathered_params(counts, i, mesh, prec), i
+        assert all(p.dtype == torch.bfloat16 for p in layer.parameters() if is_sharded(p)), i
+    assert gathered(model.embed_tokens.parameters()) == embed
+    assert gathered(p for n, p in model.named_parameters() if not n.startswith(("layers.", "embed_tokens."))) == head
+    local = sum(_local_bytes(p) for p in model.parameters())
+    assert abs(local / C.param_bytes(counts, mesh, prec) - 1) < 0.05, (local, C.param_bytes(counts, mesh, prec))
+    trains = [p for p in model.parameters() if p.requires_grad]
+    assert not any(is_sharded(p) for p in trains)
+    opt = torch.optim.AdamW(trains, foreach=False)
+    for p in trains:
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    state = sum(_local_bytes(t) for st in opt.state.values() for k, t in st.items() if k != "step")
+    assert state == C.optimizer_gpu_bytes(counts, mesh, prec, False, 1)
+    assert sum(_local_bytes(p.grad) for p in trains) == counts.trainable * prec.grad
+    env.shutdown()
+
+
+def _local_bytes(t: torch.Tensor) -> int:
+    t = t.to_local() if hasattr(t, "to_local") else t
+    return t.numel() * t.element_size()
+
+
+@pytest.mark.parametrize("name", sorted(PLAN_TARGETS))
+def test_planner_state_terms_are_what_each_rank_holds(name: str) -> None:
+    spawn_local(_planner_rank, 2, args=(name, False))
+
+
+def test_planner_without_the_frozen_base_terms_fails() -> None:
+    with pytest.raises(Exception, match="AssertionError"):
+        spawn_local(_planner_rank, 2, args=("qwen3-moe-tiny", True))
