@@ -162,6 +162,15 @@ def test_fsdp_lora_run_checkpoints_exports_and_resumes_as_one_process(tmp_path) 
     (run / "metrics.jsonl").write_text("\n".join((run / "metrics.jsonl").read_text().splitlines()[:2]) + "\n")
     spawn_local(_train_rank, 2, args=(_overrides(tmp_path, "resumed", 2, 1, "dp", **{"train.resume": True}),))
     np.testing.assert_allclose(_losses(run), _losses(two), rtol=1e-10, atol=0)
+    # from an HF checkpoint (the merged export): under FSDP the model is built on the meta device and the
+    # adapters' factors are drawn once it is materialised, the values one process draws (A matters from step 2)
+    init = {"model.init_from": str(one / "hf"), "train.steps": 2, "train.save_every": 0, "lora.export_merged": False}
+    _train_rank(0, _overrides(tmp_path, "init_one", 1, 2, **init))
+    spawn_local(_train_rank, 2, args=(_overrides(tmp_path, "init_two", 2, 1, "dp", **init),))
+    np.testing.assert_allclose(_losses(tmp_path / "init_two"), _losses(tmp_path / "init_one"), rtol=1e-10, atol=0)
+    want, got = _tensors(tmp_path / "init_one" / "adapter"), _tensors(tmp_path / "init_two" / "adapter")
+    for k, t in want.items():
+        torch.testing.assert_close(got[k], t, rtol=1e-10, atol=1e-13, msg=lambda m, k=k: f"init_from {k}: {m}")
 
 
 # ---- the planner's state terms against what each rank holds -----------------------------------------------
