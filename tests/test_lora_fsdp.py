@@ -3,10 +3,17 @@ with adapters on the attention and the routed experts and the post-attention nor
 steps through the trainer's ``train_step`` equal the one-process steps on the whole batch: the loss, every
 adapter and trained gradient, every parameter after the second step (1e-10). The frozen base is sharded
 (DTensors) with no gradient and no optimizer state; what trains is whole on every rank. Meshes: dp (2 ranks),
-dp x cp fully sharded (2), HSDP dp 2 x cp 2 and dp_cp over 4 ranks.
+dp x cp fully sharded (2), HSDP dp 2 x cp 2 and dp_cp over 4 ranks with tiling, recompute and the chunked
+loss; glm5-flash-tiny (KDA, DSA with the merged kv_b_proj adapter, mHC) with sequence segments (slow).
 
-Broken variant that must fail: the adapters' gradients not all-reduced (``reduce_gradients`` skipped).
-The PEFT adapter exported from a 2-rank FSDP run equals the one-process adapter's file, tensor by tensor.
+Through ``megaseq train`` (2 ranks, FSDP over dp): the one-process run's losses, PEFT adapter, merged HF export
+and checkpoint contents; its checkpoint resumes on the same curve; from ``model.init_from`` the adapters drawn
+after the meta build are the one-process ones. The planner's FSDP terms with a frozen base (what each unit
+gathers, parameter / gradient / AdamW bytes) equal what each rank holds.
+
+Broken variants that must fail: the adapters' gradients not all-reduced (``reduce_gradients`` skipped); the
+planner's terms without the frozen base (everything sharded, gathered in fp32); (by hand) the adapters not
+drawn after the meta build: the run diverges.
 """
 
 from __future__ import annotations
@@ -28,19 +35,23 @@ from megaseq.parallel.launch import spawn_local
 from test_fsdp_train_step import STEPS, TOL, _cfg, run_steps
 
 PRESET = "qwen3-moe-tiny"
-TARGETS = "attention,experts"
+TARGETS = {"qwen3-moe-tiny": "attention,experts", "glm5-flash-tiny": "q_proj,v_proj,o_proj,kv_b_proj,experts"}
 TRAIN = "*.post_attention_layernorm.weight"
+MEMORY = {"plain": MemorySettings(),
+          "schemes": MemorySettings(tiled_mlp=True, mlp_tile_tokens=7, recompute=True, chunked_loss=True,
+                                    loss_chunk_tokens=5),
+          "segments": MemorySettings(model_segment_tokens=12, chunked_loss=True, loss_chunk_tokens=5)}
 
 
-def _model(env=None):
-    model = build_model(get_preset(PRESET), dtype=torch.float64, seed=0)
-    applied = parallelize(model, MemorySettings(), env, settings(targets=TARGETS, trainable=TRAIN))
+def _model(env=None, preset: str = PRESET, memory: str = "plain"):
+    model = build_model(get_preset(preset), dtype=torch.float64, seed=0)
+    applied = parallelize(model, MEMORY[memory], env, settings(targets=TARGETS[preset], trainable=TRAIN))
     randomize_adapters(model)  # B is zero at initialisation: the test would be trivial
     return model, applied
 
 
-def reference():
-    model, _ = _model()
+def reference(preset: str = PRESET):
+    model, _ = _model(preset=preset)
     return run_steps(model, ParallelEnv(), MemorySettings(), _cfg())
 
 
@@ -50,10 +61,11 @@ def ref():
         yield reference()
 
 
-def _rank(rank: int, dp: int, cp: int, fsdp: str, broken: str, ref) -> None:
+def _rank(rank: int, dp: int, cp: int, fsdp: str, broken: str, ref, preset: str = PRESET,
+          memory: str = "plain") -> None:
     cfg = _cfg(dp, cp, fsdp)
-    env = DistributedEnv(cfg)
-    model, applied = _model(env)
+    env = DistributedEnv(cfg, spec=get_preset(preset))
+    model, applied = _model(env, preset, memory)
     sharded = applied.sharded
     assert sharded is not None and len(sharded.blocks) == 1 + len(model.layers)  # + the embedding
     params = dict(model.named_parameters())
@@ -63,7 +75,7 @@ def _rank(rank: int, dp: int, cp: int, fsdp: str, broken: str, ref) -> None:
     assert all(is_sharded(p) for n, p in params.items() if n not in trains)  # the frozen base is sharded
     if broken == "unreduced":
         env.reduce_gradients = lambda model: None
-    losses, grads, final = run_steps(model, env, MemorySettings(), cfg)
+    losses, grads, final = run_steps(model, env, MEMORY[memory], cfg)
     ref_losses, ref_grads, ref_params = ref
     for k in range(STEPS):
         assert abs(losses[k] - ref_losses[k]) < 1e-12 * abs(ref_losses[k]), (k, losses[k], ref_losses[k])
@@ -79,14 +91,23 @@ def _rank(rank: int, dp: int, cp: int, fsdp: str, broken: str, ref) -> None:
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.mark.parametrize("dp, cp, fsdp", [
-    (2, 1, "dp"),  # 2 ranks
-    (1, 2, "dp_cp"),  # 2 ranks, fully sharded over the cp pair
-    (2, 2, "dp"),  # 4 ranks: HSDP (sharded over dp, replicated over cp)
-    (2, 2, "dp_cp"),  # 4 ranks, fully sharded
+@pytest.mark.parametrize("dp, cp, fsdp, memory", [
+    (2, 1, "dp", "plain"),  # 2 ranks
+    (1, 2, "dp_cp", "plain"),  # 2 ranks, fully sharded over the cp pair
+    (2, 2, "dp", "plain"),  # 4 ranks: HSDP (sharded over dp, replicated over cp)
+    (2, 2, "dp_cp", "schemes"),  # 4 ranks, fully sharded, tiled MLP + recompute + chunked loss
 ])
-def test_lora_fsdp_steps_match_one_process(dp, cp, fsdp, ref):
-    spawn_local(_rank, dp * cp, args=(dp, cp, fsdp, "", ref))
+def test_lora_fsdp_steps_match_one_process(dp, cp, fsdp, memory, ref):
+    spawn_local(_rank, dp * cp, args=(dp, cp, fsdp, "", ref, PRESET, memory))
+
+
+@pytest.mark.slow  # ~20 s on a 2-core machine
+def test_glm5_lora_fsdp_with_sequence_segments_matches_one_process():
+    """The other family (KDA + DSA/MLA with the merged kv_b_proj adapter + mHC + MoE) with sequence segments,
+    FSDP over dp x cp."""
+    with torch_threads(1):
+        ref = reference("glm5-flash-tiny")
+    spawn_local(_rank, 2, args=(1, 2, "dp_cp", "", ref, "glm5-flash-tiny", "segments"))
 
 
 def test_adapter_gradients_not_reduced_fail(ref):
