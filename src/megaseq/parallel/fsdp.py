@@ -21,9 +21,10 @@ layer), on the embedding when the head is not tied to it, and on the root (the f
   the frozen parameters are sharded (bf16 under bf16 autocast, as the one-GPU path stores them: no gradient,
   no optimizer state, nothing reduce-scattered); what trains (the fp32 adapters, the trained base tensors)
   is left whole on every rank, its gradient all-reduced by ``reduce_gradients`` and its AdamW state whole:
-  the adapters are a small fraction of the model, an FSDP group needs one dtype (bf16 frozen + fp32
-  adapters cannot share one), and the routed experts' factors and ``kv_b_proj``'s merged adapter are read
-  as tensors outside their module's forward, where FSDP's hooks would not gather them.
+  an FSDP group needs one dtype (bf16 frozen + fp32 adapters cannot share one), and the adapters cannot be
+  units of their own: the routed experts' factors and ``kv_b_proj``'s merged adapter are read as tensors,
+  not through the factor module's forward whose hooks would gather them. The cost: the trained state is
+  not divided by the shard count (``plan.components.state_mesh``).
   With ``parallel.fsdp dp`` and cp > 1 the shards are replicated over the cp ranks
   (HSDP: a 2-D mesh, cp x dp): FSDP all-reduces the reduce-scattered shards over cp in each backward, so a
   shard's gradient is complete when FSDP hands it over (the optimizer may fold it into an fp32 sum).
