@@ -579,16 +579,13 @@ class Config:
 
     def check_frozen_base(self) -> None:
         """The combinations of a frozen base (``lora.rank > 0`` or ``train.trainable``) not tested yet, refused
-        before anything starts: under FSDP (one FSDP2 unit of frozen bf16 weights and fp32 adapters), under
-        expert parallelism (``LoRAExperts`` runs with every expert in the process) and with bf16 weights (the
-        fp32 adapters would meet bf16 activations without autocast; the frozen base is stored in bf16 anyway)."""
+        before anything starts: under expert parallelism (``LoRAExperts`` runs with every expert in the
+        process) and with bf16 weights (the fp32 adapters would meet bf16 activations without autocast; the
+        frozen base is stored in bf16 anyway). Under FSDP (``parallel.fsdp dp`` / ``dp_cp``) the frozen base is
+        sharded and what trains is kept whole on every rank (``parallel.fsdp``)."""
         if not (self.lora.enabled or self.train.trainable):
             return
         what = f"lora.rank {self.lora.rank}" if self.lora.enabled else f"train.trainable {self.train.trainable}"
-        if self.parallel.fsdp != "off":
-            raise ValueError(f"{what} (a frozen base) with parallel.fsdp {self.parallel.fsdp} is not supported yet "
-                             "(FSDP2 over frozen bf16 weights and fp32 adapters is untested): set --parallel.fsdp off "
-                             "(the frozen base is stored in bf16 already, and has no gradients or optimizer state)")
         if self.parallel.ep > 1:
             raise ValueError(f"{what} (a frozen base) with parallel.ep {self.parallel.ep} is not supported yet "
                              "(adapters on the routed experts run with every expert in the process): set "

@@ -17,7 +17,15 @@ layer), on the embedding when the head is not tied to it, and on the root (the f
   trainer's losses (chunked, Ring-DTP) read ``model.lm_head.weight`` whole after ``model(...)``;
 - parameters whose dtype differs from the model's (the router, KDA conv and decay, mHC base/scale that a
   bf16 model keeps in fp32) are left whole on every rank (FSDP2 groups need one dtype); ``reduce_gradients``
-  all-reduces them. With ``parallel.fsdp dp`` and cp > 1 the shards are replicated over the cp ranks
+  all-reduces them. With a frozen base (LoRA adapters, ``train.trainable``: ``lora.has_frozen_base``) only
+  the frozen parameters are sharded (bf16 under bf16 autocast, as the one-GPU path stores them: no gradient,
+  no optimizer state, nothing reduce-scattered); what trains (the fp32 adapters, the trained base tensors)
+  is left whole on every rank, its gradient all-reduced by ``reduce_gradients`` and its AdamW state whole:
+  an FSDP group needs one dtype (bf16 frozen + fp32 adapters cannot share one), and the adapters cannot be
+  units of their own: the routed experts' factors and ``kv_b_proj``'s merged adapter are read as tensors,
+  not through the factor module's forward whose hooks would gather them. The cost: the trained state is
+  not divided by the shard count (``plan.components.state_mesh``).
+  With ``parallel.fsdp dp`` and cp > 1 the shards are replicated over the cp ranks
   (HSDP: a 2-D mesh, cp x dp): FSDP all-reduces the reduce-scattered shards over cp in each backward, so a
   shard's gradient is complete when FSDP hands it over (the optimizer may fold it into an fp32 sum).
 
@@ -34,6 +42,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from megaseq.models.common.lora import has_frozen_base
 
 MODES = ("off", "dp", "dp_cp")
 REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -82,10 +92,10 @@ def prefetch_plan(num_units: int) -> tuple[dict[int, int], dict[int, int]]:
     return forward, backward
 
 
-def _dominant_dtype(model: nn.Module) -> torch.dtype:
+def _dominant_dtype(params: list[nn.Parameter]) -> torch.dtype:
     """The dtype of most parameter elements (bf16 in a bf16 model whose router stays fp32)."""
     count: dict[torch.dtype, int] = {}
-    for p in model.parameters():
+    for p in params:
         count[p.dtype] = count.get(p.dtype, 0) + p.numel()
     return max(count, key=count.get)
 
@@ -104,9 +114,12 @@ def apply_fsdp(model: nn.Module, blocks: list[nn.Module], env: Any) -> ShardedMo
     if mode in (None, "off"):
         return None
     device_mesh = shard_mesh(env.mesh, mode)
-    dtype = _dominant_dtype(model)
+    frozen_base = has_frozen_base(model)  # LoRA / train.trainable: shard the frozen base, keep what trains whole
+    shard = [p for p in model.parameters() if not (frozen_base and p.requires_grad)]
+    dtype = _dominant_dtype(shard)
     mp = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=reduce_dtype(dtype, env.reduce_dtype))
-    ignored = {p for p in model.parameters() if p.dtype != dtype}
+    kept = {id(p) for p in shard if p.dtype == dtype}
+    ignored = {p for p in model.parameters() if id(p) not in kept}
     kw = dict(mesh=device_mesh, mp_policy=mp, ignored_params=ignored or None)
     units: list[nn.Module] = []
     tied = model.lm_head.weight is model.embed_tokens.weight

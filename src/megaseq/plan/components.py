@@ -333,16 +333,36 @@ def _split(counts: ParamCounts, prec: Precision, params: int) -> tuple[int, int]
     return params - kept, kept
 
 
+def state_mesh(counts: ParamCounts, mesh: Mesh) -> Mesh:
+    """The mesh the trained parameters, their gradients and optimizer state are split over: ``mesh``, but
+    unsharded with a frozen base (LoRA, ``train.trainable``: ``ParamCounts.trained``), whose FSDP shards the
+    frozen parameters only and keeps what trains whole on every rank (``parallel.fsdp``), its gradient
+    all-reduced."""
+    return replace(mesh, fsdp="off") if counts.trained is not None else mesh
+
+
+def state_shard(counts: ParamCounts, mesh: Mesh) -> int:
+    """Ranks the trained state is split over (``state_mesh``)."""
+    return state_mesh(counts, mesh).shard
+
+
+def frozen_bytes(prec: Precision) -> int:
+    """Bytes of a frozen base's element: the compute dtype under autocast (``models.common.lora.frozen_dtype``:
+    bf16), else the parameter dtype."""
+    return prec.compute if prec.autocast and prec.compute < prec.param else prec.param
+
+
 def param_bytes(counts: ParamCounts, mesh: Mesh, prec: Precision) -> int:
     """Parameters resident on one GPU: ``P * param / shard`` (+ the kept fp32 ones whole: ``4 * K``). A frozen
     base (``models.common.lora.frozen_dtype``) is stored in the compute dtype under autocast, but for the
-    tensors the family keeps in float32 (routers, KDA conv/decay, mHC: ``ParamCounts.kept``, taken as frozen):
-    ``((P - F) * param + (F - K_F) * compute + K_F * 4) / shard``."""
+    tensors the family keeps in float32 (routers, KDA conv/decay, mHC: ``ParamCounts.kept``, taken as frozen),
+    and FSDP shards it alone (what trains stays whole, ``state_shard``):
+    ``(P - F) * param + (F - K_F) * frozen / shard + K_F * 4`` (``K_F`` whole: another dtype than the shards)."""
     frozen = counts.trained.frozen if counts.trained is not None else 0
-    if frozen and prec.autocast and prec.compute < prec.param:  # frozen storage narrows only under autocast
-        kept_frozen = min(counts.kept, frozen) if prec.compute < 4 else 0
-        narrow = (frozen - kept_frozen) * prec.compute + kept_frozen * 4
-        return ((counts.total - frozen) * prec.param + narrow) // mesh.shard
+    if frozen:
+        fb = frozen_bytes(prec)
+        kept_frozen = min(counts.kept, frozen) if fb < 4 else 0
+        return (counts.total - frozen) * prec.param + (frozen - kept_frozen) * fb // mesh.shard + kept_frozen * 4
     sharded, kept = _split(counts, prec, counts.total)
     return sharded * prec.param // mesh.shard + kept * 4
 
@@ -373,7 +393,7 @@ def optimizer_gpu_bytes(
         return offload_adam_bytes(counts.trainable, bucket_params)["gpu_staging"]
     sharded, kept = _split(counts, prec, counts.trainable)
     per = prec.moments + prec.master
-    return sharded * per // mesh.shard + kept * per
+    return sharded * per // state_shard(counts, mesh) + kept * per
 
 
 def optimizer_host_bytes(counts: ParamCounts, mesh: Mesh, offload: bool, prec: Precision = Precision()) -> int:
@@ -381,7 +401,7 @@ def optimizer_host_bytes(counts: ParamCounts, mesh: Mesh, offload: bool, prec: P
     if not offload:
         return 0
     sharded, kept = _split(counts, prec, counts.trainable)
-    return offload_adam_bytes(sharded, 1)["host"] // mesh.shard + offload_adam_bytes(kept, 1)["host"]
+    return offload_adam_bytes(sharded, 1)["host"] // state_shard(counts, mesh) + offload_adam_bytes(kept, 1)["host"]
 
 
 def weight_copy_bytes(layer_params: int, prec: Precision, mesh: Mesh) -> int:
@@ -392,25 +412,31 @@ def weight_copy_bytes(layer_params: int, prec: Precision, mesh: Mesh) -> int:
 
 def gathered_params(counts: ParamCounts, i: int, mesh: Mesh, prec: Precision) -> int:
     """Parameters FSDP gathers for layer i: its dense part (the kept fp32 ones are whole already) and its
-    routed experts (split over ``ep`` ranks, not gathered)."""
+    routed experts (split over ``ep`` ranks, not gathered); with a frozen base its frozen parameters only
+    (what trains is whole on every rank: ``state_shard``)."""
+    if counts.trained is not None:  # a frozen base: its frozen part (the kept fp32 ones whole when it is narrower)
+        dense, experts = counts.trained.frozen_layers[i]
+        kept = min(counts.fp32_kept[i], dense) if frozen_bytes(prec) < 4 or prec.master else 0
+        return dense - kept + experts // mesh.ep
     dense, experts, no_grad = counts.layers[i]
     kept = counts.fp32_kept[i] if prec.master else 0
     return dense + no_grad - kept + experts // mesh.ep
 
 
 def fsdp_buffers(current: int, other: int, head: int, mesh: Mesh, prec: Precision, reduce_bytes: int,
-                 backward: bool) -> int:
+                 backward: bool, frozen: bool = False) -> int:
     """FSDP2 unsharded buffers (``parallel.fsdp``) while a block of ``current`` parameters runs: it and the
     block whose all-gather is prefetched (``other``: the next in forward, the previous in backward) in the
     parameter dtype, and the root's head (``head``: the head weight and final norm, gathered from the
     forward to the end of the backward). In backward also the block's unsharded gradient (parameter dtype),
     the reduce-scatter input in ``reduce_bytes`` and its output ``/ shard``, and the head's unsharded
-    gradient (reduce-scattered when the backward ends)."""
+    gradient (reduce-scattered when the backward ends). ``frozen``: a frozen base's shards, gathered in its
+    storage dtype (``frozen_bytes``) with no gradient to reduce-scatter (what trains is whole)."""
     if not mesh.sharded:
         return 0
-    p = prec.param
+    p = frozen_bytes(prec) if frozen else prec.param
     fwd = (current + other) * p + head * p
-    if not backward:
+    if not backward or frozen:
         return fwd
     return fwd + current * (p + reduce_bytes) + current * reduce_bytes // mesh.shard + head * p
 

@@ -87,7 +87,7 @@ class CostTerms:
     def of(cls, run: Run) -> CostTerms:
         sf = step_flops(run.spec, run.seq_len)
         T = step_seconds(run.spec, run.seq_len, run.batch, run.mesh)
-        P = run.counts.trainable / run.mesh.shard
+        P = run.counts.trainable / C.state_shard(run.counts, run.mesh)
         copy = C.boundary_bytes(run.spec, run.n, run.prec) * run.spec.num_layers / PINNED_BYTES_PER_S
         excess = max(0.0, copy - T / 3) + max(0.0, copy - 2 * T / 3)  # hidden behind the fwd (1/3) and bwd
         opt = max(0.0, P * 30 / PINNED_BYTES_PER_S - P * 32 / DEVICE_BYTES_PER_S)  # up 16 B, down 14 B
@@ -133,6 +133,9 @@ def fsdp_step_traffic(run: Run, num_segments: int = 1) -> dict[str, float]:
     from megaseq.plan.phases import fsdp_per_layer
 
     layers, embed, head = fsdp_per_layer(run)
+    if run.counts.trained is not None:  # a frozen base: gathered in its storage dtype, nothing reduce-scattered
+        return fsdp_traffic(sum(layers) + embed, C.frozen_bytes(run.prec), 0, run.mesh, num_segments,
+                            run.grad_accum)
     return fsdp_traffic(sum(layers) + embed, run.prec.param, run.reduce_bytes, run.mesh, num_segments,
                         run.grad_accum)
 

@@ -263,12 +263,13 @@ def fsdp_traffic(gathered_params: int, param_bytes: int, reduce_bytes: int, mesh
     """Bytes one rank sends per step for FSDP (ring collectives: ``(N - 1) / N`` of the gathered tensor per
     all-gather and per reduce-scatter; with ``parallel.fsdp dp`` and cp > 1 the reduced shard is all-reduced
     over cp, ``2 (cp - 1) / cp`` of it) and the seconds they take at ``FSDP_BYTES_PER_S_*`` (upper bound:
-    nothing overlapped with compute); ``per_segment`` is what one more sequence segment adds."""
+    nothing overlapped with compute); ``per_segment`` is what one more sequence segment adds. ``reduce_bytes``
+    0: nothing is reduce-scattered (a frozen base: what trains is whole, its gradient all-reduced)."""
     N = mesh.shard
     if N <= 1:
         return {}
     gathers, scatters = fsdp_passes(num_segments)
-    gathers, scatters = gathers * micro_batches, scatters * micro_batches
+    gathers, scatters = gathers * micro_batches, scatters * micro_batches if reduce_bytes else 0  # 0: a frozen base
     share = (N - 1) / N
     ag = gathered_params * param_bytes * share
     rs = gathered_params * reduce_bytes * share

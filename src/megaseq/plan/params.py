@@ -154,6 +154,10 @@ class Trained:
     adapters: int = 0
     norms: bool = False  # some norm weight trains (in fp32: its output is fp32)
     projections: list[frozenset[str]] = field(default_factory=list)  # per layer: weights with a gradient
+    frozen_layers: list[tuple[int, int]] = field(default_factory=list)  # per layer: frozen (non-expert, expert)
+    frozen_embed: int = 0  # the frozen embedding / head / final norm (what FSDP gathers outside the layers)
+    frozen_head: int = 0
+    frozen_final_norm: int = 0
 
     @property
     def total(self) -> int:
@@ -169,7 +173,7 @@ def trained_counts(spec: ModelSpec, adapters: AdapterSettings | None) -> Trained
     lora = adapters.lora
     train = {n for n in trainable_names(table, adapters.trainable) if ".indexer." not in n}
     L = spec.num_layers
-    out = Trained(layers=[(0, 0)] * L, projections=[frozenset()] * L,
+    out = Trained(layers=[(0, 0)] * L, projections=[frozenset()] * L, frozen_layers=[(0, 0)] * L,
                   **{k: [0] * L for k in ("mlp", "largest", "lora_rows_attn", "lora_rows_mlp", "merged")})
     for p in table:
         if p.name in train:
@@ -177,6 +181,7 @@ def trained_counts(spec: ModelSpec, adapters: AdapterSettings | None) -> Trained
             out.norms |= p.name.endswith("norm.weight")
         else:
             out.frozen += p.numel
+            _add_frozen(out, p.name, p.numel, p.kind == "experts")
     trained_w = {p.name.removesuffix(".weight") for p in table if p.name in train}
     targets = resolve_targets(projections(table), lora.targets, table) if lora.enabled else []
     for i in range(L):  # a projection trains through its weight or its adapter (whose A reads its input)
@@ -196,6 +201,19 @@ def trained_counts(spec: ModelSpec, adapters: AdapterSettings | None) -> Trained
             rows[i] += lora.rank * (spec.num_experts_per_tok if proj.kind == "experts" else 1)
             out.merged[i] += proj.in_features * proj.out_features if proj.merged else 0
     return out
+
+
+def _add_frozen(out: Trained, name: str, n: int, experts: bool) -> None:
+    i = layer_of(name)
+    if i is not None:
+        d, x = out.frozen_layers[i]
+        out.frozen_layers[i] = (d, x + n) if experts else (d + n, x)
+    elif name.startswith("embed_tokens"):
+        out.frozen_embed += n
+    elif name.startswith("lm_head"):
+        out.frozen_head += n
+    else:
+        out.frozen_final_norm += n
 
 
 def _add(out: Trained, name: str, n: int, experts: bool, largest: int | None = None) -> None:

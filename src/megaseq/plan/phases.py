@@ -252,7 +252,7 @@ def layer_terms(run: Run, i: int) -> LayerTerms:
         tile_saved = sum(mlp.values())
         mlp_params = sum(C.mlp_params(spec, spec.mlp_types[i])) if tr is None else tr.mlp[i]
         mlp_fwd = int(run.cal.nograd_fraction * tile_saved) + mlp_fwd
-        mlp_bwd = tile_saved + mlp_bwd + 2 * C.grad_bytes(mlp_params, run.mesh, prec)
+        mlp_bwd = tile_saved + mlp_bwd + 2 * C.grad_bytes(mlp_params, C.state_mesh(run.counts, run.mesh), prec)
         mlp_bwd += C.weight_copy_bytes(mlp_params, prec, run.mesh)
         mlp = {"mlp (tiled: input only)": n * xb * H}
     if N > 1:
@@ -333,8 +333,9 @@ def _state(run: Run) -> tuple[dict[str, int], list[int], int, int]:
     acc = run.accumulates
     kept = counts.fp32_kept if prec.master else [0] * len(counts.layers)
     tr = counts.trained
-    if tr is not None:  # a frozen base: only what trains has a gradient (the kept fp32 tensors taken as frozen)
-        kept = [0] * len(counts.layers)
+    if tr is not None:  # a frozen base: only what trains has a gradient (the kept fp32 tensors taken as frozen),
+        kept = [0] * len(counts.layers)  # whole on every rank under FSDP (C.state_mesh)
+        mesh = C.state_mesh(counts, mesh)
     g_layers = [C.grad_bytes(sum(counts.layer_trained(i)), mesh, prec, k, acc) for i, k in enumerate(kept)]
     tied = run.spec.tie_word_embeddings
     head, embed, norm = (counts.head, counts.embed, counts.final_norm) if tr is None else (tr.head, tr.embed,
@@ -350,6 +351,10 @@ def fsdp_per_layer(run: Run) -> tuple[list[int], int, int]:
     counts, mesh, prec = run.counts, run.mesh, run.prec
     layers = [C.gathered_params(counts, i, mesh, prec) for i in range(len(counts.layers))]
     tied = run.spec.tie_word_embeddings
+    tr = counts.trained
+    if tr is not None:  # a frozen base: its frozen part only (what trains is whole on every rank)
+        return layers, 0 if tied else tr.frozen_embed, tr.frozen_final_norm + (tr.frozen_embed if tied
+                                                                                 else tr.frozen_head)
     head = counts.final_norm + (counts.embed if tied else counts.head)
     return layers, 0 if tied else counts.embed, head
 
@@ -415,6 +420,7 @@ def _phases(run: Run, terms: list[LayerTerms]) -> list[tuple[str, dict[str, int]
     acc = run.grad_accum > 1 or bool(run.segment)
     g_all = sum(g_layers) + g_head + g_embed
     gathered, embed_block, head = fsdp_per_layer(run)
+    frozen = run.counts.trained is not None  # a frozen base: FSDP gathers it in its storage dtype, no gradient
     blocks = ([embed_block] if embed_block else []) + gathered  # FSDP units in forward order (root apart)
     first = 1 if embed_block else 0
 
@@ -422,7 +428,7 @@ def _phases(run: Run, terms: list[LayerTerms]) -> list[tuple[str, dict[str, int]
         j = first + i
         other = blocks[j - 1] if backward and j > 0 else (blocks[j + 1] if not backward and j + 1 < len(blocks)
                                                           else 0)
-        return C.fsdp_buffers(blocks[j], other, head, mesh, prec, run.reduce_bytes, backward)
+        return C.fsdp_buffers(blocks[j], other, head, mesh, prec, run.reduce_bytes, backward, frozen)
     bnd = C.boundary_bytes(spec, n, prec)
     final = n * (C.norm_saved(H, s, prec)[0] + s * H)
     # under autocast the trainer casts the hidden states and the head to the compute dtype for the loss
@@ -476,7 +482,7 @@ def _phases(run: Run, terms: list[LayerTerms]) -> list[tuple[str, dict[str, int]
         loss_comps["checkpoint boundaries"] = (L - k) * bnd
     else:
         loss_comps.update({"saved activations": saved_before, "weight copies (bf16)": copies_before})
-    loss_comps["FSDP buffers"] = C.fsdp_buffers(0, 0, head, mesh, prec, run.reduce_bytes, False)
+    loss_comps["FSDP buffers"] = C.fsdp_buffers(0, 0, head, mesh, prec, run.reduce_bytes, False, frozen)
     out.append(("loss", dict(fwd_state, **loss_comps), "loss"))
     grads = g_head + (g_embed if acc else 0) + (sum(g_layers) if acc else 0)
     for i in range(L - 1, -1, -1):  # backward

@@ -44,8 +44,10 @@ def _fsdp_label(m: dict[str, Any]) -> str:
 
 def _fsdp_line(v: dict[str, Any]) -> str:
     """FSDP's traffic per step; with sequence segments what each segment's re-gather costs."""
+    scatters = (f"{v['reduce_scatters']} reduce-scatters of its gradients" if v["reduce_scatters"] else
+                "no reduce-scatter (a frozen base: what trains is whole on every rank, its gradients all-reduced)")
     line = (f"FSDP over {v['ranks']} ranks: {v['all_gathers']} all-gathers of every layer and "
-            f"{v['reduce_scatters']} reduce-scatters of its gradients per step, {v['bytes'] / GB:.1f} GB sent per "
+            f"{scatters} per step, {v['bytes'] / GB:.1f} GB sent per "
             f"GPU (~{v['seconds']:.1f} s at {v['bytes_per_s'] / GB:.0f} GB/s if none of it overlaps compute)")
     if v.get("per_segment_bytes"):
         line += (f"; each sequence segment gathers the weights 3 times and reduce-scatters once: "

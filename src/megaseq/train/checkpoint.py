@@ -244,13 +244,24 @@ def _state(model: torch.nn.Module, optimizer: Any, trainable_only: bool = False)
 def base_fingerprint(model: torch.nn.Module) -> list[float]:
     """Sum and sum of magnitudes of every frozen tensor, in float64 and 16M-element pieces: what a resume
     compares to know it rebuilt the same frozen base (another seed or checkpoint differs far beyond
-    rounding). The frozen base is replicated (a frozen base under FSDP is refused): every rank's is whole."""
-    total, mag = 0.0, 0.0
+    rounding). Under FSDP each rank sums its shards and the sums are added over the shard mesh (DTensor's
+    partial sum), so every rank gets the whole base's fingerprint, up to rounding."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    whole, sharded, mesh, placements = [0.0, 0.0], [0.0, 0.0], None, None
     for i, p in enumerate(p for p in model.parameters() if not p.requires_grad):
-        for piece in p.detach().reshape(-1).split(1 << 24):
-            total += (i + 1) * float(piece.sum(dtype=torch.float64))
-            mag += float(piece.abs().sum(dtype=torch.float64))
-    return [total, mag]
+        local, acc = p.detach(), whole
+        if isinstance(local, DTensor):
+            mesh, acc = local.device_mesh, sharded
+            placements = [Partial() if isinstance(q, Shard) else Replicate() for q in local.placements]
+            local = local.to_local()
+        for piece in local.reshape(-1).split(1 << 24):
+            acc[0] += (i + 1) * float(piece.sum(dtype=torch.float64))
+            acc[1] += float(piece.abs().sum(dtype=torch.float64))
+    if mesh is not None:  # FSDP's units share one mesh
+        t = torch.tensor(sharded, dtype=torch.float64, device=mesh.device_type)
+        sharded = DTensor.from_local(t, mesh, placements).full_tensor().tolist()
+    return [whole[0] + sharded[0], whole[1] + sharded[1]]
 
 
 def _check_base(ckpt: Path, meta: dict[str, Any], model: torch.nn.Module) -> None:

@@ -198,7 +198,9 @@ def build_planned_model(cfg: Config, spec: Any, device: torch.device, memory: Me
 
     Under FSDP the whole model never sits on the device: loaded from ``init_from`` it is built on the meta
     device, sharded, then each rank reads only its rows of the safetensors files; a random init is drawn on
-    the host (the one-process weights, one full copy per process) and sharded to the device."""
+    the host (the one-process weights, one full copy per process) and sharded to the device. A frozen base
+    (LoRA, ``train.trainable``) is sharded in its storage dtype (bf16 under bf16 autocast); the adapters and
+    the trained tensors stay whole on every rank (``parallel.fsdp``)."""
     from megaseq.models.build import build_model
     from megaseq.models.hf_io import load_hf_checkpoint
     from megaseq.models.registry import parallelize
@@ -215,13 +217,19 @@ def build_planned_model(cfg: Config, spec: Any, device: torch.device, memory: Me
         if init_from:
             load_hf_checkpoint(init_from, model=model, spec=spec)
         applied = parallelize(model, memory, env, adapters)
-    else:  # a frozen base under FSDP is refused by the config (config.Config: not tested yet)
-        model = build_model(spec, dtype=dtype, device="meta" if init_from else "cpu", seed=cfg.train.seed)
+    else:  # a frozen base: its frozen tensors built (and sharded) in their storage dtype, what trains kept whole
+        frozen = frozen_base_dtypes(adapters) if adapters.freezes and adapters.frozen_dtype else None
+        model = build_model(spec, dtype=dtype, device="meta" if init_from else "cpu", seed=cfg.train.seed,
+                            stored=frozen)
         applied = parallelize(model, memory, env, adapters)  # shards (moves each rank's shards to the device)
         if init_from:
             model.to_empty(device=device)
             load_hf_checkpoint(init_from, model=model, spec=spec)  # this rank's rows of each tensor only
-        model.to(device)  # the parameters FSDP keeps whole (a bf16 model's fp32 router) and the buffers
+            if adapters.lora.enabled:  # the factors were attached on the meta device: draw them now
+                from megaseq.models.common.lora import draw_adapters
+
+                draw_adapters(model, adapters)
+        model.to(device)  # the parameters FSDP keeps whole (a bf16 model's fp32 router, the adapters), buffers
     if cfg.lora.init_from:
         from megaseq.models.peft_io import load_adapter
 

@@ -202,6 +202,7 @@ def apply_adapters(model: nn.Module, settings: AdapterSettings) -> list[Projecti
     happens when nothing is frozen; applying the same settings again changes nothing."""
     if not settings.freezes:
         return []
+    model.__dict__[FROZEN_BASE] = True  # parallel.fsdp keeps what trains whole (has_frozen_base)
     table = param_table(model)
     train = trainable_names(table, settings.trainable)
     lora = settings.lora
@@ -227,6 +228,40 @@ def apply_adapters(model: nn.Module, settings: AdapterSettings) -> list[Projecti
             p.grad = None
             p.data = p.data.to(frozen_dtype(name, compute, p.dtype, keep))
     return targets
+
+
+FROZEN_BASE = "_megaseq_frozen_base"
+
+
+def has_frozen_base(model: nn.Module) -> bool:
+    """Whether ``apply_adapters`` froze part of ``model`` (LoRA or ``train.trainable``): FSDP then shards the
+    frozen parameters only and keeps what trains whole on every rank (``parallel.fsdp.apply_fsdp``)."""
+    return bool(model.__dict__.get(FROZEN_BASE))
+
+
+@torch.no_grad()
+def draw_adapters(model: nn.Module, settings: AdapterSettings) -> None:
+    """Draw every adapter's initial factors again, exactly as ``apply_adapters`` drew them (the same
+    generator, the same order): for a model attached on the meta device and then materialised
+    (``to_empty``: the factors hold garbage), as the trainer builds one under FSDP from ``model.init_from``."""
+    if not settings.lora.enabled:
+        return
+    lora, gen = settings.lora, torch.Generator().manual_seed(settings.seed)
+    modules = dict(model.named_modules())
+    table = param_table(model)
+    targets = resolve_targets(projections(table), lora.targets, table)
+    by_experts: dict[str, list[str]] = {}
+    for proj in targets:  # apply_adapters' order: the linears as listed, then each experts module
+        if proj.kind == "linear":
+            m = modules[proj.name]
+            init_factors(m.lora_A.weight, m.lora_B.weight, m.in_features, lora, gen)
+        else:
+            module, _, tensor = proj.name.rpartition(".")
+            by_experts.setdefault(module, []).append(tensor)
+    for module, names in by_experts.items():
+        m = modules[module]
+        for name in [n for n in EXPERT_PARAMS if n in names]:
+            init_factors(m.lora_A[name], m.lora_B[name], getattr(m, name).shape[2], lora, gen)
 
 
 def storage_dtypes(model: nn.Module, settings: AdapterSettings, param: torch.dtype) -> dict[str, torch.dtype]:
@@ -272,6 +307,8 @@ def base_items(model: nn.Module, merged: bool = False) -> Iterator[tuple[str, to
             continue
         if name in deltas:
             m, tensor = deltas[name]
+            if hasattr(t, "full_tensor"):  # an FSDP shard (a frozen base under parallel.fsdp): every rank gathers
+                t = t.full_tensor()
             with torch.no_grad():
                 wide = torch.promote_types(t.dtype, torch.float32)
                 d = m.delta_weight(wide) if tensor is None else m.delta_weight(tensor, wide)
