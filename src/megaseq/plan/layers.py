@@ -442,7 +442,6 @@ def moe_saved(
 ) -> dict[str, int]:
     """MoE (``blocks/moe.py``): the router (``moe_router_saved``), per routed row ``moe_row_saved``, and the
     shared expert as a dense SwiGLU."""
-    I = spec.moe_intermediate_size
     rows = moe_rows(spec, n, mesh, imbalance)
     out = {
         "moe router": moe_router_saved(spec, n, prec, trains),
