@@ -203,3 +203,31 @@ def test_published_config_plans(model, capsys):
     assert plan(spec, 32768).peak_gpu > 0
     assert main(["plan", str(path), "--seq-len", "32K"]) in (0, 1)  # 1: planned, does not fit one GPU
     assert "GPU" in capsys.readouterr().out
+
+
+def test_fsdp_buffers_of_a_frozen_base():
+    """FSDP with LoRA: only the trained parameters get the unsharded gradient and its reduce-scatter, and the
+    frozen base (stored in bf16 under autocast) is gathered in bf16; the DeepSeek-V3 LoRA plan on 64 GPUs
+    counts the experts' gathered bytes once, not with gradients."""
+    from megaseq.plan import components as C
+
+    mesh, prec = Mesh(dp=64, fsdp="dp_cp"), Precision()  # fp32 parameters under autocast
+    full = C.fsdp_buffers(1000, 1000, 10, mesh, prec, 4, True)
+    assert full == (2000 + 10) * 4 + 1000 * (4 + 4) + 1000 * 4 // 64 + 10 * 4
+    lora = C.fsdp_buffers(1000, 1000, 10, mesh, prec, 4, True, current_trained=50, head_trained=0, other_trained=50)
+    assert lora == 100 * 4 + (2010 - 100) * 2 + 50 * (4 + 4) + 50 * 4 // 64
+
+
+def test_lora_fsdp_plan_fits_deepseek_v3_on_64():
+    import warnings
+
+    from megaseq.config import AdapterSettings, LoraConfig
+    from megaseq.models.spec import from_hf_config
+    from megaseq.plan import plan
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        spec = from_hf_config(ROOT / "recipes" / "deepseek-v3" / "config.json")
+    lora = AdapterSettings(LoraConfig(rank=16, alpha=32.0, targets=["all"]), frozen_dtype="bf16")
+    p = plan(spec, 32768, Mesh(cp=64, gpus_per_host=8, fsdp="dp_cp"), adapters=lora)
+    assert p.fits, p.advice

@@ -253,7 +253,8 @@ def test_unknown_layer_kind_is_refused_by_name(monkeypatch):
         plan(spec, 2048)
 
 
-@pytest.mark.parametrize("preset", ["olmoe-tiny", "mixtral-tiny", "glm4-moe-tiny", "deepseek-v32-tiny", "deepseek-v3-tiny",
+@pytest.mark.parametrize("preset", ["olmoe-tiny", "mixtral-tiny", "glm4-moe-tiny", "deepseek-v32-tiny",
+                                    "deepseek-v3-tiny",
                                     "kimi-linear-tiny", "qwen3-next-tiny"])
 def test_new_families_plan(preset):
     cfg = build_config(None, [f"model.name={preset}", "data.kind=random", "data.seq_len=2K"])

@@ -399,20 +399,28 @@ def gathered_params(counts: ParamCounts, i: int, mesh: Mesh, prec: Precision) ->
 
 
 def fsdp_buffers(current: int, other: int, head: int, mesh: Mesh, prec: Precision, reduce_bytes: int,
-                 backward: bool) -> int:
+                 backward: bool, current_trained: int | None = None, head_trained: int | None = None,
+                 other_trained: int | None = None) -> int:
     """FSDP2 unsharded buffers (``parallel.fsdp``) while a block of ``current`` parameters runs: it and the
     block whose all-gather is prefetched (``other``: the next in forward, the previous in backward) in the
     parameter dtype, and the root's head (``head``: the head weight and final norm, gathered from the
     forward to the end of the backward). In backward also the block's unsharded gradient (parameter dtype),
     the reduce-scatter input in ``reduce_bytes`` and its output ``/ shard``, and the head's unsharded
-    gradient (reduce-scattered when the backward ends)."""
+    gradient (reduce-scattered when the backward ends). With a frozen base (LoRA) only ``current_trained`` /
+    ``head_trained`` of those parameters get gradients (None: all of them), and the frozen rest is gathered in
+    the compute dtype it is stored in under autocast (``param_bytes``)."""
     if not mesh.sharded:
         return 0
     p = prec.param
     fwd = (current + other) * p + head * p
+    if current_trained is not None and prec.autocast and prec.compute < p:  # the frozen base is stored narrower
+        trained = current_trained + (other if other_trained is None else other_trained) + (head_trained or 0)
+        fwd = trained * p + (current + other + head - trained) * prec.compute
     if not backward:
         return fwd
-    return fwd + current * (p + reduce_bytes) + current * reduce_bytes // mesh.shard + head * p
+    g = current if current_trained is None else current_trained
+    gh = head if head_trained is None else head_trained
+    return fwd + g * (p + reduce_bytes) + g * reduce_bytes // mesh.shard + gh * p
 
 
 # ---- small shared pieces -----------------------------------------------------------------------------

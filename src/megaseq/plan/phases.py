@@ -432,12 +432,20 @@ def _phases(run: Run, terms: list[LayerTerms]) -> list[tuple[str, dict[str, int]
     gathered, embed_block, head = fsdp_per_layer(run)
     blocks = ([embed_block] if embed_block else []) + gathered  # FSDP units in forward order (root apart)
     first = 1 if embed_block else 0
+    # a frozen base (LoRA): only what trains gets FSDP's unsharded gradient and reduce-scatter
+    tr = run.counts.trained
+    trained_blocks = ([] if tr is None else ([tr.embed] if embed_block else [])
+                      + [d + x // mesh.ep for d, x in (run.counts.layer_trained(i) for i in range(spec.num_layers))])
+    trained_head = 0 if tr is None else tr.final_norm + (tr.embed if spec.tie_word_embeddings else tr.head)
 
     def fsdp(i: int, backward: bool) -> int:  # layer i running, its neighbour's all-gather prefetched
         j = first + i
-        other = blocks[j - 1] if backward and j > 0 else (blocks[j + 1] if not backward and j + 1 < len(blocks)
-                                                          else 0)
-        return C.fsdp_buffers(blocks[j], other, head, mesh, prec, run.reduce_bytes, backward)
+        k = j - 1 if backward and j > 0 else (j + 1 if not backward and j + 1 < len(blocks) else None)
+        other = 0 if k is None else blocks[k]
+        if not trained_blocks:
+            return C.fsdp_buffers(blocks[j], other, head, mesh, prec, run.reduce_bytes, backward)
+        return C.fsdp_buffers(blocks[j], other, head, mesh, prec, run.reduce_bytes, backward, trained_blocks[j],
+                              trained_head, 0 if k is None else trained_blocks[k])
     bnd = C.boundary_bytes(spec, n, prec)
     final = n * (C.norm_saved(H, s, prec)[0] + s * H)
     # under autocast the trainer casts the hidden states and the head to the compute dtype for the loss
