@@ -143,19 +143,47 @@ def markdown(result: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def summary(result: list[dict[str, Any]]) -> str:
+    """One row per model, one column per (GPUs, training): the longest length that fits ('-': none; 32K and
+    128K fit wherever the longest is at least as long)."""
+    cols = [("1 GPU", "full"), ("1 GPU", "LoRA"), ("8 GPUs", "full"), ("8 GPUs", "LoRA"), ("64 GPUs", "full"),
+            ("64 GPUs", "LoRA"), ("64 GPUs, ep 8", "full")]
+    lines = ["| model (recipes/<dir>/config.json) | " + " | ".join(f"{g} {t}" for g, t in cols) + " |",
+             "|---|" + "---|" * len(cols)]
+    for model in dict.fromkeys(r["model"] for r in result):
+        cells = []
+        for g, t in cols:
+            r = next((r for r in result if r["model"] == model and r["mesh"] == g and r["training"].startswith(t)),
+                     None)
+            if r is None:
+                cells.append("n/a")
+            elif not r["longest"]:
+                cells.append(f"- ({r['32K']['binding']})")
+            else:
+                cp = f", cp {r['cp']}" if r["cp"] > 1 else ""
+                cells.append(f"{_len(r['longest'])}{cp}")
+        lines.append(f"| {model} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="benchmarks/results/family_plan_rows.json")
     ap.add_argument("--only", default="", help="comma-separated recipe directories (default: every config.json)")
+    ap.add_argument("--from-json", action="store_true", help="only rewrite the markdown from --out's JSON")
     args = ap.parse_args()
-    models = sorted(p.parent.name for p in (ROOT / "recipes").glob("*/config.json"))
-    models = [m for m in models if not args.only or m in args.only.split(",")]
-    result = [r for m in models for r in rows(m)]
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
-    out.with_suffix(".md").write_text(markdown(result))
-    print(markdown(result))
+    if args.from_json:
+        result = json.loads(out.read_text())
+    else:
+        models = sorted(p.parent.name for p in (ROOT / "recipes").glob("*/config.json"))
+        models = [m for m in models if not args.only or m in args.only.split(",")]
+        result = [r for m in models for r in rows(m)]
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=1) + "\n")
+    text = summary(result) + "\n" + markdown(result)
+    out.with_suffix(".md").write_text(text)
+    print(text)
 
 
 if __name__ == "__main__":
