@@ -196,13 +196,12 @@ def test_published_config_plans(model, capsys):
     32K tokens) and prints a plan."""
     from megaseq.cli.main import main
     from megaseq.models.spec import from_hf_config
-    from megaseq.plan import plan
 
     path = ROOT / "recipes" / model / "config.json"
     spec = from_hf_config(json.loads(path.read_text()))
-    assert plan(spec, 32768).peak_gpu > 0
+    assert spec.num_layers > 1
     assert main(["plan", str(path), "--seq-len", "32K"]) in (0, 1)  # 1: planned, does not fit one GPU
-    assert "GPU" in capsys.readouterr().out
+    assert "peak GPU" in capsys.readouterr().out
 
 
 def test_fsdp_buffers_of_a_frozen_base():
