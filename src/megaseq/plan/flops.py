@@ -227,15 +227,18 @@ def comm_volume(spec: ModelSpec, seq_len: int, mesh: Mesh, batch: int = 1,
             fwd = n * a2a * (2 * Hk * Dk * c + Hv * Dv * c + Hv * (f + c) + Hv * Dv * c)
             out[kind] = {"ulysses": 2 * fwd, "mode": "ulysses"}
         elif kind == "mla":
-            Hh = spec.num_attention_heads
-            # dense MLA (Ulysses only): q and k after the fp32 RoPE / latent concatenations, v and o in c
-            fwd = n * a2a * (2 * Hh * spec.qk_head_dim * f + 2 * Hh * spec.v_head_dim * c)
+            Hh, Dr = spec.num_attention_heads, spec.qk_rope_head_dim
+            # dense MLA (Ulysses only): q after the fp32 RoPE concatenation (bf16 unrotated: Kimi's NoPE), k after
+            # the concatenation with the fp32 latent's rope part (bf16 without one), v and o in c
+            q = f if spec.mla_rotate and Dr else c
+            k = f if Dr else c
+            fwd = n * a2a * (Hh * spec.qk_head_dim * (q + k) + 2 * Hh * spec.v_head_dim * c)
             out[kind] = {"ulysses": 2 * fwd, "mode": "ulysses"}
         elif kind == "attention":
             Hq, Hkv = spec.num_attention_heads, spec.num_key_value_heads
             D = spec.head_dim or spec.hidden_size // Hq
             kv = max(Hkv, P) if P > 1 else Hkv  # KV heads repeated until cp splits them
-            qk = f if spec.qk_norm else c
+            qk = f if (spec.qk_norm and not spec.norm_zero_centered) else c  # a zero-centered norm casts back
             fwd = n * a2a * (Hq * D * (qk + c) + kv * D * (qk + c))  # q and o; k and v
             out[kind] = {"ulysses": 2 * fwd, "mode": "ulysses"}
         else:
