@@ -55,9 +55,10 @@ def scope_layers(model: torch.nn.Module, kinds: tuple[str, ...]) -> None:
     """Run each layer's token mixer (forward, and through autograd its backward) under its kind."""
     for layer, kind in zip(model.layers, kinds, strict=True):
         stack = ExitStack()
-        layer.self_attn.register_forward_pre_hook(
+        mixer = getattr(layer, getattr(layer, "mixer_name", "self_attn"))  # Qwen3-Next's GDN: linear_attn
+        mixer.register_forward_pre_hook(
             lambda m, a, k=kind, s=stack: s.enter_context(ulysses.comm_scope(k)))  # returns None
-        layer.self_attn.register_forward_hook(lambda m, a, o, s=stack: s.close())
+        mixer.register_forward_hook(lambda m, a, o, s=stack: s.close())
 
 
 def traced(by_key: dict[tuple[str, str, str], int], scope: str, op: str | None = None,
@@ -117,6 +118,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
     ("glm5-flash-tiny", 4, 1, 512),
     ("qwen3-moe-tiny", 2, 1, 512),  # 2 KV heads, cp 2: no repeat
     ("qwen3-moe-tiny", 4, 1, 256),  # cp 4 > 2 KV heads: each is sent twice
+    ("deepseek-v3-tiny", 2, 1, 256),  # dense MLA through Ulysses
+    ("qwen3-next-tiny", 2, 1, 256),  # gated DeltaNet (Hv = 2 Hk) and gated attention through Ulysses
 ])
 def test_traced_bytes_equal_planner(name, cp, B, S):
     spawn_local(_rank_step, cp, args=(name, cp, B, S))
@@ -137,20 +140,23 @@ class RecordingContext(SeqContext):
     heads_to_seq = _record
 
 
-@pytest.mark.parametrize("name", ["glm5-flash-tiny", "qwen3-moe-tiny"])
-def test_bf16_autocast_dtypes_match_the_default_precision(name):
+@pytest.mark.parametrize("name, layer", [("glm5-flash-tiny", 0), ("qwen3-moe-tiny", 0), ("deepseek-v3-tiny", 0),
+                                         ("kimi-linear-tiny", 3), ("qwen3-next-tiny", 0), ("qwen3-next-tiny", 3)])
+def test_bf16_autocast_dtypes_match_the_default_precision(name, layer):
     """``comm_volume``'s default precision (fp32 parameters + bf16 autocast) counts the dtypes the
     blocks really hand to the collectives: KDA's fp32 g and bf16 q/k/v/beta/o; attention's q and k in
-    fp32 after the qk RMSNorm, v and o in bf16."""
+    fp32 after the qk RMSNorm (bf16 after Qwen3-Next's zero-centered one), v and o in bf16; dense MLA's
+    fp32 q (after RoPE; bf16 in Kimi's NoPE MLA) and k, bf16 v and o; gated DeltaNet's fp32 decay."""
     torch.manual_seed(0)
     spec = get_preset(name)
-    kind = spec.layer_types[0]
+    kind = spec.layer_types[layer]
     model = build_model(spec, dtype=torch.float32, seed=0)
     B, S, P = 1, 24, 2  # P only scales the formula: one rank's hooks see the same per-token tensors
     x = torch.randn(B, S, spec.hidden_size)
     ctx = RecordingContext(doc_ids=torch.zeros(B, S, dtype=torch.long))
+    block = model.layers[layer]
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        model.layers[0].self_attn(x, ctx)
+        getattr(block, getattr(block, "mixer_name", "self_attn"))(x, ctx)
     if kind == "attention":  # cp = 2 splits the 2 KV heads unrepeated; the formula counts max(Hkv, P)
         assert spec.num_key_value_heads >= P
     vol = comm_volume(spec, S, PlanMesh(cp=P), batch=B)[kind]["ulysses"]

@@ -587,6 +587,11 @@ def comm_buffer_bytes(spec: ModelSpec, n: int, kind: str, prec: Precision, mesh:
     if kind == "attention":
         D = spec.head_dim or spec.hidden_size // spec.num_attention_heads
         return 2 * n * spec.num_attention_heads * D * prec.f32
+    if kind == "mla":  # dense MLA goes through Ulysses: q and k (fp32 under autocast) are the widest
+        return 2 * n * spec.num_attention_heads * spec.qk_head_dim * prec.f32
+    if kind == "gdn":  # Ulysses: q/k/v and the gate per value head
+        Hv = spec.linear_num_value_heads or spec.linear_num_heads
+        return 2 * n * Hv * max(spec.linear_head_dim, spec.linear_value_head_dim or 0) * prec.compute
     if mode == "ulysses":
         return 2 * n * spec.num_attention_heads * spec.qk_head_dim * prec.compute
     width = (spec.kv_lora_rank + spec.qk_rope_head_dim) * prec.f32 + 2 * spec.index_head_dim * prec.compute

@@ -83,7 +83,31 @@ def dsa_flops(spec: ModelSpec, S: int, full_indexer: bool) -> tuple[float, float
 def attention_flops(spec: ModelSpec, S: int) -> float:
     H, Hq, Hkv = spec.hidden_size, spec.num_attention_heads, spec.num_key_value_heads
     D = spec.head_dim or H // Hq
-    return 2 * S * H * (Hq + 2 * Hkv) * D + 2 * S * Hq * D * H + 4 * Hq * D * causal_keys(S, S)
+    gate = 2 * S * H * Hq * D if spec.attn_output_gate else 0  # Qwen3-Next: q_proj's gate half
+    return 2 * S * H * (Hq + 2 * Hkv) * D + gate + 2 * S * Hq * D * H + 4 * Hq * D * causal_keys(S, S)
+
+
+def mla_flops(spec: ModelSpec, S: int) -> float:
+    """Dense MLA: the projections (q through q_a/q_b or one q_proj, kv_a, kv_b over every token, o_proj) and
+    causal attention over ``t + 1`` keys, ``2 * Hh * (Dq + Dv)`` per key (the zero-padded value dims that
+    SDPA multiplies are not counted: model FLOPs)."""
+    H, Hh = spec.hidden_size, spec.num_attention_heads
+    ql, kl, qk, v = spec.q_lora_rank, spec.kv_lora_rank, spec.qk_head_dim, spec.v_head_dim
+    q = H * ql + ql * Hh * qk if ql else H * Hh * qk
+    proj = 2 * S * (q + H * (kl + spec.qk_rope_head_dim) + kl * Hh * (spec.qk_nope_head_dim + v) + Hh * v * H)
+    return proj + 2 * Hh * (qk + v) * causal_keys(S, S)
+
+
+def gdn_flops(spec: ModelSpec, S: int) -> float:
+    """Gated DeltaNet: in_proj_qkvz, in_proj_ba, the conv, out_proj, and the chunked delta rule per token and
+    value head as KDA's (chunk C = 64) with key / value dims Dk / Dv: ``Aqk``, ``Akk`` ``2 * 2 * (C/2) * Dk``,
+    ``w``, ``u`` ``2 * (C/2) * (Dk + Dv)``, the output ``2 * (C/2) * Dv``, the state terms ``3 * 2 Dk Dv``."""
+    H, Hk, Dk = spec.hidden_size, spec.linear_num_heads, spec.linear_head_dim
+    Hv, Dv, C = spec.linear_num_value_heads or Hk, spec.linear_value_head_dim or Dk, KDA_CHUNK
+    proj = 2 * S * (H * (2 * Hk * Dk + 2 * Hv * Dv) + H * 2 * Hv + Hv * Dv * H)
+    conv = 2 * S * (2 * Hk * Dk + Hv * Dv) * spec.linear_conv_kernel
+    per_token_head = 2 * 2 * (C / 2) * Dk + 2 * (C / 2) * (Dk + Dv) + 2 * (C / 2) * Dv + 3 * 2 * Dk * Dv
+    return proj + conv + S * Hv * per_token_head
 
 
 def mlp_flops(spec: ModelSpec, S: int, kind: str) -> float:
@@ -91,7 +115,8 @@ def mlp_flops(spec: ModelSpec, S: int, kind: str) -> float:
     if kind == "dense":
         return 6 * S * H * spec.intermediate_size
     I, K = spec.moe_intermediate_size, spec.num_experts_per_tok
-    return 2 * S * H * spec.num_experts + 6 * S * H * I * (K + spec.num_shared_experts)
+    shared = spec.shared_expert_intermediate_size or I * spec.num_shared_experts
+    return 2 * S * H * spec.num_experts + 6 * S * H * (I * K + shared) + (2 * S * H if spec.shared_expert_gate else 0)
 
 
 def layer_flops(spec: ModelSpec, S: int, i: int) -> LayerFlops:
@@ -103,6 +128,10 @@ def layer_flops(spec: ModelSpec, S: int, i: int) -> LayerFlops:
         out.mixer = kda_flops(spec, S)
     elif kind == "dsa":
         out.mixer, out.indexer = dsa_flops(spec, S, spec.indexer_types[i] == "full")
+    elif kind == "mla":
+        out.mixer = mla_flops(spec, S)
+    elif kind == "gdn":
+        out.mixer = gdn_flops(spec, S)
     else:
         out.mixer = attention_flops(spec, S)
     return out
@@ -191,11 +220,25 @@ def comm_volume(spec: ModelSpec, seq_len: int, mesh: Mesh, batch: int = 1,
             D, Hh = spec.linear_num_heads * spec.linear_head_dim, spec.linear_num_heads
             fwd = n * a2a * (3 * D * c + D * f + Hh * c + D * c)
             out[kind] = {"ulysses": 2 * fwd, "mode": "ulysses"}
+        elif kind == "gdn":
+            Hk, Dk = spec.linear_num_heads, spec.linear_head_dim
+            Hv, Dv = spec.linear_num_value_heads or Hk, spec.linear_value_head_dim or Dk
+            # q, k, v, the gate's decay g (fp32) and beta per value head in; o out
+            fwd = n * a2a * (2 * Hk * Dk * c + Hv * Dv * c + Hv * (f + c) + Hv * Dv * c)
+            out[kind] = {"ulysses": 2 * fwd, "mode": "ulysses"}
+        elif kind == "mla":
+            Hh, Dr = spec.num_attention_heads, spec.qk_rope_head_dim
+            # dense MLA (Ulysses only): q after the fp32 RoPE concatenation (bf16 unrotated: Kimi's NoPE), k after
+            # the concatenation with the fp32 latent's rope part (bf16 without one), v and o in c
+            q = f if spec.mla_rotate and Dr else c
+            k = f if Dr else c
+            fwd = n * a2a * (Hh * spec.qk_head_dim * (q + k) + 2 * Hh * spec.v_head_dim * c)
+            out[kind] = {"ulysses": 2 * fwd, "mode": "ulysses"}
         elif kind == "attention":
             Hq, Hkv = spec.num_attention_heads, spec.num_key_value_heads
             D = spec.head_dim or spec.hidden_size // Hq
             kv = max(Hkv, P) if P > 1 else Hkv  # KV heads repeated until cp splits them
-            qk = f if spec.qk_norm else c
+            qk = f if (spec.qk_norm and not spec.norm_zero_centered) else c  # a zero-centered norm casts back
             fwd = n * a2a * (Hq * D * (qk + c) + kv * D * (qk + c))  # q and o; k and v
             out[kind] = {"ulysses": 2 * fwd, "mode": "ulysses"}
         else:

@@ -40,7 +40,8 @@ def kda_saved(spec: ModelSpec, n: int, xb: int, prec: Precision, cal: Calibratio
 
     Per token: the six projections' inputs (q, k, v, f_a, b, g_a); the conv's input ``c * 3D`` (fla's
     conv fuses the SiLU and saves only its input; ``kda_conv_copies``); the forget gate ``2 * f * D``
-    (g before the decay product, the sigmoid output); chunk_kda's ``q, k`` (l2-normed), ``v`` in bf16,
+    (g before the decay product, the sigmoid output; Kimi-Linear's softplus gate without a lower bound
+    ``(3 f + 1) * D``); chunk_kda's ``q, k`` (l2-normed), ``v`` in bf16,
     ``g`` and its chunk cumsum in fp32, the intra-chunk ``Aqk, Akk`` ``2 * c * heads * 64`` (fla 0.6
     keeps them in the input dtype); the gated output norm ``4 * f * D`` + o_proj's input ``c * D``.
     """
@@ -53,7 +54,9 @@ def kda_saved(spec: ModelSpec, n: int, xb: int, prec: Precision, cal: Calibratio
     return {
         "kda projections' inputs": n * _inputs(H, six, xb, prec, trains),
         "kda conv": n * cal.kda_conv_copies * c * 3 * D,
-        "kda forget gate": n * 2 * f * D,
+        # the safe gate (lower_bound * sigmoid): g and the sigmoid's output; without a lower bound (Kimi-Linear)
+        # exp(g), 1 + exp(g), the where's bool mask and its output
+        "kda forget gate": n * (2 * f * D if spec.linear_lower_bound is not None else (3 * f + 1) * D),
         "kda chunk state (q,k,v,g,A)": n * (3 * c * D + 2 * f * D + 2 * c * Hh * 64 + 2 * f * Hh),
         "kda output norm + o_proj input": n * ((3 + _if(p + "o_norm", trains)) * f * D + late),
     }
@@ -242,21 +245,133 @@ def absorbed_temp(spec: ModelSpec, n: int, batch: int, seq_len: int, prec: Preci
 def attention_saved(spec: ModelSpec, n: int, xb: int, prec: Precision, mesh: Mesh,
                     trains: Trains = None) -> dict[str, int]:
     """GQA softmax attention (``blocks/attention.py``) with SDPA: q/k/v inputs, q/k RMSNorm per head
-    ``(f + c) * (Hq + Hkv) * D``, RoPE's cos/sin, SDPA's q, k, v, o (bf16 casts) and log-sum-exp, and
-    o_proj's input. KV heads repeated for Ulysses when cp does not divide them."""
+    ``(f + c) * (Hq + Hkv) * D`` (zero-centered norms, Qwen3-Next: ``2 f``, their fp32 input and normalised
+    value), RoPE's cos/sin ``2 * q_bytes * rotated dims``, SDPA's q, k, v, o (bf16 casts) and log-sum-exp,
+    and o_proj's input. KV heads repeated for Ulysses when cp does not divide them. Qwen3-Next's output
+    gate (``attn_output_gate``): ``o * sigmoid(gate)`` keeps the sigmoid's output ``c * Hq * D`` (o itself
+    is a view of SDPA's kept output)."""
     H, Hq, Hkv = spec.hidden_size, spec.num_attention_heads, spec.num_key_value_heads
     D, c, f = spec.head_dim or H // Hq, prec.compute, prec.f32
     rep = 1
     if mesh.cp > 1 and Hkv % mesh.cp:
         rep = next(r for r in range(1, Hq // Hkv + 1) if (Hq // Hkv) % r == 0 and (Hkv * r) % mesh.cp == 0)
-    norms = (f + (0 if prec.frozen_norms else c)) * (Hq + Hkv) * D if spec.qk_norm else 0
+    kept = f if spec.norm_zero_centered else (0 if prec.frozen_norms else c)
+    norms = (f + kept) * (Hq + Hkv) * D if spec.qk_norm else 0
+    if spec.qk_norm and spec.attn_output_gate and c == f:  # no cast: q_norm keeps a view of q_proj's [q | gate]
+        norms += f * Hq * D
+    # RoPE's cos/sin over the rotated dims, in q's dtype after its norm: the fp32 weight promotes a plain
+    # RMSNorm's output, a zero-centered one casts back (type_as)
+    q_bytes = f if (spec.qk_norm and not spec.norm_zero_centered) else c
+    rot = int(D * spec.partial_rotary_factor)
     qkv = [f"self_attn.{x}" for x in ("q_proj", "k_proj", "v_proj")]
-    return {
+    out = {
         "attention projections' inputs": n * _inputs(H, qkv, xb, prec, trains),
-        "attention q/k norms + rope": n * (norms + 2 * f * D),
+        "attention q/k norms + rope": n * (norms + 2 * q_bytes * rot),
         "attention q,k,v,o + lse": n * (c * (2 * Hq + 2 * Hkv * rep) * D + f * Hq),
         "attention o_proj input": n * c * Hq * D * _if("self_attn.o_proj", trains),
     }
+    if spec.attn_output_gate:  # o is a view of SDPA's output (kept above); the product is o_proj's input
+        out["attention output gate (sigmoid)"] = n * c * Hq * D
+    return out
+
+
+def mla_saved(spec: ModelSpec, n: int, xb: int, prec: Precision, trains: Trains = None) -> dict[str, int]:
+    """Dense MLA (``models/common/mla.py``: DeepSeek-V3, Kimi-Linear's MLA layers) through SDPA, per query
+    token (``n`` this rank's tokens; under Ulysses each rank holds all tokens of ``Hh / cp`` heads: the
+    same bytes). Hh heads, R kv_lora_rank, Dn/Dr/Dv the nope/rope/value head dims, Dq = Dn + Dr.
+
+    The projections' inputs (``q_a_proj`` or ``q_proj``, and ``kv_a_proj_with_mqa``); the q_a / kv_a
+    RMSNorms ``(f + c) * rank`` and q_b's input; RoPE's cos/sin ``2 * xb * Dr`` (rotating layers only);
+    kv_b's input, the normed latent ``c * R`` (its bf16 cast; without autocast the latent itself,
+    ``R + Dr`` wide); SDPA's q, k, v and output, each ``Hh * Dq`` wide (the op zero-pads v to q's head dim
+    when ``Dv < Dq``, ``ops`` ``attention_sdpa``, so v and o are ``Dq`` wide) in the compute dtype, and
+    its log-sum-exp ``f * Hh``; o_proj's input ``c * Hh * Dv`` (the sliced output, copied by the reshape).
+    kv_b's output itself is not kept (k and v are new tensors: a concatenation and a pad)."""
+    H, Hh, c, f = spec.hidden_size, spec.num_attention_heads, prec.compute, prec.f32
+    ql, R, Dr, Dv = spec.q_lora_rank, spec.kv_lora_rank, spec.qk_rope_head_dim, spec.v_head_dim
+    Dq = spec.qk_head_dim
+    p = "self_attn."
+    first = [p + ("q_a_proj" if ql else "q_proj"), p + "kv_a_proj_with_mqa"]
+    q_norm, q_out = norm_saved(ql, c, prec) if ql else (0, c)
+    kv_norm, kv_out = norm_saved(R, c, prec)
+    # without autocast kv_b reads a view of the latent [c | k_rot] and kv_a_layernorm a view of kv_a's output:
+    # both keep the whole R + Dr wide storage
+    latent = R + (0 if prec.autocast else Dr)
+    kv_norm += 0 if prec.autocast else f * Dr
+    rotate = spec.mla_rotate and Dr > 0
+    return {
+        "mla projections' inputs": n * _inputs(H, first, xb, prec, trains),
+        "mla q/kv norms + q_b input": n * (q_norm + kv_norm
+                                          + (_inputs(ql, [p + "q_b_proj"], q_out, prec, trains) if ql else 0)),
+        "mla rope cos/sin": n * 2 * xb * Dr if rotate else 0,
+        "mla kv_b input": n * (_inputs(latent, [p + "kv_b_proj"], kv_out, prec, trains)),
+        "mla q,k,v,o (SDPA, v padded) + lse": n * (c * 4 * Hh * max(Dq, Dv) + f * Hh),
+        "mla o_proj input": n * c * Hh * Dv * _if(p + "o_proj", trains),
+    }
+
+
+def mla_temp(spec: ModelSpec, n: int, prec: Precision, backward: bool) -> int:
+    """Dense MLA temporaries above the saved set. Forward: kv_b's output ``c * Hh * (Dn + Dv)`` (alive until
+    k and v are built) and, under autocast, the fp32 q and k (RoPE's fp32 cos/sin and the fp32 latent promote
+    the concatenations) before SDPA's bf16 casts, ``2 f * Hh * Dq``. Backward: SDPA's dq, dk, dv ``3 c * Hh *
+    Dq`` and its fp32 dq accumulator, then (autocast) dq and dk cast back to fp32 and kv_b's output gradient,
+    taken as ``f * Hh * Dq`` more."""
+    Hh, c, f = spec.num_attention_heads, prec.compute, prec.f32
+    Dq, Dn, Dv = max(spec.qk_head_dim, spec.v_head_dim), spec.qk_nope_head_dim, spec.v_head_dim
+    promoted = 2 * f * Hh * spec.qk_head_dim if prec.autocast else 0
+    if not backward:
+        return n * (c * Hh * (Dn + Dv) + promoted)
+    return n * (3 * c * Hh * Dq + f * Hh * Dq + (f * Hh * Dq if prec.autocast else 0))
+
+
+def gdn_dims(spec: ModelSpec) -> tuple[int, int, int, int]:
+    """(Hk, Dk, Hv, Dv): gated DeltaNet key / value heads and head dims."""
+    Hk, Dk = spec.linear_num_heads, spec.linear_head_dim
+    return Hk, Dk, spec.linear_num_value_heads or Hk, spec.linear_value_head_dim or Dk
+
+
+def gdn_saved(spec: ModelSpec, n: int, xb: int, prec: Precision, cal: Calibration = CAL,
+              trains: Trains = None) -> dict[str, int]:
+    """Gated DeltaNet (``models/common/gdn.py``) with fla's ``chunk_gated_delta_rule`` on the GPU, per token.
+
+    Hk/Dk key heads and dim, Hv/Dv value heads and dim, C = 2 Hk Dk + Hv Dv conv channels. The two
+    projections' inputs (in_proj_qkvz, in_proj_ba); the gates: beta = sigmoid(b) ``c * Hv`` and the decay's
+    softplus input and output ``2 f * Hv``; the conv's input ``c * C`` (``[q | k | v]`` concatenated;
+    fla's conv saves only its input, the torch reference its output too: ``kda_conv_copies``); the chunk
+    kernel's q and k (repeated to the Hv value heads when Hv > Hk: ``repeat_interleave`` copies), v, beta,
+    the per-head fp32 decay cumsum and q/k rstd ``3 f * Hv`` and the intra-chunk ``A`` ``c * Hv * 64``;
+    the gated norm ``(4 f + c) * Hv * Dv`` (fp32 input, its bf16 cast for the weight, the gate's fp32 copy,
+    the weighted value and silu's output; without a cast and with Hv = Hk the gate is a view that keeps
+    in_proj_qkvz's whole output)
+    and out_proj's input ``c * Hv * Dv``."""
+    H, c, f = spec.hidden_size, prec.compute, prec.f32
+    Hk, Dk, Hv, Dv = gdn_dims(spec)
+    C = 2 * Hk * Dk + Hv * Dv
+    p = "linear_attn."
+    # silu(z.to(fp32)) keeps z's fp32 copy; without a cast z itself: its reshape's copy when value heads are
+    # grouped (Hv > Hk), else a view that keeps in_proj_qkvz's whole output
+    gate = f * Hv * Dv if (c != f or Hv != Hk) else c * (2 * Hk * Dk + 2 * Hv * Dv)
+    return {
+        "gdn projections' inputs": n * _inputs(H, [p + "in_proj_qkvz", p + "in_proj_ba"], xb, prec, trains),
+        "gdn gates (beta, decay)": n * (c * Hv + 2 * f * Hv),
+        "gdn conv": n * cal.kda_conv_copies * c * C,
+        "gdn chunk state (q,k,v,beta,g,A)": n * (c * Hv * (2 * Dk + Dv + 1 + 64) + 3 * f * Hv),
+        "gdn gated norm + o_proj input": n * ((3 * f + c) * Hv * Dv + gate
+                                              + c * Hv * Dv * _if(p + "out_proj", trains)),
+    }
+
+
+def gdn_temp(spec: ModelSpec, n: int, prec: Precision, backward: bool, cal: Calibration = CAL) -> int:
+    """Gated DeltaNet temporaries above the saved set, KDA's coefficients (``kda_temp``: fla's chunk kernels
+    of both share their structure; not fitted to GDN on a GPU) with ``D = Hv * max(Dk, Dv)`` and the chunk
+    states ``Hv * Dk * Dv / 64`` per token; forward also the q and k copies before the concatenation,
+    ``2 c * Hk * Dk``."""
+    c, f = prec.compute, prec.f32
+    Hk, Dk, Hv, Dv = gdn_dims(spec)
+    D, states = Hv * max(Dk, Dv), Hv * Dk * Dv / 64
+    if not backward:
+        return int(n * (cal.kda_fwd_temp_cd * c * D + c * states + 2 * c * Hk * Dk))
+    return int(n * (cal.kda_bwd_temp_fd * f * D + cal.kda_bwd_temp_cd * c * D + (2 * c + f) * states))
 
 
 def attention_temp(spec: ModelSpec, n: int, prec: Precision, backward: bool) -> int:
@@ -327,16 +442,32 @@ def moe_saved(
 ) -> dict[str, int]:
     """MoE (``blocks/moe.py``): the router (``moe_router_saved``), per routed row ``moe_row_saved``, and the
     shared expert as a dense SwiGLU."""
-    I = spec.moe_intermediate_size
     rows = moe_rows(spec, n, mesh, imbalance)
     out = {
         "moe router": moe_router_saved(spec, n, prec, trains),
         "moe routed rows (x, SwiGLU, y)": rows * moe_row_saved(spec, xb, prec, trains),
     }
     if spec.num_shared_experts:
-        out["moe shared expert"] = mlp_saved(spec, n, I * spec.num_shared_experts, xb, prec, trains,
-                                             "mlp.shared_experts.")
+        out["moe shared expert"] = shared_expert_saved(spec, n, xb, prec, trains)
     return out
+
+
+def shared_expert_saved(spec: ModelSpec, n: int, xb: int, prec: Precision, trains: Trains = None) -> int:
+    """The shared expert as a dense SwiGLU of ``shared_expert_intermediate_size`` (or ``moe_intermediate_size``
+    x shared experts); Qwen3-Next's gated one (``mlp.shared_expert``) also keeps its gate linear's input, the
+    sigmoid's output and the expert's output for ``sigmoid(gate) * expert``, ``c * H`` each (+ the gate)."""
+    H, c = spec.hidden_size, prec.compute
+    I = spec.shared_expert_intermediate_size or spec.moe_intermediate_size * spec.num_shared_experts
+    prefix = "mlp.shared_expert." if spec.shared_expert_gate else "mlp.shared_experts."
+    out = mlp_saved(spec, n, I, xb, prec, trains, prefix)
+    gate = [prefix[:-1] + "_gate"] if spec.shared_expert_gate else []
+    names = [prefix + "gate_proj", prefix + "up_proj"] + gate
+    uncast = not (prec.autocast and xb != c)  # the linears keep the MoE input itself, not casts of their own
+    if uncast and _inputs(H, ["mlp.gate"], prec.f32, prec, trains):  # ... which the router's input already is
+        out -= n * _inputs(H, names[:2], xb, prec, trains)
+    elif gate:
+        out += n * (_inputs(H, names, xb, prec, trains) - _inputs(H, names[:2], xb, prec, trains))
+    return out + (n * c * (H + 1) if gate else 0)  # sigmoid(gate) * expert: the expert's output and the sigmoid
 
 
 def mlp_temp(

@@ -157,11 +157,22 @@ def _mixer(run: Run, i: int, xb: int) -> tuple[dict[str, int], int, int]:
             layers.attention_temp(spec, n, prec, False) + comm,
             layers.attention_temp(spec, n, prec, True) + comm,
         )
+    if kind == "mla":
+        return (
+            layers.mla_saved(spec, n, xb, prec, trains),
+            layers.mla_temp(spec, n, prec, False) + comm,
+            layers.mla_temp(spec, n, prec, True) + comm,
+        )
+    if kind == "gdn":
+        return (
+            layers.gdn_saved(spec, n, xb, prec, run.cal, trains),
+            layers.gdn_temp(spec, n, prec, False, run.cal) + comm,
+            layers.gdn_temp(spec, n, prec, True, run.cal) + comm,
+        )
     if kind != "dsa":
         raise ValueError(
-            f"the memory planner has no terms for layer kind {kind!r} (layer {i} of {spec.family}) yet: it plans "
-            "attention, kda and dsa layers. model.name: choose a model built of those; this one is built and "
-            "tested (megaseq verify) but cannot be planned or trained yet")
+            f"the memory planner has no terms for layer kind {kind!r} (layer {i} of {spec.family}): it plans "
+            "attention, mla, gdn, kda and dsa layers")
     full = spec.indexer_types[i] == "full"
     B, S, mode = run.batch, run.seq_len, run.mla_mode
     impl = run.sparse_impl
@@ -195,8 +206,7 @@ def _moe_ep(run: Run, xb: int, tokens: int) -> tuple[dict[str, int], int, int]:
     t = expert.dispatch_terms(spec, tokens, run.mesh, run.ep_dispatch, xb, prec, run.imbalance, run.cal)
     saved = {"moe router": layers.moe_router_saved(spec, tokens, prec), **t.saved}
     if spec.num_shared_experts:
-        I = spec.moe_intermediate_size * spec.num_shared_experts
-        saved["moe shared expert"] = layers.mlp_saved(spec, tokens, I, xb, prec)
+        saved["moe shared expert"] = layers.shared_expert_saved(spec, tokens, xb, prec)
     return saved, t.fwd_temp, t.bwd_temp
 
 
@@ -208,17 +218,22 @@ def _largest_weight(spec: ModelSpec, i: int) -> int:
         mlp = max(H * spec.moe_intermediate_size * max(spec.num_shared_experts, 1), spec.num_experts * H)
     else:
         mlp = H * spec.intermediate_size
-    if spec.layer_types[i] == "kda":
+    kind = spec.layer_types[i]
+    if kind == "kda":
         mix = H * spec.linear_num_heads * spec.linear_head_dim
-    elif spec.layer_types[i] == "dsa":
+    elif kind in ("dsa", "mla"):
         Hh = spec.num_attention_heads
         mix = max(
-            spec.q_lora_rank * Hh * spec.qk_head_dim,
+            (spec.q_lora_rank or H) * Hh * spec.qk_head_dim,  # q_b_proj, or q_proj without a q LoRA rank
             Hh * spec.v_head_dim * H,
             spec.kv_lora_rank * Hh * (spec.qk_nope_head_dim + spec.v_head_dim),
         )
+    elif kind == "gdn":
+        Hk, Dk, Hv, Dv = layers.gdn_dims(spec)
+        mix = H * (2 * Hk * Dk + 2 * Hv * Dv)  # in_proj_qkvz
     else:
-        mix = H * spec.num_attention_heads * (spec.head_dim or H // spec.num_attention_heads)
+        gate = 2 if spec.attn_output_gate else 1  # Qwen3-Next's q_proj carries the output gate
+        mix = gate * H * spec.num_attention_heads * (spec.head_dim or H // spec.num_attention_heads)
     return max(mlp, mix)
 
 

@@ -105,6 +105,12 @@ def validate_mesh(spec: ModelSpec, seq_len: int, mesh: Mesh) -> None:
         checks.append(("KDA layers", "linear_num_heads", spec.linear_num_heads))
     if "attention" in kinds:
         checks.append(("attention layers", "num_attention_heads", spec.num_attention_heads))
+    if "mla" in kinds:  # dense MLA: Ulysses over its heads (every head has its own keys)
+        checks.append(("MLA layers", "num_attention_heads", spec.num_attention_heads))
+    if "gdn" in kinds:  # gated DeltaNet: Ulysses over the key and the value heads
+        checks.append(("gated DeltaNet layers", "linear_num_key_heads", spec.linear_num_heads))
+        checks.append(("gated DeltaNet layers", "linear_num_value_heads",
+                       spec.linear_num_value_heads or spec.linear_num_heads))
     if "dsa" in kinds and mesh.mla_mode == "ulysses":
         # the indexer is split by queries in both modes (each rank scores its own): its heads need not divide
         checks.append(

@@ -32,8 +32,17 @@ def _header(plan: Plan) -> str:
     return (
         f"{plan.model}: {_size(plan.seq_len)} tokens x batch {plan.batch_size} on {gpus} GPU(s) "
         f"(dp {m['dp']}, cp {m['cp']}, ep {m['ep']}{_fsdp_label(m)}"
-        f"{', MLA ' + m['mla_mode'] if m['cp'] > 1 else ''})"
+        f"{_mla_label(plan)})"
     )
+
+
+def _mla_label(plan: Plan) -> str:
+    """How MLA layers go context-parallel: DSA layers by the planned mode, dense MLA always through Ulysses."""
+    if plan.mesh["cp"] == 1:
+        return ""
+    if "dsa" in plan.comm:
+        return ", MLA " + plan.mesh["mla_mode"]
+    return ", MLA ulysses" if "mla" in plan.comm else ""
 
 
 def _fsdp_label(m: dict[str, Any]) -> str:
