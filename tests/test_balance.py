@@ -5,6 +5,8 @@
   here with transformers' own router on each layer's input;
 - the auxiliary loss and every parameter's gradient equal transformers' ``output_router_logits`` loss
   (``Qwen3MoeForCausalLM``: CE + router_aux_loss_coef * aux), float64;
+- the sequence-wise loss beside the bias (DeepSeek-V3 eq. 17-20) and every gradient equal autograd of the formula
+  written out (float64), and the default job keeps it on;
 - under tiling + recompute and under sequence segments the statistics and gradients equal the plain step;
 - ``resolve_balance`` follows each family and refuses what a router cannot train with.
 
@@ -304,6 +306,15 @@ def test_seq_aux_loss_and_gradients_match_the_formula(broken: bool) -> None:
     F.cross_entropy(plain.logits(plain(ids)).flatten(0, 1), shifted.flatten(), ignore_index=-100).backward()
     assert rel_err(dict(plain.named_parameters())["layers.1.mlp.gate.weight"].grad,
                    mine["layers.1.mlp.gate.weight"].grad) > 1e-6
+
+
+def test_default_job_trains_with_the_sequence_wise_loss() -> None:
+    """The embedded default job keeps the sequence-wise loss beside the bias: without it its routing collapses
+    (docs/models.md: every token on 2 of 8 experts, max/mean 4.0, in most MoE layers at step 60)."""
+    from megaseq.config import default_recipe, load_config
+
+    cfg = load_config(default_recipe())
+    assert resolve_balance(cfg.moe, get_preset(cfg.model.name)) == BalanceSettings("bias", 0.0, 1e-3, 0.01)
 
 
 def test_seq_aux_loss_refused_where_not_implemented() -> None:

@@ -44,6 +44,8 @@ whole batch has been routed. So instead of a loss term the router hands that con
 probabilities in backward (``_AuxLossGrad``, Megatron's ``MoEAuxLossAutoScaler`` idea): exact under
 tiling, recompute and sequence segments, whose replays all run backward after the statistics are known.
 The trainer sets ``aux_grad_E`` after each forward from the statistics of the whole (global) batch.
+The sigmoid routers' sequence-wise loss (DeepSeek-V3, beside the bias) works the same way on the scores
+normalised over the experts, with one constant per sequence and expert (``[B, E]``).
 
 Expert weights use the HF v5 fused layout: ``gate_up_proj [E, 2I, H]`` (gate rows first) and
 ``down_proj [E, H, I]``. The per-expert matmuls go through op ``grouped_mm`` of ``megaseq.ops.dispatch``.
