@@ -406,10 +406,15 @@ class MoEConfig:
                                      "config.json, else the family's default)")
     bias_update_rate: float = opt(-1.0, "score-correction bias step per optimizer step, bias += rate * sign(mean load "
                                         "- expert load) over the whole global batch (-1: the family's, 0.001)")
+    seq_aux_loss_coef: float = opt(0.0, "beside the bias update: DeepSeek-V3's sequence-wise balance loss alpha * "
+                                        "sum_i f_i P_i per sequence and MoE layer on the normalised sigmoid "
+                                        "scores (DeepSeek-V3 uses alpha 0.0001; 0: off; one process only for now)")
 
     def __post_init__(self) -> None:
         if self.balance not in BALANCE_MODES:
             raise ValueError(f"moe.balance must be one of {', '.join(BALANCE_MODES)}, got {self.balance!r}")
+        if self.seq_aux_loss_coef < 0:
+            raise ValueError(f"moe.seq_aux_loss_coef must be >= 0 (0: off), got {self.seq_aux_loss_coef}")
         for name in ("aux_loss_coef", "bias_update_rate"):
             v = getattr(self, name)
             if v < 0 and v != -1.0:

@@ -17,6 +17,14 @@ Two rules, chosen by the family (``registry.Family.balance``) or by ``moe.balanc
   the step's micro-batches (the CE loss is a mean over all the step's tokens). Its gradient reaches the
   routers through ``MoE.aux_grad_E`` (``models.common.moe._AuxLossGrad``): ``coef * E * f_i / (L N)``
   per token and expert, set here between each forward and its backward.
+- beside ``bias``, DeepSeek-V3's complementary sequence-wise balance loss (section 2.1.2, eq. 17-20;
+  Megatron-Core's ``seq_aux_loss``), ``moe.seq_aux_loss_coef`` = alpha (0: off): per MoE layer and
+  sequence of T tokens, ``alpha * sum_i f_i P_i`` with ``f_i = E / (K T) * assignments to i`` and
+  ``P_i = mean_t s'_i`` over the sequence, ``s'`` the unbiased sigmoid scores normalised over the experts;
+  summed over the layers, averaged over the step's sequences (every micro-batch). Its gradient:
+  ``alpha * f_i / T / sequences`` per token of the sequence and expert, handed to ``s'`` the same way.
+  The counts it reads are each sequence's own, so it is one process only for now (a sequence split over
+  context-parallel ranks would need its counts reduced over the cp group): refused on more.
 
 Statistics are reduced over every rank (dp x cp x ep; every token lives on exactly one rank) with one
 all-reduce per micro-batch, so the update and the gradient equal one process on the whole global batch.
@@ -44,6 +52,7 @@ class BalanceSettings:
     mode: str  # "bias", "aux_loss" or "none"
     aux_loss_coef: float = 0.0
     bias_update_rate: float = 0.0
+    seq_aux_loss_coef: float = 0.0  # beside "bias": the sequence-wise balance loss's alpha
 
 
 def resolve_balance(cfg: MoEConfig, spec: ModelSpec) -> BalanceSettings:
@@ -66,9 +75,18 @@ def resolve_balance(cfg: MoEConfig, spec: ModelSpec) -> BalanceSettings:
             raise ValueError("moe.balance aux_loss with a coefficient of 0 trains nothing: set "
                              "--moe.aux_loss_coef (Qwen3-MoE uses 0.001, OLMoE 0.01, Mixtral 0.02)")
         mode = "none"  # the checkpoint says its reference trains without it
-    if mode == "bias" and rate == 0.0:
+    seq = cfg.seq_aux_loss_coef
+    if seq and spec.router != "sigmoid_bias":
+        raise ValueError(f"moe.seq_aux_loss_coef is the sequence-wise loss of the sigmoid routers (DeepSeek-V3); "
+                         f"{spec.family} routes with {spec.router!r}: set it to 0 (--moe.aux_loss_coef is "
+                         "the softmax routers' loss)")
+    if seq and mode != "bias":
+        raise ValueError(f"moe.seq_aux_loss_coef complements the bias update (DeepSeek-V3), but moe.balance "
+                         f"resolves to {mode!r}: use --moe.balance bias (or auto), or set it to 0")
+    if mode == "bias" and rate == 0.0 and not seq:
         mode = "none"
-    return BalanceSettings(mode, coef if mode == "aux_loss" else 0.0, rate if mode == "bias" else 0.0)
+    return BalanceSettings(mode, coef if mode == "aux_loss" else 0.0, rate if mode == "bias" else 0.0,
+                           seq if mode == "bias" else 0.0)
 
 
 class Balancer:
@@ -81,11 +99,16 @@ class Balancer:
         if settings.mode == "bias":
             bad = [name for name, m in self.moes if m.gate.router != "sigmoid_bias"]
             assert not bad, f"bias balancing on layers without a correction bias: {bad}"
+        if settings.seq_aux_loss_coef and env.world_size > 1:
+            raise ValueError(f"moe.seq_aux_loss_coef over {env.world_size} processes is not implemented yet (each "
+                             "sequence's counts would need reducing over its context-parallel group): set it to "
+                             "0, or train in one process")
         for _, m in self.moes:
-            m.aux_loss_coef = settings.aux_loss_coef
+            m.aux_loss_coef = settings.aux_loss_coef or settings.seq_aux_loss_coef
             m.aux_grad_E = None
         self._counts_LE: torch.Tensor | None = None  # this step's global loads, summed over micro-batches
         self._aux: list[torch.Tensor] = []
+        self._seq_aux: list[float] = []  # the sequence-wise loss (no alpha) of each micro-batch
         self._last: dict[str, Any] = {}
 
     def after_forward(self) -> None:
@@ -103,6 +126,8 @@ class Balancer:
         reduced = self.env.all_reduce_tensor(torch.cat(parts))
         counts_LE = reduced[:L * E].view(L, E)
         self._counts_LE = counts_LE if self._counts_LE is None else self._counts_LE + counts_LE
+        if self.settings.seq_aux_loss_coef:
+            self._seq_aux_grads()
         if not aux:
             return
         K = self.moes[0][1].gate.top_k
@@ -113,6 +138,23 @@ class Balancer:
         grad_E = self.settings.aux_loss_coef * E * f_E / rows / self.micro_batches
         for _, m in self.moes:
             m.aux_grad_E = grad_E.to(m.gate.weight.device)
+
+    def _seq_aux_grads(self) -> None:
+        """The sequence-wise loss of this micro-batch (one process: its sequences are all here): each
+        router's ``[B, E]`` gradient ``alpha * f / T / (B * micro_batches)`` and the loss value (metrics)."""
+        alpha, total = self.settings.seq_aux_loss_coef, 0.0
+        for name, m in self.moes:
+            c_BE = m.last_seq_tokens_per_expert
+            if c_BE is None or m.last_router_prob_sum is None or m.last_router_prob_sum.dim() != 2:
+                raise RuntimeError(f"{name}: no per-sequence router statistics from this forward")
+            c_BE, p_BE = c_BE.to(torch.float64), m.last_router_prob_sum.to(torch.float64)
+            B, E = c_BE.shape
+            K = m.gate.top_k
+            T_B1 = c_BE.sum(dim=1, keepdim=True) / K  # tokens of each sequence
+            f_BE = E * c_BE / (K * T_B1)
+            total += float((f_BE * p_BE / T_B1).sum(dim=1).mean())
+            m.aux_grad_E = (alpha * f_BE / T_B1 / (B * self.micro_batches)).to(m.gate.weight.device)
+        self._seq_aux.append(total)
 
     @staticmethod
     def _prob_sum(name: str, m: MoE) -> torch.Tensor:
@@ -136,16 +178,19 @@ class Balancer:
         self._last = {"moe_max_over_mean": {name: float(r) for (name, _), r in zip(self.moes, ratio.tolist())}}
         if self._aux:
             self._last["moe_aux_loss"] = float(torch.stack(self._aux).mean())
-        self._aux = []
+        if self._seq_aux:
+            self._last["moe_seq_aux_loss"] = sum(self._seq_aux) / len(self._seq_aux)
+        self._aux, self._seq_aux = [], []
         for _, m in self.moes:
             m.aux_grad_E = None  # a backward without after_forward fails loudly
 
     def drop_step(self) -> None:
         """A step skipped as non-finite: its loads and aux losses are forgotten, the biases not updated."""
-        self._counts_LE, self._aux = None, []
+        self._counts_LE, self._aux, self._seq_aux = None, [], []
         for _, m in self.moes:
             m.aux_grad_E = None
 
     def metrics(self) -> dict[str, Any]:
-        """The last step's ``moe_max_over_mean`` per MoE layer (global loads) and ``moe_aux_loss``."""
+        """The last step's ``moe_max_over_mean`` per MoE layer (global loads), ``moe_aux_loss`` and
+        ``moe_seq_aux_loss`` (the sequence-wise loss summed over the layers, without alpha)."""
         return dict(self._last)

@@ -44,6 +44,8 @@ whole batch has been routed. So instead of a loss term the router hands that con
 probabilities in backward (``_AuxLossGrad``, Megatron's ``MoEAuxLossAutoScaler`` idea): exact under
 tiling, recompute and sequence segments, whose replays all run backward after the statistics are known.
 The trainer sets ``aux_grad_E`` after each forward from the statistics of the whole (global) batch.
+The sigmoid routers' sequence-wise loss (DeepSeek-V3, beside the bias) works the same way on the scores
+normalised over the experts, with one constant per sequence and expert (``[B, E]``).
 
 Expert weights use the HF v5 fused layout: ``gate_up_proj [E, 2I, H]`` (gate rows first) and
 ``down_proj [E, H, I]``. The per-expert matmuls go through op ``grouped_mm`` of ``megaseq.ops.dispatch``.
@@ -137,12 +139,15 @@ class TopKRouter(nn.Module):
         or x's dtype (softmax)."""
         return self.route(x_NH)[:2]
 
-    def route(self, x_NH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """``(weights_NK, experts_NK, probs_NE)``: ``probs_NE`` the softmax router's probabilities over all
-        experts (what an auxiliary loss reads), None for the sigmoid router."""
+    def route(self, x_NH: torch.Tensor, probs: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``(weights_NK, experts_NK, probs_NE)``: ``probs_NE`` what an auxiliary loss reads: the softmax
+        router's probabilities over all experts; for the sigmoid router, only when ``probs``, its unbiased
+        scores normalised over all experts, ``s / (sum_j s_j + 1e-20)`` (DeepSeek-V3 eq. 19, Megatron-Core's
+        ``compute_routing_scores_for_aux_loss``), else None."""
         if self.router == "softmax":
             return self._softmax(x_NH)
-        return (*self._sigmoid_bias(x_NH), None)
+        weights_NK, experts_NK, scores_NE = self._sigmoid_bias(x_NH)
+        return weights_NK, experts_NK, (scores_NE / (scores_NE.sum(dim=-1, keepdim=True) + 1e-20)) if probs else None
 
     def _softmax(self, x_NH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         logits_NE = F.linear(x_NH, self.weight.to(x_NH.dtype))
@@ -152,7 +157,7 @@ class TopKRouter(nn.Module):
             top_NK = top_NK / top_NK.sum(dim=-1, keepdim=True)
         return (top_NK if self.weights_fp32 else top_NK.to(logits_NE.dtype)), experts_NK, probs_NE
 
-    def _sigmoid_bias(self, x_NH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _sigmoid_bias(self, x_NH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         E, G = self.num_experts, self.n_group
         c = torch.promote_types(x_NH.dtype, torch.float32)
         logits_NE = F.linear(x_NH.to(c), self.weight.to(c))
@@ -169,7 +174,7 @@ class TopKRouter(nn.Module):
         weights_NK = scores_NE.gather(1, experts_NK)
         if self.norm_topk_prob:
             weights_NK = weights_NK / (weights_NK.sum(dim=-1, keepdim=True) + 1e-20)
-        return weights_NK * self.routed_scaling_factor, experts_NK
+        return weights_NK * self.routed_scaling_factor, experts_NK, scores_NE
 
 
 # ---- experts ----------------------------------------------------------------------------------------
@@ -244,12 +249,14 @@ class ExpertDispatch:
 
 class _AuxLossGrad(torch.autograd.Function):
     """Identity on the routing weights; in backward it gives the router probabilities ``probs_NE`` the
-    auxiliary loss's gradient ``moe.aux_grad_E`` (one value per expert, the same for every token), read
-    when backward runs: the trainer sets it after the forward, from the whole batch's statistics."""
+    auxiliary loss's gradient ``moe.aux_grad_E``, read when backward runs: the trainer sets it after the
+    forward, from the whole batch's statistics. ``[E]``: one value per expert, the same for every token (the
+    softmax routers' batch-wise loss); ``[B, E]``: one per sequence and expert (the sigmoid routers'
+    sequence-wise loss), the N tokens being B sequences of N / B in a row."""
 
     @staticmethod
-    def forward(ctx, weights_NK: torch.Tensor, probs_NE: torch.Tensor, moe: MoE) -> torch.Tensor:
-        ctx.moe, ctx.shape, ctx.dtype = moe, probs_NE.shape, probs_NE.dtype
+    def forward(ctx, weights_NK: torch.Tensor, probs_NE: torch.Tensor, moe: MoE, rows: int) -> torch.Tensor:
+        ctx.moe, ctx.shape, ctx.dtype, ctx.rows = moe, probs_NE.shape, probs_NE.dtype, rows
         return weights_NK.view_as(weights_NK)
 
     @staticmethod
@@ -259,7 +266,11 @@ class _AuxLossGrad(torch.autograd.Function):
             raise RuntimeError(f"{ctx.moe.experts.layer}: the auxiliary balancing loss is on (aux_loss_coef "
                                f"{ctx.moe.aux_loss_coef}) but no aux_grad_E was set between the forward and the "
                                "backward: megaseq.train.balance.Balancer.after_forward sets it")
-        return grad_NK, g_E.to(ctx.dtype).expand(ctx.shape), None
+        g_E = g_E.to(ctx.dtype)
+        if g_E.dim() == 2:  # [B, E]: token n belongs to sequence n // (N / B)
+            B, (N, E) = ctx.rows, ctx.shape
+            g_E = g_E.unsqueeze(1).expand(B, N // B, E).reshape(N, E)
+        return grad_NK, g_E.expand(ctx.shape), None, None
 
 
 class MoE(nn.Module):
@@ -267,10 +278,12 @@ class MoE(nn.Module):
     ``shared_expert``); input ``[..., H]``.
 
     ``aux_loss_coef`` (0: off; set by the trainer's balancing, not by the model) turns on the auxiliary
-    loss's gradient (``_AuxLossGrad``) and the ``last_router_prob_sum`` statistic."""
+    loss's gradient (``_AuxLossGrad``) and the ``last_router_prob_sum`` statistic: summed over all tokens
+    (``[E]``) for a softmax router; for a sigmoid router (the sequence-wise loss) per sequence (``[B, E]``,
+    B the input's first dim), with ``last_seq_tokens_per_expert`` its assignments per sequence."""
 
     # per-forward statistics that memory schemes running the module in chunks sum over the chunks
-    _tile_summed_attrs = ("last_tokens_per_expert", "last_router_prob_sum")
+    _tile_summed_attrs = ("last_tokens_per_expert", "last_router_prob_sum", "last_seq_tokens_per_expert")
 
     def __init__(self, spec: ModelSpec, layer: str = "moe") -> None:
         super().__init__()
@@ -290,14 +303,29 @@ class MoE(nn.Module):
         self.aux_loss_coef = 0.0
         self.aux_grad_E: torch.Tensor | None = None
         self.last_router_prob_sum: torch.Tensor | None = None
+        self.last_seq_tokens_per_expert: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x_NH = x.reshape(-1, x.shape[-1])
-        weights_NK, experts_NK, probs_NE = self.gate.route(x_NH)
+        # (route called with x alone unless the loss needs the probabilities: tests wrap it so)
+        weights_NK, experts_NK, probs_NE = (self.gate.route(x_NH, probs=True) if self.aux_loss_coef
+                                            else self.gate.route(x_NH))
         if self.aux_loss_coef and probs_NE is not None:
-            self.last_router_prob_sum = probs_NE.detach().sum(dim=0)
+            rows = 1
+            if self.gate.router == "softmax":
+                self.last_router_prob_sum = probs_NE.detach().sum(dim=0)
+            else:  # sequence-wise: the statistics of each sequence (row of x [B, S, H])
+                if x.dim() != 3:
+                    raise RuntimeError(f"{self.experts.layer}: moe.seq_aux_loss_coef (the sequence-wise balance loss) "
+                                       f"needs each sequence's tokens, but this MoE got them flattened (shape "
+                                       f"{tuple(x.shape)}: a token-tiled MLP, memory.tiled_mlp, is not implemented "
+                                       "with it): set --moe.seq_aux_loss_coef 0 or --memory.tiled_mlp false")
+                rows, E = x.shape[0], self.gate.num_experts
+                self.last_router_prob_sum = probs_NE.detach().view(rows, -1, E).sum(dim=1)
+                self.last_seq_tokens_per_expert = torch.zeros(rows, E, dtype=torch.int64, device=x.device).scatter_add_(
+                    1, experts_NK.reshape(rows, -1), torch.ones_like(experts_NK, dtype=torch.int64).reshape(rows, -1))
             if probs_NE.requires_grad:
-                weights_NK = _AuxLossGrad.apply(weights_NK, probs_NE, self)
+                weights_NK = _AuxLossGrad.apply(weights_NK, probs_NE, self, rows)
         out_NH, counts_E = self.expert_dispatch(self.experts, x_NH, experts_NK, weights_NK)
         self.last_tokens_per_expert = counts_E.detach().to(torch.int64)
         if self.shared_experts is not None:
