@@ -446,3 +446,17 @@ def test_moe_config_refuses_bad_values() -> None:
         MoEConfig(balance="loss_free")
     with pytest.raises(ValueError, match="moe.bias_update_rate"):
         MoEConfig(bias_update_rate=-0.5)
+
+
+def test_seq_aux_loss_with_a_tiled_mlp_is_refused_when_planned() -> None:
+    """The trainer refuses the combination right after planning, before any weight exists."""
+    from megaseq.config import load_config
+    from megaseq.train.parallel_env import ParallelEnv
+    from megaseq.train.trainer import make_plan
+
+    cfg = load_config(None, ["moe.seq_aux_loss_coef=0.01", "memory.auto=false", "memory.tiled_mlp=true",
+                             "train.device=cpu"])
+    with pytest.raises(ValueError, match="moe.seq_aux_loss_coef 0.01 .* memory.tiled_mlp, which was forced"):
+        make_plan(cfg, ParallelEnv(torch.device("cpu")), torch.device("cpu"))
+    cfg.memory.tiled_mlp = False
+    make_plan(cfg, ParallelEnv(torch.device("cpu")), torch.device("cpu"))

@@ -86,7 +86,13 @@ def make_plan(cfg: Config, env: ParallelEnv, device: torch.device) -> tuple[dict
     if (device.type == "cuda" or cfg.memory.gpu_budget != "auto") and not plan.fits:
         raise ValueError(f"the memory plan does not fit, so nothing was started. {plan.advice} "
                          "(see `megaseq plan` for the table per component)")
-    return plan.to_dict(), MemorySettings.from_dict(plan.memory)
+    memory = MemorySettings.from_dict(plan.memory)
+    if cfg.moe.seq_aux_loss_coef and memory.tiled_mlp:  # before any weight exists, not at the first forward
+        how = "was forced" if not cfg.memory.auto else "is what the memory plan needs to fit at this length"
+        raise ValueError(f"moe.seq_aux_loss_coef {cfg.moe.seq_aux_loss_coef} (the sequence-wise balance loss) is not "
+                         f"implemented with memory.tiled_mlp, which {how}: set --moe.seq_aux_loss_coef 0, or "
+                         "shorten data.seq_len / lower the memory the plan needs")
+    return plan.to_dict(), memory
 
 
 def _autocast(dtype: torch.dtype | None, device: torch.device) -> contextlib.AbstractContextManager:
