@@ -460,3 +460,8 @@ def test_seq_aux_loss_with_a_tiled_mlp_is_refused_when_planned() -> None:
         make_plan(cfg, ParallelEnv(torch.device("cpu")), torch.device("cpu"))
     cfg.memory.tiled_mlp = False
     make_plan(cfg, ParallelEnv(torch.device("cpu")), torch.device("cpu"))
+    two = ParallelEnv(torch.device("cpu"))
+    two.world_size = 2  # as a torchrun of two processes: refused before anything is built
+    cfg.parallel.dp = 2
+    with pytest.raises(ValueError, match="moe.seq_aux_loss_coef over 2 processes"):
+        make_plan(cfg, two, torch.device("cpu"))
