@@ -354,10 +354,11 @@ def test_seq_aux_loss_refused_where_not_implemented() -> None:
         resolve_balance(MoEConfig(seq_aux_loss_coef=1e-4, balance="none"), glm)
     with pytest.raises(ValueError, match="moe.seq_aux_loss_coef must be >= 0"):
         MoEConfig(seq_aux_loss_coef=-1e-4)
-    env = types.SimpleNamespace(world_size=2)
     model = build_model(glm, dtype=torch.float64, seed=0)
-    with pytest.raises(ValueError, match="moe.seq_aux_loss_coef over 2 processes is not implemented"):
-        Balancer(model, BalanceSettings("bias", bias_update_rate=1e-3, seq_aux_loss_coef=1e-4), env)
+    for cp, ep in ((2, 1), (1, 2)):  # data parallelism runs it (test_balance_parallel.py); cp and ep do not
+        env = types.SimpleNamespace(world_size=2, cp_size=cp, ep_size=ep)
+        with pytest.raises(ValueError, match=f"moe.seq_aux_loss_coef with parallel.cp {cp} / parallel.ep {ep}"):
+            Balancer(model, BalanceSettings("bias", bias_update_rate=1e-3, seq_aux_loss_coef=1e-4), env)
 
 
 # ---- memory schemes: the same statistics and gradients ------------------------------------------------------
@@ -461,7 +462,7 @@ def test_seq_aux_loss_with_a_tiled_mlp_is_refused_when_planned() -> None:
     cfg.memory.tiled_mlp = False
     make_plan(cfg, ParallelEnv(torch.device("cpu")), torch.device("cpu"))
     two = ParallelEnv(torch.device("cpu"))
-    two.world_size = 2  # as a torchrun of two processes: refused before anything is built
-    cfg.parallel.dp = 2
-    with pytest.raises(ValueError, match="moe.seq_aux_loss_coef over 2 processes"):
+    two.world_size = 2  # as a torchrun of two processes over cp: refused before anything is built
+    cfg.parallel.cp = 2
+    with pytest.raises(ValueError, match="moe.seq_aux_loss_coef with parallel.cp 2 / parallel.ep 1 is not"):
         make_plan(cfg, two, torch.device("cpu"))

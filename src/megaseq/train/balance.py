@@ -23,8 +23,10 @@ Two rules, chosen by the family (``registry.Family.balance``) or by ``moe.balanc
   ``P_i = mean_t s'_i`` over the sequence, ``s'`` the unbiased sigmoid scores normalised over the experts;
   summed over the layers, averaged over the step's sequences (every micro-batch). Its gradient:
   ``alpha * f_i / T / sequences`` per token of the sequence and expert, handed to ``s'`` the same way.
-  The counts it reads are each sequence's own, so it is one process only for now (a sequence split over
-  context-parallel ranks would need its counts reduced over the cp group): refused on more.
+  The counts it reads are each sequence's own, so it runs where every sequence sits whole on one rank:
+  one process or data parallelism (the per-rank gradient divided by the ranks as well, the gradients
+  being summed over them; ``tests/test_balance_parallel.py``). A sequence split over context-parallel
+  ranks (or routed over ep) would need its counts reduced over those ranks: refused there.
 
 Statistics are reduced over every rank (dp x cp x ep; every token lives on exactly one rank) with one
 all-reduce per micro-batch, so the update and the gradient equal one process on the whole global batch.
@@ -89,6 +91,15 @@ def resolve_balance(cfg: MoEConfig, spec: ModelSpec) -> BalanceSettings:
                            seq if mode == "bias" else 0.0)
 
 
+def check_seq_aux_mesh(cp: int, ep: int) -> None:
+    """The sequence-wise loss runs where each sequence and its routing sit whole on one rank: one process or
+    data parallelism; context parallelism would need each sequence's counts reduced over its cp group."""
+    if cp > 1 or ep > 1:
+        raise ValueError(f"moe.seq_aux_loss_coef with parallel.cp {cp} / parallel.ep {ep} is not implemented yet "
+                         "(each sequence's counts would need reducing over the ranks that hold its tokens): set "
+                         "--moe.seq_aux_loss_coef 0, or use data parallelism only (parallel.dp)")
+
+
 class Balancer:
     """A run's balancing: ``after_forward()`` after each micro-batch's forward (before its backward),
     ``after_step()`` after the optimizer step; ``metrics()`` the last step's per-layer load."""
@@ -99,10 +110,8 @@ class Balancer:
         if settings.mode == "bias":
             bad = [name for name, m in self.moes if m.gate.router != "sigmoid_bias"]
             assert not bad, f"bias balancing on layers without a correction bias: {bad}"
-        if settings.seq_aux_loss_coef and env.world_size > 1:
-            raise ValueError(f"moe.seq_aux_loss_coef over {env.world_size} processes is not implemented yet (each "
-                             "sequence's counts would need reducing over its context-parallel group): set it to "
-                             "0, or train in one process")
+        if settings.seq_aux_loss_coef:
+            check_seq_aux_mesh(getattr(env, "cp_size", 1), getattr(env, "ep_size", 1))
         for _, m in self.moes:
             m.aux_loss_coef = settings.aux_loss_coef or settings.seq_aux_loss_coef
             m.aux_grad_E = None
@@ -140,9 +149,12 @@ class Balancer:
             m.aux_grad_E = grad_E.to(m.gate.weight.device)
 
     def _seq_aux_grads(self) -> None:
-        """The sequence-wise loss of this micro-batch (one process: its sequences are all here): each
-        router's ``[B, E]`` gradient ``alpha * f / T / (B * micro_batches)`` and the loss value (metrics)."""
+        """The sequence-wise loss of this micro-batch (each sequence whole on this rank: one process or data
+        parallelism, ``check_seq_aux_mesh``): each router's ``[B, E]`` gradient
+        ``alpha * f / T / (B * ranks * micro_batches)``, the mean over the global batch's sequences (the
+        gradients are summed over the ranks), and the loss value (metrics: its mean over the ranks)."""
         alpha, total = self.settings.seq_aux_loss_coef, 0.0
+        ranks = self.env.world_size
         for name, m in self.moes:
             c_BE = m.last_seq_tokens_per_expert
             if c_BE is None or m.last_router_prob_sum is None or m.last_router_prob_sum.dim() != 2:
@@ -153,8 +165,8 @@ class Balancer:
             T_B1 = c_BE.sum(dim=1, keepdim=True) / K  # tokens of each sequence
             f_BE = E * c_BE / (K * T_B1)
             total += float((f_BE * p_BE / T_B1).sum(dim=1).mean())
-            m.aux_grad_E = (alpha * f_BE / T_B1 / (B * self.micro_batches)).to(m.gate.weight.device)
-        self._seq_aux.append(total)
+            m.aux_grad_E = (alpha * f_BE / T_B1 / (B * ranks * self.micro_batches)).to(m.gate.weight.device)
+        self._seq_aux.append(self.env.all_reduce_sum(total) / ranks if ranks > 1 else total)
 
     @staticmethod
     def _prob_sum(name: str, m: MoE) -> torch.Tensor:

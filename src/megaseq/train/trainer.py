@@ -87,10 +87,10 @@ def make_plan(cfg: Config, env: ParallelEnv, device: torch.device) -> tuple[dict
         raise ValueError(f"the memory plan does not fit, so nothing was started. {plan.advice} "
                          "(see `megaseq plan` for the table per component)")
     memory = MemorySettings.from_dict(plan.memory)
-    if cfg.moe.seq_aux_loss_coef and env.world_size > 1:  # as the Balancer says, but before any weight exists
-        raise ValueError(f"moe.seq_aux_loss_coef over {env.world_size} processes is not implemented yet (each "
-                         "sequence's counts would need reducing over its context-parallel group): set "
-                         "--moe.seq_aux_loss_coef 0, or train in one process")
+    if cfg.moe.seq_aux_loss_coef:  # as the Balancer says, but before any weight exists
+        from megaseq.train.balance import check_seq_aux_mesh
+
+        check_seq_aux_mesh(cfg.parallel.cp, cfg.parallel.ep)
     if cfg.moe.seq_aux_loss_coef and memory.tiled_mlp:  # before any weight exists, not at the first forward
         how = "was forced" if not cfg.memory.auto else "is what the memory plan needs to fit at this length"
         raise ValueError(f"moe.seq_aux_loss_coef {cfg.moe.seq_aux_loss_coef} (the sequence-wise balance loss) is not "
