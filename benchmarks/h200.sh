@@ -127,11 +127,7 @@ print('planned longest, bf16 weights:', longest_length(get_preset('glm5-flash-1g
     ;;
   lora1)  # (issue 17) after the MoE combine fix: Qwen3-30B-A3B LoRA at 128K, the planner's own plan (it ran out
       # of memory with the float32 stream, 2026-12-01) and the first 4 layers by layer and phase; want +-5%
-    python3 - <<'PY'
-import json, os; d = json.load(open("recipes/qwen3-30b-a3b/config.json"))
-d["num_hidden_layers"] = d["max_window_layers"] = 4
-os.makedirs("/tmp/q4", exist_ok=True); json.dump(d, open("/tmp/q4/config.json", "w"))
-PY
+    python3 benchmarks/truncated_config.py recipes/qwen3-30b-a3b/config.json 4 /tmp/q4
     timeout 90 python3 benchmarks/memory_phases.py recipes/qwen3-30b-a3b-lora.yaml 128K --model.name /tmp/q4/config.json \
       --memory.auto false --memory.chunked_loss true --memory.tiled_mlp true --memory.mlp_tile_tokens 8K \
       --memory.recompute true --out "$OUT/memory_phases_q4_lora_128k.json" > /dev/null 2>&1
@@ -140,11 +136,7 @@ PY
     ;;
   lora2)  # (issue 17) the first 4 layers at the 48-layer planned longest (576K before the fix) with the fixes the
       # planner picks for all 48 there; and where its memory goes (the 22% left unexplained on 2026-12-01)
-    python3 - <<'PY'
-import json, os; d = json.load(open("recipes/qwen3-30b-a3b/config.json"))
-d["num_hidden_layers"] = d["max_window_layers"] = 4
-os.makedirs("/tmp/q4", exist_ok=True); json.dump(d, open("/tmp/q4/config.json", "w"))
-PY
+    python3 benchmarks/truncated_config.py recipes/qwen3-30b-a3b/config.json 4 /tmp/q4
     FIX=$(python3 -m megaseq plan recipes/qwen3-30b-a3b-lora.yaml --seq-len 576K --json 2>/dev/null | python3 -c "
 import json, sys; m = json.load(sys.stdin)['memory']
 print(' '.join(f'memory.{k}={str(v).lower() if isinstance(v, bool) else v}' for k, v in m.items()))")

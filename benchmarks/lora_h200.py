@@ -25,10 +25,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import tempfile
 from pathlib import Path
 
 import torch
+from truncated_config import truncated_config
 
 from megaseq.config import AdapterSettings, Config, load_config, parse_size
 from megaseq.models.adapters import projections, resolve_targets, trainable_names
@@ -104,16 +104,7 @@ def main() -> None:
     lengths = [n for n in lengths if n > 0]
     full_layers = None
     if args.layers:
-        src = Path(cfg.model.name)
-        hf = json.loads(src.read_text())
-        full_layers = hf["num_hidden_layers"]
-        if not 0 < args.layers <= full_layers:
-            raise SystemExit(f"--layers {args.layers}: {src} has {full_layers} decoder layers")
-        hf["num_hidden_layers"] = args.layers
-        if "max_window_layers" in hf:
-            hf["max_window_layers"] = min(hf["max_window_layers"], args.layers)
-        dst = Path(tempfile.mkdtemp(prefix="lora_h200_")) / "config.json"
-        dst.write_text(json.dumps(hf))
+        dst, full_layers = truncated_config(cfg.model.name, args.layers)
         cfg = load_config(args.recipe, over + [f"model.name={dst}"])
     if not lengths:
         raise SystemExit(f"{args.recipe}: the planner fits no length on this GPU; nothing to measure")

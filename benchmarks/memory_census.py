@@ -56,20 +56,14 @@ def main() -> int:
     ap.add_argument("seq_len")
     ap.add_argument("--out", required=True)
     args, rest = ap.parse_known_args()
-    from megaseq.bench.measure import cfg_for, plan_on, planned_step
+    from megaseq.bench.measure import warm_planned_step
     from megaseq.config import load_config, parse_size, split_overrides
-    from megaseq.models.presets import resolve_spec
     from megaseq.train.trainer import use_expandable_segments
 
     use_expandable_segments()
     cfg = load_config(args.recipe, split_overrides(rest))
-    c = cfg_for(cfg, parse_size(args.seq_len), "random")
-    dev = torch.device("cuda")
-    spec = resolve_spec(c.model.name)
-    plan = plan_on(c, dev)
-    model, applied, next_batch, step = planned_step(c, spec, dev, plan, 2)
-    step(next_batch())
-    torch.cuda.synchronize()
+    c, _, plan, model, applied, next_batch, step = warm_planned_step(cfg, parse_size(args.seq_len),
+                                                                     torch.device("cuda"))
     base = torch.cuda.memory_allocated()
     torch.cuda.memory._record_memory_history(enabled="all", context="alloc", stacks="python", max_entries=400000)
     marks: dict[str, int] = {}

@@ -6,11 +6,7 @@ OUT=${OUT:-out}; R=$OUT/r; mkdir -p "$R"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 MEGASEQ_FLA_AUTOTUNE=one
 date -u +%FT%TZ
-python3 - <<'PY'
-import json; d = json.load(open("recipes/qwen3-30b-a3b/config.json"))
-d["num_hidden_layers"] = d["max_window_layers"] = 4
-import os; os.makedirs("/tmp/q4", exist_ok=True); json.dump(d, open("/tmp/q4/config.json", "w"))
-PY
+python3 benchmarks/truncated_config.py recipes/qwen3-30b-a3b/config.json 4 /tmp/q4
 timeout 120 python3 benchmarks/memory_census.py recipes/qwen3-30b-a3b-lora.yaml 128K --model.name /tmp/q4/config.json \
   --memory.auto false --memory.chunked_loss true --memory.tiled_mlp true --memory.mlp_tile_tokens 8K \
   --memory.recompute true --out "$R/census_q4_lora_128k.json" > "$R/census.log" 2>&1

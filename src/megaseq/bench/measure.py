@@ -82,6 +82,21 @@ def planned_step(c: Config, spec: Any, device: torch.device, plan: Any, total_st
     return model, applied, data.train.next_batch, step
 
 
+def warm_planned_step(cfg: Config, seq_len: int, device: torch.device) -> tuple:
+    """``(c, spec, plan, model, applied, next_batch, step)`` for a memory benchmark: ``cfg`` at ``seq_len`` on
+    random tokens, planned on ``device``, the trainer's model and step with the plan's fixes (``planned_step``),
+    one warm-up step run (kernels, the optimizer state) and synchronised."""
+    from megaseq.models.presets import resolve_spec
+
+    c = cfg_for(cfg, seq_len, "random")
+    spec = resolve_spec(c.model.name)
+    plan = plan_on(c, device)
+    model, applied, next_batch, step = planned_step(c, spec, device, plan, 2)
+    step(next_batch())
+    _sync(device)
+    return c, spec, plan, model, applied, next_batch, step
+
+
 def measure_megaseq(cfg: Config, seq_len: int, steps: int, source: str) -> dict[str, Any]:
     """Warm-up step + ``steps`` timed steps of megaseq at ``seq_len`` (``steps`` 0: the one step, timed cold);
     an OOM is a result, not an error."""
