@@ -5,7 +5,6 @@ included) matches what autograd keeps in the real blocks, fp32 and bf16 autocast
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 
 import pytest
@@ -21,7 +20,7 @@ from megaseq.plan import components as C
 from megaseq.plan.fixes import base_settings
 from megaseq.plan.params import param_table, trained_counts
 from megaseq.plan.phases import Run, layer_terms
-from test_plan_layers import kda_uncounted  # noqa: F401  (a fixture)
+from test_plan_layers import kda_uncounted, saved_bytes  # noqa: F401  (kda_uncounted: a fixture)
 
 torch.set_num_threads(2)
 TARGETS = "q_proj,v_proj,o_proj,kv_b_proj,experts,shared_experts.up_proj,mlp.gate_proj"
@@ -60,26 +59,6 @@ def test_trained_counts_are_the_runtimes(name: str) -> None:
     assert planned == actual, (planned, actual)
 
 
-def activations_saved(layer: torch.nn.Module, h: torch.Tensor, autocast: bool) -> int:
-    """Bytes of the distinct storages autograd saves in one layer's forward, its parameters left out (a frozen
-    weight is kept for its input's gradient as a trained one is: the planner counts parameters apart)."""
-    from megaseq.models.common.context import SeqContext
-
-    params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        st = t.untyped_storage()
-        if st.data_ptr() not in params:
-            seen[st.data_ptr()] = st.nbytes()
-        return t
-
-    cm = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), cm:
-        layer(h, SeqContext())
-    return sum(seen.values())
-
-
 @pytest.mark.usefixtures("kda_uncounted")
 @pytest.mark.parametrize("name, seq, autocast", [("qwen3-moe-tiny", 555, False), ("qwen3-moe-tiny", 333, True),
                                                  ("glm5-flash-tiny", 555, False)])
@@ -105,7 +84,7 @@ def test_lora_saved_set_matches_blocks(name, seq, autocast) -> None:
         terms = layer_terms(run, i)
         copies = C.weight_copy_bytes(sum(counts.layer_trained(i)), run.prec, run.mesh)
         predicted = terms.saved - terms.attn.get("kda chunk state (q,k,v,g,A)", 0) + copies
-        measured = activations_saved(layer, h, autocast)
+        measured = saved_bytes(layer, h, autocast, skip_params=True)
         assert abs(predicted / measured - 1) < 0.05, (i, spec.layer_types[i], predicted / seq, measured / seq)
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from megaseq.plan import layers as LY
 from megaseq.plan.components import Calibration, Mesh, Precision
-from test_plan_layers import kda_uncounted  # noqa: F401  (kda_uncounted: a fixture)
+from test_plan_layers import kda_uncounted, saved_bytes, uncounted  # noqa: F401  (kda_uncounted: a fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = sorted(p.parent.name for p in (ROOT / "recipes").glob("*/config.json"))
@@ -19,57 +19,10 @@ CPU = Calibration(kda_conv_copies=2)  # the torch reference conv keeps its outpu
 CHUNK_STATES = ("kda chunk state (q,k,v,g,A)", "gdn chunk state (q,k,v,beta,g,A)")  # fla's own saved sets
 
 
-def _measure(module, x, autocast: bool) -> int:
-    """Bytes of the distinct storages autograd saves in ``module``'s forward, its parameters' own storages left
-    out (the planner counts those as state; autocast's bf16 copies of them it counts as weight copies)."""
-    import contextlib
-
-    import torch
-
-    from megaseq.models.common.context import SeqContext
-
-    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        st = t.untyped_storage()
-        if st.data_ptr() not in params:
-            seen[st.data_ptr()] = st.nbytes()
-        return t
-
-    cm = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), cm:
-        module(x * 1.0, SeqContext())  # a non-leaf input, as a norm's output (autocast caches a leaf's casts)
-    return sum(seen.values())
-
-
 @pytest.fixture
 def gdn_uncounted():
-    """Route op ``gdn`` to a stand-in that saves nothing (the output is v): the planner models fla's
-    chunk_gated_delta_rule, whose own saved set (``gdn chunk state``) is left out of the comparison, as
-    ``kda_uncounted`` does for KDA."""
-    torch = pytest.importorskip("torch")
-    from megaseq.models.common import gdn as gdn_block  # noqa: F401  (registers the reference first)
-    from megaseq.ops import dispatch
-
-    class _NoSave(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, q, k, v, g, beta):
-            return v.clone()
-
-        @staticmethod
-        def backward(ctx, grad):
-            return None, None, grad, None, None
-
-    name, state = "plan_test_no_save", {"on": True}
-
-    @dispatch.register("gdn", name, supports=lambda *a, **k: None if state["on"] else "plan test stub off")
-    def _stand_in(q, k, v, g, beta, cu_seqlens=None, initial_state=None, return_state=False):
-        return _NoSave.apply(q, k, v, g, beta)
-
-    yield
-    state["on"] = False
-    dispatch._state.registry["gdn"].pop(name, None)
+    """Op ``gdn`` without fla's chunk_gated_delta_rule saved set, as ``kda_uncounted`` for KDA."""
+    yield from uncounted("gdn", "megaseq.models.common.gdn")
 
 
 def _run(spec, seq: int, autocast: bool):
@@ -119,7 +72,8 @@ def test_mixer_saved_matches_blocks(name, seq, autocast, kda_uncounted, gdn_unco
         predicted = sum(v for k, v in saved.items() if k not in CHUNK_STATES)
         predicted += C.weight_copy_bytes(_mixer_params(spec, kind), run.prec, run.mesh)
 
-        measured = _measure(layer.mixer, x, autocast)
+        # a non-leaf input, as a norm's output (autocast caches a leaf's casts)
+        measured = saved_bytes(layer.mixer, x * 1.0, autocast, skip_params=True)
         assert abs(predicted / measured - 1) < 0.03, (i, kind, predicted / seq, measured / seq, saved)
     assert seen >= set(spec.layer_types) - {"kda"}
 
@@ -147,7 +101,7 @@ def test_layer_saved_matches_blocks(name, seq, autocast, kda_uncounted, gdn_unco
         dense, experts, _ = run.counts.layers[i]
         predicted = terms.saved - sum(terms.attn.get(k, 0) for k in CHUNK_STATES)
         predicted += C.weight_copy_bytes(dense + experts, run.prec, run.mesh)
-        measured = _measure(layer, h, autocast)
+        measured = saved_bytes(layer, h * 1.0, autocast, skip_params=True)  # a non-leaf input
         assert abs(predicted / measured - 1) < 0.05, (i, spec.layer_types[i], predicted / seq, measured / seq)
 
 

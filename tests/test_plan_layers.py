@@ -4,6 +4,7 @@ saved set predicted for whole layers against what autograd really saves in the m
 from __future__ import annotations
 
 import contextlib
+import importlib
 
 import pytest
 
@@ -92,31 +93,35 @@ def test_attention_by_hand():
 
 
 # ---- the formulas against autograd's saved tensors in the real blocks ------------------------------------
-def _measure_saved(layer, h, autocast: bool) -> int:
-    """Bytes of the distinct storages autograd saves during one layer's forward."""
+def saved_bytes(module, x, autocast: bool, skip_params: bool = False) -> int:
+    """Bytes of the distinct storages autograd saves during ``module(x, SeqContext())``; ``skip_params``: the
+    module's parameters' own storages left out (the planner counts those as state, and autocast's bf16
+    copies of them as weight copies; a frozen weight is kept for its input's gradient as a trained one is)."""
     import torch
 
+    from megaseq.models.common.context import SeqContext
+
+    params = {p.untyped_storage().data_ptr() for p in module.parameters()} if skip_params else set()
     seen: dict[int, int] = {}
 
     def pack(t):
         st = t.untyped_storage()
-        seen[st.data_ptr()] = st.nbytes()
+        if st.data_ptr() not in params:
+            seen[st.data_ptr()] = st.nbytes()
         return t
 
     cm = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
-    from megaseq.models.common.context import SeqContext
-
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), cm:
-        layer(h, SeqContext())
+        module(x, SeqContext())
     return sum(seen.values())
 
 
-@pytest.fixture
-def kda_uncounted():
-    """Route op ``kda`` to a stand-in that saves nothing (the output is v): the planner models fla's
-    chunk_kda, whose own saved set (``kda chunk state``) is left out of the comparison."""
+def uncounted(op: str, block: str):
+    """Route op ``op`` (``kda`` or ``gdn``) to a stand-in that saves nothing (the output is v), while the
+    generator is suspended: the planner models fla's chunk kernel, whose own saved set (``kda chunk state``,
+    ``gdn chunk state``) is left out of the comparison. ``block``: the module registering the reference."""
     torch = pytest.importorskip("torch")
-    from megaseq.models.common import kda as kda_block  # noqa: F401  (registers the reference first)
+    importlib.import_module(block)  # registers the reference first
     from megaseq.ops import dispatch
 
     class _NoSave(torch.autograd.Function):
@@ -130,13 +135,19 @@ def kda_uncounted():
 
     name, state = "plan_test_no_save", {"on": True}
 
-    @dispatch.register("kda", name, supports=lambda *a, **k: None if state["on"] else "plan test stub off")
-    def _stand_in(q, k, v, g, beta, cu_seqlens=None, chunk_size=64):
+    @dispatch.register(op, name, supports=lambda *a, **k: None if state["on"] else "plan test stub off")
+    def _stand_in(q, k, v, g, beta, *args, **kwargs):
         return _NoSave.apply(q, k, v, g, beta)
 
     yield
     state["on"] = False
-    dispatch._state.registry["kda"].pop(name, None)  # leave the registry as other tests expect it
+    dispatch._state.registry[op].pop(name, None)  # leave the registry as other tests expect it
+
+
+@pytest.fixture
+def kda_uncounted():
+    """Op ``kda`` without its chunk kernel's saved set (``uncounted``)."""
+    yield from uncounted("kda", "megaseq.models.common.kda")
 
 
 BLOCK = 1 << 16  # score elements per reference sparse-attention block in these tests: several blocks at S=999
@@ -177,7 +188,7 @@ def test_saved_set_matches_blocks(name, seq, autocast, block, kda_uncounted, mon
         dense, experts, _ = run.counts.layers[i]  # autocast also saves bf16 casts of the weights
         copies = C.weight_copy_bytes(dense + experts, run.prec, run.mesh)
         predicted = terms.saved - terms.attn.get("kda chunk state (q,k,v,g,A)", 0) + copies
-        measured = _measure_saved(layer, h, autocast)
+        measured = saved_bytes(layer, h, autocast)
         assert abs(predicted / measured - 1) < 0.05, (i, spec.layer_types[i], predicted / seq, measured / seq)
 
 
@@ -209,7 +220,7 @@ def test_token_tiled_saved_set_matches_blocks(kda_uncounted):
         tile_layer(layer, tile)
         terms = layer_terms(run, i)
         predicted = terms.saved - terms.attn.get("kda chunk state (q,k,v,g,A)", 0)
-        measured = _measure_saved(layer, h, autocast=False)
+        measured = saved_bytes(layer, h, autocast=False)
         assert abs(predicted / measured - 1) < 0.05, (i, predicted / seq, measured / seq)
         assert predicted < 0.6 * layer_terms(untiled, i).saved  # the tiling is what the planner counts on
 
