@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -32,3 +34,21 @@ def torch_threads(n: int) -> Iterator[None]:
 def one_thread() -> Iterator[None]:
     with torch_threads(1):
         yield
+
+
+def run_as_of_step(src: Path, dst: Path, step: int, drop: tuple[str, ...] = ("hf",)) -> Path:
+    """A copy of the run directory ``src`` at ``dst`` as it stood after ``step``, to resume from: the
+    checkpoints of later steps removed, the end-of-run outputs ``drop`` (the HF export, the adapter)
+    removed where present, metrics.jsonl cut to its first ``step`` lines (one per step)."""
+    from megaseq.train import checkpoint as ckpt
+
+    shutil.copytree(src, dst)
+    for d in (dst / ckpt.CKPT_DIR).glob("step_*"):
+        if int(d.name.removeprefix("step_")) > step:
+            shutil.rmtree(d)
+    for name in drop:
+        if (dst / name).exists():
+            shutil.rmtree(dst / name)
+    metrics = dst / "metrics.jsonl"
+    metrics.write_text("\n".join(metrics.read_text().splitlines()[:step]) + "\n")
+    return dst

@@ -21,7 +21,6 @@ own gradients (the other rank's experts unseen), MasterAdamW folding the experts
 from __future__ import annotations
 
 import json
-import shutil
 import warnings
 from pathlib import Path
 
@@ -29,7 +28,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import torch_threads
+from conftest import run_as_of_step, torch_threads
 from megaseq.config import build_config
 from megaseq.parallel.launch import spawn_local
 from megaseq.train import checkpoint as ckpt
@@ -316,13 +315,7 @@ def test_torch_adamw_foreach_and_fused_over_experts_and_whole_parameters():
 
 def _resume_from_step_1(tmp: Path, name: str) -> Path:
     """A copy of the ep-2 run with its step-2 checkpoint, its export and the metrics after step 1 removed."""
-    run = tmp / name
-    shutil.copytree(tmp / "ep2", run)
-    shutil.rmtree(run / ckpt.CKPT_DIR / "step_000002")
-    shutil.rmtree(run / "hf")
-    lines = (run / "metrics.jsonl").read_text().splitlines()[:1]
-    (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
-    return run
+    return run_as_of_step(tmp / "ep2", tmp / name, 1)
 
 
 @pytest.mark.parametrize("ep", [2, 1])

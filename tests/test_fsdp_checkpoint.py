@@ -6,7 +6,6 @@ the 4-rank run's HF export loads in transformers and gives the logits of its fin
 from __future__ import annotations
 
 import json
-import shutil
 import warnings
 from pathlib import Path
 
@@ -14,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import run_as_of_step
 from megaseq.config import build_config
 from megaseq.parallel.launch import spawn_local
 from megaseq.train import checkpoint as ckpt
@@ -56,14 +56,8 @@ def four_rank_run(tmp_path_factory):
 
 
 def _resume_from_step_2(tmp: Path, name: str) -> Path:
-    """A copy of the 4-rank run with its step-4 checkpoint and metrics after step 2 removed."""
-    run = tmp / name
-    shutil.copytree(tmp / "four", run)
-    shutil.rmtree(run / ckpt.CKPT_DIR / "step_000004")
-    shutil.rmtree(run / "hf")
-    lines = (run / "metrics.jsonl").read_text().splitlines()[:2]
-    (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
-    return run
+    """A copy of the 4-rank run with its step-4 checkpoint, its export and the metrics after step 2 removed."""
+    return run_as_of_step(tmp / "four", tmp / name, 2)
 
 
 def test_four_rank_checkpoint_is_sharded_and_complete(four_rank_run):

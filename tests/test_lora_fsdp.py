@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.distributed.tensor  # noqa: F401  assert_close imports it lazily: once here, not in each fork
 
-from conftest import torch_threads
+from conftest import run_as_of_step, torch_threads
 from lora_helpers import randomize_adapters, settings
 from megaseq.config import MemorySettings
 from megaseq.models.build import build_model
@@ -153,7 +153,6 @@ def test_fsdp_lora_run_checkpoints_exports_and_resumes_as_one_process(tmp_path) 
     """A 2-rank FSDP LoRA run (``megaseq train``) has the one-process run's losses, writes checkpoints of what
     trains only (every rank its part, the base's fingerprint the one process's), exports the same PEFT adapter
     and merged HF checkpoint, and its step-2 checkpoint resumes on 2 FSDP ranks on the same loss curve."""
-    import shutil
 
     import numpy as np
     from torch.distributed.checkpoint import FileSystemReader
@@ -177,10 +176,7 @@ def test_fsdp_lora_run_checkpoints_exports_and_resumes_as_one_process(tmp_path) 
     np.testing.assert_allclose(meta["base_fingerprint"], meta_one["base_fingerprint"], rtol=1e-12)
     keys = {k for k in FileSystemReader(str(step2)).read_metadata().state_dict_metadata if k.startswith("model.")}
     assert keys and all(".lora_" in k or k.endswith("norm.weight") for k in keys), sorted(keys)[:5]
-    run = tmp_path / "resumed"  # the step-2 checkpoint resumed on 2 FSDP ranks
-    shutil.copytree(two, run)
-    shutil.rmtree(run / ckpt.CKPT_DIR / "step_000004")
-    (run / "metrics.jsonl").write_text("\n".join((run / "metrics.jsonl").read_text().splitlines()[:2]) + "\n")
+    run = run_as_of_step(two, tmp_path / "resumed", 2, drop=())  # the step-2 checkpoint resumed on 2 FSDP ranks
     spawn_local(_train_rank, 2, args=(_overrides(tmp_path, "resumed", 2, 1, "dp", **{"train.resume": True}),))
     np.testing.assert_allclose(_losses(run), _losses(two), rtol=1e-10, atol=0)
     # from an HF checkpoint (the merged export): under FSDP the model is built on the meta device and the

@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 
+from conftest import run_as_of_step
 from megaseq.config import build_config
 from megaseq.parallel.launch import spawn_local
 from megaseq.train import checkpoint as ckpt
@@ -72,11 +73,7 @@ def test_two_rank_lora_checkpoints_hold_what_trains_and_resume_on_one(tmp_path: 
     assert not any("embed_tokens" in k or k.endswith("experts.gate_up_proj") for k in keys)
     assert (two / "adapter" / "adapter_model.safetensors").is_file()
     # resume the step-2 checkpoint on one process (batch 2: the same global batch)
-    run = tmp_path / "one"
-    shutil.copytree(two, run)
-    shutil.rmtree(run / ckpt.CKPT_DIR / "step_000004")
-    shutil.rmtree(run / "adapter")
-    (run / "metrics.jsonl").write_text("\n".join((run / "metrics.jsonl").read_text().splitlines()[:2]) + "\n")
+    run = run_as_of_step(two, tmp_path / "one", 2, drop=("adapter",))
     _train_rank(0, _overrides(tmp_path, "one", 1, 2, **{"train.resume": True}))
     want, got = _losses(two), _losses(run)
     assert len(got) == STEPS
