@@ -24,7 +24,7 @@ regions are also scored after the genome's own preceding bases, so the two diffe
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +32,7 @@ import numpy as np
 
 from megaseq.data.fasta import FastaRecord
 from megaseq.data.tokenizer import A_ID, N_ID, SEP_ID, complement_lut
-from megaseq.data.windows import EvalWindow, make_batch
+from megaseq.data.windows import EvalWindow, StepWindows, draw_position, make_batch
 
 K = 16  # anchor length: 4**16 codes, so a random 16-mer is unique in a 5 Mb genome with high probability
 ANCHORS = 12  # anchors per region
@@ -173,7 +173,7 @@ def _join(segments: list[np.ndarray]) -> np.ndarray:
     return np.concatenate(parts)
 
 
-class RelatedWindowSampler:
+class RelatedWindowSampler(StepWindows):
     """Training windows of ``related`` homologous regions from different strains of one species."""
 
     def __init__(self, records: Sequence[FastaRecord], seq_len: int, related: int, *, batch_size: int = 1,
@@ -194,9 +194,8 @@ class RelatedWindowSampler:
         self.single = 0  # windows of one strain (its species has no other, or no homologs in TRIES regions)
 
     def _draw(self, rng: np.random.Generator) -> tuple[FastaRecord, int]:
-        g = int(rng.integers(self.num_positions))
-        r = int(np.searchsorted(self._cum, g, side="right"))
-        return self.first[r], g - (int(self._cum[r - 1]) if r else 0)
+        r, start = draw_position(self._cum, int(rng.integers(self.num_positions)))
+        return self.first[r], start
 
     def _related(self, rng: np.random.Generator) -> np.ndarray | None:
         """One try: a random region and its homologs in up to ``related - 1`` other strains of its species."""
@@ -234,14 +233,7 @@ class RelatedWindowSampler:
         return w
 
     def next_batch(self) -> dict[str, Any]:
-        first = (self.index * self.world_size + self.rank) * self.batch_size
-        windows = [self.tokens(first + b) for b in range(self.batch_size)]
-        self.index += 1
-        return make_batch(windows)
-
-    def __iter__(self) -> Iterator[dict[str, Any]]:
-        while True:
-            yield self.next_batch()
+        return make_batch([self.tokens(n) for n in self.step_windows()])
 
     def state_dict(self) -> dict[str, int]:
         return {"seed": self.seed, "index": self.index, "seq_len": self.seq_len,

@@ -69,7 +69,38 @@ def _too_short(records: Sequence[TokenRecord], seq_len: int, setting: str) -> Va
         f"lower {setting} or use longer sequences")
 
 
-class WindowSampler:
+def draw_position(cum: np.ndarray, g: int) -> tuple[int, int]:
+    """Global start position ``g`` over records whose start positions add up as ``cum`` (``np.cumsum``)
+    -> (record index, start within that record)."""
+    r = int(np.searchsorted(cum, g, side="right"))
+    return r, g - (int(cum[r - 1]) if r else 0)
+
+
+class StepWindows:
+    """What the training samplers share: step ``index`` reads windows ``[(index * world_size + rank) *
+    batch_size, ... + batch_size)``, each a pure function of its number (so every rank, and a resume, sees the
+    same), and iterating yields ``next_batch()`` forever."""
+
+    index: int
+    rank: int
+    world_size: int
+    batch_size: int
+
+    def step_windows(self) -> range:
+        """This step's window numbers on this rank; moves to the next step."""
+        first = (self.index * self.world_size + self.rank) * self.batch_size
+        self.index += 1
+        return range(first, first + self.batch_size)
+
+    def next_batch(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        while True:
+            yield self.next_batch()
+
+
+class WindowSampler(StepWindows):
     """Random contiguous windows of ``seq_len + 1`` tokens, uniform over all start positions.
 
     Records shorter than a window are skipped; a record is drawn in proportion to its number of
@@ -99,8 +130,7 @@ class WindowSampler:
         rng = np.random.default_rng([self.seed, n])
         g = int(rng.integers(self.num_positions))
         rc = self.complement is not None and bool(rng.integers(2))
-        r = int(np.searchsorted(self._cum, g, side="right"))
-        return r, g - (int(self._cum[r - 1]) if r else 0), rc
+        return (*draw_position(self._cum, g), rc)
 
     def tokens(self, n: int) -> tuple[np.ndarray, np.ndarray | None]:
         r, start, rc = self.window(n)
@@ -112,15 +142,9 @@ class WindowSampler:
         return w, None if docs is None else docs[start:start + self.seq_len + 1]
 
     def next_batch(self) -> dict[str, Any]:
-        first = (self.index * self.world_size + self.rank) * self.batch_size
-        pairs = [self.tokens(first + b) for b in range(self.batch_size)]
-        self.index += 1
+        pairs = [self.tokens(n) for n in self.step_windows()]
         docs = None if pairs[0][1] is None else [d for _, d in pairs]
         return make_batch([w for w, _ in pairs], docs)
-
-    def __iter__(self) -> Iterator[dict[str, Any]]:
-        while True:
-            yield self.next_batch()
 
     def state_dict(self) -> dict[str, int]:
         return {"seed": self.seed, "index": self.index, "seq_len": self.seq_len,
@@ -194,7 +218,7 @@ class EvalBatches:
             yield make_batch([w.tokens for w in group], docs, [w.score_from for w in group])
 
 
-class RandomTokens:
+class RandomTokens(StepWindows):
     """Uniform random ids in [low, vocab_size) for memory and speed tests; resumable like WindowSampler."""
 
     def __init__(self, vocab_size: int, seq_len: int, *, batch_size: int = 1, seed: int = 0, low: int = 0,
@@ -207,15 +231,9 @@ class RandomTokens:
         self.seed, self.rank, self.world_size, self.index = seed, rank, world_size, 0
 
     def next_batch(self) -> dict[str, Any]:
-        first = (self.index * self.world_size + self.rank) * self.batch_size
-        windows = [np.random.default_rng([self.seed, first + b]).integers(
-            self.low, self.vocab_size, size=self.seq_len + 1, dtype=np.int64) for b in range(self.batch_size)]
-        self.index += 1
+        windows = [np.random.default_rng([self.seed, n]).integers(
+            self.low, self.vocab_size, size=self.seq_len + 1, dtype=np.int64) for n in self.step_windows()]
         return make_batch(windows)
-
-    def __iter__(self) -> Iterator[dict[str, Any]]:
-        while True:
-            yield self.next_batch()
 
     def state_dict(self) -> dict[str, int]:
         return {"seed": self.seed, "index": self.index, "seq_len": self.seq_len}
