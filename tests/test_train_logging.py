@@ -183,3 +183,43 @@ def test_loss_curve_is_scaled_to_the_region_that_matters(tmp_path, monkeypatch):
     assert "held-out loss" in labels and "(the first steps are above the scale)" in labels
     lo, hi = ax.get_ylim()
     assert lo < 1.96 and 2.0 < hi < 2.2  # not stretched up to the first steps' 4 bits
+
+
+def test_time_limit_stops_after_the_step_that_fits_and_resume_finishes_the_run(tmp_path, monkeypatch, capsys):
+    """train.time_limit: with every step taking 10 s (a fake clock) and a limit of 25 s, the run stops after step
+    2 (2 x 10 s spent + 10 s for the next > 25 s), saves a checkpoint there, exports and evaluates as a finished
+    run; --train.resume true continues it to step 4 with the losses of an uninterrupted run."""
+    from megaseq.train import trainer
+
+    clock = {"t": 0.0}
+
+    class FakeTime:
+        @staticmethod
+        def perf_counter() -> float:
+            clock["t"] += 5.0  # each step reads the clock twice (its start and end): 10 s a step
+            return clock["t"]
+
+    full = run_training(_cfg(tmp_path, train={"run_dir": str(tmp_path / "full")}))
+    monkeypatch.setattr(trainer, "time", FakeTime)
+    cut = {"run_dir": str(tmp_path / "cut")}
+    first = run_training(_cfg(tmp_path, train={**cut, "time_limit": "25s", "export_hf": True}))
+    assert first.time_limited == (2, 4, "25s"), first.time_limited
+    assert len(first.losses) == 2 and first.last_checkpoint.name == "step_000002"
+    assert first.hf_export is not None and first.hf_export.is_dir()
+    assert "train.time_limit 25s reached after step 2 of 4" in capsys.readouterr().err
+    monkeypatch.undo()
+    rest = run_training(_cfg(tmp_path, train={**cut, "resume": True}))
+    assert rest.time_limited is None
+    np.testing.assert_allclose(first.losses + rest.losses, full.losses, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("bad", ["-5", "ten minutes", "5d", "nan"])
+def test_time_limit_that_is_not_a_duration_is_refused(bad):
+    with pytest.raises(ValueError, match="train.time_limit expects a duration"):
+        build_config({"train": {"time_limit": bad}})
+
+
+def test_time_limit_reads_seconds_minutes_and_hours():
+    from megaseq.config import parse_duration
+
+    assert [parse_duration(v) for v in (600, "90s", "20m", "1.5h", "")] == [600, 90, 1200, 5400, 0]

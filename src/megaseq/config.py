@@ -55,6 +55,30 @@ def parse_size(value: Any, setting: str | None = None) -> int:
     return int(v)
 
 
+_DURATION_UNITS = {"s": 1, "m": 60, "h": 3600}
+
+
+def parse_duration(value: Any, setting: str | None = None) -> float:
+    """'90s' -> 90.0, '20m' -> 1200.0, '1.5h' -> 5400.0, 300 -> 300.0 (seconds); '' or None -> 0.0 (no limit).
+    A negative, non-finite or unreadable value is a ValueError (naming ``setting`` when given)."""
+    where = f"{setting} " if setting else ""
+    if value is None or value == "":
+        return 0.0
+    if isinstance(value, bool):
+        raise ValueError(f"{where}expects a duration (like 600, 90s, 20m or 2h), got {value!r}")
+    s = str(value).strip().lower()
+    mult = 1
+    if s and s[-1] in _DURATION_UNITS:
+        s, mult = s[:-1], _DURATION_UNITS[s[-1]]
+    try:
+        v = float(s) * mult
+    except ValueError:
+        raise ValueError(f"{where}expects a duration (like 600, 90s, 20m or 2h), got {value!r}") from None
+    if not math.isfinite(v) or v < 0:
+        raise ValueError(f"{where}expects a duration >= 0 (like 600, 90s, 20m or 2h), got {value!r}")
+    return v
+
+
 def check_bounds(obj: Any, section: str) -> None:
     """Enforce each field's ``ge`` / ``gt`` / ``le`` / ``lt`` / ``choices`` metadata (None passes: unset)."""
     for f in dataclasses.fields(obj):
@@ -519,8 +543,15 @@ class TrainConfig:
     eval_every: int = opt(0, "held-out loss every N steps during training, beside the k-mer baseline, in "
                           "metrics.jsonl and loss_curve.png (0: only at the end; one process only: skipped, with a "
                           "message, under torchrun or Ray)")
+    time_limit: str = opt("", "wall-clock budget of the training steps (600, 90s, 20m, 2h; empty: none). After "
+                          "the last step that fits it (the longest step so far taken as the next one's time), the "
+                          "run saves a checkpoint and ends as a finished run does (HF export, evaluation); "
+                          "--train.resume true continues it towards train.steps")
 
     def __post_init__(self) -> None:
+        if isinstance(self.time_limit, (int, float)) and not isinstance(self.time_limit, bool):
+            self.time_limit = str(self.time_limit)
+        parse_duration(self.time_limit, "train.time_limit")
         for name in ("steps", "batch_size", "grad_accum"):
             if getattr(self, name) < 1:
                 raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")

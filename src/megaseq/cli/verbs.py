@@ -29,6 +29,10 @@ def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
         return 0
     if result.losses:
         print(f"\ntrained {len(result.losses)} steps: loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}")
+    if result.time_limited:
+        step, steps, limit = result.time_limited
+        print(f"stopped by train.time_limit {limit} after step {step} of {steps}: continue with the same command "
+              "and --train.resume true")
     print(f"run directory:   {result.run_dir}")
     print(f"  config + plan: {result.run_dir / 'config.yaml'}, {result.run_dir / 'plan.json'}")
     print(f"  metrics:       {result.run_dir / 'metrics.jsonl'} (TensorBoard: {result.run_dir / 'tb'}), "

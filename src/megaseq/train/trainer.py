@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from megaseq.config import AdapterSettings, Config, MemorySettings
+from megaseq.config import AdapterSettings, Config, MemorySettings, parse_duration
 from megaseq.ops import dispatch
 from megaseq.ops.kernels import planned_kernels, preferred_kernels
 from megaseq.plan.flops import mfu
@@ -48,6 +48,7 @@ class RunResult:
     eval_report: dict[str, Any] | None = None
     adapter_export: Path | None = None
     is_main: bool = True  # rank 0 (or the one process): the one that prints
+    time_limited: tuple[int, int, str] | None = None  # (step, train.steps, train.time_limit): stopped by the limit
 
 
 def resolve_device(cfg: Config) -> torch.device:
@@ -419,17 +420,19 @@ class _Loop:
         logger = MetricsLogger(result.run_dir, cfg.train.steps, start, cfg.log.tensorboard, cfg.log.progress,
                                env.is_main, evals_left=evals)
         skipped = 0  # non-finite steps in a row (train.on_nonfinite skip)
+        clock = TimeLimit(parse_duration(cfg.train.time_limit), env)
         try:
             with guard.StopSignals(env.log) as signals:
                 for step in range(start + 1, cfg.train.steps + 1):
                     loss, record = self.step(step, logger, result)
                     skipped = self._skipped(step, record, skipped, result)
                     result.losses.append(loss)
-                    if step % cfg.log.every == 0 or step == cfg.train.steps:
+                    out_of_time = step < cfg.train.steps and clock.spent(record["step_s"])
+                    if step % cfg.log.every == 0 or step == cfg.train.steps or out_of_time:
                         logger.log(record)
                     signum = signals.requested(env)
                     save_now = cfg.train.save_every and step % cfg.train.save_every == 0
-                    if save_now or step == cfg.train.steps or signum:
+                    if save_now or step == cfg.train.steps or signum or out_of_time:
                         self.save(step, result, record["lr"])
                         signum = signum or signals.requested(env)  # a signal during the write: stop now
                     if signum:
@@ -437,6 +440,12 @@ class _Loop:
                     env.barrier()
                     if self.probe is not None and step % every == 0:  # after the save: a failed eval loses no step
                         logger.log_eval(self.probe(self.model, step, logger.eval_progress))
+                    if out_of_time:
+                        result.time_limited = (step, cfg.train.steps, cfg.train.time_limit)
+                        env.log(f"train.time_limit {cfg.train.time_limit} reached after step {step} of "
+                                f"{cfg.train.steps}: checkpoint saved; the run ends here (export, evaluation); "
+                                "continue with the same command and --train.resume true")
+                        break
         except BaseException:  # the curve so far, quietly: the run's own error is the one message
             logger.close()
             if env.is_main:
@@ -497,6 +506,26 @@ class _Loop:
         if self.balancer is not None:  # per MoE layer, the step's load over every rank (and the aux loss)
             record.update(self.balancer.metrics())
         return loss, record
+
+
+class TimeLimit:
+    """``train.time_limit``: whether the next step would end past the budget (``limit`` seconds from the first
+    step), the longest step so far taken as its time; 0: no limit. The ranks agree (any rank out of time stops
+    all of them, so none waits in a collective for the others)."""
+
+    def __init__(self, limit: float, env: Any) -> None:
+        self.limit, self.env = limit, env
+        self.t0 = time.perf_counter()
+        self.longest = 0.0
+
+    def spent(self, step_s: float) -> bool:
+        if not self.limit:
+            return False
+        self.longest = max(self.longest, step_s)
+        over = time.perf_counter() - self.t0 + self.longest > self.limit
+        if getattr(self.env, "world_size", 1) > 1:
+            over = bool(self.env.all_reduce_count(1 if over else 0))
+        return over
 
 
 def step_mfu(tokens_per_s: float, plan: dict[str, Any], world_size: int, device: torch.device) -> float | None:
