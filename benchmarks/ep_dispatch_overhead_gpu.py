@@ -8,7 +8,7 @@ on a chunk's rows instead of all of them, and in backward the replay of every ch
 ``Experts.forward`` (every row in one grouped GEMM, the graph kept). Both under bf16 autocast with fp32
 weights (the trainer's mode), GLM-5.3-Flash's expert shapes by default (E 288, k 8, H 4096, I 2048: one
 MoE layer's routed experts; ``--experts`` to fit a smaller GPU), routing from a random router; forward +
-backward timed with CUDA events after warm-up, median of ``--repeats``, and the peak memory of each.
+backward timed (synchronised wall clock) after 2 warm-up calls, median of ``--repeats``, and the peak memory of each.
 Writes the JSON (``--out``) and a markdown table beside it. Needs a CUDA GPU; NOT RUN YET (the timing of
 dispatch across several GPUs belongs to the multi-GPU issue).
 """
@@ -18,6 +18,8 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import time
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -28,47 +30,48 @@ from megaseq.models.common.moe import Experts
 from megaseq.parallel.expert import EPDispatch
 
 
-def timed(fn, repeats: int) -> tuple[float, int]:
-    """(median ms of ``fn()`` = forward + backward, peak bytes above the inputs)."""
+def timed(fn, repeats: int, dev: torch.device) -> tuple[float, int]:
+    """(median ms of ``fn()`` = forward + backward, peak bytes above what was allocated before; 0 off a GPU)."""
+    cuda = dev.type == "cuda"
     for _ in range(2):
         fn()
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
+    if cuda:
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
     times = []
     for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+        t0 = time.perf_counter()
         fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times), torch.cuda.max_memory_allocated() - base
+        if cuda:
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times), (torch.cuda.max_memory_allocated() - base) if cuda else 0
 
 
-def case(tokens: int, chunk: int, args: argparse.Namespace) -> dict[str, Any]:
-    E, K, H, I = args.experts, args.top_k, args.hidden, args.intermediate
+def case(experts: Experts, tokens: int, chunk: int, args: argparse.Namespace) -> dict[str, Any]:
+    E, K, H = args.experts, args.top_k, args.hidden
+    dev = next(experts.parameters()).device
     torch.manual_seed(0)
-    experts = Experts(E, H, I, 10.0).cuda()
-    x = torch.randn(tokens, H, device="cuda", requires_grad=True)
-    w = torch.rand(tokens, K, device="cuda", requires_grad=True)
-    idx = torch.topk(torch.randn(tokens, E, device="cuda"), K, dim=-1).indices
-    grad = torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(tokens, H, device=dev, requires_grad=True)
+    w = torch.rand(tokens, K, device=dev, requires_grad=True)
+    idx = torch.topk(torch.randn(tokens, E, device=dev), K, dim=-1).indices
+    grad = torch.randn(tokens, H, device=dev, dtype=torch.bfloat16)
     d = EPDispatch(group=None, ep=1, rank=0, settings=ExpertDispatchSettings(chunk_tokens=chunk,
                                                                                max_chunks=args.max_chunks))
 
     def plain() -> None:
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast(dev.type, dtype=torch.bfloat16):
             out, _ = experts(x, idx, w)
         out.backward(grad.to(out.dtype))
 
     def chunked() -> None:
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast(dev.type, dtype=torch.bfloat16):
             out, _ = d(experts, x, idx, w)
         out.backward(grad.to(out.dtype))
 
-    ms_plain, mem_plain = timed(plain, args.repeats)
-    ms_chunked, mem_chunked = timed(chunked, args.repeats)
+    ms_plain, mem_plain = timed(plain, args.repeats, dev)
+    ms_chunked, mem_chunked = timed(chunked, args.repeats, dev)
     return {"tokens": tokens, "chunk_tokens": chunk, "chunks": d.last["chunks"], "plain_ms": ms_plain,
             "chunked_ms": ms_chunked, "overhead": ms_chunked / ms_plain, "plain_peak_gib": mem_plain / 2**30,
             "chunked_peak_gib": mem_chunked / 2**30}
@@ -85,13 +88,18 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--intermediate", type=int, default=2048)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--device", default="cuda", help="cuda (the measurement); cpu only checks the script runs")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("ep_dispatch_overhead_gpu.py needs a CUDA GPU")
-    rows = [case(n, c, args) for n in map(int, args.tokens.split(",")) for c in map(int, args.chunks.split(","))]
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("ep_dispatch_overhead_gpu.py needs a CUDA GPU (--device cpu only checks the script)")
+    with torch.device(args.device):  # one set of experts for every case, built where it runs
+        experts = Experts(args.experts, args.hidden, args.intermediate, 10.0)
+    rows = [case(experts, n, c, args) for n in map(int, args.tokens.split(","))
+            for c in map(int, args.chunks.split(","))]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "args": vars(args)}
+    meta = {"gpu": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "torch": torch.__version__,
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "args": vars(args)}
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     lines = [f"# Chunked dispatch overhead, ep = 1 ({meta['gpu']}, torch {meta['torch']})", "",
              "| tokens | ep_chunk_tokens | chunks | plain ms | chunked ms | x | plain peak GiB | chunked peak GiB |",

@@ -10,10 +10,15 @@
 #      alone (no relatives), in 32K position buckets, against the 12-mer baseline
 #   4  trained weights: per-token log-probs, megaseq bf16 with the planned fixes vs fp32 (transformers where
 #      it runs) at 128K and 256K; the overfit test on one 128K window
+#   call  the whole experiment in ONE device call (a lent machine is released 30 s after a call, so runs/ does
+#      not survive to the next): stage 1 for T1 seconds (train.time_limit), stage 2 for T2 seconds (its own
+#      end-of-run report: the held-out genomes with relatives and alone, before = stage 1's model, EVAL_WINDOWS
+#      per genome), then stage 4 (20 overfit steps); outputs copied to $OUT as each part ends, the stage-2
+#      bf16 HF export too, split into 15 MiB parts (cat hf.part* | tar x) for a later call to carry
 # SMOKE=1: every stage on a tiny CPU configuration (the H. pylori genomes only, windows of 2K and 4K, a few
 # steps each; about 10 minutes on 2 cores): a pipeline check before device time is spent, not the experiment.
 set -u
-[ $# -eq 1 ] || { echo "usage: [SMOKE=1] [GENOMES=DIR] [OUT=DIR] bash benchmarks/long_context.sh 1|2|3|4|all"; exit 2; }
+[ $# -eq 1 ] || { echo "usage: [SMOKE=1] [GENOMES=DIR] [OUT=DIR] bash benchmarks/long_context.sh 1|2|3|4|all|call"; exit 2; }
 OUT=${OUT:-out}
 PY=${PY:-python3}   # PY=/path/to/venv/bin/python elsewhere
 mkdir -p "$OUT"
@@ -27,6 +32,9 @@ S2=(--train.steps 150 --train.save_every 25 --train.eval_every 50)
 BUCKET=32K
 S4_LOGPROB=(--lengths 128K,256K)
 S4_OVERFIT=(--seq-len 128K --steps 30)
+T1=${T1:-170}; T2=${T2:-140}; EVAL_WINDOWS=${EVAL_WINDOWS:-4}
+CALL1=(--train.steps 400 --train.save_every 0 --train.eval_every 0)   # the budget, not the steps, ends them
+CALL2=(--train.steps 50 --train.save_every 0 --train.eval_every 0)
 if [ -n "${SMOKE:-}" ]; then
   SHORT=runs/long-context-smoke-2k
   LONG=runs/long-context-smoke-4k
@@ -39,6 +47,9 @@ if [ -n "${SMOKE:-}" ]; then
   BUCKET=1K
   S4_LOGPROB=(--lengths 2K,4K)
   S4_OVERFIT=(--seq-len 1K --steps 8 --period 128 --lr 1e-2)
+  T1=${T1:-60}; T2=${T2:-40}; EVAL_WINDOWS=${EVAL_WINDOWS:-2}
+  CALL1=(--train.steps 20 --train.save_every 0 --train.eval_every 0)
+  CALL2=(--train.steps 10 --train.save_every 0 --train.eval_every 0)
 fi
 if ls .whl/*.whl >/dev/null 2>&1; then
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -82,6 +93,20 @@ stage() {
     4)
       timeout 330 $PY benchmarks/logprob_trained.py $LONG "${S4_LOGPROB[@]}" --out "$OUT/logprob_trained"
       timeout 250 $PY benchmarks/overfit.py $LONG "${S4_OVERFIT[@]}" --out "$OUT/overfit"
+      ;;
+    call)
+      timeout $((T1 + 120)) $PY -m megaseq train "$RECIPE" "${DATA[@]}" --train.run_dir $SHORT "${S1[@]}" \
+        "${CALL1[@]}" --train.time_limit ${T1}s --train.eval_after false --train.overwrite true
+      cp $SHORT/metrics.jsonl "$OUT/stage1_metrics.jsonl"; cp $SHORT/loss_curve.png "$OUT/stage1_loss_curve.png"
+      date -u +%FT%TZ
+      timeout $((T2 + 240)) $PY -m megaseq train "$RECIPE" "${DATA[@]}" --model.init_from $SHORT/hf "${S2[@]}" \
+        "${CALL2[@]}" --train.time_limit ${T2}s --eval.max_windows $EVAL_WINDOWS --train.overwrite true
+      cp -r $LONG/eval "$OUT/stage2_eval" 2>/dev/null
+      cp $LONG/metrics.jsonl "$OUT/stage2_metrics.jsonl"; cp $LONG/loss_curve.png "$OUT/stage2_loss_curve.png"
+      tar cf - -C $LONG hf | split -b 15M - "$OUT/hf.part"
+      date -u +%FT%TZ
+      timeout 150 $PY benchmarks/logprob_trained.py $LONG "${S4_LOGPROB[@]}" --out "$OUT/logprob_trained"
+      timeout 120 $PY benchmarks/overfit.py $LONG "${S4_OVERFIT[@]}" --steps 20 --out "$OUT/overfit"
       ;;
     *) echo "unknown stage $1"; exit 2 ;;
   esac

@@ -158,8 +158,12 @@ def timed_steps(run_step: Callable[[], None], steps: int, device: torch.device) 
         t0 = time.perf_counter()
         run_step()
         _sync(device)
+        dt = time.perf_counter() - t0
         if i > 0 or steps == 0:
-            times.append(time.perf_counter() - t0)
+            times.append(dt)
+        # as each step ends (stderr): a long bench stopped by a time limit still shows what it measured
+        what = "warm-up" if i == 0 and steps else "timed"
+        print(f"megaseq bench: step {i + 1} of {steps + 1} ({what}): {dt:.1f} s", file=sys.stderr, flush=True)
     return times
 
 
