@@ -32,7 +32,7 @@ S2=(--train.steps 150 --train.save_every 25 --train.eval_every 50)
 BUCKET=32K
 S4_LOGPROB=(--lengths 128K,256K)
 S4_OVERFIT=(--seq-len 128K --steps 30)
-T1=${T1:-170}; T2=${T2:-140}; EVAL_WINDOWS=${EVAL_WINDOWS:-4}
+T1D=150; T2D=110; EWD=4  # the call's budgets (seconds of steps) and evaluation windows per held-out genome
 CALL1=(--train.steps 400 --train.save_every 0 --train.eval_every 0)   # the budget, not the steps, ends them
 CALL2=(--train.steps 50 --train.save_every 0 --train.eval_every 0)
 if [ -n "${SMOKE:-}" ]; then
@@ -47,10 +47,11 @@ if [ -n "${SMOKE:-}" ]; then
   BUCKET=1K
   S4_LOGPROB=(--lengths 2K,4K)
   S4_OVERFIT=(--seq-len 1K --steps 8 --period 128 --lr 1e-2)
-  T1=${T1:-60}; T2=${T2:-40}; EVAL_WINDOWS=${EVAL_WINDOWS:-2}
+  T1D=60; T2D=40; EWD=2
   CALL1=(--train.steps 20 --train.save_every 0 --train.eval_every 0)
   CALL2=(--train.steps 10 --train.save_every 0 --train.eval_every 0)
 fi
+T1=${T1:-$T1D}; T2=${T2:-$T2D}; EVAL_WINDOWS=${EVAL_WINDOWS:-$EWD}
 if ls .whl/*.whl >/dev/null 2>&1; then
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site:$PWD/src
@@ -94,19 +95,35 @@ stage() {
       timeout 330 $PY benchmarks/logprob_trained.py $LONG "${S4_LOGPROB[@]}" --out "$OUT/logprob_trained"
       timeout 250 $PY benchmarks/overfit.py $LONG "${S4_OVERFIT[@]}" --out "$OUT/overfit"
       ;;
-    call)
+    call)  # everything in $L, packed into $OUT/long_context.tgz after each part (a call returns 8 files at most)
+      L=${LC_DIR:-/tmp/long_context}/lc; mkdir -p $L
+      pack() { tar czf "$OUT/long_context.tgz" -C "$(dirname $L)" lc; }
       timeout $((T1 + 120)) $PY -m megaseq train "$RECIPE" "${DATA[@]}" --train.run_dir $SHORT "${S1[@]}" \
-        "${CALL1[@]}" --train.time_limit ${T1}s --train.eval_after false --train.overwrite true
-      cp $SHORT/metrics.jsonl "$OUT/stage1_metrics.jsonl"; cp $SHORT/loss_curve.png "$OUT/stage1_loss_curve.png"
+        "${CALL1[@]}" --train.time_limit ${T1}s --train.eval_after false --train.overwrite true 2>&1 | tee $L/stage1.log
+      cp $SHORT/metrics.jsonl $L/stage1_metrics.jsonl; cp $SHORT/loss_curve.png $L/stage1_loss_curve.png; pack
       date -u +%FT%TZ
       timeout $((T2 + 240)) $PY -m megaseq train "$RECIPE" "${DATA[@]}" --model.init_from $SHORT/hf "${S2[@]}" \
-        "${CALL2[@]}" --train.time_limit ${T2}s --eval.max_windows $EVAL_WINDOWS --train.overwrite true
-      cp -r $LONG/eval "$OUT/stage2_eval" 2>/dev/null
-      cp $LONG/metrics.jsonl "$OUT/stage2_metrics.jsonl"; cp $LONG/loss_curve.png "$OUT/stage2_loss_curve.png"
-      tar cf - -C $LONG hf | split -b 15M - "$OUT/hf.part"
+        "${CALL2[@]}" --train.time_limit ${T2}s --eval.max_windows $EVAL_WINDOWS --train.overwrite true 2>&1 \
+        | grep -v "^step " | tee $L/stage2.log
+      cp -r $LONG/eval $L/stage2_eval; cp $LONG/metrics.jsonl $LONG/config.yaml $L/
+      cp $LONG/loss_curve.png $L/stage2_loss_curve.png; pack
+      # the trained weights in bf16 (half the fp32 export), in 15 MiB parts: cat hf_bf16.part* | tar x
+      $PY -c "
+import shutil, sys; from pathlib import Path; from safetensors.torch import load_file, save_file
+import torch
+src, dst = Path('$LONG/hf'), Path('/tmp/hf_bf16/hf'); dst.mkdir(parents=True, exist_ok=True)
+for f in src.iterdir():
+    if f.name.endswith('.safetensors'):
+        save_file({k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in load_file(f).items()},
+                  dst / f.name)
+    elif f.is_file():
+        shutil.copy(f, dst / f.name)
+" && tar cf - -C /tmp/hf_bf16 hf | split -b 15M - "$OUT/hf_bf16.part"
       date -u +%FT%TZ
-      timeout 150 $PY benchmarks/logprob_trained.py $LONG "${S4_LOGPROB[@]}" --out "$OUT/logprob_trained"
-      timeout 120 $PY benchmarks/overfit.py $LONG "${S4_OVERFIT[@]}" --steps 20 --out "$OUT/overfit"
+      timeout $((520 - SECONDS > 30 ? 520 - SECONDS : 30)) $PY benchmarks/logprob_trained.py $LONG \
+        "${S4_LOGPROB[@]}" --out $L/logprob_trained 2>&1 | grep -v "Loading weights"; pack
+      timeout $((585 - SECONDS > 20 ? 585 - SECONDS : 20)) $PY benchmarks/overfit.py $LONG "${S4_OVERFIT[@]}" \
+        --steps 20 --out $L/overfit 2>&1 | grep -v "^step "; pack
       ;;
     *) echo "unknown stage $1"; exit 2 ;;
   esac
