@@ -89,12 +89,20 @@ def megaseq_logprobs(cfg, hf: Path, ids: torch.Tensor, device: torch.device,
 
 def reference_logprobs(hf: Path, ids: torch.Tensor, device: torch.device) -> torch.Tensor:
     """log p(next token) [L] of the transformers class of the export, fp32 weights, SDPA."""
+    import transformers.integrations.sdpa_attention as hf_sdpa
+
     from megaseq.bench.reference import load_reference_model
 
     ref = load_reference_model(str(hf), dtype=torch.float32, attn="sdpa", experts="eager").to(device)
-    with torch.no_grad():
-        logits = ref(input_ids=ids[:, :-1].to(device)).logits[0].float()
-        out = logits.log_softmax(-1).gather(-1, ids[0, 1:, None].to(device))[:, 0].cpu()
+    # float32 SDPA with enable_gqa has only the math kernel on CUDA (the S x S scores: 512 GiB at 128K); with
+    # it off transformers repeats the KV heads itself and the memory-efficient kernel runs
+    use_gqa, hf_sdpa.use_gqa_in_sdpa = hf_sdpa.use_gqa_in_sdpa, lambda *a, **k: False
+    try:
+        with torch.no_grad():
+            logits = ref(input_ids=ids[:, :-1].to(device)).logits[0].float()
+            out = logits.log_softmax(-1).gather(-1, ids[0, 1:, None].to(device))[:, 0].cpu()
+    finally:
+        hf_sdpa.use_gqa_in_sdpa = use_gqa
     del ref, logits
     return out
 

@@ -15,10 +15,12 @@
 #      end-of-run report: the held-out genomes with relatives and alone, before = stage 1's model, EVAL_WINDOWS
 #      per genome), then stage 4 (20 overfit steps); outputs copied to $OUT as each part ends, the stage-2
 #      bf16 HF export too, split into 15 MiB parts (cat hf.part* | tar x) for a later call to carry
+#   short  stage 1 alone in one call (T1 seconds of steps, STEPS1 its schedule), evaluated at 16K by the run
+#      itself, then the log-prob check at 16K, 128K and 256K on its weights
 # SMOKE=1: every stage on a tiny CPU configuration (the H. pylori genomes only, windows of 2K and 4K, a few
 # steps each; about 10 minutes on 2 cores): a pipeline check before device time is spent, not the experiment.
 set -u
-[ $# -eq 1 ] || { echo "usage: [SMOKE=1] [GENOMES=DIR] [OUT=DIR] bash benchmarks/long_context.sh 1|2|3|4|all|call"; exit 2; }
+[ $# -eq 1 ] || { echo "usage: [SMOKE=1] [GENOMES=DIR] [OUT=DIR] bash benchmarks/long_context.sh 1|2|3|4|all|call|short"; exit 2; }
 OUT=${OUT:-out}
 PY=${PY:-python3}   # PY=/path/to/venv/bin/python elsewhere
 mkdir -p "$OUT"
@@ -52,6 +54,8 @@ if [ -n "${SMOKE:-}" ]; then
   CALL2=(--train.steps 10 --train.save_every 0 --train.eval_every 0)
 fi
 T1=${T1:-$T1D}; T2=${T2:-$T2D}; EVAL_WINDOWS=${EVAL_WINDOWS:-$EWD}
+DEADLINE=${DEADLINE:-$(( $(date +%s) + 585 ))}  # the device call's end (epoch seconds; a calling script may set it)
+left() { local l=$(( DEADLINE - $(date +%s) - ${1:-0} )); echo $(( l > 20 ? l : 20 )); }  # seconds to it, less $1
 if ls .whl/*.whl >/dev/null 2>&1; then
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site:$PWD/src
@@ -120,10 +124,23 @@ for f in src.iterdir():
         shutil.copy(f, dst / f.name)
 " && tar cf - -C /tmp/hf_bf16 hf | split -b 15M - "$OUT/hf_bf16.part"
       date -u +%FT%TZ
-      timeout $((520 - SECONDS > 30 ? 520 - SECONDS : 30)) $PY benchmarks/logprob_trained.py $LONG \
+      timeout $(left 65) $PY benchmarks/logprob_trained.py $LONG \
         "${S4_LOGPROB[@]}" --out $L/logprob_trained 2>&1 | grep -v "Loading weights"; pack
-      timeout $((585 - SECONDS > 20 ? 585 - SECONDS : 20)) $PY benchmarks/overfit.py $LONG "${S4_OVERFIT[@]}" \
+      timeout $(left) $PY benchmarks/overfit.py $LONG "${S4_OVERFIT[@]}" \
         --steps 20 --out $L/overfit 2>&1 | grep -v "^step "; pack
+      ;;
+    short)  # stage 1 alone in one call: T1 seconds of steps, its own evaluation at 16K (held-out genomes after
+      # 3 training relatives' homologous 4K regions, and alone), then the trained-weights log-prob check
+      L=${LC_DIR:-/tmp/long_context}/lc16k; mkdir -p $L
+      pack() { tar czf "$OUT/long_context_16k.tgz" -C "$(dirname $L)" lc16k; }
+      timeout $((T1 + 200)) $PY -m megaseq train "$RECIPE" "${DATA[@]}" --train.run_dir $SHORT "${S1[@]}" \
+        --train.steps ${STEPS1:-450} --train.save_every 0 --train.eval_every 0 --train.time_limit ${T1}s \
+        --eval.max_windows 8 --train.overwrite true 2>&1 | grep -v "^step " | tee $L/stage1.log
+      cp -r $SHORT/eval $L/stage1_eval; cp $SHORT/metrics.jsonl $SHORT/config.yaml $L/
+      cp $SHORT/loss_curve.png $L/stage1_loss_curve.png; pack
+      date -u +%FT%TZ
+      timeout $(left) $PY benchmarks/logprob_trained.py $SHORT \
+        --lengths ${LOGPROB_LENGTHS:-16K,128K,256K} --out $L/logprob_trained 2>&1 | grep -v "Loading weights"; pack
       ;;
     *) echo "unknown stage $1"; exit 2 ;;
   esac
