@@ -7,7 +7,9 @@ fresh training windows (the run's sampler, a seed it did not train with) and the
 relatives, and report the bits per base of each region (region 1 has nothing to copy from; regions 2.. have
 the homologous regions of other strains before them), beside a copy oracle (the base after the latest earlier
 occurrence of the preceding 12-mer in the window: its accuracy and how many positions it covers). A model that
-copies has regions 2.. far below region 1 on both kinds of window. Results: OUT.json and OUT.md.
+copies has regions 2.. far below region 1 on both kinds of window. ``--layouts 3,4``: the held-out windows also
+laid out as that many equal regions (the relatives, then the held-out region), so that a copy that works in one
+layout only (a fixed offset learned from equal region lengths) shows. Results: OUT.json and OUT.md.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("run_dir", type=Path)
     p.add_argument("--windows", type=int, default=8)
+    p.add_argument("--layouts", default="", help="comma-separated region counts for the held-out windows, e.g. 3,4")
     p.add_argument("--out", type=Path, default=Path("copy_probe"))
     a = p.parse_args()
     from megaseq.data import build_data
@@ -80,7 +83,18 @@ def main() -> None:
     kinds = {"training windows (fresh)": [sampler.tokens(n) for n in range(a.windows)]}
     for name, ws in data.heldout.items():
         if "relatives" in name:
-            kinds[name] = [np.concatenate([w.tokens]) for w in ws[:a.windows]]
+            kinds[name] = [np.asarray(w.tokens) for w in ws[:a.windows]]
+    if a.layouts:
+        from megaseq.data.fasta import load_dna_split
+        from megaseq.data.related import Strains, heldout_related_windows
+
+        split = load_dna_split(cfg.data)
+        strains = Strains(split.train)
+        for n in map(int, a.layouts.split(",")):
+            for name, recs in split.heldout.items():
+                ws, _ = heldout_related_windows(recs, strains, cfg.eval.seq_len, n, max_windows=a.windows)
+                if ws:
+                    kinds[f"{name}, {n} equal regions"] = [np.asarray(w.tokens) for w in ws]
     out = {"run": str(a.run_dir), "device": str(device), "rows": []}
     lines = [f"Copy probe of {a.run_dir} ({device}): bits per base by region of the window, and the 12-mer copy "
              "oracle (accuracy where it predicts / coverage)", "",

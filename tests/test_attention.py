@@ -9,6 +9,7 @@ from megaseq.models.common.attention import (
     Attention,
     attention_reference,
     attention_sdpa,
+    kv_for_sdpa,
     kv_repeats,
     positions_for,
 )
@@ -95,3 +96,33 @@ def test_sdpa_matches_reference_on_gpu_bf16() -> None:
     for op in (attention_sdpa, attention_reference):
         got = op(q, k, v, doc_ids, 128**-0.5)
         torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("doc_ids", [None, DOCS])
+def test_repeated_kv_heads_give_the_grouped_attention(doc_ids) -> None:
+    """kv_for_sdpa (on CUDA in float32: the memory-efficient kernel instead of the S x S math one) repeats KV
+    head j for query heads j*g .. j*g+g-1, as enable_gqa reads them: the same attention as the grouped
+    one. A KV layout that tiles the heads (repeat instead of repeat_interleave) fails."""
+    q, k, v = _qkv(2, 11, 8, 2, 16, torch.float64, seed=5)
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+    kr, vr = kv_for_sdpa(qt, kt, vt, repeat=True)
+    assert kr.shape[1] == vr.shape[1] == 8
+    got = attention_reference(q, kr.transpose(1, 2), vr.transpose(1, 2), doc_ids, 0.25)
+    torch.testing.assert_close(got, attention_reference(q, k, v, doc_ids, 0.25), rtol=0, atol=1e-12)
+    assert kv_for_sdpa(qt, kt, vt)[0] is kt  # on the CPU nothing is repeated
+    tiled = attention_reference(q, k.repeat(1, 1, 4, 1), v.repeat(1, 1, 4, 1), doc_ids, 0.25)
+    assert not torch.allclose(tiled, got)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_float32_grouped_attention_at_64k_runs_without_the_score_matrix() -> None:
+    """float32 SDPA with 8 query heads on 4 KV heads at 64K: the math kernel's S x S scores would be 128 GiB;
+    with the repeated KV heads the step stays within a few GiB (and matches the bf16 run's output roughly)."""
+    q, k, v = _qkv(1, 65536, 8, 4, 32, torch.float32, device="cuda", seed=1)
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = attention_sdpa(q, k, v, None, 32**-0.5)
+    assert torch.cuda.max_memory_allocated() - base < 4 * 2**30
+    ref = attention_sdpa(q.bfloat16(), k.bfloat16(), v.bfloat16(), None, 32**-0.5)
+    torch.testing.assert_close(out, ref.float(), rtol=5e-2, atol=5e-2)

@@ -133,3 +133,37 @@ def test_related_needs_the_dna_tokenizer(tmp_path):
     _, _, _, recs = _records(tmp_path)
     with pytest.raises(ValueError, match="single-nucleotide"):
         build_data(DataConfig(train=[recs[0].source], seq_len=100, related=2, tokenizer="/nonexistent/tok.json"))
+
+
+def test_jittered_region_lengths_fill_the_window_and_vary():
+    rng = np.random.default_rng(0)
+    assert related.jittered_lengths(3002, 3, 0.0, rng) == related.segment_lengths(3002, 3)
+    seen = set()
+    for _ in range(50):
+        lengths = related.jittered_lengths(4099, 4, 0.5, rng)
+        assert sum(lengths) == 4099 - 3 and min(lengths) >= 512  # at least half of an equal share (1024)
+        seen.add(tuple(lengths))
+    assert len(seen) > 40
+
+
+def test_jittered_windows_move_the_offset_between_homologs(tmp_path):
+    """data.related_jitter: the separators fall at different places in different windows (so no fixed offset
+    predicts the homologous base), each region still the homolog of the first from its start, windows still a
+    pure function of (seed, n), and a resume with another jitter refused."""
+    *_, recs = _records(tmp_path)
+    s = related.RelatedWindowSampler(recs, 3 * 1000 + 2, 3, seed=3, jitter=0.5)
+    cuts = set()
+    for n in range(8):
+        w = s.tokens(n)
+        assert len(w) == s.seq_len + 1 and (w == SEP_ID).sum() == 2
+        cuts.add(tuple(np.flatnonzero(w == SEP_ID)))
+        segs = np.split(w, np.flatnonzero(w == SEP_ID))
+        first, second = segs[0], segs[1][1:]
+        m = min(len(first), len(second), 400)
+        assert (first[:m] == second[:m]).mean() > 0.9 or (first[-m:] == second[-m:]).mean() > 0.9
+    assert len(cuts) >= 6
+    again = related.RelatedWindowSampler(recs, 3 * 1000 + 2, 3, seed=3, jitter=0.5)
+    np.testing.assert_array_equal(again.tokens(5), s.tokens(5))
+    plain = related.RelatedWindowSampler(recs, 3 * 1000 + 2, 3, seed=3)
+    with pytest.raises(ValueError, match="related_jitter"):
+        plain.load_state_dict(s.state_dict())

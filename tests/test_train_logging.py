@@ -202,10 +202,11 @@ def test_time_limit_stops_after_the_step_that_fits_and_resume_finishes_the_run(t
     full = run_training(_cfg(tmp_path, train={"run_dir": str(tmp_path / "full")}))
     monkeypatch.setattr(trainer, "time", FakeTime)
     cut = {"run_dir": str(tmp_path / "cut")}
-    first = run_training(_cfg(tmp_path, train={**cut, "time_limit": "25s", "export_hf": True}))
+    first = run_training(_cfg(tmp_path, train={**cut, "time_limit": "25s", "export_hf": True, "eval_after": True}))
     assert first.time_limited == (2, 4, "25s"), first.time_limited
     assert len(first.losses) == 2 and first.last_checkpoint.name == "step_000002"
     assert first.hf_export is not None and first.hf_export.is_dir()
+    assert "after (step 2)" in (tmp_path / "cut" / "eval" / "eval_by_position.md").read_text()  # not train.steps
     assert "train.time_limit 25s reached after step 2 of 4" in capsys.readouterr().err
     monkeypatch.undo()
     rest = run_training(_cfg(tmp_path, train={**cut, "resume": True}))

@@ -156,6 +156,10 @@ class DataConfig:
     related: int = opt(0, "DNA: windows of this many homologous regions of different strains of one species "
                        "(a file is a strain, its species the name before the first '_'); held-out genomes are "
                        "scored after related - 1 training strains' regions (docs/long_context.md). 0: off")
+    related_jitter: float = opt(0.0, "DNA, with data.related: each training window's region lengths drawn at "
+                                "random, each at least (1 - this) of an equal share. 0: equal lengths, so homologous "
+                                "bases sit the same distance apart in every window, and a model can learn that "
+                                "fixed-offset copy instead of matching content (docs/long_context.md)", ge=0.0, lt=1.0)
     lowercase: str = opt("upper", "lower-case bases (soft-masked repeats): upper (keep as bases) or n (as N)")
     non_acgt: str = opt("n", "IUPAC ambiguity codes other than ACGTN: n (map to N) or error")
     tokenizer: str = opt("dna", "dna (single-nucleotide) or a path to a HF tokenizer.json / checkpoint dir")

@@ -138,7 +138,7 @@ def _build_related(data_cfg: Any, split: DnaSplit, seq_len: int, eval_len: int, 
 
     related = data_cfg.related
     train = RelatedWindowSampler(split.train, seq_len, related, reverse_complement=data_cfg.reverse_complement,
-                                 **kw)
+                                 jitter=data_cfg.related_jitter, **kw)
     windows = {}
     for group, recs in split.heldout.items():
         found, alone = heldout_related_windows(recs, train.strains, eval_len, related, max_windows)

@@ -129,6 +129,19 @@ def segment_lengths(total: int, n: int) -> list[int]:
     return [base] * (n - 1) + [total - (n - 1) - base * (n - 1)]
 
 
+def jittered_lengths(total: int, n: int, jitter: float, rng: np.random.Generator) -> list[int]:
+    """n random segment lengths filling ``total`` tokens with n - 1 separators, each at least ``1 - jitter`` of
+    an equal share; the rest of the tokens split at uniform random cuts. ``jitter`` 0: ``segment_lengths``
+    (and ``rng`` untouched)."""
+    if not jitter:
+        return segment_lengths(total, n)
+    free = total - (n - 1)
+    low = int(np.ceil((free // n) * (1.0 - jitter)))
+    cuts = np.sort(rng.integers(0, free - low * n + 1, size=n - 1))
+    extra = np.diff(np.concatenate([[0], cuts, [free - low * n]]))
+    return [low + int(e) for e in extra]
+
+
 class Strains:
     """The training strains grouped by species, each with a lazily built anchor index per record."""
 
@@ -177,10 +190,14 @@ class RelatedWindowSampler(StepWindows):
     """Training windows of ``related`` homologous regions from different strains of one species."""
 
     def __init__(self, records: Sequence[FastaRecord], seq_len: int, related: int, *, batch_size: int = 1,
-                 seed: int = 0, reverse_complement: bool = False, rank: int = 0, world_size: int = 1) -> None:
+                 seed: int = 0, reverse_complement: bool = False, rank: int = 0, world_size: int = 1,
+                 jitter: float = 0.0) -> None:
         if related < 2:
             raise ValueError(f"data.related must be 0 (off) or >= 2 regions per window, got {related}")
+        if not 0.0 <= jitter < 1.0:
+            raise ValueError(f"data.related_jitter must be in [0, 1), got {jitter}")
         self.seq_len, self.related, self.batch_size, self.seed = seq_len, related, batch_size, seed
+        self.jitter = jitter
         self.rank, self.world_size, self.index = rank, world_size, 0
         self.strains = Strains(records)
         self.lengths = segment_lengths(seq_len + 1, related)
@@ -206,7 +223,7 @@ class RelatedWindowSampler(StepWindows):
             return None
         rng.shuffle(others)
         n = min(self.related, 1 + len(others))  # each strain once: fewer, longer regions for small species
-        lengths = segment_lengths(self.seq_len + 1, n)
+        lengths = jittered_lengths(self.seq_len + 1, n, self.jitter, rng)
         head = np.asarray(rec.tokens[start:start + lengths[0]])
         if len(head) < lengths[0]:
             return None
@@ -235,11 +252,15 @@ class RelatedWindowSampler(StepWindows):
     def next_batch(self) -> dict[str, Any]:
         return make_batch([self.tokens(n) for n in self.step_windows()])
 
-    def state_dict(self) -> dict[str, int]:
+    def state_dict(self) -> dict[str, Any]:
         return {"seed": self.seed, "index": self.index, "seq_len": self.seq_len,
-                "num_positions": self.num_positions, "batch_size": self.batch_size, "related": self.related}
+                "num_positions": self.num_positions, "batch_size": self.batch_size, "related": self.related,
+                **({"jitter": self.jitter} if self.jitter else {})}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
+        if float(state.get("jitter", 0.0)) != self.jitter:
+            raise ValueError(f"cannot resume the data sampler: data.related_jitter was {state.get('jitter', 0.0)} "
+                             f"in the checkpoint and is {self.jitter} now; resume with the same data settings")
         for key in ("seq_len", "num_positions", "batch_size", "related"):
             if key in state and state[key] != getattr(self, key):
                 raise ValueError(f"cannot resume the data sampler: {key} was {state[key]} in the checkpoint and "

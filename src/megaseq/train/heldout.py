@@ -99,9 +99,11 @@ class HeldoutProbe:
 
 
 def evaluate_run(cfg: Config, run_dir: Path, model: torch.nn.Module, spec: Any, data: Any, env: Any,
-                 autocast: torch.dtype | None, memory: MemorySettings, kmer: Any = None) -> dict[str, Any]:
-    """Held-out loss by position after training, beside the k-mer baseline (``kmer``: already fitted) and
-    uniform A/C/G/T; "before" (step 0) only when the run started from ``model.init_from``."""
+                 autocast: torch.dtype | None, memory: MemorySettings, kmer: Any = None,
+                 step: int | None = None) -> dict[str, Any]:
+    """Held-out loss by position after training (``step``: the last step trained, train.steps when None),
+    beside the k-mer baseline (``kmer``: already fitted) and uniform A/C/G/T; "before" (step 0) only when the
+    run started from ``model.init_from``."""
     from megaseq.eval import report_by_position
     from megaseq.eval.loss import per_token_loss_fn
     from megaseq.train.convert import load_megaseq_checkpoint
@@ -123,6 +125,6 @@ def evaluate_run(cfg: Config, run_dir: Path, model: torch.nn.Module, spec: Any, 
     else:
         notes.append(RANDOM_INIT_NOTE)
     models["after"] = per_token_loss_fn(model.eval(), env, autocast, chunk, segment)
-    descriptions["after"] = f"step {cfg.train.steps}"
+    descriptions["after"] = f"step {cfg.train.steps if step is None else step}"
     return report_by_position(models, data, cfg.eval, Path(run_dir) / "eval", kmer=kmer,
                               descriptions=descriptions, notes=notes)

@@ -375,7 +375,8 @@ def _run_claimed(cfg: Config, spec: Any, env: ParallelEnv, device: torch.device,
             env.log("evaluation after a multi-process run: run `megaseq eval RUN_DIR` (one process)")
         else:
             result.eval_report = evaluate_run(cfg, run_dir, model, spec, data, env, autocast, memory,
-                                              kmer=probe.kmer if probe is not None else None)
+                                              kmer=probe.kmer if probe is not None else None,
+                                              step=start + len(result.losses))
     if env.is_main:
         _draw_curve(run_dir, data.unit, result.eval_report)
     env.shutdown()

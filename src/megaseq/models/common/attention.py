@@ -85,6 +85,21 @@ def _sdpa_supports(q_BSHD: torch.Tensor, k_BSKD: torch.Tensor, v_BSKD: torch.Ten
     return None
 
 
+def kv_for_sdpa(q_BHSD: torch.Tensor, k_BKSD: torch.Tensor, v_BKSD: torch.Tensor,
+                repeat: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The key/value heads SDPA is given. On CUDA, float32 with ``enable_gqa`` (fewer KV heads than query
+    heads) has only the math kernel, which materialises the S x S scores (512 GiB at 128K, 8 heads): the
+    float32 references at long lengths ran out of memory. There the KV heads are repeated (query head h reads
+    KV head h // (H / K), as ``enable_gqa`` does) so that the memory-efficient kernel runs; the same values,
+    K x H / K more KV bytes. ``repeat``: force it on or off (the CPU test of the equality)."""
+    H, K = q_BHSD.shape[1], k_BKSD.shape[1]
+    if repeat is None:
+        repeat = q_BHSD.is_cuda and q_BHSD.dtype == torch.float32
+    if not repeat or H == K:
+        return k_BKSD, v_BKSD
+    return k_BKSD.repeat_interleave(H // K, dim=1), v_BKSD.repeat_interleave(H // K, dim=1)
+
+
 @dispatch.register("attention", "sdpa", supports=_sdpa_supports)
 def attention_sdpa(q_BSHD: torch.Tensor, k_BSKD: torch.Tensor, v_BSKD: torch.Tensor,
                    doc_ids_BS: torch.Tensor | None, scale: float) -> torch.Tensor:
@@ -96,6 +111,7 @@ def attention_sdpa(q_BSHD: torch.Tensor, k_BSKD: torch.Tensor, v_BSKD: torch.Ten
         return attention_sdpa(q_BSHD, k_BSKD, v_pad, doc_ids_BS, scale)[..., :Dv]
     B, S = q_BSHD.shape[:2]
     q, k, v = (t.transpose(1, 2) for t in (q_BSHD, k_BSKD, v_BSKD))
+    k, v = kv_for_sdpa(q, k, v)
     if doc_ids_BS is None:
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
         return o.transpose(1, 2)
