@@ -6,11 +6,7 @@
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 MEGASEQ_FLA_AUTOTUNE=one
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
-date -u +%FT%TZ
+source benchmarks/device_env.sh
 timeout 80 python3 benchmarks/ep_dispatch_overhead_gpu.py --tokens 16384,65536 --chunks 4096,16384 --repeats 3 \
   --out "$OUT/ep_dispatch_overhead.json"
 date -u +%FT%TZ

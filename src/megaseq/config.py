@@ -34,6 +34,17 @@ def opt(default: Any, help: str, **kw: Any) -> Any:
 _SIZE_UNITS = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 
+def _with_unit(s: str, units: dict[str, float]) -> float | None:
+    """``s`` times its unit suffix's multiplier ('1.5K' -> 1536.0 with K = 1024); None when not a number."""
+    mult = 1.0
+    if s and s[-1] in units:
+        s, mult = s[:-1], units[s[-1]]
+    try:
+        return float(s) * mult
+    except ValueError:
+        return None
+
+
 def parse_size(value: Any, setting: str | None = None) -> int:
     """'32K' -> 32768, '1M' -> 1048576, '4G' -> 4 * 2**30, '1.5K' -> 1536; ints pass through. A value that is
     not a whole number (2.7, '1.3K'), not finite, or a bool is a ValueError (naming ``setting`` when given)."""
@@ -42,15 +53,8 @@ def parse_size(value: Any, setting: str | None = None) -> int:
         raise ValueError(f"{where}expects an integer (like 4096 or 32K), got {value!r}")
     if isinstance(value, int):
         return value
-    s = str(value).strip().upper().replace("_", "")
-    mult = 1
-    if s and s[-1] in _SIZE_UNITS:
-        s, mult = s[:-1], _SIZE_UNITS[s[-1]]
-    try:
-        v = float(s) * mult
-    except ValueError:
-        raise ValueError(f"{where}expects an integer (like 4096, 32K or 1M), got {value!r}") from None
-    if not math.isfinite(v) or not v.is_integer():
+    v = _with_unit(str(value).strip().upper().replace("_", ""), _SIZE_UNITS)
+    if v is None or not math.isfinite(v) or not v.is_integer():
         raise ValueError(f"{where}expects an integer (like 4096, 32K or 1M), got {value!r}")
     return int(v)
 
@@ -60,22 +64,13 @@ _DURATION_UNITS = {"s": 1, "m": 60, "h": 3600}
 
 def parse_duration(value: Any, setting: str | None = None) -> float:
     """'90s' -> 90.0, '20m' -> 1200.0, '1.5h' -> 5400.0, 300 -> 300.0 (seconds); '' or None -> 0.0 (no limit).
-    A negative, non-finite or unreadable value is a ValueError (naming ``setting`` when given)."""
+    A negative, non-finite, unreadable or bool value is a ValueError (naming ``setting`` when given)."""
     where = f"{setting} " if setting else ""
     if value is None or value == "":
         return 0.0
-    if isinstance(value, bool):
+    v = None if isinstance(value, bool) else _with_unit(str(value).strip().lower(), _DURATION_UNITS)
+    if v is None or not math.isfinite(v) or v < 0:
         raise ValueError(f"{where}expects a duration (like 600, 90s, 20m or 2h), got {value!r}")
-    s = str(value).strip().lower()
-    mult = 1
-    if s and s[-1] in _DURATION_UNITS:
-        s, mult = s[:-1], _DURATION_UNITS[s[-1]]
-    try:
-        v = float(s) * mult
-    except ValueError:
-        raise ValueError(f"{where}expects a duration (like 600, 90s, 20m or 2h), got {value!r}") from None
-    if not math.isfinite(v) or v < 0:
-        raise ValueError(f"{where}expects a duration >= 0 (like 600, 90s, 20m or 2h), got {value!r}")
     return v
 
 
