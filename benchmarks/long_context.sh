@@ -69,10 +69,8 @@ if [ -n "${SMOKE:-}" ]; then  # H. pylori only: 4 training strains, 1 held out
   DATA=(--data.train "$G/hpylori_ELS37.fa.gz,$G/hpylori_G27.fa.gz,$G/hpylori_Gambia94_24.fa.gz,$G/hpylori_Puno120.fa.gz"
         --data.heldout "$G/hpylori_SJM180.fa.gz")
 elif [ -n "${GENOMES:-}" ]; then  # the recipe's files, from another directory
-  DATA=(--data.train "$($PY -c "import yaml,os,sys; d=yaml.safe_load(open('$RECIPE'))['data']; \
-print(','.join(os.path.join('$GENOMES', os.path.basename(p)) for p in d['train']))")"
-        --data.heldout "$($PY -c "import yaml,os,sys; d=yaml.safe_load(open('$RECIPE'))['data']; \
-print(','.join(os.path.join('$GENOMES', os.path.basename(p)) for p in d['heldout']))")")
+  DATA=(--data.train "$($PY benchmarks/recipe_files.py $RECIPE train "$GENOMES")"
+        --data.heldout "$($PY benchmarks/recipe_files.py $RECIPE heldout "$GENOMES")")
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null
 $PY -c "import torch; print('torch', torch.__version__)"
@@ -112,17 +110,7 @@ stage() {
       cp -r $LONG/eval $L/stage2_eval; cp $LONG/metrics.jsonl $LONG/config.yaml $L/
       cp $LONG/loss_curve.png $L/stage2_loss_curve.png; pack
       # the trained weights in bf16 (half the fp32 export), in 15 MiB parts: cat hf_bf16.part* | tar x
-      $PY -c "
-import shutil, sys; from pathlib import Path; from safetensors.torch import load_file, save_file
-import torch
-src, dst = Path('$LONG/hf'), Path('/tmp/hf_bf16/hf'); dst.mkdir(parents=True, exist_ok=True)
-for f in src.iterdir():
-    if f.name.endswith('.safetensors'):
-        save_file({k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in load_file(f).items()},
-                  dst / f.name)
-    elif f.is_file():
-        shutil.copy(f, dst / f.name)
-" && tar cf - -C /tmp/hf_bf16 hf | split -b 15M - "$OUT/hf_bf16.part"
+      $PY benchmarks/hf_bf16.py $LONG/hf /tmp/hf_bf16/hf && tar cf - -C /tmp/hf_bf16 hf | split -b 15M - "$OUT/hf_bf16.part"
       date -u +%FT%TZ
       timeout $(left 65) $PY benchmarks/logprob_trained.py $LONG \
         "${S4_LOGPROB[@]}" --out $L/logprob_trained 2>&1 | grep -v "Loading weights"; pack

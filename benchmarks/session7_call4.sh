@@ -6,14 +6,9 @@
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1
-date -u +%FT%TZ
-G=.data
-TRAIN=$(python3 -c "import yaml,os; d=yaml.safe_load(open('recipes/long-context-genomes.yaml'))['data']; \
-print(','.join(os.path.join('$G', os.path.basename(p)) for p in d['train']))")
-HELD=$(python3 -c "import yaml,os; d=yaml.safe_load(open('recipes/long-context-genomes.yaml'))['data']; \
-print(','.join(os.path.join('$G', os.path.basename(p)) for p in d['heldout']))")
+source benchmarks/device_env.sh
+TRAIN=$(python3 benchmarks/recipe_files.py recipes/long-context-genomes.yaml train .data)
+HELD=$(python3 benchmarks/recipe_files.py recipes/long-context-genomes.yaml heldout .data)
 R=runs/lc16k
 timeout 260 python3 -m megaseq train recipes/long-context-genomes.yaml --data.train "$TRAIN" --data.heldout "$HELD" \
   --data.seq_len 16K --train.batch_size 16 --train.steps 330 --optim.lr 2e-3 --train.time_limit 150s \
@@ -23,14 +18,5 @@ cp $R/metrics.jsonl "$OUT/stage1_metrics.jsonl"
 date -u +%FT%TZ
 timeout 120 python3 benchmarks/related_copy_probe.py $R --windows 8 --out "$OUT/copy_probe"
 date -u +%FT%TZ
-python3 -c "
-import shutil; from pathlib import Path; from safetensors.torch import load_file, save_file; import torch
-src, dst = Path('$R/hf'), Path('/tmp/w/hf'); dst.mkdir(parents=True, exist_ok=True)
-for f in src.iterdir():
-    if f.name.endswith('.safetensors'):
-        save_file({k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in load_file(f).items()}, dst / f.name)
-    elif f.is_file():
-        shutil.copy(f, dst / f.name)
-shutil.copy('$R/config.yaml', dst.parent / 'config.yaml')
-" && tar cf - -C /tmp/w . | split -b 15M - "$OUT/w16k.part"
+python3 benchmarks/hf_bf16.py $R/hf /tmp/w/hf && cp $R/config.yaml /tmp/w/ && tar cf - -C /tmp/w . | split -b 15M - "$OUT/w16k.part"
 ls -la "$OUT"
