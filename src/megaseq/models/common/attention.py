@@ -90,8 +90,8 @@ def kv_for_sdpa(q_BHSD: torch.Tensor, k_BKSD: torch.Tensor, v_BKSD: torch.Tensor
     """The key/value heads SDPA is given. On CUDA, float32 with ``enable_gqa`` (fewer KV heads than query
     heads) has only the math kernel, which materialises the S x S scores (512 GiB at 128K, 8 heads): the
     float32 references at long lengths ran out of memory. There the KV heads are repeated (query head h reads
-    KV head h // (H / K), as ``enable_gqa`` does) so that the memory-efficient kernel runs; the same values,
-    K x H / K more KV bytes. ``repeat``: force it on or off (the CPU test of the equality)."""
+    KV head h // (H / K), as ``enable_gqa`` does) so that the memory-efficient kernel runs: the same values,
+    H / K times the KV bytes. ``repeat``: force it on or off (the CPU test of the equality)."""
     H, K = q_BHSD.shape[1], k_BKSD.shape[1]
     if repeat is None:
         repeat = q_BHSD.is_cuda and q_BHSD.dtype == torch.float32
