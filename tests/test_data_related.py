@@ -167,3 +167,9 @@ def test_jittered_windows_move_the_offset_between_homologs(tmp_path):
     plain = related.RelatedWindowSampler(recs, 3 * 1000 + 2, 3, seed=3)
     with pytest.raises(ValueError, match="related_jitter"):
         plain.load_state_dict(s.state_dict())
+
+
+def test_jitter_without_related_windows_is_refused():
+    with pytest.raises(ValueError, match="data.related_jitter 0.5 varies the regions of related windows"):
+        DataConfig(related_jitter=0.5)
+    assert DataConfig(related=3, related_jitter=0.5).related_jitter == 0.5

@@ -177,6 +177,9 @@ class DataConfig:
             raise ValueError(f"data.heldout_tail must be in [0, 1) (or -1 for the default), got {self.heldout_tail}")
         if self.non_acgt not in ("n", "error"):
             raise ValueError(f"data.non_acgt must be 'n' or 'error', got {self.non_acgt!r}")
+        if self.related_jitter and not self.related:
+            raise ValueError(f"data.related_jitter {self.related_jitter} varies the regions of related windows, but "
+                             "data.related is 0 (off): set data.related (2 or more regions) or leave the jitter at 0")
 
 
 EP_DISPATCH = ("pipelined_llep", "llep", "plain")
