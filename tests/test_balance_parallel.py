@@ -1,7 +1,8 @@
 """Router balancing over 2 and 4 gloo ranks (dp, dp x cp) equals one process on the whole global batch.
 
 Two optimizer steps of two micro-batches each, float64, plain SGD (so a gradient difference shows as a
-parameter difference one to one): glm5-flash-tiny with the bias update, qwen3-moe-tiny with the
+parameter difference one to one): glm5-flash-tiny (its first 4 layers, every kind once:
+``conftest.glm5_tiny4``) with the bias update, qwen3-moe-tiny with the
 auxiliary loss (coefficient 0.1, large enough that its gradient is most of the router's). Every rank
 must end with the one-process biases bit for bit, the same per-layer loads and aux loss, and the same
 parameters. A broken balancer that reduces nothing (each rank balances on its own tokens) must fail.
@@ -13,7 +14,7 @@ import pytest
 import torch
 import torch.distributed.tensor  # noqa: F401  assert_close imports it lazily: once here, not in each fork
 
-from conftest import torch_threads
+from conftest import glm5_tiny4, torch_threads
 from megaseq.config import build_config
 from megaseq.models.build import build_model
 from megaseq.models.presets import get_preset
@@ -47,10 +48,15 @@ class _LocalOnly(Balancer):
         self.env = ParallelEnv()
 
 
+def _spec(name: str):
+    preset = name.split("+")[0]
+    return glm5_tiny4() if preset == "glm5-flash-tiny" else get_preset(preset)
+
+
 def run_steps(name: str, env, dp: int = 1, balancer_cls=Balancer) -> dict:
     """Two steps; returns the biases, per-step metrics and parameters at the end."""
     torch.manual_seed(0)
-    model = build_model(get_preset(name.split("+")[0]), dtype=torch.float64, seed=0)
+    model = build_model(_spec(name), dtype=torch.float64, seed=0)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     balancer = balancer_cls(model, SETTINGS[name], env, MICRO)
     metrics = []
@@ -84,7 +90,7 @@ def reference(name: str) -> dict:
 def _rank(rank: int, name: str, dp: int, cp: int, ref: dict, broken: bool) -> None:
     cfg = build_config(overrides={"parallel.dp": dp, "parallel.cp": cp, "parallel.backend": "gloo",
                                   "data.seq_len": S, "train.device": "cpu", "model.name": name.split("+")[0]})
-    env = DistributedEnv(cfg)
+    env = DistributedEnv(cfg, spec=_spec(name))
     got = run_steps(name, env, dp, _LocalOnly if broken else Balancer)
     env.shutdown()
     for n, b in ref["biases"].items():

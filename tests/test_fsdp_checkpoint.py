@@ -1,4 +1,5 @@
-"""Sharded checkpoints end to end through the trainer (``megaseq train`` in gloo processes, float64): a run
+"""Sharded checkpoints end to end through the trainer (``megaseq train`` in gloo processes, float64; the model
+glm5-flash-tiny's first 4 layers, every kind once: ``conftest.glm5_tiny4``, given as its config.json): a run
 on 4 ranks (dp 2 x cp 2, fully sharded) checkpoints every 2 steps; its step-2 checkpoint resumes on 2 ranks
 (dp 2, FSDP over dp) and on 1 (no FSDP, the same 2 sequences per step) and continues the same loss curve;
 the 4-rank run's HF export loads in transformers and gives the logits of its final weights."""
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import run_as_of_step
+from conftest import glm5_tiny4, run_as_of_step
 from megaseq.config import build_config
 from megaseq.parallel.launch import spawn_local
 from megaseq.train import checkpoint as ckpt
@@ -27,10 +28,21 @@ def _fasta(path: Path) -> Path:
     return path
 
 
+def _model_config(tmp: Path) -> Path:
+    """glm5_tiny4's config.json: ``megaseq train`` builds that architecture from random (``model.name``)."""
+    from megaseq.models.spec import to_hf_config
+
+    path = tmp / "glm5_tiny4" / "config.json"
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(json.dumps(to_hf_config(glm5_tiny4())))
+    return path
+
+
 def _overrides(tmp: Path, run: str, dp: int, cp: int, fsdp: str, batch: int, **extra) -> dict:
-    return {"model.name": "glm5-flash-tiny", "model.dtype": "fp64", "data.train": [str(tmp / "g.fa")],
-            "data.seq_len": 32, "data.heldout_tail": 0, "train.steps": STEPS, "train.batch_size": batch,
-            "train.save_every": 2, "train.keep_checkpoints": 10, "train.run_dir": str(tmp / run),
+    return {"model.name": str(tmp / "glm5_tiny4" / "config.json"), "model.dtype": "fp64",
+            "data.train": [str(tmp / "g.fa")], "data.seq_len": 32, "data.heldout_tail": 0,
+            "train.steps": STEPS, "train.batch_size": batch, "train.save_every": 2,
+            "train.keep_checkpoints": 10, "train.run_dir": str(tmp / run),
             "train.eval_after": False, "train.export_hf": False, "train.device": "cpu",
             "optim.lr": 3e-3, "optim.warmup_steps": 1, "log.progress": False, "log.tensorboard": False,
             "parallel.dp": dp, "parallel.cp": cp, "parallel.fsdp": fsdp, "parallel.backend": "gloo", **extra}
@@ -51,6 +63,7 @@ def _losses(run_dir: Path) -> list[float]:
 def four_rank_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fsdp_ckpt")
     _fasta(tmp / "g.fa")
+    _model_config(tmp)
     spawn_local(_train_rank, 4, args=(_overrides(tmp, "four", 2, 2, "dp_cp", 1, **{"train.export_hf": True}),))
     return tmp
 

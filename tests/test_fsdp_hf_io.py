@@ -1,7 +1,8 @@
-"""Sharded loading of a Hugging Face checkpoint: a model built on the meta device and sharded by FSDP2 over 4
-gloo ranks, then filled from safetensors, reads only each rank's rows of every tensor (counted at
-``safe_open``) and holds exactly the one-process weights (bitwise, gathered); the FSDP export (every rank
-gathers, rank 0 writes) is the one-process export, file for file."""
+"""Sharded loading of a Hugging Face checkpoint: a model (glm5-flash-tiny's first 4 layers, every kind once:
+``conftest.glm5_tiny4``) built on the meta device and sharded by FSDP2 over 4 gloo ranks, then filled from
+safetensors, reads only each rank's rows of every tensor (counted at ``safe_open``) and holds exactly the
+one-process weights (bitwise, gathered); the FSDP export (every rank gathers, rank 0 writes) is the one-process
+export, file for file."""
 
 from __future__ import annotations
 
@@ -12,16 +13,16 @@ import torch
 import torch.distributed.tensor  # noqa: F401  (imported once here, not in each fork)
 from safetensors.torch import load_file
 
+from conftest import glm5_tiny4
 from megaseq.models.build import build_model
 from megaseq.models.hf_io import export_hf_checkpoint
-from megaseq.models.presets import get_preset
 from megaseq.parallel.launch import spawn_local
 
 RANKS = 4
 
 
 def _reference() -> torch.nn.Module:
-    return build_model(get_preset("glm5-flash-tiny"), dtype=torch.float32, seed=3)
+    return build_model(glm5_tiny4(), dtype=torch.float32, seed=3)
 
 
 def _counting_safe_open(log: list[int]):
@@ -88,7 +89,7 @@ def _load_rank(rank: int, src: str, out: str, fsdp: str, cp: int, broken: bool =
     cfg = build_config(overrides={"parallel.dp": RANKS // cp, "parallel.cp": cp, "parallel.fsdp": fsdp,
                                   "parallel.backend": "gloo", "data.seq_len": 16, "train.device": "cpu"})
     env = DistributedEnv(cfg)
-    spec = get_preset("glm5-flash-tiny")
+    spec = glm5_tiny4()
     model = build_model(spec, dtype=torch.float32, device="meta")
     parallelize(model, MemorySettings(), env)
     model.to_empty(device="cpu")
@@ -112,7 +113,7 @@ def _load_rank(rank: int, src: str, out: str, fsdp: str, cp: int, broken: bool =
 
 @pytest.mark.parametrize("fsdp, cp", [("dp", 1), ("dp_cp", 2), ("dp", 2)])
 def test_each_rank_reads_only_its_rows_and_the_export_is_the_one_process_one(tmp_path, fsdp, cp):
-    src = export_hf_checkpoint(_reference(), get_preset("glm5-flash-tiny"), tmp_path / "src", max_shard_bytes=200_000)
+    src = export_hf_checkpoint(_reference(), glm5_tiny4(), tmp_path / "src", max_shard_bytes=200_000)
     spawn_local(_load_rank, RANKS, args=(str(src), str(tmp_path / "out"), fsdp, cp))
     files = sorted(p.name for p in src.iterdir())
     assert files == sorted(p.name for p in (tmp_path / "out").iterdir())
@@ -125,7 +126,7 @@ def test_each_rank_reads_only_its_rows_and_the_export_is_the_one_process_one(tmp
 
 
 def test_a_loader_reading_whole_tensors_is_caught(tmp_path):
-    src = export_hf_checkpoint(_reference(), get_preset("glm5-flash-tiny"), tmp_path / "src", max_shard_bytes=200_000)
+    src = export_hf_checkpoint(_reference(), glm5_tiny4(), tmp_path / "src", max_shard_bytes=200_000)
     with pytest.raises(Exception, match="assert .* <= sum\\(read\\) <="):
         spawn_local(_load_rank, RANKS, args=(str(src), str(tmp_path / "out"), "dp", 1, True))
 
@@ -143,7 +144,7 @@ def _nonfinite_rank(rank: int, src: str, out: str) -> None:
     cfg = build_config(overrides={"parallel.dp": RANKS, "parallel.fsdp": "dp", "parallel.backend": "gloo",
                                   "data.seq_len": 16, "train.device": "cpu"})
     env = DistributedEnv(cfg)
-    spec = get_preset("glm5-flash-tiny")
+    spec = glm5_tiny4()
     model = build_model(spec, dtype=torch.float32, device="meta")
     parallelize(model, MemorySettings(), env)
     model.to_empty(device="cpu")
@@ -163,6 +164,6 @@ def _nonfinite_rank(rank: int, src: str, out: str) -> None:
 
 
 def test_a_nonfinite_shard_on_one_rank_stops_the_export_and_the_checkpoint_on_every_rank(tmp_path):
-    src = export_hf_checkpoint(_reference(), get_preset("glm5-flash-tiny"), tmp_path / "src", max_shard_bytes=200_000)
+    src = export_hf_checkpoint(_reference(), glm5_tiny4(), tmp_path / "src", max_shard_bytes=200_000)
     spawn_local(_nonfinite_rank, RANKS, args=(str(src), str(tmp_path / "out")))
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").rglob("*")), "something was written"

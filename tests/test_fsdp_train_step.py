@@ -63,13 +63,13 @@ class RecordingAdamW(torch.optim.AdamW):
         return clip_grad_norm_(params, max_norm)
 
 
-def run_steps(model, env, memory: MemorySettings, cfg) -> tuple[list[float], list[dict], dict]:
+def run_steps(model, env, memory: MemorySettings, cfg, steps: int = STEPS) -> tuple[list[float], list[dict], dict]:
     from megaseq.train.trainer import train_step
 
     opt = RecordingAdamW(model)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     losses = []
-    for step in range(STEPS):
+    for step in range(steps):
         full, per_dp = global_batch(step), NUM_SEQS // env.dp_size
         mine = {k: v[env.dp_rank * per_dp:(env.dp_rank + 1) * per_dp] for k, v in full.items()}
         batch = env.shard_batch(mine if env.reads_data else None, memory.model_segment_tokens)
@@ -127,14 +127,16 @@ def _rank(rank: int, dp: int, cp: int, fsdp: str, segment: int, broken: str, ref
 
         model_segments.SegmentContext.collect = _collect_without_cache_grads(model_segments.SegmentContext.collect)
     runs = _count_segmented_runs()
-    losses, grads, params = run_steps(model, env, memory, cfg)
-    assert len(runs) == (STEPS if segment else 0)  # the micro-batch really ran in segments
+    steps = 1 if broken else STEPS  # a broken variant must already fail on the first step's gradients
+    losses, grads, params = run_steps(model, env, memory, cfg, steps)
+    assert len(runs) == (steps if segment else 0)  # the micro-batch really ran in segments
     ref_losses, ref_grads, ref_params = ref
-    for k in range(STEPS):
+    for k in range(steps):
         assert abs(losses[k] - ref_losses[k]) < 1e-12 * abs(ref_losses[k]), (k, losses[k], ref_losses[k])
         assert grads[k].keys() == ref_grads[k].keys()
         for n, g in grads[k].items():
             torch.testing.assert_close(g, ref_grads[k][n], **TOL, msg=lambda m, n=n, k=k: f"step {k} grad {n}: {m}")
+    assert steps == STEPS, "the broken variant was not caught"
     for n, p in params.items():
         torch.testing.assert_close(p, ref_params[n], **TOL, msg=lambda m, n=n: f"{n}: {m}")
     env.shutdown()
@@ -150,12 +152,15 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.mark.parametrize("dp, cp, fsdp, segment", [
-    (2, 1, "dp", 0),  # 2 ranks
-    (2, 1, "dp", 12),  # segments of 12, 12 and 8 tokens
+    (2, 1, "dp", 12),  # 2 ranks, segments of 12, 12 and 8 tokens
     (1, 2, "dp_cp", 8),
     (2, 2, "dp", 0),  # 4 ranks: HSDP (sharded over dp, replicated over cp)
-    (1, 4, "dp_cp", 16),
-    # the rest under `make test-all` (-m slow): 4 more CPU ranks each, minutes on a 2-core CI machine
+    # the rest under `make test-all` (-m slow), 2 to 8 ranks on a 2-core CI machine. The default run keeps
+    # the plain step sharded over dp in HSDP (above: 4 ranks, FSDP over dp), cp 4 without FSDP
+    # (test_parallel_train_step, test_parallel_dsa), fully sharded dp x cp over 4 ranks with qwen3-moe-tiny
+    # (below) and fully sharded with segments under cp with cp 2 (above)
+    pytest.param(2, 1, "dp", 0, marks=pytest.mark.slow),
+    pytest.param(1, 4, "dp_cp", 16, marks=pytest.mark.slow),
     pytest.param(2, 2, "dp", 8, marks=pytest.mark.slow),
     pytest.param(8, 1, "dp", 8, marks=pytest.mark.slow),  # 8 ranks
     pytest.param(4, 2, "dp", 0, marks=pytest.mark.slow),

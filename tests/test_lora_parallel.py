@@ -1,7 +1,8 @@
 """LoRA under context parallelism: two gloo ranks, each holding half of every sequence (Ulysses for the
 attention, KDA and gather-KV MLA mixers, Ring-DTP for the loss), give every adapter parameter the gradient
 of the one-process merged model (float64, 1e-10) once the gradients are summed; frozen parameters get none.
-With and without memory schemes on top (tiling, recompute, the chunked loss)."""
+With and without memory schemes on top (tiling, recompute, the chunked loss). glm5: glm5-flash-tiny's first 4
+layers, every kind once (``conftest.glm5_tiny4``)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ import pytest
 import torch
 import torch.distributed.tensor  # noqa: F401  assert_close imports it lazily: once here, not in each fork
 
+from conftest import glm5_tiny4
 from lora_helpers import adapted_model, assert_grads, merged_reference, settings
 from megaseq.config import MemorySettings, build_config
-from megaseq.models.glm5.spec import glm5_flash_tiny
 from megaseq.models.qwen3_moe.spec import qwen3_moe_tiny
 from megaseq.parallel.env import DistributedEnv
 from megaseq.parallel.launch import spawn_local
@@ -19,7 +20,7 @@ from megaseq.parallel.mesh import complete_batch
 
 S = 32
 TRAIN = "*.post_attention_layernorm.weight"
-SPECS = {"glm5": lambda: glm5_flash_tiny().replace(index_topk=32), "qwen3_moe": qwen3_moe_tiny}
+SPECS = {"glm5": lambda: glm5_tiny4().replace(index_topk=32), "qwen3_moe": qwen3_moe_tiny}
 MEMORY = {"plain": MemorySettings(),
           "schemes": MemorySettings(tiled_mlp=True, mlp_tile_tokens=7, recompute=True, chunked_loss=True,
                                     loss_chunk_tokens=5)}

@@ -1,7 +1,8 @@
 """bf16 weights with fp32 master state (``memory.master_adam.MasterAdamW``): a step equals torch's AdamW run on
 an fp32 copy and cast to bf16, bit for bit on the CPU; so does each rank's shard under FSDP2 (2 gloo ranks,
-glm5-flash-tiny in bf16, its router and KDA decay kept fp32 and whole) and OffloadStreamAdamW's update of the
-same shards. Gradients of several backward passes are summed in fp32, not in bf16."""
+glm5-flash-tiny in bf16, cut to its first 4 layers, every kind once: ``conftest.glm5_tiny4``; its router and KDA
+decay kept fp32 and whole) and OffloadStreamAdamW's update of the same shards. Gradients of several backward
+passes are summed in fp32, not in bf16."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 import torch.distributed.tensor  # noqa: F401  (imported once here, not in each fork)
 
+from conftest import glm5_tiny4
 from megaseq.memory.master_adam import MasterAdamW, clip_grad_norm_
 from megaseq.memory.offload_adam import OffloadStreamAdamW
 from megaseq.parallel.launch import spawn_local
@@ -116,7 +118,6 @@ def test_reduce_dtype_is_the_setting_or_the_weights_when_wider():
 def _bf16_rank(rank: int, which: str, out: str) -> None:
     from megaseq.config import MemorySettings, build_config
     from megaseq.models.build import build_model
-    from megaseq.models.presets import get_preset
     from megaseq.models.registry import parallelize
     from megaseq.parallel.env import DistributedEnv
     from megaseq.parallel.mesh import complete_batch
@@ -124,8 +125,8 @@ def _bf16_rank(rank: int, which: str, out: str) -> None:
     torch.set_num_threads(1)
     cfg = build_config(overrides={"parallel.dp": 2, "parallel.fsdp": "dp", "parallel.backend": "gloo",
                                   "data.seq_len": 16, "train.device": "cpu"})
-    env = DistributedEnv(cfg)
-    model = build_model(get_preset("glm5-flash-tiny"), dtype=BF16, seed=0)
+    env = DistributedEnv(cfg, spec=glm5_tiny4())
+    model = build_model(glm5_tiny4(), dtype=BF16, seed=0)
     start = {n: p.detach().float().clone() for n, p in model.named_parameters()}
     applied = parallelize(model, MemorySettings(), env)
     assert any(p.dtype == torch.float32 for p in applied.sharded.replicated)  # the router: fp32, whole
@@ -203,11 +204,10 @@ def test_fsdp_shards_of_bf16_weights_step_as_the_fp32_master_cast(which, tmp_pat
     """On 2 ranks each shard's step is the fp32 update cast; their sharded checkpoint (DCP: weights, fp32
     masters, moments as DTensors) then loads in one process (resharded) with those masters bit for bit."""
     from megaseq.models.build import build_model
-    from megaseq.models.presets import get_preset
     from megaseq.train import checkpoint as ckpt
 
     spawn_local(_bf16_rank, 2, args=(which, str(tmp_path)))
-    model = build_model(get_preset("glm5-flash-tiny"), dtype=BF16, seed=1)  # other weights: all overwritten
+    model = build_model(glm5_tiny4(), dtype=BF16, seed=1)  # other weights: all overwritten
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = (MasterAdamW(trainable, **HYPER, weight_decay=0.1, foreach=False) if which == "master"
            else OffloadStreamAdamW(trainable, **HYPER, weight_decay=0.1, overlap=False))

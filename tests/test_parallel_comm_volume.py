@@ -67,8 +67,9 @@ def traced(by_key: dict[tuple[str, str, str], int], scope: str, op: str | None =
                if s == scope and op in (None, o) and direction in (None, d))
 
 
-def check_against_planner(by_key: dict, name: str, B: int, S: int, P: int) -> None:
-    spec = get_preset(name)
+def check_against_planner(by_key: dict, name: str, B: int, S: int, P: int, spec=None) -> None:
+    """``spec``: the model's, where it is not the preset ``name``'s."""
+    spec = spec or get_preset(name)
     mesh = PlanMesh(cp=P)
     vol = comm_volume(spec, S, mesh, batch=B, prec=FP32)
     n = B * S // P  # tokens per rank

@@ -1,13 +1,14 @@
 """The planner's expert-parallel traffic against the bytes a traced multi-process step sends, to the byte.
 
-One training step (forward + backward) of glm5-flash-tiny runs over ep (x cp) gloo processes in float32;
-every collective of ``parallel.expert`` adds the bytes leaving its rank to ``ulysses.COMM_BYTES`` under
-its MoE layer's name (and the context-parallel ones under their layer kind). The routing each rank's
-router chose in each MoE layer is recorded, gathered, and handed to ``plan.expert.chunk_counts`` /
-``layer_bytes``, which re-derive the chunks and the LLEP plans and must give every (layer, collective,
-direction) its traced bytes exactly. The routing is skewed towards expert 0 so that LLEP spills and
-expert weights travel (and their gradients come back). With cp the context-parallel scopes must still
-equal ``plan.flops.comm_volume`` (``test_parallel_comm_volume.check_against_planner``).
+One training step (forward + backward) of glm5-flash-tiny (its first 4 layers, every kind once, 3 of them MoE:
+``conftest.glm5_tiny4``; the 8-layer preset's cp traffic is test_parallel_comm_volume's) runs over ep (x cp)
+gloo processes in float32; every collective of ``parallel.expert`` adds the bytes leaving its rank to
+``ulysses.COMM_BYTES`` under its MoE layer's name (and the context-parallel ones under their layer kind). The
+routing each rank's router chose in each MoE layer is recorded, gathered, and handed to
+``plan.expert.chunk_counts`` / ``layer_bytes``, which re-derive the chunks and the LLEP plans and must give
+every (layer, collective, direction) its traced bytes exactly. The routing is skewed towards expert 0 so that
+LLEP spills and expert weights travel (and their gradients come back). With cp the context-parallel scopes
+must still equal ``plan.flops.comm_volume`` (``test_parallel_comm_volume.check_against_planner``).
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from conftest import glm5_tiny4
 from megaseq.config import MemorySettings, build_config
 from megaseq.models.build import build_model
-from megaseq.models.presets import get_preset
 from megaseq.models.registry import parallelize
 from megaseq.parallel import ulysses
 from megaseq.parallel.env import DistributedEnv
@@ -54,7 +55,7 @@ def _rank(rank: int, cases: list[tuple[int, int, str, int]]) -> None:
 
 def _case(ep: int, cp: int, mode: str, S: int) -> DistributedEnv:
     torch.set_num_threads(1)
-    spec = get_preset(NAME)
+    spec = glm5_tiny4()
     cfg = build_config(overrides={"parallel.ep": ep, "parallel.cp": cp, "parallel.backend": "gloo", "data.seq_len": S,
                                   "parallel.loss_parallel": "ring_dtp", "parallel.ep_dispatch": mode,
                                   "train.device": "cpu", **EP_FLAGS})
@@ -91,7 +92,7 @@ def _case(ep: int, cp: int, mode: str, S: int) -> DistributedEnv:
     dist.all_gather_object(flags, moved)
     assert (sum(flags) > 0) == (mode != "plain"), flags  # LLEP moved expert weights somewhere
     if cp > 1:
-        check_against_planner({k: v for k, v in traced.items() if k[0] not in routing}, NAME, 1, S, cp)
+        check_against_planner({k: v for k, v in traced.items() if k[0] not in routing}, NAME, 1, S, cp, spec)
     else:
         assert {k[0] for k in traced} == set(routing)  # nothing else moved
     return env

@@ -1,6 +1,7 @@
-"""A whole training step of glm5-flash-tiny (KDA + DSA + mHC + MoE) with expert parallelism, float64, gloo:
-loss, every gradient and every parameter after one clipped AdamW step equal the one-process step on the
-whole global batch, for ep 2 and 4, ep x cp and ep with dp.
+"""A whole training step of glm5-flash-tiny (KDA + DSA + mHC + MoE; its first 4 layers, every kind once:
+``conftest.glm5_tiny4``) with expert parallelism, float64, gloo: loss, every gradient and every parameter
+after one clipped AdamW step equal the one-process step on the whole global batch, for ep 2 and 4, ep x cp
+and ep with dp.
 
 The experts are sharded and the dispatch installed by the family's ``parallelize`` (``env.shard_moe``);
 each of the dp x ep ranks reads its own window of the lambda phage genome (shipped with megaseq), so the
@@ -19,11 +20,10 @@ import torch.distributed as dist
 import torch.distributed.tensor  # noqa: F401  assert_close imports it lazily: once here, not in each fork
 from torch.distributed.tensor import DTensor
 
-from conftest import torch_threads
+from conftest import glm5_tiny4, torch_threads
 from megaseq.config import MemorySettings, OptimConfig, build_config
 from megaseq.data.fasta import default_genome_path, read_fasta
 from megaseq.models.build import build_model
-from megaseq.models.presets import get_preset
 from megaseq.models.registry import parallelize
 from megaseq.parallel.env import DistributedEnv
 from megaseq.parallel.launch import spawn_local
@@ -46,7 +46,7 @@ def global_batch(num_seqs: int) -> dict[str, torch.Tensor]:
 
 def make_model(skew: bool) -> torch.nn.Module:
     torch.manual_seed(0)
-    model = build_model(get_preset("glm5-flash-tiny"), dtype=torch.float64, seed=0)
+    model = build_model(glm5_tiny4(), dtype=torch.float64, seed=0)
     if skew:
         for layer, kind in zip(model.layers, model.spec.mlp_types):
             if kind == "moe":
@@ -97,7 +97,7 @@ def _case(dp: int, ep: int, cp: int, mode: str, skew: bool, memory: dict, ref: t
     cfg = build_config(overrides={"parallel.dp": dp, "parallel.ep": ep, "parallel.cp": cp, "parallel.backend": "gloo",
                                   "parallel.loss_parallel": "ring_dtp", "parallel.ep_dispatch": mode,
                                   "data.seq_len": S, "train.device": "cpu", **EP_FLAGS})
-    env = DistributedEnv(cfg)
+    env = DistributedEnv(cfg, spec=glm5_tiny4())
     model = make_model(skew)
     settings = MemorySettings(**memory)
     parallelize(model, settings, env)

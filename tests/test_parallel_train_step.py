@@ -1,4 +1,5 @@
-"""A whole training step of glm5-flash-tiny (KDA + DSA + mHC + MoE) over dp x cp gloo processes:
+"""A whole training step of glm5-flash-tiny (KDA + DSA + mHC + MoE; its first 4 layers, every kind once:
+``conftest.glm5_tiny4``) over dp x cp gloo processes:
 loss, and every parameter after one clipped AdamW step, equal the one-process step on the whole batch.
 
 The reference is computed once in the parent (float64) and handed to the forked ranks. The global
@@ -12,10 +13,9 @@ import pytest
 import torch
 import torch.distributed.tensor  # noqa: F401  assert_close imports it lazily: once here, not in each fork
 
-from conftest import torch_threads
+from conftest import glm5_tiny4, torch_threads
 from megaseq.config import OptimConfig, build_config
 from megaseq.models.build import build_model
-from megaseq.models.presets import get_preset
 from megaseq.parallel.env import DistributedEnv
 from megaseq.parallel.launch import spawn_local
 from megaseq.parallel.mesh import complete_batch
@@ -68,7 +68,7 @@ def reference_step(num_seqs: int) -> tuple[float, dict, dict]:
     from megaseq.ops.cross_entropy import plain_linear_cross_entropy
 
     torch.manual_seed(0)
-    model = build_model(get_preset("glm5-flash-tiny"), dtype=torch.float64, seed=0)
+    model = build_model(glm5_tiny4(), dtype=torch.float64, seed=0)
     opt = adamw(model)
     batch = global_batch(num_seqs)
     hidden = model(batch["input_ids"], doc_ids=batch["doc_ids"])
@@ -86,10 +86,10 @@ def _rank_step(rank: int, dp: int, cp: int, loss_parallel: str, ref_loss: float,
     cfg = build_config(overrides={"parallel.dp": dp, "parallel.cp": cp, "parallel.backend": "gloo",
                                   "parallel.loss_parallel": loss_parallel, "data.seq_len": S,
                                   "train.device": "cpu"})
-    env = DistributedEnv(cfg)
+    env = DistributedEnv(cfg, spec=glm5_tiny4())
     assert env.uses_ring_dtp() == (cp > 1 and loss_parallel == "ring_dtp")
     torch.manual_seed(0)
-    model = build_model(get_preset("glm5-flash-tiny"), dtype=torch.float64, seed=0)
+    model = build_model(glm5_tiny4(), dtype=torch.float64, seed=0)
     opt = adamw(model)
     full, per_dp = global_batch(NUM_SEQS), NUM_SEQS // dp
     mine = {k: v[env.dp_rank * per_dp:(env.dp_rank + 1) * per_dp] for k, v in full.items()}

@@ -39,8 +39,9 @@ def _losses(run_dir: Path) -> list[float]:
 
 
 def test_overfits_one_sequence(tmp_path):
-    """One fixed 128-base sequence (the only window of a 129-base record): loss falls >= 80% in 50 steps."""
-    result = run_training(_cfg(tmp_path, "r", train={"steps": 50}))
+    """One fixed 128-base sequence (the only window of a 129-base record): loss falls >= 80% in 30 steps
+    (to about 10% of the first on the CPU: the same bound as in 50 steps, with margin)."""
+    result = run_training(_cfg(tmp_path, "r", train={"steps": 30}))
     first, best = result.losses[0], min(result.losses)
     assert best <= 0.2 * first, f"loss {first:.3f} -> {best:.3f}"
 
