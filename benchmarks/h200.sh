@@ -134,16 +134,21 @@ print('planned longest, bf16 weights:', longest_length(get_preset('glm5-flash-1g
     timeout 420 python3 benchmarks/lora_h200.py --lengths 128K --steps 1 --out "$OUT/lora_128k" 2>&1 | tail -30
     NOTAR=1
     ;;
-  lora2)  # (issue 17) the first 4 layers at the 48-layer planned longest (576K before the fix) with the fixes the
-      # planner picks for all 48 there; and where its memory goes (the 22% left unexplained on 2026-12-01)
+  lora2)  # (issue 17) SDPA per KV head (session 8): the GPU tests of its memory, the first 4 layers at 128K by phase
+      # (planned 21.88 GiB; 24.28 measured in one call, session 7), then at the 48-layer planned longest (608K)
+      # with the fixes the planner picks for all 48 there, and where that step's memory goes
+    timeout 120 python3 -m pytest -q -m gpu tests/test_attention.py 2>&1 | tail -8
     python3 benchmarks/truncated_config.py recipes/qwen3-30b-a3b/config.json 4 /tmp/q4
-    FIX=$(python3 -m megaseq plan recipes/qwen3-30b-a3b-lora.yaml --seq-len 576K --json 2>/dev/null | python3 -c "
+    timeout 90 python3 benchmarks/memory_phases.py recipes/qwen3-30b-a3b-lora.yaml 128K --model.name /tmp/q4/config.json \
+      --memory.auto false --memory.chunked_loss true --memory.tiled_mlp true --memory.mlp_tile_tokens 8K \
+      --memory.recompute true --out "$OUT/memory_phases_q4_lora_128k.json" 2>&1 | tail -12
+    FIX=$(python3 -m megaseq plan recipes/qwen3-30b-a3b-lora.yaml --seq-len 608K --json 2>/dev/null | python3 -c "
 import json, sys; m = json.load(sys.stdin)['memory']
 print(' '.join(f'memory.{k}={str(v).lower() if isinstance(v, bool) else v}' for k, v in m.items()))")
-    timeout 300 python3 benchmarks/lora_h200.py --layers 4 --lengths 576K --steps 1 --out "$OUT/lora_q4_576k" \
+    timeout 240 python3 benchmarks/lora_h200.py --layers 4 --lengths 608K --steps 1 --out "$OUT/lora_q4_608k" \
       memory.auto=false $FIX 2>&1 | tail -25
-    timeout 200 python3 benchmarks/memory_census.py recipes/qwen3-30b-a3b-lora.yaml 576K --model.name /tmp/q4/config.json \
-      --memory.auto false $(echo $FIX | sed 's/memory\./--memory./g; s/=/ /g') --out "$OUT/census_q4_lora_576k.json" \
+    timeout 150 python3 benchmarks/memory_census.py recipes/qwen3-30b-a3b-lora.yaml 608K --model.name /tmp/q4/config.json \
+      --memory.auto false $(echo $FIX | sed 's/memory\./--memory./g; s/=/ /g') --out "$OUT/census_q4_lora_608k.json" \
       > /dev/null 2>&1
     NOTAR=1
     ;;

@@ -126,3 +126,65 @@ def test_float32_grouped_attention_at_64k_runs_without_the_score_matrix() -> Non
     assert torch.cuda.max_memory_allocated() - base < 4 * 2**30
     ref = attention_sdpa(q.bfloat16(), k.bfloat16(), v.bfloat16(), None, 32**-0.5)
     torch.testing.assert_close(out, ref.float(), rtol=5e-2, atol=5e-2)
+
+
+@pytest.mark.parametrize("doc_ids", [None, DOCS])
+def test_sdpa_per_kv_head_equals_one_call(doc_ids, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With GQA, attention_sdpa makes one SDPA call per KV head (``sdpa_head_groups``: flash's backward then
+    holds one group's per-head dk/dv and dq accumulator at a time): the output and the gradients of q, k, v
+    are those of the one call. Pairing each group's queries with the next KV head fails."""
+    import megaseq.models.common.attention as attn
+
+    assert attn.sdpa_head_groups(8, 2) == 2 and attn.sdpa_head_groups(8, 8) == 1 and attn.sdpa_head_groups(8, 1) == 1
+    q, k, v = (t.requires_grad_() for t in _qkv(2, 11, 8, 2, 16, torch.float32, seed=6))
+    g_out = torch.randn(2, 11, 8, 16, generator=torch.Generator().manual_seed(7))
+
+    def run():
+        out = attention_sdpa(q, k, v, doc_ids, 0.25)
+        return (out, *torch.autograd.grad(out, (q, k, v), g_out))
+
+    grouped = run()
+    monkeypatch.setattr(attn, "sdpa_head_groups", lambda h, kv: 1)
+    one_call = run()
+    for a, b in zip(grouped, one_call):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    monkeypatch.undo()
+    sdpa, calls, heads = attn._sdpa_causal, [], k.split(1, dim=2)
+
+    def next_heads(q_g, k_g, v_g, *a):  # group g reads KV head g + 1
+        calls.append(1)
+        return sdpa(q_g, heads[len(calls) % len(heads)], v_g, *a)
+
+    monkeypatch.setattr(attn, "_sdpa_causal", next_heads)
+    assert not torch.allclose(run()[0], one_call[0], atol=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("groups", [1, 4])
+def test_sdpa_backward_memory_is_the_planned_temporaries(groups, monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 SDPA backward at Qwen3-30B-A3B's heads (32 query heads on 4 KV heads, D 128), 64K tokens: the peak
+    above what exists before it (the inputs, the output, its gradient) is ``plan.layers.attention_temp``
+    within 10%, in one call (flash's dk_expanded / dv_expanded and dq accumulator for every head) and per KV
+    head (``sdpa_head_groups``)."""
+    import megaseq.models.common.attention as attn
+    import megaseq.plan.layers as plan_layers
+    from megaseq.plan.components import Mesh, precision_for
+    from megaseq.plan.layers import attention_temp
+
+    for module in (attn, plan_layers):
+        monkeypatch.setattr(module, "sdpa_head_groups", lambda h, kv: groups if 1 < kv < h else 1)
+    spec = get_preset("qwen3-moe-tiny").replace(num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                                                 hidden_size=2048)
+    n = 65536
+    q, k, v = (t.requires_grad_() for t in _qkv(1, n, 32, 4, 128, torch.bfloat16, device="cuda", seed=8))
+    out = attention_sdpa(q, k, v, None, 128**-0.5)
+    g = torch.randn_like(out)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out.backward(g)
+    torch.cuda.synchronize()
+    measured = torch.cuda.max_memory_allocated() - base
+    planned = attention_temp(spec, n, precision_for("bf16"), True, Mesh())
+    assert abs(measured / planned - 1) < 0.10, (groups, measured / 2**30, planned / 2**30)

@@ -111,9 +111,26 @@ def saved_bytes(module, x, autocast: bool, skip_params: bool = False) -> int:
         return t
 
     cm = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), cm:
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), cm, kv_heads_as_on_cuda():
         module(x, SeqContext())
     return sum(seen.values())
+
+
+@contextlib.contextmanager
+def kv_heads_as_on_cuda():
+    """SDPA's key/value heads chosen as on CUDA (the planner's device): float32 GQA repeats them
+    (``attention.kv_for_sdpa``), which on the CPU it does not."""
+    import torch
+
+    from megaseq.models.common import attention
+
+    orig = attention.kv_for_sdpa
+    attention.kv_for_sdpa = lambda q, k, v, repeat=None: orig(
+        q, k, v, q.dtype == torch.float32 if repeat is None else repeat)
+    try:
+        yield
+    finally:
+        attention.kv_for_sdpa = orig
 
 
 def uncounted(op: str, block: str):

@@ -17,7 +17,11 @@ from __future__ import annotations
 from dataclasses import replace
 
 from megaseq.models.spec import ModelSpec
-from megaseq.ops.workspace import absorbed_bytes, indexer_scoring_bytes  # noqa: F401  (the ops' own formulas)
+from megaseq.ops.workspace import (  # noqa: F401  (the ops' own formulas)
+    absorbed_bytes,
+    indexer_scoring_bytes,
+    sdpa_head_groups,
+)
 from megaseq.plan.components import CAL, Calibration, Mesh, Precision, linear_inputs, norm_saved
 
 Trains = frozenset[str] | None
@@ -252,9 +256,7 @@ def attention_saved(spec: ModelSpec, n: int, xb: int, prec: Precision, mesh: Mes
     is a view of SDPA's kept output)."""
     H, Hq, Hkv = spec.hidden_size, spec.num_attention_heads, spec.num_key_value_heads
     D, c, f = spec.head_dim or H // Hq, prec.compute, prec.f32
-    rep = 1
-    if mesh.cp > 1 and Hkv % mesh.cp:
-        rep = next(r for r in range(1, Hq // Hkv + 1) if (Hq // Hkv) % r == 0 and (Hkv * r) % mesh.cp == 0)
+    kv = sdpa_kv_heads(spec, prec, mesh)
     kept = f if spec.norm_zero_centered else (0 if prec.frozen_norms else c)
     norms = (f + kept) * (Hq + Hkv) * D if spec.qk_norm else 0
     if spec.qk_norm and spec.attn_output_gate and c == f:  # no cast: q_norm keeps a view of q_proj's [q | gate]
@@ -267,11 +269,13 @@ def attention_saved(spec: ModelSpec, n: int, xb: int, prec: Precision, mesh: Mes
     out = {
         "attention projections' inputs": n * _inputs(H, qkv, xb, prec, trains),
         "attention q/k norms + rope": n * (norms + 2 * q_bytes * rot),
-        "attention q,k,v,o + lse": n * (c * (2 * Hq + 2 * Hkv * rep) * D + f * Hq),
+        "attention q,k,v,o + lse": n * (c * (2 * Hq + 2 * kv) * D + f * Hq),
         "attention o_proj input": n * c * Hq * D * _if("self_attn.o_proj", trains),
     }
     if spec.attn_output_gate:  # o is a view of SDPA's output (kept above); the product is o_proj's input
         out["attention output gate (sigmoid)"] = n * c * Hq * D
+        if sdpa_groups(spec, mesh) > 1:  # per KV head, o is the calls' concatenation: a copy, kept by the gate
+            out["attention heads' concatenation"] = n * c * Hq * D
     return out
 
 
@@ -374,14 +378,47 @@ def gdn_temp(spec: ModelSpec, n: int, prec: Precision, backward: bool, cal: Cali
     return int(n * (cal.kda_bwd_temp_fd * f * D + cal.kda_bwd_temp_cd * c * D + (2 * c + f) * states))
 
 
-def attention_temp(spec: ModelSpec, n: int, prec: Precision, backward: bool) -> int:
+def kv_heads(spec: ModelSpec, mesh: Mesh) -> int:
+    """The attention's KV heads, summed over the cp ranks: the model's, repeated for Ulysses when cp does
+    not divide them (``attention.kv_repeats``)."""
+    Hq, Hkv = spec.num_attention_heads, spec.num_key_value_heads
+    rep = 1
+    if mesh.cp > 1 and Hkv % mesh.cp:
+        rep = next(r for r in range(1, Hq // Hkv + 1) if (Hq // Hkv) % r == 0 and (Hkv * r) % mesh.cp == 0)
+    return Hkv * rep
+
+
+def sdpa_groups(spec: ModelSpec, mesh: Mesh) -> int:
+    """SDPA calls per attention layer on one rank (``attention.sdpa_head_groups`` of its heads)."""
+    Hq, kv = spec.num_attention_heads, kv_heads(spec, mesh)
+    return sdpa_head_groups(Hq // mesh.cp, kv // mesh.cp) if Hq % mesh.cp == 0 and kv % mesh.cp == 0 else 1
+
+
+def sdpa_kv_heads(spec: ModelSpec, prec: Precision, mesh: Mesh) -> int:
+    """KV heads of the k and v SDPA keeps (``models/common/attention.py``): ``kv_heads``, or in float32 the
+    query heads (``kv_for_sdpa``: on CUDA float32 GQA has only the math kernel, so KV heads are repeated)."""
+    return spec.num_attention_heads if prec.compute == 4 else kv_heads(spec, mesh)
+
+
+def attention_temp(spec: ModelSpec, n: int, prec: Precision, backward: bool, mesh: Mesh | None = None) -> int:
     """Flash/cuDNN SDPA temporaries: forward the fp32 q/k after RoPE before their bf16 casts; backward
-    dq, dk, dv and the fp32 dq accumulator."""
+    dq, dk, dv and the fp32 dq accumulator, and with fewer KV heads than query heads the per-query-head dk and
+    dv summed into dk, dv (flash's ``dk_expanded``, ``dv_expanded``; in float32 the repeated heads'
+    gradients): ``2 c Hq D`` per token for all heads at once, the gap between the plan and an H200's
+    backward peak for Qwen3-30B-A3B in session 7 (2 GiB of 2.4 at 128K). SDPA runs per KV head
+    (``attention.sdpa_head_groups``: G calls): then one call's share of those (``(2c + f) Hq D / G``) beside
+    the gradients of q, k, v finished so far, or the query gradient's concatenation (``2 c Hq D``)."""
     H, Hq, Hkv = spec.hidden_size, spec.num_attention_heads, spec.num_key_value_heads
     D, c, f = spec.head_dim or H // Hq, prec.compute, prec.f32
     if not backward:
         return n * f * (Hq + Hkv) * D
-    return n * (c * (Hq + 2 * Hkv) * D + f * Hq * D)
+    mesh = mesh or Mesh()
+    kv, G = kv_heads(spec, mesh), sdpa_groups(spec, mesh)
+    grads = c * (Hq + 2 * kv) * D  # dq, dk, dv
+    per_call = (f + (2 * c if kv < Hq else 0)) * Hq * D // G  # the dq accumulator, dk and dv per query head
+    if G == 1:
+        return n * (grads + per_call)
+    return n * max(grads + per_call, 2 * c * Hq * D + 2 * c * kv * D)
 
 
 # ---- MLP and MoE -------------------------------------------------------------------------------------

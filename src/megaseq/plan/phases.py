@@ -155,7 +155,7 @@ def _mixer(run: Run, i: int, xb: int) -> tuple[dict[str, int], int, int]:
         return (
             layers.attention_saved(spec, n, xb, prec, mesh, trains),
             layers.attention_temp(spec, n, prec, False) + comm,
-            layers.attention_temp(spec, n, prec, True) + comm,
+            layers.attention_temp(spec, n, prec, True, mesh) + comm,
         )
     if kind == "mla":
         return (

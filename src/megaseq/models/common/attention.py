@@ -37,6 +37,7 @@ from megaseq.models.common.context import SeqContext, doc_spans, positions_from_
 from megaseq.models.common.norm import make_norm
 from megaseq.models.spec import ModelSpec
 from megaseq.ops import dispatch
+from megaseq.ops.workspace import sdpa_head_groups
 
 # score elements one block of queries may hold in the reference (x Hq): bounds its memory at long S
 REFERENCE_BLOCK_ELEMS = 1 << 22
@@ -109,14 +110,24 @@ def attention_sdpa(q_BSHD: torch.Tensor, k_BSKD: torch.Tensor, v_BSKD: torch.Ten
     if Dv < q_BSHD.shape[-1]:
         v_pad = F.pad(v_BSKD, (0, q_BSHD.shape[-1] - Dv))
         return attention_sdpa(q_BSHD, k_BSKD, v_pad, doc_ids_BS, scale)[..., :Dv]
-    B, S = q_BSHD.shape[:2]
+    spans = None if doc_ids_BS is None else doc_spans(doc_ids_BS, q_BSHD.shape[1])
+    groups = sdpa_head_groups(q_BSHD.shape[2], k_BSKD.shape[2])
+    if groups > 1:  # one call per KV head and its query heads: see sdpa_head_groups
+        qs, ks, vs = (t.split(t.shape[2] // groups, dim=2) for t in (q_BSHD, k_BSKD, v_BSKD))
+        return torch.cat([_sdpa_causal(*g, spans, scale) for g in zip(qs, ks, vs)], dim=2)
+    return _sdpa_causal(q_BSHD, k_BSKD, v_BSKD, spans, scale)
+
+
+def _sdpa_causal(q_BSHD: torch.Tensor, k_BSKD: torch.Tensor, v_BSKD: torch.Tensor,
+                 doc_spans_B: list | None, scale: float) -> torch.Tensor:
+    """One SDPA call per batch row and document (``doc_spans_B``; None: causal over whole rows)."""
     q, k, v = (t.transpose(1, 2) for t in (q_BSHD, k_BSKD, v_BSKD))
     k, v = kv_for_sdpa(q, k, v)
-    if doc_ids_BS is None:
+    if doc_spans_B is None:
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
         return o.transpose(1, 2)
     rows = []
-    for b, spans in enumerate(doc_spans(doc_ids_BS, S)):
+    for b, spans in enumerate(doc_spans_B):
         qb, kb, vb = q[b:b + 1], k[b:b + 1], v[b:b + 1]
         docs = [F.scaled_dot_product_attention(qb[:, :, s0:s1], kb[:, :, s0:s1], vb[:, :, s0:s1],
                                                is_causal=True, scale=scale, enable_gqa=True)
