@@ -130,12 +130,12 @@ def test_float32_grouped_attention_at_64k_runs_without_the_score_matrix() -> Non
 
 @pytest.mark.parametrize("doc_ids", [None, DOCS])
 def test_sdpa_per_kv_head_equals_one_call(doc_ids, monkeypatch: pytest.MonkeyPatch) -> None:
-    """With GQA, attention_sdpa makes one SDPA call per KV head (``sdpa_head_groups``: flash's backward then
-    holds one group's per-head dk/dv and dq accumulator at a time): the output and the gradients of q, k, v
-    are those of the one call. Pairing each group's queries with the next KV head fails."""
+    """With GQA, attention_sdpa makes one SDPA call per group of query heads (``sdpa_head_groups``: 4 here, 2
+    per KV head; flash's backward then holds one group's per-head dk/dv and dq accumulator at a time): the
+    output and the gradients of q, k, v are those of one call. Pairing a group with the other KV head fails."""
     import megaseq.models.common.attention as attn
 
-    assert attn.sdpa_head_groups(8, 2) == 2 and attn.sdpa_head_groups(8, 8) == 1 and attn.sdpa_head_groups(8, 1) == 1
+    assert [attn.sdpa_head_groups(*h) for h in ((8, 2), (8, 8), (8, 1), (32, 4), (12, 1), (6, 2))] == [4, 1, 4, 4, 4, 2]
     q, k, v = (t.requires_grad_() for t in _qkv(2, 11, 8, 2, 16, torch.float32, seed=6))
     g_out = torch.randn(2, 11, 8, 16, generator=torch.Generator().manual_seed(7))
 
@@ -149,11 +149,10 @@ def test_sdpa_per_kv_head_equals_one_call(doc_ids, monkeypatch: pytest.MonkeyPat
     for a, b in zip(grouped, one_call):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
     monkeypatch.undo()
-    sdpa, calls, heads = attn._sdpa_causal, [], k.split(1, dim=2)
+    sdpa, heads = attn._sdpa_causal, k.split(1, dim=2)
 
-    def next_heads(q_g, k_g, v_g, *a):  # group g reads KV head g + 1
-        calls.append(1)
-        return sdpa(q_g, heads[len(calls) % len(heads)], v_g, *a)
+    def next_heads(q_g, k_g, v_g, *a):  # each group reads the other KV head
+        return sdpa(q_g, heads[1] if k_g.data_ptr() == heads[0].data_ptr() else heads[0], v_g, *a)
 
     monkeypatch.setattr(attn, "_sdpa_causal", next_heads)
     assert not torch.allclose(run()[0], one_call[0], atol=1e-3)

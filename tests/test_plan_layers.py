@@ -205,7 +205,8 @@ def test_saved_set_matches_blocks(name, seq, autocast, block, kda_uncounted, mon
         dense, experts, _ = run.counts.layers[i]  # autocast also saves bf16 casts of the weights
         copies = C.weight_copy_bytes(dense + experts, run.prec, run.mesh)
         predicted = terms.saved - terms.attn.get("kda chunk state (q,k,v,g,A)", 0) + copies
-        measured = saved_bytes(layer, h, autocast)
+        # the parameters' own storages left out: the planner counts them as state (autocast's casts as copies)
+        measured = saved_bytes(layer, h, autocast, skip_params=True)
         assert abs(predicted / measured - 1) < 0.05, (i, spec.layer_types[i], predicted / seq, measured / seq)
 
 

@@ -10,14 +10,21 @@ from __future__ import annotations
 
 # ---- op attention (models/common/attention.py: attention_sdpa) -------------------------------------
 def sdpa_head_groups(num_heads: int, num_kv_heads: int) -> int:
-    """SDPA calls ``attention_sdpa`` makes (per batch row and document): one per KV head when there are several
-    and fewer than the query heads (GQA), else one. Flash's backward with GQA allocates a per-query-head dk
-    and dv (``dk_expanded``, ``dv_expanded``: 2 x the query's bytes) and a float32 dq accumulator (2 x again)
-    for every head at once; per KV head, the G calls' backwards run one after another and each holds 1/G of
-    them, at the cost of the output's concatenation (a copy, which is also ``o_proj``'s input) and of the
-    query gradient's (the split's backward). For Qwen3-30B-A3B (32 query heads on 4 KV heads) at 512K: 12 GiB
-    less at the backward peak (``plan.layers.attention_temp``). Each head's output is computed as in one call."""
-    return num_kv_heads if 1 < num_kv_heads < num_heads else 1
+    """SDPA calls ``attention_sdpa`` makes (per batch row and document), each on ``num_heads / calls`` query
+    heads and the KV head they read: with fewer KV heads than query heads (GQA, MQA) one call per KV head,
+    and the query heads of each KV head split in halves while there are fewer than 4 calls (a rank's one KV
+    head under Ulysses); else one call. Flash's backward with GQA allocates a per-query-head dk and dv
+    (``dk_expanded``, ``dv_expanded``: 2 x the query's bytes) and a float32 dq accumulator (2 x again) for
+    every head of the call; the calls' backwards run one after another, so each holds only its share, at the
+    cost of the output's concatenation (a copy, which is also ``o_proj``'s input) and the query gradient's
+    (the split's backward). For Qwen3-30B-A3B (32 query heads on 4 KV heads) at 512K: 12 GiB less at the
+    backward peak (``plan.layers.attention_temp``). Each head's output is computed as in one call."""
+    if num_kv_heads >= num_heads:
+        return 1
+    per_kv, split = num_heads // num_kv_heads, 1
+    while num_kv_heads * split < 4 and per_kv % (2 * split) == 0:
+        split *= 2
+    return num_kv_heads * split
 
 
 # ---- op indexer_topk (ops/indexer_scoring.py): one scoring chunk ------------------------------------

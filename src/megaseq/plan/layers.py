@@ -274,7 +274,7 @@ def attention_saved(spec: ModelSpec, n: int, xb: int, prec: Precision, mesh: Mes
     }
     if spec.attn_output_gate:  # o is a view of SDPA's output (kept above); the product is o_proj's input
         out["attention output gate (sigmoid)"] = n * c * Hq * D
-        if sdpa_groups(spec, mesh) > 1:  # per KV head, o is the calls' concatenation: a copy, kept by the gate
+        if sdpa_groups(spec, mesh)[0] > 1:  # o is the calls' concatenation: a copy, kept by the gate
             out["attention heads' concatenation"] = n * c * Hq * D
     return out
 
@@ -388,37 +388,42 @@ def kv_heads(spec: ModelSpec, mesh: Mesh) -> int:
     return Hkv * rep
 
 
-def sdpa_groups(spec: ModelSpec, mesh: Mesh) -> int:
-    """SDPA calls per attention layer on one rank (``attention.sdpa_head_groups`` of its heads)."""
-    Hq, kv = spec.num_attention_heads, kv_heads(spec, mesh)
-    return sdpa_head_groups(Hq // mesh.cp, kv // mesh.cp) if Hq % mesh.cp == 0 and kv % mesh.cp == 0 else 1
+def sdpa_groups(spec: ModelSpec, mesh: Mesh) -> tuple[int, bool]:
+    """``(calls, gqa)``: SDPA calls per attention layer on one rank (``attention.sdpa_head_groups`` of its
+    heads) and whether a call's query heads outnumber its KV heads (flash then expands dk/dv per query head;
+    float32 repeats the KV heads, ``kv_for_sdpa``)."""
+    Hq, kv = spec.num_attention_heads // mesh.cp, max(1, kv_heads(spec, mesh) // mesh.cp)
+    calls = sdpa_head_groups(Hq, kv)
+    return calls, Hq // calls > (1 if calls > 1 else kv)
 
 
 def sdpa_kv_heads(spec: ModelSpec, prec: Precision, mesh: Mesh) -> int:
-    """KV heads of the k and v SDPA keeps (``models/common/attention.py``): ``kv_heads``, or in float32 the
-    query heads (``kv_for_sdpa``: on CUDA float32 GQA has only the math kernel, so KV heads are repeated)."""
-    return spec.num_attention_heads if prec.compute == 4 else kv_heads(spec, mesh)
+    """KV heads of the k and v SDPA keeps, summed over the cp ranks: ``kv_heads``, or in float32 with GQA
+    within a call the query heads (``kv_for_sdpa``: on CUDA float32 GQA has only the math kernel, so the KV
+    heads are repeated)."""
+    return spec.num_attention_heads if prec.compute == 4 and sdpa_groups(spec, mesh)[1] else kv_heads(spec, mesh)
 
 
 def attention_temp(spec: ModelSpec, n: int, prec: Precision, backward: bool, mesh: Mesh | None = None) -> int:
     """Flash/cuDNN SDPA temporaries: forward the fp32 q/k after RoPE before their bf16 casts; backward
-    dq, dk, dv and the fp32 dq accumulator, and with fewer KV heads than query heads the per-query-head dk and
-    dv summed into dk, dv (flash's ``dk_expanded``, ``dv_expanded``; in float32 the repeated heads'
-    gradients): ``2 c Hq D`` per token for all heads at once, the gap between the plan and an H200's
-    backward peak for Qwen3-30B-A3B in session 7 (2 GiB of 2.4 at 128K). SDPA runs per KV head
-    (``attention.sdpa_head_groups``: G calls): then one call's share of those (``(2c + f) Hq D / G``) beside
-    the gradients of q, k, v finished so far, or the query gradient's concatenation (``2 c Hq D``)."""
+    dq, dk, dv, the fp32 dq accumulator and, with fewer KV heads than query heads in a call, the per-query-head
+    dk and dv summed into dk, dv (flash's ``dk_expanded``, ``dv_expanded``; in float32 the repeated heads'
+    gradients): ``2 c Hq D`` per token in one call, the gap between the plan and an H200's backward peak for
+    Qwen3-30B-A3B in session 7 (2.0 GiB of 2.4 at 128K). SDPA runs in G calls (``attention.sdpa_head_groups``)
+    one after another: each call's backward holds its share (``(f + 2c) Hq D / G``) beside the gradients of
+    q, k, v finished so far, then the query gradient is concatenated (``2 c (Hq + Hkv) D``)."""
     H, Hq, Hkv = spec.hidden_size, spec.num_attention_heads, spec.num_key_value_heads
     D, c, f = spec.head_dim or H // Hq, prec.compute, prec.f32
     if not backward:
         return n * f * (Hq + Hkv) * D
     mesh = mesh or Mesh()
-    kv, G = kv_heads(spec, mesh), sdpa_groups(spec, mesh)
+    kv = kv_heads(spec, mesh)
+    calls, gqa = sdpa_groups(spec, mesh)
     grads = c * (Hq + 2 * kv) * D  # dq, dk, dv
-    per_call = (f + (2 * c if kv < Hq else 0)) * Hq * D // G  # the dq accumulator, dk and dv per query head
-    if G == 1:
+    per_call = (f + (2 * c if gqa else 0)) * Hq * D // calls  # the dq accumulator, dk and dv per query head
+    if calls == 1:
         return n * (grads + per_call)
-    return n * max(grads + per_call, 2 * c * Hq * D + 2 * c * kv * D)
+    return n * max(grads + per_call, 2 * c * (Hq + kv) * D)
 
 
 # ---- MLP and MoE -------------------------------------------------------------------------------------

@@ -111,10 +111,13 @@ def attention_sdpa(q_BSHD: torch.Tensor, k_BSKD: torch.Tensor, v_BSKD: torch.Ten
         v_pad = F.pad(v_BSKD, (0, q_BSHD.shape[-1] - Dv))
         return attention_sdpa(q_BSHD, k_BSKD, v_pad, doc_ids_BS, scale)[..., :Dv]
     spans = None if doc_ids_BS is None else doc_spans(doc_ids_BS, q_BSHD.shape[1])
-    groups = sdpa_head_groups(q_BSHD.shape[2], k_BSKD.shape[2])
-    if groups > 1:  # one call per KV head and its query heads: see sdpa_head_groups
-        qs, ks, vs = (t.split(t.shape[2] // groups, dim=2) for t in (q_BSHD, k_BSKD, v_BSKD))
-        return torch.cat([_sdpa_causal(*g, spans, scale) for g in zip(qs, ks, vs)], dim=2)
+    Hq, Hkv = q_BSHD.shape[2], k_BSKD.shape[2]
+    calls = sdpa_head_groups(Hq, Hkv)
+    if calls > 1:  # query heads in groups, each with the KV head it reads: see sdpa_head_groups
+        qs, ks, vs = q_BSHD.split(Hq // calls, dim=2), k_BSKD.split(1, dim=2), v_BSKD.split(1, dim=2)
+        per_kv = calls // Hkv  # calls per KV head
+        return torch.cat([_sdpa_causal(q, ks[j // per_kv], vs[j // per_kv], spans, scale)
+                          for j, q in enumerate(qs)], dim=2)
     return _sdpa_causal(q_BSHD, k_BSKD, v_BSKD, spans, scale)
 
 
