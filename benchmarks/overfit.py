@@ -52,7 +52,7 @@ def overfit(run_dir: Path, seq_len: int, steps: int, lr: float, target: float, o
                        "seq_len": seq_len, "related": 0, "reverse_complement": False}
         raw["train"] = {**raw["train"], "steps": steps, "run_dir": f"{tmp}/run", "eval_after": False,
                         "eval_every": 0, "export_hf": False, "resume": False, "overwrite": False, "save_every": 0,
-                        "batch_size": 1, "grad_accum": 1}
+                        "batch_size": 1, "grad_accum": 1, "time_limit": ""}
         raw["optim"] = {**raw["optim"], "lr": lr, "warmup_steps": 2, "min_lr_ratio": 1.0, "weight_decay": 0.0}
         raw["model"] = {**raw["model"], "init_from": str(run_dir / "hf") if (run_dir / "hf").is_dir() else None}
         raw["log"] = {**raw.get("log", {}), "tensorboard": False}
