@@ -13,7 +13,7 @@
 #   call  the whole experiment in ONE device call (a lent machine is released 30 s after a call, so runs/ does
 #      not survive to the next): stage 1 for T1 seconds (train.time_limit), stage 2 for T2 seconds (its own
 #      end-of-run report: the held-out genomes with relatives and alone, before = stage 1's model, EVAL_WINDOWS
-#      per genome), then stage 4 (20 overfit steps); outputs copied to $OUT as each part ends, the stage-2
+#      per genome), then stage 4 (30 overfit steps); outputs copied to $OUT as each part ends, the stage-2
 #      bf16 HF export too, split into 15 MiB parts (cat hf.part* | tar x) for a later call to carry
 #   short  stage 1 alone in one call (T1 seconds of steps, STEPS1 its schedule), evaluated at 16K by the run
 #      itself, then the log-prob check at 16K, 128K and 256K on its weights
@@ -33,7 +33,7 @@ S1=(--data.seq_len 16K --train.batch_size 16 --train.steps 600 --train.save_ever
 S2=(--train.steps 150 --train.save_every 25 --train.eval_every 50)
 BUCKET=32K
 S4_LOGPROB=(--lengths 128K,256K)
-S4_OVERFIT=(--seq-len 128K --steps 30)
+S4_OVERFIT=(--seq-len 128K --steps 30 --period 256 --lr 1e-3)  # as calibrated on the CPU (overfit.py)
 T1D=150; T2D=110; EWD=4  # the call's budgets (seconds of steps) and evaluation windows per held-out genome
 CALL1=(--train.steps 400 --train.save_every 0 --train.eval_every 0)   # the budget, not the steps, ends them
 CALL2=(--train.steps 50 --train.save_every 0 --train.eval_every 0)
@@ -115,7 +115,7 @@ stage() {
       timeout $(left 65) $PY benchmarks/logprob_trained.py $LONG \
         "${S4_LOGPROB[@]}" --out $L/logprob_trained 2>&1 | grep -v "Loading weights"; pack
       timeout $(left) $PY benchmarks/overfit.py $LONG "${S4_OVERFIT[@]}" \
-        --steps 20 --out $L/overfit 2>&1 | grep -v "^step "; pack
+        --out $L/overfit 2>&1 | grep -v "^step "; pack
       ;;
     short)  # stage 1 alone in one call: T1 seconds of steps, its own evaluation at 16K (held-out genomes after
       # 3 training relatives' homologous 4K regions, and alone), then the trained-weights log-prob check
