@@ -214,6 +214,24 @@ def test_time_limit_stops_after_the_step_that_fits_and_resume_finishes_the_run(t
     np.testing.assert_allclose(first.losses + rest.losses, full.losses, rtol=0, atol=1e-12)
 
 
+def test_time_limit_leaves_the_first_step_out_of_the_estimate_once_another_ran(monkeypatch):
+    """A first step of 30 s (compiling) and warm steps of 10 s under a 65 s limit: the run takes 4 steps (60 s),
+    not the 2 that the first step's 30 s as the estimate would allow; with one step run, it is the estimate."""
+    from megaseq.train import trainer
+
+    clock = {"t": 0.0}
+    monkeypatch.setattr(trainer.time, "perf_counter", lambda: clock["t"])
+    limit = trainer.TimeLimit(65, None)
+    stops = []
+    for step_s in (30, 10, 10, 10, 10):
+        clock["t"] += step_s
+        stops.append(limit.spent(step_s))
+    assert stops == [False, False, False, True, True]
+    alone = trainer.TimeLimit(55, None)
+    clock["t"] += 30
+    assert alone.spent(30)  # 30 s spent + 30 s for the next > 55 s
+
+
 @pytest.mark.parametrize("bad", ["-5", "ten minutes", "5d", "nan"])
 def test_time_limit_that_is_not_a_duration_is_refused(bad):
     with pytest.raises(ValueError, match="train.time_limit expects a duration"):

@@ -511,19 +511,25 @@ class _Loop:
 
 class TimeLimit:
     """``train.time_limit``: whether the next step would end past the budget (``limit`` seconds from the first
-    step), the longest step so far taken as its time; 0: no limit. The ranks agree (any rank out of time stops
-    all of them, so none waits in a collective for the others)."""
+    step), the longest step so far taken as its time, the run's first step left out once another has run (it
+    compiles, autotunes and warms the allocator: often several times a warm step); 0: no limit. The ranks
+    agree (any rank out of time stops all of them, so none waits in a collective for the others)."""
 
     def __init__(self, limit: float, env: Any) -> None:
         self.limit, self.env = limit, env
         self.t0 = time.perf_counter()
-        self.longest = 0.0
+        self.first: float | None = None
+        self.longest = 0.0  # of the steps after the first
 
     def spent(self, step_s: float) -> bool:
         if not self.limit:
             return False
-        self.longest = max(self.longest, step_s)
-        over = time.perf_counter() - self.t0 + self.longest > self.limit
+        if self.first is None:
+            self.first = step_s
+        else:
+            self.longest = max(self.longest, step_s)
+        next_s = self.longest if self.longest else self.first
+        over = time.perf_counter() - self.t0 + next_s > self.limit
         if getattr(self.env, "world_size", 1) > 1:
             over = bool(self.env.all_reduce_count(1 if over else 0))
         return over
