@@ -253,7 +253,7 @@ def attention_saved(spec: ModelSpec, n: int, xb: int, prec: Precision, mesh: Mes
     value), RoPE's cos/sin ``2 * q_bytes * rotated dims``, SDPA's q, k, v, o (bf16 casts) and log-sum-exp,
     and o_proj's input. KV heads repeated for Ulysses when cp does not divide them. Qwen3-Next's output
     gate (``attn_output_gate``): ``o * sigmoid(gate)`` keeps the sigmoid's output ``c * Hq * D`` (o itself
-    is a view of SDPA's kept output)."""
+    is a view of SDPA's kept output in one call; in several, their concatenation, a copy it also keeps)."""
     H, Hq, Hkv = spec.hidden_size, spec.num_attention_heads, spec.num_key_value_heads
     D, c, f = spec.head_dim or H // Hq, prec.compute, prec.f32
     kv = sdpa_kv_heads(spec, prec, mesh)
@@ -272,7 +272,7 @@ def attention_saved(spec: ModelSpec, n: int, xb: int, prec: Precision, mesh: Mes
         "attention q,k,v,o + lse": n * (c * (2 * Hq + 2 * kv) * D + f * Hq),
         "attention o_proj input": n * c * Hq * D * _if("self_attn.o_proj", trains),
     }
-    if spec.attn_output_gate:  # o is a view of SDPA's output (kept above); the product is o_proj's input
+    if spec.attn_output_gate:  # one call: o is a view of SDPA's output (kept above); the product is o_proj's input
         out["attention output gate (sigmoid)"] = n * c * Hq * D
         if sdpa_groups(spec, mesh)[0] > 1:  # o is the calls' concatenation: a copy, kept by the gate
             out["attention heads' concatenation"] = n * c * Hq * D

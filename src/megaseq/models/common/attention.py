@@ -104,8 +104,10 @@ def kv_for_sdpa(q_BHSD: torch.Tensor, k_BKSD: torch.Tensor, v_BKSD: torch.Tensor
 @dispatch.register("attention", "sdpa", supports=_sdpa_supports)
 def attention_sdpa(q_BSHD: torch.Tensor, k_BSKD: torch.Tensor, v_BSKD: torch.Tensor,
                    doc_ids_BS: torch.Tensor | None, scale: float) -> torch.Tensor:
-    """torch SDPA (flash / cuDNN / efficient on GPU), one causal call per document: no S x S mask. A value
-    head narrower than q/k's (MLA: Dv < Dn + Dr) is zero-padded to it and the output sliced back (exact)."""
+    """torch SDPA (flash / cuDNN / efficient on GPU), one causal call per document: no S x S mask. With fewer
+    KV heads than query heads, one call per group of query heads and the KV head they read
+    (``sdpa_head_groups``: the backward's per-head temporaries of one group at a time). A value head narrower
+    than q/k's (MLA: Dv < Dn + Dr) is zero-padded to it and the output sliced back (exact)."""
     Dv = v_BSKD.shape[-1]
     if Dv < q_BSHD.shape[-1]:
         v_pad = F.pad(v_BSKD, (0, q_BSHD.shape[-1] - Dv))
