@@ -2,7 +2,7 @@
 # The device calls prepared in session 8 (no GPU was lent then), in the order they should run on one H200,
 # each one 10-minute call (from the repo root with .whl/ and .data/ carried; results under $OUT):
 #   bash benchmarks/session8_plan.sh 1   issue 17: SDPA per KV head, its GPU memory tests, the 4-layer Qwen3-30B-A3B
-#                                        LoRA phases at 128K (planned 21.88 GiB) and the step at the planned 608K
+#                                        LoRA phases at 128K (planned 21.88 GiB) and the step at the planned 600K
 #   bash benchmarks/session8_plan.sh 2   issue 18: the long-context schedule with data.related_jitter 0.5 (the recipe's)
 #                                        and the overfit test as calibrated on the CPU (a 256-base region, lr 1e-3)
 #   bash benchmarks/session8_plan.sh 3   issue 13: the profile of a fast-kernels 32K step; glm5-flash-slice at 256K, warm

@@ -17,7 +17,7 @@ def sdpa_head_groups(num_heads: int, num_kv_heads: int) -> int:
     (``dk_expanded``, ``dv_expanded``: 2 x the query's bytes) and a float32 dq accumulator (2 x again) for
     every head of the call; the calls' backwards run one after another, so each holds only its share, at the
     cost of the output's concatenation (a copy, which is also ``o_proj``'s input) and the query gradient's
-    (the split's backward). For Qwen3-30B-A3B (32 query heads on 4 KV heads) at 512K: 12 GiB less at the
+    (the split's backward). For Qwen3-30B-A3B (32 query heads on 4 KV heads) at 512K: 11 GiB less at the
     backward peak (``plan.layers.attention_temp``). Each head's output is computed as in one call."""
     if num_kv_heads >= num_heads:
         return 1

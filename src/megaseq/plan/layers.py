@@ -410,8 +410,9 @@ def attention_temp(spec: ModelSpec, n: int, prec: Precision, backward: bool, mes
     dk and dv summed into dk, dv (flash's ``dk_expanded``, ``dv_expanded``; in float32 the repeated heads'
     gradients): ``2 c Hq D`` per token in one call, the gap between the plan and an H200's backward peak for
     Qwen3-30B-A3B in session 7 (2.0 GiB of 2.4 at 128K). SDPA runs in G calls (``attention.sdpa_head_groups``)
-    one after another: each call's backward holds its share (``(f + 2c) Hq D / G``) beside the gradients of
-    q, k, v finished so far, then the query gradient is concatenated (``2 c (Hq + Hkv) D``)."""
+    one after another: each call's backward holds its share (``(f + 2c) Hq D / G``, and a contiguous copy of
+    its output gradient, a slice of the concatenation's: ``c Hq D / G``) beside the gradients of q, k, v
+    finished so far, then the query gradient is concatenated (``2 c (Hq + Hkv) D``)."""
     H, Hq, Hkv = spec.hidden_size, spec.num_attention_heads, spec.num_key_value_heads
     D, c, f = spec.head_dim or H // Hq, prec.compute, prec.f32
     if not backward:
@@ -423,6 +424,8 @@ def attention_temp(spec: ModelSpec, n: int, prec: Precision, backward: bool, mes
     per_call = (f + (2 * c if gqa else 0)) * Hq * D // calls  # the dq accumulator, dk and dv per query head
     if calls == 1:
         return n * (grads + per_call)
+    # a call's output gradient is a slice of the concatenation's: flash's backward makes it contiguous
+    per_call += c * Hq * D // calls
     return n * max(grads + per_call, 2 * c * (Hq + kv) * D)
 
 
