@@ -9,6 +9,19 @@ from __future__ import annotations
 
 
 # ---- op attention (models/common/attention.py: attention_sdpa) -------------------------------------
+def kv_repeats(num_heads: int, num_kv_heads: int, cp_size: int) -> int:
+    """Smallest KV repeat that lets ``cp`` split the KV heads along the GQA groups (``models/common/attention.py``'s
+    module doc; the planner counts the repeated heads with it)."""
+    if num_heads % cp_size:
+        raise ValueError(f"context parallel size {cp_size} must divide num_attention_heads ({num_heads}); "
+                         "choose parallel.cp among the divisors of the head count")
+    group = num_heads // num_kv_heads
+    for rep in range(1, group + 1):
+        if group % rep == 0 and (num_kv_heads * rep) % cp_size == 0:
+            return rep
+    return group  # unreachable: rep = group gives Hq heads, divisible by cp
+
+
 def sdpa_head_groups(num_heads: int, num_kv_heads: int) -> int:
     """SDPA calls ``attention_sdpa`` makes (per batch row and document), each on ``num_heads / calls`` query
     heads and the KV head they read: with fewer KV heads than query heads (GQA, MQA) one call per KV head,

@@ -20,6 +20,7 @@ from megaseq.models.spec import ModelSpec
 from megaseq.ops.workspace import (  # noqa: F401  (the ops' own formulas)
     absorbed_bytes,
     indexer_scoring_bytes,
+    kv_repeats,
     sdpa_head_groups,
 )
 from megaseq.plan.components import CAL, Calibration, Mesh, Precision, linear_inputs, norm_saved
@@ -380,12 +381,9 @@ def gdn_temp(spec: ModelSpec, n: int, prec: Precision, backward: bool, cal: Cali
 
 def kv_heads(spec: ModelSpec, mesh: Mesh) -> int:
     """The attention's KV heads, summed over the cp ranks: the model's, repeated for Ulysses when cp does
-    not divide them (``attention.kv_repeats``)."""
+    not divide them (``kv_repeats``, as the block repeats them)."""
     Hq, Hkv = spec.num_attention_heads, spec.num_key_value_heads
-    rep = 1
-    if mesh.cp > 1 and Hkv % mesh.cp:
-        rep = next(r for r in range(1, Hq // Hkv + 1) if (Hq // Hkv) % r == 0 and (Hkv * r) % mesh.cp == 0)
-    return Hkv * rep
+    return Hkv * (kv_repeats(Hq, Hkv, mesh.cp) if mesh.cp > 1 and Hkv % mesh.cp else 1)
 
 
 def sdpa_groups(spec: ModelSpec, mesh: Mesh) -> tuple[int, bool]:

@@ -37,7 +37,7 @@ from megaseq.models.common.context import SeqContext, doc_spans, positions_from_
 from megaseq.models.common.norm import make_norm
 from megaseq.models.spec import ModelSpec
 from megaseq.ops import dispatch
-from megaseq.ops.workspace import sdpa_head_groups
+from megaseq.ops.workspace import kv_repeats, sdpa_head_groups  # noqa: F401  (kv_repeats: also mla.py's)
 
 # score elements one block of queries may hold in the reference (x Hq): bounds its memory at long S
 REFERENCE_BLOCK_ELEMS = 1 << 22
@@ -161,18 +161,6 @@ def positions_for(ctx: SeqContext, B: int, S_loc: int, device: torch.device) -> 
     if full is not None:
         return positions_from_doc_ids(full)[:, offset:offset + S_loc]
     return (torch.arange(S_loc, device=device) + offset).expand(B, S_loc)
-
-
-def kv_repeats(num_heads: int, num_kv_heads: int, cp_size: int) -> int:
-    """Smallest KV repeat that lets ``cp`` split the KV heads along the GQA groups (see module doc)."""
-    if num_heads % cp_size:
-        raise ValueError(f"context parallel size {cp_size} must divide num_attention_heads ({num_heads}); "
-                         "choose parallel.cp among the divisors of the head count")
-    group = num_heads // num_kv_heads
-    for rep in range(1, group + 1):
-        if group % rep == 0 and (num_kv_heads * rep) % cp_size == 0:
-            return rep
-    return group  # unreachable: rep = group gives Hq heads, divisible by cp
 
 
 # ---- module -------------------------------------------------------------------------------------
