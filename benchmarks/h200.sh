@@ -154,6 +154,43 @@ print(' '.join(f'memory.{k}={str(v).lower() if isinstance(v, bool) else v}' for 
       > /dev/null 2>&1
     NOTAR=1
     ;;
+  lora3)  # (issue 17) session 9: where the 4-layer 128K step's peak is (census; lora2 measured 24.28 GiB, the same
+      # as before SDPA per KV head), then the 4 layers' forward and backward at the 48-layer planned longest (600K)
+    python3 benchmarks/truncated_config.py recipes/qwen3-30b-a3b/config.json 4 /tmp/q4
+    timeout 130 python3 benchmarks/memory_census.py recipes/qwen3-30b-a3b-lora.yaml 128K --model.name /tmp/q4/config.json \
+      --memory.auto false --memory.chunked_loss true --memory.tiled_mlp true --memory.mlp_tile_tokens 8K \
+      --memory.recompute true --out "$OUT/census_q4_lora_128k.json" 2>&1 | tail -3
+    FIX=$(python3 -m megaseq plan recipes/qwen3-30b-a3b-lora.yaml --seq-len 600K --json 2>/dev/null | python3 -c "
+import json, sys; m = json.load(sys.stdin)['memory']
+print(' '.join(f'--memory.{k} {str(v).lower() if isinstance(v, bool) else v}' for k, v in m.items()))")
+    echo "$FIX"
+    timeout 260 python3 benchmarks/memory_phases.py recipes/qwen3-30b-a3b-lora.yaml 600K --model.name /tmp/q4/config.json \
+      --memory.auto false $FIX --out "$OUT/memory_phases_q4_lora_600k.json" 2>&1 | tail -12
+    NOTAR=1
+    ;;
+  lora4)  # (issue 17) session 9: the op that makes the 4-layer step's peak (memory_ops: every op's allocation) at
+      # 128K and 256K, the fixes of lora2's 128K row (measured 24.28 GiB, planned 21.88)
+    python3 benchmarks/truncated_config.py recipes/qwen3-30b-a3b/config.json 4 /tmp/q4
+    for S in 128K 256K; do
+      timeout 200 python3 benchmarks/memory_ops.py recipes/qwen3-30b-a3b-lora.yaml $S --model.name /tmp/q4/config.json \
+        --memory.auto false --memory.chunked_loss true --memory.tiled_mlp true --memory.mlp_tile_tokens 8K \
+        --memory.recompute true --out "$OUT/ops_q4_lora_$S.json" 2>&1 | tail -28
+    done
+    NOTAR=1
+    ;;
+  lora5)  # (issue 17) session 9, after the RMSNorm's backward in row chunks: the 4-layer step's ops at 128K (lora2's
+      # fixes; 24.28 GiB before) and at the 48-layer planned longest, 600K, with the fixes planned for it
+    python3 benchmarks/truncated_config.py recipes/qwen3-30b-a3b/config.json 4 /tmp/q4
+    timeout 120 python3 benchmarks/memory_ops.py recipes/qwen3-30b-a3b-lora.yaml 128K --model.name /tmp/q4/config.json \
+      --memory.auto false --memory.chunked_loss true --memory.tiled_mlp true --memory.mlp_tile_tokens 8K \
+      --memory.recompute true --out "$OUT/ops_q4_lora_128K.json" 2>&1 | tail -16
+    FIX=$(python3 -m megaseq plan recipes/qwen3-30b-a3b-lora.yaml --seq-len 600K --json 2>/dev/null | python3 -c "
+import json, sys; m = json.load(sys.stdin)['memory']
+print(' '.join(f'--memory.{k} {str(v).lower() if isinstance(v, bool) else v}' for k, v in m.items()))")
+    timeout 330 python3 benchmarks/memory_ops.py recipes/qwen3-30b-a3b-lora.yaml 600K --model.name /tmp/q4/config.json \
+      --memory.auto false $FIX --out "$OUT/ops_q4_lora_600K.json" 2>&1 | tail -16
+    NOTAR=1
+    ;;
   fsdp8)  # (nvidia-h200-x8) FSDP2 over 8 GPUs, bf16 weights: glm5-flash-slice (the full model's layer shapes)
       # at 64K, dp_cp over dp 2 x cp 4; metrics.jsonl holds each step's measured and planned peak
     timeout 500 torchrun --nproc-per-node 8 -m megaseq train recipes/glm5-flash-slice.yaml --train.steps 3 \

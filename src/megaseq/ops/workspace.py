@@ -40,6 +40,27 @@ def sdpa_head_groups(num_heads: int, num_kv_heads: int) -> int:
     return num_kv_heads * split
 
 
+# ---- op rms_norm (models/common/norm.py: rms_norm_torch) -------------------------------------------
+NORM_BACKWARD_ELEMENTS: int = 1 << 24  # rows of one backward chunk: at most this many elements
+
+
+def norm_backward_rows(width: int) -> int:
+    """Rows of ``[R, width]`` one chunk of ``rms_norm_torch``'s backward takes: its float32 temporaries
+    (about five chunk-sized tensors) stay near ``5 * 4 * NORM_BACKWARD_ELEMENTS`` bytes (320 MiB)
+    whatever the length."""
+    return max(1, NORM_BACKWARD_ELEMENTS // max(width, 1))
+
+
+def norm_backward_temp(rows: int, width: int, out_bytes: int) -> int:
+    """Peak bytes of ``rms_norm_torch``'s backward beyond its saved tensors and the incoming gradient: the
+    input's gradient ``rows * width * out_bytes`` (a whole tensor, filled chunk by chunk) and one chunk's
+    float32 temporaries (the normalised value, its bf16 cast, the weighted gradient, its float32 copy,
+    their product, the float32 input gradient: ``(5 * 4 + 2) * chunk``), and the weight's float32 partial
+    sum."""
+    chunk = min(rows, norm_backward_rows(width)) * width
+    return rows * width * out_bytes + 22 * chunk + 8 * width
+
+
 # ---- op indexer_topk (ops/indexer_scoring.py): one scoring chunk ------------------------------------
 SCORING_BUDGET_BYTES: int = 2 << 30  # the reference system's bound on one scoring chunk
 

@@ -17,6 +17,7 @@ from megaseq.ops import (
     dispatch,
     triton_rms_norm,  # noqa: F401  (registers the fused kernel, opt-in)
 )
+from megaseq.ops.workspace import norm_backward_rows
 
 
 @dispatch.register("rms_norm", "torch", reference=True)
@@ -28,6 +29,60 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     variance = x32.pow(2).mean(-1, keepdim=True)
     x32 = x32 * torch.rsqrt(variance + eps)
     return weight * x32.to(input_dtype)
+
+
+class _RMSNormChunkedBackward(torch.autograd.Function):
+    """``rms_norm_reference``'s forward, op for op (so the output is bitwise the same), and the same saved
+    tensors (the float32 input, the per-row ``rstd``, the normalised value's cast where the weight trains),
+    but a backward in row chunks of ``ops.workspace.norm_backward_rows``. Autograd's backward of the
+    reference makes five float32 copies of the whole input at once: for Qwen3-30B-A3B's q norm (32 heads of
+    128) at 128K that is 10 GiB above the saved set, the peak of its whole step (issue 17). Here the chunk's
+    temporaries are bounded (``ops.workspace.norm_backward_temp``); the gradient is the same formula:
+    ``dx = rstd * (dxhat - xhat * mean(dxhat * xhat))``, ``dxhat = (g * w).float()``."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        x32 = x.to(torch.float32)
+        rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+        normed = (x32 * rstd).to(x.dtype)
+        y = weight * normed
+        ctx.x_dtype = x.dtype
+        ctx.save_for_backward(x32, rstd, weight, normed if ctx.needs_input_grad[1] else None)
+        return y
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        x32, rstd, weight, normed = ctx.saved_tensors
+        need_x, need_w = ctx.needs_input_grad[:2]
+        H = x32.shape[-1]
+        x_RH, r_R1, g_RH = x32.reshape(-1, H), rstd.reshape(-1, 1), g.reshape(-1, H)
+        n_RH = normed.reshape(-1, H) if normed is not None else None
+        gx = torch.empty(x_RH.shape, dtype=ctx.x_dtype, device=x32.device) if need_x else None
+        acc = torch.promote_types(g.dtype, torch.float32)
+        gw = torch.zeros(H, dtype=acc, device=x32.device) if need_w else None
+        step = norm_backward_rows(H)
+        for s in range(0, x_RH.shape[0], step):
+            xs, rs, gs = x_RH[s:s + step], r_R1[s:s + step], g_RH[s:s + step]
+            if need_w:  # weight * normed: autograd's product in the output dtype, summed over the rows
+                gw += (gs * n_RH[s:s + step]).sum(0, dtype=acc)
+            if need_x:
+                dxhat = (gs * weight).to(ctx.x_dtype).to(torch.float32)  # autograd casts to normed's dtype
+                xhat = xs * rs
+                dx = rs * (dxhat - xhat * (dxhat * xhat).mean(-1, keepdim=True))
+                gx[s:s + step] = dx  # cast to the input dtype (the reference's x.to(float32) backward)
+                del dxhat, xhat, dx
+        return (gx.view(x32.shape) if need_x else None,
+                gw.to(weight.dtype).view(weight.shape) if need_w else None, None)
+
+
+@dispatch.register("rms_norm", "torch_chunked")
+def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Op ``rms_norm`` by default on every device: the reference's numerics with a backward in row chunks
+    (``_RMSNormChunkedBackward``). Float64 (the parity tests' dtype) and no-grad calls run the reference:
+    its backward rounds the float32 statistics' gradient in autograd's order, bitwise HF's."""
+    if x.dtype == torch.float64 or not torch.is_grad_enabled() or not (x.requires_grad or weight.requires_grad):
+        return rms_norm_reference(x, weight, eps)
+    return _RMSNormChunkedBackward.apply(x, weight, eps)
 
 
 class RMSNorm(nn.Module):
