@@ -260,9 +260,15 @@ def layer_terms(run: Run, i: int) -> LayerTerms:
     mlp, mlp_fwd, mlp_bwd = _mlp(run, i, xb, tile)
     if tr is not None and tr.lora_rows_mlp[i]:
         mlp["LoRA intermediates (mlp)"] = tile * tr.lora_rows_mlp[i] * c
-    # backward: the gradient of the sublayer's output and of its input (accumulated in fp32)
-    grad_attn = n * H * (c + f)
-    grad_mlp = n * H * ((c if spec.mlp_types[i] == "dense" else xb) + f)
+    # backward: the gradient of the sublayer's input (in its dtype, xb: the norm's output; a tiled MLP's
+    # replay fills one such buffer) and of its output where that is a tensor of its own: a cast of the
+    # stream's gradient (a bf16 output added to an fp32 stream) or mHC's merge backward (N > 1); with a
+    # plain residual in the output's dtype it is the stream's gradient itself, counted in ``agrad``. Measured
+    # on an H200 (LoRA, bf16 stream, session 9): counting an fp32 input gradient and the output's again put
+    # the plan 4.6 GiB over a tiled MoE's backward at 600K.
+    y_mlp = c if spec.mlp_types[i] == "dense" else xb
+    grad_attn = n * H * (xb + (c if (c != s or N > 1) else 0))
+    grad_mlp = n * H * (xb + (y_mlp if (y_mlp != s or N > 1) else 0))
     if tiled:  # the tiles run without a graph: their weights' bf16 copies live only inside backward
         tile_saved = sum(mlp.values())
         mlp_params = sum(C.mlp_params(spec, spec.mlp_types[i])) if tr is None else tr.mlp[i]
