@@ -406,11 +406,13 @@ def attention_temp(spec: ModelSpec, n: int, prec: Precision, backward: bool, mes
     """Flash/cuDNN SDPA temporaries: forward the fp32 q/k after RoPE before their bf16 casts; backward
     dq, dk, dv, the fp32 dq accumulator and, with fewer KV heads than query heads in a call, the per-query-head
     dk and dv summed into dk, dv (flash's ``dk_expanded``, ``dv_expanded``; in float32 the repeated heads'
-    gradients): ``2 c Hq D`` per token in one call, the gap between the plan and an H200's backward peak for
-    Qwen3-30B-A3B in session 7 (2.0 GiB of 2.4 at 128K). SDPA runs in G calls (``attention.sdpa_head_groups``)
-    one after another: each call's backward holds its share (``(f + 2c) Hq D / G``, and a contiguous copy of
-    its output gradient, a slice of the concatenation's: ``c Hq D / G``) beside the gradients of q, k, v
-    finished so far, then the query gradient is concatenated (``2 c (Hq + Hkv) D``)."""
+    gradients). SDPA runs in G calls (``attention.sdpa_head_groups``) one after another: each call's backward
+    holds its share (``(f + 2c) Hq D / G``, and a contiguous copy of its output gradient, a slice of the
+    concatenation's: ``c Hq D / G``) beside the gradients of q, k, v finished so far, then the query gradient
+    is concatenated (``2 c (Hq + Hkv) D``). Measured by op on an H200 (session 9, Qwen3-30B-A3B LoRA, 600K,
+    cuDNN): each call allocated its dq, dk, dv and two float32 buffers of its q (``2 f Hq D / G``): in bf16
+    the same bytes as the share above. (Session 7's 2.4 GiB gap, once put down to ``dk_expanded``, was the
+    RMSNorm's backward: ``models/common/norm.py``.)"""
     H, Hq, Hkv = spec.hidden_size, spec.num_attention_heads, spec.num_key_value_heads
     D, c, f = spec.head_dim or H // Hq, prec.compute, prec.f32
     if not backward:

@@ -67,12 +67,16 @@ class _RMSNormChunkedBackward(torch.autograd.Function):
                 gw += (gs * n_RH[s:s + step]).sum(0, dtype=acc)
             if need_x:
                 dxhat = (gs * weight).to(ctx.x_dtype).to(torch.float32)  # autograd casts to normed's dtype
-                xhat = xs * rs
-                dx = rs * (dxhat - xhat * (dxhat * xhat).mean(-1, keepdim=True))
-                gx[s:s + step] = dx  # cast to the input dtype (the reference's x.to(float32) backward)
-                del dxhat, xhat, dx
+                gx[s:s + step] = _input_grad(xs, rs, dxhat)  # cast to x's dtype (x.to(float32)'s backward)
+                del dxhat
         return (gx.view(x32.shape) if need_x else None,
                 gw.to(weight.dtype).view(weight.shape) if need_w else None, None)
+
+
+def _input_grad(x32: torch.Tensor, rstd: torch.Tensor, dxhat: torch.Tensor) -> torch.Tensor:
+    """The float32 input's gradient through ``xhat = x * rstd``, ``rstd = rsqrt(mean(x^2) + eps)``."""
+    xhat = x32 * rstd
+    return rstd * (dxhat - xhat * (dxhat * xhat).mean(-1, keepdim=True))
 
 
 @dispatch.register("rms_norm", "torch_chunked")
