@@ -39,7 +39,8 @@ sys.path.insert(0, str(ROOT / "src"))
 from megaseq.config import build_config, parse_size  # noqa: E402
 
 
-def overfit(run_dir: Path, seq_len: int, steps: int, lr: float, target: float, out: Path, period: int = 256) -> dict:
+def overfit(run_dir: Path, seq_len: int, steps: int, lr: float, target: float, out: Path, period: int = 256,
+            start: int | None = None) -> dict:
     from megaseq.data.fasta import load_dna_split
     from megaseq.train.trainer import run_training
 
@@ -47,7 +48,7 @@ def overfit(run_dir: Path, seq_len: int, steps: int, lr: float, target: float, o
     cfg0 = build_config(raw)
     split = load_dna_split(cfg0.data)
     rec = max(next(iter(split.heldout.values()), None) or split.train, key=len)
-    start = (len(rec) - seq_len - 1) // 2
+    start = (len(rec) - seq_len - 1) // 2 if start is None else start
     piece = rec.tokens[start:start + (period or seq_len + 1)].tolist()
     piece = (piece * (-(-(seq_len + 1) // len(piece))))[:seq_len + 1]
     bases = "".join("ACGTN"[i - 4] if 4 <= i <= 8 else "N" for i in piece)
@@ -88,9 +89,11 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--target", type=float, default=0.2, help="pass when last loss <= target x first loss")
     p.add_argument("--period", default="256", help="repeat a region of this many bases (0: no repetition)")
+    p.add_argument("--start", type=int, default=None,
+                   help="the region's first base in the genome (default: the middle of a window of seq-len)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/overfit"))
     a = p.parse_args()
-    overfit(a.run_dir, parse_size(a.seq_len), a.steps, a.lr, a.target, a.out, parse_size(a.period))
+    overfit(a.run_dir, parse_size(a.seq_len), a.steps, a.lr, a.target, a.out, parse_size(a.period), a.start)
 
 
 if __name__ == "__main__":
