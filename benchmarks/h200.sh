@@ -191,6 +191,11 @@ print(' '.join(f'--memory.{k} {str(v).lower() if isinstance(v, bool) else v}' fo
       --memory.auto false $FIX --out "$OUT/ops_q4_lora_600K.json" 2>&1 | tail -16
     NOTAR=1
     ;;
+  lora6)  # (issue 17) the 48-layer Qwen3-30B-A3B LoRA step at 128K as the planner plans it (no gpu_budget margin),
+      # after the chunked RMSNorm and the corrected backward terms (session 9): measured peak vs plan, tokens/s, MFU
+    timeout 560 python3 benchmarks/lora_h200.py --lengths 128K --steps 1 --out "$OUT/lora_48l_128k" 2>&1 | tail -25
+    NOTAR=1
+    ;;
   fsdp8)  # (nvidia-h200-x8) FSDP2 over 8 GPUs, bf16 weights: glm5-flash-slice (the full model's layer shapes)
       # at 64K, dp_cp over dp 2 x cp 4; metrics.jsonl holds each step's measured and planned peak
     timeout 500 torchrun --nproc-per-node 8 -m megaseq train recipes/glm5-flash-slice.yaml --train.steps 3 \
