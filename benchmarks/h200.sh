@@ -192,8 +192,10 @@ print(' '.join(f'--memory.{k} {str(v).lower() if isinstance(v, bool) else v}' fo
     NOTAR=1
     ;;
   lora6)  # (issue 17) the 48-layer Qwen3-30B-A3B LoRA step at 128K as the planner plans it (no gpu_budget margin),
-      # after the chunked RMSNorm and the corrected backward terms (session 9): measured peak vs plan, tokens/s, MFU
-    timeout 560 python3 benchmarks/lora_h200.py --lengths 128K --steps 1 --out "$OUT/lora_48l_128k" 2>&1 | tail -25
+      # after the chunked RMSNorm and the corrected backward terms (session 9): measured peak vs plan, tokens/s, MFU;
+      # first the GPU tests of the chunked norm's and SDPA's backward memory
+    timeout 90 python3 -m pytest -q -m gpu tests/test_norm.py tests/test_attention.py 2>&1 | tail -8
+    timeout 470 python3 benchmarks/lora_h200.py --lengths 128K --steps 1 --out "$OUT/lora_48l_128k" 2>&1 | tail -25
     NOTAR=1
     ;;
   fsdp8)  # (nvidia-h200-x8) FSDP2 over 8 GPUs, bf16 weights: glm5-flash-slice (the full model's layer shapes)
