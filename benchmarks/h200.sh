@@ -13,6 +13,11 @@ export TRITON_CACHE_DIR=$PWD/.tcache
 mkdir -p .tcache
 G=.data/ecoli_MG1655.fa.gz
 ms() { python3 -m megaseq "$@"; }
+# the memory settings `megaseq plan` picks for the Qwen3-30B-A3B LoRA recipe at length $1, each as printf
+# format $2 of (key, value) (default: command-line flags)
+lora_fix() { python3 -m megaseq plan recipes/qwen3-30b-a3b-lora.yaml --seq-len "$1" --json 2>/dev/null | python3 -c "
+import json, sys; m = json.load(sys.stdin)['memory']
+print(' '.join(sys.argv[1] % (k, str(v).lower() if isinstance(v, bool) else v) for k, v in m.items()))" "${2:---memory.%s %s}"; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
 case "$1" in
@@ -144,9 +149,7 @@ print('planned longest, bf16 weights:', longest_length(get_preset('glm5-flash-1g
     timeout 90 python3 benchmarks/memory_phases.py recipes/qwen3-30b-a3b-lora.yaml 128K --model.name /tmp/q4/config.json \
       --memory.auto false --memory.chunked_loss true --memory.tiled_mlp true --memory.mlp_tile_tokens 8K \
       --memory.recompute true --out "$OUT/memory_phases_q4_lora_128k.json" 2>&1 | tail -12
-    FIX=$(python3 -m megaseq plan recipes/qwen3-30b-a3b-lora.yaml --seq-len 600K --json 2>/dev/null | python3 -c "
-import json, sys; m = json.load(sys.stdin)['memory']
-print(' '.join(f'memory.{k}={str(v).lower() if isinstance(v, bool) else v}' for k, v in m.items()))")
+    FIX=$(lora_fix 600K "memory.%s=%s")
     timeout 240 python3 benchmarks/lora_h200.py --layers 4 --lengths 600K --steps 1 --out "$OUT/lora_q4_600k" \
       memory.auto=false $FIX 2>&1 | tail -25
     timeout 150 python3 benchmarks/memory_census.py recipes/qwen3-30b-a3b-lora.yaml 600K --model.name /tmp/q4/config.json \
@@ -160,9 +163,7 @@ print(' '.join(f'memory.{k}={str(v).lower() if isinstance(v, bool) else v}' for 
     timeout 130 python3 benchmarks/memory_census.py recipes/qwen3-30b-a3b-lora.yaml 128K --model.name /tmp/q4/config.json \
       --memory.auto false --memory.chunked_loss true --memory.tiled_mlp true --memory.mlp_tile_tokens 8K \
       --memory.recompute true --out "$OUT/census_q4_lora_128k.json" 2>&1 | tail -3
-    FIX=$(python3 -m megaseq plan recipes/qwen3-30b-a3b-lora.yaml --seq-len 600K --json 2>/dev/null | python3 -c "
-import json, sys; m = json.load(sys.stdin)['memory']
-print(' '.join(f'--memory.{k} {str(v).lower() if isinstance(v, bool) else v}' for k, v in m.items()))")
+    FIX=$(lora_fix 600K)
     echo "$FIX"
     timeout 260 python3 benchmarks/memory_phases.py recipes/qwen3-30b-a3b-lora.yaml 600K --model.name /tmp/q4/config.json \
       --memory.auto false $FIX --out "$OUT/memory_phases_q4_lora_600k.json" 2>&1 | tail -12
@@ -184,9 +185,7 @@ print(' '.join(f'--memory.{k} {str(v).lower() if isinstance(v, bool) else v}' fo
     timeout 120 python3 benchmarks/memory_ops.py recipes/qwen3-30b-a3b-lora.yaml 128K --model.name /tmp/q4/config.json \
       --memory.auto false --memory.chunked_loss true --memory.tiled_mlp true --memory.mlp_tile_tokens 8K \
       --memory.recompute true --out "$OUT/ops_q4_lora_128K.json" 2>&1 | tail -16
-    FIX=$(python3 -m megaseq plan recipes/qwen3-30b-a3b-lora.yaml --seq-len 600K --json 2>/dev/null | python3 -c "
-import json, sys; m = json.load(sys.stdin)['memory']
-print(' '.join(f'--memory.{k} {str(v).lower() if isinstance(v, bool) else v}' for k, v in m.items()))")
+    FIX=$(lora_fix 600K)
     timeout 330 python3 benchmarks/memory_ops.py recipes/qwen3-30b-a3b-lora.yaml 600K --model.name /tmp/q4/config.json \
       --memory.auto false $FIX --out "$OUT/ops_q4_lora_600K.json" 2>&1 | tail -16
     NOTAR=1

@@ -28,23 +28,12 @@ def main() -> int:
     ap.add_argument("seq_len")
     ap.add_argument("--out", required=True)
     args, rest = ap.parse_known_args()
-    from megaseq.bench.measure import warm_planned_step
-    from megaseq.config import AdapterSettings, load_config, parse_size, split_overrides
-    from megaseq.plan.phases import all_layer_terms, evaluate
-    from megaseq.plan.planner import run_for
-    from megaseq.train.trainer import use_expandable_segments
+    from _planned_step import planned_step_for
 
-    use_expandable_segments()  # as `megaseq train` (before any CUDA allocation)
-    cfg = load_config(args.recipe, split_overrides(rest))
-    S = parse_size(args.seq_len)
-    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # CPU: a smoke run, zeros
-    if dev.type == "cpu":
-        torch.cuda.synchronize = torch.cuda.reset_peak_memory_stats = lambda *a: None
-        torch.cuda.memory_allocated = torch.cuda.max_memory_allocated = lambda *a: 0
-        torch.cuda.get_device_name = lambda *a: "cpu"
-    c, spec, plan, model, applied, next_batch, step = warm_planned_step(cfg, S, dev)
-    run = run_for(spec, S, plan.memory, model_dtype=c.model.dtype, weights=c.model.weights,
-                  adapters=AdapterSettings.of(c))  # the run plan_on planned (frozen base and adapters too)
+    from megaseq.plan.phases import all_layer_terms, evaluate
+
+    c, spec, plan, model, applied, next_batch, step, run = planned_step_for(args.recipe, args.seq_len, rest)
+    S = c.data.seq_len
     terms = all_layer_terms(run)
     ev = evaluate(run)
     marks: list[tuple[str, int, int]] = []
