@@ -300,7 +300,9 @@ def test_diverging_run_stops_naming_the_step_and_writes_nothing_non_finite(save_
     from megaseq.train import checkpoint as ckpt
     from megaseq.train.convert import load_megaseq_checkpoint
 
-    rc, err = _train(tmp_path, {"optim": {"lr": 1e6}, "train": {"steps": 6, "save_every": save_every,
+    # lr 1e10: the first update overflows the forward. (At 1e6 the weights explode too, but RMSNorm's chunked
+    # backward, written through the normalised value, stays finite where autograd of the reference overflowed.)
+    rc, err = _train(tmp_path, {"optim": {"lr": 1e10}, "train": {"steps": 6, "save_every": save_every,
                                                                   "export_hf": True}}, [], capsys)
     assert rc == 2 and "Traceback" not in err, err
     import re
@@ -321,7 +323,7 @@ def test_diverging_run_stops_naming_the_step_and_writes_nothing_non_finite(save_
 
 
 def test_skip_policy_skips_then_stops(tmp_path, capsys):
-    rc, err = _train(tmp_path, {"optim": {"lr": 1e6}, "train": {"steps": 12, "on_nonfinite": "skip"}}, [], capsys)
+    rc, err = _train(tmp_path, {"optim": {"lr": 1e10}, "train": {"steps": 12, "on_nonfinite": "skip"}}, [], capsys)
     import re
 
     assert rc == 2 and "on_nonfinite skip" not in err and "5 steps in a row were not finite" in err, err
