@@ -63,6 +63,7 @@ def main() -> int:
 
     c, spec, plan, model, applied, next_batch, step, run = planned_step_for(args.recipe, args.seq_len, rest)
     ev = evaluate(run)
+
     def gib(v):
         return {k: gib(x) for k, x in v.items()} if isinstance(v, dict) else v / GIB if isinstance(v, int) else v
 

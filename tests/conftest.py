@@ -28,6 +28,17 @@ def pytest_collection_finish(session) -> None:
     gc.freeze()
 
 
+def cuda_backward_peak(y: torch.Tensor, grad: torch.Tensor) -> int:
+    """Peak CUDA bytes ``y.backward(grad)`` allocates above what exists before it (the graph's saved tensors,
+    ``y`` and ``grad``)."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    y.backward(grad)
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
 @contextlib.contextmanager
 def torch_threads(n: int) -> Iterator[None]:
     """torch's intra-op threads set to ``n`` inside, restored after (tiny ops in multi-rank tests: a

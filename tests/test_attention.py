@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import cuda_backward_peak
 from megaseq.models.common.attention import (
     Attention,
     attention_reference,
@@ -179,13 +180,7 @@ def test_sdpa_backward_memory_is_the_planned_temporaries(groups, monkeypatch: py
     n = 65536
     q, k, v = (t.requires_grad_() for t in _qkv(1, n, 32, 4, 128, torch.bfloat16, device="cuda", seed=8))
     out = attention_sdpa(q, k, v, None, 128**-0.5)
-    g = torch.randn_like(out)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    out.backward(g)
-    torch.cuda.synchronize()
-    measured = torch.cuda.max_memory_allocated() - base
+    measured = cuda_backward_peak(out, torch.randn_like(out))
     planned = attention_temp(spec, n, precision_for("bf16"), True, Mesh())
     if groups == 1:
         assert abs(measured / planned - 1) < 0.10, (groups, measured / 2**30, planned / 2**30)

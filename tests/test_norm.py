@@ -8,6 +8,7 @@ import torch
 
 import megaseq.models.common.norm as norm
 import megaseq.ops.workspace as workspace
+from conftest import cuda_backward_peak
 from megaseq.models.common.norm import RMSNorm, rms_norm_reference, rms_norm_torch
 from megaseq.ops import dispatch
 
@@ -108,23 +109,17 @@ def test_the_module_runs_the_chunked_norm_by_default() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_backward_memory_is_bounded_on_the_gpu() -> None:
     """bf16 q norm at Qwen3-30B-A3B's heads (32 of 128), 64K tokens: the backward's peak above the saved
-    tensors and the incoming gradient is ``ops.workspace.norm_backward_temp`` within 10% (the reference's is
-    about five float32 copies of the input, 10 GiB at 128K)."""
+    tensors and the incoming gradient is ``ops.workspace.norm_backward_temp`` within 10% (the reference's held
+    four to five float32 copies of the input, 9 GiB at 128K on an H200)."""
     S, H, D = 65536, 32, 128
     x = torch.randn(1, S, H, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     w = torch.ones(D, device="cuda", dtype=torch.bfloat16)
     peaks = {}
     for name, fn in (("chunked", rms_norm_torch), ("reference", rms_norm_reference)):
         y = fn(x, w, 1e-6)
-        g = torch.randn_like(y)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        y.backward(g)
-        torch.cuda.synchronize()
-        peaks[name] = torch.cuda.max_memory_allocated() - base
+        peaks[name] = cuda_backward_peak(y, torch.randn_like(y))
         x.grad = None
-        del y, g
+        del y
     planned = workspace.norm_backward_temp(S * H, D, 2)
     assert abs(peaks["chunked"] / planned - 1) < 0.10, (peaks, planned)
     assert peaks["reference"] > 3 * peaks["chunked"]

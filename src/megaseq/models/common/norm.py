@@ -23,16 +23,21 @@ from megaseq.ops.workspace import norm_backward_rows
 @dispatch.register("rms_norm", "torch", reference=True)
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Op ``rms_norm``'s reference (fast ones: ``megaseq.ops.triton_rms_norm``): HF's numerics."""
-    input_dtype = x.dtype
-    # float32 for the statistics (HF does the same; in float64 this is a down-cast, as in HF)
+    return _normalise(x, weight, eps)[-1]
+
+
+def _normalise(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, ...]:
+    """HF's RMSNorm op for op: ``(x32, rstd, normed, y)``, the float32 input, ``rsqrt(mean(x32^2) + eps)``,
+    the normalised value cast back to x's dtype and the output ``weight * normed``. Float32 for the statistics
+    (HF does the same; in float64 this is a down-cast, as in HF)."""
     x32 = x.to(torch.float32)
-    variance = x32.pow(2).mean(-1, keepdim=True)
-    x32 = x32 * torch.rsqrt(variance + eps)
-    return weight * x32.to(input_dtype)
+    rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    normed = (x32 * rstd).to(x.dtype)
+    return x32, rstd, normed, weight * normed
 
 
 class _RMSNormChunkedBackward(torch.autograd.Function):
-    """``rms_norm_reference``'s forward, op for op (so the output is bitwise the same), and the same saved
+    """``rms_norm_reference``'s forward (``_normalise``: the output is bitwise the same), and the same saved
     tensors (the float32 input, the per-row ``rstd``, the normalised value's cast where the weight trains),
     but a backward in row chunks of ``ops.workspace.norm_backward_rows``. Autograd's backward of the
     reference holds four to five float32 copies of the whole input at once: for Qwen3-30B-A3B's q norm (32
@@ -43,10 +48,7 @@ class _RMSNormChunkedBackward(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        x32 = x.to(torch.float32)
-        rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-        normed = (x32 * rstd).to(x.dtype)
-        y = weight * normed
+        x32, rstd, normed, y = _normalise(x, weight, eps)
         ctx.x_dtype = x.dtype
         ctx.save_for_backward(x32, rstd, weight, normed if ctx.needs_input_grad[1] else None)
         return y
