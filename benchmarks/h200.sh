@@ -197,6 +197,20 @@ print('planned longest, bf16 weights:', longest_length(get_preset('glm5-flash-1g
     timeout 470 python3 benchmarks/lora_h200.py --lengths 128K --steps 1 --out "$OUT/lora_48l_128k" 2>&1 | tail -25
     NOTAR=1
     ;;
+  s10a)  # session 10, call 1: lora6 (the GPU tests of the chunked norm and SDPA per KV head, the 48-layer
+      # Qwen3-30B-A3B LoRA step at 128K as planned), then the annotated profile of a fast-kernels 32K step of
+      # glm5-flash-1gpu (issue 13: GPU time by kernel, by module part and by backward function)
+    timeout 90 python3 -m pytest -q -m gpu tests/test_norm.py tests/test_attention.py 2>&1 | tail -8
+    timeout 400 python3 benchmarks/lora_h200.py --lengths 128K --steps 1 --out "$OUT/lora_48l_128k" 2>&1 | tail -25
+    timeout $((575 - SECONDS)) python3 benchmarks/profile_step.py recipes/glm5-flash-1gpu.yaml 32K \
+      --json "$OUT/profile_32k_fast.json" --model.kernels fast > "$OUT/profile_1gpu_32k_fast.txt" 2>&1
+    tail -120 "$OUT/profile_1gpu_32k_fast.txt"
+    ;;
+  s10b)  # session 10, call 2 (issue 17): all 48 layers of Qwen3-30B-A3B LoRA at 512K, the planner's plan: the whole
+      # forward, the loss and the backward of the last 2 layers, then stopped (a whole step is ~20 minutes)
+    timeout 580 python3 benchmarks/lora_partial_step.py 512K --backward-layers 2 --out "$OUT/lora_48l_512k_partial.json"
+    NOTAR=1
+    ;;
   fsdp8)  # (nvidia-h200-x8) FSDP2 over 8 GPUs, bf16 weights: glm5-flash-slice (the full model's layer shapes)
       # at 64K, dp_cp over dp 2 x cp 4; metrics.jsonl holds each step's measured and planned peak
     timeout 500 torchrun --nproc-per-node 8 -m megaseq train recipes/glm5-flash-slice.yaml --train.steps 3 \
@@ -206,5 +220,6 @@ print('planned longest, bf16 weights:', longest_length(get_preset('glm5-flash-1g
     ;;
   *) echo "unknown stage $1"; exit 2 ;;
 esac
-[ -n "${NOTAR:-}" ] || tar czf "$OUT/tcache.tgz" .tcache 2>/dev/null  # untar into .tcache/ before the next call
+# the Triton cache in parts of 15 MiB (a file comes back up to 16 MiB): cat tcache.tgz.part* | tar xz
+[ -n "${NOTAR:-}" ] || tar czf - .tcache 2>/dev/null | split -b 15M - "$OUT/tcache.tgz.part"
 ls -la "$OUT"

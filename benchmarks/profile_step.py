@@ -1,18 +1,91 @@
 """Where one training step of a recipe spends its GPU time: torch.profiler over one step after a warm-up.
 
-    python benchmarks/profile_step.py recipes/glm5-flash-1gpu.yaml 32K [--source genome] [--section.key value ...]
+    python benchmarks/profile_step.py recipes/glm5-flash-1gpu.yaml 32K [--source genome] [--json PATH]
+        [--section.key value ...]
 
-Prints the 25 costliest kernels (self CUDA time) and the planned fixes; writes nothing else.
+Prints three tables and the step's wall time:
+
+- the 30 costliest kernels (self CUDA time);
+- GPU time by module: every forward of a decoder layer's parts (``self_attn``, ``mlp``, the hyper-connections,
+  norms, and inside an MoE its router, experts and shared experts) runs under a ``record_function`` label
+  ``fwd:<part>:<Class>``; a kernel counts for the innermost label around it, so a recomputed forward inside a
+  backward counts as forward work;
+- GPU time by backward function (``autograd::engine::evaluate_function: <Node>``), exclusive of the forwards
+  recomputed inside it.
+
+``--json`` writes the three tables. Writes nothing else.
 """
 
 from __future__ import annotations
 
+import json
+import re
 import sys
+import time
+from collections import defaultdict
 
 import torch
 
 from megaseq.bench.measure import cfg_for, plan_on, planned_step
 from megaseq.config import load_config, parse_size, split_overrides
+
+# (name pattern relative to the model, label part): the parts of a decoder layer that get a label
+_PARTS = re.compile(r"^(?:model\.)?layers\.\d+\.([^.]+(?:\.(?:gate|experts|shared_experts|indexer))?)$")
+_BACKWARD = "autograd::engine::evaluate_function: "
+
+
+def annotate(model: torch.nn.Module) -> list:
+    """Forward pre/post hooks that open and close a ``record_function`` per labelled part; their handles."""
+    handles = []
+    for name, mod in model.named_modules():
+        m = _PARTS.match(name)
+        if not m:
+            continue
+        label = f"fwd:{m.group(1)}:{type(mod).__name__}"
+        stack: list = []
+
+        def pre(_mod, _args, label=label, stack=stack):
+            rf = torch.autograd.profiler.record_function(label)
+            rf.__enter__()
+            stack.append(rf)
+
+        def post(_mod, _args, _out, stack=stack):
+            if stack:
+                stack.pop().__exit__(None, None, None)
+
+        handles.append(mod.register_forward_pre_hook(pre))
+        handles.append(mod.register_forward_hook(post))
+    return handles
+
+
+def _device_us(evt) -> float:
+    return float(getattr(evt, "device_time_total", 0) or 0)
+
+
+def by_label(events, time_of=_device_us) -> tuple[dict[str, float], dict[str, float]]:
+    """``(forward parts, backward functions)``: GPU microseconds (``time_of``) exclusive of nested labels."""
+    excl: dict[str, float] = defaultdict(float)
+    for evt in events:
+        name = evt.name
+        if not (name.startswith("fwd:") or name.startswith(_BACKWARD)):
+            continue
+        t = time_of(evt)
+        excl[name] += t
+        parent = evt.cpu_parent
+        while parent is not None and not (parent.name.startswith("fwd:") or parent.name.startswith(_BACKWARD)):
+            parent = parent.cpu_parent
+        if parent is not None:
+            excl[parent.name] -= t
+    fwd = {k: v for k, v in excl.items() if k.startswith("fwd:")}
+    bwd = {k[len(_BACKWARD):]: v for k, v in excl.items() if k.startswith(_BACKWARD)}
+    return fwd, bwd
+
+
+def _table(title: str, rows: dict[str, float], total_us: float, limit: int) -> list[str]:
+    out = [f"\n{title}", f"{'GPU ms':>10} {'share':>7}  name"]
+    for name, us in sorted(rows.items(), key=lambda kv: -kv[1])[:limit]:
+        out.append(f"{us / 1e3:10.1f} {100 * us / max(total_us, 1):6.1f}%  {name}")
+    return out
 
 
 def main(argv: list[str]) -> int:
@@ -20,21 +93,57 @@ def main(argv: list[str]) -> int:
     from megaseq.train.trainer import kernels_for, resolve_device
 
     recipe, length, *rest = argv
-    source = "random"
-    if rest[:1] == ["--source"]:  # before any --section.key overrides
-        source, rest = rest[1], rest[2:]
+    source, json_path = "random", None
+    while rest[:1] in (["--source"], ["--json"]):  # before any --section.key overrides
+        if rest[0] == "--source":
+            source = rest[1]
+        else:
+            json_path = rest[1]
+        rest = rest[2:]
     cfg = cfg_for(load_config(recipe, split_overrides(rest)), parse_size(length), source)
     device = resolve_device(cfg)
     plan = plan_on(cfg, device)
     print("fixes:", [f[0] for f in plan.fixes], dict(plan.memory))
     with kernels_for(cfg, device):  # the dispatcher as `megaseq train` sets it up (--model.kernels fast)
-        _, applied, next_batch, step = planned_step(cfg, resolve_spec(cfg.model.name), device, plan, 3)
+        model, applied, next_batch, step = planned_step(cfg, resolve_spec(cfg.model.name), device, plan, 3)
         step(next_batch())  # warm-up
-        torch.cuda.synchronize(device)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda _d: None)
+        sync(device)
+        handles = annotate(model)
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        with torch.profiler.profile(activities=activities) as prof:
+            t0 = time.perf_counter()
             step(next_batch())
-            torch.cuda.synchronize(device)
-    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=70))
+            sync(device)
+            wall = time.perf_counter() - t0
+        for h in handles:
+            h.remove()
+    if device.type == "cuda":
+        kernels = {k.key: float(k.self_device_time_total) for k in prof.key_averages()
+                   if k.device_type == torch.autograd.DeviceType.CUDA}
+        fwd, bwd = by_label(prof.events())
+    else:  # a smoke run on the CPU: CPU time in the same tables
+        kernels = {k.key: float(k.self_cpu_time_total) for k in prof.key_averages() if k.key.startswith("aten::")}
+        fwd, bwd = by_label(prof.events(), time_of=lambda e: float(e.cpu_time_total))
+    total = sum(kernels.values())
+    lines = [f"step wall {wall:.3f} s under the profiler; GPU kernel time {total / 1e6:.3f} s"]
+    lines += _table("kernels (self GPU time)", kernels, total, 30)
+    lines += _table("forward by part (recomputed forwards included)", fwd, total, 40)
+    lines += _table("backward by autograd function (exclusive of recomputed forwards)", bwd, total, 40)
+    rest_us = total - sum(fwd.values()) - sum(bwd.values())
+    lines.append(f"\noutside any label (embedding, loss, optimizer, stream glue): {rest_us / 1e3:.1f} ms "
+                 f"({100 * rest_us / max(total, 1):.1f}%)")
+    print("\n".join(lines))
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"recipe": recipe, "seq_len": length, "wall_s": wall, "gpu_kernel_s": total / 1e6,
+                       "kernels_ms": {k: v / 1e3 for k, v in kernels.items()},
+                       "forward_ms": {k: v / 1e3 for k, v in fwd.items()},
+                       "backward_ms": {k: v / 1e3 for k, v in bwd.items()},
+                       "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                       "torch": torch.__version__}, f, indent=1)
     applied.release()
     return 0
 
