@@ -207,8 +207,12 @@ print('planned longest, bf16 weights:', longest_length(get_preset('glm5-flash-1g
     tail -120 "$OUT/profile_1gpu_32k_fast.txt"
     ;;
   s10b)  # session 10, call 2 (issue 17): all 48 layers of Qwen3-30B-A3B LoRA at 512K, the planner's plan: the whole
-      # forward, the loss and the backward of the last 2 layers, then stopped (a whole step is ~20 minutes)
-    timeout 580 python3 benchmarks/lora_partial_step.py 512K --backward-layers 2 --out "$OUT/lora_48l_512k_partial.json"
+      # forward, the loss and the backward of the last 2 layers, then stopped (a whole step is ~20 minutes); first
+      # the chunked norm's GPU test (its rule corrected to the measured 16 B per chunk element); then (issue 18)
+      # the overfit test at 128K on the calibrated region (carry .ovf/ instead of .data/)
+    timeout 60 python3 -m pytest -q -m gpu tests/test_norm.py 2>&1 | tail -3
+    timeout 470 python3 benchmarks/lora_partial_step.py 512K --backward-layers 2 --out "$OUT/lora_48l_512k_partial.json"
+    timeout $((590 - SECONDS)) python3 benchmarks/overfit.py .ovf/w16k --seq-len 128K --steps 30 --out "$OUT/overfit_128k"
     NOTAR=1
     ;;
   fsdp8)  # (nvidia-h200-x8) FSDP2 over 8 GPUs, bf16 weights: glm5-flash-slice (the full model's layer shapes)
