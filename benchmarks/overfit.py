@@ -45,7 +45,7 @@ from megaseq.config import build_config, parse_size  # noqa: E402
 
 
 def overfit(run_dir: Path, seq_len: int, steps: int, lr: float, target: float, out: Path, period: int = 256,
-            start: int | None = None) -> dict:
+            start: int | None = None, overrides: tuple[str, ...] = ()) -> dict:
     from megaseq.data.fasta import load_dna_split
     from megaseq.train.trainer import run_training
 
@@ -68,16 +68,21 @@ def overfit(run_dir: Path, seq_len: int, steps: int, lr: float, target: float, o
         raw["optim"] = {**raw["optim"], "lr": lr, "warmup_steps": 2, "min_lr_ratio": 1.0, "weight_decay": 0.0}
         raw["model"] = {**raw["model"], "init_from": str(run_dir / "hf") if (run_dir / "hf").is_dir() else None}
         raw["log"] = {**raw.get("log", {}), "tensorboard": False}
+        for item in overrides:  # section.key=value, e.g. model.dtype=fp32 (the value read as YAML)
+            key, _, value = item.partition("=")
+            section, _, name = key.partition(".")
+            raw[section] = {**raw.get(section, {}), name: yaml.safe_load(value)}
         result = run_training(build_config(raw))
     losses = result.losses
     row = {"seq_len": seq_len, "steps": steps, "lr": lr, "losses": losses, "first": losses[0], "last": losses[-1],
            "ratio": losses[-1] / losses[0], "passed": losses[-1] <= target * losses[0], "target": target,
-           "init": raw["model"]["init_from"] or "random", "window": f"{rec.id}:{start}", "period": period,
+           "init": raw["model"]["init_from"] or "random", "overrides": list(overrides), "window": f"{rec.id}:{start}", "period": period,
            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "torch": torch.__version__,
            "python": platform.python_version(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(row, indent=2) + "\n")
     rep = f", a {period:,}-base region repeated" if period else ""
+    rep += f", settings {', '.join(overrides)}" if overrides else ""
     md = (f"Overfit test, one window of {seq_len:,} bases ({row['window']}{rep}), {steps} steps at lr {lr} from "
           f"{row['init']} on {row['gpu']}: loss {row['first']:.4f} -> {row['last']:.4f} nats "
           f"({row['ratio']:.1%} of the first; target <= {target:.0%}): {'passed' if row['passed'] else 'FAILED'}.\n")
@@ -97,8 +102,11 @@ def main() -> None:
     p.add_argument("--start", type=int, default=None,
                    help="the region's first base in the genome (default: the calibrated one, at every length)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/overfit"))
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="a setting of the run's config (repeatable), e.g. model.dtype=fp32")
     a = p.parse_args()
-    overfit(a.run_dir, parse_size(a.seq_len), a.steps, a.lr, a.target, a.out, parse_size(a.period), a.start)
+    overfit(a.run_dir, parse_size(a.seq_len), a.steps, a.lr, a.target, a.out, parse_size(a.period), a.start,
+            tuple(a.set))
 
 
 if __name__ == "__main__":
