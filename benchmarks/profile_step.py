@@ -11,7 +11,8 @@ Prints three tables and the step's wall time:
   ``fwd:<part>:<Class>``; a kernel counts for the innermost label around it, so a recomputed forward inside a
   backward counts as forward work;
 - GPU time by backward function (``autograd::engine::evaluate_function: <Node>``), exclusive of the forwards
-  recomputed inside it.
+  recomputed inside it;
+- GPU time by aten op and input shapes (which tensors the elementwise kernels run over).
 
 ``--json`` writes the three tables. Writes nothing else.
 """
@@ -32,6 +33,9 @@ from megaseq.config import load_config, parse_size, split_overrides
 # (name pattern relative to the model, label part): the parts of a decoder layer that get a label
 _PARTS = re.compile(r"^(?:model\.)?layers\.\d+\.([^.]+(?:\.(?:gate|experts|shared_experts|indexer))?)$")
 _BACKWARD = "autograd::engine::evaluate_function: "
+# aten ops that only call other aten ops (their GPU time is their children's, listed under those)
+_COMPOSITE = {"aten::to", "aten::_to_copy", "aten::matmul", "aten::linear", "aten::reshape", "aten::contiguous",
+              "aten::type_as", "aten::einsum", "aten::chunk", "aten::split", "aten::expand_as", "aten::view_as"}
 
 
 def annotate(model: torch.nn.Module) -> list:
@@ -113,25 +117,35 @@ def main(argv: list[str]) -> int:
         activities = [torch.profiler.ProfilerActivity.CPU]
         if device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
-        with torch.profiler.profile(activities=activities) as prof:
+        with torch.profiler.profile(activities=activities, record_shapes=True) as prof:
             t0 = time.perf_counter()
             step(next_batch())
             sync(device)
             wall = time.perf_counter() - t0
         for h in handles:
             h.remove()
+    averages = prof.key_averages()
     if device.type == "cuda":
-        kernels = {k.key: float(k.self_device_time_total) for k in prof.key_averages()
-                   if k.device_type == torch.autograd.DeviceType.CUDA}
+        # the labels (record_function ranges) come back as GPU-side annotations too: not kernels
+        cpu_names = {k.key for k in averages if k.device_type == torch.autograd.DeviceType.CPU}
+        kernels = {k.key: float(k.self_device_time_total) for k in averages
+                   if k.device_type == torch.autograd.DeviceType.CUDA and k.key not in cpu_names
+                   and not k.key.startswith("fwd:")}
         fwd, bwd = by_label(prof.events())
+        shapes = {f"{k.key} {k.input_shapes}": float(k.device_time_total)
+                  for k in prof.key_averages(group_by_input_shape=True)
+                  if k.device_type == torch.autograd.DeviceType.CPU and k.key.startswith("aten::")
+                  and k.key not in _COMPOSITE}
     else:  # a smoke run on the CPU: CPU time in the same tables
         kernels = {k.key: float(k.self_cpu_time_total) for k in prof.key_averages() if k.key.startswith("aten::")}
         fwd, bwd = by_label(prof.events(), time_of=lambda e: float(e.cpu_time_total))
+        shapes = {}
     total = sum(kernels.values())
     lines = [f"step wall {wall:.3f} s under the profiler; GPU kernel time {total / 1e6:.3f} s"]
     lines += _table("kernels (self GPU time)", kernels, total, 30)
     lines += _table("forward by part (recomputed forwards included)", fwd, total, 40)
     lines += _table("backward by autograd function (exclusive of recomputed forwards)", bwd, total, 40)
+    lines += _table("aten ops by input shapes (GPU time of the kernels each launched)", shapes, total, 40)
     rest_us = total - sum(fwd.values()) - sum(bwd.values())
     lines.append(f"\noutside any label (embedding, loss, optimizer, stream glue): {rest_us / 1e3:.1f} ms "
                  f"({100 * rest_us / max(total, 1):.1f}%)")
@@ -142,6 +156,7 @@ def main(argv: list[str]) -> int:
                        "kernels_ms": {k: v / 1e3 for k, v in kernels.items()},
                        "forward_ms": {k: v / 1e3 for k, v in fwd.items()},
                        "backward_ms": {k: v / 1e3 for k, v in bwd.items()},
+                       "aten_by_shape_ms": {k: v / 1e3 for k, v in sorted(shapes.items(), key=lambda kv: -kv[1])[:300]},
                        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                        "torch": torch.__version__}, f, indent=1)
     applied.release()
