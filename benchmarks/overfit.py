@@ -76,7 +76,8 @@ def overfit(run_dir: Path, seq_len: int, steps: int, lr: float, target: float, o
     losses = result.losses
     row = {"seq_len": seq_len, "steps": steps, "lr": lr, "losses": losses, "first": losses[0], "last": losses[-1],
            "ratio": losses[-1] / losses[0], "passed": losses[-1] <= target * losses[0], "target": target,
-           "init": raw["model"]["init_from"] or "random", "overrides": list(overrides), "window": f"{rec.id}:{start}", "period": period,
+           "init": raw["model"]["init_from"] or "random", "overrides": list(overrides),
+           "window": f"{rec.id}:{start}", "period": period,
            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "torch": torch.__version__,
            "python": platform.python_version(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -31,6 +31,8 @@ FAST_GPU = {
     "hc_merge": "triton",
     "swiglu": "triton",
     "rms_norm": "triton",
+    "moe_permute": "triton",
+    "moe_combine": "triton",
     "linear_cross_entropy": "liger",
 }
 KERNEL_SETS = ("default", "fast")

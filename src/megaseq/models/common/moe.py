@@ -59,7 +59,7 @@ from torch import nn
 
 from megaseq.models.common.mlp import MLP
 from megaseq.models.spec import ModelSpec
-from megaseq.ops import dispatch
+from megaseq.ops import dispatch, triton_moe_glue  # noqa: F401  (registers the fused permute/combine, opt-in)
 
 ROUTERS = ("sigmoid_bias", "softmax")
 # parameters/buffers HF keeps in float32 in a bf16 model (names end with these)
@@ -217,10 +217,34 @@ class Experts(nn.Module):
         flat_M = experts_NK.reshape(-1)
         order_M = torch.argsort(flat_M, stable=True)  # routed rows grouped by expert
         counts_E = torch.bincount(flat_M, minlength=self.num_experts)
-        y_MH = self.routed_mlp(x_NH[order_M // K], self.gate_up_proj, self.down_proj, counts_E)
         inverse_M = torch.empty_like(order_M)
         inverse_M[order_M] = torch.arange(order_M.numel(), device=order_M.device)
-        return combine(y_MH[inverse_M], weights_NK, x_NH.dtype), counts_E
+        x_MH = dispatch.call("moe_permute", x_NH, order_M, inverse_M, K, _mm_dtype(x_NH, self.gate_up_proj),
+                             layer=self.layer)
+        y_MH = self.routed_mlp(x_MH, self.gate_up_proj, self.down_proj, counts_E)
+        del x_MH
+        return dispatch.call("moe_combine", y_MH, order_M, inverse_M, weights_NK, x_NH.dtype,
+                             layer=self.layer), counts_E
+
+
+# ---- ops moe_permute / moe_combine: the routed rows out of token order and back ---------------------
+@dispatch.register("moe_permute", "torch", reference=True)
+def moe_permute_reference(x_NH: torch.Tensor, order_M: torch.Tensor, inverse_M: torch.Tensor, K: int,
+                          dtype: torch.dtype) -> torch.Tensor:
+    """``x_MH``: sorted row m is token ``order_M[m] // K``'s row. Here in x's dtype (``grouped_mm`` casts it to
+    ``dtype``, the matmul's); a fast implementation may return it in ``dtype`` already (``ops.triton_moe_glue``).
+    ``inverse_M`` (``inverse[order[m]] = m``) is for implementations whose backward needs it."""
+    del inverse_M, dtype
+    return x_NH[order_M // K]
+
+
+@dispatch.register("moe_combine", "torch", reference=True)
+def moe_combine_reference(y_MH: torch.Tensor, order_M: torch.Tensor, inverse_M: torch.Tensor,
+                          weights_NK: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``out_NH``: the sorted rows ``y_MH`` back in token order (``inverse_M``), weighted and summed over K
+    (``combine``); ``order_M`` is for implementations whose backward needs it."""
+    del order_M
+    return combine(y_MH[inverse_M], weights_NK, dtype)
 
 
 def combine(y_MH: torch.Tensor, weights_NK: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
