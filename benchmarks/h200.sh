@@ -228,6 +228,14 @@ print('planned longest, bf16 weights:', longest_length(get_preset('glm5-flash-1g
     of 128k_fp32 --seq-len 128K --set model.dtype=fp32
     NOTAR=1
     ;;
+  s11a)  # prepared in session 10 (issue 13), not yet run: the GPU tests of the fused MoE permute/combine and of
+      # the fused hc_mix, then the annotated profile of a fast 32K step with them (by kernel, module part,
+      # backward function and aten op shape; session 10's without them: benchmarks/results/h200/session10/)
+    timeout 120 python3 -m pytest -q -m gpu tests/test_triton_moe_glue.py tests/test_hc_mix.py 2>&1 | tail -5
+    timeout $((560 - SECONDS)) python3 benchmarks/profile_step.py recipes/glm5-flash-1gpu.yaml 32K \
+      --json "$OUT/profile_32k_fast.json" --model.kernels fast > "$OUT/profile_1gpu_32k_fast.txt" 2>&1
+    tail -150 "$OUT/profile_1gpu_32k_fast.txt"
+    ;;
   fsdp8)  # (nvidia-h200-x8) FSDP2 over 8 GPUs, bf16 weights: glm5-flash-slice (the full model's layer shapes)
       # at 64K, dp_cp over dp 2 x cp 4; metrics.jsonl holds each step's measured and planned peak
     timeout 500 torchrun --nproc-per-node 8 -m megaseq train recipes/glm5-flash-slice.yaml --train.steps 3 \

@@ -26,6 +26,7 @@ GPU_BF16 = {
 FAST_GPU = {
     "sparse_attention": "triton",
     "indexer_topk": "triton",
+    "hc_mix": "torch_fused",
     "hc_weights": "triton",
     "hc_collapse": "triton",
     "hc_merge": "triton",

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megaseq.models.spec import ModelSpec
-from megaseq.ops import dispatch, triton_mhc, triton_mhc_streams  # noqa: F401  (register the fused kernels, opt-in)
+from megaseq.ops import dispatch, hc_mix, triton_mhc, triton_mhc_streams  # noqa: F401  (register the fused ops, opt-in)
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -47,6 +47,17 @@ def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
 
 
 # ---- ops hc_weights, hc_collapse, hc_merge: the references (fast ones: megaseq.ops.triton_mhc*) ----------
+@dispatch.register("hc_mix", "torch", reference=True)
+def hc_mix_reference(h_BSNH: torch.Tensor, fn_MD: torch.Tensor, norm_eps: float) -> torch.Tensor:
+    """``mix_BSM``: ``fn`` applied to the flattened streams after an unweighted RMSNorm over all N*H features
+    (HF's ``Glm5NextTextUnweightedRMSNorm``), in the compute dtype (bf16 under autocast: ``F.linear``'s)."""
+    B, S, N, H = h_BSNH.shape
+    cd = compute_dtype(h_BSNH.dtype)
+    flat = h_BSNH.reshape(B, S, N * H).to(cd)
+    flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
+    return F.linear(flat, fn_MD.to(cd))
+
+
 @dispatch.register("hc_weights", "torch", reference=True)
 def hc_weights_reference(mix_BSM: torch.Tensor, base_M: torch.Tensor, scale_3: torch.Tensor, N: int, iters: int,
                          hc_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -104,12 +115,8 @@ class HyperConnection(nn.Module):
 
     def forward(self, h_BSNH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``h_BSNH -> (post_BSN, comb_BSNN, x_BSH)``; post/comb in the compute dtype, x in h's dtype."""
-        B, S, N, _ = h_BSNH.shape
-        cd = compute_dtype(h_BSNH.dtype)
-        flat = h_BSNH.reshape(B, S, -1).to(cd)
-        # unweighted RMSNorm over all N*H features (HF's Glm5NextTextUnweightedRMSNorm)
-        flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + self.norm_eps)
-        mix = F.linear(flat, self.fn.to(cd))
+        N = h_BSNH.shape[2]
+        mix = dispatch.call("hc_mix", h_BSNH, self.fn, self.norm_eps, layer=self.layer)
         pre, post, comb = dispatch.call("hc_weights", mix, self.base, self.scale, N, self.sinkhorn_iters, self.hc_eps,
                                         layer=self.layer)
         x_BSH = dispatch.call("hc_collapse", pre, h_BSNH, layer=self.layer)
