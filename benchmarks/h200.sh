@@ -236,6 +236,11 @@ print('planned longest, bf16 weights:', longest_length(get_preset('glm5-flash-1g
       --json "$OUT/profile_32k_fast.json" --model.kernels fast > "$OUT/profile_1gpu_32k_fast.txt" 2>&1
     tail -150 "$OUT/profile_1gpu_32k_fast.txt"
     ;;
+  s11b)  # prepared in session 10 (issue 17), not yet run: the 48-layer LoRA step at the planner's longest, 632K,
+      # as s10b did at 512K (forward ~7 min; a whole step there is ~30 minutes, past a call and a session's budget)
+    timeout 585 python3 benchmarks/lora_partial_step.py 632K --backward-layers 2 --out "$OUT/lora_48l_632k_partial.json"
+    NOTAR=1
+    ;;
   fsdp8)  # (nvidia-h200-x8) FSDP2 over 8 GPUs, bf16 weights: glm5-flash-slice (the full model's layer shapes)
       # at 64K, dp_cp over dp 2 x cp 4; metrics.jsonl holds each step's measured and planned peak
     timeout 500 torchrun --nproc-per-node 8 -m megaseq train recipes/glm5-flash-slice.yaml --train.steps 3 \

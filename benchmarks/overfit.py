@@ -15,13 +15,17 @@ first. Results: OUT.json and OUT.md.
 
 Calibrated on the CPU (session 8, stage 1's weights of session 7, 4K windows, float32): a 2K region stays
 flat (1.309 -> 1.295 nats in 15 steps at lr 1e-3; 1.309 -> 1.320 in 11 at 3e-3, as on the H200); a
-256-base region falls, slowly at first and then fast: 1.285 -> 0.378 nats in 20 steps at lr 1e-3 (29%,
-still falling 0.05 a step), 0.457 at 2e-3. Hence the defaults: 256 bases, lr 1e-3, 30 steps. Each window
-repeats its region, so a step's gradient is about the same at 4K and at 128K: the calibration carries over,
-for the same region. Until session 9 the region moved with the window's length (the middle of the window):
-on the H200 at 128K another region fell only to 62% in 30 steps, and on the CPU that region fell to 69% in
-20 (float32, 4K), so the region, not the length or bf16, made most of the difference. The region is now the
-calibrated one at every length (``--start`` picks another).
+256-base region falls, slowly at first and then fast: 1.285 -> 0.378 nats in 20 steps at lr 1e-3 (29%),
+0.457 at 2e-3. Hence the defaults: 256 bases, lr 1e-3, 30 steps. The region is the calibrated one at every
+length (``--start`` picks another; until session 9 it moved with the length).
+
+Measured on an H200 (session 10, ``benchmarks/results/h200/session10/``): at 4K the test passes (14.6% in
+bf16, 13.2% in fp32) and follows the CPU's float32 curve step for step; at 16K and 128K the same region falls
+only to 74-80% in 30 steps, in bf16 and fp32 and with or without the memory fixes, and a CPU run at 16K
+gives the H200's first losses to 3-4 digits. So at 16K and more the test's 20% is a property of this model
+and task at that length, not a check of the long-sequence step's gradients (those are the float64 exactness
+tests'). ``--set SECTION.KEY=VALUE`` changes a setting of the run (``model.dtype=fp32``,
+``memory.auto=false``).
 """
 
 from __future__ import annotations
