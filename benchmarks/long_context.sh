@@ -15,12 +15,18 @@
 #      end-of-run report: the held-out genomes with relatives and alone, before = stage 1's model, EVAL_WINDOWS
 #      per genome), then stage 4 (30 overfit steps); outputs copied to $OUT as each part ends, the stage-2
 #      bf16 HF export too, split into 15 MiB parts (cat hf.part* | tar x) for a later call to carry
+#   eq  session 10's design in ONE call (docs/long_context.md, "Session 10"): equal regions and one layout for
+#      every species (data.related 3, related_jitter 0: the positional copy the model does learn), trained at
+#      256K for TEQ seconds (default 360) from carried stage-1 weights (INIT, default .ovf/w16k/hf), then the
+#      run's own report: held-out genomes after 2 relatives in the same layout and alone, before = INIT, in 32K
+#      buckets against the 12-mer (carry .ovf/ and .data/, not .whl/: 58 MB)
 #   short  stage 1 alone in one call (T1 seconds of steps, STEPS1 its schedule), evaluated at 16K by the run
 #      itself, then the log-prob check at 16K, 128K and 256K on its weights
 # SMOKE=1: every stage on a tiny CPU configuration (the H. pylori genomes only, windows of 2K and 4K, a few
 # steps each; about 10 minutes on 2 cores): a pipeline check before device time is spent, not the experiment.
 set -u
-[ $# -eq 1 ] || { echo "usage: [SMOKE=1] [GENOMES=DIR] [OUT=DIR] bash benchmarks/long_context.sh 1|2|3|4|all|call|short"; exit 2; }
+[ $# -eq 1 ] || { echo "usage: [SMOKE=1] [GENOMES=DIR] [OUT=DIR] bash benchmarks/long_context.sh 1|2|3|4|all|call|eq|short"
+                 exit 2; }
 OUT=${OUT:-out}
 PY=${PY:-python3}   # PY=/path/to/venv/bin/python elsewhere
 mkdir -p "$OUT"
@@ -52,7 +58,10 @@ if [ -n "${SMOKE:-}" ]; then
   T1D=60; T2D=40; EWD=2
   CALL1=(--train.steps 20 --train.save_every 0 --train.eval_every 0)
   CALL2=(--train.steps 10 --train.save_every 0 --train.eval_every 0)
+  EQ=(--data.seq_len 4K --eval.seq_len 4K --eval.by_position 1K --eval.kmer_k 6 --train.steps 4
+      --optim.warmup_steps 2 --train.device cpu)
 fi
+EQ=(${EQ[@]+"${EQ[@]}"})  # the eq stage's settings beyond the recipe's 256K (SMOKE: a 4K CPU check)
 T1=${T1:-$T1D}; T2=${T2:-$T2D}; EVAL_WINDOWS=${EVAL_WINDOWS:-$EWD}
 DEADLINE=${DEADLINE:-$(( $(date +%s) + 585 ))}  # the device call's end (epoch seconds; a calling script may set it)
 left() { local l=$(( DEADLINE - $(date +%s) - ${1:-0} )); echo $(( l > 20 ? l : 20 )); }  # seconds to it, less $1
@@ -116,6 +125,16 @@ stage() {
         "${S4_LOGPROB[@]}" --out $L/logprob_trained 2>&1 | grep -v "Loading weights"; pack
       timeout $(left) $PY benchmarks/overfit.py $LONG "${S4_OVERFIT[@]}" \
         --out $L/overfit 2>&1 | grep -v "^step "; pack
+      ;;
+    eq)
+      L=${LC_DIR:-/tmp/long_context}/eq; mkdir -p $L
+      pack() { tar czf "$OUT/long_context_eq.tgz" -C "$(dirname $L)" eq; }
+      TEQ=${TEQ:-360}  # seconds of steps (about 100 at 256K); the evaluation after takes about 2 minutes
+      timeout $((TEQ + 200)) $PY -m megaseq train "$RECIPE" "${DATA[@]}" --model.init_from "${INIT:-.ovf/w16k/hf}" \
+        --data.related 3 --data.related_jitter 0 --optim.lr ${LR:-2e-3} --train.steps 400 --train.save_every 0 \
+        --train.eval_every 0 --train.time_limit ${TEQ}s --eval.max_windows $EVAL_WINDOWS --train.run_dir $LONG \
+        --train.overwrite true "${EQ[@]}" 2>&1 | grep -v "^step " | tee $L/eq.log
+      cp -r $LONG/eval $L/eval; cp $LONG/metrics.jsonl $LONG/config.yaml $LONG/loss_curve.png $L/; pack
       ;;
     short)  # stage 1 alone in one call: T1 seconds of steps, its own evaluation at 16K (held-out genomes after
       # 3 training relatives' homologous 4K regions, and alone), then the trained-weights log-prob check
