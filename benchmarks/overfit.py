@@ -96,6 +96,93 @@ def overfit(run_dir: Path, seq_len: int, steps: int, lr: float, target: float, o
     return row
 
 
+def _train_on(cfg, init_from: str | None, batch: dict, steps: int) -> list[float]:
+    """``steps`` planned training steps of ``cfg`` on one fixed ``batch``, as ``megaseq train`` runs them (the
+    planner's fixes, the kernels, the MoE balancing), from ``init_from``: the losses."""
+    from megaseq.bench.measure import plan_on
+    from megaseq.config import MemorySettings
+    from megaseq.models.presets import resolve_spec
+    from megaseq.train.balance import Balancer, resolve_balance
+    from megaseq.train.parallel_env import ParallelEnv
+    from megaseq.train.trainer import build_planned_model, dtypes, kernels_for, resolve_device, train_step
+
+    device = resolve_device(cfg)
+    spec = resolve_spec(cfg.model.name)
+    plan = plan_on(cfg, device)
+    memory = MemorySettings.from_dict(plan.memory)
+    env = ParallelEnv(device)
+    losses = []
+    with kernels_for(cfg, device):
+        model, applied, opt, sched = build_planned_model(cfg, spec, device, memory, steps, init_from=init_from,
+                                                         env=env)
+        balancer = Balancer(model, resolve_balance(cfg.moe, spec), env, 1)
+        try:
+            for i in range(steps):
+                loss, _ = train_step(model, [batch], opt, sched, cfg, env, dtypes(cfg, device)[1], memory,
+                                     balancer=balancer)
+                losses.append(float(loss))
+                print(f"step {i + 1}/{steps} | loss {losses[-1]:.4f} | {cfg.data.seq_len:,} tokens", flush=True)
+        finally:
+            applied.release()
+    return losses
+
+
+def packed(run_dir: Path, seq_len: int, doc_len: int, steps: int, lr: float, target: float, out: Path,
+           period: int = 256, start: int | None = None, overrides: tuple[str, ...] = ()) -> dict:
+    """The overfit test with a task that is the same at every length: one window of ``doc_len`` tokens (the
+    repeated region), and a window of ``seq_len`` tokens packed with ``seq_len / doc_len`` copies of it as
+    separate documents (``doc_ids``: attention stays inside each, positions restart). Both windows' mean
+    losses and gradients are the same, so the long run must follow the short one step for step, up to
+    rounding: what the long step's memory fixes (chunked loss, tiling, recompute, offload) do to training
+    shows as the difference. Attention over one long document is not exercised (each document is short)."""
+    import torch
+
+    if seq_len % doc_len:
+        raise SystemExit(f"--packed {doc_len}: the length {seq_len} must be a multiple of it")
+    raw = yaml.safe_load((run_dir / "config.yaml").read_text())
+    cfg0 = build_config(raw)
+    from megaseq.data.fasta import load_dna_split
+
+    split = load_dna_split(cfg0.data)
+    rec = max(next(iter(split.heldout.values()), None) or split.train, key=len)
+    start = (len(rec) - CALIBRATION_WINDOW - 1) // 2 if start is None else start
+    piece = rec.tokens[start:start + period].tolist()
+    doc = torch.tensor((piece * (-(-(doc_len + 1) // len(piece))))[:doc_len + 1], dtype=torch.int64)
+    init = str(run_dir / "hf") if (run_dir / "hf").is_dir() else None
+    runs = {}
+    for name, length in (("short", doc_len), ("packed", seq_len)):
+        n = length // doc_len
+        batch = {"input_ids": doc[:-1].repeat(n)[None], "labels": doc[1:].repeat(n)[None],
+                 "doc_ids": torch.arange(n, dtype=torch.int32).repeat_interleave(doc_len)[None]}
+        r = {**raw, "data": {**raw["data"], "seq_len": length},
+             "optim": {**raw["optim"], "lr": lr, "warmup_steps": 2, "min_lr_ratio": 1.0, "weight_decay": 0.0},
+             "model": {**raw["model"], "init_from": None}}
+        for item in overrides:
+            key, _, value = item.partition("=")
+            section, _, field = key.partition(".")
+            r[section] = {**r.get(section, {}), field: yaml.safe_load(value)}
+        runs[name] = _train_on(build_config(r), init, batch, steps)
+    short, long_ = runs["short"], runs["packed"]
+    diff = max(abs(a - b) for a, b in zip(short, long_))
+    row = {"seq_len": seq_len, "doc_len": doc_len, "documents": seq_len // doc_len, "steps": steps, "lr": lr,
+           "losses_short": short, "losses_packed": long_, "max_abs_diff": diff,
+           "ratio_short": short[-1] / short[0], "ratio_packed": long_[-1] / long_[0], "target": target,
+           "passed": long_[-1] <= target * long_[0], "init": init or "random", "overrides": list(overrides),
+           "window": f"{rec.id}:{start}", "period": period,
+           "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "torch": torch.__version__,
+           "python": platform.python_version(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(row, indent=2) + "\n")
+    md = (f"Packed overfit test: {seq_len:,} tokens as {row['documents']} documents of the same {doc_len:,}-token "
+          f"window ({row['window']}, a {period}-base region repeated), {steps} steps at lr {lr} from {row['init']} "
+          f"on {row['gpu']}: loss {long_[0]:.4f} -> {long_[-1]:.4f} ({row['ratio_packed']:.1%} of the first; "
+          f"target <= {target:.0%}: {'passed' if row['passed'] else 'FAILED'}); the {doc_len:,}-token window alone "
+          f"{short[0]:.4f} -> {short[-1]:.4f} ({row['ratio_short']:.1%}); largest step difference {diff:.4f} nats.\n")
+    out.with_suffix(".md").write_text(md)
+    print(md)
+    return row
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("run_dir", type=Path)
@@ -107,9 +194,16 @@ def main() -> None:
     p.add_argument("--start", type=int, default=None,
                    help="the region's first base in the genome (default: the calibrated one, at every length)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/overfit"))
+    p.add_argument("--packed", default=None, metavar="DOC",
+                   help="the same task at every length: the window packed with copies of one DOC-token window as "
+                        "separate documents, beside a run of that window alone (e.g. --packed 4K)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="a setting of the run's config (repeatable), e.g. model.dtype=fp32")
     a = p.parse_args()
+    if a.packed:
+        packed(a.run_dir, parse_size(a.seq_len), parse_size(a.packed), a.steps, a.lr, a.target, a.out,
+               parse_size(a.period), a.start, tuple(a.set))
+        return
     overfit(a.run_dir, parse_size(a.seq_len), a.steps, a.lr, a.target, a.out, parse_size(a.period), a.start,
             tuple(a.set))
 
