@@ -240,6 +240,17 @@ print('planned longest, bf16 weights:', longest_length(get_preset('glm5-flash-1g
       --json "$OUT/profile_32k_fast.json" --model.kernels fast > "$OUT/profile_1gpu_32k_fast.txt" 2>&1
     tail -150 "$OUT/profile_1gpu_32k_fast.txt"
     ;;
+  s11c)  # prepared in session 10 (issue 13), not yet run: the speed issue's figures with the fast kernels (now with
+      # the fused MoE permute/combine and hc_mix) against the reference in one job, then 32K fast without the
+      # planner's KDA segments (the plan is at the memory edge with the default kernels' working sets, and the
+      # segments' replay took 50 ms of a 1.39 s step in session 10's profile): does it fit, and how much faster?
+    timeout 400 python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml --seq-lens 8K,32K --baseline \
+      --model.kernels fast --out "$OUT/bench_1gpu_fast"
+    timeout $((585 - SECONDS)) python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml --seq-lens 32K --steps 2 \
+      --model.kernels fast --memory.auto false --memory.chunked_loss true --memory.indexer_query_chunk 4K \
+      --out "$OUT/bench_1gpu_fast_32k_nosegments"
+    NOTAR=1
+    ;;
   s11b)  # prepared in session 10 (issue 17), not yet run: the 48-layer LoRA step at the planner's longest, 632K,
       # as s10b did at 512K (forward ~7 min; a whole step there is ~30 minutes, past a call and a session's budget)
     timeout 585 python3 benchmarks/lora_partial_step.py 632K --backward-layers 2 --out "$OUT/lora_48l_632k_partial.json"
