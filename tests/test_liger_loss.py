@@ -71,3 +71,37 @@ def test_liger_all_ignored_gives_zero():
     assert loss.item() == 0.0
     g_h, g_w = torch.autograd.grad(loss, (hidden, weight))
     assert g_h.abs().max().item() == 0.0 and g_w.abs().max().item() == 0.0
+
+
+# ---- op chunked_linear_cross_entropy: the loss where the memory plan bounds it -------------------------------
+def test_the_planned_chunked_loss_runs_through_its_op():
+    """``memory.vocab_loss.linear_cross_entropy`` with ``chunk_tokens`` calls op ``chunked_linear_cross_entropy``:
+    megaseq's chunked loss by default; Liger when preferred (``model.kernels fast``) and it can run, else the
+    chunked loss again with the reason (here: the CPU)."""
+    from megaseq.memory import vocab_loss
+
+    hidden, weight, labels = _inputs()
+    want = vocab_loss.chunked_linear_cross_entropy(hidden, weight, labels, 8)
+    for prefer, expect in (({}, "torch_chunked"), ({"chunked_linear_cross_entropy": ["liger"]}, "torch_chunked")):
+        dispatch.reset_records()
+        with dispatch.configured(prefer, {}, False):
+            got = vocab_loss.linear_cross_entropy(hidden, weight, labels, chunk_tokens=8)
+        recs = {r.op: r for _, r in dispatch.records()}
+        assert recs["chunked_linear_cross_entropy"].impl == expect
+        assert torch.equal(got, want)
+    assert "liger" in recs["chunked_linear_cross_entropy"].reason  # why Liger did not run
+
+
+@pytest.mark.gpu
+@GPU
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_liger_as_the_chunked_loss_matches_it(reduction):
+    from megaseq.memory import vocab_loss
+
+    hidden, weight, labels = _inputs(N=4096, H=256, V=8191, dtype=torch.bfloat16, device="cuda")
+    runs = []
+    for fn in (liger_loss.chunked_linear_cross_entropy_liger, vocab_loss.chunked_linear_cross_entropy):
+        loss = fn(hidden, weight, labels, 1024, None, -100, reduction)
+        runs.append((loss, *torch.autograd.grad(loss, [hidden, weight])))
+    for name, a, b in zip(("loss", "grad hidden", "grad weight"), *runs):
+        assert _rel(a, b) <= 2e-2, (name, _rel(a, b))

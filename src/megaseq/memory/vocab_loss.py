@@ -115,6 +115,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
         return grad_h, grad_w, None, None, None, None
 
 
+@dispatch.register("chunked_linear_cross_entropy", "torch_chunked", reference=True)
 def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                                  chunk_tokens: int, vocab_chunk: int | None = None, ignore_index: int = -100,
                                  reduction: str = "mean",
@@ -140,9 +141,9 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     """The trainer's entry point: chunked when ``chunk_tokens`` is set (``MemoryPlan.loss_chunk_tokens``),
     plain otherwise. Leading dimensions of ``hidden [..., H]`` and ``labels [...]`` are flattened."""
     h_NH, labels_N = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
-    if chunk_tokens:
-        out = chunked_linear_cross_entropy(h_NH, weight, labels_N, chunk_tokens, vocab_chunk, ignore_index,
-                                           reduction, num_items)
+    if chunk_tokens:  # op chunked_linear_cross_entropy: this module's loss, or a fused one as bounded (Liger)
+        out = dispatch.call("chunked_linear_cross_entropy", h_NH, weight, labels_N, chunk_tokens, vocab_chunk,
+                            ignore_index, reduction, num_items, layer="loss")
     else:
         out = dispatch.call("linear_cross_entropy", h_NH, weight, labels_N, ignore_index, reduction, num_items,
                             layer="loss")

@@ -35,6 +35,7 @@ FAST_GPU = {
     "moe_permute": "triton",
     "moe_combine": "triton",
     "linear_cross_entropy": "liger",
+    "chunked_linear_cross_entropy": "liger",
 }
 KERNEL_SETS = ("default", "fast")
 

@@ -17,6 +17,12 @@ The weight gradient accumulates in the weight's dtype across chunks unless ``WEI
 Liger is called with ``sum`` or ``none`` only; megaseq divides for ``mean`` (Liger's own ``mean`` divides by
 zero on an all-ignored batch, and has no ``num_items``).
 
+It also implements op ``chunked_linear_cross_entropy`` (the loss where the memory plan bounds it,
+``memory.chunked_loss``; reference ``memory.vocab_loss.chunked_linear_cross_entropy``): Liger's working set is
+itself bounded (one chunk of about ``N * H / V`` rows of logits beside the two gradients), below the
+reference's ``chunk_tokens x V`` float32 chunk, so the plan stays an upper bound; the chunk sizes are the
+reference's and Liger ignores them.
+
 Measured on an H200 (benchmarks/glue_gpu.py: 32K tokens x V 154,880 x H 4096, bf16, forward + backward, peak
 above the inputs): plain 0.249 s / 56.7 GiB; chunked (4096 tokens) 0.338 s / 6.2 GiB; Liger 0.197 s /
 1.73 GiB, with an fp32 weight-gradient accumulator 0.210 s / 3.80 GiB. grad weight against the plain loss:
@@ -73,3 +79,16 @@ def linear_cross_entropy_liger(hidden: torch.Tensor, weight: torch.Tensor, label
     if num_items is not None:
         return loss / num_items
     return loss / (labels != ignore_index).sum().clamp(min=1)
+
+
+@dispatch.register("chunked_linear_cross_entropy", "liger",
+                   supports=lambda h, w, y, chunk_tokens, vocab_chunk=None, ignore_index=-100, reduction="mean",
+                   num_items=None: liger_loss_supports(h, w, y, ignore_index, reduction, num_items), opt_in=True)
+def chunked_linear_cross_entropy_liger(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                                       chunk_tokens: int, vocab_chunk: int | None = None, ignore_index: int = -100,
+                                       reduction: str = "mean",
+                                       num_items: int | float | torch.Tensor | None = None) -> torch.Tensor:
+    """Same contract as the reference ``chunked_linear_cross_entropy``; the chunk sizes are the reference's
+    (Liger chunks by its own rule, within them)."""
+    del chunk_tokens, vocab_chunk
+    return linear_cross_entropy_liger(hidden, weight, labels, ignore_index, reduction, num_items)
