@@ -231,7 +231,7 @@ print('planned longest, bf16 weights:', longest_length(get_preset('glm5-flash-1g
   s11a)  # prepared in session 10 (issue 13), not yet run: the GPU tests of the fused MoE permute/combine and of
       # the fused hc_mix, then the annotated profile of a fast 32K step with them (by kernel, module part,
       # backward function and aten op shape; session 10's without them: benchmarks/results/h200/session10/)
-    timeout 120 python3 -m pytest -q -m gpu tests/test_triton_moe_glue.py tests/test_hc_mix.py 2>&1 | tail -5
+    timeout 150 python3 -m pytest -q -m gpu tests/test_triton_moe_glue.py tests/test_hc_mix.py tests/test_liger_loss.py 2>&1 | tail -5
     # (issue 18) the packed overfit test: 128K as 32 documents of the calibrated 4K window, beside the 4K window
     # alone (carry .ovf/ with .whl/)
     [ -d .ovf/w16k ] && timeout 150 python3 benchmarks/overfit.py .ovf/w16k --seq-len 128K --packed 4K --steps 30 \
