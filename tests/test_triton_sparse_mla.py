@@ -11,10 +11,7 @@ glm5-flash-1gpu shapes (R = 512, Dn = Dv = 256, W = 2063, causal pool selections
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import torch
 
@@ -26,6 +23,7 @@ import pytest  # noqa: E402
 from megaseq.models.common.mla_dsa import sparse_mla_reference  # noqa: E402
 from megaseq.ops import dispatch, sparse_mla, workspace  # noqa: E402
 from megaseq.ops import triton_sparse_mla as tsm  # noqa: E402
+from triton_compile import compile_in_child  # noqa: E402
 
 triton = pytest.importorskip("triton")
 torch.set_num_threads(1)
@@ -189,14 +187,8 @@ def test_kernels_compile_for_sm90():
     """Triton's interpreter accepts code the compiler refuses (it did: a helper returning masks of two
     shapes); compile both kernels for an H200 in a process without TRITON_INTERPRET. The latent gradient's
     atomics must come out 4-wide (``atom...add.v4.f32``): scalar ones would be 4x the atomic operations."""
-    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
-        pytest.skip("triton without its bundled ptxas")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(tsm.__file__).parents[2]), env.get("PYTHONPATH", "")])
-    run_ = subprocess.run([sys.executable, "-c", COMPILE_SM90], env=env, capture_output=True, text=True, timeout=600)
-    assert run_.returncode == 0, run_.stderr[-3000:]
-    lines = run_.stdout.splitlines()
-    assert len(lines) == 5, run_.stdout
+    lines = compile_in_child(COMPILE_SM90).splitlines()
+    assert len(lines) == 5, lines
     assert "bwd torch.bfloat16 16 v4-atomics" in lines and "bwd torch.float32 16 v4-atomics" in lines
 
 
