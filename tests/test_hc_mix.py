@@ -15,6 +15,7 @@ import torch
 from megaseq.models.common import mhc
 from megaseq.ops import dispatch
 from megaseq.ops import hc_mix as fused
+from numerics import rel_err
 
 F64, F32, BF16 = torch.float64, torch.float32, torch.bfloat16
 
@@ -33,17 +34,13 @@ def _run(impl, h, fn, autocast=None, seed=3):
     return (mix, *torch.autograd.grad(mix, [h, fn], g))
 
 
-def _rel(a, b):
-    return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
-
-
 @pytest.mark.parametrize("dtype,tol", [(F64, 1e-12), (F32, 2e-5)])
 def test_fused_matches_reference(dtype, tol):
     h, fn = _inputs(dtype)
     got, want = _run(fused.hc_mix_fused, h, fn), _run(mhc.hc_mix_reference, h, fn)
     for name, a, b in zip(("mix", "grad h", "grad fn"), got, want):
         assert a.dtype == b.dtype, (name, a.dtype, b.dtype)
-        assert _rel(a, b) <= tol, (name, _rel(a, b))
+        assert rel_err(a, b) <= tol, (name, rel_err(a, b))
 
 
 def test_fused_matches_reference_under_bf16_autocast():
@@ -54,7 +51,7 @@ def test_fused_matches_reference_under_bf16_autocast():
         got, want = _run(fused.hc_mix_fused, h, fn, BF16), _run(mhc.hc_mix_reference, h, fn, BF16)
         for name, a, b in zip(("mix", "grad h", "grad fn"), got, want):
             assert a.dtype == b.dtype, (name, a.dtype, b.dtype)
-            assert _rel(a, b) <= 1.5e-2, (stream, name, _rel(a, b))  # measured 0.4-0.5%
+            assert rel_err(a, b) <= 1.5e-2, (stream, name, rel_err(a, b))  # measured 0.4-0.5%
 
 
 def test_backward_without_the_scale_term_fails(monkeypatch):
@@ -63,8 +60,8 @@ def test_backward_without_the_scale_term_fails(monkeypatch):
     want = _run(mhc.hc_mix_reference, h, fn)
     monkeypatch.setattr(fused.torch, "addcmul", lambda x, a, b: x)
     got = _run(fused.hc_mix_fused, h, fn)
-    assert _rel(got[0], want[0]) <= 1e-12  # the forward is untouched
-    assert _rel(got[1], want[1]) > 1e-3
+    assert rel_err(got[0], want[0]) <= 1e-12  # the forward is untouched
+    assert rel_err(got[1], want[1]) > 1e-3
 
 
 def test_a_glm5_model_with_the_fused_op_matches_the_reference():
@@ -85,7 +82,7 @@ def test_a_glm5_model_with_the_fused_op_matches_the_reference():
         grads[name] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     assert grads["fused"].keys() == grads["ref"].keys()
     for n in grads["ref"]:
-        assert _rel(grads["fused"][n], grads["ref"][n]) <= 1e-10 or grads["ref"][n].abs().max() == 0, n
+        assert rel_err(grads["fused"][n], grads["ref"][n]) <= 1e-10 or grads["ref"][n].abs().max() == 0, n
 
 
 @pytest.mark.gpu
@@ -95,4 +92,4 @@ def test_fused_matches_reference_on_the_gpu():
     h, fn = _inputs(F32, B=1, S=4096, N=4, H=2048, device="cuda")
     got, want = _run(fused.hc_mix_fused, h, fn, BF16), _run(mhc.hc_mix_reference, h, fn, BF16)
     for name, a, b in zip(("mix", "grad h", "grad fn"), got, want):
-        assert _rel(a, b) <= 1.5e-2, (name, _rel(a, b))
+        assert rel_err(a, b) <= 1.5e-2, (name, rel_err(a, b))

@@ -14,6 +14,7 @@ import torch
 
 from megaseq.ops import dispatch, liger_loss
 from megaseq.ops.cross_entropy import plain_linear_cross_entropy
+from numerics import rel_err
 
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 
@@ -25,10 +26,6 @@ def _inputs(N=37, H=24, V=301, dtype=torch.float32, device="cpu", seed=0):
     labels = torch.randint(0, V, (N,), generator=gen).to(device)
     labels[::5] = -100
     return hidden, weight, labels
-
-
-def _rel(a, b) -> float:
-    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
 
 
 def test_liger_declines_cpu_and_falls_back():
@@ -53,12 +50,12 @@ def test_liger_matches_plain(dtype, tol, reduction, num_items):
     ref = plain_linear_cross_entropy(hidden, weight, labels, -100, reduction, num_items)
     out = liger_loss.linear_cross_entropy_liger(hidden, weight, labels, -100, reduction, num_items)
     assert out.dtype == ref.dtype and out.shape == ref.shape
-    assert _rel(out, ref) < tol
+    assert rel_err(out, ref) < tol
     w = torch.randn_like(ref)
     g_ref = torch.autograd.grad((ref * w).sum(), (hidden, weight))
     g_out = torch.autograd.grad((out * w).sum(), (hidden, weight))
     for a, b in zip(g_out, g_ref):
-        assert _rel(a, b) < tol
+        assert rel_err(a, b) < tol
 
 
 @pytest.mark.gpu
@@ -104,4 +101,4 @@ def test_liger_as_the_chunked_loss_matches_it(reduction):
         loss = fn(hidden, weight, labels, 1024, None, -100, reduction)
         runs.append((loss, *torch.autograd.grad(loss, [hidden, weight])))
     for name, a, b in zip(("loss", "grad hidden", "grad weight"), *runs):
-        assert _rel(a, b) <= 2e-2, (name, _rel(a, b))
+        assert rel_err(a, b) <= 2e-2, (name, rel_err(a, b))

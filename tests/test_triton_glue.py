@@ -30,6 +30,7 @@ from megaseq.ops import triton_mhc as mhc  # noqa: E402
 from megaseq.ops import triton_mhc_streams as streams  # noqa: E402
 from megaseq.ops import triton_rms_norm as rms  # noqa: E402
 from megaseq.ops import triton_swiglu as swi  # noqa: E402
+from numerics import assert_close  # noqa: E402
 
 torch.set_num_threads(1)
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -37,19 +38,6 @@ F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 # (output, gradients) relative tolerance per input dtype
 TOL = {F32: (2e-5, 2e-5), F16: (2e-3, 4e-3), BF16: (1.6e-2, 3e-2)}
-
-
-def assert_close(name: str, got: torch.Tensor, want: torch.Tensor, rtol: float) -> None:
-    """Relative to max |want|; on failure says where the largest difference is."""
-    assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} vs {tuple(want.shape)}"
-    diff = (got.double() - want.double()).abs()
-    scale = want.double().abs().max().clamp_min(1e-30)
-    rel = (diff.max() / scale).item()
-    if not rel <= rtol:
-        i = int(diff.argmax())
-        idx = tuple(int(v) for v in torch.unravel_index(torch.tensor(i), got.shape))
-        raise AssertionError(f"{name}: max abs err {diff.max().item():.3e} at {idx} (got {got.flatten()[i].item()}, "
-                             f"want {want.flatten()[i].item()}), rel {rel:.3e} > {rtol:.1e}")
 
 
 def assert_supported(why: str | None) -> None:

@@ -28,6 +28,7 @@ pytest.importorskip("triton")
 from megaseq.models.common import moe  # noqa: E402
 from megaseq.ops import _triton_util, dispatch  # noqa: E402
 from megaseq.ops import triton_moe_glue as glue  # noqa: E402
+from numerics import assert_close  # noqa: E402
 from triton_compile import compile_in_child  # noqa: E402
 
 torch.set_num_threads(1)
@@ -48,9 +49,8 @@ def _routing(N: int, K: int, E: int, seed: int = 0):
 
 
 def _close(name: str, got: torch.Tensor, want: torch.Tensor, rtol: float) -> None:
-    assert got.shape == want.shape and got.dtype == want.dtype, (name, got.shape, want.shape, got.dtype, want.dtype)
-    err = ((got.double() - want.double()).abs().max() / want.double().abs().max().clamp_min(1e-30)).item()
-    assert err <= rtol, f"{name}: relative error {err:.3e} > {rtol:.1e}"
+    assert got.dtype == want.dtype, (name, got.dtype, want.dtype)
+    assert_close(name, got, want, rtol)
 
 
 def _grads(out: torch.Tensor, inputs: list[torch.Tensor], seed: int = 7):

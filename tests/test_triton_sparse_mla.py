@@ -23,6 +23,7 @@ import pytest  # noqa: E402
 from megaseq.models.common.mla_dsa import sparse_mla_reference  # noqa: E402
 from megaseq.ops import dispatch, sparse_mla, workspace  # noqa: E402
 from megaseq.ops import triton_sparse_mla as tsm  # noqa: E402
+from numerics import rel_err  # noqa: E402
 from triton_compile import compile_in_child  # noqa: E402
 
 triton = pytest.importorskip("triton")
@@ -53,10 +54,6 @@ def where_differ(name: str, a: torch.Tensor, b: torch.Tensor) -> str:
     rel = err.max().item() / max(b.double().abs().max().item(), 1e-300)
     return (f"{name}: max abs {err.max().item():.3e} at {at} (got {a.flatten()[i].item():.6g}, want "
             f"{b.flatten()[i].item():.6g}), rel {rel:.3e}")
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-300)).item()
 
 
 def assert_close(name: str, a: torch.Tensor, b: torch.Tensor, tol: float) -> None:
