@@ -48,19 +48,60 @@ sys.path.insert(0, str(ROOT / "src"))
 from megaseq.config import build_config, parse_size  # noqa: E402
 
 
-def overfit(run_dir: Path, seq_len: int, steps: int, lr: float, target: float, out: Path, period: int = 256,
-            start: int | None = None, overrides: tuple[str, ...] = ()) -> dict:
+def _region(run_dir: Path, start: int | None) -> tuple[dict, object, int]:
+    """``(raw config, record, start)``: the run's config as read, its first held-out genome (else its longest
+    training one) and the region's first base (the calibrated one unless ``start`` is given)."""
     from megaseq.data.fasta import load_dna_split
-    from megaseq.train.trainer import run_training
 
     raw = yaml.safe_load((run_dir / "config.yaml").read_text())
-    cfg0 = build_config(raw)
-    split = load_dna_split(cfg0.data)
+    split = load_dna_split(build_config(raw).data)
     rec = max(next(iter(split.heldout.values()), None) or split.train, key=len)
     start = (len(rec) - CALIBRATION_WINDOW - 1) // 2 if start is None else start  # one region at every length
-    piece = rec.tokens[start:start + (period or seq_len + 1)].tolist()
-    piece = (piece * (-(-(seq_len + 1) // len(piece))))[:seq_len + 1]
-    bases = "".join("ACGTN"[i - 4] if 4 <= i <= 8 else "N" for i in piece)
+    return raw, rec, start
+
+
+def _repeated(rec, start: int, period: int, length: int) -> list[int]:
+    """``length + 1`` tokens: the ``period``-token region at ``start`` repeated (0: the window itself)."""
+    piece = rec.tokens[start:start + (period or length + 1)].tolist()
+    return (piece * (-(-(length + 1) // len(piece))))[:length + 1]
+
+
+def _settings(raw: dict, lr: float, overrides: tuple[str, ...]) -> dict:
+    """``raw`` with the test's optimiser (a constant ``lr`` after 2 warm-up steps, no weight decay) and the
+    ``--set`` overrides (``section.key=value``, the value read as YAML)."""
+    raw = {**raw, "optim": {**raw["optim"], "lr": lr, "warmup_steps": 2, "min_lr_ratio": 1.0, "weight_decay": 0.0}}
+    for item in overrides:
+        key, _, value = item.partition("=")
+        section, _, name = key.partition(".")
+        raw[section] = {**raw.get(section, {}), name: yaml.safe_load(value)}
+    return raw
+
+
+def _init(run_dir: Path) -> str | None:
+    return str(run_dir / "hf") if (run_dir / "hf").is_dir() else None
+
+
+def _device() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def _write(out: Path, row: dict, md: str) -> dict:
+    """``row`` with the machine and date, as OUT.json; ``md`` as OUT.md, printed."""
+    row = {**row, "gpu": _device(), "torch": torch.__version__, "python": platform.python_version(),
+           "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(row, indent=2) + "\n")
+    out.with_suffix(".md").write_text(md)
+    print(md)
+    return row
+
+
+def overfit(run_dir: Path, seq_len: int, steps: int, lr: float, target: float, out: Path, period: int = 256,
+            start: int | None = None, overrides: tuple[str, ...] = ()) -> dict:
+    from megaseq.train.trainer import run_training
+
+    raw, rec, start = _region(run_dir, start)
+    bases = "".join("ACGTN"[i - 4] if 4 <= i <= 8 else "N" for i in _repeated(rec, start, period, seq_len))
     with tempfile.TemporaryDirectory() as tmp:
         fa = Path(tmp) / "window.fa"
         fa.write_text(f">{rec.id}:{start}\n{bases}\n")
@@ -69,31 +110,21 @@ def overfit(run_dir: Path, seq_len: int, steps: int, lr: float, target: float, o
         raw["train"] = {**raw["train"], "steps": steps, "run_dir": f"{tmp}/run", "eval_after": False,
                         "eval_every": 0, "export_hf": False, "resume": False, "overwrite": False, "save_every": 0,
                         "batch_size": 1, "grad_accum": 1, "time_limit": ""}
-        raw["optim"] = {**raw["optim"], "lr": lr, "warmup_steps": 2, "min_lr_ratio": 1.0, "weight_decay": 0.0}
-        raw["model"] = {**raw["model"], "init_from": str(run_dir / "hf") if (run_dir / "hf").is_dir() else None}
+        raw["model"] = {**raw["model"], "init_from": _init(run_dir)}
         raw["log"] = {**raw.get("log", {}), "tensorboard": False}
-        for item in overrides:  # section.key=value, e.g. model.dtype=fp32 (the value read as YAML)
-            key, _, value = item.partition("=")
-            section, _, name = key.partition(".")
-            raw[section] = {**raw.get(section, {}), name: yaml.safe_load(value)}
+        raw = _settings(raw, lr, overrides)
         result = run_training(build_config(raw))
     losses = result.losses
     row = {"seq_len": seq_len, "steps": steps, "lr": lr, "losses": losses, "first": losses[0], "last": losses[-1],
            "ratio": losses[-1] / losses[0], "passed": losses[-1] <= target * losses[0], "target": target,
            "init": raw["model"]["init_from"] or "random", "overrides": list(overrides),
-           "window": f"{rec.id}:{start}", "period": period,
-           "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "torch": torch.__version__,
-           "python": platform.python_version(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(row, indent=2) + "\n")
+           "window": f"{rec.id}:{start}", "period": period}
     rep = f", a {period:,}-base region repeated" if period else ""
     rep += f", settings {', '.join(overrides)}" if overrides else ""
     md = (f"Overfit test, one window of {seq_len:,} bases ({row['window']}{rep}), {steps} steps at lr {lr} from "
-          f"{row['init']} on {row['gpu']}: loss {row['first']:.4f} -> {row['last']:.4f} nats "
+          f"{row['init']} on {_device()}: loss {row['first']:.4f} -> {row['last']:.4f} nats "
           f"({row['ratio']:.1%} of the first; target <= {target:.0%}): {'passed' if row['passed'] else 'FAILED'}.\n")
-    out.with_suffix(".md").write_text(md)
-    print(md)
-    return row
+    return _write(out, row, md)
 
 
 def _train_on(cfg, init_from: str | None, batch: dict, steps: int) -> list[float]:
@@ -135,52 +166,31 @@ def packed(run_dir: Path, seq_len: int, doc_len: int, steps: int, lr: float, tar
     losses and gradients are the same, so the long run must follow the short one step for step, up to
     rounding: what the long step's memory fixes (chunked loss, tiling, recompute, offload) do to training
     shows as the difference. Attention over one long document is not exercised (each document is short)."""
-    import torch
-
     if seq_len % doc_len:
         raise SystemExit(f"--packed {doc_len}: the length {seq_len} must be a multiple of it")
-    raw = yaml.safe_load((run_dir / "config.yaml").read_text())
-    cfg0 = build_config(raw)
-    from megaseq.data.fasta import load_dna_split
-
-    split = load_dna_split(cfg0.data)
-    rec = max(next(iter(split.heldout.values()), None) or split.train, key=len)
-    start = (len(rec) - CALIBRATION_WINDOW - 1) // 2 if start is None else start
-    piece = rec.tokens[start:start + period].tolist()
-    doc = torch.tensor((piece * (-(-(doc_len + 1) // len(piece))))[:doc_len + 1], dtype=torch.int64)
-    init = str(run_dir / "hf") if (run_dir / "hf").is_dir() else None
+    raw, rec, start = _region(run_dir, start)
+    doc = torch.tensor(_repeated(rec, start, period, doc_len), dtype=torch.int64)
+    init = _init(run_dir)
     runs = {}
     for name, length in (("short", doc_len), ("packed", seq_len)):
         n = length // doc_len
         batch = {"input_ids": doc[:-1].repeat(n)[None], "labels": doc[1:].repeat(n)[None],
                  "doc_ids": torch.arange(n, dtype=torch.int32).repeat_interleave(doc_len)[None]}
-        r = {**raw, "data": {**raw["data"], "seq_len": length},
-             "optim": {**raw["optim"], "lr": lr, "warmup_steps": 2, "min_lr_ratio": 1.0, "weight_decay": 0.0},
-             "model": {**raw["model"], "init_from": None}}
-        for item in overrides:
-            key, _, value = item.partition("=")
-            section, _, field = key.partition(".")
-            r[section] = {**r.get(section, {}), field: yaml.safe_load(value)}
-        runs[name] = _train_on(build_config(r), init, batch, steps)
+        r = {**raw, "data": {**raw["data"], "seq_len": length}, "model": {**raw["model"], "init_from": None}}
+        runs[name] = _train_on(build_config(_settings(r, lr, overrides)), init, batch, steps)
     short, long_ = runs["short"], runs["packed"]
     diff = max(abs(a - b) for a, b in zip(short, long_))
     row = {"seq_len": seq_len, "doc_len": doc_len, "documents": seq_len // doc_len, "steps": steps, "lr": lr,
            "losses_short": short, "losses_packed": long_, "max_abs_diff": diff,
            "ratio_short": short[-1] / short[0], "ratio_packed": long_[-1] / long_[0], "target": target,
            "passed": long_[-1] <= target * long_[0], "init": init or "random", "overrides": list(overrides),
-           "window": f"{rec.id}:{start}", "period": period,
-           "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "torch": torch.__version__,
-           "python": platform.python_version(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(row, indent=2) + "\n")
+           "window": f"{rec.id}:{start}", "period": period}
     md = (f"Packed overfit test: {seq_len:,} tokens as {row['documents']} documents of the same {doc_len:,}-token "
           f"window ({row['window']}, a {period}-base region repeated), {steps} steps at lr {lr} from {row['init']} "
-          f"on {row['gpu']}: loss {long_[0]:.4f} -> {long_[-1]:.4f} ({row['ratio_packed']:.1%} of the first; "
+          f"on {_device()}: loss {long_[0]:.4f} -> {long_[-1]:.4f} ({row['ratio_packed']:.1%} of the first; "
           f"target <= {target:.0%}: {'passed' if row['passed'] else 'FAILED'}); the {doc_len:,}-token window alone "
           f"{short[0]:.4f} -> {short[-1]:.4f} ({row['ratio_short']:.1%}); largest step difference {diff:.4f} nats.\n")
-    out.with_suffix(".md").write_text(md)
-    print(md)
-    return row
+    return _write(out, row, md)
 
 
 def main() -> None:
