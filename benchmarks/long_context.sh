@@ -19,7 +19,9 @@
 #      every species (data.related 3, related_jitter 0: the positional copy the model does learn), trained at
 #      256K for TEQ seconds (default 360) from carried stage-1 weights (INIT, default .ovf/w16k/hf), then the
 #      run's own report: held-out genomes after 2 relatives in the same layout and alone, before = INIT, in 32K
-#      buckets against the 12-mer (carry .ovf/ and .data/, not .whl/: 58 MB)
+#      buckets against the 12-mer (carry .ovf/w16k and .data/ without ecoli_MG1655: the tree's 6 MB on top
+#      leaves them just under the 64 MiB a call carries). EQ_CHAIN=1: train only, and return the weights as
+#      eq_hf.part* for the next call's INIT (a chain of calls trains past one call's ~85 steps at 256K)
 #   short  stage 1 alone in one call (T1 seconds of steps, STEPS1 its schedule), evaluated at 16K by the run
 #      itself, then the log-prob check at 16K, 128K and 256K on its weights
 # SMOKE=1: every stage on a tiny CPU configuration (the H. pylori genomes only, windows of 2K and 4K, a few
@@ -130,11 +132,17 @@ stage() {
       L=${LC_DIR:-/tmp/long_context}/eq; mkdir -p $L
       pack() { tar czf "$OUT/long_context_eq.tgz" -C "$(dirname $L)" eq; }
       TEQ=${TEQ:-360}  # seconds of steps (about 100 at 256K); the evaluation after takes about 2 minutes
+      # EQ_CHAIN=1: no evaluation; the trained weights come back in bf16 parts (cat eq_hf.part* | tar x -> hf/)
+      # for the next call to carry as INIT (one call trains ~85 steps at 256K; session 11's 82 did not copy)
+      [ -n "${EQ_CHAIN:-}" ] && CHAIN=(--train.eval_after false) || CHAIN=()
       timeout $((TEQ + 200)) $PY -m megaseq train "$RECIPE" "${DATA[@]}" --model.init_from "${INIT:-.ovf/w16k/hf}" \
         --data.related 3 --data.related_jitter 0 --optim.lr ${LR:-2e-3} --train.steps 400 --train.save_every 0 \
         --train.eval_every 0 --train.time_limit ${TEQ}s --eval.max_windows $EVAL_WINDOWS --train.run_dir $LONG \
-        --train.overwrite true "${EQ[@]}" 2>&1 | grep -v "^step " | tee $L/eq.log
-      cp -r $LONG/eval $L/eval; cp $LONG/metrics.jsonl $LONG/config.yaml $LONG/loss_curve.png $L/; pack
+        --train.overwrite true "${EQ[@]}" ${CHAIN[@]+"${CHAIN[@]}"} 2>&1 | grep -v "^step " | tee $L/eq.log
+      cp -r $LONG/eval $L/eval 2>/dev/null; cp $LONG/metrics.jsonl $LONG/config.yaml $LONG/loss_curve.png $L/; pack
+      if [ -n "${EQ_CHAIN:-}" ]; then
+        $PY benchmarks/hf_bf16.py $LONG/hf /tmp/hf_bf16/hf && tar cf - -C /tmp/hf_bf16 hf | split -b 15M - "$OUT/eq_hf.part"
+      fi
       ;;
     short)  # stage 1 alone in one call: T1 seconds of steps, its own evaluation at 16K (held-out genomes after
       # 3 training relatives' homologous 4K regions, and alone), then the trained-weights log-prob check

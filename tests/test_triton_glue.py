@@ -145,6 +145,22 @@ def test_hc_merge_matches_reference(N, H, dtype):
     _compare("hc_merge", streams.hc_merge_triton, blocks_mhc.hc_merge_reference, (post, comb, y, h), dtype)
 
 
+@pytest.mark.parametrize("N,H", [(4, 24), (3, 300)])
+def test_hc_merge_block_output_narrower_than_streams(N, H):
+    """fp32 weights under autocast: the block's output y is half precision beside fp32 streams. The kernel takes
+    it (session 10's fast profile ran the reference's batched GEMM for 9 of 16 merges for want of this) and
+    matches the reference: fp32 output, y's gradient in y's dtype."""
+    _, post, comb, h, _ = _stream_inputs(N, H, F32)
+    y = torch.randn(h.shape[:-2] + (H,), generator=torch.Generator().manual_seed(9)).to(F16).to(DEV).requires_grad_()
+    assert_supported(streams.hc_merge_triton_supports(post, comb, y, h))
+    _compare("hc_merge", streams.hc_merge_triton, blocks_mhc.hc_merge_reference, (post, comb, y, h), F16)
+    gy = torch.autograd.grad(streams.hc_merge_triton(post, comb, y, h).sum(), y)[0]
+    assert gy.dtype == F16
+    # the other way round the reference's output would be fp32 while the kernel writes the streams' dtype
+    why = streams.hc_merge_triton_supports(post, comb, y.detach().float(), h.detach().half())
+    assert why is not None and "wider" in why, why
+
+
 # ---- swiglu -----------------------------------------------------------------------------------------------
 def _swiglu_inputs(dtype, limit, R: int = 37, I: int = 77, seed: int = 5, device: str = DEV):
     """Gate and up as the two strided halves of one [R, 2I] tensor (the routed experts' layout), with
@@ -223,6 +239,9 @@ def test_glue_ops_on_gpu(dtype):
     pre, post, comb, h, y = _stream_inputs(N, H, dtype, B=1, S=S, device="cuda")
     _compare("hc_collapse", streams.hc_collapse_triton, blocks_mhc.hc_collapse_reference, (pre, h), dtype)
     _compare("hc_merge", streams.hc_merge_triton, blocks_mhc.hc_merge_reference, (post, comb, y, h), dtype)
+    if dtype == F32:  # a bf16 block output beside fp32 streams (fp32 weights under autocast)
+        y16 = y.detach().to(BF16).requires_grad_()
+        _compare("hc_merge", streams.hc_merge_triton, blocks_mhc.hc_merge_reference, (post, comb, y16, h), BF16)
     for R, I in ((S, 6144), (S * 8, 1024)):
         gen = torch.Generator().manual_seed(R)
         gu = (torch.randn(R, 2 * I, generator=gen) * 4).to(dtype).cuda().requires_grad_()

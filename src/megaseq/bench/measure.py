@@ -20,6 +20,8 @@ from typing import Any
 import torch
 
 from megaseq.config import Config, MemorySettings
+from megaseq.ops import dispatch
+from megaseq.ops.kernels import preferred_kernels
 from megaseq.plan.flops import mfu
 
 GIB = 2**30
@@ -117,12 +119,18 @@ def measure_megaseq(cfg: Config, seq_len: int, steps: int, source: str) -> dict[
     model = applied = None
     try:
         with kernels_for(c, device):  # the dispatcher as `megaseq train` sets it up
+            dispatch.reset_records()
             model, applied, next_batch, step = planned_step(c, spec, device, plan, steps + 1)
             _sync(device)
             host_rss_peak_reset()
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             times = timed_steps(lambda: step(next_batch()), steps, device)
+            # the ops `model.kernels` prefers that ran something else (where and why): the row says what it timed
+            row["kernel_fallbacks"] = dispatch.fallback_summary(preferred_kernels(device.type, c.model.kernels))
+            for g in row["kernel_fallbacks"]:
+                print(f"megaseq bench: model.kernels {c.model.kernels}: {dispatch.describe_fallback(g)}",
+                      file=sys.stderr)
         row["timed_steps"] = len(times) if steps else "1 (cold: includes the warm-up)"
         if not steps:  # the one step ran without the optimizer state (made by its update): compare with that
             row["predicted_gpu_tensors_gib"] = plan.first_step_gpu_tensors / GIB

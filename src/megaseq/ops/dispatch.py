@@ -58,7 +58,7 @@ class _State:
     preferred: dict[str, list[str]] = field(default_factory=dict)  # op -> impl names, in order
     planned: dict[str, str] = field(default_factory=dict)  # op -> impl the plan requires
     strict: bool = False
-    records: dict[tuple[str, str], Record] = field(default_factory=dict)  # (layer, op) -> record
+    records: dict[tuple[str, str, str], Record] = field(default_factory=dict)  # (layer, op, impl) -> record
 
 
 _state = _State()
@@ -121,9 +121,32 @@ def reset_records() -> None:
 
 
 def records() -> list[tuple[str, Record]]:
-    """(layer, record) for every op call seen since the last reset, in first-call order."""
+    """(layer, record) for every (layer, op, implementation) seen since the last reset, in first-call order."""
     with _lock:
-        return [(layer, rec) for (layer, _), rec in _state.records.items()]
+        return [(layer, rec) for (layer, _, _), rec in _state.records.items()]
+
+
+def fallbacks(preferred: dict[str, list[str]]) -> list[tuple[str, Record]]:
+    """The records of calls that ran another implementation than their op's first ``preferred`` one
+    (``model.kernels fast`` silently falling back: what a run reports once after its first step)."""
+    return [(layer, r) for layer, r in records() if preferred.get(r.op) and r.impl != preferred[r.op][0]]
+
+
+def fallback_summary(preferred: dict[str, list[str]]) -> list[dict[str, Any]]:
+    """``fallbacks`` grouped by (op, implementation, reason): the layers (first 3 named) and calls of each."""
+    groups: dict[tuple[str, str, str], dict[str, Any]] = {}
+    for layer, r in fallbacks(preferred):
+        g = groups.setdefault((r.op, r.impl, r.reason), {"op": r.op, "preferred": preferred[r.op][0], "ran": r.impl,
+                                                         "reason": r.reason, "layers": [], "calls": 0})
+        g["layers"].append(layer)
+        g["calls"] += r.calls
+    return list(groups.values())
+
+
+def describe_fallback(g: dict[str, Any]) -> str:
+    """One line of ``fallback_summary``: op, what ran instead, where, why."""
+    where = ", ".join(g["layers"][:3]) + (f" and {len(g['layers']) - 3} more" if len(g["layers"]) > 3 else "")
+    return f"{g['op']} ran {g['ran']}, not {g['preferred']}, in {where} ({g['calls']} calls): {g['reason']}"
 
 
 def _order(op: str) -> list[Impl]:
@@ -157,10 +180,10 @@ def select(op: str, layer: str, *args: Any, **kwargs: Any) -> Impl:
             f"{layer}: planned kernel {op}={planned} did not run, {chosen.name} would ({reason}). "
             "Fix the cause or set --model.strict_kernels false to allow the fallback."
         )
-    with _lock:
-        key = (layer, op)
+    with _lock:  # one record per implementation: a layer whose calls ran two keeps both rows (and the fallback)
+        key = (layer, op, chosen.name)
         rec = _state.records.get(key)
-        if rec is not None and rec.impl == chosen.name:
+        if rec is not None:
             rec.calls += 1
         else:
             _state.records[key] = Record(op, chosen.name, reason)

@@ -132,8 +132,10 @@ def hc_merge_triton_supports(post_BSN: torch.Tensor, comb_BSNN: torch.Tensor, y_
             y_BSH.shape != (*lead_N[:-1], residual_BSNH.shape[-1]):
         return (f"shapes post {tuple(post_BSN.shape)}, comb {tuple(comb_BSNN.shape)}, y {tuple(y_BSH.shape)}, "
                 f"residual {tuple(residual_BSNH.shape)}")
-    if y_BSH.dtype != residual_BSNH.dtype:
-        return f"y {y_BSH.dtype} vs residual {residual_BSNH.dtype} (the kernel needs one stream dtype)"
+    # y may be in a narrower dtype than the streams (autocast's bf16 block output beside the fp32 streams of fp32
+    # weights): the kernel reads it as fp32 and writes its gradient in y's dtype, as autograd does
+    if torch.promote_types(y_BSH.dtype, residual_BSNH.dtype) != residual_BSNH.dtype:
+        return f"y {y_BSH.dtype} is wider than the residual's {residual_BSNH.dtype} (the reference's output would be)"
     return _stream_supports(residual_BSNH, post_BSN, comb_BSNN, y_BSH)
 
 

@@ -265,6 +265,13 @@ def kernels_for(cfg: Config, device: torch.device) -> contextlib.AbstractContext
                                planned=planned_kernels(device.type, cfg.model.dtype), strict=cfg.model.strict_kernels)
 
 
+def report_fallbacks(cfg: Config, device: torch.device, log: Any) -> None:
+    """After the first step: each op that ``model.kernels`` prefers but that ran another implementation, where
+    and why (the preferred kernels are not held to as the planned ones are under ``strict_kernels``)."""
+    for g in dispatch.fallback_summary(preferred_kernels(device.type, cfg.model.kernels)):
+        log(f"model.kernels {cfg.model.kernels}: {dispatch.describe_fallback(g)}")
+
+
 def use_expandable_segments() -> None:
     """Long sequences allocate a few huge, differently sized blocks per step: expandable segments keep the
     caching allocator from fragmenting them. Call before the first CUDA allocation (processes spawned
@@ -426,6 +433,8 @@ class _Loop:
             with guard.StopSignals(env.log) as signals:
                 for step in range(start + 1, cfg.train.steps + 1):
                     loss, record = self.step(step, logger, result)
+                    if step == start + 1:
+                        report_fallbacks(cfg, self.device, env.log)
                     skipped = self._skipped(step, record, skipped, result)
                     result.losses.append(loss)
                     out_of_time = step < cfg.train.steps and clock.spent(record["step_s"])

@@ -60,7 +60,7 @@ class Glm5DecoderLayer(nn.Module):
         super().__init__()
         name = f"layers.{layer_idx}"
         self.layer_type = spec.layer_types[layer_idx]
-        self.attn_hc = HyperConnection(spec)
+        self.attn_hc = HyperConnection(spec, layer=f"{name}.attn_hc")
         self.input_layernorm = RMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
         if self.layer_type == "kda":
             self.self_attn = KimiDeltaAttention(spec, layer=f"{name}.self_attn")
@@ -68,7 +68,7 @@ class Glm5DecoderLayer(nn.Module):
             self.self_attn = MLASparseAttention(spec, layer_idx, topk_source, layer=f"{name}.self_attn")
         else:
             raise ValueError(f"glm5_next layer {layer_idx}: layer type {self.layer_type!r} is not kda or dsa")
-        self.ffn_hc = HyperConnection(spec)
+        self.ffn_hc = HyperConnection(spec, layer=f"{name}.ffn_hc")
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
         if spec.mlp_types[layer_idx] == "moe":
             self.mlp = MoE(spec, layer=f"{name}.mlp")
