@@ -228,9 +228,8 @@ print('planned longest, bf16 weights:', longest_length(get_preset('glm5-flash-1g
     of 128k_fp32 --seq-len 128K --set model.dtype=fp32
     NOTAR=1
     ;;
-  s11a)  # prepared in session 10 (issue 13), not yet run: the GPU tests of the fused MoE permute/combine and of
-      # the fused hc_mix, then the annotated profile of a fast 32K step with them (by kernel, module part,
-      # backward function and aten op shape; session 10's without them: benchmarks/results/h200/session10/)
+  s11a)  # session 11, call 2 (issues 13, 18): the GPU tests of the fused MoE permute/combine, hc_mix and Liger's
+      # chunked loss; the packed overfit test at 128K; the annotated profile of a fast 32K step
     timeout 150 python3 -m pytest -q -m gpu tests/test_triton_moe_glue.py tests/test_hc_mix.py tests/test_liger_loss.py 2>&1 | tail -5
     # (issue 18) the packed overfit test: 128K as 32 documents of the calibrated 4K window, beside the 4K window
     # alone (carry .ovf/ with .whl/)
@@ -240,21 +239,31 @@ print('planned longest, bf16 weights:', longest_length(get_preset('glm5-flash-1g
       --json "$OUT/profile_32k_fast.json" --model.kernels fast > "$OUT/profile_1gpu_32k_fast.txt" 2>&1
     tail -150 "$OUT/profile_1gpu_32k_fast.txt"
     ;;
-  s11c)  # prepared in session 10 (issue 13), not yet run: the speed issue's figures with the fast kernels (now with
-      # the fused MoE permute/combine and hc_mix) against the reference in one job, then 32K fast without the
-      # planner's KDA segments (the plan is at the memory edge with the default kernels' working sets, and the
-      # segments' replay took 50 ms of a 1.39 s step in session 10's profile): does it fit, and how much faster?
-    timeout 400 python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml --seq-lens 8K,32K --baseline \
+  s11b)  # session 11, call 1 (issue 17): the 48-layer LoRA step at the planner's longest, 632K, as s10b did at
+      # 512K (forward 423 s; a whole step there is ~26 minutes, past a call and a session's budget)
+    timeout 585 python3 benchmarks/lora_partial_step.py 632K --backward-layers 2 --out "$OUT/lora_48l_632k_partial.json"
+    NOTAR=1
+    ;;
+  s12a)  # prepared in session 11 (issue 13), not yet run: the glue kernels' GPU tests (now with a bf16 block output
+      # beside fp32 streams in the merge), then the speed issue's figures with the fast kernels against the
+      # reference in one job (about 6 minutes; the bench rows list any op of the fast set that fell back), then
+      # 32K fast without the planner's KDA segments if time is left (their replay took 50 ms of the step)
+    timeout 90 python3 -m pytest -q -m gpu tests/test_triton_glue.py 2>&1 | tail -3
+    timeout 420 python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml --seq-lens 8K,32K --baseline \
       --model.kernels fast --out "$OUT/bench_1gpu_fast"
     timeout $((585 - SECONDS)) python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml --seq-lens 32K --steps 2 \
       --model.kernels fast --memory.auto false --memory.chunked_loss true --memory.indexer_query_chunk 4K \
       --out "$OUT/bench_1gpu_fast_32k_nosegments"
     NOTAR=1
     ;;
-  s11b)  # prepared in session 10 (issue 17), not yet run: the 48-layer LoRA step at the planner's longest, 632K,
-      # as s10b did at 512K (forward ~7 min; a whole step there is ~30 minutes, past a call and a session's budget)
-    timeout 585 python3 benchmarks/lora_partial_step.py 632K --backward-layers 2 --out "$OUT/lora_48l_632k_partial.json"
-    NOTAR=1
+  s12b)  # prepared in session 11 (issue 13), not yet run: the profile of a fast 32K step after the merge fix (session
+      # 11's: 1.155 s under the profiler), then glm5-flash-slice at 256K with the fast kernels, warm (target: at
+      # least 35K layer-tokens/s; never measured)
+    timeout 200 python3 benchmarks/profile_step.py recipes/glm5-flash-1gpu.yaml 32K \
+      --json "$OUT/profile_32k_fast.json" --model.kernels fast > "$OUT/profile_1gpu_32k_fast.txt" 2>&1
+    head -40 "$OUT/profile_1gpu_32k_fast.txt"
+    timeout $((585 - SECONDS)) python3 -m megaseq bench recipes/glm5-flash-slice.yaml --seq-lens 256K --steps 1 \
+      --model.kernels fast --out "$OUT/bench_slice_256k_fast"
     ;;
   fsdp8)  # (nvidia-h200-x8) FSDP2 over 8 GPUs, bf16 weights: glm5-flash-slice (the full model's layer shapes)
       # at 64K, dp_cp over dp 2 x cp 4; metrics.jsonl holds each step's measured and planned peak
