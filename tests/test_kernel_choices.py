@@ -116,3 +116,43 @@ def test_records_keep_each_implementation_a_layer_ran():
     assert rows == [("ref", 1), ("fast", 2)], rows
     assert [(g["ran"], g["layers"], g["calls"]) for g in summary] == [("ref", ["L"], 1)], summary
     assert dispatch.describe_fallback(summary[0]) == f"{op} ran ref, not fast, in L (1 calls): fast: float64"
+
+
+def _prefer_triton_norm(device_type: str, kernels_set: str) -> dict[str, list[str]]:
+    """A preference the CPU cannot honour (Triton's RMSNorm): every call falls back, as a refused kernel would."""
+    return {"rms_norm": ["triton"]}
+
+
+def test_bench_row_lists_the_fallbacks(monkeypatch):
+    from megaseq.bench import measure
+    from megaseq.config import build_config
+    from megaseq.train import trainer
+
+    monkeypatch.setattr(trainer, "preferred_kernels", _prefer_triton_norm)  # the dispatcher's (kernels_for)
+    monkeypatch.setattr(measure, "preferred_kernels", _prefer_triton_norm)  # the row's summary
+    cfg = build_config(None, ["model.name=qwen3-moe-tiny", "data.kind=random", "model.dtype=fp32",
+                              "train.device=cpu"])
+    row = measure.measure_megaseq(cfg, 64, 1, "random")
+    assert row["status"] == "ok", row
+    [g] = row["kernel_fallbacks"]
+    assert g["op"] == "rms_norm" and g["preferred"] == "triton" and g["ran"] != "triton", g
+    assert "device cpu" in g["reason"] and g["calls"] > 0 and g["layers"], g
+
+
+def test_run_reports_the_fallbacks_after_its_first_step(monkeypatch, tmp_path, capsys):
+    import yaml
+
+    from megaseq.cli.main import main
+    from megaseq.train import trainer
+
+    monkeypatch.setattr(trainer, "preferred_kernels", _prefer_triton_norm)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump({
+        "model": {"name": "qwen3-moe-tiny", "dtype": "fp32"}, "data": {"kind": "random", "seq_len": 32},
+        "train": {"steps": 2, "run_dir": str(tmp_path / "run"), "export_hf": False, "eval_after": False,
+                  "device": "cpu"},
+        "log": {"progress": False, "tensorboard": False}}))
+    assert main(["train", str(recipe)]) == 0
+    err = capsys.readouterr().err
+    lines = [x for x in err.splitlines() if "rms_norm ran" in x]
+    assert len(lines) == 1 and "model.kernels default: rms_norm ran" in lines[0] and "device cpu" in lines[0], err

@@ -297,6 +297,7 @@ def run_training(cfg: Config) -> RunResult:
     plan_dict, memory = make_plan(cfg, env, device)
     check_adapters(cfg, spec, memory)
     with kernels_for(cfg, device):
+        dispatch.reset_records()  # what ran under this configuration (the first step's report reads them)
         return _run_planned(cfg, spec, env, device, plan_dict, memory)
 
 
