@@ -67,11 +67,18 @@ def _device_us(evt) -> float:
 
 
 def by_label(events, time_of=_device_us) -> tuple[dict[str, float], dict[str, float]]:
-    """``(forward parts, backward functions)``: GPU microseconds (``time_of``) exclusive of nested labels."""
+    """``(forward parts, backward functions)``: GPU microseconds (``time_of``) exclusive of nested labels.
+
+    Only the labels' CPU-side events count: each ``record_function`` range also comes back as a GPU-side
+    annotation of the same name, whose ``device_time_total`` is the range's elapsed time on the GPU (idle
+    gaps included), not kernels. Sessions 10 and 11 counted both, so their forward parts read about twice
+    their kernels (and "outside any label" came out negative)."""
     excl: dict[str, float] = defaultdict(float)
     for evt in events:
         name = evt.name
         if not (name.startswith("fwd:") or name.startswith(_BACKWARD)):
+            continue
+        if getattr(evt, "device_type", torch.autograd.DeviceType.CPU) != torch.autograd.DeviceType.CPU:
             continue
         t = time_of(evt)
         excl[name] += t

@@ -1,0 +1,58 @@
+"""``benchmarks/profile_step.py``'s attribution of GPU time to forward parts and backward functions.
+
+The profiler returns each ``record_function`` label twice: the CPU-side range (whose device time is the kernels
+launched inside it) and a GPU-side annotation of the same name (whose device time is the range's elapsed time
+on the GPU, idle gaps included). Only the first is kernels. Here with stand-in events, so that the rule is
+checked without a GPU; a real CPU profile runs too (the CPU has no GPU-side annotations: the same figures).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+CPU, CUDA = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
+BWD = "autograd::engine::evaluate_function: "
+
+
+@pytest.fixture(scope="module")
+def profile_step():
+    spec = importlib.util.spec_from_file_location("profile_step_bench", ROOT / "benchmarks" / "profile_step.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["profile_step_bench"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _evt(name, device_us, device_type=CPU, parent=None):
+    return SimpleNamespace(name=name, device_time_total=device_us, device_type=device_type, cpu_parent=parent)
+
+
+def test_forward_parts_count_the_cpu_side_ranges_only(profile_step):
+    layer = _evt("fwd:self_attn:MLA", 100.0)  # its kernels, the indexer's included (children count in torch)
+    indexer = _evt("fwd:self_attn.indexer:Indexer", 30.0, parent=layer)
+    events = [layer, indexer,
+              _evt("fwd:self_attn:MLA", 180.0, CUDA),  # the GPU-side annotations: elapsed ranges, not kernels
+              _evt("fwd:self_attn.indexer:Indexer", 90.0, CUDA),
+              _evt(BWD + "MulBackward0", 40.0), _evt("aten::mm", 500.0)]
+    fwd, bwd = profile_step.by_label(events)
+    assert fwd == {"fwd:self_attn:MLA": 70.0, "fwd:self_attn.indexer:Indexer": 30.0}
+    assert bwd == {"MulBackward0": 40.0}
+
+
+def test_labels_of_a_real_cpu_profile(profile_step):
+    lin = torch.nn.Linear(8, 8)
+    x = torch.randn(4, 8, requires_grad=True)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        with torch.profiler.record_function("fwd:lin:Linear"):
+            y = lin(x)
+        y.square().sum().backward()
+    fwd, bwd = profile_step.by_label(prof.events(), time_of=lambda e: float(e.cpu_time_total))
+    assert set(fwd) == {"fwd:lin:Linear"} and fwd["fwd:lin:Linear"] > 0
+    assert any("Backward" in k for k in bwd), bwd
