@@ -265,6 +265,15 @@ print('planned longest, bf16 weights:', longest_length(get_preset('glm5-flash-1g
     timeout $((585 - SECONDS)) python3 -m megaseq bench recipes/glm5-flash-slice.yaml --seq-lens 256K --steps 1 \
       --model.kernels fast --out "$OUT/bench_slice_256k_fast"
     ;;
+  s12c)  # prepared in session 11 (issue 13), not yet run: the fast set with bf16 weights (bf16 streams: half the
+      # bytes of the mHC glue, no per-matmul weight casts) at 32K, then a warm 1M step with the fast kernels
+      # (session 5's was 188 s cold; the target is under 60 s)
+    timeout 150 python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml --seq-lens 32K --steps 2 \
+      --model.kernels fast --model.weights bf16 --out "$OUT/bench_1gpu_fast_bf16w_32k"
+    timeout $((585 - SECONDS)) python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml --seq-lens 1M --steps 1 \
+      --model.kernels fast --out "$OUT/bench_1gpu_fast_1m"
+    NOTAR=1
+    ;;
   fsdp8)  # (nvidia-h200-x8) FSDP2 over 8 GPUs, bf16 weights: glm5-flash-slice (the full model's layer shapes)
       # at 64K, dp_cp over dp 2 x cp 4; metrics.jsonl holds each step's measured and planned peak
     timeout 500 torchrun --nproc-per-node 8 -m megaseq train recipes/glm5-flash-slice.yaml --train.steps 3 \
