@@ -119,7 +119,8 @@ def test_records_keep_each_implementation_a_layer_ran():
 
 
 def _prefer_triton_norm(device_type: str, kernels_set: str) -> dict[str, list[str]]:
-    """A preference the CPU cannot honour (Triton's RMSNorm): every call falls back, as a refused kernel would."""
+    """A preference the CPU cannot honour (Triton's RMSNorm): every call falls back, as a refused kernel would
+    (for the device, or where Triton is not installed)."""
     return {"rms_norm": ["triton"]}
 
 
@@ -136,7 +137,8 @@ def test_bench_row_lists_the_fallbacks(monkeypatch):
     assert row["status"] == "ok", row
     [g] = row["kernel_fallbacks"]
     assert g["op"] == "rms_norm" and g["preferred"] == "triton" and g["ran"] != "triton", g
-    assert "device cpu" in g["reason"] and g["calls"] > 0 and g["layers"], g
+    # refused for the device, or for want of Triton (CI's CPU venv)
+    assert g["reason"].startswith("triton: ") and g["calls"] > 0 and g["layers"], g
 
 
 def test_run_reports_the_fallbacks_after_its_first_step(monkeypatch, tmp_path, capsys):
@@ -155,4 +157,4 @@ def test_run_reports_the_fallbacks_after_its_first_step(monkeypatch, tmp_path, c
     assert main(["train", str(recipe)]) == 0
     err = capsys.readouterr().err
     lines = [x for x in err.splitlines() if "rms_norm ran" in x]
-    assert len(lines) == 1 and "model.kernels default: rms_norm ran" in lines[0] and "device cpu" in lines[0], err
+    assert len(lines) == 1 and "model.kernels default: rms_norm ran" in lines[0] and ": triton: " in lines[0], err

@@ -3,17 +3,13 @@
 from __future__ import annotations
 
 import gc
-import importlib.util
 import json
-from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_memory_schemes.py"
+import bench_scripts
 
 
 def test_memory_benchmark_smoke(tmp_path):
-    spec = importlib.util.spec_from_file_location("bench_memory_schemes", BENCH)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = bench_scripts.load("bench_memory_schemes", "bench_memory_schemes")
     out = tmp_path / "mem.json"
     # the script calls gc.collect() before every measurement (CUDA memory baselines); frozen, the objects of the
     # test session so far (tens of seconds of collections in a full run) are not rescanned each time, while

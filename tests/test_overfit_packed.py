@@ -6,22 +6,15 @@ across the documents (no ``doc_ids``) moves the long run's losses."""
 from __future__ import annotations
 
 import gzip
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+import bench_scripts
 
 
 def _overfit_module():
-    spec = importlib.util.spec_from_file_location("overfit_bench", ROOT / "benchmarks" / "overfit.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["overfit_bench"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return bench_scripts.load("overfit")
 
 
 @pytest.fixture(scope="module")

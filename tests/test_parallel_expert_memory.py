@@ -6,19 +6,13 @@ measuring code is ``benchmarks/ep_dispatch_memory.py``'s (which writes the full 
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "ep_dispatch_memory.py"
+import bench_scripts
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("ep_dispatch_memory", BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return bench_scripts.load("ep_dispatch_memory", "ep_dispatch_memory")
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py

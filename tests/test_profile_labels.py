@@ -8,26 +8,20 @@ checked without a GPU; a real CPU profile runs too (the CPU has no GPU-side anno
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+import bench_scripts
+
 CPU, CUDA = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
 BWD = "autograd::engine::evaluate_function: "
 
 
 @pytest.fixture(scope="module")
 def profile_step():
-    spec = importlib.util.spec_from_file_location("profile_step_bench", ROOT / "benchmarks" / "profile_step.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["profile_step_bench"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return bench_scripts.load("profile_step")
 
 
 def _evt(name, device_us, device_type=CPU, parent=None):

@@ -134,8 +134,9 @@ def hc_merge_triton_supports(post_BSN: torch.Tensor, comb_BSNN: torch.Tensor, y_
                 f"residual {tuple(residual_BSNH.shape)}")
     # y may be in a narrower dtype than the streams (autocast's bf16 block output beside the fp32 streams of fp32
     # weights): the kernel reads it as fp32 and writes its gradient in y's dtype, as autograd does
-    if torch.promote_types(y_BSH.dtype, residual_BSNH.dtype) != residual_BSNH.dtype:
-        return f"y {y_BSH.dtype} is wider than the residual's {residual_BSNH.dtype} (the reference's output would be)"
+    wider = torch.promote_types(y_BSH.dtype, residual_BSNH.dtype)
+    if wider != residual_BSNH.dtype:
+        return f"y {y_BSH.dtype} is wider than the residual's {residual_BSNH.dtype} (the reference returns {wider})"
     return _stream_supports(residual_BSNH, post_BSN, comb_BSNN, y_BSH)
 
 
