@@ -256,12 +256,16 @@ print('planned longest, bf16 weights:', longest_length(get_preset('glm5-flash-1g
       --out "$OUT/bench_1gpu_fast_32k_nosegments"
     NOTAR=1
     ;;
-  s12b)  # prepared in session 11 (issue 13), not yet run: the profile of a fast 32K step after the merge fix (session
-      # 11's: 1.155 s under the profiler), then glm5-flash-slice at 256K with the fast kernels, warm (target: at
-      # least 35K layer-tokens/s; never measured)
+  s12b)  # prepared in session 11 (issue 13), not yet run: the profiles the issue asks for after the work, a fast 32K
+      # step (session 11's: 1.155 s under the profiler, before the merge fix) and a fast 256K step (where the
+      # indexer's quadratic scoring starts to show), then glm5-flash-slice at 256K with the fast kernels, warm
+      # (target: at least 35K layer-tokens/s, i.e. 8.75K tokens/s over its 4 layers; never measured)
     timeout 200 python3 benchmarks/profile_step.py recipes/glm5-flash-1gpu.yaml 32K \
       --json "$OUT/profile_32k_fast.json" --model.kernels fast > "$OUT/profile_1gpu_32k_fast.txt" 2>&1
     head -40 "$OUT/profile_1gpu_32k_fast.txt"
+    timeout 240 python3 benchmarks/profile_step.py recipes/glm5-flash-1gpu.yaml 256K \
+      --json "$OUT/profile_256k_fast.json" --model.kernels fast > "$OUT/profile_1gpu_256k_fast.txt" 2>&1
+    head -40 "$OUT/profile_1gpu_256k_fast.txt"
     timeout $((585 - SECONDS)) python3 -m megaseq bench recipes/glm5-flash-slice.yaml --seq-lens 256K --steps 1 \
       --model.kernels fast --out "$OUT/bench_slice_256k_fast"
     ;;
