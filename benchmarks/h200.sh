@@ -268,6 +268,7 @@ print('planned longest, bf16 weights:', longest_length(get_preset('glm5-flash-1g
     head -40 "$OUT/profile_1gpu_256k_fast.txt"
     timeout $((585 - SECONDS)) python3 -m megaseq bench recipes/glm5-flash-slice.yaml --seq-lens 256K --steps 1 \
       --model.kernels fast --out "$OUT/bench_slice_256k_fast"
+    NOTAR=1  # 7 files already (a call returns 8); carry session 11's cache (.tcache/, 27 MB: s11a's parts)
     ;;
   s12c)  # prepared in session 11 (issue 13), not yet run: the fast set with bf16 weights (bf16 streams: half the
       # bytes of the mHC glue, no per-matmul weight casts) at 32K, then a warm 1M step with the fast kernels
