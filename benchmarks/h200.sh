@@ -11,6 +11,9 @@ export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 MEGASEQ_FLA_AUTOTUNE=${M
 export TRITON_CACHE_AUTOTUNING=1  # fla's autotune results persist in .tcache (carried between calls)
 export TRITON_CACHE_DIR=$PWD/.tcache
 mkdir -p .tcache
+# a cache from an earlier call comes as its parts (181 MB unpacked, 27 MB packed: past what a call carries
+# unpacked): carry .tcpart/ holding tcache.tgz.part*
+if ls .tcpart/tcache.tgz.part* >/dev/null 2>&1; then cat .tcpart/tcache.tgz.part* | tar xz; fi
 G=.data/ecoli_MG1655.fa.gz
 ms() { python3 -m megaseq "$@"; }
 # the memory settings `megaseq plan` picks for the Qwen3-30B-A3B LoRA recipe at length $1, each as printf
@@ -268,7 +271,7 @@ print('planned longest, bf16 weights:', longest_length(get_preset('glm5-flash-1g
     head -40 "$OUT/profile_1gpu_256k_fast.txt"
     timeout $((585 - SECONDS)) python3 -m megaseq bench recipes/glm5-flash-slice.yaml --seq-lens 256K --steps 1 \
       --model.kernels fast --out "$OUT/bench_slice_256k_fast"
-    NOTAR=1  # 7 files already (a call returns 8); carry session 11's cache (.tcache/, 27 MB: s11a's parts)
+    NOTAR=1  # 7 files already (a call returns 8); carry session 11's cache (.tcpart/: s11a's parts)
     ;;
   s12c)  # prepared in session 11 (issue 13), not yet run: the fast set with bf16 weights (bf16 streams: half the
       # bytes of the mHC glue, no per-matmul weight casts) at 32K, then a warm 1M step with the fast kernels
