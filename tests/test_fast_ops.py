@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from devices import GPU
 from megaseq.models.common import mla_dsa
 from megaseq.models.common.context import SeqContext
 from megaseq.models.common.kda import causal_conv_reference, kda_reference
@@ -15,7 +16,6 @@ from megaseq.ops import dispatch, fla_kda, indexer_scoring, sparse_mla, workspac
 
 torch.set_num_threads(1)
 F64 = torch.float64
-GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -10,16 +10,12 @@ and fp32 inputs at the GLM-5.3-Flash indexer shape (I = 32, D = 128, K = 128, 16
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernel module is imported
+pytest.importorskip("triton")  # on the CPU under the interpreter conftest.py selects
 
-pytest.importorskip("triton")
-
+from devices import GPU  # noqa: E402
 from megaseq.ops import (  # noqa: E402
     dispatch,
     indexer_scoring,  # noqa: E402
@@ -29,7 +25,6 @@ from megaseq.ops import indexer_topk_kernel as kern  # noqa: E402
 from megaseq.ops import indexer_topk_select as sel_mod  # noqa: E402
 
 torch.set_num_threads(1)
-GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 CPU = pytest.mark.skipif(torch.cuda.is_available() or not kern.INTERPRET, reason="CPU interpreter test")
 
 

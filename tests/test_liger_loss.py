@@ -12,11 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from devices import GPU
 from megaseq.ops import dispatch, liger_loss
 from megaseq.ops.cross_entropy import plain_linear_cross_entropy
 from numerics import rel_err
-
-GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 
 
 def _inputs(N=37, H=24, V=301, dtype=torch.float32, device="cpu", seed=0):

@@ -1,7 +1,7 @@
 """Fused glue ops (mHC weights, collapse, merge, clamped SwiGLU, RMSNorm) against their torch references.
 
-Without a GPU the Triton kernels run under Triton's interpreter (``TRITON_INTERPRET=1``, set here before
-anything imports Triton), in fp32 and fp16 (the interpreter's bf16 is broken), on odd shapes: B=2, S=37,
+Without a GPU the Triton kernels run under Triton's interpreter (``TRITON_INTERPRET=1``, set by conftest.py
+before anything imports Triton), in fp32 and fp16 (the interpreter's bf16 is broken), on odd shapes: B=2, S=37,
 N=4 (and N=3: padded to 4), H=24 and 300 (two column blocks). With a GPU the same tests run on it, and
 the ``gpu`` tests add bf16/fp32 at the glm5-flash-1gpu shapes.
 
@@ -13,15 +13,12 @@ bit for bit); gradients accumulate in fp32 where autograd rounds each product, a
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton is imported (the kernels import it lazily)
-pytest.importorskip("triton")
+pytest.importorskip("triton")  # on the CPU under the interpreter conftest.py selects
 
+from devices import BF16, DEV, F16, F32, GPU  # noqa: E402
 from megaseq.models.common import mhc as blocks_mhc  # noqa: E402  (the references live in the blocks)
 from megaseq.models.common import mlp as blocks_mlp  # noqa: E402
 from megaseq.models.common import norm as blocks_norm  # noqa: E402
@@ -33,9 +30,6 @@ from megaseq.ops import triton_swiglu as swi  # noqa: E402
 from numerics import assert_close  # noqa: E402
 
 torch.set_num_threads(1)
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
-F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
-GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 # (output, gradients) relative tolerance per input dtype
 TOL = {F32: (2e-5, 2e-5), F16: (2e-3, 4e-3), BF16: (1.6e-2, 3e-2)}
 

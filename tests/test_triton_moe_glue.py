@@ -1,8 +1,8 @@
 """Ops ``moe_permute`` / ``moe_combine``: the Triton kernels (``ops/triton_moe_glue.py``) against the torch
 references (``models/common/moe.py``).
 
-Without a GPU the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``, set before Triton is
-imported) in fp32 and fp16 (the interpreter's bf16 is broken), on odd shapes: N = 37 tokens, K = 3 of E = 5
+Without a GPU the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``, set by conftest.py before
+Triton is imported) in fp32 and fp16 (the interpreter's bf16 is broken), on odd shapes: N = 37 tokens, K = 3 of E = 5
 experts (one expert unused), H = 600 (two column blocks). The dtype cases are the MoE's: an fp32 stream with
 fp32 sigmoid-router weights and half expert outputs, a half stream with half softmax-router weights, and
 all fp32. The ``gpu`` tests add bf16 at glm5-flash-1gpu's shapes, through ``Experts.forward``.
@@ -15,16 +15,14 @@ fails.
 
 from __future__ import annotations
 
-import os
 import textwrap
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton is imported (the kernels import it lazily)
-pytest.importorskip("triton")
+pytest.importorskip("triton")  # on the CPU under the interpreter conftest.py selects
 
+from devices import BF16, DEV, F16, F32, GPU  # noqa: E402
 from megaseq.models.common import moe  # noqa: E402
 from megaseq.ops import _triton_util, dispatch  # noqa: E402
 from megaseq.ops import triton_moe_glue as glue  # noqa: E402
@@ -32,10 +30,7 @@ from numerics import assert_close  # noqa: E402
 from triton_compile import compile_in_child  # noqa: E402
 
 torch.set_num_threads(1)
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
-F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 HALF = BF16 if DEV == "cuda" else F16
-GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 
 
 def _routing(N: int, K: int, E: int, seed: int = 0):

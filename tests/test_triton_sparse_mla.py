@@ -2,7 +2,7 @@
 ``torch_masked`` and against ``absorbed``: outputs and the gradients of q, c and the kv_b weight.
 
 Without a GPU the kernels run under Triton's interpreter in fp32 and fp16 on odd small shapes:
-``TRITON_INTERPRET=1`` is set here before anything imports triton (its own library functions are
+``TRITON_INTERPRET=1`` is set by conftest.py before anything imports triton (its own library functions are
 decorated at import), and the ``device`` fixture sets ``CPU_INTERPRETER`` for these tests only, so other
 modules' CPU tests never dispatch to the interpreter. With a GPU (``-m gpu``): bf16 and fp32 at the
 glm5-flash-1gpu shapes (R = 512, Dn = Dv = 256, W = 2063, causal pool selections) with 16 and 64 heads.
@@ -13,13 +13,10 @@ from __future__ import annotations
 import os
 import textwrap
 
+import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-
+from devices import GPU  # noqa: E402
 from megaseq.models.common.mla_dsa import sparse_mla_reference  # noqa: E402
 from megaseq.ops import dispatch, sparse_mla, workspace  # noqa: E402
 from megaseq.ops import triton_sparse_mla as tsm  # noqa: E402
@@ -29,7 +26,6 @@ from triton_compile import compile_in_child  # noqa: E402
 triton = pytest.importorskip("triton")
 torch.set_num_threads(1)
 CUDA = torch.cuda.is_available()
-GPU = pytest.mark.skipif(not CUDA, reason="needs a GPU")
 # max |a - b| / max |b| per work dtype, against a float64 reference on the same (rounded) inputs
 TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 3e-2}
 TOL_GPU = {torch.float32: 1e-4, torch.bfloat16: 3e-2}  # fp32 GEMMs around the kernels may use other orders
