@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The H200 measurements of this repository, in stages that each fit one 10-minute device call.
 #   bash benchmarks/h200.sh STAGE            (from the repo root, with .whl/ and .data/ carried)
-# .whl/ holds fla-core, liger-kernel and transformers wheels; .data/ the E. coli genomes from
+# .whl/ holds fla-core, liger-kernel, transformers and peft wheels (bash benchmarks/wheels.sh); .data/ the E. coli genomes from
 # ../shared/data/genomes; .tcache/ (optional) a Triton cache from an earlier call. Results go to $OUT.
 set -u
 OUT=${OUT:-out}
@@ -252,12 +252,12 @@ print('planned longest, bf16 weights:', longest_length(get_preset('glm5-flash-1g
       # reference in one job (about 6 minutes; the bench rows list any op of the fast set that fell back), then
       # 32K fast without the planner's KDA segments if time is left (their replay took 50 ms of the step)
     timeout 90 python3 -m pytest -q -m gpu tests/test_triton_glue.py 2>&1 | tail -3
-    timeout 420 python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml --seq-lens 8K,32K --baseline \
+    timeout 460 python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml --seq-lens 8K,32K --baseline \
       --model.kernels fast --out "$OUT/bench_1gpu_fast"
     timeout $((585 - SECONDS)) python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml --seq-lens 32K --steps 2 \
       --model.kernels fast --memory.auto false --memory.chunked_loss true --memory.indexer_query_chunk 4K \
       --out "$OUT/bench_1gpu_fast_32k_nosegments"
-    NOTAR=1
+    PACK=1  # no Triton cache came with this session's checkout: return the one this call builds
     ;;
   s12b)  # prepared in session 11 (issue 13), not yet run: the profiles the issue asks for after the work, a fast 32K
       # step (session 11's: 1.155 s under the profiler, before the merge fix) and a fast 256K step (where the
@@ -271,7 +271,7 @@ print('planned longest, bf16 weights:', longest_length(get_preset('glm5-flash-1g
     head -40 "$OUT/profile_1gpu_256k_fast.txt"
     timeout $((585 - SECONDS)) python3 -m megaseq bench recipes/glm5-flash-slice.yaml --seq-lens 256K --steps 1 \
       --model.kernels fast --out "$OUT/bench_slice_256k_fast"
-    NOTAR=1  # 7 files already (a call returns 8); carry session 11's cache (.tcpart/: s11a's parts)
+    PACK=1
     ;;
   s12c)  # prepared in session 11 (issue 13), not yet run: the fast set with bf16 weights (bf16 streams: half the
       # bytes of the mHC glue, no per-matmul weight casts) at 32K, then a warm 1M step with the fast kernels
@@ -280,7 +280,7 @@ print('planned longest, bf16 weights:', longest_length(get_preset('glm5-flash-1g
       --model.kernels fast --model.weights bf16 --out "$OUT/bench_1gpu_fast_bf16w_32k"
     timeout $((585 - SECONDS)) python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml --seq-lens 1M --steps 1 \
       --model.kernels fast --out "$OUT/bench_1gpu_fast_1m"
-    NOTAR=1
+    PACK=1
     ;;
   fsdp8)  # (nvidia-h200-x8) FSDP2 over 8 GPUs, bf16 weights: glm5-flash-slice (the full model's layer shapes)
       # at 64K, dp_cp over dp 2 x cp 4; metrics.jsonl holds each step's measured and planned peak
@@ -291,6 +291,11 @@ print('planned longest, bf16 weights:', longest_length(get_preset('glm5-flash-1g
     ;;
   *) echo "unknown stage $1"; exit 2 ;;
 esac
+# PACK=1: the results as one results.tar beside the logs (a call returns at most 8 files), so that the cache fits too
+if [ -n "${PACK:-}" ]; then
+  (cd "$OUT" && find . -mindepth 1 -maxdepth 1 ! -name '*.log' ! -name results.tar -printf '%P\n' | tar cf results.tar -T - \
+    && find . -mindepth 1 -maxdepth 1 ! -name '*.log' ! -name results.tar -exec rm -rf {} +)
+fi
 # the Triton cache in parts of 15 MiB (a file comes back up to 16 MiB): cat tcache.tgz.part* | tar xz
 [ -n "${NOTAR:-}" ] || tar czf - .tcache 2>/dev/null | split -b 15M - "$OUT/tcache.tgz.part"
 ls -la "$OUT"
