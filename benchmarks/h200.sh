@@ -259,6 +259,17 @@ print('planned longest, bf16 weights:', longest_length(get_preset('glm5-flash-1g
       --out "$OUT/bench_1gpu_fast_32k_nosegments"
     PACK=1  # no Triton cache came with this session's checkout: return the one this call builds
     ;;
+  s12p)  # session 12, call 2 (issue 13): with the cache s12a built, the profiles of fast steps at 8K (the 1.58x
+      # length), 32K and 256K, then glm5-flash-slice at 256K, fast and warm (target: 35K layer-tokens/s)
+    for L in 8K 32K 256K; do
+      timeout 200 python3 benchmarks/profile_step.py recipes/glm5-flash-1gpu.yaml $L \
+        --json "$OUT/profile_${L,,}_fast.json" --model.kernels fast > "$OUT/profile_1gpu_${L,,}_fast.txt" 2>&1
+      head -30 "$OUT/profile_1gpu_${L,,}_fast.txt"
+    done
+    timeout $((585 - SECONDS)) python3 -m megaseq bench recipes/glm5-flash-slice.yaml --seq-lens 256K --steps 2 \
+      --model.kernels fast --out "$OUT/bench_slice_256k_fast"
+    PACK=1; NOTAR=1  # the cache came with the call (.tcpart/)
+    ;;
   s12b)  # prepared in session 11 (issue 13), not yet run: the profiles the issue asks for after the work, a fast 32K
       # step (session 11's: 1.155 s under the profiler, before the merge fix) and a fast 256K step (where the
       # indexer's quadratic scoring starts to show), then glm5-flash-slice at 256K with the fast kernels, warm

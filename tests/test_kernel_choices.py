@@ -157,4 +157,16 @@ def test_run_reports_the_fallbacks_after_its_first_step(monkeypatch, tmp_path, c
     assert main(["train", str(recipe)]) == 0
     err = capsys.readouterr().err
     lines = [x for x in err.splitlines() if "rms_norm ran" in x]
-    assert len(lines) == 1 and "model.kernels default: rms_norm ran" in lines[0] and ": triton: " in lines[0], err
+    assert len(lines) == 1 and "model.kernels fast: rms_norm ran" in lines[0] and ": triton: " in lines[0], err
+
+
+def test_the_fast_set_is_the_default_and_base_names_the_other():
+    from megaseq.config import ModelConfig
+    from megaseq.ops.kernels import FAST_GPU, preferred_kernels
+
+    assert ModelConfig().kernels == "fast"
+    assert ModelConfig(kernels="default").kernels == "base"  # run directories written before session 12
+    with pytest.raises(ValueError, match="model.kernels must be fast or base"):
+        ModelConfig(kernels="fastest")
+    assert preferred_kernels("cuda", "fast") == {op: [name] for op, name in FAST_GPU.items()}
+    assert preferred_kernels("cuda", "base") == {} and preferred_kernels("cpu", "fast") == {}

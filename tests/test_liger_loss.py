@@ -38,16 +38,37 @@ def test_liger_declines_cpu_and_falls_back():
     assert torch.isfinite(loss)
 
 
+@pytest.mark.parametrize("n", [1, 100, 1031, 8192, 32768, 1 << 20, 3 << 21])
+@pytest.mark.parametrize("h,v", [(2048, 154880), (256, 5003), (4096, 151936), (24, 301)])
+@pytest.mark.parametrize("rows", [1, 128, 512, 4096])
+def test_chunk_mem_const_gives_the_largest_chunks_within_rows(n, h, v, rows):
+    c = liger_loss.chunk_mem_const(n, h, v, rows)
+    got = liger_loss.liger_chunk_rows(n, h, v, c)
+    floor = liger_loss.liger_chunk_rows(n, h, v, 1)  # Liger's smallest chunks (its default)
+    assert c >= 1 and got <= max(rows, floor)
+    # one more unit of C would give chunks past the limit, or none larger
+    assert liger_loss.liger_chunk_rows(n, h, v, c + 1) > max(rows, floor) or got == min(n, max(rows, floor)) \
+        or liger_loss.liger_chunk_rows(n, h, v, c + 1) == got
+    if n <= rows:
+        assert got == n  # one chunk
+
+
+def test_chunk_rows_are_a_power_of_two():
+    with pytest.raises(ValueError, match="power of two"):
+        liger_loss.chunk_mem_const(100, 8, 50, 96)
+
+
 @pytest.mark.gpu
 @GPU
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("reduction,num_items", [("mean", None), ("mean", 123.0), ("sum", None), ("none", None)])
-def test_liger_matches_plain(dtype, tol, reduction, num_items):
+@pytest.mark.parametrize("chunk_rows", [None, 128, 4096])  # Liger's rule (64-row chunks here), 9 chunks, one
+def test_liger_matches_plain(dtype, tol, reduction, num_items, chunk_rows):
     pytest.importorskip("liger_kernel")
     hidden, weight, labels = _inputs(N=1031, H=256, V=5003, dtype=dtype, device="cuda")
     assert liger_loss.liger_loss_supports(hidden, weight, labels, -100, reduction, num_items) is None
     ref = plain_linear_cross_entropy(hidden, weight, labels, -100, reduction, num_items)
-    out = liger_loss.linear_cross_entropy_liger(hidden, weight, labels, -100, reduction, num_items)
+    out = liger_loss.linear_cross_entropy_liger(hidden, weight, labels, -100, reduction, num_items, chunk_rows)
     assert out.dtype == ref.dtype and out.shape == ref.shape
     assert rel_err(out, ref) < tol
     w = torch.randn_like(ref)

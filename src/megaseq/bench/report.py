@@ -10,7 +10,8 @@ from typing import Any
 
 def markdown(result: dict[str, Any]) -> str:
     m = result["meta"]
-    lines = [f"# megaseq bench: {m['model']} on {m['gpu']} (torch {m['torch']}, {m['date']})", "",
+    setting = f", kernels {m['kernels']}, weights {m['weights']}" if "kernels" in m else ""
+    lines = [f"# megaseq bench: {m['model']} on {m['gpu']} (torch {m['torch']}, {m['date']}{setting})", "",
              "GPU: planned tensor peak vs `max_memory_allocated` (with `--steps 0` the one step is the first, "
              "so the plan's first-step peak, without the optimizer state its update creates); host: planned vs "
              "the process's peak RSS (VmHWM).",

@@ -123,4 +123,4 @@ def _meta(cfg: Config, lengths: list[int], steps: int, source: str) -> dict[str,
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     return {"model": cfg.model.name, "gpu": gpu, "torch": torch.__version__, "python": platform.python_version(),
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "lengths": lengths, "steps": steps,
-            "source": source, "dtype": cfg.model.dtype}
+            "source": source, "dtype": cfg.model.dtype, "kernels": cfg.model.kernels, "weights": cfg.model.weights}

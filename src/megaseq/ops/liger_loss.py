@@ -8,10 +8,17 @@ weight [V, H], labels [N], ignore_index=-100, reduction="mean" | "sum" | "none",
 ignored gives 0, not NaN); ``none`` gives per-token losses, 0 at ignored tokens; losses are fp32 for
 bf16/fp16 inputs. The reference is megaseq's ``plain_linear_cross_entropy`` (full ``[N, V]`` logits).
 
-Liger walks token chunks of about ``N * H / V`` rows, writes each chunk's ``softmax - onehot`` over its
+Liger walks token chunks, writes each chunk's ``softmax - onehot`` over its
 bf16 logits in place and folds it into ``grad hidden`` and ``grad weight`` during the forward; the
 backward only scales them (``sum``/``mean``; ``none`` recomputes). Working memory beyond the inputs is
 the two gradients plus one chunk of logits: at 32K tokens x V 154,880 x H 4096 in bf16, Liger's 1.73 GiB.
+
+Chunk rows: Liger's own rule keeps a chunk of logits near the size of the hidden states (``N * H / V`` rows,
+rounded up to a power of two): 128 rows at 8K tokens of glm5-flash (H 2048, V 154,880), so 64 GEMMs of
+K = 128 and 64 read-modify-writes of the whole ``[V, H]`` weight gradient (session 12's 8K profile: 53 ms of
+the 273 ms step where its three GEMMs' FLOPs take 20 ms). megaseq sets Liger's ``chunk_mem_const`` so
+that a chunk is the largest power of two up to ``CHUNK_ROWS`` (4096: 1.2 GiB of bf16 logits at V 154,880),
+within the chunked loss's ``chunk_tokens`` (the plan's fp32 chunk of that many rows).
 The weight gradient accumulates in the weight's dtype across chunks unless ``WEIGHT_GRAD_DTYPE`` is set
 (float32: exact to fp32 accumulation like megaseq's chunked loss, V * H * 4 bytes more, 2.4 GiB here).
 Liger is called with ``sum`` or ``none`` only; megaseq divides for ``mean`` (Liger's own ``mean`` divides by
@@ -43,6 +50,43 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 WEIGHT_GRAD_DTYPE: torch.dtype | None = None
 
 
+# rows of one chunk of logits at most (a power of two); None: Liger's own rule (about N * H / V rows)
+CHUNK_ROWS: int | None = 4096
+
+
+def chunk_mem_const(n: int, h: int, v: int, rows: int) -> int:
+    """Liger's ``chunk_mem_const`` for chunks of at most ``rows`` (a power of two) and as few as it allows:
+    Liger takes ``inc = cdiv(V, C * H)`` and chunks of ``min(next_pow2(cdiv(N, inc)), N)`` rows. Its smallest
+    chunks (C = 1, its default: about ``N * H / V`` rows) are the floor: past ``rows * V / H`` tokens (2.3M
+    at V 154,880, H 2048, rows 4096) the chunks are Liger's own."""
+    if rows < 1 or rows & (rows - 1):
+        raise ValueError(f"chunk rows must be a power of two, got {rows}")
+    k = -(-n // rows)  # chunks needed
+    if k <= 1:
+        return -(-v // h)  # inc = 1: the whole batch in one chunk
+    return max(1, (v - 1) // ((k - 1) * h))  # the largest C with C * (k - 1) * H < V: inc >= k
+
+
+def liger_chunk_rows(n: int, h: int, v: int, c: int) -> int:
+    """The rows of Liger's chunks for ``chunk_mem_const`` c (its rule, for the tests and the docs)."""
+    inc = -(-v // (c * h))
+    return min(1 << max(0, (-(-n // inc) - 1).bit_length()), n)
+
+
+def _chunk_arg(hidden: torch.Tensor, weight: torch.Tensor, rows: int | None) -> tuple[int, ...]:
+    if rows is None or not _TAKES_CHUNK_CONST():
+        return ()
+    return (chunk_mem_const(hidden.shape[0], hidden.shape[1], weight.shape[0], rows),)
+
+
+def _TAKES_CHUNK_CONST() -> bool:  # liger-kernel 0.8.5 has it; older releases chunk by their rule only
+    import inspect
+
+    from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction as LigerFLCE
+
+    return "chunk_mem_const" in inspect.signature(LigerFLCE.forward).parameters
+
+
 # the reference, ``torch``, is ``ops.cross_entropy.plain_linear_cross_entropy`` (registered there)
 
 
@@ -65,15 +109,20 @@ def liger_loss_supports(hidden: torch.Tensor, weight: torch.Tensor, labels: torc
 @dispatch.register("linear_cross_entropy", "liger", supports=liger_loss_supports, opt_in=True)
 def linear_cross_entropy_liger(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                                ignore_index: int = -100, reduction: str = "mean",
-                               num_items: int | float | torch.Tensor | None = None) -> torch.Tensor:
-    """Same contract as ``linear_cross_entropy_reference``; Liger computes the gradients during the forward."""
+                               num_items: int | float | torch.Tensor | None = None,
+                               chunk_rows: int | None = CHUNK_ROWS) -> torch.Tensor:
+    """Same contract as ``linear_cross_entropy_reference``; Liger computes the gradients during the forward,
+    in chunks of at most ``chunk_rows`` tokens (a power of two; None: Liger's rule)."""
     from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction as LigerFLCE
 
     mode = "none" if reduction == "none" else "sum"
     # positional: input, weight, target, bias, ce_weight, ignore_index, lse_square_scale, label_smoothing,
-    # reduction, softcap, return_z_loss, accum_dtype
+    # reduction, softcap, return_z_loss, accum_dtype, use_token_scaling, return_token_accuracy,
+    # return_predicted_tokens, ce_impl, ce_mode, chunk_mem_const
+    chunk = _chunk_arg(hidden, weight, chunk_rows)
+    extra = (False, False, False, None, None, *chunk) if chunk else ()
     loss = LigerFLCE.apply(hidden.contiguous(), weight.contiguous(), labels.contiguous(), None, None, ignore_index,
-                           0.0, 0.0, mode, None, False, WEIGHT_GRAD_DTYPE)[0]
+                           0.0, 0.0, mode, None, False, WEIGHT_GRAD_DTYPE, *extra)[0]
     if reduction != "mean":
         return loss
     if num_items is not None:
@@ -88,7 +137,8 @@ def chunked_linear_cross_entropy_liger(hidden: torch.Tensor, weight: torch.Tenso
                                        chunk_tokens: int, vocab_chunk: int | None = None, ignore_index: int = -100,
                                        reduction: str = "mean",
                                        num_items: int | float | torch.Tensor | None = None) -> torch.Tensor:
-    """Same contract as the reference ``chunked_linear_cross_entropy``; the chunk sizes are the reference's
-    (Liger chunks by its own rule, within them)."""
-    del chunk_tokens, vocab_chunk
-    return linear_cross_entropy_liger(hidden, weight, labels, ignore_index, reduction, num_items)
+    """Same contract as the reference ``chunked_linear_cross_entropy``: chunks of at most ``chunk_tokens``
+    (rounded down to a power of two) and ``CHUNK_ROWS`` tokens; Liger takes no vocabulary chunks."""
+    del vocab_chunk
+    rows = None if CHUNK_ROWS is None else min(CHUNK_ROWS, 1 << (max(chunk_tokens, 1).bit_length() - 1))
+    return linear_cross_entropy_liger(hidden, weight, labels, ignore_index, reduction, num_items, rows)
