@@ -270,6 +270,13 @@ print('planned longest, bf16 weights:', longest_length(get_preset('glm5-flash-1g
       --model.kernels fast --out "$OUT/bench_slice_256k_fast"
     PACK=1; NOTAR=1  # the cache came with the call (.tcpart/)
     ;;
+  s12f)  # session 12, call 3 (issue 13): the fast set now the default and Liger's loss in 4096-token chunks: its
+      # GPU test, then the issue's own command (no --model.kernels) with the baseline in the same job
+    timeout -k 5 60 python3 -m pytest -q -m gpu tests/test_liger_loss.py 2>&1 | tail -3
+    timeout -k 5 $((290 - SECONDS)) python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml --seq-lens 8K,32K \
+      --baseline --out "$OUT/bench_1gpu"
+    NOTAR=1
+    ;;
   s12b)  # prepared in session 11 (issue 13), not yet run: the profiles the issue asks for after the work, a fast 32K
       # step (session 11's: 1.155 s under the profiler, before the merge fix) and a fast 256K step (where the
       # indexer's quadratic scoring starts to show), then glm5-flash-slice at 256K with the fast kernels, warm
