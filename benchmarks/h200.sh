@@ -272,8 +272,8 @@ print('planned longest, bf16 weights:', longest_length(get_preset('glm5-flash-1g
     ;;
   s12f)  # session 12, call 3 (issue 13): the fast set now the default and Liger's loss in 4096-token chunks: its
       # GPU test, then the issue's own command (no --model.kernels) with the baseline in the same job
-    timeout -k 5 60 python3 -m pytest -q -m gpu tests/test_liger_loss.py 2>&1 | tail -3
-    timeout -k 5 $((290 - SECONDS)) python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml --seq-lens 8K,32K \
+    timeout -k 5 45 python3 -m pytest -q -m gpu tests/test_liger_loss.py 2>&1 | tail -3
+    timeout -k 5 $((295 - SECONDS)) python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml --seq-lens 8K,32K \
       --baseline --out "$OUT/bench_1gpu"
     NOTAR=1
     ;;
