@@ -262,7 +262,7 @@ print('planned longest, bf16 weights:', longest_length(get_preset('glm5-flash-1g
   s12p)  # session 12, call 2 (issue 13): with the cache s12a built, the profiles of fast steps at 8K (the 1.58x
       # length), 32K and 256K, then glm5-flash-slice at 256K, fast and warm (target: 35K layer-tokens/s)
     for L in 8K 32K 256K; do
-      timeout 200 python3 benchmarks/profile_step.py recipes/glm5-flash-1gpu.yaml $L \
+      timeout -k 10 200 python3 benchmarks/profile_step.py recipes/glm5-flash-1gpu.yaml $L \
         --json "$OUT/profile_${L,,}_fast.json" --model.kernels fast > "$OUT/profile_1gpu_${L,,}_fast.txt" 2>&1
       head -30 "$OUT/profile_1gpu_${L,,}_fast.txt"
     done
