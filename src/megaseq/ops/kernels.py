@@ -21,9 +21,9 @@ GPU_BF16 = {
 
 # ``model.kernels fast`` (the default since session 12): the Triton kernels of the speed work (issue 13), each
 # checked against its reference on the GPU (tests/test_triton_*.py, tests/test_hc_mix.py, tests/test_liger_loss.py)
-# and measured in full steps (benchmarks/results/h200/session12: glm5-flash-1gpu 2.0x and 2.5x the plain
-# references' tokens/s at 8K and 32K); the memory plan keeps the base kernels' working sets (for these, an upper
-# bound: 52.4 and 98.0 GiB measured against 71.9 and 130.5 planned at 8K and 32K)
+# and measured in full steps (benchmarks/results/h200/session12: glm5-flash-1gpu 1.72x and 2.53x the transformers
+# reference's tokens/s at 8K and 32K); the memory plan keeps the base kernels' working sets (for these, an upper
+# bound: 53.0 and 98.0 GiB measured against 71.9 and 130.5 planned at 8K and 32K)
 FAST_GPU = {
     "sparse_attention": "triton",
     "indexer_topk": "triton",

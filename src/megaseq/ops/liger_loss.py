@@ -38,6 +38,7 @@ above the inputs): plain 0.249 s / 56.7 GiB; chunked (4096 tokens) 0.338 s / 6.2
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 import torch
@@ -74,12 +75,13 @@ def liger_chunk_rows(n: int, h: int, v: int, c: int) -> int:
 
 
 def _chunk_arg(hidden: torch.Tensor, weight: torch.Tensor, rows: int | None) -> tuple[int, ...]:
-    if rows is None or not _TAKES_CHUNK_CONST():
+    if rows is None or not _takes_chunk_const():
         return ()
     return (chunk_mem_const(hidden.shape[0], hidden.shape[1], weight.shape[0], rows),)
 
 
-def _TAKES_CHUNK_CONST() -> bool:  # liger-kernel 0.8.5 has it; older releases chunk by their rule only
+@functools.cache
+def _takes_chunk_const() -> bool:  # liger-kernel 0.8.5 has it; older releases chunk by their rule only (once)
     import inspect
 
     from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction as LigerFLCE
