@@ -127,3 +127,25 @@ def test_backward_memory_is_bounded_on_the_gpu() -> None:
 
 def test_norm_module_imports_the_workspace_rule() -> None:
     assert norm.norm_backward_rows is workspace.norm_backward_rows
+
+
+def test_full_precision_norms_keeps_float64_and_changes_nothing_else():
+    """HF's float32 statistics by default (a float64 input is down-cast, as in HF); under
+    ``full_precision_norms`` a float64 input keeps float64 statistics, in the forward and in the chunked
+    backward, and bf16/float32 compute bitwise as before."""
+    x, w, g = _inputs(torch.float64, torch.float64)
+    with norm.full_precision_norms():
+        assert norm._normalise(x, w, 1e-6)[1].dtype == torch.float64
+        exact = [_run(fn, x, w, g, True) for fn in (rms_norm_reference, rms_norm_torch)]
+    assert norm._normalise(x, w, 1e-6)[1].dtype == torch.float32
+    hf = _run(rms_norm_reference, x, w, g, True)
+    for a, b in zip(*exact):
+        torch.testing.assert_close(a, b, rtol=1e-13, atol=1e-15)
+    assert not torch.equal(exact[0][0], hf[0])  # float64 statistics differ from HF's float32 ones
+    torch.testing.assert_close(exact[0][0], hf[0], rtol=1e-6, atol=1e-7)
+    for x_dtype, w_dtype in CASES:
+        xs, ws, gs = _inputs(x_dtype, w_dtype)
+        with norm.full_precision_norms():
+            inside = _run(rms_norm_torch, xs, ws, gs, True)
+        for a, b in zip(inside, _run(rms_norm_torch, xs, ws, gs, True)):
+            assert torch.equal(a, b)

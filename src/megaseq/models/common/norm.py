@@ -6,9 +6,18 @@ token-separable (sequence sharding and tiling never change its result).
 The variance is computed in float32 whatever the input dtype and the normalised value is cast back
 before the weight multiplies it (``weight * x.to(input_dtype)``): the order HF uses, so bf16 outputs
 round the same way and float64 parity is bitwise.
+
+That float32 is a down-cast in a float64 model: a change of 1e-17 upstream (a scheme that reorders a sum,
+such as ``memory.kda_segment_tokens``'s chunk boundaries) can cross a float32 rounding boundary and move
+a statistic by one float32 ulp, a gradient by ~1e-8. Exactness tests of such schemes run under
+``full_precision_norms()``, where the statistics are in ``promote_types(x.dtype, float32)``: float64
+stays float64, bf16 and float32 compute exactly as before.
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -18,6 +27,24 @@ from megaseq.ops import (
     triton_rms_norm,  # noqa: F401  (registers the fused kernel, opt-in)
 )
 from megaseq.ops.workspace import norm_backward_rows
+
+_FULL_PRECISION = False
+
+
+@contextlib.contextmanager
+def full_precision_norms() -> Iterator[None]:
+    """Inside: RMSNorm statistics in ``promote_types(x.dtype, float32)`` instead of HF's float32 (see the
+    module's docstring); only float64 inputs compute differently. For float64 exactness tests."""
+    global _FULL_PRECISION
+    before, _FULL_PRECISION = _FULL_PRECISION, True
+    try:
+        yield
+    finally:
+        _FULL_PRECISION = before
+
+
+def _stats_dtype(x_dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(x_dtype, torch.float32) if _FULL_PRECISION else torch.float32
 
 
 @dispatch.register("rms_norm", "torch", reference=True)
@@ -30,7 +57,7 @@ def _normalise(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch
     """HF's RMSNorm op for op: ``(x32, rstd, normed, y)``, the float32 input, ``rsqrt(mean(x32^2) + eps)``,
     the normalised value cast back to x's dtype and the output ``weight * normed``. Float32 for the statistics
     (HF does the same; in float64 this is a down-cast, as in HF)."""
-    x32 = x.to(torch.float32)
+    x32 = x.to(_stats_dtype(x.dtype))
     rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     normed = (x32 * rstd).to(x.dtype)
     return x32, rstd, normed, weight * normed
@@ -69,7 +96,7 @@ class _RMSNormChunkedBackward(torch.autograd.Function):
             if need_w:  # weight * normed: autograd's product in the output dtype, summed over the rows
                 gw += (gs * n_RH[s:s + step]).sum(0, dtype=acc)
             if need_x:
-                dxhat = (gs * weight).to(ctx.x_dtype).to(torch.float32)  # autograd casts to normed's dtype
+                dxhat = (gs * weight).to(ctx.x_dtype).to(x32.dtype)  # autograd casts to normed's dtype
                 gx[s:s + step] = _input_grad(xs, rs, dxhat)  # cast to x's dtype (x.to(float32)'s backward)
                 del dxhat
         return (gx.view(x32.shape) if need_x else None,
