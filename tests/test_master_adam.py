@@ -32,34 +32,44 @@ def _grads(step: int) -> list[torch.Tensor]:
     return [(torch.randn(s, generator=g) * 1e-3 * (1 + step)).to(BF16) for s in SHAPES]
 
 
-def _fp32_reference(params, grads_per_step, lrs, decay: float = 0.1) -> list[torch.Tensor]:
-    """torch.optim.AdamW on fp32 copies (the master), each step's bf16 gradient cast to fp32; the bf16 weights
-    are the master cast after each step."""
+def _fp32_reference(params, grads_per_step, lrs, decay: float = 0.1, fused: bool = False,
+                    clip: float | None = None) -> list[torch.Tensor]:
+    """torch.optim.AdamW on fp32 copies (the master), each step's bf16 gradient cast to fp32 (and clipped by
+    torch's ``clip_grad_norm_`` to ``clip``); the bf16 weights are the master cast after each step."""
     masters = [torch.nn.Parameter(p.detach().float().clone()) for p in params]
+    kind = dict(fused=True) if fused else dict(foreach=False)
     opt = torch.optim.AdamW([{"params": masters[:2], "weight_decay": decay},
-                             {"params": masters[2:], "weight_decay": 0.0}], **HYPER, foreach=False)
+                             {"params": masters[2:], "weight_decay": 0.0}], **HYPER, **kind)
     for grads, lr in zip(grads_per_step, lrs):
         for group in opt.param_groups:
             group["lr"] = lr
         for m, g in zip(masters, grads):
             m.grad = g.float()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(masters, clip, foreach=False)
         opt.step()
     return masters
 
 
-def test_a_step_equals_the_fp32_master_update_cast_bitwise():
+@pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
+@pytest.mark.parametrize("clip", [None, 0.01], ids=["unclipped", "clipped"])
+def test_a_step_equals_the_fp32_master_update_cast_bitwise(fused, clip):
+    """Against torch's AdamW of the same kind (``fused``: torch's fused kernel, what a GPU run uses; foreach
+    False: the per-tensor loop); ``clip`` 0.01 clips every step (the gradients' norms are 0.06-0.2)."""
     params = _params()
     opt = MasterAdamW([{"params": params[:2], "weight_decay": 0.1}, {"params": params[2:], "weight_decay": 0.0}],
-                      **HYPER, foreach=False)
+                      **HYPER, foreach=False, fused=fused)
     steps, lrs = [_grads(0), _grads(1), _grads(2)], [3e-3, 2e-3, 1e-3]
     for grads, lr in zip(steps, lrs):
         for group in opt.param_groups:
             group["lr"] = lr
         for p, g in zip(params, grads):
             p.grad = g.clone()
+        if clip is not None:
+            assert opt.clip_grad_norm_(clip) > clip
         opt.step()
         opt.zero_grad()
-    masters = _fp32_reference(_params(), steps, lrs)
+    masters = _fp32_reference(_params(), steps, lrs, fused=fused, clip=clip)
     for p, m in zip(params, masters):
         assert p.dtype == BF16
         assert torch.equal(opt.state[p]["master"], m.detach())  # the fp32 master, bit for bit
@@ -254,3 +264,29 @@ def test_trainer_with_bf16_weights_resumes_exactly(tmp_path):
     assert dtypes["model.layers.0.self_attn.q_proj.weight"] == BF16  # the weights the GPU holds
     assert dtypes["optim.state.layers.0.self_attn.q_proj.weight.master"] == torch.float32  # the master
     assert dtypes["model.layers.1.mlp.gate.weight"] == torch.float32  # the router stays fp32
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_fused_step_on_the_gpu_equals_torchs_fused_adamw_on_fp32_copies():
+    """What ``make_optimizer`` builds for bf16 weights on CUDA (fused, step counters on the GPU): three clipped
+    steps equal torch's fused AdamW on fp32 copies clipped by the same coefficient, cast, bit for bit."""
+    from megaseq.config import MemorySettings
+    from megaseq.memory.apply import make_optimizer
+
+    params = [torch.nn.Parameter(p.detach().cuda()) for p in _params()]
+    opt = make_optimizer(params, MemorySettings(), HYPER["lr"], HYPER["betas"], HYPER["eps"], 0.1)
+    assert isinstance(opt, MasterAdamW) and opt.fused and opt.state[params[0]]["step"].is_cuda
+    masters = [torch.nn.Parameter(p.detach().float().clone()) for p in params]
+    ref = torch.optim.AdamW(masters, **HYPER, weight_decay=0.1, fused=True)
+    for k in range(3):
+        for p, m, g in zip(params, masters, _grads(k)):
+            p.grad, m.grad = g.cuda(), g.float().cuda()
+        assert opt.clip_grad_norm_(0.01) > 0.01  # the norm is torch's to rounding (the CPU test above)
+        torch._foreach_mul_([m.grad for m in masters], opt.clip_coef)
+        opt.step()
+        ref.step()
+        opt.zero_grad()
+    for p, m in zip(params, masters):
+        assert torch.equal(opt.state[p]["master"], m.detach())
+        assert torch.equal(p.detach(), m.detach().to(BF16))

@@ -116,7 +116,8 @@ def make_optimizer(params: Iterable[Any], settings: MemorySettings, lr: float, b
                    eps: float, weight_decay: float, accumulate: bool = False,
                    distributed: bool = False) -> torch.optim.Optimizer:
     """OffloadStreamAdamW when the settings offload the optimizer; ``MasterAdamW`` (fp32 master weights and
-    moments beside them) when some weights are narrower than fp32 (``model.weights bf16``); else
+    moments beside them; fused on CUDA for its whole tensors) when some weights are narrower than fp32
+    (``model.weights bf16``); else
     ``torch.optim.AdamW`` (fused on CUDA; ``master_adam.SplitAdamW`` when DTensors and whole parameters mix,
     as under expert parallelism).
 
@@ -143,7 +144,7 @@ def make_optimizer(params: Iterable[Any], settings: MemorySettings, lr: float, b
     if any(p.dtype in (torch.bfloat16, torch.float16) for p in flat):
         return MasterAdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                            foreach=None if on_cuda else False, accumulate=accumulate,
-                           foldable=complete_in_backward if distributed else None)
+                           foldable=complete_in_backward if distributed else None, fused=on_cuda)
     adamw = SplitAdamW if mixes_dtensors(flat) else torch.optim.AdamW  # expert parallelism: fused per kind
     return adamw(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                  fused=True if on_cuda else None, foreach=None if on_cuda else False)

@@ -10,7 +10,8 @@ small steps round away. Per parameter this optimizer holds, on the parameter's d
     exp_avg, exp_avg_sq                                                          4 + 4 B
     acc         fp32 sum of the gradients of several backward passes (``accumulate``)  4 B
 
-and a step is ``torch.optim.AdamW``'s own arithmetic on the master (its functional ``adamw``, foreach as
+and a step is ``torch.optim.AdamW``'s own arithmetic on the master (its functional ``adamw``: fused for whole tensors
+when ``fused``, as ``make_optimizer`` asks on CUDA; else foreach as
 given), then ``weight <- master`` rounded to the weight's dtype. So the result equals AdamW run on an fp32
 copy and cast, bit for bit (``tests/test_master_adam.py``). Weights that are already fp32 (the router a bf16
 model keeps) get a master too, equal to them: one code path.
@@ -168,9 +169,13 @@ class MasterAdamW(torch.optim.Optimizer):
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, foreach: bool | None = None,
-                 accumulate: bool = False, foldable: Callable[[torch.Tensor], bool] | None = None) -> None:
+                 accumulate: bool = False, foldable: Callable[[torch.Tensor], bool] | None = None,
+                 fused: bool = False) -> None:
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
         self.foreach = foreach
+        # fused: torch's fused AdamW kernel over the masters (one pass; foreach makes about ten), its step
+        # counters on the masters' device as torch.optim.AdamW(fused=True) keeps them; DTensors step foreach
+        self.fused = fused
         self.acc: dict[torch.Tensor, torch.Tensor] = {}  # fp32 gradient sums (``accumulate``), local
         self.clip_coef: torch.Tensor | None = None
         self.master_dtype = torch.float32
@@ -184,7 +189,8 @@ class MasterAdamW(torch.optim.Optimizer):
     def _init_state(self, p: torch.Tensor) -> None:
         dt = torch.promote_types(p.dtype, self.master_dtype)  # fp64 weights keep fp64 masters
         master = local(p).detach().to(dt, copy=True)
-        self.state[p] = {"step": torch.tensor(0.0, dtype=torch.float32),
+        on = master.device if self.fused and not is_dtensor(p) else None
+        self.state[p] = {"step": torch.tensor(0.0, dtype=torch.float32, device=on),
                          "master": like_param(master, p),
                          "exp_avg": like_param(torch.zeros_like(master), p),
                          "exp_avg_sq": like_param(torch.zeros_like(master), p)}
@@ -233,21 +239,37 @@ class MasterAdamW(torch.optim.Optimizer):
             live = [(p, g) for p in group["params"] if (g := self._grad(p)) is not None]
             if not live:
                 continue
-            if self.clip_coef is not None:
-                for _, g in live:
-                    g.mul_(self.clip_coef.to(g.dtype))
-            st = [self.state[p] for p, _ in live]
-            masters = [local(s["master"]) for s in st]
             beta1, beta2 = group["betas"]
-            adamw(masters, [g for _, g in live], [local(s["exp_avg"]) for s in st],
-                  [local(s["exp_avg_sq"]) for s in st], [], [s["step"] for s in st], foreach=self.foreach,
-                  amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
-                  eps=group["eps"], maximize=False)
-            for (p, _), m in zip(live, masters):
-                local(p).copy_(m)  # round to nearest into the weight's dtype
+            hyper = dict(amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
+                         weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
+            fused = [(p, g) for p, g in live if self.fused and not is_dtensor(p)]
+            rest = [(p, g) for p, g in live if not (self.fused and not is_dtensor(p))]
+            for part, how in ((fused, dict(fused=True)), (rest, dict(foreach=self.foreach))):
+                if part:
+                    self._update(part, hyper, how)
         self.acc.clear()
         self.clip_coef = None
         return loss
+
+    def _update(self, live: list[tuple[torch.Tensor, torch.Tensor]], hyper: dict[str, Any],
+                how: dict[str, Any]) -> None:
+        """Clip, AdamW on the masters, round into the weights: one list of parameters of one kind."""
+        grads = [g for _, g in live]
+        if self.clip_coef is not None:
+            if how.get("fused"):
+                torch._foreach_mul_(grads, self.clip_coef.to(grads[0].dtype))
+            else:
+                for g in grads:
+                    g.mul_(self.clip_coef.to(g.dtype))
+        st = [self.state[p] for p, _ in live]
+        masters = [local(s["master"]) for s in st]
+        adamw(masters, grads, [local(s["exp_avg"]) for s in st], [local(s["exp_avg_sq"]) for s in st], [],
+              [s["step"] for s in st], **how, **hyper)
+        if how.get("fused"):
+            torch._foreach_copy_([p.data for p, _ in live], masters)  # round to nearest into the weights' dtype
+        else:
+            for (p, _), m in zip(live, masters):
+                local(p).copy_(m)  # round to nearest into the weight's dtype
 
     # ---- checkpoints -----------------------------------------------------------------------------
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
