@@ -300,6 +300,27 @@ print('planned longest, bf16 weights:', longest_length(get_preset('glm5-flash-1g
       --model.kernels fast --out "$OUT/bench_1gpu_fast_1m"
     PACK=1
     ;;
+  s13a)  # session 13, call 1 (issue 13): MasterAdamW's fused path on the GPU, then the issue's command with bf16
+      # weights (fp32 masters in MasterAdamW; no per-matmul weight casts), the reference in the same job; where
+      # a fast 32K step's memory sits at its peak without KDA segments (for a planner that knows the fast set);
+      # glm5-flash-slice at 256K, warm (target: 35K layer-tokens/s)
+    timeout -k 5 60 python3 -m pytest -q -m gpu tests/test_master_adam.py 2>&1 | tail -3
+    timeout -k 5 320 python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml --seq-lens 8K,32K --baseline \
+      --model.weights bf16 --out "$OUT/bench_1gpu_bf16w"
+    timeout -k 5 100 python3 benchmarks/memory_census.py recipes/glm5-flash-1gpu.yaml 32K --memory.auto false \
+      --memory.chunked_loss true --memory.indexer_query_chunk 4K --model.weights bf16 \
+      --out "$OUT/census_32k_fast_bf16w.json" > /dev/null 2>&1
+    timeout -k 5 $((585 - SECONDS)) python3 -m megaseq bench recipes/glm5-flash-slice.yaml --seq-lens 256K \
+      --steps 1 --model.weights bf16 --out "$OUT/bench_slice_256k"
+    NOTAR=1
+    ;;
+  s13b)  # session 13, call 2 (issue 13): a warm 1M step of glm5-flash-1gpu (the fast set, bf16 weights; one
+      # warm-up step, then one measured; session 5's cold step with the base kernels took 188 s, the target is
+      # under 60 s)
+    timeout -k 5 $((585 - SECONDS)) python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml --seq-lens 1M \
+      --steps 1 --model.weights bf16 --out "$OUT/bench_1gpu_1m"
+    NOTAR=1
+    ;;
   fsdp8)  # (nvidia-h200-x8) FSDP2 over 8 GPUs, bf16 weights: glm5-flash-slice (the full model's layer shapes)
       # at 64K, dp_cp over dp 2 x cp 4; metrics.jsonl holds each step's measured and planned peak
     timeout 500 torchrun --nproc-per-node 8 -m megaseq train recipes/glm5-flash-slice.yaml --train.steps 3 \
