@@ -62,7 +62,7 @@ def plan_on(c: Config, device: torch.device) -> Any:
     from megaseq.plan.planner import plan_from_config
 
     gpu_bytes = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
-    return plan_from_config(c, world_size=1, gpu_bytes=gpu_bytes)
+    return plan_from_config(c, world_size=1, gpu_bytes=gpu_bytes, device_type=device.type)
 
 
 def planned_step(c: Config, spec: Any, device: torch.device, plan: Any, total_steps: int) -> tuple:

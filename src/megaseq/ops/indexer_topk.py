@@ -44,12 +44,15 @@ from dataclasses import dataclass
 import torch
 
 from megaseq.ops import dispatch
+from megaseq.ops.workspace import TOPK_MARGIN, TOPK_RECHECK_BYTES
+from megaseq.ops.workspace import indexer_topk_bytes as indexer_topk_bytes  # re-exported: the op's memory formula
+from megaseq.ops.workspace import topk_row_bytes as _row_bytes
 
-MARGIN: int = 32  # candidates beyond K per row
+MARGIN: int = TOPK_MARGIN  # candidates beyond K per row
 SPLIT: bool = True  # split fp32 operands into bf16 hi + lo (False: round them to bf16, a 64x looser bound)
 SCORING_BUDGET_BYTES: int = 2 << 30  # one chunk's working set when no query_chunk is given
 BAND: int = 32  # band positions re-checked per row (rows with a wider band re-check all M candidates)
-RECHECK_BYTES: int = 256 << 20  # one re-check sub-block (gathered fp32 keys [r, W, D], head scores [r, I, W])
+RECHECK_BYTES: int = TOPK_RECHECK_BYTES  # one re-check sub-block (gathered fp32 keys [r, W, D], head scores [r, I, W])
 DTYPES = (torch.float32, torch.bfloat16)
 F32_UNIT = 2.0**-24  # fp32 unit roundoff
 
@@ -74,26 +77,6 @@ STATS = TopkStats()
 
 
 # ---- memory ------------------------------------------------------------------------------------------------
-def indexer_topk_bytes(query_chunk: int, num_pools: int, num_heads: int, num_select: int, margin: int = MARGIN,
-                       head_dim: int = 128) -> int:
-    """Peak bytes of one chunk of ``triton`` beyond its inputs, for the planner.
-
-    Per row of the chunk: the scores ``L [P]`` fp32 (4P); the sorted candidates' values fp32 and indices
-    int64 (12M); the error bound, the band limits and the searchsorted counts (16M + 32); the few-pool
-    keys (int64, 8(M + K)); the selection and validity (9K). One re-check sub-block (``RECHECK_BYTES``,
-    rows whose band is ambiguous): the gathered fp32 keys ``[W, D]``, the head scores ``[I, W]`` and the
-    sorts (4WD + 4IW + 64W a row). The fallback's chunks stay within this total (``Run._fallback``).
-    """
-    per_row, recheck_row = _row_bytes(num_pools, num_heads, num_select, margin, head_dim)
-    return query_chunk * per_row + min(RECHECK_BYTES, query_chunk * recheck_row)
-
-
-def _row_bytes(num_pools: int, num_heads: int, num_select: int, margin: int, head_dim: int) -> tuple[int, int]:
-    P, K = num_pools, min(num_select, num_pools)
-    M = min(K + margin, P)
-    return 4 * P + 28 * M + 32 + 8 * (M + K) + 9 * K, M * (4 * head_dim + 4 * num_heads + 64)
-
-
 def resolve_query_chunk(query_chunk: int | None, num_pools: int, num_heads: int, num_select: int,
                         margin: int = MARGIN, head_dim: int = 128) -> int:
     """Rows per chunk: ``query_chunk`` when given, else as many as fit ``SCORING_BUDGET_BYTES``."""

@@ -9,6 +9,8 @@ dense-attention fallback becomes a message.
 
 from __future__ import annotations
 
+import importlib.util
+
 GPU_BF16 = {
     "kda": "fla_chunk",
     "gdn": "fla_chunk",
@@ -53,3 +55,14 @@ def preferred_kernels(device_type: str, kernels: str) -> dict[str, list[str]]:
     if kernels == "fast" and device_type == "cuda":
         return {op: [name] for op, name in FAST_GPU.items()}
     return {}
+
+
+# the packages each fast kernel the memory plan counts needs (the others fall back and are planned as base)
+FAST_PACKAGES = {"rms_norm": ("triton",), "swiglu": ("triton",), "indexer_topk": ("triton",),
+                 "linear_cross_entropy": ("triton", "liger_kernel")}
+
+
+def fast_ops_installed() -> frozenset[str]:
+    """The ops of ``FAST_PACKAGES`` whose packages are importable here."""
+    have = {m: importlib.util.find_spec(m) is not None for ms in FAST_PACKAGES.values() for m in ms}
+    return frozenset(op for op, ms in FAST_PACKAGES.items() if all(have[m] for m in ms))

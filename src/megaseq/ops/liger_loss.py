@@ -45,6 +45,7 @@ import torch
 
 from megaseq.ops import dispatch
 from megaseq.ops.cross_entropy import REDUCTIONS
+from megaseq.ops.workspace import LIGER_CHUNK_ROWS
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # dtype of Liger's weight-gradient accumulator; None: the weight's (bf16 for a bf16 head: Liger's default)
@@ -52,7 +53,7 @@ WEIGHT_GRAD_DTYPE: torch.dtype | None = None
 
 
 # rows of one chunk of logits at most (a power of two); None: Liger's own rule (about N * H / V rows)
-CHUNK_ROWS: int | None = 4096
+CHUNK_ROWS: int | None = LIGER_CHUNK_ROWS
 
 
 def chunk_mem_const(n: int, h: int, v: int, rows: int) -> int:

@@ -85,6 +85,35 @@ def scoring_chunk(num_pools: int, num_heads: int, num_select: int, budget: int =
     return max(1, budget // indexer_scoring_bytes(1, max(num_pools, 1), num_heads, num_select))
 
 
+# ---- op linear_cross_entropy, implementation liger (ops/liger_loss.py) --------------------------------
+LIGER_CHUNK_ROWS: int = 4096  # rows of one chunk of logits at most (a power of two)
+
+
+# ---- op indexer_topk, implementation triton (ops/indexer_topk.py) -----------------------------------
+TOPK_MARGIN: int = 32  # candidates beyond K per row
+TOPK_RECHECK_BYTES: int = 256 << 20  # one re-check sub-block (gathered fp32 keys [r, W, D], head scores [r, I, W])
+
+
+def indexer_topk_bytes(query_chunk: int, num_pools: int, num_heads: int, num_select: int, margin: int = TOPK_MARGIN,
+                       head_dim: int = 128) -> int:
+    """Peak bytes of one chunk of ``triton`` beyond its inputs, for the planner.
+
+    Per row of the chunk: the scores ``L [P]`` fp32 (4P); the sorted candidates' values fp32 and indices
+    int64 (12M); the error bound, the band limits and the searchsorted counts (16M + 32); the few-pool
+    keys (int64, 8(M + K)); the selection and validity (9K). One re-check sub-block (``TOPK_RECHECK_BYTES``,
+    rows whose band is ambiguous): the gathered fp32 keys ``[W, D]``, the head scores ``[I, W]`` and the
+    sorts (4WD + 4IW + 64W a row). The fallback's chunks stay within this total (``indexer_topk_select``).
+    """
+    per_row, recheck_row = topk_row_bytes(num_pools, num_heads, num_select, margin, head_dim)
+    return query_chunk * per_row + min(TOPK_RECHECK_BYTES, query_chunk * recheck_row)
+
+
+def topk_row_bytes(num_pools: int, num_heads: int, num_select: int, margin: int, head_dim: int) -> tuple[int, int]:
+    P, K = num_pools, min(num_select, num_pools)
+    M = min(K + margin, P)
+    return 4 * P + 28 * M + 32 + 8 * (M + K) + 9 * K, M * (4 * head_dim + 4 * num_heads + 64)
+
+
 # ---- op sparse_attention, implementation absorbed (ops/sparse_mla.py) --------------------------------
 ABSORBED_BLOCK_BYTES: int = 2 << 30  # one query block's budget (forward or backward)
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from megaseq.models.spec import ModelSpec
+from megaseq.ops.workspace import LIGER_CHUNK_ROWS
 from megaseq.plan.params import Trained
 
 GIB = 2**30
@@ -489,15 +490,21 @@ def linear_inputs(width: int, num_linears: int, in_bytes: int, prec: Precision) 
     return in_bytes * width
 
 
-def norm_saved(width: int, in_bytes: int, prec: Precision) -> tuple[int, int]:
+def norm_saved(width: int, in_bytes: int, prec: Precision, fast: bool = False) -> tuple[int, int]:
     """RMSNorm (``blocks/norm.py``) per token: (saved bytes, output bytes per element).
 
     Saved: the fp32 input (``x.to(f32)``; the input itself when already fp32) for the variance and the
     normalised value cast back to the input dtype (kept by ``weight *``): ``(f + in) * width``. The
     output is ``weight * x``, promoted to the wider of the weight and input dtypes. A frozen weight needs
-    no gradient, so the normalised value is not kept: ``f * width``."""
+    no gradient, so the normalised value is not kept: ``f * width``.
+
+    ``fast``: the fast set's Triton norm (``ops/triton_rms_norm.py``) keeps the input itself and the fp32
+    ``rstd`` of each row, ``in * width + 4``, whether the weight trains or not."""
+    out = max(prec.norm or prec.param, in_bytes)
+    if fast:
+        return in_bytes * width + 4, out
     kept = 0 if prec.frozen_norms else in_bytes
-    return (prec.f32 + kept) * width, max(prec.norm or prec.param, in_bytes)
+    return (prec.f32 + kept) * width, out
 
 
 def hc_saved(spec: ModelSpec, prec: Precision, cal: Calibration = CAL, fn_trains: bool = True) -> int:
@@ -568,9 +575,27 @@ def vocab_loss_bytes(N: int, H: int, V: int, chunk_tokens: int, dtype_bytes: int
     return {"plain": plain, "chunked": chunked}
 
 
-def loss_bytes(spec: ModelSpec, n: int, d: int, chunked: bool, chunk_tokens: int, weight_grad: bool = True) -> int:
+def liger_loss_bytes(N: int, H: int, V: int, d: int, weight_grad: bool = True) -> int:
+    """The fast set's loss (``ops/liger_loss.py``: Liger's fused linear cross-entropy, chunked or not), beyond
+    its inputs: the input gradient ``N*H*d`` and the weight gradient ``V*H*d`` it fills during the forward
+    (in the head's dtype), one chunk of logits ``rows*V*d`` written over in place by its softmax gradient
+    (``rows``: at most ``ops.workspace.LIGER_CHUNK_ROWS``, ``ops.liger_loss.CHUNK_ROWS``'s default), the
+    per-token fp32 loss ``4*N``; for a half head, the weight gradient's fp32 copy ``V*H*4`` at the backward
+    (the cast to an fp32 parameter's gradient: counted for a bf16 parameter too, an upper bound). Measured
+    at 32K x V 154,880 x H 4096 in bf16 on an H200: 1.73 GiB with Liger's own chunks of 1,024 rows
+    (``benchmarks/glue_gpu.py``), these terms without the cast."""
+    rows = min(LIGER_CHUNK_ROWS, N)
+    grads = N * H * d + (V * H * d if weight_grad else 0)
+    return grads + rows * V * d + 4 * N + (V * H * 4 if weight_grad and d < 4 else 0)
+
+
+def loss_bytes(spec: ModelSpec, n: int, d: int, chunked: bool, chunk_tokens: int, weight_grad: bool = True,
+               fast: bool = False) -> int:
     """The vocabulary projection + cross-entropy working set of ``spec``'s head over ``n`` tokens
-    (``vocab_loss_bytes``), ``d`` the hidden's bytes."""
+    (``vocab_loss_bytes``; with the fast kernels ``liger_loss_bytes``, chunked or not), ``d`` the hidden's
+    bytes."""
+    if fast:
+        return liger_loss_bytes(n, spec.hidden_size, spec.vocab_size, d, weight_grad)
     both = vocab_loss_bytes(n, spec.hidden_size, spec.vocab_size, chunk_tokens or n, d, weight_grad=weight_grad)
     return both["chunked" if chunked else "plain"]
 

@@ -322,11 +322,8 @@ def indexer_chunk_cap(run: Run) -> int:
     spec = run.spec
     if "dsa" not in spec.layer_types:
         return run.n
-    kp = max(spec.index_kpool, 1)
-    pools, select = run.seq_len // kp, spec.index_topk // kp
-
     def scoring(q: int) -> int:
-        return layers.indexer_scoring_bytes(q, pools, spec.index_n_heads, select)
+        return layers.indexer_scoring(spec, q, run.seq_len, fast="indexer_topk" in run.fast_ops)
 
     if scoring(run.n // run.batch) <= INDEXER_SCORING_MAX:
         return run.n

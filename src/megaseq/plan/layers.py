@@ -20,6 +20,7 @@ from megaseq.models.spec import ModelSpec
 from megaseq.ops.workspace import (  # noqa: F401  (the ops' own formulas)
     absorbed_bytes,
     indexer_scoring_bytes,
+    indexer_topk_bytes,
     kv_repeats,
     sdpa_head_groups,
 )
@@ -187,17 +188,28 @@ def dsa_saved(
     return out
 
 
-def indexer_temp(spec: ModelSpec, n: int, batch: int, seq_len: int, query_chunk: int, prec: Precision) -> int:
+def indexer_scoring(spec: ModelSpec, query_chunk: int, seq_len: int, fast: bool = False) -> int:
+    """One scoring chunk of ``query_chunk`` queries over a ``seq_len`` sequence: the fp32 reference's
+    (``ops.workspace.indexer_scoring_bytes``: head scores ``[c, I, P]``) or, ``fast``, the Triton
+    selection's (``ops.indexer_topk.indexer_topk_bytes``: summed scores ``[c, P]`` and its candidates)."""
+    kp = max(spec.index_kpool, 1)
+    pools, select = seq_len // kp, spec.index_topk // kp
+    if fast:
+        return indexer_topk_bytes(query_chunk, pools, spec.index_n_heads, select, head_dim=spec.index_head_dim)
+    return indexer_scoring_bytes(query_chunk, pools, spec.index_n_heads, select)
+
+
+def indexer_temp(spec: ModelSpec, n: int, batch: int, seq_len: int, query_chunk: int, prec: Precision,
+                 fast: bool = False) -> int:
     """The indexer's forward (no grad): its queries ``c * I * Di`` and head weights ``f * I`` per query,
     the gathered keys + gates and pooling temporaries ``(3c + 2f) * Di`` and positions/documents
-    ``16`` per sequence token, and the larger of one scoring chunk and the selection in int64 then
-    int32 ``12 * W`` (built after the scoring)."""
+    ``16`` per sequence token, and the larger of one scoring chunk (``indexer_scoring``; ``fast``: the
+    Triton selection's) and the selection in int64 then int32 ``12 * W`` (built after the scoring)."""
     I, Di, c, f = spec.index_n_heads, spec.index_head_dim, prec.compute, prec.f32
-    kp = max(spec.index_kpool, 1)
     chunk = min(query_chunk, n // batch)
     per_query = c * I * Di + f * I + c * 2 * Di
     per_key = (3 * c + 2 * f) * Di + 16
-    scoring = indexer_scoring_bytes(chunk, seq_len // kp, I, spec.index_topk // kp)
+    scoring = indexer_scoring(spec, chunk, seq_len, fast)
     # the int64 selection and its int32 copy are built after the last scoring chunk is freed
     return n * per_query + batch * seq_len * per_key + max(scoring, 3 * dsa_selection_bytes(spec, n))
 
@@ -430,19 +442,23 @@ def attention_temp(spec: ModelSpec, n: int, prec: Precision, backward: bool, mes
 
 
 # ---- MLP and MoE -------------------------------------------------------------------------------------
-def swiglu_saved_ci(spec: ModelSpec) -> int:
+def swiglu_saved_ci(spec: ModelSpec, fast: bool = False) -> int:
     """SwiGLU (``blocks/mlp.py: swiglu``) per row, in units of ``c * I``: the gate/up outputs (kept by
     the clamps or the SiLU and product), the clamped gate, SiLU output, clamped up and the product
-    (down_proj's input): 6 with GLM's clamp, 4 without."""
+    (down_proj's input): 6 with GLM's clamp, 4 without. ``fast``: the fast set's fused kernel
+    (``ops/triton_swiglu.py``) keeps gate and up only (views of their producer) and recomputes the rest:
+    with the product, 3 either way."""
+    if fast:
+        return 3
     return 6 if spec.swiglu_limit is not None else 4
 
 
 def mlp_saved(spec: ModelSpec, n: int, intermediate: int, xb: int, prec: Precision, trains: Trains = None,
-              prefix: str = "mlp.") -> int:
+              prefix: str = "mlp.", fast: bool = False) -> int:
     """Dense SwiGLU: gate/up inputs + ``swiglu * c * I`` per token (its last, the product, is down_proj's
-    input: kept only when down_proj trains)."""
+    input: kept only when down_proj trains; ``fast``: the fused kernel's set, ``swiglu_saved_ci``)."""
     gate_up = [prefix + "gate_proj", prefix + "up_proj"]
-    swiglu = swiglu_saved_ci(spec) - 1 + _if(prefix + "down_proj", trains)
+    swiglu = swiglu_saved_ci(spec, fast) - 1 + _if(prefix + "down_proj", trains)
     return n * (_inputs(spec.hidden_size, gate_up, xb, prec, trains) + swiglu * prec.compute * intermediate)
 
 
@@ -457,12 +473,12 @@ def moe_rows(spec: ModelSpec, tokens: int, mesh: Mesh, imbalance: float) -> int:
     return int(min(tokens * K * imbalance, tokens * mesh.ep * min(K, local)))
 
 
-def moe_row_saved(spec: ModelSpec, xb: int, prec: Precision, trains: Trains = None) -> int:
+def moe_row_saved(spec: ModelSpec, xb: int, prec: Precision, trains: Trains = None, fast: bool = False) -> int:
     """Per routed row: the expert input (a cast copy; kept only when ``gate_up_proj`` trains), the SwiGLU set
     (its product, ``down_proj``'s input, only when ``down_proj`` trains) and the expert output ``c * H`` kept
     by the weighting."""
     H, I, c = spec.hidden_size, spec.moe_intermediate_size, prec.compute
-    swiglu = swiglu_saved_ci(spec) - 1 + _if("mlp.experts.down_proj", trains)
+    swiglu = swiglu_saved_ci(spec, fast) - 1 + _if("mlp.experts.down_proj", trains)
     return _inputs(H, ["mlp.experts.gate_up_proj"], xb, prec, trains) + swiglu * c * I + c * H
 
 
@@ -483,28 +499,30 @@ def moe_router_saved(spec: ModelSpec, n: int, prec: Precision, trains: Trains = 
 
 
 def moe_saved(
-    spec: ModelSpec, n: int, xb: int, prec: Precision, mesh: Mesh, imbalance: float, trains: Trains = None
+    spec: ModelSpec, n: int, xb: int, prec: Precision, mesh: Mesh, imbalance: float, trains: Trains = None,
+    fast: bool = False,
 ) -> dict[str, int]:
     """MoE (``blocks/moe.py``): the router (``moe_router_saved``), per routed row ``moe_row_saved``, and the
-    shared expert as a dense SwiGLU."""
+    shared expert as a dense SwiGLU (``fast``: the fused SwiGLU's saved set)."""
     rows = moe_rows(spec, n, mesh, imbalance)
     out = {
         "moe router": moe_router_saved(spec, n, prec, trains),
-        "moe routed rows (x, SwiGLU, y)": rows * moe_row_saved(spec, xb, prec, trains),
+        "moe routed rows (x, SwiGLU, y)": rows * moe_row_saved(spec, xb, prec, trains, fast),
     }
     if spec.num_shared_experts:
-        out["moe shared expert"] = shared_expert_saved(spec, n, xb, prec, trains)
+        out["moe shared expert"] = shared_expert_saved(spec, n, xb, prec, trains, fast)
     return out
 
 
-def shared_expert_saved(spec: ModelSpec, n: int, xb: int, prec: Precision, trains: Trains = None) -> int:
+def shared_expert_saved(spec: ModelSpec, n: int, xb: int, prec: Precision, trains: Trains = None,
+                        fast: bool = False) -> int:
     """The shared expert as a dense SwiGLU of ``shared_expert_intermediate_size`` (or ``moe_intermediate_size``
     x shared experts); Qwen3-Next's gated one (``mlp.shared_expert``) also keeps its gate linear's input, the
     sigmoid's output and the expert's output for ``sigmoid(gate) * expert``, ``c * H`` each (+ the gate)."""
     H, c = spec.hidden_size, prec.compute
     I = spec.shared_expert_intermediate_size or spec.moe_intermediate_size * spec.num_shared_experts
     prefix = "mlp.shared_expert." if spec.shared_expert_gate else "mlp.shared_experts."
-    out = mlp_saved(spec, n, I, xb, prec, trains, prefix)
+    out = mlp_saved(spec, n, I, xb, prec, trains, prefix, fast)
     gate = [prefix[:-1] + "_gate"] if spec.shared_expert_gate else []
     names = [prefix + "gate_proj", prefix + "up_proj"] + gate
     uncast = not (prec.autocast and xb != c)  # the linears keep the MoE input itself, not casts of their own

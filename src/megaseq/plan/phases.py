@@ -47,6 +47,10 @@ class Run:
     ep_dispatch: ExpertDispatchSettings = ExpertDispatchSettings()  # how routed rows travel when mesh.ep > 1
     weights: str = "fp32"  # model.weights: fp32 (+ autocast) or bf16 (fp32 master in the optimizer)
     reduce_dtype: str = "fp32"  # parallel.reduce_dtype: the FSDP reduce-scatter's dtype
+    # ops whose fast kernel (``model.kernels fast``) the plan counts instead of the reference's working set:
+    # "rms_norm", "swiglu", "indexer_topk" (Triton), "linear_cross_entropy" (Liger); every other op keeps the base set's
+    # (for the fast kernels an upper bound). ``planner.planned_fast_ops`` picks them for a config.
+    fast_ops: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         if isinstance(self.memory, dict):
@@ -179,7 +183,8 @@ def _mixer(run: Run, i: int, xb: int) -> tuple[dict[str, int], int, int]:
     saved = layers.dsa_saved(spec, n, B, S, xb, prec, mesh, mode, full, run.cal, impl, trains)
     fwd = layers.dsa_temp(spec, n, B, S, prec, mesh, mode, False, run.cal, impl)
     if full:
-        fwd = max(fwd, layers.indexer_temp(spec, n, B, S, run.memory.indexer_query_chunk, prec))
+        fwd = max(fwd, layers.indexer_temp(spec, n, B, S, run.memory.indexer_query_chunk, prec,
+                                           fast="indexer_topk" in run.fast_ops))
     return saved, fwd + comm, layers.dsa_temp(spec, n, B, S, prec, mesh, mode, True, run.cal, impl) + comm
 
 
@@ -189,11 +194,12 @@ def _mlp(run: Run, i: int, xb: int, tokens: int) -> tuple[dict[str, int], int, i
     kind = spec.mlp_types[i]
     if kind == "moe" and mesh.ep > 1:
         return _moe_ep(run, xb, tokens)
+    fast = "swiglu" in run.fast_ops
     if kind == "dense":
         saved = {"mlp (dense SwiGLU)": layers.mlp_saved(spec, tokens, spec.intermediate_size, xb, prec,
-                                                        _trains(run, i))}
+                                                        _trains(run, i), fast=fast)}
     else:
-        saved = layers.moe_saved(spec, tokens, xb, prec, mesh, run.imbalance, _trains(run, i))
+        saved = layers.moe_saved(spec, tokens, xb, prec, mesh, run.imbalance, _trains(run, i), fast=fast)
     fwd = layers.mlp_temp(spec, tokens, kind, xb, prec, mesh, run.imbalance, False, run.cal)
     bwd = layers.mlp_temp(spec, tokens, kind, xb, prec, mesh, run.imbalance, True, run.cal)
     return saved, fwd, bwd
@@ -206,7 +212,8 @@ def _moe_ep(run: Run, xb: int, tokens: int) -> tuple[dict[str, int], int, int]:
     t = expert.dispatch_terms(spec, tokens, run.mesh, run.ep_dispatch, xb, prec, run.imbalance, run.cal)
     saved = {"moe router": layers.moe_router_saved(spec, tokens, prec), **t.saved}
     if spec.num_shared_experts:
-        saved["moe shared expert"] = layers.shared_expert_saved(spec, tokens, xb, prec)
+        saved["moe shared expert"] = layers.shared_expert_saved(spec, tokens, xb, prec,
+                                                                fast="swiglu" in run.fast_ops)
     return saved, t.fwd_temp, t.bwd_temp
 
 
@@ -240,7 +247,7 @@ def _largest_weight(spec: ModelSpec, i: int) -> int:
 def layer_terms(run: Run, i: int) -> LayerTerms:
     spec, n, prec = run.spec, run.n, run.prec
     N, H, s, c, f = spec.hc_mult, spec.hidden_size, prec.stream, prec.compute, prec.f32
-    norm, xb = C.norm_saved(H, s, prec)
+    norm, xb = C.norm_saved(H, s, prec, fast="rms_norm" in run.fast_ops)
     mixer, mixer_fwd, mixer_bwd = _mixer(run, i, xb)
     # with a plain residual (N = 1) an fp32 stream is the norms' own fp32 input: count it once
     resid = N * H * s if (N > 1 or s == f) else 0
@@ -451,13 +458,14 @@ def _phases(run: Run, terms: list[LayerTerms]) -> list[tuple[str, dict[str, int]
                                                           else 0)
         return C.fsdp_buffers(blocks[j], other, head, mesh, prec, run.reduce_bytes, backward, frozen)
     bnd = C.boundary_bytes(spec, n, prec)
-    final = n * (C.norm_saved(H, s, prec)[0] + s * H)
+    final = n * (C.norm_saved(H, s, prec, fast="rms_norm" in run.fast_ops)[0] + s * H)
     # under autocast the trainer casts the hidden states and the head to the compute dtype for the loss
     cast = prec.autocast and run.loss_in_compute_dtype
     d_loss = prec.compute if cast else s
     head_trains = run.counts.head_trained()  # a frozen head: no weight gradient, already in the compute dtype
     loss = C.loss_bytes(
-        spec, n, d_loss, run.memory.chunked_loss, run.memory.loss_chunk_tokens, weight_grad=head_trains
+        spec, n, d_loss, run.memory.chunked_loss, run.memory.loss_chunk_tokens, weight_grad=head_trains,
+        fast="linear_cross_entropy" in run.fast_ops,
     ) + ((n + (spec.vocab_size if head_trains else 0)) * H * d_loss if cast else 0)
     sel = layers.dsa_selection_bytes(spec, n) if "dsa" in spec.layer_types else 0
     readers = _readers(spec)

@@ -284,6 +284,7 @@ def _make_plan(run: Run, budgets: Budgets, memory_cfg: Any | None, name: str) ->
             "fsdp": run.mesh.fsdp,
             "mla_mode": run.mla_mode,
             "weights": run.weights,
+            "fast_kernels": sorted(run.fast_ops),
         },
         components=components,
         peak_gpu=ev.peak_gpu,
@@ -356,6 +357,7 @@ def plan(
     weights: str = "fp32",
     reduce_dtype: str = "fp32",
     adapters: AdapterSettings | None = None,
+    fast_ops: frozenset[str] = frozenset(),
 ) -> Plan:
     """Plan one training step of ``spec`` at ``seq_len`` tokens per sequence on ``mesh``.
 
@@ -392,6 +394,7 @@ def plan(
             ep_dispatch=ep_dispatch or ExpertDispatchSettings(),
             weights=weights,
             reduce_dtype=reduce_dtype,
+            fast_ops=frozenset(fast_ops),
         )
         p = _make_plan(run, budgets, memory_cfg, name or spec.family)
         if best is None or _better(p, best):
@@ -460,6 +463,7 @@ def run_for(
     weights: str = "fp32",
     reduce_dtype: str = "fp32",
     adapters: AdapterSettings | None = None,
+    fast_ops: frozenset[str] = frozenset(),
 ) -> Run:
     """The planner's ``Run`` for one given setting (``MemorySettings``, or a dict of some of its fields, the
     rest at the planner's base), choosing nothing. ``mla_mode`` defaults to the mesh's (``auto`` meaning
@@ -487,6 +491,7 @@ def run_for(
         ep_dispatch=ep_dispatch or ExpertDispatchSettings(),
         weights=weights,
         reduce_dtype=reduce_dtype,
+        fast_ops=frozenset(fast_ops),
     )
 
 
@@ -504,8 +509,11 @@ def plan_from_config(
     gpu_bytes: int | None = None,
     host_bytes: int | None = None,
     gpus_per_host: int | None = None,
+    device_type: str | None = None,
 ) -> Plan:
-    """Plan a ``megaseq.config.Config`` run on ``world_size`` GPUs (H200s unless told otherwise)."""
+    """Plan a ``megaseq.config.Config`` run on ``world_size`` GPUs (H200s unless told otherwise).
+    ``device_type``: where the run starts, when it starts here (``planned_fast_ops``); None (``megaseq plan``):
+    a GPU run with the kernels the config names."""
     from megaseq.models.presets import resolve_spec
 
     spec = resolve_spec(cfg.model.name)
@@ -533,4 +541,26 @@ def plan_from_config(
         weights=cfg.model.weights,
         reduce_dtype=pc.reduce_dtype,
         adapters=AdapterSettings.of(cfg),
+        fast_ops=planned_fast_ops(cfg.model.kernels, cfg.model.dtype, device_type),
     )
+
+
+# the ops of the fast set (ops/kernels.py: FAST_GPU) whose working sets the plan models; the others keep the
+# base kernels' (for them an upper bound)
+PLANNED_FAST_OPS = frozenset({"rms_norm", "swiglu", "indexer_topk", "linear_cross_entropy"})
+
+
+def planned_fast_ops(kernels: str, model_dtype: str, device_type: str | None = None) -> frozenset[str]:
+    """The ops whose fast kernels a GPU run of ``model.kernels`` / ``model.dtype`` uses and the plan counts
+    (``phases.Run.fast_ops``; the fast set in bf16 on CUDA, ``ops/kernels.py``). ``device_type`` (a run
+    planning where it starts): none off CUDA, and on CUDA only those whose packages are installed
+    (``ops.kernels.fast_ops_installed``); the others run their references, whose working sets the plan
+    then counts. None: every one the config names (``megaseq plan`` of a GPU run)."""
+    if kernels != "fast" or model_dtype != "bf16" or device_type not in (None, "cuda"):
+        return frozenset()
+    ops = PLANNED_FAST_OPS
+    if device_type == "cuda":
+        from megaseq.ops.kernels import fast_ops_installed
+
+        ops = ops & fast_ops_installed()
+    return frozenset(ops)

@@ -82,7 +82,7 @@ def make_plan(cfg: Config, env: ParallelEnv, device: torch.device) -> tuple[dict
     from megaseq.plan.planner import plan_from_config
 
     gpu_bytes = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
-    plan = plan_from_config(cfg, world_size=env.world_size, gpu_bytes=gpu_bytes)
+    plan = plan_from_config(cfg, world_size=env.world_size, gpu_bytes=gpu_bytes, device_type=device.type)
     # on a GPU the plan binds; on the CPU only when a GPU budget was given (planning a GPU run here)
     if (device.type == "cuda" or cfg.memory.gpu_budget != "auto") and not plan.fits:
         raise ValueError(f"the memory plan does not fit, so nothing was started. {plan.advice} "

@@ -1,0 +1,82 @@
+"""The plan counts the fast set's working sets where a run uses it (``plan.planner.planned_fast_ops``): the
+Triton norm and SwiGLU keep less, the Triton indexer selection scores ``[c, P]`` not ``[c, I, P]``, Liger's
+loss holds one chunk of logits beside its two gradients. Each stays an upper bound of what the H200 measured
+with the fast set (the committed bench JSON), and tighter than the base kernels' plan."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from megaseq.models.glm5.spec import glm5_flash_1gpu
+from megaseq.ops import kernels
+from megaseq.plan import components as C
+from megaseq.plan import layers
+from megaseq.plan.fixes import indexer_chunk_cap
+from megaseq.plan.planner import PLANNED_FAST_OPS, peak_for, planned_fast_ops, run_for
+
+GIB = 2**30
+RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "h200"
+
+
+def test_which_ops_are_planned_fast(monkeypatch):
+    assert planned_fast_ops("fast", "bf16") == PLANNED_FAST_OPS  # `megaseq plan`: a GPU run as configured
+    assert planned_fast_ops("base", "bf16") == frozenset()
+    assert planned_fast_ops("fast", "fp32") == frozenset()  # the fast set runs in bf16 only
+    assert planned_fast_ops("fast", "bf16", "cpu") == frozenset()  # the CPU runs the references
+    monkeypatch.setattr(kernels, "fast_ops_installed", lambda: frozenset({"rms_norm", "swiglu", "indexer_topk"}))
+    assert planned_fast_ops("fast", "bf16", "cuda") == {"rms_norm", "swiglu", "indexer_topk"}  # no Liger here
+    assert PLANNED_FAST_OPS <= set(kernels.FAST_GPU) and set(kernels.FAST_PACKAGES) == PLANNED_FAST_OPS
+
+
+def test_fast_formulas():
+    spec = glm5_flash_1gpu()
+    prec = C.precision_for("bf16", "fp32")
+    # the fused SwiGLU keeps gate and up (views) and the product: 3 units of c * I, the torch one 6 with the clamp
+    assert layers.swiglu_saved_ci(spec, fast=True) == 3 and layers.swiglu_saved_ci(spec) == 6
+    # the Triton norm keeps its input and an fp32 rstd per row; the torch one the fp32 input and the normalised value
+    assert C.norm_saved(2048, 4, prec, fast=True) == (4 * 2048 + 4, 4)
+    assert C.norm_saved(2048, 4, prec) == (8 * 2048, 4)
+    # Liger at 32K tokens, H 2048, V 154,880, bf16: both gradients, one 4096-row chunk of logits, the fp32 loss,
+    # the weight gradient's fp32 cast
+    N, H, V = 32768, 2048, 154880
+    assert C.liger_loss_bytes(N, H, V, 2) == N * H * 2 + V * H * 2 + 4096 * V * 2 + 4 * N + V * H * 4
+    assert C.liger_loss_bytes(N, H, V, 2) < C.vocab_loss_bytes(N, H, V, 8192, 2)["chunked"]
+    assert C.loss_bytes(spec, N, 2, True, 8192, fast=True) == C.liger_loss_bytes(N, H, V, 2)
+    # the indexer's scoring chunk: [c, P] fp32 and candidates, not the reference's [c, I, P]
+    fast, base = (layers.indexer_scoring(spec, 1024, 1 << 18, fast=f) for f in (True, False))
+    assert fast * 8 < base
+
+
+def _fast(n: int, memory: dict, weights: str = "fp32"):
+    return peak_for(glm5_flash_1gpu(), n, memory, weights=weights, fast_ops=PLANNED_FAST_OPS)
+
+
+@pytest.mark.parametrize("where,n,memory", [
+    ("session12/bench_1gpu_fast_32k_nosegments.json", 32768, {"chunked_loss": True, "indexer_query_chunk": 4096}),
+    ("session12/bench_1gpu.json", 8192, {}),
+    ("session12/bench_1gpu.json", 32768,
+     {"chunked_loss": True, "indexer_query_chunk": 4096, "kda_segment_tokens": 16384}),
+], ids=["32k-no-kda-segments", "8k", "32k-kda-segments"])
+def test_the_fast_plan_bounds_what_the_h200_measured(where, n, memory):
+    """glm5-flash-1gpu with the fast set, fp32 weights (session 12): the plan of the measured settings is at or
+    above the measured peak, by at most 20% (the base kernels' plan was 33-36% above), and below the base plan."""
+    rows = [r for r in json.loads((RESULTS / where).read_text())["rows"] if r["seq_len"] == n and r["status"] == "ok"]
+    measured = rows[0]["measured_gpu_gib"]
+    assert {k: rows[0]["memory_plan"][k] for k in memory} == memory
+    planned = _fast(n, memory).peak_tensors / GIB
+    base = peak_for(glm5_flash_1gpu(), n, memory).peak_tensors / GIB
+    assert measured <= planned <= 1.2 * measured, (planned, measured)
+    assert planned < base
+
+
+def test_the_fast_indexer_scores_longer_chunks():
+    """At 256K the reference's [c, I, P] bound allows 512 queries a chunk (session 13's profile: a step's GPU
+    idle for half its time); the Triton selection's 16K."""
+    spec = glm5_flash_1gpu()
+    base = indexer_chunk_cap(run_for(spec, 1 << 18, {}))
+    fast = indexer_chunk_cap(run_for(spec, 1 << 18, {}, fast_ops=PLANNED_FAST_OPS))
+    assert (base, fast) == (512, 16384)
+    assert layers.indexer_scoring(spec, fast, 1 << 18, fast=True) <= 2 * GIB
