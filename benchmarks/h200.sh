@@ -321,6 +321,13 @@ print('planned longest, bf16 weights:', longest_length(get_preset('glm5-flash-1g
       --steps 1 --model.weights bf16 --out "$OUT/bench_1gpu_1m"
     NOTAR=1
     ;;
+  s13c)  # session 13, call 5 (issue 13): the recipe's defaults now (bf16 weights, the fast set, a plan that counts
+      # the fast set's working sets: the indexer scores 4096 queries a chunk at 1M, not 128, in 16K-token
+      # sequence segments, not 8K): a warm 1M step (call 2's, before the plan change: 160.5 s)
+    timeout -k 5 $((585 - SECONDS)) python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml --seq-lens 1M \
+      --steps 1 --out "$OUT/bench_1gpu_1m_plan"
+    NOTAR=1
+    ;;
   fsdp8)  # (nvidia-h200-x8) FSDP2 over 8 GPUs, bf16 weights: glm5-flash-slice (the full model's layer shapes)
       # at 64K, dp_cp over dp 2 x cp 4; metrics.jsonl holds each step's measured and planned peak
     timeout 500 torchrun --nproc-per-node 8 -m megaseq train recipes/glm5-flash-slice.yaml --train.steps 3 \
