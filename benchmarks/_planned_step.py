@@ -26,5 +26,5 @@ def planned_step_for(recipe: str, seq_len: str, overrides: list[str]) -> tuple:
         torch.cuda.get_device_name = lambda *a: "cpu"
     c, spec, plan, model, applied, next_batch, step = warm_planned_step(cfg, S, dev)
     run = run_for(spec, S, plan.memory, model_dtype=c.model.dtype, weights=c.model.weights,
-                  adapters=AdapterSettings.of(c))
+                  adapters=AdapterSettings.of(c), fast_ops=frozenset(plan.mesh.get("fast_kernels", ())))
     return c, spec, plan, model, applied, next_batch, step, run

@@ -80,3 +80,16 @@ def test_the_fast_indexer_scores_longer_chunks():
     fast = indexer_chunk_cap(run_for(spec, 1 << 18, {}, fast_ops=PLANNED_FAST_OPS))
     assert (base, fast) == (512, 16384)
     assert layers.indexer_scoring(spec, fast, 1 << 18, fast=True) <= 2 * GIB
+
+
+@pytest.mark.xfail(strict=True, reason="session 13: at 256K with bf16 weights, tiled MLP and KDA segments the plan "
+                   "(115.0 GiB; the base kernels' 116.1) is 3.8% under the measured 119.6 GiB; the plan with its "
+                   "allocator reserve and CUDA context (123.4 GiB) covered it; not yet found which term is short")
+def test_the_fast_plan_bounds_the_256k_bf16_weights_step():
+    row = json.loads((RESULTS / "session13/bench_1gpu_256k_plan.json").read_text())["rows"][0]
+    memory = {k: row["memory_plan"][k] for k in ("tiled_mlp", "mlp_tile_tokens", "indexer_query_chunk",
+                                                 "kda_segment_tokens")}
+    assert memory == {"tiled_mlp": True, "mlp_tile_tokens": 16384, "indexer_query_chunk": 16384,
+                      "kda_segment_tokens": 65536}
+    planned = _fast(1 << 18, memory, weights="bf16").peak_tensors / GIB
+    assert row["measured_gpu_gib"] <= planned
