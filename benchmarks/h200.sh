@@ -321,11 +321,16 @@ print('planned longest, bf16 weights:', longest_length(get_preset('glm5-flash-1g
       --steps 1 --model.weights bf16 --out "$OUT/bench_1gpu_1m"
     NOTAR=1
     ;;
-  s13c)  # session 13, call 5 (issue 13): the recipe's defaults now (bf16 weights, the fast set, a plan that counts
-      # the fast set's working sets: the indexer scores 4096 queries a chunk at 1M, not 128, in 16K-token
-      # sequence segments, not 8K): a warm 1M step (call 2's, before the plan change: 160.5 s)
-    timeout -k 5 $((585 - SECONDS)) python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml --seq-lens 1M \
+  s14a)  # prepared in session 13 (issue 13), not yet run (call 5 of session 13 found no machine): the recipe's
+      # defaults now (bf16 weights, the fast set, a plan that counts the fast set's working sets: the indexer
+      # scores 4096 queries a chunk at 1M, not 128, in 16K-token sequence segments, not 8K): a warm 1M step
+      # (session 13's, before the plan change: 160.5 s), then where a fast 32K step's memory sits at its peak
+      # without KDA segments (the census now runs the kernels model.kernels names)
+    timeout -k 5 440 python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml --seq-lens 1M \
       --steps 1 --out "$OUT/bench_1gpu_1m_plan"
+    timeout -k 5 $((585 - SECONDS)) python3 benchmarks/memory_census.py recipes/glm5-flash-1gpu.yaml 32K \
+      --memory.auto false --memory.indexer_query_chunk 32K --out "$OUT/census_32k_fast.json" > "$OUT/census.log" 2>&1
+    tail -3 "$OUT/census.log"
     NOTAR=1
     ;;
   fsdp8)  # (nvidia-h200-x8) FSDP2 over 8 GPUs, bf16 weights: glm5-flash-slice (the full model's layer shapes)
