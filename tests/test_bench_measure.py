@@ -1,0 +1,29 @@
+"""``bench.measure.warm_planned_step`` (the memory benchmarks' step) runs under the dispatcher set up as
+``megaseq train`` sets it: before session 13 it ran the base kernels whatever ``model.kernels`` said, so a
+memory census of the fast set measured the base set (and ran out of memory at 32K on the H200)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from megaseq.bench import measure
+from megaseq.config import load_config
+from megaseq.ops import dispatch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_warm_planned_step_configures_the_dispatcher(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    prefer = {"rms_norm": ["torch"]}  # a preference a CPU step can honour, standing in for the fast set
+    monkeypatch.setattr(measure, "preferred_kernels", lambda device_type, kernels: dict(prefer))
+    before = (dict(dispatch._state.preferred), dict(dispatch._state.planned), dispatch._state.strict)
+    try:
+        cfg = load_config("recipes/glm5-flash-tiny-dna.yaml", [])
+        measure.warm_planned_step(cfg, 256, torch.device("cpu"))
+        assert dispatch._state.preferred == prefer
+    finally:
+        dispatch.configure(*before)
+    assert dispatch._state.preferred == before[0]
