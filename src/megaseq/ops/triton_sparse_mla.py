@@ -33,7 +33,7 @@ import os
 
 import torch
 
-from megaseq.ops import dispatch
+from megaseq.ops import dispatch, workspace
 from megaseq.ops.sparse_mla import AbsorbedSparseMLA, _split_weight, _work_dtype
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -47,22 +47,10 @@ CPU_INTERPRETER: bool = False
 
 def triton_sparse_mla_bytes(Q: int, S: int, W: int, R: int, Hh: int, Dn: int, Dv: int,
                             dtype: torch.dtype) -> dict[str, int]:
-    """GPU bytes of one call beyond its inputs (q, c, the weight, idx) and its output, for the planner.
-
-    ``saved``: the latent cast to the work dtype (a copy when it is fp32 under autocast, as
-    ``sparse_mla_bytes`` counts it), ``o_lat [Q, Hh, R]`` in the work dtype and ``lse [Q, Hh]`` fp32.
-    ``forward``: the working set on top of ``saved`` at its peak: the head-major copy of q and
-    ``q_abs`` (``Q * Hh * (Dn + R)``) and the head-major output before its permute (``Q * Hh * Dv``).
-    ``backward``: the peak on top of ``saved``: head-major dO, ``do_lat``, ``q_abs`` and ``dq_abs``
-    (``Q * Hh * (Dv + 3 R)``), the head-major q copy and dq (``2 Q * Hh * Dn``) and the returned dq
-    ``Q * Hh * Dn``, the fp32 latent gradient and its cast ``S * R * (4 + d)``, the weight gradients
-    ``Hh * (Dn + Dv) * R * 2 d``. W does not appear: nothing per slot is stored (it is the kernels')."""
+    """GPU bytes of one call beyond its inputs and its output (``ops.workspace.triton_sparse_mla_bytes``, the
+    planner's formula, in ``dtype``); W does not appear: nothing per slot is stored."""
     del W
-    d, f = dtype.itemsize, 4
-    saved = S * R * d + Q * Hh * R * d + Q * Hh * f
-    forward = Q * Hh * (Dn + R + Dv) * d
-    backward = (Q * Hh * (Dv + 3 * R + 3 * Dn) * d + S * R * (f + d) + Hh * (Dn + Dv) * R * 2 * d)
-    return {"saved": saved, "forward": forward, "backward": backward}
+    return workspace.triton_sparse_mla_bytes(Q, S, R, Hh, Dn, Dv, dtype.itemsize)
 
 
 # ---- the autograd Function ------------------------------------------------------------------------------

@@ -140,3 +140,27 @@ def absorbed_bytes(Q: int, S: int, W: int, R: int, Hh: int, Dn: int, Dv: int, d:
     block = n * absorbed_per_query(W, R, Hh, d, c)
     return {"saved": S * R * d + Q * Hh * c, "block": block,
             "backward": block + Q * Hh * Dn * d + S * R * c + Hh * (Dn + Dv) * R * c}
+
+
+# ---- op sparse_attention, implementation triton (ops/triton_sparse_mla.py) ---------------------------
+def triton_sparse_mla_bytes(Q: int, S: int, R: int, Hh: int, Dn: int, Dv: int, d: int) -> dict[str, int]:
+    """GPU bytes of one call beyond its inputs (q, c, the weight, idx) and its output, for the planner.
+
+    ``saved``: the latent cast to the work dtype (a copy when it is fp32 under autocast, as
+    ``sparse_mla_bytes`` counts it), ``o_lat [Q, Hh, R]`` in the work dtype and ``lse [Q, Hh]`` fp32.
+    ``forward``: the working set on top of ``saved`` at its peak: the head-major copy of q and
+    ``q_abs`` (``Q * Hh * (Dn + R)``) and the head-major output before its permute (``Q * Hh * Dv``).
+    ``backward``: the peak on top of ``saved``, the largest of the moments of
+    ``TritonSparseMLA.backward`` in its order (each tensor freed where the code deletes it): head-major dO
+    and ``do_lat`` (``Q * Hh * (Dv + R)``); in the kernel ``do_lat``, the head-major q, ``q_abs`` and
+    ``dq_abs`` (``Q * Hh * (3 R + Dn)``) and the fp32 latent gradient ``4 S R``; then ``dq_abs``, dq's
+    GEMM output and its batch-major copy (``Q * Hh * (R + 2 Dn)``) beside the fp32 latent gradient; at the
+    return dq and the latent gradient with its cast (``Q * Hh * Dn + S * R * (4 + d)``); plus the weight
+    gradients ``Hh * (Dn + Dv) * R * 2 d``. Nothing per slot is stored (the kernels keep it)."""
+    f = 4
+    saved = S * R * d + Q * Hh * R * d + Q * Hh * f
+    forward = Q * Hh * (Dn + R + Dv) * d
+    moments = (Q * Hh * (Dv + R) * d, Q * Hh * (3 * R + Dn) * d + S * R * f, Q * Hh * (R + 2 * Dn) * d + S * R * f,
+               Q * Hh * Dn * d + S * R * (f + d))
+    backward = max(moments) + Hh * (Dn + Dv) * R * 2 * d
+    return {"saved": saved, "forward": forward, "backward": backward}

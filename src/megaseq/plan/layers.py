@@ -23,6 +23,7 @@ from megaseq.ops.workspace import (  # noqa: F401  (the ops' own formulas)
     indexer_topk_bytes,
     kv_repeats,
     sdpa_head_groups,
+    triton_sparse_mla_bytes,
 )
 from megaseq.plan.components import CAL, Calibration, Mesh, Precision, linear_inputs, norm_saved
 
@@ -150,7 +151,8 @@ def dsa_saved(
     below, or ``absorbed`` (``ops/sparse_mla.py``, the GPU path): no per-head K/V at all; the op saves
     the latent's compute-dtype copy ``c * (kv_lora + rope)`` per K/V row, the per-(query, head)
     log-sum-exp ``f * Hh`` and the selection (every layer that computes one), its blocks being
-    recomputed in backward.
+    recomputed in backward; or ``triton`` (the fast set's fused kernels, ``ops/triton_sparse_mla.py``):
+    the same and the latent output ``o_lat`` ``c * Hh * R`` per query (``ops.workspace.triton_sparse_mla_bytes``).
 
     Per query token: q_a/kv_a inputs; q_a_layernorm and kv_a_layernorm (``(f + c) * rank``); q_b's input;
     q ``c * Hh * qk``; o_proj's input ``c * Hh * v``; the selection ``4 * W`` (full-indexer layers, kept by
@@ -174,9 +176,14 @@ def dsa_saved(
         * (_inputs(kl, [p + "kv_b_proj"], kv_out, prec, trains) + c * Hh * qk + c * Hh * (spec.qk_nope_head_dim + v)),
         "dsa o_proj input": n * c * Hh * v * _if(p + "o_proj", trains),
     }
-    if impl == "absorbed":
+    if impl in ("absorbed", "triton"):
         del out["dsa K/V (kv_b input, k, kv_b output)"]
-        out["dsa latent copy + log-sum-exp"] = kv_rows * c * (kl + spec.qk_rope_head_dim) + n * f * Hh
+        R = kl + spec.qk_rope_head_dim
+        if impl == "triton":  # the fused kernels also keep o_lat [Q, Hh, R] for their backward
+            out["dsa latent copy + o_lat + log-sum-exp"] = triton_sparse_mla_bytes(
+                n, kv_rows, R, Hh, spec.qk_head_dim, v, c)["saved"]
+        else:
+            out["dsa latent copy + log-sum-exp"] = kv_rows * c * R + n * f * Hh
         if full_indexer:
             out["dsa selection (int32)"] = dsa_selection_bytes(spec, n)
         return out
@@ -226,13 +233,21 @@ def dsa_temp(
     cal: Calibration = CAL,
     impl: str = "torch_masked",
 ) -> int:
-    """Sparse attention temporaries (``impl="absorbed"``: see ``absorbed_temp``): one query block's
+    """Sparse attention temporaries (``impl="absorbed"``: see ``absorbed_temp``; ``"triton"``: the fused
+    kernels' or absorbed's, the larger, ``ops.workspace.triton_sparse_mla_bytes``): one query block's
     scores (forward: scores, masked scores, fp32 softmax, bf16 probabilities ``3c + f`` per element;
     backward: the recomputed block and its grads ``5c + 3f``), the gathered fp32 latent ``f * kv_lora``
     per K/V row, and in backward the K/V gradients ``c * Hh * (qk + v)`` and the latent's fp32 gradient
     per K/V row, and dq."""
     if impl == "absorbed":
         return absorbed_temp(spec, n, batch, seq_len, prec, mesh, mode, backward)
+    if impl == "triton":  # or absorbed, which the op runs for batch rows that have a query with no valid slot
+        kv_rows = dsa_kv_rows(n, batch, seq_len, mesh, mode)
+        R = spec.kv_lora_rank + spec.qk_rope_head_dim
+        b = triton_sparse_mla_bytes(n, kv_rows, R, spec.num_attention_heads, spec.qk_head_dim, spec.v_head_dim,
+                                    prec.compute)
+        fused = b["backward"] if backward else b["forward"] + kv_rows * prec.compute * R  # + the latent's copy
+        return max(fused, absorbed_temp(spec, n, batch, seq_len, prec, mesh, mode, backward))
     Hh, c, f = spec.num_attention_heads, prec.compute, prec.f32
     kv_rows = dsa_kv_rows(n, batch, seq_len, mesh, mode)
     block, _ = dsa_score_block(spec, n, batch, seq_len, mesh, mode, cal)

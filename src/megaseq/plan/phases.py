@@ -48,7 +48,8 @@ class Run:
     weights: str = "fp32"  # model.weights: fp32 (+ autocast) or bf16 (fp32 master in the optimizer)
     reduce_dtype: str = "fp32"  # parallel.reduce_dtype: the FSDP reduce-scatter's dtype
     # ops whose fast kernel (``model.kernels fast``) the plan counts instead of the reference's working set:
-    # "rms_norm", "swiglu", "indexer_topk" (Triton), "linear_cross_entropy" (Liger); every other op keeps the base set's
+    # "rms_norm", "swiglu", "indexer_topk", "sparse_attention" (Triton), "linear_cross_entropy" (Liger); every
+    # other op keeps the base set's
     # (for the fast kernels an upper bound). ``planner.planned_fast_ops`` picks them for a config.
     fast_ops: frozenset[str] = frozenset()
 
@@ -179,7 +180,7 @@ def _mixer(run: Run, i: int, xb: int) -> tuple[dict[str, int], int, int]:
             "attention, mla, gdn, kda and dsa layers")
     full = spec.indexer_types[i] == "full"
     B, S, mode = run.batch, run.seq_len, run.mla_mode
-    impl = run.sparse_impl
+    impl = "triton" if "sparse_attention" in run.fast_ops else run.sparse_impl
     saved = layers.dsa_saved(spec, n, B, S, xb, prec, mesh, mode, full, run.cal, impl, trains)
     fwd = layers.dsa_temp(spec, n, B, S, prec, mesh, mode, False, run.cal, impl)
     if full:
