@@ -325,8 +325,12 @@ print('planned longest, bf16 weights:', longest_length(get_preset('glm5-flash-1g
       # defaults now (bf16 weights, the fast set, a plan that counts the fast set's working sets: the indexer
       # scores 4096 queries a chunk at 1M, not 128, in 16K-token sequence segments, not 8K): a warm 1M step
       # (session 13's, before the plan change: 160.5 s), then where a fast 32K step's memory sits at its peak
-      # without KDA segments (the census now runs the kernels model.kernels names)
-    timeout -k 5 440 python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml --seq-lens 1M \
+      # without KDA segments (the census now runs the kernels model.kernels names); first 256K, where the plan
+      # that counts the fused sparse MLA picks 16K sequence segments (session 13 measured tiled MLP + KDA
+      # segments there: 30.8K tokens/s, 119.6 GiB)
+    timeout -k 5 120 python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml --seq-lens 256K \
+      --steps 1 --out "$OUT/bench_1gpu_256k_plan2"
+    timeout -k 5 $((520 - SECONDS)) python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml --seq-lens 1M \
       --steps 1 --out "$OUT/bench_1gpu_1m_plan"
     timeout -k 5 $((585 - SECONDS)) python3 benchmarks/memory_census.py recipes/glm5-flash-1gpu.yaml 32K \
       --memory.auto false --memory.indexer_query_chunk 32K --out "$OUT/census_32k_fast.json" > "$OUT/census.log" 2>&1
