@@ -91,3 +91,14 @@ def test_the_fast_indexer_scores_longer_chunks():
     fast = indexer_chunk_cap(run_for(spec, 1 << 18, {}, fast_ops=PLANNED_FAST_OPS))
     assert (base, fast) == (512, 16384)
     assert layers.indexer_scoring(spec, fast, 1 << 18, fast=True) <= 2 * GIB
+
+
+def test_the_report_names_the_planned_fast_kernels():
+    from megaseq.plan import format_plan
+    from megaseq.plan.planner import plan
+
+    fast = plan(glm5_flash_1gpu(), 8192, fast_ops=PLANNED_FAST_OPS)
+    assert fast.mesh["fast_kernels"] == sorted(PLANNED_FAST_OPS)
+    assert "fast kernels planned: indexer_topk, linear_cross_entropy, rms_norm, sparse_attention, swiglu" in \
+        " ".join(format_plan(fast).split())  # the table may wrap the header
+    assert "fast kernels planned" not in format_plan(plan(glm5_flash_1gpu(), 8192))

@@ -32,8 +32,14 @@ def _header(plan: Plan) -> str:
     return (
         f"{plan.model}: {_size(plan.seq_len)} tokens x batch {plan.batch_size} on {gpus} GPU(s) "
         f"(dp {m['dp']}, cp {m['cp']}, ep {m['ep']}{_fsdp_label(m)}"
-        f"{_mla_label(plan)})"
+        f"{_mla_label(plan)}{_kernels_label(m)})"
     )
+
+
+def _kernels_label(m: dict[str, Any]) -> str:
+    """The fast kernels whose working sets the plan counts (``planner.planned_fast_ops``), if any."""
+    fast = m.get("fast_kernels") or []
+    return f", fast kernels planned: {', '.join(fast)}" if fast else ""
 
 
 def _mla_label(plan: Plan) -> str:
