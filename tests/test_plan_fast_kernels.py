@@ -45,6 +45,14 @@ def test_fast_formulas():
     assert C.liger_loss_bytes(N, H, V, 2) == N * H * 2 + V * H * 2 + 4096 * V * 2 + 4 * N + V * H * 4
     assert C.liger_loss_bytes(N, H, V, 2) < C.vocab_loss_bytes(N, H, V, 8192, 2)["chunked"]
     assert C.loss_bytes(spec, N, 2, True, 8192, fast=True) == C.liger_loss_bytes(N, H, V, 2)
+    # the fused hc_mix keeps the streams and their copy in the GEMM's dtype: bf16 under autocast (fp32 streams),
+    # fp32 with bf16 weights (half the reference's fp32 copy + fp32 normalised input); the Triton merge keeps the
+    # residual itself, not autocast's bf16 cast of it
+    N, Hs = spec.hc_mult, spec.hidden_size
+    bf16w = C.precision_for("bf16", "bf16")
+    assert C.hc_saved(spec, prec, fast=True) - C.hc_saved(spec, prec) == 0
+    assert C.hc_saved(spec, bf16w) - C.hc_saved(spec, bf16w, fast=True) == 4 * N * Hs
+    assert C.merge_saved(spec, 2, prec) - C.merge_saved(spec, 2, prec, fast=True) == 2 * N * Hs
     # the fused sparse MLA keeps o_lat [Q, Hh, R] beside absorbed's latent copy and log-sum-exp
     args = (spec, N, 1, N, 2, prec, C.Mesh(), "gather_kv", True)
     fused, absorbed = (sum(layers.dsa_saved(*args, impl=i).values()) for i in ("triton", "absorbed"))
@@ -67,11 +75,15 @@ def _fast(n: int, memory: dict, weights: str = "fp32"):
     ("session13/bench_1gpu_256k_plan.json", 1 << 18,
      {"tiled_mlp": True, "mlp_tile_tokens": 16384, "indexer_query_chunk": 16384, "kda_segment_tokens": 65536}, "bf16"),
     ("session13/bench_1gpu_1m.json", 1 << 20, {"indexer_query_chunk": 128, "model_segment_tokens": 8192}, "bf16"),
-], ids=["32k-no-kda-segments", "8k", "32k-kda-segments", "256k-bf16-weights", "1m-bf16-weights"])
+    ("session13/bench_1gpu_bf16w.json", 8192, {}, "bf16"),
+    ("session13/bench_1gpu_bf16w.json", 32768,
+     {"chunked_loss": True, "indexer_query_chunk": 4096, "kda_segment_tokens": 16384}, "bf16"),
+], ids=["32k-no-kda-segments", "8k", "32k-kda-segments", "256k-bf16-weights", "1m-bf16-weights", "8k-bf16-weights",
+        "32k-kda-segments-bf16-weights"])
 def test_the_fast_plan_bounds_what_the_h200_measured(where, n, memory, weights):
     """glm5-flash-1gpu with the fast set (sessions 12 and 13): the plan of the measured settings is at or above
-    the measured peak, by at most 20% (the base kernels' plan was 33-36% above at 8K and 32K), and below the
-    base plan. At 256K the base plan (116.1) was 2.9% short: it did not count the fused sparse MLA's ``o_lat``."""
+    the measured peak, by at most 12% (measured: +1.3..+9.2%; the base kernels' plan was 33-36% above at 8K and
+    32K), and below the base plan. At 256K the base plan (116.1) was 2.9% short: it did not count the fused sparse MLA's ``o_lat``."""
     data = json.loads((RESULTS / where).read_text())
     rows = [dict(r, meta_weights=data["meta"].get("weights", "fp32")) for r in data["rows"]
             if r["seq_len"] == n and r["status"] == "ok" and r.get("system", "megaseq") == "megaseq"]
@@ -79,7 +91,7 @@ def test_the_fast_plan_bounds_what_the_h200_measured(where, n, memory, weights):
     assert {k: rows[0]["memory_plan"][k] for k in memory} == memory and rows[0]["meta_weights"] == weights
     planned = _fast(n, memory, weights).peak_tensors / GIB
     base = peak_for(glm5_flash_1gpu(), n, memory, weights=weights).peak_tensors / GIB
-    assert measured <= planned <= 1.2 * measured, (planned, measured)
+    assert measured <= planned <= 1.12 * measured, (planned, measured)
     assert planned < base
 
 
@@ -99,6 +111,7 @@ def test_the_report_names_the_planned_fast_kernels():
 
     fast = plan(glm5_flash_1gpu(), 8192, fast_ops=PLANNED_FAST_OPS)
     assert fast.mesh["fast_kernels"] == sorted(PLANNED_FAST_OPS)
-    assert "fast kernels planned: indexer_topk, linear_cross_entropy, rms_norm, sparse_attention, swiglu" in \
+    assert ("fast kernels planned: hc_merge, hc_mix, indexer_topk, linear_cross_entropy, rms_norm, "
+            "sparse_attention, swiglu") in \
         " ".join(format_plan(fast).split())  # the table may wrap the header
     assert "fast kernels planned" not in format_plan(plan(glm5_flash_1gpu(), 8192))

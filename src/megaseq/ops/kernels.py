@@ -26,7 +26,7 @@ GPU_BF16 = {
 # and measured in full steps (benchmarks/results/h200/session12: glm5-flash-1gpu 1.72x and 2.53x the transformers
 # reference's tokens/s at 8K and 32K; session 13 with bf16 weights: 1.79x and 2.64x); the memory plan counts the
 # fast working sets of the ops in FAST_PACKAGES (plan.planner.PLANNED_FAST_OPS) and the base kernels' for the rest
-# (for these, an upper bound): 56.8 and 135.0 GiB planned at 8K and 32K (no KDA segments) for 53.0 and 119.4
+# (for these, an upper bound): 54.8 and 127.0 GiB planned at 8K and 32K (no KDA segments) for 53.0 and 119.4
 # measured, where the base kernels' plan said 71.9 and 151.6 (docs/planner.md, "The fast kernels")
 FAST_GPU = {
     "sparse_attention": "triton",
@@ -61,7 +61,8 @@ def preferred_kernels(device_type: str, kernels: str) -> dict[str, list[str]]:
 
 # the packages each fast kernel the memory plan counts needs (the others fall back and are planned as base)
 FAST_PACKAGES = {"rms_norm": ("triton",), "swiglu": ("triton",), "indexer_topk": ("triton",),
-                 "sparse_attention": ("triton",), "linear_cross_entropy": ("triton", "liger_kernel")}
+                 "sparse_attention": ("triton",), "hc_merge": ("triton",), "hc_mix": (),
+                 "linear_cross_entropy": ("triton", "liger_kernel")}
 
 
 def fast_ops_installed() -> frozenset[str]:

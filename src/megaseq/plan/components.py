@@ -507,15 +507,24 @@ def norm_saved(width: int, in_bytes: int, prec: Precision, fast: bool = False) -
     return (prec.f32 + kept) * width, out
 
 
-def hc_saved(spec: ModelSpec, prec: Precision, cal: Calibration = CAL, fn_trains: bool = True) -> int:
+def hc_saved(spec: ModelSpec, prec: Precision, cal: Calibration = CAL, fn_trains: bool = True,
+             fast: bool = False) -> int:
     """One HyperConnection (``blocks/mhc.py``) per token, its residual input not counted.
 
     The flattened streams in fp32 (a copy unless the stream is fp32), the normalised flat input of the
     ``fn`` linear (its bf16 cast under autocast, else fp32; kept only when ``fn`` trains) and the small
-    [N]/[N, N] weights, of which Sinkhorn's ``2 * iters - 1`` divisions each save comb and its sums."""
+    [N]/[N, N] weights, of which Sinkhorn's ``2 * iters - 1`` divisions each save comb and its sums.
+    ``fast``: the fused ``hc_mix`` (``ops/hc_mix.py``) keeps the streams themselves and their copy in the
+    GEMM's dtype (autocast's, else fp32) where that differs from the stream's, whether ``fn`` trains or not:
+    under bf16 autocast with an fp32 stream the same bytes as above, with bf16 weights (a bf16 stream, an
+    fp32 GEMM) half of them."""
     N, H, f = spec.hc_mult, spec.hidden_size, prec.f32
-    flat = 0 if prec.stream == f else f * N * H
-    normed = (prec.compute * N * H if prec.autocast else f * N * H) if fn_trains else 0
+    if fast:
+        mm = prec.compute if prec.autocast else f
+        flat, normed = (0 if mm == prec.stream else mm * N * H), 0
+    else:
+        flat = 0 if prec.stream == f else f * N * H
+        normed = (prec.compute * N * H if prec.autocast else f * N * H) if fn_trains else 0
     sink = (2 * spec.hc_sinkhorn_iters - 1) * (N * N + N) if cal.sinkhorn_saved else 0
     return flat + normed + f * (sink + 3 * N * N + 4 * N)
 
@@ -527,12 +536,13 @@ def merge_temp(spec: ModelSpec, prec: Precision) -> int:
     return (2 * s + (prec.compute if prec.autocast else s)) * N * H
 
 
-def merge_saved(spec: ModelSpec, y_bytes: int, prec: Precision) -> int:
+def merge_saved(spec: ModelSpec, y_bytes: int, prec: Precision, fast: bool = False) -> int:
     """``HyperConnection.merge`` per token: the block output ``y`` (kept by ``post * y``), ``post`` and
     ``comb``, and under autocast the bf16 cast of the residual that ``matmul(comb^T, residual)`` saves
-    (``c * N * H``; without autocast the residual itself, counted elsewhere)."""
+    (``c * N * H``; without autocast the residual itself, counted elsewhere). ``fast``: the Triton merge
+    (``ops/triton_mhc_streams.py``) keeps the residual itself, so no cast."""
     N, H, c = spec.hc_mult, spec.hidden_size, prec.compute
-    cast = c * N * H if (prec.autocast and prec.stream != c) else 0
+    cast = c * N * H if (prec.autocast and prec.stream != c and not fast) else 0
     return y_bytes * H + cast + prec.f32 * N + c * N * N
 
 

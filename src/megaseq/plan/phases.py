@@ -48,8 +48,8 @@ class Run:
     weights: str = "fp32"  # model.weights: fp32 (+ autocast) or bf16 (fp32 master in the optimizer)
     reduce_dtype: str = "fp32"  # parallel.reduce_dtype: the FSDP reduce-scatter's dtype
     # ops whose fast kernel (``model.kernels fast``) the plan counts instead of the reference's working set:
-    # "rms_norm", "swiglu", "indexer_topk", "sparse_attention" (Triton), "linear_cross_entropy" (Liger); every
-    # other op keeps the base set's
+    # "rms_norm", "swiglu", "indexer_topk", "sparse_attention", "hc_merge" (Triton), "hc_mix" (fused torch),
+    # "linear_cross_entropy" (Liger); every other op keeps the base set's
     # (for the fast kernels an upper bound). ``planner.planned_fast_ops`` picks them for a config.
     fast_ops: frozenset[str] = frozenset()
 
@@ -256,7 +256,8 @@ def layer_terms(run: Run, i: int) -> LayerTerms:
     ffn = {"mid-layer residual": n * resid}
     if N > 1:
         trains = _trains(run, i)
-        attn["mHC"], ffn["mHC"] = (n * C.hc_saved(spec, prec, run.cal, trains is None or f"{hc}.fn" in trains)
+        attn["mHC"], ffn["mHC"] = (n * C.hc_saved(spec, prec, run.cal, trains is None or f"{hc}.fn" in trains,
+                                                  fast="hc_mix" in run.fast_ops)
                                    for hc in ("attn_hc", "ffn_hc"))
     attn["input norm"] = ffn["post-attention norm"] = n * norm - (n * resid if N == 1 else 0)
     attn.update(mixer)
@@ -285,9 +286,10 @@ def layer_terms(run: Run, i: int) -> LayerTerms:
         mlp_bwd += C.weight_copy_bytes(mlp_params, prec, run.mesh)
         mlp = {"mlp (tiled: input only)": n * xb * H}
     if N > 1:
-        attn["mHC merge"] = n * C.merge_saved(spec, c, prec)
+        fast_merge = "hc_merge" in run.fast_ops
+        attn["mHC merge"] = n * C.merge_saved(spec, c, prec, fast_merge)
         y_mlp = c if spec.mlp_types[i] == "dense" else xb
-        ffn["mHC merge (mlp)"] = n * C.merge_saved(spec, y_mlp, prec)
+        ffn["mHC merge (mlp)"] = n * C.merge_saved(spec, y_mlp, prec, fast_merge)
     if tiled and N > 1:
         # Glm5DecoderLayer.token_tile: the mHC maps, norms, merges and the MLP run tile by tile with
         # recompute; the layer keeps its input (the boundary), the first half's mHC weights post/comb,

@@ -547,7 +547,8 @@ def plan_from_config(
 
 # the ops of the fast set (ops/kernels.py: FAST_GPU) whose working sets the plan models; the others keep the
 # base kernels' (for them an upper bound)
-PLANNED_FAST_OPS = frozenset({"rms_norm", "swiglu", "indexer_topk", "sparse_attention", "linear_cross_entropy"})
+PLANNED_FAST_OPS = frozenset({"rms_norm", "swiglu", "indexer_topk", "sparse_attention", "hc_merge", "hc_mix",
+                              "linear_cross_entropy"})
 
 
 def planned_fast_ops(kernels: str, model_dtype: str, device_type: str | None = None) -> frozenset[str]:
