@@ -326,10 +326,10 @@ print('planned longest, bf16 weights:', longest_length(get_preset('glm5-flash-1g
       # scores 4096 queries a chunk at 1M, not 128, in 16K-token sequence segments, not 8K): a warm 1M step
       # (session 13's, before the plan change: 160.5 s), then where a fast 32K step's memory sits at its peak
       # without KDA segments (the census now runs the kernels model.kernels names); first 256K, where the plan
-      # that counts the fused sparse MLA picks 16K sequence segments (session 13 measured tiled MLP + KDA
+      # that counts the fast set picks 32K sequence segments (session 13 measured tiled MLP + KDA
       # segments there: 30.8K tokens/s, 119.6 GiB)
-    timeout -k 5 120 python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml --seq-lens 256K \
-      --steps 1 --out "$OUT/bench_1gpu_256k_plan2"
+    timeout -k 5 150 python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml --seq-lens 8K,32K,256K \
+      --steps 1 --out "$OUT/bench_1gpu_plan2"  # 32K: the plan now picks no fix (session 13: KDA segments)
     timeout -k 5 $((520 - SECONDS)) python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml --seq-lens 1M \
       --steps 1 --out "$OUT/bench_1gpu_1m_plan"
     timeout -k 5 $((585 - SECONDS)) python3 benchmarks/memory_census.py recipes/glm5-flash-1gpu.yaml 32K \
