@@ -21,7 +21,7 @@ import torch
 
 from megaseq.config import Config, MemorySettings
 from megaseq.ops import dispatch
-from megaseq.ops.kernels import planned_kernels, preferred_kernels
+from megaseq.ops.kernels import preferred_kernels
 from megaseq.plan.flops import mfu
 
 GIB = 2**30
@@ -91,11 +91,11 @@ def warm_planned_step(cfg: Config, seq_len: int, device: torch.device) -> tuple:
     ``megaseq train`` sets it (``model.kernels``) for the rest of the process: a memory benchmark's step
     runs the kernels the plan counts (before session 13 it ran the base set, whatever ``model.kernels``)."""
     from megaseq.models.presets import resolve_spec
+    from megaseq.train.trainer import kernel_settings
 
     c = cfg_for(cfg, seq_len, "random")
     spec = resolve_spec(c.model.name)
-    dispatch.configure(preferred_kernels(device.type, c.model.kernels), planned_kernels(device.type, c.model.dtype),
-                       c.model.strict_kernels)  # as `megaseq train`'s kernels_for, kept: the process ends after
+    dispatch.configure(**kernel_settings(c, device))  # as `megaseq train`'s kernels_for; kept: the process ends after
     plan = plan_on(c, device)
     model, applied, next_batch, step = planned_step(c, spec, device, plan, 2)
     step(next_batch())

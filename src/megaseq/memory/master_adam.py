@@ -242,9 +242,10 @@ class MasterAdamW(torch.optim.Optimizer):
             beta1, beta2 = group["betas"]
             hyper = dict(amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
                          weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
-            fused = [(p, g) for p, g in live if self.fused and not is_dtensor(p)]
-            rest = [(p, g) for p, g in live if not (self.fused and not is_dtensor(p))]
-            for part, how in ((fused, dict(fused=True)), (rest, dict(foreach=self.foreach))):
+            parts: dict[bool, list] = {True: [], False: []}  # whole tensors step fused (if asked), DTensors foreach
+            for p, g in live:
+                parts[self.fused and not is_dtensor(p)].append((p, g))
+            for part, how in ((parts[True], dict(fused=True)), (parts[False], dict(foreach=self.foreach))):
                 if part:
                     self._update(part, hyper, how)
         self.acc.clear()

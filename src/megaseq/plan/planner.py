@@ -22,6 +22,7 @@ from typing import Any
 
 from megaseq.config import AdapterSettings, ExpertDispatchSettings, MemorySettings
 from megaseq.models.spec import ModelSpec
+from megaseq.ops import kernels as op_kernels
 from megaseq.plan import components as C
 from megaseq.plan.components import GB, GIB, Calibration, Mesh
 from megaseq.plan.expert import dispatch_terms, expected_step_bytes
@@ -545,10 +546,9 @@ def plan_from_config(
     )
 
 
-# the ops of the fast set (ops/kernels.py: FAST_GPU) whose working sets the plan models; the others keep the
-# base kernels' (for them an upper bound)
-PLANNED_FAST_OPS = frozenset({"rms_norm", "swiglu", "indexer_topk", "sparse_attention", "hc_merge", "hc_mix",
-                              "linear_cross_entropy"})
+# the ops of the fast set (ops/kernels.py: FAST_GPU) whose working sets the plan models, those of
+# ops.kernels.FAST_PACKAGES; the others keep the base kernels' (for them an upper bound)
+PLANNED_FAST_OPS = frozenset(op_kernels.FAST_PACKAGES)
 
 
 def planned_fast_ops(kernels: str, model_dtype: str, device_type: str | None = None) -> frozenset[str]:
@@ -559,9 +559,4 @@ def planned_fast_ops(kernels: str, model_dtype: str, device_type: str | None = N
     then counts. None: every one the config names (``megaseq plan`` of a GPU run)."""
     if kernels != "fast" or model_dtype != "bf16" or device_type not in (None, "cuda"):
         return frozenset()
-    ops = PLANNED_FAST_OPS
-    if device_type == "cuda":
-        from megaseq.ops.kernels import fast_ops_installed
-
-        ops = ops & fast_ops_installed()
-    return frozenset(ops)
+    return PLANNED_FAST_OPS & op_kernels.fast_ops_installed() if device_type == "cuda" else PLANNED_FAST_OPS

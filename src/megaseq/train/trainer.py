@@ -258,11 +258,16 @@ def frozen_base_dtypes(adapters: AdapterSettings) -> Any:
     return lambda model, param_dtype: storage_dtypes(model, adapters, param_dtype)
 
 
-def kernels_for(cfg: Config, device: torch.device) -> contextlib.AbstractContextManager:
-    """The dispatcher set up as the run is planned: ``model.kernels``' preferences, the planned kernels, and
+def kernel_settings(cfg: Config, device: torch.device) -> dict[str, Any]:
+    """``dispatch.configure``'s arguments for the run: ``model.kernels``' preferences, the planned kernels, and
     with ``model.strict_kernels`` a fallback from them an error naming the layer and the reason."""
-    return dispatch.configured(preferred=preferred_kernels(device.type, cfg.model.kernels),
-                               planned=planned_kernels(device.type, cfg.model.dtype), strict=cfg.model.strict_kernels)
+    return dict(preferred=preferred_kernels(device.type, cfg.model.kernels),
+                planned=planned_kernels(device.type, cfg.model.dtype), strict=cfg.model.strict_kernels)
+
+
+def kernels_for(cfg: Config, device: torch.device) -> contextlib.AbstractContextManager:
+    """The dispatcher set up as the run is planned (``kernel_settings``) for the duration of the run."""
+    return dispatch.configured(**kernel_settings(cfg, device))
 
 
 def report_fallbacks(cfg: Config, device: torch.device, log: Any) -> None:
