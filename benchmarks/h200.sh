@@ -337,6 +337,20 @@ print('planned longest, bf16 weights:', longest_length(get_preset('glm5-flash-1g
     tail -3 "$OUT/census.log"
     NOTAR=1
     ;;
+  s14m)  # session 14, call 1 (issue 13): s14a's 1M step first, on a cold machine (this checkout has no Triton cache:
+      # the warm-up step autotunes): the recipe's defaults, whose plan now scores the indexer 4096 queries a chunk at
+      # 1M (session 13: 128) in 16K-token sequence segments (session 13: 8K); session 13's warm step took 160.5 s
+    timeout -k 5 $((560 - SECONDS)) python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml --seq-lens 1M \
+      --steps 1 --out "$OUT/bench_1gpu_1m_plan"
+    ;;
+  s14s)  # session 14, call 2 (issue 13), on the machine s14m warmed: the rest of s14a (8K, 32K, 256K with the plan
+      # that counts the fast set: no fix at 32K, 32K sequence segments at 256K), then the fast 32K memory census
+    timeout -k 5 300 python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml --seq-lens 8K,32K,256K \
+      --steps 1 --out "$OUT/bench_1gpu_plan2"
+    timeout -k 5 $((560 - SECONDS)) python3 benchmarks/memory_census.py recipes/glm5-flash-1gpu.yaml 32K \
+      --memory.auto false --memory.indexer_query_chunk 32K --out "$OUT/census_32k_fast.json" > "$OUT/census.log" 2>&1
+    tail -3 "$OUT/census.log"
+    ;;
   fsdp8)  # (nvidia-h200-x8) FSDP2 over 8 GPUs, bf16 weights: glm5-flash-slice (the full model's layer shapes)
       # at 64K, dp_cp over dp 2 x cp 4; metrics.jsonl holds each step's measured and planned peak
     timeout 500 torchrun --nproc-per-node 8 -m megaseq train recipes/glm5-flash-slice.yaml --train.steps 3 \
