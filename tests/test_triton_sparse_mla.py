@@ -122,6 +122,33 @@ def test_triton_matches_absorbed_fp32(device):
         assert_close(name, a, b, TOL[torch.float32])
 
 
+def test_an_explicit_launch_config_computes_the_same(device):
+    """``config=`` (benchmarks/sparse_mla_configs.py times each one): another slot block and pipeline depth sum
+    in another order, nothing else; a config that drops slots fails (checked against the default's result)."""
+    from megaseq.ops import triton_sparse_mla_kernels as K
+
+    gen = torch.Generator().manual_seed(3)
+    Hh, Q, S, R, W = 5, 13, 20, 32, 37
+    q, do = (torch.randn(Hh, Q, R, generator=gen).to(device) for _ in range(2))
+    c = torch.randn(1, S, R, generator=gen).to(device)
+    idx = causal_indices(gen, 1, Q, S, W).to(device)
+    dflt = K.default_config("fwd", Hh, R, torch.float32), K.default_config("bwd", Hh, R, torch.float32)
+    o, lse = K.forward(q, c, idx, 0.3, config=dflt[0])
+    dq, dc = K.backward(q, do, o, lse, c, idx, 0.3, config=dflt[1])
+    other = K.Config(16, 32, 4, 1)
+    assert other not in dflt
+    o2, lse2 = K.forward(q, c, idx, 0.3, config=other)
+    dq2, dc2 = K.backward(q, do, o, lse, c, idx, 0.3, config=other)
+    for name, a, b in (("o_lat", o2, o), ("dq_abs", dq2, dq), ("dc", dc2, dc)):
+        assert_close(name, a, b, TOL[torch.float32])
+    fin = torch.isfinite(lse)
+    assert torch.equal(fin, torch.isfinite(lse2)) and rel_err(lse2[fin], lse[fin]) < TOL[torch.float32]
+    broken = idx.clone()
+    broken[..., 0] = -1  # a launch that skipped the first slot block's first slot would compute this
+    o3, _ = K.forward(q, c, broken, 0.3, config=other)
+    assert rel_err(o3, o) > TOL[torch.float32]
+
+
 def test_empty_rows_take_absorbed(device):
     """A batch row with a query that selects nothing goes to ``absorbed`` (the reference's uniform
     fallback); the other row still runs the kernels, which alone give such a query 0 and no gradient."""

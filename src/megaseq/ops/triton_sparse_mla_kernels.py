@@ -225,8 +225,9 @@ def _pick(kind: str, Hh: int, R: int, dtype: torch.dtype, run) -> Config:
 
 
 def forward(q_abs_HNR: torch.Tensor, c_BSR: torch.Tensor, idx_BQW: torch.Tensor,
-            scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``o_lat [Hh, N, R]`` (q_abs's dtype) and ``lse2 [Hh, N]`` fp32 of the sparse softmax."""
+            scale: float, config: Config | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``o_lat [Hh, N, R]`` (q_abs's dtype) and ``lse2 [Hh, N]`` fp32 of the sparse softmax (``config``:
+    a launch configuration to use instead of the default or tuned one, for ``benchmarks/sparse_mla_configs.py``)."""
     Hh, N, R = q_abs_HNR.shape
     B, S, _ = c_BSR.shape
     Q, W = idx_BQW.shape[1:]
@@ -240,13 +241,15 @@ def forward(q_abs_HNR: torch.Tensor, c_BSR: torch.Tensor, idx_BQW: torch.Tensor,
                                     DOT_PREC=_dot_precision(q_abs_HNR.dtype), num_warps=cfg.num_warps,
                                     num_stages=cfg.num_stages)
 
-    run(_pick("fwd", Hh, R, q_abs_HNR.dtype, run))
+    run(config or _pick("fwd", Hh, R, q_abs_HNR.dtype, run))
     return o_lat, lse2
 
 
 def backward(q_abs_HNR: torch.Tensor, do_lat_HNR: torch.Tensor, o_lat_HNR: torch.Tensor, lse2_HN: torch.Tensor,
-             c_BSR: torch.Tensor, idx_BQW: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``dq_abs [Hh, N, R]`` (q_abs's dtype) and the latent gradient ``dc [B, S, R]`` fp32."""
+             c_BSR: torch.Tensor, idx_BQW: torch.Tensor, scale: float,
+             config: Config | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``dq_abs [Hh, N, R]`` (q_abs's dtype) and the latent gradient ``dc [B, S, R]`` fp32 (``config``: as in
+    ``forward``)."""
     Hh, N, R = q_abs_HNR.shape
     B, S, _ = c_BSR.shape
     Q, W = idx_BQW.shape[1:]
@@ -260,6 +263,9 @@ def backward(q_abs_HNR: torch.Tensor, do_lat_HNR: torch.Tensor, o_lat_HNR: torch
                                     BH=cfg.BH, BW=cfg.BW, DOT_PREC=_dot_precision(q_abs_HNR.dtype),
                                     num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
+    if config is not None:
+        run(config)
+        return dq_abs, dc
     cfg = _pick("bwd", Hh, R, q_abs_HNR.dtype, run)
     if _autotune():
         dc.zero_()  # tuning may have run the atomics several times

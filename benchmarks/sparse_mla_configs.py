@@ -1,0 +1,153 @@
+"""Every launch configuration of the fused sparse MLA kernels, timed at glm5-flash-1gpu's DSA shapes (GPU).
+
+    python benchmarks/sparse_mla_configs.py --out $OUT/sparse_mla_configs.json     # H200: about 3 minutes
+
+The kernels (``ops/triton_sparse_mla_kernels.py``) run a default configuration that was chosen by registers
+and shared memory, never by time. This script times each configuration of a grid (slots per loop step BW,
+warps, pipeline stages; BH = 16 heads per program, glm5-flash-1gpu's Hh) on the kernels alone, bf16, W = 2063
+slots of causal 16-token pools drawn uniformly (``causal_pool_selection``), at three shapes:
+
+- Q = S = 8K and 32K (one DSA layer of an 8K and a 32K step);
+- the last 32K queries of S = 256K keys (one 32K sequence segment of a 256K step).
+
+Each configuration's outputs are compared with the default's on the same inputs (max abs difference over
+max abs of the default: ``o_lat``, ``lse2``, ``dq_abs``, ``dc``). They compute the same sums in another order,
+so a configuration that differs by more than the order can explain is wrong, not fast. Timings are CUDA-event
+medians of warm calls. A configuration over the GPU's registers or shared memory is recorded as such.
+Results go to the JSON as each one completes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+SCALE = 256**-0.5
+SHAPES = ((8192, 8192), (32768, 32768), (32768, 262144))  # (Q, S): queries at the end of S keys
+HH, R = 16, 512
+
+
+def _median_ms(fn, reps: int = 7) -> float:
+    fn()
+    if not torch.cuda.is_available():
+        t = time.perf_counter()
+        fn()
+        return 1e3 * (time.perf_counter() - t)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    fin = torch.isfinite(b)
+    d = (a.double() - b.double())[fin].abs().max().item()
+    return d / max(b.double()[fin].abs().max().item(), 1e-300)
+
+
+def run_shape(K, row: dict, dev, dt, pools: int, fwd_space, bwd_space, save) -> None:
+    """Time every config of both spaces at ``row``'s (Q, S); each entry into ``row`` as it completes."""
+    from triton.compiler.errors import CompilationError
+    from triton.runtime.errors import OutOfResources
+
+    from megaseq.ops.triton_sparse_mla import causal_pool_selection
+
+    Q, S = row["Q"], row["S"]
+    gen = torch.Generator(device=dev).manual_seed(Q + S)
+    q = (torch.randn(HH, Q, R, device=dev, generator=gen) * R**-0.25).to(dt)
+    c = (torch.randn(1, S, R, device=dev, generator=gen) * R**-0.25).to(dt)
+    do = torch.randn(HH, Q, R, device=dev, generator=gen).to(dt)
+    idx = causal_pool_selection(1, Q, S, pools=pools, generator=gen, device=dev)
+    row.update({"W": idx.shape[-1], "fwd": [], "bwd": []})
+    o_ref, lse_ref = K.forward(q, c, idx, SCALE, config=K.default_config("fwd", HH, R, dt))
+    dq_ref, dc_ref = K.backward(q, do, o_ref, lse_ref, c, idx, SCALE, config=K.default_config("bwd", HH, R, dt))
+    for kind, space in (("fwd", fwd_space), ("bwd", bwd_space)):
+        for cfg in space:
+            entry: dict = {"config": str(cfg), "default": cfg == K.default_config(kind, HH, R, dt)}
+            try:
+                if kind == "fwd":
+                    o, lse = K.forward(q, c, idx, SCALE, config=cfg)
+                    entry["rel_diff"] = {"o_lat": _rel(o, o_ref), "lse2": _rel(lse, lse_ref)}
+                    entry["ms"] = _median_ms(lambda cfg=cfg: K.forward(q, c, idx, SCALE, config=cfg))
+                else:
+                    dq, dc = K.backward(q, do, o_ref, lse_ref, c, idx, SCALE, config=cfg)
+                    entry["rel_diff"] = {"dq_abs": _rel(dq, dq_ref), "dc": _rel(dc, dc_ref)}
+                    entry["ms"] = _median_ms(
+                        lambda cfg=cfg: K.backward(q, do, o_ref, lse_ref, c, idx, SCALE, config=cfg))
+            except (OutOfResources, CompilationError) as e:
+                entry["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            except Exception as e:  # noqa: BLE001  (record and go on)
+                entry["error"] = f"{type(e).__name__}: {e}"
+                entry["trace"] = traceback.format_exc(limit=3)
+            row[kind].append(entry)
+            save()
+            ms = f"{entry['ms']:8.2f} ms" if "ms" in entry else entry["error"][:60]
+            diff = max(entry.get("rel_diff", {0: 0}).values())
+            print(f"Q={Q} S={S} {kind} {cfg} {'(default)' if entry['default'] else ''}: {ms} "
+                  f"rel diff {diff:.1e}", flush=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--shapes", default=None, help="Q:S,... (default: 8K, 32K and a 32K segment of 256K)")
+    ap.add_argument("--smoke", action="store_true", help="CPU, Triton's interpreter, tiny shapes: the script runs")
+    args = ap.parse_args()
+    global R
+    if args.smoke:
+        import os
+
+        os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton
+        R = 32
+    from megaseq.ops import triton_sparse_mla_kernels as K
+
+    shapes = SHAPES if not args.shapes else tuple(tuple(int(x) for x in s.split(":")) for s in args.shapes.split(","))
+    dev, dt, pools = torch.device("cuda"), torch.bfloat16, 128
+    fwd_space = [K.Config(16, bw, nw, st) for bw, nw, st in itertools.product((32, 64, 128), (4, 8), (1, 2, 3))]
+    bwd_space = [K.Config(16, bw, nw, st) for bw, nw, st in itertools.product((16, 32, 64), (4, 8), (1, 2))]
+    if args.smoke:
+        from megaseq.ops import triton_sparse_mla
+
+        triton_sparse_mla.CPU_INTERPRETER = True
+        dev, dt, pools, shapes = torch.device("cpu"), torch.float32, 4, ((64, 96),)
+        fwd_space, bwd_space = fwd_space[:2], bwd_space[:2]
+    import triton
+
+    res: dict = {"gpu": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (interpreter)",
+                 "torch": torch.__version__, "triton": triton.__version__,
+                 "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "Hh": HH, "R": R,
+                 "default": {k: str(K.default_config(k, HH, R, dt)) for k in ("fwd", "bwd")}, "shapes": []}
+    out = Path(args.out)
+    save = lambda: out.write_text(json.dumps(res, indent=1))  # noqa: E731
+    for Q, S in shapes:
+        row: dict = {"Q": Q, "S": S}
+        res["shapes"].append(row)
+        run_shape(K, row, dev, dt, pools, fwd_space, bwd_space, save)
+        torch.cuda.empty_cache()
+    for row in res["shapes"]:
+        for kind in ("fwd", "bwd"):
+            ok = [e for e in row[kind] if "ms" in e]
+            if ok:
+                best = min(ok, key=lambda e: e["ms"])
+                dflt = next((e for e in ok if e["default"]), None)
+                print(f"Q={row['Q']} S={row['S']} {kind}: best {best['config']} {best['ms']:.2f} ms"
+                      + (f", default {dflt['ms']:.2f} ms" if dflt else ""))
+    save()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
