@@ -67,15 +67,27 @@ def default_config(kind: str, Hh: int, R: int, dtype: torch.dtype) -> Config:
     """The untuned choice. fp32 (the checking path) halves the slot block: its tiles are twice the bytes.
     The backward holds ``dq_abs [BH, R]`` and ``dc [BW, R]`` in fp32 registers, hence BH = 16.
 
+    bf16 at R = 512 with 16 heads per program, timed on an H200 (``benchmarks/sparse_mla_configs.py``, session 14,
+    W = 2063; ms per DSA layer at Q = S = 8K / 32K / a 32K segment of 256K keys):
+    forward (16, 64, 4 warps, 2 stages) 3.96 / 15.4 / 18.4, the former default (16, 32, 8, 2) 6.63 / 26.2 / 28.5;
+    backward (16, 32, 4, 2) 15.1 / 67.5 / 106.7, the former (16, 32, 8, 2) 20.6 / 83.2 / 137.1. Four warps
+    win throughout (more programs resident per SM); a 64-slot backward block needs more shared memory than an
+    SM has at 2 stages and is 4x slower at 1. A 32-head forward block keeps the untimed (32, 32, 8, 2):
+    (32, 64, 4) would hold twice the registers per thread of the timed (16, 64, 4).
+
     ptxas for sm_90 at R = 512, W = 2063, bf16 (``compile_ptx``; registers per thread, shared memory):
     forward (16, 32, 8 warps) 103 regs, 50 KB (4 warps: 202 regs, every warp holds all of q_abs);
     (32, 32, 8) 180, 68 KB; (64, 32, 8) 255, 131 KB, wgmma. Backward (16, 32, 8) 250, 98 KB;
     (16, 16, 8) 168, 82 KB; (32, 32, 8, 1 stage) and (16, 32, 4, 1) spill; (16, 64, 8) needs 262 KB.
-    None of these has been timed yet."""
+    The defaults: forward (16, 64, 4, 2) 204 regs, no spill, 84 KB; backward (16, 32, 4, 2) 255 regs with 180
+    bytes of spill, 98 KB, and still the fastest timed."""
     wide = dtype == torch.float32 or R > 512
     if kind == "fwd":
-        return Config(_head_block(Hh, 32), 16 if wide else 32, 8, 2)
-    return Config(16, 16 if wide else 32, 8, 1 if wide else 2)
+        BH = _head_block(Hh, 32)
+        if wide or BH > 16:
+            return Config(BH, 16 if wide else 32, 8, 2)
+        return Config(16, 64, 4, 2)
+    return Config(16, 16, 8, 1) if wide else Config(16, 32, 4, 2)
 
 
 def _autotune_space(kind: str, Hh: int, R: int, dtype: torch.dtype) -> list[Config]:
