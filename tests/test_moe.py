@@ -321,3 +321,23 @@ def test_moe_under_cuda_autocast_keeps_a_bf16_stream_bf16() -> None:
     x = torch.randn(2, 33, 64, device="cuda").bfloat16()
     with torch.autocast("cuda", dtype=torch.bfloat16):
         assert moe(x).dtype == torch.bfloat16
+
+
+def test_expert_counts_match_bincount_without_it(monkeypatch) -> None:
+    """The experts' row counts equal torch.bincount's (unused experts included), and the MoE forward never calls
+    bincount: on CUDA it reads its input's min and max back to the host, two syncs per layer and pass."""
+    from megaseq.models.common.moe import expert_counts
+
+    gen = torch.Generator().manual_seed(4)
+    for n, e in ((0, 5), (37, 9), (1000, 3)):
+        ids = torch.randint(0, max(e - 2, 1), (n,), generator=gen)  # the last experts get no rows
+        assert torch.equal(expert_counts(ids, e), torch.bincount(ids, minlength=e))
+    spec = _qwen_spec()
+    moe = MoE(spec).double()
+
+    def no_bincount(*a, **k):
+        raise AssertionError("torch.bincount in the MoE forward")
+
+    monkeypatch.setattr(torch, "bincount", no_bincount)
+    moe(torch.randn(2, 7, H, generator=gen, dtype=torch.float64))
+    assert int(moe.last_tokens_per_expert.sum()) == 2 * 7 * spec.num_experts_per_tok

@@ -74,6 +74,14 @@ def grouped_mm_reference(x_MD: torch.Tensor, w_EOD: torch.Tensor, counts_E: torc
     return torch.cat([F.linear(xe, w_EOD[e]) for e, xe in enumerate(chunks)], dim=0)
 
 
+def expert_counts(experts_M: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Rows per expert ``[E]`` int64, as ``torch.bincount(experts_M, minlength=E)`` but without a host sync:
+    CUDA's bincount reads the input's min and max back to the host to size its output (two syncs per MoE
+    layer and pass, each draining the GPU's queue of launched work)."""
+    counts_E = torch.zeros(num_experts, dtype=torch.int64, device=experts_M.device)
+    return counts_E.scatter_add_(0, experts_M, torch.ones_like(experts_M, dtype=torch.int64))
+
+
 def _mm_dtype(x_MD: torch.Tensor, w_EOD: torch.Tensor) -> torch.dtype:
     """The dtype the matmul runs in: bf16 autocast's (as ``F.linear`` would), else the inputs' common one."""
     if x_MD.device.type == "cuda" and torch.is_autocast_enabled("cuda"):
@@ -216,7 +224,7 @@ class Experts(nn.Module):
         N, K = experts_NK.shape
         flat_M = experts_NK.reshape(-1)
         order_M = torch.argsort(flat_M, stable=True)  # routed rows grouped by expert
-        counts_E = torch.bincount(flat_M, minlength=self.num_experts)
+        counts_E = expert_counts(flat_M, self.num_experts)
         inverse_M = torch.empty_like(order_M)
         inverse_M[order_M] = torch.arange(order_M.numel(), device=order_M.device)
         x_MH = dispatch.call("moe_permute", x_NH, order_M, inverse_M, K, _mm_dtype(x_NH, self.gate_up_proj),

@@ -1,8 +1,14 @@
-"""Training loss by step at 16K: equal regions (session 7, call 4) vs related_jitter 0.5 (session 14)."""
+"""Training loss by step at 16K: equal regions (session 7, call 4) vs related_jitter 0.5 (session 14).
+
+    python benchmarks/results/h200/session14/long_context_16k_jitter/plot_loss.py   (from the repo root)
+"""
+
 import json
+
 import matplotlib
+
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt
+import matplotlib.pyplot as plt  # noqa: E402
 
 R = "benchmarks/results/h200/"
 runs = [(R + "session7/call4_stage1_metrics.jsonl", "equal regions (session 7, call 4): learns a fixed-offset copy"),
