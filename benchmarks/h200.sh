@@ -351,6 +351,24 @@ print('planned longest, bf16 weights:', longest_length(get_preset('glm5-flash-1g
       --memory.auto false --memory.indexer_query_chunk 32K --out "$OUT/census_32k_fast.json" > "$OUT/census.log" 2>&1
     tail -3 "$OUT/census.log"
     ;;
+  s15a)  # prepared in session 14 (issue 13), not yet run: the issue's own command after the sparse MLA kernels'
+      # timed launch configurations and the sync-free MoE counts (carry .tcpart: session 14's cache); then a warm
+      # 1M step (session 14: 47.2 s with the former configurations)
+    timeout -k 5 420 python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml --seq-lens 8K,32K --baseline \
+      --out "$OUT/bench_1gpu_issue"
+    timeout -k 5 $((585 - SECONDS)) python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml --seq-lens 1M \
+      --steps 1 --out "$OUT/bench_1gpu_1m"
+    NOTAR=1
+    ;;
+  s15b)  # prepared in session 14 (issue 13), not yet run: where an 8K and a 32K step go now (the profiles after
+      # the work), on the machine s15a warmed
+    timeout -k 5 200 python3 benchmarks/profile_step.py recipes/glm5-flash-1gpu.yaml 8K \
+      --json "$OUT/profile_8k.json" > "$OUT/profile_1gpu_8k.txt" 2>&1
+    timeout -k 5 $((585 - SECONDS)) python3 benchmarks/profile_step.py recipes/glm5-flash-1gpu.yaml 32K \
+      --json "$OUT/profile_32k.json" > "$OUT/profile_1gpu_32k.txt" 2>&1
+    tail -40 "$OUT/profile_1gpu_32k.txt"
+    NOTAR=1
+    ;;
   fsdp8)  # (nvidia-h200-x8) FSDP2 over 8 GPUs, bf16 weights: glm5-flash-slice (the full model's layer shapes)
       # at 64K, dp_cp over dp 2 x cp 4; metrics.jsonl holds each step's measured and planned peak
     timeout 500 torchrun --nproc-per-node 8 -m megaseq train recipes/glm5-flash-slice.yaml --train.steps 3 \
