@@ -13,8 +13,9 @@ slots of causal 16-token pools drawn uniformly (``causal_pool_selection``), at t
 Each configuration's outputs are compared with the default's on the same inputs (max abs difference over
 max abs of the default: ``o_lat``, ``lse2``, ``dq_abs``, ``dc``). They compute the same sums in another order,
 so a configuration that differs by more than the order can explain is wrong, not fast. Timings are CUDA-event
-medians of warm calls. A configuration over the GPU's registers or shared memory is recorded as such.
-Results go to the JSON as each one completes.
+medians of warm calls (``sparse_mla_gpu._median_ms``; session 14's results took a fixed 7 calls each). A
+configuration over the GPU's registers or shared memory is recorded as such. Results go to the JSON as each
+one completes.
 """
 
 from __future__ import annotations
@@ -22,34 +23,16 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import statistics
 import time
 import traceback
 from pathlib import Path
 
 import torch
+from sparse_mla_gpu import _median_ms  # this directory's: CUDA-event median of warm calls
 
 SCALE = 256**-0.5
 SHAPES = ((8192, 8192), (32768, 32768), (32768, 262144))  # (Q, S): queries at the end of S keys
 HH, R = 16, 512
-
-
-def _median_ms(fn, reps: int = 7) -> float:
-    fn()
-    if not torch.cuda.is_available():
-        t = time.perf_counter()
-        fn()
-        return 1e3 * (time.perf_counter() - t)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -81,12 +64,12 @@ def run_shape(K, row: dict, dev, dt, pools: int, fwd_space, bwd_space, save) -> 
                 if kind == "fwd":
                     o, lse = K.forward(q, c, idx, SCALE, config=cfg)
                     entry["rel_diff"] = {"o_lat": _rel(o, o_ref), "lse2": _rel(lse, lse_ref)}
-                    entry["ms"] = _median_ms(lambda cfg=cfg: K.forward(q, c, idx, SCALE, config=cfg))
+                    entry["ms"] = _median_ms(lambda cfg=cfg: K.forward(q, c, idx, SCALE, config=cfg), dev)
                 else:
                     dq, dc = K.backward(q, do, o_ref, lse_ref, c, idx, SCALE, config=cfg)
                     entry["rel_diff"] = {"dq_abs": _rel(dq, dq_ref), "dc": _rel(dc, dc_ref)}
                     entry["ms"] = _median_ms(
-                        lambda cfg=cfg: K.backward(q, do, o_ref, lse_ref, c, idx, SCALE, config=cfg))
+                        lambda cfg=cfg: K.backward(q, do, o_ref, lse_ref, c, idx, SCALE, config=cfg), dev)
             except (OutOfResources, CompilationError) as e:
                 entry["error"] = f"{type(e).__name__}: {str(e)[:200]}"
             except Exception as e:  # noqa: BLE001  (record and go on)
