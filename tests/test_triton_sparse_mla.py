@@ -237,6 +237,9 @@ def test_bytes_count_saved_latent_outputs_and_no_per_slot_state():
     assert got["saved"] == S * R * 2 + Q * Hh * R * 2 + Q * Hh * 4
     assert got == tsm.triton_sparse_mla_bytes(Q, S, 4 * W, R, Hh, Dn, Dv, torch.bfloat16)  # nothing per slot
     assert got["forward"] == Q * Hh * (Dn + R + Dv) * 2
+    # the backward's largest moment is the kernel's: do_lat, q_abs, dq_abs and the fp32 latent gradient; the
+    # head-major q (Dn) is made again after it, not held beside it
+    assert got["backward"] == Q * Hh * 3 * R * 2 + S * R * 4 + Hh * (Dn + Dv) * R * 2 * 2
     # the saved o_lat is the price of a backward without a third pass: more than absorbed saves
     assert got["saved"] - workspace.absorbed_bytes(Q, S, W, R, Hh, Dn, Dv, 2, 4)["saved"] == Q * Hh * R * 2
 

@@ -94,13 +94,13 @@ class TritonSparseMLA(torch.autograd.Function):
             do_lat_HNR = torch.bmm(do_HNV, w_uv)
             dw_uv = torch.bmm(do_HNV.transpose(1, 2), o_lat_HNR)
             del do_HNV
-            q_HND = _heads_major(q_BQHD)
-            q_abs_HNR = torch.bmm(q_HND, w_uk)
+            # the head-major q is made twice (a copy of Q * Hh * Dn): it is not held beside the kernel's four
+            # [Hh, N, R] tensors, the backward's largest moment (ops.workspace.triton_sparse_mla_bytes)
+            q_abs_HNR = torch.bmm(_heads_major(q_BQHD), w_uk)
             dq_abs_HNR, dc_BSR = kernels.backward(q_abs_HNR, do_lat_HNR, o_lat_HNR, lse_HN, c_BSR, idx_BQW,
                                                   ctx.scale)
             del q_abs_HNR, do_lat_HNR
-            dw_uk = torch.bmm(q_HND.transpose(1, 2), dq_abs_HNR)
-            del q_HND
+            dw_uk = torch.bmm(_heads_major(q_BQHD).transpose(1, 2), dq_abs_HNR)
             dq = _batch_major(torch.bmm(dq_abs_HNR, w_uk.transpose(1, 2)), B, Q)
             dw = torch.cat([dw_uk, dw_uv], dim=1).reshape(w_OR.shape)
         return dq, dc_BSR.to(c_BSR.dtype), dw, None, None

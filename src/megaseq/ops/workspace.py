@@ -152,15 +152,16 @@ def triton_sparse_mla_bytes(Q: int, S: int, R: int, Hh: int, Dn: int, Dv: int, d
     ``q_abs`` (``Q * Hh * (Dn + R)``) and the head-major output before its permute (``Q * Hh * Dv``).
     ``backward``: the peak on top of ``saved``, the largest of the moments of
     ``TritonSparseMLA.backward`` in its order (each tensor freed where the code deletes it): head-major dO
-    and ``do_lat`` (``Q * Hh * (Dv + R)``); in the kernel ``do_lat``, the head-major q, ``q_abs`` and
-    ``dq_abs`` (``Q * Hh * (3 R + Dn)``) and the fp32 latent gradient ``4 S R``; then ``dq_abs``, dq's
+    and ``do_lat`` (``Q * Hh * (Dv + R)``); ``do_lat``, the head-major q and ``q_abs`` as q_abs is made
+    (``Q * Hh * (2 R + Dn)``); in the kernel ``do_lat``, ``q_abs`` and ``dq_abs`` (``Q * Hh * 3 R``; the
+    head-major q is made again after it) and the fp32 latent gradient ``4 S R``; then ``dq_abs``, dq's
     GEMM output and its batch-major copy (``Q * Hh * (R + 2 Dn)``) beside the fp32 latent gradient; at the
     return dq and the latent gradient with its cast (``Q * Hh * Dn + S * R * (4 + d)``); plus the weight
     gradients ``Hh * (Dn + Dv) * R * 2 d``. Nothing per slot is stored (the kernels keep it)."""
     f = 4
     saved = S * R * d + Q * Hh * R * d + Q * Hh * f
     forward = Q * Hh * (Dn + R + Dv) * d
-    moments = (Q * Hh * (Dv + R) * d, Q * Hh * (3 * R + Dn) * d + S * R * f, Q * Hh * (R + 2 * Dn) * d + S * R * f,
-               Q * Hh * Dn * d + S * R * (f + d))
+    moments = (Q * Hh * (Dv + R) * d, Q * Hh * (2 * R + Dn) * d, Q * Hh * 3 * R * d + S * R * f,
+               Q * Hh * (R + 2 * Dn) * d + S * R * f, Q * Hh * Dn * d + S * R * (f + d))
     backward = max(moments) + Hh * (Dn + Dv) * R * 2 * d
     return {"saved": saved, "forward": forward, "backward": backward}
