@@ -352,17 +352,20 @@ print('planned longest, bf16 weights:', longest_length(get_preset('glm5-flash-1g
     tail -3 "$OUT/census.log"
     ;;
   s15a)  # prepared in session 14 (issue 13), not yet run: the issue's own command after the sparse MLA kernels'
-      # timed launch configurations and the sync-free MoE counts (carry .tcpart: session 14's cache); then a warm
-      # 1M step (session 14: 47.2 s with the former configurations)
+      # timed launch configurations, the sync-free MoE counts and the sparse MLA backward's smaller working set
+      # (carry .tcpart: session 14's cache); then 256K, where the plan picks tiled MLP + KDA segments again
+      # (session 13 measured them at 30.8K tokens/s; session 14's 32K sequence segments 28.3K)
     timeout -k 5 420 python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml --seq-lens 8K,32K --baseline \
       --out "$OUT/bench_1gpu_issue"
-    timeout -k 5 $((585 - SECONDS)) python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml --seq-lens 1M \
-      --steps 1 --out "$OUT/bench_1gpu_1m"
+    timeout -k 5 $((585 - SECONDS)) python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml --seq-lens 256K \
+      --steps 1 --out "$OUT/bench_1gpu_256k"
     NOTAR=1
     ;;
-  s15b)  # prepared in session 14 (issue 13), not yet run: where an 8K and a 32K step go now (the profiles after
-      # the work), on the machine s15a warmed
-    timeout -k 5 200 python3 benchmarks/profile_step.py recipes/glm5-flash-1gpu.yaml 8K \
+  s15b)  # prepared in session 14 (issue 13), not yet run, on the machine s15a warmed: a warm 1M step (session 14:
+      # 47.2 s before the changes above), then where an 8K and a 32K step go now (the profiles after the work)
+    timeout -k 5 250 python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml --seq-lens 1M --steps 1 \
+      --out "$OUT/bench_1gpu_1m"
+    timeout -k 5 150 python3 benchmarks/profile_step.py recipes/glm5-flash-1gpu.yaml 8K \
       --json "$OUT/profile_8k.json" > "$OUT/profile_1gpu_8k.txt" 2>&1
     timeout -k 5 $((585 - SECONDS)) python3 benchmarks/profile_step.py recipes/glm5-flash-1gpu.yaml 32K \
       --json "$OUT/profile_32k.json" > "$OUT/profile_1gpu_32k.txt" 2>&1
