@@ -29,3 +29,20 @@ def test_warm_planned_step_configures_the_dispatcher(monkeypatch):
     finally:
         dispatch.configure(*before)
     assert dispatch._state.preferred == before[0]
+
+
+def test_timed_steps_say_the_cold_first_step_compiles_on_a_gpu(monkeypatch, capsys):
+    """On a GPU the warm-up step compiles and autotunes for minutes (467 s at 1M on a fresh H200): the bench
+    says so before it starts, and then reports each step; on the CPU there is nothing to compile."""
+    import torch
+
+    from megaseq.bench import measure
+
+    monkeypatch.setattr(measure, "_sync", lambda device: None)
+    calls = []
+    assert len(measure.timed_steps(lambda: calls.append(1), 2, torch.device("cuda"))) == 2 and len(calls) == 3
+    err = capsys.readouterr().err.splitlines()
+    assert "compiles and autotunes" in err[0] and "step 1 of 3 (warm-up)" in err[1] and len(err) == 4
+    measure.timed_steps(lambda: None, 0, torch.device("cpu"))
+    err = capsys.readouterr().err
+    assert "compiles" not in err and "step 1 of 1 (timed)" in err

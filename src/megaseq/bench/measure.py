@@ -10,6 +10,7 @@ FLOP count (``plan.flops.mfu``: model FLOPs only, attention and indexer included
 from __future__ import annotations
 
 import copy
+import os
 import sys
 import time
 import traceback
@@ -166,6 +167,10 @@ def timed_steps(run_step: Callable[[], None], steps: int, device: torch.device) 
     """Seconds of each measured step: ``steps + 1`` runs of ``run_step``, the first a warm-up (kernels,
     autotune, the allocator) left out; ``steps`` 0: the one (cold) step."""
     times = []
+    if device.type == "cuda":  # a cold first step is silent for minutes otherwise (467 s at 1M, session 14)
+        print("megaseq bench: step 1 compiles and autotunes the GPU kernels: minutes without a Triton cache "
+              f"({os.environ.get('TRITON_CACHE_DIR', '~/.triton/cache')}; kept for the next run)",
+              file=sys.stderr, flush=True)
     for i in range(steps + 1):
         t0 = time.perf_counter()
         run_step()
