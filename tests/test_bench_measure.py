@@ -46,3 +46,10 @@ def test_timed_steps_say_the_cold_first_step_compiles_on_a_gpu(monkeypatch, caps
     measure.timed_steps(lambda: None, 0, torch.device("cpu"))
     err = capsys.readouterr().err
     assert "compiles" not in err and "step 1 of 1 (timed)" in err
+
+
+def test_the_cold_start_note_is_for_gpus_only(monkeypatch):
+    from megaseq.ops.kernels import cold_start_note
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", "/cache/here")
+    assert "/cache/here" in cold_start_note("cuda") and cold_start_note("cpu") is None

@@ -10,7 +10,6 @@ FLOP count (``plan.flops.mfu``: model FLOPs only, attention and indexer included
 from __future__ import annotations
 
 import copy
-import os
 import sys
 import time
 import traceback
@@ -22,7 +21,7 @@ import torch
 
 from megaseq.config import Config, MemorySettings
 from megaseq.ops import dispatch
-from megaseq.ops.kernels import preferred_kernels
+from megaseq.ops.kernels import cold_start_note, preferred_kernels
 from megaseq.plan.flops import mfu
 
 GIB = 2**30
@@ -167,10 +166,9 @@ def timed_steps(run_step: Callable[[], None], steps: int, device: torch.device) 
     """Seconds of each measured step: ``steps + 1`` runs of ``run_step``, the first a warm-up (kernels,
     autotune, the allocator) left out; ``steps`` 0: the one (cold) step."""
     times = []
-    if device.type == "cuda":  # a cold first step is silent for minutes otherwise (467 s at 1M, session 14)
-        print("megaseq bench: step 1 compiles and autotunes the GPU kernels: minutes without a Triton cache "
-              f"({os.environ.get('TRITON_CACHE_DIR', '~/.triton/cache')}; kept for the next run)",
-              file=sys.stderr, flush=True)
+    note = cold_start_note(device.type)
+    if note:  # a cold first step is silent for minutes otherwise
+        print(f"megaseq bench: {note}", file=sys.stderr, flush=True)
     for i in range(steps + 1):
         t0 = time.perf_counter()
         run_step()

@@ -69,3 +69,16 @@ def fast_ops_installed() -> frozenset[str]:
     """The ops of ``FAST_PACKAGES`` whose packages are importable here."""
     have = {m: importlib.util.find_spec(m) is not None for ms in FAST_PACKAGES.values() for m in ms}
     return frozenset(op for op, ms in FAST_PACKAGES.items() if all(have[m] for m in ms))
+
+
+def cold_start_note(device_type: str) -> str | None:
+    """What a run says before its first step on a GPU, where that step compiles and autotunes the Triton
+    kernels (fla's and megaseq's) for minutes on a machine without a Triton cache (467 s for glm5-flash-1gpu
+    at 1M on a fresh H200, session 14); None elsewhere, where there is nothing to compile."""
+    if device_type != "cuda":
+        return None
+    import os
+
+    cache = os.environ.get("TRITON_CACHE_DIR", "~/.triton/cache")
+    return (f"step 1 compiles and autotunes the GPU kernels: minutes without a Triton cache ({cache}; kept for "
+            "the next run)")

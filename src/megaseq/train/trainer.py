@@ -23,7 +23,7 @@ import torch
 
 from megaseq.config import AdapterSettings, Config, MemorySettings, parse_duration
 from megaseq.ops import dispatch
-from megaseq.ops.kernels import planned_kernels, preferred_kernels
+from megaseq.ops.kernels import cold_start_note, planned_kernels, preferred_kernels
 from megaseq.plan.flops import mfu
 from megaseq.train import checkpoint as ckpt
 from megaseq.train import guard
@@ -435,6 +435,9 @@ class _Loop:
                                env.is_main, evals_left=evals)
         skipped = 0  # non-finite steps in a row (train.on_nonfinite skip)
         clock = TimeLimit(parse_duration(cfg.train.time_limit), env)
+        note = cold_start_note(self.device.type)
+        if note and start + 1 <= cfg.train.steps:
+            env.log(note)
         try:
             with guard.StopSignals(env.log) as signals:
                 for step in range(start + 1, cfg.train.steps + 1):
