@@ -275,11 +275,8 @@ def backward(q_abs_HNR: torch.Tensor, do_lat_HNR: torch.Tensor, o_lat_HNR: torch
                                     BH=cfg.BH, BW=cfg.BW, DOT_PREC=_dot_precision(q_abs_HNR.dtype),
                                     num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
-    if config is not None:
-        run(config)
-        return dq_abs, dc
-    cfg = _pick("bwd", Hh, R, q_abs_HNR.dtype, run)
-    if _autotune():
+    cfg = config or _pick("bwd", Hh, R, q_abs_HNR.dtype, run)
+    if config is None and _autotune():
         dc.zero_()  # tuning may have run the atomics several times
     run(cfg)
     return dq_abs, dc
