@@ -32,7 +32,7 @@ from sparse_mla_gpu import _median_ms  # this directory's: CUDA-event median of 
 
 SCALE = 256**-0.5
 SHAPES = ((8192, 8192), (32768, 32768), (32768, 262144))  # (Q, S): queries at the end of S keys
-HH, R = 16, 512
+HH, RANK = 16, 512  # glm5-flash-1gpu's heads and kv_lora_rank
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -41,8 +41,9 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return d / max(b.double()[fin].abs().max().item(), 1e-300)
 
 
-def run_shape(K, row: dict, dev, dt, pools: int, fwd_space, bwd_space, save) -> None:
-    """Time every config of both spaces at ``row``'s (Q, S); each entry into ``row`` as it completes."""
+def run_shape(K, row: dict, dev, dt, R: int, pools: int, fwd_space, bwd_space, save) -> None:
+    """Time every config of both spaces at ``row``'s (Q, S), latent rank ``R``; each entry into ``row`` as it
+    completes."""
     from triton.compiler.errors import CompilationError
     from triton.runtime.errors import OutOfResources
 
@@ -89,7 +90,7 @@ def main() -> int:
     ap.add_argument("--shapes", default=None, help="Q:S,... (default: 8K, 32K and a 32K segment of 256K)")
     ap.add_argument("--smoke", action="store_true", help="CPU, Triton's interpreter, tiny shapes: the script runs")
     args = ap.parse_args()
-    global R
+    R = RANK
     if args.smoke:
         import os
 
@@ -118,7 +119,7 @@ def main() -> int:
     for Q, S in shapes:
         row: dict = {"Q": Q, "S": S}
         res["shapes"].append(row)
-        run_shape(K, row, dev, dt, pools, fwd_space, bwd_space, save)
+        run_shape(K, row, dev, dt, R, pools, fwd_space, bwd_space, save)
         torch.cuda.empty_cache()
     for row in res["shapes"]:
         for kind in ("fwd", "bwd"):
