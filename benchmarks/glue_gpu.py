@@ -4,7 +4,7 @@
     python benchmarks/glue_gpu.py --out $OUT/glue.json --no-loss    # the ops only
     TRITON_INTERPRET=1 python benchmarks/glue_gpu.py --smoke --dtypes float32 --out /tmp/glue.json  # CPU check
 
-Per op (hc_weights, hc_collapse, hc_merge, swiglu, rms_norm; Liger's RMSNorm where installed): median
+Per op (hc_mix, hc_weights, hc_collapse, hc_merge, swiglu, rms_norm; Liger's RMSNorm where installed): median
 warm time (``triton.testing.do_bench``, L2 flushed between calls) of the forward and of forward + backward,
 for the reference and the fused kernel; the memory the forward leaves allocated for the backward (outputs
 and saved tensors); and errors: the fused kernel against the reference in the same dtype, and both against
@@ -96,7 +96,7 @@ def op_cases(S: int, H: int, N: int, dtype: torch.dtype, smoke: bool):
     from megaseq.models.common import mhc as blocks_mhc
     from megaseq.models.common import mlp as blocks_mlp
     from megaseq.models.common import norm as blocks_norm
-    from megaseq.ops import triton_mhc, triton_mhc_streams, triton_rms_norm, triton_swiglu
+    from megaseq.ops import hc_mix, triton_hc_mix, triton_mhc, triton_mhc_streams, triton_rms_norm, triton_swiglu
 
     dev, M, gen = DEV, 2 * N + N * N, torch.Generator(device=DEV).manual_seed(1)
 
@@ -109,6 +109,10 @@ def op_cases(S: int, H: int, N: int, dtype: torch.dtype, smoke: bool):
                                           1e-6], {})
     pre = (torch.rand(1, S, N, generator=gen, device=dev) + 1e-6).requires_grad_()
     h = rnd(1, S, N, H, dt=dtype)
+    # the streams' projection as bf16 weights run it (bf16 streams, fp32 fn, no autocast: an fp32 GEMM); the
+    # closed-form torch op (the fast set's before session 15) as an extra
+    yield ("hc_mix", f"h [1, {S}, {N}, {H}], fn [{M}, {N * H}] fp32", blocks_mhc.hc_mix_reference,
+           triton_hc_mix.hc_mix_triton, [h, rnd(M, N * H, scale=0.02), 1e-6], {"torch_fused": hc_mix.hc_mix_fused})
     yield ("hc_collapse", f"h [1, {S}, {N}, {H}]", blocks_mhc.hc_collapse_reference,
            triton_mhc_streams.hc_collapse_triton, [pre, h], {})
     comb = torch.softmax(torch.randn(1, S, N, N, generator=gen, device=dev), -1).requires_grad_()
@@ -190,6 +194,7 @@ def main() -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny shapes")
     ap.add_argument("--no-loss", action="store_true")
     ap.add_argument("--dtypes", default="bfloat16,float32")
+    ap.add_argument("--only", default="", help="comma-separated op names (default: all)")
     args = ap.parse_args()
     assert DEV == "cuda" or args.smoke, "benchmarks/glue_gpu.py needs a GPU (or --smoke under TRITON_INTERPRET=1)"
     import triton
@@ -202,7 +207,7 @@ def main() -> int:
     t_start = time.perf_counter()
     for k, dtype in enumerate(getattr(torch, d) for d in args.dtypes.split(",")):
         for name, shape, ref, fast, inputs, extra in op_cases(S, H, N, dtype, args.smoke):
-            if name == "hc_weights" and k > 0:
+            if (name == "hc_weights" and k > 0) or (args.only and name not in args.only.split(",")):
                 continue  # mix is fp32 whatever the model dtype: measured once
             r = bench_op(name, shape, ref, fast, inputs, dtype, extra)
             res["ops"].append(r)

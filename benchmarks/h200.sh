@@ -372,6 +372,17 @@ print('planned longest, bf16 weights:', longest_length(get_preset('glm5-flash-1g
     tail -40 "$OUT/profile_1gpu_32k.txt"
     NOTAR=1
     ;;
+  s15p)  # session 15, call 1 (issue 13), on a machine without a Triton cache: where an 8K and a 32K step go with
+      # the session-14 kernels (sparse MLA launch configurations, sync-free MoE counts), then warm 8K/32K steps;
+      # returns the Triton cache (PACK=1) for the later calls
+    timeout -k 5 330 python3 benchmarks/profile_step.py recipes/glm5-flash-1gpu.yaml 8K \
+      --json "$OUT/profile_8k.json" > "$OUT/profile_1gpu_8k.txt" 2>&1
+    tail -12 "$OUT/profile_1gpu_8k.txt"
+    timeout -k 5 $((420 - SECONDS)) python3 benchmarks/profile_step.py recipes/glm5-flash-1gpu.yaml 32K \
+      --json "$OUT/profile_32k.json" > "$OUT/profile_1gpu_32k.txt" 2>&1
+    timeout -k 5 $((540 - SECONDS)) python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml --seq-lens 8K,32K \
+      --steps 2 --out "$OUT/bench_1gpu_now"
+    ;;
   fsdp8)  # (nvidia-h200-x8) FSDP2 over 8 GPUs, bf16 weights: glm5-flash-slice (the full model's layer shapes)
       # at 64K, dp_cp over dp 2 x cp 4; metrics.jsonl holds each step's measured and planned peak
     timeout 500 torchrun --nproc-per-node 8 -m megaseq train recipes/glm5-flash-slice.yaml --train.steps 3 \

@@ -31,7 +31,7 @@ GPU_BF16 = {
 FAST_GPU = {
     "sparse_attention": "triton",
     "indexer_topk": "triton",
-    "hc_mix": "torch_fused",
+    "hc_mix": "triton",
     "hc_weights": "triton",
     "hc_collapse": "triton",
     "hc_merge": "triton",
@@ -42,6 +42,8 @@ FAST_GPU = {
     "linear_cross_entropy": "liger",
     "chunked_linear_cross_entropy": "liger",
 }
+# where a fast kernel declines (a dtype, a shape), the next one it tries before the reference
+FAST_FALLBACKS = {"hc_mix": ("torch_fused",)}
 KERNEL_SETS = ("fast", "base")
 
 
@@ -55,13 +57,13 @@ def preferred_kernels(device_type: str, kernels: str) -> dict[str, list[str]]:
     if kernels not in KERNEL_SETS:
         raise ValueError(f"model.kernels must be one of {', '.join(KERNEL_SETS)}, got {kernels!r}")
     if kernels == "fast" and device_type == "cuda":
-        return {op: [name] for op, name in FAST_GPU.items()}
+        return {op: [name, *FAST_FALLBACKS.get(op, ())] for op, name in FAST_GPU.items()}
     return {}
 
 
 # the packages each fast kernel the memory plan counts needs (the others fall back and are planned as base)
 FAST_PACKAGES = {"rms_norm": ("triton",), "swiglu": ("triton",), "indexer_topk": ("triton",),
-                 "sparse_attention": ("triton",), "hc_merge": ("triton",), "hc_mix": (),
+                 "sparse_attention": ("triton",), "hc_merge": ("triton",), "hc_mix": ("triton",),
                  "linear_cross_entropy": ("triton", "liger_kernel")}
 
 

@@ -148,6 +148,8 @@ class Calibration:
     attn_block_elems: int = 1 << 26  # score elements per query block of the reference sparse attention
     nograd_fraction: float = 0.35  # peak of a layer's no-grad forward, as a fraction of its saved set
     sinkhorn_saved: bool = True  # Sinkhorn's 2*iters-1 divisions each save [N, N] + [N] in fp32
+    hc_mix_copy: bool = False  # the fast set's hc_mix of sessions 12-14 (the closed-form torch op, ops/hc_mix.py)
+    # kept its input's copy in the GEMM's dtype; True plans what those sessions measured (the Triton op keeps none)
     process_host_bytes: int = 2_010_000_000  # one training process: Python, torch, CUDA host state, data
     # (H200, torch 2.11: VmHWM 1.95-2.07 GB, mean 2.01 GB, over 14 runs of glm5-flash-1gpu 8K-1M and
     # glm5-flash-tiny 128K-1M without offload, benchmarks/results/h200/)
@@ -514,14 +516,16 @@ def hc_saved(spec: ModelSpec, prec: Precision, cal: Calibration = CAL, fn_trains
     The flattened streams in fp32 (a copy unless the stream is fp32), the normalised flat input of the
     ``fn`` linear (its bf16 cast under autocast, else fp32; kept only when ``fn`` trains) and the small
     [N]/[N, N] weights, of which Sinkhorn's ``2 * iters - 1`` divisions each save comb and its sums.
-    ``fast``: the fused ``hc_mix`` (``ops/hc_mix.py``) keeps the streams themselves and their copy in the
-    GEMM's dtype (autocast's, else fp32) where that differs from the stream's, whether ``fn`` trains or not:
-    under bf16 autocast with an fp32 stream the same bytes as above, with bf16 weights (a bf16 stream, an
-    fp32 GEMM) half of them."""
+    ``fast``: the Triton ``hc_mix`` (``ops/triton_hc_mix.py``) keeps the streams themselves (no copy) and
+    its fp32 GEMM output ``u`` and RMS scale ``r``: ``f * (M + 1)`` with ``M = (2 + N) * N``, whether ``fn``
+    trains or not (``cal.hc_mix_copy``: the closed-form torch op's, the streams and their copy in the GEMM's
+    dtype where that differs from theirs)."""
     N, H, f = spec.hc_mult, spec.hidden_size, prec.f32
-    if fast:
+    if fast and cal.hc_mix_copy:  # ``torch_fused``: the streams and their copy in the GEMM's dtype
         mm = prec.compute if prec.autocast else f
         flat, normed = (0 if mm == prec.stream else mm * N * H), 0
+    elif fast:
+        flat, normed = 0, f * ((2 + N) * N + 1)
     else:
         flat = 0 if prec.stream == f else f * N * H
         normed = (prec.compute * N * H if prec.autocast else f * N * H) if fn_trains else 0

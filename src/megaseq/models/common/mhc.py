@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megaseq.models.spec import ModelSpec
-from megaseq.ops import dispatch, hc_mix, triton_mhc, triton_mhc_streams  # noqa: F401  (register the fused ops, opt-in)
+from megaseq.ops import dispatch, hc_mix, triton_hc_mix, triton_mhc, triton_mhc_streams  # noqa: F401  (register the fused ops, opt-in)
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
