@@ -29,7 +29,8 @@ from megaseq.ops import dispatch, kernels
 # ops the fast set holds to on a GPU whatever the dtypes of a bf16-autocast step (those of FAST_GPU that have
 # no device rule of their own)
 HELD = ("hc_mix", "hc_weights", "hc_collapse", "hc_merge", "swiglu", "rms_norm", "moe_permute", "moe_combine")
-MODULES = ("hc_mix", "triton_hc_mix", "triton_mhc", "triton_mhc_streams", "triton_moe_glue", "triton_rms_norm", "triton_swiglu")
+MODULES = ("hc_mix", "triton_hc_mix", "triton_mhc", "triton_mhc_streams", "triton_moe_glue", "triton_rms_norm",
+           "triton_swiglu")
 
 
 def _spec(family: str):
@@ -168,6 +169,7 @@ def test_the_fast_set_is_the_default_and_base_names_the_other():
     assert ModelConfig(kernels="default").kernels == "base"  # run directories written before session 12
     with pytest.raises(ValueError, match="model.kernels must be fast or base"):
         ModelConfig(kernels="fastest")
-    assert preferred_kernels("cuda", "fast") == {op: [name, *FAST_FALLBACKS.get(op, ())] for op, name in FAST_GPU.items()}
+    want = {op: [name, *FAST_FALLBACKS.get(op, ())] for op, name in FAST_GPU.items()}
+    assert preferred_kernels("cuda", "fast") == want
     assert preferred_kernels("cuda", "fast")["hc_mix"] == ["triton", "torch_fused"]
     assert preferred_kernels("cuda", "base") == {} and preferred_kernels("cpu", "fast") == {}
