@@ -383,6 +383,26 @@ print('planned longest, bf16 weights:', longest_length(get_preset('glm5-flash-1g
     timeout -k 5 $((540 - SECONDS)) python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml --seq-lens 8K,32K \
       --steps 2 --out "$OUT/bench_1gpu_now"
     ;;
+  s15c)  # session 15, call 2 (issue 13; carry .tcpart: call 1's cache): the new fast kernels' GPU tests (Triton
+      # hc_mix, fla's gated norm), hc_mix timed alone, then the issue's own command; the bench only if the tests pass
+    timeout -k 5 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_triton_hc_mix.py tests/test_fla_norm.py \
+      tests/test_hc_mix.py > "$OUT/gpu_tests.log" 2>&1; rc=$?
+    tail -5 "$OUT/gpu_tests.log"
+    [ $rc -eq 0 ] || { echo "GPU tests failed (rc $rc): no bench"; exit 1; }
+    timeout -k 5 90 python3 benchmarks/glue_gpu.py --only hc_mix --no-loss --dtypes bfloat16 --out "$OUT/glue_hc_mix.json"
+    timeout -k 5 $((590 - SECONDS)) python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml --seq-lens 8K,32K --baseline \
+      --out "$OUT/bench_1gpu_issue"
+    NOTAR=1
+    ;;
+  s15d)  # session 15, call 3, on the machine s15c warmed: a warm 1M step (the plan now runs 32K sequence segments,
+      # session 14 measured 47.2 s with 16K ones), then where a 32K step goes now
+    timeout -k 5 300 python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml --seq-lens 1M --steps 1 \
+      --out "$OUT/bench_1gpu_1m"
+    timeout -k 5 $((560 - SECONDS)) python3 benchmarks/profile_step.py recipes/glm5-flash-1gpu.yaml 32K \
+      --json "$OUT/profile_32k.json" > "$OUT/profile_1gpu_32k.txt" 2>&1
+    tail -40 "$OUT/profile_1gpu_32k.txt"
+    NOTAR=1
+    ;;
   fsdp8)  # (nvidia-h200-x8) FSDP2 over 8 GPUs, bf16 weights: glm5-flash-slice (the full model's layer shapes)
       # at 64K, dp_cp over dp 2 x cp 4; metrics.jsonl holds each step's measured and planned peak
     timeout 500 torchrun --nproc-per-node 8 -m megaseq train recipes/glm5-flash-slice.yaml --train.steps 3 \

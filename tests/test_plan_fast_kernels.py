@@ -55,7 +55,7 @@ def test_fast_formulas():
     assert C.hc_saved(spec, bf16w) - C.hc_saved(spec, bf16w, fast=True) == 8 * N * Hs - 4 * (M + 1)
     # the closed-form torch op the fast set ran in sessions 12-14: the streams and their copy in the GEMM's dtype
     # (bf16 under autocast: the reference's bytes; an fp32 copy of bf16 streams: half the reference's)
-    old = C.Calibration(hc_mix_copy=True)
+    old = C.Calibration(fast_set_s14=True)
     assert C.hc_saved(spec, prec, old, fast=True) == C.hc_saved(spec, prec)
     assert C.hc_saved(spec, bf16w) - C.hc_saved(spec, bf16w, old, fast=True) == 4 * N * Hs
     assert C.merge_saved(spec, 2, prec) - C.merge_saved(spec, 2, prec, fast=True) == 2 * N * Hs
@@ -68,8 +68,9 @@ def test_fast_formulas():
     assert fast * 8 < base
 
 
-# the runs of sessions 12-14 ran the closed-form torch hc_mix (its input's copy kept), not the Triton one
-BEFORE_TRITON_HC_MIX = C.Calibration(hc_mix_copy=True)
+# the runs of sessions 12-14 ran the closed-form torch hc_mix (its input's copy kept), not the Triton one, and
+# KDA's gated norm in torch, not fla's
+BEFORE_TRITON_HC_MIX = C.Calibration(fast_set_s14=True)
 
 
 def _fast(n: int, memory: dict, weights: str = "fp32", calibration: C.Calibration = C.CAL):
@@ -138,7 +139,7 @@ def test_the_report_names_the_planned_fast_kernels():
 
     fast = plan(glm5_flash_1gpu(), 8192, fast_ops=PLANNED_FAST_OPS)
     assert fast.mesh["fast_kernels"] == sorted(PLANNED_FAST_OPS)
-    assert ("fast kernels planned: hc_merge, hc_mix, indexer_topk, linear_cross_entropy, rms_norm, "
+    assert ("fast kernels planned: gated_rms_norm, hc_merge, hc_mix, indexer_topk, linear_cross_entropy, rms_norm, "
             "sparse_attention, swiglu") in \
         " ".join(format_plan(fast).split())  # the table may wrap the header
     assert "fast kernels planned" not in format_plan(plan(glm5_flash_1gpu(), 8192))

@@ -32,6 +32,7 @@ FAST_GPU = {
     "sparse_attention": "triton",
     "indexer_topk": "triton",
     "hc_mix": "triton",
+    "gated_rms_norm": "fla",
     "hc_weights": "triton",
     "hc_collapse": "triton",
     "hc_merge": "triton",
@@ -64,6 +65,7 @@ def preferred_kernels(device_type: str, kernels: str) -> dict[str, list[str]]:
 # the packages each fast kernel the memory plan counts needs (the others fall back and are planned as base)
 FAST_PACKAGES = {"rms_norm": ("triton",), "swiglu": ("triton",), "indexer_topk": ("triton",),
                  "sparse_attention": ("triton",), "hc_merge": ("triton",), "hc_mix": ("triton",),
+                 "gated_rms_norm": ("triton", "fla"),
                  "linear_cross_entropy": ("triton", "liger_kernel")}
 
 

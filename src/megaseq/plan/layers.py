@@ -42,7 +42,7 @@ def _if(name: str, trains: Trains) -> int:
 
 # ---- token mixers: saved per layer, and temporaries --------------------------------------------------
 def kda_saved(spec: ModelSpec, n: int, xb: int, prec: Precision, cal: Calibration = CAL,
-              trains: Trains = None) -> dict[str, int]:
+              trains: Trains = None, fast_norm: bool = False) -> dict[str, int]:
     """KDA (``blocks/kda.py``) with fla's ``chunk_kda`` on the GPU; ``xb`` bytes of the normed input.
 
     Per token: the six projections' inputs (q, k, v, f_a, b, g_a); the conv's input ``c * 3D`` (fla's
@@ -50,7 +50,9 @@ def kda_saved(spec: ModelSpec, n: int, xb: int, prec: Precision, cal: Calibratio
     (g before the decay product, the sigmoid output; Kimi-Linear's softplus gate without a lower bound
     ``(3 f + 1) * D``); chunk_kda's ``q, k`` (l2-normed), ``v`` in bf16,
     ``g`` and its chunk cumsum in fp32, the intra-chunk ``Aqk, Akk`` ``2 * c * heads * 64`` (fla 0.6
-    keeps them in the input dtype); the gated output norm ``4 * f * D`` + o_proj's input ``c * D``.
+    keeps them in the input dtype); the gated output norm ``4 * f * D`` + o_proj's input ``c * D``
+    (``fast_norm``: fla's fused norm keeps its input and gate and an fp32 ``rstd`` per row, ``2 * c * D + f * Hh``,
+    unless ``cal.fast_set_s14``).
     """
     H, Hh, Dk = spec.hidden_size, spec.linear_num_heads, spec.linear_head_dim
     D, c, f = Hh * Dk, prec.compute, prec.f32
@@ -65,7 +67,8 @@ def kda_saved(spec: ModelSpec, n: int, xb: int, prec: Precision, cal: Calibratio
         # exp(g), 1 + exp(g), the where's bool mask and its output
         "kda forget gate": n * (2 * f * D if spec.linear_lower_bound is not None else (3 * f + 1) * D),
         "kda chunk state (q,k,v,g,A)": n * (3 * c * D + 2 * f * D + 2 * c * Hh * 64 + 2 * f * Hh),
-        "kda output norm + o_proj input": n * ((3 + _if(p + "o_norm", trains)) * f * D + late),
+        "kda output norm + o_proj input": n * ((2 * c * D + f * Hh if fast_norm and not cal.fast_set_s14
+                                                else (3 + _if(p + "o_norm", trains)) * f * D) + late),
     }
 
 
@@ -83,6 +86,7 @@ def kda_temp(spec: ModelSpec, n: int, prec: Precision, backward: bool, cal: Cali
 def kda_segmented(
     spec: ModelSpec, n: int, batch: int, T: int, xb: int, prec: Precision, cal: Calibration = CAL,
     trains: Trains = None,
+    fast_norm: bool = False,
 ) -> tuple[dict[str, int], int, int]:
     """KDA in segments of ``T`` tokens (``memory/kda_segments.py``): (saved, forward temp, backward temp).
 
@@ -94,7 +98,7 @@ def kda_segmented(
     H, Hh, Dk, c, f = spec.hidden_size, spec.linear_num_heads, spec.linear_head_dim, prec.compute, prec.f32
     m = min(T + spec.linear_conv_kernel - 1, n)
     segments = -(-n // (batch * T)) if batch else 0
-    seg_saved = sum(kda_saved(spec, m * batch, xb, prec, cal, trains).values())
+    seg_saved = sum(kda_saved(spec, m * batch, xb, prec, cal, trains, fast_norm).values())
     saved = {"kda segmented: input": n * xb * H, "kda segmented: states": segments * batch * f * Hh * Dk * Dk}
     fwd = kda_temp(spec, m * batch, prec, False, cal) + int(cal.nograd_fraction * seg_saved) + n * c * H
     seg_cal = replace(cal, kda_bwd_temp_fd=cal.kda_segment_bwd_temp_fd)

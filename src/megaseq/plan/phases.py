@@ -148,11 +148,12 @@ def _mixer(run: Run, i: int, xb: int) -> tuple[dict[str, int], int, int]:
     kind = spec.layer_types[i]
     comm = C.comm_buffer_bytes(spec, n, kind, prec, mesh, run.mla_mode)
     T = run.memory.kda_segment_tokens
+    fast_norm = "gated_rms_norm" in run.fast_ops
     if kind == "kda" and 0 < T < n:
-        return layers.kda_segmented(spec, n, run.batch, T, xb, prec, run.cal, trains)
+        return layers.kda_segmented(spec, n, run.batch, T, xb, prec, run.cal, trains, fast_norm)
     if kind == "kda":
         return (
-            layers.kda_saved(spec, n, xb, prec, run.cal, trains),
+            layers.kda_saved(spec, n, xb, prec, run.cal, trains, fast_norm),
             layers.kda_temp(spec, n, prec, False, run.cal) + comm,
             layers.kda_temp(spec, n, prec, True, run.cal) + comm,
         )

@@ -45,6 +45,7 @@ from megaseq.models.common.mhc import compute_dtype
 from megaseq.models.spec import ModelSpec
 from megaseq.ops import dispatch
 from megaseq.ops import fla_kda as _fla_kda  # noqa: F401  (registers the fla kda and conv ops)
+from megaseq.ops import fla_norm as _fla_norm  # noqa: F401  (registers fla's gated norm, opt-in)
 
 
 def _segments(S: int, cu_seqlens: torch.Tensor | None) -> list[tuple[int, int]]:
@@ -196,20 +197,27 @@ class ForgetGate(nn.Module):
         return -decay_rate * torch.where(g > 20.0, g, torch.log(1.0 + torch.exp(g)))
 
 
-class GatedRMSNorm(nn.Module):
-    """``weight * rmsnorm(x) * sigmoid(gate)`` over the head dim; HF name ``o_norm``."""
+@dispatch.register("gated_rms_norm", "torch", reference=True)
+def gated_rms_norm_reference(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * rmsnorm(x) * sigmoid(gate)`` over the last dim in the compute dtype, in x's dtype (HF's order)."""
+    cd = compute_dtype(x.dtype)
+    h = x.to(cd)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    h = weight.to(cd) * h * torch.sigmoid(gate.to(cd))
+    return h.to(x.dtype)
 
-    def __init__(self, dim: int, eps: float) -> None:
+
+class GatedRMSNorm(nn.Module):
+    """``weight * rmsnorm(x) * sigmoid(gate)`` over the head dim (op ``gated_rms_norm``); HF name ``o_norm``."""
+
+    def __init__(self, dim: int, eps: float, layer: str = "o_norm") -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.layer = layer  # name in the dispatcher's per-layer record
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        cd = compute_dtype(x.dtype)
-        h = x.to(cd)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        h = self.weight.to(cd) * h * torch.sigmoid(gate.to(cd))
-        return h.to(x.dtype)
+        return dispatch.call("gated_rms_norm", x, gate, self.weight, self.eps, layer=self.layer)
 
 
 def doc_rows(doc_ids_BS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -250,7 +258,7 @@ class KimiDeltaAttention(nn.Module):
         self.b_proj = nn.Linear(H, Hh, bias=False)
         self.g_a_proj = nn.Linear(H, D, bias=False)
         self.g_b_proj = nn.Linear(D, Hh * D, bias=False)
-        self.o_norm = GatedRMSNorm(D, spec.rms_norm_eps)
+        self.o_norm = GatedRMSNorm(D, spec.rms_norm_eps, f"{layer}.o_norm")
         self.o_proj = nn.Linear(Hh * D, H, bias=False)
 
     def init_weights(self, std: float) -> None:
