@@ -403,6 +403,16 @@ print('planned longest, bf16 weights:', longest_length(get_preset('glm5-flash-1g
     tail -40 "$OUT/profile_1gpu_32k.txt"
     NOTAR=1
     ;;
+  s15e)  # session 15, call 4 (issue 13): hc_mix's forward as three bf16 tensor-core products (bf16 streams): its GPU
+      # tests, its time alone, then warm 8K and 32K steps (no baseline: s15c measured it in this session)
+    timeout -k 5 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_triton_hc_mix.py > "$OUT/gpu_tests.log" 2>&1
+    rc=$?; tail -3 "$OUT/gpu_tests.log"
+    [ $rc -eq 0 ] || { echo "GPU tests failed (rc $rc): no bench"; exit 1; }
+    timeout -k 5 60 python3 benchmarks/glue_gpu.py --only hc_mix --no-loss --dtypes bfloat16 --out "$OUT/glue_hc_mix.json"
+    timeout -k 5 $((330 - SECONDS)) python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml --seq-lens 8K,32K --steps 2 \
+      --out "$OUT/bench_1gpu_split"
+    NOTAR=1
+    ;;
   fsdp8)  # (nvidia-h200-x8) FSDP2 over 8 GPUs, bf16 weights: glm5-flash-slice (the full model's layer shapes)
       # at 64K, dp_cp over dp 2 x cp 4; metrics.jsonl holds each step's measured and planned peak
     timeout 500 torchrun --nproc-per-node 8 -m megaseq train recipes/glm5-flash-slice.yaml --train.steps 3 \

@@ -145,3 +145,11 @@ def test_on_the_gpu_at_glm5_flash_1gpu_shapes():
     got, want = _grads(thm.hc_mix_triton, h32, fn, autocast=BF16), _grads(mhc.hc_mix_reference, h32, fn, autocast=BF16)
     for name, a, b in zip(("mix", "grad h", "grad fn"), got[:3], want[:3]):
         assert_close(f"autocast {name}", a, b, 1.6e-2)
+
+
+def test_the_bf16_pieces_of_a_float32_weight_add_up_to_it():
+    w = torch.randn(24, 1000, generator=torch.Generator().manual_seed(0)) * 0.02
+    parts = thm.split_bf16x3(w)
+    assert parts.dtype == BF16 and parts.shape == (3, 24, 1000)
+    assert ((parts.double().sum(0) - w.double()).abs() <= 2**-24 * w.double().abs()).all()  # fp32's own rounding
+    assert (parts[0].double() - w.double()).abs().max() > 1e-5  # one bf16 piece alone is not enough

@@ -31,11 +31,16 @@ BWD_CONFIGS = _BWD[:1] if interpreting() else _BWD
 MAX_BT = max(c.kwargs["BT"] for c in _BWD)  # a backward row chunk is a multiple of every config's BT
 
 
-@triton.autotune(configs=FWD_CONFIGS, key=["D", "M"])
+@triton.autotune(configs=FWD_CONFIGS, key=["D", "M", "SPLIT"])
 @triton.jit
-def hc_mix_fwd_kernel(x_ptr, fn_ptr, u_ptr, r_ptr, mix_ptr, T, D, M, eps, MP: tl.constexpr,
+def hc_mix_fwd_kernel(x_ptr, fn_ptr, u_ptr, r_ptr, mix_ptr, T, D, M, eps, MP: tl.constexpr, SPLIT: tl.constexpr,
                       BT: tl.constexpr, BD: tl.constexpr):
-    """``u[t] = x[t] @ fn^T`` (fp32), ``r[t] = rsqrt(mean(x[t]^2) + eps)``, ``mix[t] = r[t] * u[t]`` (mix's dtype)."""
+    """``u[t] = x[t] @ fn^T`` (fp32), ``r[t] = rsqrt(mean(x[t]^2) + eps)``, ``mix[t] = r[t] * u[t]`` (mix's dtype).
+
+    ``SPLIT`` (bf16 streams): ``fn`` comes as three bf16 pieces ``[3, M, D]`` whose sum is the fp32 weight
+    (``triton_hc_mix.split_bf16x3``), and ``u`` is three bf16 tensor-core products summed in fp32: a bf16
+    stream times a bf16 piece is exact in fp32, so this is the fp32 GEMM's value, summed in another order,
+    at tensor-core speed (the FMA dot is compute-bound: 2.6 ms a call at 32K tokens on an H200)."""
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     tm = t < T
     rows = t.to(tl.int64) * D
@@ -46,10 +51,19 @@ def hc_mix_fwd_kernel(x_ptr, fn_ptr, u_ptr, r_ptr, mix_ptr, T, D, M, eps, MP: tl
     for d0 in range(0, D, BD):
         d = d0 + tl.arange(0, BD)
         dm = d < D
-        x = tl.load(x_ptr + rows[:, None] + d[None, :], mask=tm[:, None] & dm[None, :], other=0.0).to(tl.float32)
-        w = tl.load(fn_ptr + m[:, None] * D + d[None, :], mask=mm[:, None] & dm[None, :], other=0.0).to(tl.float32)
-        acc += tl.dot(x, tl.trans(w), input_precision="ieee")  # per block, then summed: the error of a
-        # sum of D / BD block sums, not of one running sum over D (4.7x cuBLAS's fp32 error at D = 8192 on an H200)
+        wm = mm[:, None] & dm[None, :]
+        w_off = m[:, None] * D + d[None, :]
+        if SPLIT:
+            xb = tl.load(x_ptr + rows[:, None] + d[None, :], mask=tm[:, None] & dm[None, :], other=0.0)
+            lo = tl.dot(xb, tl.trans(tl.load(fn_ptr + 2 * M * D + w_off, mask=wm, other=0.0)))
+            lo = tl.dot(xb, tl.trans(tl.load(fn_ptr + M * D + w_off, mask=wm, other=0.0)), lo)
+            acc += tl.dot(xb, tl.trans(tl.load(fn_ptr + w_off, mask=wm, other=0.0)), lo)
+            x = xb.to(tl.float32)
+        else:
+            x = tl.load(x_ptr + rows[:, None] + d[None, :], mask=tm[:, None] & dm[None, :], other=0.0).to(tl.float32)
+            w = tl.load(fn_ptr + w_off, mask=wm, other=0.0).to(tl.float32)
+            acc += tl.dot(x, tl.trans(w), input_precision="ieee")  # per block, then summed: the error of a
+            # sum of D / BD block sums, not of one running sum over D
         ss += tl.sum(x * x, axis=1)
     r = tl.rsqrt(ss / D + eps)
     out = t[:, None] * M + m[None, :]

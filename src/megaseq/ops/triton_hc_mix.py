@@ -13,7 +13,8 @@ of glm5-flash-1gpu, 16 a step), runs on the CUDA cores (cuBLAS has no fp32 tenso
 the backward makes three more float32 ``[R, D]`` passes (``d_u @ fn``, the widened streams, the
 multiply-add) before rounding back. Here (``ops/_hc_mix_kernels.py``):
 
-- forward: one pass over the bf16 streams computes ``u = flat @ fn^T`` and each row's sum of squares;
+- forward: one pass over the bf16 streams computes ``u = flat @ fn^T`` and each row's sum of squares (with
+  bf16 streams as three exact bf16 tensor-core products of ``fn``'s bf16 pieces, ``split_bf16x3``);
   ``mix = r * u`` with ``r = rsqrt(ss / D + eps)``. Saved: the streams themselves (the layer keeps them
   anyway), ``u`` ``[R, M]`` and ``r`` ``[R]`` in float32: 100 bytes a token instead of 4 * D.
 - backward: ``d_u = r * g``, ``coef = -(sum(g * u) * r^3 / D)`` on ``[R, M]`` in torch, then one pass over the
@@ -47,6 +48,15 @@ def chunk_rows(R: int, max_bt: int) -> int:
     return cdiv(rows, max_bt) * max_bt
 
 
+def split_bf16x3(w: torch.Tensor) -> torch.Tensor:
+    """``[3, *w.shape]`` bf16 pieces ``hi, mid, lo`` with ``hi + mid + lo == w`` for a float32 ``w`` (8 + 8 + 8
+    mantissa bits: exact but where a piece would fall below bf16's smallest normal)."""
+    hi = w.to(torch.bfloat16)
+    rest = w - hi.float()
+    mid = rest.to(torch.bfloat16)
+    return torch.stack([hi, mid, (rest - mid.float()).to(torch.bfloat16)])
+
+
 def scale_grad_coef(g_RM: torch.Tensor, u_RM: torch.Tensor, r_R: torch.Tensor, D: int) -> torch.Tensor:
     """The gradient through the RMS scale, per row: ``d_flat += coef * flat`` with ``coef = -sum(g * u) r^3 / D``."""
     return -(g_RM * u_RM).sum(-1) * r_R.pow(3) / D
@@ -61,9 +71,11 @@ class _HcMixTriton(torch.autograd.Function):
         kw = {"device": flat_RD.device, "dtype": torch.float32}
         u_RM, r_R = torch.empty(R, M, **kw), torch.empty(R, **kw)
         mix = torch.empty(R, M, device=flat_RD.device, dtype=out_dtype)
+        split = flat_RD.dtype == torch.bfloat16 and flat_RD.is_cuda  # the interpreter's bf16 dot is not exact
         if R > 0:
             K.hc_mix_fwd_kernel[lambda meta: (cdiv(R, meta["BT"]),)](
-                flat_RD, fn_MD, u_RM, r_R, mix, R, D, M, eps, MP=max(16, next_pow2(M)))
+                flat_RD, split_bf16x3(fn_MD.float()) if split else fn_MD, u_RM, r_R, mix, R, D, M, eps,
+                MP=max(16, next_pow2(M)), SPLIT=split)
         ctx.save_for_backward(flat_RD, fn_MD, u_RM, r_R)
         return mix
 
