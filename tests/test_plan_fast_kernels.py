@@ -104,8 +104,8 @@ def _fast(n: int, memory: dict, weights: str = "fp32", calibration: C.Calibratio
 def test_the_fast_plan_bounds_what_the_h200_measured(where, n, memory, weights):
     """glm5-flash-1gpu with the fast set (sessions 12 to 15): the plan of the measured settings is at or above
     the measured peak, by at most 12% (measured: +1.2..+8.0%; session 15 +2.0..+5.1%; the base kernels' plan was
-    33-36% above at 8K and 32K), and below the base plan. At 256K the base plan (116.1) was 2.9% short: it did not count the fused
-    sparse MLA's ``o_lat``."""
+    33-36% above at 8K and 32K), and below the base plan. At 256K the base plan (116.1) was 2.9% short: it did
+    not count the fused sparse MLA's ``o_lat``."""
     data = json.loads((RESULTS / where).read_text())
     rows = [dict(r, meta_weights=data["meta"].get("weights", "fp32")) for r in data["rows"]
             if r["seq_len"] == n and r["status"] == "ok" and r.get("system", "megaseq") == "megaseq"]
