@@ -4,9 +4,11 @@ Shapes: T tokens (B * S flattened), D = N * H flattened stream features, M = (2 
 (24 for N = 4), MP = M padded to a power of two (at least 16: ``tl.dot``'s smallest side). ``x`` is the
 flattened streams ``[T, D]`` in their own dtype (bf16 with bf16 weights), ``fn`` the ``[M, D]`` weight.
 
-Everything is computed in float32: the streams are widened as they are loaded, and ``tl.dot`` runs with
-``input_precision="ieee"`` (fp32 FMAs, no tf32), so the products are those of the float32 GEMM that HF's
-``Glm5NextTextHyperConnection`` runs, summed in another order. Offsets are int64 (``T * D`` passes 2^31 at
+Everything is computed in float32, so the products are those of the float32 GEMM that HF's
+``Glm5NextTextHyperConnection`` runs, summed in another order: the forward with bf16 streams (``SPLIT``)
+multiplies them by the three bf16 pieces of ``fn`` on the tensor cores (each product exact in fp32); every
+other dot widens its operands to fp32 as they are loaded and runs with ``input_precision="ieee"`` (fp32 FMAs,
+no tf32). Offsets are int64 (``T * D`` passes 2^31 at
 256K tokens of a 4 x 2048 stream).
 
 - forward, one program per BT tokens walking D in blocks of BD: ``u = x @ fn^T`` and the sum of squares of
