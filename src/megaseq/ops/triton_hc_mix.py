@@ -21,9 +21,9 @@ multiply-add) before rounding back. Here (``ops/_hc_mix_kernels.py``):
   streams writes ``d_flat = d_u @ fn + coef * flat`` and sums ``d_fn = d_u^T @ flat`` per row chunk.
 
 Numerics: float32 throughout (exact bf16 products or ``input_precision="ieee"``): the reference's values and
-gradients to float32 rounding under bf16 weights; under bf16 autocast (fp32 weights) the reference multiplies bf16-rounded operands
-and this kernel does not, so the two agree to bf16 rounding and this one is the closer to exact. float64 runs
-the reference or ``torch_fused`` (float64 exactness).
+gradients to float32 rounding under bf16 weights; under bf16 autocast (fp32 weights) the reference multiplies
+bf16-rounded operands and this kernel does not, so the two agree to bf16 rounding and this one is the closer
+to exact. float64 runs the reference or ``torch_fused`` (float64 exactness).
 
 Measured on an H200 (``benchmarks/glue_gpu.py --only hc_mix``, 32K tokens, 4 x 2048 bf16 streams, session 15):
 forward + backward 9.09 ms (reference) and 4.53 ms (``torch_fused``) -> 1.33 ms, forward 2.81 -> 0.21 ms;
