@@ -413,6 +413,19 @@ print('planned longest, bf16 weights:', longest_length(get_preset('glm5-flash-1g
       --out "$OUT/bench_1gpu_split"
     NOTAR=1
     ;;
+  s16a)  # prepared in session 15 (issue 13), not yet run: the key-major latent gradient (MEGASEQ_MLA_DC=pool) on
+      # the GPU: its tests, the kernels alone against the atomics at 8K, 32K and a 32K segment of 256K, then the
+      # issue's command with it (the atomics' run is session 15's: 2.22x / 3.35x, MFU 26.0%; 27.1% with hc_mix's
+      # bf16x3 forward)
+    timeout -k 5 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_triton_sparse_mla.py \
+      > "$OUT/gpu_tests.log" 2>&1; rc=$?
+    tail -5 "$OUT/gpu_tests.log"
+    [ $rc -eq 0 ] || { echo "GPU tests failed (rc $rc): no bench"; exit 1; }
+    (cd benchmarks && timeout -k 5 150 python3 sparse_mla_configs.py --defaults-only --out "$OUT/sparse_mla_pool.json")
+    MEGASEQ_MLA_DC=pool timeout -k 5 $((585 - SECONDS)) python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml \
+      --seq-lens 8K,32K --baseline --out "$OUT/bench_1gpu_pool"
+    NOTAR=1
+    ;;
   fsdp8)  # (nvidia-h200-x8) FSDP2 over 8 GPUs, bf16 weights: glm5-flash-slice (the full model's layer shapes)
       # at 64K, dp_cp over dp 2 x cp 4; metrics.jsonl holds each step's measured and planned peak
     timeout 500 torchrun --nproc-per-node 8 -m megaseq train recipes/glm5-flash-slice.yaml --train.steps 3 \

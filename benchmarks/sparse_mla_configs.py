@@ -1,6 +1,7 @@
 """Every launch configuration of the fused sparse MLA kernels, timed at glm5-flash-1gpu's DSA shapes (GPU).
 
     python benchmarks/sparse_mla_configs.py --out $OUT/sparse_mla_configs.json     # H200: about 3 minutes
+    python benchmarks/sparse_mla_configs.py --defaults-only --out $OUT/sparse_mla_pool.json  # the pool pass
 
 The kernels (``ops/triton_sparse_mla_kernels.py``) run a default configuration that was chosen by registers
 and shared memory, never by time. This script times each configuration of a grid (slots per loop step BW,
@@ -9,6 +10,9 @@ slots of causal 16-token pools drawn uniformly (``causal_pool_selection``), at t
 
 - Q = S = 8K and 32K (one DSA layer of an 8K and a 32K step);
 - the last 32K queries of S = 256K keys (one 32K sequence segment of a 256K step).
+
+After the grid, the backward with the latent gradient summed key-major per pool (``dc="pool"``, not yet the
+default) is timed beside the atomics' with the default configuration, and compared with their result.
 
 Each configuration's outputs are compared with the default's on the same inputs (max abs difference over
 max abs of the default: ``o_lat``, ``lse2``, ``dq_abs``, ``dc``). They compute the same sums in another order,
@@ -82,6 +86,24 @@ def run_shape(K, row: dict, dev, dt, R: int, pools: int, fwd_space, bwd_space, s
             diff = max(entry.get("rel_diff", {0: 0}).values())
             print(f"Q={Q} S={S} {kind} {cfg} {'(default)' if entry['default'] else ''}: {ms} "
                   f"rel diff {diff:.1e}", flush=True)
+    # the latent gradient summed key-major per selected pool (``dc="pool"``, MEGASEQ_MLA_DC=pool) with the
+    # default config, against the atomics' result and time (the whole backward: both passes and the pool sort)
+    entry = {"config": str(K.default_config("bwd", HH, R, dt)), "dc": "pool"}
+    try:
+        dq, dc = K.backward(q, do, o_ref, lse_ref, c, idx, SCALE, dc="pool")
+        entry["rel_diff"] = {"dq_abs": _rel(dq, dq_ref), "dc": _rel(dc, dc_ref)}
+        entry["ms"] = _median_ms(lambda: K.backward(q, do, o_ref, lse_ref, c, idx, SCALE, dc="pool"), dev)
+        entry["atomic_ms"] = _median_ms(lambda: K.backward(q, do, o_ref, lse_ref, c, idx, SCALE, dc="atomic"), dev)
+    except Exception as e:  # noqa: BLE001  (record and go on)
+        entry["error"] = f"{type(e).__name__}: {e}"
+        entry["trace"] = traceback.format_exc(limit=3)
+    row["bwd_pool"] = entry
+    save()
+    if "ms" in entry:
+        print(f"Q={Q} S={S} bwd dc=pool: {entry['ms']:.2f} ms (atomic {entry['atomic_ms']:.2f}), rel diff "
+              f"dc {entry['rel_diff']['dc']:.1e}", flush=True)
+    else:
+        print(f"Q={Q} S={S} bwd dc=pool: {entry['error'][:200]}", flush=True)
 
 
 def main() -> int:
@@ -89,6 +111,8 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--shapes", default=None, help="Q:S,... (default: 8K, 32K and a 32K segment of 256K)")
     ap.add_argument("--smoke", action="store_true", help="CPU, Triton's interpreter, tiny shapes: the script runs")
+    ap.add_argument("--defaults-only", action="store_true",
+                    help="only the default configs (and the pool pass beside the atomics)")
     args = ap.parse_args()
     R = RANK
     if args.smoke:
@@ -102,6 +126,8 @@ def main() -> int:
     dev, dt, pools = torch.device("cuda"), torch.bfloat16, 128
     fwd_space = [K.Config(16, bw, nw, st) for bw, nw, st in itertools.product((32, 64, 128), (4, 8), (1, 2, 3))]
     bwd_space = [K.Config(16, bw, nw, st) for bw, nw, st in itertools.product((16, 32, 64), (4, 8), (1, 2))]
+    if args.defaults_only:
+        fwd_space, bwd_space = [K.default_config("fwd", HH, R, dt)], [K.default_config("bwd", HH, R, dt)]
     if args.smoke:
         from megaseq.ops import triton_sparse_mla
 

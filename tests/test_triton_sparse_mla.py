@@ -149,6 +149,49 @@ def test_an_explicit_launch_config_computes_the_same(device):
     assert rel_err(o3, o) > TOL[torch.float32]
 
 
+def test_the_pool_pass_sums_the_latent_gradient_as_the_atomics_do(device, monkeypatch):
+    """``dc="pool"`` (``MEGASEQ_MLA_DC=pool``): on the indexer's layout (pools of 16, then the tail) each
+    selected pool's latent gradient is summed key-major from the queries that chose it and only the tail goes
+    through the atomics; ``dq_abs`` and ``dc`` as the atomic path's. A selection not in pools falls back to the
+    atomics; a pool pass that misses one query of a pool fails."""
+    from megaseq.ops import triton_sparse_mla_kernels as K
+
+    gen = torch.Generator().manual_seed(5)
+    B, Q, S, Hh, R = 2, 40, 100, 5, 32  # S not a multiple of 16: the last 4 keys are in no complete pool
+    idx = tsm.causal_pool_selection(B, Q, S, kpool=16, pools=3, generator=gen).to(device)
+    W = idx.shape[-1]
+    assert W == 3 * 16 + 15 and K.pool_layout(idx, S) == 16
+    q, do = (torch.randn(Hh, B * Q, R, generator=gen).to(device) for _ in range(2))
+    c = torch.randn(B, S, R, generator=gen).to(device)
+    o, lse = K.forward(q, c, idx, 0.3)
+    dq, dc = K.backward(q, do, o, lse, c, idx, 0.3, dc="atomic")
+    dq2, dc2 = K.backward(q, do, o, lse, c, idx, 0.3, dc="pool")
+    assert dc.abs().max() > 0 and rel_err(dq2, dq) < TOL[torch.float32]
+    assert_close("dc pool vs atomic", dc2, dc, TOL[torch.float32])
+    monkeypatch.setenv("MEGASEQ_MLA_DC", "pool")
+    assert_close("dc from the environment", K.backward(q, do, o, lse, c, idx, 0.3)[1], dc, TOL[torch.float32])
+    scattered = causal_indices(gen, 1, 13, 20, 31).to(device)  # no pool structure: the atomics run
+    assert K.pool_layout(scattered, 20) is None
+    entries = K.pool_entries
+    qn, pool, lo, hi, NP = entries(idx, S, 16, chunk=7)  # several programs a pool: their sums add up
+    assert pool.numel() > B * NP and torch.equal((hi - lo).sum(), torch.tensor(qn.numel()))
+    monkeypatch.setattr(K, "POOL_CHUNK", 7)
+    assert_close("dc in chunks of 7 queries", K.backward(q, do, o, lse, c, idx, 0.3, dc="pool")[1], dc,
+                 TOL[torch.float32])
+
+    def drop_one(idx_BQW, S, kp, chunk=None):
+        qn, pool, lo, hi, NP = entries(idx_BQW, S, kp, chunk)
+        hi = hi.clone()
+        hi[0] -= 1  # the first program loses its last query
+        return qn, pool, lo, hi, NP
+
+    monkeypatch.setattr(K, "pool_entries", drop_one)
+    assert rel_err(K.backward(q, do, o, lse, c, idx, 0.3, dc="pool")[1], dc) > TOL[torch.float32]
+    monkeypatch.setenv("MEGASEQ_MLA_DC", "atomics")
+    with pytest.raises(ValueError, match="MEGASEQ_MLA_DC must be one of atomic, pool"):
+        K.backward(q, do, o, lse, c, idx, 0.3)
+
+
 def test_empty_rows_take_absorbed(device):
     """A batch row with a query that selects nothing goes to ``absorbed`` (the reference's uniform
     fallback); the other row still runs the kernels, which alone give such a query 0 and no gradient."""
@@ -196,7 +239,8 @@ COMPILE_SM90 = textwrap.dedent("""
     import torch
     from megaseq.ops.triton_sparse_mla_kernels import compile_ptx
     for kind, dtype, Hh in [("fwd", torch.bfloat16, 16), ("bwd", torch.bfloat16, 16), ("fwd", torch.bfloat16, 64),
-                            ("bwd", torch.float32, 16), ("fwd", torch.float32, 5)]:
+                            ("bwd", torch.float32, 16), ("fwd", torch.float32, 5), ("bwd_tail", torch.bfloat16, 16),
+                            ("pool", torch.bfloat16, 16), ("pool", torch.float32, 16)]:
         ptx, smem = compile_ptx(kind, dtype, Hh, 512, 2063)
         assert smem <= 232448, (kind, dtype, Hh, smem)  # an H200's shared memory per block
         print(kind, dtype, Hh, "v4-atomics" if "atom.global.gpu.relaxed.add.v4.f32" in ptx else "-", flush=True)
@@ -208,8 +252,9 @@ def test_kernels_compile_for_sm90():
     shapes); compile both kernels for an H200 in a process without TRITON_INTERPRET. The latent gradient's
     atomics must come out 4-wide (``atom...add.v4.f32``): scalar ones would be 4x the atomic operations."""
     lines = compile_in_child(COMPILE_SM90).splitlines()
-    assert len(lines) == 5, lines
+    assert len(lines) == 8, lines
     assert "bwd torch.bfloat16 16 v4-atomics" in lines and "bwd torch.float32 16 v4-atomics" in lines
+    assert "pool torch.bfloat16 16 v4-atomics" in lines and "bwd_tail torch.bfloat16 16 v4-atomics" in lines
 
 
 # ---- what supports refuses, and the memory formula -----------------------------------------------------
@@ -279,3 +324,24 @@ def test_gpu_bf16_matches_absorbed_at_32k():
     assert_close("out", out, ref, TOL_GPU[torch.bfloat16])
     for name, a, b in zip(("dq", "dc", "dw"), grads, ref_grads):
         assert_close(name, a, b, TOL_GPU[torch.bfloat16])
+
+
+@pytest.mark.gpu
+@GPU
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_pool_pass_matches_the_atomics(dtype):
+    """The key-major latent gradient (``dc="pool"``) on the indexer's layout at glm5-flash-1gpu's DSA shapes
+    (8K queries and keys, 16 heads, R = 512, 128 pools of 16 and the tail) against the atomic path."""
+    from megaseq.ops import triton_sparse_mla_kernels as K
+
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    Q = S = 8192
+    q, do = ((torch.randn(16, Q, 512, device="cuda", generator=gen) * 512**-0.25).to(dtype) for _ in range(2))
+    c = (torch.randn(1, S, 512, device="cuda", generator=gen) * 512**-0.25).to(dtype)
+    idx = tsm.causal_pool_selection(1, Q, S, generator=gen, device="cuda")
+    assert K.pool_layout(idx, S) == 16
+    o, lse = K.forward(q, c, idx, 256**-0.5)
+    dq, dc = K.backward(q, do, o, lse, c, idx, 256**-0.5, dc="atomic")
+    dq2, dc2 = K.backward(q, do, o, lse, c, idx, 256**-0.5, dc="pool")
+    assert_close("dq_abs", dq2, dq, 1e-6)  # the same kernel, the same sums
+    assert_close("dc", dc2, dc, 1e-5)  # fp32 sums in another order

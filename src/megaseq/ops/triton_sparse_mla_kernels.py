@@ -18,6 +18,15 @@ log-sum-exp ``[Hh, N]`` fp32 in base 2 (``lse2 = max + log2(sum)`` of the base-2
   Triton 3.6 emits ``atom.global.gpu.relaxed.add.v4.f32``: 4-wide, since the row pointers are provably
   contiguous with R constexpr).
 
+- backward, latent gradient key-major (``MEGASEQ_MLA_DC=pool``, ``backward(dc="pool")``; not yet measured on a
+  GPU, so not the default): where the selection comes in the GLM indexer's pools (``pool_layout``: aligned
+  blocks of kp consecutive keys, then a tail of kp - 1 slots), the slot pass does the atomics for the tail
+  only and writes ``delta``, and ``sparse_mla_bwd_pool_dc_kernel`` sums each selected pool's ``[kp, R]``
+  gradient from the queries that chose it (sorted by pool, ``pool_entries``; in chunks of ``POOL_CHUNK``
+  queries), one atomic add per chunk instead of one per query. It recomputes the scores (about 40% more dot
+  FLOPs) and removes about 39 G fp32 atomic adds per DSA layer at 32K. Its working set: the sort's
+  ``[B * Q * K]`` keys and order (28 bytes per selected pool, 118 MB at 32K), not in the plan.
+
 Empty slots (``idx < 0`` or ``>= S``) read no memory and weigh 0. A query with no valid slot gets
 ``o_lat = 0`` and ``lse2 = +inf`` (so its backward is 0); the op hands such batch rows to ``absorbed``.
 W is a compile-time constant (one per model: index_topk + kpool - 1): Triton 3.6's interpreter cannot
@@ -163,10 +172,14 @@ def sparse_mla_fwd_kernel(qabs_ptr, c_ptr, idx_ptr, olat_ptr, lse_ptr, scale_log
 
 
 @triton.jit
-def sparse_mla_bwd_kernel(qabs_ptr, dolat_ptr, olat_ptr, lse_ptr, c_ptr, idx_ptr, dqabs_ptr, dc_ptr, scale,
-                          scale_log2, N, Q, S, stride_h, W: tl.constexpr, Hh: tl.constexpr, R: tl.constexpr,
+def sparse_mla_bwd_kernel(qabs_ptr, dolat_ptr, olat_ptr, lse_ptr, c_ptr, idx_ptr, dqabs_ptr, dc_ptr, delta_ptr,
+                          scale, scale_log2, N, Q, S, stride_h, W: tl.constexpr, Hh: tl.constexpr, R: tl.constexpr,
                           RP: tl.constexpr,
-                          BH: tl.constexpr, BW: tl.constexpr, DOT_PREC: tl.constexpr):
+                          BH: tl.constexpr, BW: tl.constexpr, DOT_PREC: tl.constexpr, DC_START: tl.constexpr = 0,
+                          STORE_DELTA: tl.constexpr = False):
+    """``dq_abs`` over all W slots; ``dc`` (fp32 atomics) for the slots from ``DC_START`` on (0: all; the pool
+    pass, ``sparse_mla_bwd_pool_dc_kernel``, sums the others); with ``STORE_DELTA`` it writes ``delta [Hh, N]``
+    for that pass."""
     NHB: tl.constexpr = (Hh + BH - 1) // BH
     pid = tl.program_id(0)
     n = pid // NHB
@@ -181,6 +194,8 @@ def sparse_mla_bwd_kernel(qabs_ptr, dolat_ptr, olat_ptr, lse_ptr, c_ptr, idx_ptr
     o_HR = tl.load(olat_ptr + t_off, mask=t_mask, other=0.0)
     delta_H = tl.sum(o_HR.to(tl.float32) * do_HR.to(tl.float32), 1)
     lse2_H = tl.load(lse_ptr + offs_h.to(tl.int64) * N + n64, mask=mask_h, other=float("inf"))
+    if STORE_DELTA:
+        tl.store(delta_ptr + offs_h.to(tl.int64) * N + n64, delta_H, mask=mask_h)
     b64 = n64 // Q
     c_row0 = c_ptr + b64 * S * R
     dc_row0 = dc_ptr + b64 * S * R
@@ -194,15 +209,62 @@ def sparse_mla_bwd_kernel(qabs_ptr, dolat_ptr, olat_ptr, lse_ptr, c_ptr, idx_ptr
         dp_HW = tl.dot(do_HR, tl.trans(c_WR), input_precision=DOT_PREC)
         ds_HW = (p_HW * (dp_HW - delta_H[:, None]) * scale).to(c_WR.dtype)  # d(q_abs . c), scale folded
         dq_HR = tl.dot(ds_HW, c_WR, dq_HR, input_precision=DOT_PREC)
-        dc_WR = tl.dot(tl.trans(p_HW.to(c_WR.dtype)), do_HR, input_precision=DOT_PREC)
-        dc_WR = tl.dot(tl.trans(ds_HW), qa_HR, dc_WR, input_precision=DOT_PREC)
         dc_ptrs = dc_row0 + row[:, None] * R + offs_r[None, :]
-        if RP == R:
-            tl.atomic_add(dc_ptrs, dc_WR, mask=valid[:, None], sem="relaxed")
-        else:
-            tl.atomic_add(dc_ptrs, dc_WR, mask=valid[:, None] & (offs_r[None, :] < R), sem="relaxed")
+        if DC_START == 0:  # every slot's latent gradient here (the default: the loop as session 14 timed it)
+            dc_WR = tl.dot(tl.trans(p_HW.to(c_WR.dtype)), do_HR, input_precision=DOT_PREC)
+            dc_WR = tl.dot(tl.trans(ds_HW), qa_HR, dc_WR, input_precision=DOT_PREC)
+            if RP == R:
+                tl.atomic_add(dc_ptrs, dc_WR, mask=valid[:, None], sem="relaxed")
+            else:
+                tl.atomic_add(dc_ptrs, dc_WR, mask=valid[:, None] & (offs_r[None, :] < R), sem="relaxed")
+        elif w0 + BW > DC_START:  # the pool pass sums the slots before DC_START
+            dc_WR = tl.dot(tl.trans(p_HW.to(c_WR.dtype)), do_HR, input_precision=DOT_PREC)
+            dc_WR = tl.dot(tl.trans(ds_HW), qa_HR, dc_WR, input_precision=DOT_PREC)
+            mine = valid & (w0 + tl.arange(0, BW) >= DC_START)
+            tl.atomic_add(dc_ptrs, dc_WR, mask=mine[:, None] & (offs_r[None, :] < R), sem="relaxed")
 
     tl.store(dqabs_ptr + t_off, dq_HR.to(dqabs_ptr.dtype.element_ty), mask=t_mask)
+
+
+@triton.jit
+def sparse_mla_bwd_pool_dc_kernel(qabs_ptr, dolat_ptr, lse_ptr, delta_ptr, c_ptr, qn_ptr, pool_ptr, lo_ptr, hi_ptr,
+                                  dc_ptr, scale, scale_log2, N, S, NP, stride_h, Hh: tl.constexpr, R: tl.constexpr,
+                                  RP: tl.constexpr, KP: tl.constexpr, BR: tl.constexpr, DOT_PREC: tl.constexpr):
+    """The latent gradient of one pool of KP keys from a chunk of the queries that selected it (key-major, one
+    atomic add of ``[KP, R]`` per chunk instead of one per query): program ``pid`` owns pool
+    ``pool[pid] = b * NP + p`` (keys ``p * KP ..`` of batch row b) and the selecting queries
+    ``qn[lo[pid] : hi[pid]]`` (flattened ``b * Q + q``). It walks their (query, head) rows BR at a time: the
+    scores and ``p`` again, ``dp = do_lat c^T``, ``ds = scale * p * (dp - delta)``, and
+    ``dc += p^T do_lat + ds^T q_abs`` in registers, added once at the end."""
+    pid = tl.program_id(0)
+    pool = tl.load(pool_ptr + pid)
+    start = tl.load(lo_ptr + pid)
+    end = tl.load(hi_ptr + pid)
+    b64 = (pool // NP).to(tl.int64)
+    offs_r = tl.arange(0, RP)
+    rmask = offs_r < R
+    keys = ((pool % NP) * KP + tl.arange(0, KP)).to(tl.int64)
+    c_off = b64 * S * R + keys[:, None] * R + offs_r[None, :]
+    c_KR = tl.load(c_ptr + c_off, mask=rmask[None, :], other=0.0)
+    acc_KR = tl.zeros([KP, RP], tl.float32)
+    for j0 in range(start * Hh, end * Hh, BR):
+        j = j0 + tl.arange(0, BR)
+        jm = j < end * Hh
+        h64 = (j % Hh).to(tl.int64)
+        n64 = tl.load(qn_ptr + j // Hh, mask=jm, other=0).to(tl.int64)
+        off = h64 * stride_h + n64 * R
+        tmask = jm[:, None] & rmask[None, :]
+        qa_JR = tl.load(qabs_ptr + off[:, None] + offs_r[None, :], mask=tmask, other=0.0)
+        do_JR = tl.load(dolat_ptr + off[:, None] + offs_r[None, :], mask=tmask, other=0.0)
+        lse2_J = tl.load(lse_ptr + h64 * N + n64, mask=jm, other=float("inf"))
+        delta_J = tl.load(delta_ptr + h64 * N + n64, mask=jm, other=0.0)
+        s_JK = tl.dot(qa_JR, tl.trans(c_KR), input_precision=DOT_PREC) * scale_log2
+        p_JK = tl.where(jm[:, None], tl.exp2(s_JK - lse2_J[:, None]), 0.0)
+        dp_JK = tl.dot(do_JR, tl.trans(c_KR), input_precision=DOT_PREC)
+        ds_JK = (p_JK * (dp_JK - delta_J[:, None]) * scale).to(c_KR.dtype)
+        acc_KR = tl.dot(tl.trans(p_JK.to(c_KR.dtype)), do_JR, acc_KR, input_precision=DOT_PREC)
+        acc_KR = tl.dot(tl.trans(ds_JK), qa_JR, acc_KR, input_precision=DOT_PREC)
+    tl.atomic_add(dc_ptr + c_off, acc_KR, mask=rmask[None, :] & (end > start), sem="relaxed")
 
 
 # ---- launchers -----------------------------------------------------------------------------------------
@@ -257,29 +319,110 @@ def forward(q_abs_HNR: torch.Tensor, c_BSR: torch.Tensor, idx_BQW: torch.Tensor,
     return o_lat, lse2
 
 
+# the latent gradient's two ways (``MEGASEQ_MLA_DC``): ``atomic``, the default, adds each query's [W, R] block by
+# fp32 atomics; ``pool`` (not yet measured on a GPU) sums each selected pool's block key-major, from the queries
+# that chose it, and leaves only the tail slots to the atomics
+DC_MODES = ("atomic", "pool")
+POOL_SIZES = (16, 32, 64, 128)  # the pool pass's tl.dot needs at least 16 keys a pool
+POOL_SCAN_ROWS = 4096  # query rows per step of the layout check ([rows, K, kp] int32 temporaries)
+POOL_ROWS = 16  # (query, head) rows per step of the pool pass
+POOL_CHUNK = 256  # selecting queries per program of the pool pass at most
+
+
+def dc_mode() -> str:
+    mode = os.environ.get("MEGASEQ_MLA_DC", "atomic")
+    if mode not in DC_MODES:
+        raise ValueError(f"MEGASEQ_MLA_DC must be one of {', '.join(DC_MODES)}, got {mode!r}")
+    return mode
+
+
+def pool_layout(idx_BQW: torch.Tensor, S: int) -> int | None:
+    """The pool size kp if the first ``W - (kp - 1)`` slots of every query come in blocks of kp that are each
+    empty or the kp consecutive keys of pool ``first // kp`` (what the GLM indexer selects, before its tail of
+    kp - 1 slots), else None. One host sync per candidate kp (``POOL_SIZES`` with ``(W + 1) % kp == 0``)."""
+    B, Q, W = idx_BQW.shape
+    for kp in POOL_SIZES:
+        if (W + 1) % kp or W + 1 < 2 * kp:
+            continue
+        K = (W + 1) // kp - 1
+        ar = torch.arange(kp, device=idx_BQW.device, dtype=idx_BQW.dtype)
+        ok = torch.ones((), dtype=torch.bool, device=idx_BQW.device)
+        for a in range(0, Q, POOL_SCAN_ROWS):
+            v = idx_BQW[:, a:a + POOL_SCAN_ROWS, :K * kp].unflatten(-1, (K, kp))
+            first = v[..., 0]
+            empty = ((v < 0) | (v >= S)).all(-1)
+            pool = (first >= 0) & (first % kp == 0) & (first + kp <= S) & (v == first[..., None] + ar).all(-1)
+            ok &= (empty | pool).all()
+        if bool(ok):
+            return kp
+    return None
+
+
+def pool_entries(idx_BQW: torch.Tensor, S: int, kp: int,
+                 chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """For the pool pass: ``qn`` (int32), the flattened query ``b * Q + q`` of every selected pool block, sorted
+    by pool; then per program its pool ``b * NP + p`` (int32) and its range ``lo, hi`` (int64) of ``qn``: each
+    pool's queries in chunks of at most ``chunk`` (a pool every query selects, an attention sink, is then many
+    programs, not one). NP = S // kp pools per row. One host sync (the number of programs)."""
+    B, Q, W = idx_BQW.shape
+    K, NP = (W + 1) // kp - 1, S // kp
+    chunk = chunk or POOL_CHUNK
+    dev = idx_BQW.device
+    first = idx_BQW[..., :K * kp:kp].long()
+    valid = (first >= 0) & (first < S)
+    row = torch.arange(B, device=dev)[:, None, None] * NP
+    key = torch.where(valid, row + first.div(kp, rounding_mode="floor"), B * NP).flatten()
+    sorted_key, order = key.sort(stable=True)
+    qn = order.div(K, rounding_mode="floor").to(torch.int32)
+    seg = torch.searchsorted(sorted_key, torch.arange(B * NP + 1, device=dev))
+    count = seg[1:] - seg[:-1]
+    chunks = (count + chunk - 1).div(chunk, rounding_mode="floor")
+    total = int(chunks.sum())
+    pool = torch.repeat_interleave(torch.arange(B * NP, device=dev), chunks, output_size=total)
+    before = torch.cumsum(chunks, 0) - chunks  # programs of the pools before each
+    lo = seg[pool] + (torch.arange(total, device=dev) - before[pool]) * chunk
+    hi = torch.minimum(lo + chunk, seg[pool + 1])
+    return qn, pool.to(torch.int32), lo, hi, NP
+
+
 def backward(q_abs_HNR: torch.Tensor, do_lat_HNR: torch.Tensor, o_lat_HNR: torch.Tensor, lse2_HN: torch.Tensor,
              c_BSR: torch.Tensor, idx_BQW: torch.Tensor, scale: float,
-             config: Config | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+             config: Config | None = None, dc: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``dq_abs [Hh, N, R]`` (q_abs's dtype) and the latent gradient ``dc [B, S, R]`` fp32 (``config``: as in
-    ``forward``)."""
+    ``forward``; ``dc``: ``atomic`` or ``pool``, default ``MEGASEQ_MLA_DC``; ``pool`` falls back to ``atomic``
+    where the selection is not in pools, ``pool_layout``)."""
     Hh, N, R = q_abs_HNR.shape
     B, S, _ = c_BSR.shape
     Q, W = idx_BQW.shape[1:]
+    mode = dc or dc_mode()
+    kp = pool_layout(idx_BQW, S) if mode == "pool" else None
     dq_abs = torch.empty_like(q_abs_HNR)
-    dc = torch.zeros(B, S, R, dtype=torch.float32, device=c_BSR.device)
+    dc_BSR = torch.zeros(B, S, R, dtype=torch.float32, device=c_BSR.device)
+    delta = torch.empty(Hh, N, dtype=torch.float32, device=c_BSR.device) if kp else lse2_HN
+    RP, prec = triton.next_power_of_2(R), _dot_precision(q_abs_HNR.dtype)
 
     def run(cfg: Config) -> None:
         grid = (N * triton.cdiv(Hh, cfg.BH),)
-        sparse_mla_bwd_kernel[grid](q_abs_HNR, do_lat_HNR, o_lat_HNR, lse2_HN, c_BSR, idx_BQW, dq_abs, dc, scale,
-                                    scale * LOG2E, N, Q, S, N * R, W=W, Hh=Hh, R=R, RP=triton.next_power_of_2(R),
-                                    BH=cfg.BH, BW=cfg.BW, DOT_PREC=_dot_precision(q_abs_HNR.dtype),
-                                    num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        sparse_mla_bwd_kernel[grid](q_abs_HNR, do_lat_HNR, o_lat_HNR, lse2_HN, c_BSR, idx_BQW, dq_abs, dc_BSR, delta,
+                                    scale, scale * LOG2E, N, Q, S, N * R, W=W, Hh=Hh, R=R, RP=RP, BH=cfg.BH,
+                                    BW=cfg.BW, DOT_PREC=prec, DC_START=W - (kp - 1) if kp else 0,
+                                    STORE_DELTA=kp is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
     cfg = config or _pick("bwd", Hh, R, q_abs_HNR.dtype, run)
     if config is None and _autotune():
-        dc.zero_()  # tuning may have run the atomics several times
+        dc_BSR.zero_()  # tuning may have run the atomics several times
     run(cfg)
-    return dq_abs, dc
+    if kp:
+        qn, pool, lo, hi, NP = pool_entries(idx_BQW, S, kp)
+        if os.environ.get("TRITON_INTERPRET", "0") == "1":
+            from megaseq.ops._triton_util import _fix_interpreter_index
+
+            _fix_interpreter_index()  # the pass loops to bounds it loads
+        if pool.numel():
+            sparse_mla_bwd_pool_dc_kernel[(pool.numel(),)](
+                q_abs_HNR, do_lat_HNR, lse2_HN, delta, c_BSR, qn, pool, lo, hi, dc_BSR, scale, scale * LOG2E, N, S,
+                NP, N * R, Hh=Hh, R=R, RP=RP, KP=kp, BR=POOL_ROWS, DOT_PREC=prec, num_warps=4, num_stages=2)
+    return dq_abs, dc_BSR
 
 
 def compile_ptx(kind: str, dtype: torch.dtype, Hh: int, R: int, W: int, cfg: Config | None = None,
@@ -291,18 +434,29 @@ def compile_ptx(kind: str, dtype: torch.dtype, Hh: int, R: int, W: int, cfg: Con
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    cfg = cfg or default_config(kind, Hh, R, dtype)
+    cfg = cfg or default_config("fwd" if kind == "fwd" else "bwd", Hh, R, dtype)
     t = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}[dtype]
     ints = {"N": "i32", "Q": "i32", "S": "i32", "stride_h": "i64"}
     if kind == "fwd":
         fn, ptrs = sparse_mla_fwd_kernel, {"qabs_ptr": t, "c_ptr": t, "idx_ptr": "*i32", "olat_ptr": t,
                                            "lse_ptr": "*fp32", "scale_log2": "fp32"}
-    else:
+    elif kind in ("bwd", "bwd_tail"):  # bwd_tail: the slot pass beside the pool pass (atomics for the tail only)
         fn, ptrs = sparse_mla_bwd_kernel, {"qabs_ptr": t, "dolat_ptr": t, "olat_ptr": t, "lse_ptr": "*fp32",
                                            "c_ptr": t, "idx_ptr": "*i32", "dqabs_ptr": t, "dc_ptr": "*fp32",
-                                           "scale": "fp32", "scale_log2": "fp32"}
+                                           "delta_ptr": "*fp32", "scale": "fp32", "scale_log2": "fp32"}
+    else:  # "pool": the key-major latent gradient, 16-key pools, after a bwd with DC_START = W - 15
+        fn, ptrs = sparse_mla_bwd_pool_dc_kernel, {"qabs_ptr": t, "dolat_ptr": t, "lse_ptr": "*fp32",
+                                                   "delta_ptr": "*fp32", "c_ptr": t, "qn_ptr": "*i32",
+                                                   "pool_ptr": "*i32", "lo_ptr": "*i64", "hi_ptr": "*i64",
+                                                   "dc_ptr": "*fp32", "scale": "fp32", "scale_log2": "fp32"}
+        ints = {"N": "i32", "S": "i32", "NP": "i32", "stride_h": "i64"}
     consts = {"W": W, "Hh": Hh, "R": R, "RP": triton.next_power_of_2(R), "BH": cfg.BH, "BW": cfg.BW,
               "DOT_PREC": _dot_precision(dtype)}
+    if kind in ("bwd", "bwd_tail"):
+        consts.update(DC_START=W - 15 if kind == "bwd_tail" else 0, STORE_DELTA=kind == "bwd_tail")
+    if kind == "pool":
+        consts = {"Hh": Hh, "R": R, "RP": triton.next_power_of_2(R), "KP": 16, "BR": POOL_ROWS,
+                  "DOT_PREC": _dot_precision(dtype)}
     sig = {**ptrs, **ints, **dict.fromkeys(consts, "constexpr")}
     names = list(fn.arg_names)
     aligned = [n for n, ty in sig.items() if ty.startswith("*") or n in ints]  # as Triton specializes them
