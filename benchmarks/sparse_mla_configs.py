@@ -45,7 +45,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return d / max(b.double()[fin].abs().max().item(), 1e-300)
 
 
-def run_shape(K, row: dict, dev, dt, R: int, pools: int, fwd_space, bwd_space, save) -> None:
+def run_shape(K, row: dict, dev, dt, R: int, pools: int, fwd_space, bwd_space, save, pool_space=()) -> None:
     """Time every config of both spaces at ``row``'s (Q, S), latent rank ``R``; each entry into ``row`` as it
     completes."""
     from triton.compiler.errors import CompilationError
@@ -88,22 +88,26 @@ def run_shape(K, row: dict, dev, dt, R: int, pools: int, fwd_space, bwd_space, s
                   f"rel diff {diff:.1e}", flush=True)
     # the latent gradient summed key-major per selected pool (``dc="pool"``, MEGASEQ_MLA_DC=pool) with the
     # default config, against the atomics' result and time (the whole backward: both passes and the pool sort)
-    entry = {"config": str(K.default_config("bwd", HH, R, dt)), "dc": "pool"}
-    try:
-        dq, dc = K.backward(q, do, o_ref, lse_ref, c, idx, SCALE, dc="pool")
-        entry["rel_diff"] = {"dq_abs": _rel(dq, dq_ref), "dc": _rel(dc, dc_ref)}
-        entry["ms"] = _median_ms(lambda: K.backward(q, do, o_ref, lse_ref, c, idx, SCALE, dc="pool"), dev)
-        entry["atomic_ms"] = _median_ms(lambda: K.backward(q, do, o_ref, lse_ref, c, idx, SCALE, dc="atomic"), dev)
-    except Exception as e:  # noqa: BLE001  (record and go on)
-        entry["error"] = f"{type(e).__name__}: {e}"
-        entry["trace"] = traceback.format_exc(limit=3)
-    row["bwd_pool"] = entry
-    save()
-    if "ms" in entry:
-        print(f"Q={Q} S={S} bwd dc=pool: {entry['ms']:.2f} ms (atomic {entry['atomic_ms']:.2f}), rel diff "
-              f"dc {entry['rel_diff']['dc']:.1e}", flush=True)
-    else:
-        print(f"Q={Q} S={S} bwd dc=pool: {entry['error'][:200]}", flush=True)
+    # (rows per step, warps, stages) of the pool pass, each timed
+    row["atomic_ms"] = _median_ms(lambda: K.backward(q, do, o_ref, lse_ref, c, idx, SCALE, dc="atomic"), dev)
+    row["bwd_pool"] = []
+    for pc in pool_space:
+        entry = {"config": str(K.default_config("bwd", HH, R, dt)), "dc": "pool", "pool_config": list(pc),
+                 "default": pc == K.POOL_CONFIG}
+        try:
+            dq, dc = K.backward(q, do, o_ref, lse_ref, c, idx, SCALE, dc="pool", pool_config=pc)
+            entry["rel_diff"] = {"dq_abs": _rel(dq, dq_ref), "dc": _rel(dc, dc_ref)}
+            entry["ms"] = _median_ms(
+                lambda pc=pc: K.backward(q, do, o_ref, lse_ref, c, idx, SCALE, dc="pool", pool_config=pc), dev)
+        except Exception as e:  # noqa: BLE001  (record and go on: over the registers or shared memory, say)
+            entry["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        row["bwd_pool"].append(entry)
+        save()
+        if "ms" in entry:
+            print(f"Q={Q} S={S} bwd dc=pool {pc}: {entry['ms']:.2f} ms (atomic {row['atomic_ms']:.2f}), rel diff "
+                  f"dc {entry['rel_diff']['dc']:.1e}", flush=True)
+        else:
+            print(f"Q={Q} S={S} bwd dc=pool {pc}: {entry['error'][:200]}", flush=True)
 
 
 def main() -> int:
@@ -126,6 +130,7 @@ def main() -> int:
     dev, dt, pools = torch.device("cuda"), torch.bfloat16, 128
     fwd_space = [K.Config(16, bw, nw, st) for bw, nw, st in itertools.product((32, 64, 128), (4, 8), (1, 2, 3))]
     bwd_space = [K.Config(16, bw, nw, st) for bw, nw, st in itertools.product((16, 32, 64), (4, 8), (1, 2))]
+    pool_space = list(itertools.product((16, 32, 64), (4, 8), (1, 2)))
     if args.defaults_only:
         fwd_space, bwd_space = [K.default_config("fwd", HH, R, dt)], [K.default_config("bwd", HH, R, dt)]
     if args.smoke:
@@ -133,7 +138,7 @@ def main() -> int:
 
         triton_sparse_mla.CPU_INTERPRETER = True
         dev, dt, pools, shapes = torch.device("cpu"), torch.float32, 4, ((64, 96),)
-        fwd_space, bwd_space = fwd_space[:2], bwd_space[:2]
+        fwd_space, bwd_space, pool_space = fwd_space[:2], bwd_space[:2], [K.POOL_CONFIG, (32, 4, 1)]
     import triton
 
     res: dict = {"gpu": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (interpreter)",
@@ -145,7 +150,7 @@ def main() -> int:
     for Q, S in shapes:
         row: dict = {"Q": Q, "S": S}
         res["shapes"].append(row)
-        run_shape(K, row, dev, dt, R, pools, fwd_space, bwd_space, save)
+        run_shape(K, row, dev, dt, R, pools, fwd_space, bwd_space, save, pool_space)
         torch.cuda.empty_cache()
     for row in res["shapes"]:
         for kind in ("fwd", "bwd"):

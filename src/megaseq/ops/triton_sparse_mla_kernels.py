@@ -326,6 +326,7 @@ DC_MODES = ("atomic", "pool")
 POOL_SIZES = (16, 32, 64, 128)  # the pool pass's tl.dot needs at least 16 keys a pool
 POOL_SCAN_ROWS = 4096  # query rows per step of the layout check ([rows, K, kp] int32 temporaries)
 POOL_ROWS = 16  # (query, head) rows per step of the pool pass
+POOL_CONFIG = (POOL_ROWS, 4, 2)  # (rows, warps, stages): the slot pass's shapes, not yet timed
 POOL_CHUNK = 256  # selecting queries per program of the pool pass at most
 
 
@@ -387,10 +388,12 @@ def pool_entries(idx_BQW: torch.Tensor, S: int, kp: int,
 
 def backward(q_abs_HNR: torch.Tensor, do_lat_HNR: torch.Tensor, o_lat_HNR: torch.Tensor, lse2_HN: torch.Tensor,
              c_BSR: torch.Tensor, idx_BQW: torch.Tensor, scale: float,
-             config: Config | None = None, dc: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+             config: Config | None = None, dc: str | None = None,
+             pool_config: tuple[int, int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``dq_abs [Hh, N, R]`` (q_abs's dtype) and the latent gradient ``dc [B, S, R]`` fp32 (``config``: as in
     ``forward``; ``dc``: ``atomic`` or ``pool``, default ``MEGASEQ_MLA_DC``; ``pool`` falls back to ``atomic``
-    where the selection is not in pools, ``pool_layout``)."""
+    where the selection is not in pools, ``pool_layout``; ``pool_config``: the pool pass's (rows per step,
+    warps, stages), default ``POOL_CONFIG``, untimed)."""
     Hh, N, R = q_abs_HNR.shape
     B, S, _ = c_BSR.shape
     Q, W = idx_BQW.shape[1:]
@@ -418,10 +421,11 @@ def backward(q_abs_HNR: torch.Tensor, do_lat_HNR: torch.Tensor, o_lat_HNR: torch
             from megaseq.ops._triton_util import _fix_interpreter_index
 
             _fix_interpreter_index()  # the pass loops to bounds it loads
+        rows, warps, stages = pool_config or POOL_CONFIG
         if pool.numel():
             sparse_mla_bwd_pool_dc_kernel[(pool.numel(),)](
                 q_abs_HNR, do_lat_HNR, lse2_HN, delta, c_BSR, qn, pool, lo, hi, dc_BSR, scale, scale * LOG2E, N, S,
-                NP, N * R, Hh=Hh, R=R, RP=RP, KP=kp, BR=POOL_ROWS, DOT_PREC=prec, num_warps=4, num_stages=2)
+                NP, N * R, Hh=Hh, R=R, RP=RP, KP=kp, BR=rows, DOT_PREC=prec, num_warps=warps, num_stages=stages)
     return dq_abs, dc_BSR
 
 
