@@ -37,7 +37,7 @@ import torch
 
 from megaseq.ops import dispatch
 from megaseq.ops._triton_util import cdiv, kernels, next_pow2, triton_supports
-from megaseq.ops.hc_mix import _mm_dtype
+from megaseq.ops.hc_mix import _mm_dtype, hc_mix_fused_supports
 
 KERNELS = "_hc_mix_kernels"
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -109,8 +109,9 @@ class _HcMixTriton(torch.autograd.Function):
 
 
 def hc_mix_triton_supports(h_BSNH: torch.Tensor, fn_MD: torch.Tensor, norm_eps: float) -> str | None:
-    if h_BSNH.dim() != 4 or fn_MD.dim() != 2 or fn_MD.shape[1] != h_BSNH.shape[2] * h_BSNH.shape[3]:
-        return f"h {tuple(h_BSNH.shape)} / fn {tuple(fn_MD.shape)}: needs [B, S, N, H] and [M, N * H]"
+    why = hc_mix_fused_supports(h_BSNH, fn_MD, norm_eps)  # the shapes (the closed-form op's contract)
+    if why is not None:
+        return why
     if h_BSNH.dtype not in DTYPES or fn_MD.dtype not in DTYPES:
         return (f"dtypes h {h_BSNH.dtype}, fn {fn_MD.dtype} (the kernel computes in float32; float64 runs the "
                 "reference, exactly)")

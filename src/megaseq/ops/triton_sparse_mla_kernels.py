@@ -48,6 +48,8 @@ import triton.language as tl
 from triton.compiler.errors import CompilationError
 from triton.runtime.errors import OutOfResources
 
+from megaseq.ops._triton_util import _fix_interpreter_index, interpreting
+
 LOG2E = 1.4426950408889634
 
 
@@ -417,9 +419,7 @@ def backward(q_abs_HNR: torch.Tensor, do_lat_HNR: torch.Tensor, o_lat_HNR: torch
     run(cfg)
     if kp:
         qn, pool, lo, hi, NP = pool_entries(idx_BQW, S, kp)
-        if os.environ.get("TRITON_INTERPRET", "0") == "1":
-            from megaseq.ops._triton_util import _fix_interpreter_index
-
+        if interpreting():
             _fix_interpreter_index()  # the pass loops to bounds it loads
         rows, warps, stages = pool_config or POOL_CONFIG
         if pool.numel():
