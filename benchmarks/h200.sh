@@ -426,6 +426,12 @@ print('planned longest, bf16 weights:', longest_length(get_preset('glm5-flash-1g
       --seq-lens 8K,32K --baseline --out "$OUT/bench_1gpu_pool"
     NOTAR=1
     ;;
+  s16b)  # session 16, call 2 (issue 13): where a 32K step goes with the key-major latent gradient (pool); returns
+      # the Triton cache (PACK=1)
+    MEGASEQ_MLA_DC=pool timeout -k 5 300 python3 benchmarks/profile_step.py recipes/glm5-flash-1gpu.yaml 32K \
+      --json "$OUT/profile_32k_pool.json" > "$OUT/profile_1gpu_32k_pool.txt" 2>&1
+    head -60 "$OUT/profile_1gpu_32k_pool.txt" | cut -c1-200
+    ;;
   fsdp8)  # (nvidia-h200-x8) FSDP2 over 8 GPUs, bf16 weights: glm5-flash-slice (the full model's layer shapes)
       # at 64K, dp_cp over dp 2 x cp 4; metrics.jsonl holds each step's measured and planned peak
     timeout 500 torchrun --nproc-per-node 8 -m megaseq train recipes/glm5-flash-slice.yaml --train.steps 3 \

@@ -150,7 +150,7 @@ def test_an_explicit_launch_config_computes_the_same(device):
 
 
 def test_the_pool_pass_sums_the_latent_gradient_as_the_atomics_do(device, monkeypatch):
-    """``dc="pool"`` (``MEGASEQ_MLA_DC=pool``): on the indexer's layout (pools of 16, then the tail) each
+    """``dc="pool"`` (the default; ``MEGASEQ_MLA_DC``): on the indexer's layout (pools of 16, then the tail) each
     selected pool's latent gradient is summed key-major from the queries that chose it and only the tail goes
     through the atomics; ``dq_abs`` and ``dc`` as the atomic path's. A selection not in pools falls back to the
     atomics; a pool pass that misses one query of a pool fails."""
@@ -168,6 +168,10 @@ def test_the_pool_pass_sums_the_latent_gradient_as_the_atomics_do(device, monkey
     dq2, dc2 = K.backward(q, do, o, lse, c, idx, 0.3, dc="pool")
     assert dc.abs().max() > 0 and rel_err(dq2, dq) < TOL[torch.float32]
     assert_close("dc pool vs atomic", dc2, dc, TOL[torch.float32])
+    monkeypatch.delenv("MEGASEQ_MLA_DC", raising=False)
+    assert K.dc_mode() == "pool"  # the default
+    monkeypatch.setenv("MEGASEQ_MLA_DC", "atomic")
+    assert K.dc_mode() == "atomic"
     monkeypatch.setenv("MEGASEQ_MLA_DC", "pool")
     assert_close("dc from the environment", K.backward(q, do, o, lse, c, idx, 0.3)[1], dc, TOL[torch.float32])
     scattered = causal_indices(gen, 1, 13, 20, 31).to(device)  # no pool structure: the atomics run
@@ -179,8 +183,12 @@ def test_the_pool_pass_sums_the_latent_gradient_as_the_atomics_do(device, monkey
     assert_close("dc in chunks of 7 queries", K.backward(q, do, o, lse, c, idx, 0.3, dc="pool")[1], dc,
                  TOL[torch.float32])
 
-    def drop_one(idx_BQW, S, kp, chunk=None):
-        qn, pool, lo, hi, NP = entries(idx_BQW, S, kp, chunk)
+    monkeypatch.setattr(K, "POOL_QUERIES", 16)  # queries 0-15, 16-31, 32-39 of each row sorted apart
+    assert_close("dc sorted 16 queries at a time", K.backward(q, do, o, lse, c, idx, 0.3, dc="pool")[1], dc,
+                 TOL[torch.float32])
+
+    def drop_one(idx_BQW, S, kp, chunk=None, **kw):
+        qn, pool, lo, hi, NP = entries(idx_BQW, S, kp, chunk, **kw)
         hi = hi.clone()
         hi[0] -= 1  # the first program loses its last query
         return qn, pool, lo, hi, NP
@@ -188,7 +196,7 @@ def test_the_pool_pass_sums_the_latent_gradient_as_the_atomics_do(device, monkey
     monkeypatch.setattr(K, "pool_entries", drop_one)
     assert rel_err(K.backward(q, do, o, lse, c, idx, 0.3, dc="pool")[1], dc) > TOL[torch.float32]
     monkeypatch.setenv("MEGASEQ_MLA_DC", "atomics")
-    with pytest.raises(ValueError, match="MEGASEQ_MLA_DC must be one of atomic, pool"):
+    with pytest.raises(ValueError, match="MEGASEQ_MLA_DC must be one of pool, atomic"):
         K.backward(q, do, o, lse, c, idx, 0.3)
 
 
@@ -285,6 +293,12 @@ def test_bytes_count_saved_latent_outputs_and_no_per_slot_state():
     # the backward's largest moment is the kernel's: do_lat, q_abs, dq_abs and the fp32 latent gradient; the
     # head-major q (Dn) is made again after it, not held beside it
     assert got["backward"] == Q * Hh * 3 * R * 2 + S * R * 4 + Hh * (Dn + Dv) * R * 2 * 2
+    # the key-major latent gradient's sort and delta in the kernel moment, POOL_QUERIES queries a row at a time
+    pool = workspace.sparse_mla_pool_bytes(4 * Q, W, 16, Hh, batch=2)
+    assert pool == 4 * Q * Hh * 4 + 2 * workspace.POOL_QUERIES * 128 * workspace.POOL_SORT_BYTES
+    assert workspace.sparse_mla_pool_bytes(Q, W + 1, 16, Hh) == 0  # no pools: the atomics alone
+    assert workspace.triton_sparse_mla_bytes(Q, S, R, Hh, Dn, Dv, 2, pool)["backward"] == \
+        got["backward"] + pool
     # the saved o_lat is the price of a backward without a third pass: more than absorbed saves
     assert got["saved"] - workspace.absorbed_bytes(Q, S, W, R, Hh, Dn, Dv, 2, 4)["saved"] == Q * Hh * R * 2
 
@@ -345,3 +359,24 @@ def test_gpu_pool_pass_matches_the_atomics(dtype):
     dq2, dc2 = K.backward(q, do, o, lse, c, idx, 256**-0.5, dc="pool")
     assert_close("dq_abs", dq2, dq, 1e-6)  # the same kernel, the same sums
     assert_close("dc", dc2, dc, 1e-5)  # fp32 sums in another order
+
+
+@pytest.mark.gpu
+@GPU
+def test_gpu_pool_sort_stays_within_its_planned_bytes():
+    """``ops.workspace.sparse_mla_pool_bytes`` counts ``POOL_SORT_BYTES`` per (query, selected pool) while
+    ``pool_entries`` sorts ``POOL_QUERIES`` queries: the measured peak of the sort at glm5-flash-1gpu's DSA
+    shapes (32K queries, 128 pools of 16) is within that and not far below it."""
+    from megaseq.ops import triton_sparse_mla_kernels as K
+
+    Q = S = K.POOL_QUERIES
+    idx = tsm.causal_pool_selection(1, Q, S, generator=torch.Generator(device="cuda").manual_seed(3), device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = K.pool_entries(idx, S, 16)
+    peak = torch.cuda.max_memory_allocated() - base
+    slots = Q * 128
+    assert 0.4 * workspace.POOL_SORT_BYTES * slots < peak <= workspace.POOL_SORT_BYTES * slots, peak / slots
+    assert out[0].numel() <= slots
+    assert workspace.sparse_mla_pool_bytes(Q, 2063, 16, 16) == Q * 16 * 4 + workspace.POOL_SORT_BYTES * slots

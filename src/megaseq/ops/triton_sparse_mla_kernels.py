@@ -18,14 +18,17 @@ log-sum-exp ``[Hh, N]`` fp32 in base 2 (``lse2 = max + log2(sum)`` of the base-2
   Triton 3.6 emits ``atom.global.gpu.relaxed.add.v4.f32``: 4-wide, since the row pointers are provably
   contiguous with R constexpr).
 
-- backward, latent gradient key-major (``MEGASEQ_MLA_DC=pool``, ``backward(dc="pool")``; not yet measured on a
-  GPU, so not the default): where the selection comes in the GLM indexer's pools (``pool_layout``: aligned
-  blocks of kp consecutive keys, then a tail of kp - 1 slots), the slot pass does the atomics for the tail
-  only and writes ``delta``, and ``sparse_mla_bwd_pool_dc_kernel`` sums each selected pool's ``[kp, R]``
-  gradient from the queries that chose it (sorted by pool, ``pool_entries``; in chunks of ``POOL_CHUNK``
-  queries), one atomic add per chunk instead of one per query. It recomputes the scores (about 40% more dot
-  FLOPs) and removes about 39 G fp32 atomic adds per DSA layer at 32K. Its working set: the sort's
-  ``[B * Q * K]`` keys and order (28 bytes per selected pool, 118 MB at 32K), not in the plan.
+- backward, latent gradient key-major (the default, ``MEGASEQ_MLA_DC=pool``; ``atomic`` keeps the per-query
+  atomics for every slot): where the selection comes in the GLM indexer's pools (``pool_layout``: aligned blocks
+  of kp consecutive keys, then a tail of kp - 1 slots), the slot pass does the atomics for the tail only and
+  writes ``delta``, and ``sparse_mla_bwd_pool_dc_kernel`` sums each selected pool's ``[kp, R]`` gradient from
+  the queries that chose it (sorted by pool, ``pool_entries``; in chunks of ``POOL_CHUNK`` queries;
+  ``POOL_QUERIES`` queries of a row sorted at once), one atomic add per chunk instead of one per query. It
+  recomputes the scores (about 40% more dot FLOPs) and removes about 39 G fp32 atomic adds per DSA layer at 32K.
+  Measured on the H200 (session 16, ``benchmarks/sparse_mla_configs.py``, glm5-flash-1gpu's shapes): the whole
+  backward 14.4 ms against the atomics' 14.8 at 8K, 59.9 against 67.7 at 32K, 65.0 against 108.0 for a 32K
+  segment of 256K keys. Its working set (``ops.workspace.sparse_mla_pool_bytes``, in the plan): the sort's keys
+  and order, ``POOL_SORT_BYTES`` (64) per selected pool at most, and ``delta``.
 
 Empty slots (``idx < 0`` or ``>= S``) read no memory and weigh 0. A query with no valid slot gets
 ``o_lat = 0`` and ``lse2 = +inf`` (so its backward is 0); the op hands such batch rows to ``absorbed``.
@@ -321,19 +324,22 @@ def forward(q_abs_HNR: torch.Tensor, c_BSR: torch.Tensor, idx_BQW: torch.Tensor,
     return o_lat, lse2
 
 
-# the latent gradient's two ways (``MEGASEQ_MLA_DC``): ``atomic``, the default, adds each query's [W, R] block by
-# fp32 atomics; ``pool`` (not yet measured on a GPU) sums each selected pool's block key-major, from the queries
-# that chose it, and leaves only the tail slots to the atomics
-DC_MODES = ("atomic", "pool")
+# the latent gradient's two ways (``MEGASEQ_MLA_DC``): ``pool``, the default, sums each selected pool's block
+# key-major, from the queries that chose it, and leaves only the tail slots to the atomics (the atomics alone
+# where the selection is not in pools); ``atomic`` adds each query's [W, R] block by fp32 atomics
+DC_MODES = ("pool", "atomic")
 POOL_SIZES = (16, 32, 64, 128)  # the pool pass's tl.dot needs at least 16 keys a pool
 POOL_SCAN_ROWS = 4096  # query rows per step of the layout check ([rows, K, kp] int32 temporaries)
-POOL_ROWS = 16  # (query, head) rows per step of the pool pass
-POOL_CONFIG = (POOL_ROWS, 4, 2)  # (rows, warps, stages): the slot pass's shapes, not yet timed
+# (rows, warps, stages) of the pool pass: timed on the H200 (session 16, sparse_mla_configs.py) among rows
+# 16 / 32 / 64, warps 4 / 8, stages 1 / 2: the fastest at 32K and at a 32K segment of 256K, within 8% of the
+# fastest at 8K; 1 stage is 20-25% slower, 8 warps 30-50%
+POOL_CONFIG = (32, 4, 2)
 POOL_CHUNK = 256  # selecting queries per program of the pool pass at most
+POOL_QUERIES = 32768  # queries per batch row whose pool entries are sorted at once (ops.workspace.POOL_QUERIES)
 
 
 def dc_mode() -> str:
-    mode = os.environ.get("MEGASEQ_MLA_DC", "atomic")
+    mode = os.environ.get("MEGASEQ_MLA_DC", "pool")
     if mode not in DC_MODES:
         raise ValueError(f"MEGASEQ_MLA_DC must be one of {', '.join(DC_MODES)}, got {mode!r}")
     return mode
@@ -361,13 +367,15 @@ def pool_layout(idx_BQW: torch.Tensor, S: int) -> int | None:
     return None
 
 
-def pool_entries(idx_BQW: torch.Tensor, S: int, kp: int,
-                 chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """For the pool pass: ``qn`` (int32), the flattened query ``b * Q + q`` of every selected pool block, sorted
-    by pool; then per program its pool ``b * NP + p`` (int32) and its range ``lo, hi`` (int64) of ``qn``: each
+def pool_entries(idx_BQW: torch.Tensor, S: int, kp: int, chunk: int | None = None, q0: int = 0,
+                 Q: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """For the pool pass over the queries ``idx_BQW`` holds (queries ``q0 ..`` of ``Q`` per batch row, default
+    all of them): ``qn`` (int32), the flattened query ``b * Q + q`` of every selected pool block, sorted by
+    pool; then per program its pool ``b * NP + p`` (int32) and its range ``lo, hi`` (int64) of ``qn``: each
     pool's queries in chunks of at most ``chunk`` (a pool every query selects, an attention sink, is then many
     programs, not one). NP = S // kp pools per row. One host sync (the number of programs)."""
-    B, Q, W = idx_BQW.shape
+    B, Qs, W = idx_BQW.shape
+    Q = Q or Qs
     K, NP = (W + 1) // kp - 1, S // kp
     chunk = chunk or POOL_CHUNK
     dev = idx_BQW.device
@@ -375,9 +383,16 @@ def pool_entries(idx_BQW: torch.Tensor, S: int, kp: int,
     valid = (first >= 0) & (first < S)
     row = torch.arange(B, device=dev)[:, None, None] * NP
     key = torch.where(valid, row + first.div(kp, rounding_mode="floor"), B * NP).flatten()
+    del first, valid
     sorted_key, order = key.sort(stable=True)
-    qn = order.div(K, rounding_mode="floor").to(torch.int32)
+    del key
+    qn = order.div(K, rounding_mode="floor")  # b * Qs + q - q0
+    del order
+    if Qs != Q or q0:
+        qn = qn.div(Qs, rounding_mode="floor") * Q + q0 + qn.remainder(Qs)
+    qn = qn.to(torch.int32)
     seg = torch.searchsorted(sorted_key, torch.arange(B * NP + 1, device=dev))
+    del sorted_key
     count = seg[1:] - seg[:-1]
     chunks = (count + chunk - 1).div(chunk, rounding_mode="floor")
     total = int(chunks.sum())
@@ -395,7 +410,7 @@ def backward(q_abs_HNR: torch.Tensor, do_lat_HNR: torch.Tensor, o_lat_HNR: torch
     """``dq_abs [Hh, N, R]`` (q_abs's dtype) and the latent gradient ``dc [B, S, R]`` fp32 (``config``: as in
     ``forward``; ``dc``: ``atomic`` or ``pool``, default ``MEGASEQ_MLA_DC``; ``pool`` falls back to ``atomic``
     where the selection is not in pools, ``pool_layout``; ``pool_config``: the pool pass's (rows per step,
-    warps, stages), default ``POOL_CONFIG``, untimed)."""
+    warps, stages), default ``POOL_CONFIG``)."""
     Hh, N, R = q_abs_HNR.shape
     B, S, _ = c_BSR.shape
     Q, W = idx_BQW.shape[1:]
@@ -418,14 +433,17 @@ def backward(q_abs_HNR: torch.Tensor, do_lat_HNR: torch.Tensor, o_lat_HNR: torch
         dc_BSR.zero_()  # tuning may have run the atomics several times
     run(cfg)
     if kp:
-        qn, pool, lo, hi, NP = pool_entries(idx_BQW, S, kp)
         if interpreting():
             _fix_interpreter_index()  # the pass loops to bounds it loads
         rows, warps, stages = pool_config or POOL_CONFIG
-        if pool.numel():
-            sparse_mla_bwd_pool_dc_kernel[(pool.numel(),)](
-                q_abs_HNR, do_lat_HNR, lse2_HN, delta, c_BSR, qn, pool, lo, hi, dc_BSR, scale, scale * LOG2E, N, S,
-                NP, N * R, Hh=Hh, R=R, RP=RP, KP=kp, BR=rows, DOT_PREC=prec, num_warps=warps, num_stages=stages)
+        for a in range(0, Q, POOL_QUERIES):  # the sort's working set bounded whatever the length
+            qn, pool, lo, hi, NP = pool_entries(idx_BQW[:, a:a + POOL_QUERIES], S, kp, q0=a, Q=Q)
+            if pool.numel():
+                sparse_mla_bwd_pool_dc_kernel[(pool.numel(),)](
+                    q_abs_HNR, do_lat_HNR, lse2_HN, delta, c_BSR, qn, pool, lo, hi, dc_BSR, scale, scale * LOG2E, N,
+                    S, NP, N * R, Hh=Hh, R=R, RP=RP, KP=kp, BR=rows, DOT_PREC=prec, num_warps=warps,
+                    num_stages=stages)
+            del qn, pool, lo, hi
     return dq_abs, dc_BSR
 
 
@@ -459,7 +477,7 @@ def compile_ptx(kind: str, dtype: torch.dtype, Hh: int, R: int, W: int, cfg: Con
     if kind in ("bwd", "bwd_tail"):
         consts.update(DC_START=W - 15 if kind == "bwd_tail" else 0, STORE_DELTA=kind == "bwd_tail")
     if kind == "pool":
-        consts = {"Hh": Hh, "R": R, "RP": triton.next_power_of_2(R), "KP": 16, "BR": POOL_ROWS,
+        consts = {"Hh": Hh, "R": R, "RP": triton.next_power_of_2(R), "KP": 16, "BR": POOL_CONFIG[0],
                   "DOT_PREC": _dot_precision(dtype)}
     sig = {**ptrs, **ints, **dict.fromkeys(consts, "constexpr")}
     names = list(fn.arg_names)

@@ -143,7 +143,26 @@ def absorbed_bytes(Q: int, S: int, W: int, R: int, Hh: int, Dn: int, Dv: int, d:
 
 
 # ---- op sparse_attention, implementation triton (ops/triton_sparse_mla.py) ---------------------------
-def triton_sparse_mla_bytes(Q: int, S: int, R: int, Hh: int, Dn: int, Dv: int, d: int) -> dict[str, int]:
+POOL_SORT_BYTES: int = 64  # per (query, selected pool) while the pool pass's entries are sorted
+POOL_QUERIES: int = 32768  # queries per batch row sorted at once (ops.triton_sparse_mla_kernels.POOL_QUERIES)
+
+
+def sparse_mla_pool_bytes(Q: int, W: int, kp: int, Hh: int, batch: int = 1) -> int:
+    """Bytes the key-major latent gradient (``ops.triton_sparse_mla_kernels``, ``dc="pool"``) adds to the backward's
+    kernel moment, for ``Q`` queries (all batch rows together) of ``W`` slots in pools of ``kp`` (0 where the
+    selection has no pools: the atomics alone run). ``delta [Hh, Q]`` fp32, and while ``pool_entries`` sorts the ``K
+    = (W + 1) / kp - 1`` pool slots of ``POOL_QUERIES`` queries of each batch row: their first keys (int64),
+    validity (bool), sort keys, sorted keys and order (int64 each), torch's index input and the radix sort's double
+    buffers (16 bytes), at most ``POOL_SORT_BYTES`` per slot. The layout check before it (``[4096, K, kp]`` int32
+    and bool temporaries, about 100 MB) runs before ``dq_abs`` and the latent gradient exist, which are larger."""
+    if kp < 16 or (W + 1) % kp or W + 1 < 2 * kp:
+        return 0
+    sorted_at_once = batch * min(Q // max(batch, 1), POOL_QUERIES)
+    return Q * Hh * 4 + sorted_at_once * ((W + 1) // kp - 1) * POOL_SORT_BYTES
+
+
+def triton_sparse_mla_bytes(Q: int, S: int, R: int, Hh: int, Dn: int, Dv: int, d: int,
+                            pool: int = 0) -> dict[str, int]:
     """GPU bytes of one call beyond its inputs (q, c, the weight, idx) and its output, for the planner.
 
     ``saved``: the latent cast to the work dtype (a copy when it is fp32 under autocast, as
@@ -157,11 +176,12 @@ def triton_sparse_mla_bytes(Q: int, S: int, R: int, Hh: int, Dn: int, Dv: int, d
     head-major q is made again after it) and the fp32 latent gradient ``4 S R``; then ``dq_abs``, dq's
     GEMM output and its batch-major copy (``Q * Hh * (R + 2 Dn)``) beside the fp32 latent gradient; at the
     return dq and the latent gradient with its cast (``Q * Hh * Dn + S * R * (4 + d)``); plus the weight
-    gradients ``Hh * (Dn + Dv) * R * 2 d``. Nothing per slot is stored (the kernels keep it)."""
+    gradients ``Hh * (Dn + Dv) * R * 2 d``. ``pool``: the key-major latent gradient's bytes in the kernel
+    moment (``sparse_mla_pool_bytes``). Nothing per slot is stored (the kernels keep it)."""
     f = 4
     saved = S * R * d + Q * Hh * R * d + Q * Hh * f
     forward = Q * Hh * (Dn + R + Dv) * d
-    moments = (Q * Hh * (Dv + R) * d, Q * Hh * (2 * R + Dn) * d, Q * Hh * 3 * R * d + S * R * f,
+    moments = (Q * Hh * (Dv + R) * d, Q * Hh * (2 * R + Dn) * d, Q * Hh * 3 * R * d + S * R * f + pool,
                Q * Hh * (R + 2 * Dn) * d + S * R * f, Q * Hh * Dn * d + S * R * (f + d))
     backward = max(moments) + Hh * (Dn + Dv) * R * 2 * d
     return {"saved": saved, "forward": forward, "backward": backward}

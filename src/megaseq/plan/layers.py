@@ -23,6 +23,7 @@ from megaseq.ops.workspace import (  # noqa: F401  (the ops' own formulas)
     indexer_topk_bytes,
     kv_repeats,
     sdpa_head_groups,
+    sparse_mla_pool_bytes,
     triton_sparse_mla_bytes,
 )
 from megaseq.plan.components import CAL, Calibration, Mesh, Precision, linear_inputs, norm_saved
@@ -248,8 +249,9 @@ def dsa_temp(
     if impl == "triton":  # or absorbed, which the op runs for batch rows that have a query with no valid slot
         kv_rows = dsa_kv_rows(n, batch, seq_len, mesh, mode)
         R = spec.kv_lora_rank + spec.qk_rope_head_dim
+        pool = sparse_mla_pool_bytes(n, dsa_width(spec), spec.index_kpool, spec.num_attention_heads, batch)
         b = triton_sparse_mla_bytes(n, kv_rows, R, spec.num_attention_heads, spec.qk_head_dim, spec.v_head_dim,
-                                    prec.compute)
+                                    prec.compute, pool)
         fused = b["backward"] if backward else b["forward"] + kv_rows * prec.compute * R  # + the latent's copy
         return max(fused, absorbed_temp(spec, n, batch, seq_len, prec, mesh, mode, backward))
     Hh, c, f = spec.num_attention_heads, prec.compute, prec.f32
