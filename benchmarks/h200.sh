@@ -432,6 +432,21 @@ print('planned longest, bf16 weights:', longest_length(get_preset('glm5-flash-1g
       --json "$OUT/profile_32k_pool.json" > "$OUT/profile_1gpu_32k_pool.txt" 2>&1
     head -60 "$OUT/profile_1gpu_32k_pool.txt" | cut -c1-200
     ;;
+  s16c)  # session 16, call 2 (issue 13): the pool pass as the default (timed launch config, sort 32K queries at a
+      # time): its GPU tests, where a 32K step goes, the issue's command, then a warm 1M step
+    timeout -k 5 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_triton_sparse_mla.py \
+      > "$OUT/gpu_tests.log" 2>&1; rc=$?
+    tail -5 "$OUT/gpu_tests.log"
+    [ $rc -eq 0 ] || { echo "GPU tests failed (rc $rc): no bench"; exit 1; }
+    timeout -k 5 150 python3 benchmarks/profile_step.py recipes/glm5-flash-1gpu.yaml 32K \
+      --json "$OUT/profile_32k.json" > "$OUT/profile_1gpu_32k.txt" 2>&1
+    head -45 "$OUT/profile_1gpu_32k.txt" | cut -c1-160
+    timeout -k 5 240 python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml --seq-lens 8K,32K --baseline \
+      --out "$OUT/bench_1gpu_issue"
+    timeout -k 5 $((585 - SECONDS)) python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml --seq-lens 1M --steps 1 \
+      --out "$OUT/bench_1gpu_1m"
+    NOTAR=1
+    ;;
   fsdp8)  # (nvidia-h200-x8) FSDP2 over 8 GPUs, bf16 weights: glm5-flash-slice (the full model's layer shapes)
       # at 64K, dp_cp over dp 2 x cp 4; metrics.jsonl holds each step's measured and planned peak
     timeout 500 torchrun --nproc-per-node 8 -m megaseq train recipes/glm5-flash-slice.yaml --train.steps 3 \
