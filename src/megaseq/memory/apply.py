@@ -19,6 +19,7 @@ Applying again with other settings replaces the previous ones (nothing stacks).
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -112,6 +113,17 @@ def loss_fn(settings: MemorySettings) -> Callable[..., torch.Tensor]:
     return functools.partial(linear_cross_entropy, chunk_tokens=chunk)
 
 
+def master_kernel(on_cuda: bool) -> str:
+    """MasterAdamW's step: ``triton`` (``ops.triton_adamw``) on CUDA where Triton is installed, unless
+    ``MEGASEQ_ADAMW=torch``; else torch's fused AdamW with its casts and copies around it."""
+    choice = os.environ.get("MEGASEQ_ADAMW", "triton")
+    if choice not in ("triton", "torch"):
+        raise ValueError(f"MEGASEQ_ADAMW must be triton or torch, got {choice!r}")
+    from megaseq.ops import triton_adamw
+
+    return "triton" if choice == "triton" and on_cuda and triton_adamw.available() else "torch"
+
+
 def make_optimizer(params: Iterable[Any], settings: MemorySettings, lr: float, betas: tuple[float, float],
                    eps: float, weight_decay: float, accumulate: bool = False,
                    distributed: bool = False) -> torch.optim.Optimizer:
@@ -144,7 +156,8 @@ def make_optimizer(params: Iterable[Any], settings: MemorySettings, lr: float, b
     if any(p.dtype in (torch.bfloat16, torch.float16) for p in flat):
         return MasterAdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                            foreach=None if on_cuda else False, accumulate=accumulate,
-                           foldable=complete_in_backward if distributed else None, fused=on_cuda)
+                           foldable=complete_in_backward if distributed else None, fused=on_cuda,
+                           kernel=master_kernel(on_cuda))
     adamw = SplitAdamW if mixes_dtensors(flat) else torch.optim.AdamW  # expert parallelism: fused per kind
     return adamw(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                  fused=True if on_cuda else None, foreach=None if on_cuda else False)

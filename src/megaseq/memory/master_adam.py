@@ -10,11 +10,14 @@ small steps round away. Per parameter this optimizer holds, on the parameter's d
     exp_avg, exp_avg_sq                                                          4 + 4 B
     acc         fp32 sum of the gradients of several backward passes (``accumulate``)  4 B
 
-and a step is ``torch.optim.AdamW``'s own arithmetic on the master (its functional ``adamw``: fused for whole tensors
-when ``fused``, as ``make_optimizer`` asks on CUDA; else foreach as
-given), then ``weight <- master`` rounded to the weight's dtype. So the result equals AdamW run on an fp32
-copy and cast, bit for bit (``tests/test_master_adam.py``). Weights that are already fp32 (the router a bf16
-model keeps) get a master too, equal to them: one code path.
+and a step is ``torch.optim.AdamW``'s own arithmetic on the master (its functional ``adamw``: fused for whole
+tensors when ``fused``, as ``make_optimizer`` asks on CUDA; else foreach as given), then ``weight <- master``
+rounded to the weight's dtype. So the result equals AdamW run on an fp32 copy and cast, bit for bit
+(``tests/test_master_adam.py``). Weights that are already fp32 (the router a bf16 model keeps) get a master
+too, equal to them: one code path. With ``kernel="triton"`` (``make_optimizer``'s choice on CUDA where Triton
+is installed; ``MEGASEQ_ADAMW=torch`` declines it) the whole parameters step in ``ops.triton_adamw``: torch's
+fused arithmetic in one pass that reads a lone bf16 gradient as it is (28 bytes an element against the five
+passes' 48), within a few fp32 ulps of it (``tests/test_triton_adamw.py``).
 
 Gradients. The bf16 gradient a backward leaves (FSDP: reduce-scattered in ``parallel.reduce_dtype``, then
 cast to the weight's dtype) is cast to fp32 at the step. With ``accumulate`` (micro-batches, sequence
@@ -170,9 +173,14 @@ class MasterAdamW(torch.optim.Optimizer):
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, foreach: bool | None = None,
                  accumulate: bool = False, foldable: Callable[[torch.Tensor], bool] | None = None,
-                 fused: bool = False) -> None:
+                 fused: bool = False, kernel: str = "torch") -> None:
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+        if kernel not in ("torch", "triton"):
+            raise ValueError(f"MasterAdamW kernel must be torch or triton, got {kernel!r}")
         self.foreach = foreach
+        # kernel "triton": ops.triton_adamw's one pass per whole parameter (clip, AdamW, rounding; the bf16
+        # gradient read as it is, not copied to fp32) where it supports the tensors; torch's way elsewhere
+        self.kernel = kernel
         # fused: torch's fused AdamW kernel over the masters (one pass; foreach makes about ten), its step
         # counters on the masters' device as torch.optim.AdamW(fused=True) keeps them; DTensors step foreach
         self.fused = fused
@@ -208,8 +216,12 @@ class MasterAdamW(torch.optim.Optimizer):
         p.grad = None
 
     def _grad(self, p: torch.Tensor) -> torch.Tensor | None:
-        """This step's gradient of ``p`` in the master dtype (local), folding a gradient still in ``.grad``."""
+        """This step's gradient of ``p`` (local): in the master dtype, folding a gradient still in ``.grad``;
+        with the Triton kernel a whole parameter's lone gradient stays as the backward left it (the kernel
+        reads it in its dtype)."""
         if p.grad is not None:
+            if self.kernel == "triton" and p not in self.acc and not is_dtensor(p):
+                return p.grad
             self._fold(p)
         return self.acc.get(p)
 
@@ -243,7 +255,11 @@ class MasterAdamW(torch.optim.Optimizer):
             hyper = dict(amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
                          weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
             parts: dict[bool, list] = {True: [], False: []}  # whole tensors step fused (if asked), DTensors foreach
+            if self.kernel == "triton":
+                live = self._triton_update(live, hyper)
             for p, g in live:
+                if g.dtype != local(self.state[p]["master"]).dtype:
+                    g = g.to(local(self.state[p]["master"]).dtype)  # a lone gradient the kernel declined
                 parts[self.fused and not is_dtensor(p)].append((p, g))
             for part, how in ((parts[True], dict(fused=True)), (parts[False], dict(foreach=self.foreach))):
                 if part:
@@ -251,6 +267,23 @@ class MasterAdamW(torch.optim.Optimizer):
         self.acc.clear()
         self.clip_coef = None
         return loss
+
+    def _triton_update(self, live: list[tuple[torch.Tensor, torch.Tensor]],
+                       hyper: dict[str, Any]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Step the parameters ``ops.triton_adamw`` supports; returns the others."""
+        from megaseq.ops import triton_adamw
+
+        mine, rest = [], []
+        for p, g in live:
+            ok = not is_dtensor(p) and triton_adamw.supports(p.data, g, self.state[p]["master"]) is None
+            (mine if ok else rest).append((p, g))
+        if mine:
+            st = [self.state[p] for p, _ in mine]
+            triton_adamw.master_adamw_(
+                [p.data for p, _ in mine], [g for _, g in mine], [s["master"] for s in st],
+                [s["exp_avg"] for s in st], [s["exp_avg_sq"] for s in st], [s["step"] for s in st],
+                self.clip_coef, hyper["lr"], hyper["beta1"], hyper["beta2"], hyper["eps"], hyper["weight_decay"])
+        return rest
 
     def _update(self, live: list[tuple[torch.Tensor, torch.Tensor]], hyper: dict[str, Any],
                 how: dict[str, Any]) -> None:
