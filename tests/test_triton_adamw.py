@@ -5,8 +5,8 @@ interpreter's bf16 is broken); with a GPU the same tests run there and the ``gpu
 with torch's fused CUDA AdamW at a 10M-element parameter. The reference is ``torch.optim.adamw.adamw`` on the
 fp32 master with the gradient cast to fp32 and scaled by the clip coefficient (MasterAdamW's torch way). Three
 steps; master, both moments and the rounded weight are compared to 2e-6 of each tensor's largest value (a few
-fp32 ulps: torch's single-tensor CPU AdamW orders its operations differently). A kernel without weight decay, without the clip's
-scale or with the step counter off by one fails.
+fp32 ulps: torch's single-tensor CPU AdamW orders its operations differently). A kernel without weight decay,
+without the clip's scale or with the step counter off by one fails.
 """
 
 from __future__ import annotations
@@ -16,10 +16,11 @@ import torch
 
 pytest.importorskip("triton")  # on the CPU under the interpreter conftest.py selects
 
+from torch.optim.adamw import adamw  # noqa: E402
+
 from devices import BF16, DEV, F16, F32, GPU  # noqa: E402
 from megaseq.memory.master_adam import MasterAdamW  # noqa: E402
 from megaseq.ops import triton_adamw  # noqa: E402
-from torch.optim.adamw import adamw  # noqa: E402
 
 HYPER = dict(lr=3e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
 RTOL = 2e-6  # of each tensor's largest value: a few fp32 ulps
