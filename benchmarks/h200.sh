@@ -461,6 +461,12 @@ print('planned longest, bf16 weights:', longest_length(get_preset('glm5-flash-1g
       --baseline --out "$OUT/bench_1gpu_adamw"
     NOTAR=1
     ;;
+  s17a)  # session 17, call 1 (issue 13): where a 32K step goes now (pool default, the AdamW kernel); returns the
+      # Triton cache (PACK=1)
+    timeout -k 5 400 python3 benchmarks/profile_step.py recipes/glm5-flash-1gpu.yaml 32K \
+      --json "$OUT/profile_32k.json" > "$OUT/profile_1gpu_32k.txt" 2>&1
+    head -70 "$OUT/profile_1gpu_32k.txt" | cut -c1-220
+    ;;
   fsdp8)  # (nvidia-h200-x8) FSDP2 over 8 GPUs, bf16 weights: glm5-flash-slice (the full model's layer shapes)
       # at 64K, dp_cp over dp 2 x cp 4; metrics.jsonl holds each step's measured and planned peak
     timeout 500 torchrun --nproc-per-node 8 -m megaseq train recipes/glm5-flash-slice.yaml --train.steps 3 \

@@ -75,12 +75,14 @@ def hc_mix_fwd_kernel(x_ptr, fn_ptr, u_ptr, r_ptr, mix_ptr, T, D, M, eps, MP: tl
     tl.store(mix_ptr + out, (acc * r[:, None]).to(mix_ptr.dtype.element_ty), mask=om)
 
 
-@triton.autotune(configs=BWD_CONFIGS, key=["D", "M", "HAS_DX", "HAS_DFN"])
+@triton.autotune(configs=BWD_CONFIGS, key=["D", "M", "HAS_DX", "HAS_DFN", "HAS_ACC"])
 @triton.jit
-def hc_mix_bwd_kernel(x_ptr, fn_ptr, du_ptr, coef_ptr, dx_ptr, dfn_ptr, T, D, M, CHUNK, MP: tl.constexpr,
-                      HAS_DX: tl.constexpr, HAS_DFN: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+def hc_mix_bwd_kernel(x_ptr, fn_ptr, du_ptr, coef_ptr, acc_ptr, dx_ptr, dfn_ptr, T, D, M, CHUNK, MP: tl.constexpr,
+                      HAS_DX: tl.constexpr, HAS_DFN: tl.constexpr, HAS_ACC: tl.constexpr, BT: tl.constexpr,
+                      BD: tl.constexpr):
     """Columns ``BD * program_id(0)`` on, rows ``CHUNK * program_id(1)`` on (CHUNK a multiple of BT):
-    ``dx = du @ fn + coef * x`` (dx's dtype) and ``dfn[program_id(1)] = du^T @ x`` over the chunk (fp32)."""
+    ``dx = du @ fn + coef * x`` (dx's dtype; ``HAS_ACC``: plus ``acc [T, D]``, the streams' gradient from their
+    other uses, summed in fp32 and rounded once) and ``dfn[program_id(1)] = du^T @ x`` over the chunk (fp32)."""
     d = tl.program_id(0) * BD + tl.arange(0, BD)
     dm = d < D
     c = tl.program_id(1)
@@ -98,6 +100,8 @@ def hc_mix_bwd_kernel(x_ptr, fn_ptr, du_ptr, coef_ptr, dx_ptr, dfn_ptr, T, D, M,
         if HAS_DX:
             coef = tl.load(coef_ptr + t, mask=tm, other=0.0)
             dx = tl.dot(du, w, input_precision="ieee") + coef[:, None] * x
+            if HAS_ACC:
+                dx += tl.load(acc_ptr + rows[:, None] + d[None, :], mask=xm, other=0.0).to(tl.float32)
             tl.store(dx_ptr + rows[:, None] + d[None, :], dx.to(dx_ptr.dtype.element_ty), mask=xm)
         if HAS_DFN:
             acc += tl.dot(tl.trans(du), x, input_precision="ieee")

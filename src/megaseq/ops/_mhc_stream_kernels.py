@@ -43,11 +43,12 @@ def hc_collapse_fwd_kernel(pre_ptr, h_ptr, x_ptr, T, H: tl.constexpr, N: tl.cons
         tl.store(x_ptr + t[:, None] * H + h[None, :], x, mask=tm[:, None] & (h < H)[None, :])
 
 
-@triton.autotune(configs=CONFIGS, key=["H", "N"])
+@triton.autotune(configs=CONFIGS, key=["H", "N", "HAS_ACC"])
 @triton.jit
-def hc_collapse_bwd_kernel(pre_ptr, h_ptr, gx_ptr, gpre_ptr, gh_ptr, T, H: tl.constexpr, N: tl.constexpr,
-                           NP: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr):
-    """``gh = pre * gx`` (h's dtype) and ``gpre[t, n] = sum_h gx[t, h] * h[t, n, h]`` (fp32)."""
+def hc_collapse_bwd_kernel(pre_ptr, h_ptr, gx_ptr, gacc_ptr, gpre_ptr, gh_ptr, T, H: tl.constexpr, N: tl.constexpr,
+                           NP: tl.constexpr, HAS_ACC: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr):
+    """``gh = pre * gx`` (h's dtype; ``HAS_ACC``: plus ``gacc``, the streams' gradient from their other uses,
+    summed in fp32 and rounded once) and ``gpre[t, n] = sum_h gx[t, h] * h[t, n, h]`` (fp32)."""
     t, tm, n, vec_m = _rows(tl.program_id(0), T, N, NP, BT)
     pre = tl.load(pre_ptr + t[:, None] * N + n[None, :], mask=vec_m, other=0.0).to(tl.float32)
     gpre = tl.zeros((BT, NP), dtype=tl.float32)
@@ -58,7 +59,10 @@ def hc_collapse_bwd_kernel(pre_ptr, h_ptr, gx_ptr, gpre_ptr, gh_ptr, T, H: tl.co
         hv = tl.load(h_ptr + off3, mask=m3, other=0.0).to(tl.float32)
         gx = tl.load(gx_ptr + t[:, None] * H + h[None, :], mask=tm[:, None] & (h < H)[None, :],
                      other=0.0).to(tl.float32)
-        tl.store(gh_ptr + off3, pre[:, :, None] * gx[:, None, :], mask=m3)
+        gh = pre[:, :, None] * gx[:, None, :]
+        if HAS_ACC:
+            gh += tl.load(gacc_ptr + off3, mask=m3, other=0.0).to(tl.float32)
+        tl.store(gh_ptr + off3, gh, mask=m3)
         gpre += tl.sum(gx[:, None, :] * hv, axis=2)
     tl.store(gpre_ptr + t[:, None] * N + n[None, :], gpre, mask=vec_m)
 

@@ -69,7 +69,7 @@ def scale_grad_coef(g_RM: torch.Tensor, u_RM: torch.Tensor, r_R: torch.Tensor, D
 
 class _HcMixTriton(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, flat_RD, fn_MD, eps, out_dtype):
+    def forward(ctx, flat_RD, fn_MD, eps, out_dtype, carry=False):
         K = kernels(KERNELS)
         R, D = flat_RD.shape
         M = fn_MD.shape[0]
@@ -82,15 +82,21 @@ class _HcMixTriton(torch.autograd.Function):
                 flat_RD, split_bf16x3(fn_MD.float()) if split else fn_MD, u_RM, r_R, mix, R, D, M, eps,
                 MP=max(16, next_pow2(M)), SPLIT=split)
         ctx.save_for_backward(flat_RD, fn_MD, u_RM, r_R)
-        return mix
+        ctx.set_materialize_grads(False)
+        # carry: the streams again (a view with this node) for their other uses; their gradient from there comes
+        # back here and is added in the backward kernel as it writes the streams' gradient
+        return (mix, flat_RD) if carry else mix
 
     @staticmethod
-    def backward(ctx, g_RM):
+    def backward(ctx, g_RM, g_carried=None):
         K = kernels(KERNELS)
         flat_RD, fn_MD, u_RM, r_R = ctx.saved_tensors
         need_x, need_fn = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         R, D = flat_RD.shape
         M = fn_MD.shape[0]
+        if g_RM is None:  # only the carried streams were used
+            return g_carried if need_x else None, None, None, None, None
+        acc = g_carried.contiguous() if g_carried is not None and need_x else None
         g = g_RM.float()
         d_u = (g * r_R[:, None]).contiguous()
         coef = scale_grad_coef(g, u_RM, r_R, D).contiguous()
@@ -100,12 +106,13 @@ class _HcMixTriton(torch.autograd.Function):
         part = torch.empty(n_chunks, M, D, device=flat_RD.device, dtype=torch.float32) if need_fn else None
         if R > 0 and (need_x or need_fn):
             K.hc_mix_bwd_kernel[lambda meta: (cdiv(D, meta["BD"]), n_chunks)](
-                flat_RD, fn_MD, d_u, coef, flat_RD if d_flat is None else d_flat, d_u if part is None else part,
-                R, D, M, chunk, MP=max(16, next_pow2(M)), HAS_DX=need_x, HAS_DFN=need_fn)
+                flat_RD, fn_MD, d_u, coef, flat_RD if acc is None else acc, flat_RD if d_flat is None else d_flat,
+                d_u if part is None else part, R, D, M, chunk, MP=max(16, next_pow2(M)), HAS_DX=need_x,
+                HAS_DFN=need_fn, HAS_ACC=acc is not None)
         d_fn = None
         if need_fn:
             d_fn = (part.sum(0) if R > 0 else torch.zeros_like(fn_MD, dtype=torch.float32)).to(fn_MD.dtype)
-        return d_flat, d_fn, None, None
+        return d_flat, d_fn, None, None, None
 
 
 def hc_mix_triton_supports(h_BSNH: torch.Tensor, fn_MD: torch.Tensor, norm_eps: float) -> str | None:
@@ -128,3 +135,20 @@ def hc_mix_triton(h_BSNH: torch.Tensor, fn_MD: torch.Tensor, norm_eps: float) ->
     with torch.autocast(h_BSNH.device.type, enabled=False):
         mix = _HcMixTriton.apply(h_BSNH.reshape(B * S, N * H).contiguous(), fn_MD.contiguous(), float(norm_eps), out)
     return mix.view(B, S, -1)
+
+
+def hc_mix_triton_carry(h_BSNH: torch.Tensor, fn_MD: torch.Tensor,
+                        norm_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(mix, streams)``: ``hc_mix_triton``'s mix, and the streams as a view to use in their place downstream
+    (the collapse, the merge's residual). The gradient that view gets is added in the backward kernel as it
+    writes the streams' gradient, not by autograd (a write and an add, read two, write one, per other use).
+    ``models.common.mhc.call_carrying`` runs it."""
+    B, S, N, H = h_BSNH.shape
+    out = _mm_dtype(h_BSNH, torch.float32)
+    with torch.autocast(h_BSNH.device.type, enabled=False):
+        mix, flat = _HcMixTriton.apply(h_BSNH.reshape(B * S, N * H).contiguous(), fn_MD.contiguous(),
+                                       float(norm_eps), out, True)
+    return mix.view(B, S, -1), flat.view(B, S, N, H)
+
+
+hc_mix_triton.carry = hc_mix_triton_carry

@@ -44,7 +44,7 @@ def _grid(T: int):
 
 class _Collapse(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, pre_BSN, h_BSNH):
+    def forward(ctx, pre_BSN, h_BSNH, carry=False):
         K = kernels(KERNELS)
         *lead, N, H = h_BSNH.shape
         pre_TN, h_TNH = pre_BSN.reshape(-1, N).contiguous(), h_BSNH.reshape(-1, N, H).contiguous()
@@ -54,20 +54,28 @@ class _Collapse(torch.autograd.Function):
             K.hc_collapse_fwd_kernel[_grid(T)](pre_TN, h_TNH, x_TH, T, H=H, N=N, NP=next_pow2(N))
         ctx.save_for_backward(pre_TN, h_TNH)
         ctx.shapes = (tuple(pre_BSN.shape), tuple(h_BSNH.shape))
-        return x_TH.view(*lead, H)
+        ctx.set_materialize_grads(False)
+        x = x_TH.view(*lead, H)
+        # carry: the streams again (autograd makes them a view with this node), for the merge's residual; their
+        # gradient from there comes back to this backward, which adds it into its own as it writes it
+        return (x, h_BSNH) if carry else x
 
     @staticmethod
-    def backward(ctx, g_x):
+    def backward(ctx, g_x, g_h_carried=None):
         K = kernels(KERNELS)
         pre_TN, h_TNH = ctx.saved_tensors
         T, N, H = h_TNH.shape
+        pre_shape, h_shape = ctx.shapes
+        if g_x is None:  # only the carried streams were used
+            return None, None if g_h_carried is None else g_h_carried.reshape(h_shape), None
         g_pre = torch.empty(T, N, device=h_TNH.device, dtype=torch.float32)
         g_h = torch.empty_like(h_TNH)
+        acc = None if g_h_carried is None else g_h_carried.reshape(T, N, H).contiguous()
         if T > 0:
-            K.hc_collapse_bwd_kernel[_grid(T)](pre_TN, h_TNH, g_x.reshape(T, H).contiguous(), g_pre, g_h, T,
-                                               H=H, N=N, NP=next_pow2(N))
-        pre_shape, h_shape = ctx.shapes
-        return g_pre.to(pre_TN.dtype).view(pre_shape), g_h.view(h_shape)
+            K.hc_collapse_bwd_kernel[_grid(T)](pre_TN, h_TNH, g_x.reshape(T, H).contiguous(),
+                                               g_h if acc is None else acc, g_pre, g_h, T, H=H, N=N,
+                                               NP=next_pow2(N), HAS_ACC=acc is not None)
+        return g_pre.to(pre_TN.dtype).view(pre_shape), g_h.view(h_shape), None
 
 
 class _Merge(torch.autograd.Function):
@@ -123,6 +131,17 @@ def hc_collapse_triton_supports(pre_BSN: torch.Tensor, h_BSNH: torch.Tensor) -> 
 def hc_collapse_triton(pre_BSN: torch.Tensor, h_BSNH: torch.Tensor) -> torch.Tensor:
     """Same contract as ``hc_collapse_reference``."""
     return _Collapse.apply(pre_BSN, h_BSNH)
+
+
+def hc_collapse_triton_carry(pre_BSN: torch.Tensor, h_BSNH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x, streams)``: ``hc_collapse_triton``'s x, and the streams as a view to use in their place downstream
+    (the merge's residual). The gradient that view gets is added in the collapse's backward kernel as it writes
+    the streams' gradient, not by autograd: one pass over ``[T, N, H]`` instead of a write and an add (read
+    two, write one). ``models.common.mhc.call_carrying`` runs it."""
+    return _Collapse.apply(pre_BSN, h_BSNH, True)
+
+
+hc_collapse_triton.carry = hc_collapse_triton_carry
 
 
 def hc_merge_triton_supports(post_BSN: torch.Tensor, comb_BSNN: torch.Tensor, y_BSH: torch.Tensor,

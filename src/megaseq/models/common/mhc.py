@@ -20,6 +20,8 @@ down-cast to float32 there, which breaks float64 exactness tests under any resha
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -122,10 +124,36 @@ class HyperConnection(nn.Module):
         x_BSH = dispatch.call("hc_collapse", pre, h_BSNH, layer=self.layer)
         return post, comb, x_BSH
 
+    def carrying(self, h_BSNH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``forward``'s ``(post, comb, x)`` and the streams to give ``merge`` as its residual: ``h`` itself, or
+        where the kernels that run can carry their gradient (``call_carrying``), a view of it whose gradient
+        their backward adds into the streams' as they write it (fewer passes over ``[B, S, N, H]`` than
+        autograd's adds of the three uses' gradients). The same values and, but for rounding, the same
+        gradients as ``forward`` with ``h`` as the residual."""
+        N = h_BSNH.shape[2]
+        mix, h_BSNH = call_carrying("hc_mix", self.layer, 0, h_BSNH, self.fn, self.norm_eps)
+        pre, post, comb = dispatch.call("hc_weights", mix, self.base, self.scale, N, self.sinkhorn_iters, self.hc_eps,
+                                        layer=self.layer)
+        x_BSH, h_BSNH = call_carrying("hc_collapse", self.layer, 1, pre, h_BSNH)
+        return post, comb, x_BSH, h_BSNH
+
     def merge(self, post_BSN: torch.Tensor, comb_BSNN: torch.Tensor, y_BSH: torch.Tensor,
               residual_BSNH: torch.Tensor) -> torch.Tensor:
         """New streams: ``post[n] * y + sum_m comb[m, n] * residual[m]`` (op ``hc_merge``)."""
         return dispatch.call("hc_merge", post_BSN, comb_BSNN, y_BSH, residual_BSNH, layer=self.layer)
+
+
+def call_carrying(op: str, layer: str, at: int, *args: Any) -> tuple[Any, torch.Tensor]:
+    """Op ``op`` through the dispatcher, and the streams (argument ``at``) to use after it: where the
+    implementation that runs has a ``carry`` variant (``fn.carry``: ``ops.triton_hc_mix``,
+    ``ops.triton_mhc_streams``) and autograd records, ``(out, view of the streams)`` from it, whose backward
+    adds the view's gradient into the streams' gradient as its kernel writes it; elsewhere ``(out, the streams
+    themselves)``, autograd adding the gradients of their uses."""
+    impl = dispatch.select(op, layer, *args)
+    carry = getattr(impl.fn, "carry", None)
+    if carry is None or not torch.is_grad_enabled():
+        return impl.fn(*args), args[at]
+    return carry(*args)
 
 
 def expand_streams(x_BSH: torch.Tensor, hc_mult: int) -> torch.Tensor:

@@ -224,7 +224,8 @@ class Indexer(nn.Module):
         kp, I, Di = self.kpool, self.n_heads, self.head_dim
         pool_end_P = tok_Pk[:, -1]
         pool_doc_P, q_doc_Q = doc_S[pool_end_P], doc_S[q_pos_Q]
-        tok_Pk = tok_Pk.to(torch.int32)
+        first_P = tok_Pk[:, 0].to(torch.int32)
+        offs_k = torch.arange(kp, dtype=torch.int32, device=out_QW.device)
         Q, width = q_resid_QR.shape[0], num_pools * kp
         chunk = indexer_scoring.resolve_query_chunk(self.query_chunk, tok_Pk.shape[0], I, num_pools)
         for s in range(0, Q, chunk):
@@ -235,7 +236,11 @@ class Indexer(nn.Module):
             sel_cK, ok_cK = dispatch.call(
                 "indexer_topk", q_cID, w_QI[s:e], keys_PD, pool_end_P, pool_doc_P, q_pos_Q[s:e], q_doc_Q[s:e],
                 self.index_topk // kp, self.softmax_scale, query_chunk=e - s, layer=self.layer)
-            out_QW[s:e, :width] = tok_Pk[sel_cK].masked_fill_(~ok_cK[..., None], -1).flatten(1)
+            # a pool's tokens are consecutive (tok_Pk[p] = first_P[p] + 0 .. kp - 1): written from the pools'
+            # first tokens, not gathered as [c, K, kp] rows of tok_Pk (a 64-byte-row gather: 2.5 ms a layer at 32K)
+            dst = out_QW[s:e, :width].view(e - s, -1, kp)
+            torch.add(first_P[sel_cK].unsqueeze(-1), offs_k, out=dst)
+            dst.masked_fill_(~ok_cK.unsqueeze(-1), -1)
         if self.select_tail and kp > 1:
             # the query's own incomplete pool: the last (pos + 1) % kp tokens up to and including it
             tail_count = (pos_S[q_pos_Q] + 1) % kp

@@ -76,10 +76,12 @@ class Glm5DecoderLayer(nn.Module):
             self.mlp = MLP(spec.hidden_size, spec.intermediate_size, spec.swiglu_limit)
 
     def forward(self, h_BSNH: torch.Tensor, ctx: SeqContext) -> torch.Tensor:
-        post, comb, x = self.attn_hc(h_BSNH)
+        # carrying: the merge's residual is the streams as the fast kernels hand them on, so that their
+        # backward sums the three uses' gradients as they write them (HyperConnection.carrying)
+        post, comb, x, h_BSNH = self.attn_hc.carrying(h_BSNH)
         y = self.self_attn(self.input_layernorm(x), ctx)
         h_BSNH = self.attn_hc.merge(post, comb, y, h_BSNH)
-        post, comb, x = self.ffn_hc(h_BSNH)
+        post, comb, x, h_BSNH = self.ffn_hc.carrying(h_BSNH)
         y = self.mlp(self.post_attention_layernorm(x))
         return self.ffn_hc.merge(post, comb, y, h_BSNH)
 
@@ -97,9 +99,9 @@ class Glm5DecoderLayer(nn.Module):
 
     def _after_mixer(self, post_TN, comb_TNN, y_TH, h_TNH) -> torch.Tensor:
         h_TNH = self.attn_hc.merge(post_TN, comb_TNN, y_TH, h_TNH)
-        post, comb, x = self.ffn_hc(h_TNH.unsqueeze(0))
+        post, comb, x, h_BTNH = self.ffn_hc.carrying(h_TNH.unsqueeze(0))
         y = self.mlp(self.post_attention_layernorm(x[0]))
-        return self.ffn_hc.merge(post[0], comb[0], y, h_TNH)
+        return self.ffn_hc.merge(post[0], comb[0], y, h_BTNH[0])
 
 
 class Glm5Model(CausalLM):
