@@ -5,7 +5,7 @@ Shapes: B batch, S_loc tokens on this rank, S full sequence, Hh heads (Hl of the
 K conv kernel size.
 
     x_BSH --q/k/v_proj--> [B, S_loc, Hh, D] --seq_to_heads--> [B, S, Hl, D]
-          --causal depthwise conv + SiLU (this rank's channels)--> q, k, v
+          --causal depthwise conv + SiLU (this rank's channels; q, k and v each alone)--> q, k, v
           --forget gate g (log decay per channel), beta = sigmoid(b_proj x)-->
           --chunked delta rule (q, k l2-normed inside the op)--> o [B, S, Hl, D]
           --heads_to_seq--> [B, S_loc, Hh, D] --gated RMSNorm (g_a/g_b) + o_proj--> [B, S_loc, H]
@@ -14,6 +14,12 @@ Context parallelism (Ulysses): the conv and the recurrence are per channel / per
 ``seq_to_heads`` each rank runs them over the whole sequence for its heads; with the identity context
 this is the plain computation. Document boundaries (``ctx.full_doc_ids()``) restart the conv and the
 recurrence: both ops take fla-style ``cu_seqlens`` over the batch flattened to one row.
+
+q, k and v stay three contiguous tensors from their projections through the conv to the recurrence: the
+conv runs once per part with its third of the conv weight (it is per channel, so this is the one conv over
+the channels ``[q | k | v]``, channel for channel). No concatenation before the conv, no split after it
+(whose non-contiguous views fla's ``chunk_kda`` would copy, and whose backward would concatenate the
+gradients).
 
 The recurrence in pieces: the ``kda`` op takes an ``initial_state`` and returns the final one
 (``return_state=True``), so ``segment_step`` runs tokens ``[s, e)`` from the state at s, with the conv over
@@ -46,6 +52,8 @@ from megaseq.models.spec import ModelSpec
 from megaseq.ops import dispatch
 from megaseq.ops import fla_kda as _fla_kda  # noqa: F401  (registers the fla kda and conv ops)
 from megaseq.ops import fla_norm as _fla_norm  # noqa: F401  (registers fla's gated norm, opt-in)
+
+QKV = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # KDA's q, k, v (conv inputs or outputs), kept apart
 
 
 def _segments(S: int, cu_seqlens: torch.Tensor | None) -> list[tuple[int, int]]:
@@ -300,17 +308,26 @@ class KimiDeltaAttention(nn.Module):
         projections and ``seq_to_heads`` (``[B, K - 1, 3 * Hl * D]``, this rank's heads), so every rank of a
         cp group carries its own heads' halo and state: the segment is split over the ranks like a sequence.
         """
-        mixed_BTC, g, beta = self._project(x_BTH, 0, ctx)
-        mixed_BLC, halo, state = ctx.carried_in(self.layer, mixed_BTC, self.segment_halo)
+        qkv_BTC, g, beta = self._project(x_BTH, 0, ctx)
+        T = qkv_BTC[0].shape[1]
+        # the halo travels as one [B, halo, 3 * Hl * D] tensor (channels [q | k | v], as the conv's); asked
+        # for with no tokens of this segment, so that only the halo's K - 1 tokens are concatenated
+        halo_BhC, halo, state = ctx.carried_in(self.layer, torch.cat([t[:, :0] for t in qkv_BTC], dim=-1),
+                                               self.segment_halo)
+        qkv_BLC = qkv_BTC
+        if halo:
+            C = qkv_BTC[0].shape[-1]
+            qkv_BLC = tuple(torch.cat([h, t], dim=1) for h, t in zip(halo_BhC.split(C, dim=-1), qkv_BTC, strict=True))
+        L = qkv_BLC[0].shape[1]
         full = ctx.full_doc_ids()  # [B, end of this segment] with documents, else None
         docs = continues = None
         if full is not None:  # the halo's and the segment's documents; does each row's first one go on?
-            docs = full[:, full.shape[1] - mixed_BLC.shape[1]:]
-            s = full.shape[1] - mixed_BTC.shape[1]  # the segment's first token
+            docs = full[:, full.shape[1] - L:]
+            s = full.shape[1] - T  # the segment's first token
             continues = full[:, s] == full[:, s - 1] if s > 0 else None
-        o, state = self._recur(mixed_BLC, g, beta, docs, halo, state, True, continues, ctx)
-        L = mixed_BLC.shape[1]
-        ctx.carried_out(self.layer, mixed_BLC[:, max(0, L - self.segment_halo):], state)
+        o, state = self._recur(qkv_BLC, g, beta, docs, halo, state, True, continues, ctx)
+        tail = torch.cat([t[:, max(0, L - self.segment_halo):] for t in qkv_BLC], dim=-1)
+        ctx.carried_out(self.layer, tail, state)
         return self._output(o, x_BTH, ctx)
 
     def _mix(self, x_BLH: torch.Tensor, ctx: SeqContext, halo: int = 0, state_BHKV: torch.Tensor | None = None,
@@ -324,16 +341,16 @@ class KimiDeltaAttention(nn.Module):
         restart at each document start; ``state_BHKV`` is row b's state before its first token, used only
         where ``continues_B[b]`` (that token's document began earlier), and the returned state is each
         row's after its last token (its last document's)."""
-        mixed_BLC, g, beta = self._project(x_BLH, halo, ctx)
-        o, state = self._recur(mixed_BLC, g, beta, ctx.full_doc_ids(), halo, state_BHKV, return_state,
+        qkv_BLC, g, beta = self._project(x_BLH, halo, ctx)
+        o, state = self._recur(qkv_BLC, g, beta, ctx.full_doc_ids(), halo, state_BHKV, return_state,
                                continues_B, ctx)
         return self._output(o, x_BLH[:, halo:], ctx), state
 
-    def _project(self, x_BLH: torch.Tensor, halo: int,
-                 ctx: SeqContext) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(conv input ``[B, L', 3 * Hl * D]``, forget gate ``[B, T', Hl, D]``, beta ``[B, T', Hl, 1]``) of this
-        rank's heads over the whole (cp-gathered) sequence; q/k/v of all L tokens, g and beta of the last
-        ``T = L - halo``."""
+    def _project(self, x_BLH: torch.Tensor, halo: int, ctx: SeqContext) -> tuple[QKV, torch.Tensor, torch.Tensor]:
+        """(the conv inputs ``(q, k, v)``, each ``[B, L', Hl * D]`` and contiguous, forget gate ``[B, T', Hl, D]``,
+        beta ``[B, T', Hl, 1]``) of this rank's heads over the whole (cp-gathered) sequence; q/k/v of all L
+        tokens, g and beta of the last ``T = L - halo``. q, k and v are not concatenated: ``_recur`` convolves
+        each with its third of the conv weight."""
         B, L, _ = x_BLH.shape
         Hh, D = self.num_heads, self.head_dim
         if Hh % ctx.cp_size:
@@ -346,26 +363,32 @@ class KimiDeltaAttention(nn.Module):
         # Ulysses: all of the sequence, this rank's heads (identity with one rank)
         q, k, v, g, beta = (ctx.seq_to_heads(t) for t in (q, k, v, g, beta))
         Hl = q.shape[2]
-        return torch.cat([t.reshape(B, -1, Hl * D) for t in (q, k, v)], dim=-1), g, beta
+        return tuple(t.reshape(B, -1, Hl * D) for t in (q, k, v)), g, beta
 
-    def _recur(self, mixed_BLC: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, doc_ids: torch.Tensor | None,
+    def _recur(self, qkv_BLC: QKV, g: torch.Tensor, beta: torch.Tensor, doc_ids: torch.Tensor | None,
                halo: int, state_BHKV: torch.Tensor | None, return_state: bool, continues_B: torch.Tensor | None,
                ctx: SeqContext) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The causal conv over all L tokens (the first ``halo`` only feed it) and the delta-rule recurrence
-        over the rest, for this rank's heads: (``o [B, T, Hl, D]``, the final state or None). ``doc_ids``:
-        the documents of the L tokens (None: one per row)."""
-        B, L, C = mixed_BLC.shape
+        over the rest, for this rank's heads: (``o [B, T, Hl, D]``, the final state or None). ``qkv_BLC``: the
+        conv inputs ``(q, k, v)``, each ``[B, L, Hl * D]``, convolved one at a time with their third of the
+        conv weight (the conv is per channel: the same as one conv over ``[q | k | v]``), so that the kda op
+        gets three contiguous tensors. ``doc_ids``: the documents of the L tokens (None: one per row)."""
+        B, L, C = qkv_BLC[0].shape  # C = Hl * D channels per part
         D = self.head_dim
-        Hl = C // (3 * D)
+        Hl = C // D
         cu = None if doc_ids is None else cu_seqlens_from_doc_ids(doc_ids)
         rows = 1 if cu is not None else B
-        mixed = dispatch.call("causal_conv", mixed_BLC.reshape(rows, -1, C),
-                              self._conv_weight(ctx.head_slice(self.num_heads)), "silu", cu, layer=self.layer)
-        if rows == B:
-            mixed = mixed[:, halo:]
-        elif halo:  # documents: the batch is one flattened row; drop each row's halo
-            mixed = mixed.reshape(B, -1, C)[:, halo:].reshape(rows, -1, C)
-        q, k, v = (t.reshape(rows, -1, Hl, D) for t in mixed.split(Hl * D, dim=-1))
+        weights = self._conv_weight(ctx.head_slice(self.num_heads)).split(C)  # q, k, v thirds [C, K]
+
+        def conv(x_BLC: torch.Tensor, w_CK: torch.Tensor) -> torch.Tensor:
+            y = dispatch.call("causal_conv", x_BLC.reshape(rows, -1, C), w_CK, "silu", cu, layer=self.layer)
+            if rows == B:  # contiguous when B == 1 or halo == 0, else the kda op copies it
+                y = y[:, halo:]
+            elif halo:  # documents: the batch is one flattened row; drop each row's halo
+                y = y.reshape(B, -1, C)[:, halo:].reshape(rows, -1, C)
+            return y.reshape(rows, -1, Hl, D)
+
+        q, k, v = (conv(x, w) for x, w in zip(qkv_BLC, weights, strict=True))
         first = last = None
         if cu is not None and halo:  # the recurrence runs over the tokens after the halo
             cu = cu_seqlens_from_doc_ids(doc_ids[:, halo:])
