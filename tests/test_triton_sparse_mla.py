@@ -178,7 +178,7 @@ def test_the_pool_pass_sums_the_latent_gradient_as_the_atomics_do(device, monkey
     assert K.pool_layout(scattered, 20) is None
     entries = K.pool_entries
     qn, pool, lo, hi, NP = entries(idx, S, 16, chunk=7)  # several programs a pool: their sums add up
-    assert pool.numel() > B * NP and torch.equal((hi - lo).sum(), torch.tensor(qn.numel()))
+    assert pool.numel() > B * NP and int((hi - lo).sum()) == qn.numel()
     monkeypatch.setattr(K, "POOL_CHUNK", 7)
     assert_close("dc in chunks of 7 queries", K.backward(q, do, o, lse, c, idx, 0.3, dc="pool")[1], dc,
                  TOL[torch.float32])
@@ -242,13 +242,132 @@ def test_dispatcher_runs_triton_when_preferred(device):
     assert rel_err(out, sparse_mla_reference(*[t.double() for t in leaves], idx, 0.4)) < TOL[torch.float32]
 
 
+# ---- the pool-layout check: the Triton pass against the torch reference ----------------------------------
+def random_pool_block(gen, idx: torch.Tensor, kp: int, K: int, b: int | None = None) -> tuple[int, int, int]:
+    """(b, q, k) of a random block of the pooled slots that holds a pool (in batch row ``b`` if given)."""
+    at = (idx[..., :K * kp:kp] >= 0).nonzero()
+    if b is not None:
+        at = at[at[:, 0] == b]
+    return tuple(int(x) for x in at[int(torch.randint(len(at), (1,), generator=gen))])
+
+
+def plant(kind: str, idx: torch.Tensor, S: int, gen, kp: int = 16) -> tuple[torch.Tensor, int]:
+    """A copy of the pool selection ``idx`` with one violation of the layout at one random block, and its query."""
+    K = (idx.shape[-1] + 1) // kp - 1
+    idx = idx.clone()
+    b, q, k = random_pool_block(gen, idx, kp, K, b=1 if kind == "second_row" else None)
+    block = idx[b, q, k * kp:(k + 1) * kp]
+    i = int(torch.randint(kp, (1,), generator=gen))
+    ar = torch.arange(kp, dtype=idx.dtype, device=idx.device)
+    if kind in ("off_by_one", "second_row"):  # one key one off: no longer kp consecutive keys from the first
+        block[i] += 1 if int(torch.randint(2, (1,), generator=gen)) else -1
+    elif kind == "partly_empty":  # one slot empty, as -1 or as a key >= S (which counts as empty)
+        block[i] = -1 if i % 2 else S + i
+    elif kind == "first_empty":  # the first slot empty (-1 or >= S), the others still keys of the pool
+        block[0] = -1 if i % 2 else S + i
+    elif kind == "misaligned":  # kp consecutive keys in range, but first % kp != 0
+        r = 1 + int(torch.randint(kp - 1, (1,), generator=gen))
+        block[:] = int(torch.randint((S - kp - r) // kp + 1, (1,), generator=gen)) * kp + r + ar
+    elif kind == "past_s":  # aligned and consecutive, but first + kp > S (S % kp != 0: the last keys are no pool)
+        assert S % kp
+        block[:] = S // kp * kp + ar
+    else:
+        raise ValueError(kind)
+    return idx, q
+
+
+def check_layout(idx: torch.Tensor, S: int) -> int | None:
+    """The Triton pass's answer, asserted equal to the torch reference's."""
+    from megaseq.ops import triton_sparse_mla_kernels as K
+
+    got, want = K.pool_layout_triton(idx, S), K.pool_layout_reference(idx, S)
+    assert got == want, (got, want)
+    return got
+
+
+@pytest.fixture(params=[None, (128, 8)], ids=["default_block", "small_block"])
+def layout_block(request, monkeypatch) -> tuple[int, int] | None:
+    """Slots per program of the layout pass and slots of a query per program at most: the defaults (all 64 slots
+    of 32 queries a program: 3 programs for 2 x 39 queries), or 16 queries of 8 slots, half a block (5 x 8
+    programs); the last programs partial. A violation must be seen from any of them."""
+    from megaseq.ops import triton_sparse_mla_kernels as K
+
+    if request.param:
+        monkeypatch.setattr(K, "POOL_LAYOUT_BLOCK", request.param[0])
+        monkeypatch.setattr(K, "POOL_LAYOUT_SLOTS", request.param[1])
+    return request.param
+
+
+def test_pool_layout_kernel_accepts_the_indexer_selection(device, layout_block):
+    """The indexer's pools of 16 (S = 100: the last 4 keys in no pool, early queries with empty blocks), with
+    keys >= S as empty slots, all-empty selections, int64 and a non-contiguous query slice."""
+    gen = torch.Generator().manual_seed(11)
+    S = 100
+    idx = tsm.causal_pool_selection(2, 39, S, kpool=16, pools=4, q_offset=20, generator=gen)  # W = 79
+    assert (idx[..., :64] < 0).any() and (idx[..., :64] >= 0).any()  # some empty, some selected blocks
+    assert check_layout(idx.to(device), S) == 16
+    past = idx.clone()
+    past[..., :64] = torch.where(past[..., :64] < 0, S + 7, past[..., :64])  # keys >= S: empty slots
+    assert check_layout(past.to(device), S) == 16
+    assert check_layout(torch.full((1, 5, 63), -1, dtype=torch.int32, device=device), S) == 16
+    assert check_layout(idx.long().to(device), S) == 16
+    assert check_layout(idx.to(device)[:, 7:31], S) == 16
+    assert check_layout(idx[:, :0].to(device), S) == 16  # no queries: nothing violates
+    # pools of 32 (W = 63): the blocks of 16 fail (tails of 1..15 keys are partly empty), those of 32 hold
+    idx32 = tsm.causal_pool_selection(1, 40, S, kpool=32, pools=1, generator=gen)
+    assert check_layout(idx32.to(device), S) == 32
+
+
+@pytest.mark.parametrize("kind", ["off_by_one", "partly_empty", "first_empty", "misaligned", "past_s",
+                                  "second_row"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_pool_layout_kernel_finds_each_violation(device, layout_block, kind, seed):
+    """One violation at one random block (``second_row``: an off-by-one key in batch row 1 only) makes the
+    layout no pool layout, in the kernel as in the reference."""
+    gen = torch.Generator().manual_seed(100 + seed)
+    S = 100
+    idx = tsm.causal_pool_selection(2, 39, S, kpool=16, pools=4, q_offset=20, generator=gen)  # W = 79
+    assert check_layout(idx.to(device), S) == 16
+    bad, q = plant(kind, idx, S, gen)
+    assert (bad != idx).any() and (kind != "second_row" or torch.equal(bad[0], idx[0]))
+    assert check_layout(bad.to(device), S) is None
+    assert check_layout(bad.long().to(device), S) is None
+    assert check_layout(bad.to(device)[:, q:q + 3], S) is None  # a non-contiguous slice of the queries
+    assert check_layout(idx.to(device)[:, q:q + 3], S) == 16
+
+
+def test_pool_layout_kernel_without_a_candidate(device):
+    """W + 1 not a multiple of any pool size, or less than two pools of it: no candidate, None in both."""
+    gen = torch.Generator().manual_seed(12)
+    idx = tsm.causal_pool_selection(1, 20, 64, kpool=16, pools=3, generator=gen).to(device)  # W = 63
+    assert check_layout(idx, 64) == 16
+    assert check_layout(idx[..., :50], 64) is None  # W + 1 = 51
+    assert check_layout(idx[..., :15], 64) is None  # W + 1 = 16 < 2 * 16
+    assert check_layout(torch.full((1, 3, 15), -1, dtype=torch.int32, device=device), 64) is None
+
+
+def test_pool_layout_runs_the_reference_where_triton_cannot(monkeypatch):
+    """On the CPU without the interpreter ``pool_layout`` is the torch reference; with it (or on CUDA), the
+    Triton pass."""
+    from megaseq.ops import triton_sparse_mla_kernels as K
+
+    idx = tsm.causal_pool_selection(1, 20, 64, kpool=16, pools=3, generator=torch.Generator().manual_seed(13))
+    monkeypatch.setattr(K, "pool_layout_triton", lambda idx, S: "triton")
+    monkeypatch.setattr(K, "pool_layout_reference", lambda idx, S: "reference")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert K.pool_layout(idx, 64) == "reference"
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert K.pool_layout(idx, 64) == "triton"
+
+
 # ---- the GPU code compiles for sm_90 (no GPU needed) ------------------------------------------------------
 COMPILE_SM90 = textwrap.dedent("""
     import torch
     from megaseq.ops.triton_sparse_mla_kernels import compile_ptx
     for kind, dtype, Hh in [("fwd", torch.bfloat16, 16), ("bwd", torch.bfloat16, 16), ("fwd", torch.bfloat16, 64),
                             ("bwd", torch.float32, 16), ("fwd", torch.float32, 5), ("bwd_tail", torch.bfloat16, 16),
-                            ("pool", torch.bfloat16, 16), ("pool", torch.float32, 16)]:
+                            ("pool", torch.bfloat16, 16), ("pool", torch.float32, 16), ("layout", torch.int32, 0),
+                            ("layout", torch.int64, 0)]:
         ptx, smem = compile_ptx(kind, dtype, Hh, 512, 2063)
         assert smem <= 232448, (kind, dtype, Hh, smem)  # an H200's shared memory per block
         print(kind, dtype, Hh, "v4-atomics" if "atom.global.gpu.relaxed.add.v4.f32" in ptx else "-", flush=True)
@@ -258,9 +377,11 @@ COMPILE_SM90 = textwrap.dedent("""
 def test_kernels_compile_for_sm90():
     """Triton's interpreter accepts code the compiler refuses (it did: a helper returning masks of two
     shapes); compile both kernels for an H200 in a process without TRITON_INTERPRET. The latent gradient's
-    atomics must come out 4-wide (``atom...add.v4.f32``): scalar ones would be 4x the atomic operations."""
+    atomics must come out 4-wide (``atom...add.v4.f32``): scalar ones would be 4x the atomic operations. The
+    pool-layout check too, for int32 and int64 selections."""
     lines = compile_in_child(COMPILE_SM90).splitlines()
-    assert len(lines) == 8, lines
+    assert len(lines) == 10, lines
+    assert "layout torch.int32 0 -" in lines and "layout torch.int64 0 -" in lines
     assert "bwd torch.bfloat16 16 v4-atomics" in lines and "bwd torch.float32 16 v4-atomics" in lines
     assert "pool torch.bfloat16 16 v4-atomics" in lines and "bwd_tail torch.bfloat16 16 v4-atomics" in lines
 
@@ -380,3 +501,22 @@ def test_gpu_pool_sort_stays_within_its_planned_bytes():
     assert 0.4 * workspace.POOL_SORT_BYTES * slots < peak <= workspace.POOL_SORT_BYTES * slots, peak / slots
     assert out[0].numel() <= slots
     assert workspace.sparse_mla_pool_bytes(Q, 2063, 16, 16) == Q * 16 * 4 + workspace.POOL_SORT_BYTES * slots
+
+
+@pytest.mark.gpu
+@GPU
+def test_gpu_pool_layout_kernel_matches_the_reference_at_32k():
+    """The layout check at glm5-flash-1gpu's DSA shapes (32K queries and keys, W = 2063: 128 pools of 16, then
+    the tail): the Triton pass answers as the torch reference on the indexer's selection (16) and with one
+    violation planted at a random block (None)."""
+    from megaseq.ops import triton_sparse_mla_kernels as K
+
+    Q = S = 32768
+    idx = tsm.causal_pool_selection(1, Q, S, generator=torch.Generator(device="cuda").manual_seed(4), device="cuda")
+    assert idx.shape[-1] == 2063 and K.pool_candidates(2063) == [(16, 128)]
+    assert check_layout(idx, S) == 16 and K.pool_layout(idx, S) == 16
+    gen = torch.Generator().manual_seed(4)
+    for kind in ("off_by_one", "partly_empty", "misaligned"):
+        bad, _ = plant(kind, idx, S, gen)
+        assert check_layout(bad, S) is None and K.pool_layout(bad, S) is None, kind
+        del bad
