@@ -484,6 +484,22 @@ print('planned longest, bf16 weights:', longest_length(get_preset('glm5-flash-1g
       --out "$OUT/bench_1gpu_issue"
     NOTAR=1
     ;;
+  s18a)  # prepared in session 17 (issue 13), not yet run: session 17's changes A/B at 32K in one job (s17c ran with
+      # device_env.sh's MEGASEQ_FLA_AUTOTUNE=one, every autotuned Triton kernel on one conservative config, so its
+      # 26.5% MFU is a lower bound), then the issue's command. Carry .ab/s16 (the tree before them:
+      # mkdir -p .ab/s16 && git archive f62017c src | tar x -C .ab/s16) and .tcpart
+    timeout -k 5 120 python3 -m pytest -q -p no:cacheprovider tests/test_hc_carry.py > "$OUT/gpu_tests.log" 2>&1; rc=$?
+    tail -3 "$OUT/gpu_tests.log"
+    [ $rc -eq 0 ] || { echo "GPU tests failed (rc $rc): no bench"; tail -40 "$OUT/gpu_tests.log" | cut -c1-300; exit 1; }
+    for tree in s16 s17; do
+      src=$PWD/src; [ $tree = s16 ] && src=$PWD/.ab/s16/src
+      PYTHONPATH=/tmp/site:$src timeout -k 5 150 python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml --seq-lens 32K \
+        --steps 3 --out "$OUT/bench_32k_$tree"
+    done
+    timeout -k 5 $((590 - SECONDS)) python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml --seq-lens 8K,32K \
+      --baseline --out "$OUT/bench_1gpu_issue"
+    NOTAR=1
+    ;;
   fsdp8)  # (nvidia-h200-x8) FSDP2 over 8 GPUs, bf16 weights: glm5-flash-slice (the full model's layer shapes)
       # at 64K, dp_cp over dp 2 x cp 4; metrics.jsonl holds each step's measured and planned peak
     timeout 500 torchrun --nproc-per-node 8 -m megaseq train recipes/glm5-flash-slice.yaml --train.steps 3 \
