@@ -1,9 +1,11 @@
 """FSDP2 (``parallel.fsdp``) over gloo processes, float64: two clipped AdamW steps of glm5-flash-tiny (KDA +
 DSA + mHC + MoE) equal the one-process steps on the whole batch: the loss, every gradient (gathered from
-the shards) and every parameter after the second step, to 1e-10. Meshes: dp (FSDP over dp), dp x cp with
-FSDP over dp (the shards replicated over cp: HSDP) and fully sharded (FSDP over dp x cp), on 2, 4 and 8
-ranks, with and without sequence segments. The trainer's own step runs (``train.trainer.train_step``):
-Ulysses + gather-KV CP, Ring-DTP, the global token count, the gradient reduction, the clip.
+the shards) and every parameter after the second step: the first step's gradients to 1e-12 (+ 1e-10 relative),
+the second's and the parameters to 1e-9 (``LATER_TOL``: what near-ties make of the first update's rounding).
+Meshes: dp (FSDP over dp), dp x cp with FSDP over dp (the shards replicated over cp: HSDP) and fully sharded
+(FSDP over dp x cp), on 2, 4 and 8 ranks, with and without sequence segments. The trainer's own step runs
+(``train.trainer.train_step``): Ulysses + gather-KV CP, Ring-DTP, the global token count, the gradient
+reduction, the clip.
 
 Broken variants that must fail: one block's gradient not reduce-scattered
 (``set_requires_gradient_sync(False)``), and a forward prefetch of the wrong block (the all-gather of block
@@ -27,6 +29,11 @@ from megaseq.parallel.mesh import complete_batch
 
 S, NUM_SEQS, STEPS = 32, 8, 2
 TOL = dict(atol=1e-12, rtol=1e-10)
+# after the first update: the two runs' parameters differ by the first step's float64 rounding (1e-17), and
+# discrete choices at near-ties (the indexer's top-k, the MoE's routing) can amplify that in a few elements
+# (on one 2-core Xeon: one embedding element off by 1.6e-11 at step 1, every step-0 gradient within 5e-17). A
+# wrong reduction or clip is off by far more at step 0, which TOL checks.
+LATER_TOL = dict(atol=1e-9, rtol=1e-7)
 LR, CLIP = 3e-3, 0.5
 
 
@@ -135,10 +142,11 @@ def _rank(rank: int, dp: int, cp: int, fsdp: str, segment: int, broken: str, ref
         assert abs(losses[k] - ref_losses[k]) < 1e-12 * abs(ref_losses[k]), (k, losses[k], ref_losses[k])
         assert grads[k].keys() == ref_grads[k].keys()
         for n, g in grads[k].items():
-            torch.testing.assert_close(g, ref_grads[k][n], **TOL, msg=lambda m, n=n, k=k: f"step {k} grad {n}: {m}")
+            torch.testing.assert_close(g, ref_grads[k][n], **(LATER_TOL if k else TOL),
+                                       msg=lambda m, n=n, k=k: f"step {k} grad {n}: {m}")
     assert steps == STEPS, "the broken variant was not caught"
     for n, p in params.items():
-        torch.testing.assert_close(p, ref_params[n], **TOL, msg=lambda m, n=n: f"{n}: {m}")
+        torch.testing.assert_close(p, ref_params[n], **LATER_TOL, msg=lambda m, n=n: f"{n}: {m}")
     env.shutdown()
 
 
