@@ -30,7 +30,7 @@ from megaseq.parallel.mesh import complete_batch
 S, NUM_SEQS, STEPS = 32, 8, 2
 TOL = dict(atol=1e-12, rtol=1e-10)
 # after the first update: the two runs' parameters differ by the first step's float64 rounding (1e-17), and
-# discrete choices at near-ties (the indexer's top-k, the MoE's routing) can amplify that in a few elements
+# (most likely) discrete choices at near-ties (the indexer's top-k, the MoE's routing) amplify that in a few elements
 # (on one 2-core Xeon: one embedding element off by 1.6e-11 at step 1, every step-0 gradient within 5e-17). A
 # wrong reduction or clip is off by far more at step 0, which TOL checks.
 LATER_TOL = dict(atol=1e-9, rtol=1e-7)
