@@ -50,3 +50,23 @@ def test_labels_of_a_real_cpu_profile(profile_step):
     fwd, bwd = profile_step.by_label(prof.events(), time_of=lambda e: float(e.cpu_time_total))
     assert set(fwd) == {"fwd:lin:Linear"} and fwd["fwd:lin:Linear"] > 0
     assert any("Backward" in k for k in bwd), bwd
+
+
+def test_the_engines_adds_are_their_own_row(profile_step):
+    """An aten op right under an evaluate_function, beside the node's own event, is the engine summing a
+    tensor's gradients (or casting them): its own row, not the node's."""
+    node = _evt(BWD + "ViewBackward0", 100.0)
+    own = _evt("ViewBackward0", 10.0, parent=node)
+    add = _evt("aten::add_", 90.0, parent=node)
+    inner = _evt("aten::mm", 5.0, parent=own)  # inside the node's own backward: the node's
+    _, bwd = profile_step.by_label([node, own, add, inner])
+    assert bwd == {"ViewBackward0": 10.0, profile_step.ENGINE: 90.0}
+
+
+def test_the_engines_adds_in_a_real_cpu_profile(profile_step):
+    x = torch.randn(64, 64, requires_grad=True)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        (x.view(-1).square().sum() + x.exp().sum()).backward()  # x's two uses: the engine adds their gradients
+    _, bwd = profile_step.by_label(prof.events(), time_of=lambda e: float(e.cpu_time_total))
+    assert bwd.get(profile_step.ENGINE, 0) > 0, bwd
+
