@@ -238,7 +238,10 @@ class Indexer(nn.Module):
                 self.index_topk // kp, self.softmax_scale, query_chunk=e - s, layer=self.layer)
             # a pool's tokens are consecutive (tok_Pk[p] = first_P[p] + 0 .. kp - 1): written from the pools'
             # first tokens, not gathered as [c, K, kp] rows of tok_Pk (a 64-byte-row gather: 2.5 ms a layer at 32K)
-            dst = out_QW[s:e, :width].view(e - s, -1, kp)
+            if sel_cK.shape != (e - s, num_pools):  # the add below would broadcast a single column silently
+                raise RuntimeError(f"{self.layer}: indexer_topk returned {tuple(sel_cK.shape)} pools for "
+                                   f"{(e - s, num_pools)}")
+            dst = out_QW[s:e, :width].view(e - s, num_pools, kp)
             torch.add(first_P[sel_cK].unsqueeze(-1), offs_k, out=dst)
             dst.masked_fill_(~ok_cK.unsqueeze(-1), -1)
         if self.select_tail and kp > 1:
