@@ -500,6 +500,17 @@ print('planned longest, bf16 weights:', longest_length(get_preset('glm5-flash-1g
       --baseline --out "$OUT/bench_1gpu_issue"
     NOTAR=1
     ;;
+  s18b)  # prepared in session 17 (issue 13), not yet run: MasterAdamW's launch configurations, a warm 1M step (the
+      # last, session 16's s16c, 33.2 s, ran before the AdamW kernel), then where a 256K step goes (issue 13 asks for
+      # a 256K profile after the work; session 13's is the last); carry .whl, .tcpart
+    timeout -k 5 60 python3 benchmarks/adamw_configs.py --out "$OUT/adamw_configs.json"
+    timeout -k 5 300 python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml --seq-lens 1M --steps 1 \
+      --out "$OUT/bench_1gpu_1m"
+    timeout -k 5 $((585 - SECONDS)) python3 benchmarks/profile_step.py recipes/glm5-flash-1gpu.yaml 256K \
+      --json "$OUT/profile_256k.json" > "$OUT/profile_1gpu_256k.txt" 2>&1
+    head -45 "$OUT/profile_1gpu_256k.txt" | cut -c1-160
+    NOTAR=1
+    ;;
   fsdp8)  # (nvidia-h200-x8) FSDP2 over 8 GPUs, bf16 weights: glm5-flash-slice (the full model's layer shapes)
       # at 64K, dp_cp over dp 2 x cp 4; metrics.jsonl holds each step's measured and planned peak
     timeout 500 torchrun --nproc-per-node 8 -m megaseq train recipes/glm5-flash-slice.yaml --train.steps 3 \
