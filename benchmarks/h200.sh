@@ -484,11 +484,14 @@ print('planned longest, bf16 weights:', longest_length(get_preset('glm5-flash-1g
       --out "$OUT/bench_1gpu_issue"
     NOTAR=1
     ;;
-  s18a)  # prepared in session 17 (issue 13), not yet run: session 17's changes A/B at 32K in one job (s17c ran with
+  s18a)  # prepared in session 17 (issue 13), not yet run: the GPU tests of the carry and of fla's forget gate
+      # (op kda_gate, not yet run on a GPU), session 17's changes A/B at 32K in one job (s17c ran with
       # device_env.sh's MEGASEQ_FLA_AUTOTUNE=one, every autotuned Triton kernel on one conservative config, so its
       # 26.5% MFU is a lower bound), then the issue's command. Carry .ab/s16 (the tree before them:
       # mkdir -p .ab/s16 && git archive f62017c src | tar x -C .ab/s16) and .tcpart
-    timeout -k 5 120 python3 -m pytest -q -p no:cacheprovider tests/test_hc_carry.py > "$OUT/gpu_tests.log" 2>&1; rc=$?
+    # one config per autotuned kernel for the tests (numerics, not speed: s17b's ran out of time autotuning)
+    MEGASEQ_FLA_AUTOTUNE=one timeout -k 5 150 python3 -m pytest -q -p no:cacheprovider tests/test_hc_carry.py \
+      tests/test_kda_gate.py > "$OUT/gpu_tests.log" 2>&1; rc=$?
     tail -3 "$OUT/gpu_tests.log"
     [ $rc -eq 0 ] || { echo "GPU tests failed (rc $rc): no bench"; tail -40 "$OUT/gpu_tests.log" | cut -c1-300; exit 1; }
     for tree in s16 s17; do

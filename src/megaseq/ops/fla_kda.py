@@ -140,6 +140,36 @@ def kda_fla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
     return (o.to(q.dtype), ht) if return_state else o.to(q.dtype)
 
 
+# ---- kda_gate -----------------------------------------------------------------------------------------
+def kda_gate_fla_supports(f_BSHD: torch.Tensor, A_log_H: torch.Tensor, dt_bias_C: torch.Tensor,
+                          lower_bound: float | None) -> str | None:
+    if f_BSHD.dim() < 2:
+        return f"f {tuple(f_BSHD.shape)} (expected [..., Hh, D])"
+    Hh, D = f_BSHD.shape[-2:]
+    if A_log_H.numel() != Hh or dt_bias_C.numel() != Hh * D:
+        return f"A_log {tuple(A_log_H.shape)}, dt_bias {tuple(dt_bias_C.shape)} for f {tuple(f_BSHD.shape)}"
+    for t in (f_BSHD, A_log_H, dt_bias_C):
+        if t.dtype not in DTYPES:
+            return f"dtype {t.dtype} (fla's gate computes in float32; float64 runs the reference)"
+        if t.device.type != "cuda":
+            return f"device {t.device.type} (fla's Triton kernels need cuda)"
+    return fla_available()
+
+
+@dispatch.register("kda_gate", "fla", supports=kda_gate_fla_supports, opt_in=True)
+def kda_gate_fla(f_BSHD: torch.Tensor, A_log_H: torch.Tensor, dt_bias_C: torch.Tensor,
+                 lower_bound: float | None) -> torch.Tensor:
+    """Same contract as ``models/common/kda.py: kda_gate_reference`` (float32 out): fla's ``fused_kda_gate``, the
+    bias, ``exp(A_log)``, the sigmoid (or softplus) and the bound in one pass each way (fla's KimiDeltaAttention's
+    own gate), where the reference runs five float32 elementwise passes forward and as many back, and sums the
+    bias's and A_log's gradients per 32-token block on the fly. ``f``'s gradient comes back in its dtype."""
+    from fla.ops.kda.gate import fused_kda_gate
+
+    _maybe_limit_autotune()
+    with torch.autocast(f_BSHD.device.type, enabled=False):
+        return fused_kda_gate(f_BSHD, A_log_H, dt_bias_C, lower_bound=lower_bound, output_dtype=torch.float32)
+
+
 # ---- causal_conv --------------------------------------------------------------------------------------
 def conv_fla_supports(x_BSC: torch.Tensor, weight_CK: torch.Tensor, activation: str | None = "silu",
                       cu_seqlens: torch.Tensor | None = None) -> str | None:

@@ -33,6 +33,7 @@ FAST_GPU = {
     "indexer_topk": "triton",
     "hc_mix": "triton",
     "gated_rms_norm": "fla",
+    "kda_gate": "fla",
     "hc_weights": "triton",
     "hc_collapse": "triton",
     "hc_merge": "triton",

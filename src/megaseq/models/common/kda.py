@@ -181,13 +181,30 @@ def kda_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
 
 
 # ---- modules ------------------------------------------------------------------------------------------
-class ForgetGate(nn.Module):
-    """Per-channel log decay ``g [B, S, Hh, D]`` (compute dtype); HF name ``forget_gate``."""
+@dispatch.register("kda_gate", "torch", reference=True)
+def kda_gate_reference(f_BSHD: torch.Tensor, A_log_H: torch.Tensor, dt_bias_C: torch.Tensor,
+                       lower_bound: float | None) -> torch.Tensor:
+    """The log decay from the gate projection's output ``f [B, S, Hh, D]``, in the compute dtype (HF's order):
+    ``g = f + dt_bias``, then ``lower_bound * sigmoid(exp(A_log) * g)`` (the "safe gate", in (lower_bound, 0))
+    or, without a lower bound, ``-exp(A_log) * softplus(g)`` (softplus linear above 20)."""
+    cd = compute_dtype(f_BSHD.dtype)
+    Hh, D = f_BSHD.shape[-2:]
+    g = f_BSHD.to(cd) + dt_bias_C.to(cd).view(Hh, D)
+    decay_rate = torch.exp(A_log_H.to(cd).view(Hh, 1))
+    if lower_bound is not None:
+        return lower_bound * torch.sigmoid(decay_rate * g)
+    return -decay_rate * torch.where(g > 20.0, g, torch.log(1.0 + torch.exp(g)))
 
-    def __init__(self, spec: ModelSpec) -> None:
+
+class ForgetGate(nn.Module):
+    """Per-channel log decay ``g [B, S, Hh, D]`` (compute dtype); HF name ``forget_gate``. The activation after
+    the two projections is op ``kda_gate`` (fla's fused kernel in the fast set)."""
+
+    def __init__(self, spec: ModelSpec, layer: str = "forget_gate") -> None:
         super().__init__()
         Hh, D = spec.linear_num_heads, spec.linear_head_dim
         self.num_heads, self.head_dim = Hh, D
+        self.layer = layer  # name in the dispatcher's per-layer record
         self.f_a_proj = nn.Linear(spec.hidden_size, D, bias=False)
         self.f_b_proj = nn.Linear(D, Hh * D, bias=False)
         self.dt_bias = nn.Parameter(torch.zeros(Hh * D, dtype=torch.float32))
@@ -195,14 +212,9 @@ class ForgetGate(nn.Module):
         self.lower_bound = spec.linear_lower_bound
 
     def forward(self, x_BSH: torch.Tensor) -> torch.Tensor:
-        cd = compute_dtype(x_BSH.dtype)
         B, S = x_BSH.shape[:2]
-        f = self.f_b_proj(self.f_a_proj(x_BSH))
-        g = (f.to(cd) + self.dt_bias.to(cd).view(1, 1, -1)).view(B, S, self.num_heads, self.head_dim)
-        decay_rate = torch.exp(self.A_log.to(cd).view(1, 1, self.num_heads, 1))
-        if self.lower_bound is not None:  # "safe gate": g in (lower_bound, 0)
-            return self.lower_bound * torch.sigmoid(decay_rate * g)
-        return -decay_rate * torch.where(g > 20.0, g, torch.log(1.0 + torch.exp(g)))
+        f = self.f_b_proj(self.f_a_proj(x_BSH)).view(B, S, self.num_heads, self.head_dim)
+        return dispatch.call("kda_gate", f, self.A_log, self.dt_bias, self.lower_bound, layer=self.layer)
 
 
 @dispatch.register("gated_rms_norm", "torch", reference=True)
@@ -262,7 +274,7 @@ class KimiDeltaAttention(nn.Module):
         C, K = 3 * Hh * D, spec.linear_conv_kernel
         # nn.Conv1d only to keep HF's parameter name and layout ``conv1d.weight [C, 1, K]``
         self.conv1d = nn.Conv1d(C, C, kernel_size=K, groups=C, padding=K - 1, bias=False)
-        self.forget_gate = ForgetGate(spec)
+        self.forget_gate = ForgetGate(spec, f"{layer}.forget_gate")
         self.b_proj = nn.Linear(H, Hh, bias=False)
         self.g_a_proj = nn.Linear(H, D, bias=False)
         self.g_b_proj = nn.Linear(D, Hh * D, bias=False)
