@@ -99,7 +99,15 @@ def grad_norm(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]],
               dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Global 2-norm of gradients given as (parameter, local gradient) pairs: whole gradients count once,
     a sharded one's squares are summed over its sharded mesh dims. The same value on every rank."""
-    return combine_norms([(p, torch.linalg.vector_norm(g, dtype=dtype)) for p, g in pairs], dtype)
+    pairs = list(pairs)
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}  # torch's clip_grad_norm_ groups the same way
+    for i, (_, g) in enumerate(pairs):
+        groups.setdefault((g.device, g.dtype), []).append(i)
+    norms: list[torch.Tensor | None] = [None] * len(pairs)
+    for idx in groups.values():  # one multi-tensor pass per device and dtype, not a reduction per tensor
+        for i, n in zip(idx, torch._foreach_norm([pairs[i][1] for i in idx], 2, dtype=dtype), strict=True):
+            norms[i] = n
+    return combine_norms([(p, n) for (p, _), n in zip(pairs, norms, strict=True)], dtype)
 
 
 def combine_norms(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]],
