@@ -80,15 +80,16 @@ def _exact(hc, h, w, g, use_x: bool = True):
     return _run(hc64, h.cpu().double(), w.cpu().double(), g, carry=False, use_x=use_x)
 
 
-def _check(hc, h, w, g, dtype, use_x: bool = True):
+def _check(hc, h, w, g, dtype, use_x: bool = True, carry: bool = True):
     loss64, _, grads64 = _exact(hc, h, w, g, use_x)
     hc = hc.to(DEV)
     with dispatch.configured(preferred=FAST):
         dispatch.reset_records()
-        loss, res, grads = _run(hc, h.to(DEV), w.to(DEV), g, carry=True, use_x=use_x)
+        loss, res, grads = _run(hc, h.to(DEV), w.to(DEV), g, carry=carry, use_x=use_x)
         ran = {(r.op, r.impl) for _, r in dispatch.records()}
     assert {("hc_mix", "triton"), ("hc_collapse", "triton"), ("hc_merge", "triton")} <= ran, ran
-    assert res.grad_fn is not None and "Collapse" in type(res.grad_fn).__name__  # the carried view, not h
+    if carry:
+        assert res.grad_fn is not None and "Collapse" in type(res.grad_fn).__name__  # the carried view, not h
     assert_close("loss", loss.detach().cpu(), loss64.detach(), TOL[dtype])
     for name, got, want in zip(("h", "fn", "base", "scale", "w"), grads, grads64):
         assert_close(name, got.cpu(), want, TOL[dtype])
@@ -107,6 +108,12 @@ def test_carrying_matches_the_plain_computation_in_float64(N, H, dtype):
 def test_carrying_with_the_block_input_unused():
     """The collapse's output unused (its gradient None): the carried gradient alone goes on."""
     _check(*_setup(4, 37, F32), F32, use_x=False)
+
+
+def test_forward_leaves_the_carried_views_unused():
+    """``forward`` (the tiled layer's path) is ``carrying`` with the views dropped: the merge's residual is h itself,
+    autograd adds its gradient, the kernels get none carried."""
+    _check(*_setup(4, 37, F32), F32, carry=False)
 
 
 def test_carrying_off_the_fast_kernels_is_the_plain_computation():

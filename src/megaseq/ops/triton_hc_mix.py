@@ -127,14 +127,21 @@ def hc_mix_triton_supports(h_BSNH: torch.Tensor, fn_MD: torch.Tensor, norm_eps: 
     return triton_supports(h_BSNH, fn_MD)
 
 
-@dispatch.register("hc_mix", "triton", supports=hc_mix_triton_supports, opt_in=True)
-def hc_mix_triton(h_BSNH: torch.Tensor, fn_MD: torch.Tensor, norm_eps: float) -> torch.Tensor:
-    """Same contract as ``hc_mix_reference``: ``[B, S, M]`` in the matmul's dtype."""
+def _apply(h_BSNH: torch.Tensor, fn_MD: torch.Tensor, norm_eps: float, carry: bool):
     B, S, N, H = h_BSNH.shape
     out = _mm_dtype(h_BSNH, torch.float32)
     with torch.autocast(h_BSNH.device.type, enabled=False):
-        mix = _HcMixTriton.apply(h_BSNH.reshape(B * S, N * H).contiguous(), fn_MD.contiguous(), float(norm_eps), out)
-    return mix.view(B, S, -1)
+        res = _HcMixTriton.apply(h_BSNH.reshape(B * S, N * H).contiguous(), fn_MD.contiguous(), float(norm_eps), out,
+                                 carry)
+    if carry:
+        return res[0].view(B, S, -1), res[1].view(B, S, N, H)
+    return res.view(B, S, -1)
+
+
+@dispatch.register("hc_mix", "triton", supports=hc_mix_triton_supports, opt_in=True)
+def hc_mix_triton(h_BSNH: torch.Tensor, fn_MD: torch.Tensor, norm_eps: float) -> torch.Tensor:
+    """Same contract as ``hc_mix_reference``: ``[B, S, M]`` in the matmul's dtype."""
+    return _apply(h_BSNH, fn_MD, norm_eps, False)
 
 
 def hc_mix_triton_carry(h_BSNH: torch.Tensor, fn_MD: torch.Tensor,
@@ -143,12 +150,7 @@ def hc_mix_triton_carry(h_BSNH: torch.Tensor, fn_MD: torch.Tensor,
     (the collapse, the merge's residual). The gradient that view gets is added in the backward kernel as it
     writes the streams' gradient, not by autograd (a write and an add, read two, write one, per other use).
     ``models.common.mhc.call_carrying`` runs it."""
-    B, S, N, H = h_BSNH.shape
-    out = _mm_dtype(h_BSNH, torch.float32)
-    with torch.autocast(h_BSNH.device.type, enabled=False):
-        mix, flat = _HcMixTriton.apply(h_BSNH.reshape(B * S, N * H).contiguous(), fn_MD.contiguous(),
-                                       float(norm_eps), out, True)
-    return mix.view(B, S, -1), flat.view(B, S, N, H)
+    return _apply(h_BSNH, fn_MD, norm_eps, True)
 
 
 hc_mix_triton.carry = hc_mix_triton_carry

@@ -116,13 +116,9 @@ class HyperConnection(nn.Module):
         self.scale.fill_(1.0)
 
     def forward(self, h_BSNH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``h_BSNH -> (post_BSN, comb_BSNN, x_BSH)``; post/comb in the compute dtype, x in h's dtype."""
-        N = h_BSNH.shape[2]
-        mix = dispatch.call("hc_mix", h_BSNH, self.fn, self.norm_eps, layer=self.layer)
-        pre, post, comb = dispatch.call("hc_weights", mix, self.base, self.scale, N, self.sinkhorn_iters, self.hc_eps,
-                                        layer=self.layer)
-        x_BSH = dispatch.call("hc_collapse", pre, h_BSNH, layer=self.layer)
-        return post, comb, x_BSH
+        """``h_BSNH -> (post_BSN, comb_BSNN, x_BSH)``; post/comb in the compute dtype, x in h's dtype (``carrying``
+        without the streams: a carried view left unused adds nothing to the gradient)."""
+        return self.carrying(h_BSNH)[:3]
 
     def carrying(self, h_BSNH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """``forward``'s ``(post, comb, x)`` and the streams to give ``merge`` as its residual: ``h`` itself, or
