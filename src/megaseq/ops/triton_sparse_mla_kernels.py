@@ -394,6 +394,12 @@ POOL_LAYOUT_SLOTS = 2048
 POOL_LAYOUT_WARPS = 4
 
 
+def pool_layout_blocks(L: int) -> tuple[int, int]:
+    """``(BN, BS)`` of ``pool_layout_kernel`` for L checked slots a query."""
+    BS = min(triton.next_power_of_2(L), POOL_LAYOUT_SLOTS)
+    return max(1, POOL_LAYOUT_BLOCK // BS), BS
+
+
 def pool_layout_triton(idx_BQW: torch.Tensor, S: int) -> int | None:
     """``pool_layout`` by ``pool_layout_kernel``: each query's first K * kp slots read once, one int32 flag
     (1 = every block holds) read back per candidate kp."""
@@ -405,8 +411,7 @@ def pool_layout_triton(idx_BQW: torch.Tensor, S: int) -> int | None:
         if N == 0:
             return kp
         L = K * kp
-        BS = min(triton.next_power_of_2(L), POOL_LAYOUT_SLOTS)
-        BN = max(1, POOL_LAYOUT_BLOCK // BS)
+        BN, BS = pool_layout_blocks(L)
         flag = torch.ones(1, dtype=torch.int32, device=idx_BQW.device)
         pool_layout_kernel[(triton.cdiv(N, BN), triton.cdiv(L, BS))](
             idx_BQW, flag, N, Q, S, L, idx_BQW.stride(0), idx_BQW.stride(1), KP=kp, BN=BN, BS=BS,
@@ -524,8 +529,8 @@ def compile_ptx(kind: str, dtype: torch.dtype, Hh: int, R: int, W: int, cfg: Con
     if kind == "layout":
         ptrs = {"idx_ptr": {torch.int32: "*i32", torch.int64: "*i64"}[dtype], "flag_ptr": "*i32"}
         ints = {"N": "i32", "Q": "i32", "S": "i32", "L": "i32", "stride_b": "i64", "stride_q": "i32"}
-        BS = min(triton.next_power_of_2((W + 1) // 16 * 16 - 16), POOL_LAYOUT_SLOTS)
-        consts = {"KP": 16, "BN": max(1, POOL_LAYOUT_BLOCK // BS), "BS": BS}
+        BN, BS = pool_layout_blocks((W + 1) // 16 * 16 - 16)
+        consts = {"KP": 16, "BN": BN, "BS": BS}
         aligned = [n for n in (*ptrs, *ints) if n != "stride_q"]  # stride_q = W, odd in the real shapes
         return _compile(pool_layout_kernel, {**ptrs, **ints}, consts, aligned, POOL_LAYOUT_WARPS, 3, arch)
 
