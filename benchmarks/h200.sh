@@ -516,6 +516,20 @@ print('planned longest, bf16 weights:', longest_length(get_preset('glm5-flash-1g
     PYTHONPATH=/tmp/site:$PWD/.ab/s16/src timeout -k 5 $((560 - SECONDS)) python3 -m megaseq bench \
       recipes/glm5-flash-1gpu.yaml --seq-lens 32K --steps 3 --out "$OUT/bench_32k_s16"
     ;;
+  s19a)  # session 19, call 1 (issue 13; session 18's s18c results were lost with its machine): the carry's and fla
+      # forget gate's GPU tests (one config per autotuned kernel: numerics, not speed), today's tree at 8K and 32K
+      # (the warm-up steps autotune every kernel: full tuning), then where a 32K step goes in the time left.
+      # PACK=1: the Triton cache comes back
+    MEGASEQ_FLA_AUTOTUNE=one timeout -k 5 150 python3 -m pytest -q -p no:cacheprovider tests/test_hc_carry.py \
+      tests/test_kda_gate.py > "$OUT/gpu_tests.log" 2>&1; rc=$?
+    tail -3 "$OUT/gpu_tests.log"
+    [ $rc -eq 0 ] || { echo "GPU tests failed (rc $rc)"; grep -E "^(FAILED|ERROR)|Error" "$OUT/gpu_tests.log" | head -20 | cut -c1-300; }
+    timeout -k 5 $((460 - SECONDS)) python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml --seq-lens 8K,32K \
+      --steps 3 --out "$OUT/bench_s19"
+    timeout -k 5 $((555 - SECONDS)) python3 benchmarks/profile_step.py recipes/glm5-flash-1gpu.yaml 32K \
+      --json "$OUT/profile_32k.json" > "$OUT/profile_1gpu_32k.txt" 2>&1
+    head -70 "$OUT/profile_1gpu_32k.txt" | cut -c1-220
+    ;;
   s18b)  # prepared in session 17 (issue 13), not yet run: MasterAdamW's launch configurations, a warm 1M step (the
       # last, session 16's s16c, 33.2 s, ran before the AdamW kernel), then where a 256K step goes (issue 13 asks for
       # a 256K profile after the work; session 13's is the last); carry .whl, .tcpart
