@@ -530,6 +530,15 @@ print('planned longest, bf16 weights:', longest_length(get_preset('glm5-flash-1g
       --json "$OUT/profile_32k.json" > "$OUT/profile_1gpu_32k.txt" 2>&1
     head -70 "$OUT/profile_1gpu_32k.txt" | cut -c1-220
     ;;
+  s19b)  # session 19, call 2 (issue 13): today's tree at 32K (warm steps, full tuning: s19a's bench ran out of time
+      # after 8K), then where a 32K step goes with the GPU's idle gaps and the host syncs (profile_step's trace
+      # tables); carry .whl, .tcpart
+    timeout -k 5 200 python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml --seq-lens 32K --steps 5 --out "$OUT/bench_32k"
+    timeout -k 5 $((420 - SECONDS)) python3 benchmarks/profile_step.py recipes/glm5-flash-1gpu.yaml 32K \
+      --json "$OUT/profile_32k_gaps.json" > "$OUT/profile_1gpu_32k_gaps.txt" 2>&1
+    sed -n '/GPU idle between/,$p' "$OUT/profile_1gpu_32k_gaps.txt" | cut -c1-220
+    NOTAR=1
+    ;;
   s18b)  # prepared in session 17 (issue 13), not yet run: MasterAdamW's launch configurations, a warm 1M step (the
       # last, session 16's s16c, 33.2 s, ran before the AdamW kernel), then where a 256K step goes (issue 13 asks for
       # a 256K profile after the work; session 13's is the last); carry .whl, .tcpart

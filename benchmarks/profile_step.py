@@ -15,14 +15,20 @@ Prints three tables and the step's wall time:
   casts) are a row of their own, ``ENGINE``;
 - GPU time by aten op and input shapes (which tensors the elementwise kernels run over).
 
-``--json`` writes the three tables. Writes nothing else.
+and, from the step's trace, where the GPU sat idle between kernels: the idle time by what the host was
+doing when it launched the kernel after each gap (its innermost label and aten op), the longest gaps, and the
+host syncs (``cudaStreamSynchronize`` and kin: ``.item()``, ``.tolist()``, ``nonzero``) with where they ran.
+
+``--json`` writes the tables. Writes nothing else.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
+import tempfile
 import time
 from collections import defaultdict
 
@@ -109,6 +115,86 @@ def _table(title: str, rows: dict[str, float], total_us: float, limit: int) -> l
     return out
 
 
+_GPU_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
+_SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+
+
+def _nest(events: list[dict]) -> None:
+    """Per host thread, each event's ``parent`` (the innermost event that encloses it) by one sweep."""
+    by_thread: dict = defaultdict(list)
+    for e in events:
+        by_thread[(e.get("pid"), e.get("tid"))].append(e)
+    for evs in by_thread.values():
+        evs.sort(key=lambda e: (e["ts"], -e.get("dur", 0)))
+        stack: list[dict] = []
+        for e in evs:
+            while stack and stack[-1]["ts"] + stack[-1].get("dur", 0) < e["ts"] + e.get("dur", 0):
+                stack.pop()
+            e["parent"] = stack[-1] if stack else None
+            stack.append(e)
+
+
+def _where(e: dict | None) -> str:
+    """The innermost label (a part's forward, a backward function) and aten op around a host event."""
+    op = label = None
+    while e is not None:
+        name = e["name"]
+        if op is None and name.startswith("aten::"):
+            op = name
+        if name.startswith("fwd:") or name.startswith(_BACKWARD):
+            label = name.replace(_BACKWARD, "bwd:")
+            break
+        e = e["parent"]
+    return f"{label or '(no label)'} > {op or '-'}"
+
+
+def idle_gaps(trace: dict, min_us: float = 2.0) -> dict:
+    """Where the GPU sat idle in a chrome trace of one step: ``{"idle_ms", "busy_ms", "by_where", "longest",
+    "syncs"}``. A gap is the time between the end of the GPU work so far and the next kernel's start; it counts
+    for the host context that launched that kernel (``_where``)."""
+    evs = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "ts" in e]
+    gpu = sorted((e for e in evs if e.get("cat") in _GPU_CATS), key=lambda e: e["ts"])
+    host = [e for e in evs if e.get("cat") not in _GPU_CATS]
+    _nest(host)
+    launch = {e["args"]["correlation"]: e for e in host
+              if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+    by_where: dict[str, float] = defaultdict(float)
+    longest, idle, busy_end = [], 0.0, None
+    busy = 0.0
+    for k in gpu:
+        start, end = k["ts"], k["ts"] + k.get("dur", 0)
+        if busy_end is not None and start - busy_end >= min_us:
+            gap = start - busy_end
+            idle += gap
+            where = _where(launch.get(k.get("args", {}).get("correlation")))
+            by_where[where] += gap
+            longest.append((gap, where, k["name"][:60]))
+        busy += max(0.0, end - max(start, busy_end or start))
+        busy_end = end if busy_end is None else max(busy_end, end)
+    syncs: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for e in host:
+        if e.get("cat") == "cuda_runtime" and e["name"].startswith(_SYNCS):
+            s = syncs[f"{e['name']} in {_where(e['parent'])}"]
+            s[0] += 1
+            s[1] += e.get("dur", 0) / 1e3
+    longest.sort(key=lambda g: -g[0])
+    return {"idle_ms": idle / 1e3, "busy_ms": busy / 1e3,
+            "by_where": {k: v / 1e3 for k, v in sorted(by_where.items(), key=lambda kv: -kv[1])},
+            "longest": [{"us": g, "where": w, "next_kernel": n} for g, w, n in longest[:25]],
+            "syncs": {k: {"count": c, "host_ms": t} for k, (c, t) in sorted(syncs.items(), key=lambda kv: -kv[1][0])}}
+
+
+def gap_lines(g: dict, limit: int = 30) -> list[str]:
+    out = [f"\nGPU idle between kernels: {g['idle_ms']:.1f} ms (busy {g['busy_ms']:.1f} ms), by the host context that"
+           " launched the kernel after the gap", f"{'idle ms':>10}  where"]
+    out += [f"{ms:10.2f}  {w}" for w, ms in list(g["by_where"].items())[:limit]]
+    out += ["\nlongest gaps", f"{'us':>10}  where  (next kernel)"]
+    out += [f"{x['us']:10.0f}  {x['where']}  ({x['next_kernel']})" for x in g["longest"]]
+    out += ["\nhost syncs", f"{'count':>6} {'host ms':>8}  call in where"]
+    out += [f"{v['count']:6d} {v['host_ms']:8.2f}  {k}" for k, v in list(g["syncs"].items())[:limit]]
+    return out
+
+
 def main(argv: list[str]) -> int:
     from megaseq.models.presets import resolve_spec
     from megaseq.train.trainer import kernels_for, resolve_device
@@ -166,6 +252,13 @@ def main(argv: list[str]) -> int:
     rest_us = total - sum(fwd.values()) - sum(bwd.values())
     lines.append(f"\noutside any label (embedding, loss, optimizer, stream glue): {rest_us / 1e3:.1f} ms "
                  f"({100 * rest_us / max(total, 1):.1f}%)")
+    gaps = {}
+    if device.type == "cuda":
+        with tempfile.TemporaryDirectory() as tmp:
+            prof.export_chrome_trace(os.path.join(tmp, "trace.json"))
+            with open(os.path.join(tmp, "trace.json")) as f:
+                gaps = idle_gaps(json.load(f))
+        lines += gap_lines(gaps)
     print("\n".join(lines))
     if json_path:
         with open(json_path, "w") as f:
@@ -174,6 +267,7 @@ def main(argv: list[str]) -> int:
                        "forward_ms": {k: v / 1e3 for k, v in fwd.items()},
                        "backward_ms": {k: v / 1e3 for k, v in bwd.items()},
                        "aten_by_shape_ms": {k: v / 1e3 for k, v in sorted(shapes.items(), key=lambda kv: -kv[1])[:300]},
+                       "gaps": gaps,
                        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                        "torch": torch.__version__}, f, indent=1)
     applied.release()

@@ -70,3 +70,33 @@ def test_the_engines_adds_in_a_real_cpu_profile(profile_step):
     _, bwd = profile_step.by_label(prof.events(), time_of=lambda e: float(e.cpu_time_total))
     assert bwd.get(profile_step.ENGINE, 0) > 0, bwd
 
+
+
+def _x(cat, name, ts, dur, tid=1, corr=None):
+    e = {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 0 if cat == "kernel" else 1, "tid": tid}
+    if corr is not None:
+        e["args"] = {"correlation": corr}
+    return e
+
+
+def test_idle_gaps_count_for_the_launch_after_them(profile_step):
+    """A gap between two kernels counts for the host context that launched the second (here the add after a
+    sync inside the indexer's label), overlapping kernels count once, and the sync is listed where it ran."""
+    trace = {"traceEvents": [
+        _x("user_annotation", "fwd:self_attn.indexer:Indexer", 0, 100),
+        _x("cpu_op", "aten::mm", 10, 10), _x("cuda_runtime", "cudaLaunchKernel", 12, 2, corr=5),
+        _x("cpu_op", "aten::item", 30, 40), _x("cuda_runtime", "cudaStreamSynchronize", 35, 30),
+        _x("cpu_op", "aten::add", 80, 10), _x("cuda_runtime", "cudaLaunchKernel", 82, 2, corr=6),
+        _x("user_annotation", BWD + "MmBackward0", 120, 50, tid=2),
+        _x("cuda_runtime", "cudaLaunchKernel", 125, 2, tid=2, corr=7),
+        _x("kernel", "k1", 20, 40, tid=7, corr=5), _x("kernel", "k1b", 30, 10, tid=8),
+        _x("kernel", "k2", 90, 5, tid=7, corr=6), _x("kernel", "k3", 130, 10, tid=7, corr=7),
+    ]}
+    g = profile_step.idle_gaps(trace)
+    assert g["busy_ms"] == pytest.approx((40 + 5 + 10) / 1e3)
+    assert g["idle_ms"] == pytest.approx((30 + 35) / 1e3)
+    assert g["by_where"] == pytest.approx({"fwd:self_attn.indexer:Indexer > aten::add": 0.030,
+                                           "bwd:MmBackward0 > -": 0.035})
+    assert g["longest"][0]["next_kernel"] == "k3"
+    assert g["syncs"] == {"cudaStreamSynchronize in fwd:self_attn.indexer:Indexer > aten::item":
+                          {"count": 1, "host_ms": pytest.approx(0.03)}}
