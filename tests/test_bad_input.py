@@ -322,8 +322,11 @@ def test_diverging_run_stops_naming_the_step_and_writes_nothing_non_finite(save_
     assert f"The newest resumable checkpoint is {last or 'none'}" in err
 
 
-def test_skip_policy_skips_then_stops(tmp_path, capsys):
-    rc, err = _train(tmp_path, {"optim": {"lr": 1e10}, "train": {"steps": 12, "on_nonfinite": "skip"}}, [], capsys)
+@pytest.mark.parametrize("weights", ["fp32", "bf16"])  # bf16: MasterAdamW, the finiteness decided in its step
+def test_skip_policy_skips_then_stops(weights, tmp_path, capsys):
+    model = {"model": {"dtype": weights, "weights": weights}} if weights == "bf16" else {}
+    rc, err = _train(tmp_path, {"optim": {"lr": 1e10}, "train": {"steps": 12, "on_nonfinite": "skip"}, **model}, [],
+                     capsys)
     import re
 
     assert rc == 2 and "on_nonfinite skip" not in err and "5 steps in a row were not finite" in err, err

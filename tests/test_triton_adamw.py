@@ -155,3 +155,42 @@ def test_gpu_bf16_matches_torch_fused_adamw():
     assert _close(got, ref), _report(got, ref)
     # the rounded weights: the same bf16 values but where the masters straddle a rounding boundary
     assert all((a != b).float().mean() < 1e-3 for a, b in zip(got[0], ref[0]))
+
+
+@pytest.mark.parametrize("kernel", ["triton", "torch"])
+def test_step_guarded_on_the_device_writes_nothing_when_not_finite(kernel):
+    """``MasterAdamW.step(finite=...)``: false leaves weights, masters, moments and step counters as they were
+    (the Triton kernel masks its stores; torch's way reads the flag back); true steps as ``step()`` does."""
+    def build():
+        gen = torch.Generator().manual_seed(3)
+        ps = [torch.nn.Parameter(torch.randn(s, generator=gen).to(DEV, WDTYPES[0])) for s in SHAPES]
+        return ps, MasterAdamW(ps, lr=1e-2, betas=(0.9, 0.95), kernel=kernel, fused=DEV == "cuda", foreach=False)
+
+    def grads(ps, k):
+        gen = torch.Generator().manual_seed(60 + k)
+        for p in ps:
+            p.grad = torch.randn(p.shape, generator=gen).to(DEV, p.dtype) * 10
+
+    def snapshot(ps, opt):
+        return [t.detach().clone() for p in ps for t in (p, *(opt.state[p][n] for n in
+                                                               ("master", "exp_avg", "exp_avg_sq", "step")))]
+
+    (a, opt_a), (b, opt_b) = build(), build()
+    for ps, opt in ((a, opt_a), (b, opt_b)):  # a first step, so that the moments are not zero
+        grads(ps, 0)
+        opt.clip_grad_norm_(1.0)
+        opt.step()
+        opt.zero_grad()
+    before = snapshot(a, opt_a)
+    grads(a, 1)
+    opt_a.clip_grad_norm_(1.0)
+    opt_a.step(finite=torch.tensor(False, device=DEV))
+    opt_a.zero_grad()
+    assert all(torch.equal(x, y) for x, y in zip(snapshot(a, opt_a), before))
+    for ps, opt, finite in ((a, opt_a, torch.tensor(True, device=DEV)), (b, opt_b, None)):
+        grads(ps, 1)
+        opt.clip_grad_norm_(1.0)
+        opt.step(finite=finite)
+        opt.zero_grad()
+    assert all(torch.equal(x, y) for x, y in zip(snapshot(a, opt_a), snapshot(b, opt_b)))
+    assert float(opt_a.state[a[0]]["step"]) == 2

@@ -7,12 +7,16 @@ import triton.language as tl
 
 
 @triton.jit
-def master_adamw_kernel(w_ptr, g_ptr, m_ptr, a_ptr, s_ptr, coef_ptr, bc_ptr, hyper_ptr, i, n,
-                        HAS_COEF: tl.constexpr, BLOCK: tl.constexpr):
+def master_adamw_kernel(w_ptr, g_ptr, m_ptr, a_ptr, s_ptr, coef_ptr, bc_ptr, hyper_ptr, ok_ptr, i, n,
+                        HAS_COEF: tl.constexpr, HAS_OK: tl.constexpr, BLOCK: tl.constexpr):
     """One block of one parameter: ``bc_ptr[2 i], bc_ptr[2 i + 1]`` its fp32 bias correction and square
-    root of the second; ``hyper_ptr`` fp64 (lr, beta1, beta2, eps, weight_decay)."""
+    root of the second; ``hyper_ptr`` fp64 (lr, beta1, beta2, eps, weight_decay); with ``HAS_OK`` the int32
+    at ``ok_ptr`` (0: the step's loss or gradient norm is not finite) masks every load and store: nothing is
+    written."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
+    if HAS_OK:
+        mask = mask & (tl.load(ok_ptr) != 0)
     lr = tl.load(hyper_ptr)
     beta1 = tl.load(hyper_ptr + 1)
     beta2 = tl.load(hyper_ptr + 2)

@@ -63,14 +63,21 @@ def bias_corrections(steps: list[torch.Tensor], beta1: float, beta2: float) -> t
 def master_adamw_(weights: list[torch.Tensor], grads: list[torch.Tensor], masters: list[torch.Tensor],
                   exp_avgs: list[torch.Tensor], exp_avg_sqs: list[torch.Tensor], steps: list[torch.Tensor],
                   coef: torch.Tensor | None, lr: float, beta1: float, beta2: float, eps: float,
-                  weight_decay: float) -> None:
+                  weight_decay: float, finite: torch.Tensor | None = None) -> None:
     """One AdamW step of every parameter (each checked with ``supports``): ``steps`` (0-d fp32 counters on the
     weights' device) are incremented first, as torch's AdamW does; ``coef`` (0-d fp32, or None) scales the
-    gradients (the clip)."""
+    gradients (the clip). ``finite`` (0-d bool, or None): the step happens only where it is true, decided on
+    the device (the counters add it, the kernel writes nothing where it is false), so the caller need not read
+    the loss and gradient norm back before the update."""
     if not weights:
         return
     dev = weights[0].device
-    torch._foreach_add_(steps, 1)
+    if finite is None:
+        torch._foreach_add_(steps, 1)
+        ok = None
+    else:
+        ok = finite.to(device=dev, dtype=torch.int32).reshape(())
+        torch._foreach_add_(steps, ok.to(device=steps[0].device, dtype=steps[0].dtype))
     bc = bias_corrections(steps, beta1, beta2)
     hyper = torch.tensor([lr, beta1, beta2, eps, weight_decay], dtype=torch.float64).to(dev, non_blocking=True)
     coef_t = coef.to(device=dev, dtype=torch.float32) if coef is not None else bc  # any pointer when unused
@@ -78,5 +85,6 @@ def master_adamw_(weights: list[torch.Tensor], grads: list[torch.Tensor], master
     for i, (w, g, m, a, s) in enumerate(zip(weights, grads, masters, exp_avgs, exp_avg_sqs)):
         n = w.numel()
         if n:
-            K.master_adamw_kernel[(cdiv(n, BLOCK),)](w, g, m, a, s, coef_t, bc, hyper, i, n,
-                                                     HAS_COEF=coef is not None, BLOCK=BLOCK, num_warps=NUM_WARPS)
+            K.master_adamw_kernel[(cdiv(n, BLOCK),)](w, g, m, a, s, coef_t, bc, hyper, ok if ok is not None else bc, i,
+                                                     n, HAS_COEF=coef is not None, HAS_OK=ok is not None,
+                                                     BLOCK=BLOCK, num_warps=NUM_WARPS)
