@@ -539,6 +539,24 @@ print('planned longest, bf16 weights:', longest_length(get_preset('glm5-flash-1g
     sed -n '/GPU idle between/,$p' "$OUT/profile_1gpu_32k_gaps.txt" | cut -c1-220
     NOTAR=1
     ;;
+  s19c)  # session 19, call 3 (issue 13): the step's finiteness decided on the device (no host sync between the
+      # backward and the update) A/B at 32K in one job: the tree before it (.ab/s19a: mkdir -p .ab/s19a && git
+      # archive 547e80b src | tar x -C .ab/s19a) and today's, twice each, interleaved; then today's idle gaps. The
+      # AdamW kernel's GPU tests (its masked stores) first. Carry .whl, .tcpart, .ab
+    timeout -k 5 90 python3 -m pytest -q -p no:cacheprovider tests/test_triton_adamw.py > "$OUT/gpu_tests_adamw.log" 2>&1
+    tail -2 "$OUT/gpu_tests_adamw.log"
+    for run in 1 2; do
+      for tree in s19a now; do
+        src=$PWD/src; [ $tree = s19a ] && src=$PWD/.ab/s19a/src
+        PYTHONPATH=/tmp/site:$src timeout -k 5 120 python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml \
+          --seq-lens 32K --steps 5 --out "$OUT/bench_32k_${tree}_$run" | grep "^| 32,768"
+      done
+    done
+    timeout -k 5 $((500 - SECONDS)) python3 benchmarks/profile_step.py recipes/glm5-flash-1gpu.yaml 32K \
+      --json "$OUT/profile_32k_gaps.json" > "$OUT/profile_1gpu_32k_gaps.txt" 2>&1
+    sed -n '/GPU idle between/,$p' "$OUT/profile_1gpu_32k_gaps.txt" | head -40 | cut -c1-220
+    PACK=1 NOTAR=1
+    ;;
   s18b)  # prepared in session 17 (issue 13), not yet run: MasterAdamW's launch configurations, a warm 1M step (the
       # last, session 16's s16c, 33.2 s, ran before the AdamW kernel), then where a 256K step goes (issue 13 asks for
       # a 256K profile after the work; session 13's is the last); carry .whl, .tcpart
