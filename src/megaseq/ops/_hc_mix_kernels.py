@@ -75,72 +75,35 @@ def hc_mix_fwd_kernel(x_ptr, fn_ptr, u_ptr, r_ptr, mix_ptr, T, D, M, eps, MP: tl
     tl.store(mix_ptr + out, (acc * r[:, None]).to(mix_ptr.dtype.element_ty), mask=om)
 
 
-@triton.autotune(configs=BWD_CONFIGS, key=["D", "M", "HAS_DX", "HAS_DFN", "HAS_ACC", "SPLIT"])
+@triton.autotune(configs=BWD_CONFIGS, key=["D", "M", "HAS_DX", "HAS_DFN", "HAS_ACC"])
 @triton.jit
 def hc_mix_bwd_kernel(x_ptr, fn_ptr, du_ptr, coef_ptr, acc_ptr, dx_ptr, dfn_ptr, T, D, M, CHUNK, MP: tl.constexpr,
-                      HAS_DX: tl.constexpr, HAS_DFN: tl.constexpr, HAS_ACC: tl.constexpr, SPLIT: tl.constexpr,
-                      BT: tl.constexpr, BD: tl.constexpr):
+                      HAS_DX: tl.constexpr, HAS_DFN: tl.constexpr, HAS_ACC: tl.constexpr, BT: tl.constexpr,
+                      BD: tl.constexpr):
     """Columns ``BD * program_id(0)`` on, rows ``CHUNK * program_id(1)`` on (CHUNK a multiple of BT):
     ``dx = du @ fn + coef * x`` (dx's dtype; ``HAS_ACC``: plus ``acc [T, D]``, the streams' gradient from their
-    other uses, summed in fp32 and rounded once) and ``dfn[program_id(1)] = du^T @ x`` over the chunk (fp32).
-
-    ``SPLIT`` (bf16 streams): ``du`` and ``fn`` come as their three bf16 pieces (``[3, T, M]``, ``[3, M, D]``,
-    ``triton_hc_mix.split_bf16x3``) and both products run on the tensor cores, each piece product exact in
-    fp32: ``du^T @ x`` as three (x is bf16, exactly), ``du @ fn`` as the six piece products of order above
-    2^-24 (the three dropped ones, ``mid * lo``, ``lo * mid``, ``lo * lo``, are below fp32's rounding of the
-    sum), smallest first. The fp32 FMA dots (``input_precision="ieee"``) were compute-bound: about 1.3 ms a
-    call at 32K tokens of 4 x 2048 streams on an H200, 2.5x the bytes' time (session 19)."""
+    other uses, summed in fp32 and rounded once) and ``dfn[program_id(1)] = du^T @ x`` over the chunk (fp32)."""
     d = tl.program_id(0) * BD + tl.arange(0, BD)
     dm = d < D
     c = tl.program_id(1)
     m = tl.arange(0, MP)
     mm = m < M
-    w_off = m[:, None] * D + d[None, :]
-    wmask = mm[:, None] & dm[None, :]
-    if SPLIT:
-        w0 = tl.load(fn_ptr + w_off, mask=wmask, other=0.0)
-        w1 = tl.load(fn_ptr + M * D + w_off, mask=wmask, other=0.0)
-        w2 = tl.load(fn_ptr + 2 * M * D + w_off, mask=wmask, other=0.0)
-    else:
-        w = tl.load(fn_ptr + w_off, mask=wmask, other=0.0).to(tl.float32)
+    w = tl.load(fn_ptr + m[:, None] * D + d[None, :], mask=mm[:, None] & dm[None, :], other=0.0).to(tl.float32)
     acc = tl.zeros((MP, BD), dtype=tl.float32)
     for t0 in range(c * CHUNK, tl.minimum(c * CHUNK + CHUNK, T), BT):
         t = t0 + tl.arange(0, BT)
         tm = t < T
         rows = t.to(tl.int64) * D
         xm = tm[:, None] & dm[None, :]
-        du_off = t.to(tl.int64)[:, None] * M + m[None, :]
-        dumask = tm[:, None] & mm[None, :]
-        if SPLIT:
-            xb = tl.load(x_ptr + rows[:, None] + d[None, :], mask=xm, other=0.0)
-            x = xb.to(tl.float32)
-            a0 = tl.load(du_ptr + du_off, mask=dumask, other=0.0)
-            a1 = tl.load(du_ptr + T * M + du_off, mask=dumask, other=0.0)
-            a2 = tl.load(du_ptr + 2 * T * M + du_off, mask=dumask, other=0.0)
-        else:
-            x = tl.load(x_ptr + rows[:, None] + d[None, :], mask=xm, other=0.0).to(tl.float32)
-            du = tl.load(du_ptr + du_off, mask=dumask, other=0.0)
+        x = tl.load(x_ptr + rows[:, None] + d[None, :], mask=xm, other=0.0).to(tl.float32)
+        du = tl.load(du_ptr + t[:, None] * M + m[None, :], mask=tm[:, None] & mm[None, :], other=0.0)
         if HAS_DX:
             coef = tl.load(coef_ptr + t, mask=tm, other=0.0)
-            if SPLIT:
-                p = tl.dot(a2, w0)
-                p = tl.dot(a1, w1, p)
-                p = tl.dot(a0, w2, p)
-                p = tl.dot(a1, w0, p)
-                p = tl.dot(a0, w1, p)
-                p = tl.dot(a0, w0, p)
-                dx = p + coef[:, None] * x
-            else:
-                dx = tl.dot(du, w, input_precision="ieee") + coef[:, None] * x
+            dx = tl.dot(du, w, input_precision="ieee") + coef[:, None] * x
             if HAS_ACC:
                 dx += tl.load(acc_ptr + rows[:, None] + d[None, :], mask=xm, other=0.0).to(tl.float32)
             tl.store(dx_ptr + rows[:, None] + d[None, :], dx.to(dx_ptr.dtype.element_ty), mask=xm)
         if HAS_DFN:
-            if SPLIT:
-                acc = tl.dot(tl.trans(a2), xb, acc)
-                acc = tl.dot(tl.trans(a1), xb, acc)
-                acc = tl.dot(tl.trans(a0), xb, acc)
-            else:
-                acc += tl.dot(tl.trans(du), x, input_precision="ieee")
+            acc += tl.dot(tl.trans(du), x, input_precision="ieee")
     if HAS_DFN:
         tl.store(dfn_ptr + c.to(tl.int64) * M * D + m[:, None] * D + d[None, :], acc, mask=mm[:, None] & dm[None, :])

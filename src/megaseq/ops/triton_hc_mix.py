@@ -18,8 +18,7 @@ multiply-add) before rounding back. Here (``ops/_hc_mix_kernels.py``):
   ``mix = r * u`` with ``r = rsqrt(ss / D + eps)``. Saved: the streams themselves (the layer keeps them
   anyway), ``u`` ``[R, M]`` and ``r`` ``[R]`` in float32: 100 bytes a token instead of 4 * D.
 - backward: ``d_u = r * g``, ``coef = -(sum(g * u) * r^3 / D)`` on ``[R, M]`` in torch, then one pass over the
-  streams writes ``d_flat = d_u @ fn + coef * flat`` and sums ``d_fn = d_u^T @ flat`` per row chunk (with bf16
-  streams on the tensor cores too, ``d_u`` and ``fn`` in bf16 pieces: ``bwd_split``).
+  streams writes ``d_flat = d_u @ fn + coef * flat`` and sums ``d_fn = d_u^T @ flat`` per row chunk.
 
 Numerics: float32 throughout (exact bf16 products or ``input_precision="ieee"``): the reference's values and
 gradients to float32 rounding under bf16 weights; under bf16 autocast (fp32 weights) the reference multiplies
@@ -33,8 +32,6 @@ fp32 GEMM 3.2e-6). With the fp32 FMA dot in the forward it was 2.59 ms (compute-
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 
@@ -63,13 +60,6 @@ def split_bf16x3(w: torch.Tensor) -> torch.Tensor:
     rest = w - hi.float()
     mid = rest.to(torch.bfloat16)
     return torch.stack([hi, mid, (rest - mid.float()).to(torch.bfloat16)])
-
-
-def bwd_split(flat_RD: torch.Tensor) -> bool:
-    """Whether the backward multiplies on the tensor cores in bf16 pieces (bf16 streams on CUDA; the
-    interpreter's bf16 dot is not exact; ``MEGASEQ_HC_MIX_BWD=ieee``: the fp32 FMA dots, as before session 19)."""
-    return (flat_RD.dtype == torch.bfloat16 and flat_RD.is_cuda
-            and os.environ.get("MEGASEQ_HC_MIX_BWD", "split") != "ieee")
 
 
 def scale_grad_coef(g_RM: torch.Tensor, u_RM: torch.Tensor, r_R: torch.Tensor, D: int) -> torch.Tensor:
@@ -115,13 +105,10 @@ class _HcMixTriton(torch.autograd.Function):
         d_flat = torch.empty_like(flat_RD) if need_x else None
         part = torch.empty(n_chunks, M, D, device=flat_RD.device, dtype=torch.float32) if need_fn else None
         if R > 0 and (need_x or need_fn):
-            split = bwd_split(flat_RD)
-            du_in = split_bf16x3(d_u) if split else d_u
             K.hc_mix_bwd_kernel[lambda meta: (cdiv(D, meta["BD"]), n_chunks)](
-                flat_RD, split_bf16x3(fn_MD.float()) if split else fn_MD, du_in, coef,
-                flat_RD if acc is None else acc, flat_RD if d_flat is None else d_flat,
+                flat_RD, fn_MD, d_u, coef, flat_RD if acc is None else acc, flat_RD if d_flat is None else d_flat,
                 d_u if part is None else part, R, D, M, chunk, MP=max(16, next_pow2(M)), HAS_DX=need_x,
-                HAS_DFN=need_fn, HAS_ACC=acc is not None, SPLIT=split)
+                HAS_DFN=need_fn, HAS_ACC=acc is not None)
         d_fn = None
         if need_fn:
             d_fn = (part.sum(0) if R > 0 else torch.zeros_like(fn_MD, dtype=torch.float32)).to(fn_MD.dtype)
