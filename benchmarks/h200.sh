@@ -557,6 +557,27 @@ print('planned longest, bf16 weights:', longest_length(get_preset('glm5-flash-1g
     sed -n '/GPU idle between/,$p' "$OUT/profile_1gpu_32k_gaps.txt" | head -40 | cut -c1-220
     PACK=1 NOTAR=1
     ;;
+  s19d)  # session 19, call 4 (issue 13): hc_mix's backward on the tensor cores in bf16 pieces (bwd_split, commit
+      # e4757c8, reverted after this call: its fn gradient 16x the fp32 reference's error at 4K tokens, 1.19 against
+      # 1.26 ms for the op, the step within noise): its GPU tests, the op alone, then A/B at 32K in one job
+      # (MEGASEQ_HC_MIX_BWD=ieee: the fp32 FMA dots as before), interleaved; carry .whl, .tcpart. Reproduce on
+      # e4757c8's tree
+    timeout -k 5 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_triton_hc_mix.py tests/test_hc_carry.py \
+      > "$OUT/gpu_tests_hc_mix.log" 2>&1; rc=$?
+    tail -3 "$OUT/gpu_tests_hc_mix.log"
+    [ $rc -eq 0 ] || { echo "GPU tests failed (rc $rc)"; grep -E "^(FAILED|ERROR)|Error|assert" "$OUT/gpu_tests_hc_mix.log" | head -20 | cut -c1-300; }
+    for v in split ieee; do
+      MEGASEQ_HC_MIX_BWD=$v timeout -k 5 60 python3 benchmarks/glue_gpu.py --only hc_mix --no-loss --dtypes bfloat16 \
+        --out "$OUT/glue_hc_mix_$v.json" 2>&1 | tail -4
+    done
+    for run in 1 2; do
+      for v in ieee split; do
+        MEGASEQ_HC_MIX_BWD=$v timeout -k 5 120 python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml \
+          --seq-lens 32K --steps 5 --out "$OUT/bench_32k_${v}_$run" | grep "^| 32,768"
+      done
+    done
+    PACK=1 NOTAR=1
+    ;;
   s18b)  # prepared in session 17 (issue 13), not yet run: MasterAdamW's launch configurations, a warm 1M step (the
       # last, session 16's s16c, 33.2 s, ran before the AdamW kernel), then where a 256K step goes (issue 13 asks for
       # a 256K profile after the work; session 13's is the last); carry .whl, .tcpart
