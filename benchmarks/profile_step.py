@@ -156,8 +156,9 @@ def idle_gaps(trace: dict, min_us: float = 2.0) -> dict:
     gpu = sorted((e for e in evs if e.get("cat") in _GPU_CATS), key=lambda e: e["ts"])
     host = [e for e in evs if e.get("cat") not in _GPU_CATS]
     _nest(host)
+    # runtime launches (cudaLaunchKernel: aten's kernels) and driver ones (cuLaunchKernel: Triton's)
     launch = {e["args"]["correlation"]: e for e in host
-              if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+              if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
     by_where: dict[str, float] = defaultdict(float)
     longest, idle, busy_end = [], 0.0, None
     busy = 0.0

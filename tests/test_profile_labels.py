@@ -88,7 +88,7 @@ def test_idle_gaps_count_for_the_launch_after_them(profile_step):
         _x("cpu_op", "aten::item", 30, 40), _x("cuda_runtime", "cudaStreamSynchronize", 35, 30),
         _x("cpu_op", "aten::add", 80, 10), _x("cuda_runtime", "cudaLaunchKernel", 82, 2, corr=6),
         _x("user_annotation", BWD + "MmBackward0", 120, 50, tid=2),
-        _x("cuda_runtime", "cudaLaunchKernel", 125, 2, tid=2, corr=7),
+        _x("cuda_driver", "cuLaunchKernelEx", 125, 2, tid=2, corr=7),  # a Triton kernel's launch
         _x("kernel", "k1", 20, 40, tid=7, corr=5), _x("kernel", "k1b", 30, 10, tid=8),
         _x("kernel", "k2", 90, 5, tid=7, corr=6), _x("kernel", "k3", 130, 10, tid=7, corr=7),
     ]}
