@@ -578,6 +578,23 @@ print('planned longest, bf16 weights:', longest_length(get_preset('glm5-flash-1g
     done
     PACK=1 NOTAR=1
     ;;
+  s19e)  # session 19, call 5 (issue 13): the final code: the indexer selection's GPU tests (its row sets by
+      # nonzero_static: if they fail, the benches run the tree before that change, .ab/s19pre: mkdir -p .ab/s19pre
+      # && git archive bb3ccee src | tar x -C .ab/s19pre), the issue's command, then a warm 1M step in the time left.
+      # Carry .whl, .tcpart, .ab/s19pre
+    timeout -k 5 90 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_indexer_topk.py \
+      > "$OUT/gpu_tests_indexer.log" 2>&1; rc=$?
+    tail -2 "$OUT/gpu_tests_indexer.log"
+    if [ $rc -ne 0 ]; then
+      echo "indexer GPU tests failed (rc $rc): benches on .ab/s19pre"; export PYTHONPATH=/tmp/site:$PWD/.ab/s19pre/src
+      grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests_indexer.log" | head -10 | cut -c1-300
+    fi
+    timeout -k 5 $((420 - SECONDS)) python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml --seq-lens 8K,32K --baseline \
+      --out "$OUT/bench_1gpu_issue" | grep -E "^\| (8,192|32,768)"
+    timeout -k 5 $((540 - SECONDS)) python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml --seq-lens 1M --steps 1 \
+      --out "$OUT/bench_1gpu_1m" | grep -E "^\| 1,048,576"
+    PACK=1 NOTAR=1
+    ;;
   s18b)  # prepared in session 17 (issue 13), not yet run: MasterAdamW's launch configurations, a warm 1M step (the
       # last, session 16's s16c, 33.2 s, ran before the AdamW kernel), then where a 256K step goes (issue 13 asks for
       # a 256K profile after the work; session 13's is the last); carry .whl, .tcpart
