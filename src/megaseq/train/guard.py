@@ -1,7 +1,8 @@
 """Stopping a run on purpose: the divergence guard and SIGTERM / SIGINT.
 
 Divergence. ``train_step`` checks the step's loss and global gradient norm *before* the optimizer
-updates the weights (both are reduced over every rank, so all ranks decide alike). With
+updates the weights (both are reduced over every rank, so all ranks decide alike; with ``MasterAdamW`` in
+one process the check is a device flag inside the update, which then writes nothing: no host sync before it). With
 ``train.on_nonfinite stop`` a non-finite value raises ``Diverged`` (a ValueError: the CLI prints it and
 exits 2) naming the step, the values, the newest resumable checkpoint and the settings to change;
 nothing is written for that step. With ``skip`` the step's gradients are dropped, the schedule and the
