@@ -595,6 +595,26 @@ print('planned longest, bf16 weights:', longest_length(get_preset('glm5-flash-1g
       --out "$OUT/bench_1gpu_1m" | grep -E "^\| 1,048,576"
     PACK=1 NOTAR=1
     ;;
+  s20a)  # prepared in session 19 (issue 13), not yet run: does the indexer GPU test that failed in s19e fail on the
+      # tree before the merged host syncs too? Both trees' test, then (if the new tree's passes, or both fail
+      # alike) both at 32K in one job, interleaved, then the idle gaps with Triton's launches attributed.
+      # Carry .whl, .tcpart, .ab/s19pre (git archive bb3ccee src) and .ab/idx (git archive 0e5d3b2 src)
+    for tree in s19pre idx; do
+      PYTHONPATH=/tmp/site:$PWD/.ab/$tree/src timeout -k 5 90 python3 -m pytest -q -m gpu -p no:cacheprovider \
+        tests/test_indexer_topk.py > "$OUT/gpu_tests_indexer_$tree.log" 2>&1
+      echo "$tree: $(tail -1 "$OUT/gpu_tests_indexer_$tree.log")"; grep -o "rows differ, first (row[^[]*" "$OUT/gpu_tests_indexer_$tree.log" | head -3
+    done
+    for run in 1 2; do
+      for tree in s19pre idx; do
+        PYTHONPATH=/tmp/site:$PWD/.ab/$tree/src timeout -k 5 120 python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml \
+          --seq-lens 32K --steps 5 --out "$OUT/bench_32k_${tree}_$run" | grep "^| 32,768"
+      done
+    done
+    PYTHONPATH=/tmp/site:$PWD/.ab/idx/src timeout -k 5 $((540 - SECONDS)) python3 benchmarks/profile_step.py \
+      recipes/glm5-flash-1gpu.yaml 32K --json "$OUT/profile_32k_gaps.json" > "$OUT/profile_1gpu_32k_gaps.txt" 2>&1
+    sed -n '/GPU idle between/,$p' "$OUT/profile_1gpu_32k_gaps.txt" | head -45 | cut -c1-220
+    PACK=1 NOTAR=1
+    ;;
   s18b)  # prepared in session 17 (issue 13), not yet run: MasterAdamW's launch configurations, a warm 1M step (the
       # last, session 16's s16c, 33.2 s, ran before the AdamW kernel), then where a 256K step goes (issue 13 asks for
       # a 256K profile after the work; session 13's is the last); carry .whl, .tcpart
