@@ -135,12 +135,15 @@ def train_step(model: torch.nn.Module, micro_batches: list[dict[str, torch.Tenso
         (loss / max(total, 1)).backward()
         loss_sum = loss_sum + loss.detach().double()  # read back once, after the update is launched
     env.reduce_gradients(model)
-    if getattr(optimizer, "guards_on_device", False) and env.world_size == 1:
-        return _step_guarded_on_device(optimizer, scheduler, cfg, loss_sum, total, balancer)
-    loss_sum = float(loss_sum)
-    grad_norm = _clip(model, optimizer, cfg.optim.grad_clip, env)
-    loss = env.all_reduce_sum(loss_sum) / max(total, 1)
-    if not guard.is_finite_step(loss, grad_norm):  # before the update: the weights stay as they were
+    # with MasterAdamW in one process the update is launched before the loss and norm are read back (it writes
+    # nothing for a non-finite step); otherwise they are checked on the host first
+    on_device = getattr(optimizer, "guards_on_device", False) and env.world_size == 1
+    if on_device:
+        loss, grad_norm = _update_guarded_on_device(optimizer, cfg, loss_sum, total)
+    else:
+        grad_norm = _clip(model, optimizer, cfg.optim.grad_clip, env)
+        loss = env.all_reduce_sum(float(loss_sum)) / max(total, 1)
+    if not guard.is_finite_step(loss, grad_norm):  # no update reached the weights: they stay as they were
         optimizer.zero_grad(set_to_none=True)
         if balancer is not None:
             balancer.drop_step()
@@ -148,7 +151,8 @@ def train_step(model: torch.nn.Module, micro_batches: list[dict[str, torch.Tenso
             raise guard.NonFiniteStep(loss, grad_norm)
         scheduler.step()
         return loss, grad_norm
-    optimizer.step()
+    if not on_device:
+        optimizer.step()
     if balancer is not None:
         balancer.after_step()
     scheduler.step()
@@ -156,31 +160,16 @@ def train_step(model: torch.nn.Module, micro_batches: list[dict[str, torch.Tenso
     return loss, grad_norm
 
 
-def _step_guarded_on_device(optimizer: Any, scheduler: Any, cfg: Config, loss_sum: Any, total: int,
-                            balancer: Balancer | None) -> tuple[float, float]:
-    """The end of ``train_step`` in one process with an optimizer that takes the step's finiteness as a device
-    tensor (``MasterAdamW.guards_on_device``): norm, clip and update are launched behind the backward and the
-    loss and norm read back once, after them, so the GPU never waits for the host between the backward and the
-    update. A non-finite step leaves the weights, moments and step counters as they were (the update is masked
-    on the device), then goes as in ``train_step``."""
+def _update_guarded_on_device(optimizer: Any, cfg: Config, loss_sum: Any, total: int) -> tuple[float, float]:
+    """Norm, clip and update launched behind the backward with the step's finiteness as a device flag
+    (``MasterAdamW.step(finite=...)``: a non-finite step leaves weights, moments and step counters as they
+    were), then ``(loss, grad norm)`` read back in one host sync, after them: the GPU does not wait for the host
+    between the backward and the update."""
     limit = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
     norm = optimizer.clip_grad_norm_(limit)
     loss_t = torch.as_tensor(loss_sum, dtype=torch.float64).to(norm.device) / max(total, 1)
-    finite = torch.isfinite(loss_t) & torch.isfinite(norm)
-    optimizer.step(finite=finite)
+    optimizer.step(finite=torch.isfinite(loss_t) & torch.isfinite(norm))
     loss, grad_norm = torch.stack([loss_t, norm.to(torch.float64)]).tolist()
-    if not guard.is_finite_step(loss, grad_norm):  # the update wrote nothing: the weights stay as they were
-        optimizer.zero_grad(set_to_none=True)
-        if balancer is not None:
-            balancer.drop_step()
-        if cfg.train.on_nonfinite != "skip":
-            raise guard.NonFiniteStep(loss, grad_norm)
-        scheduler.step()
-        return loss, grad_norm
-    if balancer is not None:
-        balancer.after_step()
-    scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
     return loss, grad_norm
 
 
