@@ -21,6 +21,10 @@ ms() { python3 -m megaseq "$@"; }
 lora_fix() { python3 -m megaseq plan recipes/qwen3-30b-a3b-lora.yaml --seq-len "$1" --json 2>/dev/null | python3 -c "
 import json, sys; m = json.load(sys.stdin)['memory']
 print(' '.join(sys.argv[1] % (k, str(v).lower() if isinstance(v, bool) else v) for k, v in m.items()))" "${2:---memory.%s %s}"; }
+# one glm5-flash-1gpu bench at 32K, five warm steps, its table row printed (an A/B's one side: the caller sets
+# PYTHONPATH or the variable it compares): bench32k OUT_NAME
+bench32k() { timeout -k 5 120 python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml --seq-lens 32K --steps 5 \
+  --out "$OUT/$1" | grep "^| 32,768"; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
 case "$1" in
@@ -548,8 +552,7 @@ print('planned longest, bf16 weights:', longest_length(get_preset('glm5-flash-1g
     for run in 1 2; do
       for tree in s19a now; do
         src=$PWD/src; [ $tree = s19a ] && src=$PWD/.ab/s19a/src
-        PYTHONPATH=/tmp/site:$src timeout -k 5 120 python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml \
-          --seq-lens 32K --steps 5 --out "$OUT/bench_32k_${tree}_$run" | grep "^| 32,768"
+        PYTHONPATH=/tmp/site:$src bench32k "bench_32k_${tree}_$run"
       done
     done
     timeout -k 5 $((500 - SECONDS)) python3 benchmarks/profile_step.py recipes/glm5-flash-1gpu.yaml 32K \
@@ -572,8 +575,7 @@ print('planned longest, bf16 weights:', longest_length(get_preset('glm5-flash-1g
     done
     for run in 1 2; do
       for v in ieee split; do
-        MEGASEQ_HC_MIX_BWD=$v timeout -k 5 120 python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml \
-          --seq-lens 32K --steps 5 --out "$OUT/bench_32k_${v}_$run" | grep "^| 32,768"
+        MEGASEQ_HC_MIX_BWD=$v bench32k "bench_32k_${v}_$run"
       done
     done
     PACK=1 NOTAR=1
@@ -606,8 +608,7 @@ print('planned longest, bf16 weights:', longest_length(get_preset('glm5-flash-1g
     done
     for run in 1 2; do
       for tree in s19pre idx; do
-        PYTHONPATH=/tmp/site:$PWD/.ab/$tree/src timeout -k 5 120 python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml \
-          --seq-lens 32K --steps 5 --out "$OUT/bench_32k_${tree}_$run" | grep "^| 32,768"
+        PYTHONPATH=/tmp/site:$PWD/.ab/$tree/src bench32k "bench_32k_${tree}_$run"
       done
     done
     PYTHONPATH=/tmp/site:$PWD/.ab/idx/src timeout -k 5 $((540 - SECONDS)) python3 benchmarks/profile_step.py \
