@@ -25,6 +25,14 @@ print(' '.join(sys.argv[1] % (k, str(v).lower() if isinstance(v, bool) else v) f
 # PYTHONPATH or the variable it compares): bench32k OUT_NAME
 bench32k() { timeout -k 5 120 python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml --seq-lens 32K --steps 5 \
   --out "$OUT/$1" | grep "^| 32,768"; }
+# the GPU tests of the streams' carry and of fla's forget gate, one config per autotuned kernel (numerics, not
+# speed), into gpu_tests.log; a failure is reported, the stage goes on
+carry_gate_tests() {
+  MEGASEQ_FLA_AUTOTUNE=one timeout -k 5 150 python3 -m pytest -q -p no:cacheprovider tests/test_hc_carry.py \
+    tests/test_kda_gate.py > "$OUT/gpu_tests.log" 2>&1; local rc=$?
+  tail -3 "$OUT/gpu_tests.log"
+  [ $rc -eq 0 ] || { echo "GPU tests failed (rc $rc)"; grep -E "^(FAILED|ERROR)|Error" "$OUT/gpu_tests.log" | head -20 | cut -c1-300; }
+}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
 case "$1" in
@@ -511,10 +519,7 @@ print('planned longest, bf16 weights:', longest_length(get_preset('glm5-flash-1g
       # tests (one config per autotuned kernel: numerics, not speed), then today's tree at 8K and 32K (the warm-up
       # steps autotune every kernel: full tuning), then session 16's tree (.ab/s16: mkdir -p .ab/s16 && git archive
       # f62017c src | tar x -C .ab/s16) at 32K in the time left. PACK=1: the Triton cache comes back
-    MEGASEQ_FLA_AUTOTUNE=one timeout -k 5 150 python3 -m pytest -q -p no:cacheprovider tests/test_hc_carry.py \
-      tests/test_kda_gate.py > "$OUT/gpu_tests.log" 2>&1; rc=$?
-    tail -3 "$OUT/gpu_tests.log"
-    [ $rc -eq 0 ] || { echo "GPU tests failed (rc $rc)"; grep -E "^(FAILED|ERROR)|Error" "$OUT/gpu_tests.log" | head -20 | cut -c1-300; }
+    carry_gate_tests
     timeout -k 5 $((440 - SECONDS)) python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml --seq-lens 8K,32K \
       --steps 3 --out "$OUT/bench_s18"
     PYTHONPATH=/tmp/site:$PWD/.ab/s16/src timeout -k 5 $((560 - SECONDS)) python3 -m megaseq bench \
@@ -524,10 +529,7 @@ print('planned longest, bf16 weights:', longest_length(get_preset('glm5-flash-1g
       # forget gate's GPU tests (one config per autotuned kernel: numerics, not speed), today's tree at 8K and 32K
       # (the warm-up steps autotune every kernel: full tuning), then where a 32K step goes in the time left.
       # PACK=1: the Triton cache comes back
-    MEGASEQ_FLA_AUTOTUNE=one timeout -k 5 150 python3 -m pytest -q -p no:cacheprovider tests/test_hc_carry.py \
-      tests/test_kda_gate.py > "$OUT/gpu_tests.log" 2>&1; rc=$?
-    tail -3 "$OUT/gpu_tests.log"
-    [ $rc -eq 0 ] || { echo "GPU tests failed (rc $rc)"; grep -E "^(FAILED|ERROR)|Error" "$OUT/gpu_tests.log" | head -20 | cut -c1-300; }
+    carry_gate_tests
     timeout -k 5 $((460 - SECONDS)) python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml --seq-lens 8K,32K \
       --steps 3 --out "$OUT/bench_s19"
     timeout -k 5 $((555 - SECONDS)) python3 benchmarks/profile_step.py recipes/glm5-flash-1gpu.yaml 32K \
