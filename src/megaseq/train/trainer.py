@@ -139,9 +139,9 @@ def train_step(model: torch.nn.Module, micro_batches: list[dict[str, torch.Tenso
     # nothing for a non-finite step); otherwise they are checked on the host first
     on_device = getattr(optimizer, "guards_on_device", False) and env.world_size == 1
     if on_device:
-        loss, grad_norm = _update_guarded_on_device(optimizer, cfg, loss_sum, total)
+        loss, grad_norm = _update_guarded_on_device(model, optimizer, cfg, env, loss_sum, total)
     else:
-        grad_norm = _clip(model, optimizer, cfg.optim.grad_clip, env)
+        grad_norm = float(_clip(model, optimizer, cfg.optim.grad_clip, env))
         loss = env.all_reduce_sum(float(loss_sum)) / max(total, 1)
     if not guard.is_finite_step(loss, grad_norm):  # no update reached the weights: they stay as they were
         optimizer.zero_grad(set_to_none=True)
@@ -160,33 +160,34 @@ def train_step(model: torch.nn.Module, micro_batches: list[dict[str, torch.Tenso
     return loss, grad_norm
 
 
-def _update_guarded_on_device(optimizer: Any, cfg: Config, loss_sum: Any, total: int) -> tuple[float, float]:
+def _update_guarded_on_device(model: torch.nn.Module, optimizer: Any, cfg: Config, env: ParallelEnv, loss_sum: Any,
+                              total: int) -> tuple[float, float]:
     """Norm, clip and update launched behind the backward with the step's finiteness as a device flag
     (``MasterAdamW.step(finite=...)``: a non-finite step leaves weights, moments and step counters as they
     were), then ``(loss, grad norm)`` read back in one host sync, after them: the GPU does not wait for the host
     between the backward and the update."""
-    limit = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
-    norm = optimizer.clip_grad_norm_(limit)
+    norm = _clip(model, optimizer, cfg.optim.grad_clip, env)
     loss_t = torch.as_tensor(loss_sum, dtype=torch.float64).to(norm.device) / max(total, 1)
     optimizer.step(finite=torch.isfinite(loss_t) & torch.isfinite(norm))
     loss, grad_norm = torch.stack([loss_t, norm.to(torch.float64)]).tolist()
     return loss, grad_norm
 
 
-def _clip(model: torch.nn.Module, optimizer: Any, max_norm: float, env: ParallelEnv) -> float:
-    """The global gradient norm, the gradients clipped to ``max_norm`` (0: not clipped): the optimizer's own
-    clip when it holds the gradients (OffloadStreamAdamW, MasterAdamW), the shard-aware one when some
-    parameters are DTensors (FSDP's shards; under expert parallelism the routed experts, ``Shard(0)`` over
-    the ep axis: each one's squares are summed over its sharded mesh dims), else the environment's."""
+def _clip(model: torch.nn.Module, optimizer: Any, max_norm: float, env: ParallelEnv) -> torch.Tensor:
+    """The global gradient norm (a tensor, not read back), the gradients clipped to ``max_norm`` (0: not
+    clipped): the optimizer's own clip when it holds the gradients (OffloadStreamAdamW, MasterAdamW), the
+    shard-aware one when some parameters are DTensors (FSDP's shards; under expert parallelism the routed
+    experts, ``Shard(0)`` over the ep axis: each one's squares are summed over its sharded mesh dims), else the
+    environment's."""
     from megaseq.memory.master_adam import clip_grad_norm_, is_dtensor
 
     limit = max_norm if max_norm > 0 else float("inf")
     if hasattr(optimizer, "clip_grad_norm_"):
-        return float(optimizer.clip_grad_norm_(limit))
+        return optimizer.clip_grad_norm_(limit)
     params = [p for p in model.parameters() if p.grad is not None]
     if any(is_dtensor(p) for p in params):
-        return float(clip_grad_norm_(params, limit))
-    return float(env.clip_grad_norm(params, max_norm))
+        return clip_grad_norm_(params, limit)
+    return env.clip_grad_norm(params, max_norm)
 
 
 def _loss_sum(model: torch.nn.Module, hidden: torch.Tensor, labels: torch.Tensor, env: ParallelEnv,
