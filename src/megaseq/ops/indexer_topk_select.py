@@ -56,27 +56,34 @@ class Run:
         vals_cM, cand_cM = L_cn.topk(M, dim=-1)  # sorted, descending
         bad_c = ~torch.isfinite(vals_cM).all(-1)
         few_c = (vals_cM[:, k - 1] == floor) & ~bad_c  # fewer than k visible pools
+        many_c = ~few_c & ~bad_c
+        # the sizes of every row set read back together: one host sync, then index lists without one
+        num_few, num_many, num_bad = torch.stack([few_c.sum(), many_c.sum(), bad_c.sum()]).tolist()
         sel_cK = torch.empty(e - s, k, dtype=torch.int64, device=L_cn.device)
-        num_few = int(few_c.sum())
         if num_few:
-            sel_cK[few_c] = few_pool_selection(L_cn[few_c, :k], vals_cM[few_c], cand_cM[few_c], k, floor)
+            few = _rows_of(few_c, num_few)
+            sel_cK[few] = few_pool_selection(L_cn[few, :k], vals_cM[few], cand_cM[few], k, floor)
         del L_cn
-        many = torch.nonzero(~few_c & ~bad_c).squeeze(-1)
         cert_c = torch.ones(e - s, dtype=torch.bool, device=sel_cK.device)
-        if many.numel():
-            sel_cK[many], cert_c[many] = self._certified(s + many, vals_cM[many], cand_cM[many], M == n)
-        redo = torch.nonzero(bad_c | ~cert_c).squeeze(-1)
+        num_redo = num_bad
+        if num_many:
+            many = _rows_of(many_c, num_many)
+            sel_cK[many], num_redo = self._certified(s + many, vals_cM[many], cand_cM[many], M == n, cert_c, many,
+                                                     bad_c)
         op.STATS.rows += e - s
         op.STATS.chunks += 1
         op.STATS.few_pool_rows += num_few
-        if redo.numel():
-            op.STATS.fallback_rows += redo.numel()
+        if num_redo:
+            redo = _rows_of(bad_c | ~cert_c, num_redo)
+            op.STATS.fallback_rows += num_redo
             sel_cK[redo] = self._fallback(s + redo, e - s, margin)
         ok_cK = (self.ends_P[sel_cK] <= pos_c[:, None]) & (self.pool_doc_P[sel_cK] == doc_c[:, None])
         return sel_cK, ok_cK
 
-    def _certified(self, rows_r, vals_rM, cand_rM, all_pools: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """The top k of rows with at least k visible pools (ascending) and whether the certificate holds."""
+    def _certified(self, rows_r, vals_rM, cand_rM, all_pools: bool, cert_c, many, bad_c):
+        """The top k of rows with at least k visible pools (ascending) and the number of the chunk's rows that
+        go to the fallback (``bad_c`` or failing the certificate: these rows' certificates are written into
+        ``cert_c`` at ``many``), read back with the band's sizes in one host sync."""
         k, M = self.k, vals_rM.shape[1]
         err_r = op.score_error_bound(self.q_QID[rows_r], self.w_QI[rows_r], self.keys_PD.dtype, self.key_norm_max,
                                      self.scale, self.split)
@@ -86,17 +93,21 @@ class Run:
         end_r = torch.searchsorted(neg_rM, neg_rM[:, k - 1:k] + two_e, right=True).squeeze(-1)  # band: p < end
         cert_r = (end_r < M) | (vals_rM[:, -1] == self.floor) | all_pools
         sel_rK = cand_rM[:, :k].sort(dim=-1).values  # right where the band is exactly the free slots
-        need = torch.nonzero(cert_r & (end_r > k)).squeeze(-1)
-        if need.numel():
-            op.STATS.exact_rows += need.numel()
-            width_r = end_r[need] - first_r[need]
-            op.STATS.band_max = max(op.STATS.band_max, int(width_r.max()))
-            narrow = width_r <= op.BAND
-            for group, W in ((need[narrow], op.BAND), (need[~narrow], M)):
-                if group.numel():
+        need_r = cert_r & (end_r > k)
+        width_r = torch.where(need_r, end_r - first_r, 0)
+        narrow_r = need_r & (width_r <= op.BAND)
+        cert_c[many] = cert_r
+        num_need, num_narrow, band_max, num_redo = torch.stack(
+            [need_r.sum(), narrow_r.sum(), width_r.max(), (bad_c | ~cert_c).sum()]).tolist()
+        if num_need:
+            op.STATS.exact_rows += num_need
+            op.STATS.band_max = max(op.STATS.band_max, band_max)
+            for mask, count, W in ((narrow_r, num_narrow, op.BAND), (need_r & ~narrow_r, num_need - num_narrow, M)):
+                if count:
+                    group = _rows_of(mask, count)
                     sel_rK[group] = self._band_selection(rows_r[group], cand_rM[group], first_r[group],
                                                          end_r[group], min(W, M))
-        return sel_rK, cert_r
+        return sel_rK, num_redo
 
     def _band_selection(self, rows_r, cand_rM, first_r, end_r, W: int) -> torch.Tensor:
         """Sure-in pools + the best of the band ``[first, end)`` by fp32 score (ties: lowest pool index)."""
@@ -134,6 +145,12 @@ class Run:
             self.q_QID[rows_f], self.w_QI[rows_f], self.keys_PD, self.ends_P, self.pool_doc_P,
             self.q_pos_Q[rows_f], self.q_doc_Q[rows_f], self.k, self.scale, query_chunk=ref_chunk)
         return sel_fK
+
+
+def _rows_of(mask: torch.Tensor, count: int) -> torch.Tensor:
+    """The indices where ``mask`` (1-d) holds, ascending, given their number: no host sync (``nonzero`` reads
+    the count back)."""
+    return torch.nonzero_static(mask, size=count).squeeze(-1)
 
 
 def few_pool_selection(head_rK: torch.Tensor, vals_rM: torch.Tensor, cand_rM: torch.Tensor, k: int,
