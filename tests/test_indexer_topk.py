@@ -249,6 +249,40 @@ def test_gpu_glm5_shape(dtype, Q):
     args[6] = (args[5] >= Q // 3).long()
     got, ref = run_both(args, scale, 128)
     st = indexer_topk.STATS
-    print(f"Q={Q} {dtype}: fallback rows {st.fallback_rows}, few-pool rows {st.few_pool_rows}")
-    assert_same(got, ref, f"Q={Q} {dtype}")
+    tied = assert_same_but_fp32_ties(got, ref, args, scale, f"Q={Q} {dtype}")
+    print(f"Q={Q} {dtype}: fallback rows {st.fallback_rows}, few-pool rows {st.few_pool_rows}, "
+          f"exact rows {st.exact_rows}, rows differing at fp32-level ties {tied}")
+    assert tied <= max(1, Q // 4096)
     assert st.fallback_rows <= Q // 100
+
+
+def assert_same_but_fp32_ties(got, ref, args, scale, what="") -> int:
+    """(sel, ok) equal but in rows where the swapped pools tie at the top-k boundary within fp32's rounding:
+    the reference's scores are fp32 matmuls whose summation order is cuBLAS's, the re-check's another
+    shape's (the issue's "identical to fp32 scoring except at exact near-ties"). A row passes when every
+    pool in either selection but not both scores (in float64) within ``tol`` of the row's K-th best score,
+    ``tol`` twice the forward error bound of an fp32 evaluation in any order: ``(D + I + 3) 2^-24`` of
+    ``scale sum_h |w_h| sum_d |q_hd k_pd|``. Returns the number of such rows."""
+    sel, ok = got
+    sel_r, ok_r = ref
+    assert sel.dtype == torch.int64 and ok.dtype == torch.bool and sel.shape == sel_r.shape
+    rows = torch.nonzero((sel != sel_r).any(-1) | (ok != ok_r).any(-1)).squeeze(-1).tolist()
+    q, w, keys, ends, pdoc, pos, qdoc = args
+    I, D = q.shape[1:]
+    K = sel.shape[1]
+    for r in rows:
+        q_ID, w_I = q[r].double(), w[r].double()
+        exact_P = w_I @ (q_ID @ keys.double().T * scale).relu()
+        bound_P = (D + I + 3) * 2.0**-24 * scale * (w_I.abs() @ (q_ID.abs() @ keys.double().abs().T))
+        vis_P = (ends <= pos[r]) & (pdoc == qdoc[r])
+        exact_P = exact_P.masked_fill(~vis_P, -float("inf"))
+        kth = exact_P.topk(K).values[-1]
+        a, b = set(sel[r].tolist()), set(sel_r[r].tolist())
+        swapped = torch.tensor(sorted(a ^ b), device=sel.device)
+        gap = (exact_P[swapped] - kth).abs()
+        tol = 2 * bound_P[swapped].max()
+        assert bool(vis_P[swapped].all()) and bool((gap <= tol).all()), (
+            f"{what}: row {r} differs beyond an fp32 tie: pools fast-only {sorted(a - b)}, ref-only "
+            f"{sorted(b - a)}, |score - K-th| {gap.tolist()} > {float(tol):.3g}")
+        assert (ok[r] == ((ends[sel[r]] <= pos[r]) & (pdoc[sel[r]] == qdoc[r]))).all()
+    return len(rows)

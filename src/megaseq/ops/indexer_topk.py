@@ -87,8 +87,8 @@ def resolve_query_chunk(query_chunk: int | None, num_pools: int, num_heads: int,
 
 
 # ---- the error bound of the kernel's scores ------------------------------------------------------------------
-def score_error_bound(q_cID: torch.Tensor, w_cI: torch.Tensor, key_dtype: torch.dtype, key_norm_max: float,
-                      scale: float, split: bool) -> torch.Tensor:
+def score_error_bound(q_cID: torch.Tensor, w_cI: torch.Tensor, key_dtype: torch.dtype,
+                      key_norm_max: float | torch.Tensor, scale: float, split: bool) -> torch.Tensor:
     """Per row, a bound ``e [c]`` (float64) on ``|L - E|``: kernel scores vs the fp32 scores of the re-check.
 
     With ``A_h = ||q_h|| * max_p ||k_p||`` (Cauchy-Schwarz bounds ``sum_d |q_hd k_pd|`` by it):
@@ -182,7 +182,7 @@ def indexer_topk_triton(q_QID: torch.Tensor, weights_QI: torch.Tensor, keys_PD: 
     run = Run(q_QID, weights_QI, keys_PD, pool_end_P.contiguous(), pool_doc_P, q_pos_Q, q_doc_Q, k, scale,
                SPLIT if split is None else split)
     chunk = resolve_query_chunk(query_chunk, P, I, k, margin, D)
-    for s in range(0, Q, chunk):
-        e = min(s + chunk, Q)
-        sel[s:e], ok[s:e] = run.chunk(s, e, margin)
+    bounds = [(s, min(s + chunk, Q)) for s in range(0, Q, chunk)]
+    for (s, e), n in zip(bounds, run.pools_scored(bounds), strict=True):
+        sel[s:e], ok[s:e] = run.chunk(s, e, n, margin)
     return sel, ok

@@ -42,14 +42,22 @@ class Run:
         self.k, self.scale, self.split = k, scale, split
         self.floor = torch.finfo(torch.float32).min
         self.keys_f32_PD = keys_PD.float()  # the re-check's keys, as the reference casts them
-        self.key_norm_max = float(torch.linalg.vector_norm(self.keys_f32_PD, dim=-1).max())
+        # a 0-d float64 tensor, not a float: reading it back would be a host sync a call
+        self.key_norm_max = torch.linalg.vector_norm(self.keys_f32_PD, dim=-1).max().double()
 
-    def chunk(self, s: int, e: int, margin: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def pools_scored(self, bounds: list[tuple[int, int]]) -> list[int]:
+        """Per chunk ``[s, e)``, the pools its kernel scores: those ending at or before its last query (at least
+        k), for every chunk in one host sync."""
+        last = torch.stack([self.q_pos_Q[s:e].max() for s, e in bounds])
+        counts = torch.searchsorted(self.ends_P, last, right=True).tolist()
+        return [max(self.k, n) for n in counts]
+
+    def chunk(self, s: int, e: int, n: int, margin: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The selection of rows ``[s, e)`` from the scores of their first ``n`` pools (``pools_scored``)."""
         from megaseq.ops.indexer_topk_kernel import index_scores
 
         k, floor = self.k, self.floor
         pos_c, doc_c = self.q_pos_Q[s:e], self.q_doc_Q[s:e]
-        n = max(k, int(torch.searchsorted(self.ends_P, pos_c.max(), right=True)))
         L_cn = index_scores(self.q_QID[s:e], self.w_QI[s:e], self.keys_PD, self.ends_P, self.pool_doc_P, pos_c,
                             doc_c, n, self.scale, floor, self.split)
         M = min(k + margin, n)
