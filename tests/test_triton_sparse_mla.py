@@ -200,6 +200,38 @@ def test_the_pool_pass_sums_the_latent_gradient_as_the_atomics_do(device, monkey
         K.backward(q, do, o, lse, c, idx, 0.3)
 
 
+def test_the_forward_reads_the_pool_layout_for_the_backward(device, monkeypatch):
+    """The op reads its empty-row check and the first pool candidate's layout check in one sync (``checks``) and
+    hands the answer to the backward, which then runs no check of its own; a selection not in pools is left for
+    the backward to check (and falls back to the atomics); the gradients are the reference's either way. A
+    ``checks`` that claims pools for a scattered selection gives a wrong latent gradient."""
+    from megaseq.ops import triton_sparse_mla_kernels as K
+
+    gen = torch.Generator().manual_seed(9)
+    B, Q, S, Hh, R = 2, 40, 100, 5, 32
+    pooled = tsm.causal_pool_selection(B, Q, S, kpool=16, pools=3, generator=gen).to(device)
+    scattered = causal_indices(gen, B, Q, S, pooled.shape[-1]).to(device)
+    assert tsm.checks(pooled, S) == ([False, False], 16)
+    assert tsm.checks(scattered, S) == ([False, False], "check")
+    monkeypatch.setenv("MEGASEQ_MLA_DC", "atomic")
+    assert tsm.checks(pooled, S) == ([False, False], "check")  # no pool pass: not checked
+    monkeypatch.setenv("MEGASEQ_MLA_DC", "pool")
+    leaves = [x.requires_grad_() for x in (torch.randn(B, Q, Hh, 16, generator=gen).to(device),
+                                           torch.randn(B, S, R, generator=gen).to(device),
+                                           (torch.randn(Hh * 32, R, generator=gen) * R**-0.5).to(device))]
+    g_out = torch.randn(B, Q, Hh, 16, generator=gen).to(device)
+    calls = []
+    layout = K.pool_layout
+    monkeypatch.setattr(K, "pool_layout", lambda *a: calls.append(1) or layout(*a))
+    for idx, checked in ((pooled, 0), (scattered, 1)):
+        calls.clear()
+        check_against_reference(leaves, idx, g_out, 0.3, TOL[torch.float32])
+        assert len(calls) == checked
+    monkeypatch.setattr(tsm, "checks", lambda idx, S: ([False] * idx.shape[0], 16))  # broken: pools claimed
+    with pytest.raises(AssertionError):
+        check_against_reference(leaves, scattered, g_out, 0.3, TOL[torch.float32])
+
+
 def test_empty_rows_take_absorbed(device):
     """A batch row with a query that selects nothing goes to ``absorbed`` (the reference's uniform
     fallback); the other row still runs the kernels, which alone give such a query 0 and no gradient."""

@@ -19,7 +19,8 @@ the backward needs no third pass over the slots) and ``lse [Hh, N]`` fp32.
 
 Rows with no valid slot: ``absorbed`` gives them the reference's uniform-over-all-keys output and its
 covariance gradient; the kernels do not. One host sync per call finds the batch rows that have such a
-row and hands those batch rows to ``absorbed`` (in real use every query selects at least itself).
+row and hands those batch rows to ``absorbed`` (in real use every query selects at least itself); the
+same sync reads the pool-layout check the backward's latent-gradient pass needs (``checks``).
 
 Precision as ``absorbed``: the work dtype (autocast's, else q's) for the GEMMs and the kernels' dot
 operands, fp32 accumulation, softmax and latent gradient. On the CPU the kernels run only under Triton's
@@ -68,7 +69,7 @@ class TritonSparseMLA(torch.autograd.Function):
     """Inputs already in the work dtype, contiguous, autocast off (``triton_sparse_mla`` sees to it)."""
 
     @staticmethod
-    def forward(ctx, q_BQHD, c_BSR, w_OR, idx_BQW, scale):
+    def forward(ctx, q_BQHD, c_BSR, w_OR, idx_BQW, scale, layout="check"):
         from megaseq.ops import triton_sparse_mla_kernels as kernels
 
         B, Q, Hh, Dn = q_BQHD.shape
@@ -78,7 +79,7 @@ class TritonSparseMLA(torch.autograd.Function):
         del q_abs_HNR
         out = _batch_major(torch.bmm(o_lat_HNR, w_uv.transpose(1, 2)), B, Q)
         ctx.save_for_backward(q_BQHD, c_BSR, w_OR, idx_BQW, o_lat_HNR, lse_HN)
-        ctx.scale = scale
+        ctx.scale, ctx.layout = scale, layout
         return out
 
     @staticmethod
@@ -98,12 +99,12 @@ class TritonSparseMLA(torch.autograd.Function):
             # [Hh, N, R] tensors, the backward's largest moment (ops.workspace.triton_sparse_mla_bytes)
             q_abs_HNR = torch.bmm(_heads_major(q_BQHD), w_uk)
             dq_abs_HNR, dc_BSR = kernels.backward(q_abs_HNR, do_lat_HNR, o_lat_HNR, lse_HN, c_BSR, idx_BQW,
-                                                  ctx.scale)
+                                                  ctx.scale, layout=ctx.layout)
             del q_abs_HNR, do_lat_HNR
             dw_uk = torch.bmm(_heads_major(q_BQHD).transpose(1, 2), dq_abs_HNR)
             dq = _batch_major(torch.bmm(dq_abs_HNR, w_uk.transpose(1, 2)), B, Q)
             dw = torch.cat([dw_uk, dw_uv], dim=1).reshape(w_OR.shape)
-        return dq, dc_BSR.to(c_BSR.dtype), dw, None, None
+        return dq, dc_BSR.to(c_BSR.dtype), dw, None, None, None
 
 
 # ---- the op ---------------------------------------------------------------------------------------------
@@ -141,12 +142,32 @@ def triton_sparse_mla_supports(q_BQHD, c_BSR, kv_b_weight, idx_BQW, scale) -> st
 
 def empty_batch_rows(idx_BQW: torch.Tensor, S: int) -> list[bool]:
     """Per batch row, whether some query has no valid slot: scanned in row blocks, one host sync."""
+    return _empty_rows_flags(idx_BQW, S).tolist()
+
+
+def _empty_rows_flags(idx_BQW: torch.Tensor, S: int) -> torch.Tensor:
+    """``empty_batch_rows`` on the device: bool ``[B]``, not read back."""
     B, Q, _ = idx_BQW.shape
     found_B = torch.zeros(B, dtype=torch.bool, device=idx_BQW.device)
     for a in range(0, Q, EMPTY_SCAN_ROWS):
         x = idx_BQW[:, a:a + EMPTY_SCAN_ROWS]
         found_B |= (~((x >= 0) & (x < S)).any(-1)).any(-1)
-    return found_B.tolist()
+    return found_B
+
+
+def checks(idx_BQW: torch.Tensor, S: int) -> tuple[list[bool], int | None | str]:
+    """``empty_batch_rows`` and, where the backward will ask (``MEGASEQ_MLA_DC=pool``, the layout kernel can
+    run), the first pool candidate's ``pool_layout`` check, read back together: one host sync a call where the
+    forward and the backward had one each. The layout is ``"check"`` where not known (the backward checks)."""
+    from megaseq.ops import triton_sparse_mla_kernels as kernels
+
+    found_B = _empty_rows_flags(idx_BQW, S)
+    cands = kernels.pool_candidates(idx_BQW.shape[2])
+    if kernels.dc_mode() != "pool" or not cands or not (idx_BQW.is_cuda or kernels.interpreting()):
+        return found_B.tolist(), "check"
+    kp, K = cands[0]
+    *empty, holds = torch.cat([found_B.int(), kernels.pool_layout_flag(idx_BQW, S, kp, K)]).tolist()
+    return [bool(e) for e in empty], kp if holds else "check"
 
 
 @dispatch.register("sparse_attention", "triton", supports=triton_sparse_mla_supports, opt_in=True)
@@ -157,9 +178,9 @@ def triton_sparse_mla(q_BQHD: torch.Tensor, c_BSR: torch.Tensor, kv_b_weight: to
     q, c, w = (t.to(dt).contiguous() for t in (q_BQHD, c_BSR, kv_b_weight))
     idx = idx_BQW.contiguous()
     with torch.autocast(q_BQHD.device.type, enabled=False):
-        empty = empty_batch_rows(idx, c.shape[1])
+        empty, layout = checks(idx, c.shape[1])
         if not any(empty):
-            return TritonSparseMLA.apply(q, c, w, idx, float(scale))
+            return TritonSparseMLA.apply(q, c, w, idx, float(scale), layout)
         outs = []
         for b, has_empty in enumerate(empty):
             fn = AbsorbedSparseMLA if has_empty else TritonSparseMLA

@@ -403,22 +403,26 @@ def pool_layout_blocks(L: int) -> tuple[int, int]:
 def pool_layout_triton(idx_BQW: torch.Tensor, S: int) -> int | None:
     """``pool_layout`` by ``pool_layout_kernel``: each query's first K * kp slots read once, one int32 flag
     (1 = every block holds) read back per candidate kp."""
-    B, Q, W = idx_BQW.shape
+    for kp, K in pool_candidates(idx_BQW.shape[2]):
+        if idx_BQW.shape[0] * idx_BQW.shape[1] == 0 or bool(pool_layout_flag(idx_BQW, S, kp, K).item()):
+            return kp
+    return None
+
+
+def pool_layout_flag(idx_BQW: torch.Tensor, S: int, kp: int, K: int) -> torch.Tensor:
+    """One pass of ``pool_layout_kernel`` for the candidate ``(kp, K)``: its int32 flag ``[1]`` (1 = every block
+    holds), on the device, not read back (``triton_sparse_mla`` reads it with its other check in one sync)."""
+    B, Q, _ = idx_BQW.shape
     if idx_BQW.stride(2) != 1:
         idx_BQW = idx_BQW.contiguous()
-    N = B * Q
-    for kp, K in pool_candidates(W):
-        if N == 0:
-            return kp
-        L = K * kp
-        BN, BS = pool_layout_blocks(L)
-        flag = torch.ones(1, dtype=torch.int32, device=idx_BQW.device)
+    N, L = B * Q, K * kp
+    BN, BS = pool_layout_blocks(L)
+    flag = torch.ones(1, dtype=torch.int32, device=idx_BQW.device)
+    if N:
         pool_layout_kernel[(triton.cdiv(N, BN), triton.cdiv(L, BS))](
             idx_BQW, flag, N, Q, S, L, idx_BQW.stride(0), idx_BQW.stride(1), KP=kp, BN=BN, BS=BS,
             num_warps=POOL_LAYOUT_WARPS)
-        if bool(flag.item()):
-            return kp
-    return None
+    return flag
 
 
 def pool_layout_reference(idx_BQW: torch.Tensor, S: int) -> int | None:
@@ -445,7 +449,10 @@ def pool_entries(idx_BQW: torch.Tensor, S: int, kp: int, chunk: int | None = Non
     all of them): ``qn`` (int32), the flattened query ``b * Q + q`` of every selected pool block, sorted by
     pool; then per program its pool ``b * NP + p`` (int32) and its range ``lo, hi`` (int64) of ``qn``: each
     pool's queries in chunks of at most ``chunk`` (a pool every query selects, an attention sink, is then many
-    programs, not one). NP = S // kp pools per row. One host sync (the number of programs)."""
+    programs, not one). NP = S // kp pools per row. No host sync: the programs are as many as their bound
+    ``B * NP + ceil(entries / chunk)`` (``sum ceil(count / chunk)`` over the pools), the ones past the real
+    count empty (``lo = hi``: the pass adds nothing for them); a count read back instead drained the GPU's
+    queue once a layer's backward."""
     B, Qs, W = idx_BQW.shape
     Q = Q or Qs
     K, NP = (W + 1) // kp - 1, S // kp
@@ -467,27 +474,33 @@ def pool_entries(idx_BQW: torch.Tensor, S: int, kp: int, chunk: int | None = Non
     del sorted_key
     count = seg[1:] - seg[:-1]
     chunks = (count + chunk - 1).div(chunk, rounding_mode="floor")
-    total = int(chunks.sum())
-    pool = torch.repeat_interleave(torch.arange(B * NP, device=dev), chunks, output_size=total)
-    before = torch.cumsum(chunks, 0) - chunks  # programs of the pools before each
-    lo = seg[pool] + (torch.arange(total, device=dev) - before[pool]) * chunk
+    if B * NP == 0:
+        return qn, torch.zeros(0, dtype=torch.int32, device=dev), seg[:0], seg[:0], NP
+    upto = torch.cumsum(chunks, 0)  # programs of the pools up to each
+    bound = B * NP + -(-(B * Qs * K) // chunk)
+    t = torch.arange(bound, device=dev)
+    pool = torch.searchsorted(upto, t, right=True).clamp_(max=B * NP - 1)  # the pool of program t
+    lo = seg[pool] + (t - (upto[pool] - chunks[pool])) * chunk
     hi = torch.minimum(lo + chunk, seg[pool + 1])
+    lo = torch.minimum(lo, hi)  # past the real programs: empty
     return qn, pool.to(torch.int32), lo, hi, NP
 
 
 def backward(q_abs_HNR: torch.Tensor, do_lat_HNR: torch.Tensor, o_lat_HNR: torch.Tensor, lse2_HN: torch.Tensor,
              c_BSR: torch.Tensor, idx_BQW: torch.Tensor, scale: float,
              config: Config | None = None, dc: str | None = None,
-             pool_config: tuple[int, int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+             pool_config: tuple[int, int, int] | None = None,
+             layout: int | None | str = "check") -> tuple[torch.Tensor, torch.Tensor]:
     """``dq_abs [Hh, N, R]`` (q_abs's dtype) and the latent gradient ``dc [B, S, R]`` fp32 (``config``: as in
     ``forward``; ``dc``: ``atomic`` or ``pool``, default ``MEGASEQ_MLA_DC``; ``pool`` falls back to ``atomic``
     where the selection is not in pools, ``pool_layout``; ``pool_config``: the pool pass's (rows per step,
-    warps, stages), default ``POOL_CONFIG``)."""
+    warps, stages), default ``POOL_CONFIG``; ``layout``: ``pool_layout``'s answer when the caller has it, the
+    forward's, else ``"check"``)."""
     Hh, N, R = q_abs_HNR.shape
     B, S, _ = c_BSR.shape
     Q, W = idx_BQW.shape[1:]
     mode = dc or dc_mode()
-    kp = pool_layout(idx_BQW, S) if mode == "pool" else None
+    kp = None if mode != "pool" else pool_layout(idx_BQW, S) if layout == "check" else layout
     dq_abs = torch.empty_like(q_abs_HNR)
     dc_BSR = torch.zeros(B, S, R, dtype=torch.float32, device=c_BSR.device)
     delta = torch.empty(Hh, N, dtype=torch.float32, device=c_BSR.device) if kp else lse2_HN
