@@ -184,11 +184,13 @@ class Indexer(nn.Module):
         S = k_BSD.shape[1]
         assert S < 2**31, "key indices are int32"
         doc_BS = ctx.full_doc_ids()
-        if doc_BS is None:
+        one_doc = doc_BS is None  # one document: the pools' ends are known without reading anything back
+        if one_doc:
             doc_BS = torch.zeros(B, S, dtype=torch.int64, device=x_BQH.device)
         pos_BS = positions_from_doc_ids(doc_BS)
         q_pos_Q = ctx.seq_offset() + torch.arange(Q, device=x_BQH.device)
-        pools = [self._pool_keys(k_BSD[b], None if gate_BSD is None else gate_BSD[b], pos_BS[b]) for b in range(B)]
+        pools = [self._pool_keys(k_BSD[b], None if gate_BSD is None else gate_BSD[b], pos_BS[b], one_doc)
+                 for b in range(B)]
         del k_BSD, gate_BSD
         kp = self.kpool
         num = [min(self.index_topk // kp, tok_Pk.shape[0]) for _, tok_Pk in pools]
@@ -201,13 +203,17 @@ class Indexer(nn.Module):
                              pos_BS[b], q_pos_Q, rot)
         return out
 
-    def _pool_keys(self, k_SD: torch.Tensor, gate_SD: torch.Tensor, pos_S: torch.Tensor):
+    def _pool_keys(self, k_SD: torch.Tensor, gate_SD: torch.Tensor, pos_S: torch.Tensor, one_doc: bool = False):
         """Complete pools: (keys ``[P, Di]``, token indices ``[P, kp]``), in sequence order (unpooled: every
-        token its own pool)."""
+        token its own pool). ``one_doc``: ``pos_S`` counts from 0 (one document), so the pools end every kp
+        tokens (else their ends are found on the device, a host sync)."""
         kp = self.kpool
         if gate_SD is None:
             return k_SD, torch.arange(k_SD.shape[0], device=k_SD.device)[:, None]
-        ends_P = torch.nonzero((pos_S + 1) % kp == 0).squeeze(-1)
+        if one_doc:
+            ends_P = torch.arange(kp - 1, k_SD.shape[0], kp, device=k_SD.device)
+        else:
+            ends_P = torch.nonzero((pos_S + 1) % kp == 0).squeeze(-1)
         tok_Pk = ends_P[:, None] - (kp - 1) + torch.arange(kp, device=k_SD.device)
         cd = compute_dtype(k_SD.dtype)
         logits = gate_SD[tok_Pk].to(cd) + self.index_kpool_compress_ape.to(cd)[None]
