@@ -599,22 +599,30 @@ print('planned longest, bf16 weights:', longest_length(get_preset('glm5-flash-1g
       --out "$OUT/bench_1gpu_1m" | grep -E "^\| 1,048,576"
     PACK=1 NOTAR=1
     ;;
-  s20a)  # prepared in session 19 (issue 13), not yet run: does the indexer GPU test that failed in s19e fail on the
-      # tree before the merged host syncs too? Both trees' test, then (if the new tree's passes, or both fail
-      # alike) both at 32K in one job, interleaved, then the idle gaps with Triton's launches attributed.
-      # Carry .whl, .tcpart, .ab/s19pre (git archive bb3ccee src) and .ab/idx (git archive 0e5d3b2 src)
-    for tree in s19pre idx; do
-      PYTHONPATH=/tmp/site:$PWD/.ab/$tree/src timeout -k 5 90 python3 -m pytest -q -m gpu -p no:cacheprovider \
+  s20a)  # session 20, call 1 (issue 13): host syncs removed (the indexer selection 14 -> 3 a call and the pools' ends
+      # from arange with one document; the sparse MLA backward's 2 -> 0, its layout check read with the forward's
+      # empty-row check). GPU tests: the indexer's (rows that differ only at fp32-level ties allowed, counted) on
+      # the tree before (.ab/base: mkdir -p .ab/base && git archive f695f64 src | tar x -C .ab/base) and today's,
+      # sparse MLA's on today's; the two trees at 32K twice, interleaved; today's idle gaps. Carry .whl, .tcpart,
+      # .ab/base
+    for tree in base now; do
+      src=$PWD/src; [ $tree = base ] && src=$PWD/.ab/base/src
+      PYTHONPATH=/tmp/site:$src timeout -k 5 80 python3 -m pytest -q -s -m gpu -p no:cacheprovider \
         tests/test_indexer_topk.py > "$OUT/gpu_tests_indexer_$tree.log" 2>&1
-      echo "$tree: $(tail -1 "$OUT/gpu_tests_indexer_$tree.log")"; grep -o "rows differ, first (row[^[]*" "$OUT/gpu_tests_indexer_$tree.log" | head -3
+      echo "$tree: $(tail -1 "$OUT/gpu_tests_indexer_$tree.log")"
+      grep -E "^Q=|differs beyond" "$OUT/gpu_tests_indexer_$tree.log" | head -6 | cut -c1-300
     done
+    timeout -k 5 100 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_triton_sparse_mla.py \
+      > "$OUT/gpu_tests_sparse_mla.log" 2>&1; echo "sparse MLA: $(tail -1 "$OUT/gpu_tests_sparse_mla.log")"
+    grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests_sparse_mla.log" | head -5 | cut -c1-300
     for run in 1 2; do
-      for tree in s19pre idx; do
-        PYTHONPATH=/tmp/site:$PWD/.ab/$tree/src bench32k "bench_32k_${tree}_$run"
+      for tree in base now; do
+        src=$PWD/src; [ $tree = base ] && src=$PWD/.ab/base/src
+        PYTHONPATH=/tmp/site:$src bench32k "bench_32k_${tree}_$run"
       done
     done
-    PYTHONPATH=/tmp/site:$PWD/.ab/idx/src timeout -k 5 $((540 - SECONDS)) python3 benchmarks/profile_step.py \
-      recipes/glm5-flash-1gpu.yaml 32K --json "$OUT/profile_32k_gaps.json" > "$OUT/profile_1gpu_32k_gaps.txt" 2>&1
+    timeout -k 5 $((560 - SECONDS)) python3 benchmarks/profile_step.py recipes/glm5-flash-1gpu.yaml 32K \
+      --json "$OUT/profile_32k_gaps.json" > "$OUT/profile_1gpu_32k_gaps.txt" 2>&1
     sed -n '/GPU idle between/,$p' "$OUT/profile_1gpu_32k_gaps.txt" | head -45 | cut -c1-220
     PACK=1 NOTAR=1
     ;;
