@@ -148,10 +148,21 @@ def _where(e: dict | None) -> str:
     return f"{label or '(no label)'} > {op or '-'}"
 
 
+def _outer_op(e: dict | None) -> str:
+    """The outermost aten op around a host event (``aten::stack`` where ``_where`` names its ``aten::cat``)."""
+    op = "-"
+    while e is not None:
+        if e["name"].startswith("aten::"):
+            op = e["name"]
+        e = e["parent"]
+    return op
+
+
 def idle_gaps(trace: dict, min_us: float = 2.0) -> dict:
     """Where the GPU sat idle in a chrome trace of one step: ``{"idle_ms", "busy_ms", "by_where", "longest",
     "syncs"}``. A gap is the time between the end of the GPU work so far and the next kernel's start; it counts
-    for the host context that launched that kernel (``_where``)."""
+    for the host context that launched that kernel (``_where``). Each of the longest also names where the kernel
+    that ended last before it was launched (``after``) and the next launch's outermost aten op (``outer``)."""
     evs = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "ts" in e]
     gpu = sorted((e for e in evs if e.get("cat") in _GPU_CATS), key=lambda e: e["ts"])
     host = [e for e in evs if e.get("cat") not in _GPU_CATS]
@@ -160,18 +171,21 @@ def idle_gaps(trace: dict, min_us: float = 2.0) -> dict:
     launch = {e["args"]["correlation"]: e for e in host
               if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
     by_where: dict[str, float] = defaultdict(float)
-    longest, idle, busy_end = [], 0.0, None
+    longest, idle, busy_end, last = [], 0.0, None, None
     busy = 0.0
     for k in gpu:
         start, end = k["ts"], k["ts"] + k.get("dur", 0)
         if busy_end is not None and start - busy_end >= min_us:
             gap = start - busy_end
             idle += gap
-            where = _where(launch.get(k.get("args", {}).get("correlation")))
+            here = launch.get(k.get("args", {}).get("correlation"))
+            where = _where(here)
             by_where[where] += gap
-            longest.append((gap, where, k["name"][:60]))
+            before = _where(launch.get(last.get("args", {}).get("correlation")))
+            longest.append((gap, where, k["name"][:60], before, _outer_op(here)))
         busy += max(0.0, end - max(start, busy_end or start))
-        busy_end = end if busy_end is None else max(busy_end, end)
+        if busy_end is None or end >= busy_end:
+            busy_end, last = end, k
     syncs: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
     for e in host:
         if e.get("cat") == "cuda_runtime" and e["name"].startswith(_SYNCS):
@@ -181,7 +195,8 @@ def idle_gaps(trace: dict, min_us: float = 2.0) -> dict:
     longest.sort(key=lambda g: -g[0])
     return {"idle_ms": idle / 1e3, "busy_ms": busy / 1e3,
             "by_where": {k: v / 1e3 for k, v in sorted(by_where.items(), key=lambda kv: -kv[1])},
-            "longest": [{"us": g, "where": w, "next_kernel": n} for g, w, n in longest[:25]],
+            "longest": [{"us": g, "where": w, "next_kernel": n, "after": a, "outer": o}
+                        for g, w, n, a, o in longest[:25]],
             "syncs": {k: {"count": c, "host_ms": t} for k, (c, t) in sorted(syncs.items(), key=lambda kv: -kv[1][0])}}
 
 
@@ -189,8 +204,9 @@ def gap_lines(g: dict, limit: int = 30) -> list[str]:
     out = [f"\nGPU idle between kernels: {g['idle_ms']:.1f} ms (busy {g['busy_ms']:.1f} ms), by the host context that"
            " launched the kernel after the gap", f"{'idle ms':>10}  where"]
     out += [f"{ms:10.2f}  {w}" for w, ms in list(g["by_where"].items())[:limit]]
-    out += ["\nlongest gaps", f"{'us':>10}  where  (next kernel)"]
-    out += [f"{x['us']:10.0f}  {x['where']}  ({x['next_kernel']})" for x in g["longest"]]
+    out += ["\nlongest gaps", f"{'us':>10}  where [outermost op]  (next kernel)  after: the last kernel's where"]
+    out += [f"{x['us']:10.0f}  {x['where']} [{x.get('outer', '-')}]  ({x['next_kernel']})  after: {x.get('after', '-')}"
+            for x in g["longest"]]
     out += ["\nhost syncs", f"{'count':>6} {'host ms':>8}  call in where"]
     out += [f"{v['count']:6d} {v['host_ms']:8.2f}  {k}" for k, v in list(g["syncs"].items())[:limit]]
     return out

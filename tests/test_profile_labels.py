@@ -98,5 +98,8 @@ def test_idle_gaps_count_for_the_launch_after_them(profile_step):
     assert g["by_where"] == pytest.approx({"fwd:self_attn.indexer:Indexer > aten::add": 0.030,
                                            "bwd:MmBackward0 > -": 0.035})
     assert g["longest"][0]["next_kernel"] == "k3"
+    assert g["longest"][0]["after"] == "fwd:self_attn.indexer:Indexer > aten::add"  # k2 ended last before it
+    assert g["longest"][1]["after"] == "fwd:self_attn.indexer:Indexer > aten::mm"
+    assert g["longest"][1]["outer"] == "aten::add"
     assert g["syncs"] == {"cudaStreamSynchronize in fwd:self_attn.indexer:Indexer > aten::item":
                           {"count": 1, "host_ms": pytest.approx(0.03)}}
