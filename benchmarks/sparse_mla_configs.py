@@ -2,6 +2,7 @@
 
     python benchmarks/sparse_mla_configs.py --out $OUT/sparse_mla_configs.json     # H200: about 3 minutes
     python benchmarks/sparse_mla_configs.py --defaults-only --out $OUT/sparse_mla_pool.json  # the pool pass
+    python benchmarks/sparse_mla_configs.py --defaults-only --pool-blocks 0,512,1024,2048 --out ...  # its order
 
 The kernels (``ops/triton_sparse_mla_kernels.py``) run a default configuration that was chosen by registers
 and shared memory, never by time. This script times each configuration of a grid (slots per loop step BW,
@@ -45,7 +46,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return d / max(b.double()[fin].abs().max().item(), 1e-300)
 
 
-def run_shape(K, row: dict, dev, dt, R: int, pools: int, fwd_space, bwd_space, save, pool_space=()) -> None:
+def run_shape(K, row: dict, dev, dt, R: int, pools: int, fwd_space, bwd_space, save, pool_space=(),
+              pool_blocks=()) -> None:
     """Time every config of both spaces at ``row``'s (Q, S), latent rank ``R``; each entry into ``row`` as it
     completes."""
     from triton.compiler.errors import CompilationError
@@ -91,9 +93,12 @@ def run_shape(K, row: dict, dev, dt, R: int, pools: int, fwd_space, bwd_space, s
     # (rows per step, warps, stages) of the pool pass, each timed
     row["atomic_ms"] = _median_ms(lambda: K.backward(q, do, o_ref, lse_ref, c, idx, SCALE, dc="atomic"), dev)
     row["bwd_pool"] = []
-    for pc in pool_space:
+    default_block = K.POOL_QUERY_BLOCK
+    for block, pc in [(default_block, pc) for pc in pool_space] + [(b, K.POOL_CONFIG) for b in pool_blocks]:
+        K.POOL_QUERY_BLOCK = block
         entry = {"config": str(K.default_config("bwd", HH, R, dt)), "dc": "pool", "pool_config": list(pc),
-                 "default": pc == K.POOL_CONFIG}
+                 "query_block": "picked" if block is None else block,
+                 "default": pc == K.POOL_CONFIG and block == default_block}
         try:
             dq, dc = K.backward(q, do, o_ref, lse_ref, c, idx, SCALE, dc="pool", pool_config=pc)
             entry["rel_diff"] = {"dq_abs": _rel(dq, dq_ref), "dc": _rel(dc, dc_ref)}
@@ -104,10 +109,11 @@ def run_shape(K, row: dict, dev, dt, R: int, pools: int, fwd_space, bwd_space, s
         row["bwd_pool"].append(entry)
         save()
         if "ms" in entry:
-            print(f"Q={Q} S={S} bwd dc=pool {pc}: {entry['ms']:.2f} ms (atomic {row['atomic_ms']:.2f}), rel diff "
-                  f"dc {entry['rel_diff']['dc']:.1e}", flush=True)
+            print(f"Q={Q} S={S} bwd dc=pool {pc} query block {block}: {entry['ms']:.2f} ms (atomic "
+                  f"{row['atomic_ms']:.2f}), rel diff dc {entry['rel_diff']['dc']:.1e}", flush=True)
         else:
-            print(f"Q={Q} S={S} bwd dc=pool {pc}: {entry['error'][:200]}", flush=True)
+            print(f"Q={Q} S={S} bwd dc=pool {pc} query block {block}: {entry['error'][:200]}", flush=True)
+    K.POOL_QUERY_BLOCK = default_block
 
 
 def main() -> int:
@@ -117,6 +123,9 @@ def main() -> int:
     ap.add_argument("--smoke", action="store_true", help="CPU, Triton's interpreter, tiny shapes: the script runs")
     ap.add_argument("--defaults-only", action="store_true",
                     help="only the default configs (and the pool pass beside the atomics)")
+    ap.add_argument("--pool-blocks", default="",
+                    help="query blocks of the pool pass's program order to time too (POOL_QUERY_BLOCK, beside the "
+                         "picked one; 0: one block, the programs in pool order), e.g. 0,512,1024,2048")
     args = ap.parse_args()
     R = RANK
     if args.smoke:
@@ -150,7 +159,8 @@ def main() -> int:
     for Q, S in shapes:
         row: dict = {"Q": Q, "S": S}
         res["shapes"].append(row)
-        run_shape(K, row, dev, dt, R, pools, fwd_space, bwd_space, save, pool_space)
+        run_shape(K, row, dev, dt, R, pools, fwd_space, bwd_space, save, pool_space,
+                  [int(b) for b in args.pool_blocks.split(",") if b])
         torch.cuda.empty_cache()
     for row in res["shapes"]:
         for kind in ("fwd", "bwd"):

@@ -183,6 +183,16 @@ def test_the_pool_pass_sums_the_latent_gradient_as_the_atomics_do(device, monkey
     assert_close("dc in chunks of 7 queries", K.backward(q, do, o, lse, c, idx, 0.3, dc="pool")[1], dc,
                  TOL[torch.float32])
 
+    # the picked block: 1024 queries at 32K keys (2048 pools, 128 chosen), 8192 for a 32K segment of 256K keys
+    assert K.pool_query_block(2048, 128) == 1024 and K.pool_query_block(16384, 128) == 8192
+    monkeypatch.setattr(K, "POOL_QUERY_BLOCK", 6)  # programs a block of 6 queries at a time, 7 blocks a row
+    qn, pool, lo, hi, NP = K.pool_entries(idx, S, 16)
+    real = hi > lo
+    assert int(real.sum()) > B * NP and int((hi - lo).sum()) == qn.numel()
+    blk = (qn[lo[real]].long() % Q) // 6 + (qn[lo[real]].long() // Q) * 7  # each program's block
+    assert (blk.diff() >= 0).all() and ((qn[(hi[real] - 1)].long() % Q) // 6 == blk % 7).all()
+    assert_close("dc by blocks of 6 queries", K.backward(q, do, o, lse, c, idx, 0.3, dc="pool")[1], dc,
+                 TOL[torch.float32])
     monkeypatch.setattr(K, "POOL_QUERIES", 16)  # queries 0-15, 16-31, 32-39 of each row sorted apart
     assert_close("dc sorted 16 queries at a time", K.backward(q, do, o, lse, c, idx, 0.3, dc="pool")[1], dc,
                  TOL[torch.float32])

@@ -252,7 +252,7 @@ def sparse_mla_bwd_pool_dc_kernel(qabs_ptr, dolat_ptr, lse_ptr, delta_ptr, c_ptr
     rmask = offs_r < R
     keys = ((pool % NP) * KP + tl.arange(0, KP)).to(tl.int64)
     c_off = b64 * S * R + keys[:, None] * R + offs_r[None, :]
-    c_KR = tl.load(c_ptr + c_off, mask=rmask[None, :], other=0.0)
+    c_KR = tl.load(c_ptr + c_off, mask=rmask[None, :] & (end > start), other=0.0)
     acc_KR = tl.zeros([KP, RP], tl.float32)
     for j0 in range(start * Hh, end * Hh, BR):
         j = j0 + tl.arange(0, BR)
@@ -358,6 +358,11 @@ POOL_SCAN_ROWS = 4096  # query rows per step of the layout check ([rows, K, kp] 
 # fastest at 8K; 1 stage is 20-25% slower, 8 warps 30-50%
 POOL_CONFIG = (32, 4, 2)
 POOL_CHUNK = 256  # selecting queries per program of the pool pass at most
+# the pool pass's programs go a block of queries at a time (pool_entries): None picks it (pool_query_block), an int
+# sets it (0: one block, the programs in pool order; benchmarks/sparse_mla_configs.py --pool-blocks)
+POOL_QUERY_BLOCK: int | None = None
+POOL_BLOCK_MIN = 1024  # queries a block at least: 32 MB of q_abs and do_lat rows at 16 heads x 512 bf16
+POOL_BLOCK_ENTRIES = 64  # the mean selecting queries per (block, pool) the picked block aims at, at least
 POOL_QUERIES = 32768  # queries per batch row whose pool entries are sorted at once (ops.workspace.POOL_QUERIES)
 
 
@@ -443,26 +448,47 @@ def pool_layout_reference(idx_BQW: torch.Tensor, S: int) -> int | None:
     return None
 
 
+def pool_query_block(NP: int, K: int) -> int:
+    """The pool pass's query block (``POOL_QUERY_BLOCK``, else picked): at least ``POOL_BLOCK_MIN`` queries, and
+    enough that a pool has ``POOL_BLOCK_ENTRIES`` selecting queries a block on average (K of NP pools chosen per
+    query: ``block * K / NP``), so that a program's fixed cost (its pool's keys read, one atomic add of
+    ``[kp, R]``) stays small beside its rows; a power of two."""
+    if POOL_QUERY_BLOCK is not None:
+        return POOL_QUERY_BLOCK
+    return triton.next_power_of_2(max(POOL_BLOCK_MIN, -(-POOL_BLOCK_ENTRIES * NP // max(K, 1))))
+
+
 def pool_entries(idx_BQW: torch.Tensor, S: int, kp: int, chunk: int | None = None, q0: int = 0,
-                 Q: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
+                 Q: int | None = None, block: int | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """For the pool pass over the queries ``idx_BQW`` holds (queries ``q0 ..`` of ``Q`` per batch row, default
     all of them): ``qn`` (int32), the flattened query ``b * Q + q`` of every selected pool block, sorted by
-    pool; then per program its pool ``b * NP + p`` (int32) and its range ``lo, hi`` (int64) of ``qn``: each
-    pool's queries in chunks of at most ``chunk`` (a pool every query selects, an attention sink, is then many
-    programs, not one). NP = S // kp pools per row. No host sync: the programs are as many as their bound
-    ``B * NP + ceil(entries / chunk)`` (``sum ceil(count / chunk)`` over the pools), the ones past the real
-    count empty (``lo = hi``: the pass adds nothing for them); a count read back instead drained the GPU's
-    queue once a layer's backward."""
+    query block, then pool; then per program its pool ``b * NP + p`` (int32) and its range ``lo, hi`` (int64)
+    of ``qn``: the queries of one block of ``block`` queries (default ``pool_query_block``) that selected the
+    pool, in chunks of at most ``chunk`` (default ``POOL_CHUNK``). NP = S // kp pools per row.
+
+    The programs go block by block: those running at once read the ``q_abs`` and ``do_lat`` rows of the same
+    ``block`` queries (32 MB at 1024 queries of 16 heads x 512 bf16 each), which stay in L2 between them; in
+    pool order instead each pool's chunks spanned thousands of queries, and the pass re-read every row from
+    memory once per pool that selected it.
+
+    No host sync: the programs are as many as their bound ``segments + ceil(entries / chunk)`` (a segment a
+    (row, block, pool); ``sum ceil(count / chunk)``), the ones past the real count empty (``lo = hi``: the pass
+    adds nothing for them); a count read back instead drained the GPU's queue once a layer's backward."""
     B, Qs, W = idx_BQW.shape
     Q = Q or Qs
     K, NP = (W + 1) // kp - 1, S // kp
     chunk = chunk or POOL_CHUNK
+    block = pool_query_block(NP, K) if block is None else block
+    block = max(1, min(block, Qs) if block > 0 else Qs)  # 0: one block (the programs in pool order)
+    nb = -(-Qs // block)
     dev = idx_BQW.device
     first = idx_BQW[..., :K * kp:kp].long()
     valid = (first >= 0) & (first < S)
-    row = torch.arange(B, device=dev)[:, None, None] * NP
-    key = torch.where(valid, row + first.div(kp, rounding_mode="floor"), B * NP).flatten()
-    del first, valid
+    row = (torch.arange(B, device=dev)[:, None] * nb + torch.arange(Qs, device=dev)[None] // block)[..., None] * NP
+    segments = B * nb * NP
+    key = torch.where(valid, row + first.div(kp, rounding_mode="floor"), segments).flatten()
+    del first, valid, row
     sorted_key, order = key.sort(stable=True)
     del key
     qn = order.div(K, rounding_mode="floor")  # b * Qs + q - q0
@@ -470,19 +496,21 @@ def pool_entries(idx_BQW: torch.Tensor, S: int, kp: int, chunk: int | None = Non
     if Qs != Q or q0:
         qn = qn.div(Qs, rounding_mode="floor") * Q + q0 + qn.remainder(Qs)
     qn = qn.to(torch.int32)
-    seg = torch.searchsorted(sorted_key, torch.arange(B * NP + 1, device=dev))
+    if segments == 0:
+        empty = torch.zeros(0, dtype=torch.int64, device=dev)
+        return qn, empty.int(), empty, empty, NP
+    seg = torch.searchsorted(sorted_key, torch.arange(segments + 1, device=dev))
     del sorted_key
     count = seg[1:] - seg[:-1]
     chunks = (count + chunk - 1).div(chunk, rounding_mode="floor")
-    if B * NP == 0:
-        return qn, torch.zeros(0, dtype=torch.int32, device=dev), seg[:0], seg[:0], NP
-    upto = torch.cumsum(chunks, 0)  # programs of the pools up to each
-    bound = B * NP + -(-(B * Qs * K) // chunk)
+    upto = torch.cumsum(chunks, 0)  # programs of the segments up to each
+    bound = segments + -(-(B * Qs * K) // chunk)
     t = torch.arange(bound, device=dev)
-    pool = torch.searchsorted(upto, t, right=True).clamp_(max=B * NP - 1)  # the pool of program t
-    lo = seg[pool] + (t - (upto[pool] - chunks[pool])) * chunk
-    hi = torch.minimum(lo + chunk, seg[pool + 1])
+    sid = torch.searchsorted(upto, t, right=True).clamp_(max=segments - 1)  # the segment of program t
+    lo = seg[sid] + (t - (upto[sid] - chunks[sid])) * chunk
+    hi = torch.minimum(lo + chunk, seg[sid + 1])
     lo = torch.minimum(lo, hi)  # past the real programs: empty
+    pool = sid.div(nb * NP, rounding_mode="floor") * NP + sid.remainder(NP)
     return qn, pool.to(torch.int32), lo, hi, NP
 
 
