@@ -626,6 +626,25 @@ print('planned longest, bf16 weights:', longest_length(get_preset('glm5-flash-1g
     sed -n '/GPU idle between/,$p' "$OUT/profile_1gpu_32k_gaps.txt" | head -45 | cut -c1-220
     PACK=1 NOTAR=1
     ;;
+  s20b)  # session 20, call 2 (issue 13): the pool pass's programs a query block at a time (L2 reuse of the q_abs and
+      # do_lat rows). The op alone at 32K and a 32K segment of 256K keys in every block (0: pool order, as before),
+      # the pass's launch configurations in the picked order; the sparse MLA GPU tests; the step at 32K, the tree
+      # before (.ab/pre: mkdir -p .ab/pre && git archive <the commit before it> src | tar x -C .ab/pre) and today's,
+      # twice, interleaved. Carry .whl, .tcpart, .ab/pre
+    timeout -k 5 200 python3 benchmarks/sparse_mla_configs.py --defaults-only --shapes 32768:32768,32768:262144 \
+      --pool-blocks 0,512,2048,4096,8192 --out "$OUT/sparse_mla_pool_order.json" > "$OUT/sparse_mla_pool_order.log" 2>&1
+    grep -E "dc=pool|^Q=.*(fwd|bwd) Config" "$OUT/sparse_mla_pool_order.log" | cut -c1-200
+    timeout -k 5 100 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_triton_sparse_mla.py \
+      > "$OUT/gpu_tests_sparse_mla.log" 2>&1; echo "sparse MLA: $(tail -1 "$OUT/gpu_tests_sparse_mla.log")"
+    grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests_sparse_mla.log" | head -5 | cut -c1-300
+    for run in 1 2; do
+      for tree in pre now; do
+        src=$PWD/src; [ $tree = pre ] && src=$PWD/.ab/pre/src
+        PYTHONPATH=/tmp/site:$src bench32k "bench_32k_${tree}_$run"
+      done
+    done
+    PACK=1 NOTAR=1
+    ;;
   s18b)  # prepared in session 17 (issue 13), not yet run: MasterAdamW's launch configurations, a warm 1M step (the
       # last, session 16's s16c, 33.2 s, ran before the AdamW kernel), then where a 256K step goes (issue 13 asks for
       # a 256K profile after the work; session 13's is the last); carry .whl, .tcpart
