@@ -78,6 +78,32 @@ def test_liger_matches_plain(dtype, tol, reduction, num_items, chunk_rows):
         assert rel_err(a, b) < tol
 
 
+def test_saved_gradients_scale_in_place():
+    a, b = torch.full((3, 2), 2.0, dtype=torch.bfloat16), torch.ones(4)
+    out = liger_loss.scale_saved_gradients(torch.tensor(0.25), a, None, b)
+    assert out[0] is a and out[1] is None and (a == 0.5).all() and (b == 0.25).all() and a.dtype == torch.bfloat16
+
+
+@pytest.mark.gpu
+@GPU
+def test_liger_backward_reads_nothing_back(monkeypatch):
+    """The backward scales the forward's gradients without Liger's ``torch.equal(grad_output, 1)`` (a host sync):
+    with ``torch.equal`` made to fail, the gradients still come, and are the plain loss's."""
+    pytest.importorskip("liger_kernel")
+    hidden, weight, labels = _inputs(N=1031, H=256, V=5003, dtype=torch.float32, device="cuda")
+    out = liger_loss.linear_cross_entropy_liger(hidden, weight, labels, -100, "sum")
+
+    def no_equal(*a, **k):
+        raise AssertionError("torch.equal in the loss's backward: a host sync")
+
+    monkeypatch.setattr(torch, "equal", no_equal)
+    grads = torch.autograd.grad(out * 0.37, (hidden, weight))
+    monkeypatch.undo()
+    ref = plain_linear_cross_entropy(hidden, weight, labels, -100, "sum")
+    for a, b in zip(grads, torch.autograd.grad(ref * 0.37, (hidden, weight))):
+        assert rel_err(a, b) < 1e-5
+
+
 @pytest.mark.gpu
 @GPU
 def test_liger_all_ignored_gives_zero():

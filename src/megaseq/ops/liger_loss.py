@@ -82,6 +82,31 @@ def _chunk_arg(hidden: torch.Tensor, weight: torch.Tensor, rows: int | None) -> 
 
 
 @functools.cache
+def _no_sync_function() -> type:
+    """Liger's fused linear cross-entropy Function with a backward that scales the gradients its forward computed
+    without first asking whether ``grad_output`` is 1 (Liger's ``torch.equal`` is a host sync at the start of
+    every backward: the GPU's queue drained there, and the backward's first kernels launched from it). The
+    scaling is Liger's: each gradient times ``grad_output`` in fp32, stored in its dtype (here by torch, in place:
+    the backward runs once); ``reduction="none"`` keeps Liger's backward (it recomputes the gradients)."""
+    from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction as LigerFLCE
+
+    class NoSyncFLCE(LigerFLCE):
+        @staticmethod
+        def backward(ctx, grad_output, *rest):
+            if ctx.defer_grads:
+                return LigerFLCE.backward(ctx, grad_output, *rest)
+            grads = scale_saved_gradients(grad_output, *ctx.saved_tensors)
+            return (grads[0], grads[1], None, grads[2], *([None] * 14))[: len(ctx.needs_input_grad)]
+
+    return NoSyncFLCE
+
+
+def scale_saved_gradients(grad_output: torch.Tensor, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    """Each gradient (computed by the forward for a loss of 1) times the 0-d ``grad_output``, in place."""
+    return tuple(None if g is None else g.mul_(grad_output) for g in grads)
+
+
+@functools.cache
 def _takes_chunk_const() -> bool:  # liger-kernel 0.8.5 has it; older releases chunk by their rule only (once)
     import inspect
 
@@ -116,9 +141,8 @@ def linear_cross_entropy_liger(hidden: torch.Tensor, weight: torch.Tensor, label
                                chunk_rows: int | None = CHUNK_ROWS) -> torch.Tensor:
     """Same contract as ``linear_cross_entropy_reference``; Liger computes the gradients during the forward,
     in chunks of at most ``chunk_rows`` tokens (a power of two; None: Liger's rule)."""
-    from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction as LigerFLCE
-
     mode = "none" if reduction == "none" else "sum"
+    LigerFLCE = _no_sync_function()
     # positional: input, weight, target, bias, ce_weight, ignore_index, lse_square_scale, label_smoothing,
     # reduction, softcap, return_z_loss, accum_dtype, use_token_scaling, return_token_accuracy,
     # return_predicted_tokens, ce_impl, ce_mode, chunk_mem_const

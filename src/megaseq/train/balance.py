@@ -181,10 +181,13 @@ class Balancer:
         if counts_LE is None:
             return
         if self.settings.mode == "bias":
-            for (_, m), c_E in zip(self.moes, counts_LE):
-                bias = m.gate.e_score_correction_bias
-                error_E = (c_E.mean() - c_E).to(bias.device)
-                bias.add_(self.settings.bias_update_rate * torch.sign(error_E).to(bias.dtype))
+            # every layer's update in a few launches (one per layer and op ran on an idle GPU after the step's
+            # read-back): sign(mean - load) * rate, in each bias's dtype, as one foreach add
+            biases = [m.gate.e_score_correction_bias for _, m in self.moes]
+            step_LE = self.settings.bias_update_rate * torch.sign(counts_LE.mean(dim=1, keepdim=True) - counts_LE)
+            if len({(b.device, b.dtype) for b in biases}) == 1:
+                step_LE = step_LE.to(biases[0].device, biases[0].dtype)
+            torch._foreach_add_(biases, [row.to(b.device, b.dtype) for b, row in zip(biases, step_LE, strict=True)])
         mean = counts_LE.mean(dim=1)
         ratio = torch.where(mean > 0, counts_LE.max(dim=1).values / mean.clamp_min(1e-30), torch.zeros_like(mean))
         self._last = {"moe_max_over_mean": {name: float(r) for (name, _), r in zip(self.moes, ratio.tolist())}}
