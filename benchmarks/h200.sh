@@ -645,6 +645,24 @@ print('planned longest, bf16 weights:', longest_length(get_preset('glm5-flash-1g
     done
     PACK=1 NOTAR=1
     ;;
+  s20c)  # session 20, call 3 (issue 13): Liger's backward without its host sync, the router bias update in a few
+      # launches: the loss's GPU tests; the step at 32K, the tree before (.ab/pre2: git archive 308ad50~1 src) and
+      # today's, twice, interleaved; today's idle gaps with what ran before each of the longest. Carry .whl, .tcpart,
+      # .ab/pre2
+    timeout -k 5 90 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_liger_loss.py \
+      > "$OUT/gpu_tests_liger.log" 2>&1; echo "liger: $(tail -1 "$OUT/gpu_tests_liger.log")"
+    grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests_liger.log" | head -5 | cut -c1-300
+    for run in 1 2; do
+      for tree in pre2 now; do
+        src=$PWD/src; [ $tree = pre2 ] && src=$PWD/.ab/pre2/src
+        PYTHONPATH=/tmp/site:$src bench32k "bench_32k_${tree}_$run"
+      done
+    done
+    timeout -k 5 $((400 - SECONDS)) python3 benchmarks/profile_step.py recipes/glm5-flash-1gpu.yaml 32K \
+      --json "$OUT/profile_32k_gaps.json" > "$OUT/profile_1gpu_32k_gaps.txt" 2>&1
+    sed -n '/GPU idle between/,$p' "$OUT/profile_1gpu_32k_gaps.txt" | head -60 | cut -c1-250
+    PACK=1 NOTAR=1
+    ;;
   s18b)  # prepared in session 17 (issue 13), not yet run: MasterAdamW's launch configurations, a warm 1M step (the
       # last, session 16's s16c, 33.2 s, ran before the AdamW kernel), then where a 256K step goes (issue 13 asks for
       # a 256K profile after the work; session 13's is the last); carry .whl, .tcpart
