@@ -55,7 +55,12 @@ def supports(w: torch.Tensor, g: torch.Tensor, master: torch.Tensor) -> str | No
 def bias_corrections(steps: list[torch.Tensor], beta1: float, beta2: float) -> torch.Tensor:
     """``[P, 2]`` fp32: per step counter ``1 - beta1 ** step`` and ``sqrt(1 - beta2 ** step)``, computed in fp64
     as torch's fused AdamW does, then rounded (what its kernel receives)."""
-    s = torch.stack([t.reshape(()) for t in steps]).to(torch.float64)
+    # the counters (0-d, or all [1]) stacked as they are: one reshape op each (~110 a parameter group) ran on the
+    # host while the GPU waited for the update
+    try:
+        s = torch.stack(steps).reshape(-1).to(torch.float64)
+    except RuntimeError:  # counters of mixed shapes
+        s = torch.stack([t.reshape(()) for t in steps]).to(torch.float64)
     return torch.stack([1 - torch.pow(beta1, s), torch.sqrt(1 - torch.pow(beta2, s))], 1).to(torch.float32)
 
 
