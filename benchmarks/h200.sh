@@ -663,6 +663,22 @@ print('planned longest, bf16 weights:', longest_length(get_preset('glm5-flash-1g
     sed -n '/GPU idle between/,$p' "$OUT/profile_1gpu_32k_gaps.txt" | head -60 | cut -c1-250
     PACK=1 NOTAR=1
     ;;
+  s20d)  # session 20, call 4 (issue 13): the final code. The AdamW kernel's GPU tests (if they fail, the benches run
+      # the tree before the last change, .ab/pre3: git archive <final>~1 src), the issue's command, then a warm 1M
+      # step in the time left. Carry .whl, .tcpart, .ab/pre3
+    timeout -k 5 60 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_triton_adamw.py \
+      > "$OUT/gpu_tests_adamw.log" 2>&1; rc=$?
+    echo "adamw: $(tail -1 "$OUT/gpu_tests_adamw.log")"
+    if [ $rc -ne 0 ]; then
+      echo "AdamW GPU tests failed (rc $rc): benches on .ab/pre3"; export PYTHONPATH=/tmp/site:$PWD/.ab/pre3/src
+      grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests_adamw.log" | head -10 | cut -c1-300
+    fi
+    timeout -k 5 $((430 - SECONDS)) python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml --seq-lens 8K,32K --baseline \
+      --out "$OUT/bench_1gpu_issue" | grep -E "^\| (8,192|32,768)"
+    timeout -k 5 $((575 - SECONDS)) python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml --seq-lens 1M --steps 1 \
+      --out "$OUT/bench_1gpu_1m" | grep -E "^\| 1,048,576"
+    PACK=1 NOTAR=1
+    ;;
   s18b)  # prepared in session 17 (issue 13), not yet run: MasterAdamW's launch configurations, a warm 1M step (the
       # last, session 16's s16c, 33.2 s, ran before the AdamW kernel), then where a 256K step goes (issue 13 asks for
       # a 256K profile after the work; session 13's is the last); carry .whl, .tcpart
