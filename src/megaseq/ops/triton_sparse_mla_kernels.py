@@ -29,8 +29,11 @@ log-sum-exp ``[Hh, N]`` fp32 in base 2 (``lse2 = max + log2(sum)`` of the base-2
   backward 14.4 ms against the atomics' 14.8 at 8K, 59.9 against 67.7 at 32K, 65.0 against 108.0 for a 32K
   segment of 256K keys. Its working set (``ops.workspace.sparse_mla_pool_bytes``, in the plan): the sort's keys
   and order, ``POOL_SORT_BYTES`` (64) per selected pool at most, and ``delta``.
-  The layout is checked every backward by one pass over the selection, ``pool_layout_kernel`` (one int32
-  flag, one host sync; 0.17 ms at 32K against 2.4 ms for the torch reference, ``pool_layout_reference``).
+  The layout is checked by one pass over the selection, ``pool_layout_kernel`` (one int32 flag; 0.17 ms at 32K
+  against 2.4 ms for the torch reference, ``pool_layout_reference``): in the op's forward, read back with its
+  empty-row check (``triton_sparse_mla.checks``), else in the backward (``layout="check"``). The pool pass's
+  programs go a block of queries at a time (``pool_entries``, ``pool_query_block``), so those running together
+  read the same rows from L2 (session 20: the 32K backward 54.7 ms against 58.7 in pool order).
 
 Empty slots (``idx < 0`` or ``>= S``) read no memory and weigh 0. A query with no valid slot gets
 ``o_lat = 0`` and ``lse2 = +inf`` (so its backward is 0); the op hands such batch rows to ``absorbed``.
