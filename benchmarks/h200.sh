@@ -25,6 +25,44 @@ print(' '.join(sys.argv[1] % (k, str(v).lower() if isinstance(v, bool) else v) f
 # PYTHONPATH or the variable it compares): bench32k OUT_NAME
 bench32k() { timeout -k 5 120 python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml --seq-lens 32K --steps 5 \
   --out "$OUT/$1" | grep "^| 32,768"; }
+# the 32K A/B of the tree in .ab/$1 against today's: twice each, interleaved (bench_32k_<tree>_<run>)
+ab32k() {
+  local run tree src
+  for run in 1 2; do
+    for tree in "$1" now; do
+      src=$PWD/src; [ "$tree" = now ] || src=$PWD/.ab/$tree/src
+      PYTHONPATH=/tmp/site:$src bench32k "bench_32k_${tree}_$run"
+    done
+  done
+}
+# the gpu-marked tests of one file into gpu_tests_NAME.log, its last line and failures printed: gpu_tests FILE NAME
+# TIMEOUT (returns the tests' status)
+gpu_tests() {
+  local rc
+  timeout -k 5 "$3" python3 -m pytest -q -m gpu -p no:cacheprovider "$1" > "$OUT/gpu_tests_$2.log" 2>&1; rc=$?
+  echo "$2: $(tail -1 "$OUT/gpu_tests_$2.log")"
+  grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests_$2.log" | head -10 | cut -c1-300
+  return $rc
+}
+# today's idle gaps in a 32K step, until $1 s into the call, the first $2 lines of them printed
+gaps_profile() {
+  timeout -k 5 $(($1 - SECONDS)) python3 benchmarks/profile_step.py recipes/glm5-flash-1gpu.yaml 32K \
+    --json "$OUT/profile_32k_gaps.json" > "$OUT/profile_1gpu_32k_gaps.txt" 2>&1
+  sed -n '/GPU idle between/,$p' "$OUT/profile_1gpu_32k_gaps.txt" | head -"$2" | cut -c1-250
+}
+# a session's final call: the GPU tests of $1 (if they fail, the benches run the tree in .ab/$2 instead), the
+# issue's command until $3 s into the call, then a warm 1M step until $4 s
+final_benches() {
+  local name
+  name=$(basename "$1" .py)
+  if ! gpu_tests "$1" "${name#test_}" 90; then
+    echo "GPU tests failed: benches on .ab/$2"; export PYTHONPATH=/tmp/site:$PWD/.ab/$2/src
+  fi
+  timeout -k 5 $(($3 - SECONDS)) python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml --seq-lens 8K,32K --baseline \
+    --out "$OUT/bench_1gpu_issue" | grep -E "^\| (8,192|32,768)"
+  timeout -k 5 $(($4 - SECONDS)) python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml --seq-lens 1M --steps 1 \
+    --out "$OUT/bench_1gpu_1m" | grep -E "^\| 1,048,576"
+}
 # the GPU tests of the streams' carry and of fla's forget gate, one config per autotuned kernel (numerics, not
 # speed), into gpu_tests.log; a failure is reported, the stage goes on
 carry_gate_tests() {
@@ -551,12 +589,7 @@ print('planned longest, bf16 weights:', longest_length(get_preset('glm5-flash-1g
       # AdamW kernel's GPU tests (its masked stores) first. Carry .whl, .tcpart, .ab
     timeout -k 5 90 python3 -m pytest -q -p no:cacheprovider tests/test_triton_adamw.py > "$OUT/gpu_tests_adamw.log" 2>&1
     tail -2 "$OUT/gpu_tests_adamw.log"
-    for run in 1 2; do
-      for tree in s19a now; do
-        src=$PWD/src; [ $tree = s19a ] && src=$PWD/.ab/s19a/src
-        PYTHONPATH=/tmp/site:$src bench32k "bench_32k_${tree}_$run"
-      done
-    done
+    ab32k s19a
     timeout -k 5 $((500 - SECONDS)) python3 benchmarks/profile_step.py recipes/glm5-flash-1gpu.yaml 32K \
       --json "$OUT/profile_32k_gaps.json" > "$OUT/profile_1gpu_32k_gaps.txt" 2>&1
     sed -n '/GPU idle between/,$p' "$OUT/profile_1gpu_32k_gaps.txt" | head -40 | cut -c1-220
@@ -586,17 +619,7 @@ print('planned longest, bf16 weights:', longest_length(get_preset('glm5-flash-1g
       # nonzero_static: if they fail, the benches run the tree before that change, .ab/s19pre: mkdir -p .ab/s19pre
       # && git archive bb3ccee src | tar x -C .ab/s19pre), the issue's command, then a warm 1M step in the time left.
       # Carry .whl, .tcpart, .ab/s19pre
-    timeout -k 5 90 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_indexer_topk.py \
-      > "$OUT/gpu_tests_indexer.log" 2>&1; rc=$?
-    tail -2 "$OUT/gpu_tests_indexer.log"
-    if [ $rc -ne 0 ]; then
-      echo "indexer GPU tests failed (rc $rc): benches on .ab/s19pre"; export PYTHONPATH=/tmp/site:$PWD/.ab/s19pre/src
-      grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests_indexer.log" | head -10 | cut -c1-300
-    fi
-    timeout -k 5 $((420 - SECONDS)) python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml --seq-lens 8K,32K --baseline \
-      --out "$OUT/bench_1gpu_issue" | grep -E "^\| (8,192|32,768)"
-    timeout -k 5 $((540 - SECONDS)) python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml --seq-lens 1M --steps 1 \
-      --out "$OUT/bench_1gpu_1m" | grep -E "^\| 1,048,576"
+    final_benches tests/test_indexer_topk.py s19pre 420 540
     PACK=1 NOTAR=1
     ;;
   s20a)  # session 20, call 1 (issue 13): host syncs removed (the indexer selection 14 -> 3 a call and the pools' ends
@@ -612,18 +635,9 @@ print('planned longest, bf16 weights:', longest_length(get_preset('glm5-flash-1g
       echo "$tree: $(tail -1 "$OUT/gpu_tests_indexer_$tree.log")"
       grep -E "^Q=|differs beyond" "$OUT/gpu_tests_indexer_$tree.log" | head -6 | cut -c1-300
     done
-    timeout -k 5 100 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_triton_sparse_mla.py \
-      > "$OUT/gpu_tests_sparse_mla.log" 2>&1; echo "sparse MLA: $(tail -1 "$OUT/gpu_tests_sparse_mla.log")"
-    grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests_sparse_mla.log" | head -5 | cut -c1-300
-    for run in 1 2; do
-      for tree in base now; do
-        src=$PWD/src; [ $tree = base ] && src=$PWD/.ab/base/src
-        PYTHONPATH=/tmp/site:$src bench32k "bench_32k_${tree}_$run"
-      done
-    done
-    timeout -k 5 $((560 - SECONDS)) python3 benchmarks/profile_step.py recipes/glm5-flash-1gpu.yaml 32K \
-      --json "$OUT/profile_32k_gaps.json" > "$OUT/profile_1gpu_32k_gaps.txt" 2>&1
-    sed -n '/GPU idle between/,$p' "$OUT/profile_1gpu_32k_gaps.txt" | head -45 | cut -c1-220
+    gpu_tests tests/test_triton_sparse_mla.py sparse_mla 100
+    ab32k base
+    gaps_profile 560 45
     PACK=1 NOTAR=1
     ;;
   s20b)  # session 20, call 2 (issue 13): the pool pass's programs a query block at a time (L2 reuse of the q_abs and
@@ -634,49 +648,23 @@ print('planned longest, bf16 weights:', longest_length(get_preset('glm5-flash-1g
     timeout -k 5 200 python3 benchmarks/sparse_mla_configs.py --defaults-only --shapes 32768:32768,32768:262144 \
       --pool-blocks 0,512,2048,4096,8192 --out "$OUT/sparse_mla_pool_order.json" > "$OUT/sparse_mla_pool_order.log" 2>&1
     grep -E "dc=pool|^Q=.*(fwd|bwd) Config" "$OUT/sparse_mla_pool_order.log" | cut -c1-200
-    timeout -k 5 100 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_triton_sparse_mla.py \
-      > "$OUT/gpu_tests_sparse_mla.log" 2>&1; echo "sparse MLA: $(tail -1 "$OUT/gpu_tests_sparse_mla.log")"
-    grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests_sparse_mla.log" | head -5 | cut -c1-300
-    for run in 1 2; do
-      for tree in pre now; do
-        src=$PWD/src; [ $tree = pre ] && src=$PWD/.ab/pre/src
-        PYTHONPATH=/tmp/site:$src bench32k "bench_32k_${tree}_$run"
-      done
-    done
+    gpu_tests tests/test_triton_sparse_mla.py sparse_mla 100
+    ab32k pre
     PACK=1 NOTAR=1
     ;;
   s20c)  # session 20, call 3 (issue 13): Liger's backward without its host sync, the router bias update in a few
       # launches: the loss's GPU tests; the step at 32K, the tree before (.ab/pre2: git archive 308ad50~1 src) and
       # today's, twice, interleaved; today's idle gaps with what ran before each of the longest. Carry .whl, .tcpart,
       # .ab/pre2
-    timeout -k 5 90 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_liger_loss.py \
-      > "$OUT/gpu_tests_liger.log" 2>&1; echo "liger: $(tail -1 "$OUT/gpu_tests_liger.log")"
-    grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests_liger.log" | head -5 | cut -c1-300
-    for run in 1 2; do
-      for tree in pre2 now; do
-        src=$PWD/src; [ $tree = pre2 ] && src=$PWD/.ab/pre2/src
-        PYTHONPATH=/tmp/site:$src bench32k "bench_32k_${tree}_$run"
-      done
-    done
-    timeout -k 5 $((400 - SECONDS)) python3 benchmarks/profile_step.py recipes/glm5-flash-1gpu.yaml 32K \
-      --json "$OUT/profile_32k_gaps.json" > "$OUT/profile_1gpu_32k_gaps.txt" 2>&1
-    sed -n '/GPU idle between/,$p' "$OUT/profile_1gpu_32k_gaps.txt" | head -60 | cut -c1-250
+    gpu_tests tests/test_liger_loss.py liger 90
+    ab32k pre2
+    gaps_profile 400 60
     PACK=1 NOTAR=1
     ;;
   s20d)  # session 20, call 4 (issue 13): the final code. The AdamW kernel's GPU tests (if they fail, the benches run
       # the tree before the last change, .ab/pre3: git archive <final>~1 src), the issue's command, then a warm 1M
       # step in the time left. Carry .whl, .tcpart, .ab/pre3
-    timeout -k 5 60 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_triton_adamw.py \
-      > "$OUT/gpu_tests_adamw.log" 2>&1; rc=$?
-    echo "adamw: $(tail -1 "$OUT/gpu_tests_adamw.log")"
-    if [ $rc -ne 0 ]; then
-      echo "AdamW GPU tests failed (rc $rc): benches on .ab/pre3"; export PYTHONPATH=/tmp/site:$PWD/.ab/pre3/src
-      grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests_adamw.log" | head -10 | cut -c1-300
-    fi
-    timeout -k 5 $((430 - SECONDS)) python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml --seq-lens 8K,32K --baseline \
-      --out "$OUT/bench_1gpu_issue" | grep -E "^\| (8,192|32,768)"
-    timeout -k 5 $((575 - SECONDS)) python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml --seq-lens 1M --steps 1 \
-      --out "$OUT/bench_1gpu_1m" | grep -E "^\| 1,048,576"
+    final_benches tests/test_triton_adamw.py pre3 430 575
     PACK=1 NOTAR=1
     ;;
   s20e)  # session 20, call 5 (issue 13): where a 256K step goes after the work (the last, session 13's, was before
