@@ -211,7 +211,7 @@ class Indexer(nn.Module):
         if gate_SD is None:
             return k_SD, torch.arange(k_SD.shape[0], device=k_SD.device)[:, None]
         if one_doc:
-            ends_P = torch.arange(kp - 1, k_SD.shape[0], kp, device=k_SD.device)
+            ends_P = torch.arange(kp - 1, max(k_SD.shape[0], kp - 1), kp, device=k_SD.device)  # none below kp
         else:
             ends_P = torch.nonzero((pos_S + 1) % kp == 0).squeeze(-1)
         tok_Pk = ends_P[:, None] - (kp - 1) + torch.arange(kp, device=k_SD.device)
