@@ -382,13 +382,18 @@ def pool_candidates(W: int) -> list[tuple[int, int]]:
     return [(kp, (W + 1) // kp - 1) for kp in POOL_SIZES if (W + 1) % kp == 0 and W + 1 >= 2 * kp]
 
 
+def layout_kernel_runs(idx_BQW: torch.Tensor) -> bool:
+    """Whether ``pool_layout_kernel`` checks this selection (CUDA, or the CPU under the interpreter)."""
+    return idx_BQW.is_cuda or interpreting()
+
+
 def pool_layout(idx_BQW: torch.Tensor, S: int) -> int | None:
     """The pool size kp if the first ``W - (kp - 1)`` slots of every query come in blocks of kp that are each
     empty or the kp consecutive keys of pool ``first // kp`` (what the GLM indexer selects, before its tail of
     kp - 1 slots), else None; the first candidate (``pool_candidates``) that holds. On CUDA (or the CPU under
     the interpreter) one pass of ``pool_layout_kernel`` and one host sync per candidate tried; elsewhere
     ``pool_layout_reference``."""
-    if idx_BQW.is_cuda or interpreting():
+    if layout_kernel_runs(idx_BQW):
         return pool_layout_triton(idx_BQW, S)
     return pool_layout_reference(idx_BQW, S)
 
