@@ -35,6 +35,17 @@ ab32k() {
     done
   done
 }
+# the 32K A/B of settings in the environment, each side twice, interleaved (bench_32k_<name>_<run>): abenv
+# NAME:VAR=VALUE[+VAR=VALUE...] ...
+abenv() {
+  local run side vars
+  for run in 1 2; do
+    for side in "$@"; do
+      vars=${side#*:}
+      (export ${vars//+/ }; bench32k "bench_32k_${side%%:*}_$run") 2>&1 | sed "s/^/${side%%:*}: /"
+    done
+  done
+}
 # the gpu-marked tests of one file into gpu_tests_NAME.log, its last line and failures printed: gpu_tests FILE NAME
 # TIMEOUT (returns the tests' status)
 gpu_tests() {
@@ -673,6 +684,20 @@ print('planned longest, bf16 weights:', longest_length(get_preset('glm5-flash-1g
       --json "$OUT/profile_256k.json" > "$OUT/profile_1gpu_256k.txt" 2>&1
     head -40 "$OUT/profile_1gpu_256k.txt" | cut -c1-160
     NOTAR=1
+    ;;
+  s21a)  # session 21, call 1 (issue 13): the latent gradient's pool pass from the p and ds the slot pass saved
+      # (MEGASEQ_MLA_DC=saved) against the scores computed again (pool, the default). The sparse MLA GPU tests; the
+      # op alone at 32K and a 32K segment of 256K keys, the saved pass's launch configurations; the step at 32K
+      # with pool, saved, and saved with fla's backend dispatch off (FLA_DISABLE_BACKEND_DISPATCH=1), twice each,
+      # interleaved. Carry .whl, .tcpart
+    gpu_tests tests/test_triton_sparse_mla.py sparse_mla 170
+    timeout -k 5 150 python3 benchmarks/sparse_mla_configs.py --defaults-only --no-pool-grid \
+      --shapes 32768:32768,32768:262144 --saved 32:4:2,64:4:2,32:8:2,16:4:2 --out "$OUT/sparse_mla_saved.json" \
+      > "$OUT/sparse_mla_saved.log" 2>&1
+    grep -E "dc=|^Q=.*(fwd|bwd) Config" "$OUT/sparse_mla_saved.log" | cut -c1-200
+    abenv pool:MEGASEQ_MLA_DC=pool saved:MEGASEQ_MLA_DC=saved \
+      nodispatch:MEGASEQ_MLA_DC=saved+FLA_DISABLE_BACKEND_DISPATCH=1
+    PACK=1 NOTAR=1
     ;;
   s18b)  # prepared in session 17 (issue 13), not yet run: MasterAdamW's launch configurations, a warm 1M step (the
       # last, session 16's s16c, 33.2 s, ran before the AdamW kernel), then where a 256K step goes (issue 13 asks for

@@ -3,6 +3,7 @@
     python benchmarks/sparse_mla_configs.py --out $OUT/sparse_mla_configs.json     # H200: about 3 minutes
     python benchmarks/sparse_mla_configs.py --defaults-only --out $OUT/sparse_mla_pool.json  # the pool pass
     python benchmarks/sparse_mla_configs.py --defaults-only --pool-blocks 0,512,1024,2048 --out ...  # its order
+    python benchmarks/sparse_mla_configs.py --defaults-only --no-pool-grid --saved 32:4:2,64:4:2 --out ...  # dc=saved
 
 The kernels (``ops/triton_sparse_mla_kernels.py``) run a default configuration that was chosen by registers
 and shared memory, never by time. This script times each configuration of a grid (slots per loop step BW,
@@ -47,7 +48,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def run_shape(K, row: dict, dev, dt, R: int, pools: int, fwd_space, bwd_space, save, pool_space=(),
-              pool_blocks=()) -> None:
+              pool_blocks=(), saved_space=()) -> None:
     """Time every config of both spaces at ``row``'s (Q, S), latent rank ``R``; each entry into ``row`` as it
     completes."""
     from triton.compiler.errors import CompilationError
@@ -114,6 +115,25 @@ def run_shape(K, row: dict, dev, dt, R: int, pools: int, fwd_space, bwd_space, s
         else:
             print(f"Q={Q} S={S} bwd dc=pool {pc} query block {block}: {entry['error'][:200]}", flush=True)
     K.POOL_QUERY_BLOCK = default_block
+    # the pool pass from the slot pass's saved p and ds (``dc="saved"``), each (rows, warps, stages) timed
+    row["bwd_saved"] = []
+    for pc in saved_space:
+        entry = {"config": str(K.default_config("bwd", HH, R, dt)), "dc": "saved", "pool_config": list(pc),
+                 "default": pc == K.POOL_SAVED_CONFIG}
+        try:
+            dq, dc = K.backward(q, do, o_ref, lse_ref, c, idx, SCALE, dc="saved", pool_config=pc)
+            entry["rel_diff"] = {"dq_abs": _rel(dq, dq_ref), "dc": _rel(dc, dc_ref)}
+            entry["ms"] = _median_ms(
+                lambda pc=pc: K.backward(q, do, o_ref, lse_ref, c, idx, SCALE, dc="saved", pool_config=pc), dev)
+        except Exception as e:  # noqa: BLE001  (record and go on)
+            entry["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        row["bwd_saved"].append(entry)
+        save()
+        if "ms" in entry:
+            print(f"Q={Q} S={S} bwd dc=saved {pc}: {entry['ms']:.2f} ms (atomic {row['atomic_ms']:.2f}), rel diff "
+                  f"dq_abs {entry['rel_diff']['dq_abs']:.1e} dc {entry['rel_diff']['dc']:.1e}", flush=True)
+        else:
+            print(f"Q={Q} S={S} bwd dc=saved {pc}: {entry['error'][:200]}", flush=True)
 
 
 def main() -> int:
@@ -126,6 +146,11 @@ def main() -> int:
     ap.add_argument("--pool-blocks", default="",
                     help="query blocks of the pool pass's program order to time too (POOL_QUERY_BLOCK, beside the "
                          "picked one; 0: one block, the programs in pool order), e.g. 0,512,1024,2048")
+    ap.add_argument("--no-pool-grid", action="store_true",
+                    help="the pool pass (dc=pool) in its default (rows, warps, stages) only, not the grid of 12")
+    ap.add_argument("--saved", default="",
+                    help="(rows:warps:stages,...) of the pool pass from the saved p and ds (dc=saved) to time, e.g. "
+                         "32:4:2,64:4:2; 'default': POOL_SAVED_CONFIG alone")
     args = ap.parse_args()
     R = RANK
     if args.smoke:
@@ -142,6 +167,8 @@ def main() -> int:
     pool_space = list(itertools.product((16, 32, 64), (4, 8), (1, 2)))
     if args.defaults_only:
         fwd_space, bwd_space = [K.default_config("fwd", HH, R, dt)], [K.default_config("bwd", HH, R, dt)]
+    if args.no_pool_grid:
+        pool_space = [K.POOL_CONFIG]
     if args.smoke:
         from megaseq.ops import triton_sparse_mla
 
@@ -159,8 +186,10 @@ def main() -> int:
     for Q, S in shapes:
         row: dict = {"Q": Q, "S": S}
         res["shapes"].append(row)
+        saved_space = ([K.POOL_SAVED_CONFIG] if args.saved == "default" else
+                       [tuple(int(x) for x in c.split(":")) for c in args.saved.split(",") if c])
         run_shape(K, row, dev, dt, R, pools, fwd_space, bwd_space, save, pool_space,
-                  [int(b) for b in args.pool_blocks.split(",") if b])
+                  [int(b) for b in args.pool_blocks.split(",") if b], saved_space)
         torch.cuda.empty_cache()
     for row in res["shapes"]:
         for kind in ("fwd", "bwd"):

@@ -206,8 +206,60 @@ def test_the_pool_pass_sums_the_latent_gradient_as_the_atomics_do(device, monkey
     monkeypatch.setattr(K, "pool_entries", drop_one)
     assert rel_err(K.backward(q, do, o, lse, c, idx, 0.3, dc="pool")[1], dc) > TOL[torch.float32]
     monkeypatch.setenv("MEGASEQ_MLA_DC", "atomics")
-    with pytest.raises(ValueError, match="MEGASEQ_MLA_DC must be one of pool, atomic"):
+    with pytest.raises(ValueError, match="MEGASEQ_MLA_DC must be one of pool, saved, atomic"):
         K.backward(q, do, o, lse, c, idx, 0.3)
+
+
+def test_the_saved_pool_pass_sums_the_latent_gradient_as_the_atomics_do(device, monkeypatch):
+    """``dc="saved"``: the slot pass leaves each pool slot's ``p`` and ``ds`` in memory and the pool pass sums
+    ``p^T do_lat + ds^T q_abs`` from them, ``SAVED_QUERIES`` queries of a batch row at a time; ``dq_abs`` and
+    ``dc`` as the atomic path's, in chunks that split the rows too. A pool pass that reads another entry's
+    saved block fails; so does a slot pass that leaves no ``p``."""
+    from megaseq.ops import triton_sparse_mla_kernels as K
+
+    gen = torch.Generator().manual_seed(7)
+    B, Q, S, Hh, R = 2, 40, 100, 5, 32
+    idx = tsm.causal_pool_selection(B, Q, S, kpool=16, pools=3, generator=gen).to(device)
+    q, do = (torch.randn(Hh, B * Q, R, generator=gen).to(device) for _ in range(2))
+    c = torch.randn(B, S, R, generator=gen).to(device)
+    o, lse = K.forward(q, c, idx, 0.3)
+    dq, dc = K.backward(q, do, o, lse, c, idx, 0.3, dc="atomic")
+    dq2, dc2 = K.backward(q, do, o, lse, c, idx, 0.3, dc="saved")
+    assert dc.abs().max() > 0
+    assert_close("dq_abs saved vs atomic", dq2, dq, TOL[torch.float32])
+    assert_close("dc saved vs atomic", dc2, dc, TOL[torch.float32])
+    monkeypatch.setenv("MEGASEQ_MLA_DC", "saved")
+    assert_close("dc saved from the environment", K.backward(q, do, o, lse, c, idx, 0.3)[1], dc, TOL[torch.float32])
+    monkeypatch.setattr(K, "SAVED_QUERIES", 7)  # queries 0-6, 7-13, .. 35-39 of each row: 6 chunks a row
+    monkeypatch.setattr(K, "POOL_QUERY_BLOCK", 3)
+    dq3, dc3 = K.backward(q, do, o, lse, c, idx, 0.3, dc="saved")
+    assert_close("dq_abs saved in chunks of 7", dq3, dq, TOL[torch.float32])
+    assert_close("dc saved in chunks of 7", dc3, dc, TOL[torch.float32])
+    scattered = causal_indices(gen, B, Q, S, idx.shape[-1]).to(device)  # no pools: the atomics alone
+    dq4, dc4 = K.backward(q, do, o, lse, c, scattered, 0.3, dc="atomic")
+    assert_close("dc saved, no pools", K.backward(q, do, o, lse, c, scattered, 0.3, dc="saved")[1], dc4,
+                 TOL[torch.float32])
+
+    entries = K.pool_entries
+
+    def shifted(*a, **kw):  # every entry reads the next entry's saved block
+        out = entries(*a, **kw)
+        return out[:5] + (out[5].roll(1),)
+
+    monkeypatch.setattr(K, "pool_entries", shifted)
+    assert rel_err(K.backward(q, do, o, lse, c, idx, 0.3, dc="saved")[1], dc) > TOL[torch.float32]
+    monkeypatch.setattr(K, "pool_entries", entries)
+    launch = K.sparse_mla_bwd_kernel
+
+    class NoSave:  # the slot pass as if SAVE_PDS were off: p and ds never written (the buffer zeroed)
+        def __getitem__(self, grid):
+            def go(*a, **kw):
+                kw["p_ptr"].zero_(), kw["ds_ptr"].zero_()
+                return launch[grid](*a, **{**kw, "SAVE_PDS": False})
+            return go
+
+    monkeypatch.setattr(K, "sparse_mla_bwd_kernel", NoSave())
+    assert rel_err(K.backward(q, do, o, lse, c, idx, 0.3, dc="saved")[1], dc) > TOL[torch.float32]
 
 
 def test_the_forward_reads_the_pool_layout_for_the_backward(device, monkeypatch):
@@ -409,7 +461,8 @@ COMPILE_SM90 = textwrap.dedent("""
     for kind, dtype, Hh in [("fwd", torch.bfloat16, 16), ("bwd", torch.bfloat16, 16), ("fwd", torch.bfloat16, 64),
                             ("bwd", torch.float32, 16), ("fwd", torch.float32, 5), ("bwd_tail", torch.bfloat16, 16),
                             ("pool", torch.bfloat16, 16), ("pool", torch.float32, 16), ("layout", torch.int32, 0),
-                            ("layout", torch.int64, 0)]:
+                            ("layout", torch.int64, 0), ("bwd_save", torch.bfloat16, 16),
+                            ("pool_saved", torch.bfloat16, 16), ("pool_saved", torch.float32, 16)]:
         ptx, smem = compile_ptx(kind, dtype, Hh, 512, 2063)
         assert smem <= 232448, (kind, dtype, Hh, smem)  # an H200's shared memory per block
         print(kind, dtype, Hh, "v4-atomics" if "atom.global.gpu.relaxed.add.v4.f32" in ptx else "-", flush=True)
@@ -422,10 +475,11 @@ def test_kernels_compile_for_sm90():
     atomics must come out 4-wide (``atom...add.v4.f32``): scalar ones would be 4x the atomic operations. The
     pool-layout check too, for int32 and int64 selections."""
     lines = compile_in_child(COMPILE_SM90).splitlines()
-    assert len(lines) == 10, lines
+    assert len(lines) == 13, lines
     assert "layout torch.int32 0 -" in lines and "layout torch.int64 0 -" in lines
     assert "bwd torch.bfloat16 16 v4-atomics" in lines and "bwd torch.float32 16 v4-atomics" in lines
     assert "pool torch.bfloat16 16 v4-atomics" in lines and "bwd_tail torch.bfloat16 16 v4-atomics" in lines
+    assert "pool_saved torch.bfloat16 16 v4-atomics" in lines and "bwd_save torch.bfloat16 16 v4-atomics" in lines
 
 
 # ---- what supports refuses, and the memory formula -----------------------------------------------------
@@ -494,21 +548,27 @@ def test_gpu_matches_reference(dtype, Hh):
 
 @pytest.mark.gpu
 @GPU
-def test_gpu_bf16_matches_absorbed_at_32k():
+def test_gpu_bf16_matches_absorbed_at_32k(monkeypatch):
+    """The whole op at 32K in bf16 against ``absorbed``, with each way of the latent gradient that has a pool pass
+    (``saved`` holds 8K queries' p and ds at a time: four chunks)."""
     leaves, idx, g_out = gpu_inputs(16, 32768, 32768, torch.bfloat16, seed=1)
-    out, grads = run(tsm.triton_sparse_mla, leaves, idx, g_out, 256**-0.5)
     ref, ref_grads = run(sparse_mla.sparse_mla, leaves, idx, g_out, 256**-0.5)
-    assert_close("out", out, ref, TOL_GPU[torch.bfloat16])
-    for name, a, b in zip(("dq", "dc", "dw"), grads, ref_grads):
-        assert_close(name, a, b, TOL_GPU[torch.bfloat16])
+    for mode in ("pool", "saved"):
+        monkeypatch.setenv("MEGASEQ_MLA_DC", mode)
+        out, grads = run(tsm.triton_sparse_mla, leaves, idx, g_out, 256**-0.5)
+        assert_close(f"out ({mode})", out, ref, TOL_GPU[torch.bfloat16])
+        for name, a, b in zip(("dq", "dc", "dw"), grads, ref_grads):
+            assert_close(f"{name} ({mode})", a, b, TOL_GPU[torch.bfloat16])
 
 
 @pytest.mark.gpu
 @GPU
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_gpu_pool_pass_matches_the_atomics(dtype):
-    """The key-major latent gradient (``dc="pool"``) on the indexer's layout at glm5-flash-1gpu's DSA shapes
-    (8K queries and keys, 16 heads, R = 512, 128 pools of 16 and the tail) against the atomic path."""
+@pytest.mark.parametrize("mode", ["pool", "saved"])
+def test_gpu_pool_pass_matches_the_atomics(dtype, mode):
+    """The key-major latent gradient (``dc="pool"``, and ``"saved"``: from the slot pass's saved p and ds, 8K queries
+    at a time) on the indexer's layout at glm5-flash-1gpu's DSA shapes (8K queries and keys, 16 heads, R = 512,
+    128 pools of 16 and the tail) against the atomic path."""
     from megaseq.ops import triton_sparse_mla_kernels as K
 
     gen = torch.Generator(device="cuda").manual_seed(2)
@@ -519,9 +579,9 @@ def test_gpu_pool_pass_matches_the_atomics(dtype):
     assert K.pool_layout(idx, S) == 16
     o, lse = K.forward(q, c, idx, 256**-0.5)
     dq, dc = K.backward(q, do, o, lse, c, idx, 256**-0.5, dc="atomic")
-    dq2, dc2 = K.backward(q, do, o, lse, c, idx, 256**-0.5, dc="pool")
+    dq2, dc2 = K.backward(q, do, o, lse, c, idx, 256**-0.5, dc=mode)
     assert_close("dq_abs", dq2, dq, 1e-6)  # the same kernel, the same sums
-    assert_close("dc", dc2, dc, 1e-5)  # fp32 sums in another order
+    assert_close("dc", dc2, dc, 1e-5)  # fp32 sums of the same operands in another order
 
 
 @pytest.mark.gpu

@@ -163,7 +163,7 @@ def checks(idx_BQW: torch.Tensor, S: int) -> tuple[list[bool], int | None | str]
 
     found_B = _empty_rows_flags(idx_BQW, S)
     cands = kernels.pool_candidates(idx_BQW.shape[2])
-    if kernels.dc_mode() != "pool" or not cands or not kernels.layout_kernel_runs(idx_BQW):
+    if kernels.dc_mode() not in kernels.POOL_MODES or not cands or not kernels.layout_kernel_runs(idx_BQW):
         return found_B.tolist(), "check"
     kp, K = cands[0]
     *empty, holds = torch.cat([found_B.int(), kernels.pool_layout_flag(idx_BQW, S, kp, K)]).tolist()

@@ -186,13 +186,16 @@ def sparse_mla_bwd_kernel(qabs_ptr, dolat_ptr, olat_ptr, lse_ptr, c_ptr, idx_ptr
                           scale, scale_log2, N, Q, S, stride_h, W: tl.constexpr, Hh: tl.constexpr, R: tl.constexpr,
                           RP: tl.constexpr,
                           BH: tl.constexpr, BW: tl.constexpr, DOT_PREC: tl.constexpr, DC_START: tl.constexpr = 0,
-                          STORE_DELTA: tl.constexpr = False):
+                          STORE_DELTA: tl.constexpr = False, p_ptr=None, ds_ptr=None, N0=0, KP: tl.constexpr = 16,
+                          SAVE_PDS: tl.constexpr = False):
     """``dq_abs`` over all W slots; ``dc`` (fp32 atomics) for the slots from ``DC_START`` on (0: all; the pool
     pass, ``sparse_mla_bwd_pool_dc_kernel``, sums the others); with ``STORE_DELTA`` it writes ``delta [Hh, N]``
-    for that pass."""
+    for that pass. With ``SAVE_PDS`` the programs are the queries ``N0 ..`` (one per program and head block) and
+    the slots before ``DC_START`` (K = DC_START / KP pools) leave their ``p`` and ``ds`` (the dot operands, in the
+    work dtype) in ``p_ptr`` / ``ds_ptr`` ``[n - N0, K, Hh, KP]`` for ``sparse_mla_bwd_pool_saved_kernel``."""
     NHB: tl.constexpr = (Hh + BH - 1) // BH
     pid = tl.program_id(0)
-    n = pid // NHB
+    n = N0 + pid // NHB
     offs_h = (pid % NHB) * BH + tl.arange(0, BH)
     mask_h = offs_h < Hh
     offs_r = tl.arange(0, RP)
@@ -219,6 +222,14 @@ def sparse_mla_bwd_kernel(qabs_ptr, dolat_ptr, olat_ptr, lse_ptr, c_ptr, idx_ptr
         dp_HW = tl.dot(do_HR, tl.trans(c_WR), input_precision=DOT_PREC)
         ds_HW = (p_HW * (dp_HW - delta_H[:, None]) * scale).to(c_WR.dtype)  # d(q_abs . c), scale folded
         dq_HR = tl.dot(ds_HW, c_WR, dq_HR, input_precision=DOT_PREC)
+        if SAVE_PDS:
+            if w0 < DC_START:  # a pool slot: its p and ds for the pool pass
+                offs_w = w0 + tl.arange(0, BW)
+                blk = (n64 - N0) * (DC_START // KP) + offs_w // KP
+                s_off = blk[None, :] * (Hh * KP) + offs_h[:, None] * KP + (offs_w % KP)[None, :]
+                s_mask = mask_h[:, None] & (offs_w < DC_START)[None, :]
+                tl.store(p_ptr + s_off, p_HW.to(p_ptr.dtype.element_ty), mask=s_mask)
+                tl.store(ds_ptr + s_off, ds_HW, mask=s_mask)
         dc_ptrs = dc_row0 + row[:, None] * R + offs_r[None, :]
         if DC_START == 0:  # every slot's latent gradient here (the default: the loop as session 14 timed it)
             dc_WR = tl.dot(tl.trans(p_HW.to(c_WR.dtype)), do_HR, input_precision=DOT_PREC)
@@ -274,6 +285,44 @@ def sparse_mla_bwd_pool_dc_kernel(qabs_ptr, dolat_ptr, lse_ptr, delta_ptr, c_ptr
         ds_JK = (p_JK * (dp_JK - delta_J[:, None]) * scale).to(c_KR.dtype)
         acc_KR = tl.dot(tl.trans(p_JK.to(c_KR.dtype)), do_JR, acc_KR, input_precision=DOT_PREC)
         acc_KR = tl.dot(tl.trans(ds_JK), qa_JR, acc_KR, input_precision=DOT_PREC)
+    tl.atomic_add(dc_ptr + c_off, acc_KR, mask=rmask[None, :] & (end > start), sem="relaxed")
+
+
+@triton.jit
+def sparse_mla_bwd_pool_saved_kernel(qabs_ptr, dolat_ptr, p_ptr, ds_ptr, qn_ptr, ent_ptr, pool_ptr, lo_ptr, hi_ptr,
+                                     dc_ptr, S, NP, stride_h, Hh: tl.constexpr, R: tl.constexpr, RP: tl.constexpr,
+                                     KP: tl.constexpr, BR: tl.constexpr, DOT_PREC: tl.constexpr):
+    """``sparse_mla_bwd_pool_dc_kernel``'s sum from the ``p`` and ``ds`` the slot pass saved (``SAVE_PDS``):
+    program ``pid`` owns pool ``pool[pid] = b * NP + p`` and the entries ``lo[pid] : hi[pid]``, each a selecting
+    query ``qn`` (flattened ``b * Q + q``: its ``q_abs`` and ``do_lat`` rows) and the index ``ent`` of its
+    ``[Hh, KP]`` block of ``p`` and ``ds``; ``dc += p^T do_lat + ds^T q_abs`` over their (query, head) rows, BR at
+    a time, added once at the end. No scores again: two dots a step instead of four, no exponentials."""
+    pid = tl.program_id(0)
+    pool = tl.load(pool_ptr + pid)
+    start = tl.load(lo_ptr + pid)
+    end = tl.load(hi_ptr + pid)
+    b64 = (pool // NP).to(tl.int64)
+    offs_r = tl.arange(0, RP)
+    offs_k = tl.arange(0, KP)
+    rmask = offs_r < R
+    keys = ((pool % NP) * KP + offs_k).to(tl.int64)
+    acc_KR = tl.zeros([KP, RP], tl.float32)
+    for j0 in range(start * Hh, end * Hh, BR):
+        j = j0 + tl.arange(0, BR)
+        jm = j < end * Hh
+        h64 = (j % Hh).to(tl.int64)
+        n64 = tl.load(qn_ptr + j // Hh, mask=jm, other=0).to(tl.int64)
+        e64 = tl.load(ent_ptr + j // Hh, mask=jm, other=0).to(tl.int64)
+        off = h64 * stride_h + n64 * R
+        tmask = jm[:, None] & rmask[None, :]
+        qa_JR = tl.load(qabs_ptr + off[:, None] + offs_r[None, :], mask=tmask, other=0.0)
+        do_JR = tl.load(dolat_ptr + off[:, None] + offs_r[None, :], mask=tmask, other=0.0)
+        s_off = (e64 * Hh + h64)[:, None] * KP + offs_k[None, :]
+        p_JK = tl.load(p_ptr + s_off, mask=jm[:, None], other=0.0)
+        ds_JK = tl.load(ds_ptr + s_off, mask=jm[:, None], other=0.0)
+        acc_KR = tl.dot(tl.trans(p_JK), do_JR, acc_KR, input_precision=DOT_PREC)
+        acc_KR = tl.dot(tl.trans(ds_JK), qa_JR, acc_KR, input_precision=DOT_PREC)
+    c_off = b64 * S * R + keys[:, None] * R + offs_r[None, :]
     tl.atomic_add(dc_ptr + c_off, acc_KR, mask=rmask[None, :] & (end > start), sem="relaxed")
 
 
@@ -350,10 +399,13 @@ def forward(q_abs_HNR: torch.Tensor, c_BSR: torch.Tensor, idx_BQW: torch.Tensor,
     return o_lat, lse2
 
 
-# the latent gradient's two ways (``MEGASEQ_MLA_DC``): ``pool``, the default, sums each selected pool's block
+# the latent gradient's ways (``MEGASEQ_MLA_DC``): ``pool``, the default, sums each selected pool's block
 # key-major, from the queries that chose it, and leaves only the tail slots to the atomics (the atomics alone
-# where the selection is not in pools); ``atomic`` adds each query's [W, R] block by fp32 atomics
-DC_MODES = ("pool", "atomic")
+# where the selection is not in pools); ``saved`` is ``pool`` from the ``p`` and ``ds`` the slot pass left in
+# memory (``SAVED_QUERIES`` queries at a time) instead of the scores computed again; ``atomic`` adds each query's
+# [W, R] block by fp32 atomics
+DC_MODES = ("pool", "saved", "atomic")
+POOL_MODES = ("pool", "saved")  # the modes that run a pool pass where the selection is in pools
 POOL_SIZES = (16, 32, 64, 128)  # the pool pass's tl.dot needs at least 16 keys a pool
 POOL_SCAN_ROWS = 4096  # query rows per step of the layout check ([rows, K, kp] int32 temporaries)
 # (rows, warps, stages) of the pool pass: timed on the H200 (session 16, sparse_mla_configs.py) among rows
@@ -367,6 +419,10 @@ POOL_QUERY_BLOCK: int | None = None
 POOL_BLOCK_MIN = 1024  # queries a block at least: 32 MB of q_abs and do_lat rows at 16 heads x 512 bf16
 POOL_BLOCK_ENTRIES = 64  # the mean selecting queries per (block, pool) the picked block aims at, at least
 POOL_QUERIES = 32768  # queries per batch row whose pool entries are sorted at once (ops.workspace.POOL_QUERIES)
+# ``saved``: queries of a batch row per slot pass and pool pass, whose p and ds ([queries, K, Hh, kp] each, the work
+# dtype) are held at once: 1 GiB of bf16 at glm5-flash-1gpu's shapes (K = 128, Hh = 16, kp = 16)
+SAVED_QUERIES = 8192  # ops.workspace.SAVED_QUERIES
+POOL_SAVED_CONFIG = (32, 4, 2)  # (rows, warps, stages) of sparse_mla_bwd_pool_saved_kernel
 
 
 def dc_mode() -> str:
@@ -467,8 +523,8 @@ def pool_query_block(NP: int, K: int) -> int:
 
 
 def pool_entries(idx_BQW: torch.Tensor, S: int, kp: int, chunk: int | None = None, q0: int = 0,
-                 Q: int | None = None, block: int | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
+                 Q: int | None = None, block: int | None = None, slots: bool = False
+                 ) -> tuple[torch.Tensor, ...]:
     """For the pool pass over the queries ``idx_BQW`` holds (queries ``q0 ..`` of ``Q`` per batch row, default
     all of them): ``qn`` (int32), the flattened query ``b * Q + q`` of every selected pool block, sorted by
     query block, then pool; then per program its pool ``b * NP + p`` (int32) and its range ``lo, hi`` (int64)
@@ -482,7 +538,11 @@ def pool_entries(idx_BQW: torch.Tensor, S: int, kp: int, chunk: int | None = Non
 
     No host sync: the programs are as many as their bound ``segments + ceil(entries / chunk)`` (a segment a
     (row, block, pool); ``sum ceil(count / chunk)``), the ones past the real count empty (``lo = hi``: the pass
-    adds nothing for them); a count read back instead drained the GPU's queue once a layer's backward."""
+    adds nothing for them); a count read back instead drained the GPU's queue once a layer's backward.
+
+    ``slots``: a sixth tensor ``ent`` (int32) beside ``qn``, each entry's place ``(b * Qs + q - q0) * K + k`` among
+    the ``K`` pool blocks of the queries given (k: the block's index in its query's selection), where the slot pass
+    left its ``p`` and ``ds`` (``SAVE_PDS``)."""
     B, Qs, W = idx_BQW.shape
     Q = Q or Qs
     K, NP = (W + 1) // kp - 1, S // kp
@@ -500,13 +560,14 @@ def pool_entries(idx_BQW: torch.Tensor, S: int, kp: int, chunk: int | None = Non
     sorted_key, order = key.sort(stable=True)
     del key
     qn = order.div(K, rounding_mode="floor")  # b * Qs + q - q0
+    ent = order.to(torch.int32) if slots else None
     del order
     if Qs != Q or q0:
         qn = qn.div(Qs, rounding_mode="floor") * Q + q0 + qn.remainder(Qs)
     qn = qn.to(torch.int32)
     if segments == 0:
         empty = torch.zeros(0, dtype=torch.int64, device=dev)
-        return qn, empty.int(), empty, empty, NP
+        return (qn, empty.int(), empty, empty, NP) + ((ent,) if slots else ())
     seg = torch.searchsorted(sorted_key, torch.arange(segments + 1, device=dev))
     del sorted_key
     count = seg[1:] - seg[:-1]
@@ -519,7 +580,7 @@ def pool_entries(idx_BQW: torch.Tensor, S: int, kp: int, chunk: int | None = Non
     hi = torch.minimum(lo + chunk, seg[sid + 1])
     lo = torch.minimum(lo, hi)  # past the real programs: empty
     pool = sid.div(nb * NP, rounding_mode="floor") * NP + sid.remainder(NP)
-    return qn, pool.to(torch.int32), lo, hi, NP
+    return (qn, pool.to(torch.int32), lo, hi, NP) + ((ent,) if slots else ())
 
 
 def backward(q_abs_HNR: torch.Tensor, do_lat_HNR: torch.Tensor, o_lat_HNR: torch.Tensor, lse2_HN: torch.Tensor,
@@ -536,11 +597,16 @@ def backward(q_abs_HNR: torch.Tensor, do_lat_HNR: torch.Tensor, o_lat_HNR: torch
     B, S, _ = c_BSR.shape
     Q, W = idx_BQW.shape[1:]
     mode = dc or dc_mode()
-    kp = None if mode != "pool" else pool_layout(idx_BQW, S) if layout == "check" else layout
+    if mode not in DC_MODES:
+        raise ValueError(f"dc must be one of {', '.join(DC_MODES)}, got {mode!r}")
+    kp = None if mode not in POOL_MODES else pool_layout(idx_BQW, S) if layout == "check" else layout
     dq_abs = torch.empty_like(q_abs_HNR)
     dc_BSR = torch.zeros(B, S, R, dtype=torch.float32, device=c_BSR.device)
-    delta = torch.empty(Hh, N, dtype=torch.float32, device=c_BSR.device) if kp else lse2_HN
     RP, prec = triton.next_power_of_2(R), _dot_precision(q_abs_HNR.dtype)
+    if kp and mode == "saved":
+        return _backward_saved(q_abs_HNR, do_lat_HNR, o_lat_HNR, lse2_HN, c_BSR, idx_BQW, scale, config, pool_config,
+                               kp, dq_abs, dc_BSR)
+    delta = torch.empty(Hh, N, dtype=torch.float32, device=c_BSR.device) if kp else lse2_HN
 
     def run(cfg: Config) -> None:
         grid = (N * triton.cdiv(Hh, cfg.BH),)
@@ -568,6 +634,49 @@ def backward(q_abs_HNR: torch.Tensor, do_lat_HNR: torch.Tensor, o_lat_HNR: torch
     return dq_abs, dc_BSR
 
 
+def _backward_saved(q_abs_HNR, do_lat_HNR, o_lat_HNR, lse2_HN, c_BSR, idx_BQW, scale, config, pool_config, kp,
+                    dq_abs, dc_BSR) -> tuple[torch.Tensor, torch.Tensor]:
+    """``backward`` with ``dc="saved"`` on a selection in pools of ``kp``: per batch row, ``SAVED_QUERIES`` queries
+    at a time, the slot pass (``SAVE_PDS``: ``dq_abs``, the tail's atomics, and the pool slots' ``p`` and ``ds``
+    left in one buffer) and then the pool pass over those queries' entries (``sparse_mla_bwd_pool_saved_kernel``)."""
+    Hh, N, R = q_abs_HNR.shape
+    B, S, _ = c_BSR.shape
+    Q, W = idx_BQW.shape[1:]
+    K = (W + 1) // kp - 1
+    RP, prec = triton.next_power_of_2(R), _dot_precision(q_abs_HNR.dtype)
+    chunk = max(1, min(Q, SAVED_QUERIES))
+    pds = torch.empty(2, chunk * K * Hh * kp, dtype=q_abs_HNR.dtype, device=q_abs_HNR.device)
+    rows, warps, stages = pool_config or POOL_SAVED_CONFIG
+    if interpreting():
+        _fix_interpreter_index()  # the pool pass loops to bounds it loads
+
+    def run(cfg: Config) -> None:
+        nhb = triton.cdiv(Hh, cfg.BH)
+        for b in range(B):
+            for a in range(0, Q, chunk):
+                nq = min(chunk, Q - a)
+                sparse_mla_bwd_kernel[(nq * nhb,)](
+                    q_abs_HNR, do_lat_HNR, o_lat_HNR, lse2_HN, c_BSR, idx_BQW, dq_abs, dc_BSR, lse2_HN, scale,
+                    scale * LOG2E, N, Q, S, N * R, W=W, Hh=Hh, R=R, RP=RP, BH=cfg.BH, BW=cfg.BW, DOT_PREC=prec,
+                    DC_START=K * kp, STORE_DELTA=False, p_ptr=pds[0], ds_ptr=pds[1], N0=b * Q + a, KP=kp,
+                    SAVE_PDS=True, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                qn, pool, lo, hi, NP, ent = pool_entries(idx_BQW[b:b + 1, a:a + nq], S, kp, q0=a, Q=Q, slots=True)
+                if pool.numel():
+                    if b:
+                        qn += b * Q
+                        pool += b * NP
+                    sparse_mla_bwd_pool_saved_kernel[(pool.numel(),)](
+                        q_abs_HNR, do_lat_HNR, pds[0], pds[1], qn, ent, pool, lo, hi, dc_BSR, S, NP, N * R, Hh=Hh,
+                        R=R, RP=RP, KP=kp, BR=rows, DOT_PREC=prec, num_warps=warps, num_stages=stages)
+                del qn, pool, lo, hi, ent
+
+    cfg = config or _pick("bwd", Hh, R, q_abs_HNR.dtype, run)
+    if config is None and _autotune():
+        dc_BSR.zero_()  # tuning may have run the atomics several times
+    run(cfg)
+    return dq_abs, dc_BSR
+
+
 def compile_ptx(kind: str, dtype: torch.dtype, Hh: int, R: int, W: int, cfg: Config | None = None,
                 arch: int = 90) -> tuple[str, int]:
     """PTX and shared-memory bytes of one kernel compiled for ``sm_<arch>`` without a GPU (Triton's
@@ -589,10 +698,17 @@ def compile_ptx(kind: str, dtype: torch.dtype, Hh: int, R: int, W: int, cfg: Con
     if kind == "fwd":
         fn, ptrs = sparse_mla_fwd_kernel, {"qabs_ptr": t, "c_ptr": t, "idx_ptr": "*i32", "olat_ptr": t,
                                            "lse_ptr": "*fp32", "scale_log2": "fp32"}
-    elif kind in ("bwd", "bwd_tail"):  # bwd_tail: the slot pass beside the pool pass (atomics for the tail only)
+    elif kind in ("bwd", "bwd_tail", "bwd_save"):  # bwd_tail: the slot pass beside the pool pass (atomics for the
+        # tail only); bwd_save: the same, leaving the pool slots' p and ds for the saved pool pass
         fn, ptrs = sparse_mla_bwd_kernel, {"qabs_ptr": t, "dolat_ptr": t, "olat_ptr": t, "lse_ptr": "*fp32",
                                            "c_ptr": t, "idx_ptr": "*i32", "dqabs_ptr": t, "dc_ptr": "*fp32",
                                            "delta_ptr": "*fp32", "scale": "fp32", "scale_log2": "fp32"}
+        ptrs.update({"p_ptr": t, "ds_ptr": t})  # read only with SAVE_PDS
+    elif kind == "pool_saved":  # the pool pass from the saved p and ds, 16-key pools
+        fn, ptrs = sparse_mla_bwd_pool_saved_kernel, {"qabs_ptr": t, "dolat_ptr": t, "p_ptr": t, "ds_ptr": t,
+                                                      "qn_ptr": "*i32", "ent_ptr": "*i32", "pool_ptr": "*i32",
+                                                      "lo_ptr": "*i64", "hi_ptr": "*i64", "dc_ptr": "*fp32"}
+        ints = {"S": "i32", "NP": "i32", "stride_h": "i64"}
     else:  # "pool": the key-major latent gradient, 16-key pools, after a bwd with DC_START = W - 15
         fn, ptrs = sparse_mla_bwd_pool_dc_kernel, {"qabs_ptr": t, "dolat_ptr": t, "lse_ptr": "*fp32",
                                                    "delta_ptr": "*fp32", "c_ptr": t, "qn_ptr": "*i32",
@@ -601,11 +717,14 @@ def compile_ptx(kind: str, dtype: torch.dtype, Hh: int, R: int, W: int, cfg: Con
         ints = {"N": "i32", "S": "i32", "NP": "i32", "stride_h": "i64"}
     consts = {"W": W, "Hh": Hh, "R": R, "RP": triton.next_power_of_2(R), "BH": cfg.BH, "BW": cfg.BW,
               "DOT_PREC": _dot_precision(dtype)}
-    if kind in ("bwd", "bwd_tail"):
-        consts.update(DC_START=W - 15 if kind == "bwd_tail" else 0, STORE_DELTA=kind == "bwd_tail")
-    if kind == "pool":
-        consts = {"Hh": Hh, "R": R, "RP": triton.next_power_of_2(R), "KP": 16, "BR": POOL_CONFIG[0],
-                  "DOT_PREC": _dot_precision(dtype)}
+    if kind in ("bwd", "bwd_tail", "bwd_save"):
+        consts.update(DC_START=W - 15 if kind != "bwd" else 0, STORE_DELTA=kind == "bwd_tail")
+    if kind in ("bwd", "bwd_tail", "bwd_save"):
+        ints["N0"] = "i32"
+        consts.update(KP=16, SAVE_PDS=kind == "bwd_save")
+    if kind in ("pool", "pool_saved"):
+        consts = {"Hh": Hh, "R": R, "RP": triton.next_power_of_2(R), "KP": 16,
+                  "BR": (POOL_CONFIG if kind == "pool" else POOL_SAVED_CONFIG)[0], "DOT_PREC": _dot_precision(dtype)}
     aligned = [n for n, ty in ptrs.items() if ty.startswith("*")] + list(ints)  # as Triton specializes them
     return _compile(fn, {**ptrs, **ints}, consts, aligned, cfg.num_warps, cfg.num_stages, arch)
 
