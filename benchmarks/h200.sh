@@ -699,6 +699,17 @@ print('planned longest, bf16 weights:', longest_length(get_preset('glm5-flash-1g
       nodispatch:MEGASEQ_MLA_DC=saved+FLA_DISABLE_BACKEND_DISPATCH=1
     PACK=1 NOTAR=1
     ;;
+  s21b)  # session 21, call 2 (issue 13): dc=saved the default. The sparse MLA GPU tests again; every launch
+      # configuration of the forward and the slot pass at 32K (the slot pass now also stores p and ds); then
+      # glm5-flash-slice at 256K, warm (the issue's 35K layer-tokens/s; last measured in session 13). Carry .whl, .tcpart
+    gpu_tests tests/test_triton_sparse_mla.py sparse_mla 170
+    timeout -k 5 230 python3 benchmarks/sparse_mla_configs.py --no-pool-grid --shapes 32768:32768 \
+      --out "$OUT/sparse_mla_configs_32k.json" > "$OUT/sparse_mla_configs_32k.log" 2>&1
+    grep -E "best|dc=" "$OUT/sparse_mla_configs_32k.log" | cut -c1-200
+    timeout -k 5 $((590 - SECONDS)) python3 -m megaseq bench recipes/glm5-flash-slice.yaml --seq-lens 256K --steps 1 \
+      --out "$OUT/bench_slice_256k" | grep -E "^\| 262,144"
+    PACK=1 NOTAR=1
+    ;;
   s18b)  # prepared in session 17 (issue 13), not yet run: MasterAdamW's launch configurations, a warm 1M step (the
       # last, session 16's s16c, 33.2 s, ran before the AdamW kernel), then where a 256K step goes (issue 13 asks for
       # a 256K profile after the work; session 13's is the last); carry .whl, .tcpart

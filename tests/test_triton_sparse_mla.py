@@ -169,7 +169,7 @@ def test_the_pool_pass_sums_the_latent_gradient_as_the_atomics_do(device, monkey
     assert dc.abs().max() > 0 and rel_err(dq2, dq) < TOL[torch.float32]
     assert_close("dc pool vs atomic", dc2, dc, TOL[torch.float32])
     monkeypatch.delenv("MEGASEQ_MLA_DC", raising=False)
-    assert K.dc_mode() == "pool"  # the default
+    assert K.dc_mode() == "saved" == workspace.DC_DEFAULT  # the default
     monkeypatch.setenv("MEGASEQ_MLA_DC", "atomic")
     assert K.dc_mode() == "atomic"
     monkeypatch.setenv("MEGASEQ_MLA_DC", "pool")
@@ -511,9 +511,17 @@ def test_bytes_count_saved_latent_outputs_and_no_per_slot_state():
     # head-major q (Dn) is made again after it, not held beside it
     assert got["backward"] == Q * Hh * 3 * R * 2 + S * R * 4 + Hh * (Dn + Dv) * R * 2 * 2
     # the key-major latent gradient's sort and delta in the kernel moment, POOL_QUERIES queries a row at a time
-    pool = workspace.sparse_mla_pool_bytes(4 * Q, W, 16, Hh, batch=2)
+    pool = workspace.sparse_mla_pool_bytes(4 * Q, W, 16, Hh, batch=2, mode="pool")
     assert pool == 4 * Q * Hh * 4 + 2 * workspace.POOL_QUERIES * 128 * workspace.POOL_SORT_BYTES
-    assert workspace.sparse_mla_pool_bytes(Q, W + 1, 16, Hh) == 0  # no pools: the atomics alone
+    # the default, saved: p and ds of SAVED_QUERIES queries of one row at a time, and their sort
+    saved = workspace.sparse_mla_pool_bytes(4 * Q, W, 16, Hh, batch=2)
+    assert saved == workspace.SAVED_QUERIES * 128 * (workspace.POOL_SORT_BYTES + 2 * Hh * 16 * 2)
+    assert workspace.sparse_mla_pool_bytes(4 * Q, W, 16, Hh, batch=2, d=4) - saved == \
+        workspace.SAVED_QUERIES * 128 * 2 * Hh * 16 * 2  # fp32 p and ds
+    assert workspace.sparse_mla_pool_bytes(1000, W, 16, Hh) == 1000 * 128 * (64 + 2 * Hh * 16 * 2)  # one chunk
+    for mode in ("saved", "pool", "atomic"):  # no pools: the atomics alone
+        assert workspace.sparse_mla_pool_bytes(Q, W + 1, 16, Hh, mode=mode) == 0
+    assert workspace.sparse_mla_pool_bytes(Q, W, 16, Hh, mode="atomic") == 0
     assert workspace.triton_sparse_mla_bytes(Q, S, R, Hh, Dn, Dv, 2, pool)["backward"] == \
         got["backward"] + pool
     # the saved o_lat is the price of a backward without a third pass: more than absorbed saves
@@ -597,12 +605,13 @@ def test_gpu_pool_sort_stays_within_its_planned_bytes():
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    out = K.pool_entries(idx, S, 16)
+    out = K.pool_entries(idx, S, 16, slots=True)  # with the saved pass's entry index too
     peak = torch.cuda.max_memory_allocated() - base
     slots = Q * 128
     assert 0.4 * workspace.POOL_SORT_BYTES * slots < peak <= workspace.POOL_SORT_BYTES * slots, peak / slots
-    assert out[0].numel() <= slots
-    assert workspace.sparse_mla_pool_bytes(Q, 2063, 16, 16) == Q * 16 * 4 + workspace.POOL_SORT_BYTES * slots
+    assert out[0].numel() <= slots and out[5].numel() == out[0].numel()
+    assert workspace.sparse_mla_pool_bytes(Q, 2063, 16, 16, mode="pool") == \
+        Q * 16 * 4 + workspace.POOL_SORT_BYTES * slots
 
 
 @pytest.mark.gpu

@@ -56,6 +56,7 @@ import triton.language as tl
 from triton.compiler.errors import CompilationError
 from triton.runtime.errors import OutOfResources
 
+from megaseq.ops import workspace
 from megaseq.ops._triton_util import _fix_interpreter_index, interpreting
 
 LOG2E = 1.4426950408889634
@@ -421,12 +422,15 @@ POOL_BLOCK_ENTRIES = 64  # the mean selecting queries per (block, pool) the pick
 POOL_QUERIES = 32768  # queries per batch row whose pool entries are sorted at once (ops.workspace.POOL_QUERIES)
 # ``saved``: queries of a batch row per slot pass and pool pass, whose p and ds ([queries, K, Hh, kp] each, the work
 # dtype) are held at once: 1 GiB of bf16 at glm5-flash-1gpu's shapes (K = 128, Hh = 16, kp = 16)
-SAVED_QUERIES = 8192  # ops.workspace.SAVED_QUERIES
-POOL_SAVED_CONFIG = (32, 4, 2)  # (rows, warps, stages) of sparse_mla_bwd_pool_saved_kernel
+SAVED_QUERIES = workspace.SAVED_QUERIES
+# (rows, warps, stages) of sparse_mla_bwd_pool_saved_kernel: timed on the H200 (session 21, s21a, the whole backward
+# of one layer): 16 rows 40.8 ms at 32K queries and keys, 56.0 for a 32K segment of 256K keys; 32 rows 41.9 / 56.1;
+# 32 rows and 8 warps 42.5 / 57.0; 64 rows 49.3 / 58.5
+POOL_SAVED_CONFIG = (16, 4, 2)
 
 
 def dc_mode() -> str:
-    mode = os.environ.get("MEGASEQ_MLA_DC", "pool")
+    mode = os.environ.get("MEGASEQ_MLA_DC", workspace.DC_DEFAULT)
     if mode not in DC_MODES:
         raise ValueError(f"MEGASEQ_MLA_DC must be one of {', '.join(DC_MODES)}, got {mode!r}")
     return mode

@@ -145,20 +145,29 @@ def absorbed_bytes(Q: int, S: int, W: int, R: int, Hh: int, Dn: int, Dv: int, d:
 # ---- op sparse_attention, implementation triton (ops/triton_sparse_mla.py) ---------------------------
 POOL_SORT_BYTES: int = 64  # per (query, selected pool) while the pool pass's entries are sorted
 POOL_QUERIES: int = 32768  # queries per batch row sorted at once (ops.triton_sparse_mla_kernels.POOL_QUERIES)
+SAVED_QUERIES: int = 8192  # dc="saved": queries of one batch row whose p and ds are held at once (the kernels')
+DC_DEFAULT: str = "saved"  # the latent gradient's way unless MEGASEQ_MLA_DC says otherwise (the kernels read it)
 
 
-def sparse_mla_pool_bytes(Q: int, W: int, kp: int, Hh: int, batch: int = 1) -> int:
-    """Bytes the key-major latent gradient (``ops.triton_sparse_mla_kernels``, ``dc="pool"``) adds to the backward's
-    kernel moment, for ``Q`` queries (all batch rows together) of ``W`` slots in pools of ``kp`` (0 where the
-    selection has no pools: the atomics alone run). ``delta [Hh, Q]`` fp32, and while ``pool_entries`` sorts the ``K
-    = (W + 1) / kp - 1`` pool slots of ``POOL_QUERIES`` queries of each batch row: their first keys (int64),
+def sparse_mla_pool_bytes(Q: int, W: int, kp: int, Hh: int, batch: int = 1, d: int = 2,
+                          mode: str = DC_DEFAULT) -> int:
+    """Bytes the key-major latent gradient (``ops.triton_sparse_mla_kernels``, ``dc="saved"`` or ``"pool"``) adds to
+    the backward's kernel moment, for ``Q`` queries (all batch rows together) of ``W`` slots in pools of ``kp`` (0
+    where the selection has no pools, or ``mode="atomic"``: the atomics alone run), ``d`` bytes a work-dtype element.
+
+    ``saved`` (the default): the slot pass's ``p`` and ``ds`` of the ``K = (W + 1) / kp - 1`` pool blocks of
+    ``SAVED_QUERIES`` queries of one batch row at a time (``2 K Hh kp d`` bytes a query), and while ``pool_entries``
+    sorts those queries' pool slots at most ``POOL_SORT_BYTES`` per slot. ``pool``: ``delta [Hh, Q]`` fp32, and the
+    sort of ``POOL_QUERIES`` queries of each batch row at once. The sort's bytes: the slots' first keys (int64),
     validity (bool), sort keys, sorted keys and order (int64 each), torch's index input and the radix sort's double
-    buffers (16 bytes), at most ``POOL_SORT_BYTES`` per slot. The layout check before it (``[4096, K, kp]`` int32
-    and bool temporaries, about 100 MB) runs before ``dq_abs`` and the latent gradient exist, which are larger."""
-    if kp < 16 or (W + 1) % kp or W + 1 < 2 * kp:
+    buffers (16 bytes). The layout check before it (``[4096, K, kp]`` int32 and bool temporaries, about 100 MB)
+    runs before ``dq_abs`` and the latent gradient exist, which are larger."""
+    if kp < 16 or (W + 1) % kp or W + 1 < 2 * kp or mode == "atomic":
         return 0
-    sorted_at_once = batch * min(Q // max(batch, 1), POOL_QUERIES)
-    return Q * Hh * 4 + sorted_at_once * ((W + 1) // kp - 1) * POOL_SORT_BYTES
+    K, per_row = (W + 1) // kp - 1, Q // max(batch, 1)
+    if mode == "saved":
+        return min(per_row, SAVED_QUERIES) * K * (POOL_SORT_BYTES + 2 * Hh * kp * d)
+    return Q * Hh * 4 + batch * min(per_row, POOL_QUERIES) * K * POOL_SORT_BYTES
 
 
 def triton_sparse_mla_bytes(Q: int, S: int, R: int, Hh: int, Dn: int, Dv: int, d: int,

@@ -249,7 +249,8 @@ def dsa_temp(
     if impl == "triton":  # or absorbed, which the op runs for batch rows that have a query with no valid slot
         kv_rows = dsa_kv_rows(n, batch, seq_len, mesh, mode)
         R = spec.kv_lora_rank + spec.qk_rope_head_dim
-        pool = sparse_mla_pool_bytes(n, dsa_width(spec), spec.index_kpool, spec.num_attention_heads, batch)
+        pool = sparse_mla_pool_bytes(n, dsa_width(spec), spec.index_kpool, spec.num_attention_heads, batch,
+                                     prec.compute)
         b = triton_sparse_mla_bytes(n, kv_rows, R, spec.num_attention_heads, spec.qk_head_dim, spec.v_head_dim,
                                     prec.compute, pool)
         fused = b["backward"] if backward else b["forward"] + kv_rows * prec.compute * R  # + the latent's copy
