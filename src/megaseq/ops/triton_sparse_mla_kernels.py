@@ -18,17 +18,24 @@ log-sum-exp ``[Hh, N]`` fp32 in base 2 (``lse2 = max + log2(sum)`` of the base-2
   Triton 3.6 emits ``atom.global.gpu.relaxed.add.v4.f32``: 4-wide, since the row pointers are provably
   contiguous with R constexpr).
 
-- backward, latent gradient key-major (the default, ``MEGASEQ_MLA_DC=pool``; ``atomic`` keeps the per-query
-  atomics for every slot): where the selection comes in the GLM indexer's pools (``pool_layout``: aligned blocks
-  of kp consecutive keys, then a tail of kp - 1 slots), the slot pass does the atomics for the tail only and
-  writes ``delta``, and ``sparse_mla_bwd_pool_dc_kernel`` sums each selected pool's ``[kp, R]`` gradient from
-  the queries that chose it (sorted by pool, ``pool_entries``; in chunks of ``POOL_CHUNK`` queries;
-  ``POOL_QUERIES`` queries of a row sorted at once), one atomic add per chunk instead of one per query. It
-  recomputes the scores (about 40% more dot FLOPs) and removes about 39 G fp32 atomic adds per DSA layer at 32K.
-  Measured on the H200 (session 16, ``benchmarks/sparse_mla_configs.py``, glm5-flash-1gpu's shapes): the whole
-  backward 14.4 ms against the atomics' 14.8 at 8K, 59.9 against 67.7 at 32K, 65.0 against 108.0 for a 32K
-  segment of 256K keys. Its working set (``ops.workspace.sparse_mla_pool_bytes``, in the plan): the sort's keys
-  and order, ``POOL_SORT_BYTES`` (64) per selected pool at most, and ``delta``.
+- backward, latent gradient key-major (``MEGASEQ_MLA_DC=pool``, from the scores computed again; ``atomic`` keeps the
+  per-query atomics for every slot): where the selection comes in the GLM indexer's pools (``pool_layout``: aligned
+  blocks of kp consecutive keys, then a tail of kp - 1 slots), the slot pass does the atomics for the tail only and
+  writes ``delta``, and ``sparse_mla_bwd_pool_dc_kernel`` sums each selected pool's ``[kp, R]`` gradient from the
+  queries that chose it (sorted by pool, ``pool_entries``; in chunks of ``POOL_CHUNK`` queries; ``POOL_QUERIES``
+  queries of a row sorted at once), one atomic add per chunk instead of one per query. It recomputes the scores
+  (about 40% more dot FLOPs) and removes about 39 G fp32 atomic adds per DSA layer at 32K. Measured on the H200
+  (session 16, ``benchmarks/sparse_mla_configs.py``, glm5-flash-1gpu's shapes): the whole backward 14.4 ms against
+  the atomics' 14.8 at 8K, 59.9 against 67.7 at 32K, 65.0 against 108.0 for a 32K segment of 256K keys. Its working
+  set (``ops.workspace.sparse_mla_pool_bytes``, in the plan): the sort's keys and order, ``POOL_SORT_BYTES`` (64)
+  per selected pool at most, and ``delta``.
+  Since session 21 the default is ``MEGASEQ_MLA_DC=saved``: the slot pass (``SAVE_PDS``) leaves the pool slots'
+  ``p`` and ``ds`` (the dot operands it has, in the work dtype) in ``[queries, K, Hh, kp]`` blocks, ``SAVED_QUERIES``
+  queries of one batch row at a time, and ``sparse_mla_bwd_pool_saved_kernel`` sums ``p^T do_lat + ds^T q_abs``
+  from them: two dots a step instead of four, no exponentials, no key block, ``lse`` or ``delta``. Measured on the
+  H200 (session 21, the whole backward of one layer): 40.8 ms against the recomputing pass's 54.9 at 32K, 56.0
+  against 64.0 for a 32K segment of 256K keys; +4.5% tokens/s in a 32K step. Its buffer (1 GiB of bf16 at
+  glm5-flash-1gpu's shapes) and the chunk's sort are in the plan (``ops.workspace.sparse_mla_pool_bytes``).
   The layout is checked by one pass over the selection, ``pool_layout_kernel`` (one int32 flag; 0.17 ms at 32K
   against 2.4 ms for the torch reference, ``pool_layout_reference``): in the op's forward, read back with its
   empty-row check (``triton_sparse_mla.checks``), else in the backward (``layout="check"``). The pool pass's
