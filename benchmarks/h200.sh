@@ -710,6 +710,14 @@ print('planned longest, bf16 weights:', longest_length(get_preset('glm5-flash-1g
       --out "$OUT/bench_slice_256k" | grep -E "^\| 262,144"
     PACK=1 NOTAR=1
     ;;
+  s21c)  # session 21, call 3 (issue 13): the final code's benches as final_benches runs them, without its GPU tests
+      # (s21a and s21b ran them on this code): the issue's command, then a warm 1M step. Carry .whl, .tcpart
+    timeout -k 5 400 python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml --seq-lens 8K,32K --baseline \
+      --out "$OUT/bench_1gpu_issue" | grep -E "^\| (8,192|32,768)"
+    timeout -k 5 $((585 - SECONDS)) python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml --seq-lens 1M --steps 1 \
+      --out "$OUT/bench_1gpu_1m" | grep -E "^\| 1,048,576"
+    NOTAR=1
+    ;;
   s18b)  # prepared in session 17 (issue 13), not yet run: MasterAdamW's launch configurations, a warm 1M step (the
       # last, session 16's s16c, 33.2 s, ran before the AdamW kernel), then where a 256K step goes (issue 13 asks for
       # a 256K profile after the work; session 13's is the last); carry .whl, .tcpart
