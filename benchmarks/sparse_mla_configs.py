@@ -13,8 +13,11 @@ slots of causal 16-token pools drawn uniformly (``causal_pool_selection``), at t
 - Q = S = 8K and 32K (one DSA layer of an 8K and a 32K step);
 - the last 32K queries of S = 256K keys (one 32K sequence segment of a 256K step).
 
-After the grid, the backward with the latent gradient summed key-major per pool (``dc="pool"``, not yet the
-default) is timed beside the atomics' with the default configuration, and compared with their result.
+After the grid, the backward with the latent gradient summed key-major per pool is timed beside the atomics'
+with the default slot-pass configuration and compared with their result: ``dc="pool"`` (the scores computed
+again) at each of its launch configurations (``--no-pool-grid``: the default alone) and query blocks
+(``--pool-blocks``), and ``dc="saved"`` (from the slot pass's saved p and ds, the default since session 21) at
+the configurations ``--saved`` names.
 
 Each configuration's outputs are compared with the default's on the same inputs (max abs difference over
 max abs of the default: ``o_lat``, ``lse2``, ``dq_abs``, ``dc``). They compute the same sums in another order,
@@ -89,51 +92,39 @@ def run_shape(K, row: dict, dev, dt, R: int, pools: int, fwd_space, bwd_space, s
             diff = max(entry.get("rel_diff", {0: 0}).values())
             print(f"Q={Q} S={S} {kind} {cfg} {'(default)' if entry['default'] else ''}: {ms} "
                   f"rel diff {diff:.1e}", flush=True)
-    # the latent gradient summed key-major per selected pool (``dc="pool"``, MEGASEQ_MLA_DC=pool) with the
-    # default config, against the atomics' result and time (the whole backward: both passes and the pool sort)
-    # (rows per step, warps, stages) of the pool pass, each timed
+    # the latent gradient summed key-major per selected pool with the default config, against the atomics' result
+    # and time (the whole backward: both passes and the pool sort)
     row["atomic_ms"] = _median_ms(lambda: K.backward(q, do, o_ref, lse_ref, c, idx, SCALE, dc="atomic"), dev)
-    row["bwd_pool"] = []
+    # the pool pass that computes the scores again (``dc="pool"``) at each (rows, warps, stages) and query block, then
+    # the one from the slot pass's saved p and ds (``dc="saved"``) at each (rows, warps, stages)
+    row["bwd_pool"], row["bwd_saved"] = [], []
     default_block = K.POOL_QUERY_BLOCK
-    for block, pc in [(default_block, pc) for pc in pool_space] + [(b, K.POOL_CONFIG) for b in pool_blocks]:
+    runs = ([("pool", default_block, pc) for pc in pool_space] + [("pool", b, K.POOL_CONFIG) for b in pool_blocks]
+            + [("saved", default_block, pc) for pc in saved_space])
+    for mode, block, pc in runs:
         K.POOL_QUERY_BLOCK = block
-        entry = {"config": str(K.default_config("bwd", HH, R, dt)), "dc": "pool", "pool_config": list(pc),
-                 "query_block": "picked" if block is None else block,
-                 "default": pc == K.POOL_CONFIG and block == default_block}
+        entry = {"config": str(K.default_config("bwd", HH, R, dt)), "dc": mode, "pool_config": list(pc)}
+        if mode == "pool":
+            entry.update(query_block="picked" if block is None else block,
+                         default=pc == K.POOL_CONFIG and block == default_block)
+        else:
+            entry["default"] = pc == K.POOL_SAVED_CONFIG
         try:
-            dq, dc = K.backward(q, do, o_ref, lse_ref, c, idx, SCALE, dc="pool", pool_config=pc)
+            dq, dc = K.backward(q, do, o_ref, lse_ref, c, idx, SCALE, dc=mode, pool_config=pc)
             entry["rel_diff"] = {"dq_abs": _rel(dq, dq_ref), "dc": _rel(dc, dc_ref)}
             entry["ms"] = _median_ms(
-                lambda pc=pc: K.backward(q, do, o_ref, lse_ref, c, idx, SCALE, dc="pool", pool_config=pc), dev)
+                lambda m=mode, pc=pc: K.backward(q, do, o_ref, lse_ref, c, idx, SCALE, dc=m, pool_config=pc), dev)
         except Exception as e:  # noqa: BLE001  (record and go on: over the registers or shared memory, say)
             entry["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-        row["bwd_pool"].append(entry)
+        row[f"bwd_{mode}"].append(entry)
         save()
+        what = f"Q={Q} S={S} bwd dc={mode} {pc}" + (f" query block {block}" if mode == "pool" else "")
         if "ms" in entry:
-            print(f"Q={Q} S={S} bwd dc=pool {pc} query block {block}: {entry['ms']:.2f} ms (atomic "
-                  f"{row['atomic_ms']:.2f}), rel diff dc {entry['rel_diff']['dc']:.1e}", flush=True)
+            print(f"{what}: {entry['ms']:.2f} ms (atomic {row['atomic_ms']:.2f}), rel diff dq_abs "
+                  f"{entry['rel_diff']['dq_abs']:.1e} dc {entry['rel_diff']['dc']:.1e}", flush=True)
         else:
-            print(f"Q={Q} S={S} bwd dc=pool {pc} query block {block}: {entry['error'][:200]}", flush=True)
+            print(f"{what}: {entry['error'][:200]}", flush=True)
     K.POOL_QUERY_BLOCK = default_block
-    # the pool pass from the slot pass's saved p and ds (``dc="saved"``), each (rows, warps, stages) timed
-    row["bwd_saved"] = []
-    for pc in saved_space:
-        entry = {"config": str(K.default_config("bwd", HH, R, dt)), "dc": "saved", "pool_config": list(pc),
-                 "default": pc == K.POOL_SAVED_CONFIG}
-        try:
-            dq, dc = K.backward(q, do, o_ref, lse_ref, c, idx, SCALE, dc="saved", pool_config=pc)
-            entry["rel_diff"] = {"dq_abs": _rel(dq, dq_ref), "dc": _rel(dc, dc_ref)}
-            entry["ms"] = _median_ms(
-                lambda pc=pc: K.backward(q, do, o_ref, lse_ref, c, idx, SCALE, dc="saved", pool_config=pc), dev)
-        except Exception as e:  # noqa: BLE001  (record and go on)
-            entry["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-        row["bwd_saved"].append(entry)
-        save()
-        if "ms" in entry:
-            print(f"Q={Q} S={S} bwd dc=saved {pc}: {entry['ms']:.2f} ms (atomic {row['atomic_ms']:.2f}), rel diff "
-                  f"dq_abs {entry['rel_diff']['dq_abs']:.1e} dc {entry['rel_diff']['dc']:.1e}", flush=True)
-        else:
-            print(f"Q={Q} S={S} bwd dc=saved {pc}: {entry['error'][:200]}", flush=True)
 
 
 def main() -> int:

@@ -256,6 +256,27 @@ def sparse_mla_bwd_kernel(qabs_ptr, dolat_ptr, olat_ptr, lse_ptr, c_ptr, idx_ptr
 
 
 @triton.jit
+def _pool_rows(qabs_ptr, dolat_ptr, qn_ptr, ent_ptr, j0, end, stride_h, offs_r, Hh: tl.constexpr, R: tl.constexpr,
+               BR: tl.constexpr):
+    """Rows ``j0 .. j0 + BR`` of a pool program's (entry, head) rows (``j // Hh`` the entry, ``j % Hh`` the head):
+    their ``q_abs`` and ``do_lat`` rows [BR, RP] (0 past ``end``), head (int64), the saved block's index ``ent``
+    (int64; 0 where ``ent_ptr`` is None), query ``qn`` (int64) and the mask ``j < end * Hh``."""
+    j = j0 + tl.arange(0, BR)
+    jm = j < end * Hh
+    h64 = (j % Hh).to(tl.int64)
+    n64 = tl.load(qn_ptr + j // Hh, mask=jm, other=0).to(tl.int64)
+    if ent_ptr is not None:
+        e64 = tl.load(ent_ptr + j // Hh, mask=jm, other=0).to(tl.int64)
+    else:
+        e64 = tl.zeros([BR], tl.int64)
+    off = h64 * stride_h + n64 * R
+    tmask = jm[:, None] & (offs_r < R)[None, :]
+    qa_JR = tl.load(qabs_ptr + off[:, None] + offs_r[None, :], mask=tmask, other=0.0)
+    do_JR = tl.load(dolat_ptr + off[:, None] + offs_r[None, :], mask=tmask, other=0.0)
+    return qa_JR, do_JR, h64, e64, n64, jm
+
+
+@triton.jit
 def sparse_mla_bwd_pool_dc_kernel(qabs_ptr, dolat_ptr, lse_ptr, delta_ptr, c_ptr, qn_ptr, pool_ptr, lo_ptr, hi_ptr,
                                   dc_ptr, scale, scale_log2, N, S, NP, stride_h, Hh: tl.constexpr, R: tl.constexpr,
                                   RP: tl.constexpr, KP: tl.constexpr, BR: tl.constexpr, DOT_PREC: tl.constexpr):
@@ -277,14 +298,8 @@ def sparse_mla_bwd_pool_dc_kernel(qabs_ptr, dolat_ptr, lse_ptr, delta_ptr, c_ptr
     c_KR = tl.load(c_ptr + c_off, mask=rmask[None, :] & (end > start), other=0.0)
     acc_KR = tl.zeros([KP, RP], tl.float32)
     for j0 in range(start * Hh, end * Hh, BR):
-        j = j0 + tl.arange(0, BR)
-        jm = j < end * Hh
-        h64 = (j % Hh).to(tl.int64)
-        n64 = tl.load(qn_ptr + j // Hh, mask=jm, other=0).to(tl.int64)
-        off = h64 * stride_h + n64 * R
-        tmask = jm[:, None] & rmask[None, :]
-        qa_JR = tl.load(qabs_ptr + off[:, None] + offs_r[None, :], mask=tmask, other=0.0)
-        do_JR = tl.load(dolat_ptr + off[:, None] + offs_r[None, :], mask=tmask, other=0.0)
+        qa_JR, do_JR, h64, _, n64, jm = _pool_rows(qabs_ptr, dolat_ptr, qn_ptr, None, j0, end, stride_h, offs_r, Hh,
+                                                   R, BR)
         lse2_J = tl.load(lse_ptr + h64 * N + n64, mask=jm, other=float("inf"))
         delta_J = tl.load(delta_ptr + h64 * N + n64, mask=jm, other=0.0)
         s_JK = tl.dot(qa_JR, tl.trans(c_KR), input_precision=DOT_PREC) * scale_log2
@@ -304,7 +319,8 @@ def sparse_mla_bwd_pool_saved_kernel(qabs_ptr, dolat_ptr, p_ptr, ds_ptr, qn_ptr,
     program ``pid`` owns pool ``pool[pid] = b * NP + p`` and the entries ``lo[pid] : hi[pid]``, each a selecting
     query ``qn`` (flattened ``b * Q + q``: its ``q_abs`` and ``do_lat`` rows) and the index ``ent`` of its
     ``[Hh, KP]`` block of ``p`` and ``ds``; ``dc += p^T do_lat + ds^T q_abs`` over their (query, head) rows, BR at
-    a time, added once at the end. No scores again: two dots a step instead of four, no exponentials."""
+    a time, added once at the end. No scores again: two dots a step instead of four, no exponentials. (Its
+    prologue is the recomputing kernel's as written: a shared helper reorders the PTX of the kernels timed.)"""
     pid = tl.program_id(0)
     pool = tl.load(pool_ptr + pid)
     start = tl.load(lo_ptr + pid)
@@ -316,15 +332,8 @@ def sparse_mla_bwd_pool_saved_kernel(qabs_ptr, dolat_ptr, p_ptr, ds_ptr, qn_ptr,
     keys = ((pool % NP) * KP + offs_k).to(tl.int64)
     acc_KR = tl.zeros([KP, RP], tl.float32)
     for j0 in range(start * Hh, end * Hh, BR):
-        j = j0 + tl.arange(0, BR)
-        jm = j < end * Hh
-        h64 = (j % Hh).to(tl.int64)
-        n64 = tl.load(qn_ptr + j // Hh, mask=jm, other=0).to(tl.int64)
-        e64 = tl.load(ent_ptr + j // Hh, mask=jm, other=0).to(tl.int64)
-        off = h64 * stride_h + n64 * R
-        tmask = jm[:, None] & rmask[None, :]
-        qa_JR = tl.load(qabs_ptr + off[:, None] + offs_r[None, :], mask=tmask, other=0.0)
-        do_JR = tl.load(dolat_ptr + off[:, None] + offs_r[None, :], mask=tmask, other=0.0)
+        qa_JR, do_JR, h64, e64, _, jm = _pool_rows(qabs_ptr, dolat_ptr, qn_ptr, ent_ptr, j0, end, stride_h, offs_r,
+                                                   Hh, R, BR)
         s_off = (e64 * Hh + h64)[:, None] * KP + offs_k[None, :]
         p_JK = tl.load(p_ptr + s_off, mask=jm[:, None], other=0.0)
         ds_JK = tl.load(ds_ptr + s_off, mask=jm[:, None], other=0.0)
