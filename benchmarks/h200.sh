@@ -718,6 +718,12 @@ print('planned longest, bf16 weights:', longest_length(get_preset('glm5-flash-1g
       --out "$OUT/bench_1gpu_1m" | grep -E "^\| 1,048,576"
     NOTAR=1
     ;;
+  s21d)  # session 21, call 4 (issue 13): where a 32K step goes after dc=saved, in the device time left; carry .whl, .tcpart
+    timeout -k 5 170 python3 benchmarks/profile_step.py recipes/glm5-flash-1gpu.yaml 32K \
+      --json "$OUT/profile_32k.json" > "$OUT/profile_1gpu_32k.txt" 2>&1
+    head -36 "$OUT/profile_1gpu_32k.txt" | cut -c1-160
+    NOTAR=1
+    ;;
   s18b)  # prepared in session 17 (issue 13), not yet run: MasterAdamW's launch configurations, a warm 1M step (the
       # last, session 16's s16c, 33.2 s, ran before the AdamW kernel), then where a 256K step goes (issue 13 asks for
       # a 256K profile after the work; session 13's is the last); carry .whl, .tcpart
