@@ -609,10 +609,10 @@ def backward(q_abs_HNR: torch.Tensor, do_lat_HNR: torch.Tensor, o_lat_HNR: torch
              pool_config: tuple[int, int, int] | None = None,
              layout: int | None | str = "check") -> tuple[torch.Tensor, torch.Tensor]:
     """``dq_abs [Hh, N, R]`` (q_abs's dtype) and the latent gradient ``dc [B, S, R]`` fp32 (``config``: as in
-    ``forward``; ``dc``: ``atomic`` or ``pool``, default ``MEGASEQ_MLA_DC``; ``pool`` falls back to ``atomic``
-    where the selection is not in pools, ``pool_layout``; ``pool_config``: the pool pass's (rows per step,
-    warps, stages), default ``POOL_CONFIG``; ``layout``: ``pool_layout``'s answer when the caller has it, the
-    forward's, else ``"check"``)."""
+    ``forward``; ``dc``: one of ``DC_MODES``, default ``MEGASEQ_MLA_DC`` (else ``saved``); ``saved`` and ``pool``
+    fall back to ``atomic`` where the selection is not in pools, ``pool_layout``; ``pool_config``: the pool pass's
+    (rows per step, warps, stages), default ``POOL_SAVED_CONFIG`` or ``POOL_CONFIG``; ``layout``: ``pool_layout``'s
+    answer when the caller has it, the forward's, else ``"check"``)."""
     Hh, N, R = q_abs_HNR.shape
     B, S, _ = c_BSR.shape
     Q, W = idx_BQW.shape[1:]
