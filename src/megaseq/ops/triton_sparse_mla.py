@@ -156,9 +156,10 @@ def _empty_rows_flags(idx_BQW: torch.Tensor, S: int) -> torch.Tensor:
 
 
 def checks(idx_BQW: torch.Tensor, S: int) -> tuple[list[bool], int | None | str]:
-    """``empty_batch_rows`` and, where the backward will ask (``MEGASEQ_MLA_DC=pool``, the layout kernel can
-    run), the first pool candidate's ``pool_layout`` check, read back together: one host sync a call where the
-    forward and the backward had one each. The layout is ``"check"`` where not known (the backward checks)."""
+    """``empty_batch_rows`` and, where the backward will ask (a ``MEGASEQ_MLA_DC`` with a pool pass, ``saved`` or
+    ``pool``, and the layout kernel can run), the first pool candidate's ``pool_layout`` check, read back together:
+    one host sync a call where the forward and the backward had one each. The layout is ``"check"`` where not
+    known (the backward checks)."""
     from megaseq.ops import triton_sparse_mla_kernels as kernels
 
     found_B = _empty_rows_flags(idx_BQW, S)

@@ -622,23 +622,14 @@ def backward(q_abs_HNR: torch.Tensor, do_lat_HNR: torch.Tensor, o_lat_HNR: torch
     kp = None if mode not in POOL_MODES else pool_layout(idx_BQW, S) if layout == "check" else layout
     dq_abs = torch.empty_like(q_abs_HNR)
     dc_BSR = torch.zeros(B, S, R, dtype=torch.float32, device=c_BSR.device)
-    RP, prec = triton.next_power_of_2(R), _dot_precision(q_abs_HNR.dtype)
     if kp and mode == "saved":
         return _backward_saved(q_abs_HNR, do_lat_HNR, o_lat_HNR, lse2_HN, c_BSR, idx_BQW, scale, config, pool_config,
                                kp, dq_abs, dc_BSR)
+    RP, prec = triton.next_power_of_2(R), _dot_precision(q_abs_HNR.dtype)
     delta = torch.empty(Hh, N, dtype=torch.float32, device=c_BSR.device) if kp else lse2_HN
-
-    def run(cfg: Config) -> None:
-        grid = (N * triton.cdiv(Hh, cfg.BH),)
-        sparse_mla_bwd_kernel[grid](q_abs_HNR, do_lat_HNR, o_lat_HNR, lse2_HN, c_BSR, idx_BQW, dq_abs, dc_BSR, delta,
-                                    scale, scale * LOG2E, N, Q, S, N * R, W=W, Hh=Hh, R=R, RP=RP, BH=cfg.BH,
-                                    BW=cfg.BW, DOT_PREC=prec, DC_START=W - (kp - 1) if kp else 0,
-                                    STORE_DELTA=kp is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-
-    cfg = config or _pick("bwd", Hh, R, q_abs_HNR.dtype, run)
-    if config is None and _autotune():
-        dc_BSR.zero_()  # tuning may have run the atomics several times
-    run(cfg)
+    slot_args = (q_abs_HNR, do_lat_HNR, o_lat_HNR, lse2_HN, c_BSR, idx_BQW, dq_abs, dc_BSR, delta, scale)
+    _tuned_run("bwd", config, q_abs_HNR, dc_BSR, lambda cfg: _slot_pass(
+        cfg, N, *slot_args, W - (kp - 1) if kp else 0, STORE_DELTA=kp is not None))
     if kp:
         if interpreting():
             _fix_interpreter_index()  # the pass loops to bounds it loads
@@ -669,17 +660,15 @@ def _backward_saved(q_abs_HNR, do_lat_HNR, o_lat_HNR, lse2_HN, c_BSR, idx_BQW, s
     rows, warps, stages = pool_config or POOL_SAVED_CONFIG
     if interpreting():
         _fix_interpreter_index()  # the pool pass loops to bounds it loads
+    # delta is not stored (STORE_DELTA off): lse2 stands in for its pointer
+    slot_args = (q_abs_HNR, do_lat_HNR, o_lat_HNR, lse2_HN, c_BSR, idx_BQW, dq_abs, dc_BSR, lse2_HN, scale)
 
     def run(cfg: Config) -> None:
-        nhb = triton.cdiv(Hh, cfg.BH)
         for b in range(B):
             for a in range(0, Q, chunk):
                 nq = min(chunk, Q - a)
-                sparse_mla_bwd_kernel[(nq * nhb,)](
-                    q_abs_HNR, do_lat_HNR, o_lat_HNR, lse2_HN, c_BSR, idx_BQW, dq_abs, dc_BSR, lse2_HN, scale,
-                    scale * LOG2E, N, Q, S, N * R, W=W, Hh=Hh, R=R, RP=RP, BH=cfg.BH, BW=cfg.BW, DOT_PREC=prec,
-                    DC_START=K * kp, STORE_DELTA=False, p_ptr=pds[0], ds_ptr=pds[1], N0=b * Q + a, KP=kp,
-                    SAVE_PDS=True, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                _slot_pass(cfg, nq, *slot_args, K * kp, STORE_DELTA=False, p_ptr=pds[0], ds_ptr=pds[1],
+                           N0=b * Q + a, KP=kp, SAVE_PDS=True)
                 qn, pool, lo, hi, NP, ent = pool_entries(idx_BQW[b:b + 1, a:a + nq], S, kp, q0=a, Q=Q, slots=True)
                 if pool.numel():
                     if b:
@@ -690,11 +679,31 @@ def _backward_saved(q_abs_HNR, do_lat_HNR, o_lat_HNR, lse2_HN, c_BSR, idx_BQW, s
                         R=R, RP=RP, KP=kp, BR=rows, DOT_PREC=prec, num_warps=warps, num_stages=stages)
                 del qn, pool, lo, hi, ent
 
-    cfg = config or _pick("bwd", Hh, R, q_abs_HNR.dtype, run)
-    if config is None and _autotune():
-        dc_BSR.zero_()  # tuning may have run the atomics several times
-    run(cfg)
+    _tuned_run("bwd_saved", config, q_abs_HNR, dc_BSR, run)  # tuned apart: its timed run has the pool pass in it
     return dq_abs, dc_BSR
+
+
+def _slot_pass(cfg: Config, programs: int, q_abs_HNR, do_lat_HNR, o_lat_HNR, lse2_HN, c_BSR, idx_BQW, dq_abs, dc_BSR,
+               delta, scale: float, dc_start: int, **flags) -> None:
+    """``sparse_mla_bwd_kernel`` over ``programs`` queries (from ``N0`` in ``flags``, default 0), ``DC_START =
+    dc_start``; ``flags`` its other switches (``STORE_DELTA``, ``SAVE_PDS`` and the saved buffer's arguments)."""
+    Hh, N, R = q_abs_HNR.shape
+    Q, W = idx_BQW.shape[1:]
+    sparse_mla_bwd_kernel[(programs * triton.cdiv(Hh, cfg.BH),)](
+        q_abs_HNR, do_lat_HNR, o_lat_HNR, lse2_HN, c_BSR, idx_BQW, dq_abs, dc_BSR, delta, scale, scale * LOG2E, N, Q,
+        c_BSR.shape[1], N * R, W=W, Hh=Hh, R=R, RP=triton.next_power_of_2(R), BH=cfg.BH, BW=cfg.BW,
+        DOT_PREC=_dot_precision(q_abs_HNR.dtype), DC_START=dc_start, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **flags)
+
+
+def _tuned_run(kind: str, config: Config | None, q_abs_HNR: torch.Tensor, dc_BSR: torch.Tensor, run) -> None:
+    """``run(cfg)`` once with ``config``, else the default or tuned one for ``kind`` (``_pick``); tuning may have run
+    the latent gradient's atomics several times, so ``dc`` is zeroed after it."""
+    Hh, _, R = q_abs_HNR.shape
+    cfg = config or _pick(kind, Hh, R, q_abs_HNR.dtype, run)
+    if config is None and _autotune():
+        dc_BSR.zero_()
+    run(cfg)
 
 
 def compile_ptx(kind: str, dtype: torch.dtype, Hh: int, R: int, W: int, cfg: Config | None = None,
@@ -738,10 +747,9 @@ def compile_ptx(kind: str, dtype: torch.dtype, Hh: int, R: int, W: int, cfg: Con
     consts = {"W": W, "Hh": Hh, "R": R, "RP": triton.next_power_of_2(R), "BH": cfg.BH, "BW": cfg.BW,
               "DOT_PREC": _dot_precision(dtype)}
     if kind in ("bwd", "bwd_tail", "bwd_save"):
-        consts.update(DC_START=W - 15 if kind != "bwd" else 0, STORE_DELTA=kind == "bwd_tail")
-    if kind in ("bwd", "bwd_tail", "bwd_save"):
         ints["N0"] = "i32"
-        consts.update(KP=16, SAVE_PDS=kind == "bwd_save")
+        consts.update(DC_START=W - 15 if kind != "bwd" else 0, STORE_DELTA=kind == "bwd_tail", KP=16,
+                      SAVE_PDS=kind == "bwd_save")
     if kind in ("pool", "pool_saved"):
         consts = {"Hh": Hh, "R": R, "RP": triton.next_power_of_2(R), "KP": 16,
                   "BR": (POOL_CONFIG if kind == "pool" else POOL_SAVED_CONFIG)[0], "DOT_PREC": _dot_precision(dtype)}
