@@ -61,18 +61,22 @@ gaps_profile() {
     --json "$OUT/profile_32k_gaps.json" > "$OUT/profile_1gpu_32k_gaps.txt" 2>&1
   sed -n '/GPU idle between/,$p' "$OUT/profile_1gpu_32k_gaps.txt" | head -"$2" | cut -c1-250
 }
-# a session's final call: the GPU tests of $1 (if they fail, the benches run the tree in .ab/$2 instead), the
-# issue's command until $3 s into the call, then a warm 1M step until $4 s
+# issue 13's benches: its command until $1 s into the call, then a warm 1M step until $2 s
+issue_benches() {
+  timeout -k 5 $(($1 - SECONDS)) python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml --seq-lens 8K,32K --baseline \
+    --out "$OUT/bench_1gpu_issue" | grep -E "^\| (8,192|32,768)"
+  timeout -k 5 $(($2 - SECONDS)) python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml --seq-lens 1M --steps 1 \
+    --out "$OUT/bench_1gpu_1m" | grep -E "^\| 1,048,576"
+}
+# a session's final call: the GPU tests of $1 (if they fail, the benches run the tree in .ab/$2 instead), then
+# issue_benches $3 $4
 final_benches() {
   local name
   name=$(basename "$1" .py)
   if ! gpu_tests "$1" "${name#test_}" 90; then
     echo "GPU tests failed: benches on .ab/$2"; export PYTHONPATH=/tmp/site:$PWD/.ab/$2/src
   fi
-  timeout -k 5 $(($3 - SECONDS)) python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml --seq-lens 8K,32K --baseline \
-    --out "$OUT/bench_1gpu_issue" | grep -E "^\| (8,192|32,768)"
-  timeout -k 5 $(($4 - SECONDS)) python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml --seq-lens 1M --steps 1 \
-    --out "$OUT/bench_1gpu_1m" | grep -E "^\| 1,048,576"
+  issue_benches "$3" "$4"
 }
 # the GPU tests of the streams' carry and of fla's forget gate, one config per autotuned kernel (numerics, not
 # speed), into gpu_tests.log; a failure is reported, the stage goes on
@@ -712,10 +716,7 @@ print('planned longest, bf16 weights:', longest_length(get_preset('glm5-flash-1g
     ;;
   s21c)  # session 21, call 3 (issue 13): the final code's benches as final_benches runs them, without its GPU tests
       # (s21a and s21b ran them on this code): the issue's command, then a warm 1M step. Carry .whl, .tcpart
-    timeout -k 5 400 python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml --seq-lens 8K,32K --baseline \
-      --out "$OUT/bench_1gpu_issue" | grep -E "^\| (8,192|32,768)"
-    timeout -k 5 $((585 - SECONDS)) python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml --seq-lens 1M --steps 1 \
-      --out "$OUT/bench_1gpu_1m" | grep -E "^\| 1,048,576"
+    issue_benches $((SECONDS + 400)) 585
     NOTAR=1
     ;;
   s21d)  # session 21, call 4 (issue 13): where a 32K step goes after dc=saved, in the device time left; carry .whl, .tcpart
