@@ -46,7 +46,7 @@ def row(seq: str, dp: int, ep: int, cp: int, mode: str, imbalance: float) -> dic
     p = plan(spec, SEQ_LENS[seq], mesh, Budgets(host_bytes=HOST_BYTES), moe_imbalance=imbalance, name=MODEL,
              ep_dispatch=ExpertDispatchSettings(mode=mode))
     d, moe = p.expert_dispatch, p.comm.get("moe", {})
-    cp_bytes = sum(v["per_step"] for k, v in p.comm.items() if k != "moe")
+    cp_bytes = sum(v["per_step"] for k, v in p.comm.items() if k not in ("moe", "fsdp"))  # fsdp: no per_step
     return {"seq": seq, "dp": dp, "ep": ep, "cp": cp, "mode": mode, "imbalance": imbalance, "fits": p.fits,
             "peak_gpu_gib": round(p.peak_gpu / GIB, 1), "peak_host_gb": round(p.peak_host / GB), "binding": p.binding,
             "fixes": [f[0] for f in p.fixes], "dispatch_rows_in": d.get("rows_in"),

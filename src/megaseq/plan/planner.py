@@ -315,14 +315,6 @@ def _make_plan(run: Run, budgets: Budgets, memory_cfg: Any | None, name: str) ->
     )
 
 
-def _comm(run: Run) -> dict[str, Any]:
-    """Bytes per GPU per step: context parallelism's per layer kind, expert parallelism's under ``moe``."""
-    out = comm_volume(run.spec, run.seq_len, run.mesh, run.batch) if run.mesh.cp > 1 else {}
-    if run.mesh.ep > 1:
-        out["moe"] = expected_step_bytes(run.spec, run.seq_len, run.mesh, run.ep_dispatch, run.batch, run.prec)
-    return out
-
-
 def _expert_dispatch(run: Run) -> dict[str, Any]:
     """The dispatch component of one MoE layer under ep > 1: rows, chunks, the buffer bound, and the rows the
     measured imbalance would give (what plain EP would plan with)."""
@@ -405,9 +397,12 @@ def plan(
 
 
 def _comm(run: Run) -> dict[str, Any]:
-    """Context-parallel traffic per layer kind and, under FSDP, the all-gathers and reduce-scatters of a step
-    (``fsdp``: with sequence segments each segment's rerun gathers the weights again)."""
+    """Bytes per GPU per step: context parallelism's per layer kind, expert parallelism's under ``moe`` and,
+    under FSDP, the all-gathers and reduce-scatters of a step (``fsdp``: with sequence segments each
+    segment's rerun gathers the weights again)."""
     comm: dict[str, Any] = comm_volume(run.spec, run.seq_len, run.mesh, run.batch) if run.mesh.cp > 1 else {}
+    if run.mesh.ep > 1:
+        comm["moe"] = expected_step_bytes(run.spec, run.seq_len, run.mesh, run.ep_dispatch, run.batch, run.prec)
     if run.mesh.sharded:
         from megaseq.plan.fixes import fsdp_step_traffic, segments_of
 

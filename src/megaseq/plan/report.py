@@ -90,6 +90,7 @@ def _footer(plan: Plan) -> list[str]:
         if kind == "moe":
             lines.append(f"expert parallel: {v['mode']}, {v['per_layer'] / GB:.2f} GB per MoE layer per step with "
                          f"even routing ({v['per_step'] / GB:.1f} GB over {v['moe_layers']} layers)")
+            continue
         if kind == "fsdp":
             lines.append(_fsdp_line(v))
             continue
