@@ -23,6 +23,9 @@ from typing import Any
 
 import yaml
 
+from megaseq import schemes
+from megaseq.schemes import SEGMENT_EXCLUDED, SEGMENT_SETTING, SIZE_SETTINGS  # noqa: F401  (re-exported)
+
 
 def opt(default: Any, help: str, **kw: Any) -> Any:
     """A dataclass field with help text (mutable defaults go through default_factory)."""
@@ -303,13 +306,6 @@ class ParallelConfig:
         return dp, self.cp, self.ep
 
 
-SIZE_SETTINGS = ("loss_chunk_tokens", "mlp_tile_tokens", "indexer_query_chunk", "offload_host_budget",
-                 "optimizer_bucket_params", "kda_segment_tokens", "model_segment_tokens")
-SEGMENT_SETTING = "memory.model_segment_tokens"
-# the per-layer schemes sequence segments replace (each layer's memory is already bounded by the segment)
-SEGMENT_EXCLUDED = ("recompute", "checkpoint_offload", "kda_segment_tokens")
-
-
 @dataclass
 class MemorySettings:
     """The exact memory schemes of one run and their chunk sizes: what ``megaseq plan`` chooses (its
@@ -354,14 +350,9 @@ class MemorySettings:
 
     def check_combination(self) -> None:
         """ValueError naming the settings when these schemes cannot run together (settings that will run as
-        given: forced ones, and what the planner chose, which never combines them)."""
-        if self.checkpoint_offload and not self.recompute:
-            raise ValueError("memory.checkpoint_offload needs memory.recompute: set --memory.recompute true")
-        on = [f"memory.{k}" for k in SEGMENT_EXCLUDED if getattr(self, k)]
-        if self.model_segment_tokens and on:
-            raise ValueError(f"{SEGMENT_SETTING}={self.model_segment_tokens} with {', '.join(on)}: sequence segments "
-                             "already bound each layer's memory by the segment; turn those off (--memory.recompute "
-                             "false, --memory.checkpoint_offload false, --memory.kda_segment_tokens 0)")
+        given: forced ones, and what the planner chose, which never combines them): the schemes' ``requires``
+        and ``excludes`` (``megaseq.schemes``)."""
+        schemes.check_combination(self)
 
     def to_dict(self) -> dict[str, Any]:
         """The settings alone (a plan's ``memory``), in field order."""

@@ -31,8 +31,8 @@ from megaseq.config import MemorySettings
 from megaseq.memory import tiling
 from megaseq.memory.offload import BoundaryOffloader, checkpoint_layers, uncheckpoint_layer
 from megaseq.memory.offload_adam import OffloadStreamAdamW
+from megaseq.memory.rules import check_model_segments
 from megaseq.memory.vocab_loss import linear_cross_entropy
-from megaseq.plan.fixes import check_model_segments
 
 
 @dataclass

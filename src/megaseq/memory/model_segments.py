@@ -57,11 +57,9 @@ import torch
 from torch import nn
 
 from megaseq.memory.replay import Chunk, SideState, chunk_bounds, run_chunks
+from megaseq.memory.rules import check_model_segments  # noqa: F401  (re-exported: the planner's rules too)
 from megaseq.models.common.context import SeqContext
-
-# the rules (a segment split evenly over the cp ranks, a family whose mixers carry their state, no other
-# layer scheme) are the planner's too, so they live in the torch-free plan package
-from megaseq.plan.fixes import SEGMENT_SETTING, check_model_segments  # noqa: F401  (re-exported)
+from megaseq.schemes import SEGMENT_SETTING
 
 SETTING = SEGMENT_SETTING
 

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from megaseq.memory.replay import Chunk, InputStore, Replay, replay
-from megaseq.plan.components import SLOT_ALIGN, round_up  # the planner's slot sizing (one formula: sco_plan)
+from megaseq.memory.rules import SLOT_ALIGN, round_up  # the planner's slot sizing too (one formula: sco_plan)
 
 
 # ---- host memory: one exactly sized buffer --------------------------------------------------------

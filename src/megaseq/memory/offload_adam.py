@@ -42,7 +42,7 @@ import torch
 
 from megaseq.memory.master_adam import combine_norms, like_param, local, restore_groups
 from megaseq.memory.offload import HostBuffer
-from megaseq.plan.components import round_up
+from megaseq.memory.rules import round_up
 
 
 @dataclass

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from megaseq.memory.rules import WEIGHT_GRAD_ROWS  # the planner's formula counts these blocks
 from megaseq.ops import (
     dispatch,
     liger_loss,  # noqa: F401  (registers Liger's fused loss, opt-in)
@@ -31,7 +32,6 @@ from megaseq.ops.cross_entropy import (
     lse_update,
     reduce_loss,
 )
-from megaseq.plan.components import WEIGHT_GRAD_ROWS  # the planner's formula counts these blocks
 
 
 # ---- chunked autograd Function -----------------------------------------------------------------

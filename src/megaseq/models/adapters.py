@@ -27,6 +27,8 @@ import fnmatch
 import re
 from dataclasses import dataclass
 
+from megaseq.schemes import REPLAYING  # noqa: F401  (re-exported)
+
 GROUPS = ("attention", "mlp", "experts", "all")
 PEFT_ROOT = "base_model.model."
 # experts tensors in registration order (PEFT nests its wrappers in this order)
@@ -166,8 +168,8 @@ def trainable_names(table: list[Param], patterns: list[str] | tuple[str, ...]) -
     return out
 
 
-# settings whose forward is replayed in backward (``memory.replay``'s users): dropout masks would be drawn again
-REPLAYING = ("tiled_mlp", "recompute", "kda_segment_tokens", "model_segment_tokens")
+# settings whose forward is replayed in backward (``memory.replay``'s users): dropout masks would be drawn again;
+# ``REPLAYING`` is derived from the schemes' records (``megaseq.schemes``)
 
 
 def check_dropout(lora, memory) -> None:

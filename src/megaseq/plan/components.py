@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from megaseq.memory.rules import SLOT_ALIGN, WEIGHT_GRAD_ROWS, round_up  # noqa: F401  (the runtime's sizes; re-exported)
 from megaseq.models.spec import ModelSpec
 from megaseq.ops.workspace import LIGER_CHUNK_ROWS
 from megaseq.plan.params import Trained
@@ -456,13 +457,6 @@ def boundary_bytes(spec: ModelSpec, n: int, prec: Precision) -> int:
     return layer_input_bytes(n, spec.hidden_size, spec.hc_mult, prec.stream)
 
 
-SLOT_ALIGN = 512  # bytes; each SCO boundary slot starts on this boundary (DMA-friendly, any dtype view)
-
-
-def round_up(n: int, align: int = SLOT_ALIGN) -> int:
-    return -(-n // align) * align
-
-
 @dataclass
 class SCOPlan:
     num_offloaded: int  # layers whose boundary goes to host memory (the first ones)
@@ -552,16 +546,10 @@ def merge_saved(spec: ModelSpec, y_bytes: int, prec: Precision, fast: bool = Fal
 
 
 # ---- loss, communication, allocator ------------------------------------------------------------------
-# memory/vocab_loss.py updates the fp32 weight gradient this many vocabulary rows per matmul: the
-# fp32-output addmm makes a temporary of its output (rows x H x 4 bytes), so a whole-vocabulary update
-# would cost another V x H x 4
-WEIGHT_GRAD_ROWS = 16384
-
-
 def vocab_loss_bytes(N: int, H: int, V: int, chunk_tokens: int, dtype_bytes: int,
                      vocab_chunk: int | None = None, weight_grad: bool = True) -> dict[str, int]:
     """Peak working bytes of the loss's forward + backward, beyond its inputs (hidden, weight, labels)
-    (``memory/vocab_loss.py``, which takes ``WEIGHT_GRAD_ROWS`` from here).
+    (``memory/vocab_loss.py``; ``WEIGHT_GRAD_ROWS`` from ``memory.rules``).
 
     ``d`` = dtype_bytes, ``a`` = accumulation bytes (4 for half inputs, else d), ``C x Vc`` one strip.
 

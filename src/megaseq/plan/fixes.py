@@ -22,8 +22,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from megaseq.config import SEGMENT_SETTING, MemorySettings
-from megaseq.models.registry import FAMILY_PACKAGES, family
+from megaseq.config import MemorySettings
+from megaseq.memory.rules import check_model_segments  # noqa: F401  (re-exported)
+from megaseq.models.registry import family
 from megaseq.plan import components as C
 from megaseq.plan import layers
 from megaseq.plan.components import GB, GIB, Mesh
@@ -36,6 +37,7 @@ from megaseq.plan.flops import (
     step_seconds,
 )
 from megaseq.plan.phases import Evaluation, Run, evaluate
+from megaseq.schemes import SCHEMES
 
 H200_GPU_BYTES = int(139.8 * GIB)  # BRIEF section 6: usable memory of one H200
 HOST_BYTES_PER_GPU = 128 * GB  # BRIEF section 6: the 1-GPU host; per GPU of a larger host by default
@@ -162,17 +164,22 @@ def _sco_enable(base: MemorySettings, run: Run, fixes: tuple[str, ...], host_roo
             "offload_host_budget": max(0, min(run.spec.num_layers * bnd, host_room - opt_host))}
 
 
+def _fix(name: str, **planner: Any) -> Fix:
+    """The planner's side of scheme ``name``: its setting, runtime, formula, requires and excludes from the
+    scheme's record (``megaseq.schemes``), its costs and growth given here."""
+    s = SCHEMES[name]
+    return Fix(name, s.switch, s.runtime, s.formula, excludes=s.excludes, requires=s.requires, **planner)
+
+
 FIXES: dict[str, Fix] = {f.name: f for f in (
-    Fix("chunked_loss", "chunked_loss", "memory.vocab_loss.chunked_linear_cross_entropy",
-        "components.loss_bytes (chunked)",
+    _fix("chunked_loss",
         cost=lambda run, t: LOSS_CHUNK_COST * t.sf.loss / t.sf.total,
         usable=lambda run: True,
         enable=lambda b, run, s, h: {"chunked_loss": True, "loss_chunk_tokens": LOSS_CHUNKS[0]},
         enabled=_on("chunked_loss"),
         why=lambda m: f"vocabulary projection in chunks of {m.loss_chunk_tokens} tokens",
         growth=Growth("loss_chunk_tokens", 2, lambda run: LOSS_CHUNKS, _on("chunked_loss"))),
-    Fix("indexer_query_chunk", "indexer_query_chunk", "the DSA indexer's query_chunk (parallelize)",
-        "layers.indexer_scoring_bytes",
+    _fix("indexer_query_chunk",
         cost=lambda run, t: 0.0,
         usable=lambda run: "dsa" in run.spec.layer_types,
         enable=lambda b, run, s, h: {"indexer_query_chunk": INDEXER_CHUNKS[0]},
@@ -181,14 +188,14 @@ FIXES: dict[str, Fix] = {f.name: f for f in (
                       "or as the budget needs)",
         growth=Growth("indexer_query_chunk", 1, lambda run: (INDEXER_CHUNKS[0], indexer_chunk_cap(run)),
                       lambda run, m: m.indexer_query_chunk < run.n)),
-    Fix("tiled_mlp", "tiled_mlp", "memory.tiling (tile_layer / enable_tiling)", "phases.layer_terms (tiled)",
+    _fix("tiled_mlp",
         cost=lambda run, t: t.sf.mlp / 3 / t.sf.total,  # the tile's forward is rerun in backward
         usable=lambda run: True,
         enable=lambda b, run, s, h: {"tiled_mlp": True, "mlp_tile_tokens": TILE_CHUNKS[0]},
         enabled=_on("tiled_mlp"),
         why=lambda m: f"MLP/MoE in tiles of {m.mlp_tile_tokens} tokens, recomputed in backward",
         growth=Growth("mlp_tile_tokens", 3, lambda run: TILE_CHUNKS, _on("tiled_mlp"))),
-    Fix("kda_segments", "kda_segment_tokens", "memory.kda_segments.segment", "layers.kda_segmented",
+    _fix("kda_segments",
         cost=lambda run, t: KDA_MIXER_SHARE * t.sf.layers_forward / t.sf.total * _kda_layer_share(run),
         usable=lambda run: "kda" in run.spec.layer_types and run.mesh.cp == 1 and not run.packed_documents,
         enable=lambda b, run, s, h: {"kda_segment_tokens": b.kda_segment_tokens or SEGMENT_CHUNKS[0]},
@@ -196,14 +203,13 @@ FIXES: dict[str, Fix] = {f.name: f for f in (
         why=lambda m: f"KDA layers in segments of {m.kda_segment_tokens} tokens, the state carried, each segment "
                       "recomputed in backward",
         growth=Growth("kda_segment_tokens", 4, lambda run: SEGMENT_CHUNKS, _on("kda_segment_tokens"))),
-    Fix("recompute", "recompute", "memory.offload.checkpoint_layers", "phases._phases (recompute)",
+    _fix("recompute",
         cost=lambda run, t: t.sf.layers_forward / t.sf.total,
         usable=lambda run: True,
         enable=lambda b, run, s, h: {"recompute": True},
         enabled=_on("recompute"),
         why=lambda m: "each layer keeps only its input; its forward is rerun in backward"),
-    Fix("model_segments", "model_segment_tokens", "memory.model_segments.segmented_loss_backward",
-        "phases.segment_store_bytes",
+    _fix("model_segments",
         cost=lambda run, t: t.sf.layers_forward / t.sf.total + MODEL_SEGMENT_OVERHEAD + t.segment_regather_s / t.step_s,
         usable=lambda run: family(run.spec.family).segmentable and MODEL_SEGMENT_CHUNKS[0] % run.mesh.cp == 0,
         enable=lambda b, run, s, h: {"model_segment_tokens": b.model_segment_tokens or MODEL_SEGMENT_CHUNKS[0]},
@@ -211,18 +217,14 @@ FIXES: dict[str, Fix] = {f.name: f for f in (
         why=lambda m: f"the whole model over the sequence {m.model_segment_tokens} tokens at a time (KDA state, "
                       "DSA latents and keys carried), each segment rerun in backward"
                       + (", the forward's DSA selections kept for it" if m.segment_keep_selection else ""),
-        growth=Growth("model_segment_tokens", 0, lambda run: MODEL_SEGMENT_CHUNKS, _on("model_segment_tokens")),
-        excludes=("kda_segments", "recompute", "checkpoint_offload")),
-    Fix("checkpoint_offload", "checkpoint_offload", "memory.offload.BoundaryOffloader (SCO)",
-        "components.sco_slots",
+        growth=Growth("model_segment_tokens", 0, lambda run: MODEL_SEGMENT_CHUNKS, _on("model_segment_tokens"))),
+    _fix("checkpoint_offload",
         cost=lambda run, t: SCO_BASE_COST + t.sco_excess_s / t.step_s,
         usable=lambda run: True,
         enable=_sco_enable,
         enabled=_on("checkpoint_offload"),
-        why=lambda m: f"layer inputs to pinned host memory, {m.offload_host_budget / GB:.1f} GB",
-        requires=("recompute",)),
-    Fix("optimizer_offload", "optimizer_offload", "memory.offload_adam.OffloadStreamAdamW",
-        "components.optimizer_gpu_bytes / optimizer_host_bytes",
+        why=lambda m: f"layer inputs to pinned host memory, {m.offload_host_budget / GB:.1f} GB"),
+    _fix("optimizer_offload",
         cost=lambda run, t: t.optimizer_s / t.step_s,
         usable=lambda run: True,
         enable=lambda b, run, s, h: {"optimizer_offload": True},
@@ -272,27 +274,6 @@ def with_fixes(base: MemorySettings, fixes: tuple[str, ...], run: Run, host_room
     for name in fixes:
         changes.update(FIXES[name].enable(base, run, fixes, host_room))
     return base.replace(**changes)
-
-
-def check_model_segments(family_name: str, segment_tokens: int, cp: int = 1,
-                         layer_schemes: tuple[str, ...] = ()) -> None:
-    """ValueError naming ``memory.model_segment_tokens`` and the fix for what sequence segments
-    (``memory/model_segments.py``) cannot run; the planner checks forced settings with it, the trainer its
-    step."""
-    name = SEGMENT_SETTING
-    if segment_tokens < 1:
-        raise ValueError(f"{name} must be >= 1 (0: off), got {segment_tokens}")
-    segmentable = [f for f in FAMILY_PACKAGES if family(f).segmentable]
-    if family_name not in segmentable:
-        raise ValueError(f"{name}={segment_tokens}: the {family_name} family's token mixers do not carry their "
-                         f"state across segments (supported: {', '.join(segmentable)}); unset {name}")
-    if segment_tokens % cp:
-        raise ValueError(f"{name}={segment_tokens} with context parallelism cp={cp}: each segment is split over the "
-                         f"cp ranks, so it must be a multiple of {cp}; set --{name} to a multiple of {cp}")
-    if layer_schemes:
-        raise ValueError(f"{name}={segment_tokens} with {', '.join(layer_schemes)}: sequence segments already "
-                         "bound each layer's memory by the segment; turn those off (--memory.recompute false, "
-                         "--memory.checkpoint_offload false, --memory.kda_segment_tokens 0)")
 
 
 def _candidates(run: Run, costs: dict[str, float]) -> list[tuple[str, ...]]:

@@ -206,9 +206,7 @@ def _segmented_step(model: torch.nn.Module, b: dict[str, torch.Tensor], env: Par
                     progress: Any = None, keep_selection: bool = False, after_forward: Any = None) -> torch.Tensor:
     """Forward + backward of one micro-batch in sequence segments; returns its loss sum (no graph). Under
     cp the shard is this rank's piece of every segment (``env.shard_batch(batch, segment)``)."""
-    from megaseq.memory.model_segments import check_model_segments, segmented_loss_backward
-
-    check_model_segments(getattr(getattr(model, "spec", None), "family", type(model).__name__), segment, env.cp_size)
+    from megaseq.memory.model_segments import segmented_loss_backward  # its settings checked when applied
 
     def loss_fn(hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return _loss_sum(model, hidden, labels, env, autocast, chunk)
