@@ -1,4 +1,4 @@
-"""Properties of the LLEP plan and PipelinedLLEP's chunking (``plan/llep.py``), on seeded random and adversarial
+"""Properties of the LLEP plan and PipelinedLLEP's chunking (``parallel/llep.py``), on seeded random and adversarial
 expert loads: every row served exactly once, the cap respected by every GPU that takes a spill (by every GPU
 when pieces of one row may spill), no spilled piece under the minimum, the busiest GPU never busier than
 without LLEP, and LLEP only above its threshold. A hand-made plan breaking each property must be caught by
@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from megaseq.plan.llep import (
+from megaseq.parallel.llep import (
     ExpertPlan,
     chunk_capacity,
     chunk_sizes,

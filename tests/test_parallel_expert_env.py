@@ -12,10 +12,10 @@ from megaseq.models.common.moe import Experts
 from megaseq.models.presets import get_preset
 from megaseq.parallel.env import ParallelEnv
 from megaseq.parallel.expert import EPDispatch, shard_experts
+from megaseq.parallel.llep import dispatch_buffer_bound
 from megaseq.parallel.mesh import MeshShape
 from megaseq.plan.components import Mesh, count_params, gpu_counts, precision_for
 from megaseq.plan.expert import dispatch_terms
-from megaseq.plan.llep import dispatch_buffer_bound
 
 
 @pytest.mark.parametrize("override, words", [

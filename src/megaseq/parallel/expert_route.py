@@ -6,7 +6,7 @@ receives in a chunk, Kc chunks.
 
 ``build_route`` runs once per MoE forward (two small all-gathers: every rank's token count, then every
 rank's per-chunk expert counts ``[Kc, E]``); every rank then computes the same plans
-(``plan.llep.plan_experts`` per chunk) and from them, for itself, what it sends and receives. The chunk
+(``parallel.llep.plan_experts`` per chunk) and from them, for itself, what it sends and receives. The chunk
 steps (and their replays in backward) read the route and communicate only rows.
 
 Row order, the contract between sender and receiver: expert e's rows in a chunk are ordered by source
@@ -26,8 +26,8 @@ import torch.distributed as dist
 
 from megaseq.config import ExpertDispatchSettings
 from megaseq.memory.replay import Chunk
+from megaseq.parallel.llep import ExpertPlan, chunk_sizes, native_plan, num_chunks, plan_experts
 from megaseq.parallel.ulysses import count_bytes
-from megaseq.plan.llep import ExpertPlan, chunk_sizes, native_plan, num_chunks, plan_experts
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 

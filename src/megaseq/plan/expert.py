@@ -30,9 +30,7 @@ from typing import Any
 
 from megaseq.config import ExpertDispatchSettings
 from megaseq.models.spec import ModelSpec
-from megaseq.plan import layers
-from megaseq.plan.components import CAL, Calibration, Mesh, Precision
-from megaseq.plan.llep import (
+from megaseq.parallel.llep import (
     chunk_capacity,
     dispatch_buffer_bound,
     max_rows_in,
@@ -41,6 +39,8 @@ from megaseq.plan.llep import (
     plan_experts,
     source_pieces,
 )
+from megaseq.plan import layers
+from megaseq.plan.components import CAL, Calibration, Mesh, Precision
 
 
 @dataclass(frozen=True)
