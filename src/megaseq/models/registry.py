@@ -7,8 +7,9 @@ A family is one package ``megaseq.models.<pkg>`` holding
 - ``model.py``               the CausalLM (on ``models.common.decoder.CausalLM``) and
                              ``FP32_PARAM_SUFFIXES``;
 - ``state_dict_adapter.py``  ``ADAPTER``: HF checkpoint keys <-> megaseq names;
-- ``parallelize.py``         ``parallelize(model, settings, env)``: memory schemes (and later sharding,
-                             expert parallelism, adapters) applied from outside the model.
+- ``parallelize.py``         (only with hooks of its own) ``parallelize(model, settings, env, adapters)``:
+                             adapters, memory schemes, expert parallelism and FSDP applied from outside the
+                             model; without one the family gets the shared ``parallel.shard.parallelize``.
 
 Adding a family is adding one package and one line to ``FAMILY_PACKAGES``. Everything else (the
 planner, the trainer, checkpoint I/O) asks the family through this module, never by its name. Torch-free:
@@ -18,9 +19,12 @@ the planner reads it.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from dataclasses import dataclass
 from types import ModuleType
 
+# the parallelize of a family with no parallelize.py (a module above models/: imported by name, when called)
+SHARED_PARALLELIZE = "megaseq.parallel.shard"
 # ModelSpec.family -> the family's package (explicit: no import-time scanning)
 FAMILY_PACKAGES: dict[str, str] = {
     "glm5_next": "megaseq.models.glm5",
@@ -87,4 +91,12 @@ def parallelize(model, settings, env=None, adapters=None):
     if spec is None or not hasattr(model, "layers"):
         raise ValueError(f"{type(model).__name__} is not a megaseq CausalLM (no spec, no `layers`): memory "
                          "schemes are applied by a model family's parallelize (docs/architecture.md)")
-    return family_module(spec.family, "parallelize").parallelize(model, settings, env, adapters)
+    return parallelize_module(spec.family).parallelize(model, settings, env, adapters)
+
+
+def parallelize_module(family: str) -> ModuleType:
+    """The module whose ``parallelize`` applies the schemes to a model of ``family``: the family's own
+    ``parallelize.py`` where it has hooks of its own, else ``SHARED_PARALLELIZE``."""
+    family_module(family, "spec")  # a ValueError naming the known families for an unknown one
+    own = f"{FAMILY_PACKAGES[family]}.parallelize"
+    return importlib.import_module(own if importlib.util.find_spec(own) else SHARED_PARALLELIZE)

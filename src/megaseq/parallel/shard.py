@@ -1,9 +1,11 @@
 """The parallel schemes a family's ``parallelize`` applies after its memory schemes: expert parallelism
 (``env.shard_moe`` on every MoE layer when ``parallel.ep > 1``) and FSDP2 per layer (``parallel.fsdp``).
 
-Families of ``models.common.prenorm`` layers run the whole sequence through ``parallelize_prenorm``
-(adapters, ``memory.apply.apply_prenorm``, then ``shard_layers``); GLM-5 and Qwen3-MoE do the same steps
-inline around their own layers.
+``parallelize`` is the shared one: ``models.registry.parallelize`` falls back to it for every family without
+its own ``parallelize.py`` (the families of ``models.common.prenorm`` layers: adapters,
+``memory.apply.apply_prenorm``, then ``shard_layers``). A family with mixer settings of its own (an indexer's
+query chunk, KDA segments) supplies only that hook to ``parallelize_prenorm``; GLM-5, which tiles whole
+layers, does the same steps around its own layers.
 """
 
 from __future__ import annotations
@@ -41,3 +43,11 @@ def parallelize_prenorm(model: nn.Module, settings: MemorySettings, env: Any = N
     done = apply_prenorm(model, settings, env, mixer_schemes)
     done.adapters = [p.name for p in adapted]
     return shard_layers(model, done, env)
+
+
+def parallelize(model: nn.Module, settings: MemorySettings, env: Any = None,
+                adapters: AdapterSettings | None = None) -> AppliedMemory:
+    """The shared ``parallelize(model, settings, env, adapters)`` of a prenorm family without hooks of its own:
+    ``tiled_mlp`` tiles each MLP/MoE, ``recompute`` (+ SCO) recomputes every layer, ``model_segment_tokens``
+    is refused unless the family is segmentable, then EP and FSDP; returns what was applied."""
+    return parallelize_prenorm(model, settings, env, adapters)
