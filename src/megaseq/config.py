@@ -833,24 +833,34 @@ def default_recipe() -> str:
     return str(files("megaseq") / "recipes" / "default.yaml")
 
 
-def split_overrides(rest: list[str]) -> list[str]:
-    """Command-line settings to dotted overrides: ``['--train.steps', '5', '--data.seq_len=1K']`` ->
-    ``['train.steps=5', 'data.seq_len=1K']``; a flag with no value is ``true``."""
-    out, i = [], 0
-    while i < len(rest):
-        arg = rest[i]
+def take_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
+    """The command line's settings as dotted overrides, and the other arguments: ``['plan', '--train.steps',
+    '5', '--data.seq_len=1K', '--memory.recompute']`` -> ``(['plan'], ['train.steps=5', 'data.seq_len=1K',
+    'memory.recompute=true'])``; a setting takes the next argument as its value unless that is an option."""
+    keep, out, i = [], [], 0
+    while i < len(argv):
+        arg = argv[i]
         if not arg.startswith("--") or "." not in arg.split("=")[0]:
-            raise ValueError(f"unexpected argument {arg!r}: settings look like --section.key value "
-                             "(see `megaseq train --help`)")
-        if "=" in arg:
+            keep.append(arg)
+            i += 1
+        elif "=" in arg:
             out.append(arg[2:])
             i += 1
-        elif i + 1 < len(rest) and not rest[i + 1].startswith("--"):
-            out.append(f"{arg[2:]}={rest[i + 1]}")
+        elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+            out.append(f"{arg[2:]}={argv[i + 1]}")
             i += 2
         else:
             out.append(f"{arg[2:]}=true")
             i += 1
+    return keep, out
+
+
+def split_overrides(rest: list[str]) -> list[str]:
+    """Command-line settings to dotted overrides (``take_overrides``); anything else is an error naming it."""
+    keep, out = take_overrides(rest)
+    if keep:
+        raise ValueError(f"unexpected argument {keep[0]!r}: settings look like --section.key value "
+                         "(see `megaseq train --help`)")
     return out
 
 

@@ -17,7 +17,7 @@ import sys
 import textwrap
 from collections.abc import Callable
 
-from megaseq.config import field_help
+from megaseq.config import field_help, take_overrides
 
 VERBS = {
     "train": "fine-tune a model (one GPU, torchrun, or Ray); with no config, the embedded default job",
@@ -39,22 +39,6 @@ def config_help() -> str:
             lines.append(f"    --{section}.{key:<24} {wrapped[0] if wrapped else ''}")
             lines.extend(f"    {'':<33}{w}" for w in wrapped[1:])
     return "\n".join(lines)
-
-
-def _take_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
-    """Pull ``--section.key [value]`` settings out before argparse sees the verb's own options."""
-    keep, overrides, i = [], [], 0
-    while i < len(argv):
-        arg = argv[i]
-        if arg.startswith("--") and "." in arg.split("=")[0]:
-            overrides.append(arg)
-            if "=" not in arg and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
-                overrides.append(argv[i + 1])
-                i += 1
-        else:
-            keep.append(arg)
-        i += 1
-    return keep, overrides
 
 
 def parser() -> argparse.ArgumentParser:
@@ -118,9 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv[0] in ("-h", "--help"):
         p.print_help()
         return 0
-    argv, rest = _take_overrides(argv)
+    argv, settings = take_overrides(argv)  # before argparse sees the verb's own options
     args, unknown = p.parse_known_args(argv)
-    rest = unknown + rest
+    rest = unknown + [f"--{s}" for s in settings]
     if args.verb is None:
         p.print_help()
         return 2

@@ -16,12 +16,20 @@ the conservative ``sqrt(se_a**2 + se_b**2)`` (its paired error is smaller when t
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from megaseq.eval.by_position import PositionLoss
+
+class PositionLoss(Protocol):
+    """What the gains read of a ``by_position.PositionLoss`` (which imports this module, not the reverse)."""
+
+    sum_nats: np.ndarray  # [NB] summed loss per bucket
+    sum_sq_nats: np.ndarray | None  # [NB] summed squares (None: no standard errors)
+    count: np.ndarray  # [NB] scored tokens per bucket
+
+    @property
+    def loss(self) -> float: ...
 
 BITS = 1.0 / math.log(2)
 UNIFORM_BITS = {"base": 2.0}  # uniform over A, C, G, T; a token vocabulary has no such reference

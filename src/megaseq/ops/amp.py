@@ -26,3 +26,9 @@ def autocast_as(state: AutocastState) -> contextlib.ExitStack:
     for dev, enabled, dtype in state:
         stack.enter_context(torch.autocast(dev, dtype=dtype, enabled=enabled))
     return stack
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype HF computes "in float32" in: float32 for bf16/fp16/fp32 inputs, float64 for float64 ones
+    (so the float64 parity tests stay exact)."""
+    return torch.promote_types(dtype, torch.float32)

@@ -10,6 +10,7 @@ dense-attention fallback becomes a message.
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import dataclass
 
 GPU_BF16 = {
     "kda": "fla_chunk",
@@ -21,32 +22,49 @@ GPU_BF16 = {
 }
 
 
-# ``model.kernels fast`` (the default since session 12): the Triton kernels of the speed work (issue 13), each
-# checked against its reference on the GPU (tests/test_triton_*.py, tests/test_hc_mix.py, tests/test_liger_loss.py)
-# and measured in full steps (benchmarks/results/h200/session12: glm5-flash-1gpu 1.72x and 2.53x the transformers
-# reference's tokens/s at 8K and 32K; session 13 with bf16 weights: 1.79x and 2.64x); the memory plan counts the
-# fast working sets of the ops in FAST_PACKAGES (plan.planner.PLANNED_FAST_OPS) and the base kernels' for the rest
-# (for these, an upper bound): 54.8 and 127.0 GiB planned at 8K and 32K (no KDA segments) for 53.0 and 119.4
-# measured, where the base kernels' plan said 71.9 and 151.6 (docs/planner.md, "The fast kernels")
-FAST_GPU = {
-    "sparse_attention": "triton",
-    "indexer_topk": "triton",
-    "hc_mix": "triton",
-    "gated_rms_norm": "fla",
-    "kda_gate": "fla",
-    "hc_weights": "triton",
-    "hc_collapse": "triton",
-    "hc_merge": "triton",
-    "swiglu": "triton",
-    "rms_norm": "triton",
-    "moe_permute": "triton",
-    "moe_combine": "triton",
-    "linear_cross_entropy": "liger",
-    "chunked_linear_cross_entropy": "liger",
+@dataclass(frozen=True)
+class Fast:
+    """One op's fast kernel under ``model.kernels fast`` on a GPU."""
+
+    impl: str  # the implementation put first
+    packages: tuple[str, ...] = ()  # what it needs; non-empty: the memory plan counts its working set
+    fallbacks: tuple[str, ...] = ()  # where it declines (a dtype, a shape), the next tried before the reference
+
+
+# The fast set: Triton kernels (and fla's, Liger's), each checked against its reference on the GPU
+# (tests/test_triton_*.py, tests/test_hc_mix.py, tests/test_liger_loss.py). The memory plan counts the working
+# sets of those with ``packages`` (where they are installed) and the base kernels' for the rest (for these an
+# upper bound); docs/planner.md, "The fast kernels", and benchmarks/results/h200 hold the measurements.
+FAST: dict[str, Fast] = {
+    "sparse_attention": Fast("triton", ("triton",)),
+    "indexer_topk": Fast("triton", ("triton",)),
+    "hc_mix": Fast("triton", ("triton",), fallbacks=("torch_fused",)),
+    "gated_rms_norm": Fast("fla", ("triton", "fla")),
+    "kda_gate": Fast("fla"),
+    "hc_weights": Fast("triton"),
+    "hc_collapse": Fast("triton"),
+    "hc_merge": Fast("triton", ("triton",)),
+    "swiglu": Fast("triton", ("triton",)),
+    "rms_norm": Fast("triton", ("triton",)),
+    "moe_permute": Fast("triton"),
+    "moe_combine": Fast("triton"),
+    "linear_cross_entropy": Fast("liger", ("triton", "liger_kernel")),
+    "chunked_linear_cross_entropy": Fast("liger"),
 }
-# where a fast kernel declines (a dtype, a shape), the next one it tries before the reference
-FAST_FALLBACKS = {"hc_mix": ("torch_fused",)}
+# views of FAST: op -> implementation; op -> its fallbacks; op -> the packages of the planned ones
+FAST_GPU = {op: f.impl for op, f in FAST.items()}
+FAST_FALLBACKS = {op: f.fallbacks for op, f in FAST.items() if f.fallbacks}
+FAST_PACKAGES = {op: f.packages for op, f in FAST.items() if f.packages}
+PLANNED_FAST_OPS = frozenset(FAST_PACKAGES)  # the fast ops whose working sets the plan models
 KERNEL_SETS = ("fast", "base")
+
+
+def fast_set_on(kernels: str, device_type: str | None) -> bool:
+    """The one reading of ``model.kernels``: whether the fast set runs on ``device_type`` (None: a GPU run
+    planned from elsewhere, as ``megaseq plan`` does)."""
+    if kernels not in KERNEL_SETS:
+        raise ValueError(f"model.kernels must be one of {', '.join(KERNEL_SETS)}, got {kernels!r}")
+    return kernels == "fast" and device_type in (None, "cuda")
 
 
 def planned_kernels(device_type: str, model_dtype: str) -> dict[str, str]:
@@ -56,18 +74,20 @@ def planned_kernels(device_type: str, model_dtype: str) -> dict[str, str]:
 
 def preferred_kernels(device_type: str, kernels: str) -> dict[str, list[str]]:
     """op -> the implementations ``model.kernels`` puts first (the fast set only on a GPU)."""
-    if kernels not in KERNEL_SETS:
-        raise ValueError(f"model.kernels must be one of {', '.join(KERNEL_SETS)}, got {kernels!r}")
-    if kernels == "fast" and device_type == "cuda":
-        return {op: [name, *FAST_FALLBACKS.get(op, ())] for op, name in FAST_GPU.items()}
+    if fast_set_on(kernels, device_type) and device_type == "cuda":
+        return {op: [f.impl, *f.fallbacks] for op, f in FAST.items()}
     return {}
 
 
-# the packages each fast kernel the memory plan counts needs (the others fall back and are planned as base)
-FAST_PACKAGES = {"rms_norm": ("triton",), "swiglu": ("triton",), "indexer_topk": ("triton",),
-                 "sparse_attention": ("triton",), "hc_merge": ("triton",), "hc_mix": ("triton",),
-                 "gated_rms_norm": ("triton", "fla"),
-                 "linear_cross_entropy": ("triton", "liger_kernel")}
+def planned_fast_ops(kernels: str, model_dtype: str, device_type: str | None = None) -> frozenset[str]:
+    """The ops whose fast kernels a GPU run of ``model.kernels`` / ``model.dtype`` uses and the plan counts
+    (``plan.phases.Run.fast_ops``; the fast set in bf16 on CUDA). ``device_type`` (a run planning where it
+    starts): none off CUDA, and on CUDA only those whose packages are installed (``fast_ops_installed``); the
+    others run their references, whose working sets the plan then counts. None: every one the config names
+    (``megaseq plan`` of a GPU run)."""
+    if model_dtype != "bf16" or not fast_set_on(kernels, device_type):
+        return frozenset()
+    return PLANNED_FAST_OPS & fast_ops_installed() if device_type == "cuda" else PLANNED_FAST_OPS
 
 
 def fast_ops_installed() -> frozenset[str]:

@@ -33,14 +33,11 @@ from __future__ import annotations
 import torch
 
 from megaseq.ops import dispatch
+from megaseq.ops.amp import compute_dtype
 from megaseq.ops.workspace import absorbed_block_queries
 
 # run on the CPU for these dtypes (float64: exact to the reference, so the float64 parity tests cover it)
 CPU_DTYPES: tuple[torch.dtype, ...] = (torch.float64,)
-
-
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.promote_types(dtype, torch.float32)
 
 
 def block_queries(W: int, R: int, Hh: int, dtype: torch.dtype, budget: int | None = None) -> int:

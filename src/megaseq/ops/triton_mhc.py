@@ -31,17 +31,13 @@ import torch
 
 from megaseq.ops import dispatch
 from megaseq.ops._triton_util import cdiv, kernels, next_pow2, triton_supports
+from megaseq.ops.amp import compute_dtype
 
 MAX_STREAMS = 8  # [BT, 8, 8] matrices still fit the registers of a token tile
 # (tokens per program, warps): the forward holds ~3 matrices per token, the backward ~6
 FWD_CONFIG = (128, 4)
 BWD_CONFIG = (64, 4)
 SEGMENT_PAIRS = 4  # Sinkhorn (row, col) pairs per recompute segment of the backward
-
-
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """float32 for bf16/fp16/fp32, float64 for float64 (as ``blocks/mhc.py``)."""
-    return torch.promote_types(dtype, torch.float32)
 
 
 # the reference, ``torch``, is ``models.common.mhc.hc_weights_reference`` (registered there)

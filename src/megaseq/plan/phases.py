@@ -50,7 +50,7 @@ class Run:
     # ops whose fast kernel (``model.kernels fast``) the plan counts instead of the reference's working set:
     # "rms_norm", "swiglu", "indexer_topk", "sparse_attention", "hc_merge" (Triton), "hc_mix" (fused torch),
     # "linear_cross_entropy" (Liger); every other op keeps the base set's
-    # (for the fast kernels an upper bound). ``planner.planned_fast_ops`` picks them for a config.
+    # (for the fast kernels an upper bound). ``ops.kernels.planned_fast_ops`` picks them for a config.
     fast_ops: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:

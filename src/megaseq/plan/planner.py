@@ -22,7 +22,7 @@ from typing import Any
 
 from megaseq.config import AdapterSettings, ExpertDispatchSettings, MemorySettings
 from megaseq.models.spec import ModelSpec
-from megaseq.ops import kernels as op_kernels
+from megaseq.ops.kernels import PLANNED_FAST_OPS, planned_fast_ops  # noqa: F401  (PLANNED_FAST_OPS re-exported)
 from megaseq.plan import components as C
 from megaseq.plan.components import GB, GIB, Calibration, Mesh
 from megaseq.plan.expert import dispatch_terms, expected_step_bytes
@@ -506,13 +506,15 @@ def plan_from_config(
     host_bytes: int | None = None,
     gpus_per_host: int | None = None,
     device_type: str | None = None,
+    spec: ModelSpec | None = None,
 ) -> Plan:
     """Plan a ``megaseq.config.Config`` run on ``world_size`` GPUs (H200s unless told otherwise).
     ``device_type``: where the run starts, when it starts here (``planned_fast_ops``); None (``megaseq plan``):
-    a GPU run with the kernels the config names."""
+    a GPU run with the kernels the config names. ``spec``: the model's spec where the caller resolved it
+    (None: resolved from ``cfg.model.name``)."""
     from megaseq.models.presets import resolve_spec
 
-    spec = resolve_spec(cfg.model.name)
+    spec = spec if spec is not None else resolve_spec(cfg.model.name)
     pc, mc = cfg.parallel, cfg.memory
     dp, _, _ = pc.axis_sizes(world_size)
     mesh = Mesh(
@@ -539,19 +541,3 @@ def plan_from_config(
         adapters=AdapterSettings.of(cfg),
         fast_ops=planned_fast_ops(cfg.model.kernels, cfg.model.dtype, device_type),
     )
-
-
-# the ops of the fast set (ops/kernels.py: FAST_GPU) whose working sets the plan models, those of
-# ops.kernels.FAST_PACKAGES; the others keep the base kernels' (for them an upper bound)
-PLANNED_FAST_OPS = frozenset(op_kernels.FAST_PACKAGES)
-
-
-def planned_fast_ops(kernels: str, model_dtype: str, device_type: str | None = None) -> frozenset[str]:
-    """The ops whose fast kernels a GPU run of ``model.kernels`` / ``model.dtype`` uses and the plan counts
-    (``phases.Run.fast_ops``; the fast set in bf16 on CUDA, ``ops/kernels.py``). ``device_type`` (a run
-    planning where it starts): none off CUDA, and on CUDA only those whose packages are installed
-    (``ops.kernels.fast_ops_installed``); the others run their references, whose working sets the plan
-    then counts. None: every one the config names (``megaseq plan`` of a GPU run)."""
-    if kernels != "fast" or model_dtype != "bf16" or device_type not in (None, "cuda"):
-        return frozenset()
-    return PLANNED_FAST_OPS & op_kernels.fast_ops_installed() if device_type == "cuda" else PLANNED_FAST_OPS

@@ -37,7 +37,7 @@ def _header(plan: Plan) -> str:
 
 
 def _kernels_label(m: dict[str, Any]) -> str:
-    """The fast kernels whose working sets the plan counts (``planner.planned_fast_ops``), if any."""
+    """The fast kernels whose working sets the plan counts (``ops.kernels.planned_fast_ops``), if any."""
     fast = m.get("fast_kernels") or []
     return f", fast kernels planned: {', '.join(fast)}" if fast else ""
 

@@ -9,6 +9,7 @@ over dp x cp.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from megaseq.config import Config
 from megaseq.parallel.env import ParallelEnv
@@ -16,8 +17,9 @@ from megaseq.parallel.env import ParallelEnv
 __all__ = ["ParallelEnv", "setup_parallel"]
 
 
-def setup_parallel(cfg: Config) -> ParallelEnv:
-    """One process unless torchrun (or a Ray worker) set WORLD_SIZE > 1."""
+def setup_parallel(cfg: Config, spec: Any = None) -> ParallelEnv:
+    """One process unless torchrun (or a Ray worker) set WORLD_SIZE > 1; ``spec``: the run's model spec, resolved
+    once by the caller (None: resolved here)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1 and cfg.parallel.launcher != "ray":
         if cfg.parallel.cp * cfg.parallel.dp * cfg.parallel.ep > 1:
@@ -29,4 +31,4 @@ def setup_parallel(cfg: Config) -> ParallelEnv:
         return ParallelEnv()
     from megaseq.parallel.env import DistributedEnv
 
-    return DistributedEnv(cfg)
+    return DistributedEnv(cfg, spec=spec)

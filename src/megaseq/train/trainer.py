@@ -77,12 +77,14 @@ def adapter_settings(cfg: Config, device: torch.device) -> AdapterSettings:
     return AdapterSettings.of(cfg, frozen_dtype="bf16" if dtypes(cfg, device)[1] == torch.bfloat16 else None)
 
 
-def make_plan(cfg: Config, env: ParallelEnv, device: torch.device) -> tuple[dict[str, Any], MemorySettings]:
-    """Plan memory before anything is allocated; returns (plan as dict, the memory settings to apply)."""
+def make_plan(cfg: Config, env: ParallelEnv, device: torch.device,
+              spec: Any = None) -> tuple[dict[str, Any], MemorySettings]:
+    """Plan memory before anything is allocated; returns (plan as dict, the memory settings to apply). ``spec``:
+    the model spec the run resolved (None: resolved from the config)."""
     from megaseq.plan.planner import plan_from_config
 
     gpu_bytes = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
-    plan = plan_from_config(cfg, world_size=env.world_size, gpu_bytes=gpu_bytes, device_type=device.type)
+    plan = plan_from_config(cfg, world_size=env.world_size, gpu_bytes=gpu_bytes, device_type=device.type, spec=spec)
     # on a GPU the plan binds; on the CPU only when a GPU budget was given (planning a GPU run here)
     if (device.type == "cuda" or cfg.memory.gpu_budget != "auto") and not plan.fits:
         raise ValueError(f"the memory plan does not fit, so nothing was started. {plan.advice} "
@@ -312,13 +314,13 @@ def run_training(cfg: Config) -> RunResult:
     resolve_balance(cfg.moe, spec)  # and so does a balancing rule the routers cannot train with
     preflight(cfg, spec)  # the run directory and the starting weights, nothing written
     use_expandable_segments()
-    env = setup_parallel(cfg)
+    env = setup_parallel(cfg, spec)  # the spec resolved once per process
     if cfg.train.eval_every and env.world_size > 1:  # as the end-of-run evaluation: one process only
         env.log(f"train.eval_every: held-out evaluation runs in one process and this run has {env.world_size}, "
                 "so it is skipped; evaluate the checkpoints with `megaseq eval RUN_DIR`")
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, eval_every=0))
     device = env.device = resolve_device(cfg) if env.world_size == 1 else env.device
-    plan_dict, memory = make_plan(cfg, env, device)
+    plan_dict, memory = make_plan(cfg, env, device, spec)
     check_adapters(cfg, spec, memory)
     with kernels_for(cfg, device):
         dispatch.reset_records()  # what ran under this configuration (the first step's report reads them)

@@ -31,10 +31,10 @@ from torch import nn
 
 from megaseq.models.common.context import SeqContext
 from megaseq.models.common.kda import cu_seqlens_from_doc_ids
-from megaseq.models.common.mhc import compute_dtype
 from megaseq.models.spec import ModelSpec
 from megaseq.ops import dispatch
 from megaseq.ops import fla_gdn as _fla_gdn  # noqa: F401  (registers fla's gated delta rule)
+from megaseq.ops.amp import compute_dtype
 
 CHUNK = 64  # the reference's chunk (HF's)
 

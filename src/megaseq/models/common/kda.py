@@ -47,11 +47,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from megaseq.models.common.context import SeqContext, doc_spans
-from megaseq.models.common.mhc import compute_dtype
 from megaseq.models.spec import ModelSpec
 from megaseq.ops import dispatch
 from megaseq.ops import fla_kda as _fla_kda  # noqa: F401  (registers the fla kda and conv ops)
 from megaseq.ops import fla_norm as _fla_norm  # noqa: F401  (registers fla's gated norm, opt-in)
+from megaseq.ops.amp import compute_dtype
 
 QKV = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # KDA's q, k, v (conv inputs or outputs), kept apart
 

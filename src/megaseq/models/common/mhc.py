@@ -28,11 +28,7 @@ from torch import nn
 
 from megaseq.models.spec import ModelSpec
 from megaseq.ops import dispatch, hc_mix, triton_hc_mix, triton_mhc, triton_mhc_streams  # noqa: F401  (register the fused ops, opt-in)
-
-
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype HF computes "in float32" in: float32, or float64 when the model is float64."""
-    return torch.promote_types(dtype, torch.float32)
+from megaseq.ops.amp import compute_dtype
 
 
 def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
