@@ -4,8 +4,8 @@ the planner counts it and where the runtime applies it.
 Pure data, no torch and no other megaseq import: the lowest layer, so that the config (``MemorySettings``'s
 size parsing and combination check), the planner (``plan.fixes.FIXES``: its costs and growth beside these
 facts), the runtime (``memory.apply.AppliedMemory``) and the adapter rules (``models.adapters``) all read
-the same records. The tables they used to keep are derived here: ``SIZE_SETTINGS``, ``SEGMENT_EXCLUDED``,
-``REPLAYING``; ``check_combination`` is the one statement of the rules between schemes.
+the same records. Derived from them: ``SIZE_SETTINGS``, ``SEGMENT_EXCLUDED``, ``REPLAYING``;
+``check_combination`` is the one statement of the rules between schemes.
 
 Adding a scheme: one ``Scheme`` here (and its ``MemorySettings`` fields), its runtime module under
 ``memory/``, its ``Fix`` costs in ``plan/fixes.py``, and its float64 test against the plain computation.
