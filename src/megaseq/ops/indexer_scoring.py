@@ -57,8 +57,8 @@ def select_pools(q_QID: torch.Tensor, weights_QI: torch.Tensor, keys_PD: torch.T
     to 0) go to the lowest pool indices (``topk_lowest_index_ties``), whatever the layout. ``row_len``:
     instead, the choice ``torch.topk`` makes on the row transformers builds for one whole document: every
     pool scored, invalid ones at the floor, ``row_len`` columns (its pool count; columns past ``P`` are
-    pools that are never valid). ``torch.topk``'s choice among ties depends on the row's length and contents (and the device),
-    so this reproduces transformers' selection only for that layout.
+    pools that are never valid). ``torch.topk``'s choice among ties depends on the row's length and contents
+    (and the device), so this reproduces transformers' selection only for that layout.
     """
     Q, P = q_QID.shape[0], keys_PD.shape[0]
     k = min(num_select, P)

@@ -285,7 +285,7 @@ def _make_plan(run: Run, budgets: Budgets, memory_cfg: Any | None, name: str) ->
             "fsdp": run.mesh.fsdp,
             "mla_mode": run.mla_mode,
             "weights": run.weights,
-            "fast_kernels": sorted(run.fast_ops),
+            "fast_kernels": sorted(run.fast_ops & ops_of_model(run.spec)),
         },
         components=components,
         peak_gpu=ev.peak_gpu,
@@ -549,6 +549,20 @@ def plan_from_config(
 # the ops of the fast set (ops/kernels.py: FAST_GPU) whose working sets the plan models, those of
 # ops.kernels.FAST_PACKAGES; the others keep the base kernels' (for them an upper bound)
 PLANNED_FAST_OPS = frozenset(op_kernels.FAST_PACKAGES)
+
+
+def ops_of_model(spec: ModelSpec) -> frozenset[str]:
+    """The planned fast ops a model's layers call (the plan names only these): the norms, SwiGLU and the loss
+    in every model; DSA's indexer and sparse attention, mHC's mixing and merge, KDA's gated norm where the
+    model has those layers."""
+    ops = {"rms_norm", "swiglu", "linear_cross_entropy"}
+    if "dsa" in spec.layer_types:
+        ops |= {"indexer_topk", "sparse_attention"}
+    if spec.hc_mult > 1:
+        ops |= {"hc_mix", "hc_merge"}
+    if "kda" in spec.layer_types:
+        ops.add("gated_rms_norm")
+    return frozenset(ops)
 
 
 def planned_fast_ops(kernels: str, model_dtype: str, device_type: str | None = None) -> frozenset[str]:

@@ -39,7 +39,9 @@ HF_FIELDS = HFFields(
         "linear_num_value_heads", "linear_value_head_dim", "linear_conv_kernel_dim"},
     carried=frozenset({"output_router_logits"}),
     required={"hidden_act": (("silu",), "the MLPs are SwiGLU, which needs 'silu'"),
-              "attention_dropout": ((0, 0.0), "no attention dropout (set it to 0)"), **FULL_ATTENTION})
+              "attention_dropout": ((0, 0.0), "no attention dropout (set it to 0)"), **FULL_ATTENTION,
+              "shared_expert_intermediate_size": lambda v, c: None if v is None or v > 0 else
+              "a gated shared expert of positive width (megaseq's Qwen3-Next always has one)"})
 
 
 def from_hf(c: dict[str, Any]) -> ModelSpec:
