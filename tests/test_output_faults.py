@@ -174,3 +174,31 @@ def test_qwen3_next_refuses_a_zero_size_shared_expert():
     c["shared_expert_intermediate_size"] = 0
     with pytest.raises(ValueError, match="shared_expert_intermediate_size = 0 is not supported"):
         from_hf_config(c)
+
+
+# ---- what the planner offers, the runtime runs -----------------------------------------------------------
+def test_the_planner_never_offers_fsdp_with_expert_parallelism():
+    """The trainer refuses parallel.fsdp with parallel.ep > 1; the planner refuses to plan it, and its advice
+    for a mesh with ep > 1 offers FSDP only together with --parallel.ep 1."""
+    from megaseq.config import build_config
+    from megaseq.plan.components import Mesh
+    from megaseq.plan.planner import plan
+
+    for fsdp in ("dp", "dp_cp"):
+        with pytest.raises(ValueError, match="parallel.fsdp with parallel.ep > 1") as planned:
+            Mesh(dp=2, ep=2, fsdp=fsdp)
+        with pytest.raises(ValueError) as configured:
+            build_config(overrides={"parallel.fsdp": fsdp, "parallel.ep": 2})
+        assert "parallel.ep" in str(configured.value) and "parallel.ep" in str(planned.value)
+    from pathlib import Path
+
+    from megaseq.models.spec import from_hf_config
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # its multi-token-prediction layer is not modelled: said once
+        spec = from_hf_config(Path(__file__).parents[1] / "recipes" / "deepseek-v3" / "config.json")
+    p = plan(spec, 32768, Mesh(dp=1, ep=8, cp=8, gpus_per_host=8))
+    assert not p.fits and "--parallel.fsdp" in p.advice  # the advice does talk about sharding the state
+    for offer in p.advice.split(";"):
+        if "--parallel.fsdp" in offer:
+            assert "--parallel.ep 1" in offer, offer

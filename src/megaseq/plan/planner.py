@@ -217,8 +217,10 @@ def _state_advice(run: Run, budgets: Budgets) -> list[str]:
         return []
     line = f"parameters + optimizer state alone need {state / GIB:.0f} GiB per GPU"
     options = []
-    if mesh.fsdp != "dp_cp" and mesh.world > 1:
-        options.append("shard them over all the GPUs (FSDP: --parallel.fsdp dp_cp)")
+    if mesh.fsdp != "dp_cp" and mesh.world > 1:  # FSDP runs without expert parallelism only
+        options.append("shard them over all the GPUs (FSDP: --parallel.fsdp dp_cp" +
+                       (", which needs --parallel.ep 1: FSDP does not run with expert parallelism)"
+                        if mesh.ep > 1 else ")"))
     if run.weights != "bf16" and run.model_dtype == "bf16":
         options.append("keep the weights in bf16 (--model.weights bf16: 2 B per weight and gradient, the fp32 "
                        "master with the optimizer)")
