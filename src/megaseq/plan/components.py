@@ -58,9 +58,6 @@ class Mesh:
             object.__setattr__(self, "fsdp", "dp_cp" if self.fsdp else "off")
         if self.fsdp not in FSDP_MODES:
             raise ValueError(f"parallel.fsdp must be off, dp or dp_cp, got {self.fsdp!r}")
-        if self.fsdp != "off" and self.ep > 1:  # as the trainer (config.ParallelConfig): never planned
-            raise ValueError("parallel.fsdp with parallel.ep > 1 is not supported yet: set --parallel.fsdp off "
-                             "or --parallel.ep 1")
 
     @property
     def world(self) -> int:
