@@ -1,5 +1,6 @@
 # Quick start:  make train   (set up and run the embedded default job)
 #               make test    (set up and run the test suite)
+#               make test-gpu (on a GPU machine: every gpu-marked test, recorded in benchmarks/results/gpu_suite/)
 PYTHON ?= python3
 VENV ?= .venv
 # The CPU build of torch 2.13 installs from local disk on the development machines; on a GPU
@@ -16,7 +17,7 @@ $(VENV)/.installed: $(BIN)/activate pyproject.toml
 	$(BIN)/pip install -q -e ".[dev]"
 	touch $@
 
-.PHONY: setup train test test-all lint clean
+.PHONY: setup train test test-all test-gpu lint clean
 setup: $(VENV)/.installed
 
 train: setup
@@ -32,6 +33,12 @@ test-all: setup
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/lint-imports --no-cache
 	$(BIN)/python -m pytest -m "not gpu" --durations=15
+
+# the whole gpu-marked suite in one pytest run, with the python of $(VENV) where it exists, else $(PYTHON) (a
+# GPU machine with megaseq's dependencies installed); writes benchmarks/results/gpu_suite/latest.json
+GPU_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON))
+test-gpu:
+	$(GPU_PYTHON) benchmarks/gpu_suite.py
 
 lint: setup
 	$(BIN)/ruff check src tests benchmarks

@@ -11,8 +11,9 @@ when the planner chooses it); LoRA rank 16 (alpha 32) on every projection (``lor
 mixers, dense MLPs, shared and routed experts) with the base frozen in bf16; batch 1, one micro-batch;
 ``parallel.fsdp dp_cp`` (parameters, gradients and optimizer state sharded over all GPUs) with the largest
 context-parallel size <= the GPU count that splits the model's heads (Ulysses), the rest data parallel;
-``ep 8``: experts split over 8 GPUs (PipelinedLLEP, planned at its routing-independent bound), FSDP over the
-whole world. The memory schemes are the planner's choice (the cheapest set that fits); a scheme a family's
+``ep 8``: experts split over 8 GPUs (PipelinedLLEP, planned at its routing-independent bound), the rest of the
+state replicated (FSDP does not run with expert parallelism: ``parallel.fsdp`` needs ``parallel.ep 1``). The
+memory schemes are the planner's choice (the cheapest set that fits); a scheme a family's
 runtime cannot run (sequence segments for the dense-MLA / GDN families) is never chosen. The longest length
 is searched in multiples of 1024 x cp up to 4M tokens (doubling, then three bisection steps: a lower
 bound within 1/8 of the true longest). Pure Python: the planner only, nothing runs on a GPU; the MLA and
@@ -61,7 +62,8 @@ def meshes(spec: Any) -> list[tuple[str, Mesh]]:
         out.append((f"{n} GPUs", Mesh(dp=n // cp, cp=cp, gpus_per_host=8, fsdp="dp_cp")))
     if spec.num_experts and spec.num_experts % 8 == 0:
         cp = largest_cp(8, 8)
-        out.append(("64 GPUs, ep 8", Mesh(dp=8 // cp, ep=8, cp=cp, gpus_per_host=8, fsdp="dp_cp")))
+        # FSDP does not run with expert parallelism (parallel.fsdp needs parallel.ep 1): replicated state
+        out.append(("64 GPUs, ep 8", Mesh(dp=8 // cp, ep=8, cp=cp, gpus_per_host=8)))
     return out
 
 

@@ -19,6 +19,19 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def pytest_collection_modifyitems(config, items) -> None:
+    """One meaning for the ``gpu`` mark, so ``pytest -m gpu tests`` (``make test-gpu``) runs every test that
+    needs CUDA: a test skipped for want of CUDA or a GPU carries the mark, and a gpu-marked test skips where
+    CUDA is absent."""
+    no_cuda = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        reasons = " ".join(str(m.kwargs.get("reason", "")) for m in item.iter_markers("skipif")).lower()
+        if "cuda" in reasons or "gpu" in reasons:
+            item.add_marker(pytest.mark.gpu)
+        if item.get_closest_marker("gpu") is not None and not torch.cuda.is_available():
+            item.add_marker(no_cuda)
+
+
 def pytest_collection_finish(session) -> None:
     """Every test module is imported: what exists now (torch, transformers, the modules' globals) lives as long
     as the session, so it is frozen out of the garbage collector. Its full collections then scan only what the

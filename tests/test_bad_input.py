@@ -160,7 +160,7 @@ ROWS = [
         t, "qwen", _set("layer_types", ["full_attention", "sliding_attention"] * 2))), [],
      r"layer_types holds \['sliding_attention'\]"),
     *[(f"{preset} {field}", lambda t, p=preset, f=field, v=value: _recipe_with_model(t, _hf_dir(t, p, _set(f, v))),
-       [], rf"{family} config\.json field {field}={value!r} is not implemented by megaseq")
+       [], rf"config\.json {field} = {value!r} is not supported by megaseq's {family}: ")
       for preset, family, field, value in (
           ("olmoe-tiny", "olmoe", "hidden_act", "gelu"), ("mixtral-tiny", "mixtral", "router_jitter_noise", 0.1),
           ("glm4-moe-tiny", "glm4_moe", "hidden_act", "gelu"),

@@ -4,8 +4,8 @@ DeepSeek-V3's tiny config (``test_deepseek_v3_parity``) with every layer DeepSee
 indexer of 16 heads x 10 (4 of them rotated) keeping 8 keys per query, over sequences longer than that. HF's
 float32 casts are promoted to float64 outside its RMSNorm and rotary embedding (whose float32 megaseq keeps
 literally), as megaseq computes the router, the indexer scores and the sparse softmax in
-``promote_types(dtype, float32)``. 16 indexer heads, not 2: ReLU'd head scores of exactly zero make ties,
-which megaseq breaks by the lowest index and ``torch.topk`` arbitrarily.
+``promote_types(dtype, float32)``. With few indexer heads ReLU'd head scores of exactly zero make ties:
+scored whole on the CPU, megaseq keeps the keys ``torch.topk`` keeps on transformers' row (2 heads below).
 """
 
 from __future__ import annotations
@@ -80,3 +80,22 @@ def test_broken_block_fails() -> None:
     ids = torch.randint(1, VOCAB, (1, 31), generator=torch.Generator().manual_seed(10))
     with pytest.raises(AssertionError, match="logits differ"):
         check_logits_and_grads(hf, ours, ids)
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_two_indexer_heads_break_ties_as_transformers(broken, monkeypatch) -> None:
+    """2 indexer heads: about a quarter of the keys score exactly 0, so rows cut inside blocks of ties. The
+    broken variant (ties to the lowest index) must change the logits."""
+    from megaseq.ops import indexer_scoring
+
+    if broken:
+        monkeypatch.setattr(indexer_scoring, "topk_as_transformers",
+                            lambda x, k, row_len, floor: indexer_scoring.topk_lowest_index_ties(x, k))
+    hf, ours = pair(11, index_n_heads=2)
+    ids = torch.randint(1, VOCAB, (2, 37), generator=torch.Generator().manual_seed(12))
+    if broken:
+        with pytest.raises(AssertionError, match="logits differ"):
+            check_logits_and_grads(hf, ours, ids)
+    else:
+        err, worst = check_logits_and_grads(hf, ours, ids)
+        print(f"\nDeepSeek-V3.2 with 2 indexer heads: logits {err:.1e}, worst grad {worst:.1e}")

@@ -197,3 +197,27 @@ def test_from_hf_config_dsa_spellings(spelling):
     assert spec.layer_types == ("kda", "kda", "kda", "dsa", "dsa", "kda", "kda", "dsa")
     assert spec.indexer_types[3:5] == ("full", "shared")
     assert spec == from_hf_config(make_config().to_dict())
+
+
+def _lowest_index_ties(x_cP, k, row_len, floor):
+    from megaseq.ops import indexer_scoring
+
+    return indexer_scoring.topk_lowest_index_ties(x_cP, k)
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_four_indexer_heads_break_ties_as_transformers(broken, monkeypatch):
+    """4 indexer heads: many pools score exactly 0 (every head relu'd), so rows cut inside blocks of ties.
+    Scored whole on the CPU, megaseq keeps the pools ``torch.topk`` keeps on transformers' row; breaking the
+    ties by the lowest index instead (the broken variant) changes the selection and the hidden states."""
+    from megaseq.ops import indexer_scoring
+
+    if broken:
+        monkeypatch.setattr(indexer_scoring, "topk_as_transformers", _lowest_index_ties)
+    cfg = make_config(index_n_heads=4)
+    ref, ours, _ = build_pair(cfg, seed=5)
+    ids = torch.randint(1, cfg.vocab_size, (2, 70), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        err = rel_err(ours(ids), ref(ids).last_hidden_state)
+    print(f"\nGLM5 4 indexer heads ({'lowest-index ties' if broken else 'torch.topk ties'}): hidden {err:.2e}")
+    assert (err > 1e-3) if broken else (err < RTOL)

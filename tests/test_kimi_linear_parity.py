@@ -87,3 +87,16 @@ def test_refuses_a_rotating_mla() -> None:
     d["mla_use_nope"] = False
     with pytest.raises(ValueError, match="mla_use_nope"):
         from_hf_config(d)
+
+
+def test_tie_word_embeddings_true_is_untied_as_in_transformers(tmp_path) -> None:
+    """transformers never ties KimiLinearForCausalLM (its ``_tied_weights_keys`` is empty): a config saying
+    ``tie_word_embeddings: true`` runs distinct ``embed_tokens`` and ``lm_head``, both loaded, and the export
+    keeps the flag. Tying them instead is the broken variant (``test_hf_fields``)."""
+    hf, ours = pair(11, tie_word_embeddings=True)
+    assert hf.lm_head.weight.data_ptr() != hf.model.embed_tokens.weight.data_ptr()
+    assert not ours.spec.tie_word_embeddings
+    ids = torch.randint(1, VOCAB, (2, 37), generator=torch.Generator().manual_seed(12))
+    check_logits_and_grads(hf, ours, ids)
+    out = check_round_trip(hf, tmp_path, ids[:1], "KimiLinearForCausalLM", prepare=promoted_copy)
+    assert from_hf_config(out).hf_extra["tie_word_embeddings"] is True

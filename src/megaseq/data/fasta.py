@@ -259,8 +259,13 @@ def load_dna_split(data_cfg: Any, heldout_tail: float = 0.0) -> DnaSplit:
                          f"({', '.join(p.name for p in train_paths)}); a record id is the first word of "
                          f"its header")
     if sum(len(r) for r in train) == 0:
-        raise ValueError("data.heldout_records holds out every record of the training files, leaving no "
-                         "training data; keep at least one record for training or add files to data.train")
+        if found:
+            raise ValueError("data.heldout_records holds out every record of the training files, leaving no "
+                             "training data; keep at least one record for training or add files to data.train")
+        first = train[0] if train else None
+        where = f": record {first.id!r} of {first.source} has a header and no sequence" if first is not None else ""
+        raise ValueError(f"data.train files ({', '.join(map(str, train_paths))}) hold no sequence{where}; add "
+                         "the records' sequence lines or give FASTA files with sequence data")
     if heldout_tail > 0:
         train, tail = _split_tail(train, heldout_tail)
         heldout[f"tail {heldout_tail:g} of training records"] = tail

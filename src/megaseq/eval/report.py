@@ -15,6 +15,14 @@ from pathlib import Path
 from typing import Any
 
 
+def default_file_mode() -> int:
+    """The mode ``open`` gives a new file under this process's umask (0644 under the usual 022); mkstemp
+    gives 0600, which would leave the reports unreadable to the run directory's other readers."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
 def write_atomic(path: str | Path, data: str | bytes) -> Path:
     """Write ``data`` to ``path`` through a temporary file in the same directory and a rename."""
     path = Path(path)
@@ -26,6 +34,7 @@ def write_atomic(path: str | Path, data: str | bytes) -> Path:
             fh.write(raw)
             fh.flush()
             os.fsync(fh.fileno())
+        os.chmod(tmp, default_file_mode())  # mkstemp's 0600 -> what open() gives under the umask
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -216,6 +225,7 @@ def save_figure(fig: Any, path: str | Path) -> Path:
     os.close(fd)
     try:
         fig.savefig(tmp, format="png")
+        os.chmod(tmp, default_file_mode())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

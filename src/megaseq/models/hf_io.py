@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import warnings
 from collections.abc import Callable, Iterator
@@ -158,8 +159,10 @@ def _map_checkpoint(path: Path, spec: ModelSpec, targets: dict[str, torch.Tensor
                         target, index, slice_id = routed
                         if fill(targets[target], index, f, key):
                             sliced.setdefault(target, set()).add(slice_id)
-                    else:
+                    elif 0 not in f.get_slice(key).get_shape():
                         unexpected.append(key)
+                    # else an empty tensor (a 0-size shared expert, as transformers builds for n_shared_experts
+                    # 0): it holds no weight, and the model has no such block, which computes the same
     _check_complete(targets, filled, sliced, adapter)
     return unexpected
 
@@ -305,6 +308,11 @@ def export_hf_checkpoint(model: nn.Module, spec: ModelSpec, out_dir: str | Path,
     tmp.mkdir(parents=True)
     try:
         _write_export(model, spec, config, tmp, max_shard_bytes, dtype, carry_from, merged)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if e.filename and str(e.filename).startswith(str(tmp)):  # a write failed: name the export, not its temp
+            raise OSError(e.errno, e.strerror, f"{out_dir} (the HF export)") from e
+        raise
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -335,15 +343,13 @@ def _tensors_to_export(model: nn.Module, spec: ModelSpec, dtype: torch.dtype | N
 
 def _write_export(model: nn.Module, spec: ModelSpec, config: dict[str, Any], tmp: Path, max_shard_bytes: int,
                   dtype: torch.dtype | None, carry_from: str | Path | None, merged: bool = False) -> None:
-    from safetensors.torch import save_file
-
     shards: list[dict[str, torch.Tensor]] = [{}]
     names: list[str] = []
     size = total = 0
 
     def flush() -> None:
         names.append(f"shard-{len(names):05d}.safetensors")
-        save_file(shards[-1], str(tmp / names[-1]), metadata={"format": "pt"})
+        save_safetensors(shards[-1], tmp / names[-1])
         shards[-1] = {}
 
     first_dtype = None
@@ -363,6 +369,32 @@ def _write_export(model: nn.Module, spec: ModelSpec, config: dict[str, Any], tmp
     if len(names) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def default_file_mode() -> int:
+    """The mode ``open`` gives a new file under this process's umask (0644 under the usual 022)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+def save_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """safetensors' ``save_file`` with the file's mode as ``open`` would give it (safetensors writes through
+    a private temporary file: 0600), and its I/O failures (a full disk, a read-only file system) raised as
+    the OSError they are, naming the file: safetensors reports them as ``SafetensorError("...IoError(Os {
+    code: 28, ...")``, which the CLI would print as a traceback."""
+    from safetensors import SafetensorError
+    from safetensors.torch import save_file
+
+    try:
+        save_file(tensors, str(path), metadata={"format": "pt"})
+    except SafetensorError as e:
+        code = re.search(r"code: (\d+)", str(e))
+        if code is None:
+            raise
+        err = int(code.group(1))
+        raise OSError(err, os.strerror(err), str(path)) from e
+    os.chmod(path, default_file_mode())
 
 
 def _distributed() -> bool:

@@ -83,7 +83,7 @@ def export_adapter(model: nn.Module, spec: ModelSpec, lora: LoraConfig, out_dir:
                    base_model: str | None = None) -> Path:
     """Write ``model``'s adapters as a PEFT adapter directory; returns it. ``base_model`` is recorded as
     ``base_model_name_or_path`` (the HF checkpoint the adapter goes on)."""
-    from safetensors.torch import save_file
+    from megaseq.models.hf_io import save_safetensors
 
     found = targets_of(model)
     if not found:
@@ -101,7 +101,7 @@ def export_adapter(model: nn.Module, spec: ModelSpec, lora: LoraConfig, out_dir:
     tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
+    save_safetensors(tensors, tmp / WEIGHTS)
     (tmp / CONFIG).write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
     if out_dir.exists():

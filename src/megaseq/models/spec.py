@@ -18,12 +18,12 @@ MLP kinds (``mlp_types``): ``dense`` (SwiGLU) or ``moe`` (routed experts + optio
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from megaseq.models.hf_fields import GENERIC_HF_FIELDS, HFFields, check_hf_fields  # noqa: F401 (re-exported)
 from megaseq.models.registry import FAMILY_PACKAGES, family_for_model_type, family_module, hf_model_types
 
 DNA_VOCAB_SIZE = 16  # A C G T N + specials, padded to 16 (see megaseq.data.tokenizer): the tiny presets' vocab
@@ -210,23 +210,6 @@ def rope_to_hf(s: ModelSpec, with_partial: bool = False) -> dict[str, Any]:
     return out
 
 
-def refuse_fields(c: dict[str, Any], family: str, checks: dict[str, Any]) -> None:
-    """``checks``: config.json field -> the values megaseq implements (a tuple), or a function of the value
-    returning None when implemented, else what is; a ValueError naming the field, its value and what is
-    supported, for the first that fails. Absent fields pass (their default is what megaseq implements)."""
-    for key, allowed in checks.items():
-        if key not in c:
-            continue
-        v = c[key]
-        if callable(allowed):
-            what = allowed(v)
-        else:
-            what = None if v in allowed else " or ".join(repr(a) for a in allowed)
-        if what is not None:
-            raise ValueError(f"{family} config.json field {key}={v!r} is not implemented by megaseq (supported: "
-                             f"{what}); use a checkpoint without it or remove the field")
-
-
 # ---- Hugging Face config.json ------------------------------------------------------------
 def read_hf_config(cfg: dict[str, Any] | str | Path) -> dict[str, Any]:
     """A HF ``config.json`` as a dict (from a dict, the file, or a checkpoint directory); a file that is not
@@ -247,42 +230,6 @@ def read_hf_config(cfg: dict[str, Any] | str | Path) -> dict[str, Any]:
     if not isinstance(c, dict):
         raise ValueError(f"{path} must hold a JSON object of config fields, got {type(c).__name__}")
     return c
-
-
-# PretrainedConfig's own fields (transformers 4 and 5): bookkeeping, generation defaults and output flags
-# that never change a training step's numbers. A family's loader accepts these besides its own.
-GENERIC_HF_FIELDS = frozenset({
-    "_name_or_path", "architectures", "auto_map", "transformers_version", "dtype", "torch_dtype", "model_type",
-    "return_dict", "output_hidden_states", "output_attentions", "torchscript", "use_bfloat16", "id2label",
-    "label2id", "problem_type", "chunk_size_feed_forward", "is_encoder_decoder", "is_decoder",
-    "add_cross_attention", "tie_encoder_decoder", "cross_attention_hidden_size", "pruned_heads",
-    "tf_legacy_loss", "finetuning_task", "prefix", "task_specific_params", "tokenizer_class",
-    "bos_token_id", "eos_token_id", "sep_token_id", "decoder_start_token_id", "use_cache", "initializer_range",
-    "max_length", "min_length", "do_sample", "early_stopping", "num_beams", "num_beam_groups",
-    "diversity_penalty", "temperature", "top_k", "top_p", "typical_p", "repetition_penalty",
-    "length_penalty", "no_repeat_ngram_size", "encoder_no_repeat_ngram_size", "bad_words_ids",
-    "num_return_sequences", "output_scores", "return_dict_in_generate", "forced_bos_token_id",
-    "forced_eos_token_id", "remove_invalid_values", "exponential_decay_length_penalty", "suppress_tokens",
-    "begin_suppress_tokens",
-})
-
-
-def check_hf_fields(c: dict[str, Any], family: str, where: str, known: set[str] | frozenset[str],
-                    required: dict[str, tuple[tuple[Any, ...], str]]) -> None:
-    """Refuse a config.json section (``where``: '' or 'text_config.') that asks for what ``family`` does not
-    implement: a field of ``required`` whose value is not among its allowed ones (the message says what
-    is supported), or a field neither the family (``known``) nor ``GENERIC_HF_FIELDS`` knows."""
-    for name, (allowed, supported) in required.items():
-        if name in c and c[name] not in allowed:
-            raise ValueError(f"config.json {where}{name} = {c[name]!r} is not supported by megaseq's {family}: "
-                             f"{supported}")
-    unknown = sorted(set(c) - set(known) - set(required) - GENERIC_HF_FIELDS)
-    if unknown:
-        close = difflib.get_close_matches(unknown[0], sorted(set(known) | set(required)), n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ValueError(f"config.json {where}{unknown[0]}{hint} is not a field megaseq's {family} loader knows"
-                         f"{f' (nor {len(unknown) - 1} more: {unknown[1:4]})' if len(unknown) > 1 else ''}; it may "
-                         "change the model, so it is refused: remove it if it has no effect on the model")
 
 
 # architectures users ask for that no family implements yet, and what is missing

@@ -43,7 +43,7 @@ def resolve_query_chunk(query_chunk: int | None, num_pools: int, num_heads: int,
 def select_pools(q_QID: torch.Tensor, weights_QI: torch.Tensor, keys_PD: torch.Tensor,
                  pool_end_P: torch.Tensor, pool_doc_P: torch.Tensor, q_pos_Q: torch.Tensor,
                  q_doc_Q: torch.Tensor, num_select: int, scale: float,
-                 query_chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 query_chunk: int | None = None, row_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Top pools per query: ``(pool index [Q, K'] int64 ascending, selected-and-valid [Q, K'] bool)``.
 
     A pool is a candidate for a query when its last token is at or before the query
@@ -52,6 +52,13 @@ def select_pools(q_QID: torch.Tensor, weights_QI: torch.Tensor, keys_PD: torch.T
     candidates than K' the remaining picks are invalid pools, flagged False. Scores are computed in
     ``promote_types(q.dtype, float32)`` (HF: float32), with autocast off so a bf16 run scores in fp32
     too (the selection is discrete: scores must not change with the compute dtype of the matmuls).
+
+    Ties (pools scoring exactly equal at the cut, common with few heads: all of a pool's head scores relu'd
+    to 0) go to the lowest pool indices (``topk_lowest_index_ties``), whatever the layout. ``row_len``:
+    instead, the choice ``torch.topk`` makes on the row transformers builds for one whole document: every
+    pool scored, invalid ones at the floor, ``row_len`` columns (its pool count; columns past ``P`` are
+    pools that are never valid). ``torch.topk``'s choice among ties depends on the row's length and contents
+    (and the device), so this reproduces transformers' selection only for that layout.
     """
     Q, P = q_QID.shape[0], keys_PD.shape[0]
     k = min(num_select, P)
@@ -69,13 +76,14 @@ def select_pools(q_QID: torch.Tensor, weights_QI: torch.Tensor, keys_PD: torch.T
         # the causal prefix of pools any query of the chunk can see (at least k columns for top-k);
         # the columns left out are invalid for every query here, so the selection is unchanged
         visible = int(torch.searchsorted(ends_P, q_pos_Q[s:e].max(), right=True))
-        n = max(k, visible)
+        n = P if row_len is not None else max(k, visible)
         scores_cIP = torch.matmul(q_QID[s:e].to(cd), keys_DP[:, :n]).mul_(scale).relu_()
         index_cP = torch.matmul(weights_QI[s:e].to(cd).unsqueeze(-2), scores_cIP).squeeze(-2)
         del scores_cIP
         valid_cP = (pool_end_P[None, :n] <= q_pos_Q[s:e, None]) & (pool_doc_P[None, :n] == q_doc_Q[s:e, None])
         index_cP.masked_fill_(~valid_cP, floor)
-        top = topk_lowest_index_ties(index_cP, k).sort(dim=-1).values
+        top = (topk_as_transformers(index_cP, k, row_len, floor) if row_len is not None
+               else topk_lowest_index_ties(index_cP, k)).sort(dim=-1).values
         sel[s:e] = top
         ok[s:e] = valid_cP.gather(-1, top)
     return sel, ok
@@ -96,3 +104,14 @@ def topk_lowest_index_ties(x_cP: torch.Tensor, k: int) -> torch.Tensor:
     chosen = above | (at & (at.to(torch.int32).cumsum(-1, dtype=torch.int32) <= room))
     # exactly k ones per row, so this topk has no ties to break
     return chosen.to(torch.int8).topk(k, dim=-1).indices
+
+
+def topk_as_transformers(x_cP: torch.Tensor, k: int, row_len: int, floor: float) -> torch.Tensor:
+    """``k`` of the ``P`` columns of ``x_cP`` as ``torch.topk`` picks them from the row padded with ``floor`` to
+    ``row_len`` columns (transformers' row: its pools past ``P`` are incomplete, never valid). Where the padded
+    row needs more than ``P`` picks every column is picked, as there."""
+    c, P = x_cP.shape
+    if min(k, row_len) >= P:
+        return torch.arange(P, device=x_cP.device).expand(c, P)
+    row_cR = torch.cat([x_cP, x_cP.new_full((c, row_len - P), floor)], dim=1) if row_len > P else x_cP
+    return row_cR.topk(k, dim=-1).indices

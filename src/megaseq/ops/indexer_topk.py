@@ -133,8 +133,11 @@ def score_error_bound(q_cID: torch.Tensor, w_cI: torch.Tensor, key_dtype: torch.
 def indexer_topk_supports(q_QID: torch.Tensor, weights_QI: torch.Tensor, keys_PD: torch.Tensor,
                           pool_end_P: torch.Tensor, pool_doc_P: torch.Tensor, q_pos_Q: torch.Tensor,
                           q_doc_Q: torch.Tensor, num_select: int, scale: float, query_chunk: int | None = None,
-                          margin: int | None = None, split: bool | None = None) -> str | None:
+                          margin: int | None = None, split: bool | None = None,
+                          row_len: int | None = None) -> str | None:
     """None when ``triton`` can run these arguments, else the reason."""
+    if row_len is not None:
+        return "transformers' tie order (row_len) is the reference's"
     if importlib.util.find_spec("triton") is None:
         return "triton is not installed"
     dev = q_QID.device.type
@@ -163,7 +166,8 @@ def indexer_topk_supports(q_QID: torch.Tensor, weights_QI: torch.Tensor, keys_PD
 def indexer_topk_triton(q_QID: torch.Tensor, weights_QI: torch.Tensor, keys_PD: torch.Tensor,
                         pool_end_P: torch.Tensor, pool_doc_P: torch.Tensor, q_pos_Q: torch.Tensor,
                         q_doc_Q: torch.Tensor, num_select: int, scale: float, query_chunk: int | None = None,
-                        margin: int | None = None, split: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                        margin: int | None = None, split: bool | None = None,
+                        row_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``select_pools``'s contract and result: ``(sel [Q, K] int64 ascending, ok [Q, K] bool)``.
 
     ``margin`` (default ``MARGIN``) and ``split`` (default ``SPLIT``) are knobs for tests and benchmarks;

@@ -217,8 +217,10 @@ def _state_advice(run: Run, budgets: Budgets) -> list[str]:
         return []
     line = f"parameters + optimizer state alone need {state / GIB:.0f} GiB per GPU"
     options = []
-    if mesh.fsdp != "dp_cp" and mesh.world > 1:
-        options.append("shard them over all the GPUs (FSDP: --parallel.fsdp dp_cp)")
+    if mesh.fsdp != "dp_cp" and mesh.world > 1:  # FSDP runs without expert parallelism only
+        options.append("shard them over all the GPUs (FSDP: --parallel.fsdp dp_cp" +
+                       (", which needs --parallel.ep 1: FSDP does not run with expert parallelism)"
+                        if mesh.ep > 1 else ")"))
     if run.weights != "bf16" and run.model_dtype == "bf16":
         options.append("keep the weights in bf16 (--model.weights bf16: 2 B per weight and gradient, the fp32 "
                        "master with the optimizer)")
@@ -285,7 +287,7 @@ def _make_plan(run: Run, budgets: Budgets, memory_cfg: Any | None, name: str) ->
             "fsdp": run.mesh.fsdp,
             "mla_mode": run.mla_mode,
             "weights": run.weights,
-            "fast_kernels": sorted(run.fast_ops),
+            "fast_kernels": sorted(run.fast_ops & ops_of_model(run.spec)),
         },
         components=components,
         peak_gpu=ev.peak_gpu,
@@ -541,3 +543,17 @@ def plan_from_config(
         adapters=AdapterSettings.of(cfg),
         fast_ops=planned_fast_ops(cfg.model.kernels, cfg.model.dtype, device_type),
     )
+
+
+def ops_of_model(spec: ModelSpec) -> frozenset[str]:
+    """The planned fast ops a model's layers call (the plan names only these): the norms, SwiGLU and the loss
+    in every model; DSA's indexer and sparse attention, mHC's mixing and merge, KDA's gated norm where the
+    model has those layers."""
+    ops = {"rms_norm", "swiglu", "linear_cross_entropy"}
+    if "dsa" in spec.layer_types:
+        ops |= {"indexer_topk", "sparse_attention"}
+    if spec.hc_mult > 1:
+        ops |= {"hc_mix", "hc_merge"}
+    if "kda" in spec.layer_types:
+        ops.add("gated_rms_norm")
+    return frozenset(ops)

@@ -197,10 +197,14 @@ class Indexer(nn.Module):
         tail = kp - 1 if self.select_tail and kp > 1 else 0
         # the selection is the big tensor ([Q, W] int32: 8 GiB at 1M tokens): written in place, once
         out = torch.full((B, Q, max(num) * kp + tail), -1, dtype=torch.int32, device=x_BQH.device)
+        # ties as transformers' torch.topk breaks them where its row can be rebuilt: on the CPU, one document
+        # scored whole (its row: the complete pools, as its indexer keeps them); else the lowest pools win
+        whole = x_BQH.device.type == "cpu" and one_doc and ctx.seq_offset() == 0 and Q == S
+        row_len = S // kp if whole else None
         for b, (keys_PD, tok_Pk) in enumerate(pools):
             rot = None if cos is None else (cos[b].unsqueeze(1), sin[b].unsqueeze(1))
             self._select_row(out[b], num[b], q_resid_BQR[b], weights_BQI[b], keys_PD, tok_Pk, doc_BS[b],
-                             pos_BS[b], q_pos_Q, rot)
+                             pos_BS[b], q_pos_Q, rot, row_len)
         return out
 
     def _pool_keys(self, k_SD: torch.Tensor, gate_SD: torch.Tensor, pos_S: torch.Tensor, one_doc: bool = False):
@@ -221,7 +225,7 @@ class Indexer(nn.Module):
         return (probs * k_SD[tok_Pk]).sum(dim=1), tok_Pk
 
     def _select_row(self, out_QW, num_pools, q_resid_QR, w_QI, keys_PD, tok_Pk, doc_S, pos_S, q_pos_Q,
-                    rot: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+                    rot: tuple[torch.Tensor, torch.Tensor] | None = None, row_len: int | None = None) -> None:
         """One batch row into ``out_QW``: ``num_pools * kp`` selected pool tokens, then the tail pool.
 
         Queries go a scoring chunk at a time (``query_chunk``), their indexer queries projected per
@@ -241,7 +245,7 @@ class Indexer(nn.Module):
                 q_cID = rope.apply(q_cID, rot[0][s:e], rot[1][s:e])
             sel_cK, ok_cK = dispatch.call(
                 "indexer_topk", q_cID, w_QI[s:e], keys_PD, pool_end_P, pool_doc_P, q_pos_Q[s:e], q_doc_Q[s:e],
-                self.index_topk // kp, self.softmax_scale, query_chunk=e - s, layer=self.layer)
+                self.index_topk // kp, self.softmax_scale, query_chunk=e - s, row_len=row_len, layer=self.layer)
             # a pool's tokens are consecutive (tok_Pk[p] = first_P[p] + 0 .. kp - 1): written from the pools'
             # first tokens, not gathered as [c, K, kp] rows of tok_Pk (a 64-byte-row gather: 2.5 ms a layer at 32K)
             if sel_cK.shape != (e - s, num_pools):  # the add below would broadcast a single column silently

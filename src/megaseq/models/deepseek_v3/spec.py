@@ -23,8 +23,9 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+from megaseq.models.hf_fields import FULL_ATTENTION, ROPE_FIELDS, HFFields
 from megaseq.models.registry import Family
-from megaseq.models.spec import DNA_VOCAB_SIZE, ModelSpec, refuse_fields, rope_from_hf, rope_to_hf
+from megaseq.models.spec import DNA_VOCAB_SIZE, ModelSpec, rope_from_hf, rope_to_hf
 
 FAMILY = Family(name="deepseek_v3", hf_model_types=("deepseek_v3",), layer_kinds=("mla",), segmentable=False,
                 tiles_whole_layer=False, balance="bias",
@@ -34,21 +35,57 @@ MTP_NOTE = ("{family}: the checkpoint's multi-token-prediction module (num_nextn
             "modelled: megaseq skips its tensors on load, does not train it, and exports num_nextn_predict_layers 0")
 
 
-def _check(c: dict[str, Any], family: str) -> None:
-    refuse_fields(c, family, {
-        "hidden_act": ("silu",), "attention_dropout": (0, 0.0), "topk_method": ("noaux_tc",),
-        "scoring_func": ("sigmoid",), "moe_layer_freq": (1,),
-        "num_key_value_heads": lambda v: None if v in (None, c.get("num_attention_heads", 128))
-        else "num_attention_heads (MLA gives every head its own keys)",
+def _heads_match(value: Any, c: dict[str, Any]) -> str | None:
+    return None if value in (None, c.get("num_attention_heads", 128)) else \
+        "num_attention_heads (MLA gives every head its own keys)"
+
+
+def _rope_head_dim(value: Any, c: dict[str, Any]) -> str | None:
+    # transformers sets head_dim to qk_rope_head_dim (the rotated width) and qk_head_dim to nope + rope
+    return None if value in (None, c.get("qk_rope_head_dim", 64)) else "qk_rope_head_dim (the rotated width)"
+
+
+def _qk_head_dim(value: Any, c: dict[str, Any]) -> str | None:
+    want = c.get("qk_nope_head_dim", 128) + c.get("qk_rope_head_dim", 64)
+    return None if value in (None, want) else f"qk_nope_head_dim + qk_rope_head_dim ({want})"
+
+
+# aux_loss_alpha / seq_aux: DeepSeek's sequence-wise balance loss, which transformers does not compute either;
+# ep_size: the original code's expert-parallel degree; quantization_config: the released FP8 checkpoints' (the
+# loader names their scale tensors; dequantize to bf16 first); output_router_logits: megaseq's moe.balance decides
+HF_FIELDS = HFFields(
+    read=ROPE_FIELDS | {
+        "num_hidden_layers", "mlp_layer_types", "first_k_dense_replace", "vocab_size", "hidden_size",
+        "rms_norm_eps", "tie_word_embeddings", "pad_token_id", "intermediate_size", "n_routed_experts",
+        "num_experts_per_tok", "moe_intermediate_size", "n_shared_experts", "n_group", "topk_group",
+        "norm_topk_prob", "routed_scaling_factor", "num_attention_heads", "attention_bias", "q_lora_rank",
+        "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "rope_interleave",
+        "max_position_embeddings", "num_nextn_predict_layers", "num_mtp_layers", "bos_token_id", "eos_token_id",
+        "initializer_range"},
+    carried=frozenset({"aux_loss_alpha", "seq_aux", "ep_size", "quantization_config", "output_router_logits"}),
+    required={
+        "hidden_act": (("silu",), "the MLPs are SwiGLU, which needs 'silu'"),
+        "attention_dropout": ((0, 0.0), "no attention dropout (set it to 0)"),
+        "topk_method": (("noaux_tc",), "'noaux_tc' routing (the score-correction bias)"),
+        "scoring_func": (("sigmoid",), "the 'sigmoid' router"),
+        "moe_layer_freq": ((1,), "MoE in every layer after the dense ones (moe_layer_freq 1)"),
+        "pretraining_tp": ((1, None), "pretraining_tp 1"),
+        "num_key_value_heads": _heads_match, "head_dim": _rope_head_dim, "qk_head_dim": _qk_head_dim,
+        **FULL_ATTENTION,
     })
+
+
+def _check(c: dict[str, Any], family: str, fields: HFFields) -> None:
+    fields.check(c, family)
     mtp = c.get("num_nextn_predict_layers", c.get("num_mtp_layers", 0)) or 0
     if mtp:
         warnings.warn(MTP_NOTE.format(family=family, n=mtp), stacklevel=3)
 
 
-def common_from_hf(c: dict[str, Any], family: str, layer_kind: str) -> dict[str, Any]:
-    """The ModelSpec fields DeepSeek-V3 and V3.2 share, from a config.json."""
-    _check(c, family)
+def common_from_hf(c: dict[str, Any], family: str, layer_kind: str, fields: HFFields = HF_FIELDS) -> dict[str, Any]:
+    """The ModelSpec fields DeepSeek-V3 and V3.2 share, from a config.json (``fields``: the family's
+    declaration)."""
+    _check(c, family, fields)
     theta, scaling, partial = rope_from_hf(c, family)
     if partial != 1.0:
         raise ValueError(f"{family} partial_rotary_factor {partial} is not supported (MLA rotates qk_rope_head_dim)")

@@ -15,23 +15,29 @@ from __future__ import annotations
 
 from typing import Any
 
+from megaseq.models.deepseek_v3.spec import HF_FIELDS as V3_FIELDS
 from megaseq.models.deepseek_v3.spec import common_from_hf, common_to_hf
+from megaseq.models.hf_fields import HFFields
 from megaseq.models.registry import Family
-from megaseq.models.spec import DNA_VOCAB_SIZE, ModelSpec, refuse_fields
+from megaseq.models.spec import DNA_VOCAB_SIZE, ModelSpec
 
 FAMILY = Family(name="deepseek_v32", hf_model_types=("deepseek_v32",), layer_kinds=("dsa",), segmentable=False,
                 tiles_whole_layer=False, balance="bias",
                 fp32_params=("router",))
 
 
+def _indexed_only(value: Any, c: dict[str, Any]) -> str | None:
+    return None if value is None or set(value) <= {"indexed_attention"} else "every layer indexed_attention"
+
+
+HF_FIELDS: HFFields = V3_FIELDS.extended(
+    read=frozenset({"index_topk", "index_n_heads", "index_head_dim"}),
+    required={"mlp_bias": ((False, None), "no MLP biases"), "layer_types": _indexed_only})
+
+
 def from_hf(c: dict[str, Any]) -> ModelSpec:
     """A ``deepseek_v32`` config.json as a spec."""
-    refuse_fields(c, "deepseek_v32", {
-        "mlp_bias": (False,),
-        "layer_types": lambda v: None if v is None or set(v) <= {"indexed_attention"} else "every layer "
-        "indexed_attention",
-    })
-    fields = common_from_hf(c, "deepseek_v32", "dsa")
+    fields = common_from_hf(c, "deepseek_v32", "dsa", HF_FIELDS)
     n = fields["num_layers"]
     return ModelSpec(**fields, index_topk=c.get("index_topk", 2048), index_n_heads=c.get("index_n_heads", 64),
                      index_head_dim=c.get("index_head_dim", 128), index_kpool=1,

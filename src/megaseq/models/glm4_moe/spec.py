@@ -19,8 +19,9 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+from megaseq.models.hf_fields import FULL_ATTENTION, ROPE_FIELDS, HFFields
 from megaseq.models.registry import Family
-from megaseq.models.spec import DNA_VOCAB_SIZE, ModelSpec, refuse_fields, rope_from_hf, rope_to_hf
+from megaseq.models.spec import DNA_VOCAB_SIZE, ModelSpec, rope_from_hf, rope_to_hf
 
 FAMILY = Family(name="glm4_moe", hf_model_types=("glm4_moe",), layer_kinds=("attention",), segmentable=False,
                 tiles_whole_layer=False, balance="bias",
@@ -30,9 +31,22 @@ MTP_NOTE = ("the checkpoint's multi-token-prediction layer (num_nextn_predict_la
             "megaseq skips its tensors on load, does not train it, and exports num_nextn_predict_layers 0")
 
 
+# output_router_logits: megaseq's moe.balance decides how the routers are balanced
+HF_FIELDS = HFFields(
+    read=ROPE_FIELDS | {
+        "num_nextn_predict_layers", "num_mtp_layers", "num_hidden_layers", "hidden_size", "num_attention_heads",
+        "first_k_dense_replace", "vocab_size", "rms_norm_eps", "tie_word_embeddings", "pad_token_id",
+        "intermediate_size", "n_routed_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
+        "n_shared_experts", "n_group", "topk_group", "norm_topk_prob", "routed_scaling_factor",
+        "num_key_value_heads", "head_dim", "max_position_embeddings", "use_qk_norm", "attention_bias"},
+    carried=frozenset({"output_router_logits"}),
+    required={"hidden_act": (("silu",), "the MLPs are SwiGLU, which needs 'silu'"),
+              "attention_dropout": ((0, 0.0), "no attention dropout (set it to 0)"), **FULL_ATTENTION})
+
+
 def from_hf(c: dict[str, Any]) -> ModelSpec:
     """A ``glm4_moe`` config.json as a spec."""
-    refuse_fields(c, "glm4_moe", {"hidden_act": ("silu",), "attention_dropout": (0, 0.0)})
+    HF_FIELDS.check(c, "glm4_moe")
     params = c.get("rope_parameters") or {}
     if "partial_rotary_factor" not in params and "partial_rotary_factor" not in c:
         c = {**c, "partial_rotary_factor": 0.5}  # Glm4MoeConfig's default

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from megaseq.models.hf_fields import FULL_ATTENTION, HFFields, check_hf_fields
 from megaseq.models.registry import Family
-from megaseq.models.spec import DNA_VOCAB_SIZE, ModelSpec, check_hf_fields
+from megaseq.models.spec import DNA_VOCAB_SIZE, ModelSpec
 
 FAMILY = Family(name="glm5_next", hf_model_types=("glm5_next", "glm5_next_text"), layer_kinds=("kda", "dsa"),
                 segmentable=True, tiles_whole_layer=True, fp32_params=("router", "kda", "hc"), balance="bias")
@@ -61,6 +62,9 @@ _TEXT_REQUIRED: dict[str, tuple[tuple[Any, ...], str]] = {
                                             "(GLM-5's: the score-correction bias); set it to false, and use "
                                             "--moe.balance aux_loss for the auxiliary load-balancing loss"),
 }
+# the text section's declaration (the multimodal top level is checked against _TOP_CARRIED)
+HF_FIELDS = HFFields(_TEXT_READ, _TEXT_CARRIED, {
+    **_TEXT_REQUIRED, **FULL_ATTENTION, "quantization_config": ((None,), "quantized weights are not supported")})
 _LINEAR_ATTN_FIELDS = frozenset({"head_dim", "num_heads", "short_conv_kernel_size", "gate_lower_bound", "safe_gate"})
 # top-level glm5_next fields besides text_config: the vision tower's config and its token ids (carried)
 _TOP_CARRIED = frozenset({"vision_config", "image_token_id", "video_token_id", "image_start_token_id",
@@ -85,8 +89,7 @@ def from_hf(c: dict[str, Any]) -> ModelSpec:
 
 
 def _check_text(c: dict[str, Any], where: str) -> None:
-    check_hf_fields(c, "glm5_next", where, _TEXT_READ | _TEXT_CARRIED,
-                    {**_TEXT_REQUIRED, "quantization_config": ((None,), "quantized weights are not supported")})
+    HF_FIELDS.check(c, "glm5_next", where)
     for name, allowed in (("mlp_layer_types", ("dense", "sparse")), ("indexer_types", ("full", "shared"))):
         bad = sorted({v for v in c.get(name) or [] if v not in allowed})
         if bad:

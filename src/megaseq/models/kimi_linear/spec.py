@@ -11,7 +11,11 @@ reads them.
 
 Refused: an MLA that rotates (``mla_use_nope`` false: HF's Kimi-Linear is NoPE only), a router other than
 sigmoid (``moe_router_activation_func``), another activation, attention dropout, fewer key/value heads than
-heads.
+heads, RoPE parameters (the MLA is NoPE), a sliding window.
+
+``tie_word_embeddings``: transformers never ties this class (its ``_tied_weights_keys`` is empty), so neither
+does megaseq: a config saying true loads and trains ``embed_tokens`` and ``lm_head`` apart, as transformers
+does, and the flag is carried to the export unchanged.
 
 Presets: ``kimi-linear-tiny``.
 """
@@ -20,13 +24,46 @@ from __future__ import annotations
 
 from typing import Any
 
+from megaseq.models.hf_fields import FULL_ATTENTION, HFFields
 from megaseq.models.registry import Family
-from megaseq.models.spec import DNA_VOCAB_SIZE, ModelSpec, refuse_fields
+from megaseq.models.spec import DNA_VOCAB_SIZE, ModelSpec
 
 FAMILY = Family(name="kimi_linear", hf_model_types=("kimi_linear",), layer_kinds=("kda", "mla"),
                 segmentable=False, tiles_whole_layer=False, balance="bias",
                 fp32_params=("router",))
-_EXTRA = ("bos_token_id", "eos_token_id", "initializer_range")
+# carried to the export (tie_word_embeddings: what the source says; transformers never ties this class)
+_EXTRA = ("bos_token_id", "eos_token_id", "initializer_range", "tie_word_embeddings")
+
+
+def _heads_match(value: Any, c: dict[str, Any]) -> str | None:
+    return None if value in (None, c.get("num_attention_heads", 32)) else "num_attention_heads (MLA)"
+
+
+_NOPE = "Kimi-Linear's MLA is NoPE (mla_use_nope): no RoPE parameters"
+# use_grouped_topk, moe_layer_freq, num_nextn_predict_layers: the original code's, which transformers does not
+# read (its routing follows num_expert_group / topk_group, every layer after the dense ones is MoE, no MTP);
+# rope_theta: unused by a NoPE MLA; head_dim / qk_head_dim: transformers derives them from the MLA's dims
+HF_FIELDS = HFFields(
+    read=frozenset({
+        "num_attention_heads", "num_hidden_layers", "linear_attn_config", "layer_types", "mlp_layer_types",
+        "first_k_dense_replace", "vocab_size", "hidden_size", "rms_norm_eps", "tie_word_embeddings", "pad_token_id",
+        "intermediate_size", "num_experts", "num_local_experts", "num_experts_per_token", "num_experts_per_tok",
+        "moe_intermediate_size", "num_shared_experts", "n_shared_experts", "num_expert_group", "n_group",
+        "topk_group", "moe_renormalize", "norm_topk_prob", "routed_scaling_factor", "attention_bias",
+        "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "model_max_length",
+        "max_position_embeddings", "linear_num_heads", "linear_head_dim", "linear_conv_kernel_dim"}),
+    carried=frozenset({"use_grouped_topk", "moe_layer_freq", "num_nextn_predict_layers", "rope_theta", "head_dim",
+                       "qk_head_dim", "output_router_logits"}),
+    required={
+        "hidden_act": (("silu",), "the MLPs are SwiGLU, which needs 'silu'"),
+        "attention_dropout": ((0, 0.0, None), "no attention dropout (set it to 0)"),
+        "mla_use_nope": ((True,), "HF's Kimi-Linear MLA is NoPE only (mla_use_nope true)"),
+        "moe_router_activation_func": (("sigmoid",), "the 'sigmoid' router"),
+        "num_key_value_heads": _heads_match,
+        "rope_scaling": ((None, {}), _NOPE), "rope_parameters": ((None, {}), _NOPE),
+        "pretraining_tp": ((1, None), "pretraining_tp 1"),
+        **FULL_ATTENTION,
+    })
 
 
 def _pick(c: dict[str, Any], *names: str, default: Any = None) -> Any:
@@ -59,11 +96,7 @@ def _layer_types(c: dict[str, Any], n: int) -> list[str]:
 def from_hf(c: dict[str, Any]) -> ModelSpec:
     """A ``kimi_linear`` config.json as a spec."""
     heads = c.get("num_attention_heads", 32)
-    refuse_fields(c, "kimi_linear", {
-        "hidden_act": ("silu",), "attention_dropout": (0, 0.0, None), "mla_use_nope": (True,),
-        "moe_router_activation_func": ("sigmoid",),
-        "num_key_value_heads": lambda v: None if v in (None, heads) else "num_attention_heads (MLA)",
-    })
+    HF_FIELDS.check(c, "kimi_linear")
     n = c.get("num_hidden_layers", 27)
     lin = c.get("linear_attn_config") or {}
     mlp = c.get("mlp_layer_types") or ["dense" if i < c.get("first_k_dense_replace", 1) else "sparse"
@@ -72,7 +105,7 @@ def from_hf(c: dict[str, Any]) -> ModelSpec:
         family="kimi_linear", vocab_size=c.get("vocab_size", 163840), hidden_size=c.get("hidden_size", 2304),
         num_layers=n, layer_types=tuple(_layer_types(c, n)),
         mlp_types=tuple("moe" if m == "sparse" else "dense" for m in mlp), rms_norm_eps=c.get("rms_norm_eps", 1e-5),
-        tie_word_embeddings=c.get("tie_word_embeddings", False), pad_token_id=c.get("pad_token_id", 163839),
+        tie_word_embeddings=False, pad_token_id=c.get("pad_token_id", 163839),
         intermediate_size=c.get("intermediate_size", 9216),
         num_experts=_pick(c, "num_experts", "num_local_experts", default=256),
         num_experts_per_tok=_pick(c, "num_experts_per_token", "num_experts_per_tok", default=8),

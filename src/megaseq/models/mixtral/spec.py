@@ -16,8 +16,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from megaseq.models.hf_fields import FULL_ATTENTION, ROPE_FIELDS, HFFields
 from megaseq.models.registry import Family
-from megaseq.models.spec import DNA_VOCAB_SIZE, ModelSpec, refuse_fields, rope_from_hf, rope_to_hf
+from megaseq.models.spec import DNA_VOCAB_SIZE, ModelSpec, rope_from_hf, rope_to_hf
 
 FAMILY = Family(name="mixtral", hf_model_types=("mixtral",), layer_kinds=("attention",), segmentable=False,
                 tiles_whole_layer=False, balance="aux_loss")
@@ -25,14 +26,21 @@ AUX_LOSS_COEF = 0.001  # MixtralConfig's default (the released checkpoints' conf
 _EXTRA = ("bos_token_id", "eos_token_id", "initializer_range")
 
 
-def _no_window(v: Any) -> str | None:
-    return None if v is None else "null (no sliding window: full causal attention)"
+# output_router_logits: transformers' switch for adding the auxiliary loss; megaseq's moe.balance decides
+HF_FIELDS = HFFields(
+    read=ROPE_FIELDS | {
+        "num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size", "rms_norm_eps",
+        "tie_word_embeddings", "pad_token_id", "num_local_experts", "num_experts", "num_experts_per_tok",
+        "intermediate_size", "router_aux_loss_coef", "num_key_value_heads", "head_dim", "max_position_embeddings"},
+    carried=frozenset({"output_router_logits"}),
+    required={"hidden_act": (("silu",), "the MLPs are SwiGLU, which needs 'silu'"),
+              "attention_dropout": ((0, 0.0), "no attention dropout (set it to 0)"),
+              "router_jitter_noise": ((0, 0.0), "no router jitter noise (set it to 0)"), **FULL_ATTENTION})
 
 
 def from_hf(c: dict[str, Any]) -> ModelSpec:
     """A ``mixtral`` config.json as a spec."""
-    refuse_fields(c, "mixtral", {"hidden_act": ("silu",), "attention_dropout": (0, 0.0),
-                                 "router_jitter_noise": (0, 0.0), "sliding_window": _no_window})
+    HF_FIELDS.check(c, "mixtral")
     theta, scaling, partial = rope_from_hf(c, "mixtral", default_theta=1e6)
     if partial != 1.0:
         raise ValueError(f"mixtral partial_rotary_factor {partial} is not supported (Mixtral rotates whole heads)")

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from megaseq.models.hf_fields import FULL_ATTENTION, ROPE_FIELDS, HFFields
 from megaseq.models.registry import Family
-from megaseq.models.spec import DNA_VOCAB_SIZE, ModelSpec, refuse_fields, rope_from_hf, rope_to_hf
+from megaseq.models.spec import DNA_VOCAB_SIZE, ModelSpec, rope_from_hf, rope_to_hf
 
 FAMILY = Family(name="olmoe", hf_model_types=("olmoe",), layer_kinds=("attention",), segmentable=False,
                 tiles_whole_layer=False, balance="aux_loss")
@@ -25,10 +26,21 @@ AUX_LOSS_COEF = 0.01  # OlmoeConfig's router_aux_loss_coef (the paper's)
 _EXTRA = ("bos_token_id", "eos_token_id", "initializer_range")
 
 
+# output_router_logits: transformers' switch for adding the auxiliary loss; megaseq's moe.balance decides
+HF_FIELDS = HFFields(
+    read=ROPE_FIELDS | {
+        "num_hidden_layers", "hidden_size", "num_attention_heads", "head_dim", "vocab_size", "rms_norm_eps",
+        "tie_word_embeddings", "pad_token_id", "num_experts", "num_local_experts", "num_experts_per_tok",
+        "intermediate_size", "norm_topk_prob", "router_aux_loss_coef", "num_key_value_heads",
+        "max_position_embeddings", "clip_qkv", "attention_bias"},
+    carried=frozenset({"output_router_logits"}),
+    required={"hidden_act": (("silu",), "the MLPs are SwiGLU, which needs 'silu'"),
+              "attention_dropout": ((0, 0.0), "no attention dropout (set it to 0)"), **FULL_ATTENTION})
+
+
 def from_hf(c: dict[str, Any]) -> ModelSpec:
     """An ``olmoe`` config.json as a spec."""
-    refuse_fields(c, "olmoe", {"hidden_act": ("silu",), "attention_dropout": (0, 0.0),
-                               })
+    HF_FIELDS.check(c, "olmoe")
     theta, scaling, partial = rope_from_hf(c, "olmoe")
     n, H = c.get("num_hidden_layers", 16), c.get("hidden_size", 2048)
     heads = c.get("num_attention_heads", 16)

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from megaseq.models.hf_fields import FULL_ATTENTION, ROPE_FIELDS, HFFields
 from megaseq.models.registry import Family
-from megaseq.models.spec import DNA_VOCAB_SIZE, ModelSpec, check_hf_fields, rope_from_hf, rope_to_hf
+from megaseq.models.spec import DNA_VOCAB_SIZE, ModelSpec, rope_from_hf, rope_to_hf
 
 FAMILY = Family(name="qwen3_moe", hf_model_types=("qwen3_moe",), layer_kinds=("attention",), segmentable=False,
                 tiles_whole_layer=False, balance="aux_loss")
@@ -67,28 +68,28 @@ def from_hf(c: dict[str, Any]) -> ModelSpec:
     )
 
 
-# the fields from_hf reads, and those that never change a training step (carried unchanged)
-_READ = frozenset({
-    "num_hidden_layers", "decoder_sparse_step", "mlp_only_layers", "num_experts", "num_local_experts",
-    "rope_parameters", "rope_scaling", "rope_theta", "partial_rotary_factor", "num_attention_heads",
-    "vocab_size", "hidden_size", "rms_norm_eps", "tie_word_embeddings", "pad_token_id", "intermediate_size",
-    "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "router_aux_loss_coef",
-    "num_key_value_heads", "head_dim", "attention_bias", "max_position_embeddings",
-})
-# output_router_logits: transformers' switch for adding the auxiliary loss; megaseq's moe.balance decides
-_CARRIED = frozenset({"sliding_window", "max_window_layers", "output_router_logits"})
-_REQUIRED: dict[str, tuple[tuple[Any, ...], str]] = {
-    "hidden_act": (("silu",), "the experts are SwiGLU, which needs 'silu'"),
-    "use_sliding_window": ((False, None), "full attention only: set use_sliding_window false"),
-    "attention_dropout": ((0, 0.0), "no attention dropout (set it to 0)"),
-    "router_jitter_noise": ((0, 0.0, None), "no router jitter noise (set it to 0)"),
-    "quantization_config": ((None,), "quantized weights are not supported"),
-}
+# the fields from_hf reads, those that never change a training step (carried unchanged), and those megaseq
+# implements at some values only (output_router_logits: transformers' switch for adding the auxiliary loss;
+# megaseq's moe.balance decides)
+HF_FIELDS = HFFields(
+    read=ROPE_FIELDS | {
+        "num_hidden_layers", "decoder_sparse_step", "mlp_only_layers", "num_experts", "num_local_experts",
+        "num_attention_heads", "layer_types", "vocab_size", "hidden_size", "rms_norm_eps", "tie_word_embeddings",
+        "pad_token_id", "intermediate_size", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+        "router_aux_loss_coef", "num_key_value_heads", "head_dim", "attention_bias", "max_position_embeddings"},
+    carried=frozenset({"max_window_layers", "output_router_logits"}),
+    required={
+        "hidden_act": (("silu",), "the experts are SwiGLU, which needs 'silu'"),
+        **FULL_ATTENTION,
+        "attention_dropout": ((0, 0.0), "no attention dropout (set it to 0)"),
+        "router_jitter_noise": ((0, 0.0, None), "no router jitter noise (set it to 0)"),
+        "quantization_config": ((None,), "quantized weights are not supported"),
+    })
 
 
 def _check_qwen3_moe_supported(c: dict[str, Any]) -> None:
     """Options megaseq's qwen3_moe does not implement: refuse them rather than run a different model."""
-    check_hf_fields(c, "qwen3_moe", "", _READ | _CARRIED | {"layer_types"}, _REQUIRED)
+    HF_FIELDS.check(c, "qwen3_moe")
     bad = sorted({t for t in c.get("layer_types") or [] if t != "full_attention"})
     if bad:
         raise ValueError(f"config.json layer_types holds {bad}; megaseq's qwen3_moe runs full attention in every "

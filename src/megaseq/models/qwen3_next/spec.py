@@ -17,8 +17,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from megaseq.models.hf_fields import FULL_ATTENTION, ROPE_FIELDS, HFFields
 from megaseq.models.registry import Family
-from megaseq.models.spec import DNA_VOCAB_SIZE, ModelSpec, refuse_fields, rope_from_hf, rope_to_hf
+from megaseq.models.spec import DNA_VOCAB_SIZE, ModelSpec, rope_from_hf, rope_to_hf
 
 FAMILY = Family(name="qwen3_next", hf_model_types=("qwen3_next",), layer_kinds=("gdn", "attention"),
                 segmentable=False, tiles_whole_layer=False, balance="aux_loss")
@@ -27,9 +28,25 @@ _EXTRA = ("bos_token_id", "eos_token_id", "initializer_range")
 _KINDS = {"linear_attention": "gdn", "full_attention": "attention"}
 
 
+# output_router_logits: transformers' switch for adding the auxiliary loss; megaseq's moe.balance decides
+HF_FIELDS = HFFields(
+    read=ROPE_FIELDS | {
+        "num_hidden_layers", "layer_types", "full_attention_interval", "decoder_sparse_step", "mlp_only_layers",
+        "num_experts", "vocab_size", "hidden_size", "rms_norm_eps", "tie_word_embeddings", "pad_token_id",
+        "intermediate_size", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",
+        "norm_topk_prob", "router_aux_loss_coef", "num_attention_heads", "num_key_value_heads", "head_dim",
+        "max_position_embeddings", "attention_bias", "linear_num_key_heads", "linear_key_head_dim",
+        "linear_num_value_heads", "linear_value_head_dim", "linear_conv_kernel_dim"},
+    carried=frozenset({"output_router_logits"}),
+    required={"hidden_act": (("silu",), "the MLPs are SwiGLU, which needs 'silu'"),
+              "attention_dropout": ((0, 0.0), "no attention dropout (set it to 0)"), **FULL_ATTENTION,
+              "shared_expert_intermediate_size": lambda v, c: None if v is None or v > 0 else
+              "a gated shared expert of positive width (megaseq's Qwen3-Next always has one)"})
+
+
 def from_hf(c: dict[str, Any]) -> ModelSpec:
     """A ``qwen3_next`` config.json as a spec."""
-    refuse_fields(c, "qwen3_next", {"hidden_act": ("silu",), "attention_dropout": (0, 0.0)})
+    HF_FIELDS.check(c, "qwen3_next")
     params = c.get("rope_parameters") or {}
     if "partial_rotary_factor" not in params and "partial_rotary_factor" not in c:
         c = {**c, "partial_rotary_factor": 0.25}  # Qwen3NextConfig's default
