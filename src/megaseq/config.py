@@ -161,13 +161,24 @@ class DataConfig:
                                 "fixed-offset copy instead of matching content (docs/long_context.md)", ge=0.0, lt=1.0)
     lowercase: str = opt("upper", "lower-case bases (soft-masked repeats): upper (keep as bases) or n (as N)")
     non_acgt: str = opt("n", "IUPAC ambiguity codes other than ACGTN: n (map to N) or error")
-    tokenizer: str = opt("dna", "dna (single-nucleotide) or a path to a HF tokenizer.json / checkpoint dir")
+    tokenizer: str = opt("dna", "dna or protein (the single-letter tokenizer of data.alphabet) or a path to a HF "
+                         "tokenizer.json / checkpoint dir")
     text_field: str = opt("text", "JSONL field holding the document text")
     txt_docs: str = opt("file", ".txt files: one document per file (file) or per blank-line paragraph (paragraph)")
     seed: int = opt(0, "seed for window sampling", ge=0)
+    alphabet: str = opt("dna", "data.kind fasta: dna (nucleotides) or protein (families of homologs, FASTA or A3M; "
+                        "20 amino acids, B Z X U O and a gap, docs/data.md)", choices=("dna", "protein"))
+    gaps: str = opt("keep", "protein: the gap '-' of aligned families (A3M) as a token (keep) or removed, giving "
+                    "unaligned homologs (drop)", choices=("keep", "drop"))
+    protein_docs: str = opt("family", "protein: one document per family file, each protein attending to the "
+                            "homologs before it (family), or one per protein (protein)", choices=("family", "protein"))
 
     def __post_init__(self) -> None:
         self.seq_len = parse_size(self.seq_len, "data.seq_len")
+        if self.alphabet == "protein" and self.tokenizer == "dna":
+            self.tokenizer = "protein"  # the alphabet's own single-letter tokenizer
+        if self.alphabet == "dna" and self.tokenizer == "protein":
+            raise ValueError("data.tokenizer protein reads protein sequences: set --data.alphabet protein")
         check_bounds(self, "data")
         if self.kind not in ("fasta", "text", "random"):
             raise ValueError(f"data.kind must be fasta, text or random, got {self.kind!r}")

@@ -93,6 +93,10 @@ def build_data(data_cfg: Any, eval_cfg: Any = None, *, batch_size: int = 1, voca
         tok.check_vocab(vocab_size)
     if data_cfg.kind == "text":
         return _build_text(data_cfg, tok, seq_len, eval_len, max_windows, kw)
+    if getattr(data_cfg, "alphabet", "dna") == "protein":
+        from megaseq.data.protein_build import build_protein
+
+        return Data(**build_protein(data_cfg, tok, seq_len, eval_len, max_windows, kw, heldout_tail))
     split = load_dna_split(data_cfg, heldout_tail=heldout_tail)
     heldout = split.heldout
     related = getattr(data_cfg, "related", 0)
