@@ -143,7 +143,9 @@ class ModelConfig:
 class DataConfig:
     """Training and held-out data."""
 
-    kind: str = opt("fasta", "fasta (DNA), text (JSONL or .txt through a HF tokenizer) or random (memory tests)")
+    kind: str = opt("fasta", "fasta (DNA, or protein families with data.alphabet protein), text (JSONL, .txt or "
+                    "columnar files through a HF tokenizer), chat (conversations with a 'messages' list, through the "
+                    "checkpoint's chat template) or random (memory tests)")
     train: list[str] = opt([], "training files (FASTA: .fa/.fasta[.gz|.xz]; text: .jsonl/.txt); "
                            "empty means the lambda phage genome shipped with megaseq")
     heldout: list[str] = opt([], "held-out files (a whole genome or chromosome the model never sees)")
@@ -172,6 +174,10 @@ class DataConfig:
                     "unaligned homologs (drop)", choices=("keep", "drop"))
     protein_docs: str = opt("family", "protein: one document per family file, each protein attending to the "
                             "homologs before it (family), or one per protein (protein)", choices=("family", "protein"))
+    loss_roles: list[str] = opt(["assistant"], "chat: the roles whose tokens the loss counts (system, developer, user, "
+                                "assistant, tool)")
+    column: str = opt("", "the field or column holding the data in JSONL, parquet, Arrow or datasets directories; "
+                      "empty: messages (chat), data.text_field (text)")
 
     def __post_init__(self) -> None:
         self.seq_len = parse_size(self.seq_len, "data.seq_len")
@@ -180,8 +186,8 @@ class DataConfig:
         if self.alphabet == "dna" and self.tokenizer == "protein":
             raise ValueError("data.tokenizer protein reads protein sequences: set --data.alphabet protein")
         check_bounds(self, "data")
-        if self.kind not in ("fasta", "text", "random"):
-            raise ValueError(f"data.kind must be fasta, text or random, got {self.kind!r}")
+        if self.kind not in ("fasta", "text", "chat", "random"):
+            raise ValueError(f"data.kind must be fasta, text, chat or random, got {self.kind!r}")
         if self.seq_len < 2:
             raise ValueError(f"data.seq_len must be at least 2, got {self.seq_len}")
         if self.lowercase not in ("upper", "n"):

@@ -52,6 +52,7 @@ class Data:
     unit: str = "token"  # 'base' when tokens are single nucleotides (losses reported as bits per base)
     score_ids: tuple[int, ...] | None = None  # label ids that count in evaluation (A C G T for DNA)
     train_records: list[FastaRecord] = field(default_factory=list)  # DNA ids, for the k-mer baseline
+    notes: list[str] = field(default_factory=list)  # sentences for the report (what is scored)
 
     def heldout_batches(self, batch_size: int = 1) -> dict[str, EvalBatches]:
         return {group: EvalBatches(windows, batch_size) for group, windows in self.heldout.items()}
@@ -88,6 +89,10 @@ def build_data(data_cfg: Any, eval_cfg: Any = None, *, batch_size: int = 1, voca
         if vocab_size is None:
             raise ValueError("data.kind=random needs the model's vocab_size")
         return Data(RandomTokens(vocab_size, seq_len, **kw), {}, None)
+    if data_cfg.kind == "chat":
+        from megaseq.data.chat_build import build_chat
+
+        return Data(**build_chat(data_cfg, seq_len, eval_len, max_windows, kw, vocab_size))
     tok = build_tokenizer(data_cfg)
     if vocab_size is not None:
         tok.check_vocab(vocab_size)
