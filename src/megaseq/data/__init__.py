@@ -166,6 +166,12 @@ def _build_text(data_cfg: Any, tok: Any, seq_len: int, eval_len: int, max_window
         raise ValueError("data.reverse_complement applies to DNA only; set it false for data.kind=text")
     if not data_cfg.train:
         raise ValueError("data.kind=text needs data.train: .jsonl or .txt files")
+    from megaseq.data.sources import data_paths, is_columnar
+
+    if any(is_columnar(p) for p in data_paths(list(data_cfg.train) + list(data_cfg.heldout), "data.train")):
+        from megaseq.data.text_stream import build_text_stream
+
+        return Data(**build_text_stream(data_cfg, tok, seq_len, eval_len, max_windows, kw))
     packed = load_text(list(data_cfg.train), tok, data_cfg.text_field, _txt(data_cfg), setting="data.train")
     train = WindowSampler([packed], seq_len, **kw)
     heldout = {}

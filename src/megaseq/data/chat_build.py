@@ -18,16 +18,8 @@ from typing import Any
 import numpy as np
 
 from megaseq.data.chat import ROLES, ChatRenderer, check_record, load_chat_tokenizer
-from megaseq.data.fasta import expand_paths
 from megaseq.data.packing import PackStats, StreamWindows, eval_windows, pack_whole
-from megaseq.data.sources import iter_records
-
-
-def _files(patterns: list[str], setting: str) -> list[Path]:
-    """Files and ``datasets`` directories named by ``setting`` (a directory passes as one source)."""
-    dirs = [p for p in patterns if Path(p).expanduser().is_dir()]
-    files = expand_paths([p for p in patterns if p not in dirs], setting)
-    return [Path(p).expanduser() for p in dirs] + files
+from megaseq.data.sources import data_paths, iter_records
 
 
 def conversations(paths: list[Path], renderer: ChatRenderer, column: str,
@@ -71,7 +63,7 @@ def build_chat(data_cfg: Any, seq_len: int, eval_len: int, max_windows: int, kw:
     if vocab_size is not None:
         renderer.check_vocab(vocab_size)
     column = data_cfg.column or "messages"
-    train_paths = _files(list(data_cfg.train), "data.train")
+    train_paths = data_paths(list(data_cfg.train), "data.train")
     stats = _scan(train_paths, renderer, column, seq_len, "data.train")
 
     def stream() -> Iterator[Any]:
@@ -79,7 +71,7 @@ def build_chat(data_cfg: Any, seq_len: int, eval_len: int, max_windows: int, kw:
 
     train = StreamWindows(stream, seq_len, what="data.train", **kw)
     heldout = {}
-    for path in _files(list(data_cfg.heldout), "data.heldout"):
+    for path in data_paths(list(data_cfg.heldout), "data.heldout"):
         docs = conversations([path], renderer, column, "data.heldout")
         heldout[path.name] = eval_windows(pack_whole(docs, eval_len, renderer.pad_id, one_per_window=True),
                                           max_windows)

@@ -15,6 +15,7 @@ from typing import Any
 
 from megaseq.data.fasta import FastaRecord, load_dna_split
 from megaseq.data.protein import RESIDUE_IDS, ProteinTokenizer, pack_families, read_family
+from megaseq.data.sources import is_columnar
 from megaseq.data.windows import WindowSampler, heldout_windows
 
 
@@ -37,6 +38,15 @@ def _check(data_cfg: Any, heldout_tail: float) -> None:
                          "--data.heldout_tail 0")
 
 
+def _read(path: Path, data_cfg: Any) -> list[FastaRecord]:
+    """A family file: FASTA / A3M, or a parquet / Arrow file with a residue string per row (data.column)."""
+    if is_columnar(path):
+        from megaseq.data.columnar import read_sequences
+
+        return read_sequences(path, data_cfg.column or "sequence", ProteinTokenizer(data_cfg.gaps), "data.train")
+    return read_family(path, data_cfg.gaps)
+
+
 def _encoder(tok: Any) -> tuple[Any, int]:
     """(residue ids -> the tokenizer's ids, or None for the built-in ids; the separator id)."""
     if isinstance(tok, ProteinTokenizer):
@@ -52,7 +62,7 @@ def build_protein(data_cfg: Any, tok: Any, seq_len: int, eval_len: int, max_wind
                   heldout_tail: float = 0.0) -> dict[str, Any]:
     """The fields of ``data.Data`` for protein families."""
     _check(data_cfg, heldout_tail)
-    split = load_dna_split(data_cfg, 0.0, reader=lambda p: read_family(Path(p), data_cfg.gaps))
+    split = load_dna_split(data_cfg, 0.0, reader=lambda p: _read(Path(p), data_cfg))
     encode, sep = _encoder(tok)
     docs = data_cfg.protein_docs
     train = pack_families(_by_file(split.train), sep, docs, "data.train proteins", encode)

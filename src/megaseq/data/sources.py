@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from megaseq.data.fasta import open_maybe_compressed
+from megaseq.data.fasta import expand_paths, open_maybe_compressed
 
 COLUMNAR_SUFFIXES = (".parquet", ".arrow")
 
@@ -20,6 +20,13 @@ COLUMNAR_SUFFIXES = (".parquet", ".arrow")
 def is_columnar(path: Path) -> bool:
     """Parquet, Arrow, or a directory written by ``datasets``' ``save_to_disk``."""
     return path.is_dir() or path.name.lower().endswith(COLUMNAR_SUFFIXES)
+
+
+def data_paths(patterns: list[str], setting: str) -> list[Path]:
+    """Files (globs expand) and directories (a ``datasets`` or parquet directory is one source) of ``setting``."""
+    dirs = [p for p in patterns if Path(p).expanduser().is_dir()]
+    files = expand_paths([p for p in patterns if p not in dirs], setting)
+    return [Path(p).expanduser() for p in dirs] + files
 
 
 def is_jsonl(path: Path) -> bool:
