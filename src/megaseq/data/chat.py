@@ -130,3 +130,24 @@ class ChatRenderer:
         for lo, hi in spans:
             targets |= (starts >= lo) & (starts < hi)
         return np.asarray(enc["input_ids"], np.int32), targets
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "chat_template.json", "vocab.json", "merges.txt", "tokenizer.model")
+
+
+def copy_tokenizer_files(tokenizer: str, out_dir: str | Path) -> list[str]:
+    """Copy the tokenizer files (and chat template) of ``data.tokenizer`` when it is a directory or a
+    tokenizer.json into an HF export, so the export loads with its tokenizer; returns the names copied."""
+    import shutil
+
+    p = Path(tokenizer).expanduser()
+    folder = p if p.is_dir() else p.parent
+    if tokenizer in ("dna", "protein") or not folder.is_dir() or not Path(out_dir).is_dir():
+        return []
+    copied = []
+    for name in TOKENIZER_FILES:
+        if (folder / name).is_file() and not (Path(out_dir) / name).exists():
+            shutil.copyfile(folder / name, Path(out_dir) / name)
+            copied.append(name)
+    return copied
