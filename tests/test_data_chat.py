@@ -163,3 +163,39 @@ def test_tokenizer_without_template_and_bad_roles(tmp_path):
         build_data(chat_cfg(tmp_path, [{"messages": SHORT[:1]}]), vocab_size=64)
     with pytest.raises(ValueError, match="checkpoint's tokenizer directory"):
         build_data(DataConfig(kind="chat", train=[str(path)]), vocab_size=64)
+
+
+def test_local_spans_equal_prefix_spans(tmp_path):
+    """The linear method (each message after its neighbour) against rendering every prefix."""
+    r = ChatRenderer(load_chat_tokenizer(str(make_chat_tokenizer(tmp_path / "tok"))), ("assistant", "tool"))
+    text = r._text(CONVERSATION, TOOLS)
+    local = r._local_spans(CONVERSATION, TOOLS, text)
+    assert local is not None and local == r._prefix_spans(CONVERSATION, TOOLS, text, "here")
+
+
+def test_template_that_rewrites_earlier_turns_is_refused(tmp_path):
+    """A template whose last turn differs (as Qwen3's empty thinking block): no local pieces add up, prefixes do not
+    either, and the error names the fix."""
+    folder = make_chat_tokenizer(tmp_path / "tok")
+    tok = load_chat_tokenizer(str(folder))
+    tok.chat_template = tok.chat_template.replace("<|im_start|>assistant\n", "<|im_start|>assistant\n{% if loop.last %}"
+                                                  "Done {% endif %}", 1)
+    r = ChatRenderer(tok)
+    assert r._local_spans(CONVERSATION, TOOLS, r._text(CONVERSATION, TOOLS)) is None
+    with pytest.raises(ValueError, match="generation %} markers"):
+        r.render(CONVERSATION, TOOLS, "t.jsonl line 1")
+    with pytest.raises(ValueError, match="too many to render every prefix"):
+        r.render(CONVERSATION[:1] + CONVERSATION[1:] * 50, TOOLS, "t.jsonl line 1")
+
+
+def test_streamed_pass_equals_the_kept_one(tmp_path, monkeypatch):
+    """A training set larger than the cache is rendered again on each pass: the same windows."""
+    import megaseq.data.chat_build as chat_build
+
+    records = [{"messages": CONVERSATION, "tools": TOOLS}, {"messages": SHORT}] * 3
+    kept = build_data(chat_cfg(tmp_path, records), vocab_size=64).train
+    monkeypatch.setattr(chat_build, "CACHE_TOKENS", 0)
+    streamed = build_data(chat_cfg(tmp_path, records), vocab_size=64).train
+    for _ in range(8):  # past the end of the first pass
+        a, b = kept.next_batch(), streamed.next_batch()
+        assert a["input_ids"].equal(b["input_ids"]) and a["labels"].equal(b["labels"])

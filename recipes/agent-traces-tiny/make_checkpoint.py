@@ -1,8 +1,11 @@
 """Writes this recipe's tiny Qwen3-MoE checkpoint (random weights, a word-level tokenizer with a Qwen-style chat
 template that shows tools, tool calls and tool results) and generated agent traces to train on.
 
-Run: python make_checkpoint.py [DIR] (default: this directory). It writes DIR/checkpoint (config.json,
-model.safetensors, tokenizer files with the chat template), DIR/traces.jsonl and DIR/heldout_traces.jsonl.
+Run: python make_checkpoint.py [DIR] [--long-tokens N] (DIR default: this directory). It writes DIR/checkpoint
+(config.json, model.safetensors, tokenizer files with the chat template), DIR/traces.jsonl and
+DIR/heldout_traces.jsonl; with --long-tokens also DIR/long_traces.jsonl and DIR/heldout_long_traces.jsonl,
+one conversation of at least N tokens each (for a long run: the tokenizer, not the tiny model, is what a
+large model needs from here).
 A trace: a user asks for a lab reading, the assistant calls a sensor tool, the tool answers, the assistant
 reports; several such rounds per conversation, so the later answers can copy from the earlier ones.
 """
@@ -11,7 +14,6 @@ from __future__ import annotations
 
 import json
 import random
-import sys
 from pathlib import Path
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -65,7 +67,7 @@ def tokenizer(words: set[str]):
     return tok
 
 
-def main(out: Path) -> Path:
+def main(out: Path, long_tokens: int = 0) -> Path:
     import torch
     from tokenizers import pre_tokenizers
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
@@ -89,10 +91,32 @@ def main(out: Path) -> Path:
                             pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
     torch.manual_seed(0)
     Qwen3MoeForCausalLM(config).save_pretrained(str(ckpt))
-    for name, records in (("traces.jsonl", train), ("heldout_traces.jsonl", held)):
+    outputs = {"traces.jsonl": train, "heldout_traces.jsonl": held}
+    if long_tokens:
+        for name, seed in (("long_traces.jsonl", 1), ("heldout_long_traces.jsonl", 2)):
+            outputs[name] = [long_trace(tok, random.Random(seed), long_tokens)]
+    for name, records in outputs.items():
         (out / name).write_text("".join(json.dumps(r) + "\n" for r in records))
     return ckpt
 
 
+def long_trace(tok, rng: random.Random, min_tokens: int) -> dict:
+    """One conversation of at least ``min_tokens`` tokens."""
+    rounds = 8
+    while True:
+        record = trace(rng, rounds)
+        text = tok.apply_chat_template(record["messages"], tools=TOOLS, tokenize=False)
+        count = len(tok(text, add_special_tokens=False)["input_ids"])
+        if count >= min_tokens:
+            return record
+        rounds = int(rounds * min_tokens / count * 1.05) + 1
+
+
 if __name__ == "__main__":
-    print(main(Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).resolve().parent))
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("dir", nargs="?", default=str(Path(__file__).resolve().parent))
+    parser.add_argument("--long-tokens", type=int, default=0)
+    args = parser.parse_args()
+    print(main(Path(args.dir), args.long_tokens))

@@ -36,6 +36,17 @@ def family(name: str, seed: int, length: int, count: int) -> str:
 
 
 if __name__ == "__main__":
-    for name, seed, length, count in (("famA", 1, 180, 40), ("famB", 2, 140, 40), ("famC", 3, 160, 30)):
-        with open(f"{name}.fa", "w") as f:  # famA, famB: training families; famC: the held-out family
-            f.write(family(name, seed, length, count))
+    import sys
+
+    # python make_families.py: famA, famB (training families) and famC (the held-out family), here.
+    # python make_families.py DIR RESIDUES: DIR/long_train.fa and DIR/long_heldout.fa, families of at least
+    # RESIDUES residues each (for a long run).
+    if len(sys.argv) > 2:
+        count = int(sys.argv[2]) // 190 + 1
+        for name, seed in (("long_train", 11), ("long_heldout", 12)):
+            with open(f"{sys.argv[1]}/{name}.fa", "w") as f:
+                f.write(family(name, seed, 200, count))
+    else:
+        for name, seed, length, count in (("famA", 1, 180, 40), ("famB", 2, 140, 40), ("famC", 3, 160, 30)):
+            with open(f"{name}.fa", "w") as f:
+                f.write(family(name, seed, length, count))

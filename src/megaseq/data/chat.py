@@ -10,12 +10,14 @@ checkpoint saw. Which tokens the loss counts (``data.loss_roles``, default assis
 
 - a template with ``{% generation %}`` markers, loss on assistant turns only: transformers'
   ``return_assistant_tokens_mask`` (the spans the template marks);
-- any other template or role set: by rendering prefixes. A message's span is the text that
-  ``messages[:i + 1]`` adds to ``messages[:i]`` (for an assistant turn, to ``messages[:i]`` with the
-  generation prompt, so the ``<|im_start|>assistant`` header the user's side supplies is not a target);
-  a token is a target when it starts inside a span. This needs a template whose rendering of a prefix is
-  a prefix of the whole (most are); one that rewrites earlier turns (dropping old reasoning) is refused
-  with the fix: add generation markers.
+- any other template or role set: by rendering. A message's span is the text that rendering it adds to
+  the conversation before it (for an assistant turn, to that conversation with the generation prompt, so
+  the ``<|im_start|>assistant`` header the user's side supplies is not a target); a token is a target when
+  it starts inside a span. Each message is rendered after the first message and the one before it, which
+  is linear in the conversation (a 17K-message trace of 230K tokens in about 30 s); the pieces must add up
+  to exactly the whole rendering, else every prefix ``messages[:i]`` is rendered instead (quadratic, so
+  only up to ``PREFIX_RENDER_MAX_MESSAGES``). A template that renders a turn differently once later turns
+  follow (Qwen3's empty thinking block on the last turn) is refused with the fix: add generation markers.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import Any
 import numpy as np
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
+PREFIX_RENDER_MAX_MESSAGES = 256  # beyond this, rendering every prefix (quadratic) is refused
 _GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
@@ -113,6 +116,44 @@ class ChatRenderer:
 
     def _by_prefixes(self, messages: list[dict[str, Any]], tools: Any, where: str) -> tuple[np.ndarray, np.ndarray]:
         text = self._text(messages, tools)
+        spans = self._local_spans(messages, tools, text)
+        if spans is None:
+            if len(messages) > PREFIX_RENDER_MAX_MESSAGES:
+                raise ValueError(f"{where}: the chat template renders a turn differently depending on the turns "
+                                 f"around it, and this conversation's {len(messages)} messages are too many to render "
+                                 "every prefix; add {% generation %} markers around assistant content in the template")
+            spans = self._prefix_spans(messages, tools, text, where)
+        enc = self.tok(text, add_special_tokens=False, return_offsets_mapping=True)
+        starts = np.asarray([s for s, _ in enc["offset_mapping"]], np.int64)
+        targets = np.zeros(len(starts), bool)
+        for lo, hi in spans:
+            targets |= (starts >= lo) & (starts < hi)
+        return np.asarray(enc["input_ids"], np.int32), targets
+
+    def _local_spans(self, messages: list[dict[str, Any]], tools: Any, text: str) -> list[tuple[int, int]] | None:
+        """Spans from rendering each message after the first message and the one before it (linear in the
+        conversation); None unless the pieces add up to exactly ``text``."""
+        pieces, spans, offset = [self._text(messages[:1], tools)], [], 0
+        if messages[0]["role"] in self.loss_roles:
+            spans.append((len(self._text([], tools, prompt=messages[0]["role"] == "assistant")), len(pieces[0])))
+        for i in range(1, len(messages)):
+            offset += len(pieces[-1])
+            context = messages[:1] + messages[max(i - 1, 1):i]
+            before, upto = self._text(context, tools), self._text(context + [messages[i]], tools)
+            if not upto.startswith(before):
+                return None
+            pieces.append(upto[len(before):])
+            if messages[i]["role"] in self.loss_roles:
+                start = self._text(context, tools, prompt=messages[i]["role"] == "assistant")
+                if not (upto.startswith(start) and start.startswith(before)):
+                    return None
+                spans.append((offset + len(start) - len(before), offset + len(pieces[-1])))
+        return spans if "".join(pieces) == text else None
+
+    def _prefix_spans(self, messages: list[dict[str, Any]], tools: Any, text: str,
+                      where: str) -> list[tuple[int, int]]:
+        """Spans from rendering every prefix of the conversation (quadratic; for short conversations whose
+        template looks further back than one message)."""
         spans = []
         for i, m in enumerate(messages):
             if m["role"] not in self.loss_roles:
@@ -124,13 +165,7 @@ class ChatRenderer:
                                  "follow (it rewrites earlier turns), so its span cannot be found by prefixes; "
                                  "add {% generation %} markers around assistant content in the template")
             spans.append((len(before), len(upto)))
-        enc = self.tok(text, add_special_tokens=False, return_offsets_mapping=True)
-        starts = np.asarray([s for s, _ in enc["offset_mapping"]], np.int64)
-        targets = np.zeros(len(starts), bool)
-        for lo, hi in spans:
-            targets |= (starts >= lo) & (starts < hi)
-        return np.asarray(enc["input_ids"], np.int32), targets
-
+        return spans
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "chat_template.json", "vocab.json", "merges.txt", "tokenizer.model")

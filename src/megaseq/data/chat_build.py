@@ -5,7 +5,9 @@ Conversations are read in file order, rendered (``chat.ChatRenderer``) and packe
 host memory trains. Held-out conversations each fill their own window, so the report's positions are
 positions in the conversation, and only target tokens (assistant turns) are scored.
 Before any model is built the whole training set is read once: a bad record fails there, naming its
-file and line, and a set with no target token, or conversations cut by data.seq_len, are reported.
+file and line, and a set with no target token, or conversations cut by data.seq_len, are reported. A set
+of at most ``CACHE_TOKENS`` tokens is kept as rendered then (rendering a long trace takes seconds); a
+larger one is rendered again on each pass.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from megaseq.data.chat import ROLES, ChatRenderer, check_record, load_chat_token
 from megaseq.data.packing import PackStats, StreamWindows, eval_windows, pack_whole
 from megaseq.data.sources import data_paths, iter_records
 
+CACHE_TOKENS = 1 << 26  # training data up to this many tokens is rendered once and kept (int32 ids + mask bytes)
+
 
 def conversations(paths: list[Path], renderer: ChatRenderer, column: str,
                   setting: str) -> Iterator[tuple[np.ndarray, np.ndarray]]:
@@ -32,10 +36,23 @@ def conversations(paths: list[Path], renderer: ChatRenderer, column: str,
             yield renderer.render(messages, tools, where)
 
 
-def _scan(paths: list[Path], renderer: ChatRenderer, column: str, seq_len: int, setting: str) -> PackStats:
-    """Read and render everything once (every error before the model is built); what packing will do."""
+def _scan(paths: list[Path], renderer: ChatRenderer, column: str, seq_len: int,
+          setting: str) -> tuple[PackStats, list[Any] | None]:
+    """Read and render everything once (every error before the model is built): what packing will do, and the
+    rendered conversations when they hold at most ``CACHE_TOKENS`` tokens (else None: training streams)."""
     stats = PackStats()
-    for _ in pack_whole(conversations(paths, renderer, column, setting), seq_len, renderer.pad_id, stats):
+    cache: list[Any] | None = []
+
+    def keep() -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        nonlocal cache
+        for doc in conversations(paths, renderer, column, setting):
+            if cache is not None:
+                cache.append(doc)
+                if stats.tokens > CACHE_TOKENS:
+                    cache = None
+            yield doc
+
+    for _ in pack_whole(keep(), seq_len, renderer.pad_id, stats):
         pass
     if stats.docs == 0:
         raise ValueError(f"{setting} holds no conversations")
@@ -47,7 +64,7 @@ def _scan(paths: list[Path], renderer: ChatRenderer, column: str, seq_len: int, 
                       f"{seq_len + 1} tokens (the longest {stats.longest}); each is cut into windows that do not see "
                       f"the earlier pieces: raise data.seq_len to at least {stats.longest - 1} to keep them whole",
                       stacklevel=3)
-    return stats
+    return stats, cache
 
 
 def build_chat(data_cfg: Any, seq_len: int, eval_len: int, max_windows: int, kw: dict[str, Any],
@@ -64,10 +81,11 @@ def build_chat(data_cfg: Any, seq_len: int, eval_len: int, max_windows: int, kw:
         renderer.check_vocab(vocab_size)
     column = data_cfg.column or "messages"
     train_paths = data_paths(list(data_cfg.train), "data.train")
-    stats = _scan(train_paths, renderer, column, seq_len, "data.train")
+    stats, cache = _scan(train_paths, renderer, column, seq_len, "data.train")
 
     def stream() -> Iterator[Any]:
-        return pack_whole(conversations(train_paths, renderer, column, "data.train"), seq_len, renderer.pad_id)
+        docs = cache if cache is not None else conversations(train_paths, renderer, column, "data.train")
+        return pack_whole(docs, seq_len, renderer.pad_id)
 
     train = StreamWindows(stream, seq_len, what="data.train", **kw)
     heldout = {}
