@@ -152,3 +152,14 @@ def test_protein_settings_errors():
         DataConfig(alphabet="rna")
     with pytest.raises(ValueError, match="--data.alphabet protein"):
         DataConfig(tokenizer="protein")
+
+
+@pytest.mark.parametrize("settings, words", [
+    ({"gaps": "drop"}, "data.gaps and data.protein_docs apply to protein"),
+    ({"alphabet": "protein", "kind": "text"}, "data.alphabet protein reads FASTA"),
+    ({"loss_roles": ["user"]}, "data.loss_roles applies to conversations"),
+    ({"column": "seq"}, "data.column names the column"),
+])
+def test_settings_of_another_kind_are_refused(settings, words):
+    with pytest.raises(ValueError, match=words):
+        DataConfig(**settings)

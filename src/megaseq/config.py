@@ -198,9 +198,27 @@ class DataConfig:
             raise ValueError(f"data.heldout_tail must be in [0, 1) (or -1 for the default), got {self.heldout_tail}")
         if self.non_acgt not in ("n", "error"):
             raise ValueError(f"data.non_acgt must be 'n' or 'error', got {self.non_acgt!r}")
+        self._check_kind_settings()
         if self.related_jitter and not self.related:
             raise ValueError(f"data.related_jitter {self.related_jitter} varies the regions of related windows, but "
                              "data.related is 0 (off): set data.related (2 or more regions) or leave the jitter at 0")
+
+
+    def _check_kind_settings(self) -> None:
+        """Settings of one kind of data given for another have no effect: refused, naming the setting."""
+        protein = self.alphabet == "protein"
+        if protein and self.kind != "fasta":
+            raise ValueError(f"data.alphabet protein reads FASTA / A3M families (data.kind fasta), not data.kind "
+                             f"{self.kind}; set --data.kind fasta or --data.alphabet dna")
+        if not protein and (self.gaps != "keep" or self.protein_docs != "family"):
+            raise ValueError("data.gaps and data.protein_docs apply to protein families: set --data.alphabet protein "
+                             "or leave them at their defaults")
+        if self.kind != "chat" and list(self.loss_roles) != ["assistant"]:
+            raise ValueError(f"data.loss_roles applies to conversations (data.kind chat), not data.kind {self.kind}; "
+                             "leave it at its default")
+        if self.column and self.kind not in ("text", "chat") and not protein:
+            raise ValueError(f"data.column names the column of text, conversations or protein sequences; data.kind "
+                             f"{self.kind} with DNA reads none: leave it empty")
 
 
 EP_DISPATCH = ("pipelined_llep", "llep", "plain")

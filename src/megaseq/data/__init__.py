@@ -172,11 +172,12 @@ def _build_text(data_cfg: Any, tok: Any, seq_len: int, eval_len: int, max_window
         from megaseq.data.text_stream import build_text_stream
 
         return Data(**build_text_stream(data_cfg, tok, seq_len, eval_len, max_windows, kw))
-    packed = load_text(list(data_cfg.train), tok, data_cfg.text_field, _txt(data_cfg), setting="data.train")
+    field_name = getattr(data_cfg, "column", "") or data_cfg.text_field
+    packed = load_text(list(data_cfg.train), tok, field_name, _txt(data_cfg), setting="data.train")
     train = WindowSampler([packed], seq_len, **kw)
     heldout = {}
     for path in data_cfg.heldout:
-        stream = load_text([path], tok, data_cfg.text_field, _txt(data_cfg), setting="data.heldout")
+        stream = load_text([path], tok, field_name, _txt(data_cfg), setting="data.heldout")
         heldout[stream.source] = heldout_windows([stream], eval_len, max_windows, "eval.seq_len")
     return Data(train, heldout, tok)
 
