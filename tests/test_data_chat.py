@@ -199,3 +199,18 @@ def test_streamed_pass_equals_the_kept_one(tmp_path, monkeypatch):
     for _ in range(8):  # past the end of the first pass
         a, b = kept.next_batch(), streamed.next_batch()
         assert a["input_ids"].equal(b["input_ids"]) and a["labels"].equal(b["labels"])
+
+
+def test_report_scores_only_the_assistant_tokens_of_held_out_conversations(tmp_path):
+    import numpy as np
+
+    from megaseq.eval.by_position import position_loss
+
+    held = write_jsonl(tmp_path / "held.jsonl", [{"messages": SHORT}, {"messages": CONVERSATION, "tools": TOOLS}])
+    data = build_data(chat_cfg(tmp_path, [{"messages": SHORT}], heldout=[str(held)], seq_len=127), vocab_size=64)
+    batches = data.heldout_batches()
+    result = position_loss(lambda b: np.ones(tuple(b["labels"].shape)), batches, 4)
+    # SHORT: targets at tokens 6-8, labels 5-7 (bucket 1 and 2); CONVERSATION: 22 + 6 + 3 targets
+    assert int(result.count.sum()) == 3 + 22 + 6 + 3
+    first = next(iter(batches["held.jsonl"]))
+    assert (first["labels"][0] != IGN).nonzero().flatten().tolist() == [5, 6, 7]

@@ -163,3 +163,21 @@ def test_protein_settings_errors():
 def test_settings_of_another_kind_are_refused(settings, words):
     with pytest.raises(ValueError, match=words):
         DataConfig(**settings)
+
+
+def test_a_checkpoints_own_tokenizer_reads_the_family(tmp_path):
+    """data.tokenizer DIR: residues through a checkpoint's tokenizer, its eos between proteins, per-token report."""
+    pytest.importorskip("tokenizers")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<eos>": 0, **{ch: i + 1 for i, ch in enumerate("ACDEFGHIKLMNPQRSTVWYBZXUO-")}}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<eos>"))
+    tk.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tk.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text('{"eos_token": "<eos>"}')
+    fam = write(tmp_path, "fam.fa", FAMILY_FA)
+    data = build_data(DataConfig(alphabet="protein", tokenizer=str(tmp_path), train=[str(fam)], seq_len=10),
+                      vocab_size=32)
+    assert data.unit == "token" and data.score_ids is None
+    ids = [vocab[c] for c in "MKVLA"] + [0] + [vocab[c] for c in "M-KX"] + [0]
+    assert data.train.records[0].tokens.tolist() == ids
