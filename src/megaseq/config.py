@@ -146,7 +146,9 @@ class ModelConfig:
 class DataConfig:
     """Training and held-out data."""
 
-    kind: str = opt("fasta", "fasta (DNA), text (JSONL or .txt through a HF tokenizer) or random (memory tests)")
+    kind: str = opt("fasta", "fasta (DNA, or protein families with data.alphabet protein), text (JSONL, .txt or "
+                    "columnar files through a HF tokenizer), chat (conversations with a 'messages' list, through the "
+                    "checkpoint's chat template) or random (memory tests)")
     train: list[str] = opt([], "training files (FASTA: .fa/.fasta[.gz|.xz]; text: .jsonl/.txt); "
                            "empty means the lambda phage genome shipped with megaseq")
     heldout: list[str] = opt([], "held-out files (a whole genome or chromosome the model never sees)")
@@ -164,16 +166,31 @@ class DataConfig:
                                 "fixed-offset copy instead of matching content (docs/long_context.md)", ge=0.0, lt=1.0)
     lowercase: str = opt("upper", "lower-case bases (soft-masked repeats): upper (keep as bases) or n (as N)")
     non_acgt: str = opt("n", "IUPAC ambiguity codes other than ACGTN: n (map to N) or error")
-    tokenizer: str = opt("dna", "dna (single-nucleotide) or a path to a HF tokenizer.json / checkpoint dir")
+    tokenizer: str = opt("dna", "dna or protein (the single-letter tokenizer of data.alphabet) or a path to a HF "
+                         "tokenizer.json / checkpoint dir")
     text_field: str = opt("text", "JSONL field holding the document text")
     txt_docs: str = opt("file", ".txt files: one document per file (file) or per blank-line paragraph (paragraph)")
     seed: int = opt(0, "seed for window sampling", ge=0)
+    alphabet: str = opt("dna", "data.kind fasta: dna (nucleotides) or protein (families of homologs, FASTA or A3M; "
+                        "20 amino acids, B Z X U O and a gap, docs/data.md)", choices=("dna", "protein"))
+    gaps: str = opt("keep", "protein: the gap '-' of aligned families (A3M) as a token (keep) or removed, giving "
+                    "unaligned homologs (drop)", choices=("keep", "drop"))
+    protein_docs: str = opt("family", "protein: one document per family file, each protein attending to the "
+                            "homologs before it (family), or one per protein (protein)", choices=("family", "protein"))
+    loss_roles: list[str] = opt(["assistant"], "chat: the roles whose tokens the loss counts (system, developer, user, "
+                                "assistant, tool)")
+    column: str = opt("", "the field or column holding the data in JSONL, parquet, Arrow or datasets directories; "
+                      "empty: messages (chat), data.text_field (text)")
 
     def __post_init__(self) -> None:
         self.seq_len = parse_size(self.seq_len, "data.seq_len")
+        if self.alphabet == "protein" and self.tokenizer == "dna":
+            self.tokenizer = "protein"  # the alphabet's own single-letter tokenizer
+        if self.alphabet == "dna" and self.tokenizer == "protein":
+            raise ValueError("data.tokenizer protein reads protein sequences: set --data.alphabet protein")
         check_bounds(self, "data")
-        if self.kind not in ("fasta", "text", "random"):
-            raise ValueError(f"data.kind must be fasta, text or random, got {self.kind!r}")
+        if self.kind not in ("fasta", "text", "chat", "random"):
+            raise ValueError(f"data.kind must be fasta, text, chat or random, got {self.kind!r}")
         if self.seq_len < 2:
             raise ValueError(f"data.seq_len must be at least 2, got {self.seq_len}")
         if self.lowercase not in ("upper", "n"):
@@ -184,9 +201,27 @@ class DataConfig:
             raise ValueError(f"data.heldout_tail must be in [0, 1) (or -1 for the default), got {self.heldout_tail}")
         if self.non_acgt not in ("n", "error"):
             raise ValueError(f"data.non_acgt must be 'n' or 'error', got {self.non_acgt!r}")
+        self._check_kind_settings()
         if self.related_jitter and not self.related:
             raise ValueError(f"data.related_jitter {self.related_jitter} varies the regions of related windows, but "
                              "data.related is 0 (off): set data.related (2 or more regions) or leave the jitter at 0")
+
+
+    def _check_kind_settings(self) -> None:
+        """Settings of one kind of data given for another have no effect: refused, naming the setting."""
+        protein = self.alphabet == "protein"
+        if protein and self.kind != "fasta":
+            raise ValueError(f"data.alphabet protein reads FASTA / A3M families (data.kind fasta), not data.kind "
+                             f"{self.kind}; set --data.kind fasta or --data.alphabet dna")
+        if not protein and (self.gaps != "keep" or self.protein_docs != "family"):
+            raise ValueError("data.gaps and data.protein_docs apply to protein families: set --data.alphabet protein "
+                             "or leave them at their defaults")
+        if self.kind != "chat" and list(self.loss_roles) != ["assistant"]:
+            raise ValueError(f"data.loss_roles applies to conversations (data.kind chat), not data.kind {self.kind}; "
+                             "leave it at its default")
+        if self.column and self.kind not in ("text", "chat") and not protein:
+            raise ValueError(f"data.column names the column of text, conversations or protein sequences; data.kind "
+                             f"{self.kind} with DNA reads none: leave it empty")
 
 
 EP_DISPATCH = ("pipelined_llep", "llep", "plain")

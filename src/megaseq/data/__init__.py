@@ -52,6 +52,7 @@ class Data:
     unit: str = "token"  # 'base' when tokens are single nucleotides (losses reported as bits per base)
     score_ids: tuple[int, ...] | None = None  # label ids that count in evaluation (A C G T for DNA)
     train_records: list[FastaRecord] = field(default_factory=list)  # DNA ids, for the k-mer baseline
+    notes: list[str] = field(default_factory=list)  # sentences for the report (what is scored)
 
     def heldout_batches(self, batch_size: int = 1) -> dict[str, EvalBatches]:
         return {group: EvalBatches(windows, batch_size) for group, windows in self.heldout.items()}
@@ -88,11 +89,19 @@ def build_data(data_cfg: Any, eval_cfg: Any = None, *, batch_size: int = 1, voca
         if vocab_size is None:
             raise ValueError("data.kind=random needs the model's vocab_size")
         return Data(RandomTokens(vocab_size, seq_len, **kw), {}, None)
+    if data_cfg.kind == "chat":
+        from megaseq.data.chat_build import build_chat
+
+        return Data(**build_chat(data_cfg, seq_len, eval_len, max_windows, kw, vocab_size))
     tok = build_tokenizer(data_cfg)
     if vocab_size is not None:
         tok.check_vocab(vocab_size)
     if data_cfg.kind == "text":
         return _build_text(data_cfg, tok, seq_len, eval_len, max_windows, kw)
+    if getattr(data_cfg, "alphabet", "dna") == "protein":
+        from megaseq.data.protein_build import build_protein
+
+        return Data(**build_protein(data_cfg, tok, seq_len, eval_len, max_windows, kw, heldout_tail))
     split = load_dna_split(data_cfg, heldout_tail=heldout_tail)
     heldout = split.heldout
     related = getattr(data_cfg, "related", 0)
@@ -157,11 +166,18 @@ def _build_text(data_cfg: Any, tok: Any, seq_len: int, eval_len: int, max_window
         raise ValueError("data.reverse_complement applies to DNA only; set it false for data.kind=text")
     if not data_cfg.train:
         raise ValueError("data.kind=text needs data.train: .jsonl or .txt files")
-    packed = load_text(list(data_cfg.train), tok, data_cfg.text_field, _txt(data_cfg), setting="data.train")
+    from megaseq.data.sources import data_paths, is_columnar
+
+    if any(is_columnar(p) for p in data_paths(list(data_cfg.train) + list(data_cfg.heldout), "data.train")):
+        from megaseq.data.text_stream import build_text_stream
+
+        return Data(**build_text_stream(data_cfg, tok, seq_len, eval_len, max_windows, kw))
+    field_name = getattr(data_cfg, "column", "") or data_cfg.text_field
+    packed = load_text(list(data_cfg.train), tok, field_name, _txt(data_cfg), setting="data.train")
     train = WindowSampler([packed], seq_len, **kw)
     heldout = {}
     for path in data_cfg.heldout:
-        stream = load_text([path], tok, data_cfg.text_field, _txt(data_cfg), setting="data.heldout")
+        stream = load_text([path], tok, field_name, _txt(data_cfg), setting="data.heldout")
         heldout[stream.source] = heldout_windows([stream], eval_len, max_windows, "eval.seq_len")
     return Data(train, heldout, tok)
 

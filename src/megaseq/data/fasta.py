@@ -23,7 +23,8 @@ import numpy as np
 from megaseq.data.tokenizer import AMBIGUOUS, ILLEGAL, SKIP, byte_lut
 
 _BLOCK_BYTES = 1 << 23
-_NL, _GT = ord("\n"), ord(">")
+_NL, _GT, _HASH = ord("\n"), ord(">"), ord("#")
+_AMINO_ONLY = set("EFILPQJZO*")  # letters no nucleotide code uses: a protein sequence read as DNA
 
 
 def default_genome_path() -> Path:
@@ -70,6 +71,7 @@ class _Parser:
 
     path: Path
     lut: np.ndarray
+    alphabet: str = "dna"  # names the alphabet in messages: "dna" or "protein" (which also skips '#' lines)
     line: int = 0  # lines in the blocks already parsed
     rec_id: str | None = None
     rec_desc: str = ""
@@ -87,6 +89,11 @@ class _Parser:
         mapped = self.lut[buf]
         for h, e in zip(heads, ends):
             mapped[h:e] = SKIP
+        if self.alphabet == "protein":  # A3M files may open with '#' lines (HHblits / ColabFold cardinality)
+            hashes = np.flatnonzero(buf == _HASH)
+            hashes = hashes[(hashes == 0) | (buf[hashes - 1] == _NL)]
+            for h, e in zip(hashes, np.append(newlines, len(buf))[np.searchsorted(newlines, hashes)]):
+                mapped[h:e] = SKIP
         self._check_illegal(buf, mapped, newlines, heads, ends)
         prev = 0
         for h, e in zip(heads.tolist(), ends.tolist()):
@@ -144,7 +151,16 @@ class _Parser:
             raise ValueError(f"FASTA file {self.path}, {where}, line {line}: IUPAC ambiguity code "
                              f"{char!r} rejected by data.non_acgt=error; set data.non_acgt=n to read it as N")
         raise ValueError(f"FASTA file {self.path}, {where}, line {line}: illegal character {char!r} "
-                         f"(byte 0x{buf[i]:02x}); sequence lines may hold only IUPAC nucleotide codes")
+                         f"(byte 0x{buf[i]:02x}); {_allowed(self.alphabet, char)}")
+
+
+def _allowed(alphabet: str, char: str) -> str:
+    """What the sequence lines of ``alphabet`` may hold, and the fix for ``char``."""
+    if alphabet == "protein":
+        return ("protein sequence lines may hold the 20 amino acids, B Z X U O, '-' (gap), and '.' or '*' "
+                "(skipped), in either case; replace it (X: an unknown residue) or remove the record")
+    hint = "; for protein sequences set --data.alphabet protein" if char.upper() in _AMINO_ONLY else ""
+    return f"sequence lines may hold only IUPAC nucleotide codes{hint}"
 
 
 def _header_id(buf: np.ndarray, start: int, end: int) -> str:
@@ -152,12 +168,14 @@ def _header_id(buf: np.ndarray, start: int, end: int) -> str:
     return words[0] if words else ""
 
 
-def iter_fasta(path: str | Path, lowercase: str = "upper", non_acgt: str = "n") -> Iterator[FastaRecord]:
-    """Stream the records of a FASTA file (plain, gzip or xz), one uint8 id array each."""
+def iter_fasta(path: str | Path, lowercase: str = "upper", non_acgt: str = "n", lut: np.ndarray | None = None,
+               alphabet: str = "dna") -> Iterator[FastaRecord]:
+    """Stream the records of a FASTA file (plain, gzip or xz), one uint8 id array each. ``lut``: a byte -> id
+    table of another alphabet (``alphabet`` names it in messages; default: DNA from lowercase, non_acgt)."""
     path = Path(path).expanduser()
     if not path.is_file():
         raise ValueError(f"FASTA file {path} not found" + (" (it is a directory)" if path.is_dir() else ""))
-    parser = _Parser(path, byte_lut(lowercase, non_acgt))
+    parser = _Parser(path, byte_lut(lowercase, non_acgt) if lut is None else lut, alphabet)
     total, count = 0, 0
     with open_maybe_compressed(path) as fh:
         carry = b""
@@ -226,13 +244,17 @@ def _split_tail(records: list[FastaRecord], fraction: float) -> tuple[list[Fasta
     return head, tail
 
 
-def load_dna_split(data_cfg: Any, heldout_tail: float = 0.0) -> DnaSplit:
+def load_dna_split(data_cfg: Any, heldout_tail: float = 0.0, reader: Any = None) -> DnaSplit:
     """Read ``data.train`` (default: the packaged lambda genome) and ``data.heldout`` into a split.
 
     ``data.heldout_records`` moves whole records of the training files to the held-out side.
     ``heldout_tail`` (0 <= f < 1) also holds out the last fraction f of every training record, for a
     single-genome demo such as the embedded default; held-out files are the better split.
+    ``reader``: path -> records (default: DNA ``read_fasta``; protein families pass their own).
     """
+    if reader is None:
+        def reader(p: Path) -> list[FastaRecord]:
+            return read_fasta(p, data_cfg.lowercase, data_cfg.non_acgt)
     if not 0.0 <= heldout_tail < 1.0:
         raise ValueError(f"heldout_tail must be in [0, 1), got {heldout_tail}")
     train_paths = expand_paths(list(data_cfg.train), "data.train")
@@ -247,7 +269,7 @@ def load_dna_split(data_cfg: Any, heldout_tail: float = 0.0) -> DnaSplit:
     heldout: dict[str, list[FastaRecord]] = {}
     found: set[str] = set()
     for p in train_paths:
-        recs = read_fasta(p, data_cfg.lowercase, data_cfg.non_acgt)
+        recs = reader(p)
         out = [r for r in recs if r.id in wanted]
         found |= {r.id for r in out}
         if out:
@@ -271,5 +293,5 @@ def load_dna_split(data_cfg: Any, heldout_tail: float = 0.0) -> DnaSplit:
         heldout[f"tail {heldout_tail:g} of training records"] = tail
     for p in heldout_paths:
         name = p.name if p.name not in heldout else str(p)
-        heldout[name] = read_fasta(p, data_cfg.lowercase, data_cfg.non_acgt)
+        heldout[name] = reader(p)
     return DnaSplit(train, heldout)

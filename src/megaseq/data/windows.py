@@ -41,14 +41,18 @@ def _doc_ids(rec: TokenRecord) -> np.ndarray | None:
 
 
 def make_batch(windows: list[np.ndarray], docs: list[np.ndarray] | None = None,
-               score_from: list[int] | None = None) -> dict[str, Any]:
+               score_from: list[int] | None = None, targets: list[np.ndarray] | None = None) -> dict[str, Any]:
     """Windows of L tokens (and their per-token document ids) -> the batch dict above. ``score_from``:
-    per window, the first token that is a scored target (the ones before are context only: -100)."""
+    per window, the first token that is a scored target (the ones before are context only: -100).
+    ``targets``: per window ``[L]`` bool, whether each token is a target the loss counts (a conversation's
+    assistant tokens); a token that is not is the label -100 of the token before it."""
     w_BL = np.stack(windows)
     input_ids = torch.from_numpy(w_BL[:, :-1].astype(np.int64))
     labels = torch.from_numpy(w_BL[:, 1:].astype(np.int64))
     for b, first in enumerate(score_from or []):
         labels[b, :max(first - 1, 0)] = IGNORE_INDEX
+    if targets is not None:
+        labels[torch.from_numpy(~np.stack(targets)[:, 1:].astype(bool))] = IGNORE_INDEX
     doc_ids = None
     if docs is not None:
         d_BL = np.stack(docs).astype(np.int64)
@@ -173,6 +177,7 @@ class EvalWindow:
     tokens: np.ndarray
     doc_ids: np.ndarray | None = None
     score_from: int = 0  # tokens before this one are context only (related strains before a held-out genome)
+    targets: np.ndarray | None = None  # [L] bool: tokens the loss counts (assistant turns); None: all
 
 
 def heldout_windows(records: Sequence[TokenRecord], seq_len: int, max_windows: int = 0,
@@ -215,7 +220,8 @@ class EvalBatches:
         for i in range(0, len(self.windows), self.batch_size):
             group = self.windows[i:i + self.batch_size]
             docs = None if group[0].doc_ids is None else [w.doc_ids for w in group]
-            yield make_batch([w.tokens for w in group], docs, [w.score_from for w in group])
+            targets = None if group[0].targets is None else [w.targets for w in group]
+            yield make_batch([w.tokens for w in group], docs, [w.score_from for w in group], targets)
 
 
 class RandomTokens(StepWindows):

@@ -49,6 +49,7 @@ def report_by_position(models: dict[str, Any], data: Any, eval_cfg: Any, out_dir
     ``out_dir``; returns the result. ``compare_kw``: ``compare``'s before, after, descriptions, notes."""
     kmer = kmer if kmer is not None else build_kmer_baseline(data, eval_cfg.kmer_k)
     baseline = (kmer.name, kmer.batch_loss) if kmer is not None else None
+    compare_kw["notes"] = [*compare_kw.get("notes", ()), *getattr(data, "notes", ())]
     report = evaluate_by_position(models, data.heldout_batches(eval_cfg.batch_size), eval_cfg.by_position,
                                   baseline, data.score_ids, data.unit, **compare_kw)
     write_report(report, out_dir)

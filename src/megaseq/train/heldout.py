@@ -26,6 +26,9 @@ from megaseq.train import checkpoint as ckpt
 RANDOM_INIT_NOTE = ("No 'before' column: the run started from random weights, whose 4.0 bits per base (uniform "
                     "over the 16-symbol vocabulary) would say nothing about what training learned; "
                     "set model.init_from to fine-tune, and compare against that checkpoint.")
+RANDOM_INIT_NOTE_TOKENS = ("No 'before' column: the run started from random weights, whose loss (uniform over the "
+                           "vocabulary) would say nothing about what training learned; set model.init_from to "
+                           "fine-tune, and compare against that checkpoint.")
 
 
 class HeldoutProbe:
@@ -123,7 +126,7 @@ def evaluate_run(cfg: Config, run_dir: Path, model: torch.nn.Module, spec: Any, 
         models["before"] = per_token_loss_fn(m0.eval(), env, autocast, chunk, segment)
         descriptions["before"] = f"{cfg.model.init_from}, step 0"
     else:
-        notes.append(RANDOM_INIT_NOTE)
+        notes.append(RANDOM_INIT_NOTE if data.unit == "base" else RANDOM_INIT_NOTE_TOKENS)
     models["after"] = per_token_loss_fn(model.eval(), env, autocast, chunk, segment)
     descriptions["after"] = f"step {cfg.train.steps if step is None else step}"
     return report_by_position(models, data, cfg.eval, Path(run_dir) / "eval", kmer=kmer,

@@ -614,3 +614,7 @@ def export_run(cfg: Config, model: torch.nn.Module, spec: Any, run_dir: Path, re
             return
     result.hf_export = export_hf_checkpoint(model, spec, run_dir / "hf", merged=cfg.lora.enabled,
                                             carry_from=cfg.model.init_from)
+    if is_main:  # the tokenizer and its chat template beside the weights, so the export loads whole
+        from megaseq.data.chat import copy_tokenizer_files
+
+        copy_tokenizer_files(cfg.data.tokenizer, result.hf_export)

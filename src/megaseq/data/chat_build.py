@@ -1,0 +1,99 @@
+"""The training stream and held-out windows of conversations (``data.kind chat``).
+
+Conversations are read in file order, rendered (``chat.ChatRenderer``) and packed whole into windows
+(``packing.pack_whole``); training streams them (``packing.StreamWindows``), so a corpus larger than
+host memory trains. Held-out conversations each fill their own window, so the report's positions are
+positions in the conversation, and only target tokens (assistant turns) are scored.
+Before any model is built the whole training set is read once: a bad record fails there, naming its
+file and line, and a set with no target token, or conversations cut by data.seq_len, are reported. A set
+of at most ``CACHE_TOKENS`` tokens is kept as rendered then (rendering a long trace takes seconds); a
+larger one is rendered again on each pass.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from megaseq.data.chat import ROLES, ChatRenderer, check_record, load_chat_tokenizer
+from megaseq.data.packing import PackStats, StreamWindows, eval_windows, pack_whole
+from megaseq.data.sources import data_paths, iter_records
+
+CACHE_TOKENS = 1 << 26  # training data up to this many tokens is rendered once and kept (int32 ids + mask bytes)
+
+
+def conversations(paths: list[Path], renderer: ChatRenderer, column: str,
+                  setting: str) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """(ids, targets) of every conversation of ``paths``, in order."""
+    for path in paths:
+        for where, record in iter_records(path, column, ("tools",), "one JSON object with a 'messages' list",
+                                          setting):
+            messages, tools = check_record(record, column, where)
+            yield renderer.render(messages, tools, where)
+
+
+def _scan(paths: list[Path], renderer: ChatRenderer, column: str, seq_len: int,
+          setting: str) -> tuple[PackStats, list[Any] | None]:
+    """Read and render everything once (every error before the model is built): what packing will do, and the
+    rendered conversations when they hold at most ``CACHE_TOKENS`` tokens (else None: training streams)."""
+    stats = PackStats()
+    cache: list[Any] | None = []
+
+    def keep() -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        nonlocal cache
+        for doc in conversations(paths, renderer, column, setting):
+            if cache is not None:
+                cache.append(doc)
+                if stats.tokens > CACHE_TOKENS:
+                    cache = None
+            yield doc
+
+    for _ in pack_whole(keep(), seq_len, renderer.pad_id, stats):
+        pass
+    if stats.docs == 0:
+        raise ValueError(f"{setting} holds no conversations")
+    if stats.targets == 0:
+        raise ValueError(f"{setting}: no token of roles {list(renderer.loss_roles)} in {stats.docs} conversations, "
+                         "so there is nothing to learn; set data.loss_roles to roles the data has")
+    if stats.split:
+        warnings.warn(f"{setting}: {stats.split} of {stats.docs} conversations are longer than data.seq_len + 1 = "
+                      f"{seq_len + 1} tokens (the longest {stats.longest}); each is cut into windows that do not see "
+                      f"the earlier pieces: raise data.seq_len to at least {stats.longest - 1} to keep them whole",
+                      stacklevel=3)
+    return stats, cache
+
+
+def build_chat(data_cfg: Any, seq_len: int, eval_len: int, max_windows: int, kw: dict[str, Any],
+               vocab_size: int | None) -> dict[str, Any]:
+    """The fields of ``data.Data`` for conversations."""
+    bad = sorted(set(data_cfg.loss_roles) - set(ROLES))
+    if bad or not data_cfg.loss_roles:
+        raise ValueError(f"data.loss_roles {list(data_cfg.loss_roles)}: give roles among {', '.join(ROLES)}")
+    if not data_cfg.train:
+        raise ValueError("data.kind chat needs data.train: JSONL files with a 'messages' list per line, or "
+                         "parquet / Arrow / datasets directories with a messages column")
+    renderer = ChatRenderer(load_chat_tokenizer(data_cfg.tokenizer), tuple(data_cfg.loss_roles))
+    if vocab_size is not None:
+        renderer.check_vocab(vocab_size)
+    column = data_cfg.column or "messages"
+    train_paths = data_paths(list(data_cfg.train), "data.train")
+    stats, cache = _scan(train_paths, renderer, column, seq_len, "data.train")
+
+    def stream() -> Iterator[Any]:
+        docs = cache if cache is not None else conversations(train_paths, renderer, column, "data.train")
+        return pack_whole(docs, seq_len, renderer.pad_id)
+
+    train = StreamWindows(stream, seq_len, what="data.train", **kw)
+    heldout = {}
+    for path in data_paths(list(data_cfg.heldout), "data.heldout"):
+        docs = conversations([path], renderer, column, "data.heldout")
+        heldout[path.name] = eval_windows(pack_whole(docs, eval_len, renderer.pad_id, one_per_window=True),
+                                          max_windows)
+    roles = ", ".join(renderer.loss_roles)
+    note = (f"Scored: tokens of the {roles} turns only ({renderer.method} mask; {stats.targets} of "
+            f"{stats.tokens} training tokens are targets); a position is a position in the conversation.")
+    return {"train": train, "heldout": heldout, "tokenizer": renderer, "notes": [note]}
