@@ -103,9 +103,10 @@ def warm_planned_step(cfg: Config, seq_len: int, device: torch.device) -> tuple:
     return c, spec, plan, model, applied, next_batch, step
 
 
-def measure_megaseq(cfg: Config, seq_len: int, steps: int, source: str) -> dict[str, Any]:
+def measure_megaseq(cfg: Config, seq_len: int, steps: int, source: str, routing: str = "natural") -> dict[str, Any]:
     """Warm-up step + ``steps`` timed steps of megaseq at ``seq_len`` (``steps`` 0: the one step, timed cold);
-    an OOM is a result, not an error."""
+    an OOM is a result, not an error. ``routing``: the MoE routers' (``models.common.routing``)."""
+    from megaseq.models.common.routing import set_routing
     from megaseq.models.presets import resolve_spec
     from megaseq.train.metrics import moe_load
     from megaseq.train.trainer import kernels_for, resolve_device
@@ -119,12 +120,13 @@ def measure_megaseq(cfg: Config, seq_len: int, steps: int, source: str) -> dict[
                            "predicted_gpu_gib": plan.peak_gpu / GIB,
                            "predicted_gpu_tensors_gib": plan.peak_gpu_tensors / GIB,
                            "predicted_host_gib": plan.peak_host / 1e9, "memory_plan": dict(plan.memory),
-                           "plan_fits": plan.fits}
+                           "plan_fits": plan.fits, "routing": routing}
     model = applied = None
     try:
         with kernels_for(c, device):  # the dispatcher as `megaseq train` sets it up
             dispatch.reset_records()
             model, applied, next_batch, step = planned_step(c, spec, device, plan, steps + 1)
+            set_routing(model, routing)
             _sync(device)
             host_rss_peak_reset()
             if device.type == "cuda":
@@ -146,7 +148,7 @@ def measure_megaseq(cfg: Config, seq_len: int, steps: int, source: str) -> dict[
                    measured_gpu_gib=torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None,
                    measured_gpu_reserved_gib=(torch.cuda.max_memory_reserved(device) / GIB
                                               if device.type == "cuda" else None),
-                   measured_host_gib=host_rss_peak() / 1e9, moe_max_over_mean=moe_load(model))
+                   measured_host_gib=host_rss_peak() / 1e9, **load_summary(moe_load(model)))
     except torch.OutOfMemoryError as e:
         row.update(status="oom", error=str(e).splitlines()[0][:200])
         # where it ran out, for whoever reads the log (the row keeps the message only)
@@ -160,6 +162,13 @@ def measure_megaseq(cfg: Config, seq_len: int, steps: int, source: str) -> dict[
         del model
         free_memory(device)
     return row
+
+
+def load_summary(load: dict[str, float]) -> dict[str, Any]:
+    """A row's MoE load: max/mean tokens per expert per layer, and its largest and mean over the layers."""
+    vals = list(load.values())
+    return {"moe_max_over_mean": load, "moe_load_max": max(vals) if vals else None,
+            "moe_load_mean": sum(vals) / len(vals) if vals else None}
 
 
 def timed_steps(run_step: Callable[[], None], steps: int, device: torch.device) -> list[float]:

@@ -93,6 +93,10 @@ def parser() -> argparse.ArgumentParser:
                             help="per-token log-probs of megaseq (bf16) vs the reference (fp32) at the longest "
                                  "of these lengths the reference can run, e.g. 32K,16K,8K")
             sp.add_argument("--max-limit", default="4M", help="--find-max stops doubling at this length")
+            sp.add_argument("--routing", default="auto",
+                            help="MoE routing: auto (balanced for an MoE on random weights and random tokens, "
+                                 "natural for genome windows and loaded checkpoints), balanced (each token's "
+                                 "top-k spread evenly over the experts, the router's weights kept) or natural")
         if verb == "eval":
             sp.add_argument("target", help="a run directory or checkpoint directories (comma-separated)")
             sp.add_argument("--data", default=None, help="held-out FASTA/text files (comma-separated)")

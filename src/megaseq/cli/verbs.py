@@ -93,7 +93,7 @@ def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
     lp = [parse_size(s) for s in args.logprob_check.split(",") if s]
     result = run_bench(cfg, lens, steps=args.steps, source=args.source, find_max_len=args.find_max,
                        baseline=args.baseline, out=args.out, logprob_lengths=lp,
-                       max_limit=parse_size(args.max_limit))
+                       max_limit=parse_size(args.max_limit), routing=args.routing)
     from megaseq.bench.report import markdown
 
     print(markdown(result))
