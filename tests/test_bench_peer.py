@@ -51,6 +51,8 @@ def test_lora_recipe_runs_the_peer_in_the_same_job(tmp_path) -> None:
     assert result["longest"] == {"megaseq": 64, "reference": 64}
     md = markdown(result)
     assert "1.00 (balanced)" in md and "peer: system: transformers" in md
+    assert ours["first_step_s"] > 0 and row["first_step_s"] > 0
+    assert "first step against a warm step: 64 (random)" in md
     assert (tmp_path / "bench.json").is_file()
 
 

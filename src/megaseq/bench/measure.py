@@ -131,7 +131,8 @@ def measure_megaseq(cfg: Config, seq_len: int, steps: int, source: str, routing:
             host_rss_peak_reset()
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
-            times = timed_steps(lambda: step(next_batch()), steps, device)
+            first: list[float] = []
+            times = timed_steps(lambda: step(next_batch()), steps, device, first)
             # the ops `model.kernels` prefers that ran something else (where and why): the row says what it timed
             row["kernel_fallbacks"] = dispatch.fallback_summary(preferred_kernels(device.type, c.model.kernels))
             for g in row["kernel_fallbacks"]:
@@ -143,7 +144,7 @@ def measure_megaseq(cfg: Config, seq_len: int, steps: int, source: str, routing:
             row["predicted_is_first_step"] = True
         dt = sum(times) / len(times)
         tokens = c.train.batch_size * seq_len
-        row.update(status="ok", step_s=dt, tokens_per_s=tokens / dt,
+        row.update(status="ok", step_s=dt, first_step_s=first[0], tokens_per_s=tokens / dt,
                    mfu=mfu(tokens / dt, plan.flops["per_token"], 1) if device.type == "cuda" else None,
                    measured_gpu_gib=torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None,
                    measured_gpu_reserved_gib=(torch.cuda.max_memory_reserved(device) / GIB
@@ -171,9 +172,11 @@ def load_summary(load: dict[str, float]) -> dict[str, Any]:
             "moe_load_mean": sum(vals) / len(vals) if vals else None}
 
 
-def timed_steps(run_step: Callable[[], None], steps: int, device: torch.device) -> list[float]:
+def timed_steps(run_step: Callable[[], None], steps: int, device: torch.device,
+                first: list[float] | None = None) -> list[float]:
     """Seconds of each measured step: ``steps + 1`` runs of ``run_step``, the first a warm-up (kernels,
-    autotune, the allocator) left out; ``steps`` 0: the one (cold) step."""
+    autotune, the allocator) left out (its seconds appended to ``first`` when given); ``steps`` 0: the one
+    (cold) step."""
     times = []
     note = cold_start_note(device.type)
     if note:  # a cold first step is silent for minutes otherwise
@@ -185,6 +188,8 @@ def timed_steps(run_step: Callable[[], None], steps: int, device: torch.device) 
         dt = time.perf_counter() - t0
         if i > 0 or steps == 0:
             times.append(dt)
+        if i == 0 and first is not None:
+            first.append(dt)
         # as each step ends (stderr): a long bench stopped by a time limit still shows what it measured
         what = "warm-up" if i == 0 and steps else "timed"
         print(f"megaseq bench: step {i + 1} of {steps + 1} ({what}): {dt:.1f} s", file=sys.stderr, flush=True)

@@ -79,10 +79,12 @@ def measure_reference(cfg: Config, seq_len: int, steps: int, routing: str = "nat
             opt.step()
             opt.zero_grad(set_to_none=True)
 
-        times = timed_steps(step, steps, device)
+        first: list[float] = []
+        times = timed_steps(step, steps, device, first)
         dt = sum(times) / len(times)
         per_token = step_flops(spec, seq_len).per_token
-        row.update(status="ok", step_s=dt, tokens_per_s=seq_len / dt, trained_params=sum(p.numel() for p in trained),
+        row.update(status="ok", step_s=dt, first_step_s=first[0], tokens_per_s=seq_len / dt,
+                   trained_params=sum(p.numel() for p in trained),
                    mfu=mfu(seq_len / dt, per_token, 1) if device.type == "cuda" else None,
                    measured_gpu_gib=torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None,
                    measured_host_gib=host_rss_peak() / 1e9)

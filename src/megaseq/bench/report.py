@@ -33,6 +33,7 @@ def markdown(result: dict[str, Any]) -> str:
             f"{pred:.1f} | {meas if meas is None else f'{meas:.1f}'} | {err} | {r['predicted_host_gib']:.1f} | "
             f"{host or 0:.1f} | {herr} | {r.get('tokens_per_s', 0) or 0:,.0f} | "
             f"{mfu} | {load:.2f} ({r.get('routing', 'natural')}) |")
+    lines += first_step_lines(result["rows"])
     lines += reference_lines(result)
     if "max_len" in result:
         mx = result["max_len"]
@@ -47,6 +48,16 @@ def markdown(result: dict[str, Any]) -> str:
 
 
 STATUS = {"ok": "ok", "oom": "out of memory"}
+
+
+def first_step_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """The first step (compilation, autotuning, the allocator) against a warm step, per length that had both."""
+    both = [r for r in rows if r.get("first_step_s") and r.get("step_s") and isinstance(r.get("timed_steps"), int)]
+    if not both:
+        return []
+    return ["", "first step against a warm step: " + "; ".join(
+        f"{r['seq_len']:,} ({r['source']}) {r['first_step_s']:.1f} s / {r['step_s']:.2f} s = "
+        f"{r['first_step_s'] / r['step_s']:.1f}x" for r in both)]
 
 
 def reference_lines(result: dict[str, Any]) -> list[str]:
