@@ -18,7 +18,8 @@ from megaseq.ops.autotune import TunedTable, entry_key, prune, seq_bucket
 def _own_cache(tmp_path, monkeypatch):
     """Each test its own cache root and tables, no mode set."""
     monkeypatch.setenv("MEGASEQ_CACHE_DIR", str(tmp_path / "cache"))
-    for var in ("MEGASEQ_AUTOTUNE", "MEGASEQ_FLA_AUTOTUNE", "TRITON_CACHE_DIR", "TRITON_CACHE_AUTOTUNING"):
+    for var in ("MEGASEQ_AUTOTUNE", "MEGASEQ_FLA_AUTOTUNE", "TRITON_CACHE_DIR", "TRITON_CACHE_AUTOTUNING",
+                "TRITON_INTERPRET"):  # (the stand-in autotuner is not Triton's interpreter)
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setattr(autotune, "_tables", {})
 
@@ -186,6 +187,16 @@ def test_full_mode_tunes_afresh_and_one_records_nothing(monkeypatch) -> None:
     assert one.timed == [] and autotune.table().recorded == {}
 
 
+def test_interpreter_runs_are_left_alone(monkeypatch) -> None:
+    cls = fake_autotuner_class()
+    triton_autotune.patch(cls)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    tuner = _tuner(cls)
+    tuner.run("x", 6000, 8)
+    assert tuner.timed == [SPACE] and autotune.table().recorded == {}
+    assert not autotune.table().user_path.exists()
+
+
 def test_broken_patch_that_ignores_the_table_fails(monkeypatch) -> None:
     """Without the lookup (a patch that always times) the table-reading check fails."""
     cls = fake_autotuner_class()
@@ -259,11 +270,11 @@ def test_sparse_mla_reads_the_table_before_its_default(monkeypatch) -> None:
 
     from megaseq.ops import triton_sparse_mla_kernels as k
 
-    monkeypatch.setattr(k, "_TUNED", {})
+    monkeypatch.setattr(k, "_UNTIMED", {})
     monkeypatch.delenv("MEGASEQ_MLA_AUTOTUNE", raising=False)
     default = k._pick("fwd", 16, 512, torch.bfloat16, None, 8192)
     assert default == k.default_config("fwd", 16, 512, torch.bfloat16)
-    monkeypatch.setattr(k, "_TUNED", {})
+    monkeypatch.setattr(k, "_UNTIMED", {})
     fields = {"kind": "fwd", "Hh": 16, "R": 512, "dtype": str(torch.bfloat16)}
     autotune.table().record(k.TABLE_KERNEL, fields, 8192, {"kwargs": {"BH": 32, "BW": 16}, "num_warps": 8,
                                                             "num_stages": 2, "tuned": "full"}, persist=False)

@@ -65,9 +65,9 @@ from triton.runtime.errors import OutOfResources
 
 from megaseq.ops import workspace
 from megaseq.ops._triton_util import _fix_interpreter_index, interpreting
-from megaseq.ops.triton_autotune import install as _install_autotune
+from megaseq.ops.autotune import use_persistent_cache
 
-_install_autotune()  # before any kernel of this module compiles: the cache directory and the tuned tables
+use_persistent_cache()  # before any kernel of this module compiles (its tuning reads the tables in ``_pick``)
 
 LOG2E = 1.4426950408889634
 
@@ -376,28 +376,28 @@ def _autotune() -> bool:
     return os.environ.get("MEGASEQ_MLA_AUTOTUNE", "0") == "1"
 
 
-_TUNED: dict[tuple, Config] = {}
+_TUNED: dict[tuple, Config] = {}  # timed here (MEGASEQ_MLA_AUTOTUNE=1)
+_UNTIMED: dict[tuple, Config] = {}  # from the tuned table, else the default
 TABLE_KERNEL = "megaseq.ops.triton_sparse_mla_kernels.sparse_mla"
 
 
 def _pick(kind: str, Hh: int, R: int, dtype: torch.dtype, run, N: int = 0) -> Config:
-    """The config for this (kind, Hh, R, dtype) and length bucket of N: the tuned table's (``ops.autotune``:
-    shipped for the GPU, or tuned on this machine), else with ``MEGASEQ_MLA_AUTOTUNE=1`` the fastest of the
-    space (timed once per key with ``triton.testing.do_bench`` and kept in the user's table; ``run(cfg)``
-    launches on the real arguments and must be repeatable: the backward's ``dc`` is re-zeroed by the caller
-    after tuning), else the default."""
+    """The config for this (kind, Hh, R, dtype) and length bucket of N. With ``MEGASEQ_MLA_AUTOTUNE=1`` the
+    fastest of the space (timed once per key with ``triton.testing.do_bench`` and kept in the user's tuned
+    table; ``run(cfg)`` launches on the real arguments and must be repeatable: the backward's ``dc`` is
+    re-zeroed by the caller after tuning); otherwise the tuned table's (``ops.autotune``: shipped for the GPU,
+    or tuned on this machine), else the default."""
     from megaseq.ops import autotune
 
     key = (kind, Hh, R, dtype, autotune.seq_bucket(N))
-    if key in _TUNED:
-        return _TUNED[key]
     fields = {"kind": kind, "Hh": Hh, "R": R, "dtype": str(dtype)}
-    hit = None if _autotune() else autotune.table().lookup(TABLE_KERNEL, fields, N)
-    if hit is not None:
-        _TUNED[key] = Config(hit["kwargs"]["BH"], hit["kwargs"]["BW"], hit["num_warps"], hit["num_stages"])
-    elif not _autotune():
-        return default_config(kind, Hh, R, dtype)
-    else:
+    if not _autotune():
+        if key not in _UNTIMED:
+            hit = autotune.table().lookup(TABLE_KERNEL, fields, N)
+            _UNTIMED[key] = (default_config(kind, Hh, R, dtype) if hit is None else
+                             Config(hit["kwargs"]["BH"], hit["kwargs"]["BW"], hit["num_warps"], hit["num_stages"]))
+        return _UNTIMED[key]
+    if key not in _TUNED:
         times = {}
         for cfg in _autotune_space(kind, Hh, R, dtype):
             try:
@@ -405,8 +405,7 @@ def _pick(kind: str, Hh: int, R: int, dtype: torch.dtype, run, N: int = 0) -> Co
             except (OutOfResources, CompilationError):  # a config over the shared-memory or register limit
                 times[cfg] = float("inf")
         best = min(times, key=times.get)
-        _TUNED[key] = best if times[best] < float("inf") else default_config(kind, Hh, R, dtype)
-        c = _TUNED[key]
+        c = _TUNED[key] = best if times[best] < float("inf") else default_config(kind, Hh, R, dtype)
         autotune.table().record(TABLE_KERNEL, fields, N, {"kwargs": {"BH": c.BH, "BW": c.BW}, "num_warps": c.num_warps,
                                                          "num_stages": c.num_stages, "tuned": "full"})
     return _TUNED[key]
