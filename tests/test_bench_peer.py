@@ -50,7 +50,7 @@ def test_lora_recipe_runs_the_peer_in_the_same_job(tmp_path) -> None:
         assert row["peer"]["liger"].startswith("not applied: liger-kernel is not importable")
     assert result["longest"] == {"megaseq": 64, "reference": 64}
     md = markdown(result)
-    assert "1.00 (balanced)" in md and "peer: system: transformers" in md
+    assert "1.00 (balanced)" in md and "reference (the peer): system: transformers" in md
     assert ours["first_step_s"] > 0 and row["first_step_s"] > 0
     assert "first step against a warm step: 64 (random)" in md
     import bench_scripts
@@ -111,7 +111,7 @@ def test_peer_table_says_out_of_memory_and_the_longest_length() -> None:
     text = "\n".join(reference_lines(result))
     assert "| 8,192 | ok | 100 | 70.0 | 20.0% | 2.50x |" in text
     assert "| 65,536 | out of memory |" in text
-    assert "megaseq 8192, peer 8192" in text
+    assert "megaseq 8192, reference 8192" in text
 
 
 def test_peer_of_a_large_model_is_built_by_transformers(monkeypatch) -> None:

@@ -66,7 +66,8 @@ def reference_lines(result: dict[str, Any]) -> list[str]:
     ref = {r["seq_len"]: r for r in result.get("reference_rows", [])}
     if not ref:
         return []
-    lines = ["", "| length | peer status | peer tok/s | peer GPU GiB | peer MFU | megaseq / peer tok/s |",
+    lines = ["", "| length | reference status | reference tok/s | reference GPU GiB | reference MFU | "
+             "megaseq / reference tok/s |",
              "|---|---|---|---|---|---|"]
     for L, b in sorted(ref.items()):
         r = next((r for r in result["rows"] if r["seq_len"] == L and r["source"] == "random"), {})
@@ -77,11 +78,11 @@ def reference_lines(result: dict[str, Any]) -> list[str]:
                      f"{'-' if ratio is None else f'{ratio:.2f}x'} |")
     peer = next((b["peer"] for b in ref.values() if b.get("peer")), None)
     if peer:
-        lines += ["", "peer: " + "; ".join(f"{k}: {v}" for k, v in peer.items())]
+        lines += ["", "reference (the peer): " + "; ".join(f"{k}: {v}" for k, v in peer.items())]
     longest = result.get("longest")
     if longest:
         lines += ["", f"longest of the requested lengths that trained: megaseq {longest.get('megaseq') or 'none'}, "
-                  f"peer {longest.get('reference') or 'none'}"]
+                  f"reference {longest.get('reference') or 'none'}"]
     return lines
 
 
