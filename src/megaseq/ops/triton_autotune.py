@@ -61,8 +61,8 @@ def patch(autotuner_cls: type) -> None:
         return
     original_prune, original_run = autotuner_cls.prune_configs, autotuner_cls.run
 
-    def prune_configs(self, kwargs: dict[str, Any]) -> list:
-        configs = original_prune(self, kwargs)
+    def prune_configs(self, kwargs: dict[str, Any], *rest: Any) -> list:
+        configs = original_prune(self, kwargs, *rest)
         if os.environ.get("TRITON_INTERPRET", "0") == "1":  # the CPU interpreter: nothing timed for real
             return configs
         name, fields, length = describe(self, kwargs)
