@@ -187,6 +187,23 @@ def test_full_mode_tunes_afresh_and_one_records_nothing(monkeypatch) -> None:
     assert one.timed == [] and autotune.table().recorded == {}
 
 
+def test_forget_tunings_tunes_each_length_bucket_again(monkeypatch) -> None:
+    """``megaseq tune`` at 8K then 1M: Triton's key has no length, so without ``forget_tunings`` the 1M bucket
+    would get no tuning of its own."""
+    cls = fake_autotuner_class()
+    triton_autotune.patch(cls)
+    monkeypatch.setenv("MEGASEQ_AUTOTUNE", "full")
+    tuner = _tuner(cls)
+    tuner.cache_results = True
+    tuner.run("x", 8192, 8)
+    tuner.run("x", 1 << 20, 8)
+    assert len(tuner.timed) == 1  # Triton's own cache: the 8K result reused
+    assert triton_autotune.forget_tunings() >= 1 and tuner.cache_results is False
+    tuner.run("x", 1 << 20, 8)
+    assert len(tuner.timed) == 2
+    assert set(autotune.table().recorded[f"{__name__}.chunk_kernel"]) == {"H=8|len=8192", "H=8|len=1048576"}
+
+
 def test_interpreter_runs_are_left_alone(monkeypatch) -> None:
     cls = fake_autotuner_class()
     triton_autotune.patch(cls)

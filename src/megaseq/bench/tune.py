@@ -60,7 +60,11 @@ def run_tune(cfg: Config, lengths: list[int], out: str | None = None, measure=No
     device = torch.cuda.get_device_name()
     table = autotune.table(device)
     rows = []
-    for L in lengths:
+    for i, L in enumerate(lengths):
+        if i:  # Triton keys its tunings without the length: tune again for this length's bucket
+            from megaseq.ops.triton_autotune import forget_tunings
+
+            forget_tunings()
         print(f"megaseq tune: {L:,} tokens, every autotuned kernel over its whole space", file=sys.stderr, flush=True)
         rows.append(measure(cfg, L, 0, "random", routing))
     path = path or table.user_path

@@ -19,6 +19,7 @@ the tables keep one per length bucket across processes. Per launch the patch add
 from __future__ import annotations
 
 import os
+import weakref
 from typing import Any
 
 from megaseq.ops import autotune
@@ -26,6 +27,19 @@ from megaseq.ops import autotune
 # the kernel argument that carries a launch's length (tokens or routed rows), by kernel name; default "T"
 LENGTH_ARGS = {"gather_rows_kernel": "M", "row_dot_kernel": "M", "sum_rows_kernel": "N",
                "swiglu_fwd_kernel": "R", "swiglu_bwd_kernel": "R", "_index_scores_kernel": "N"}
+
+
+_tuners: weakref.WeakSet = weakref.WeakSet()  # the autotuners that had a cache miss in this process
+
+
+def forget_tunings() -> int:
+    """Make every autotuner that tuned in this process tune again at its next launch (``megaseq tune``: one
+    tuning per length bucket, where Triton's own key leaves the length out); Triton's on-disk autotune results
+    are not read for them either. Returns how many autotuners it reset."""
+    for tuner in _tuners:
+        tuner.cache.clear()
+        tuner.cache_results = False
+    return len(_tuners)
 
 
 def kernel_name(tuner: Any) -> str:
@@ -65,6 +79,7 @@ def patch(autotuner_cls: type) -> None:
         configs = original_prune(self, kwargs, *rest)
         if os.environ.get("TRITON_INTERPRET", "0") == "1":  # the CPU interpreter: nothing timed for real
             return configs
+        _tuners.add(self)
         name, fields, length = describe(self, kwargs)
         how = autotune.mode()
         hit = None if how == "full" else autotune.table().lookup(name, fields, length)  # full: tune afresh
