@@ -147,6 +147,9 @@ def test_pruned_spaces(monkeypatch) -> None:
     assert prune(SPACE, "one") == [SPACE[0]]  # B=32, 4 warps, 2 stages: the most conservative
     picked = prune(SPACE, "pruned")
     assert len(picked) == autotune.PRUNED_CONFIGS == len(set(map(id, picked))) and picked[0] is SPACE[0]
+    assert autotune.mode() == "pruned"
+    monkeypatch.setenv("MEGASEQ_FLA_AUTOTUNE", "full")
+    assert autotune.mode() == "full"
     monkeypatch.setenv("MEGASEQ_FLA_AUTOTUNE", "one")
     assert autotune.mode() == "one"
     monkeypatch.setenv("MEGASEQ_AUTOTUNE", "fast")

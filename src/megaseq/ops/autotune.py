@@ -52,8 +52,10 @@ def use_persistent_cache() -> str:
 
 
 def mode() -> str:
-    """``MEGASEQ_AUTOTUNE`` (pruned, full or one); ``MEGASEQ_FLA_AUTOTUNE=one`` is read as ``one``."""
-    m = os.environ.get("MEGASEQ_AUTOTUNE") or ("one" if os.environ.get("MEGASEQ_FLA_AUTOTUNE") == "one" else "pruned")
+    """``MEGASEQ_AUTOTUNE`` (pruned, full or one); unset, ``MEGASEQ_FLA_AUTOTUNE`` ``one`` or ``full`` is read as
+    the same; else ``pruned``."""
+    fla = os.environ.get("MEGASEQ_FLA_AUTOTUNE")
+    m = os.environ.get("MEGASEQ_AUTOTUNE") or (fla if fla in ("one", "full") else "pruned")
     if m not in MODES:
         raise ValueError(f"MEGASEQ_AUTOTUNE must be one of {', '.join(MODES)}, got {m!r}")
     return m
