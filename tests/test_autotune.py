@@ -300,3 +300,44 @@ def test_sparse_mla_reads_the_table_before_its_default(monkeypatch) -> None:
     autotune.table().record(k.TABLE_KERNEL, fields, 8192, {"kwargs": {"BH": 32, "BW": 16}, "num_warps": 8,
                                                             "num_stages": 2, "tuned": "full"}, persist=False)
     assert k._pick("fwd", 16, 512, torch.bfloat16, None, 6000) == k.Config(32, 16, 8, 2)
+
+
+def _real_scale_kernel():
+    """A Triton kernel autotuned over 6 configs on key ``H``, its length argument ``T``."""
+    import triton
+    import triton.language as tl
+
+    @triton.autotune(configs=[triton.Config({"B": b}, num_warps=w) for b in (64, 128, 256) for w in (2, 4)],
+                     key=["H"])
+    @triton.jit
+    def scale_kernel(x_ptr, out_ptr, T, H, B: tl.constexpr):
+        offs = tl.program_id(0) * B + tl.arange(0, B)
+        m = offs < T * H
+        tl.store(out_ptr + offs, tl.load(x_ptr + offs, mask=m) * 2, mask=m)
+
+    return scale_kernel
+
+
+@pytest.mark.gpu
+def test_real_triton_autotuner_writes_then_reads_the_table() -> None:
+    """Triton's own ``Autotuner`` with the patch: a pruned tuning kept under its length bucket, then a new
+    autotuner (a new process's) at a nearby length takes it untimed."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    triton = pytest.importorskip("triton")
+    triton_autotune.install()
+    x = torch.randn(1000 * 8, device="cuda")
+    out = torch.empty_like(x)
+    first = _real_scale_kernel()
+    first[lambda meta: (triton.cdiv(x.numel(), meta["B"]),)](x, out, 1000, 8)
+    torch.testing.assert_close(out, 2 * x)
+    kernels = json.loads(autotune.table().user_path.read_text())["kernels"]
+    entry = kernels[f"{__name__}.scale_kernel"]["H=8,dtype=torch.float32|len=1024"]
+    assert entry["tuned"] == "pruned" and entry["kwargs"]["B"] in (64, 128, 256)
+    autotune._tables.clear()
+    second = _real_scale_kernel()
+    second[lambda meta: (triton.cdiv(900 * 8, meta["B"]),)](x, out, 900, 8)
+    assert not hasattr(second, "configs_timings"), "a table entry must not be timed again"
+    assert second.best_config.kwargs == entry["kwargs"] and second.best_config.num_warps == entry["num_warps"]
