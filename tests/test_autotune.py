@@ -339,5 +339,5 @@ def test_real_triton_autotuner_writes_then_reads_the_table() -> None:
     autotune._tables.clear()
     second = _real_scale_kernel()
     second[lambda meta: (triton.cdiv(900 * 8, meta["B"]),)](x, out, 900, 8)
-    assert not hasattr(second, "configs_timings"), "a table entry must not be timed again"
+    assert len(getattr(second, "configs_timings", {})) <= 1, "a table entry's key must not time the space again"
     assert second.best_config.kwargs == entry["kwargs"] and second.best_config.num_warps == entry["num_warps"]
