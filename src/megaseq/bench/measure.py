@@ -103,9 +103,10 @@ def warm_planned_step(cfg: Config, seq_len: int, device: torch.device) -> tuple:
     return c, spec, plan, model, applied, next_batch, step
 
 
-def measure_megaseq(cfg: Config, seq_len: int, steps: int, source: str) -> dict[str, Any]:
+def measure_megaseq(cfg: Config, seq_len: int, steps: int, source: str, routing: str = "natural") -> dict[str, Any]:
     """Warm-up step + ``steps`` timed steps of megaseq at ``seq_len`` (``steps`` 0: the one step, timed cold);
-    an OOM is a result, not an error."""
+    an OOM is a result, not an error. ``routing``: the MoE routers' (``models.common.routing``)."""
+    from megaseq.models.common.routing import set_routing
     from megaseq.models.presets import resolve_spec
     from megaseq.train.metrics import moe_load
     from megaseq.train.trainer import kernels_for, resolve_device
@@ -119,17 +120,19 @@ def measure_megaseq(cfg: Config, seq_len: int, steps: int, source: str) -> dict[
                            "predicted_gpu_gib": plan.peak_gpu / GIB,
                            "predicted_gpu_tensors_gib": plan.peak_gpu_tensors / GIB,
                            "predicted_host_gib": plan.peak_host / 1e9, "memory_plan": dict(plan.memory),
-                           "plan_fits": plan.fits}
+                           "plan_fits": plan.fits, "routing": routing}
     model = applied = None
     try:
         with kernels_for(c, device):  # the dispatcher as `megaseq train` sets it up
             dispatch.reset_records()
             model, applied, next_batch, step = planned_step(c, spec, device, plan, steps + 1)
+            set_routing(model, routing)
             _sync(device)
             host_rss_peak_reset()
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
-            times = timed_steps(lambda: step(next_batch()), steps, device)
+            first: list[float] = []
+            times = timed_steps(lambda: step(next_batch()), steps, device, first)
             # the ops `model.kernels` prefers that ran something else (where and why): the row says what it timed
             row["kernel_fallbacks"] = dispatch.fallback_summary(preferred_kernels(device.type, c.model.kernels))
             for g in row["kernel_fallbacks"]:
@@ -141,12 +144,12 @@ def measure_megaseq(cfg: Config, seq_len: int, steps: int, source: str) -> dict[
             row["predicted_is_first_step"] = True
         dt = sum(times) / len(times)
         tokens = c.train.batch_size * seq_len
-        row.update(status="ok", step_s=dt, tokens_per_s=tokens / dt,
+        row.update(status="ok", step_s=dt, first_step_s=first[0], tokens_per_s=tokens / dt,
                    mfu=mfu(tokens / dt, plan.flops["per_token"], 1) if device.type == "cuda" else None,
                    measured_gpu_gib=torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None,
                    measured_gpu_reserved_gib=(torch.cuda.max_memory_reserved(device) / GIB
                                               if device.type == "cuda" else None),
-                   measured_host_gib=host_rss_peak() / 1e9, moe_max_over_mean=moe_load(model))
+                   measured_host_gib=host_rss_peak() / 1e9, **load_summary(moe_load(model)))
     except torch.OutOfMemoryError as e:
         row.update(status="oom", error=str(e).splitlines()[0][:200])
         # where it ran out, for whoever reads the log (the row keeps the message only)
@@ -162,9 +165,18 @@ def measure_megaseq(cfg: Config, seq_len: int, steps: int, source: str) -> dict[
     return row
 
 
-def timed_steps(run_step: Callable[[], None], steps: int, device: torch.device) -> list[float]:
+def load_summary(load: dict[str, float]) -> dict[str, Any]:
+    """A row's MoE load: max/mean tokens per expert per layer, and its largest and mean over the layers."""
+    vals = list(load.values())
+    return {"moe_max_over_mean": load, "moe_load_max": max(vals) if vals else None,
+            "moe_load_mean": sum(vals) / len(vals) if vals else None}
+
+
+def timed_steps(run_step: Callable[[], None], steps: int, device: torch.device,
+                first: list[float] | None = None) -> list[float]:
     """Seconds of each measured step: ``steps + 1`` runs of ``run_step``, the first a warm-up (kernels,
-    autotune, the allocator) left out; ``steps`` 0: the one (cold) step."""
+    autotune, the allocator) left out (its seconds appended to ``first`` when given); ``steps`` 0: the one
+    (cold) step."""
     times = []
     note = cold_start_note(device.type)
     if note:  # a cold first step is silent for minutes otherwise
@@ -176,6 +188,8 @@ def timed_steps(run_step: Callable[[], None], steps: int, device: torch.device) 
         dt = time.perf_counter() - t0
         if i > 0 or steps == 0:
             times.append(dt)
+        if i == 0 and first is not None:
+            first.append(dt)
         # as each step ends (stderr): a long bench stopped by a time limit still shows what it measured
         what = "warm-up" if i == 0 and steps else "timed"
         print(f"megaseq bench: step {i + 1} of {steps + 1} ({what}): {dt:.1f} s", file=sys.stderr, flush=True)

@@ -1,6 +1,7 @@
-"""The baseline for ``megaseq bench --baseline``: the transformers implementation of the same
-architecture and the same weights, trained with its gradient checkpointing on and the best attention
-it supports (SDPA; GLM-5's DSA has no flash path in transformers), on the same random tokens.
+"""The baseline for ``megaseq bench --baseline``: the peer (``bench.peer``: the transformers implementation
+of the same architecture, with Liger's kernels where they apply and PEFT's LoRA for a LoRA recipe, activation
+checkpointing, SDPA; GLM-5's DSA has no flash path in transformers) timed on the same random tokens; and the
+per-token log-probability check against transformers in fp32 on megaseq's weights.
 """
 
 from __future__ import annotations
@@ -54,15 +55,19 @@ def build_reference(cfg: Config, device: torch.device,
     return ref.to(device).train(), spec
 
 
-def measure_reference(cfg: Config, seq_len: int, steps: int) -> dict[str, Any]:
+def measure_reference(cfg: Config, seq_len: int, steps: int, routing: str = "natural") -> dict[str, Any]:
+    """The peer (``bench.peer``: transformers, Liger where it applies, PEFT's LoRA for a LoRA recipe) at
+    ``seq_len``: warm-up + ``steps`` timed steps on random tokens; an OOM is a result, not an error."""
+    from megaseq.bench.peer import build_peer
     from megaseq.plan.flops import mfu, step_flops
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    row: dict[str, Any] = {"seq_len": seq_len, "source": "random", "system": "transformers"}
+    row: dict[str, Any] = {"seq_len": seq_len, "source": "random", "system": "transformers", "routing": routing}
     model = None
     try:
-        model, spec = build_reference(cfg, device)
-        opt = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, fused=device.type == "cuda" or None)
+        model, spec, row["peer"] = build_peer(cfg, device, routing)
+        trained = [p for p in model.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(trained, lr=cfg.optim.lr, fused=device.type == "cuda" or None)
         g = torch.Generator().manual_seed(cfg.train.seed)
         host_rss_peak_reset()
         if device.type == "cuda":
@@ -74,10 +79,12 @@ def measure_reference(cfg: Config, seq_len: int, steps: int) -> dict[str, Any]:
             opt.step()
             opt.zero_grad(set_to_none=True)
 
-        times = timed_steps(step, steps, device)
+        first: list[float] = []
+        times = timed_steps(step, steps, device, first)
         dt = sum(times) / len(times)
         per_token = step_flops(spec, seq_len).per_token
-        row.update(status="ok", step_s=dt, tokens_per_s=seq_len / dt,
+        row.update(status="ok", step_s=dt, first_step_s=first[0], tokens_per_s=seq_len / dt,
+                   trained_params=sum(p.numel() for p in trained),
                    mfu=mfu(seq_len / dt, per_token, 1) if device.type == "cuda" else None,
                    measured_gpu_gib=torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None,
                    measured_host_gib=host_rss_peak() / 1e9)

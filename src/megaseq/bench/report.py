@@ -17,7 +17,7 @@ def markdown(result: dict[str, Any]) -> str:
              "the process's peak RSS (VmHWM).",
              "",
              "| length | source | status | fixes | pred GPU GiB | meas GPU GiB | err | pred host GB | host GB | err "
-             "| tok/s | MFU | MoE max/mean |",
+             "| tok/s | MFU | MoE max/mean (routing) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         meas = r.get("measured_gpu_gib")
@@ -26,23 +26,15 @@ def markdown(result: dict[str, Any]) -> str:
         host = r.get("measured_host_gib")
         herr = f"{(r['predicted_host_gib'] - host) / host:+.1%}" if host else "-"
         moe = r.get("moe_max_over_mean") or {}
+        load = r.get("moe_load_max") or (max(moe.values()) if moe else 0)
         mfu = "-" if r.get("mfu") is None else f"{r['mfu']:.1%}"
         lines.append(
             f"| {r['seq_len']:,} | {r['source']} | {r['status']} | {', '.join(r['fixes']) or '-'} | "
             f"{pred:.1f} | {meas if meas is None else f'{meas:.1f}'} | {err} | {r['predicted_host_gib']:.1f} | "
             f"{host or 0:.1f} | {herr} | {r.get('tokens_per_s', 0) or 0:,.0f} | "
-            f"{mfu} | {max(moe.values()) if moe else 0:.2f} |")
-    ref = {r["seq_len"]: r for r in result.get("reference_rows", [])}
-    if ref:
-        lines += ["", "| length | reference status | reference tok/s | megaseq / reference tok/s |",
-                  "|---|---|---|---|"]
-        for r in result["rows"]:
-            b = ref.get(r["seq_len"]) if r["source"] == "random" else None
-            if b is None:
-                continue
-            ratio = (r.get("tokens_per_s") or 0) / b["tokens_per_s"] if b.get("tokens_per_s") else None
-            lines.append(f"| {r['seq_len']:,} | {b['status']} | {b.get('tokens_per_s', 0) or 0:,.0f} | "
-                         f"{'-' if ratio is None else f'{ratio:.2f}x'} |")
+            f"{mfu} | {load:.2f} ({r.get('routing', 'natural')}) |")
+    lines += first_step_lines(result["rows"])
+    lines += reference_lines(result)
     if "max_len" in result:
         mx = result["max_len"]
         lines += ["", f"longest length that trains: megaseq {mx.get('megaseq')}, reference {mx.get('reference')}"]
@@ -53,6 +45,45 @@ def markdown(result: dict[str, Any]) -> str:
                   f"{lp['max_abs_diff']:.3f} (reference log-probs {lp['ref_logprob_mean']:.2f} ± "
                   f"{lp['ref_logprob_std']:.2f})"]
     return "\n".join(lines) + "\n"
+
+
+STATUS = {"ok": "ok", "oom": "out of memory"}
+
+
+def first_step_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """The first step (compilation, autotuning, the allocator) against a warm step, per length that had both."""
+    both = [r for r in rows if r.get("first_step_s") and r.get("step_s") and isinstance(r.get("timed_steps"), int)]
+    if not both:
+        return []
+    return ["", "first step against a warm step: " + "; ".join(
+        f"{r['seq_len']:,} ({r['source']}) {r['first_step_s']:.1f} s / {r['step_s']:.2f} s = "
+        f"{r['first_step_s'] / r['step_s']:.1f}x" for r in both)]
+
+
+def reference_lines(result: dict[str, Any]) -> list[str]:
+    """The peer's table beside megaseq's random-token rows: status, tokens/s, peak, MFU and the ratio; what the
+    peer ran; the longest of the requested lengths each reached."""
+    ref = {r["seq_len"]: r for r in result.get("reference_rows", [])}
+    if not ref:
+        return []
+    lines = ["", "| length | reference status | reference tok/s | reference GPU GiB | reference MFU | "
+             "megaseq / reference tok/s |",
+             "|---|---|---|---|---|---|"]
+    for L, b in sorted(ref.items()):
+        r = next((r for r in result["rows"] if r["seq_len"] == L and r["source"] == "random"), {})
+        ratio = (r.get("tokens_per_s") or 0) / b["tokens_per_s"] if b.get("tokens_per_s") else None
+        gib, mfu = b.get("measured_gpu_gib"), b.get("mfu")
+        lines.append(f"| {L:,} | {STATUS.get(b['status'], b['status'])} | {b.get('tokens_per_s', 0) or 0:,.0f} | "
+                     f"{'-' if gib is None else f'{gib:.1f}'} | {'-' if mfu is None else f'{mfu:.1%}'} | "
+                     f"{'-' if ratio is None else f'{ratio:.2f}x'} |")
+    peer = next((b["peer"] for b in ref.values() if b.get("peer")), None)
+    if peer:
+        lines += ["", "reference (the peer): " + "; ".join(f"{k}: {v}" for k, v in peer.items())]
+    longest = result.get("longest")
+    if longest:
+        lines += ["", f"longest of the requested lengths that trained: megaseq {longest.get('megaseq') or 'none'}, "
+                  f"reference {longest.get('reference') or 'none'}"]
+    return lines
 
 
 def write_outputs(result: dict[str, Any], out: Path) -> None:

@@ -3,7 +3,10 @@
 For each length the planner chooses the fixes (as ``megaseq train`` would), the model runs real
 training steps (forward, backward, optimizer) on random tokens and/or real genome windows
 (``bench.measure``), and the result records predicted vs measured peak GPU and host memory, tokens/s,
-model FLOPs utilization, the fixes used and the MoE load imbalance seen. ``--find-max`` searches the
+model FLOPs utilization, the fixes used, the MoE routing and the load imbalance seen. ``--routing``
+(``resolve_routing``): on random weights and random tokens an MoE is timed with balanced routing (each token's
+top-k spread evenly over the experts, ``models.common.routing``), since a random router sends almost every token
+to the same experts; genome windows and loaded checkpoints keep the router's own choice. ``--find-max`` searches the
 longest length that trains; ``--baseline`` runs the transformers reference of the same architecture and
 weights (``bench.reference``) so every table carries the megaseq / reference ratios.
 
@@ -50,6 +53,30 @@ def find_max(measure, start: int, granularity: int, limit: int = 4 << 20) -> tup
     return (lo or None), rows
 
 
+def resolve_routing(cfg: Config, requested: str, source: str) -> str:
+    """The routing of one source's rows: ``auto`` is ``balanced`` for an MoE on random weights and random tokens,
+    else ``natural``; genome windows always route naturally (they measure the memory of uneven routing)."""
+    from megaseq.models.common.routing import check_routing
+    from megaseq.models.presets import resolve_spec
+
+    if requested != "auto":
+        check_routing(requested)
+    if source == "genome":
+        if requested == "balanced":
+            raise ValueError("--routing balanced with --source genome: genome windows measure the router's own "
+                             "(uneven) routing; use --source random, or --routing auto / natural")
+        return "natural"
+    if requested != "auto":
+        return requested
+    moe = "moe" in resolve_spec(cfg.model.name).mlp_types
+    return "balanced" if moe and cfg.model.init_from is None else "natural"
+
+
+def longest_ok(rows) -> int | None:
+    """The longest length among ``rows`` whose step ran (None: none did)."""
+    return max((r["seq_len"] for r in rows if r.get("status") == "ok"), default=None)
+
+
 def _direct(fn, *args) -> dict[str, Any]:
     return fn(*args)
 
@@ -69,9 +96,10 @@ def isolated(fn, *args) -> dict[str, Any]:
 def run_bench(cfg: Config, lengths: list[int], steps: int = 3, source: str = "random", find_max_len: bool = False,
               baseline: bool = False, out: str = "benchmarks/results/bench",
               logprob_lengths: list[int] | None = None, max_limit: int = 4 << 20,
-              isolate: bool | None = None) -> dict[str, Any]:
+              isolate: bool | None = None, routing: str = "auto") -> dict[str, Any]:
     """Every measurement in order; the outputs are rewritten after each, so a run stopped early keeps
-    what it measured. ``isolate`` (default: on a GPU) runs each measurement in its own process."""
+    what it measured. ``isolate`` (default: on a GPU) runs each measurement in its own process. ``routing``:
+    auto, balanced or natural (``resolve_routing``), the reference's the same as megaseq's random rows."""
     from megaseq.train.trainer import use_expandable_segments
 
     use_expandable_segments()  # the allocator as `megaseq train` sets it
@@ -79,12 +107,15 @@ def run_bench(cfg: Config, lengths: list[int], steps: int = 3, source: str = "ra
     sources = ["random", "genome"] if source == "both" else [source]
     if source not in ("random", "genome", "both"):
         raise ValueError(f"--source must be random, genome or both, got {source!r}")
+    routes = {s: resolve_routing(cfg, routing, s) for s in sources}
+    if baseline and "random" not in routes:
+        routes["random"] = resolve_routing(cfg, routing, "random")
     if "genome" in sources:  # one clear message before any model is built: is the genome long enough?
         from megaseq.data import build_data
 
         build_data(cfg_for(cfg, max(lengths), "genome").data, None)
     rows: list[dict[str, Any]] = []
-    result: dict[str, Any] = {"meta": _meta(cfg, lengths, steps, source), "rows": rows}
+    result: dict[str, Any] = {"meta": _meta(cfg, lengths, steps, source, routing), "rows": rows}
     path = Path(out)
 
     def keep(row: dict[str, Any], into: list[dict[str, Any]]) -> dict[str, Any]:
@@ -94,10 +125,11 @@ def run_bench(cfg: Config, lengths: list[int], steps: int = 3, source: str = "ra
 
     for s in sources:
         for L in lengths:
-            keep(call(measure_megaseq, cfg, L, steps, s), rows)
+            keep(call(measure_megaseq, cfg, L, steps, s, routes[s]), rows)
     if find_max_len:
         result["max_len"] = mx = {"megaseq": None, "search": []}
-        mx["megaseq"], _ = find_max(lambda L: keep(call(measure_megaseq, cfg, L, 1, sources[0]), mx["search"]),
+        mx["megaseq"], _ = find_max(lambda L: keep(call(measure_megaseq, cfg, L, 1, sources[0], routes[sources[0]]),
+                                                   mx["search"]),
                                     max(lengths), max(lengths) // 8, max_limit)
         write_outputs(result, path)
     if baseline:
@@ -105,11 +137,14 @@ def run_bench(cfg: Config, lengths: list[int], steps: int = 3, source: str = "ra
 
         result["reference_rows"] = ref_rows = []
         for L in lengths:
-            keep(call(measure_reference, cfg, L, steps), ref_rows)
+            keep(call(measure_reference, cfg, L, steps, routes["random"]), ref_rows)
+        result["longest"] = {"megaseq": longest_ok(r for r in rows if r["source"] == "random"),
+                             "reference": longest_ok(ref_rows)}
         if find_max_len:
             mx = result["max_len"]
             mx["reference_search"] = []
-            mx["reference"], _ = find_max(lambda L: keep(call(measure_reference, cfg, L, 1), mx["reference_search"]),
+            mx["reference"], _ = find_max(lambda L: keep(call(measure_reference, cfg, L, 1, routes["random"]),
+                                                         mx["reference_search"]),
                                           min(lengths), max(min(lengths) // 4, 1), max_limit)
     if logprob_lengths:
         from megaseq.bench.reference import logprob_check
@@ -119,8 +154,9 @@ def run_bench(cfg: Config, lengths: list[int], steps: int = 3, source: str = "ra
     return result
 
 
-def _meta(cfg: Config, lengths: list[int], steps: int, source: str) -> dict[str, Any]:
+def _meta(cfg: Config, lengths: list[int], steps: int, source: str, routing: str) -> dict[str, Any]:
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     return {"model": cfg.model.name, "gpu": gpu, "torch": torch.__version__, "python": platform.python_version(),
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "lengths": lengths, "steps": steps,
-            "source": source, "dtype": cfg.model.dtype, "kernels": cfg.model.kernels, "weights": cfg.model.weights}
+            "source": source, "dtype": cfg.model.dtype, "kernels": cfg.model.kernels, "weights": cfg.model.weights,
+            "routing": routing}

@@ -5,6 +5,7 @@
     megaseq plan   [config.yaml | HF-checkpoint-dir] [--seq-len 1M] [--gpus 8]
     megaseq bench  [config.yaml] [--seq-lens 32K,128K,1M] [--find-max]
     megaseq verify [config.yaml]
+    megaseq tune   config.yaml [--seq-lens 8K,32K] [--out table.json]
     megaseq convert SRC DST
     megaseq export RUN_OR_CHECKPOINT DST [--merged]
 """
@@ -25,6 +26,7 @@ VERBS = {
     "plan": "will it fit? the memory plan per component, the fixes it needs and their cost",
     "bench": "measured peak memory, tokens/s and MFU per sequence length, against the plan",
     "verify": "which kernel each layer runs, and parity with the transformers reference",
+    "tune": "pre-tune the GPU kernels for the lengths a plan will use (a tuned table later runs read)",
     "convert": "Hugging Face checkpoint <-> megaseq checkpoint",
     "export": "a run's LoRA adapter in PEFT's format, or the merged model (adapters folded in) as a HF checkpoint",
 }
@@ -52,8 +54,9 @@ def parser() -> argparse.ArgumentParser:
     fmt = argparse.RawDescriptionHelpFormatter
     for verb, help_text in VERBS.items():
         sp = sub.add_parser(verb, help=help_text, description=help_text, formatter_class=fmt,
-                            epilog=config_help() if verb in ("train", "plan", "bench", "verify", "eval") else None)
-        if verb in ("train", "plan", "bench", "verify"):
+                            epilog=config_help() if verb in ("train", "plan", "bench", "verify", "eval", "tune")
+                            else None)
+        if verb in ("train", "plan", "bench", "verify", "tune"):
             sp.add_argument("config", nargs="?", help="YAML recipe (see recipes/); none: the embedded default"
                             + ("; or a Hugging Face checkpoint directory / config.json to plan" if verb == "plan"
                                else ""))
@@ -77,6 +80,15 @@ def parser() -> argparse.ArgumentParser:
                             help="per-token log-probs of megaseq (bf16) vs the reference (fp32) at the longest "
                                  "of these lengths the reference can run, e.g. 32K,16K,8K")
             sp.add_argument("--max-limit", default="4M", help="--find-max stops doubling at this length")
+            sp.add_argument("--routing", default="auto",
+                            help="MoE routing: auto (balanced for an MoE on random weights and random tokens, "
+                                 "natural for genome windows and loaded checkpoints), balanced (each token's "
+                                 "top-k spread evenly over the experts, the router's weights kept) or natural")
+        if verb == "tune":
+            sp.add_argument("--seq-lens", default=None, help="comma-separated lengths, e.g. 8K,32K (default: "
+                            "data.seq_len); nearby lengths share a power-of-two bucket")
+            sp.add_argument("--out", default=None, help="the tuned table to write (default: this user's, "
+                            "~/.cache/megaseq/autotune/<gpu>.json; src/megaseq/ops/tuned/<gpu>.json to ship it)")
         if verb == "eval":
             sp.add_argument("target", help="a run directory or checkpoint directories (comma-separated)")
             sp.add_argument("--data", default=None, help="held-out FASTA/text files (comma-separated)")

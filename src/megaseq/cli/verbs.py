@@ -93,12 +93,24 @@ def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
     lp = [parse_size(s) for s in args.logprob_check.split(",") if s]
     result = run_bench(cfg, lens, steps=args.steps, source=args.source, find_max_len=args.find_max,
                        baseline=args.baseline, out=args.out, logprob_lengths=lp,
-                       max_limit=parse_size(args.max_limit))
+                       max_limit=parse_size(args.max_limit), routing=args.routing)
     from megaseq.bench.report import markdown
 
     print(markdown(result))
     print(f"wrote {args.out}.json, .md, .png")
     return 0
+
+
+def cmd_tune(args: argparse.Namespace, rest: list[str]) -> int:
+    from megaseq.bench.tune import run_tune, tune_lengths
+
+    cfg = _config(args, rest)
+    result = run_tune(cfg, tune_lengths(cfg, args.seq_lens), out=args.out)
+    for r in result["rows"]:
+        first = f", first step {r['step_s']:.1f} s" if r.get("step_s") else ""
+        print(f"{r['seq_len']:,} tokens: {r['status']}{first}")
+    print(f"wrote {result['entries']} tuned configs for {result['device']} to {result['table']}")
+    return 0 if all(r["status"] == "ok" for r in result["rows"]) else 1
 
 
 def cmd_verify(args: argparse.Namespace, rest: list[str]) -> int:

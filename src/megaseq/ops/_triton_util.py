@@ -40,9 +40,13 @@ def triton_supports(*tensors: torch.Tensor) -> str | None:
 
 
 def kernels(name: str) -> ModuleType:
-    """The kernel module ``megaseq.ops.<name>`` (imported on first use: it imports Triton)."""
+    """The kernel module ``megaseq.ops.<name>`` (imported on first use: it imports Triton), with Triton's
+    autotuner reading megaseq's tuned tables and the cache directory set (``triton_autotune.install``)."""
     if interpreting():
         _fix_interpreter_index()
+    from megaseq.ops.triton_autotune import install
+
+    install()
     return importlib.import_module(f"megaseq.ops.{name}")
 
 

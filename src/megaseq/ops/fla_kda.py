@@ -72,14 +72,15 @@ def limit_autotune() -> None:
 
 
 def _maybe_limit_autotune() -> None:
-    """``MEGASEQ_FLA_AUTOTUNE=one``: one config per kernel. Otherwise (``full``, the default) fla's autotuners
-    run in full and their results are cached on disk with the compiled kernels (Triton's
-    ``TRITON_CACHE_AUTOTUNING``, in ``TRITON_CACHE_DIR``): the minutes of tuning are paid once per machine
-    image and cache directory, not once per process (benchmarks/h200.sh carries the cache between calls)."""
+    """fla's autotuners read megaseq's tuned tables and tune a pruned space otherwise (``ops.autotune``,
+    ``MEGASEQ_AUTOTUNE``); their results are cached on disk with the compiled kernels (Triton's
+    ``TRITON_CACHE_AUTOTUNING``, in ``TRITON_CACHE_DIR``, by default ``~/.cache/megaseq/triton``) and in the
+    user's tuned table. ``MEGASEQ_FLA_AUTOTUNE=one``: one conservative config per kernel, untimed."""
+    from megaseq.ops.triton_autotune import install
+
+    install()  # the persistent cache, the tuned tables and the pruned spaces (ops.autotune)
     if os.environ.get("MEGASEQ_FLA_AUTOTUNE", "full") == "one":
         limit_autotune()
-    else:
-        os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
 
 
 def _work_dtype(x: torch.Tensor) -> torch.dtype:

@@ -29,6 +29,10 @@ import torch
 import triton
 import triton.language as tl
 
+from megaseq.ops.triton_autotune import install as _install_autotune
+
+_install_autotune()  # before any kernel of this module compiles: the cache directory and the tuned tables
+
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 # a handful of tiles: 8 warps for the 128 x 128 accumulator, fewer stages where two operands are split

@@ -104,6 +104,8 @@ def cold_start_note(device_type: str) -> str | None:
         return None
     import os
 
-    cache = os.environ.get("TRITON_CACHE_DIR", "~/.triton/cache")
+    from megaseq.ops.autotune import cache_root
+
+    cache = os.environ.get("TRITON_CACHE_DIR") or str(cache_root() / "triton")
     return (f"step 1 compiles and autotunes the GPU kernels: minutes without a Triton cache ({cache}; kept for "
             "the next run)")

@@ -65,6 +65,9 @@ from triton.runtime.errors import OutOfResources
 
 from megaseq.ops import workspace
 from megaseq.ops._triton_util import _fix_interpreter_index, interpreting
+from megaseq.ops.autotune import use_persistent_cache
+
+use_persistent_cache()  # before any kernel of this module compiles (its tuning reads the tables in ``_pick``)
 
 LOG2E = 1.4426950408889634
 
@@ -373,16 +376,27 @@ def _autotune() -> bool:
     return os.environ.get("MEGASEQ_MLA_AUTOTUNE", "0") == "1"
 
 
-_TUNED: dict[tuple, Config] = {}
+_TUNED: dict[tuple, Config] = {}  # timed here (MEGASEQ_MLA_AUTOTUNE=1)
+_UNTIMED: dict[tuple, Config] = {}  # from the tuned table, else the default
+TABLE_KERNEL = "megaseq.ops.triton_sparse_mla_kernels.sparse_mla"
 
 
-def _pick(kind: str, Hh: int, R: int, dtype: torch.dtype, run) -> Config:
-    """The config for this (kind, Hh, R, dtype): the default, or with autotuning the fastest of the space
-    (timed once per key with ``triton.testing.do_bench``; ``run(cfg)`` launches on the real arguments and
-    must be repeatable: the backward's ``dc`` is re-zeroed by the caller after tuning)."""
+def _pick(kind: str, Hh: int, R: int, dtype: torch.dtype, run, N: int = 0) -> Config:
+    """The config for this (kind, Hh, R, dtype) and length bucket of N. With ``MEGASEQ_MLA_AUTOTUNE=1`` the
+    fastest of the space (timed once per key with ``triton.testing.do_bench`` and kept in the user's tuned
+    table; ``run(cfg)`` launches on the real arguments and must be repeatable: the backward's ``dc`` is
+    re-zeroed by the caller after tuning); otherwise the tuned table's (``ops.autotune``: shipped for the GPU,
+    or tuned on this machine), else the default."""
+    from megaseq.ops import autotune
+
+    key = (kind, Hh, R, dtype, autotune.seq_bucket(N))
+    fields = {"kind": kind, "Hh": Hh, "R": R, "dtype": str(dtype)}
     if not _autotune():
-        return default_config(kind, Hh, R, dtype)
-    key = (kind, Hh, R, dtype)
+        if key not in _UNTIMED:
+            hit = autotune.table().lookup(TABLE_KERNEL, fields, N)
+            _UNTIMED[key] = (default_config(kind, Hh, R, dtype) if hit is None else
+                             Config(hit["kwargs"]["BH"], hit["kwargs"]["BW"], hit["num_warps"], hit["num_stages"]))
+        return _UNTIMED[key]
     if key not in _TUNED:
         times = {}
         for cfg in _autotune_space(kind, Hh, R, dtype):
@@ -391,7 +405,9 @@ def _pick(kind: str, Hh: int, R: int, dtype: torch.dtype, run) -> Config:
             except (OutOfResources, CompilationError):  # a config over the shared-memory or register limit
                 times[cfg] = float("inf")
         best = min(times, key=times.get)
-        _TUNED[key] = best if times[best] < float("inf") else default_config(kind, Hh, R, dtype)
+        c = _TUNED[key] = best if times[best] < float("inf") else default_config(kind, Hh, R, dtype)
+        autotune.table().record(TABLE_KERNEL, fields, N, {"kwargs": {"BH": c.BH, "BW": c.BW}, "num_warps": c.num_warps,
+                                                         "num_stages": c.num_stages, "tuned": "full"})
     return _TUNED[key]
 
 
@@ -412,7 +428,7 @@ def forward(q_abs_HNR: torch.Tensor, c_BSR: torch.Tensor, idx_BQW: torch.Tensor,
                                     DOT_PREC=_dot_precision(q_abs_HNR.dtype), num_warps=cfg.num_warps,
                                     num_stages=cfg.num_stages)
 
-    run(config or _pick("fwd", Hh, R, q_abs_HNR.dtype, run))
+    run(config or _pick("fwd", Hh, R, q_abs_HNR.dtype, run, N))
     return o_lat, lse2
 
 
@@ -696,12 +712,19 @@ def _slot_pass(cfg: Config, programs: int, q_abs_HNR, do_lat_HNR, o_lat_HNR, lse
         num_stages=cfg.num_stages, **flags)
 
 
+def _bucket(N: int) -> int:
+    from megaseq.ops.autotune import seq_bucket
+
+    return seq_bucket(N)
+
+
 def _tuned_run(kind: str, config: Config | None, q_abs_HNR: torch.Tensor, dc_BSR: torch.Tensor, run) -> None:
     """``run(cfg)`` once with ``config``, else the default or tuned one for ``kind`` (``_pick``); tuning may have run
     the latent gradient's atomics several times, so ``dc`` is zeroed after it."""
-    Hh, _, R = q_abs_HNR.shape
-    cfg = config or _pick(kind, Hh, R, q_abs_HNR.dtype, run)
-    if config is None and _autotune():
+    Hh, N, R = q_abs_HNR.shape
+    tuning = config is None and _autotune() and (kind, Hh, R, q_abs_HNR.dtype, _bucket(N)) not in _TUNED
+    cfg = config or _pick(kind, Hh, R, q_abs_HNR.dtype, run, N)
+    if tuning:
         dc_BSR.zero_()
     run(cfg)
 

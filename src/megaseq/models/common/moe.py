@@ -58,6 +58,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megaseq.models.common.mlp import MLP
+from megaseq.models.common.routing import balanced_experts
 from megaseq.models.spec import ModelSpec
 from megaseq.ops import dispatch, triton_moe_glue  # noqa: F401  (registers the fused permute/combine, opt-in)
 
@@ -132,6 +133,7 @@ class TopKRouter(nn.Module):
         self.norm_topk_prob = spec.norm_topk_prob
         self.weights_fp32 = spec.router_weights_fp32  # Mixtral keeps its routing weights float32
         self.routed_scaling_factor = spec.routed_scaling_factor
+        self.routing = "natural"  # or "balanced" (benchmarks on random weights: models.common.routing)
         self.weight = nn.Parameter(torch.empty(E, H, dtype=torch.float32).normal_(0.0, 0.02))
         if self.router == "sigmoid_bias":
             self.register_buffer("e_score_correction_bias", torch.zeros(E, dtype=torch.float32))
@@ -151,11 +153,16 @@ class TopKRouter(nn.Module):
         """``(weights_NK, experts_NK, probs_NE)``: ``probs_NE`` what an auxiliary loss reads: the softmax
         router's probabilities over all experts; for the sigmoid router, only when ``probs``, its unbiased
         scores normalised over all experts, ``s / (sum_j s_j + 1e-20)`` (DeepSeek-V3 eq. 19, Megatron-Core's
-        ``compute_routing_scores_for_aux_loss``), else None."""
+        ``compute_routing_scores_for_aux_loss``), else None. With ``routing`` balanced the expert ids are
+        ``routing.balanced_experts``' and the weights the router's top-k values."""
         if self.router == "softmax":
-            return self._softmax(x_NH)
-        weights_NK, experts_NK, scores_NE = self._sigmoid_bias(x_NH)
-        return weights_NK, experts_NK, (scores_NE / (scores_NE.sum(dim=-1, keepdim=True) + 1e-20)) if probs else None
+            weights_NK, experts_NK, probs_NE = self._softmax(x_NH)
+        else:
+            weights_NK, experts_NK, scores_NE = self._sigmoid_bias(x_NH)
+            probs_NE = (scores_NE / (scores_NE.sum(dim=-1, keepdim=True) + 1e-20)) if probs else None
+        if self.routing == "balanced":
+            experts_NK = balanced_experts(experts_NK.shape[0], self.top_k, self.num_experts, experts_NK.device)
+        return weights_NK, experts_NK, probs_NE
 
     def _softmax(self, x_NH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         logits_NE = F.linear(x_NH, self.weight.to(x_NH.dtype))

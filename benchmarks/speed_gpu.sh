@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Speed where users run, on one H200: balanced MoE routing, the transformers + PEFT + Liger peer in the same job,
+# and the first step on an empty cache against a warm one. Standalone (from the repo root, .whl/ carried as for
+# benchmarks/h200.sh: fla-core, liger-kernel, transformers, peft wheels); results as JSON + markdown under $OUT.
+#   bash benchmarks/speed_gpu.sh glm     # at most 10 minutes: (b) glm5-flash-1gpu 8K,32K --baseline on an empty
+#                                        #   cache (its rows' first_step_s against step_s are (c): the first step
+#                                        #   on an empty cache against a warm one), then, time permitting, 8K
+#                                        #   with the tuned tables it wrote but no compiled kernels (compilation
+#                                        #   alone)
+#   bash benchmarks/speed_gpu.sh qwen    # about 4 minutes: (a) qwen3-30b-a3b-lora 32K --baseline, balanced routing
+#   bash benchmarks/speed_gpu.sh tune    # optional, up to 10 minutes: the H200 tuned table (full tuning at 8K and
+#                                        #   32K) into $OUT/nvidia-h200.json, to commit as src/megaseq/ops/tuned/
+# Each stage ends with $OUT/speed_<stage>.json (benchmarks/speed_summary.py): per length megaseq's and the peer's
+# tokens/s, MFU, peak, the first and warm step, the routing and its max/mean load, and the ratio.
+set -u
+STAGE=${1:-glm}
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+fi
+export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1
+unset MEGASEQ_FLA_AUTOTUNE MEGASEQ_AUTOTUNE  # the defaults: pruned spaces, tuned tables read first
+# an empty cache, as on a new machine: Triton's compiled kernels and megaseq's tuned tables
+export TRITON_CACHE_DIR=$PWD/.speed_cache/triton MEGASEQ_CACHE_DIR=$PWD/.speed_cache/megaseq
+rm -rf .speed_cache
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu_$STAGE.txt"
+python3 -c "import torch, triton, transformers, peft; print(torch.__version__, triton.__version__, transformers.__version__, peft.__version__)" | tee -a "$OUT/gpu_$STAGE.txt"
+python3 -c "import liger_kernel, importlib.metadata as m; print('liger-kernel', m.version('liger-kernel'))" 2>&1 | tail -1 | tee -a "$OUT/gpu_$STAGE.txt"
+ms() { python3 -m megaseq "$@"; }
+t0=$(date +%s)
+case "$STAGE" in
+  glm)
+    timeout -k 5 420 ms bench recipes/glm5-flash-1gpu.yaml --seq-lens 8K,32K --steps 3 --baseline \
+      --out "$OUT/glm_cold" 2>&1 | tail -40
+    echo "cold bench: $(( $(date +%s) - t0 )) s end to end" | tee "$OUT/glm_wall.txt"
+    cp .speed_cache/megaseq/autotune/*.json "$OUT/" 2>/dev/null
+    # 8K again with the tuned tables this run wrote but Triton's compiled kernels gone: the first step's
+    # compilation alone (no timing of configs), if the call has the time left
+    if [ $(( $(date +%s) - t0 )) -lt 430 ]; then
+      rm -rf .speed_cache/triton
+      t1=$(date +%s)
+      timeout -k 5 140 ms bench recipes/glm5-flash-1gpu.yaml --seq-lens 8K --steps 2 --out "$OUT/glm_tables" 2>&1 | tail -8
+      echo "8K with tables, no compiled kernels: $(( $(date +%s) - t1 )) s end to end" | tee -a "$OUT/glm_wall.txt"
+    fi
+    python3 benchmarks/speed_summary.py "$OUT/speed_glm.json" "$OUT/glm_cold.json" "$OUT/glm_tables.json"
+    ;;
+  qwen)
+    timeout -k 5 540 ms bench recipes/qwen3-30b-a3b-lora.yaml --seq-lens 32K --steps 2 --baseline \
+      --out "$OUT/qwen_lora" 2>&1 | tail -30
+    echo "qwen bench: $(( $(date +%s) - t0 )) s end to end" | tee "$OUT/qwen_wall.txt"
+    python3 benchmarks/speed_summary.py "$OUT/speed_qwen.json" "$OUT/qwen_lora.json"
+    ;;
+  tune)
+    timeout -k 5 570 ms tune recipes/glm5-flash-1gpu.yaml --seq-lens 8K,32K --out "$OUT/nvidia-h200.json" 2>&1 | tail -20
+    echo "tune: $(( $(date +%s) - t0 )) s end to end" | tee "$OUT/tune_wall.txt"
+    ;;
+  *) echo "stage $STAGE: use glm, qwen or tune" >&2; exit 2 ;;
+esac

@@ -1,0 +1,77 @@
+"""``megaseq tune RECIPE --seq-lens 8K,32K``: pre-tune the GPU kernels for the lengths a plan will use.
+
+Runs the recipe's planned training step once at each length (as ``megaseq bench`` does: the planner's fixes,
+the trainer's model and step, balanced routing for an MoE on random weights) with every autotuner timing its
+whole space (``MEGASEQ_AUTOTUNE=full``, and the sparse MLA launcher's own tuning, ``MEGASEQ_MLA_AUTOTUNE=1``),
+then writes what was tuned as a tuned table (``ops.autotune``): by default into this user's table, which
+every later run on this GPU model reads before tuning; with ``--out src/megaseq/ops/tuned/<gpu>.json``, the
+table the package ships for that GPU. A run then compiles one config per kernel and times nothing, at these
+lengths and within ``autotune.NEAR_BUCKETS`` powers of two of them.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from megaseq.config import Config, parse_size
+
+
+def tune_lengths(cfg: Config, seq_lens: str | None) -> list[int]:
+    """``--seq-lens`` as token counts (none given: the recipe's ``data.seq_len``)."""
+    if not seq_lens:
+        return [cfg.data.seq_len]
+    lengths = [parse_size(s.strip(), "--seq-lens") for s in seq_lens.split(",") if s.strip()]
+    if not lengths or min(lengths) < 1:
+        raise ValueError(f"--seq-lens {seq_lens!r}: give one or more positive lengths like 8K,32K")
+    return sorted(set(lengths))
+
+
+def _check_out(out: str | None) -> Path | None:
+    if out is None:
+        return None
+    path = Path(out)
+    if path.suffix != ".json":
+        raise ValueError(f"--out {out}: a tuned table is a .json file (e.g. src/megaseq/ops/tuned/nvidia-h200.json)")
+    if path.is_dir():
+        raise ValueError(f"--out {out} is a directory: give the .json file to write")
+    return path
+
+
+def run_tune(cfg: Config, lengths: list[int], out: str | None = None, measure=None) -> dict[str, Any]:
+    """Tune at each length and write the table; returns what it did (rows, table path, entries). ``measure``
+    (tests): the step to run, ``bench.measure.measure_megaseq``'s signature."""
+    import torch
+
+    from megaseq.bench.run import resolve_routing
+    from megaseq.ops import autotune
+
+    path = _check_out(out)
+    if not torch.cuda.is_available():
+        raise ValueError("megaseq tune times the GPU kernels at the plan's shapes: it needs a CUDA GPU, and none "
+                         "is visible here (run it on the GPU model the table is for)")
+    if measure is None:
+        from megaseq.bench.measure import measure_megaseq as measure
+    os.environ["MEGASEQ_AUTOTUNE"] = "full"
+    os.environ["MEGASEQ_MLA_AUTOTUNE"] = "1"
+    routing = resolve_routing(cfg, "auto", "random")
+    device = torch.cuda.get_device_name()
+    table = autotune.table(device)
+    rows = []
+    for i, L in enumerate(lengths):
+        if i:  # Triton keys its tunings without the length: tune again for this length's bucket
+            from megaseq.ops.triton_autotune import forget_tunings
+
+            forget_tunings()
+        print(f"megaseq tune: {L:,} tokens, every autotuned kernel over its whole space", file=sys.stderr, flush=True)
+        rows.append(measure(cfg, L, 0, "random", routing))
+    path = path or table.user_path
+    merged = autotune._read(path) if path.exists() else {}
+    for kernel, entries in table.recorded.items():
+        merged.setdefault(kernel, {}).update(entries)
+    autotune.write_table(path, merged, device)
+    entries = sum(len(v) for v in table.recorded.values())
+    return {"device": device, "lengths": lengths, "routing": routing, "table": str(path), "entries": entries,
+            "rows": [{k: r.get(k) for k in ("seq_len", "status", "step_s", "error")} for r in rows]}

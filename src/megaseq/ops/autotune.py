@@ -1,0 +1,190 @@
+"""Autotuning that a new machine or a new length does not pay for again: length buckets, pruned spaces, a
+persistent per-user cache and tuned configurations shipped in the package.
+
+The first step on a machine compiles every Triton kernel (megaseq's and fla's) and times each autotuned
+kernel over its whole config space: minutes, where a warm step takes seconds. Four things cut it:
+
+- **Tuned tables.** A JSON per GPU model of the best launch config per kernel, per key (the kernel's own
+  autotune key: head and feature dims, flags, dtype) and per **length bucket** (the token count rounded up
+  to a power of two, ``seq_bucket``). The kernels read it before tuning (``TunedTable.lookup``): a key found
+  there compiles one config and times nothing. Tables ship in the package (``ops/tuned/<gpu>.json``, written
+  by ``megaseq tune`` on that GPU) and are kept per user (``<cache>/autotune/<gpu>.json``, every tuning this
+  machine ran); the user's entries win. A length without its own bucket takes the nearest bucket within
+  ``NEAR_BUCKETS`` powers of two, so one tuning serves nearby lengths.
+- **Pruned spaces** (``MEGASEQ_AUTOTUNE``): ``pruned`` (the default) times at most ``PRUNED_CONFIGS`` configs
+  of a space, the most conservative one and an even spread of the rest by cost; ``full`` times them all
+  (what ``megaseq tune`` uses); ``one`` runs the most conservative config untimed.
+- **A persistent cache** (``use_persistent_cache``): ``TRITON_CACHE_DIR`` defaults to
+  ``~/.cache/megaseq/triton`` (``MEGASEQ_CACHE_DIR`` moves the root) and Triton's autotune results are kept
+  there too (``TRITON_CACHE_AUTOTUNING``), unless the user set them.
+- Triton's ``Autotuner`` reads the tables and the mode through ``ops.triton_autotune``; megaseq's own tuner
+  (the sparse MLA launcher) calls ``TunedTable`` directly.
+
+Torch-free and Triton-free: the tables, buckets and pruning are plain Python (tested on the CPU).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+MODES = ("pruned", "full", "one")
+PRUNED_CONFIGS = 4
+NEAR_BUCKETS = 2
+FORMAT = 1
+SHIPPED_DIR = Path(__file__).parent / "tuned"
+
+
+def cache_root() -> Path:
+    """megaseq's per-user cache: ``$MEGASEQ_CACHE_DIR``, else ``~/.cache/megaseq``."""
+    return Path(os.environ.get("MEGASEQ_CACHE_DIR") or "~/.cache/megaseq").expanduser()
+
+
+def use_persistent_cache() -> str:
+    """Default ``TRITON_CACHE_DIR`` to ``<cache>/triton`` and keep Triton's autotune results there, unless the
+    user set either; returns the Triton cache directory in use. Call before Triton compiles anything."""
+    os.environ.setdefault("TRITON_CACHE_DIR", str(cache_root() / "triton"))
+    os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
+    return os.environ["TRITON_CACHE_DIR"]
+
+
+def mode() -> str:
+    """``MEGASEQ_AUTOTUNE`` (pruned, full or one); unset, ``MEGASEQ_FLA_AUTOTUNE`` ``one`` or ``full`` is read as
+    the same; else ``pruned``."""
+    fla = os.environ.get("MEGASEQ_FLA_AUTOTUNE")
+    m = os.environ.get("MEGASEQ_AUTOTUNE") or (fla if fla in ("one", "full") else "pruned")
+    if m not in MODES:
+        raise ValueError(f"MEGASEQ_AUTOTUNE must be one of {', '.join(MODES)}, got {m!r}")
+    return m
+
+
+def seq_bucket(n: int) -> int:
+    """The power of two at or above ``n`` (at least 1): lengths 4097..8192 share bucket 8192."""
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def device_slug(name: str) -> str:
+    """A file name for a GPU model: ``NVIDIA H200`` -> ``nvidia-h200``."""
+    return "-".join(name.lower().replace("_", " ").split())
+
+
+def entry_key(fields: dict[str, Any], length: int | None) -> str:
+    """The table's key of one tuning: the kernel's key fields in order, then the length bucket."""
+    key = ",".join(f"{k}={v}" for k, v in fields.items())
+    return key if length is None else f"{key}|len={seq_bucket(length)}"
+
+
+def _split(key: str) -> tuple[str, int | None]:
+    base, _, length = key.partition("|len=")
+    return base, int(length) if length else None
+
+
+def config_cost(config: Any) -> tuple:
+    """How conservative a Triton config is (smaller first): stages, the product of its block sizes, distance of
+    its warps from 4."""
+    blocks = 1
+    for v in config.kwargs.values():
+        blocks *= v if isinstance(v, int) else 1
+    return (config.num_stages or 0, blocks, abs((config.num_warps or 4) - 4))
+
+
+def prune(configs: list, how: str | None = None) -> list:
+    """The configs to time under ``how`` (default ``mode()``): all, the most conservative one, or at most
+    ``PRUNED_CONFIGS``: the most conservative and an even spread of the rest by ``config_cost``."""
+    how = how or mode()
+    if how == "full" or len(configs) <= 1:
+        return list(configs)
+    ranked = sorted(configs, key=config_cost)
+    if how == "one":
+        return ranked[:1]
+    if len(ranked) <= PRUNED_CONFIGS:
+        return ranked
+    step = (len(ranked) - 1) / (PRUNED_CONFIGS - 1)
+    return [ranked[round(i * step)] for i in range(PRUNED_CONFIGS)]
+
+
+def _read(path: Path) -> dict[str, dict[str, Any]]:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: not a megaseq tuned table ({e}); delete it (it is a cache) or fix it") from e
+    if data.get("format") != FORMAT or not isinstance(data.get("kernels"), dict):
+        raise ValueError(f"{path}: not a megaseq tuned table of format {FORMAT}; delete it (it is a cache)")
+    return data["kernels"]
+
+
+def write_table(path: Path, kernels: dict[str, dict[str, Any]], device: str) -> None:
+    """Write a tuned table atomically (a temp file, then rename)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    ordered = {k: dict(sorted(v.items())) for k, v in sorted(kernels.items())}
+    body = {"format": FORMAT, "device": device, "kernels": ordered}
+    tmp.write_text(json.dumps(body, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+class TunedTable:
+    """The tuned configs of one GPU model: the shipped table under the user's, and what this process tuned.
+
+    A config is stored as ``{"kwargs": {...}, "num_warps": w, "num_stages": s, "tuned": how}``, ``how`` the
+    space it won in (``full`` or ``pruned``)."""
+
+    def __init__(self, device: str, shipped: Path | None = None, user: Path | None = None) -> None:
+        slug = device_slug(device)
+        self.device = device
+        self.user_path = user or cache_root() / "autotune" / f"{slug}.json"
+        self.shipped_path = shipped or SHIPPED_DIR / f"{slug}.json"
+        self.kernels: dict[str, dict[str, Any]] = {}
+        for path in (self.shipped_path, self.user_path):  # the user's entries override the shipped ones...
+            for kernel, entries in _read(path).items():
+                mine = self.kernels.setdefault(kernel, {})
+                for key, cfg in entries.items():  # ...except a pruned search over a full one
+                    if not (cfg.get("tuned") == "pruned" and mine.get(key, {}).get("tuned") == "full"):
+                        mine[key] = cfg
+        self.recorded: dict[str, dict[str, Any]] = {}
+
+    def lookup(self, kernel: str, fields: dict[str, Any], length: int | None = None) -> dict[str, Any] | None:
+        """The config for this key: its length bucket, else the nearest within ``NEAR_BUCKETS``; None: untuned."""
+        entries = self.kernels.get(kernel, {})
+        exact = entries.get(entry_key(fields, length))
+        if exact is not None or length is None:
+            return exact
+        base, want = entry_key(fields, None), math.log2(seq_bucket(length))
+        near = [(abs(math.log2(b) - want), b, cfg) for k, cfg in entries.items()
+                for kb, b in [_split(k)] if kb == base and b is not None]
+        near = [n for n in near if n[0] <= NEAR_BUCKETS]
+        return min(near, key=lambda n: (n[0], -n[1]))[2] if near else None
+
+    def record(self, kernel: str, fields: dict[str, Any], length: int | None, config: dict[str, Any],
+               persist: bool = True) -> None:
+        """Keep a tuning in this process and, with ``persist``, in the user's table (read back, merged, rewritten:
+        other processes' entries survive)."""
+        key = entry_key(fields, length)
+        self.kernels.setdefault(kernel, {})[key] = config
+        self.recorded.setdefault(kernel, {})[key] = config
+        if persist:
+            on_disk = _read(self.user_path)
+            on_disk.setdefault(kernel, {})[key] = config
+            try:
+                write_table(self.user_path, on_disk, self.device)
+            except OSError:  # a read-only home: the tuning still serves this process
+                pass
+
+
+_tables: dict[str, TunedTable] = {}
+
+
+def table(device: str | None = None) -> TunedTable:
+    """This process's table for ``device`` (default: the current CUDA device's name)."""
+    if device is None:
+        import torch
+
+        device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    if device not in _tables:
+        _tables[device] = TunedTable(device)
+    return _tables[device]
