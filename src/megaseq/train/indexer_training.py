@@ -1,0 +1,125 @@
+"""Training the DSA lightning indexer: its KL objective's settings, the dense warm-up, the metrics.
+
+DeepSeek-V3.2 trains its indexer in two stages (``docs/indexer.md``):
+
+- the dense warm-up (``model.dsa_warmup_steps`` optimizer steps): every DSA layer attends every visible key,
+  the main model is frozen and only the indexers train, fitted to the dense attention by KL;
+- the sparse stage: the DSA layers attend their selected keys, the indexers train on the KL over those keys
+  with their inputs detached, and the main model trains on the LM loss (as ``train.trainable`` / LoRA say).
+
+``enable(model, cfg)`` (before the optimizer is built: the indexers' parameters train, so it keeps state for
+them) sets each full indexer's coefficient (``model.indexer_loss_coef``); ``loss_scale(model, total)`` tells
+them the step's token count (the objective is a mean over every token of the global batch, as the LM loss);
+``begin_step(model, step)`` switches the stage; ``metrics(model, env)`` reads what they measured: per layer
+``indexer_kl/L`` (mean KL per query), ``indexer_recall/L`` (the share of dense attention's top pools the
+indexer picks, over queries with more candidates than picks) and ``indexer_recall_random/L`` (random
+selection's expected share on the same queries).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+STATE = "_megaseq_indexer_training"
+
+
+@dataclass
+class IndexerTraining:
+    """The run's indexer layers and stage; the parameters the warm-up froze (to restore after it)."""
+
+    layers: list[tuple[int, nn.Module]]
+    warmup_steps: int
+    coef: float
+    frozen_by_warmup: list[nn.Parameter] = field(default_factory=list)
+    dense: bool = False
+
+
+def dsa_layers(model: nn.Module) -> list[tuple[int, nn.Module]]:
+    """``(layer index, MLASparseAttention)`` of every DSA layer (shared ones too: they attend densely in the
+    warm-up)."""
+    from megaseq.models.common.mla_dsa import MLASparseAttention
+
+    return [(m.layer_idx, m) for m in model.modules() if isinstance(m, MLASparseAttention)]
+
+
+def enable(model: nn.Module, coef: float, warmup_steps: int = 0) -> IndexerTraining | None:
+    """Train the indexers of ``model`` with coefficient ``coef`` (their parameters made trainable); None when the
+    model has no full indexer (a ValueError then, when ``warmup_steps`` asks for a warm-up)."""
+    layers = dsa_layers(model)
+    full = [m for _, m in layers if m.indexer is not None]
+    if not full:
+        if warmup_steps:
+            raise ValueError(f"model.dsa_warmup_steps {warmup_steps}: the model has no DSA indexer to warm up; "
+                             "set --model.dsa_warmup_steps 0")
+        return None
+    for m in full:
+        m.indexer.kl_coef = coef
+        for p in m.indexer.parameters():
+            p.requires_grad_(True)
+    state = IndexerTraining(layers, warmup_steps, coef)
+    model.__dict__[STATE] = state
+    return state
+
+
+def _state(model: nn.Module) -> IndexerTraining | None:
+    return model.__dict__.get(STATE)
+
+
+def loss_scale(model: nn.Module, total_tokens: int) -> None:
+    """The step's summed losses are divided by ``total_tokens``: so is the objective's gradient."""
+    state = _state(model)
+    if state is None:
+        return
+    for _, m in state.layers:
+        if m.indexer is not None:
+            m.indexer.kl_scale = 1.0 / max(total_tokens, 1)
+
+
+def begin_step(model: nn.Module, step: int) -> None:
+    """Steps ``1 .. warmup_steps`` (1-based) run the dense warm-up; the first one after it the sparse stage."""
+    state = _state(model)
+    if state is None:
+        return
+    dense = step <= state.warmup_steps
+    if dense == state.dense and (dense or not state.frozen_by_warmup):
+        return
+    state.dense = dense
+    indexer_params = {id(p) for _, m in state.layers if m.indexer is not None for p in m.indexer.parameters()}
+    if dense:  # the main model frozen: only the indexers train
+        state.frozen_by_warmup = [p for p in model.parameters() if p.requires_grad and id(p) not in indexer_params]
+        for p in state.frozen_by_warmup:
+            p.requires_grad_(False)
+            p.grad = None
+    else:
+        for p in state.frozen_by_warmup:
+            p.requires_grad_(True)
+        state.frozen_by_warmup = []
+    for _, m in state.layers:
+        m.dense_attention = dense
+
+
+def metrics(model: nn.Module, env: Any = None) -> dict[str, float]:
+    """Per full indexer layer L, what the objective measured since the last call (summed over the ranks when
+    ``env`` is given): ``indexer_kl/L``, ``indexer_recall/L``, ``indexer_recall_random/L``; and the stage."""
+    state = _state(model)
+    if state is None:
+        return {}
+    out: dict[str, float] = {"indexer_dense": float(state.dense)}
+    for i, m in state.layers:
+        if m.indexer is None:
+            continue
+        st = m.indexer.stats.read()
+        values = [st.kl_sum, float(st.rows), st.recall_hits, st.recall_picks, st.random_hits]
+        if env is not None and getattr(env, "world_size", 1) > 1:
+            values = [env.all_reduce_sum(v) for v in values]
+        kl_sum, rows, hits, picks, rnd = values
+        st.reset()
+        if rows:
+            out[f"indexer_kl/{i}"] = kl_sum / rows
+        if picks:
+            out[f"indexer_recall/{i}"] = hits / picks
+            out[f"indexer_recall_random/{i}"] = rnd / picks
+    return out

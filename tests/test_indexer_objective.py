@@ -1,0 +1,198 @@
+"""The DSA indexer's KL objective against its written-out formula, float64 on the CPU, under autograd.
+
+The reference below builds every ``[Q, S]`` tensor at once: the main attention's probabilities per head from
+the expanded keys (masked causal + same document in the warm-up, to the selection in the sparse stage), summed
+over heads, a pool's tokens summed, restricted to the candidate (or selected) pools and L1-normalised; the
+indexer's scores of every pool from its parameters on the detached layer input; ``sum_q KL``. Its gradient
+with respect to the indexer's parameters must equal what the layer's ``AttachLoss`` hands them, and the main
+model's gradients must be those of the LM loss alone. Broken variants (an undetached indexer input, a target
+normalised per head) must fail the same checks.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megaseq.models.common import indexer_kl, mla_dsa
+from megaseq.models.common.context import SeqContext, positions_from_doc_ids
+from megaseq.models.common.mla_dsa import MLASparseAttention, expand_latent
+from megaseq.models.glm5.spec import glm5_flash_tiny
+
+TOL = dict(atol=1e-10, rtol=1e-9)
+COEF, SCALE = 0.7, 1.0 / 37
+
+
+def spec(kp: int):
+    return glm5_flash_tiny().replace(index_kpool=kp, index_topk=8 * kp if kp > 1 else 6, index_n_heads=4)
+
+
+def layer(kp: int, seed: int = 0) -> MLASparseAttention:
+    torch.manual_seed(seed)
+    m = MLASparseAttention(spec(kp), 0).double()
+    with torch.no_grad():
+        for p in m.indexer.parameters():  # away from HF's init (zero ape, unit gate): every term matters
+            p.add_(0.3 * torch.randn_like(p))
+    m.indexer.kl_coef, m.indexer.kl_scale = COEF, SCALE
+    return m
+
+
+def doc_ids(S: int, packed: bool) -> torch.Tensor | None:
+    if not packed:
+        return None
+    d = torch.zeros(1, S, dtype=torch.int64)
+    d[0, S // 3:] = 1
+    d[0, S // 3 + 7:] = 2
+    return d
+
+
+# ---- the written-out formula ------------------------------------------------------------------------------
+def pools_of(doc_S: torch.Tensor, kp: int) -> list[list[int]]:
+    """Complete pools of kp consecutive tokens from each document's first token, in sequence order."""
+    pos = positions_from_doc_ids(doc_S[None])[0].tolist()
+    return [list(range(t - kp + 1, t + 1)) for t in range(len(pos)) if (pos[t] + 1) % kp == 0]
+
+
+def reference_kl(m: MLASparseAttention, x: torch.Tensor, doc_S: torch.Tensor, idx: torch.Tensor | None,
+                 per_head: bool = False) -> torch.Tensor:
+    """``sum_q KL(target_q || softmax(I_q))`` over the candidate (``idx`` None) or selected pools."""
+    ix, S = m.indexer, x.shape[1]
+    kp = ix.kpool
+    with torch.no_grad():
+        q, latent, q_resid = m.project(x, SeqContext())
+        k, _ = expand_latent(latent, m.kv_b_proj.weight, m.num_heads, m.nope_dim)
+        s = torch.einsum("bqhd,bhkd->bhqk", q, k)[0] * m.scaling  # [Hh, Q, S]
+    xd, qr = x.detach()[0], q_resid.detach()[0]
+    keys = ix.k_norm(ix.wk(xd))
+    gate = xd @ ix.index_kpool_compress_gate.T
+    pools = pools_of(doc_S, kp)
+    pool_keys = torch.stack([(torch.softmax(gate[p] + ix.index_kpool_compress_ape, 0) * keys[p]).sum(0)
+                             for p in pools])
+    qi = (qr @ ix.wq_b.weight.T).view(S, ix.n_heads, ix.head_dim)
+    w = (xd @ ix.weights_proj.weight.T) * ix.n_heads**-0.5
+    index = torch.einsum("qh,qhp->qp", w, torch.relu(torch.einsum("qhd,pd->qhp", qi, pool_keys) * ix.softmax_scale))
+    total = x.new_zeros(())
+    for t in range(S):
+        same = doc_S == doc_S[t]
+        if idx is None:
+            visible = same & (torch.arange(S) <= t)
+            cand = [j for j, p in enumerate(pools) if p[-1] <= t and bool(same[p[-1]])]
+        else:
+            sel = [int(i) for i in idx[0, t] if i >= 0]
+            visible = torch.zeros(S, dtype=torch.bool)
+            visible[sel] = True
+            firsts = [int(i) for i in idx[0, t, :(idx.shape[-1] - (kp - 1 if kp > 1 else 0)):kp] if i >= 0]
+            cand = [j for j, p in enumerate(pools) if p[0] in firsts]
+        if not cand:
+            continue
+        with torch.no_grad():
+            probs = torch.softmax(s[:, t].masked_fill(~visible, float("-inf")), -1)  # [Hh, S]
+            mass = torch.stack([probs[:, pools[j]].sum(-1) for j in cand], -1)  # [Hh, n]
+            target = mass.sum(0) / mass.sum() if not per_head else (mass / mass.sum(-1, keepdim=True)).mean(0)
+        logp = torch.log_softmax(index[t, cand], -1)
+        total = total + (target * (target.log() - logp)).sum()
+    return total
+
+
+def run_layer(m: MLASparseAttention, x: torch.Tensor, docs: torch.Tensor | None, dense: bool):
+    m.dense_attention = dense
+    m.zero_grad()
+    x = x.clone().requires_grad_(True)
+    out = m(x, SeqContext(doc_ids=docs))
+    g_out = torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)
+    out.backward(g_out)
+    return out, g_out, x.grad
+
+
+def check(kp: int, packed: bool, dense: bool, per_head_reference: bool = False) -> None:
+    S = 41
+    m = layer(kp)
+    x = torch.randn(1, S, m.q_a_proj.in_features, dtype=torch.float64)
+    docs = doc_ids(S, packed)
+    doc_S = docs[0] if docs is not None else torch.zeros(S, dtype=torch.int64)
+    out, g_out, x_grad = run_layer(m, x, docs, dense)
+    got = {n: p.grad.clone() for n, p in m.indexer.named_parameters()}
+    main = {n: p.grad.clone() for n, p in m.named_parameters() if not n.startswith("indexer.")}
+    stats = m.indexer.stats.read()
+    # the reference: the same layer without the objective (the main model's gradient), then the formula's
+    m.indexer.kl_coef = 0.0
+    ref_out, _, ref_x_grad = run_layer(m, x, docs, dense)
+    torch.testing.assert_close(out, ref_out, atol=0, rtol=0)
+    torch.testing.assert_close(x_grad, ref_x_grad, **TOL, msg=lambda s: f"main grad of the layer input: {s}")
+    for n, p in m.named_parameters():
+        if not n.startswith("indexer."):
+            torch.testing.assert_close(main[n], p.grad, **TOL, msg=lambda s, n=n: f"main grad {n}: {s}")
+    idx = None if dense else m.indexer(x, m.project(x, SeqContext(doc_ids=docs))[2], SeqContext(doc_ids=docs))
+    m.zero_grad()
+    ref = reference_kl(m, x, doc_S, idx, per_head=per_head_reference)
+    ref = ref.detach()
+    assert abs(stats.kl_sum - float(ref)) <= 1e-9 * max(1.0, abs(float(ref))), (stats.kl_sum, float(ref))
+    (reference_kl(m, x, doc_S, idx, per_head=per_head_reference) * COEF * SCALE).backward()
+    for n, p in m.indexer.named_parameters():
+        torch.testing.assert_close(got[n], p.grad, **TOL, msg=lambda s, n=n: f"indexer grad {n}: {s}")
+
+
+@pytest.mark.parametrize("kp", [1, 4])
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("dense", [False, True])
+def test_objective_matches_formula(kp: int, packed: bool, dense: bool) -> None:
+    check(kp, packed, dense)
+
+
+def test_undetached_input_fails(monkeypatch) -> None:
+    """An indexer reading the layer input with its graph sends the KL's gradient into the main model."""
+    monkeypatch.setattr(mla_dsa, "indexer_inputs", lambda x, q: (x, q))
+    with pytest.raises(AssertionError, match="main grad"):
+        check(4, False, False)
+
+
+def test_per_head_target_fails(monkeypatch) -> None:
+    """A target normalised per head (then averaged) is another distribution: the formula's check fails."""
+    with pytest.raises(AssertionError):
+        check(4, True, False, per_head_reference=True)
+
+    def per_head(q_abs, c_SC, idx_cW, kp, num_pools, scale):
+        S = c_SC.shape[0]
+        ok = (idx_cW >= 0) & (idx_cW < S)
+        keys = c_SC.index_select(0, torch.where(ok, idx_cW.long(), 0).reshape(-1)).view(*idx_cW.shape, -1)
+        s = torch.einsum("chr,cnr->chn", q_abs, keys) * scale
+        p = s.masked_fill(~ok[:, None], float("-inf")).softmax(-1)
+        mass = p[..., :num_pools * kp].reshape(*p.shape[:2], num_pools, kp).sum(-1)
+        cand = ok[:, :num_pools * kp:kp]
+        mass = mass.masked_fill(~cand[:, None], 0.0)
+        t = (mass / mass.sum(-1, keepdim=True).clamp_min(1e-300)).mean(1)
+        return t, cand
+
+    monkeypatch.setattr(indexer_kl, "sparse_target", per_head)
+    with pytest.raises(AssertionError):
+        check(4, True, False)
+
+
+def test_dense_attention_is_sparse_over_every_visible_key() -> None:
+    """The warm-up's attention equals the sparse op given every visible key (packed documents)."""
+    S = 29
+    m = layer(4)
+    x = torch.randn(1, S, m.q_a_proj.in_features, dtype=torch.float64)
+    docs = doc_ids(S, True)
+    q, latent, _ = m.project(x, SeqContext(doc_ids=docs))
+    pos = torch.arange(S)
+    same = docs[0][None] == docs[0][:, None]
+    idx = torch.where(same & (pos[None] <= pos[:, None]), pos[None], -1).to(torch.int32)[None]
+    want = mla_dsa.sparse_mla_reference(q, latent, m.kv_b_proj.weight, idx, m.scaling)
+    got = indexer_kl.dense_latent_attention(q, latent, m.kv_b_proj.weight, pos, docs, m.scaling, 0)
+    torch.testing.assert_close(got, want, **TOL)
+
+
+def test_kl_rows_formula() -> None:
+    """``kl_rows`` against ``F.kl_div`` on rows with some candidates masked, and zero on a row without any."""
+    g = torch.Generator().manual_seed(1)
+    index = torch.randn(3, 5, generator=g, dtype=torch.float64)
+    cand = torch.tensor([[1, 1, 0, 1, 1], [1, 0, 0, 0, 1], [0, 0, 0, 0, 0]], dtype=torch.bool)
+    t = indexer_kl.normalise(torch.rand(3, 5, generator=g, dtype=torch.float64), cand)
+    got = indexer_kl.kl_rows(t, index, cand)
+    for r in range(2):
+        c = cand[r]
+        want = F.kl_div(index[r, c].log_softmax(-1), t[r, c], reduction="sum")
+        torch.testing.assert_close(got[r], want, **TOL)
+    assert got[2] == 0
