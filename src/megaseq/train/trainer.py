@@ -26,8 +26,7 @@ from megaseq.ops import dispatch
 from megaseq.ops.kernels import cold_start_note, planned_kernels, preferred_kernels
 from megaseq.plan.flops import mfu
 from megaseq.train import checkpoint as ckpt
-from megaseq.train import guard
-from megaseq.train import indexer_training
+from megaseq.train import guard, indexer_training
 from megaseq.train.balance import Balancer, resolve_balance
 from megaseq.train.heldout import HeldoutProbe, evaluate_run
 from megaseq.train.metrics import MetricsLogger, gpu_peak_bytes, host_peak_bytes

@@ -35,7 +35,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from megaseq.ops.indexer_scoring import topk_lowest_index_ties
 
