@@ -196,3 +196,74 @@ def test_kl_rows_formula() -> None:
         want = F.kl_div(index[r, c].log_softmax(-1), t[r, c], reduction="sum")
         torch.testing.assert_close(got[r], want, **TOL)
     assert got[2] == 0
+
+
+# ---- composition: context parallelism (gather-KV over gloo) and sequence segments ------------------------
+class _TrainedFullThenShared(torch.nn.Module):
+    """``test_parallel_dsa.FullThenShared`` with the objective on (the sparse stage, or the dense warm-up)."""
+
+    dense = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        from test_parallel_dsa import FullThenShared
+
+        self.inner = FullThenShared()
+        self.inner.full.indexer.kl_coef, self.inner.full.indexer.kl_scale = COEF, SCALE
+        for m in (self.inner.full, self.inner.shared):
+            m.dense_attention = self.dense
+
+    def forward(self, x: torch.Tensor, ctx) -> torch.Tensor:
+        return self.inner(x, ctx)
+
+
+class _DenseFullThenShared(_TrainedFullThenShared):
+    dense = True
+
+
+@pytest.mark.parametrize("block", [_TrainedFullThenShared, _DenseFullThenShared])
+def test_objective_under_context_parallelism(block) -> None:
+    """Each rank's queries against the gathered keys; the keys' gradient reduce-scattered to their owners: the
+    loss's every gradient (the indexer's too) equals one process's."""
+    from megaseq.parallel.launch import spawn_local
+    from test_parallel_ulysses import block_parity
+
+    spawn_local(block_parity, 2, args=(block, 1, 2, 2, 24, 10))
+
+
+@pytest.mark.parametrize("dense", [False, True])
+def test_objective_under_sequence_segments(dense: bool) -> None:
+    """Segments (KDA + full and shared DSA, packed documents): loss and every gradient equal the plain step's;
+    the indexer's keys of earlier segments carry their gradient back."""
+    from megaseq.memory import model_segments as ms
+    from megaseq.memory.vocab_loss import linear_cross_entropy
+    from megaseq.models.build import build_model
+    from megaseq.train import indexer_training
+
+    s = glm5_flash_tiny()
+    s = s.replace(num_layers=5, layer_types=s.layer_types[:5], mlp_types=("dense",) * 5,
+                  indexer_types=("full",) * 3 + ("full", "shared"), index_kpool=4, index_topk=16)
+    model = build_model(s, dtype=torch.float64, seed=0)
+    indexer_training.enable(model, COEF)
+    indexer_training.loss_scale(model, 37)
+    for _, m in indexer_training.dsa_layers(model):
+        m.dense_attention = dense
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(1, s.vocab_size, (1, 45), generator=g)
+    labels = torch.randint(1, s.vocab_size, (1, 45), generator=g)
+    docs = doc_ids(45, True)
+
+    def loss_fn(hidden, lab):
+        return linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), model.lm_head.weight, lab.reshape(-1),
+                                    reduction="sum")
+
+    model.zero_grad()
+    (loss_fn(model(ids, doc_ids=docs), labels) / 37).backward()
+    ref = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    assert any(".indexer." in n for n in ref)
+    model.zero_grad()
+    ms.segmented_loss_backward(model, ids, labels, loss_fn, 1 / 37, 16, doc_ids=docs)
+    got = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    assert got.keys() == ref.keys()
+    for n in ref:
+        torch.testing.assert_close(got[n], ref[n], **TOL, msg=lambda m, n=n: f"{n}: {m}")

@@ -350,6 +350,9 @@ class MLASparseAttention(MultiLatentAttention):
         w = linear_weight(self.kv_b_proj)  # with a LoRA adapter, merged with it
         idx = None
         if self.dense_attention:  # the warm-up: every visible key
+            if prep is None and self.indexer is not None and ctx.segmented:  # the segments' key cache is filled
+                with torch.no_grad():
+                    self.indexer.prepare(*indexer_inputs(x_BQH, q_resid), ctx)
             doc_BS = ctx.full_doc_ids()
             if doc_BS is None:
                 doc_BS = torch.zeros(B, c_BSC.shape[1], dtype=torch.int64, device=x_BQH.device)
