@@ -123,3 +123,33 @@ def metrics(model: nn.Module, env: Any = None) -> dict[str, float]:
             out[f"indexer_recall/{i}"] = hits / picks
             out[f"indexer_recall_random/{i}"] = rnd / picks
     return out
+
+
+def recall(model: nn.Module, input_ids: Any, doc_ids: Any = None) -> dict[int, tuple[float, float]]:
+    """Per full-indexer layer, ``(recall, random selection's recall)`` of the dense attention's top pools over
+    every query of ``input_ids`` with more candidates than picks: the model run once with dense attention, the
+    indexer's own top-K against the target's (the warm-up's measure), the model left as it was."""
+    import torch
+
+    layers = dsa_layers(model)
+    saved = [(m, m.dense_attention, m.indexer.kl_coef if m.indexer is not None else 0.0) for _, m in layers]
+    try:
+        for _, m in layers:
+            m.dense_attention = True
+            if m.indexer is not None:
+                m.indexer.kl_coef = m.indexer.kl_coef or 1.0
+                m.indexer.stats.reset()
+        with torch.enable_grad():
+            model(input_ids, doc_ids=doc_ids)
+        out = {}
+        for i, m in layers:
+            if m.indexer is not None:
+                st = m.indexer.stats.read()
+                out[i] = (st.recall_hits / max(st.recall_picks, 1.0), st.random_hits / max(st.recall_picks, 1.0))
+                st.reset()
+        return out
+    finally:
+        for m, dense, coef in saved:
+            m.dense_attention = dense
+            if m.indexer is not None:
+                m.indexer.kl_coef = coef
