@@ -64,6 +64,14 @@ def enable(model: nn.Module, coef: float, warmup_steps: int = 0) -> IndexerTrain
     return state
 
 
+def check(model_cfg: Any, spec: Any) -> None:
+    """``model.train_indexer`` for a model without a DSA layer: a ValueError naming the setting, before anything
+    is built."""
+    if model_cfg.train_indexer and "dsa" not in spec.layer_types:
+        raise ValueError(f"model.train_indexer: {model_cfg.name} has no DSA indexer to train (its layers: "
+                         f"{', '.join(sorted(set(spec.layer_types)))}); set --model.train_indexer false")
+
+
 def _state(model: nn.Module) -> IndexerTraining | None:
     return model.__dict__.get(STATE)
 

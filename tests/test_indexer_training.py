@@ -1,0 +1,41 @@
+"""``model.train_indexer`` through the trainer: the warm-up's steps then the sparse stage, the indexers' metrics
+in metrics.jsonl, the main model frozen during the warm-up; and the settings' validation."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from megaseq.config import build_config
+from megaseq.train.trainer import run_training
+from test_train import _cfg
+
+torch.set_num_threads(2)
+
+
+def test_warmup_then_sparse_through_the_trainer(tmp_path) -> None:
+    cfg = _cfg(tmp_path, "r", model={"dtype": "fp32", "train_indexer": True, "dsa_warmup_steps": 2},
+               train={"steps": 4})
+    run_training(cfg)
+    records = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["indexer_dense"] for r in records] == [1.0, 1.0, 0.0, 0.0]
+    kls = [k for k in records[0] if k.startswith("indexer_kl/")]
+    assert kls and all(r[k] >= 0 for r in records for k in kls)
+
+
+@pytest.mark.parametrize("model, match", [
+    ({"dsa_warmup_steps": 3}, "model.train_indexer"),
+    ({"train_indexer": True, "indexer_loss_coef": 0.0}, "indexer_loss_coef 0"),
+    ({"indexer_loss_coef": -1.0}, "model.indexer_loss_coef must be >= 0"),
+    ({"train_indexer": True, "dsa_warmup_steps": 2, "name": "qwen3-moe-tiny"}, "no DSA indexer to train"),
+])
+def test_settings_are_checked(tmp_path, model, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        run_training(_cfg(tmp_path, "r", model={"dtype": "fp32", **model}, train={"steps": 1}))
+
+
+def test_default_leaves_the_indexer_as_loaded() -> None:
+    cfg = build_config({})
+    assert not cfg.model.train_indexer and cfg.model.indexer_loss_coef == 0.001
