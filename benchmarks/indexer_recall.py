@@ -72,7 +72,8 @@ def train(model, steps: int, first: int, ids_of, lr: float, device) -> list[dict
         opt.zero_grad(set_to_none=True)
         m = it.metrics(model)
         kls = [v for k, v in m.items() if k.startswith("indexer_kl/")]
-        curve.append({"step": step, "loss": float(loss.detach()), "indexer_kl": float(np.mean(kls)) if kls else float("nan"),
+        kl = float(np.mean(kls)) if kls else float("nan")
+        curve.append({"step": step, "loss": float(loss.detach()), "indexer_kl": kl,
                       "dense": m.get("indexer_dense", 0.0)})
     return curve
 
