@@ -267,3 +267,44 @@ def test_objective_under_sequence_segments(dense: bool) -> None:
     assert got.keys() == ref.keys()
     for n in ref:
         torch.testing.assert_close(got[n], ref[n], **TOL, msg=lambda m, n=n: f"{n}: {m}")
+
+
+# ---- memory: one chunk at a time, never [S, S] ---------------------------------------------------------------
+def _objective_peak(S: int, dense: bool) -> tuple[int, int]:
+    """Peak bytes of one layer's objective (``indexer_loss``, its inputs made before) and the formula's."""
+    import warnings
+
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from megaseq.models.common.indexer_objective import indexer_loss
+    from megaseq.ops.workspace import indexer_kl_bytes
+
+    m = layer(4)
+    m.indexer.query_chunk = 32
+    x = torch.randn(1, S, m.q_a_proj.in_features, dtype=torch.float64)
+    ctx = SeqContext()
+    q, latent, q_resid = m.project(x, ctx)
+    prep = m.indexer.prepare(x.detach(), q_resid.detach(), ctx)
+    idx = None if dense else m.indexer.select(prep)
+    tracker = MemTracker()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with tracker:
+            indexer_loss(m, prep, q, latent, m.kv_b_proj.weight, idx)
+    measured = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+    ix = m.indexer
+    P, K = S // 4, ix.index_topk // 4
+    W = K * 4 + 3
+    predicted = indexer_kl_bytes(S, S, m.num_heads, ix.n_heads, ix.head_dim, P, K, W, latent.shape[-1], dense,
+                                 itemsize=8, budget=32 * 10**9)
+    return measured, predicted
+
+
+@pytest.mark.parametrize("dense", [False, True])
+def test_objective_memory_is_chunked(dense: bool) -> None:
+    """Doubling the sequence at a fixed chunk: the sparse stage's peak grows about linearly (its chunk is
+    fixed, the summed gradients per token), never as an ``[S, S]`` tensor would."""
+    (m1, _), (m2, _) = _objective_peak(256, dense), _objective_peak(512, dense)
+    quadratic = 8 * (512 * 512 - 256 * 256)  # what one fp64 [S, S] tensor would add
+    print(f"\npeak {m1} -> {m2} bytes (an [S, S] tensor would add {quadratic})")
+    assert m2 - m1 < quadratic
