@@ -103,9 +103,10 @@ def absorbed_query(q_cHD: torch.Tensor, w_uk_HDR: torch.Tensor, rope_dim: int) -
 def head_summed_probs(q_abs_cHC: torch.Tensor, keys: torch.Tensor, valid_cn: torch.Tensor,
                       scale: float) -> torch.Tensor:
     """``sum_h softmax_n(scale * q_h . k_n)`` over the valid keys ``[c, n]`` (0 elsewhere, and on rows with none):
-    ``keys`` is ``[n, C]`` (shared by the rows) or ``[c, n, C]`` (each row's own)."""
+    ``keys`` is ``[n, C]`` (shared by the rows) or ``[c, n, C]`` (each row's own). fp32 (or wider) out."""
     eq = "chr,nr->chn" if keys.dim() == 2 else "chr,cnr->chn"
-    s = torch.einsum(eq, q_abs_cHC, keys) * scale
+    # the scores in the inputs' dtype (the attention's work dtype, as the op), softmax and sums in fp32 or wider
+    s = torch.einsum(eq, q_abs_cHC, keys).to(torch.promote_types(keys.dtype, torch.float32)) * scale
     s = s.masked_fill_(~valid_cn[:, None, :], float("-inf"))
     has = valid_cn.any(-1)
     s = s.masked_fill_(~has[:, None, None], 0.0)

@@ -41,8 +41,10 @@ def indexer_loss(layer: Any, prep: Any, q_BQHD: torch.Tensor, c_BSC: torch.Tenso
     cd = compute_dtype(q_BQHD.dtype)
     Dr = layer.rope_dim
     R = c_BSC.shape[-1] - Dr
-    w_uk = kv_b_weight.detach().to(cd).view(Hh, -1, R)[:, :Dq - Dr]
-    q_det, c_det = q_BQHD.detach().to(cd), c_BSC.detach().to(cd)
+    # the target's matmuls in the attention's work dtype (the queries'), its softmax and sums in fp32
+    wd = q_BQHD.dtype
+    w_uk = kv_b_weight.detach().to(wd).view(Hh, -1, R)[:, :Dq - Dr]
+    q_det, c_det = q_BQHD.detach(), c_BSC.detach().to(wd)
     wq = linear_weight(ix.wq_b)
     total = None
     with torch.autocast(q_BQHD.device.type, enabled=False):
@@ -82,7 +84,8 @@ class _Row:
             rows = workspace.indexer_kl_chunk(Hh, S, I, P, D, itemsize=size)
         else:
             W = self.idx.shape[-1]
-            rows = workspace.indexer_kl_chunk(Hh, W, I, self.num_pools, D, gathered=W, latent=C, itemsize=size)
+            rows = workspace.indexer_kl_chunk(Hh, W, I, self.num_pools, D, gathered=W, latent=C, itemsize=size,
+                                              gathered_itemsize=self.c_det.element_size())
         if self.ix.query_chunk is not None:
             rows = min(rows, int(self.ix.query_chunk))
         return kl.chunk_bounds(Q, rows)
