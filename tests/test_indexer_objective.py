@@ -231,12 +231,7 @@ def test_objective_under_context_parallelism(block) -> None:
     spawn_local(block_parity, 2, args=(block, 1, 2, 2, 24, 10))
 
 
-@pytest.mark.parametrize("dense", [False, True])
-def test_objective_under_sequence_segments(dense: bool) -> None:
-    """Segments (KDA + full and shared DSA, packed documents): loss and every gradient equal the plain step's;
-    the indexer's keys of earlier segments carry their gradient back."""
-    from megaseq.memory import model_segments as ms
-    from megaseq.memory.vocab_loss import linear_cross_entropy
+def _objective_model():
     from megaseq.models.build import build_model
     from megaseq.train import indexer_training
 
@@ -246,6 +241,44 @@ def test_objective_under_sequence_segments(dense: bool) -> None:
     model = build_model(s, dtype=torch.float64, seed=0)
     indexer_training.enable(model, COEF)
     indexer_training.loss_scale(model, 37)
+    return s, model
+
+
+@pytest.mark.parametrize("scheme", ["recompute", "recompute_offload"])
+def test_objective_under_recompute(scheme: str) -> None:
+    """Full recompute (and SCO): the layer runs without a graph, then again with one in backward; the term is
+    computed there once, and every gradient equals the plain step's."""
+    from megaseq.memory.offload import BoundaryOffloader, checkpoint_layers
+
+    s, model = _objective_model()
+    ids = torch.randint(1, s.vocab_size, (1, 40), generator=torch.Generator().manual_seed(3))
+    model.zero_grad()
+    model(ids).square().mean().backward()
+    ref = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    kl_ref = [m.stats.read().kl_sum for m in model.modules() if getattr(m, "kl_coef", 0)]
+    for m in model.modules():
+        if getattr(m, "kl_coef", 0):
+            m.stats.reset()
+    checkpoint_layers(model.layers, BoundaryOffloader(10**9) if scheme == "recompute_offload" else None)
+    model.zero_grad()
+    model(ids).square().mean().backward()
+    got = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    assert got.keys() == ref.keys() and any(".indexer." in n for n in ref)
+    for n in ref:
+        torch.testing.assert_close(got[n], ref[n], **TOL, msg=lambda m, n=n: f"{n}: {m}")
+    kl_got = [m.stats.read().kl_sum for m in model.modules() if getattr(m, "kl_coef", 0)]
+    assert kl_got == pytest.approx(kl_ref, rel=1e-12)  # once per step, not once per run of the layer
+
+
+@pytest.mark.parametrize("dense", [False, True])
+def test_objective_under_sequence_segments(dense: bool) -> None:
+    """Segments (KDA + full and shared DSA, packed documents): loss and every gradient equal the plain step's;
+    the indexer's keys of earlier segments carry their gradient back."""
+    from megaseq.memory import model_segments as ms
+    from megaseq.memory.vocab_loss import linear_cross_entropy
+    from megaseq.train import indexer_training
+
+    s, model = _objective_model()
     for _, m in indexer_training.dsa_layers(model):
         m.dense_attention = dense
     g = torch.Generator().manual_seed(3)
