@@ -341,3 +341,38 @@ def test_objective_memory_is_chunked(dense: bool) -> None:
     quadratic = 8 * (512 * 512 - 256 * 256)  # what one fp64 [S, S] tensor would add
     print(f"\npeak {m1} -> {m2} bytes (an [S, S] tensor would add {quadratic})")
     assert m2 - m1 < quadratic
+
+
+# ---- on the GPU: bf16 with the fast kernels against the float64 computation -------------------------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dense", [False, True])
+def test_objective_on_gpu_bf16_matches_float64(dense: bool) -> None:
+    """A glm5-shaped layer (pools of 4) at 2K tokens in bf16 autocast with the fast set (Triton sparse MLA and
+    selection): the KL and the indexer's gradients against the same layer in float64 (a near-tie may select
+    another pool in a few rows: the tolerances are loose)."""
+    from megaseq.ops import dispatch
+
+    S = 2048
+    spec_ = glm5_flash_tiny().replace(index_kpool=4, index_topk=64, index_n_heads=8, index_head_dim=32,
+                                      kv_lora_rank=64, qk_nope_head_dim=32, v_head_dim=32, num_attention_heads=8)
+    torch.manual_seed(0)
+    ref = MLASparseAttention(spec_, 0).double().cuda()
+    ref.indexer.kl_coef, ref.indexer.kl_scale = COEF, SCALE
+    ref.dense_attention = dense
+    x = torch.randn(1, S, ref.q_a_proj.in_features, dtype=torch.float64, device="cuda")
+    ref(x, SeqContext()).sum().backward()
+    want_kl = ref.indexer.stats.read().kl_sum
+    want = {n: p.grad.clone() for n, p in ref.indexer.named_parameters()}
+    fast = MLASparseAttention(spec_, 0).cuda()
+    fast.load_state_dict({k: v.float() for k, v in ref.state_dict().items()})
+    fast.indexer.kl_coef, fast.indexer.kl_scale = COEF, SCALE
+    fast.dense_attention = dense
+    with dispatch.configured(preferred={"sparse_attention": ["triton"], "indexer_topk": ["triton"]}):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            fast(x.float(), SeqContext()).float().sum().backward()
+    got_kl = fast.indexer.stats.read().kl_sum
+    assert abs(got_kl - want_kl) <= 0.05 * abs(want_kl) + 1e-3, (got_kl, want_kl)
+    for n, p in fast.indexer.named_parameters():
+        err = (p.grad.double() - want[n]).norm() / want[n].norm().clamp_min(1e-30)
+        assert err < 0.1, (n, float(err))
