@@ -39,3 +39,30 @@ def test_settings_are_checked(tmp_path, model, match) -> None:
 def test_default_leaves_the_indexer_as_loaded() -> None:
     cfg = build_config({})
     assert not cfg.model.train_indexer and cfg.model.indexer_loss_coef == 0.001
+
+
+def test_indexer_trains_beside_lora_adapters(tmp_path) -> None:
+    """LoRA on the attention, the indexer in full: the adapters and the indexers change, the frozen base not."""
+    from megaseq.models.common.lora import is_adapter
+    from megaseq.train import trainer
+
+    seen = {}
+    real = trainer.build_planned_model
+
+    def spy(*a, **kw):
+        out = real(*a, **kw)
+        seen["model"] = out[0]
+        seen["before"] = {n: p.detach().clone() for n, p in out[0].named_parameters()}
+        return out
+
+    cfg = _cfg(tmp_path, "r", model={"dtype": "fp32", "train_indexer": True}, train={"steps": 2},
+               lora={"rank": 4, "targets": ["attention"]})
+    trainer.build_planned_model = spy
+    try:
+        run_training(cfg)
+    finally:
+        trainer.build_planned_model = real
+    model, before = seen["model"], seen["before"]
+    changed = {n for n, p in model.named_parameters() if not torch.equal(p.detach(), before[n])}
+    assert any(".indexer." in n for n in changed) and any(is_adapter(n) for n in changed)
+    assert all(".indexer." in n or is_adapter(n) for n in changed), sorted(changed)[:5]

@@ -121,8 +121,9 @@ def _refusal(pattern: str, table: list[Param]) -> str | None:
     names = [p.name.removesuffix(".weight") for p in table]
     hits = [n for n in names if _matches(n, pattern)]
     if any(".indexer." in f".{n}." for n in hits):
-        return (f"lora.targets {pattern!r} names the DSA indexer's projections, which run without gradient (only "
-                "integer indices leave the indexer): an adapter there would never train; drop it")
+        return (f"lora.targets {pattern!r} names the DSA indexer's projections, which the LM loss never reaches (only "
+                "integer indices leave the indexer): drop it; the indexer trains in full, beside the adapters, "
+                "with --model.train_indexer true (its KL objective)")
     if any(n in ("lm_head", "embed_tokens") for n in hits):
         return (f"lora.targets {pattern!r}: the embedding and lm_head take no adapters (the losses read "
                 "lm_head's weight directly); train them in full with --train.trainable lm_head.weight")

@@ -45,9 +45,10 @@ def dsa_layers(model: nn.Module) -> list[tuple[int, nn.Module]]:
     return [(m.layer_idx, m) for m in model.modules() if isinstance(m, MLASparseAttention)]
 
 
-def enable(model: nn.Module, coef: float, warmup_steps: int = 0) -> IndexerTraining | None:
-    """Train the indexers of ``model`` with coefficient ``coef`` (their parameters made trainable); None when the
-    model has no full indexer (a ValueError then, when ``warmup_steps`` asks for a warm-up)."""
+def enable(model: nn.Module, coef: float, warmup_steps: int = 0, dtype: Any = None) -> IndexerTraining | None:
+    """Train the indexers of ``model`` with coefficient ``coef`` (their parameters made trainable, in ``dtype``
+    when given: a frozen base stores what it freezes in the compute dtype); None when the model has no full
+    indexer (a ValueError then, when ``warmup_steps`` asks for a warm-up)."""
     layers = dsa_layers(model)
     full = [m for _, m in layers if m.indexer is not None]
     if not full:
@@ -58,6 +59,8 @@ def enable(model: nn.Module, coef: float, warmup_steps: int = 0) -> IndexerTrain
     for m in full:
         m.indexer.kl_coef = coef
         for p in m.indexer.parameters():
+            if dtype is not None and p.dtype != dtype:
+                p.data = p.data.to(dtype)
             p.requires_grad_(True)
     state = IndexerTraining(layers, warmup_steps, coef)
     model.__dict__[STATE] = state

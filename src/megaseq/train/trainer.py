@@ -268,7 +268,7 @@ def build_planned_model(cfg: Config, spec: Any, device: torch.device, memory: Me
 
         load_adapter(model, spec, cfg.lora, cfg.lora.init_from)
     if cfg.model.train_indexer:  # before the optimizer: the indexers' parameters train
-        indexer_training.enable(model, cfg.model.indexer_loss_coef, cfg.model.dsa_warmup_steps)
+        indexer_training.enable(model, cfg.model.indexer_loss_coef, cfg.model.dsa_warmup_steps, dtype)
     several = cfg.train.grad_accum > 1 or 0 < memory.model_segment_tokens < cfg.data.seq_len
     optimizer, scheduler = build_optimizer(model, cfg.optim, total_steps, memory, accumulate=several,
                                            distributed=getattr(env, "world_size", 1) > 1)
