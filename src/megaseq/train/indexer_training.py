@@ -114,20 +114,23 @@ def begin_step(model: nn.Module, step: int) -> None:
 
 def metrics(model: nn.Module, env: Any = None) -> dict[str, float]:
     """Per full indexer layer L, what the objective measured since the last call (summed over the ranks when
-    ``env`` is given): ``indexer_kl/L``, ``indexer_recall/L``, ``indexer_recall_random/L``; and the stage."""
+    ``env`` is given, one all-reduce): ``indexer_kl/L``, ``indexer_recall/L``, ``indexer_recall_random/L``; and
+    the stage, ``indexer_dense``."""
+    import torch
+
     state = _state(model)
     if state is None:
         return {}
-    out: dict[str, float] = {"indexer_dense": float(state.dense)}
-    for i, m in state.layers:
-        if m.indexer is None:
-            continue
-        st = m.indexer.stats.read()
-        values = [st.kl_sum, float(st.rows), st.recall_hits, st.recall_picks, st.random_hits]
-        if env is not None and getattr(env, "world_size", 1) > 1:
-            values = [env.all_reduce_sum(v) for v in values]
-        kl_sum, rows, hits, picks, rnd = values
+    full = [(i, m.indexer) for i, m in state.layers if m.indexer is not None]
+    values = []
+    for _, ix in full:
+        st = ix.stats.read()
+        values.append([st.kl_sum, float(st.rows), st.recall_hits, st.recall_picks, st.random_hits])
         st.reset()
+    if env is not None and getattr(env, "world_size", 1) > 1:
+        values = env.all_reduce_tensor(torch.tensor(values, dtype=torch.float64, device=env.device)).tolist()
+    out: dict[str, float] = {"indexer_dense": float(state.dense)}
+    for (i, _), (kl_sum, rows, hits, picks, rnd) in zip(full, values, strict=True):
         if rows:
             out[f"indexer_kl/{i}"] = kl_sum / rows
         if picks:
