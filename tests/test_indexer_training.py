@@ -66,3 +66,44 @@ def test_indexer_trains_beside_lora_adapters(tmp_path) -> None:
     changed = {n for n, p in model.named_parameters() if not torch.equal(p.detach(), before[n])}
     assert any(".indexer." in n for n in changed) and any(is_adapter(n) for n in changed)
     assert all(".indexer." in n or is_adapter(n) for n in changed), sorted(changed)[:5]
+
+
+# ---- FSDP2 (dp over 2 gloo ranks): the indexers train as in one process -------------------------------------
+def _trained_model():
+    from megaseq.models.build import build_model
+    from megaseq.models.presets import get_preset
+
+    return build_model(get_preset("glm5-flash-tiny"), dtype=torch.float64, seed=0)
+
+
+def _fsdp_rank(rank: int, ref_grads: dict) -> None:
+    from megaseq.config import MemorySettings
+    from megaseq.models.registry import parallelize
+    from megaseq.parallel.env import DistributedEnv
+    from megaseq.train import indexer_training
+    from test_fsdp_train_step import TOL, _cfg, run_steps
+
+    cfg = _cfg(2, 1, "dp")
+    env = DistributedEnv(cfg)
+    model = _trained_model()
+    parallelize(model, MemorySettings(), env)
+    indexer_training.enable(model, 0.5)
+    _, grads, _ = run_steps(model, env, MemorySettings(), cfg, steps=1)
+    assert grads[0].keys() == ref_grads.keys()
+    for n, g in grads[0].items():
+        torch.testing.assert_close(g, ref_grads[n], **TOL, msg=lambda m, n=n: f"{n}: {m}")
+    env.shutdown()
+
+
+def test_indexer_trains_under_fsdp() -> None:
+    from megaseq.config import MemorySettings
+    from megaseq.parallel.env import ParallelEnv
+    from megaseq.parallel.launch import spawn_local
+    from megaseq.train import indexer_training
+    from test_fsdp_train_step import _cfg, run_steps
+
+    model = _trained_model()
+    indexer_training.enable(model, 0.5)
+    _, grads, _ = run_steps(model, ParallelEnv(), MemorySettings(), _cfg(), steps=1)
+    assert any(".indexer." in n for n in grads[0])
+    spawn_local(_fsdp_rank, 2, args=(grads[0],))

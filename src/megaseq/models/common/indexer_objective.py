@@ -49,13 +49,14 @@ def indexer_loss(layer: Any, prep: Any, q_BQHD: torch.Tensor, c_BSC: torch.Tenso
     total = None
     with torch.autocast(q_BQHD.device.type, enabled=False):
         for b in range(B):
+            if prep.pools[b][0].shape[0] == 0:  # no complete pool in this row (its documents are short): no term
+                continue
             row = _Row(layer, prep, b, q_det, c_det, w_uk, idx_BQW, cd)
             part = kl.ChunkedKL.apply(row.loss, row.bounds(), row.keys_PD, prep.weights_BQI[b], wq)
             if idx_BQW is not None:
                 row.sampled_recall()
             total = part if total is None else total + part
-    assert total is not None
-    return total
+    return total if total is not None else torch.zeros((), dtype=cd, device=q_BQHD.device)
 
 
 class _Row:
