@@ -30,10 +30,13 @@ def test_warmup_then_sparse_through_the_trainer(tmp_path) -> None:
     ({"train_indexer": True, "indexer_loss_coef": 0.0}, "indexer_loss_coef 0"),
     ({"indexer_loss_coef": -1.0}, "model.indexer_loss_coef must be >= 0"),
     ({"train_indexer": True, "dsa_warmup_steps": 2, "name": "qwen3-moe-tiny"}, "no DSA indexer to train"),
+    ({"train_indexer": True, "dsa_warmup_steps": 2, "lora": {"rank": 4}}, "frozen base"),
 ])
 def test_settings_are_checked(tmp_path, model, match) -> None:
+    lora = model.pop("lora", {})
     with pytest.raises(ValueError, match=match):
-        run_training(_cfg(tmp_path, "r", model={"dtype": "fp32", **model}, train={"steps": 1}))
+        run_training(_cfg(tmp_path, "r", model={"dtype": "fp32", **model}, train={"steps": 1}, lora=lora))
+    assert not (tmp_path / "r").exists()  # refused before the run directory was claimed
 
 
 def test_default_leaves_the_indexer_as_loaded() -> None:

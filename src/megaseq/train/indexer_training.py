@@ -67,12 +67,18 @@ def enable(model: nn.Module, coef: float, warmup_steps: int = 0, dtype: Any = No
     return state
 
 
-def check(model_cfg: Any, spec: Any) -> None:
-    """``model.train_indexer`` for a model without a DSA layer: a ValueError naming the setting, before anything
-    is built."""
-    if model_cfg.train_indexer and "dsa" not in spec.layer_types:
-        raise ValueError(f"model.train_indexer: {model_cfg.name} has no DSA indexer to train (its layers: "
+def check(cfg: Any, spec: Any) -> None:
+    """``model.train_indexer`` for a model without a DSA layer, or a warm-up beside a frozen base (LoRA,
+    ``train.trainable``: its checkpoints hold what trains, and the warm-up freezes the adapters too): a
+    ValueError naming the setting, before anything is built."""
+    m = cfg.model
+    if m.train_indexer and "dsa" not in spec.layer_types:
+        raise ValueError(f"model.train_indexer: {m.name} has no DSA indexer to train (its layers: "
                          f"{', '.join(sorted(set(spec.layer_types)))}); set --model.train_indexer false")
+    if m.dsa_warmup_steps and (cfg.lora.rank > 0 or cfg.train.trainable):
+        raise ValueError(f"model.dsa_warmup_steps {m.dsa_warmup_steps} with a frozen base (lora.rank / "
+                         "train.trainable) is not implemented: run the warm-up as a full-model run first (it "
+                         "trains only the indexers), then the adapters with --model.dsa_warmup_steps 0")
 
 
 def _state(model: nn.Module) -> IndexerTraining | None:

@@ -315,7 +315,7 @@ def run_training(cfg: Config) -> RunResult:
 
     spec = resolve_spec(cfg.model.name)  # a bad model name fails before anything else happens
     resolve_balance(cfg.moe, spec)  # and so does a balancing rule the routers cannot train with
-    indexer_training.check(cfg.model, spec)  # and an indexer objective for a model without an indexer
+    indexer_training.check(cfg, spec)  # and an indexer objective the model or the adapters cannot take
     preflight(cfg, spec)  # the run directory and the starting weights, nothing written
     use_expandable_segments()
     env = setup_parallel(cfg)
