@@ -29,8 +29,14 @@ def spec(kp: int):
 
 
 def layer(kp: int, seed: int = 0) -> MLASparseAttention:
+    """A GLM layer with pools of ``kp`` (``kp`` 0: DeepSeek-V3.2's indexer, RoPE, every token scored)."""
     torch.manual_seed(seed)
-    m = MLASparseAttention(spec(kp), 0).double()
+    if kp == 0:
+        from megaseq.models.deepseek_v32.spec import deepseek_v32_tiny
+
+        m = MLASparseAttention(deepseek_v32_tiny().replace(index_topk=6), 0, indexer="deepseek").double()
+    else:
+        m = MLASparseAttention(spec(kp), 0).double()
     with torch.no_grad():
         for p in m.indexer.parameters():  # away from HF's init (zero ape, unit gate): every term matters
             p.add_(0.3 * torch.randn_like(p))
@@ -59,17 +65,31 @@ def reference_kl(m: MLASparseAttention, x: torch.Tensor, doc_S: torch.Tensor, id
     """``sum_q KL(target_q || softmax(I_q))`` over the candidate (``idx`` None) or selected pools."""
     ix, S = m.indexer, x.shape[1]
     kp = ix.kpool
+    ctx = SeqContext(position_ids=positions_from_doc_ids(doc_S[None]))
     with torch.no_grad():
-        q, latent, q_resid = m.project(x, SeqContext())
-        k, _ = expand_latent(latent, m.kv_b_proj.weight, m.num_heads, m.nope_dim)
+        q, latent, q_resid = m.project(x, ctx)
+        R = m.kv_lora_rank
+        k, _ = expand_latent(latent[..., :R], m.kv_b_proj.weight, m.num_heads, m.nope_dim)
+        if m.rope_dim:  # DeepSeek: the rotated key part every head shares
+            k = torch.cat([k, latent[..., R:].unsqueeze(1).expand(-1, m.num_heads, -1, -1)], dim=-1)
         s = torch.einsum("bqhd,bhkd->bhqk", q, k)[0] * m.scaling  # [Hh, Q, S]
     xd, qr = x.detach()[0], q_resid.detach()[0]
     keys = ix.k_norm(ix.wk(xd))
-    gate = xd @ ix.index_kpool_compress_gate.T
-    pools = pools_of(doc_S, kp)
-    pool_keys = torch.stack([(torch.softmax(gate[p] + ix.index_kpool_compress_ape, 0) * keys[p]).sum(0)
-                             for p in pools])
     qi = (qr @ ix.wq_b.weight.T).view(S, ix.n_heads, ix.head_dim)
+    if ix.rope_dim:  # RoPE on the first rope_dim dims of the indexer's queries and keys, at their positions
+        from megaseq.models.common import rope
+
+        freq, factor = rope.inv_freq(ix.rope_dim, ix.rope_theta, ix.rope_scaling, ix.max_positions, x.device)
+        cos, sin = rope.cos_sin(ctx.position_ids, freq, factor, x.dtype)
+        keys = rope.apply(keys, cos[0], sin[0])
+        qi = rope.apply(qi, cos[0].unsqueeze(1), sin[0].unsqueeze(1))
+    pools = pools_of(doc_S, kp)
+    if ix.pooled:
+        gate = xd @ ix.index_kpool_compress_gate.T
+        pool_keys = torch.stack([(torch.softmax(gate[p] + ix.index_kpool_compress_ape, 0) * keys[p]).sum(0)
+                                 for p in pools])
+    else:
+        pool_keys = keys
     w = (xd @ ix.weights_proj.weight.T) * ix.n_heads**-0.5
     index = torch.einsum("qh,qhp->qp", w, torch.relu(torch.einsum("qhd,pd->qhp", qi, pool_keys) * ix.softmax_scale))
     total = x.new_zeros(())
@@ -133,7 +153,7 @@ def check(kp: int, packed: bool, dense: bool, per_head_reference: bool = False) 
         torch.testing.assert_close(got[n], p.grad, **TOL, msg=lambda s, n=n: f"indexer grad {n}: {s}")
 
 
-@pytest.mark.parametrize("kp", [1, 4])
+@pytest.mark.parametrize("kp", [1, 4, 0])  # 0: DeepSeek-V3.2's indexer
 @pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("dense", [False, True])
 def test_objective_matches_formula(kp: int, packed: bool, dense: bool) -> None:
