@@ -7,7 +7,8 @@ trains and what the planner counts cannot drift apart:
 
 - ``projections(table)``: the matmul weights an adapter may target, with their group (attention, mlp,
   experts). Not targetable: ``lm_head`` (the losses read its weight directly), the embedding, the router,
-  and the DSA indexer's projections (the indexer runs without gradient, so an adapter there never trains).
+  and the DSA indexer's projections (the LM loss never reaches the indexer; ``model.train_indexer`` trains it
+  in full with its KL objective).
 - ``resolve_targets(projs, patterns)``: ``lora.targets`` as PEFT reads ``target_modules``: a name matches a
   pattern when it equals it or ends with ``"." + pattern``; the groups ``attention``, ``mlp``, ``experts``,
   ``all``. Every pattern must match something.
