@@ -125,8 +125,24 @@ class ModelConfig:
                                 "step) or base (the set the memory plan is calibrated on: fla's KDA, the absorbed "
                                 "sparse MLA, SDPA, grouped GEMMs, torch elsewhere); the plan is an upper bound "
                                 "for fast")
+    train_indexer: bool = opt(False, "train the DSA lightning indexer with its KL objective (DeepSeek-V3.2's): the "
+                              "main attention's probabilities summed over heads, over the selected keys, as the "
+                              "target of the indexer's softmax, the indexer's inputs detached (docs/indexer.md)")
+    indexer_loss_coef: float = opt(0.001, "coefficient of the indexer's KL term (a mean over the step's tokens, per "
+                                   "DSA layer); 0.001 is Megatron-Bridge's default for DeepSeek-V3.2 and GLM-5",
+                                   ge=0.0)
+    dsa_warmup_steps: int = opt(0, "with model.train_indexer: the first N optimizer steps are the dense warm-up "
+                                "(every DSA layer attends every visible key, the main model frozen, only the "
+                                "indexers train); then the sparse stage", ge=0)
 
     def __post_init__(self) -> None:
+        check_bounds(self, "model")
+        if self.dsa_warmup_steps and not self.train_indexer:
+            raise ValueError(f"model.dsa_warmup_steps {self.dsa_warmup_steps} warms up the indexer, which trains only "
+                             "with model.train_indexer: set --model.train_indexer true (or dsa_warmup_steps 0)")
+        if self.train_indexer and self.indexer_loss_coef == 0:
+            raise ValueError("model.train_indexer with model.indexer_loss_coef 0 trains nothing: set a coefficient "
+                             "(0.001 is the reference's) or --model.train_indexer false")
         if self.init_from is None and hf_weights_in(self.name):
             self.init_from = self.name  # a checkpoint directory with weights: train from them, not from random
         if self.dtype not in ("bf16", "fp32", "fp64"):

@@ -7,7 +7,8 @@ trains and what the planner counts cannot drift apart:
 
 - ``projections(table)``: the matmul weights an adapter may target, with their group (attention, mlp,
   experts). Not targetable: ``lm_head`` (the losses read its weight directly), the embedding, the router,
-  and the DSA indexer's projections (the indexer runs without gradient, so an adapter there never trains).
+  and the DSA indexer's projections (the LM loss never reaches the indexer; ``model.train_indexer`` trains it
+  in full with its KL objective).
 - ``resolve_targets(projs, patterns)``: ``lora.targets`` as PEFT reads ``target_modules``: a name matches a
   pattern when it equals it or ends with ``"." + pattern``; the groups ``attention``, ``mlp``, ``experts``,
   ``all``. Every pattern must match something.
@@ -123,8 +124,9 @@ def _refusal(pattern: str, table: list[Param]) -> str | None:
     names = [p.name.removesuffix(".weight") for p in table]
     hits = [n for n in names if _matches(n, pattern)]
     if any(".indexer." in f".{n}." for n in hits):
-        return (f"lora.targets {pattern!r} names the DSA indexer's projections, which run without gradient (only "
-                "integer indices leave the indexer): an adapter there would never train; drop it")
+        return (f"lora.targets {pattern!r} names the DSA indexer's projections, which the LM loss never reaches (only "
+                "integer indices leave the indexer): drop it; the indexer trains in full, beside the adapters, "
+                "with --model.train_indexer true (its KL objective)")
     if any(n in ("lm_head", "embed_tokens") for n in hits):
         return (f"lora.targets {pattern!r}: the embedding and lm_head take no adapters (the losses read "
                 "lm_head's weight directly); train them in full with --train.trainable lm_head.weight")

@@ -47,7 +47,8 @@ def build_model(spec: ModelSpec, dtype: torch.dtype = torch.float32, device: str
                 model = cls(spec)
         model = model.to(dtype=dtype)
     # The DSA indexer runs under no_grad (as in the reference) and feeds only integer indices forward,
-    # so the LM loss never reaches its weights: mark them frozen, so optimizers carry no state for them.
+    # so the LM loss never reaches its weights: mark them frozen, so optimizers carry no state for them
+    # (``model.train_indexer`` trains them with their KL objective: ``train.indexer_training.enable``).
     for name, p in model.named_parameters():
         if ".indexer." in name:
             p.requires_grad_(False)

@@ -85,6 +85,52 @@ def scoring_chunk(num_pools: int, num_heads: int, num_select: int, budget: int =
     return max(1, budget // indexer_scoring_bytes(1, max(num_pools, 1), num_heads, num_select))
 
 
+# ---- the indexer's KL objective (models/common/indexer_kl.py) --------------------------------------------
+INDEXER_KL_BUDGET_BYTES: int = 2 << 30  # one query chunk of the objective (as the absorbed op's block)
+
+
+def indexer_kl_row_bytes(num_heads: int, num_keys: int, index_heads: int, num_cand: int, head_dim: int,
+                         gathered: int = 0, latent: int = 0, itemsize: int = 4, gathered_itemsize: int = 0) -> int:
+    """Bytes per query row of one chunk of the indexer objective (compute dtype ``itemsize``).
+
+    Target: the main attention's scores and probabilities ``[Hh, n]`` (``n`` = the keys the row attends: every
+    visible key in the warm-up, its W selected slots in the sparse stage), plus the gathered latents
+    ``[W, C]`` of the sparse stage (``gathered`` slots of width ``latent``, in the attention's work dtype
+    ``gathered_itemsize``, default ``itemsize``). Indexer: its head scores ``[I, m]``
+    kept for the chunk's backward with their relu mask and gradient, the gathered pool keys ``[m, D]`` of the
+    sparse stage, and ``[m]`` rows of target, log-softmax and their gradient (``m`` = the candidate pools).
+    """
+    target = 2 * num_heads * num_keys * itemsize + gathered * latent * (gathered_itemsize or itemsize)
+    indexer = index_heads * num_cand * (3 * itemsize + 1) + (num_cand * head_dim * itemsize if gathered else 0)
+    return target + indexer + 6 * num_cand * itemsize
+
+
+def indexer_kl_chunk(num_heads: int, num_keys: int, index_heads: int, num_cand: int, head_dim: int,
+                     gathered: int = 0, latent: int = 0, itemsize: int = 4,
+                     budget: int = INDEXER_KL_BUDGET_BYTES, gathered_itemsize: int = 0) -> int:
+    """Query rows of one chunk of the objective within ``budget`` (at least one)."""
+    per_row = indexer_kl_row_bytes(num_heads, num_keys, index_heads, num_cand, head_dim, gathered, latent, itemsize,
+                                   gathered_itemsize)
+    return max(1, budget // max(per_row, 1))
+
+
+def indexer_kl_bytes(Q: int, S: int, num_heads: int, index_heads: int, head_dim: int, num_pools: int,
+                     num_select: int, W: int, latent: int, dense: bool, itemsize: int = 4,
+                     budget: int = INDEXER_KL_BUDGET_BYTES, gathered_itemsize: int = 0) -> int:
+    """GPU bytes of one DSA layer's objective beyond its inputs: one chunk (``indexer_kl_chunk`` rows, at most Q)
+    plus the gradients the forward sums (pooled keys ``[P, D]``, head weights ``[Q, I]``, fp32) and the
+    pooled keys themselves with their graph (``[S, D]`` keys and gates, ``[P, D]`` pools)."""
+    keys, cand = (S, num_pools) if dense else (W, num_select)
+    gathered = 0 if dense else W
+    rows = min(Q, indexer_kl_chunk(num_heads, keys, index_heads, cand, head_dim, gathered, latent, itemsize, budget,
+                                   gathered_itemsize))
+    chunk = rows * indexer_kl_row_bytes(num_heads, keys, index_heads, cand, head_dim, gathered, latent, itemsize,
+                                        gathered_itemsize)
+    sums = 4 * (num_pools * head_dim + Q * index_heads)
+    graph = itemsize * (2 * S * head_dim + num_pools * head_dim)
+    return chunk + sums + graph
+
+
 # ---- op linear_cross_entropy, implementation liger (ops/liger_loss.py) --------------------------------
 LIGER_CHUNK_ROWS: int = 4096  # rows of one chunk of logits at most (a power of two)
 

@@ -19,6 +19,7 @@ from dataclasses import replace
 from megaseq.models.spec import ModelSpec
 from megaseq.ops.workspace import (  # noqa: F401  (the ops' own formulas)
     absorbed_bytes,
+    indexer_kl_bytes,
     indexer_scoring_bytes,
     indexer_topk_bytes,
     kv_repeats,
@@ -224,6 +225,23 @@ def indexer_temp(spec: ModelSpec, n: int, batch: int, seq_len: int, query_chunk:
     scoring = indexer_scoring(spec, chunk, seq_len, fast)
     # the int64 selection and its int32 copy are built after the last scoring chunk is freed
     return n * per_query + batch * seq_len * per_key + max(scoring, 3 * dsa_selection_bytes(spec, n))
+
+
+def indexer_objective_bytes(spec: ModelSpec, n: int, batch: int, seq_len: int, prec: Precision) -> tuple[int, int]:
+    """The indexer objective of one full-indexer layer in the sparse stage (``models.common.indexer_kl``):
+    ``(kept until the backward, one chunk's working set)`` from ``ops.workspace.indexer_kl_bytes`` (fp32: the
+    objective computes in ``promote(dtype, fp32)``): kept are the gradients the forward summed (pooled keys
+    ``[P, Di]`` and head weights ``[Q, I]``) and the pooled keys' graph."""
+    kp = max(spec.index_kpool, 1)
+    P, K = seq_len // kp, spec.index_topk // kp
+    W = dsa_width(spec)
+    R = spec.kv_lora_rank + spec.qk_rope_head_dim
+    Q = max(1, n // batch)
+    total = indexer_kl_bytes(Q, seq_len, spec.num_attention_heads, spec.index_n_heads, spec.index_head_dim, P, K,
+                             W, R, dense=False, itemsize=prec.f32, gathered_itemsize=prec.compute)
+    kept = batch * (prec.f32 * (P * spec.index_head_dim + Q * spec.index_n_heads)
+                    + prec.f32 * (2 * seq_len * spec.index_head_dim + P * spec.index_head_dim))
+    return kept, batch * total - kept
 
 
 def dsa_temp(

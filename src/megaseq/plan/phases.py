@@ -52,6 +52,7 @@ class Run:
     # "linear_cross_entropy" (Liger); every other op keeps the base set's
     # (for the fast kernels an upper bound). ``ops.kernels.planned_fast_ops`` picks them for a config.
     fast_ops: frozenset[str] = frozenset()
+    indexer_objective: bool = False  # model.train_indexer: each full-indexer layer adds its KL objective
 
     def __post_init__(self) -> None:
         if isinstance(self.memory, dict):
@@ -187,6 +188,10 @@ def _mixer(run: Run, i: int, xb: int) -> tuple[dict[str, int], int, int]:
     if full:
         fwd = max(fwd, layers.indexer_temp(spec, n, B, S, run.memory.indexer_query_chunk, prec,
                                            fast="indexer_topk" in run.fast_ops))
+    if full and run.indexer_objective:  # the KL's chunk in the forward; its summed gradients until the backward
+        kept, chunk = layers.indexer_objective_bytes(spec, n, B, S, prec)
+        saved = {**saved, "dsa indexer objective (gradients, pooled keys)": kept}
+        fwd = max(fwd, chunk)
     return saved, fwd + comm, layers.dsa_temp(spec, n, B, S, prec, mesh, mode, True, run.cal, impl) + comm
 
 
@@ -399,7 +404,8 @@ def segment_store_bytes(run: Run) -> dict[str, int]:
     ``dsa_saved``); per KDA layer the fp32 state ``[Hh, D, D]`` and the ``K - 1`` halo inputs at every
     segment start (this rank's cp share of the heads: the halo is carried after the q/k/v projections,
     ``3 * Hh / cp * D`` wide); with ``segment_keep_selection`` every full-indexer DSA layer's selection ``4 W``
-    per token (all kept when the backward begins)."""
+    per token (all kept when the backward begins); with the indexer objective the fp32 gradient of every full
+    indexer's keys + gates ``f * 2 Di`` per token."""
     spec, prec, B, S, T = run.spec, run.prec, run.batch, run.seq_len, run.segment
     c, f = prec.compute, prec.f32
     R = spec.kv_lora_rank + spec.qk_rope_head_dim
@@ -416,6 +422,9 @@ def segment_store_bytes(run: Run) -> dict[str, int]:
         "segment caches (DSA latents, indexer keys)": dsa * B * S * (R * c + 2 * spec.index_head_dim * f),
         "segment latent gradients (fp32)": (dsa + (1 if dsa else 0)) * B * S * R * f,
         "segment KDA states": kda * segs * B * state,
+        # model.train_indexer: the indexer keys' gradient from later segments, fp32 [B, S, 2 Di] per full indexer
+        "segment indexer key gradients (fp32)": (full * B * S * 2 * spec.index_head_dim * f
+                                                 if run.indexer_objective else 0),
     }
 
 

@@ -353,6 +353,7 @@ def plan(
     reduce_dtype: str = "fp32",
     adapters: AdapterSettings | None = None,
     fast_ops: frozenset[str] = frozenset(),
+    indexer_objective: bool = False,
 ) -> Plan:
     """Plan one training step of ``spec`` at ``seq_len`` tokens per sequence on ``mesh``.
 
@@ -362,14 +363,16 @@ def plan(
     how routed rows travel then (default: PipelinedLLEP, planned at its routing-independent bound).
     ``adapters``: a frozen base (``train.trainable``, LoRA): the frozen parameters cost their compute-dtype
     bytes only, the trained ones (adapters included) their gradients and optimizer state
-    (``plan.params.trained_counts``).
+    (``plan.params.trained_counts``). ``indexer_objective`` (``model.train_indexer``): the DSA indexers train,
+    so their parameters carry gradients and optimizer state, and each full-indexer layer its objective's
+    working set (``phases``).
     """
     mesh = mesh or Mesh()
     budgets = budgets or Budgets()
     if seq_len < 1 or batch_size < 1:
         raise ValueError(f"seq_len ({seq_len}) and batch_size ({batch_size}) must be >= 1")
     validate_mesh(spec, seq_len, mesh)
-    counts = C.gpu_counts(C.count_params(spec), mesh)
+    counts = C.gpu_counts(indexer_trains(C.count_params(spec), indexer_objective), mesh)
     counts.trained = trained_counts(spec, adapters)
     best: Plan | None = None
     for mode in mla_modes(spec, mesh):
@@ -390,6 +393,7 @@ def plan(
             weights=weights,
             reduce_dtype=reduce_dtype,
             fast_ops=frozenset(fast_ops),
+            indexer_objective=indexer_objective,
         )
         p = _make_plan(run, budgets, memory_cfg, name or spec.family)
         if best is None or _better(p, best):
@@ -462,6 +466,7 @@ def run_for(
     reduce_dtype: str = "fp32",
     adapters: AdapterSettings | None = None,
     fast_ops: frozenset[str] = frozenset(),
+    indexer_objective: bool = False,
 ) -> Run:
     """The planner's ``Run`` for one given setting (``MemorySettings``, or a dict of some of its fields, the
     rest at the planner's base), choosing nothing. ``mla_mode`` defaults to the mesh's (``auto`` meaning
@@ -471,7 +476,7 @@ def run_for(
     mode = mla_mode or ("gather_kv" if mesh.mla_mode == "auto" else mesh.mla_mode)
     given = memory.to_dict() if isinstance(memory, MemorySettings) else memory
     full = base_settings(None, batch_size * seq_len // mesh.cp).replace(**given)
-    counts = C.gpu_counts(C.count_params(spec), mesh)
+    counts = C.gpu_counts(indexer_trains(C.count_params(spec), indexer_objective), mesh)
     counts.trained = trained_counts(spec, adapters)
     return Run(
         spec=spec,
@@ -490,7 +495,15 @@ def run_for(
         weights=weights,
         reduce_dtype=reduce_dtype,
         fast_ops=frozenset(fast_ops),
+        indexer_objective=indexer_objective,
     )
+
+
+def indexer_trains(counts: C.ParamCounts, objective: bool) -> C.ParamCounts:
+    """With the indexer objective the DSA indexers' parameters train: counted with the dense trained ones."""
+    if objective:
+        counts.layers = [(dense + no_grad, experts, 0) for dense, experts, no_grad in counts.layers]
+    return counts
 
 
 def peak_for(spec: ModelSpec, seq_len: int, memory: dict[str, Any] | MemorySettings, mesh: Mesh | None = None,
@@ -542,6 +555,7 @@ def plan_from_config(
         reduce_dtype=pc.reduce_dtype,
         adapters=AdapterSettings.of(cfg),
         fast_ops=planned_fast_ops(cfg.model.kernels, cfg.model.dtype, device_type),
+        indexer_objective=getattr(cfg.model, "train_indexer", False),
     )
 
 

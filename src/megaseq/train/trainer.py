@@ -26,7 +26,7 @@ from megaseq.ops import dispatch
 from megaseq.ops.kernels import cold_start_note, planned_kernels, preferred_kernels
 from megaseq.plan.flops import mfu
 from megaseq.train import checkpoint as ckpt
-from megaseq.train import guard
+from megaseq.train import guard, indexer_training
 from megaseq.train.balance import Balancer, resolve_balance
 from megaseq.train.heldout import HeldoutProbe, evaluate_run
 from megaseq.train.metrics import MetricsLogger, gpu_peak_bytes, host_peak_bytes
@@ -121,6 +121,7 @@ def train_step(model: torch.nn.Module, micro_batches: list[dict[str, torch.Tenso
     chunk = memory.loss_chunk_tokens if memory.chunked_loss else None
     local = sum(int((b["labels"] != -100).sum()) for b in micro_batches)
     total = env.all_reduce_count(local)  # the loss is a mean over every token of the global batch
+    indexer_training.loss_scale(model, total)  # the indexers' KL term is a mean over the same tokens
     loss_sum = 0.0
     segment = memory.model_segment_tokens
     for batch in micro_batches:
@@ -266,6 +267,8 @@ def build_planned_model(cfg: Config, spec: Any, device: torch.device, memory: Me
         from megaseq.models.peft_io import load_adapter
 
         load_adapter(model, spec, cfg.lora, cfg.lora.init_from)
+    if cfg.model.train_indexer:  # before the optimizer: the indexers' parameters train
+        indexer_training.enable(model, cfg.model.indexer_loss_coef, cfg.model.dsa_warmup_steps, dtype)
     several = cfg.train.grad_accum > 1 or 0 < memory.model_segment_tokens < cfg.data.seq_len
     optimizer, scheduler = build_optimizer(model, cfg.optim, total_steps, memory, accumulate=several,
                                            distributed=getattr(env, "world_size", 1) > 1)
@@ -312,6 +315,7 @@ def run_training(cfg: Config) -> RunResult:
 
     spec = resolve_spec(cfg.model.name)  # a bad model name fails before anything else happens
     resolve_balance(cfg.moe, spec)  # and so does a balancing rule the routers cannot train with
+    indexer_training.check(cfg, spec)  # and an indexer objective the model or the adapters cannot take
     preflight(cfg, spec)  # the run directory and the starting weights, nothing written
     use_expandable_segments()
     env = setup_parallel(cfg, spec)  # the spec resolved once per process
@@ -530,6 +534,7 @@ class _Loop:
         batches = [self.data.train.next_batch() if env.reads_data else None for _ in range(cfg.train.grad_accum)]
         batches = [env.shard_batch(b, self.memory.model_segment_tokens) for b in batches]
         lr = self.optimizer.param_groups[0]["lr"]
+        indexer_training.begin_step(self.model, step)  # the dense warm-up's steps, then the sparse stage
         try:
             loss, gnorm = train_step(self.model, batches, self.optimizer, self.scheduler, cfg, env, self.autocast,
                                      self.memory, progress=logger.substep, balancer=self.balancer)
@@ -545,6 +550,7 @@ class _Loop:
                   "plan_gpu_gib": self.plan.get("peak_gpu", 0) / GIB}
         if self.balancer is not None:  # per MoE layer, the step's load over every rank (and the aux loss)
             record.update(self.balancer.metrics())
+        record.update(indexer_training.metrics(self.model, env))
         return loss, record
 
 

@@ -20,8 +20,11 @@ Indexer (``Glm5NextTextIndexer``): keys ``k_norm(wk x)`` are pooled in groups of
 tokens from each document's first token, weighted per channel by ``softmax(gate x + ape)``; only
 complete pools are candidates, and a pool is selectable by a query only when its last token is
 visible. The incomplete tail pool (the ``pos % kp`` most recent tokens) is always appended. A
-``shared`` layer reuses the previous full layer's selection (``ctx.carry["topk"]``). The indexer runs
-under ``no_grad`` like the reference, so its parameters get no gradient from the LM loss.
+``shared`` layer reuses the previous full layer's selection (``ctx.carry["topk"]``). The selection runs
+under ``no_grad`` like the reference, so the LM loss never reaches the indexer; with ``Indexer.kl_coef`` set
+(``train.indexer_training``) the layer adds the indexer's KL objective on detached inputs
+(``models.common.indexer_objective``, ``docs/indexer.md``), attached to its output (``AttachLoss``). With
+``dense_attention`` set (the indexer's warm-up) the layer attends every visible key instead of its selection.
 
 DeepSeek-V3.2 (``indexer="deepseek"``): the MLA rotates a shared key part (``Dr`` dims, ``models.common.mla``),
 so the gathered latent is ``[c | k_rot]`` ``[B, S, R + Dr]`` and q carries ``Dn + Dr`` dims; the op's
@@ -36,6 +39,8 @@ of its own document, and pools never straddle documents, which equals running ea
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -44,6 +49,7 @@ from torch.utils.checkpoint import checkpoint
 from megaseq.models.common import rope
 from megaseq.models.common.attention import positions_for
 from megaseq.models.common.context import SeqContext, positions_from_doc_ids
+from megaseq.models.common.indexer_kl import AttachLoss, IndexerStats, dense_latent_attention
 from megaseq.models.common.lora import linear_weight
 from megaseq.models.common.mhc import compute_dtype
 from megaseq.models.common.mla import MultiLatentAttention
@@ -124,6 +130,23 @@ def sparse_mla_reference(q_BQHD: torch.Tensor, c_BSR: torch.Tensor, kv_b_weight:
 
 
 # ---- indexer -------------------------------------------------------------------------------------------
+@dataclass
+class Prepared:
+    """``Indexer.prepare``'s result: per batch row the pooled keys ``[P, Di]`` and pool tokens ``[P, kp]``."""
+
+    q_resid_BQR: torch.Tensor
+    weights_BQI: torch.Tensor
+    doc_BS: torch.Tensor
+    pos_BS: torch.Tensor
+    q_pos_Q: torch.Tensor
+    pools: list[tuple[torch.Tensor, torch.Tensor]]
+    cos: torch.Tensor | None = None
+    sin: torch.Tensor | None = None
+    # ties as transformers' torch.topk breaks them where its row can be rebuilt: on the CPU, one document
+    # scored whole (its row: the complete pools, as its indexer keeps them); else (None) the lowest pools win
+    row_len: int | None = None
+
+
 class Indexer(nn.Module):
     """The lightning indexer; HF name ``indexer``. ``pooled``: GLM's (parameters as ``Glm5NextTextIndexer``);
     else DeepSeek-V3.2's (``DeepseekV32Indexer``: kp = 1, no pooling tensors, RoPE on ``rope_dim`` dims)."""
@@ -151,6 +174,11 @@ class Indexer(nn.Module):
         # op's working-set bound, which the family's ``parallelize`` sets from the memory plan
         self.query_chunk: int | None = None
         self.layer = "indexer"  # the owning layer's name (MLASparseAttention sets it)
+        # the objective (models.common.indexer_objective), set by the trainer: its coefficient (0: off), the
+        # gradient scale of the step's summed losses (1 / tokens), and what it measured
+        self.kl_coef: float = 0.0
+        self.kl_scale: float = 1.0
+        self.stats = IndexerStats()
 
     @torch.no_grad()
     def init_weights(self, std: float) -> None:
@@ -162,9 +190,14 @@ class Indexer(nn.Module):
     def _rope(self, x_BQD: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None) -> torch.Tensor:
         return x_BQD if cos is None else rope.apply(x_BQD, cos, sin)
 
-    @torch.no_grad()
     def forward(self, x_BQH: torch.Tensor, q_resid_BQR: torch.Tensor, ctx: SeqContext) -> torch.Tensor:
         """Selected key indices (global, -1 = empty) ``[B, Q, W]`` int32."""
+        with torch.no_grad():
+            return self.select(self.prepare(x_BQH, q_resid_BQR, ctx))
+
+    def prepare(self, x_BQH: torch.Tensor, q_resid_BQR: torch.Tensor, ctx: SeqContext) -> Prepared:
+        """The keys of the whole sequence pooled per batch row, the head weights and the positions: what the
+        selection and the objective read (with a graph to the indexer's parameters when grad is on)."""
         B, Q, _ = x_BQH.shape
         cos = sin = None
         if self.rope_dim:  # DeepSeek: the first rope_dim dims of keys and queries rotated at their positions
@@ -191,20 +224,24 @@ class Indexer(nn.Module):
         q_pos_Q = ctx.seq_offset() + torch.arange(Q, device=x_BQH.device)
         pools = [self._pool_keys(k_BSD[b], None if gate_BSD is None else gate_BSD[b], pos_BS[b], one_doc)
                  for b in range(B)]
-        del k_BSD, gate_BSD
+        whole = x_BQH.device.type == "cpu" and one_doc and ctx.seq_offset() == 0 and Q == S
+        row_len = S // self.kpool if whole else None
+        return Prepared(q_resid_BQR, weights_BQI, doc_BS, pos_BS, q_pos_Q, pools, cos, sin, row_len)
+
+    @torch.no_grad()
+    def select(self, prep: Prepared) -> torch.Tensor:
+        """The selection from ``prepare``'s result: ``[B, Q, W]`` int32 (see ``forward``)."""
+        q_resid_BQR, pools = prep.q_resid_BQR, prep.pools
+        B, Q = q_resid_BQR.shape[:2]
         kp = self.kpool
         num = [min(self.index_topk // kp, tok_Pk.shape[0]) for _, tok_Pk in pools]
         tail = kp - 1 if self.select_tail and kp > 1 else 0
         # the selection is the big tensor ([Q, W] int32: 8 GiB at 1M tokens): written in place, once
-        out = torch.full((B, Q, max(num) * kp + tail), -1, dtype=torch.int32, device=x_BQH.device)
-        # ties as transformers' torch.topk breaks them where its row can be rebuilt: on the CPU, one document
-        # scored whole (its row: the complete pools, as its indexer keeps them); else the lowest pools win
-        whole = x_BQH.device.type == "cpu" and one_doc and ctx.seq_offset() == 0 and Q == S
-        row_len = S // kp if whole else None
+        out = torch.full((B, Q, max(num) * kp + tail), -1, dtype=torch.int32, device=q_resid_BQR.device)
         for b, (keys_PD, tok_Pk) in enumerate(pools):
-            rot = None if cos is None else (cos[b].unsqueeze(1), sin[b].unsqueeze(1))
-            self._select_row(out[b], num[b], q_resid_BQR[b], weights_BQI[b], keys_PD, tok_Pk, doc_BS[b],
-                             pos_BS[b], q_pos_Q, rot, row_len)
+            rot = None if prep.cos is None else (prep.cos[b].unsqueeze(1), prep.sin[b].unsqueeze(1))
+            self._select_row(out[b], num[b], q_resid_BQR[b], prep.weights_BQI[b], keys_PD, tok_Pk, prep.doc_BS[b],
+                             prep.pos_BS[b], prep.q_pos_Q, rot, prep.row_len)
         return out
 
     def _pool_keys(self, k_SD: torch.Tensor, gate_SD: torch.Tensor, pos_S: torch.Tensor, one_doc: bool = False):
@@ -263,6 +300,12 @@ class Indexer(nn.Module):
 
 
 # ---- attention -----------------------------------------------------------------------------------------
+def indexer_inputs(x_BQH: torch.Tensor, q_resid_BQR: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the indexer's objective reads: the layer input and query latent detached, so its gradient reaches
+    the indexer's parameters only (DeepSeek-V3.2: "we detach the indexer input from the computational graph")."""
+    return x_BQH.detach(), q_resid_BQR.detach()
+
+
 class MLASparseAttention(MultiLatentAttention):
     """MLA + DSA token mixer; parameter names mirror ``Glm5NextTextAttention`` / ``DeepseekV32Attention``.
 
@@ -281,10 +324,12 @@ class MLASparseAttention(MultiLatentAttention):
         super().__init__(spec, layer, latent_norm_eps=spec.rms_norm_eps if indexer == "glm5" else 1e-6)
         self.layer_idx, self.topk_source = layer_idx, topk_source
         self.indexer = Indexer(spec, pooled=indexer == "glm5") if topk_source is None else None
+        self.dense_attention = False  # the indexer's warm-up: attend every visible key (set by the trainer)
         if self.indexer is not None:
             self.indexer.layer = f"{layer}.indexer"
 
-    def _selection(self, x_BQH: torch.Tensor, q_resid: torch.Tensor, ctx: SeqContext) -> torch.Tensor:
+    def _selection(self, x_BQH: torch.Tensor, q_resid: torch.Tensor, ctx: SeqContext,
+                   prep: Prepared | None = None) -> torch.Tensor:
         if self.indexer is None:
             if ctx.carry.get("topk_layer") != self.topk_source:
                 raise ValueError(
@@ -292,16 +337,39 @@ class MLASparseAttention(MultiLatentAttention):
                     f"{self.topk_source} in ctx.carry['topk'], found layer {ctx.carry.get('topk_layer')}: "
                     "run the layers in order (and restore ctx.carry when recomputing a layer)")
             return ctx.carry["topk"]
-        idx = ctx.reuse(f"{self.layer}.selection", lambda: self.indexer(x_BQH, q_resid, ctx))
+        make = (lambda: self.indexer.select(prep)) if prep is not None else (
+            lambda: self.indexer(x_BQH, q_resid, ctx))
+        idx = ctx.reuse(f"{self.layer}.selection", make)
         ctx.carry["topk"], ctx.carry["topk_layer"] = idx, self.layer_idx
         return idx
+
+    def trains_indexer(self) -> bool:
+        """Whether this forward adds the indexer's objective: a full indexer, a coefficient, a graph."""
+        return self.indexer is not None and self.indexer.kl_coef > 0 and torch.is_grad_enabled()
 
     def forward(self, x_BQH: torch.Tensor, ctx: SeqContext) -> torch.Tensor:
         B, Q, _ = x_BQH.shape
         q_BQHD, latent_BQC, q_resid = self.project(x_BQH, ctx)
         c_BSC = ctx.gather_seq(latent_BQC, key=f"{self.layer}.latent")
-        idx = self._selection(x_BQH, q_resid, ctx)
-        # kv_b_proj's weight goes into the op itself: with a LoRA adapter, merged with it
-        out = dispatch.call("sparse_attention", q_BQHD, c_BSC, linear_weight(self.kv_b_proj), idx, self.scaling,
-                            layer=self.layer)
-        return self.o_proj(out.reshape(B, Q, -1))
+        prep = self.indexer.prepare(*indexer_inputs(x_BQH, q_resid), ctx) if self.trains_indexer() else None
+        w = linear_weight(self.kv_b_proj)  # with a LoRA adapter, merged with it
+        idx = None
+        if self.dense_attention:  # the warm-up: every visible key
+            if prep is None and self.indexer is not None and ctx.segmented:  # the segments' key cache is filled
+                with torch.no_grad():
+                    self.indexer.prepare(*indexer_inputs(x_BQH, q_resid), ctx)
+            doc_BS = ctx.full_doc_ids()
+            if doc_BS is None:
+                doc_BS = torch.zeros(B, c_BSC.shape[1], dtype=torch.int64, device=x_BQH.device)
+            q_pos = ctx.seq_offset() + torch.arange(Q, device=x_BQH.device)
+            out = dense_latent_attention(q_BQHD, c_BSC, w, q_pos, doc_BS, self.scaling, self.rope_dim)
+        else:
+            idx = self._selection(x_BQH, q_resid, ctx, prep)
+            out = dispatch.call("sparse_attention", q_BQHD, c_BSC, w, idx, self.scaling, layer=self.layer)
+        out = self.o_proj(out.reshape(B, Q, -1))
+        if prep is not None:
+            from megaseq.models.common.indexer_objective import indexer_loss
+
+            kl = indexer_loss(self, prep, q_BQHD, c_BSC, w, idx)
+            out = AttachLoss.apply(out, kl, self.indexer.kl_coef * self.indexer.kl_scale)
+        return out

@@ -1,0 +1,62 @@
+"""Step time and peak memory of the DSA indexer's KL objective: the same run with and without
+``model.train_indexer`` (the sparse stage), one warm-up step then one timed step each, on one GPU.
+
+    python benchmarks/indexer_objective_cost.py                        # glm5-flash-1gpu at 32K
+    python benchmarks/indexer_objective_cost.py --seq-len 1M           # the 1M step (sequence segments)
+
+Writes ``benchmarks/results/long_context/indexer_objective_<model>_<len>.json`` (both rows as ``megaseq
+bench`` measures them: step time, measured and planned peak) and prints the ratios. The aim: the objective
+costs at most 5% of the step, and the plan stays within 5% of the measured peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from megaseq.bench.measure import measure_megaseq
+from megaseq.config import build_config, parse_size
+
+OUT = Path(__file__).parent / "results" / "long_context"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="glm5-flash-1gpu")
+    ap.add_argument("--seq-len", default="32K")
+    ap.add_argument("--steps", type=int, default=1, help="timed steps after the warm-up step")
+    ap.add_argument("--out", default=str(OUT))
+    a = ap.parse_args()
+    S = parse_size(a.seq_len, "--seq-len")
+    rows = {}
+    for on in (False, True):
+        cfg = build_config({"model": {"name": a.model, "train_indexer": on},
+                            "data": {"kind": "random", "seq_len": S}, "train": {"steps": a.steps + 1}})
+        rows["with_objective" if on else "without"] = measure_megaseq(cfg, S, a.steps, "random")
+    base, obj = rows["without"], rows["with_objective"]
+    summary = {}
+    if base.get("status") == "ok" and obj.get("status") == "ok":
+        summary = {"step_time_ratio": obj["step_s"] / base["step_s"]}
+        if obj.get("measured_gpu_gib"):
+            summary.update(peak_gib_delta=obj["measured_gpu_gib"] - base["measured_gpu_gib"],
+                           plan_over_measured=obj["predicted_gpu_gib"] / obj["measured_gpu_gib"],
+                           plan_delta_gib=obj["predicted_gpu_gib"] - base["predicted_gpu_gib"])
+    result = {"model": a.model, "seq_len": S, "rows": rows, "summary": summary, "date": time.strftime("%Y-%m-%d"),
+              "torch": torch.__version__,
+              "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"indexer_objective_{a.model}_{a.seq_len}.json"
+    path.write_text(json.dumps(result, indent=1, default=str))
+    print(json.dumps({k: {f: v.get(f) for f in ("status", "step_s", "measured_gpu_gib", "predicted_gpu_gib")}
+                      for k, v in rows.items()}, indent=1))
+    print(json.dumps(summary, indent=1))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
