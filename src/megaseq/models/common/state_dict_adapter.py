@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -52,6 +53,15 @@ class StateDictAdapter:
         return _expert_pattern(self.expert_projs)
 
     # ---- loading ------------------------------------------------------------------------------
+    def reader(self, f: Any) -> Any:
+        """A checkpoint file as the loader reads it (``get_tensor``, ``get_slice``, ``keys``): the file itself,
+        or a view that gives each tensor in megaseq's layout (gpt-oss: transposed experts, MXFP4)."""
+        return f
+
+    def carried(self, key: str, num_layers: int) -> bool:
+        """Whether an export with ``carry_from`` copies this source tensor unchanged (what megaseq skips)."""
+        return self.model_name(key, num_layers) is None
+
     def model_name(self, key: str, num_layers: int) -> str | None:
         """Checkpoint key -> megaseq name (before fusion); None for keys megaseq deliberately skips."""
         if SKIP.search(key):
