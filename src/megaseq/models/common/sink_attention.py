@@ -132,9 +132,11 @@ def _sliding_span(q_BHLD: torch.Tensor, k_BKLD: torch.Tensor, v_BKLD: torch.Tens
     q, k, v = with_sink_dims(q_BHLD, k_BKLD, v_BKLD, sinks_H, scale)
     v = F.pad(v, (0, q.shape[-1] - D))
     Dp, width = q.shape[-1], b + pad
+    align = -(1 + width) % 16  # masked keys after the block's: the mask's rows 16-aligned, as SDPA's kernels want
 
-    def blocks(t_BKLD: torch.Tensor) -> torch.Tensor:  # [B * n, Hkv, 1 + width, Dp]: the sink, then the keys
+    def blocks(t_BKLD: torch.Tensor) -> torch.Tensor:  # [B * n, Hkv, 1 + width + align, Dp]: sink, keys, zeros
         keys = F.pad(t_BKLD[:, :, 1:], (0, 0, pad, n * b - L)).unfold(2, width, b).permute(0, 2, 1, 4, 3)
+        keys = F.pad(keys, (0, 0, 0, align))
         return torch.cat([t_BKLD[:, None, :, :1].expand(B, n, Hkv, 1, Dp), keys], dim=3).flatten(0, 1)
 
     q = F.pad(q, (0, 0, 0, n * b - L)).view(B, Hkv, G, n, b, Dp).permute(0, 3, 1, 2, 4, 5)
@@ -143,7 +145,8 @@ def _sliding_span(q_BHLD: torch.Tensor, k_BKLD: torch.Tensor, v_BKLD: torch.Tens
     j = torch.arange(width, device=q.device)[None, :] - pad  # a key's offset from the block's first query
     first = torch.arange(n, device=q.device)[:, None, None] * b
     seen = (j <= i) & (j > i - window) & (first + j >= 0)  # [n, b, width]: in the band and the document
-    mask = torch.cat([seen.new_ones(n, b, 1), seen], dim=-1).repeat(B, G, 1)[:, None]  # [B * n, 1, G * b, ...]
+    mask = torch.cat([seen.new_ones(n, b, 1), seen, seen.new_zeros(n, b, align)], dim=-1)
+    mask = mask.repeat(B, G, 1)[:, None]  # [B * n, 1, G * b, 1 + width + align]
     o = F.scaled_dot_product_attention(q, blocks(k), blocks(v), attn_mask=mask, scale=scale)
     o = o.view(B, n, Hkv, G, b, Dp).permute(0, 2, 3, 1, 4, 5).reshape(B, Hq, n * b, Dp)
     return o[:, :, :L, :D]
