@@ -1,7 +1,7 @@
 """Attention with sinks and a sliding window (gpt-oss): the reference and the SDPA path against the dense
 definition, values and gradients (q, k, v and the sinks), with documents, GQA and windows shorter and longer
 than the SDPA path's query blocks; broken variants (the sink key's score off by a constant, the band one key
-too wide) must fail."""
+too wide, the padding before a document scored 0) must fail."""
 
 from __future__ import annotations
 
@@ -79,6 +79,9 @@ def test_broken_sdpa_variants_fail(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sink_attention, "with_sink_dims", real)
     with pytest.raises(AssertionError):  # the band one key wider than the window
         _check(lambda *a: sink_attention_sdpa(*a[:-1], a[-1] + 1), DOCS, 3)
+    monkeypatch.setattr(sink_attention, "PAD_SCORE", 0.0)
+    with pytest.raises(AssertionError):  # the keys before a document not suppressed
+        _check(sink_attention_sdpa, DOCS, 3)
 
 
 @pytest.mark.gpu

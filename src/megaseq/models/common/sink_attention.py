@@ -23,8 +23,10 @@ Op ``sink_attention(q_BSHD, k_BSKD, v_BSKD, doc_ids_BS, scale, sinks_H, window)`
   exactly ``s_h`` and every other score is unchanged; its value is zero (then padded to a multiple of 8
   dims). Full layers: a dummy query before the document keeps SDPA's top-left causal mask right (query i
   then sees the sink and keys 0..i) and is dropped. Sliding layers: queries in blocks of ``SLIDE_BLOCK``, each
-  with the ``b + W - 1`` keys before it and the sink, under a band mask; the blocks are batched in one call.
-  The working set is SDPA's (no ``S x S`` tensor) plus the padded copies of q, k, v.
+  with the ``b + W - 1`` keys before it and the sink, under one ``[G b, keys]`` band mask; the blocks are
+  batched in one call (keys before the document scored ``-PAD_SCORE`` through one more dim, so the mask is
+  the same for every block). The working set is SDPA's (no ``S x S`` tensor) plus the padded copies of q,
+  k, v (``ops.workspace``-free: ``plan.layers.attention_saved`` counts them).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from megaseq.models.spec import ModelSpec
 from megaseq.ops import dispatch
 
 SLIDE_BLOCK = 1024  # queries per block of a sliding layer's SDPA path
+PAD_SCORE = 30000.0  # minus the score of a padding key before a document: exp(-30000) is 0 in every dtype
 
 
 # ---- op "sink_attention": the reference --------------------------------------------------------------
@@ -97,10 +100,11 @@ def _sdpa_supports(q_BSHD: torch.Tensor, k_BSKD: torch.Tensor, v_BSKD: torch.Ten
 
 def with_sink_dims(q_BHLD: torch.Tensor, k_BKLD: torch.Tensor, v_BKLD: torch.Tensor, sinks_H: torch.Tensor,
                    scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q, k, v of one span with a sink key first: q gets ``s_h / scale`` in an extra dim, the keys 0 there and
-    the sink key 1 (its score is ``s_h``), the sink's value 0; q/k padded to a multiple of 8 dims."""
+    """q, k, v of one span with a sink key first: q gets ``s_h / scale`` in dim D, the keys 0 there and the sink
+    key 1 (its score is ``s_h``), the sink's value 0; q/k padded to a multiple of 8 dims, at least D + 2 (dim
+    D + 1 is the sliding path's: ``_sliding_span``)."""
     B, Hq, L, D = q_BHLD.shape
-    Dp = (D + 1 + 7) // 8 * 8
+    Dp = (D + 2 + 7) // 8 * 8
     extra = (sinks_H.to(q_BHLD.dtype) / scale).view(1, Hq, 1, 1).expand(B, Hq, L, 1)
     q = torch.cat([q_BHLD, extra, q_BHLD.new_zeros(B, Hq, L, Dp - D - 1)], dim=-1)
     k = F.pad(k_BKLD, (0, Dp - D, 1, 0))  # a zero row first (the sink key), zero dims after
@@ -124,30 +128,34 @@ def _full_span(q_BHLD: torch.Tensor, k_BKLD: torch.Tensor, v_BKLD: torch.Tensor,
 def _sliding_span(q_BHLD: torch.Tensor, k_BKLD: torch.Tensor, v_BKLD: torch.Tensor, sinks_H: torch.Tensor,
                   scale: float, window: int) -> torch.Tensor:
     """Windowed attention with the sink over one span: n blocks of b queries batched, each with its
-    ``b + W - 1`` keys and the sink under a band mask; a KV head's G query heads stacked along the rows."""
+    ``b + W - 1`` keys and the sink under one band mask shared by every block and head; a KV head's G query
+    heads stacked along the rows. The first block's keys before the document are padding: each query has 1
+    in dim D + 1 and those keys ``-PAD_SCORE / scale``, so their scores are ``-PAD_SCORE`` (exp is 0), and
+    the mask needs no per-block rows."""
     B, Hq, L, D = q_BHLD.shape
     Hkv = k_BKLD.shape[1]
     G, b = Hq // Hkv, min(SLIDE_BLOCK, L)
     n, pad = -(-L // b), window - 1  # pad: keys before a block's first query (zeros before the document)
     q, k, v = with_sink_dims(q_BHLD, k_BKLD, v_BKLD, sinks_H, scale)
     v = F.pad(v, (0, q.shape[-1] - D))
+    q[..., D + 1] = 1.0
     Dp, width = q.shape[-1], b + pad
     align = -(1 + width) % 16  # masked keys after the block's: the mask's rows 16-aligned, as SDPA's kernels want
 
-    def blocks(t_BKLD: torch.Tensor) -> torch.Tensor:  # [B * n, Hkv, 1 + width + align, Dp]: sink, keys, zeros
-        keys = F.pad(t_BKLD[:, :, 1:], (0, 0, pad, n * b - L)).unfold(2, width, b).permute(0, 2, 1, 4, 3)
-        keys = F.pad(keys, (0, 0, 0, align))
+    def blocks(t_BKLD: torch.Tensor, pad_key: float = 0.0) -> torch.Tensor:  # [B * n, Hkv, 1 + width + align, Dp]
+        keys = F.pad(t_BKLD[:, :, 1:], (0, 0, pad, n * b - L))
+        if pad_key:
+            keys[:, :, :pad, D + 1] = pad_key
+        keys = F.pad(keys.unfold(2, width, b).permute(0, 2, 1, 4, 3), (0, 0, 0, align))
         return torch.cat([t_BKLD[:, None, :, :1].expand(B, n, Hkv, 1, Dp), keys], dim=3).flatten(0, 1)
 
     q = F.pad(q, (0, 0, 0, n * b - L)).view(B, Hkv, G, n, b, Dp).permute(0, 3, 1, 2, 4, 5)
     q = q.reshape(B * n, Hkv, G * b, Dp)
     i = torch.arange(b, device=q.device)[:, None]
     j = torch.arange(width, device=q.device)[None, :] - pad  # a key's offset from the block's first query
-    first = torch.arange(n, device=q.device)[:, None, None] * b
-    seen = (j <= i) & (j > i - window) & (first + j >= 0)  # [n, b, width]: in the band and the document
-    mask = torch.cat([seen.new_ones(n, b, 1), seen, seen.new_zeros(n, b, align)], dim=-1)
-    mask = mask.repeat(B, G, 1)[:, None]  # [B * n, 1, G * b, 1 + width + align]
-    o = F.scaled_dot_product_attention(q, blocks(k), blocks(v), attn_mask=mask, scale=scale)
+    seen = (j <= i) & (j > i - window)  # [b, width]: the band
+    mask = torch.cat([seen.new_ones(b, 1), seen, seen.new_zeros(b, align)], dim=-1).repeat(G, 1)[None, None]
+    o = F.scaled_dot_product_attention(q, blocks(k, -PAD_SCORE / scale), blocks(v), attn_mask=mask, scale=scale)
     o = o.view(B, n, Hkv, G, b, Dp).permute(0, 2, 3, 1, 4, 5).reshape(B, Hq, n * b, Dp)
     return o[:, :, :L, :D]
 
