@@ -39,8 +39,7 @@ from megaseq.models.common.attention import REFERENCE_BLOCK_ELEMS, Attention, kv
 from megaseq.models.common.context import SeqContext, doc_spans
 from megaseq.models.spec import ModelSpec
 from megaseq.ops import dispatch
-
-SLIDE_BLOCK = 1024  # queries per block of a sliding layer's SDPA path
+from megaseq.ops.workspace import SLIDE_BLOCK, sink_attention_dims
 PAD_SCORE = 30000.0  # minus the score of a padding key before a document: exp(-30000) is 0 in every dtype
 
 
@@ -104,7 +103,7 @@ def with_sink_dims(q_BHLD: torch.Tensor, k_BKLD: torch.Tensor, v_BKLD: torch.Ten
     key 1 (its score is ``s_h``), the sink's value 0; q/k padded to a multiple of 8 dims, at least D + 2 (dim
     D + 1 is the sliding path's: ``_sliding_span``)."""
     B, Hq, L, D = q_BHLD.shape
-    Dp = (D + 2 + 7) // 8 * 8
+    Dp = sink_attention_dims(D)
     extra = (sinks_H.to(q_BHLD.dtype) / scale).view(1, Hq, 1, 1).expand(B, Hq, L, 1)
     q = torch.cat([q_BHLD, extra, q_BHLD.new_zeros(B, Hq, L, Dp - D - 1)], dim=-1)
     k = F.pad(k_BKLD, (0, Dp - D, 1, 0))  # a zero row first (the sink key), zero dims after
