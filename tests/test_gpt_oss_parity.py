@@ -247,3 +247,18 @@ def test_tiny_dna_recipe_trains(tmp_path: Path) -> None:
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in rows if "loss" in r]
     assert len(losses) == 2 and all(0 < x < 10 for x in losses)
+
+
+def test_peft_export_of_expert_adapters_is_refused() -> None:
+    """PEFT's fused-expert factors assume [E, out, in]; gpt-oss's HF experts are [E, in, out] and interleaved, so
+    an adapter on them is refused by name before a run (attention adapters export as every family's)."""
+    from megaseq.models.adapters import projections, resolve_targets
+    from megaseq.models.gpt_oss.spec import gpt_oss_tiny
+    from megaseq.models.peft_io import check_exportable
+    from megaseq.plan.params import param_table
+
+    spec = gpt_oss_tiny()
+    table = param_table(spec)
+    check_exportable(spec, resolve_targets(projections(table), ["q_proj", "v_proj"], table))
+    with pytest.raises(ValueError, match="routed experts .*merged"):
+        check_exportable(spec, resolve_targets(projections(table), ["q_proj", "experts"], table))

@@ -47,6 +47,9 @@ class StateDictAdapter:
     part_fusions: tuple[tuple[re.Pattern, str, str], ...] = ()
     # the on-disk names of each expert's gate, up and down projections (Mixtral / Kimi-Linear: w1, w3, w2)
     expert_projs: tuple[str, str, str] = EXPERT_PROJS
+    # PEFT's fused-expert adapters (ParamWrapper) fit megaseq's [E, out, in] factors (gpt-oss's transposed,
+    # interleaved experts do not: its adapters on the routed experts are not exported in PEFT's format)
+    peft_experts: bool = True
 
     @property
     def _expert(self) -> re.Pattern:

@@ -134,6 +134,7 @@ class _Reader:
 class GptOssAdapter(StateDictAdapter):
     export_prefix = "model."
     renames = ((".mlp.router.", ".mlp.gate."),)
+    peft_experts = False  # HF's experts are [E, in, out] with gate / up interleaved: PEFT's factors differ
 
     def reader(self, f: Any) -> _Reader:
         return _Reader(f)
