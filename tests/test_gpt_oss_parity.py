@@ -221,8 +221,9 @@ def test_mxfp4_checkpoint_loads_dequantized(tmp_path: Path) -> None:
 def test_aux_loss_and_gradients_match_transformers(monkeypatch: pytest.MonkeyPatch) -> None:
     """CE + coef * transformers' load-balancing loss (over the router's full softmax, bias included) and every
     gradient, against megaseq's balancer on the same micro-batch."""
-    from test_balance import hf_loss_with_aux, megaseq_step
     from transformers.models.gpt_oss import modeling_gpt_oss
+
+    from test_balance import hf_loss_with_aux, megaseq_step
 
     hf, ours = make_pair(hf_config(router_aux_loss_coef=0.3), seed=13)
     ids = ids_for((2, 23), seed=14)

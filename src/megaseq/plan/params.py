@@ -91,7 +91,8 @@ def _mlp(s: ModelSpec, p: str, kind: str) -> list[Param]:
         I = s.intermediate_size
         return _linear(f"{p}.gate_proj", I, H) + _linear(f"{p}.up_proj", I, H) + _linear(f"{p}.down_proj", H, I)
     E, I = s.num_experts, s.moe_intermediate_size
-    rows = [Param(f"{p}.gate.weight", (E, H), "other")] + ([Param(f"{p}.gate.bias", (E,), "other")] if s.router_bias else [])
+    rows = [Param(f"{p}.gate.weight", (E, H), "other")]
+    rows += [Param(f"{p}.gate.bias", (E,), "other")] if s.router_bias else []  # gpt-oss
     rows += [Param(f"{p}.experts.gate_up_proj", (E, 2 * I, H), "experts"),
              Param(f"{p}.experts.down_proj", (E, H, I), "experts")]
     if s.expert_bias:  # gpt-oss

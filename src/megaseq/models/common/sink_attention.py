@@ -40,6 +40,7 @@ from megaseq.models.common.context import SeqContext, doc_spans
 from megaseq.models.spec import ModelSpec
 from megaseq.ops import dispatch
 from megaseq.ops.workspace import SLIDE_BLOCK, sink_attention_dims
+
 PAD_SCORE = 30000.0  # minus the score of a padding key before a document: exp(-30000) is 0 in every dtype
 
 
