@@ -21,6 +21,7 @@ from megaseq.memory.apply import loss_fn
 from megaseq.memory.model_segments import segmented_loss_backward
 from megaseq.models.common import lora
 from megaseq.models.glm5.spec import glm5_flash_tiny
+from megaseq.models.gpt_oss.spec import gpt_oss_tiny
 from megaseq.models.qwen3_moe.spec import qwen3_moe_tiny
 from megaseq.plan.components import layer_input_bytes, round_up
 from megaseq.train.optim import build_optimizer
@@ -63,8 +64,11 @@ GLM5_ONLY = {
     "sequence segments": lambda spec: MemorySettings(model_segment_tokens=11, chunked_loss=True,
                                                      loss_chunk_tokens=7, tiled_mlp=True, mlp_tile_tokens=9),
 }
-CASES = ([("glm5", k) for k in [*SCHEMES, *GLM5_ONLY]] + [("qwen3_moe", k) for k in SCHEMES])
-SPECS = {"glm5": glm5_spec, "qwen3_moe": qwen3_moe_tiny}
+CASES = ([("glm5", k) for k in [*SCHEMES, *GLM5_ONLY]] + [("qwen3_moe", k) for k in SCHEMES]
+         + [("gpt_oss", k) for k in SCHEMES])
+SPECS = {"glm5": glm5_spec, "qwen3_moe": qwen3_moe_tiny,
+         # gpt-oss: experts with biases and the clamped SwiGLU, sinks, a window shorter than the sequence
+         "gpt_oss": lambda: gpt_oss_tiny().replace(sliding_window=5)}
 
 
 def lora_step(model, memory: MemorySettings, ids, labels, doc_ids) -> torch.Tensor:

@@ -143,7 +143,8 @@ def _map_checkpoint(path: Path, spec: ModelSpec, targets: dict[str, torch.Tensor
     unexpected: list[str] = []
     with torch.no_grad():
         for file, keys in _checkpoint_files(path).items():
-            with _open(file) as f:
+            with _open(file) as opened:
+                f = adapter.reader(opened)
                 present = set(f.keys())
                 for key in keys if keys is not None else present:
                     if key not in present:
@@ -337,7 +338,7 @@ def _tensors_to_export(model: nn.Module, spec: ModelSpec, dtype: torch.dtype | N
     for file, keys in _checkpoint_files(Path(carry_from)).items():
         with _open(file) as f:
             for key in keys if keys is not None else f.keys():
-                if adapter.model_name(key, spec.num_layers) is None:
+                if adapter.carried(key, spec.num_layers):
                     yield key, f.get_tensor(key)
 
 

@@ -65,6 +65,12 @@ def check_exportable(spec: ModelSpec, projs: list[Projection]) -> None:
     whose v4 MoE layout PEFT converts (qwen2_moe, qwen3_moe, mixtral, ...), PEFT renames every
     ``target_modules`` entry ending in ``gate_proj``, ``up_proj`` or ``down_proj`` to the fused experts, so a
     dense MLP or shared expert adapter would land on the routed experts instead."""
+    experts = [p.name for p in projs if p.kind == "experts"]
+    if experts and not adapter_for(spec).peft_experts:
+        raise ValueError(f"lora.targets include the routed experts ({experts[0]}): {spec.family}'s experts are laid "
+                         "out differently in transformers, so the adapter cannot be written in PEFT's format; "
+                         "leave 'experts' out of lora.targets, or export the merged model instead "
+                         "(megaseq export RUN DST --merged)")
     try:
         from peft.utils.transformers_weight_conversion import _MODEL_TO_CONVERSION_PATTERN, _MOE_TARGET_MODULE_MAPPING
     except ImportError:  # no peft (or another version): nothing to check against

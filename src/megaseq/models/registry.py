@@ -36,6 +36,7 @@ FAMILY_PACKAGES: dict[str, str] = {
     "deepseek_v32": "megaseq.models.deepseek_v32",
     "kimi_linear": "megaseq.models.kimi_linear",
     "qwen3_next": "megaseq.models.qwen3_next",
+    "gpt_oss": "megaseq.models.gpt_oss",
 }
 
 

@@ -58,7 +58,11 @@ class ModelSpec:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     num_shared_experts: int = 0
-    router: str = "sigmoid_bias"  # "sigmoid_bias" (DeepSeek/GLM) or "softmax" (Qwen3/OLMoE/Mixtral)
+    router: str = "sigmoid_bias"  # "sigmoid_bias" (DeepSeek/GLM), "softmax" (Qwen3/OLMoE/Mixtral) or
+    # "topk_softmax" (gpt-oss: top-k of the logits, then a softmax over the K chosen)
+    router_bias: bool = False  # the router's linear has a bias (gpt-oss)
+    expert_bias: bool = False  # the routed experts' gate_up / down projections have biases (gpt-oss)
+    swiglu_alpha: float | None = None  # gpt-oss's experts: (up + 1) * gate * sigmoid(alpha * gate), clamped
     n_group: int = 1
     topk_group: int = 1
     norm_topk_prob: bool = True
@@ -81,6 +85,9 @@ class ModelSpec:
     attention_bias: bool = False  # q/k/v projection biases
     o_proj_bias: bool = False  # the output projection's bias (Qwen3-MoE / OLMoE tie it to attention_bias)
     attn_output_gate: bool = False  # sigmoid output gate from q_proj (Qwen3-Next's gated attention)
+    attention_sinks: bool = False  # a learned logit per query head in every softmax's denominator (gpt-oss)
+    sliding_window: int = 0  # the keys a query of a sliding layer sees, itself included (0: none)
+    sliding_layers: tuple[int, ...] = ()  # the attention layers that use the sliding window (gpt-oss: even ones)
     norm_zero_centered: bool = False  # RMSNorm weights stored as w - 1 (Qwen3-Next: x * (1 + w))
     # MLA (GLM-5.3-Flash DSA layers: NoPE, so qk_rope_head_dim = 0)
     q_lora_rank: int = 0
@@ -116,6 +123,7 @@ class ModelSpec:
         self.layer_types = tuple(self.layer_types)
         self.mlp_types = tuple(self.mlp_types)
         self.indexer_types = tuple(self.indexer_types)
+        self.sliding_layers = tuple(self.sliding_layers)
         if self.family not in FAMILY_PACKAGES:
             raise ValueError(f"model family {self.family!r} is not supported; supported: "
                              f"{', '.join(FAMILY_PACKAGES)}")
@@ -130,6 +138,10 @@ class ModelSpec:
         for kind in self.mlp_types:
             if kind not in MLP_KINDS:
                 raise ValueError(f"unknown mlp type {kind!r}; known: {', '.join(MLP_KINDS)}")
+        if self.sliding_layers and (self.sliding_window < 1 or not all(
+                0 <= i < self.num_layers and self.layer_types[i] == "attention" for i in self.sliding_layers)):
+            raise ValueError(f"sliding_layers {list(self.sliding_layers)} must name 'attention' layers and need "
+                             f"sliding_window >= 1 (got {self.sliding_window})")
         if "dsa" in self.layer_types:
             if len(self.indexer_types) != self.num_layers:
                 raise ValueError("indexer_types needs one entry ('full' or 'shared') per layer")
@@ -233,10 +245,7 @@ def read_hf_config(cfg: dict[str, Any] | str | Path) -> dict[str, Any]:
 
 
 # architectures users ask for that no family implements yet, and what is missing
-NOT_YET = {
-    "gpt_oss": " (gpt-oss: its attention sinks and sliding-window layers are not implemented by any megaseq "
-               "attention block yet)",
-}
+NOT_YET: dict[str, str] = {}
 
 
 def from_hf_config(cfg: dict[str, Any] | str | Path) -> ModelSpec:

@@ -240,3 +240,20 @@ def triton_sparse_mla_bytes(Q: int, S: int, R: int, Hh: int, Dn: int, Dv: int, d
                Q * Hh * (R + 2 * Dn) * d + S * R * f, Q * Hh * Dn * d + S * R * (f + d))
     backward = max(moments) + Hh * (Dn + Dv) * R * 2 * d
     return {"saved": saved, "forward": forward, "backward": backward}
+
+
+# ---- attention with sinks (models.common.sink_attention's SDPA path) -------------------------------------
+SLIDE_BLOCK = 1024  # queries per block of a sliding layer
+
+
+def sink_attention_dims(head_dim: int) -> int:
+    """The head dims q and k get in the SDPA path: the sink's dim and a spare one, rounded up to 8."""
+    return (head_dim + 2 + 7) // 8 * 8
+
+
+def sliding_key_rows(window: int, seq_len: int, block: int = SLIDE_BLOCK) -> float:
+    """Keys SDPA holds per query token of a sliding layer: each block of ``b`` queries gets the sink, its
+    ``b + W - 1`` keys and the padding to 16, all copied."""
+    b = min(block, max(seq_len, 1))
+    width = 1 + b + window - 1
+    return (width + (-width % 16)) / b

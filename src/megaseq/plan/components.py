@@ -254,7 +254,8 @@ def attention_params(spec: ModelSpec) -> int:
     q = Hq * D * (2 if spec.attn_output_gate else 1)  # Qwen3-Next's output gate rides on q_proj
     qkv = H * (q + 2 * Hkv * D) + b * (q + 2 * Hkv * D)
     norms = (2 * D if spec.qk_norm_scope == "head" else (Hq + Hkv) * D) if spec.qk_norm else 0  # OLMoE: all heads
-    return qkv + Hq * D * H + (H if spec.o_proj_bias else 0) + norms
+    sinks = Hq if spec.attention_sinks else 0  # gpt-oss: a sink logit per query head
+    return qkv + Hq * D * H + (H if spec.o_proj_bias else 0) + norms + sinks
 
 
 def gdn_params(spec: ModelSpec) -> int:
@@ -273,7 +274,10 @@ def mlp_params(spec: ModelSpec, kind: str) -> tuple[int, int]:
         return 3 * H * spec.intermediate_size, 0
     Is = spec.shared_expert_intermediate_size or spec.moe_intermediate_size * spec.num_shared_experts
     shared = 3 * H * Is + (H if spec.shared_expert_gate else 0) if Is else 0  # Qwen3-Next: the shared gate
-    return spec.num_experts * H + shared, 3 * spec.num_experts * H * spec.moe_intermediate_size
+    E, I = spec.num_experts, spec.moe_intermediate_size
+    router = E * (H + 1 if spec.router_bias else H)
+    biases = E * (2 * I + H) if spec.expert_bias else 0  # gpt-oss: per-expert, counted with the experts
+    return router + shared, 3 * E * H * I + biases
 
 
 def gpu_counts(counts: ParamCounts, mesh: Mesh) -> ParamCounts:

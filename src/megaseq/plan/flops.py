@@ -84,11 +84,14 @@ def dsa_flops(spec: ModelSpec, S: int, full_indexer: bool) -> tuple[float, float
     return proj + attn, idx_proj + 2 * pools * I * Di + 2 * pools * I
 
 
-def attention_flops(spec: ModelSpec, S: int) -> float:
+def attention_flops(spec: ModelSpec, S: int, window: int = 0) -> float:
+    """GQA softmax attention; a sliding layer (``window`` keys, gpt-oss) attends ``min(t + 1, window)`` keys
+    at position t (the sinks add one score per query and head: not counted)."""
     H, Hq, Hkv = spec.hidden_size, spec.num_attention_heads, spec.num_key_value_heads
     D = spec.head_dim or H // Hq
     gate = 2 * S * H * Hq * D if spec.attn_output_gate else 0  # Qwen3-Next: q_proj's gate half
-    return 2 * S * H * (Hq + 2 * Hkv) * D + gate + 2 * S * Hq * D * H + 4 * Hq * D * causal_keys(S, S)
+    keys = causal_keys(S, window or S)
+    return 2 * S * H * (Hq + 2 * Hkv) * D + gate + 2 * S * Hq * D * H + 4 * Hq * D * keys
 
 
 def mla_flops(spec: ModelSpec, S: int) -> float:
@@ -137,7 +140,7 @@ def layer_flops(spec: ModelSpec, S: int, i: int) -> LayerFlops:
     elif kind == "gdn":
         out.mixer = gdn_flops(spec, S)
     else:
-        out.mixer = attention_flops(spec, S)
+        out.mixer = attention_flops(spec, S, spec.sliding_window if i in spec.sliding_layers else 0)
     return out
 
 

@@ -24,6 +24,8 @@ from megaseq.ops.workspace import (  # noqa: F401  (the ops' own formulas)
     indexer_topk_bytes,
     kv_repeats,
     sdpa_head_groups,
+    sink_attention_dims,
+    sliding_key_rows,
     sparse_mla_pool_bytes,
     triton_sparse_mla_bytes,
 )
@@ -300,13 +302,16 @@ def absorbed_temp(spec: ModelSpec, n: int, batch: int, seq_len: int, prec: Preci
 
 
 def attention_saved(spec: ModelSpec, n: int, xb: int, prec: Precision, mesh: Mesh,
-                    trains: Trains = None) -> dict[str, int]:
+                    trains: Trains = None, window: int = 0, seq_len: int = 0) -> dict[str, int]:
     """GQA softmax attention (``blocks/attention.py``) with SDPA: q/k/v inputs, q/k RMSNorm per head
     ``(f + c) * (Hq + Hkv) * D`` (zero-centered norms, Qwen3-Next: ``2 f``, their fp32 input and normalised
     value), RoPE's cos/sin ``2 * q_bytes * rotated dims``, SDPA's q, k, v, o (bf16 casts) and log-sum-exp,
     and o_proj's input. KV heads repeated for Ulysses when cp does not divide them. Qwen3-Next's output
     gate (``attn_output_gate``): ``o * sigmoid(gate)`` keeps the sigmoid's output ``c * Hq * D`` (o itself
-    is a view of SDPA's kept output in one call; in several, their concatenation, a copy it also keeps)."""
+    is a view of SDPA's kept output in one call; in several, their concatenation, a copy it also keeps).
+    With attention sinks (gpt-oss, ``models.common.sink_attention``'s SDPA path) q, k, v and o are
+    ``sink_attention_dims(D)`` wide, and a sliding layer (``window``) keeps its blocks' keys and values,
+    ``sliding_key_rows`` per token, and its reshaped q (``attention_sink_saved``)."""
     H, Hq, Hkv = spec.hidden_size, spec.num_attention_heads, spec.num_key_value_heads
     D, c, f = spec.head_dim or H // Hq, prec.compute, prec.f32
     kv = sdpa_kv_heads(spec, prec, mesh)
@@ -319,10 +324,12 @@ def attention_saved(spec: ModelSpec, n: int, xb: int, prec: Precision, mesh: Mes
     q_bytes = f if (spec.qk_norm and not spec.norm_zero_centered) else c
     rot = int(D * spec.partial_rotary_factor)
     qkv = [f"self_attn.{x}" for x in ("q_proj", "k_proj", "v_proj")]
+    sdpa = (attention_sink_saved(spec, prec, kv, window, seq_len) if spec.attention_sinks
+            else c * (2 * Hq + 2 * kv) * D + f * Hq)
     out = {
         "attention projections' inputs": n * _inputs(H, qkv, xb, prec, trains),
         "attention q/k norms + rope": n * (norms + 2 * q_bytes * rot),
-        "attention q,k,v,o + lse": n * (c * (2 * Hq + 2 * kv) * D + f * Hq),
+        "attention q,k,v,o + lse": n * sdpa,
         "attention o_proj input": n * c * Hq * D * _if("self_attn.o_proj", trains),
     }
     if spec.attn_output_gate:  # one call: o is a view of SDPA's output (kept above); the product is o_proj's input
@@ -330,6 +337,16 @@ def attention_saved(spec: ModelSpec, n: int, xb: int, prec: Precision, mesh: Mes
         if sdpa_groups(spec, mesh)[0] > 1:  # o is the calls' concatenation: a copy, kept by the gate
             out["attention heads' concatenation"] = n * c * Hq * D
     return out
+
+
+def attention_sink_saved(spec: ModelSpec, prec: Precision, kv: int, window: int, seq_len: int) -> float:
+    """Per token, what the sink attention's SDPA call keeps: q and o ``Dp`` wide (``Dp =
+    sink_attention_dims(D)``), the log-sum-exp, and k, v: ``kv`` heads (full layers) or, in a sliding layer,
+    ``Hkv`` heads of ``sliding_key_rows`` keys per token (the blocks' copies)."""
+    Hq, Hkv, c, f = spec.num_attention_heads, spec.num_key_value_heads, prec.compute, prec.f32
+    Dp = sink_attention_dims(spec.head_dim or spec.hidden_size // Hq)
+    keys = 2 * Hkv * sliding_key_rows(window, seq_len) if window else 2 * kv
+    return c * (2 * Hq + keys) * Dp + f * Hq
 
 
 def mla_saved(spec: ModelSpec, n: int, xb: int, prec: Precision, trains: Trains = None) -> dict[str, int]:
@@ -454,7 +471,8 @@ def sdpa_kv_heads(spec: ModelSpec, prec: Precision, mesh: Mesh) -> int:
     return spec.num_attention_heads if prec.compute == 4 and sdpa_groups(spec, mesh)[1] else kv_heads(spec, mesh)
 
 
-def attention_temp(spec: ModelSpec, n: int, prec: Precision, backward: bool, mesh: Mesh | None = None) -> int:
+def attention_temp(spec: ModelSpec, n: int, prec: Precision, backward: bool, mesh: Mesh | None = None,
+                   window: int = 0, seq_len: int = 0) -> int:
     """Flash/cuDNN SDPA temporaries: forward the fp32 q/k after RoPE before their bf16 casts; backward
     dq, dk, dv, the fp32 dq accumulator and, with fewer KV heads than query heads in a call, the per-query-head
     dk and dv summed into dk, dv (flash's ``dk_expanded``, ``dv_expanded``; in float32 the repeated heads'
@@ -464,7 +482,12 @@ def attention_temp(spec: ModelSpec, n: int, prec: Precision, backward: bool, mes
     is concatenated (``2 c (Hq + Hkv) D``). Measured by op on an H200 (session 9, Qwen3-30B-A3B LoRA, 600K,
     cuDNN): each call allocated its dq, dk, dv and two float32 buffers of its q (``2 f Hq D / G``): in bf16
     the same bytes as the share above. (Session 7's 2.4 GiB gap, once put down to ``dk_expanded``, was the
-    RMSNorm's backward: ``models/common/norm.py``.)"""
+    RMSNorm's backward: ``models/common/norm.py``.)
+    With attention sinks every head is ``Dp = sink_attention_dims(D)`` wide in SDPA (and a sliding layer's
+    keys ``sliding_key_rows`` per token): the terms above scaled so, plus, forward, the padded q's second
+    copy and, backward, the gradients sliced back to D dims (an upper bound: not measured on a GPU)."""
+    if spec.attention_sinks:
+        return _sink_attention_temp(spec, n, prec, backward, mesh, window, seq_len)
     H, Hq, Hkv = spec.hidden_size, spec.num_attention_heads, spec.num_key_value_heads
     D, c, f = spec.head_dim or H // Hq, prec.compute, prec.f32
     if not backward:
@@ -479,6 +502,19 @@ def attention_temp(spec: ModelSpec, n: int, prec: Precision, backward: bool, mes
     # a call's output gradient is a slice of the concatenation's: flash's backward makes it contiguous
     per_call += c * Hq * D // calls
     return n * max(grads + per_call, 2 * c * (Hq + kv) * D)
+
+
+def _sink_attention_temp(spec: ModelSpec, n: int, prec: Precision, backward: bool, mesh: Mesh | None,
+                         window: int, seq_len: int) -> int:
+    """``attention_temp`` of the sink attention's SDPA path (its docstring)."""
+    Hq, Hkv, c = spec.num_attention_heads, spec.num_key_value_heads, prec.compute
+    D = spec.head_dim or spec.hidden_size // Hq
+    Dp = sink_attention_dims(D)
+    rows = sliding_key_rows(window, seq_len) if window else 1.0
+    base = attention_temp(spec.replace(attention_sinks=False), n, prec, backward, mesh)
+    if not backward:
+        return int(base * Dp / D) + n * c * Hq * Dp
+    return int(base * rows * Dp / D) + n * c * (Hq + 2 * Hkv) * D
 
 
 # ---- MLP and MoE -------------------------------------------------------------------------------------

@@ -35,7 +35,8 @@ def _attention(s: ModelSpec, p: str) -> list[Param]:
     H, Hq, Hkv = s.hidden_size, s.num_attention_heads, s.num_key_value_heads
     D, b = s.head_dim or H // Hq, s.attention_bias
     gate = 2 if s.attn_output_gate else 1
-    rows = (_linear(f"{p}.q_proj", Hq * D * gate, H, b) + _linear(f"{p}.k_proj", Hkv * D, H, b)
+    rows = [Param(f"{p}.sinks", (Hq,), "other")] if s.attention_sinks else []  # gpt-oss: one per query head
+    rows += (_linear(f"{p}.q_proj", Hq * D * gate, H, b) + _linear(f"{p}.k_proj", Hkv * D, H, b)
             + _linear(f"{p}.v_proj", Hkv * D, H, b) + _linear(f"{p}.o_proj", H, Hq * D, s.o_proj_bias))
     q_dim, k_dim = (D, D) if s.qk_norm_scope == "head" else (Hq * D, Hkv * D)
     return rows + (_norm(f"{p}.q_norm", q_dim) + _norm(f"{p}.k_norm", k_dim) if s.qk_norm else [])
@@ -90,8 +91,13 @@ def _mlp(s: ModelSpec, p: str, kind: str) -> list[Param]:
         I = s.intermediate_size
         return _linear(f"{p}.gate_proj", I, H) + _linear(f"{p}.up_proj", I, H) + _linear(f"{p}.down_proj", H, I)
     E, I = s.num_experts, s.moe_intermediate_size
-    rows = [Param(f"{p}.gate.weight", (E, H), "other"), Param(f"{p}.experts.gate_up_proj", (E, 2 * I, H), "experts"),
-            Param(f"{p}.experts.down_proj", (E, H, I), "experts")]
+    rows = [Param(f"{p}.gate.weight", (E, H), "other")]
+    rows += [Param(f"{p}.gate.bias", (E,), "other")] if s.router_bias else []  # gpt-oss
+    rows += [Param(f"{p}.experts.gate_up_proj", (E, 2 * I, H), "experts"),
+             Param(f"{p}.experts.down_proj", (E, H, I), "experts")]
+    if s.expert_bias:  # gpt-oss
+        rows += [Param(f"{p}.experts.gate_up_proj_bias", (E, 2 * I), "other"),
+                 Param(f"{p}.experts.down_proj_bias", (E, H), "other")]
     Is = s.shared_expert_intermediate_size or I * s.num_shared_experts
     if s.shared_expert_gate:  # Qwen3-Next: one gated shared expert (``models.common.moe``)
         rows += _mlp(s.replace(intermediate_size=Is), f"{p}.shared_expert", "dense")

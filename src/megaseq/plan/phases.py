@@ -159,10 +159,11 @@ def _mixer(run: Run, i: int, xb: int) -> tuple[dict[str, int], int, int]:
             layers.kda_temp(spec, n, prec, True, run.cal) + comm,
         )
     if kind == "attention":
+        window, S = (spec.sliding_window if i in spec.sliding_layers else 0), run.seq_len
         return (
-            layers.attention_saved(spec, n, xb, prec, mesh, trains),
-            layers.attention_temp(spec, n, prec, False) + comm,
-            layers.attention_temp(spec, n, prec, True, mesh) + comm,
+            layers.attention_saved(spec, n, xb, prec, mesh, trains, window, S),
+            layers.attention_temp(spec, n, prec, False, mesh, window, S) + comm,
+            layers.attention_temp(spec, n, prec, True, mesh, window, S) + comm,
         )
     if kind == "mla":
         return (

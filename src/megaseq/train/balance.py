@@ -69,7 +69,7 @@ def resolve_balance(cfg: MoEConfig, spec: ModelSpec) -> BalanceSettings:
     if mode == "bias" and spec.router != "sigmoid_bias":
         raise ValueError(f"moe.balance bias needs a router with a score-correction bias, but {spec.family} routes "
                          f"with {spec.router!r}: use --moe.balance aux_loss (or auto)")
-    if mode == "aux_loss" and spec.router != "softmax":
+    if mode == "aux_loss" and spec.router not in ("softmax", "topk_softmax"):
         raise ValueError(f"moe.balance aux_loss is the softmax routers' loss (HF load_balancing_loss_func); "
                          f"{spec.family} routes with {spec.router!r}: use --moe.balance bias (or auto)")
     if mode == "aux_loss" and coef == 0.0:

@@ -230,8 +230,12 @@ class Attention(nn.Module):
         if rep > 1:  # copies; KV head j becomes heads j*rep .. j*rep+rep-1, so the GQA grouping holds
             k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
         q, k, v = ctx.seq_to_heads(q), ctx.seq_to_heads(k), ctx.seq_to_heads(v)
-        o = dispatch.call("attention", q, k, v, ctx.full_doc_ids(), self.scale, layer=self.layer)
-        o = ctx.heads_to_seq(o).reshape(B, S_loc, self.num_heads * self.head_dim)
+        o = ctx.heads_to_seq(self._attend(q, k, v, ctx)).reshape(B, S_loc, self.num_heads * self.head_dim)
         if gate is not None:
             o = o * torch.sigmoid(gate)
         return self.o_proj(o)
+
+    def _attend(self, q_BSHD: torch.Tensor, k_BSKD: torch.Tensor, v_BSKD: torch.Tensor,
+                ctx: SeqContext) -> torch.Tensor:
+        """The attention of this rank's heads over the whole sequence (a subclass changes only this)."""
+        return dispatch.call("attention", q_BSHD, k_BSKD, v_BSKD, ctx.full_doc_ids(), self.scale, layer=self.layer)

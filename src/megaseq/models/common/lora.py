@@ -114,10 +114,10 @@ class LoRAExperts(Experts):
                    counts_E: torch.Tensor) -> torch.Tensor:
         if gate_up_EOH is not self.gate_up_proj or down_EHI is not self.down_proj:
             raise ValueError("LoRA on the routed experts runs with every expert in this process (parallel.ep 1)")
-        gu_M2I = self._project(x_MH, self.gate_up_proj, "gate_up_proj", counts_E)
-        gate_MI, up_MI = gu_M2I.chunk(2, dim=-1)
-        a_MI = dispatch.call("swiglu", gate_MI, up_MI, self.swiglu_limit, layer=self.layer)
-        return self._project(a_MI, self.down_proj, "down_proj", counts_E)
+        gu_M2I = self.add_bias(self._project(x_MH, self.gate_up_proj, "gate_up_proj", counts_E),
+                               self.gate_up_proj_bias, counts_E)
+        y_MH = self._project(self.activate(gu_M2I), self.down_proj, "down_proj", counts_E)
+        return self.add_bias(y_MH, self.down_proj_bias, counts_E)
 
     def _project(self, x_MI: torch.Tensor, w_EOI: torch.Tensor, name: str, counts_E: torch.Tensor) -> torch.Tensor:
         if name not in self.lora_A:

@@ -5,7 +5,8 @@ may run it over sequence tiles from outside.
 
 With ``swiglu_limit`` set (GLM-5.3-Flash: 10.0) the gate is clamped from above at the limit and the
 up projection into ``[-limit, limit]`` before the product, as ``Glm5NextTextMLP`` does; without it the
-MLP is Qwen3's plain SwiGLU. Parameter names mirror HF: ``gate_proj``, ``up_proj``, ``down_proj``.
+MLP is Qwen3's plain SwiGLU. Parameter names mirror HF: ``gate_proj``, ``up_proj``, ``down_proj``. Op
+``clamped_swiglu`` is gpt-oss's variant, which its routed experts run.
 """
 
 from __future__ import annotations
@@ -28,6 +29,16 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.T
         gate = gate.clamp(max=limit)
         up = up.clamp(min=-limit, max=limit)
     return F.silu(gate) * up
+
+
+@dispatch.register("clamped_swiglu", "torch", reference=True)
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float | None) -> torch.Tensor:
+    """gpt-oss's experts (``GptOssExperts._apply_gate``): ``(up + 1) * g * sigmoid(alpha * g)`` with the gate
+    clamped from above at ``limit`` and ``up`` into ``[-limit, limit]``."""
+    if limit is not None:
+        gate = gate.clamp(max=limit)
+        up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
 class MLP(nn.Module):

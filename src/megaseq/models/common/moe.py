@@ -23,6 +23,9 @@ dtype ``promote_types(x.dtype, float32)``, HF's float32 for bf16/fp32 inputs:
                     ``norm_topk_prob`` (``+ 1e-20``), times ``routed_scaling_factor``.
   ``softmax``       ``Qwen3MoeTopKRouter``: logits in the input dtype, softmax in c, top-k,
                     renormalised when ``norm_topk_prob``, cast back to the logits' dtype.
+  ``topk_softmax``  ``GptOssTopKRouter``: logits (with the router's ``bias``) in the input dtype, top-k of
+                    them, softmax over the K chosen in the logits' dtype (as HF); the auxiliary loss reads
+                    the softmax over all experts.
 
 Why c and not HF's literal float32: in a float64 model a float32 router GEMM rounds differently when
 the number of tokens per call changes (sequence tiling, packed documents, context-parallel shards), so
@@ -49,6 +52,9 @@ normalised over the experts, with one constant per sequence and expert (``[B, E]
 
 Expert weights use the HF v5 fused layout: ``gate_up_proj [E, 2I, H]`` (gate rows first) and
 ``down_proj [E, H, I]``. The per-expert matmuls go through op ``grouped_mm`` of ``megaseq.ops.dispatch``.
+gpt-oss's experts (``spec.expert_bias``, ``spec.swiglu_alpha``) add ``gate_up_proj_bias [E, 2I]`` (gate
+first) and ``down_proj_bias [E, H]`` to each routed row's products, and run op ``clamped_swiglu``
+(``(up + 1) * g * sigmoid(alpha * g)`` with gpt-oss's clamps) in place of ``swiglu``.
 """
 
 from __future__ import annotations
@@ -62,7 +68,7 @@ from megaseq.models.common.routing import balanced_experts
 from megaseq.models.spec import ModelSpec
 from megaseq.ops import dispatch, triton_moe_glue  # noqa: F401  (registers the fused permute/combine, opt-in)
 
-ROUTERS = ("sigmoid_bias", "softmax")
+ROUTERS = ("sigmoid_bias", "softmax", "topk_softmax")
 # parameters/buffers HF keeps in float32 in a bf16 model (names end with these)
 FP32_PARAM_SUFFIXES = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
 
@@ -135,12 +141,15 @@ class TopKRouter(nn.Module):
         self.routed_scaling_factor = spec.routed_scaling_factor
         self.routing = "natural"  # or "balanced" (benchmarks on random weights: models.common.routing)
         self.weight = nn.Parameter(torch.empty(E, H, dtype=torch.float32).normal_(0.0, 0.02))
+        self.bias = nn.Parameter(torch.zeros(E, dtype=torch.float32)) if spec.router_bias else None
         if self.router == "sigmoid_bias":
             self.register_buffer("e_score_correction_bias", torch.zeros(E, dtype=torch.float32))
 
     @torch.no_grad()
     def init_weights(self, std: float) -> None:
         self.weight.normal_(0.0, std)
+        if self.bias is not None:  # HF's GptOssTopKRouter: normal, as the weight
+            self.bias.normal_(0.0, std)
         if self.router == "sigmoid_bias":
             self.e_score_correction_bias.zero_()
 
@@ -157,6 +166,8 @@ class TopKRouter(nn.Module):
         ``routing.balanced_experts``' and the weights the router's top-k values."""
         if self.router == "softmax":
             weights_NK, experts_NK, probs_NE = self._softmax(x_NH)
+        elif self.router == "topk_softmax":
+            weights_NK, experts_NK, probs_NE = self._topk_softmax(x_NH, probs)
         else:
             weights_NK, experts_NK, scores_NE = self._sigmoid_bias(x_NH)
             probs_NE = (scores_NE / (scores_NE.sum(dim=-1, keepdim=True) + 1e-20)) if probs else None
@@ -171,6 +182,16 @@ class TopKRouter(nn.Module):
         if self.norm_topk_prob:
             top_NK = top_NK / top_NK.sum(dim=-1, keepdim=True)
         return (top_NK if self.weights_fp32 else top_NK.to(logits_NE.dtype)), experts_NK, probs_NE
+
+    def _topk_softmax(self, x_NH: torch.Tensor, probs: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        bias = None if self.bias is None else self.bias.to(x_NH.dtype)
+        logits_NE = F.linear(x_NH, self.weight.to(x_NH.dtype), bias)
+        top_NK, experts_NK = torch.topk(logits_NE, self.top_k, dim=-1)
+        weights_NK = F.softmax(top_NK, dim=-1, dtype=top_NK.dtype)
+        if not probs:
+            return weights_NK, experts_NK, None
+        probs_NE = F.softmax(logits_NE, dim=-1, dtype=torch.promote_types(logits_NE.dtype, torch.float32))
+        return weights_NK, experts_NK, probs_NE
 
     def _sigmoid_bias(self, x_NH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         E, G = self.num_experts, self.n_group
@@ -201,29 +222,53 @@ class Experts(nn.Module):
     parameters' first dim is then ``len(held)``)."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
-                 swiglu_limit: float | None = None, layer: str = "moe") -> None:
+                 swiglu_limit: float | None = None, layer: str = "moe", bias: bool = False,
+                 swiglu_alpha: float | None = None) -> None:
         super().__init__()
         E, H, I = num_experts, hidden_size, intermediate_size
         self.num_experts = E
         self.held = range(E)
         self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, H).normal_(0.0, 0.02))
         self.down_proj = nn.Parameter(torch.empty(E, H, I).normal_(0.0, 0.02))
-        self.swiglu_limit = swiglu_limit
+        self.gate_up_proj_bias = nn.Parameter(torch.zeros(E, 2 * I)) if bias else None
+        self.down_proj_bias = nn.Parameter(torch.zeros(E, H)) if bias else None
+        self.swiglu_limit, self.swiglu_alpha = swiglu_limit, swiglu_alpha
         self.layer = layer  # name used in the dispatcher's per-layer record
 
     @torch.no_grad()
     def init_weights(self, std: float) -> None:
         self.gate_up_proj.normal_(0.0, std)
         self.down_proj.normal_(0.0, std)
+        for b in (self.gate_up_proj_bias, self.down_proj_bias):
+            if b is not None:
+                b.zero_()
 
     def routed_mlp(self, x_MH: torch.Tensor, gate_up_EOH: torch.Tensor, down_EHI: torch.Tensor,
                    counts_E: torch.Tensor) -> torch.Tensor:
         """``y_MH``: rows grouped by expert (``counts_E`` rows for each expert of the weights given) through
         their SwiGLU experts; the weights may be this module's or experts received from other ranks."""
         gu_M2I = dispatch.call("grouped_mm", x_MH, gate_up_EOH, counts_E, layer=self.layer)
+        gu_M2I = self.add_bias(gu_M2I, self.gate_up_proj_bias, counts_E)
+        y_MH = dispatch.call("grouped_mm", self.activate(gu_M2I), down_EHI, counts_E, layer=self.layer)
+        return self.add_bias(y_MH, self.down_proj_bias, counts_E)
+
+    def activate(self, gu_M2I: torch.Tensor) -> torch.Tensor:
+        """The SwiGLU of the fused gate/up rows (gate first): op ``swiglu``, or ``clamped_swiglu`` (gpt-oss)."""
         gate_MI, up_MI = gu_M2I.chunk(2, dim=-1)
-        a_MI = dispatch.call("swiglu", gate_MI, up_MI, self.swiglu_limit, layer=self.layer)
-        return dispatch.call("grouped_mm", a_MI, down_EHI, counts_E, layer=self.layer)
+        if self.swiglu_alpha is not None:
+            return dispatch.call("clamped_swiglu", gate_MI, up_MI, self.swiglu_alpha, self.swiglu_limit,
+                                 layer=self.layer)
+        return dispatch.call("swiglu", gate_MI, up_MI, self.swiglu_limit, layer=self.layer)
+
+    def add_bias(self, y_MO: torch.Tensor, bias_EO: torch.Tensor | None, counts_E: torch.Tensor) -> torch.Tensor:
+        """``y_MO`` plus each row's expert's bias (rows grouped by expert, ``counts_E`` each); as is without."""
+        if bias_EO is None:
+            return y_MO
+        if bias_EO.shape[0] != counts_E.shape[0]:
+            raise ValueError(f"{self.layer}: expert biases run with every expert in this process (parallel.ep 1)")
+        expert_M = torch.repeat_interleave(torch.arange(counts_E.shape[0], device=y_MO.device), counts_E,
+                                           output_size=y_MO.shape[0])  # output_size: no host sync
+        return y_MO + bias_EO.to(y_MO.dtype)[expert_M]
 
     def forward(self, x_NH: torch.Tensor, experts_NK: torch.Tensor,
                 weights_NK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -329,7 +374,7 @@ class MoE(nn.Module):
         _check_spec(spec)
         self.gate = TopKRouter(spec)
         self.experts = Experts(spec.num_experts, spec.hidden_size, spec.moe_intermediate_size,
-                               spec.swiglu_limit, layer=layer)
+                               spec.swiglu_limit, layer=layer, bias=spec.expert_bias, swiglu_alpha=spec.swiglu_alpha)
         self.shared_experts = self.shared_expert = self.shared_expert_gate = None
         shared = spec.shared_expert_intermediate_size or spec.moe_intermediate_size * spec.num_shared_experts
         if spec.shared_expert_gate:  # Qwen3-Next: one gated shared expert, HF names shared_expert(_gate)
@@ -351,7 +396,7 @@ class MoE(nn.Module):
                                             else self.gate.route(x_NH))
         if self.aux_loss_coef and probs_NE is not None:
             rows = 1
-            if self.gate.router == "softmax":
+            if self.gate.router in ("softmax", "topk_softmax"):
                 self.last_router_prob_sum = probs_NE.detach().sum(dim=0)
             else:  # sequence-wise: the statistics of each sequence (row of x [B, S, H])
                 if x.dim() != 3:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -46,12 +47,24 @@ class StateDictAdapter:
     part_fusions: tuple[tuple[re.Pattern, str, str], ...] = ()
     # the on-disk names of each expert's gate, up and down projections (Mixtral / Kimi-Linear: w1, w3, w2)
     expert_projs: tuple[str, str, str] = EXPERT_PROJS
+    # PEFT's fused-expert adapters (ParamWrapper) fit megaseq's [E, out, in] factors (gpt-oss's transposed,
+    # interleaved experts do not: its adapters on the routed experts are not exported in PEFT's format)
+    peft_experts: bool = True
 
     @property
     def _expert(self) -> re.Pattern:
         return _expert_pattern(self.expert_projs)
 
     # ---- loading ------------------------------------------------------------------------------
+    def reader(self, f: Any) -> Any:
+        """A checkpoint file as the loader reads it (``get_tensor``, ``get_slice``, ``keys``): the file itself,
+        or a view that gives each tensor in megaseq's layout (gpt-oss: transposed experts, MXFP4)."""
+        return f
+
+    def carried(self, key: str, num_layers: int) -> bool:
+        """Whether an export with ``carry_from`` copies this source tensor unchanged (what megaseq skips)."""
+        return self.model_name(key, num_layers) is None
+
     def model_name(self, key: str, num_layers: int) -> str | None:
         """Checkpoint key -> megaseq name (before fusion); None for keys megaseq deliberately skips."""
         if SKIP.search(key):
