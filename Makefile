@@ -16,7 +16,7 @@ $(VENV)/.installed: $(BIN)/activate pyproject.toml
 	$(BIN)/pip install -q -e ".[dev]"
 	touch $@
 
-.PHONY: setup train test test-all lint clean
+.PHONY: setup train test test-all lint clean bench
 setup: $(VENV)/.installed
 
 train: setup
@@ -39,3 +39,9 @@ lint: setup
 
 clean:
 	rm -rf $(VENV) runs
+
+# a benchmark stage (benchmarks/run.sh lists them): make bench STAGE=speed; on a GPU machine, with its CUDA
+# torch: make bench STAGE=speed PY=python3
+STAGE ?=
+bench:
+	PY=$(or $(PY),$(BIN)/python) bash benchmarks/run.sh $(STAGE)

@@ -23,7 +23,7 @@ GPU_BF16 = {
 
 # ``model.kernels fast`` (the default since session 12): the Triton kernels of the speed work (issue 13), each
 # checked against its reference on the GPU (tests/test_triton_*.py, tests/test_hc_mix.py, tests/test_liger_loss.py)
-# and measured in full steps (benchmarks/results/h200/session12: glm5-flash-1gpu 1.72x and 2.53x the transformers
+# and measured in full steps (benchmarks/results/speed/runs/2026-12-02_fast-kernels: glm5-flash-1gpu 1.72x and 2.53x the transformers
 # reference's tokens/s at 8K and 32K; session 13 with bf16 weights: 1.79x and 2.64x); the memory plan counts the
 # fast working sets of the ops in FAST_PACKAGES (plan.planner.PLANNED_FAST_OPS) and the base kernels' for the rest
 # (for these, an upper bound): 54.8 and 127.0 GiB planned at 8K and 32K (no KDA segments) for 53.0 and 119.4

@@ -30,7 +30,7 @@ itself bounded (one chunk of about ``N * H / V`` rows of logits beside the two g
 reference's ``chunk_tokens x V`` float32 chunk, so the plan stays an upper bound; the chunk sizes are the
 reference's and Liger ignores them.
 
-Measured on an H200 (benchmarks/glue_gpu.py: 32K tokens x V 154,880 x H 4096, bf16, forward + backward, peak
+Measured on an H200 (benchmarks/kernels/glue_gpu.py: 32K tokens x V 154,880 x H 4096, bf16, forward + backward, peak
 above the inputs): plain 0.249 s / 56.7 GiB; chunked (4096 tokens) 0.338 s / 6.2 GiB; Liger 0.197 s /
 1.73 GiB, with an fp32 weight-gradient accumulator 0.210 s / 3.80 GiB. grad weight against the plain loss:
 7.1e-3 of its largest value for Liger either way (the bf16 ``softmax - onehot`` dominates), 3.6e-3 chunked.

@@ -25,7 +25,7 @@ log-sum-exp ``[Hh, N]`` fp32 in base 2 (``lse2 = max + log2(sum)`` of the base-2
   queries that chose it (sorted by pool, ``pool_entries``; in chunks of ``POOL_CHUNK`` queries; ``POOL_QUERIES``
   queries of a row sorted at once), one atomic add per chunk instead of one per query. It recomputes the scores
   (about 40% more dot FLOPs) and removes about 39 G fp32 atomic adds per DSA layer at 32K. Measured on the H200
-  (session 16, ``benchmarks/sparse_mla_configs.py``, glm5-flash-1gpu's shapes): the whole backward 14.4 ms against
+  (session 16, ``benchmarks/kernels/sparse_mla_configs.py``, glm5-flash-1gpu's shapes): the whole backward 14.4 ms against
   the atomics' 14.8 at 8K, 59.9 against 67.7 at 32K, 65.0 against 108.0 for a 32K segment of 256K keys. Its working
   set (``ops.workspace.sparse_mla_pool_bytes``, in the plan): the sort's keys and order, ``POOL_SORT_BYTES`` (64)
   per selected pool at most, and ``delta``.
@@ -94,7 +94,7 @@ def default_config(kind: str, Hh: int, R: int, dtype: torch.dtype) -> Config:
     """The untuned choice. fp32 (the checking path) halves the slot block: its tiles are twice the bytes.
     The backward holds ``dq_abs [BH, R]`` and ``dc [BW, R]`` in fp32 registers, hence BH = 16.
 
-    bf16 at R = 512 with 16 heads per program, timed on an H200 (``benchmarks/sparse_mla_configs.py``, session 14,
+    bf16 at R = 512 with 16 heads per program, timed on an H200 (``benchmarks/kernels/sparse_mla_configs.py``, session 14,
     W = 2063; ms per DSA layer at Q = S = 8K / 32K / a 32K segment of 256K keys):
     forward (16, 64, 4 warps, 2 stages) 3.96 / 15.4 / 18.4, the former default (16, 32, 8, 2) 6.63 / 26.2 / 28.5;
     backward (16, 32, 4, 2) 15.1 / 67.5 / 106.7, the former (16, 32, 8, 2) 20.6 / 83.2 / 137.1. Four warps
@@ -398,7 +398,7 @@ def _pick(kind: str, Hh: int, R: int, dtype: torch.dtype, run) -> Config:
 def forward(q_abs_HNR: torch.Tensor, c_BSR: torch.Tensor, idx_BQW: torch.Tensor,
             scale: float, config: Config | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``o_lat [Hh, N, R]`` (q_abs's dtype) and ``lse2 [Hh, N]`` fp32 of the sparse softmax (``config``:
-    a launch configuration to use instead of the default or tuned one, for ``benchmarks/sparse_mla_configs.py``)."""
+    a launch configuration to use instead of the default or tuned one, for ``benchmarks/kernels/sparse_mla_configs.py``)."""
     Hh, N, R = q_abs_HNR.shape
     B, S, _ = c_BSR.shape
     Q, W = idx_BQW.shape[1:]
@@ -431,7 +431,7 @@ POOL_SCAN_ROWS = 4096  # query rows per step of the layout check ([rows, K, kp] 
 POOL_CONFIG = (32, 4, 2)
 POOL_CHUNK = 256  # selecting queries per program of the pool pass at most
 # the pool pass's programs go a block of queries at a time (pool_entries): None picks it (pool_query_block), an int
-# sets it (0: one block, the programs in pool order; benchmarks/sparse_mla_configs.py --pool-blocks)
+# sets it (0: one block, the programs in pool order; benchmarks/kernels/sparse_mla_configs.py --pool-blocks)
 POOL_QUERY_BLOCK: int | None = None
 POOL_BLOCK_MIN = 1024  # queries a block at least: 32 MB of q_abs and do_lat rows at 16 heads x 512 bf16
 POOL_BLOCK_ENTRIES = 64  # the mean selecting queries per (block, pool) the picked block aims at, at least

@@ -153,7 +153,7 @@ class Calibration:
     # the reference; True plans what those sessions measured
     process_host_bytes: int = 2_010_000_000  # one training process: Python, torch, CUDA host state, data
     # (H200, torch 2.11: VmHWM 1.95-2.07 GB, mean 2.01 GB, over 14 runs of glm5-flash-1gpu 8K-1M and
-    # glm5-flash-tiny 128K-1M without offload, benchmarks/results/h200/)
+    # glm5-flash-tiny 128K-1M without offload, benchmarks/results/speed/runs/2026-11-29_base-kernels/)
     cuda_context_bytes: int = int(0.6 * GIB)  # CUDA context + cuBLAS/cuDNN workspaces, outside torch's count
     allocator_fixed: int = 2 * GIB  # caching-allocator reserve: a fixed part ...
     allocator_fraction: float = 0.05  # ... plus 5% of the tensors for fragmentation
@@ -598,7 +598,7 @@ def liger_loss_bytes(N: int, H: int, V: int, d: int, weight_grad: bool = True) -
     per-token fp32 loss ``4*N``; for a half head, the weight gradient's fp32 copy ``V*H*4`` at the backward
     (the cast to an fp32 parameter's gradient: counted for a bf16 parameter too, an upper bound). Measured
     at 32K x V 154,880 x H 4096 in bf16 on an H200: 1.73 GiB with Liger's own chunks of 1,024 rows
-    (``benchmarks/glue_gpu.py``), these terms without the cast."""
+    (``benchmarks/kernels/glue_gpu.py``), these terms without the cast."""
     rows = min(LIGER_CHUNK_ROWS, N)
     grads = N * H * d + (V * H * d if weight_grad else 0)
     return grads + rows * V * d + 4 * N + (V * H * 4 if weight_grad and d < 4 else 0)
