@@ -196,7 +196,7 @@ def main() -> int:
     ap.add_argument("--dtypes", default="bfloat16,float32")
     ap.add_argument("--only", default="", help="comma-separated op names (default: all)")
     args = ap.parse_args()
-    assert DEV == "cuda" or args.smoke, "benchmarks/kernels/glue_gpu.py needs a GPU (or --smoke under TRITON_INTERPRET=1)"
+    assert DEV == "cuda" or args.smoke, "glue_gpu.py needs a GPU (or --smoke under TRITON_INTERPRET=1)"
     import triton
 
     S, H, N = (256, 96, 4) if args.smoke else (32768, 2048, 4)

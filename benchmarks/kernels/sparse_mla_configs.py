@@ -3,7 +3,7 @@
     python benchmarks/kernels/sparse_mla_configs.py --out $OUT/sparse_mla_configs.json     # H200: about 3 minutes
     python benchmarks/kernels/sparse_mla_configs.py --defaults-only --out $OUT/sparse_mla_pool.json  # the pool pass
     python benchmarks/kernels/sparse_mla_configs.py --defaults-only --pool-blocks 0,512,1024,2048 --out ...  # its order
-    python benchmarks/kernels/sparse_mla_configs.py --defaults-only --no-pool-grid --saved 32:4:2,64:4:2 --out ...  # dc=saved
+    python benchmarks/kernels/sparse_mla_configs.py --defaults-only --no-pool-grid --saved 32:4:2,64:4:2 --out ...
 
 The kernels (``ops/triton_sparse_mla_kernels.py``) run a default configuration that was chosen by registers
 and shared memory, never by time. This script times each configuration of a grid (slots per loop step BW,

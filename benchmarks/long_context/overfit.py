@@ -19,7 +19,7 @@ flat (1.309 -> 1.295 nats in 15 steps at lr 1e-3; 1.309 -> 1.320 in 11 at 3e-3, 
 0.457 at 2e-3. Hence the defaults: 256 bases, lr 1e-3, 30 steps. The region is the calibrated one at every
 length (``--start`` picks another; until session 9 it moved with the length).
 
-Measured on an H200 (session 10, ``benchmarks/results/lora/runs/2026-12-02_48-layers-128k/``): at 4K the test passes (14.6% in
+Measured on an H200 (``benchmarks/results/lora/runs/2026-12-02_48-layers-128k/``): at 4K the test passes (14.6% in
 bf16, 13.2% in fp32) and follows the CPU's float32 curve step for step; at 16K and 128K the same region falls
 only to 74-80% in 30 steps, in bf16 and fp32 and with or without the memory fixes, and a CPU run at 16K
 gives the H200's first losses to 3-4 digits. So at 16K and more the test's 20% is a property of this model

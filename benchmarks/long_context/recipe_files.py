@@ -1,6 +1,6 @@
 """A recipe's data files, found in another directory: the comma-separated list for --data.train / --data.heldout.
 
-    python benchmarks/long_context/recipe_files.py recipes/long-context-genomes.yaml train .data   # -> .data/a.fa.gz,...
+    python benchmarks/long_context/recipe_files.py recipes/long-context-genomes.yaml train .data  # -> .data/a.fa.gz,...
 
 (The device machines carry the shared genomes as .data/, not at the recipe's ../../shared/data/genomes.)
 """

@@ -1,7 +1,7 @@
 """A published config.json cut to its first N decoder layers (the same shapes): how the H200 benchmarks
 measure a real model at lengths where a step of all its layers outlasts a device call.
 
-    python benchmarks/lora/truncated_config.py recipes/qwen3-30b-a3b/config.json 4 /tmp/q4   # writes /tmp/q4/config.json
+    python benchmarks/lora/truncated_config.py recipes/qwen3-30b-a3b/config.json 4 /tmp/q4  # writes /tmp/q4/config.json
 """
 
 from __future__ import annotations

@@ -54,7 +54,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     lines = [
         f"# Context-parallel bytes per GPU per step: {MODEL} (planner formulas)",
         "",
-        "`python benchmarks/parallel/comm_volume_table.py --out benchmarks/results/parallel/comm_volume.json` (pure Python).",
+        "`python benchmarks/parallel/comm_volume_table.py --out benchmarks/results/parallel/comm_volume.json`.",
         "",
         "- The formulas (`megaseq.plan.flops.comm_volume`, `ring_dtp_volume`) are checked to the byte "
         "against the bytes the collectives really send in a traced multi-process CPU training step "
