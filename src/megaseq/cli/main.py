@@ -80,6 +80,12 @@ def parser() -> argparse.ArgumentParser:
             sp.add_argument("--gpu-mem", default=None, help="GPU memory per GPU (default 139.8G, an H200)")
             sp.add_argument("--host-mem", default=None, help="host memory per host (default 128G)")
             sp.add_argument("--json", action="store_true", help="print the plan as JSON")
+            sp.add_argument("--allow-lora", action="store_true",
+                            help="let the search choose LoRA on a frozen base where full fine-tuning does not fit")
+            sp.add_argument("--max-len", action="store_true",
+                            help="the longest length that fits on 1, 8 and 64 GPUs (or --gpus), and how")
+            sp.add_argument("--as-given", action="store_true",
+                            help="only the plan of the settings as given, without searching for what fits")
         if verb == "bench":
             sp.add_argument("--seq-lens", default="4K", help="comma-separated lengths, e.g. 32K,128K,1M")
             sp.add_argument("--steps", type=int, default=3,
@@ -113,10 +119,11 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     p = parser()
-    if not argv:
-        argv = ["train"]  # `megaseq` alone runs the embedded default job
-    if argv[0] in ("-h", "--help"):
-        p.print_help()
+    if not argv or argv[0] in ("-h", "--help"):
+        p.print_help()  # `megaseq` alone prints this; `megaseq train` runs the embedded default job
+        return 0
+    if argv[0] in ("-V", "--version"):
+        print(f"megaseq {package_version()}")
         return 0
     argv, rest = _take_overrides(argv)
     args, unknown = p.parse_known_args(argv)
@@ -127,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     from megaseq.cli import verbs
     from megaseq.train.guard import RunStopped
 
-    fn: Callable[[argparse.Namespace, list[str]], int] = getattr(verbs, f"cmd_{args.verb}")
+    name = "plan_max_len" if args.verb == "plan" and args.max_len else args.verb
+    fn: Callable[[argparse.Namespace, list[str]], int] = getattr(verbs, f"cmd_{name}")
     try:
         return fn(args, rest)
     except ValueError as e:  # user errors: one clear message, no traceback
@@ -140,6 +148,16 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:  # a file megaseq could not read or write: name it and what would fix it
         print(f"megaseq {args.verb}: error: {os_error_message(e)}", file=sys.stderr)
         return 2
+
+
+def package_version() -> str:
+    """The installed package's version (pyproject.toml's, from a source checkout without an install)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("megaseq")
+    except PackageNotFoundError:
+        return "0.1.0 (source checkout, not installed)"
 
 
 def os_error_message(e: OSError) -> str:

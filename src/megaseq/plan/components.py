@@ -17,6 +17,8 @@ parameters (the trainer's mode), or in a bf16 model (``optimizer_offload``: see 
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass, field, replace
 
 from megaseq.models.spec import ModelSpec
@@ -102,6 +104,7 @@ class Precision:
 BF16_WEIGHTS = Precision(param=2, grad=2, moments=8, compute=2, stream=2, f32=4, autocast=False, master=4)
 
 
+@functools.lru_cache(maxsize=64)  # a plan asks for it per term; Precision is frozen
 def precision_for(model_dtype: str = "bf16", weights: str = "fp32", frozen_embedding: bool = False,
                   frozen_norms: bool = False) -> Precision:
     """The trainer's dtypes (``train/trainer.py: dtypes``) for a GPU run.

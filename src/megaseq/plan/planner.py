@@ -252,7 +252,7 @@ def _forced(memory_cfg: Any, n: int, run: Run) -> MemorySettings:
     return m
 
 
-def _make_plan(run: Run, budgets: Budgets, memory_cfg: Any | None, name: str) -> Plan:
+def _make_plan(run: Run, budgets: Budgets, memory_cfg: Any | None, name: str, explain: bool = True) -> Plan:
     auto = memory_cfg is None or getattr(memory_cfg, "auto", True)
     if auto:
         memory, fixes, _ = choose(run, budgets, memory_cfg)
@@ -267,7 +267,7 @@ def _make_plan(run: Run, budgets: Budgets, memory_cfg: Any | None, name: str) ->
     advice = (
         f"fits: GPU peak {ev.peak_gpu / GIB:.1f} of {budgets.gpu_bytes / GIB:.1f} GiB at {ev.phase}"
         if fits
-        else no_fit_advice(run, ev, budgets, memory_cfg, binding)
+        else no_fit_advice(run, ev, budgets, memory_cfg, binding) if explain else f"does not fit ({binding})"
     )
     host = ev.host_per_gpu
     components = [(k, v, 0, ev.notes.get(k, "")) for k, v in ev.breakdown.items()]
@@ -359,6 +359,7 @@ def plan(
     reduce_dtype: str = "fp32",
     adapters: AdapterSettings | None = None,
     fast_ops: frozenset[str] = frozenset(),
+    explain: bool = True,
 ) -> Plan:
     """Plan one training step of ``spec`` at ``seq_len`` tokens per sequence on ``mesh``.
 
@@ -397,7 +398,7 @@ def plan(
             reduce_dtype=reduce_dtype,
             fast_ops=frozenset(fast_ops),
         )
-        p = _make_plan(run, budgets, memory_cfg, name or spec.family)
+        p = _make_plan(run, budgets, memory_cfg, name or spec.family, explain)
         if best is None or _better(p, best):
             best = p
     assert best is not None
@@ -511,6 +512,7 @@ def plan_from_config(
     host_bytes: int | None = None,
     gpus_per_host: int | None = None,
     device_type: str | None = None,
+    explain: bool = True,
 ) -> Plan:
     """Plan a ``megaseq.config.Config`` run on ``world_size`` GPUs (H200s unless told otherwise).
     ``device_type``: where the run starts, when it starts here (``planned_fast_ops``); None (``megaseq plan``):
@@ -543,6 +545,7 @@ def plan_from_config(
         reduce_dtype=pc.reduce_dtype,
         adapters=AdapterSettings.of(cfg),
         fast_ops=planned_fast_ops(cfg.model.kernels, cfg.model.dtype, device_type),
+        explain=explain,  # False: no search for what would fit when it does not (the advisor searches itself)
     )
 
 
