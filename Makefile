@@ -19,8 +19,10 @@ $(VENV)/.installed: $(BIN)/activate pyproject.toml
 .PHONY: setup train test test-all lint clean bench
 setup: $(VENV)/.installed
 
+# settings for the run: make train ARGS="--train.resume true"
+ARGS ?=
 train: setup
-	$(BIN)/megaseq train
+	$(BIN)/megaseq train $(ARGS)
 
 test: setup
 	$(BIN)/ruff check src tests benchmarks

@@ -105,7 +105,7 @@ HF_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 class ModelConfig:
     """The architecture and where its weights come from."""
 
-    name: str = opt("glm5-flash-tiny", "preset name (see `megaseq verify --list-presets`) or a path to a "
+    name: str = opt("glm5-flash-tiny", "preset name (`megaseq config model` lists them) or a path to a "
                     "Hugging Face checkpoint directory or config.json")
     init_from: str | None = opt(None, "HF checkpoint directory (safetensors) to load weights from; unset: "
                                 "`name` itself when it is a checkpoint directory with weights, else random init "

@@ -27,12 +27,41 @@ VERBS = {
     "verify": "which kernel each layer runs, and parity with the transformers reference",
     "convert": "Hugging Face checkpoint <-> megaseq checkpoint",
     "export": "a run's LoRA adapter in PEFT's format, or the merged model (adapters folded in) as a HF checkpoint",
+    "config": "every setting (section, help, default) and the model presets",
 }
 
+# two or three examples per verb, shown under its --help
+EXAMPLES = {
+    "train": ["megaseq train                                   # the embedded default job (CPU, minutes)",
+              "megaseq train recipes/glm5-flash-tiny-dna.yaml --train.steps 100 --optim.lr 1e-3",
+              "torchrun --nproc-per-node 8 -m megaseq train recipes/glm5-flash-1gpu.yaml --parallel.cp 8"],
+    "eval": ["megaseq eval runs/glm5-flash-tiny-dna --by-position 256",
+             "megaseq eval runs/glm5-flash-tiny-dna --data held_out.fa --seq-len 4K"],
+    "plan": ["megaseq plan recipes/glm5-flash.yaml --seq-len 1M --gpus 64",
+             "megaseq plan recipes/qwen3-30b-a3b/config.json --seq-len 1M --gpus 8 --allow-lora",
+             "megaseq plan recipes/glm5-flash-1gpu.yaml --max-len"],
+    "bench": ["megaseq bench recipes/glm5-flash-1gpu.yaml --seq-lens 8K,32K --baseline",
+              "megaseq bench recipes/glm5-flash-1gpu.yaml --seq-lens 1M --steps 1"],
+    "verify": ["megaseq verify recipes/glm5-flash-tiny-dna.yaml",
+               "megaseq verify --model.name qwen3-moe-tiny"],
+    "convert": ["megaseq convert runs/glm5-flash-tiny-dna/hf runs/converted    # HF -> megaseq",
+                "megaseq convert runs/converted runs/exported-hf                 # megaseq -> HF"],
+    "export": ["megaseq export runs/qwen3-30b-a3b-lora runs/adapter            # PEFT adapter",
+               "megaseq export runs/qwen3-30b-a3b-lora runs/merged --merged   # merged HF checkpoint"],
+    "config": ["megaseq config            # every section", "megaseq config memory     # one section"],
+}
+CONFIG_POINTER = ("settings: any configuration key as --section.key value; `megaseq config` lists every one with "
+                  "its help and default")
 
-def config_help() -> str:
+
+def config_help(only: str | None = None) -> str:
     lines = ["configuration (YAML sections, or --section.key value on the command line):"]
-    for section, rows in field_help().items():
+    sections = field_help()
+    if only is not None and only not in sections:
+        raise ValueError(f"unknown config section {only!r}: one of {', '.join(sections)}")
+    for section, rows in sections.items():
+        if only is not None and section != only:
+            continue
         lines.append(f"\n  {section}:")
         for key, help_text, default in rows:
             wrapped = textwrap.wrap(f"{help_text} [default: {default}]", 70)
@@ -62,13 +91,14 @@ def parser() -> argparse.ArgumentParser:
         prog="megaseq", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Fine-tune MoE and hybrid-attention language models on million-token sequences.",
         epilog="verbs:\n" + "\n".join(f"  {k:<8} {v}" for k, v in VERBS.items())
-        + "\n\n`megaseq VERB --help` lists the verb's options and every configuration key.",
+        + "\n\n`megaseq VERB --help` lists the verb's options and examples; `megaseq config` every setting;"
+        " `megaseq --version` the version.",
     )
     sub = p.add_subparsers(dest="verb", metavar="VERB")
     fmt = argparse.RawDescriptionHelpFormatter
     for verb, help_text in VERBS.items():
         sp = sub.add_parser(verb, help=help_text, description=help_text, formatter_class=fmt,
-                            epilog=config_help() if verb in ("train", "plan", "bench", "verify", "eval") else None)
+                            epilog=_epilog(verb))
         if verb in ("train", "plan", "bench", "verify"):
             sp.add_argument("config", nargs="?", help="YAML recipe (see recipes/); none: the embedded default"
                             + ("; or a Hugging Face checkpoint directory / config.json to plan" if verb == "plan"
@@ -108,12 +138,25 @@ def parser() -> argparse.ArgumentParser:
         if verb == "convert":
             sp.add_argument("src", help="HF checkpoint dir, or a megaseq run/checkpoint dir")
             sp.add_argument("dst", help="output directory")
+        if verb == "config":
+            sp.add_argument("section", nargs="?", help="one section (model, data, parallel, memory, optim, moe, "
+                            "lora, train, eval, log); none: every one")
         if verb == "export":
             sp.add_argument("src", help="a megaseq run directory (its newest checkpoint) or a checkpoint directory")
             sp.add_argument("dst", help="output directory")
             sp.add_argument("--merged", action="store_true",
                             help="the HF checkpoint with the adapters folded into the base, not the PEFT adapter")
     return p
+
+
+def _epilog(verb: str) -> str:
+    """A verb's examples; the settings it takes (``train``: every one, listed; the others: where to find them)."""
+    text = "examples:\n" + "\n".join(f"  {e}" for e in EXAMPLES[verb])
+    if verb == "train":
+        return text + "\n\n" + config_help()
+    if verb in ("plan", "bench", "verify", "eval"):
+        return text + "\n\n" + CONFIG_POINTER
+    return text
 
 
 def main(argv: list[str] | None = None) -> int:

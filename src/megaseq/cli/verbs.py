@@ -161,6 +161,18 @@ def cmd_convert(args: argparse.Namespace, rest: list[str]) -> int:
     return 0
 
 
+def cmd_config(args: argparse.Namespace, rest: list[str]) -> int:
+    from megaseq.cli.main import config_help
+    from megaseq.models.presets import PRESETS
+
+    if rest:
+        raise ValueError(f"megaseq config takes at most a section name, got {rest}")
+    print(config_help(args.section))
+    if args.section in (None, "model"):
+        print("\nmodel presets (--model.name): " + ", ".join(sorted(PRESETS)))
+    return 0
+
+
 def cmd_export(args: argparse.Namespace, rest: list[str]) -> int:
     from megaseq.train.convert import export
 
