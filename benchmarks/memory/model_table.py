@@ -41,14 +41,14 @@ def _size(n: int) -> str:
 def cell(src: Source, gpus: int, lengths: list[int], lora: bool) -> str:
     """The longest of ``lengths`` (longest first) that fits on ``gpus`` H200s, and how."""
     for n in lengths:
-        a = advise(src, Hardware(gpus), n, allow_lora=lora)
+        a = advise(src, Hardware(gpus), n, allow_lora=lora, explain=False)
         if a.choice is not None and a.choice.lora == lora:
             return f"{_size(n)} ({_short(a.choice)})"
     return f"< {_size(lengths[-1])}"
 
 
 def row(name: str, gpus_list: list[int], lengths: list[int]) -> str:
-    path = str(ROOT / "recipes" / "glm5-flash.yaml") if name == GLM5_FLASH else str(ROOT / "recipes" / name / "config.json")
+    path = str(ROOT / "recipes" / ("glm5-flash.yaml" if name == GLM5_FLASH else f"{name}/config.json"))
     full_src = Source(path, [])
     cells = []
     for gpus in gpus_list:

@@ -38,9 +38,9 @@ OP_NEEDS: dict[str, str | None] = {
     "hc_merge": "hc", "moe_permute": "moe", "moe_combine": "moe",
 }
 LORA_SETTINGS = {"lora.rank": 16, "lora.alpha": 32.0, "lora.targets": ["all"]}
-GPU_COUNTS = (1, 8, 64)
+GPU_COUNTS = (1, 8, 64)  # what ``--max-len`` and the model table report
 # the settings the search chooses (a value the user gives for one of them is kept)
-SEARCHED = ("model.weights", "parallel.fsdp", "parallel.cp", "parallel.ep", "parallel.dp")  # what ``--max-len`` and the model table report
+SEARCHED = ("model.weights", "parallel.fsdp", "parallel.cp", "parallel.ep", "parallel.dp")
 
 
 @dataclass(frozen=True)
@@ -298,13 +298,15 @@ def nearest(src: Source, hw: Hardware, seq_len: int, allow_lora: bool) -> list[s
     return out
 
 
-def advise(src: Source, hw: Hardware, seq_len: int | None = None, allow_lora: bool = False) -> Advice:
-    """The fastest fitting configuration of ``src`` at ``seq_len`` (default: the recipe's) on ``hw``."""
+def advise(src: Source, hw: Hardware, seq_len: int | None = None, allow_lora: bool = False,
+           explain: bool = True) -> Advice:
+    """The fastest fitting configuration of ``src`` at ``seq_len`` (default: the recipe's) on ``hw``; when none
+    fits, what nearest does (``explain``)."""
     n = seq_len or src.cfg.data.seq_len
     spec = src.spec
     choice = best(candidates(src.recipe, src.base, spec, hw, n, allow_lora, src.cfg.lora.enabled))
     if choice is None:
-        return Advice(src.cfg.model.name, n, hw, None, nearest(src, hw, n, allow_lora))
+        return Advice(src.cfg.model.name, n, hw, None, nearest(src, hw, n, allow_lora) if explain else [])
     kernels = model_kernels(spec, choice.plan.mesh.get("fast_kernels", []))
     return Advice(src.cfg.model.name, n, hw, choice, [], command(src, choice, hw), kernels)
 

@@ -18,7 +18,6 @@ parameters (the trainer's mode), or in a bf16 model (``optimizer_offload``: see 
 from __future__ import annotations
 
 import functools
-
 from dataclasses import dataclass, field, replace
 
 from megaseq.models.spec import ModelSpec
