@@ -93,14 +93,15 @@ def _powers(n: int) -> list[int]:
 
 
 def _grid(spec: ModelSpec, hw: Hardware, allow_lora: bool, lora_in_recipe: bool) -> Iterator[dict[str, Any]]:
-    """Every setting to try, full fine-tuning first (a recipe with adapters: LoRA only)."""
+    """The settings to try, full fine-tuning first (a recipe with adapters: LoRA only). Expert parallelism at 1
+    and at its largest (the most experts' memory spread); fp32 weights only after bf16 (``candidates``)."""
     experts = spec.num_experts
+    eps = [e for e in _powers(hw.gpus) if e <= max(1, experts) and (e == 1 or experts % e == 0)]
     trainables = [True] if lora_in_recipe else [False, True] if allow_lora else [False]
     for lora in trainables:
         for weights in (["fp32"] if lora else ["bf16", "fp32"]):
             for fsdp in (["off", "dp", "dp_cp"] if hw.gpus > 1 else ["off"]):
-                eps = [e for e in _powers(hw.gpus) if e <= max(1, experts) and (e == 1 or experts % e == 0)]
-                for ep in (eps if fsdp == "off" and not lora and experts else [1]):
+                for ep in sorted({1, eps[-1]}) if fsdp == "off" and not lora and experts else [1]:
                     yield {"lora": lora, "weights": weights, "fsdp": fsdp, "ep": ep}
 
 
@@ -171,8 +172,11 @@ def candidates(source: str | None, base: list[str], spec: ModelSpec, hw: Hardwar
                allow_lora: bool = False, lora_in_recipe: bool = False) -> list[Choice]:
     """The fitting configurations, each at the smallest cp that fits for its (trainable, weights, fsdp, ep)."""
     fixed = dict(o.split("=", 1) for o in base if o.split("=", 1)[0] in SEARCHED)  # what the user set stays
-    out = []
+    out: list[Choice] = []
     for s in _grid(spec, hw, allow_lora, lora_in_recipe):
+        if s["weights"] == "fp32" and not s["lora"] and any(c.settings["weights"] == "bf16" for c in out):
+            continue  # bf16 weights hold no more than fp32 ones (the same state, bf16 activations): fp32 only when
+            #          no bf16 setting fits, or the user asks for it (--model.weights fp32)
         found = _smallest_cp(source, base, s, hw, seq_len, fixed)
         if found is None:
             continue
