@@ -59,7 +59,7 @@ def test_fast_formulas():
     assert C.hc_saved(spec, bf16w) - C.hc_saved(spec, bf16w, fast=True) == 8 * N * Hs - 4 * (M + 1)
     # the closed-form torch op the fast set ran in sessions 12-14: the streams and their copy in the GEMM's dtype
     # (bf16 under autocast: the reference's bytes; an fp32 copy of bf16 streams: half the reference's)
-    old = C.Calibration(fast_set_s14=True)
+    old = C.Calibration(hc_mix_torch=True)
     assert C.hc_saved(spec, prec, old, fast=True) == C.hc_saved(spec, prec)
     assert C.hc_saved(spec, bf16w) - C.hc_saved(spec, bf16w, old, fast=True) == 4 * N * Hs
     assert C.merge_saved(spec, 2, prec) - C.merge_saved(spec, 2, prec, fast=True) == 2 * N * Hs
@@ -74,7 +74,7 @@ def test_fast_formulas():
 
 # the runs of sessions 12-14 ran the closed-form torch hc_mix (its input's copy kept), not the Triton one, and
 # KDA's gated norm in torch, not fla's
-BEFORE_TRITON_HC_MIX = C.Calibration(fast_set_s14=True)
+BEFORE_TRITON_HC_MIX = C.Calibration(hc_mix_torch=True)
 
 
 def _fast(n: int, memory: dict, weights: str = "fp32", calibration: C.Calibration = C.CAL):

@@ -21,10 +21,10 @@ GPU_BF16 = {
 }
 
 
-# ``model.kernels fast`` (the default since session 12): the Triton kernels of the speed work (issue 13), each
-# checked against its reference on the GPU (tests/test_triton_*.py, tests/test_hc_mix.py, tests/test_liger_loss.py)
-# and measured in full steps (benchmarks/results/speed/runs/2026-12-02_fast-kernels: glm5-flash-1gpu 1.72x and 2.53x the transformers
-# reference's tokens/s at 8K and 32K; session 13 with bf16 weights: 1.79x and 2.64x); the memory plan counts the
+# ``model.kernels fast`` (the default on a GPU): the Triton, fla and Liger kernels, each checked against its
+# reference on the GPU (tests/test_triton_*.py, tests/test_hc_mix.py, tests/test_liger_loss.py) and measured in full
+# steps (benchmarks/results/speed/glm5-flash-1gpu/: glm5-flash-1gpu 2.47x and 3.96x the transformers reference's
+# tokens/s at 8K and 32K); the memory plan counts the
 # fast working sets of the ops in FAST_PACKAGES (plan.planner.PLANNED_FAST_OPS) and the base kernels' for the rest
 # (for these, an upper bound): 54.8 and 127.0 GiB planned at 8K and 32K (no KDA segments) for 53.0 and 119.4
 # measured, where the base kernels' plan said 71.9 and 151.6 (docs/planner.md, "The fast kernels")
@@ -79,7 +79,7 @@ def fast_ops_installed() -> frozenset[str]:
 def cold_start_note(device_type: str) -> str | None:
     """What a run says before its first step on a GPU, where that step compiles and autotunes the Triton
     kernels (fla's and megaseq's) for minutes on a machine without a Triton cache (467 s for glm5-flash-1gpu
-    at 1M on a fresh H200, session 14); None elsewhere, where there is nothing to compile."""
+    at 1M on a fresh H200, the 2026-12-02 run); None elsewhere, where there is nothing to compile."""
     if device_type != "cuda":
         return None
     import os

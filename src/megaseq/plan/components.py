@@ -150,9 +150,9 @@ class Calibration:
     attn_block_elems: int = 1 << 26  # score elements per query block of the reference sparse attention
     nograd_fraction: float = 0.35  # peak of a layer's no-grad forward, as a fraction of its saved set
     sinkhorn_saved: bool = True  # Sinkhorn's 2*iters-1 divisions each save [N, N] + [N] in fp32
-    fast_set_s14: bool = False  # the fast set as sessions 12-14 ran it: hc_mix the closed-form torch op
+    hc_mix_torch: bool = False  # the fast set with hc_mix as the closed-form torch op
     # (ops/hc_mix.py, its input's copy kept in the GEMM's dtype; the Triton op keeps none) and KDA's gated norm
-    # the reference; True plans what those sessions measured
+    # the reference; True plans what the runs of 2026-12-02 measured with it
     process_host_bytes: int = 2_010_000_000  # one training process: Python, torch, CUDA host state, data
     # (H200, torch 2.11: VmHWM 1.95-2.07 GB, mean 2.01 GB, over 14 runs of glm5-flash-1gpu 8K-1M and
     # glm5-flash-tiny 128K-1M without offload, benchmarks/results/speed/runs/2026-11-29_base-kernels/)
@@ -521,10 +521,10 @@ def hc_saved(spec: ModelSpec, prec: Precision, cal: Calibration = CAL, fn_trains
     [N]/[N, N] weights, of which Sinkhorn's ``2 * iters - 1`` divisions each save comb and its sums.
     ``fast``: the Triton ``hc_mix`` (``ops/triton_hc_mix.py``) keeps the streams themselves (no copy) and
     its fp32 GEMM output ``u`` and RMS scale ``r``: ``f * (M + 1)`` with ``M = (2 + N) * N``, whether ``fn``
-    trains or not (``cal.fast_set_s14``: the closed-form torch op's, the streams and their copy in the GEMM's
+    trains or not (``cal.hc_mix_torch``: the closed-form torch op's, the streams and their copy in the GEMM's
     dtype where that differs from theirs)."""
     N, H, f = spec.hc_mult, spec.hidden_size, prec.f32
-    if fast and cal.fast_set_s14:  # ``torch_fused``: the streams and their copy in the GEMM's dtype
+    if fast and cal.hc_mix_torch:  # ``torch_fused``: the streams and their copy in the GEMM's dtype
         mm = prec.compute if prec.autocast else f
         flat, normed = (0 if mm == prec.stream else mm * N * H), 0
     elif fast:

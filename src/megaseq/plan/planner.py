@@ -56,7 +56,7 @@ class Plan:
     mesh: dict[str, Any]
     components: list[tuple[str, int, int, str]]  # (name, GPU bytes at the peak, host bytes per GPU, note)
     peak_gpu: int  # tensors + allocator reserve + CUDA context: what must fit in gpu_budget
-    peak_gpu_tensors: int  # what torch.cuda.max_memory_allocated should read (steady state: after step 1)
+    peak_gpu_tensors: int  # what torch.cuda.max_memory_allocated should read (steady state: after the first step)
     peak_host: int  # per host (all its GPUs' processes)
     gpu_budget: int
     host_budget: int
@@ -67,7 +67,7 @@ class Plan:
     advice: str
     headroom: int
     peak_phase: str = ""
-    first_step_gpu_tensors: int = 0  # step 1's peak: the optimizer state does not exist before its update
+    first_step_gpu_tensors: int = 0  # the first step's peak: the optimizer state does not exist before its update
     phases: dict[str, int] = field(default_factory=dict)
     comm: dict[str, Any] = field(default_factory=dict)
     flops: dict[str, float] = field(default_factory=dict)
@@ -365,7 +365,7 @@ def plan(
 
     ``memory_cfg`` (a ``megaseq.config.MemoryConfig``): with ``auto`` false its settings are used as
     given; otherwise the planner picks the cheapest fixes that fit. ``moe_imbalance`` is the max/mean
-    expert load used under expert parallelism (BRIEF: about 4 on real long-context data); ``ep_dispatch``
+    expert load used under expert parallelism (about 4 on real long-context data); ``ep_dispatch``
     how routed rows travel then (default: PipelinedLLEP, planned at its routing-independent bound).
     ``adapters``: a frozen base (``train.trainable``, LoRA): the frozen parameters cost their compute-dtype
     bytes only, the trained ones (adapters included) their gradients and optimizer state
