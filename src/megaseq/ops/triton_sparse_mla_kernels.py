@@ -27,9 +27,9 @@ log-sum-exp ``[Hh, N]`` fp32 in base 2 (``lse2 = max + log2(sum)`` of the base-2
   (about 40% more dot FLOPs) and removes about 39 G fp32 atomic adds per DSA layer at 32K. Measured on the H200
   (2026-12-02, ``benchmarks/kernels/sparse_mla_configs.py``, glm5-flash-1gpu's shapes): the whole backward
   14.4 ms against the atomics' 14.8 at 8K, 59.9 against 67.7 at 32K, 65.0 against 108.0 for a 32K segment of
-  256K keys. Its working set (``ops.workspace.sparse_mla_pool_bytes``, in the plan): the sort's keys and order, ``POOL_SORT_BYTES`` (64)
-  per selected pool at most, and ``delta``.
-  Since the 2026-12-04 run the default is ``MEGASEQ_MLA_DC=saved``: the slot pass (``SAVE_PDS``) leaves the pool slots'
+  256K keys. Its working set (``ops.workspace.sparse_mla_pool_bytes``, in the plan): the sort's keys and order,
+  ``POOL_SORT_BYTES`` (64) per selected pool at most, and ``delta``.
+  The default is ``MEGASEQ_MLA_DC=saved``: the slot pass (``SAVE_PDS``) leaves the pool slots'
   ``p`` and ``ds`` (the dot operands it has, in the work dtype) in ``[queries, K, Hh, kp]`` blocks, ``SAVED_QUERIES``
   queries of one batch row at a time, and ``sparse_mla_bwd_pool_saved_kernel`` sums ``p^T do_lat + ds^T q_abs``
   from them: two dots a step instead of four, no exponentials, no key block, ``lse`` or ``delta``. Measured on the
