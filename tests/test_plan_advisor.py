@@ -78,3 +78,12 @@ def test_only_the_kernels_a_model_runs():
     every = ["rms_norm", "hc_mix", "sparse_attention", "gated_rms_norm", "moe_permute"]
     assert model_kernels(qwen, every) == ["moe_permute", "rms_norm"]
     assert model_kernels(glm, every) == sorted(every)
+
+
+def test_more_gpus_never_fit_less():
+    """OLMoE LoRA at 1M fits 8 H200s, so it fits 64: the cp search starts from the largest cp the heads allow
+    (64 is refused by the mesh check for OLMoE's 16 heads), not from the GPU count."""
+    lora = ["lora.rank=16", "lora.alpha=32", "lora.targets=all"]
+    src = Source(str(ROOT / "recipes" / "olmoe-1b-7b-0924" / "config.json"), lora)
+    on8, on64 = (advise(src, Hardware(g), 1 << 20, explain=False).choice for g in (8, 64))
+    assert on8 is not None and on64 is not None and on64.settings["cp"] <= 16

@@ -6,7 +6,8 @@ ep and the memory fixes). Pure Python, planned, not measured.
     python benchmarks/memory/model_table.py --models qwen3-30b-a3b --gpus 8                    # one row
 
 Each cell is the longest of the lengths (default 1M, 128K, 32K) at which the advisor finds a configuration, with
-that configuration in short: ``bf16 dp_cp cp 8`` is bf16 weights, ``parallel.fsdp dp_cp``, ``parallel.cp 8``.
+that configuration in short: ``bf16 dp_cp cp 8`` is bf16 weights, ``parallel.fsdp dp_cp``, ``parallel.cp 8``
+(LoRA: ``bf16 base``, the frozen base stored in bf16).
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ GLM5_FLASH = "glm5-flash"  # the preset of recipes/glm5-flash.yaml
 
 def _short(c: Choice) -> str:
     s = c.settings
-    parts = [s["weights"]] + ([s["fsdp"]] if s["fsdp"] != "off" else []) + [f"cp {s['cp']}"] * (s["cp"] > 1)
+    parts = ["bf16 base" if c.lora else s["weights"]] + ([s["fsdp"]] if s["fsdp"] != "off" else [])
+    parts += [f"cp {s['cp']}"] * (s["cp"] > 1)
     return " ".join(parts + [f"ep {s['ep']}"] * (s["ep"] > 1))
 
 

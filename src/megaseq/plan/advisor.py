@@ -152,9 +152,11 @@ def _smallest_cp(source: str | None, base: list[str], s: dict[str, Any], hw: Har
     sequence on each GPU), with its plan; None when none fits or the user's fixed settings exclude it."""
     cps = [cp for cp in _powers(hw.gpus // s["ep"])
            if all(str(v) == fixed[k] for k, v in _overrides(s, cp, hw, seq_len).items() if k in fixed)]
-    if not cps:
-        return None
-    top = _plan(source, base, _overrides(s, cps[-1], hw, seq_len), hw)
+    top = None
+    while cps and top is None:  # the largest cp the model's heads allow (the mesh check refuses the others)
+        top = _plan(source, base, _overrides(s, cps[-1], hw, seq_len), hw)
+        if top is None:
+            cps.pop()
     if top is None or not top.fits:
         return None
     lo, hi, found = -1, len(cps) - 1, (cps[-1], top)  # cps[hi] fits; cps[lo] does not (or is before the first)
