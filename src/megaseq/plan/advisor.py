@@ -274,32 +274,31 @@ def command(src: Source, choice: Choice, hw: Hardware) -> str:
 
 
 def nearest(src: Source, hw: Hardware, seq_len: int, allow_lora: bool) -> list[str]:
-    """What fits when nothing does at ``seq_len`` on ``hw``: a shorter length, LoRA, more GPUs, more host memory."""
+    """What fits when nothing does at ``seq_len`` on ``hw``: a shorter length, LoRA, more GPUs, more host memory
+    (each searched coarsely: lengths by halving once the shortest fits, GPUs by hosts of ``gpus_per_host``)."""
     spec, lora_in = src.spec, src.cfg.lora.enabled
+
+    def first(hw_: Hardware, n: int, lora: bool = allow_lora) -> Choice | None:
+        return best(candidates(src.recipe, src.base, spec, hw_, n, lora, lora_in))
+
     out = []
-    n = seq_len // 2
-    while n >= 1024:
-        c = best(candidates(src.recipe, src.base, spec, hw, n, allow_lora, lora_in))
-        if c:
-            out.append(f"a shorter length: {_size(n)} tokens ({_describe(c)})")
-            break
-        n //= 2
-    if not allow_lora and not lora_in:
-        c = best(candidates(src.recipe, src.base, spec, hw, seq_len, True, False))
-        if c:
-            out.append(f"LoRA on a frozen base (--allow-lora): {_describe(c)}")
-    gpus = hw.gpus
-    while gpus < 1024:
-        gpus *= 2 if gpus < hw.gpus_per_host else hw.gpus_per_host if gpus == hw.gpus_per_host else 2
-        more = Hardware(gpus, hw.gpu_bytes, hw.gpus_per_host, hw.host_bytes)
-        c = best(candidates(src.recipe, src.base, spec, more, seq_len, allow_lora, lora_in))
-        if c:
-            out.append(f"more GPUs: {gpus} ({_describe(c)})")
-            break
+    if seq_len > 1024 and first(hw, 1024):
+        n = seq_len // 2
+        while n > 1024 and not (c := first(hw, n)):
+            n //= 2
+        c = first(hw, n) if n <= 1024 else c
+        out.append(f"a shorter length: {_size(n)} tokens ({_describe(c)})")
+    if not allow_lora and not lora_in and (c := first(hw, seq_len, True)):
+        out.append(f"LoRA on a frozen base (--allow-lora): {_describe(c)}")
+    for gpus in (8, 64, 512):
+        if gpus > hw.gpus:
+            more = Hardware(gpus, hw.gpu_bytes, hw.gpus_per_host, hw.host_bytes)
+            if c := first(more, seq_len):
+                out.append(f"more GPUs: {gpus} ({_describe(c)})")
+                break
     if hw.host_bytes is not None:
         bigger = Hardware(hw.gpus, hw.gpu_bytes, hw.gpus_per_host, hw.host_bytes * 4)
-        c = best(candidates(src.recipe, src.base, spec, bigger, seq_len, allow_lora, lora_in))
-        if c:
+        if c := first(bigger, seq_len):
             out.append(f"more host memory: {hw.host_bytes * 4 / GIB:.0f} GiB per host ({_describe(c)})")
     return out
 
