@@ -31,6 +31,9 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 MEGASEQ_FLA_AUTOTUNE=${MEGASEQ_FLA_AUTOTUNE:-full}
 export TRITON_CACHE_AUTOTUNING=1 TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.tcache}
+# a Triton cache from an earlier job (without one the first step compiles and autotunes for minutes): .tcache/, or
+# its parts .tcpart/tcache.tgz.part* (a packed .tcache, `tar czf - .tcache | split -b 15M - tcache.tgz.part`)
+if ls .tcpart/tcache.tgz.part* >/dev/null 2>&1; then cat .tcpart/tcache.tgz.part* | tar xz; fi
 
 # where one benchmark's files go: dest TOPIC/BENCHMARK WHAT -> prints the dated prefix
 dest() { mkdir -p "$RESULTS/$1"; echo "$RESULTS/$1/${DATE}_$2"; }
