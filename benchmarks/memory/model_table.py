@@ -5,7 +5,7 @@ ep and the memory fixes). Pure Python, planned, not measured.
     python benchmarks/memory/model_table.py --out benchmarks/results/memory/model_table.md   # about 20 minutes
     python benchmarks/memory/model_table.py --models qwen3-30b-a3b --gpus 8                    # one row
 
-Each cell is the longest of the lengths (default 1M, 128K, 32K) at which the advisor finds a configuration, with
+Each cell is the longest of the lengths (default 1M, 512K, 128K, 32K) at which the advisor finds a configuration, with
 that configuration in short: ``bf16 dp_cp cp 8`` is bf16 weights, ``parallel.fsdp dp_cp``, ``parallel.cp 8``
 (LoRA: ``bf16 base``, the frozen base stored in bf16).
 """
@@ -64,7 +64,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default=",".join((GLM5_FLASH, *MODELS)))
     ap.add_argument("--gpus", default="1,8,64")
-    ap.add_argument("--lengths", default="1M,128K,32K", help="longest first")
+    ap.add_argument("--lengths", default="1M,512K,128K,32K", help="longest first")
     ap.add_argument("--out", default=None, help="markdown file (default: print)")
     args = ap.parse_args()
     warnings.simplefilter("ignore")  # the checkpoints' notes (MTP layers skipped) are not the table's
