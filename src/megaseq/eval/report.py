@@ -15,6 +15,15 @@ from pathlib import Path
 from typing import Any
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+_FILE_MODE = 0o666 & ~_umask()  # what open() would give a new file (0644 under the usual umask 022)
+
+
 def write_atomic(path: str | Path, data: str | bytes) -> Path:
     """Write ``data`` to ``path`` through a temporary file in the same directory and a rename."""
     path = Path(path)
@@ -26,6 +35,7 @@ def write_atomic(path: str | Path, data: str | bytes) -> Path:
             fh.write(raw)
             fh.flush()
             os.fsync(fh.fileno())
+        os.chmod(tmp, _FILE_MODE)  # mkstemp makes it 0600; an output is read by others as any file is
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -216,6 +226,7 @@ def save_figure(fig: Any, path: str | Path) -> Path:
     os.close(fd)
     try:
         fig.savefig(tmp, format="png")
+        os.chmod(tmp, _FILE_MODE)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
