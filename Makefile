@@ -17,11 +17,13 @@ $(VENV)/.installed: $(BIN)/activate pyproject.toml
 	$(BIN)/pip install -q -e ".[dev]"
 	touch $@
 
-.PHONY: setup train test test-all test-gpu lint clean
+.PHONY: setup train test test-all test-gpu lint clean bench
 setup: $(VENV)/.installed
 
+# settings for the run: make train ARGS="--train.resume true"
+ARGS ?=
 train: setup
-	$(BIN)/megaseq train
+	$(BIN)/megaseq train $(ARGS)
 
 test: setup
 	$(BIN)/ruff check src tests benchmarks
@@ -46,3 +48,9 @@ lint: setup
 
 clean:
 	rm -rf $(VENV) runs
+
+# a benchmark stage (benchmarks/run.sh lists them): make bench STAGE=speed; on a GPU machine, with its CUDA
+# torch: make bench STAGE=speed PY=python3
+STAGE ?=
+bench:
+	PY=$(or $(PY),$(BIN)/python) bash benchmarks/run.sh $(STAGE)

@@ -199,3 +199,19 @@ def test_each_held_out_group_has_its_row():
     assert set(rows) == {"g.fa (after 3 training relatives)", "g.fa (after its own preceding bases)"}
     assert rows["g.fa (after 3 training relatives)"].rstrip(" |").split(" | ")[-1].startswith("+0.3")
     assert rows["g.fa (after its own preceding bases)"].rstrip(" |").split(" | ")[-1].startswith("-0.1")
+
+
+
+def test_outputs_are_readable_as_any_new_file(tmp_path):
+    """A report written through a temporary file gets the mode open() gives a new file (0644 under umask 022),
+    not mkstemp's 0600."""
+    import os
+    import stat
+
+    from megaseq.eval.report import write_atomic
+
+    mask = os.umask(0)
+    os.umask(mask)
+    mode = stat.S_IMODE(write_atomic(tmp_path / "r.md", "x").stat().st_mode)
+    (tmp_path / "plain").write_text("x")
+    assert mode == stat.S_IMODE((tmp_path / "plain").stat().st_mode) == 0o666 & ~mask

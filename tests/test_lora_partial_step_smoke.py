@@ -1,4 +1,4 @@
-"""benchmarks/lora_partial_step.py (the peak of a long LoRA step within one device call: the whole forward,
+"""benchmarks/lora/lora_partial_step.py (the peak of a long LoRA step within one device call: the whole forward,
 the loss and the last layers' backward) runs on a tiny CPU model: it stops where it says, the last layers'
 adapters have gradients, and the unreached ones are counted."""
 
@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_lora_partial_step_smoke(tmp_path):
     out = tmp_path / "partial.json"
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "lora_partial_step.py"), "1K", "--smoke", "--warm-tokens", "128",
+    cmd = [sys.executable, str(ROOT / "benchmarks/lora/lora_partial_step.py"), "1K", "--smoke", "--warm-tokens", "128",
            "--backward-layers", "1", "--out", str(out)]
     subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, timeout=300)
     row = json.loads(out.read_text())

@@ -162,3 +162,13 @@ def test_glm5_adapter_loads_in_peft_with_the_same_logits(tmp_path: Path) -> None
         want = ours.logits(ours(ids))
         assert (want - hf(input_ids=ids).logits).abs().max() > 1e-3
     assert_close("peft logits", peft_logits(hf, adapter, ids), want)
+
+
+def test_an_adapter_names_its_base_so_that_it_resolves_elsewhere(tmp_path, monkeypatch):
+    """A base given as a relative path is recorded as its absolute path; a hub id as given."""
+    from megaseq.models.peft_io import base_reference
+
+    (tmp_path / "base").mkdir()
+    monkeypatch.chdir(tmp_path)
+    assert base_reference("base") == str(tmp_path / "base")
+    assert base_reference("Qwen/Qwen3-30B-A3B") == "Qwen/Qwen3-30B-A3B" and base_reference(None) is None

@@ -1,4 +1,4 @@
-"""benchmarks/bench_memory_schemes.py runs end to end on tiny CPU shapes (--smoke) and writes its report."""
+"""benchmarks/memory/bench_memory_schemes.py runs end to end on tiny CPU shapes (--smoke) and writes its report."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import bench_scripts
 
 
 def test_memory_benchmark_smoke(tmp_path):
-    bench = bench_scripts.load("bench_memory_schemes", "bench_memory_schemes")
+    bench = bench_scripts.load("memory/bench_memory_schemes", "bench_memory_schemes")
     out = tmp_path / "mem.json"
     # the script calls gc.collect() before every measurement (CUDA memory baselines); frozen, the objects of the
     # test session so far (tens of seconds of collections in a full run) are not rescanned each time, while

@@ -1,4 +1,4 @@
-"""benchmarks/memory_ops.py (each op's allocation in one training step) runs on a tiny CPU model and records
+"""benchmarks/memory/memory_ops.py (each op's allocation in one training step) runs on a tiny CPU model and records
 the whole step: forward, the replayed layers and the backward, with the planner's terms beside it."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_memory_ops_smoke(tmp_path):
     out = tmp_path / "ops.json"
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "memory_ops.py"), "recipes/qwen3-30b-a3b-lora.yaml", "512",
+    cmd = [sys.executable, str(ROOT / "benchmarks/memory/memory_ops.py"), "recipes/qwen3-30b-a3b-lora.yaml", "512",
            "--model.name", "qwen3-moe-tiny", "--model.dtype", "fp32", "--memory.auto", "false",
            "--memory.recompute", "true", "--out", str(out)]
     subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, timeout=300)

@@ -1,4 +1,4 @@
-"""benchmarks/overfit.py --packed: the overfit test whose task is the same at every length. A window packed
+"""benchmarks/long_context/overfit.py --packed: the overfit test whose task is the same at every length. A window packed
 with copies of one short window as separate documents must train as that window alone, step for step (on
 the CPU in float32, with the memory fixes forced: to rounding); the check is sensitive, since attention
 across the documents (no ``doc_ids``) moves the long run's losses."""
@@ -14,7 +14,7 @@ import bench_scripts
 
 
 def _overfit_module():
-    return bench_scripts.load("overfit")
+    return bench_scripts.load("long_context/overfit", "overfit_bench")
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,7 @@
 from even to adversarial: PipelinedLLEP's stay under the planner's bound-based figure whatever the routing
 (with LLEP off too: the chunks alone bound it, the busiest rank receiving exactly the bound's rows when
 every token picks its experts), while plain EP's grow with the rows its busiest GPU receives. The
-measuring code is ``benchmarks/ep_dispatch_memory.py``'s (which writes the full table)."""
+measuring code is ``benchmarks/parallel/ep_dispatch_memory.py``'s (which writes the full table)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import bench_scripts
 
 
 def _bench():
-    return bench_scripts.load("ep_dispatch_memory", "ep_dispatch_memory")
+    return bench_scripts.load("parallel/ep_dispatch_memory", "ep_dispatch_memory")
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py

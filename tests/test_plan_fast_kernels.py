@@ -18,7 +18,11 @@ from megaseq.plan.fixes import indexer_chunk_cap
 from megaseq.plan.planner import PLANNED_FAST_OPS, peak_for, planned_fast_ops, run_for
 
 GIB = 2**30
-RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "h200"
+RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "speed" / "runs"
+# the measured runs: the fast set before the Triton hc_mix (R12: fp32 weights; R13: bf16 weights; R14: the plan that
+# counts the fast set) and with it (R15, the default calibration)
+R12, R13 = "2026-12-02_fast-kernels", "2026-12-02_bf16-weights"
+R14, R15 = "2026-12-02_fast-plan", "2026-12-02_hc-mix-triton"
 
 
 def test_which_ops_are_planned_fast(monkeypatch):
@@ -55,7 +59,7 @@ def test_fast_formulas():
     assert C.hc_saved(spec, bf16w) - C.hc_saved(spec, bf16w, fast=True) == 8 * N * Hs - 4 * (M + 1)
     # the closed-form torch op the fast set ran in sessions 12-14: the streams and their copy in the GEMM's dtype
     # (bf16 under autocast: the reference's bytes; an fp32 copy of bf16 streams: half the reference's)
-    old = C.Calibration(fast_set_s14=True)
+    old = C.Calibration(hc_mix_torch=True)
     assert C.hc_saved(spec, prec, old, fast=True) == C.hc_saved(spec, prec)
     assert C.hc_saved(spec, bf16w) - C.hc_saved(spec, bf16w, old, fast=True) == 4 * N * Hs
     assert C.merge_saved(spec, 2, prec) - C.merge_saved(spec, 2, prec, fast=True) == 2 * N * Hs
@@ -70,7 +74,7 @@ def test_fast_formulas():
 
 # the runs of sessions 12-14 ran the closed-form torch hc_mix (its input's copy kept), not the Triton one, and
 # KDA's gated norm in torch, not fla's
-BEFORE_TRITON_HC_MIX = C.Calibration(fast_set_s14=True)
+BEFORE_TRITON_HC_MIX = C.Calibration(hc_mix_torch=True)
 
 
 def _fast(n: int, memory: dict, weights: str = "fp32", calibration: C.Calibration = C.CAL):
@@ -78,27 +82,27 @@ def _fast(n: int, memory: dict, weights: str = "fp32", calibration: C.Calibratio
 
 
 @pytest.mark.parametrize("where,n,memory,weights", [
-    ("session12/bench_1gpu_fast_32k_nosegments.json", 32768, {"chunked_loss": True, "indexer_query_chunk": 4096},
+    (R12 + "/bench_1gpu_fast_32k_nosegments.json", 32768, {"chunked_loss": True, "indexer_query_chunk": 4096},
      "fp32"),
-    ("session12/bench_1gpu.json", 8192, {}, "fp32"),
-    ("session12/bench_1gpu.json", 32768,
+    (R12 + "/bench_1gpu.json", 8192, {}, "fp32"),
+    (R12 + "/bench_1gpu.json", 32768,
      {"chunked_loss": True, "indexer_query_chunk": 4096, "kda_segment_tokens": 16384}, "fp32"),
-    ("session13/bench_1gpu_256k_plan.json", 1 << 18,
+    (R13 + "/bench_1gpu_256k_plan.json", 1 << 18,
      {"tiled_mlp": True, "mlp_tile_tokens": 16384, "indexer_query_chunk": 16384, "kda_segment_tokens": 65536}, "bf16"),
-    ("session13/bench_1gpu_1m.json", 1 << 20, {"indexer_query_chunk": 128, "model_segment_tokens": 8192}, "bf16"),
-    ("session13/bench_1gpu_bf16w.json", 8192, {}, "bf16"),
-    ("session13/bench_1gpu_bf16w.json", 32768,
+    (R13 + "/bench_1gpu_1m.json", 1 << 20, {"indexer_query_chunk": 128, "model_segment_tokens": 8192}, "bf16"),
+    (R13 + "/bench_1gpu_bf16w.json", 8192, {}, "bf16"),
+    (R13 + "/bench_1gpu_bf16w.json", 32768,
      {"chunked_loss": True, "indexer_query_chunk": 4096, "kda_segment_tokens": 16384}, "bf16"),
     # session 14: the plans that count the fast set, as the recipe runs them
-    ("session14/bench_1gpu_plan2.json", 32768, {"indexer_query_chunk": 32768, "kda_segment_tokens": 0}, "bf16"),
-    ("session14/bench_1gpu_plan2.json", 1 << 18, {"indexer_query_chunk": 16384, "model_segment_tokens": 32768},
+    (R14 + "/bench_1gpu_plan2.json", 32768, {"indexer_query_chunk": 32768, "kda_segment_tokens": 0}, "bf16"),
+    (R14 + "/bench_1gpu_plan2.json", 1 << 18, {"indexer_query_chunk": 16384, "model_segment_tokens": 32768},
      "bf16"),
-    ("session14/bench_1gpu_1m_plan.json", 1 << 20, {"indexer_query_chunk": 4096, "model_segment_tokens": 16384},
+    (R14 + "/bench_1gpu_1m_plan.json", 1 << 20, {"indexer_query_chunk": 4096, "model_segment_tokens": 16384},
      "bf16"),
     # session 15: the Triton hc_mix and fla's gated norm (the default calibration)
-    ("session15/bench_1gpu_issue.json", 8192, {"indexer_query_chunk": 8192}, "bf16"),
-    ("session15/bench_1gpu_issue.json", 32768, {"indexer_query_chunk": 32768}, "bf16"),
-    ("session15/bench_1gpu_1m.json", 1 << 20, {"indexer_query_chunk": 4096, "model_segment_tokens": 32768}, "bf16"),
+    (R15 + "/bench_1gpu_issue.json", 8192, {"indexer_query_chunk": 8192}, "bf16"),
+    (R15 + "/bench_1gpu_issue.json", 32768, {"indexer_query_chunk": 32768}, "bf16"),
+    (R15 + "/bench_1gpu_1m.json", 1 << 20, {"indexer_query_chunk": 4096, "model_segment_tokens": 32768}, "bf16"),
 ], ids=["32k-no-kda-segments", "8k", "32k-kda-segments", "256k-bf16-weights", "1m-bf16-weights", "8k-bf16-weights",
         "32k-kda-segments-bf16-weights", "32k-plan", "256k-plan", "1m-plan", "8k-s15", "32k-s15", "1m-s15"])
 def test_the_fast_plan_bounds_what_the_h200_measured(where, n, memory, weights):
@@ -111,7 +115,7 @@ def test_the_fast_plan_bounds_what_the_h200_measured(where, n, memory, weights):
             if r["seq_len"] == n and r["status"] == "ok" and r.get("system", "megaseq") == "megaseq"]
     measured = rows[0]["measured_gpu_gib"]
     assert {k: rows[0]["memory_plan"][k] for k in memory} == memory and rows[0]["meta_weights"] == weights
-    cal = C.CAL if where.startswith("session15") else BEFORE_TRITON_HC_MIX
+    cal = C.CAL if where.startswith(R15) else BEFORE_TRITON_HC_MIX
     planned = _fast(n, memory, weights, cal).peak_tensors / GIB
     base = peak_for(glm5_flash_1gpu(), n, memory, weights=weights).peak_tensors / GIB
     assert measured <= planned <= 1.12 * measured, (planned, measured)

@@ -1,4 +1,4 @@
-"""``benchmarks/profile_step.py``'s attribution of GPU time to forward parts and backward functions.
+"""``benchmarks/speed/profile_step.py``'s attribution of GPU time to forward parts and backward functions.
 
 The profiler returns each ``record_function`` label twice: the CPU-side range (whose device time is the kernels
 launched inside it) and a GPU-side annotation of the same name (whose device time is the range's elapsed time
@@ -21,7 +21,7 @@ BWD = "autograd::engine::evaluate_function: "
 
 @pytest.fixture(scope="module")
 def profile_step():
-    return bench_scripts.load("profile_step")
+    return bench_scripts.load("speed/profile_step", "profile_step_bench")
 
 
 def _evt(name, device_us, device_type=CPU, parent=None):

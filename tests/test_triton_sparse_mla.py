@@ -123,7 +123,7 @@ def test_triton_matches_absorbed_fp32(device):
 
 
 def test_an_explicit_launch_config_computes_the_same(device):
-    """``config=`` (benchmarks/sparse_mla_configs.py times each one): another slot block and pipeline depth sum
+    """``config=`` (benchmarks/kernels/sparse_mla_configs.py times each one): another slot block and pipeline depth sum
     in another order, nothing else; a config that drops slots fails (checked against the default's result)."""
     from megaseq.ops import triton_sparse_mla_kernels as K
 

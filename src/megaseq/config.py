@@ -108,7 +108,7 @@ HF_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 class ModelConfig:
     """The architecture and where its weights come from."""
 
-    name: str = opt("glm5-flash-tiny", "preset name (see `megaseq verify --list-presets`) or a path to a "
+    name: str = opt("glm5-flash-tiny", "preset name (`megaseq config model` lists them) or a path to a "
                     "Hugging Face checkpoint directory or config.json")
     init_from: str | None = opt(None, "HF checkpoint directory (safetensors) to load weights from; unset: "
                                 "`name` itself when it is a checkpoint directory with weights, else random init "
@@ -147,7 +147,7 @@ class ModelConfig:
             self.init_from = self.name  # a checkpoint directory with weights: train from them, not from random
         if self.dtype not in ("bf16", "fp32", "fp64"):
             raise ValueError(f"model.dtype must be bf16, fp32 or fp64, got {self.dtype!r}")
-        if self.kernels == "default":  # the base set's name until session 12 (run directories written before)
+        if self.kernels == "default":  # the base set's name until the 2026-12-02 run (run directories written before)
             self.kernels = "base"
         if self.kernels not in ("fast", "base"):
             raise ValueError(f"model.kernels must be fast or base, got {self.kernels!r}")

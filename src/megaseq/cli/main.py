@@ -29,15 +29,73 @@ VERBS = {
     "tune": "pre-tune the GPU kernels for the lengths a plan will use (a tuned table later runs read)",
     "convert": "Hugging Face checkpoint <-> megaseq checkpoint",
     "export": "a run's LoRA adapter in PEFT's format, or the merged model (adapters folded in) as a HF checkpoint",
+    "config": "every setting (section, help, default) and the model presets",
 }
 
+# two or three examples per verb, shown under its --help
+EXAMPLES = {
+    "train": ["megaseq train                                   # the embedded default job (CPU, minutes)",
+              "megaseq train recipes/glm5-flash-tiny-dna.yaml --train.steps 100 --optim.lr 1e-3",
+              "torchrun --nproc-per-node 8 -m megaseq train recipes/glm5-flash-1gpu.yaml --parallel.cp 8"],
+    "eval": ["megaseq eval runs/glm5-flash-tiny-dna --by-position 256",
+             "megaseq eval runs/glm5-flash-tiny-dna --data held_out.fa --seq-len 4K"],
+    "plan": ["megaseq plan recipes/glm5-flash.yaml --seq-len 1M --gpus 64",
+             "megaseq plan recipes/qwen3-30b-a3b/config.json --seq-len 1M --gpus 8 --allow-lora",
+             "megaseq plan recipes/glm5-flash-1gpu.yaml --max-len"],
+    "bench": ["megaseq bench recipes/glm5-flash-1gpu.yaml --seq-lens 8K,32K --baseline",
+              "megaseq bench recipes/glm5-flash-1gpu.yaml --seq-lens 1M --steps 1"],
+    "verify": ["megaseq verify recipes/glm5-flash-tiny-dna.yaml",
+               "megaseq verify --model.name qwen3-moe-tiny"],
+    "convert": ["megaseq convert runs/glm5-flash-tiny-dna/hf runs/converted    # HF -> megaseq",
+                "megaseq convert runs/converted runs/exported-hf                 # megaseq -> HF"],
+    "export": ["megaseq export runs/qwen3-30b-a3b-lora runs/adapter            # PEFT adapter",
+               "megaseq export runs/qwen3-30b-a3b-lora runs/merged --merged   # merged HF checkpoint"],
+    "tune": ["megaseq tune recipes/glm5-flash-1gpu.yaml --seq-lens 8K,32K",
+             "megaseq tune recipes/qwen3-30b-a3b-lora.yaml --seq-lens 32K,128K --out tuned.json"],
+    "config": ["megaseq config            # every section", "megaseq config memory     # one section"],
+}
+CONFIG_POINTER = ("settings: any configuration key as --section.key value; `megaseq config` lists every one with "
+                  "its help and default")
 
-def config_help() -> str:
-    lines = ["configuration (YAML sections, or --section.key value on the command line):"]
-    for section, rows in field_help().items():
+
+def default_job_values() -> dict[tuple[str, str], object]:
+    """The settings where the embedded default job (``megaseq train`` without a recipe) differs from a field's
+    default (what a recipe that leaves the field out gets): {(section, key): the job's value}."""
+    import dataclasses
+
+    from megaseq.config import Config, default_recipe, load_config
+
+    job, plain = load_config(default_recipe()), Config()
+    out = {}
+    for section in dataclasses.fields(Config):
+        for f in dataclasses.fields(getattr(plain, section.name)):
+            value = getattr(getattr(job, section.name), f.name)
+            if value != getattr(getattr(plain, section.name), f.name):
+                out[(section.name, f.name)] = value
+    return out
+
+
+def _shown(value: object) -> str:
+    return "[]" if value == [] else str(value)
+
+
+def config_help(only: str | None = None) -> str:
+    lines = ["configuration (YAML sections, or --section.key value on the command line). [default: X] is what a run\n"
+             "gets when neither its recipe nor its command line sets the key; [default job: Y] where `megaseq train`\n"
+             "without a recipe (the embedded default job, itself a recipe) sets it otherwise."]
+    sections = field_help()
+    if only is not None and only not in sections:
+        raise ValueError(f"unknown config section {only!r}: one of {', '.join(sections)}")
+    job = default_job_values()
+    for section, rows in sections.items():
+        if only is not None and section != only:
+            continue
         lines.append(f"\n  {section}:")
         for key, help_text, default in rows:
-            wrapped = textwrap.wrap(f"{help_text} [default: {default}]", 70)
+            shown = f"[default: {_shown(default)}]"
+            if (section, key) in job:
+                shown += f" [default job: {_shown(job[(section, key)])}]"
+            wrapped = textwrap.wrap(f"{help_text} {shown}", 70)
             lines.append(f"    --{section}.{key:<24} {wrapped[0] if wrapped else ''}")
             lines.extend(f"    {'':<33}{w}" for w in wrapped[1:])
     return "\n".join(lines)
@@ -48,14 +106,14 @@ def parser() -> argparse.ArgumentParser:
         prog="megaseq", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Fine-tune MoE and hybrid-attention language models on million-token sequences.",
         epilog="verbs:\n" + "\n".join(f"  {k:<8} {v}" for k, v in VERBS.items())
-        + "\n\n`megaseq VERB --help` lists the verb's options and every configuration key.",
+        + "\n\n`megaseq VERB --help` lists the verb's options and examples; `megaseq config` every setting;"
+        " `megaseq --version` the version.",
     )
     sub = p.add_subparsers(dest="verb", metavar="VERB")
     fmt = argparse.RawDescriptionHelpFormatter
     for verb, help_text in VERBS.items():
         sp = sub.add_parser(verb, help=help_text, description=help_text, formatter_class=fmt,
-                            epilog=config_help() if verb in ("train", "plan", "bench", "verify", "eval", "tune")
-                            else None)
+                            epilog=_epilog(verb))
         if verb in ("train", "plan", "bench", "verify", "tune"):
             sp.add_argument("config", nargs="?", help="YAML recipe (see recipes/); none: the embedded default"
                             + ("; or a Hugging Face checkpoint directory / config.json to plan" if verb == "plan"
@@ -67,6 +125,12 @@ def parser() -> argparse.ArgumentParser:
             sp.add_argument("--gpu-mem", default=None, help="GPU memory per GPU (default 139.8G, an H200)")
             sp.add_argument("--host-mem", default=None, help="host memory per host (default 128G)")
             sp.add_argument("--json", action="store_true", help="print the plan as JSON")
+            sp.add_argument("--allow-lora", action="store_true",
+                            help="let the search choose LoRA on a frozen base where full fine-tuning does not fit")
+            sp.add_argument("--max-len", action="store_true",
+                            help="the longest length that fits on 1, 8 and 64 GPUs (or --gpus), and how")
+            sp.add_argument("--as-given", action="store_true",
+                            help="only the plan of the settings as given, without searching for what fits")
         if verb == "bench":
             sp.add_argument("--seq-lens", default="4K", help="comma-separated lengths, e.g. 32K,128K,1M")
             sp.add_argument("--steps", type=int, default=3,
@@ -98,6 +162,9 @@ def parser() -> argparse.ArgumentParser:
         if verb == "convert":
             sp.add_argument("src", help="HF checkpoint dir, or a megaseq run/checkpoint dir")
             sp.add_argument("dst", help="output directory")
+        if verb == "config":
+            sp.add_argument("section", nargs="?", help="one section (model, data, parallel, memory, optim, moe, "
+                            "lora, train, eval, log); none: every one")
         if verb == "export":
             sp.add_argument("src", help="a megaseq run directory (its newest checkpoint) or a checkpoint directory")
             sp.add_argument("dst", help="output directory")
@@ -106,13 +173,24 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def _epilog(verb: str) -> str:
+    """A verb's examples; the settings it takes (``train``: every one, listed; the others: where to find them)."""
+    text = "examples:\n" + "\n".join(f"  {e}" for e in EXAMPLES[verb])
+    if verb == "train":
+        return text + "\n\n" + config_help()
+    if verb in ("plan", "bench", "verify", "eval", "tune"):
+        return text + "\n\n" + CONFIG_POINTER
+    return text
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     p = parser()
-    if not argv:
-        argv = ["train"]  # `megaseq` alone runs the embedded default job
-    if argv[0] in ("-h", "--help"):
-        p.print_help()
+    if not argv or argv[0] in ("-h", "--help"):
+        p.print_help()  # `megaseq` alone prints this; `megaseq train` runs the embedded default job
+        return 0
+    if argv[0] in ("-V", "--version"):
+        print(f"megaseq {package_version()}")
         return 0
     argv, settings = take_overrides(argv)  # before argparse sees the verb's own options
     args, unknown = p.parse_known_args(argv)
@@ -123,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     from megaseq.cli import verbs
     from megaseq.train.guard import RunStopped
 
-    fn: Callable[[argparse.Namespace, list[str]], int] = getattr(verbs, f"cmd_{args.verb}")
+    name = "plan_max_len" if args.verb == "plan" and args.max_len else args.verb
+    fn: Callable[[argparse.Namespace, list[str]], int] = getattr(verbs, f"cmd_{name}")
     try:
         return fn(args, rest)
     except ValueError as e:  # user errors: one clear message, no traceback
@@ -136,6 +215,16 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:  # a file megaseq could not read or write: name it and what would fix it
         print(f"megaseq {args.verb}: error: {os_error_message(e)}", file=sys.stderr)
         return 2
+
+
+def package_version() -> str:
+    """The installed package's version (pyproject.toml's, from a source checkout without an install)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("megaseq")
+    except PackageNotFoundError:
+        return "0.1.0 (source checkout, not installed)"
 
 
 def os_error_message(e: OSError) -> str:

@@ -67,7 +67,35 @@ def cmd_plan(args: argparse.Namespace, rest: list[str]) -> int:
         gpus_per_host=args.gpus_per_host,
     )
     print(json.dumps(plan.to_dict(), indent=2, default=str) if args.json else format_plan(plan))
+    if not args.json and not args.as_given:
+        _advise(args, rest)
     return 0 if plan.fits else 1
+
+
+def _advise(args: argparse.Namespace, rest: list[str]) -> None:
+    """``megaseq plan``'s advice: the fastest configuration that fits (plan/advisor.py) and its command."""
+    from megaseq.plan.advisor import Hardware, Source, advise, format_advice
+
+    hw = Hardware(args.gpus or 1, parse_size(args.gpu_mem) if args.gpu_mem else None, args.gpus_per_host,
+                  parse_size(args.host_mem) if args.host_mem else None)
+    src = Source(args.config, split_overrides(rest))
+    advice = advise(src, hw, parse_size(args.seq_len) if args.seq_len else None, allow_lora=args.allow_lora)
+    print("\nthe fastest configuration that fits (searched: weights dtype, FSDP, cp, ep"
+          + (", LoRA" if args.allow_lora else "") + "; memory fixes by the planner):")
+    print(format_advice(advice))
+
+
+def cmd_plan_max_len(args: argparse.Namespace, rest: list[str]) -> int:
+    """``megaseq plan --max-len``: the longest length that fits on each GPU count, and how."""
+    from megaseq.plan.advisor import GPU_COUNTS, Hardware, Source, longest, model_table_row
+
+    src = Source(args.config, split_overrides(rest))
+    counts = [args.gpus] if args.gpus else list(GPU_COUNTS)
+    for n in counts:
+        hw = Hardware(n, parse_size(args.gpu_mem) if args.gpu_mem else None, args.gpus_per_host,
+                      parse_size(args.host_mem) if args.host_mem else None)
+        print(model_table_row(n, *longest(src, hw, allow_lora=args.allow_lora)))
+    return 0
 
 
 def _plan_source(config: str | None, overrides: list[str]) -> tuple[str | None, list[str]]:
@@ -142,6 +170,18 @@ def cmd_convert(args: argparse.Namespace, rest: list[str]) -> int:
         return 2
     out = convert(Path(args.src), Path(args.dst))
     print(f"wrote {out}")
+    return 0
+
+
+def cmd_config(args: argparse.Namespace, rest: list[str]) -> int:
+    from megaseq.cli.main import config_help
+    from megaseq.models.presets import PRESETS
+
+    if rest:
+        raise ValueError(f"megaseq config takes at most a section name, got {rest}")
+    print(config_help(args.section))
+    if args.section in (None, "model"):
+        print("\nmodel presets (--model.name): " + ", ".join(sorted(PRESETS)))
     return 0
 
 

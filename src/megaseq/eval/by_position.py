@@ -166,7 +166,7 @@ def compare(results: Mapping[str, PositionLoss], baseline: tuple[str, PositionLo
     """One JSON-ready result: every model's loss overall and per bucket, the baseline's, each model's
     gain over the baseline (``verdict.baseline_gain``), uniform A/C/G/T for DNA, the relative
     improvement of ``after`` over ``before`` ((before - after) / before) per bucket, and the verdict
-    in words. ``descriptions``: what each name is (e.g. 'step 60'); ``notes``: sentences for the report.
+    in words. ``descriptions``: what each name is (e.g. 'after 60 steps'); ``notes``: sentences for the report.
 
     The before/after pair: as given, else the models named 'before' and 'after' (see ``_pick_pair``).
     """

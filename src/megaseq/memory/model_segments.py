@@ -14,7 +14,7 @@ small and known:
 So a training step can run as an inference engine runs a prompt in chunks, and then backwards:
 
 1. forward without a graph, segment by segment: each layer reads the carried state through the context
-   hooks (``SeqContext.carried_in`` / ``gather_seq(x, key)``) and writes its own. Kept for step 2: the
+   hooks (``SeqContext.carried_in`` / ``gather_seq(x, key)``) and writes its own. Kept for pass 2: the
    DSA caches ``[B, S, ...]`` and, per KDA layer, the state and halo at every segment start.
 2. segments in reverse: segment j is recomputed with a graph from its carried inputs, which are leaves
    (the state and halo at its start, the latents of tokens ``< s``); its loss (``/ total`` tokens) and the

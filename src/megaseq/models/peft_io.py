@@ -85,6 +85,14 @@ def check_exportable(spec: ModelSpec, projs: list[Projection]) -> None:
                          "projections out of lora.targets (or set --train.export_hf false)")
 
 
+def base_reference(base_model: str | None) -> str | None:
+    """The base as an adapter records it: a local checkpoint as its absolute path (a relative one would not
+    resolve from another directory), anything else (a hub id) as given."""
+    if base_model and Path(base_model).exists():
+        return str(Path(base_model).resolve())
+    return base_model
+
+
 def export_adapter(model: nn.Module, spec: ModelSpec, lora: LoraConfig, out_dir: str | Path,
                    base_model: str | None = None) -> Path:
     """Write ``model``'s adapters as a PEFT adapter directory; returns it. ``base_model`` is recorded as
@@ -102,7 +110,8 @@ def export_adapter(model: nn.Module, spec: ModelSpec, lora: LoraConfig, out_dir:
         key_a, key_b = peft_keys(proj, projs, prefix)
         a, b = _peft_layout(proj, A.detach(), B.detach())
         tensors[key_a], tensors[key_b] = (t.to("cpu").contiguous().clone() for t in (a, b))
-    cfg = peft_config(projs, prefix, lora.rank, lora.alpha, lora.dropout, lora.use_rslora, lora.init, base_model)
+    cfg = peft_config(projs, prefix, lora.rank, lora.alpha, lora.dropout, lora.use_rslora, lora.init,
+                      base_reference(base_model))
     out_dir = Path(out_dir)
     tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)

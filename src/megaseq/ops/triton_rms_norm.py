@@ -11,7 +11,7 @@ partial sums added by torch, deterministic).
 
 Liger Kernel's ``LigerRMSNorm(casting_mode="llama")`` computes the same forward formula for a bf16 weight (read
 from its source, not measured), but it returns x's dtype where HF promotes (an fp32 weight on bf16
-activations gives fp32 in HF), and its weight gradient sums in another order; benchmarks/glue_gpu.py times it.
+activations gives fp32 in HF), and its weight gradient sums in another order; benchmarks/kernels/glue_gpu.py times it.
 
 Measured on an H200 (bf16, forward + backward): [32768, 2048] 2.72 -> 0.50 ms (Liger 0.40), [131072, 2048]
 10.5 -> 0.70 ms (Liger 1.44). At the smaller shape the backward is latency-bound (4 programs per SM walking

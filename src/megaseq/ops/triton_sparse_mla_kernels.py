@@ -25,22 +25,22 @@ log-sum-exp ``[Hh, N]`` fp32 in base 2 (``lse2 = max + log2(sum)`` of the base-2
   queries that chose it (sorted by pool, ``pool_entries``; in chunks of ``POOL_CHUNK`` queries; ``POOL_QUERIES``
   queries of a row sorted at once), one atomic add per chunk instead of one per query. It recomputes the scores
   (about 40% more dot FLOPs) and removes about 39 G fp32 atomic adds per DSA layer at 32K. Measured on the H200
-  (session 16, ``benchmarks/sparse_mla_configs.py``, glm5-flash-1gpu's shapes): the whole backward 14.4 ms against
-  the atomics' 14.8 at 8K, 59.9 against 67.7 at 32K, 65.0 against 108.0 for a 32K segment of 256K keys. Its working
-  set (``ops.workspace.sparse_mla_pool_bytes``, in the plan): the sort's keys and order, ``POOL_SORT_BYTES`` (64)
-  per selected pool at most, and ``delta``.
-  Since session 21 the default is ``MEGASEQ_MLA_DC=saved``: the slot pass (``SAVE_PDS``) leaves the pool slots'
+  (2026-12-02, ``benchmarks/kernels/sparse_mla_configs.py``, glm5-flash-1gpu's shapes): the whole backward
+  14.4 ms against the atomics' 14.8 at 8K, 59.9 against 67.7 at 32K, 65.0 against 108.0 for a 32K segment of
+  256K keys. Its working set (``ops.workspace.sparse_mla_pool_bytes``, in the plan): the sort's keys and order,
+  ``POOL_SORT_BYTES`` (64) per selected pool at most, and ``delta``.
+  The default is ``MEGASEQ_MLA_DC=saved``: the slot pass (``SAVE_PDS``) leaves the pool slots'
   ``p`` and ``ds`` (the dot operands it has, in the work dtype) in ``[queries, K, Hh, kp]`` blocks, ``SAVED_QUERIES``
   queries of one batch row at a time, and ``sparse_mla_bwd_pool_saved_kernel`` sums ``p^T do_lat + ds^T q_abs``
   from them: two dots a step instead of four, no exponentials, no key block, ``lse`` or ``delta``. Measured on the
-  H200 (session 21, the whole backward of one layer): 40.8 ms against the recomputing pass's 54.9 at 32K, 56.0
+  H200 (the 2026-12-04 run, the whole backward of one layer): 40.8 ms against the recomputing pass's 54.9 at 32K, 56.0
   against 64.0 for a 32K segment of 256K keys; +4.5% tokens/s in a 32K step. Its buffer (1 GiB of bf16 at
   glm5-flash-1gpu's shapes) and the chunk's sort are in the plan (``ops.workspace.sparse_mla_pool_bytes``).
   The layout is checked by one pass over the selection, ``pool_layout_kernel`` (one int32 flag; 0.17 ms at 32K
   against 2.4 ms for the torch reference, ``pool_layout_reference``): in the op's forward, read back with its
   empty-row check (``triton_sparse_mla.checks``), else in the backward (``layout="check"``). The pool pass's
   programs go a block of queries at a time (``pool_entries``, ``pool_query_block``), so those running together
-  read the same rows from L2 (session 20: the 32K backward 54.7 ms against 58.7 in pool order).
+  read the same rows from L2 (the 2026-12-04 run: the 32K backward 54.7 ms against 58.7 in pool order).
 
 Empty slots (``idx < 0`` or ``>= S``) read no memory and weigh 0. A query with no valid slot gets
 ``o_lat = 0`` and ``lse2 = +inf`` (so its backward is 0); the op hands such batch rows to ``absorbed``.
@@ -97,7 +97,8 @@ def default_config(kind: str, Hh: int, R: int, dtype: torch.dtype) -> Config:
     """The untuned choice. fp32 (the checking path) halves the slot block: its tiles are twice the bytes.
     The backward holds ``dq_abs [BH, R]`` and ``dc [BW, R]`` in fp32 registers, hence BH = 16.
 
-    bf16 at R = 512 with 16 heads per program, timed on an H200 (``benchmarks/sparse_mla_configs.py``, session 14,
+    bf16 at R = 512 with 16 heads per program, timed on an H200
+    (``benchmarks/kernels/sparse_mla_configs.py``, 2026-12-02,
     W = 2063; ms per DSA layer at Q = S = 8K / 32K / a 32K segment of 256K keys):
     forward (16, 64, 4 warps, 2 stages) 3.96 / 15.4 / 18.4, the former default (16, 32, 8, 2) 6.63 / 26.2 / 28.5;
     backward (16, 32, 4, 2) 15.1 / 67.5 / 106.7, the former (16, 32, 8, 2) 20.6 / 83.2 / 137.1. Four warps
@@ -242,7 +243,7 @@ def sparse_mla_bwd_kernel(qabs_ptr, dolat_ptr, olat_ptr, lse_ptr, c_ptr, idx_ptr
                 tl.store(p_ptr + s_off, p_HW.to(p_ptr.dtype.element_ty), mask=s_mask)
                 tl.store(ds_ptr + s_off, ds_HW, mask=s_mask)
         dc_ptrs = dc_row0 + row[:, None] * R + offs_r[None, :]
-        if DC_START == 0:  # every slot's latent gradient here (the default: the loop as session 14 timed it)
+        if DC_START == 0:  # every slot's latent gradient here (the default: the loop as the 2026-12-02 run timed it)
             dc_WR = tl.dot(tl.trans(p_HW.to(c_WR.dtype)), do_HR, input_precision=DOT_PREC)
             dc_WR = tl.dot(tl.trans(ds_HW), qa_HR, dc_WR, input_precision=DOT_PREC)
             if RP == R:
@@ -414,7 +415,8 @@ def _pick(kind: str, Hh: int, R: int, dtype: torch.dtype, run, N: int = 0) -> Co
 def forward(q_abs_HNR: torch.Tensor, c_BSR: torch.Tensor, idx_BQW: torch.Tensor,
             scale: float, config: Config | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``o_lat [Hh, N, R]`` (q_abs's dtype) and ``lse2 [Hh, N]`` fp32 of the sparse softmax (``config``:
-    a launch configuration to use instead of the default or tuned one, for ``benchmarks/sparse_mla_configs.py``)."""
+    a launch configuration to use instead of the default or tuned one, for
+    ``benchmarks/kernels/sparse_mla_configs.py``)."""
     Hh, N, R = q_abs_HNR.shape
     B, S, _ = c_BSR.shape
     Q, W = idx_BQW.shape[1:]
@@ -441,13 +443,13 @@ DC_MODES = ("pool", "saved", "atomic")
 POOL_MODES = ("pool", "saved")  # the modes that run a pool pass where the selection is in pools
 POOL_SIZES = (16, 32, 64, 128)  # the pool pass's tl.dot needs at least 16 keys a pool
 POOL_SCAN_ROWS = 4096  # query rows per step of the layout check ([rows, K, kp] int32 temporaries)
-# (rows, warps, stages) of the pool pass: timed on the H200 (session 16, sparse_mla_configs.py) among rows
+# (rows, warps, stages) of the pool pass: timed on the H200 (the 2026-12-02 run, sparse_mla_configs.py) among rows
 # 16 / 32 / 64, warps 4 / 8, stages 1 / 2: the fastest at 32K and at a 32K segment of 256K, within 8% of the
 # fastest at 8K; 1 stage is 20-25% slower, 8 warps 30-50%
 POOL_CONFIG = (32, 4, 2)
 POOL_CHUNK = 256  # selecting queries per program of the pool pass at most
 # the pool pass's programs go a block of queries at a time (pool_entries): None picks it (pool_query_block), an int
-# sets it (0: one block, the programs in pool order; benchmarks/sparse_mla_configs.py --pool-blocks)
+# sets it (0: one block, the programs in pool order; benchmarks/kernels/sparse_mla_configs.py --pool-blocks)
 POOL_QUERY_BLOCK: int | None = None
 POOL_BLOCK_MIN = 1024  # queries a block at least: 32 MB of q_abs and do_lat rows at 16 heads x 512 bf16
 POOL_BLOCK_ENTRIES = 64  # the mean selecting queries per (block, pool) the picked block aims at, at least
@@ -455,7 +457,7 @@ POOL_QUERIES = 32768  # queries per batch row whose pool entries are sorted at o
 # ``saved``: queries of a batch row per slot pass and pool pass, whose p and ds ([queries, K, Hh, kp] each, the work
 # dtype) are held at once: 1 GiB of bf16 at glm5-flash-1gpu's shapes (K = 128, Hh = 16, kp = 16)
 SAVED_QUERIES = workspace.SAVED_QUERIES
-# (rows, warps, stages) of sparse_mla_bwd_pool_saved_kernel: timed on the H200 (session 21, s21a, the whole backward
+# (rows, warps, stages) of sparse_mla_bwd_pool_saved_kernel: timed on the H200 (the 2026-12-04 run, the whole backward
 # of one layer): 16 rows 40.8 ms at 32K queries and keys, 56.0 for a 32K segment of 256K keys; 32 rows 41.9 / 56.1;
 # 32 rows and 8 warps 42.5 / 57.0; 64 rows 49.3 / 58.5
 POOL_SAVED_CONFIG = (16, 4, 2)
@@ -491,7 +493,7 @@ def pool_layout(idx_BQW: torch.Tensor, S: int) -> int | None:
 
 
 # the layout check's programs: BN queries x BS slots, POOL_LAYOUT_BLOCK slots in all, BS <= POOL_LAYOUT_SLOTS.
-# On the H200 at 32K queries, W = 2063 (session 17): 128 us a pass (2.1 TB/s of idx; one query of 2048 slots a
+# On the H200 at 32K queries, W = 2063 (measured 2026-12-03): 128 us a pass (2.1 TB/s of idx; one query of 2048 slots a
 # program, 4 warps), 149 us at 4096 slots (2 queries) a program, 177 at 8192 and 8 warps; with the flag's fill
 # and read 0.17 ms a call against the torch reference's 2.4 ms
 POOL_LAYOUT_BLOCK = 2048

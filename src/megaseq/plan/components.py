@@ -17,6 +17,7 @@ parameters (the trainer's mode), or in a bf16 model (``optimizer_offload``: see 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field, replace
 
 from megaseq.memory.rules import SLOT_ALIGN, WEIGHT_GRAD_ROWS, round_up  # noqa: F401  (the runtime's sizes; re-exported)
@@ -103,6 +104,7 @@ class Precision:
 BF16_WEIGHTS = Precision(param=2, grad=2, moments=8, compute=2, stream=2, f32=4, autocast=False, master=4)
 
 
+@functools.lru_cache(maxsize=64)  # a plan asks for it per term; Precision is frozen
 def precision_for(model_dtype: str = "bf16", weights: str = "fp32", frozen_embedding: bool = False,
                   frozen_norms: bool = False) -> Precision:
     """The trainer's dtypes (``train/trainer.py: dtypes``) for a GPU run.
@@ -149,12 +151,12 @@ class Calibration:
     attn_block_elems: int = 1 << 26  # score elements per query block of the reference sparse attention
     nograd_fraction: float = 0.35  # peak of a layer's no-grad forward, as a fraction of its saved set
     sinkhorn_saved: bool = True  # Sinkhorn's 2*iters-1 divisions each save [N, N] + [N] in fp32
-    fast_set_s14: bool = False  # the fast set as sessions 12-14 ran it: hc_mix the closed-form torch op
+    hc_mix_torch: bool = False  # the fast set with hc_mix as the closed-form torch op
     # (ops/hc_mix.py, its input's copy kept in the GEMM's dtype; the Triton op keeps none) and KDA's gated norm
-    # the reference; True plans what those sessions measured
+    # the reference; True plans what the runs of 2026-12-02 measured with it
     process_host_bytes: int = 2_010_000_000  # one training process: Python, torch, CUDA host state, data
     # (H200, torch 2.11: VmHWM 1.95-2.07 GB, mean 2.01 GB, over 14 runs of glm5-flash-1gpu 8K-1M and
-    # glm5-flash-tiny 128K-1M without offload, benchmarks/results/h200/)
+    # glm5-flash-tiny 128K-1M without offload, benchmarks/results/speed/runs/2026-11-29_base-kernels/)
     cuda_context_bytes: int = int(0.6 * GIB)  # CUDA context + cuBLAS/cuDNN workspaces, outside torch's count
     allocator_fixed: int = 2 * GIB  # caching-allocator reserve: a fixed part ...
     allocator_fraction: float = 0.05  # ... plus 5% of the tensors for fragmentation
@@ -517,10 +519,10 @@ def hc_saved(spec: ModelSpec, prec: Precision, cal: Calibration = CAL, fn_trains
     [N]/[N, N] weights, of which Sinkhorn's ``2 * iters - 1`` divisions each save comb and its sums.
     ``fast``: the Triton ``hc_mix`` (``ops/triton_hc_mix.py``) keeps the streams themselves (no copy) and
     its fp32 GEMM output ``u`` and RMS scale ``r``: ``f * (M + 1)`` with ``M = (2 + N) * N``, whether ``fn``
-    trains or not (``cal.fast_set_s14``: the closed-form torch op's, the streams and their copy in the GEMM's
+    trains or not (``cal.hc_mix_torch``: the closed-form torch op's, the streams and their copy in the GEMM's
     dtype where that differs from theirs)."""
     N, H, f = spec.hc_mult, spec.hidden_size, prec.f32
-    if fast and cal.fast_set_s14:  # ``torch_fused``: the streams and their copy in the GEMM's dtype
+    if fast and cal.hc_mix_torch:  # ``torch_fused``: the streams and their copy in the GEMM's dtype
         mm = prec.compute if prec.autocast else f
         flat, normed = (0 if mm == prec.stream else mm * N * H), 0
     elif fast:
@@ -590,7 +592,7 @@ def liger_loss_bytes(N: int, H: int, V: int, d: int, weight_grad: bool = True) -
     per-token fp32 loss ``4*N``; for a half head, the weight gradient's fp32 copy ``V*H*4`` at the backward
     (the cast to an fp32 parameter's gradient: counted for a bf16 parameter too, an upper bound). Measured
     at 32K x V 154,880 x H 4096 in bf16 on an H200: 1.73 GiB with Liger's own chunks of 1,024 rows
-    (``benchmarks/glue_gpu.py``), these terms without the cast."""
+    (``benchmarks/kernels/glue_gpu.py``), these terms without the cast."""
     rows = min(LIGER_CHUNK_ROWS, N)
     grads = N * H * d + (V * H * d if weight_grad else 0)
     return grads + rows * V * d + 4 * N + (V * H * 4 if weight_grad and d < 4 else 0)

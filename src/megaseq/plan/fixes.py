@@ -39,8 +39,8 @@ from megaseq.plan.flops import (
 from megaseq.plan.phases import Evaluation, Run, evaluate
 from megaseq.schemes import SCHEMES
 
-H200_GPU_BYTES = int(139.8 * GIB)  # BRIEF section 6: usable memory of one H200
-HOST_BYTES_PER_GPU = 128 * GB  # BRIEF section 6: the 1-GPU host; per GPU of a larger host by default
+H200_GPU_BYTES = int(139.8 * GIB)  # usable memory of one H200
+HOST_BYTES_PER_GPU = 128 * GB  # the 1-GPU host; per GPU of a larger host by default
 # chunk-size ranges (powers of two) the planner chooses from, (smallest, largest worth having): past
 # 8K-token loss chunks and 16K-token tiles the launches are amortised, so growing further would only spend
 # headroom; the indexer's ceiling is INDEXER_SCORING_MAX
@@ -49,19 +49,19 @@ SEGMENT_CHUNKS = (4096, 65536)  # KDA segments: fla's chunk is 64 tokens; past 6
 # sequence segments: below 8K tokens a segment's kernels are short (launch-bound); past 64K the saving is spent
 MODEL_SEGMENT_CHUNKS = (8192, 65536)
 # a sequence segment's overhead over full recompute: per segment, the earlier tokens' latents are joined
-# and the indexer's pools rebuilt (O(S) each) -- an estimate until measured
+# and the indexer's pools rebuilt (O(S) each) -- an estimate, not measured
 MODEL_SEGMENT_OVERHEAD = 0.03
 # the kept DSA selections (a speed-up, not a fix) only where the plan then has this much of the GPU spare
 KEEP_SELECTION_MARGIN = 0.05
 # a segmented KDA layer reruns its forward in backward: one KDA forward, about half its layer's forward
 # (measured on the H200: the segmented layer's forward + backward 1.31x / 1.43x the plain one at 128K / 256K)
 KDA_MIXER_SHARE = 0.5
-# one indexer scoring chunk stays under this (BRIEF: "a few hundred queries at a time keeps that under
+# one indexer scoring chunk stays under this ("a few hundred queries at a time keeps that under
 # 2 GiB"); chunking is free, and an unchunked 32 GiB scoring tensor failed at 64K tokens on an H200 with
 # 58 GiB reserved but free (allocator fragmentation), so the bound applies whether or not memory is short
 INDEXER_SCORING_MAX = 2 * GIB
-SCO_BASE_COST = 0.019  # BRIEF section 4: SCO throughput within 1.9%
-LOSS_CHUNK_COST = 0.05  # BRIEF section 4: +4-5% of the loss time
+SCO_BASE_COST = 0.019  # SCO throughput within 1.9%
+LOSS_CHUNK_COST = 0.05  # +4-5% of the loss time
 
 
 @dataclass(frozen=True)

@@ -22,14 +22,14 @@ from megaseq.models.spec import ModelSpec
 from megaseq.plan.components import Mesh, Precision
 
 H200_BF16_DENSE = 989.4e12  # NVIDIA H200 SXM datasheet, dense bf16 (the MFU denominator)
-H200_BF16_MEASURED = 775e12  # BRIEF section 6: bf16 matmul 8192^3 on one H200
+H200_BF16_MEASURED = 775e12  # bf16 matmul 8192^3 on one H200
 # the share of the measured matmul rate a training step reaches (the fix costs' time model): glm5-flash-1gpu
-# at 32K with the fast set and bf16 weights, session 21 (benchmarks/results/h200/session21): 53,413 tokens/s x
-# 5.73 GFLOP = 306 TFLOP/s (session 19: 0.378; session 15: 0.345; session 13: 0.26; at 8K session 21 measured
-# 0.30, at 1M 0.26, where launches and the indexer's quadratic scoring weigh more)
+# at 32K with the fast set and bf16 weights (benchmarks/results/speed/glm5-flash-1gpu/2026-12-04_8k-32k-baseline.md):
+# 53,413 tokens/s x 5.73 GFLOP = 306 TFLOP/s; the same job measured 0.30 at 8K and 0.26 at 1M, where launches
+# and the indexer's quadratic scoring weigh more)
 ACHIEVED_FRACTION = 0.395
-PINNED_BYTES_PER_S = 55e9  # BRIEF section 6: host <-> device, pinned
-DEVICE_BYTES_PER_S = 4.24e12  # BRIEF section 6: device copy
+PINNED_BYTES_PER_S = 55e9  # host <-> device, pinned
+DEVICE_BYTES_PER_S = 4.24e12  # device copy
 KDA_CHUNK = 64
 
 

@@ -56,7 +56,7 @@ def kda_saved(spec: ModelSpec, n: int, xb: int, prec: Precision, cal: Calibratio
     ``g`` and its chunk cumsum in fp32, the intra-chunk ``Aqk, Akk`` ``2 * c * heads * 64`` (fla 0.6
     keeps them in the input dtype); the gated output norm ``4 * f * D`` + o_proj's input ``c * D``
     (``fast_norm``: fla's fused norm keeps its input and gate and an fp32 ``rstd`` per row, ``2 * c * D + f * Hh``,
-    unless ``cal.fast_set_s14``).
+    unless ``cal.hc_mix_torch``).
     """
     H, Hh, Dk = spec.hidden_size, spec.linear_num_heads, spec.linear_head_dim
     D, c, f = Hh * Dk, prec.compute, prec.f32
@@ -71,7 +71,7 @@ def kda_saved(spec: ModelSpec, n: int, xb: int, prec: Precision, cal: Calibratio
         # exp(g), 1 + exp(g), the where's bool mask and its output
         "kda forget gate": n * (2 * f * D if spec.linear_lower_bound is not None else (3 * f + 1) * D),
         "kda chunk state (q,k,v,g,A)": n * (3 * c * D + 2 * f * D + 2 * c * Hh * 64 + 2 * f * Hh),
-        "kda output norm + o_proj input": n * ((2 * c * D + f * Hh if fast_norm and not cal.fast_set_s14
+        "kda output norm + o_proj input": n * ((2 * c * D + f * Hh if fast_norm and not cal.hc_mix_torch
                                                 else (3 + _if(p + "o_norm", trains)) * f * D) + late),
     }
 
@@ -479,9 +479,9 @@ def attention_temp(spec: ModelSpec, n: int, prec: Precision, backward: bool, mes
     gradients). SDPA runs in G calls (``attention.sdpa_head_groups``) one after another: each call's backward
     holds its share (``(f + 2c) Hq D / G``, and a contiguous copy of its output gradient, a slice of the
     concatenation's: ``c Hq D / G``) beside the gradients of q, k, v finished so far, then the query gradient
-    is concatenated (``2 c (Hq + Hkv) D``). Measured by op on an H200 (session 9, Qwen3-30B-A3B LoRA, 600K,
+    is concatenated (``2 c (Hq + Hkv) D``). Measured by op on an H200 (the 2026-12-02 run, Qwen3-30B-A3B LoRA, 600K,
     cuDNN): each call allocated its dq, dk, dv and two float32 buffers of its q (``2 f Hq D / G``): in bf16
-    the same bytes as the share above. (Session 7's 2.4 GiB gap, once put down to ``dk_expanded``, was the
+    the same bytes as the share above. (A 2.4 GiB gap once put down to ``dk_expanded`` is the
     RMSNorm's backward: ``models/common/norm.py``.)
     With attention sinks every head is ``Dp = sink_attention_dims(D)`` wide in SDPA (and a sliding layer's
     keys ``sliding_key_rows`` per token): the terms above scaled so, plus, forward, the padded q's second

@@ -132,7 +132,7 @@ class Evaluation:
     peak_host: int  # per host
     saved_terms: dict[str, int] = field(default_factory=dict)
     # the first step's tensor peak: the optimizer's state is created by its first update, so the forward,
-    # loss and backward of step 1 run without it (what a one-step measurement reads)
+    # loss and backward of the first step run without it (what a one-step measurement reads)
     first_step_tensors: int = 0
 
 
@@ -280,7 +280,7 @@ def layer_terms(run: Run, i: int) -> LayerTerms:
     # replay fills one such buffer) and of its output where that is a tensor of its own: a cast of the
     # stream's gradient (a bf16 output added to an fp32 stream) or mHC's merge backward (N > 1); with a
     # plain residual in the output's dtype it is the stream's gradient itself, counted in ``agrad``. Measured
-    # on an H200 (LoRA, bf16 stream, session 9): counting an fp32 input gradient and the output's again put
+    # on an H200 (LoRA, bf16 stream, the 2026-12-02 run): counting an fp32 input gradient and the output's again put
     # the plan 4.6 GiB over a tiled MoE's backward at 600K.
     y_mlp = c if spec.mlp_types[i] == "dense" else xb
     grad_attn = n * H * (xb + (c if (c != s or N > 1) else 0))
@@ -599,7 +599,7 @@ def evaluate(run: Run) -> Evaluation:
     }
     notes = {"layer working set": where, "recomputed layer": where, "saved activations": name}
     # torch's AdamW makes its moments in the first update; MasterAdamW (bf16 weights) makes its state with
-    # the optimizer, so step 1 has it too
+    # the optimizer, so the first step has it too
     eager = bool(run.prec.master) and not run.memory.optimizer_offload
     first = max(sum(v for k, v in c.items() if k != "optimizer state" or p == "optimizer step" or eager)
                 for p, c, _ in phases)

@@ -56,7 +56,7 @@ class Plan:
     mesh: dict[str, Any]
     components: list[tuple[str, int, int, str]]  # (name, GPU bytes at the peak, host bytes per GPU, note)
     peak_gpu: int  # tensors + allocator reserve + CUDA context: what must fit in gpu_budget
-    peak_gpu_tensors: int  # what torch.cuda.max_memory_allocated should read (steady state: after step 1)
+    peak_gpu_tensors: int  # what torch.cuda.max_memory_allocated should read (steady state: after the first step)
     peak_host: int  # per host (all its GPUs' processes)
     gpu_budget: int
     host_budget: int
@@ -67,7 +67,7 @@ class Plan:
     advice: str
     headroom: int
     peak_phase: str = ""
-    first_step_gpu_tensors: int = 0  # step 1's peak: the optimizer state does not exist before its update
+    first_step_gpu_tensors: int = 0  # the first step's peak: the optimizer state does not exist before its update
     phases: dict[str, int] = field(default_factory=dict)
     comm: dict[str, Any] = field(default_factory=dict)
     flops: dict[str, float] = field(default_factory=dict)
@@ -254,7 +254,7 @@ def _forced(memory_cfg: Any, n: int, run: Run) -> MemorySettings:
     return m
 
 
-def _make_plan(run: Run, budgets: Budgets, memory_cfg: Any | None, name: str) -> Plan:
+def _make_plan(run: Run, budgets: Budgets, memory_cfg: Any | None, name: str, explain: bool = True) -> Plan:
     auto = memory_cfg is None or getattr(memory_cfg, "auto", True)
     if auto:
         memory, fixes, _ = choose(run, budgets, memory_cfg)
@@ -269,7 +269,7 @@ def _make_plan(run: Run, budgets: Budgets, memory_cfg: Any | None, name: str) ->
     advice = (
         f"fits: GPU peak {ev.peak_gpu / GIB:.1f} of {budgets.gpu_bytes / GIB:.1f} GiB at {ev.phase}"
         if fits
-        else no_fit_advice(run, ev, budgets, memory_cfg, binding)
+        else no_fit_advice(run, ev, budgets, memory_cfg, binding) if explain else f"does not fit ({binding})"
     )
     host = ev.host_per_gpu
     components = [(k, v, 0, ev.notes.get(k, "")) for k, v in ev.breakdown.items()]
@@ -354,12 +354,13 @@ def plan(
     adapters: AdapterSettings | None = None,
     fast_ops: frozenset[str] = frozenset(),
     indexer_objective: bool = False,
+    explain: bool = True,
 ) -> Plan:
     """Plan one training step of ``spec`` at ``seq_len`` tokens per sequence on ``mesh``.
 
     ``memory_cfg`` (a ``megaseq.config.MemoryConfig``): with ``auto`` false its settings are used as
     given; otherwise the planner picks the cheapest fixes that fit. ``moe_imbalance`` is the max/mean
-    expert load used under expert parallelism (BRIEF: about 4 on real long-context data); ``ep_dispatch``
+    expert load used under expert parallelism (about 4 on real long-context data); ``ep_dispatch``
     how routed rows travel then (default: PipelinedLLEP, planned at its routing-independent bound).
     ``adapters``: a frozen base (``train.trainable``, LoRA): the frozen parameters cost their compute-dtype
     bytes only, the trained ones (adapters included) their gradients and optimizer state
@@ -395,7 +396,7 @@ def plan(
             fast_ops=frozenset(fast_ops),
             indexer_objective=indexer_objective,
         )
-        p = _make_plan(run, budgets, memory_cfg, name or spec.family)
+        p = _make_plan(run, budgets, memory_cfg, name or spec.family, explain)
         if best is None or _better(p, best):
             best = p
     assert best is not None
@@ -522,6 +523,7 @@ def plan_from_config(
     gpus_per_host: int | None = None,
     device_type: str | None = None,
     spec: ModelSpec | None = None,
+    explain: bool = True,
 ) -> Plan:
     """Plan a ``megaseq.config.Config`` run on ``world_size`` GPUs (H200s unless told otherwise).
     ``device_type``: where the run starts, when it starts here (``planned_fast_ops``); None (``megaseq plan``):
@@ -556,6 +558,7 @@ def plan_from_config(
         adapters=AdapterSettings.of(cfg),
         fast_ops=planned_fast_ops(cfg.model.kernels, cfg.model.dtype, device_type),
         indexer_objective=getattr(cfg.model, "train_indexer", False),
+        explain=explain,  # False: no search for what would fit when it does not (the advisor searches itself)
     )
 
 

@@ -219,7 +219,7 @@ def _finish(tmp: Path, final: Path, optimizer: Any, scheduler: Any, meta: dict[s
 
 def _prune(run_dir: Path, keep: int, protect: set[Path]) -> None:
     found = list_complete(run_dir)
-    # step 0 is the "before" model that evaluation compares against: keep it.
+    # the starting checkpoint is the "before" model that evaluation compares against: keep it.
     candidates = [p for s, p in found if s != 0 and p not in protect]
     for p in candidates[: max(0, len(candidates) - max(keep - 1, 0))]:
         shutil.rmtree(p, ignore_errors=True)
@@ -278,7 +278,7 @@ def _check_base(ckpt: Path, meta: dict[str, Any], model: torch.nn.Module) -> Non
 
 
 def is_random_init(meta: dict[str, Any]) -> bool:
-    """Whether a checkpoint holds untrained random weights: step 0 of a run that did not start from
+    """Whether a checkpoint holds untrained random weights: the starting checkpoint of a run that did not start from
     ``model.init_from`` (its meta says ``"init": "random"``, or nothing in runs written before the field),
     and not a converted Hugging Face checkpoint (``"source"``)."""
     return meta.get("step") == 0 and not meta.get("source") and meta.get("init", "random") == "random"

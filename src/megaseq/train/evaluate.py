@@ -1,6 +1,6 @@
 """``megaseq eval``: held-out loss by position for a run (before vs after) or named checkpoints.
 
-    megaseq eval runs/r1                                  # step 0 vs the newest checkpoint of the run
+    megaseq eval runs/r1                                  # the start vs the newest checkpoint of the run
     megaseq eval runs/r1 --data held-out.fa --by-position 32K
     megaseq eval runs/a/checkpoints/step_000000,runs/a/checkpoints/step_000300
 

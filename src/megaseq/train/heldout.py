@@ -105,7 +105,7 @@ def evaluate_run(cfg: Config, run_dir: Path, model: torch.nn.Module, spec: Any, 
                  autocast: torch.dtype | None, memory: MemorySettings, kmer: Any = None,
                  step: int | None = None) -> dict[str, Any]:
     """Held-out loss by position after training (``step``: the last step trained, train.steps when None),
-    beside the k-mer baseline (``kmer``: already fitted) and uniform A/C/G/T; "before" (step 0) only when the
+    beside the k-mer baseline (``kmer``: already fitted) and uniform A/C/G/T; "before" (the start) only when the
     run started from ``model.init_from``."""
     from megaseq.eval import report_by_position
     from megaseq.eval.loss import per_token_loss_fn

@@ -44,7 +44,7 @@ def _identity(cfg: dict[str, Any]) -> dict[str, Any]:
 @dataclass
 class RunDirCheck:
     """What ``check_run_dir`` decided: ``mode`` is new, replace (overwrite), rerun (a run that never got to
-    train), resume or restart (resume asked, nothing resumable yet: from step 0)."""
+    train), resume or restart (resume asked, nothing resumable yet: from the start)."""
 
     run_dir: Path
     mode: str
@@ -208,7 +208,7 @@ def register_output(run_dir: Path, name: str) -> None:
 
 def discard_unstarted(run_dir: Path) -> bool:
     """After a failed start: remove ``run_dir``, which this start created, unless a training step was
-    recorded or a checkpoint past step 0 written (then it holds a run worth reading). True if removed.
+    recorded or a checkpoint past the starting one written (then it holds a run worth reading). True if removed.
     Only for directories the start created: an existing run (resume, overwrite) is never touched here."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():

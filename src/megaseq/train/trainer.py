@@ -590,7 +590,7 @@ def step_mfu(tokens_per_s: float, plan: dict[str, Any], world_size: int, device:
 
 def _meta(spec_dict: dict[str, Any], data: Any, step: int, cfg: Config | None = None,
           base: dict[str, Any] | None = None) -> dict[str, Any]:
-    """A checkpoint's meta; ``init`` says what step 0 was (``checkpoint.is_random_init``)."""
+    """A checkpoint's meta; ``init`` says what the starting checkpoint was (``checkpoint.is_random_init``)."""
     source = cfg.model.init_from if cfg is not None else None  # `megaseq convert` carries its unmodelled tensors
     return {"spec": spec_dict, "data": data.train.state_dict(), "step": step, "init_from": source,
             "init": source or "random", **({"base": base} if base else {})}

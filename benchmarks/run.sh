@@ -1,0 +1,111 @@
+#!/usr/bin/env bash
+# The benchmark suite's one entry point: a named stage, each within one 10-minute GPU job.
+#
+#   bash benchmarks/run.sh STAGE          (from the repository root; or: make bench STAGE=...)
+#
+# Stages (by what they measure):
+#   gpu_suite     the GPU tests (what `make test-gpu` runs: pytest -m gpu tests), one H200, about 3 minutes
+#   speed         glm5-flash-1gpu: tokens/s and MFU at 8K and 32K beside the transformers reference in the
+#                 same job, then a warm 1M step (one H200, about 8 minutes)
+#   lora          Qwen3-30B-A3B (published shapes, 48 layers) LoRA rank 16 at 128K as the planner plans it:
+#                 measured peak against the plan, tokens/s, MFU (one H200, about 8 minutes)
+#   memory        the exact memory schemes' peaks against the plain computation (one H200, about 3 minutes)
+#   kernels       every fast kernel against its reference, with timings (one H200, about 4 minutes)
+#   long_context  the long-context experiment in one job (docs/long_context.md; needs the genomes as .data/)
+#   parallel      FSDP2 over 8 GPUs: glm5-flash-slice at 64K, dp 2 x cp 4, bf16 weights (8 H200s)
+#   plans         the planner's tables (CPU, seconds): the model table of the README, families, FSDP,
+#                 expert parallelism, communication volume
+#
+# Each run writes a dated file per benchmark, RESULTS/<topic>/<benchmark>/<date>_<what>.{json,md,png}, and copies
+# it to current_<what>.* beside it: the figure the docs cite. RESULTS defaults to benchmarks/results; on a lent
+# machine set RESULTS=$OUT. GPU packages (fla-core, liger-kernel) come from `pip install .[gpu]`, or from
+# wheels in .whl/ (bash benchmarks/wheels.sh) when the machine has no package index.
+set -u
+[ $# -eq 1 ] || { sed -n '2,24p' "$0"; exit 2; }
+RESULTS=${RESULTS:-benchmarks/results}
+DATE=$(date -u +%F)
+PY=${PY:-python3}
+if ls .whl/*.whl >/dev/null 2>&1; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+fi
+export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 MEGASEQ_FLA_AUTOTUNE=${MEGASEQ_FLA_AUTOTUNE:-full}
+export TRITON_CACHE_AUTOTUNING=1 TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.tcache}
+# a Triton cache from an earlier job (without one the first step compiles and autotunes for minutes): .tcache/, or
+# its parts .tcpart/tcache.tgz.part* (a packed .tcache, `tar czf - .tcache | split -b 15M - tcache.tgz.part`)
+if ls .tcpart/tcache.tgz.part* >/dev/null 2>&1; then cat .tcpart/tcache.tgz.part* | tar xz; fi
+
+# where one benchmark's files go: dest TOPIC/BENCHMARK WHAT -> prints the dated prefix
+dest() { mkdir -p "$RESULTS/$1"; echo "$RESULTS/$1/${DATE}_$2"; }
+# copy a dated run's files to current_WHAT.*: current TOPIC/BENCHMARK WHAT
+current() {
+  local f
+  for f in "$RESULTS/$1/${DATE}_$2".*; do [ -e "$f" ] && cp "$f" "$RESULTS/$1/current_$2.${f##*.}"; done
+}
+machine() {
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "no GPU"
+  $PY -c "import torch; print('torch', torch.__version__)"
+}
+
+stage_gpu_suite() {
+  mkdir -p "$RESULTS/gpu_suite"
+  # what `make test-gpu` runs, with this interpreter (the machine's CUDA torch, not a fresh virtualenv)
+  $PY -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tee "$RESULTS/gpu_suite/${DATE}.log" | tail -15
+  return "${PIPESTATUS[0]}"
+}
+
+stage_speed() {
+  local b=speed/glm5-flash-1gpu
+  timeout -k 5 330 $PY -m megaseq bench recipes/glm5-flash-1gpu.yaml --seq-lens 8K,32K --baseline \
+    --out "$(dest $b 8k-32k-baseline)" | grep -E "^\| (length|8,192|32,768)"
+  current $b 8k-32k-baseline
+  timeout -k 5 200 $PY -m megaseq bench recipes/glm5-flash-1gpu.yaml --seq-lens 1M --steps 1 \
+    --out "$(dest $b 1m)" | grep -E "^\| (length|1,048,576)"
+  current $b 1m
+}
+
+stage_lora() {
+  local b=lora/qwen3-30b-a3b
+  timeout -k 5 520 $PY benchmarks/lora/lora_h200.py --lengths 128K --steps 1 --out "$(dest $b 128k)" | tail -20
+  current $b 128k
+}
+
+stage_memory() {
+  local b=memory/schemes
+  timeout -k 5 300 $PY benchmarks/memory/bench_memory_schemes.py --out "$(dest $b gpu).json" | tail -20
+  current $b gpu
+}
+
+stage_kernels() {
+  local b=kernels/fast_set
+  timeout -k 5 150 $PY benchmarks/kernels/gpu_smoke.py --out "$(dest $b smoke).json" | tail -15
+  timeout -k 5 120 $PY benchmarks/kernels/glue_gpu.py --out "$(dest $b glue).json" | tail -15
+  timeout -k 5 200 $PY benchmarks/kernels/sparse_mla_gpu.py --out "$(dest $b sparse_mla).json" | tail -15
+  current $b smoke; current $b glue; current $b sparse_mla
+}
+
+stage_long_context() {
+  OUT=$(dest long_context/experiment run) GENOMES=${GENOMES:-.data} bash benchmarks/long_context/long_context.sh call
+}
+
+stage_parallel() {
+  local run
+  run=$(dest parallel/fsdp8 slice_64k)
+  timeout -k 5 500 torchrun --nproc-per-node 8 -m megaseq train recipes/glm5-flash-slice.yaml --train.steps 3 \
+    --parallel.dp 2 --parallel.cp 4 --parallel.fsdp dp_cp --model.weights bf16 \
+    --train.run_dir "$run" --train.overwrite true
+  cp "$run/metrics.jsonl" "$RESULTS/parallel/fsdp8/current_slice_64k.jsonl" 2>/dev/null
+}
+
+stage_plans() {
+  $PY benchmarks/memory/model_table.py --out "$RESULTS/memory/model_table.md"
+  $PY benchmarks/memory/family_plan_rows.py --out "$RESULTS/memory/family_plan_rows.json"
+  $PY benchmarks/parallel/fsdp_plan_rows.py --out "$RESULTS/parallel/fsdp_plan_rows.json"
+  $PY benchmarks/parallel/ep_plans.py --out "$RESULTS/parallel/ep_plans.json"
+  $PY benchmarks/parallel/comm_volume_table.py --out "$RESULTS/parallel/comm_volume.json"
+}
+
+case "$1" in
+  gpu_suite|speed|lora|memory|kernels|long_context|parallel|plans) machine; "stage_$1" ;;
+  *) echo "unknown stage '$1': one of gpu_suite speed lora memory kernels long_context parallel plans" >&2; exit 2 ;;
+esac
