@@ -16,8 +16,10 @@ MLA has Dr = 0.
 
 The latent norms use their own eps (DeepSeek-V3 / Kimi: HF's default 1e-6, not ``rms_norm_eps``; GLM-5:
 ``rms_norm_eps``). The dense path expands keys and values locally and goes context-parallel through
-Ulysses like softmax attention (``Attention``); sequence segments do not carry it (its family says
-``segmentable = False``). ``MLASparseAttention`` (``mla_dsa.py``) gathers ``project``'s latent instead.
+Ulysses like softmax attention (``Attention``). Under sequence segments the latent is carried
+(``ctx.attend_seq``: the earlier segments' latents joined before this segment's, gathered over the cp
+group) and expanded for this rank's heads inside the attention. ``MLASparseAttention`` (``mla_dsa.py``)
+gathers ``project``'s latent instead.
 """
 
 from __future__ import annotations
@@ -102,9 +104,29 @@ class MultiLatentAttention(nn.Module):
     def forward(self, x_BSH: torch.Tensor, ctx: SeqContext) -> torch.Tensor:
         B, S_loc, _ = x_BSH.shape
         q, latent, _ = self.project(x_BSH, ctx)
+        if ctx.segmented:
+            return self._attend_carried(q, latent, ctx)
         k, v = self.expand(latent)
         rep = kv_repeats(self.num_heads, self.num_heads, ctx.cp_size) if ctx.cp_size > 1 else 1
         assert rep == 1  # every head has its own keys: cp must divide the heads (kv_repeats checks)
         q, k, v = ctx.seq_to_heads(q), ctx.seq_to_heads(k), ctx.seq_to_heads(v)
         o = dispatch.call("attention", q, k, v, ctx.full_doc_ids(), self.scaling, layer=self.layer)
         return self.o_proj(ctx.heads_to_seq(o).reshape(B, S_loc, self.num_heads * self.v_dim))
+
+    def _attend_carried(self, q_BTHD: torch.Tensor, latent_BTC: torch.Tensor, ctx: SeqContext) -> torch.Tensor:
+        """Sequence segments: the latent ``[c | k_rot]`` (post-norm, post-RoPE) is what is carried; the queries of
+        this segment (``seq_to_heads``: all of it, this rank's heads) attend over keys and values expanded from
+        the latents of every token so far (``ctx.attend_seq``, gathered over the cp group: gather-KV), this
+        rank's heads only. The expansion runs inside the attention, so under segments it is rebuilt in the
+        backward rather than kept."""
+        B, T_loc = latent_BTC.shape[:2]
+        heads = ctx.head_slice(self.num_heads)
+        doc_ids = ctx.full_doc_ids()
+
+        def attend(q_: torch.Tensor, latent_BSC: torch.Tensor) -> torch.Tensor:
+            k, v = self.expand(latent_BSC)
+            return dispatch.call("attention", q_, k[:, :, heads], v[:, :, heads], doc_ids, self.scaling,
+                                 layer=self.layer)
+
+        o = ctx.attend_seq(ctx.seq_to_heads(q_BTHD), (latent_BTC,), self.layer, attend, gathered=False)
+        return self.o_proj(ctx.heads_to_seq(o).reshape(B, T_loc, self.num_heads * self.v_dim))

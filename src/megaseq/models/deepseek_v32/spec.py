@@ -19,7 +19,7 @@ from megaseq.models.deepseek_v3.spec import common_from_hf, common_to_hf
 from megaseq.models.registry import Family
 from megaseq.models.spec import DNA_VOCAB_SIZE, ModelSpec, refuse_fields
 
-FAMILY = Family(name="deepseek_v32", hf_model_types=("deepseek_v32",), layer_kinds=("dsa",), segmentable=False,
+FAMILY = Family(name="deepseek_v32", hf_model_types=("deepseek_v32",), layer_kinds=("dsa",), segmentable=True,
                 tiles_whole_layer=False, balance="bias",
                 fp32_params=("router",))
 

@@ -24,7 +24,7 @@ from megaseq.models.registry import Family
 from megaseq.models.spec import DNA_VOCAB_SIZE, ModelSpec, refuse_fields
 
 FAMILY = Family(name="kimi_linear", hf_model_types=("kimi_linear",), layer_kinds=("kda", "mla"),
-                segmentable=False, tiles_whole_layer=False, balance="bias",
+                segmentable=True, tiles_whole_layer=False, balance="bias",
                 fp32_params=("router",))
 _EXTRA = ("bos_token_id", "eos_token_id", "initializer_range")
 

@@ -1,10 +1,9 @@
 """``parallelize(model, settings, env)``: OLMoE's memory schemes applied from outside the model.
 
 Its layers are ``models.common.prenorm`` layers: ``tiled_mlp`` tiles each MoE, ``recompute`` (+ SCO)
-recomputes every layer (``memory.apply.apply_prenorm``). Softmax attention carries no state across sequence
-segments (``FAMILY.segmentable`` is False), so ``model_segment_tokens`` is refused.
-With ``parallel.ep > 1`` the routed experts are sharded over ep, and ``parallel.fsdp`` shards every layer
-(``parallel.shard.parallelize_prenorm``).
+recomputes every layer (``memory.apply.apply_prenorm``). Sequence segments (``model_segment_tokens``) run in
+the trainer's step; every mixer carries its state. With ``parallel.ep > 1`` the routed experts are sharded
+over ep, and ``parallel.fsdp`` shards every layer (``parallel.shard.parallelize_prenorm``).
 """
 
 from __future__ import annotations

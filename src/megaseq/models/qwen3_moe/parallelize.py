@@ -4,9 +4,9 @@ The one module of the family that may import ``megaseq.memory`` and ``megaseq.pa
 ``h + attn(norm(h))`` then ``h + mlp(norm(h))``: ``tiled_mlp`` tiles each layer's MLP/MoE
 (``memory.tiling.enable_tiling``); ``recompute`` (+ ``checkpoint_offload``) recomputes every layer;
 ``parallel.fsdp`` shards every layer (``parallel.fsdp.apply_fsdp``, the next layer's all-gather prefetched).
-Softmax attention does not carry its state across sequence segments, so ``model_segment_tokens`` is
-refused; there is no indexer and no KDA. With ``parallel.ep > 1`` every MoE's experts are sharded over the
-ep group (``env.shard_moe``). Applying again replaces the previous schemes (the sharding stays).
+Sequence segments (``model_segment_tokens``) run in the trainer's step (attention carries its K/V); there is
+no indexer and no KDA. With ``parallel.ep > 1`` every MoE's experts are sharded over the ep group
+(``env.shard_moe``). Applying again replaces the previous schemes (the sharding stays).
 """
 
 from __future__ import annotations
