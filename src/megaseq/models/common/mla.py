@@ -18,8 +18,8 @@ The latent norms use their own eps (DeepSeek-V3 / Kimi: HF's default 1e-6, not `
 ``rms_norm_eps``). The dense path expands keys and values locally and goes context-parallel through
 Ulysses like softmax attention (``Attention``). Under sequence segments the latent is carried
 (``ctx.attend_seq``: the earlier segments' latents joined before this segment's, gathered over the cp
-group) and attended absorbed (``kv_b_proj`` folded into the query and the output: an MQA over the latent). ``MLASparseAttention`` (``mla_dsa.py``)
-gathers ``project``'s latent instead.
+group) and attended absorbed (``kv_b_proj`` folded into the query and the output: an MQA over the
+latent). ``MLASparseAttention`` (``mla_dsa.py``) gathers ``project``'s latent instead.
 """
 
 from __future__ import annotations
