@@ -250,3 +250,41 @@ def test_segments_under_cp_match_one_process(preset):
     spawn_local(_rank, 2, args=(preset, "", ref))
     with pytest.raises(Exception, match="step 0 grad"):
         spawn_local(_rank, 2, args=(preset, ".self_attn.0", ref))
+
+
+# ---- on a GPU -------------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("family", ["qwen3_moe", "kimi_linear", "qwen3_next", "deepseek_v3"])
+def test_segments_on_gpu_are_as_close_to_fp64_as_one_pass(family):
+    """bf16 autocast on a GPU (SDPA with lower-right causal masks per document, the absorbed MLA on the efficient
+    kernel, fla's KDA / gated delta rule with carried per-document states): the segmented step is no further from
+    the float64 step than one bf16 pass is. The SDPA math fallback (which would build a segment x keys mask) is
+    off, so a kernel that cannot run a segment's shapes fails here instead of running slowly."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    model = _model(FAMILIES[family])
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(1, model.spec.vocab_size, (2, 300), generator=g)
+    labels = torch.randint(1, model.spec.vocab_size, (2, 300), generator=g)
+    doc_ids = torch.tensor([[0] * 100 + [1] * 130 + [2] * 70, [0] * 300])
+    with dispatch.configured():  # the reference (HF's float32 softmax) is the truth here
+        _, truth = plain(model, ids, labels, doc_ids)
+    gpu = model.float().cuda()
+    dev = [t.cuda() for t in (ids, labels, doc_ids)]
+
+    def run(segmented: bool) -> float:
+        gpu.zero_grad(set_to_none=True)
+        with dispatch.configured(), torch.autocast("cuda", dtype=torch.bfloat16), \
+                sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]):
+            if segmented:
+                ms.segmented_loss_backward(gpu, dev[0], dev[1], _loss_fn(gpu), 1 / S, 64, doc_ids=dev[2])
+            else:
+                (_loss_fn(gpu)(gpu(dev[0], doc_ids=dev[2]), dev[1]) / S).backward()
+        grads = {n: p.grad.double().cpu() for n, p in gpu.named_parameters() if p.grad is not None}
+        errs = sorted(rel_err(grads[n], truth[n]) for n in truth)
+        return errs[len(errs) // 2]
+
+    one, seg = run(False), run(True)
+    print(f"\n{family} GPU bf16 vs float64, median relative gradient error: one pass {one:.3g}, segments {seg:.3g}")
+    assert seg < 1.25 * one + 1e-3
