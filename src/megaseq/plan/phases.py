@@ -433,7 +433,7 @@ def _segment_mixer_store(run: Run, segs: int) -> dict[str, int]:
     (``kv / cp``, after ``seq_to_heads``), and their fp32 gradient accumulators, ``2 (c + f) kv D`` per token;
     per MLA layer the latent ``[c | k_rot]`` (gathered: all tokens on every rank) and its fp32 accumulator,
     ``(c + f) (R + Dr)``; per GDN layer the fp32 state ``[Hv / cp, Dk, Dv]`` and the ``K - 1`` conv inputs
-    ``C / cp`` wide at every segment start."""
+    ``C / cp`` wide at every segment start but the first."""
     spec, prec, B, S, cp = run.spec, run.prec, run.batch, run.seq_len, run.mesh.cp
     c, f = prec.compute, prec.f32
     kinds = spec.layer_types
@@ -448,7 +448,7 @@ def _segment_mixer_store(run: Run, segs: int) -> dict[str, int]:
         out["segment MLA latents + fp32 gradients"] = (kinds.count("mla") * B * S * (c + f)
                                                        * (spec.kv_lora_rank + spec.qk_rope_head_dim))
     if "gdn" in kinds:
-        out["segment GDN states"] = kinds.count("gdn") * segs * B * gdn_state
+        out["segment GDN states"] = kinds.count("gdn") * max(segs - 1, 0) * B * gdn_state  # none into the first
     return out
 
 
