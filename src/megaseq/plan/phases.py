@@ -437,12 +437,12 @@ def _segment_mixer_store(run: Run, segs: int) -> dict[str, int]:
     spec, prec, B, S, cp = run.spec, run.prec, run.batch, run.seq_len, run.mesh.cp
     c, f = prec.compute, prec.f32
     kinds = spec.layer_types
-    D = spec.head_dim or spec.hidden_size // max(spec.num_attention_heads, 1)
-    kv = max(1, layers.kv_heads(spec, run.mesh) // cp)
     Hk, Dk, Hv, Dv = layers.gdn_dims(spec)
     gdn_state = Hv // cp * Dk * Dv * f + (spec.linear_conv_kernel - 1) * (2 * Hk * Dk + Hv * Dv) // cp * c
     out = {}
-    if "attention" in kinds:
+    if "attention" in kinds:  # (only softmax attention's heads constrain cp: ask only then)
+        D = spec.head_dim or spec.hidden_size // spec.num_attention_heads
+        kv = max(1, layers.kv_heads(spec, run.mesh) // cp)
         out["segment K/V caches + fp32 gradients"] = kinds.count("attention") * B * S * 2 * (c + f) * kv * D
     if "mla" in kinds:
         out["segment MLA latents + fp32 gradients"] = (kinds.count("mla") * B * S * (c + f)
