@@ -130,7 +130,7 @@ def test_mla_and_gdn_by_hand():
 
 def test_families_plan_and_cp_checks():
     """The three families plan (no refusal by layer kind); context parallelism is checked against their
-    heads (Ulysses), and a scheme the family cannot run (sequence segments) is never chosen."""
+    heads (Ulysses); at 1M these tiny models need no sequence segments."""
     from megaseq.models.presets import get_preset
     from megaseq.plan import Mesh as M
     from megaseq.plan import plan

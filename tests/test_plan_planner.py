@@ -74,8 +74,8 @@ def test_fixes_grow_with_length_in_ladder_order(ladder):
     cp2 = plan(SPEC_1GPU, 512 * K, Mesh(cp=2, gpus_per_host=2))
     assert cp2.fits and "model_segments" in [f[0] for f in cp2.fixes]
     assert cp2.memory["model_segment_tokens"] % 2 == 0
-    # SCO where segments cannot run (softmax attention carries no state across segments); the optimizer
-    # offload on a smaller GPU
+    # SCO where sequence segments cost more (softmax attention's K/V with their fp32 gradients outgrow the
+    # boundaries SCO offloads); the optimizer offload on a smaller GPU
     wide = get_preset("qwen3-moe-tiny").replace(hidden_size=2048, num_layers=24, layer_types=("attention",) * 24,
                                                 mlp_types=("moe",) * 24)
     qwen = plan(wide, 256 * K, budgets=Budgets(gpu_bytes=40 * GIB))

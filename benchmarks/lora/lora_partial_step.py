@@ -49,6 +49,8 @@ def main() -> None:
     ap.add_argument("--backward-layers", type=int, default=2, help="layers whose backward runs (from the last)")
     ap.add_argument("--warm-tokens", type=int, default=4096, help="length of the warm-up step")
     ap.add_argument("--smoke", action="store_true", help="CPU: qwen3-moe-tiny with recompute forced")
+    ap.add_argument("--source", choices=("random", "genome"), default="random",
+                    help="random tokens, or windows of data.train's genome (real data routes unevenly)")
     ap.add_argument("--out", required=True)
     ap.add_argument("overrides", nargs="*", help="config overrides key=value")
     args = ap.parse_args()
@@ -56,7 +58,7 @@ def main() -> None:
     if args.smoke:
         over += ["model.name=qwen3-moe-tiny", "model.dtype=fp32", "memory.auto=false", "memory.recompute=true"]
     use_expandable_segments()
-    cfg = cfg_for(load_config(args.recipe, over), parse_size(args.length), "random")
+    cfg = cfg_for(load_config(args.recipe, over), parse_size(args.length), args.source)
     device = resolve_device(cfg)
     cuda = device.type == "cuda"
     plan = plan_on(cfg, device)

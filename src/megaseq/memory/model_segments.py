@@ -55,6 +55,7 @@ from typing import ClassVar
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from megaseq.memory.replay import Chunk, SideState, chunk_bounds, run_chunks
 from megaseq.memory.rules import check_model_segments  # noqa: F401  (re-exported: the planner's rules too)
@@ -151,6 +152,58 @@ class SegmentContext(SeqContext):
         self.leaves.append(("cache", key, prefix))
         return torch.cat([prefix, x], dim=1)
 
+    # ---- softmax attention and dense MLA: the keys of every token up to this segment's end ---------
+    def attend_seq(self, q: torch.Tensor, kv: tuple[torch.Tensor, ...], key: str,
+                   attend: Callable[..., torch.Tensor], gathered: bool = True) -> torch.Tensor:
+        """``attend(q, *kv_all)`` over the keys ``[0, e)``: the forward pass writes this segment's ``kv`` into
+        the layer's caches ``[B, S, ...]`` and attends over a view of them. The backward pass joins leaves of
+        the earlier segments' cached rows (views, no copy) to the recomputed ``kv`` inside a checkpoint, so
+        the segment's graph keeps only its own rows (the joined ``[B, e, ...]`` keys are rebuilt in its
+        backward, one layer at a time); each leaf's gradient goes straight into the layer's fp32
+        accumulator (``_accumulate``) and the accumulated gradient of this segment's rows is sent back."""
+        st, names = self.store, [f"{key}.{i}" for i in range(len(kv))]
+        if not gathered:  # this rank's shard of the segment: the whole segment's rows (gather-KV)
+            kv = tuple(x if self.grad and not x.requires_grad else self.inner.gather_seq(x, n)
+                       for x, n in zip(kv, names, strict=True))
+        if not self.grad:
+            for x, n in zip(kv, names, strict=True):
+                if n not in st.cache:
+                    st.cache[n] = x.new_empty((x.shape[0], self.S) + tuple(x.shape[2:]))
+                st.cache[n][:, self.s:self.e] = x
+            return attend(q, *(st.cache[n][:, :self.e] for n in names))
+        if not any(x.requires_grad for x in kv):  # a frozen projection: the forward pass's values
+            return attend(q, *(st.cache[n][:, :self.e] for n in names))
+        for x, n in zip(kv, names, strict=True):
+            if x.requires_grad and self.j + 1 < st.n and n in st.cache_grad:
+                self.outputs.append(x)
+                self.output_grads.append(st.cache_grad[n][:, self.s:self.e].to(x.dtype))
+        if self.s == 0:
+            return attend(q, *kv)
+        prefixes = []
+        for x, n in zip(kv, names, strict=True):
+            prefix = st.cache[n][:, :self.s].detach().requires_grad_(x.requires_grad)
+            if x.requires_grad:
+                prefix.register_post_accumulate_grad_hook(lambda leaf, n=n: self._accumulate(n, leaf))
+            prefixes.append(prefix)
+        m = len(kv)
+
+        def joined(q_: torch.Tensor, *parts: torch.Tensor) -> torch.Tensor:
+            return attend(q_, *(torch.cat([p, x.to(p.dtype)], dim=1) for p, x in zip(parts[:m], parts[m:])))
+
+        return checkpoint(joined, q, *prefixes, *kv, use_reentrant=False)
+
+    def _accumulate(self, key: str, leaf: torch.Tensor) -> None:
+        """The gradient of the earlier segments' cached rows ``[0, s)`` of ``key`` into its fp32 accumulator
+        (``[B, S, ...]``, made on first use); the leaf's own gradient is freed."""
+        g, leaf.grad = leaf.grad, None
+        if g is None:
+            return
+        st = self.store
+        if key not in st.cache_grad:
+            acc = torch.promote_types(g.dtype, torch.float32)
+            st.cache_grad[key] = torch.zeros(st.cache[key].shape, dtype=acc, device=g.device)
+        st.cache_grad[key][:, :self.s] += g
+
     # ---- DSA: the selection of the forward pass, reused by the backward's rerun ------------------
     def reuse(self, key: str, make: Callable[[], torch.Tensor]) -> torch.Tensor:
         st = self.store
@@ -197,12 +250,7 @@ class SegmentContext(SeqContext):
         for kind, key, leaf in self.leaves:
             g = leaf.grad
             if kind == "cache":
-                if g is None:
-                    continue
-                if key not in st.cache_grad:
-                    acc = torch.promote_types(g.dtype, torch.float32)
-                    st.cache_grad[key] = torch.zeros(st.cache[key].shape, dtype=acc, device=g.device)
-                st.cache_grad[key][:, :self.s] += g
+                self._accumulate(key, leaf)
             else:
                 halo_state.setdefault(key, {"halo": None, "state": None})[kind] = g
         for key, d in halo_state.items():

@@ -144,6 +144,22 @@ def layer_flops(spec: ModelSpec, S: int, i: int) -> LayerFlops:
     return out
 
 
+def segment_attention_rerun(spec: ModelSpec, S: int) -> float:
+    """FLOPs sequence segments add to a step for softmax attention and dense MLA layers: each segment's
+    attention core (queries against every key so far) is rebuilt in its backward (the checkpointed join of
+    the carried keys, ``memory/model_segments.py``), one more forward of the cores: ``4 Hq D`` per causal
+    key pair (MLA absorbed: ``2 Hh (2 R + Dr)``, queries and values of the latent's width)."""
+    keys = causal_keys(S, S)
+    out = 0.0
+    for kind in spec.layer_types:
+        if kind == "attention":
+            D = spec.head_dim or spec.hidden_size // spec.num_attention_heads
+            out += 4 * spec.num_attention_heads * D * keys
+        elif kind == "mla":
+            out += 2 * spec.num_attention_heads * (2 * spec.kv_lora_rank + spec.qk_rope_head_dim) * keys
+    return out
+
+
 @dataclass
 class StepFlops:
     """Training FLOPs of one sequence of S tokens (all GPUs together), by part."""

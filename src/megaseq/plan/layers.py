@@ -448,6 +448,43 @@ def gdn_temp(spec: ModelSpec, n: int, prec: Precision, backward: bool, cal: Cali
     return int(n * (cal.kda_bwd_temp_fd * f * D + cal.kda_bwd_temp_cd * c * D + (2 * c + f) * states))
 
 
+# ---- sequence segments: the keys of every token so far (memory/model_segments.py) -------------------------
+def attention_segment_temp(spec: ModelSpec, rows: int, prec: Precision, mesh: Mesh, backward: bool) -> int:
+    """Softmax attention under sequence segments, above its per-query terms: ``rows`` keys (``B * e``: every
+    token up to the segment's end; the last segment's ``B * S``) of this rank's KV heads ``kv / cp``. Forward
+    (no graph): SDPA reads views of the K/V caches, nothing more (float32 with GQA: the repeated heads,
+    ``kv_for_sdpa``). Backward: the checkpointed attention is rebuilt one layer at a time: the joined k and v
+    and their gradients ``4 c kv D`` per key, and with more query heads than KV heads in an SDPA call the
+    kernel's per-query-head dk and dv ``2 c (Hq / calls) D`` (``attention_temp``'s ``dk_expanded``)."""
+    Hq, D, c = spec.num_attention_heads // mesh.cp, spec.head_dim or spec.hidden_size // spec.num_attention_heads, \
+        prec.compute
+    kv = max(1, kv_heads(spec, mesh) // mesh.cp)
+    calls, gqa = sdpa_groups(spec, mesh)
+    repeated = 2 * c * Hq * D if prec.compute == 4 and gqa else 0
+    if not backward:
+        return rows * repeated
+    return rows * (4 * c * kv * D + (2 * c * (Hq // calls) * D if gqa else 0) + repeated)
+
+
+def mla_segment_saved(spec: ModelSpec, n: int, prec: Precision) -> int:
+    """Dense MLA under sequence segments runs absorbed (``MultiLatentAttention._attend_carried``): per query token
+    the absorbed query ``[q_nope W_uk | q_rot]`` ``c * Hh * (R + Dr)`` (the checkpoint's input) and the latent
+    output ``c * Hh * R`` (``W_uv``'s einsum input), with each head call's log-sum-exp ``f * Hh``; in place of
+    the expanded SDPA's q, k, v, o."""
+    Hh, R, Dr = spec.num_attention_heads, spec.kv_lora_rank, spec.qk_rope_head_dim
+    return n * (prec.compute * Hh * (2 * R + Dr) + prec.f32 * Hh)
+
+
+def mla_segment_temp(spec: ModelSpec, rows: int, prec: Precision, backward: bool) -> int:
+    """Dense MLA under sequence segments, per key row (``rows = B * e``, gathered: every rank holds all keys),
+    latent width ``C = R + Dr``: forward the values ``[c | 0]`` (a copy, when Dr > 0) ``c * C``; backward the
+    checkpointed attention rebuilt: the joined latent, the values, one head call's dk and dv and the joined
+    latent's gradient, taken as ``6 c * C``."""
+    C = spec.kv_lora_rank + spec.qk_rope_head_dim
+    values = prec.compute * C if spec.qk_rope_head_dim else 0
+    return rows * (6 * prec.compute * C if backward else values)
+
+
 def kv_heads(spec: ModelSpec, mesh: Mesh) -> int:
     """The attention's KV heads, summed over the cp ranks: the model's, repeated for Ulysses when cp does
     not divide them (``kv_repeats``, as the block repeats them)."""

@@ -158,18 +158,24 @@ def _mixer(run: Run, i: int, xb: int) -> tuple[dict[str, int], int, int]:
             layers.kda_temp(spec, n, prec, False, run.cal) + comm,
             layers.kda_temp(spec, n, prec, True, run.cal) + comm,
         )
+    keys = run.batch * run.seq_len if run.segment else 0  # sequence segments: the last segment's keys
     if kind == "attention":
         window, S = (spec.sliding_window if i in spec.sliding_layers else 0), run.seq_len
         return (
             layers.attention_saved(spec, n, xb, prec, mesh, trains, window, S),
-            layers.attention_temp(spec, n, prec, False, mesh, window, S) + comm,
-            layers.attention_temp(spec, n, prec, True, mesh, window, S) + comm,
+            layers.attention_temp(spec, n, prec, False, mesh, window, S) + comm + layers.attention_segment_temp(
+                spec, keys, prec, mesh, False),
+            layers.attention_temp(spec, n, prec, True, mesh, window, S) + comm + layers.attention_segment_temp(
+                spec, keys, prec, mesh, True),
         )
     if kind == "mla":
+        saved = layers.mla_saved(spec, n, xb, prec, trains)
+        if run.segment:  # absorbed over the carried latent (no expanded SDPA q, k, v, o)
+            saved["mla q,k,v,o (SDPA, v padded) + lse"] = layers.mla_segment_saved(spec, n, prec)
         return (
-            layers.mla_saved(spec, n, xb, prec, trains),
-            layers.mla_temp(spec, n, prec, False) + comm,
-            layers.mla_temp(spec, n, prec, True) + comm,
+            saved,
+            layers.mla_temp(spec, n, prec, False) + comm + layers.mla_segment_temp(spec, keys, prec, False),
+            layers.mla_temp(spec, n, prec, True) + comm + layers.mla_segment_temp(spec, keys, prec, True),
         )
     if kind == "gdn":
         return (
@@ -418,7 +424,7 @@ def segment_store_bytes(run: Run) -> dict[str, int]:
     state = Hl * D * D * f + (spec.linear_conv_kernel - 1) * 3 * Hl * D * c
     full = sum(1 for i, k in enumerate(spec.layer_types) if k == "dsa" and spec.indexer_types[i] == "full")
     kept = full * layers.dsa_selection_bytes(spec, B * S) if run.memory.segment_keep_selection else 0
-    return {
+    out = {
         "segment DSA selections (kept)": kept,
         "segment caches (DSA latents, indexer keys)": dsa * B * S * (R * c + 2 * spec.index_head_dim * f),
         "segment latent gradients (fp32)": (dsa + (1 if dsa else 0)) * B * S * R * f,
@@ -427,6 +433,33 @@ def segment_store_bytes(run: Run) -> dict[str, int]:
         "segment indexer key gradients (fp32)": (full * B * S * 2 * spec.index_head_dim * f
                                                  if run.indexer_objective else 0),
     }
+    out.update(_segment_mixer_store(run, segs))
+    return out
+
+
+def _segment_mixer_store(run: Run, segs: int) -> dict[str, int]:
+    """Sequence segments' store of softmax attention, dense MLA and gated DeltaNet layers (the rest of
+    ``segment_store_bytes``): per attention layer the K and V caches of every token, this rank's KV heads
+    (``kv / cp``, after ``seq_to_heads``), and their fp32 gradient accumulators, ``2 (c + f) kv D`` per token;
+    per MLA layer the latent ``[c | k_rot]`` (gathered: all tokens on every rank) and its fp32 accumulator,
+    ``(c + f) (R + Dr)``; per GDN layer the fp32 state ``[Hv / cp, Dk, Dv]`` and the ``K - 1`` conv inputs
+    ``C / cp`` wide at every segment start but the first."""
+    spec, prec, B, S, cp = run.spec, run.prec, run.batch, run.seq_len, run.mesh.cp
+    c, f = prec.compute, prec.f32
+    kinds = spec.layer_types
+    Hk, Dk, Hv, Dv = layers.gdn_dims(spec)
+    gdn_state = Hv // cp * Dk * Dv * f + (spec.linear_conv_kernel - 1) * (2 * Hk * Dk + Hv * Dv) // cp * c
+    out = {}
+    if "attention" in kinds:  # (only softmax attention's heads constrain cp: ask only then)
+        D = spec.head_dim or spec.hidden_size // spec.num_attention_heads
+        kv = max(1, layers.kv_heads(spec, run.mesh) // cp)
+        out["segment K/V caches + fp32 gradients"] = kinds.count("attention") * B * S * 2 * (c + f) * kv * D
+    if "mla" in kinds:
+        out["segment MLA latents + fp32 gradients"] = (kinds.count("mla") * B * S * (c + f)
+                                                       * (spec.kv_lora_rank + spec.qk_rope_head_dim))
+    if "gdn" in kinds:
+        out["segment GDN states"] = kinds.count("gdn") * max(segs - 1, 0) * B * gdn_state  # none into the first
+    return out
 
 
 def _copies(run: Run, i: int, cached_only: bool) -> int:

@@ -10,6 +10,10 @@ Flow (Ulysses context parallelism through the ``SeqContext`` hooks; identities w
           --op "attention": causal within each document--> o [B,S,Hq/cp,D]
           --ctx.heads_to_seq, o_proj--> [B,S_loc,H]
 
+Sequence segments (``memory/model_segments.py``): the attention goes through ``ctx.attend_seq``, which
+joins the earlier segments' cached k and v (post-norm, post-RoPE, this rank's heads after ``seq_to_heads``)
+before this segment's; the op's queries are then the last of its keys.
+
 RoPE is applied before ``seq_to_heads``: a rotation depends only on the token's own position, so
 rotating locally with the shard's ``position_ids`` (which restart at each document start) is exact.
 
@@ -44,37 +48,62 @@ REFERENCE_BLOCK_ELEMS = 1 << 22
 
 
 # ---- op "attention": o_BSHD = causal, document-masked softmax(q k^T * scale) v ------------------
+# The queries are the last Sq of the Sk key tokens (Sq = Sk: the plain case; Sq < Sk: a sequence segment's
+# queries over the keys of every token so far); ``doc_ids_BS`` are the keys' documents ``[B, Sk]``.
 def _doc_attention(q_HLD: torch.Tensor, k_KLD: torch.Tensor, v_KLD: torch.Tensor,
-                   scale: float) -> torch.Tensor:
-    """Causal attention within one document, blocked over queries; rows keep the document's length."""
-    Hq, L, D = q_HLD.shape
-    Hkv = k_KLD.shape[0]
-    q_KGLD = q_HLD.view(Hkv, Hq // Hkv, L, D)
-    block = max(1, min(L, REFERENCE_BLOCK_ELEMS // max(Hq * L, 1)))
+                   scale: float, softmax_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Causal attention within one document, blocked over queries (the last ``Lq`` of its ``L`` keys); rows
+    keep the document's length."""
+    Hq, Lq, D = q_HLD.shape
+    Hkv, L = k_KLD.shape[:2]
+    first = L - Lq  # the first query's position among the keys
+    q_KGLD = q_HLD.view(Hkv, Hq // Hkv, Lq, D)
+    block = max(1, min(Lq, REFERENCE_BLOCK_ELEMS // max(Hq * L, 1)))
     key_pos = torch.arange(L, device=q_HLD.device)
     out = []
-    for s0 in range(0, L, block):
-        s1 = min(L, s0 + block)
+    for s0 in range(0, Lq, block):
+        s1 = min(Lq, s0 + block)
         scores_KGbL = torch.matmul(q_KGLD[:, :, s0:s1], k_KLD.transpose(-1, -2).unsqueeze(1)) * scale
-        future_bL = key_pos[None, :] > torch.arange(s0, s1, device=q_HLD.device)[:, None]
+        future_bL = key_pos[None, :] > torch.arange(first + s0, first + s1, device=q_HLD.device)[:, None]
         scores_KGbL = scores_KGbL.masked_fill(future_bL, float("-inf"))
-        probs = F.softmax(scores_KGbL, dim=-1, dtype=torch.float32).to(q_HLD.dtype)
+        probs = F.softmax(scores_KGbL, dim=-1, dtype=softmax_dtype).to(q_HLD.dtype)
         out.append(torch.matmul(probs, v_KLD.unsqueeze(1)))
-    return torch.cat(out, dim=2).reshape(Hq, L, -1)
+    return torch.cat(out, dim=2).reshape(Hq, Lq, -1)
+
+
+def query_spans(doc_ids_BS: torch.Tensor | None, num_queries: int, num_keys: int,
+                batch: int) -> list[list[tuple[int, int, int]]]:
+    """Per batch row, ``(first key, first query, end)`` of each document that has queries (key positions; the
+    queries are the last ``num_queries`` of the ``num_keys`` tokens)."""
+    first = num_keys - num_queries
+    spans = doc_spans(doc_ids_BS, num_keys) if doc_ids_BS is not None else [[(0, num_keys)]] * batch
+    return [[(s0, max(s0, first), s1) for s0, s1 in row if s1 > first] for row in spans]
 
 
 @dispatch.register("attention", "torch_reference", reference=True)
 def attention_reference(q_BSHD: torch.Tensor, k_BSKD: torch.Tensor, v_BSKD: torch.Tensor,
-                        doc_ids_BS: torch.Tensor | None, scale: float) -> torch.Tensor:
+                        doc_ids_BS: torch.Tensor | None, scale: float,
+                        softmax_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Explicit masked softmax per (batch row, document); memory ``Hq * block * L`` per step."""
-    B, S = q_BSHD.shape[:2]
-    spans = doc_spans(doc_ids_BS, S) if doc_ids_BS is not None else [[(0, S)]] * B
+    B, Sq, Sk = q_BSHD.shape[0], q_BSHD.shape[1], k_BSKD.shape[1]
+    first = Sk - Sq
     q, k, v = (t.transpose(1, 2) for t in (q_BSHD, k_BSKD, v_BSKD))  # [B, heads, S, D]
     rows = []
-    for b in range(B):
-        docs = [_doc_attention(q[b, :, s0:s1], k[b, :, s0:s1], v[b, :, s0:s1], scale) for s0, s1 in spans[b]]
+    for b, spans in enumerate(query_spans(doc_ids_BS, Sq, Sk, B)):
+        docs = [_doc_attention(q[b, :, q0 - first:s1 - first], k[b, :, s0:s1], v[b, :, s0:s1], scale, softmax_dtype)
+                for s0, q0, s1 in spans]
         rows.append(torch.cat(docs, dim=1))
     return torch.stack(rows).transpose(1, 2)
+
+
+@dispatch.register("attention", "torch_exact", opt_in=True)
+def attention_exact(q_BSHD: torch.Tensor, k_BSKD: torch.Tensor, v_BSKD: torch.Tensor,
+                    doc_ids_BS: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """The reference with the softmax in ``promote_types(dtype, float32)`` (HF's eager path takes it in float32
+    even for a float64 model): a float64 computation whose rounding does not depend on how many masked keys a
+    row has, for comparing two schedules of the same attention (sequence segments against one pass)."""
+    return attention_reference(q_BSHD, k_BSKD, v_BSKD, doc_ids_BS, scale,
+                               torch.promote_types(q_BSHD.dtype, torch.float32))
 
 
 def _sdpa_supports(q_BSHD: torch.Tensor, k_BSKD: torch.Tensor, v_BSKD: torch.Tensor,
@@ -112,7 +141,8 @@ def attention_sdpa(q_BSHD: torch.Tensor, k_BSKD: torch.Tensor, v_BSKD: torch.Ten
     if Dv < q_BSHD.shape[-1]:
         v_pad = F.pad(v_BSKD, (0, q_BSHD.shape[-1] - Dv))
         return attention_sdpa(q_BSHD, k_BSKD, v_pad, doc_ids_BS, scale)[..., :Dv]
-    spans = None if doc_ids_BS is None else doc_spans(doc_ids_BS, q_BSHD.shape[1])
+    spans = None if doc_ids_BS is None else query_spans(doc_ids_BS, q_BSHD.shape[1], k_BSKD.shape[1],
+                                                        q_BSHD.shape[0])
     Hq, Hkv = q_BSHD.shape[2], k_BSKD.shape[2]
     calls = sdpa_head_groups(Hq, Hkv)
     if calls > 1:  # query heads in groups, each with the KV head it reads: see sdpa_head_groups
@@ -125,20 +155,35 @@ def attention_sdpa(q_BSHD: torch.Tensor, k_BSKD: torch.Tensor, v_BSKD: torch.Ten
 
 def _sdpa_causal(q_BSHD: torch.Tensor, k_BSKD: torch.Tensor, v_BSKD: torch.Tensor,
                  doc_spans_B: list | None, scale: float) -> torch.Tensor:
-    """One SDPA call per batch row and document (``doc_spans_B``; None: causal over whole rows)."""
+    """One SDPA call per batch row and document (``doc_spans_B``: ``query_spans``; None: causal over whole
+    rows). Queries fewer than the keys (a sequence segment) are the last ones: causal aligned to the lower
+    right (``causal_lower_right``, which flash and the efficient kernels run without a mask tensor)."""
     q, k, v = (t.transpose(1, 2) for t in (q_BSHD, k_BSKD, v_BSKD))
     k, v = kv_for_sdpa(q, k, v)
-    if doc_spans_B is None:
+    if doc_spans_B is None and q.shape[2] == k.shape[2]:
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
         return o.transpose(1, 2)
+    first = k.shape[2] - q.shape[2]
+    if doc_spans_B is None:
+        doc_spans_B = query_spans(None, q.shape[2], k.shape[2], q.shape[0])
     rows = []
     for b, spans in enumerate(doc_spans_B):
         qb, kb, vb = q[b:b + 1], k[b:b + 1], v[b:b + 1]
-        docs = [F.scaled_dot_product_attention(qb[:, :, s0:s1], kb[:, :, s0:s1], vb[:, :, s0:s1],
-                                               is_causal=True, scale=scale, enable_gqa=True)
-                for s0, s1 in spans]
+        docs = [_sdpa_lower_right(qb[:, :, q0 - first:s1 - first], kb[:, :, s0:s1], vb[:, :, s0:s1], scale)
+                for s0, q0, s1 in spans]
         rows.append(torch.cat(docs, dim=2))
     return torch.cat(rows).transpose(1, 2)
+
+
+def _sdpa_lower_right(q_BHLD: torch.Tensor, k_BKLD: torch.Tensor, v_BKLD: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal SDPA where the ``Lq`` queries are the last of the ``L`` keys."""
+    Lq, L = q_BHLD.shape[2], k_BKLD.shape[2]
+    if Lq == L:
+        return F.scaled_dot_product_attention(q_BHLD, k_BKLD, v_BKLD, is_causal=True, scale=scale, enable_gqa=True)
+    from torch.nn.attention.bias import causal_lower_right
+
+    return F.scaled_dot_product_attention(q_BHLD, k_BKLD, v_BKLD, attn_mask=causal_lower_right(Lq, L), scale=scale,
+                                          enable_gqa=True)
 
 
 # ---- RoPE (models/common/rope.py) -----------------------------------------------------------------
@@ -230,7 +275,13 @@ class Attention(nn.Module):
         if rep > 1:  # copies; KV head j becomes heads j*rep .. j*rep+rep-1, so the GQA grouping holds
             k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
         q, k, v = ctx.seq_to_heads(q), ctx.seq_to_heads(k), ctx.seq_to_heads(v)
-        o = ctx.heads_to_seq(self._attend(q, k, v, ctx)).reshape(B, S_loc, self.num_heads * self.head_dim)
+
+        def attend(q_: torch.Tensor, k_: torch.Tensor, v_: torch.Tensor) -> torch.Tensor:
+            return self._attend(q_, k_, v_, ctx)
+
+        # the keys of every token so far: these (one pass), or joined to the earlier segments' (segments)
+        o = ctx.attend_seq(q, (k, v), self.layer, attend)
+        o = ctx.heads_to_seq(o).reshape(B, S_loc, self.num_heads * self.head_dim)
         if gate is not None:
             o = o * torch.sigmoid(gate)
         return self.o_proj(o)

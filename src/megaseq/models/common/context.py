@@ -13,10 +13,11 @@ documents apart (the KDA conv and recurrence, attention masks, the indexer's poo
 ``position_ids`` count from 0 at each document start.
 
 Sequence segments (``megaseq.memory.model_segments``) run the whole model over the sequence a segment
-at a time; their context subclasses this one and implements the two hooks of state carried from the
-tokens before the segment: ``gather_seq(x, key)`` (the keyed latents and keys of all tokens so far) and
-``carried_in`` / ``carried_out`` (a recurrent layer's state and conv halo). With one rank and no
-segments both are identities.
+at a time; their context subclasses this one and implements the hooks of state carried from the
+tokens before the segment: ``gather_seq(x, key)`` (the keyed latents and keys of all tokens so far),
+``attend_seq`` (softmax attention over the keys of all tokens so far: K/V or an MLA latent cached per
+layer) and ``carried_in`` / ``carried_out`` (a recurrent layer's state and conv halo). With one rank and
+no segments all are identities.
 """
 
 from __future__ import annotations
@@ -105,6 +106,18 @@ class SeqContext:
         """``make()``, or what an earlier run of the same tokens kept under ``key`` (sequence segments keep
         the DSA selection of the forward pass for the backward's rerun); no-grad results only."""
         return make()
+
+    def attend_seq(self, q: torch.Tensor, kv: tuple[torch.Tensor, ...], key: str,
+                   attend: Callable[..., torch.Tensor], gathered: bool = True) -> torch.Tensor:
+        """``attend(q, *kv_all)``: softmax attention of these queries over the keys of every token so far.
+        ``kv`` are this layer's key-side tensors of these tokens (``[B, L, ...]``: softmax attention's k and v
+        after ``seq_to_heads``, ``gathered``; MLA's latent, this rank's shard, gathered over the cp group
+        here when not ``gathered``); ``kv_all`` the same over all tokens up to these queries' last, whose
+        last ``L`` rows are these. Here the sequence starts with these tokens: ``attend(q, *kv)`` (after
+        the cp gather where asked). Sequence segments join the earlier segments' cached ``kv`` (``key``)."""
+        if not gathered:
+            kv = tuple(self.gather_seq(t, f"{key}.{i}") for i, t in enumerate(kv))
+        return attend(q, *kv)
 
     def carried_out(self, key: str, tail: torch.Tensor, state: torch.Tensor | None) -> None:
         """The layer's last ``halo`` inputs and its recurrent state after these tokens (for the next

@@ -20,7 +20,9 @@ the reference's O(S * 64 * D) per head (tests and short runs).
 
 Precision: where HF casts to float32 (the gate, the recurrence, the gated norm) we compute in
 ``promote_types(dtype, float32)`` (docs/architecture.md). Context parallelism: Ulysses, as KDA (cp must
-divide Hk and Hv). Sequence segments are not implemented for this layer (its family says so).
+divide Hk and Hv). Sequence segments: as KDA, the recurrent state ``[Hv/cp, Dk, Dv]`` and the conv's
+``K - 1`` earlier inputs (``[q | k | v]`` after ``seq_to_heads``: this rank's heads) are carried through
+``ctx.carried_in`` / ``ctx.carried_out`` (the op's ``initial_state`` / final state, fla's and the reference's).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megaseq.models.common.context import SeqContext
-from megaseq.models.common.kda import cu_seqlens_from_doc_ids
+from megaseq.models.common.kda import cu_seqlens_from_doc_ids, doc_rows
 from megaseq.models.spec import ModelSpec
 from megaseq.ops import dispatch
 from megaseq.ops import fla_gdn as _fla_gdn  # noqa: F401  (registers fla's gated delta rule)
@@ -175,15 +177,57 @@ class GatedDeltaNet(nn.Module):
         q, k, v, g, beta = (ctx.seq_to_heads(t if t.dim() == 4 else t.unsqueeze(-1)) for t in (q, k, v, g, beta))
         g, beta = g.squeeze(-1), beta.squeeze(-1)
         hk, hv = q.shape[2], v.shape[2]
-        doc_ids = ctx.full_doc_ids()
-        cu = None if doc_ids is None else cu_seqlens_from_doc_ids(doc_ids)
-        rows = 1 if cu is not None else B
-        mixed = torch.cat([q.reshape(rows, -1, hk * Dk), k.reshape(rows, -1, hk * Dk), v.reshape(rows, -1, hv * Dv)],
-                          dim=-1)
-        w = self._conv_weight(ctx.head_slice(Hk), ctx.head_slice(Hv))
-        mixed = dispatch.call("causal_conv", mixed, w, "silu", cu, layer=self.layer)
-        q, k, v = mixed.split([hk * Dk, hk * Dk, hv * Dv], dim=-1)
-        o = dispatch.call("gdn", q.reshape(rows, -1, hk, Dk), k.reshape(rows, -1, hk, Dk), v.reshape(rows, -1, hv, Dv),
-                          g.reshape(rows, -1, hv), beta.reshape(rows, -1, hv), cu, layer=self.layer)
+        mixed_BTC = torch.cat([q.reshape(B, -1, hk * Dk), k.reshape(B, -1, hk * Dk), v.reshape(B, -1, hv * Dv)],
+                              dim=-1)
+        o = self._mix(mixed_BTC, g, beta, ctx, hk, hv)
         o = ctx.heads_to_seq(o.reshape(B, -1, hv, Dv))
         return self.out_proj(self.norm(o, z).reshape(B, S_loc, Hv * Dv))
+
+    @property
+    def conv_halo(self) -> int:
+        """Tokens before a segment whose conv inputs its outputs depend on (K - 1)."""
+        return self.conv1d.kernel_size[0] - 1
+
+    def _mix(self, mixed_BTC: torch.Tensor, g_BTH: torch.Tensor, beta_BTH: torch.Tensor, ctx: SeqContext,
+             hk: int, hv: int) -> torch.Tensor:
+        """The causal conv and the gated delta rule over this rank's heads: ``o [B, T, hv, Dv]``. Under
+        sequence segments (``ctx.segmented``) the conv's ``K - 1`` earlier inputs (the halo, ``[q | k | v]``
+        after ``seq_to_heads``) and the recurrent state come from ``ctx.carried_in`` and this segment's go to
+        ``ctx.carried_out``; with documents the conv and the state restart at each document start and a
+        row's carried state feeds its first document only if that document goes on from the segment before."""
+        B, T, _ = mixed_BTC.shape
+        Dk, Dv = self.head_k_dim, self.head_v_dim
+        halo_BhC, halo, state = ctx.carried_in(self.layer, mixed_BTC[:, :0], self.conv_halo) if ctx.segmented \
+            else (None, 0, None)
+        mixed_BLC = torch.cat([halo_BhC.to(mixed_BTC.dtype), mixed_BTC], dim=1) if halo else mixed_BTC
+        L = mixed_BLC.shape[1]
+        full = ctx.full_doc_ids()  # [B, tokens so far] (the whole sequence without segments)
+        docs = None if full is None else full[:, full.shape[1] - L:]
+        continues = None
+        if full is not None and ctx.segmented and full.shape[1] > T:  # does each row's first document go on?
+            s = full.shape[1] - T
+            continues = full[:, s] == full[:, s - 1]
+        cu = None if docs is None else cu_seqlens_from_doc_ids(docs)
+        rows = 1 if cu is not None else B
+        w = self._conv_weight(ctx.head_slice(self.num_k_heads), ctx.head_slice(self.num_v_heads))
+        conv = dispatch.call("causal_conv", mixed_BLC.reshape(rows, -1, mixed_BLC.shape[-1]), w, "silu", cu,
+                             layer=self.layer)
+        conv = conv.reshape(B, L, -1)[:, halo:].reshape(rows, B * T // rows, -1)
+        q, k, v = conv.split([hk * Dk, hk * Dk, hv * Dv], dim=-1)
+        cu = None if docs is None else cu_seqlens_from_doc_ids(docs[:, halo:])
+        first = last = None
+        if cu is not None and ctx.segmented:
+            first, last = doc_rows(docs[:, halo:])
+            if state is not None:  # row b's carried state starts its first document when that goes on
+                rows_on = torch.nonzero(continues.to(first.device)).squeeze(-1)
+                init = state.new_zeros((len(cu) - 1,) + tuple(state.shape[1:]))
+                state = init.index_copy(0, first[rows_on], state[rows_on])
+        state_kw = {"initial_state": state, "return_state": True} if ctx.segmented else {}
+        o = dispatch.call("gdn", q.reshape(rows, -1, hk, Dk), k.reshape(rows, -1, hk, Dk), v.reshape(rows, -1, hv, Dv),
+                          g_BTH.reshape(rows, -1, hv), beta_BTH.reshape(rows, -1, hv), cu, **state_kw, layer=self.layer)
+        if ctx.segmented:
+            o, state = o
+            if last is not None:
+                state = state.index_select(0, last)  # each row's last document's
+            ctx.carried_out(self.layer, mixed_BLC[:, max(0, L - self.conv_halo):], state)
+        return o

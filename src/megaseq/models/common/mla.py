@@ -16,8 +16,10 @@ MLA has Dr = 0.
 
 The latent norms use their own eps (DeepSeek-V3 / Kimi: HF's default 1e-6, not ``rms_norm_eps``; GLM-5:
 ``rms_norm_eps``). The dense path expands keys and values locally and goes context-parallel through
-Ulysses like softmax attention (``Attention``); sequence segments do not carry it (its family says
-``segmentable = False``). ``MLASparseAttention`` (``mla_dsa.py``) gathers ``project``'s latent instead.
+Ulysses like softmax attention (``Attention``). Under sequence segments the latent is carried
+(``ctx.attend_seq``: the earlier segments' latents joined before this segment's, gathered over the cp
+group) and attended absorbed (``kv_b_proj`` folded into the query and the output: an MQA over the
+latent). ``MLASparseAttention`` (``mla_dsa.py``) gathers ``project``'s latent instead.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from torch import nn
 from megaseq.models.common import rope
 from megaseq.models.common.attention import kv_repeats, positions_for
 from megaseq.models.common.context import SeqContext
+from megaseq.models.common.lora import linear_weight
 from megaseq.models.common.norm import RMSNorm
 from megaseq.models.spec import ModelSpec
 from megaseq.ops import dispatch
@@ -102,9 +105,42 @@ class MultiLatentAttention(nn.Module):
     def forward(self, x_BSH: torch.Tensor, ctx: SeqContext) -> torch.Tensor:
         B, S_loc, _ = x_BSH.shape
         q, latent, _ = self.project(x_BSH, ctx)
+        if ctx.segmented:
+            return self._attend_carried(q, latent, ctx)
         k, v = self.expand(latent)
         rep = kv_repeats(self.num_heads, self.num_heads, ctx.cp_size) if ctx.cp_size > 1 else 1
         assert rep == 1  # every head has its own keys: cp must divide the heads (kv_repeats checks)
         q, k, v = ctx.seq_to_heads(q), ctx.seq_to_heads(k), ctx.seq_to_heads(v)
         o = dispatch.call("attention", q, k, v, ctx.full_doc_ids(), self.scaling, layer=self.layer)
         return self.o_proj(ctx.heads_to_seq(o).reshape(B, S_loc, self.num_heads * self.v_dim))
+
+    def _attend_carried(self, q_BTHD: torch.Tensor, latent_BTC: torch.Tensor, ctx: SeqContext) -> torch.Tensor:
+        """Sequence segments: the latent ``[c | k_rot]`` (post-norm, post-RoPE) is what is carried, and the
+        attention runs on it absorbed, as an MQA over the latents of every token so far (``ctx.attend_seq``,
+        gathered over the cp group: gather-KV): each head's query ``[q_nope W_uk | q_rot]`` ``[R + Dr]`` against
+        the keys ``[c | k_rot]`` and the values ``c`` (as ``[c | 0]``, one width for the kernel), then
+        ``o = o_c W_uv``. The same sums as ``expand``'s keys and values in another order; the joined keys are
+        the latent itself (no ``Hh``-fold expansion), one head per op call (so the kernels' per-query-head key
+        gradients are one head wide). The queries are all of the segment for this rank's heads
+        (``seq_to_heads``)."""
+        B, T_loc = latent_BTC.shape[:2]
+        Hh, Dn, R = self.num_heads, self.nope_dim, self.kv_lora_rank
+        heads = ctx.head_slice(Hh)
+        doc_ids = ctx.full_doc_ids()
+        q_BTHD = ctx.seq_to_heads(q_BTHD)
+        w_HXR = linear_weight(self.kv_b_proj).view(Hh, Dn + self.v_dim, R)[heads]
+        w_uk_HNR, w_uv_HVR = w_HXR.split([Dn, self.v_dim], dim=1)
+        q_c = torch.einsum("bthn,hnr->bthr", q_BTHD[..., :Dn], w_uk_HNR.to(q_BTHD.dtype))
+        q_abs_BTHC = torch.cat([q_c, q_BTHD[..., Dn:]], dim=-1)
+
+        def attend(q_: torch.Tensor, latent_BSC: torch.Tensor) -> torch.Tensor:
+            k_BS1C = latent_BSC.unsqueeze(2)
+            v_BS1C = torch.cat([latent_BSC[..., :R], latent_BSC.new_zeros(latent_BSC.shape[:2] + (self.rope_dim,))],
+                               dim=-1).unsqueeze(2) if self.rope_dim else k_BS1C
+            o = [dispatch.call("attention", q_[:, :, h:h + 1], k_BS1C, v_BS1C, doc_ids, self.scaling, layer=self.layer)
+                 for h in range(q_.shape[2])]
+            return torch.cat(o, dim=2)[..., :R]
+
+        o_c = ctx.attend_seq(q_abs_BTHC, (latent_BTC,), self.layer, attend, gathered=False)
+        o_BTHV = torch.einsum("bthr,hvr->bthv", o_c, w_uv_HVR.to(o_c.dtype))
+        return self.o_proj(ctx.heads_to_seq(o_BTHV).reshape(B, T_loc, self.num_heads * self.v_dim))

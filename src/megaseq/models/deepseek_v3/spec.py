@@ -27,7 +27,7 @@ from megaseq.models.hf_fields import FULL_ATTENTION, ROPE_FIELDS, HFFields
 from megaseq.models.registry import Family
 from megaseq.models.spec import DNA_VOCAB_SIZE, ModelSpec, rope_from_hf, rope_to_hf
 
-FAMILY = Family(name="deepseek_v3", hf_model_types=("deepseek_v3",), layer_kinds=("mla",), segmentable=False,
+FAMILY = Family(name="deepseek_v3", hf_model_types=("deepseek_v3",), layer_kinds=("mla",), segmentable=True,
                 tiles_whole_layer=False, balance="bias",
                 fp32_params=("router",))
 _EXTRA = ("bos_token_id", "eos_token_id", "initializer_range")

@@ -21,7 +21,7 @@ from megaseq.models.hf_fields import HFFields
 from megaseq.models.registry import Family
 from megaseq.models.spec import DNA_VOCAB_SIZE, ModelSpec
 
-FAMILY = Family(name="deepseek_v32", hf_model_types=("deepseek_v32",), layer_kinds=("dsa",), segmentable=False,
+FAMILY = Family(name="deepseek_v32", hf_model_types=("deepseek_v32",), layer_kinds=("dsa",), segmentable=True,
                 tiles_whole_layer=False, balance="bias",
                 fp32_params=("router",))
 

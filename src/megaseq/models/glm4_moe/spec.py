@@ -23,7 +23,7 @@ from megaseq.models.hf_fields import FULL_ATTENTION, ROPE_FIELDS, HFFields
 from megaseq.models.registry import Family
 from megaseq.models.spec import DNA_VOCAB_SIZE, ModelSpec, rope_from_hf, rope_to_hf
 
-FAMILY = Family(name="glm4_moe", hf_model_types=("glm4_moe",), layer_kinds=("attention",), segmentable=False,
+FAMILY = Family(name="glm4_moe", hf_model_types=("glm4_moe",), layer_kinds=("attention",), segmentable=True,
                 tiles_whole_layer=False, balance="bias",
                 fp32_params=("router",))
 _EXTRA = ("bos_token_id", "eos_token_id", "initializer_range")

@@ -1,9 +1,9 @@
 """``parallelize(model, settings, env)``: Kimi-Linear's memory schemes applied from outside the model.
 
 ``models.common.prenorm`` layers (``memory.apply.apply_prenorm``: tiled MLP/MoE, recompute + SCO); the KDA
-mixers run in segments of ``kda_segment_tokens`` when the plan says so (``memory.kda_segments``). The MLA
-layers carry no state across sequence segments (``FAMILY.segmentable`` is False).
-With ``parallel.ep > 1`` the routed experts are sharded over ep, and ``parallel.fsdp`` shards every layer
+mixers run in segments of ``kda_segment_tokens`` when the plan says so (``memory.kda_segments``). Sequence
+segments (``model_segment_tokens``) run in the trainer's step; KDA and MLA carry their state. With
+``parallel.ep > 1`` the routed experts are sharded over ep, and ``parallel.fsdp`` shards every layer
 (``parallel.shard.parallelize_prenorm``).
 """
 

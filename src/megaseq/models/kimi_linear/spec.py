@@ -29,7 +29,7 @@ from megaseq.models.registry import Family
 from megaseq.models.spec import DNA_VOCAB_SIZE, ModelSpec
 
 FAMILY = Family(name="kimi_linear", hf_model_types=("kimi_linear",), layer_kinds=("kda", "mla"),
-                segmentable=False, tiles_whole_layer=False, balance="bias",
+                segmentable=True, tiles_whole_layer=False, balance="bias",
                 fp32_params=("router",))
 # carried to the export (tie_word_embeddings: what the source says; transformers never ties this class)
 _EXTRA = ("bos_token_id", "eos_token_id", "initializer_range", "tie_word_embeddings")

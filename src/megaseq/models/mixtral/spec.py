@@ -20,7 +20,7 @@ from megaseq.models.hf_fields import FULL_ATTENTION, ROPE_FIELDS, HFFields
 from megaseq.models.registry import Family
 from megaseq.models.spec import DNA_VOCAB_SIZE, ModelSpec, rope_from_hf, rope_to_hf
 
-FAMILY = Family(name="mixtral", hf_model_types=("mixtral",), layer_kinds=("attention",), segmentable=False,
+FAMILY = Family(name="mixtral", hf_model_types=("mixtral",), layer_kinds=("attention",), segmentable=True,
                 tiles_whole_layer=False, balance="aux_loss")
 AUX_LOSS_COEF = 0.001  # MixtralConfig's default (the released checkpoints' config.json say 0.02)
 _EXTRA = ("bos_token_id", "eos_token_id", "initializer_range")

@@ -20,7 +20,7 @@ from megaseq.models.hf_fields import FULL_ATTENTION, ROPE_FIELDS, HFFields
 from megaseq.models.registry import Family
 from megaseq.models.spec import DNA_VOCAB_SIZE, ModelSpec, rope_from_hf, rope_to_hf
 
-FAMILY = Family(name="qwen3_moe", hf_model_types=("qwen3_moe",), layer_kinds=("attention",), segmentable=False,
+FAMILY = Family(name="qwen3_moe", hf_model_types=("qwen3_moe",), layer_kinds=("attention",), segmentable=True,
                 tiles_whole_layer=False, balance="aux_loss")
 AUX_LOSS_COEF = 0.001  # Qwen3MoeConfig's router_aux_loss_coef default
 

@@ -22,7 +22,7 @@ from megaseq.models.registry import Family
 from megaseq.models.spec import DNA_VOCAB_SIZE, ModelSpec, rope_from_hf, rope_to_hf
 
 FAMILY = Family(name="qwen3_next", hf_model_types=("qwen3_next",), layer_kinds=("gdn", "attention"),
-                segmentable=False, tiles_whole_layer=False, balance="aux_loss")
+                segmentable=True, tiles_whole_layer=False, balance="aux_loss")
 AUX_LOSS_COEF = 0.001  # Qwen3NextConfig's router_aux_loss_coef
 _EXTRA = ("bos_token_id", "eos_token_id", "initializer_range")
 _KINDS = {"linear_attention": "gdn", "full_attention": "attention"}
