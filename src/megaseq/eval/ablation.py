@@ -45,12 +45,17 @@ def _slice(batch: dict[str, Any], start: int, end: int) -> dict[str, Any]:
 
 
 def cut_context_loss(per_token_loss: LossFn, batch: dict[str, Any], start: int, end: int, cut_to: int,
-                     chunk: int) -> torch.Tensor:
+                     chunk: int, scored_S: np.ndarray | None = None) -> torch.Tensor:
     """Per-token loss ``[B, end - start]`` of positions [start, end), each chunk of ``chunk`` positions scored
-    from a forward that begins ``cut_to`` tokens before the chunk (``context_start``)."""
+    from a forward that begins ``cut_to`` tokens before the chunk (``context_start``). A chunk with no
+    position in ``scored_S`` (bool ``[S]``, any row) is skipped: its loss is left at 0."""
+    B = batch["input_ids"].shape[0]
     parts = []
     for c in range(start, end, chunk):
         e = min(c + chunk, end)
+        if scored_S is not None and not scored_S[c:e].any():
+            parts.append(torch.zeros(B, e - c, dtype=torch.float64))
+            continue
         s = context_start(c, cut_to)
         loss_BT = per_token_loss(_slice(batch, s, e))
         loss_BT = loss_BT if isinstance(loss_BT, torch.Tensor) else torch.as_tensor(loss_BT)
@@ -90,7 +95,8 @@ def score_ablation(per_token_loss: LossFn, batches: Iterable[dict[str, Any]], bu
             loss_cut_BS = np.zeros_like(loss_full_BS)
             for i in chosen:
                 a, b = i * bucket_width, min((i + 1) * bucket_width, S)
-                loss_cut_BS[:, a:b] = cut_context_loss(per_token_loss, batch, a, b, cut_to, chunk).numpy()
+                loss_cut_BS[:, a:b] = cut_context_loss(per_token_loss, batch, a, b, cut_to, chunk,
+                                                       mask_BS.any(axis=0)).numpy()
         if full is None or cut is None:
             full, cut = WindowBuckets(bucket_width, S), WindowBuckets(bucket_width, S)
         full.add(loss_full_BS, mask_BS)

@@ -20,26 +20,30 @@ def _nan(v: list[float | None]) -> list[float]:
     return [float("nan") if x is None else x for x in v]
 
 
-def _band(ax: Any, xs: list[float], ys: list[float | None], se: list[float | None], label: str) -> None:
+def _line_band(ax: Any, xs: list[float], ys: list[float | None], se: list[float | None], label: str,
+               band_label: str) -> None:
+    """A line and, in its colour, the band of two standard errors around it; both named in the legend."""
     y, s = _nan(ys), _nan(se)
+    (line,) = ax.plot(xs, y, "-o", markersize=3, label=label)
     ax.fill_between(xs, [a - 2 * b for a, b in zip(y, s)], [a + 2 * b for a, b in zip(y, s)], alpha=0.18,
-                    label=label)
+                    color=line.get_color(), label=band_label)
 
 
 def plot_protocol(result: dict[str, Any], path: str | Path) -> Path:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    mids = [(a + b) / 2 / 1024 for a, b in result["buckets"]]
+    scale, unit = (1024, "thousands of bases") if result["seq_len"] >= 8192 else (1, "bases")
+    mids = [(a + b) / 2 / scale for a, b in result["buckets"]]
     panels = 1 + bool(result.get("change")) + bool(result.get("context_ablation"))
     fig = Figure(figsize=(8, 3.4 * panels), dpi=120)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(panels, 1, 1)
     for name in result["model_names"]:
         m = result["models"][name]
-        ax.plot(mids, _nan(m["bucket_bits_per_base"]), "-o", markersize=3,
-                label=f"{name}: {m['bits_per_base']:.3f} bits per base overall")
-        _band(ax, mids, m["bucket_bits_per_base"], m["bucket_se"], f"{name}: 2 standard errors across windows")
+        _line_band(ax, mids, m["bucket_bits_per_base"], m["bucket_se"],
+                   f"{name}: {m['bits_per_base']:.3f} bits per base overall",
+                   f"{name}: 2 standard errors across windows")
     kmer = result["baselines"].get("kmer")
     if kmer:
         ax.plot(mids, _nan(kmer["bucket_bits_per_base"]), "--x", markersize=3, color="gray",
@@ -59,9 +63,9 @@ def plot_protocol(result: dict[str, Any], path: str | Path) -> Path:
         gx = fig.add_subplot(panels, 1, i, sharex=ax)
         i += 1
         for name, c in result["change"].items():
-            gx.plot(mids, _nan(c["bucket_gain"]), "-o", markersize=3,
-                    label=f"{name} vs {c['against']}: {c['percent']:+.2f}% overall")
-            _band(gx, mids, c["bucket_gain"], c["bucket_gain_se"], f"{name}: 2 standard errors of the gain")
+            _line_band(gx, mids, c["bucket_gain"], c["bucket_gain_se"],
+                       f"{name} vs {c['against']}: {c['percent']:+.2f}% fewer bits overall",
+                       f"{name}: 2 standard errors of the gain (paired by window)")
         gx.axhline(0.0, color="black", linewidth=0.8)
         gx.set_ylabel("gain over before\n(bits per base; > 0: better)")
         gx.grid(alpha=0.3)
@@ -71,13 +75,12 @@ def plot_protocol(result: dict[str, Any], path: str | Path) -> Path:
         cx = fig.add_subplot(panels, 1, i, sharex=ax)
         xs = [mids[b] for b in abl["buckets"]]
         for arm, label in (("full", "full context"), ("cut", f"context cut to {abl['cut_to']:,} tokens")):
-            cx.plot(xs, _nan(abl[f"bits_per_base_{arm}"]), "-o", markersize=3, label=f"{abl['model']}, {label}")
-            _band(cx, xs, abl[f"bits_per_base_{arm}"], abl[f"bits_per_base_{arm}_se"],
-                  f"{label}: 2 standard errors across windows")
-        cx.set_ylabel("bits per base,\nsame tokens")
+            _line_band(cx, xs, abl[f"bits_per_base_{arm}"], abl[f"bits_per_base_{arm}_se"],
+                       f"{abl['model']}, {label}", f"{label}: 2 standard errors across windows")
+        cx.set_ylabel("context ablation:\nbits per base, same tokens")
         cx.grid(alpha=0.3)
         cx.legend(fontsize=6)
-    fig.axes[-1].set_xlabel(f"position in window (thousands of bases), buckets of {result['bucket_width']:,}")
+    fig.axes[-1].set_xlabel(f"position in window ({unit}), buckets of {result['bucket_width']:,}")
     fig.tight_layout()
     return save_figure(fig, path)
 
