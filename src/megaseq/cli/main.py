@@ -95,8 +95,8 @@ def parser() -> argparse.ArgumentParser:
                                  "of these lengths the reference can run, e.g. 32K,16K,8K")
             sp.add_argument("--max-limit", default="4M", help="--find-max stops doubling at this length")
         if verb == "eval":
-            sp.add_argument("target", help="a run directory or checkpoint directories (comma-separated); or named models "
-                                               "before=RUN,after=RUN,control=RUN (the long-context protocol)")
+            sp.add_argument("target", help="a run directory or checkpoint directories (comma-separated); or named "
+                                           "models before=RUN,after=RUN,control=RUN (the long-context protocol)")
             sp.add_argument("--data", default=None, help="held-out FASTA/text files (comma-separated)")
             sp.add_argument("--by-position", default=None, help="bucket width (e.g. 32K)")
             sp.add_argument("--seq-len", default=None, help="tokens per evaluation window")
