@@ -32,7 +32,7 @@ def model(offset, late_gain=0.0, seed=0):
         g = torch.Generator().manual_seed(seed + int(batch["input_ids"].sum()))
         level = 0.3 * torch.rand(1, generator=g, dtype=torch.float64)
         wobble = 0.05 * torch.rand(batch["labels"].shape, generator=g, dtype=torch.float64)
-        pos = torch.arange(S, dtype=torch.float64)
+        pos = torch.arange(batch["labels"].shape[1], dtype=torch.float64)
         return 1.0 + offset + level + wobble - late_gain * (pos >= 8)
     return fn
 
@@ -117,3 +117,30 @@ def test_report_files(tmp_path):
     paths = write_protocol_report(result(), tmp_path)
     text = paths["md"].read_text()
     assert "after against before" in text and "± " in text and paths["png"].stat().st_size > 0
+
+
+class TwoGroups:
+    """Held-out data of two groups (a genome after its relatives, and alone) without a k-mer baseline."""
+
+    unit, score_ids, train_records = "base", (4, 5, 6, 7), []
+
+    def heldout_batches(self, batch_size=1):
+        bs = windows()
+        return {"after relatives": bs[:2], "alone": bs[2:]}
+
+
+def test_run_protocol_by_group(tmp_path):
+    from megaseq.eval.protocol_run import ProtocolSettings, run_protocol
+
+    settings = ProtocolSettings(bucket_width=WIDTH, kmer_k=0, ablation_cut_to=4, ablation_chunk=2, oracle_k=3,
+                                oracle_distance=2)
+    r = run_protocol({"before": model(0.3), "after": model(0.1, 0.2)}, TwoGroups(), settings, tmp_path)
+    assert set(r["groups"]) == {"after relatives", "alone"} and r["num_windows"] == W
+    assert [g["num_windows"] for g in r["groups"].values()] == [2, 3]
+    tokens = [sum(g["models"]["after"]["bucket_tokens"]) for g in r["groups"].values()]
+    bits = [g["models"]["after"]["bits_per_base"] for g in r["groups"].values()]
+    np.testing.assert_allclose(r["models"]["after"]["bits_per_base"], np.dot(tokens, bits) / sum(tokens), rtol=1e-12)
+    assert r["context_ablation"]["num_windows"] == W and r["groups"]["alone"]["context_ablation"]["num_windows"] == 3
+    assert "**alone** (3 windows)" in (tmp_path / "eval_protocol.md").read_text()
+    classic = (tmp_path / "eval_by_position.json").read_text()
+    assert '"after relatives"' in classic and '"alone"' in classic

@@ -91,6 +91,8 @@ def _f(v: float | None) -> str:
 
 def protocol_markdown(result: dict[str, Any]) -> str:
     lines = [f"- {v}" for v in result["verdict"]] + [""]
+    for group, r in (result.get("groups") or {}).items():
+        lines += [f"**{group}** ({r['num_windows']} windows):", ""] + [f"- {v}" for v in r["verdict"]] + [""]
     names = result["model_names"]
     kmer = result["baselines"].get("kmer")
     head = ["positions", *names] + ([kmer["name"]] if kmer else []) + [f"{n} gain" for n in result.get("change", {})]
