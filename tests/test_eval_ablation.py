@@ -123,3 +123,27 @@ def test_copy_oracle_by_bucket():
     assert o["accuracy"] == 1.0 and o["bits_per_base"][0] == 2.0 and o["bits_per_base"][-1] < 0.01
     none = copy_oracle(repeat_windows(2), WIDTH, k=8, min_distance=S)
     assert none["overall_share_with_copy"] == 0.0 and none["overall_bits_per_base"] == 2.0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_ablation_on_gpu_with_the_protocol_model():
+    """The protocol's GLM-5 DNA model on the GPU in bf16 (fla's KDA, the sparse MLA kernels, the indexer): a cut
+    past the window scores as the full context does; a cut to 1K does not, on a 4K window with a 2K repeat."""
+    from pathlib import Path
+
+    from megaseq.eval.loss import per_token_loss_fn
+    from megaseq.models.build import build_model
+    from megaseq.models.presets import resolve_spec
+    from megaseq.train.parallel_env import ParallelEnv
+
+    spec = resolve_spec(str(Path(__file__).resolve().parents[1] / "recipes" / "long-context" / "glm5-dna.json"))
+    model = build_model(spec, dtype=torch.float32, device="cuda", seed=0).eval()
+    fn = per_token_loss_fn(model, ParallelEnv(torch.device("cuda")), torch.bfloat16, 4096)
+    rng = np.random.default_rng(0)
+    block = rng.integers(A_ID, A_ID + 4, size=2048)
+    windows = [make_batch([np.concatenate([block, block, block[:1]])])]
+    full, cut, _ = score_ablation(fn, windows, 1024, cut_to=8192, chunk=512, buckets=range(4))
+    np.testing.assert_allclose(full.arrays()[0], cut.arrays()[0], rtol=2e-2)
+    full, cut, chosen = score_ablation(fn, windows, 1024, cut_to=1024, chunk=512)
+    assert not np.allclose(full.arrays()[0][:, chosen[1:]], cut.arrays()[0][:, chosen[1:]], rtol=1e-3)
