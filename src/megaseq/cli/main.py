@@ -2,6 +2,7 @@
 
     megaseq train  [config.yaml] [--section.key value ...]
     megaseq eval   RUN_OR_CHECKPOINT [--data held-out.fa] [--by-position 32K]
+    megaseq eval   before=RUN,after=RUN,control=RUN [--ablation-cut-to 16K]
     megaseq plan   [config.yaml | HF-checkpoint-dir] [--seq-len 1M] [--gpus 8]
     megaseq bench  [config.yaml] [--seq-lens 32K,128K,1M] [--find-max]
     megaseq verify [config.yaml]
@@ -154,11 +155,22 @@ def parser() -> argparse.ArgumentParser:
             sp.add_argument("--out", default=None, help="the tuned table to write (default: this user's, "
                             "~/.cache/megaseq/autotune/<gpu>.json; src/megaseq/ops/tuned/<gpu>.json to ship it)")
         if verb == "eval":
-            sp.add_argument("target", help="a run directory or checkpoint directories (comma-separated)")
+            sp.add_argument("target", help="a run directory or checkpoint directories (comma-separated); or named "
+                                           "models before=RUN,after=RUN,control=RUN (the long-context protocol)")
             sp.add_argument("--data", default=None, help="held-out FASTA/text files (comma-separated)")
             sp.add_argument("--by-position", default=None, help="bucket width (e.g. 32K)")
             sp.add_argument("--seq-len", default=None, help="tokens per evaluation window")
             sp.add_argument("--out", default=None, help="output directory (default RUN/eval)")
+            # the long-context protocol: named targets (before=RUN,after=RUN,control=RUN), docs/long_context.md
+            sp.add_argument("--ablation-cut-to", default="0", metavar="N",
+                            help="named targets: score the late buckets again with the context cut to N tokens "
+                                 "(e.g. 16K, the start's training length); 0: no context ablation")
+            sp.add_argument("--ablation-chunk", default="0", metavar="N",
+                            help="tokens scored per forward of the cut arm (0: half of --ablation-cut-to)")
+            sp.add_argument("--ablation-model", default="after", help="the named model whose context is cut")
+            sp.add_argument("--oracle-k", type=int, default=20, help="copy oracle's k-mer length (0: no oracle)")
+            sp.add_argument("--oracle-distance", default="16K",
+                            help="copy oracle: how far back the earlier k-mer must be")
         if verb == "convert":
             sp.add_argument("src", help="HF checkpoint dir, or a megaseq run/checkpoint dir")
             sp.add_argument("dst", help="output directory")

@@ -156,6 +156,16 @@ def cmd_eval(args: argparse.Namespace, rest: list[str]) -> int:
         overrides.append(f"eval.by_position={args.by_position}")
     if args.seq_len:
         overrides.append(f"eval.seq_len={args.seq_len}")
+    if "=" in args.target:  # named models: the long-context protocol's evaluation
+        from megaseq.train.protocol_eval import evaluate_protocol
+
+        print(evaluate_protocol(args.target.split(","), data=args.data.split(",") if args.data else None,
+                                overrides=overrides, out=args.out,
+                                ablation_cut_to=parse_size(args.ablation_cut_to, "--ablation-cut-to"),
+                                ablation_chunk=parse_size(args.ablation_chunk, "--ablation-chunk"),
+                                ablation_model=args.ablation_model, oracle_k=args.oracle_k,
+                                oracle_distance=parse_size(args.oracle_distance, "--oracle-distance")))
+        return 0
     report = evaluate_targets(args.target.split(","), data=args.data.split(",") if args.data else None,
                               overrides=overrides, out=args.out)
     print(report)
