@@ -55,7 +55,7 @@ def test_lora_recipe_runs_the_peer_in_the_same_job(tmp_path) -> None:
     assert "first step against a warm step: 64 (random)" in md
     import bench_scripts
 
-    summary = bench_scripts.load("speed_summary").summarize(result)["rows"][0]
+    summary = bench_scripts.load("speed/speed_summary").summarize(result)["rows"][0]
     assert summary["megaseq_over_peer"] == pytest.approx(ours["tokens_per_s"] / row["tokens_per_s"])
     assert summary["first_over_warm"] > 0 and summary["peer"]["trained_params"] == row["trained_params"]
     assert (tmp_path / "bench.json").is_file()

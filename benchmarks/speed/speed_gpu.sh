@@ -2,15 +2,15 @@
 # Speed where users run, on one H200: balanced MoE routing, the transformers + PEFT + Liger peer in the same job,
 # and the first step on an empty cache against a warm one. Standalone (from the repo root, .whl/ carried as for
 # benchmarks/h200.sh: fla-core, liger-kernel, transformers, peft wheels); results as JSON + markdown under $OUT.
-#   bash benchmarks/speed_gpu.sh glm     # at most 10 minutes: (b) glm5-flash-1gpu 8K,32K --baseline on an empty
+#   bash benchmarks/speed/speed_gpu.sh glm     # at most 10 minutes: (b) glm5-flash-1gpu 8K,32K --baseline on an empty
 #                                        #   cache (its rows' first_step_s against step_s are (c): the first step
 #                                        #   on an empty cache against a warm one), then, time permitting, 8K
 #                                        #   with the tuned tables it wrote but no compiled kernels (compilation
 #                                        #   alone)
-#   bash benchmarks/speed_gpu.sh qwen    # about 4 minutes: (a) qwen3-30b-a3b-lora 32K --baseline, balanced routing
-#   bash benchmarks/speed_gpu.sh tune    # optional, up to 10 minutes: the H200 tuned table (full tuning at 8K and
+#   bash benchmarks/speed/speed_gpu.sh qwen    # about 4 minutes: (a) qwen3-30b-a3b-lora 32K --baseline, balanced routing
+#   bash benchmarks/speed/speed_gpu.sh tune    # optional, up to 10 minutes: the H200 tuned table (full tuning at 8K and
 #                                        #   32K) into $OUT/nvidia-h200.json, to commit as src/megaseq/ops/tuned/
-# Each stage ends with $OUT/speed_<stage>.json (benchmarks/speed_summary.py): per length megaseq's and the peer's
+# Each stage ends with $OUT/speed_<stage>.json (benchmarks/speed/speed_summary.py): per length megaseq's and the peer's
 # tokens/s, MFU, peak, the first and warm step, the routing and its max/mean load, and the ratio.
 set -u
 STAGE=${1:-glm}
@@ -43,13 +43,13 @@ case "$STAGE" in
       timeout -k 5 140 ms bench recipes/glm5-flash-1gpu.yaml --seq-lens 8K --steps 2 --out "$OUT/glm_tables" 2>&1 | tail -8
       echo "8K with tables, no compiled kernels: $(( $(date +%s) - t1 )) s end to end" | tee -a "$OUT/glm_wall.txt"
     fi
-    python3 benchmarks/speed_summary.py "$OUT/speed_glm.json" "$OUT/glm_cold.json" "$OUT/glm_tables.json"
+    python3 benchmarks/speed/speed_summary.py "$OUT/speed_glm.json" "$OUT/glm_cold.json" "$OUT/glm_tables.json"
     ;;
   qwen)
     timeout -k 5 540 ms bench recipes/qwen3-30b-a3b-lora.yaml --seq-lens 32K --steps 2 --baseline \
       --out "$OUT/qwen_lora" 2>&1 | tail -30
     echo "qwen bench: $(( $(date +%s) - t0 )) s end to end" | tee "$OUT/qwen_wall.txt"
-    python3 benchmarks/speed_summary.py "$OUT/speed_qwen.json" "$OUT/qwen_lora.json"
+    python3 benchmarks/speed/speed_summary.py "$OUT/speed_qwen.json" "$OUT/qwen_lora.json"
     ;;
   tune)
     timeout -k 5 570 ms tune recipes/glm5-flash-1gpu.yaml --seq-lens 8K,32K --out "$OUT/nvidia-h200.json" 2>&1 | tail -20

@@ -1,7 +1,7 @@
 """Fixed-seed fingerprints of behaviour: short loss curves and ``megaseq plan --json`` for every recipe.
 
-    PYTHONPATH=src python benchmarks/fingerprints.py benchmarks/results/fingerprints/NAME.json
-    python benchmarks/fingerprints.py --compare A.json B.json
+    PYTHONPATH=src python benchmarks/memory/fingerprints.py benchmarks/results/fingerprints/NAME.json
+    python benchmarks/memory/fingerprints.py --compare A.json B.json
 
 The curves: the default job (3 steps), glm5-flash-tiny with no memory scheme, with every per-layer scheme
 forced (chunked loss, tiled MLP, indexer query chunk, segmented KDA, recompute + SCO, the offloaded optimizer)
@@ -19,7 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 QUIET = {"train.eval_after": False, "train.export_hf": False, "train.eval_every": 0, "log.progress": False,
          "log.tensorboard": False}
 TINY = {"model.name": "glm5-flash-tiny", "model.dtype": "fp32", "data.seq_len": 256, "train.steps": 3,

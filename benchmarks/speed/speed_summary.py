@@ -1,7 +1,7 @@
-"""The figures of ``benchmarks/speed_gpu.sh`` in one JSON: per bench result and length, megaseq's and the peer's
+"""The figures of ``benchmarks/speed/speed_gpu.sh`` in one JSON: per bench result and length, megaseq's and the peer's
 tokens/s, MFU, peak GPU memory, first and warm step, the routing and its max/mean load, and the ratio.
 
-    python benchmarks/speed_summary.py OUT.json BENCH.json [BENCH.json ...]
+    python benchmarks/speed/speed_summary.py OUT.json BENCH.json [BENCH.json ...]
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Long runs of the data kinds on one H200, each stage one device call (from the repo root, .whl/ carried as for
 # benchmarks/h200.sh): peak memory against the plan, tokens/s and the held-out loss by position, into $OUT.
-#   bash benchmarks/data_256k.sh protein   # a generated protein family at 256K, the tiny protein recipe model
-#   bash benchmarks/data_256k.sh chat      # one tool-use conversation of >= 256K tokens, Qwen3-30B-A3B LoRA
+#   bash benchmarks/long_context/data_256k.sh protein   # a generated protein family at 256K, the tiny protein recipe model
+#   bash benchmarks/long_context/data_256k.sh chat      # one tool-use conversation of >= 256K tokens, Qwen3-30B-A3B LoRA
 # The data are generated (recipes/protein-family-tiny/make_families.py, recipes/agent-traces-tiny/
 # make_checkpoint.py) and the weights random: the runs measure the pipeline at length, not what a model learns.
 # SEQ / RESIDUES (protein) and CHAT_SEQ / CHAT_TOKENS (chat) shrink a stage for a dry run on the CPU.
@@ -39,5 +39,5 @@ case "${1:-}" in
       --data.seq_len "${CHAT_SEQ:-288K}" --train.steps 1 --train.eval_after true --eval.by_position 32K \
       --train.run_dir /tmp/runs/chat256k --log.progress false || exit 1
     summary chat256k /tmp/runs/chat256k ;;
-  *) echo "usage: bash benchmarks/data_256k.sh protein|chat" >&2; exit 2 ;;
+  *) echo "usage: bash benchmarks/long_context/data_256k.sh protein|chat" >&2; exit 2 ;;
 esac

@@ -1,8 +1,8 @@
 """Step time and peak memory of the DSA indexer's KL objective: the same run with and without
 ``model.train_indexer`` (the sparse stage), one warm-up step then one timed step each, on one GPU.
 
-    python benchmarks/indexer_objective_cost.py                        # glm5-flash-1gpu at 32K
-    python benchmarks/indexer_objective_cost.py --seq-len 1M           # the 1M step (sequence segments)
+    python benchmarks/long_context/indexer_objective_cost.py                        # glm5-flash-1gpu at 32K
+    python benchmarks/long_context/indexer_objective_cost.py --seq-len 1M           # the 1M step (sequence segments)
 
 Writes ``benchmarks/results/long_context/indexer_objective_<model>_<len>.json`` (both rows as ``megaseq
 bench`` measures them: step time, measured and planned peak) and prints the ratios. The aim: the objective

@@ -3,9 +3,9 @@ with one source tree against another: how sequence segments for every family (so
 dense MLA's latent and gated DeltaNet's state carried) move each model's longest length.
 
     # one tree's rows (run once per tree: PYTHONPATH picks the megaseq it plans with)
-    PYTHONPATH=src python benchmarks/segment_plan_rows.py --label after --out benchmarks/results/segment_plan_rows.json
+    PYTHONPATH=src python benchmarks/memory/segment_plan_rows.py --label after --out benchmarks/results/memory/segment_plan_rows.json
     # the table of two runs' rows
-    python benchmarks/segment_plan_rows.py --render before.json after.json --out benchmarks/results/segment_plan_rows.md
+    python benchmarks/memory/segment_plan_rows.py --render before.json after.json --out benchmarks/results/memory/segment_plan_rows.md
 
 Assumptions (``benchmarks/family_plan_rows.py``'s): one H200 = 139.8 GiB usable, 128 GB host RAM; model.dtype
 bf16; LoRA rank 16 (alpha 32) on every projection with the base frozen in bf16 (``recipes/qwen3-30b-a3b-lora.yaml``),
@@ -106,7 +106,7 @@ def render(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default="benchmarks/results/segment_plan_rows.json")
+    ap.add_argument("--out", default="benchmarks/results/memory/segment_plan_rows.json")
     ap.add_argument("--label", default="after")
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--render", nargs=2, metavar=("BEFORE_JSON", "AFTER_JSON"), help="write the markdown table")

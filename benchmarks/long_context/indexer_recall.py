@@ -1,8 +1,8 @@
 """The DSA indexer learns: recall of the dense attention's top pools at init, after the dense warm-up and after
 the sparse stage, for a glm5-family DNA model trained from scratch; random selection is the baseline.
 
-    python benchmarks/indexer_recall.py --preset tiny --warmup 40 --sparse 40          # CPU, a minute
-    python benchmarks/indexer_recall.py --preset small --seq-len 4096 --device cuda    # one GPU
+    python benchmarks/long_context/indexer_recall.py --preset tiny --warmup 40 --sparse 40          # CPU, a minute
+    python benchmarks/long_context/indexer_recall.py --preset small --seq-len 4096 --device cuda    # one GPU
 
 Writes ``benchmarks/results/long_context/indexer_recall_<preset>.json`` and ``.png``: per stage, per
 full-indexer layer, the recall and the random baseline on held-out windows of the lambda phage genome
