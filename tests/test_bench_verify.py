@@ -54,13 +54,14 @@ def test_verify_parity_with_transformers(preset):
     assert hf_parity(get_preset(preset)) < 1e-5
 
 
-def test_verify_parity_breaks_init_ties(monkeypatch):
-    """Broken: on the fresh init (unit norms, zero biases) DeepSeek-V3.2's indexer scores tie and the two
-    implementations keep different keys, so the check would report a false failure."""
+def test_verify_parity_holds_on_the_init_ties(monkeypatch):
+    """On the fresh init (unit norms, zero biases) DeepSeek-V3.2's indexer scores tie; the selection keeps the
+    keys transformers' torch.topk keeps, so the check passes without the noise too (tests/test_indexer_ties.py
+    has the broken variant: the lowest-index rule is 54-94% off)."""
     import megaseq.bench.verify as v
 
     monkeypatch.setattr(v, "_break_ties_", lambda model: None)
-    assert v.hf_parity(get_preset("deepseek-v32-tiny")) > 1e-2
+    assert v.hf_parity(get_preset("deepseek-v32-tiny")) < 1e-6
 
 
 @pytest.mark.parametrize("preset", list(FAMILY_OPS))

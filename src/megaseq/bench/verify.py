@@ -71,9 +71,10 @@ def kernel_table(spec: ModelSpec, device: torch.device, strict: bool) -> str:
 
 
 def _break_ties_(model: torch.nn.Module, scale: float = 0.05) -> None:
-    """Seeded noise on every floating parameter. A fresh init has unit norm weights and zero biases, so an
-    indexer's ReLU'd head scores tie exactly and the two implementations keep different (equally scored)
-    keys: DeepSeek-V3.2's tiny preset then differs by 0.35 on its init weights and by 1e-7 on these."""
+    """Seeded noise on every floating parameter, so the check runs on weights without the fresh init's
+    structure (unit norm weights and zero biases, on which an indexer's ReLU'd head scores tie exactly; the
+    selection breaks such ties as transformers' ``torch.topk`` does when a document is scored whole on the
+    CPU, as here)."""
     gen = torch.Generator().manual_seed(2)
     with torch.no_grad():
         for p in model.parameters():

@@ -357,7 +357,15 @@ def choose(run: Run, budgets: Budgets, memory_cfg: Any | None) -> tuple[MemorySe
             if m.indexer_query_chunk < run.n and "indexer_query_chunk" not in fixes:  # the 2 GiB bound
                 fixes = tuple(f for f in LADDER if f in fixes or f == "indexer_query_chunk")
             return m, fixes, True
-    # nothing fits: every usable fix, as one valid set (sequence segments replace the fixes they exclude)
-    segments = usable_fix(run, "model_segments")
-    every = tuple(f for f in LADDER if usable_fix(run, f) and not (segments and f in SEGMENT_EXCLUDES))
+    # nothing fits: every usable fix, as one valid set; sequence segments replace the fixes they exclude, so
+    # with segments usable the two largest sets are compared and the one nearer the GPU budget is reported
+    usable = tuple(f for f in LADDER if usable_fix(run, f))
+    sets = [tuple(f for f in usable if f != "model_segments")]
+    if "model_segments" in usable:
+        sets.append(tuple(f for f in usable if f not in SEGMENT_EXCLUDES))
+
+    def gpu_peak(fixes: tuple[str, ...]) -> int:
+        return evaluate(replace(run, memory=with_fixes(base, fixes, run, host_room))).peak_gpu
+
+    every = min(sets, key=gpu_peak)
     return with_fixes(base, every, run, host_room), every, False

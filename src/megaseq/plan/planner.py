@@ -98,6 +98,10 @@ def validate_mesh(spec: ModelSpec, seq_len: int, mesh: Mesh) -> None:
         )
     if mesh.ep > 1 and spec.num_experts % mesh.ep:
         raise ValueError(f"parallel.ep = {mesh.ep} must divide num_experts = {spec.num_experts}")
+    if mesh.ep > 1 and spec.expert_bias:
+        raise ValueError(f"parallel.ep = {mesh.ep} is not supported for {spec.family}: its experts' biases do not "
+                         "travel with the expert-parallel dispatch; set --parallel.ep 1 and shard with "
+                         "--parallel.fsdp instead")
     if cp == 1:
         return
     checks = []

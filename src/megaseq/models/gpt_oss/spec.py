@@ -7,7 +7,7 @@ the top-k logits and softmaxes over those K, and whose experts (with biases) run
 ``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)``, ``g = clamp(gate, max=limit)``; RMSNorm and
 an untied head. Trained with the auxiliary load-balancing loss (``router_aux_loss_coef``).
 
-``from_hf`` refuses every field it does not implement (``models.spec.check_hf_fields``): layer types other
+``from_hf`` refuses every field it does not implement (``HF_FIELDS``, ``models/hf_fields.py``): layer types other
 than sliding / full attention, attention dropout, an activation other than SiLU (the experts' activation is
 fixed by ``swiglu_alpha`` / ``swiglu_limit``), RoPE types other than default / linear / YaRN, a quantization
 method other than MXFP4 (whose expert blocks the checkpoint loader dequantizes to the model's dtype:
@@ -24,7 +24,8 @@ from __future__ import annotations
 from typing import Any
 
 from megaseq.models.registry import Family
-from megaseq.models.spec import DNA_VOCAB_SIZE, ModelSpec, check_hf_fields, rope_from_hf, rope_to_hf
+from megaseq.models.hf_fields import HFFields
+from megaseq.models.spec import DNA_VOCAB_SIZE, ModelSpec, rope_from_hf, rope_to_hf
 
 FAMILY = Family(name="gpt_oss", hf_model_types=("gpt_oss",), layer_kinds=("attention",), segmentable=False,
                 tiles_whole_layer=False, balance="aux_loss")
@@ -105,6 +106,7 @@ _READ = frozenset({
     "tie_word_embeddings", "pad_token_id", "num_local_experts", "num_experts", "num_experts_per_tok",
     "intermediate_size", "swiglu_alpha", "swiglu_limit", "router_aux_loss_coef", "num_key_value_heads", "head_dim",
     "max_position_embeddings", "attention_bias", "experts_per_token", "initial_context_length",
+    "quantization_config",
 })
 # output_router_logits: transformers' switch for adding the auxiliary loss; megaseq's moe.balance decides
 _CARRIED = frozenset({"output_router_logits"})
@@ -112,11 +114,12 @@ _REQUIRED: dict[str, tuple[tuple[Any, ...], str]] = {
     "hidden_act": (("silu",), "the experts run gpt-oss's clamped SwiGLU, whose config says 'silu'"),
     "attention_dropout": ((0, 0.0), "no attention dropout (set it to 0)"),
 }
+HF_FIELDS = HFFields(read=_READ, carried=_CARRIED, required=_REQUIRED)
 
 
 def _check_gpt_oss_supported(c: dict[str, Any]) -> None:
     """Options megaseq's gpt_oss does not implement: refuse them rather than run a different model."""
-    check_hf_fields(c, "gpt_oss", "", _READ | _CARRIED | {"quantization_config"}, _REQUIRED)
+    HF_FIELDS.check(c, "gpt_oss")
     if not _mxfp4_only(c.get("quantization_config")):
         raise ValueError(f"config.json quantization_config {c['quantization_config']!r} is not supported by "
                          "megaseq's gpt_oss: it reads bf16 / fp32 checkpoints and MXFP4 ones (quant_method "
