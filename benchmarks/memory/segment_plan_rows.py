@@ -3,11 +3,13 @@ with one source tree against another: how sequence segments for every family (so
 dense MLA's latent and gated DeltaNet's state carried) move each model's longest length.
 
     # one tree's rows (run once per tree: PYTHONPATH picks the megaseq it plans with)
-    PYTHONPATH=src python benchmarks/memory/segment_plan_rows.py --label after --out benchmarks/results/memory/segment_plan_rows.json
+    PYTHONPATH=src python benchmarks/memory/segment_plan_rows.py --label after \
+        --out benchmarks/results/memory/segment_plan_rows.json
     # the table of two runs' rows
-    python benchmarks/memory/segment_plan_rows.py --render before.json after.json --out benchmarks/results/memory/segment_plan_rows.md
+    python benchmarks/memory/segment_plan_rows.py --render before.json after.json \
+        --out benchmarks/results/memory/segment_plan_rows.md
 
-Assumptions (``benchmarks/family_plan_rows.py``'s): one H200 = 139.8 GiB usable, 128 GB host RAM; model.dtype
+Assumptions (``benchmarks/memory/family_plan_rows.py``'s): one H200 = 139.8 GiB usable, 128 GB host RAM; model.dtype
 bf16; LoRA rank 16 (alpha 32) on every projection with the base frozen in bf16 (``recipes/qwen3-30b-a3b-lora.yaml``),
 full fine-tuning with ``model.weights bf16``; batch 1; the planner's own choice of memory schemes. The longest
 length is searched in steps of 16K tokens (doubling from 16K, then bisection) up to 4M. Pure Python: nothing

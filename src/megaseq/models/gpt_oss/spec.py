@@ -23,8 +23,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from megaseq.models.registry import Family
 from megaseq.models.hf_fields import HFFields
+from megaseq.models.registry import Family
 from megaseq.models.spec import DNA_VOCAB_SIZE, ModelSpec, rope_from_hf, rope_to_hf
 
 FAMILY = Family(name="gpt_oss", hf_model_types=("gpt_oss",), layer_kinds=("attention",), segmentable=False,
