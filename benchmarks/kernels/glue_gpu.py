@@ -110,7 +110,7 @@ def op_cases(S: int, H: int, N: int, dtype: torch.dtype, smoke: bool):
     pre = (torch.rand(1, S, N, generator=gen, device=dev) + 1e-6).requires_grad_()
     h = rnd(1, S, N, H, dt=dtype)
     # the streams' projection as bf16 weights run it (bf16 streams, fp32 fn, no autocast: an fp32 GEMM); the
-    # closed-form torch op (the fast set's before session 15) as an extra
+    # closed-form torch op (the fast set's earlier form) as an extra
     yield ("hc_mix", f"h [1, {S}, {N}, {H}], fn [{M}, {N * H}] fp32", blocks_mhc.hc_mix_reference,
            triton_hc_mix.hc_mix_triton, [h, rnd(M, N * H, scale=0.02), 1e-6], {"torch_fused": hc_mix.hc_mix_fused})
     yield ("hc_collapse", f"h [1, {S}, {N}, {H}]", blocks_mhc.hc_collapse_reference,

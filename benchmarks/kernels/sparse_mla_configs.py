@@ -16,13 +16,13 @@ slots of causal 16-token pools drawn uniformly (``causal_pool_selection``), at t
 After the grid, the backward with the latent gradient summed key-major per pool is timed beside the atomics'
 with the default slot-pass configuration and compared with their result: ``dc="pool"`` (the scores computed
 again) at each of its launch configurations (``--no-pool-grid``: the default alone) and query blocks
-(``--pool-blocks``), and ``dc="saved"`` (from the slot pass's saved p and ds, the default since session 21) at
+(``--pool-blocks``), and ``dc="saved"`` (from the slot pass's saved p and ds, the default) at
 the configurations ``--saved`` names.
 
 Each configuration's outputs are compared with the default's on the same inputs (max abs difference over
 max abs of the default: ``o_lat``, ``lse2``, ``dq_abs``, ``dc``). They compute the same sums in another order,
 so a configuration that differs by more than the order can explain is wrong, not fast. Timings are CUDA-event
-medians of warm calls (``sparse_mla_gpu._median_ms``; session 14's results took a fixed 7 calls each). A
+medians of warm calls (``sparse_mla_gpu._median_ms``). A
 configuration over the GPU's registers or shared memory is recorded as such. Results go to the JSON as each
 one completes.
 """

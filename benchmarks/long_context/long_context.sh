@@ -15,7 +15,7 @@
 #      end-of-run report: the held-out genomes with relatives and alone, before = stage 1's model, EVAL_WINDOWS
 #      per genome), then stage 4 (30 overfit steps); outputs copied to $OUT as each part ends, the stage-2
 #      bf16 HF export too, split into 15 MiB parts (cat hf.part* | tar x) for a later call to carry
-#   eq  session 10's design in ONE call (docs/long_context.md, "Session 10"): equal regions and one layout for
+#   eq  the equal-regions design in one call (docs/long_context.md): equal regions and one layout for
 #      every species (data.related 3, related_jitter 0: the positional copy the model does learn), trained at
 #      256K for TEQ seconds (default 360) from carried stage-1 weights (INIT, default .ovf/w16k/hf), then the
 #      run's own report: held-out genomes after 2 relatives in the same layout and alone, before = INIT, in 32K
@@ -133,7 +133,7 @@ stage() {
       pack() { tar czf "$OUT/long_context_eq.tgz" -C "$(dirname $L)" eq; }
       TEQ=${TEQ:-360}  # seconds of steps (about 100 at 256K); the evaluation after takes about 2 minutes
       # EQ_CHAIN=1: no evaluation; the trained weights come back in bf16 parts (cat eq_hf.part* | tar x -> hf/)
-      # for the next call to carry as INIT (one call trains ~85 steps at 256K; session 11's 82 did not copy)
+      # for the next call to carry as INIT (one call trains ~85 steps at 256K; 82 such steps did not learn to copy)
       [ -n "${EQ_CHAIN:-}" ] && CHAIN=(--train.eval_after false) || CHAIN=()
       timeout $((TEQ + 200)) $PY -m megaseq train "$RECIPE" "${DATA[@]}" --model.init_from "${INIT:-.ovf/w16k/hf}" \
         --data.related 3 --data.related_jitter 0 --optim.lr ${LR:-2e-3} --train.steps 400 --train.save_every 0 \

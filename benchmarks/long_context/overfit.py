@@ -13,11 +13,11 @@ more than 30 steps can store, so a correct step could fail there) while every on
 still runs through the long-sequence step. Passes when the last loss is at most ``--target`` times the
 first. Results: OUT.json and OUT.md.
 
-Calibrated on the CPU (session 8, stage 1's weights of session 7, 4K windows, float32): a 2K region stays
+Calibrated on the CPU (stage 1's weights, 4K windows, float32): a 2K region stays
 flat (1.309 -> 1.295 nats in 15 steps at lr 1e-3; 1.309 -> 1.320 in 11 at 3e-3, as on the H200); a
 256-base region falls, slowly at first and then fast: 1.285 -> 0.378 nats in 20 steps at lr 1e-3 (29%),
 0.457 at 2e-3. Hence the defaults: 256 bases, lr 1e-3, 30 steps. The region is the calibrated one at every
-length (``--start`` picks another; until session 9 it moved with the length).
+length (``--start`` picks another).
 
 Measured on an H200 (``benchmarks/results/lora/runs/2026-12-02_48-layers-128k/``): at 4K the test passes (14.6% in
 bf16, 13.2% in fp32) and follows the CPU's float32 curve step for step; at 16K and 128K the same region falls

@@ -79,7 +79,7 @@ def by_label(events, time_of=_device_us) -> tuple[dict[str, float], dict[str, fl
 
     Only the labels' CPU-side events count: each ``record_function`` range also comes back as a GPU-side
     annotation of the same name, whose ``device_time_total`` is the range's elapsed time on the GPU (idle
-    gaps included), not kernels. Sessions 10 and 11 counted both, so their forward parts read about twice
+    gaps included), not kernels. Counting both would read the forward parts about twice
     their kernels (and "outside any label" came out negative)."""
     excl: dict[str, float] = defaultdict(float)
     for evt in events:
@@ -90,7 +90,7 @@ def by_label(events, time_of=_device_us) -> tuple[dict[str, float], dict[str, fl
         if name.startswith("aten::") and up is not None and up.name.startswith(_BACKWARD):
             # an aten op right under the engine's evaluate_function, beside the node's own event: the engine's
             # glue (the sum of a tensor's uses' gradients into its input buffer, sum_to, casts), not the node:
-            # session 17's profile read such adds of the mHC streams as "ViewBackward0 8.3 ms"
+            # a profile reads such adds of the mHC streams as "ViewBackward0 8.3 ms"
             excl[_BACKWARD + ENGINE] += time_of(evt)
             excl[up.name] -= time_of(evt)
             continue
