@@ -576,7 +576,11 @@ class TrainConfig:
     seed: int = opt(0, "seed for weights, data and dropout: the same seed gives the same run", ge=0)
     device: str = opt("auto", "cuda, cpu or auto")
     run_dir: str = opt("runs/default", "where the run writes config, plan, metrics, checkpoints, exports")
-    save_every: int = opt(0, "checkpoint every N steps (0: only at the end; SIGTERM/SIGINT also save one)", ge=0)
+    save_every: int = opt(0, "checkpoint every N steps (0: by time only, train.save_every_minutes; the end of the "
+                          "run and SIGTERM/SIGINT always save one)", ge=0)
+    save_every_minutes: float = opt(30.0, "checkpoint every this many minutes of training (wall clock since the run, "
+                                    "its resume or the last checkpoint), so a kill loses at most that much; 0: off",
+                                    ge=0)
     keep_checkpoints: int = opt(2, "how many step checkpoints to keep", ge=1)
     resume: bool = opt(False, "resume from the newest resumable checkpoint in run_dir (none yet: start at step 0)")
     overwrite: bool = opt(False, "replace a run already in run_dir (removes only what megaseq wrote there)")

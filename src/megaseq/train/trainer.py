@@ -32,6 +32,7 @@ from megaseq.train.heldout import HeldoutProbe, evaluate_run
 from megaseq.train.metrics import MetricsLogger, gpu_peak_bytes, host_peak_bytes
 from megaseq.train.optim import build_optimizer
 from megaseq.train.parallel_env import ParallelEnv, setup_parallel
+from megaseq.train.periodic import SaveSchedule
 from megaseq.train.preflight import check_disk_space, preflight
 from megaseq.train.run_dir import claim_run_dir, discard_unstarted, write_plan
 from megaseq.train.safe_checkpoint import NonFiniteWeights
@@ -460,6 +461,7 @@ class _Loop:
                                env.is_main, evals_left=evals)
         skipped = 0  # non-finite steps in a row (train.on_nonfinite skip)
         clock = TimeLimit(parse_duration(cfg.train.time_limit), env)
+        schedule = SaveSchedule(cfg.train.save_every, cfg.train.save_every_minutes, env)
         note = cold_start_note(self.device.type)
         if note and start + 1 <= cfg.train.steps:
             env.log(note)
@@ -475,9 +477,10 @@ class _Loop:
                     if step % cfg.log.every == 0 or step == cfg.train.steps or out_of_time:
                         logger.log(record)
                     signum = signals.requested(env)
-                    save_now = cfg.train.save_every and step % cfg.train.save_every == 0
+                    save_now = schedule.due(step)
                     if save_now or step == cfg.train.steps or signum or out_of_time:
                         self.save(step, result, record["lr"])
+                        schedule.saved()
                         signum = signum or signals.requested(env)  # a signal during the write: stop now
                     if signum:
                         raise signals.stopped(signum, step, result.last_checkpoint)
