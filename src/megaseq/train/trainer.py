@@ -28,6 +28,7 @@ from megaseq.plan.flops import mfu
 from megaseq.train import checkpoint as ckpt
 from megaseq.train import guard, indexer_training
 from megaseq.train.balance import Balancer, resolve_balance
+from megaseq.train.family_settings import resolve_family_settings
 from megaseq.train.heldout import HeldoutProbe, evaluate_run
 from megaseq.train.metrics import MetricsLogger, gpu_peak_bytes, host_peak_bytes
 from megaseq.train.optim import build_optimizer
@@ -315,7 +316,7 @@ def run_training(cfg: Config) -> RunResult:
     from megaseq.models.presets import resolve_spec
 
     spec = resolve_spec(cfg.model.name)  # a bad model name fails before anything else happens
-    resolve_balance(cfg.moe, spec)  # and so does a balancing rule the routers cannot train with
+    cfg = resolve_family_settings(cfg, spec)  # the family's balancing where unset; a rule it cannot train refused
     indexer_training.check(cfg, spec)  # and an indexer objective the model or the adapters cannot take
     preflight(cfg, spec)  # the run directory and the starting weights, nothing written
     use_expandable_segments()
