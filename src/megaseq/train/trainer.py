@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import os
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +37,9 @@ from megaseq.train.periodic import SaveSchedule
 from megaseq.train.preflight import check_disk_space, preflight
 from megaseq.train.run_dir import claim_run_dir, discard_unstarted, write_plan
 from megaseq.train.safe_checkpoint import NonFiniteWeights
+
+_log = logging.getLogger(__name__)  # (``logger`` below is a run's MetricsLogger)
+
 
 GIB = 2**30
 
@@ -432,7 +435,7 @@ def _draw_curve(run_dir: Path, unit: str, final: dict[str, Any] | None = None, q
         plot_loss_curve(run_dir, unit, final)
     except Exception as e:  # noqa: BLE001
         if not quiet:
-            print(f"warning: could not draw {run_dir}/loss_curve.png ({type(e).__name__}: {e})", file=sys.stderr)
+            _log.warning(f"warning: could not draw {run_dir}/loss_curve.png ({type(e).__name__}: {e})")
 
 
 @dataclass
