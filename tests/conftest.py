@@ -12,6 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from megaseq.console import show_logs
+
+show_logs()  # as the CLI does: library log lines reach stdout / stderr (tests read them with capsys)
+
 if not torch.cuda.is_available():
     # Triton kernels are tested on the CPU through Triton's interpreter, which must be chosen before triton is
     # first imported (by any module): here, before every test module. The dispatcher never picks a Triton

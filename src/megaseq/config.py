@@ -464,33 +464,44 @@ class OptimConfig:
 
 
 BALANCE_MODES = ("auto", "bias", "aux_loss", "none")
+FAMILY_DEFAULT = "the model family's"  # what --help prints for a setting left unset (None) to follow the model
 
 
 @dataclass
 class MoEConfig:
-    """Router load balancing in training, as each family's reference trains it (``train/balance.py``)."""
+    """Router load balancing in training, as each family's reference trains it (``train/balance.py``). A setting
+    left unset (None) follows the model's family; ``train/family_settings.py`` resolves it once the model is known,
+    and the run's config.yaml records the value used."""
 
-    balance: str = opt("auto", "auto (the family's reference: the auxiliary-loss-free score-correction bias update "
-                               "for sigmoid routers: GLM-5, DeepSeek-V3, GLM-4.5, Kimi-Linear; the auxiliary "
-                               "load-balancing loss for softmax routers: Qwen3-MoE, Qwen3-Next, OLMoE, Mixtral), "
-                               "bias, aux_loss or none")
-    aux_loss_coef: float = opt(-1.0, "auxiliary loss coefficient (-1: the model's router_aux_loss_coef from its "
-                                     "config.json, else the family's default)")
-    bias_update_rate: float = opt(-1.0, "score-correction bias step per optimizer step, bias += rate * sign(mean load "
-                                        "- expert load) over the whole global batch (-1: the family's, 0.001)")
-    seq_aux_loss_coef: float = opt(0.0, "beside the bias update: DeepSeek-V3's sequence-wise balance loss alpha * "
-                                        "sum_i f_i P_i per sequence and MoE layer on the normalised sigmoid "
-                                        "scores (DeepSeek-V3 uses alpha 0.0001; 0: off; one process only for now)")
+    balance: Any = opt(None, "bias (the auxiliary-loss-free score-correction bias update: the sigmoid "
+                                    "routers of GLM-5, DeepSeek-V3, GLM-4.5, Kimi-Linear), aux_loss (the "
+                                    "auxiliary load-balancing loss: the softmax routers of Qwen3-MoE, Qwen3-Next, "
+                                    "OLMoE, Mixtral) or none; unset (or auto): the family's reference",
+                              family=True)
+    aux_loss_coef: float | None = opt(None, "auxiliary loss coefficient; unset: the model's router_aux_loss_coef "
+                                            "from its config.json, else the family's default", family=True)
+    bias_update_rate: float | None = opt(None, "score-correction bias step per optimizer step, bias += rate * "
+                                               "sign(mean load - expert load) over the whole global batch; unset: "
+                                               "the family's (0.001)", family=True)
+    seq_aux_loss_coef: float | None = opt(None, "beside the bias update: DeepSeek-V3's sequence-wise balance loss "
+                                                "alpha * sum_i f_i P_i per sequence and MoE layer on the normalised "
+                                                "sigmoid scores (DeepSeek-V3 uses alpha 0.0001; 0: off; one process "
+                                                "or data parallelism only); unset: the family's (off)", family=True)
 
     def __post_init__(self) -> None:
-        if self.balance not in BALANCE_MODES:
+        if self.balance == "auto":  # the family's, as unset
+            self.balance = None
+        for name in ("aux_loss_coef", "bias_update_rate"):
+            if getattr(self, name) == -1.0:  # the family's, as unset
+                setattr(self, name, None)
+        if self.balance is not None and self.balance not in BALANCE_MODES:
             raise ValueError(f"moe.balance must be one of {', '.join(BALANCE_MODES)}, got {self.balance!r}")
-        if self.seq_aux_loss_coef < 0:
+        if self.seq_aux_loss_coef is not None and self.seq_aux_loss_coef < 0:
             raise ValueError(f"moe.seq_aux_loss_coef must be >= 0 (0: off), got {self.seq_aux_loss_coef}")
         for name in ("aux_loss_coef", "bias_update_rate"):
             v = getattr(self, name)
-            if v < 0 and v != -1.0:
-                raise ValueError(f"moe.{name} must be >= 0 (or -1 for the default), got {v}")
+            if v is not None and v < 0:
+                raise ValueError(f"moe.{name} must be >= 0 (or unset for the model family's), got {v}")
 
 
 LORA_INITS = ("default", "gaussian")
@@ -576,7 +587,11 @@ class TrainConfig:
     seed: int = opt(0, "seed for weights, data and dropout: the same seed gives the same run", ge=0)
     device: str = opt("auto", "cuda, cpu or auto")
     run_dir: str = opt("runs/default", "where the run writes config, plan, metrics, checkpoints, exports")
-    save_every: int = opt(0, "checkpoint every N steps (0: only at the end; SIGTERM/SIGINT also save one)", ge=0)
+    save_every: int = opt(0, "checkpoint every N steps (0: by time only, train.save_every_minutes; the end of the "
+                          "run and SIGTERM/SIGINT always save one)", ge=0)
+    save_every_minutes: float = opt(30.0, "checkpoint every this many minutes of training (wall clock since the run, "
+                                    "its resume or the last checkpoint), so a kill loses at most that much; 0: off",
+                                    ge=0)
     keep_checkpoints: int = opt(2, "how many step checkpoints to keep", ge=1)
     resume: bool = opt(False, "resume from the newest resumable checkpoint in run_dir (none yet: start at step 0)")
     overwrite: bool = opt(False, "replace a run already in run_dir (removes only what megaseq wrote there)")
@@ -858,9 +873,11 @@ def resolve_recipe_paths(raw: dict[str, Any], recipe: Path) -> dict[str, Any]:
     return raw
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | dict[str, Any] | None = None) -> Config:
+def load_config(path: str | Path | None = None, overrides: list[str] | dict[str, Any] | None = None,
+                drop_sections: tuple[str, ...] = ()) -> Config:
     """Read a YAML recipe (or none: the embedded default) and apply overrides. A relative file path in the
-    recipe is relative to the recipe's directory (``resolve_recipe_paths``)."""
+    recipe is relative to the recipe's directory (``resolve_recipe_paths``); ``drop_sections``: the recipe's
+    sections left out (their settings then come from the overrides, the defaults or the model's family)."""
     raw: dict[str, Any] = {}
     if path is not None:
         p = Path(path)
@@ -869,7 +886,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | dict[str,
         loaded = read_yaml(p) or {}
         if not isinstance(loaded, dict):
             raise ValueError(f"config file {p} must hold a mapping of sections, got {type(loaded).__name__}")
-        raw = resolve_recipe_paths({k: (dict(v) if isinstance(v, dict) else v) for k, v in loaded.items()}, p)
+        raw = resolve_recipe_paths({k: (dict(v) if isinstance(v, dict) else v) for k, v in loaded.items()
+                                    if k not in drop_sections}, p)
         try:
             return build_config(raw, overrides)
         except ValueError as e:
@@ -922,6 +940,8 @@ def field_help() -> dict[str, list[tuple[str, str, Any]]]:
         rows = []
         for f in dataclasses.fields(cls):
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+            if f.metadata.get("family") and default is None:
+                default = FAMILY_DEFAULT
             rows.append((f.name, f.metadata.get("help", ""), default))
         out[section] = rows
     return out

@@ -10,7 +10,7 @@ FLOP count (``plan.flops.mfu``: model FLOPs only, attention and indexer included
 from __future__ import annotations
 
 import copy
-import sys
+import logging
 import time
 import traceback
 from collections.abc import Callable
@@ -23,6 +23,9 @@ from megaseq.config import Config, MemorySettings
 from megaseq.ops import dispatch
 from megaseq.ops.kernels import cold_start_note, preferred_kernels
 from megaseq.plan.flops import mfu
+
+logger = logging.getLogger(__name__)
+
 
 GIB = 2**30
 
@@ -136,8 +139,7 @@ def measure_megaseq(cfg: Config, seq_len: int, steps: int, source: str, routing:
             # the ops `model.kernels` prefers that ran something else (where and why): the row says what it timed
             row["kernel_fallbacks"] = dispatch.fallback_summary(preferred_kernels(device.type, c.model.kernels))
             for g in row["kernel_fallbacks"]:
-                print(f"megaseq bench: model.kernels {c.model.kernels}: {dispatch.describe_fallback(g)}",
-                      file=sys.stderr)
+                logger.info(f"megaseq bench: model.kernels {c.model.kernels}: {dispatch.describe_fallback(g)}")
         row["timed_steps"] = len(times) if steps else "1 (cold: includes the warm-up)"
         if not steps:  # the one step ran without the optimizer state (made by its update): compare with that
             row["predicted_gpu_tensors_gib"] = plan.first_step_gpu_tensors / GIB
@@ -153,10 +155,10 @@ def measure_megaseq(cfg: Config, seq_len: int, steps: int, source: str, routing:
     except torch.OutOfMemoryError as e:
         row.update(status="oom", error=str(e).splitlines()[0][:200])
         # where it ran out, for whoever reads the log (the row keeps the message only)
-        print(f"megaseq bench: {seq_len} tokens: out of memory\n{traceback.format_exc()}", file=sys.stderr)
+        logger.warning(f"megaseq bench: {seq_len} tokens: out of memory\n{traceback.format_exc()}")
         if device.type == "cuda":
-            print(f"peak allocated {torch.cuda.max_memory_allocated(device) / GIB:.2f} GiB, allocated now "
-                  f"{torch.cuda.memory_allocated(device) / GIB:.2f} GiB", file=sys.stderr)
+            logger.warning(f"peak allocated {torch.cuda.max_memory_allocated(device) / GIB:.2f} GiB, allocated now "
+                        f"{torch.cuda.memory_allocated(device) / GIB:.2f} GiB")
     finally:
         if applied is not None:
             applied.release()
@@ -180,7 +182,7 @@ def timed_steps(run_step: Callable[[], None], steps: int, device: torch.device,
     times = []
     note = cold_start_note(device.type)
     if note:  # a cold first step is silent for minutes otherwise
-        print(f"megaseq bench: {note}", file=sys.stderr, flush=True)
+        logger.info(f"megaseq bench: {note}")
     for i in range(steps + 1):
         t0 = time.perf_counter()
         run_step()
@@ -192,7 +194,7 @@ def timed_steps(run_step: Callable[[], None], steps: int, device: torch.device,
             first.append(dt)
         # as each step ends (stderr): a long bench stopped by a time limit still shows what it measured
         what = "warm-up" if i == 0 and steps else "timed"
-        print(f"megaseq bench: step {i + 1} of {steps + 1} ({what}): {dt:.1f} s", file=sys.stderr, flush=True)
+        logger.info(f"megaseq bench: step {i + 1} of {steps + 1} ({what}): {dt:.1f} s")
     return times
 
 

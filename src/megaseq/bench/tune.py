@@ -11,12 +11,14 @@ lengths and within ``autotune.NEAR_BUCKETS`` powers of two of them.
 
 from __future__ import annotations
 
+import logging
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
 from megaseq.config import Config, parse_size
+
+logger = logging.getLogger(__name__)
 
 
 def tune_lengths(cfg: Config, seq_lens: str | None) -> list[int]:
@@ -65,7 +67,7 @@ def run_tune(cfg: Config, lengths: list[int], out: str | None = None, measure=No
             from megaseq.ops.triton_autotune import forget_tunings
 
             forget_tunings()
-        print(f"megaseq tune: {L:,} tokens, every autotuned kernel over its whole space", file=sys.stderr, flush=True)
+        logger.info(f"megaseq tune: {L:,} tokens, every autotuned kernel over its whole space")
         rows.append(measure(cfg, L, 0, "random", routing))
     path = path or table.user_path
     merged = autotune._read(path) if path.exists() else {}

@@ -10,15 +10,25 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import tempfile
 
 import torch
 
 from megaseq.config import Config
+from megaseq.console import TO_STDOUT
 from megaseq.models.spec import ModelSpec
 from megaseq.ops import dispatch
 from megaseq.ops.kernels import planned_kernels
+
+logger = logging.getLogger(__name__)
+
+
+def say(text: str) -> None:
+    """A line of the verification report (stdout, through the CLI's log handler)."""
+    logger.info(text, extra=TO_STDOUT)
+
 
 MAX_VERIFY_PARAMS = 2_000_000_000
 PARITY_MAX_PARAMS = 50_000_000
@@ -107,27 +117,27 @@ def verify(cfg: Config) -> bool:
     spec = resolve_spec(cfg.model.name)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     n = param_count(spec)
-    print(f"model {cfg.model.name}: {spec.family}, {spec.num_layers} layers, {n / 1e9:.3f}B parameters")
+    say(f"model {cfg.model.name}: {spec.family}, {spec.num_layers} layers, {n / 1e9:.3f}B parameters")
     run_spec = spec
     if n > MAX_VERIFY_PARAMS or (device.type == "cpu" and n > PARITY_MAX_PARAMS):
         run_spec = shrink(spec)
-        print(f"  too large to run here: checking {run_spec.num_layers} layers, one of each kind, same shapes")
+        say(f"  too large to run here: checking {run_spec.num_layers} layers, one of each kind, same shapes")
     try:
-        print(kernel_table(run_spec, device, cfg.model.strict_kernels))
+        say(kernel_table(run_spec, device, cfg.model.strict_kernels))
     except dispatch.KernelFallbackError as e:
-        print(f"kernel check failed: {e}")
+        say(f"kernel check failed: {e}")
         return False
     try:
         import transformers  # noqa: F401
     except ImportError:
-        print("parity: skipped (transformers is not installed: pip install 'megaseq[hf]')")
+        say("parity: skipped (transformers is not installed: pip install 'megaseq[hf]')")
         return True
     if param_count(run_spec) > PARITY_MAX_PARAMS:
-        print("parity: skipped for a model this large (run the parity tests on a tiny config: pytest -k parity)")
+        say("parity: skipped for a model this large (run the parity tests on a tiny config: pytest -k parity)")
         return True
     err = hf_parity(run_spec)
     # transformers computes norms, routers and softmaxes in float32 even in a float64 model: ~1e-7
     ok = math.isfinite(err) and err < 1e-5
-    print(f"parity with transformers (float64, CPU): max relative logit difference {err:.2e} "
+    say(f"parity with transformers (float64, CPU): max relative logit difference {err:.2e} "
           f"{'ok' if ok else 'FAILED'}")
     return ok

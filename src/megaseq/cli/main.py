@@ -20,6 +20,7 @@ import textwrap
 from collections.abc import Callable
 
 from megaseq.config import field_help, take_overrides
+from megaseq.console import show_logs
 
 VERBS = {
     "train": "fine-tune a model (one GPU, torchrun, or Ray); with no config, the embedded default job",
@@ -197,6 +198,7 @@ def _epilog(verb: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    show_logs()  # the library logs; the command shows its lines on stdout / stderr as they come
     p = parser()
     if not argv or argv[0] in ("-h", "--help"):
         p.print_help()  # `megaseq` alone prints this; `megaseq train` runs the embedded default job

@@ -11,8 +11,11 @@ from megaseq.config import Config, default_recipe, load_config, parse_size, spli
 
 
 def _config(args: argparse.Namespace, rest: list[str]) -> Config:
-    """The verb's recipe (none: the embedded default job) with its ``--section.key value`` settings."""
-    return load_config(getattr(args, "config", None) or default_recipe(), split_overrides(rest))
+    """The verb's recipe (none: the embedded default job) with its ``--section.key value`` settings. The default
+    job's balancing (``moe``) is its own model's: with another ``--model.name`` it follows that model's family."""
+    overrides, recipe = split_overrides(rest), getattr(args, "config", None)
+    other_model = recipe is None and any(o.startswith("model.name=") for o in overrides)
+    return load_config(recipe or default_recipe(), overrides, drop_sections=("moe",) if other_model else ())
 
 
 def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:

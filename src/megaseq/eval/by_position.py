@@ -170,7 +170,7 @@ def compare(results: Mapping[str, PositionLoss], baseline: tuple[str, PositionLo
 
     The before/after pair: as given, else the models named 'before' and 'after' (see ``_pick_pair``).
     """
-    from megaseq.eval.verdict import UNIFORM_BITS, baseline_gain, verdict
+    from megaseq.eval.verdict import UNIFORM_BITS, baseline_gain, relative_change, verdict
 
     models = dict(results)
     if not models:
@@ -198,9 +198,9 @@ def compare(results: Mapping[str, PositionLoss], baseline: tuple[str, PositionLo
         b, a = models[pair[0]], models[pair[1]]
         with np.errstate(invalid="ignore", divide="ignore"):
             rel = (b.bucket_loss() - a.bucket_loss()) / b.bucket_loss()
-        overall = (b.loss - a.loss) / b.loss if b.loss > 0 else None
-        out["relative_improvement"] = {"before": pair[0], "after": pair[1], "overall": overall,
-                                       "buckets": _nan_to_none(rel)}
+        change = relative_change(b, a)
+        out["relative_improvement"] = {"before": pair[0], "after": pair[1], "overall": change["overall"],
+                                       "overall_se": change["overall_se"], "buckets": _nan_to_none(rel)}
     out["verdict"] = verdict(out)
     return out
 

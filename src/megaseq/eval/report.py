@@ -154,18 +154,32 @@ def _values(result: dict[str, Any], name: str) -> list[float]:
 
 
 def _y_range(result: dict[str, Any]) -> tuple[float, float]:
-    """The region that matters: the main model, the baseline and uniform A/C/G/T, with a margin. Another
-    line (a 'before' far above) is drawn clipped, its legend saying so, instead of setting the scale."""
+    """The region that matters: the main model, the baseline and uniform A/C/G/T, widened to take in the other
+    models (a 'before') unless that would squeeze the region into under a quarter of the height; then the far
+    line is drawn clipped, its legend saying so. Padded by at least 2% of the level (0.01 bits at least), so a
+    single bucket, or models a few hundredths apart, still read as separate lines on a visible scale."""
     from megaseq.eval.verdict import main_model
 
-    vals = [v for v in _values(result, main_model(result)) if v == v]
+    main = main_model(result)
+    core = [v for v in _values(result, main) if v == v]
     if result.get("baseline"):
-        vals += [v for v in _values(result, result["baseline"]) if v == v]
+        core += [v for v in _values(result, result["baseline"]) if v == v]
     if result.get("uniform_bits") is not None:
-        vals.append(result["uniform_bits"])
-    lo, hi = min(vals), max(vals)
-    pad = max(0.15 * (hi - lo), 0.005)
+        core.append(result["uniform_bits"])
+    lo, hi = min(core), max(core)
+    floor = max(0.02 * max(abs(lo), abs(hi)), 0.01)
+    limit = 4 * max(hi - lo, floor)
+    for name in result["model_names"]:
+        others = [v for v in _values(result, name) if v == v] if name != main else []
+        if others and max(hi, *others) - min(lo, *others) <= limit:
+            lo, hi = min(lo, *others), max(hi, *others)
+    pad = max(0.15 * (hi - lo), floor / 2)
     return lo - pad, hi + pad
+
+
+def band_label(name: str) -> str:
+    """The legend entry of a model's shaded band of its gain over the baseline."""
+    return f"{name}: gain +/- 2 standard errors"
 
 
 def plot_by_position(result: dict[str, Any], path: str | Path) -> Path:
@@ -205,7 +219,8 @@ def plot_by_position(result: dict[str, Any], path: str | Path) -> Path:
             ys = [float("nan") if v is None else v for v in g["buckets"]]
             gx.plot(mids, ys, "-o", markersize=3, label=f"{name}: {g['overall']:+.4f} overall")
             se = [float("nan") if s is None else 2 * s for s in g["buckets_se"]]
-            gx.fill_between(mids, [y - s for y, s in zip(ys, se)], [y + s for y, s in zip(ys, se)], alpha=0.15)
+            gx.fill_between(mids, [y - s for y, s in zip(ys, se)], [y + s for y, s in zip(ys, se)], alpha=0.15,
+                            label=band_label(name))
         gx.axhline(0.0, color="black", linewidth=0.8)
         gx.set_ylabel(f"gain over {base}\n(bits per {unit}; > 0: better)")
         gx.grid(alpha=0.3)

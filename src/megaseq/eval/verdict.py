@@ -89,6 +89,28 @@ def baseline_gain(model: PositionLoss, base: PositionLoss) -> dict[str, Any]:
     return out
 
 
+def relative_change(before: PositionLoss, after: PositionLoss) -> dict[str, Any]:
+    """``(before - after) / before`` overall and its standard error (the two models' errors combined as if
+    independent: conservative, as ``baseline_gain``'s; None without squares), for "X% fewer bits"."""
+    b, se_b = _mean_se(before.sum_nats, before.sum_sq_nats, before.count)
+    a, se_a = _mean_se(after.sum_nats, after.sum_sq_nats, after.count)
+    if not (math.isfinite(a) and math.isfinite(b)) or b <= 0:
+        return {"overall": None, "overall_se": None}
+    se = None if se_a is None or se_b is None else math.hypot(se_a, se_b) / b
+    return {"overall": (b - a) / b, "overall_se": se}
+
+
+def change_sentence(rel: dict[str, Any], unit: str) -> str:
+    """'after vs before: 0.10% fewer bits per base, within noise (2 standard errors: 0.80%)'."""
+    v, se = rel["overall"], rel.get("overall_se")
+    words = f"{rel['after']} vs {rel['before']} (the model fine-tuning started from): " \
+            f"{100 * abs(v):.2f}% {'fewer' if v >= 0 else 'more'} bits per {unit}"
+    if se is None:
+        return words + " (no standard error: the evaluation kept no squares)"
+    noise = "within noise" if _within(v, se) else "beyond noise"
+    return words + f", {noise} (2 standard errors: {200 * se:.2f}%, tokens taken as independent)"
+
+
 def main_model(result: dict[str, Any]) -> str:
     """The model a report is about: 'after' when there is one, else the last model given."""
     names = result["model_names"]
@@ -148,9 +170,7 @@ def verdict(result: dict[str, Any]) -> list[str]:
         lines += _baseline_lines(result, name, base)
     rel = result.get("relative_improvement")
     if rel and rel.get("overall") is not None:
-        v = rel["overall"]
-        lines.append(f"{rel['after']} vs {rel['before']} (the model fine-tuning started from): "
-                     f"{100 * abs(v):.2f}% {'fewer' if v >= 0 else 'more'} bits per {unit}.")
+        lines.append(change_sentence(rel, unit) + ".")
     lines += list(result.get("notes") or [])
     return lines
 

@@ -11,7 +11,7 @@ different sequences: dp x ep.
 
 from __future__ import annotations
 
-import sys
+import logging
 from typing import Any
 
 import torch
@@ -22,6 +22,8 @@ from megaseq.parallel import grads
 from megaseq.parallel.mesh import Mesh, distribute_batch, init_mesh, resolve_mla_mode, shutdown
 from megaseq.parallel.ring_dtp import ring_dtp_loss, vocab_shard
 from megaseq.parallel.ulysses import _gather_seq, make_context
+
+logger = logging.getLogger(__name__)
 
 
 class ParallelEnv:
@@ -93,7 +95,7 @@ class ParallelEnv:
 
     def log(self, msg: str) -> None:
         if self.is_main:
-            print(msg, file=sys.stderr)
+            logger.info(msg)
 
     def shutdown(self) -> None:
         return None

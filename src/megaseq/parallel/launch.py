@@ -43,6 +43,9 @@ def rank_env(rank: int, world_size: int, master_addr: str, master_port: int, loc
 
 
 def _local_entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, args: tuple) -> None:
+    from megaseq.console import show_logs
+
+    show_logs()  # a spawned rank starts without the CLI's handler
     os.environ.update(rank_env(rank, world_size, "127.0.0.1", port))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     fn(rank, *args)
@@ -111,6 +114,9 @@ class _RayWorker:
         return ray.util.get_node_ip_address()
 
     def run(self, env: dict[str, str], fn: Callable[..., Any], args: tuple) -> Any:
+        from megaseq.console import show_logs
+
+        show_logs()  # the worker's log lines on its stdout / stderr, which Ray forwards
         os.environ.update(env)
         return fn(*args)
 

@@ -63,9 +63,9 @@ def resolve_balance(cfg: MoEConfig, spec: ModelSpec) -> BalanceSettings:
     if "moe" not in spec.mlp_types:
         return BalanceSettings("none")
     fam = family(spec.family)
-    mode = fam.balance if cfg.balance == "auto" else cfg.balance
-    coef = spec.router_aux_loss_coef if cfg.aux_loss_coef == -1.0 else cfg.aux_loss_coef
-    rate = fam.bias_update_rate if cfg.bias_update_rate == -1.0 else cfg.bias_update_rate
+    mode = fam.balance if cfg.balance in (None, "auto") else cfg.balance
+    coef = spec.router_aux_loss_coef if cfg.aux_loss_coef in (None, -1.0) else cfg.aux_loss_coef
+    rate = fam.bias_update_rate if cfg.bias_update_rate in (None, -1.0) else cfg.bias_update_rate
     if mode == "bias" and spec.router != "sigmoid_bias":
         raise ValueError(f"moe.balance bias needs a router with a score-correction bias, but {spec.family} routes "
                          f"with {spec.router!r}: use --moe.balance aux_loss (or auto)")
@@ -77,7 +77,7 @@ def resolve_balance(cfg: MoEConfig, spec: ModelSpec) -> BalanceSettings:
             raise ValueError("moe.balance aux_loss with a coefficient of 0 trains nothing: set "
                              "--moe.aux_loss_coef (Qwen3-MoE uses 0.001, OLMoE 0.01, Mixtral 0.02)")
         mode = "none"  # the checkpoint says its reference trains without it
-    seq = cfg.seq_aux_loss_coef
+    seq = cfg.seq_aux_loss_coef or 0.0  # unset: the family's, off
     if seq and spec.router != "sigmoid_bias":
         raise ValueError(f"moe.seq_aux_loss_coef is the sequence-wise loss of the sigmoid routers (DeepSeek-V3); "
                          f"{spec.family} routes with {spec.router!r}: set it to 0 (--moe.aux_loss_coef is "

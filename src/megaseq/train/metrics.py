@@ -8,6 +8,7 @@ one consistent curve.
 from __future__ import annotations
 
 import json
+import logging
 import resource
 import sys
 import time
@@ -15,6 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from megaseq.console import TO_STDOUT
+
+logger = logging.getLogger(__name__)
 
 
 def host_peak_bytes() -> int:
@@ -116,7 +121,7 @@ class MetricsLogger:
 
                 self._tb = SummaryWriter(str(Path(run_dir) / "tb"), purge_step=start_step + 1)
             except ImportError:  # tensorboard is a dependency, but keep training if it is broken
-                print("warning: tensorboard unavailable; metrics go to metrics.jsonl only", file=sys.stderr)
+                logger.warning("warning: tensorboard unavailable; metrics go to metrics.jsonl only")
         tty = sys.stdout.isatty() if tty is None else tty
         if progress and tty:
             from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
@@ -164,7 +169,7 @@ class MetricsLogger:
         self._write(record)
         step = record["step"]
         if self.lines:
-            print(step_line(record, self.total, self.eta(step)), flush=True)
+            logger.info(step_line(record, self.total, self.eta(step)), extra=TO_STDOUT)
         if self._bar is not None:
             info = f"loss {record['loss']:.4f}  {record['tokens_per_s']:.0f} tok/s"
             if record.get("gpu_peak_gib"):
@@ -185,7 +190,7 @@ class MetricsLogger:
         if self._bar is not None:
             self._bar.console.print(eval_line(record))
         elif self.lines:
-            print(eval_line(record), flush=True)
+            logger.info(eval_line(record), extra=TO_STDOUT)
 
     def eval_progress(self, done: int, total: int) -> None:
         """Progress of a held-out evaluation, window by window: its own bar, or a line now and then."""
@@ -203,7 +208,7 @@ class MetricsLogger:
         now = time.perf_counter()
         if first or last or now - self._last_note >= self.quiet_s:
             self._last_note = now
-            print(text, flush=True)
+            logger.info(text, extra=TO_STDOUT)
 
     def substep(self, what: str, done: int, total: int) -> None:
         """Progress inside a long step (sequence segments): shown on the bar until the step's record."""

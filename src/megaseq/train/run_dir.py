@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import shutil
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +26,9 @@ import yaml
 
 from megaseq.config import Config, LoraConfig
 from megaseq.train.checkpoint import CKPT_DIR, atomic_write_text, latest_complete, latest_resumable
+
+logger = logging.getLogger(__name__)
+
 
 CONFIG_FILE = "config.yaml"
 PLAN_FILE = "plan.json"
@@ -183,10 +186,10 @@ def claim_run_dir(cfg: Config) -> tuple[Path, Path | None]:
     if check.mode == "replace":
         kept = _remove_outputs(run_dir, read_manifest(run_dir) or {"outputs": OUTPUTS})
         if kept:
-            print(f"--train.overwrite: removed the previous run from {run_dir}; kept {len(kept)} entries megaseq "
-                  f"did not write: {', '.join(kept[:5])}", file=sys.stderr)
+            logger.warning(f"--train.overwrite: removed the previous run from {run_dir}; kept {len(kept)} entries "
+                        f"megaseq did not write: {', '.join(kept[:5])}")
     if check.note:
-        print(check.note, file=sys.stderr)
+        logger.info(check.note)
     run_dir.mkdir(parents=True, exist_ok=True)
     _remove_stale_temporaries(run_dir)
     _write_manifest(run_dir)

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import os
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,13 +28,18 @@ from megaseq.plan.flops import mfu
 from megaseq.train import checkpoint as ckpt
 from megaseq.train import guard, indexer_training
 from megaseq.train.balance import Balancer, resolve_balance
+from megaseq.train.family_settings import resolve_family_settings
 from megaseq.train.heldout import HeldoutProbe, evaluate_run
 from megaseq.train.metrics import MetricsLogger, gpu_peak_bytes, host_peak_bytes
 from megaseq.train.optim import build_optimizer
 from megaseq.train.parallel_env import ParallelEnv, setup_parallel
+from megaseq.train.periodic import SaveSchedule
 from megaseq.train.preflight import check_disk_space, preflight
 from megaseq.train.run_dir import claim_run_dir, discard_unstarted, write_plan
 from megaseq.train.safe_checkpoint import NonFiniteWeights
+
+_log = logging.getLogger(__name__)  # (``logger`` below is a run's MetricsLogger)
+
 
 GIB = 2**30
 
@@ -314,7 +319,7 @@ def run_training(cfg: Config) -> RunResult:
     from megaseq.models.presets import resolve_spec
 
     spec = resolve_spec(cfg.model.name)  # a bad model name fails before anything else happens
-    resolve_balance(cfg.moe, spec)  # and so does a balancing rule the routers cannot train with
+    cfg = resolve_family_settings(cfg, spec)  # the family's balancing where unset; a rule it cannot train refused
     indexer_training.check(cfg, spec)  # and an indexer objective the model or the adapters cannot take
     preflight(cfg, spec)  # the run directory and the starting weights, nothing written
     use_expandable_segments()
@@ -430,7 +435,7 @@ def _draw_curve(run_dir: Path, unit: str, final: dict[str, Any] | None = None, q
         plot_loss_curve(run_dir, unit, final)
     except Exception as e:  # noqa: BLE001
         if not quiet:
-            print(f"warning: could not draw {run_dir}/loss_curve.png ({type(e).__name__}: {e})", file=sys.stderr)
+            _log.warning(f"warning: could not draw {run_dir}/loss_curve.png ({type(e).__name__}: {e})")
 
 
 @dataclass
@@ -460,6 +465,7 @@ class _Loop:
                                env.is_main, evals_left=evals)
         skipped = 0  # non-finite steps in a row (train.on_nonfinite skip)
         clock = TimeLimit(parse_duration(cfg.train.time_limit), env)
+        schedule = SaveSchedule(cfg.train.save_every, cfg.train.save_every_minutes, env)
         note = cold_start_note(self.device.type)
         if note and start + 1 <= cfg.train.steps:
             env.log(note)
@@ -475,9 +481,10 @@ class _Loop:
                     if step % cfg.log.every == 0 or step == cfg.train.steps or out_of_time:
                         logger.log(record)
                     signum = signals.requested(env)
-                    save_now = cfg.train.save_every and step % cfg.train.save_every == 0
+                    save_now = schedule.due(step)
                     if save_now or step == cfg.train.steps or signum or out_of_time:
                         self.save(step, result, record["lr"])
+                        schedule.saved()
                         signum = signum or signals.requested(env)  # a signal during the write: stop now
                     if signum:
                         raise signals.stopped(signum, step, result.last_checkpoint)
