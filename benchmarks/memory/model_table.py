@@ -25,7 +25,8 @@ from megaseq.config import parse_size  # noqa: E402
 from megaseq.plan.advisor import Choice, Hardware, Source, advise  # noqa: E402
 
 MODELS = ("olmoe-1b-7b-0924", "qwen3-30b-a3b", "mixtral-8x7b-v0.1", "kimi-linear-48b-a3b-instruct",
-          "qwen3-next-80b-a3b-instruct", "glm-4.5-air", "glm-4.5", "deepseek-v3", "deepseek-v3.2-exp")
+          "qwen3-next-80b-a3b-instruct", "glm-4.5-air", "glm-4.5", "deepseek-v3", "deepseek-v3.2-exp",
+          "gpt-oss-20b", "gpt-oss-120b")
 GLM5_FLASH = "glm5-flash"  # the preset of recipes/glm5-flash.yaml
 
 
