@@ -147,7 +147,7 @@ class ModelConfig:
             self.init_from = self.name  # a checkpoint directory with weights: train from them, not from random
         if self.dtype not in ("bf16", "fp32", "fp64"):
             raise ValueError(f"model.dtype must be bf16, fp32 or fp64, got {self.dtype!r}")
-        if self.kernels == "default":  # the base set's name until the 2026-12-02 run (run directories written before)
+        if self.kernels == "default":  # an older name of the base set, still in existing run directories
             self.kernels = "base"
         if self.kernels not in ("fast", "base"):
             raise ValueError(f"model.kernels must be fast or base, got {self.kernels!r}")

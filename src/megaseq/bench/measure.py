@@ -92,7 +92,7 @@ def warm_planned_step(cfg: Config, seq_len: int, device: torch.device) -> tuple:
     random tokens, planned on ``device``, the trainer's model and step with the plan's fixes (``planned_step``),
     one warm-up step run (kernels, the optimizer state) and synchronised. The dispatcher is set up as
     ``megaseq train`` sets it (``model.kernels``) for the rest of the process: a memory benchmark's step
-    runs the kernels the plan counts (before the 2026-12-02 run it ran the base set, whatever ``model.kernels``)."""
+    runs the kernels the plan counts."""
     from megaseq.models.presets import resolve_spec
     from megaseq.train.trainer import kernel_settings
 

@@ -15,7 +15,7 @@ the two gradients plus one chunk of logits: at 32K tokens x V 154,880 x H 4096 i
 
 Chunk rows: Liger's own rule keeps a chunk of logits near the size of the hidden states (``N * H / V`` rows,
 rounded up to a power of two): 128 rows at 8K tokens of glm5-flash (H 2048, V 154,880), so 64 GEMMs of
-K = 128 and 64 read-modify-writes of the whole ``[V, H]`` weight gradient (the 2026-12-02 run's 8K profile: 53 ms of
+K = 128 and 64 read-modify-writes of the whole ``[V, H]`` weight gradient (the 2026-12-02 8K profile: 53 ms of
 the 273 ms step where its three GEMMs' FLOPs take 20 ms). megaseq sets Liger's ``chunk_mem_const`` so
 that a chunk is the largest power of two up to ``CHUNK_ROWS`` (4096: 1.2 GiB of bf16 logits at V 154,880),
 within the chunked loss's ``chunk_tokens`` (the plan's fp32 chunk of that many rows).

@@ -33,14 +33,14 @@ log-sum-exp ``[Hh, N]`` fp32 in base 2 (``lse2 = max + log2(sum)`` of the base-2
   ``p`` and ``ds`` (the dot operands it has, in the work dtype) in ``[queries, K, Hh, kp]`` blocks, ``SAVED_QUERIES``
   queries of one batch row at a time, and ``sparse_mla_bwd_pool_saved_kernel`` sums ``p^T do_lat + ds^T q_abs``
   from them: two dots a step instead of four, no exponentials, no key block, ``lse`` or ``delta``. Measured on the
-  H200 (the 2026-12-04 run, the whole backward of one layer): 40.8 ms against the recomputing pass's 54.9 at 32K, 56.0
+  H200 (measured 2026-12-04, the whole backward of one layer): 40.8 ms against the recomputing pass's 54.9 at 32K, 56.0
   against 64.0 for a 32K segment of 256K keys; +4.5% tokens/s in a 32K step. Its buffer (1 GiB of bf16 at
   glm5-flash-1gpu's shapes) and the chunk's sort are in the plan (``ops.workspace.sparse_mla_pool_bytes``).
   The layout is checked by one pass over the selection, ``pool_layout_kernel`` (one int32 flag; 0.17 ms at 32K
   against 2.4 ms for the torch reference, ``pool_layout_reference``): in the op's forward, read back with its
   empty-row check (``triton_sparse_mla.checks``), else in the backward (``layout="check"``). The pool pass's
   programs go a block of queries at a time (``pool_entries``, ``pool_query_block``), so those running together
-  read the same rows from L2 (the 2026-12-04 run: the 32K backward 54.7 ms against 58.7 in pool order).
+  read the same rows from L2 (measured 2026-12-04: the 32K backward 54.7 ms against 58.7 in pool order).
 
 Empty slots (``idx < 0`` or ``>= S``) read no memory and weigh 0. A query with no valid slot gets
 ``o_lat = 0`` and ``lse2 = +inf`` (so its backward is 0); the op hands such batch rows to ``absorbed``.
@@ -243,7 +243,7 @@ def sparse_mla_bwd_kernel(qabs_ptr, dolat_ptr, olat_ptr, lse_ptr, c_ptr, idx_ptr
                 tl.store(p_ptr + s_off, p_HW.to(p_ptr.dtype.element_ty), mask=s_mask)
                 tl.store(ds_ptr + s_off, ds_HW, mask=s_mask)
         dc_ptrs = dc_row0 + row[:, None] * R + offs_r[None, :]
-        if DC_START == 0:  # every slot's latent gradient here (the default: the loop as the 2026-12-02 run timed it)
+        if DC_START == 0:  # every slot's latent gradient here (the default, the loop as timed)
             dc_WR = tl.dot(tl.trans(p_HW.to(c_WR.dtype)), do_HR, input_precision=DOT_PREC)
             dc_WR = tl.dot(tl.trans(ds_HW), qa_HR, dc_WR, input_precision=DOT_PREC)
             if RP == R:
@@ -443,7 +443,7 @@ DC_MODES = ("pool", "saved", "atomic")
 POOL_MODES = ("pool", "saved")  # the modes that run a pool pass where the selection is in pools
 POOL_SIZES = (16, 32, 64, 128)  # the pool pass's tl.dot needs at least 16 keys a pool
 POOL_SCAN_ROWS = 4096  # query rows per step of the layout check ([rows, K, kp] int32 temporaries)
-# (rows, warps, stages) of the pool pass: timed on the H200 (the 2026-12-02 run, sparse_mla_configs.py) among rows
+# (rows, warps, stages) of the pool pass: timed on the H200 (measured 2026-12-02, sparse_mla_configs.py) among rows
 # 16 / 32 / 64, warps 4 / 8, stages 1 / 2: the fastest at 32K and at a 32K segment of 256K, within 8% of the
 # fastest at 8K; 1 stage is 20-25% slower, 8 warps 30-50%
 POOL_CONFIG = (32, 4, 2)
@@ -457,7 +457,7 @@ POOL_QUERIES = 32768  # queries per batch row whose pool entries are sorted at o
 # ``saved``: queries of a batch row per slot pass and pool pass, whose p and ds ([queries, K, Hh, kp] each, the work
 # dtype) are held at once: 1 GiB of bf16 at glm5-flash-1gpu's shapes (K = 128, Hh = 16, kp = 16)
 SAVED_QUERIES = workspace.SAVED_QUERIES
-# (rows, warps, stages) of sparse_mla_bwd_pool_saved_kernel: timed on the H200 (the 2026-12-04 run, the whole backward
+# (rows, warps, stages) of sparse_mla_bwd_pool_saved_kernel: timed on the H200 (measured 2026-12-04, the whole backward
 # of one layer): 16 rows 40.8 ms at 32K queries and keys, 56.0 for a 32K segment of 256K keys; 32 rows 41.9 / 56.1;
 # 32 rows and 8 warps 42.5 / 57.0; 64 rows 49.3 / 58.5
 POOL_SAVED_CONFIG = (16, 4, 2)

@@ -31,7 +31,7 @@ def sdpa_head_groups(num_heads: int, num_kv_heads: int) -> int:
     every head of the call; the calls' backwards run one after another, so each holds only its share, at the
     cost of the output's concatenation (a copy, which is also ``o_proj``'s input) and the query gradient's
     (the split's backward). For Qwen3-30B-A3B (32 query heads on 4 KV heads), measured on an H200 at 64K
-    (``tests/test_attention.py``, the 2026-12-02 run): 0.75 GiB of backward temporaries in 4 calls against about 2.6 in
+    (``tests/test_attention.py``, measured 2026-12-02): 0.75 GiB of backward temporaries in 4 calls against about 2.6 in
     one (planned 2.63, ``plan.layers.attention_temp``), about 15 GiB less at 512K. Each head's output is
     computed as in one call."""
     if num_kv_heads >= num_heads:
@@ -59,7 +59,7 @@ def norm_backward_temp(rows: int, width: int, out_bytes: int) -> int:
     float32 temporaries at their peak, and the weight's float32 partial sum. At the peak four float32
     chunk-sized tensors are live (``dxhat``, ``xhat``, their difference term and the result: ``16 * chunk``;
     the bf16 product before ``dxhat`` is freed by then). Measured on an H200 (bf16 q norm, 32 x 128 at 64K,
-    the 2026-12-02 run): 768 MiB = 512 MiB of input gradient + 256 MiB for a 16M-element chunk, exactly this."""
+    measured 2026-12-02): 768 MiB = 512 MiB of input gradient + 256 MiB for a 16M-element chunk, exactly this."""
     chunk = min(rows, norm_backward_rows(width)) * width
     return rows * width * out_bytes + 16 * chunk + 8 * width
 

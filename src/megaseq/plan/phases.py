@@ -286,8 +286,8 @@ def layer_terms(run: Run, i: int) -> LayerTerms:
     # replay fills one such buffer) and of its output where that is a tensor of its own: a cast of the
     # stream's gradient (a bf16 output added to an fp32 stream) or mHC's merge backward (N > 1); with a
     # plain residual in the output's dtype it is the stream's gradient itself, counted in ``agrad``. Measured
-    # on an H200 (LoRA, bf16 stream, the 2026-12-02 run): counting an fp32 input gradient and the output's again put
-    # the plan 4.6 GiB over a tiled MoE's backward at 600K.
+    # on an H200 (LoRA, bf16 stream, 2026-12-02): counting an fp32 input gradient and the output's again would
+    # put the plan 4.6 GiB over a tiled MoE's backward at 600K.
     y_mlp = c if spec.mlp_types[i] == "dense" else xb
     grad_attn = n * H * (xb + (c if (c != s or N > 1) else 0))
     grad_mlp = n * H * (xb + (y_mlp if (y_mlp != s or N > 1) else 0))
