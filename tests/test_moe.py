@@ -13,6 +13,7 @@ import re
 import sys
 import textwrap
 import types
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -111,10 +112,15 @@ def _assert_close(a: torch.Tensor, b: torch.Tensor, rtol: float = 1e-10) -> None
     assert err <= rtol * max(scale, 1e-30), f"max abs err {err:.3e} vs scale {scale:.3e}"
 
 
-def _check_parity(spec: ModelSpec, hf: torch.nn.Module, seed: int, shape=(3, 7)) -> MoE:
+def _check_parity(spec: ModelSpec, hf: torch.nn.Module, seed: int, shape=(3, 7),
+                  prepare: Callable[[MoE, torch.nn.Module], None] | None = None) -> MoE:
+    """Output, input gradient and every parameter's gradient against ``hf`` (float64); ``prepare(ours, hf)``
+    runs after the weights are copied (e.g. switching both to balanced routing)."""
     gen = torch.Generator().manual_seed(seed)
     ours = MoE(spec)
     _randomize_and_copy(hf, ours, gen, bias=spec.router == "sigmoid_bias")
+    if prepare is not None:
+        prepare(ours, hf)
     x = torch.randn(*shape, H, generator=gen, dtype=torch.float64)
     x_hf, x_ours = x.clone().requires_grad_(), x.clone().requires_grad_()
     y_hf, y_ours = hf(x_hf), ours(x_ours)

@@ -15,7 +15,7 @@ from megaseq.models.spec import ModelSpec
 from megaseq.train.metrics import moe_load
 
 pytest.importorskip("transformers")
-from test_moe import _assert_close, _glm_spec, _hf_glm_moe, _hf_qwen_moe, _qwen_spec, _randomize_and_copy  # noqa: E402
+from test_moe import _check_parity, _glm_spec, _hf_glm_moe, _hf_qwen_moe, _qwen_spec  # noqa: E402
 
 torch.set_num_threads(2)
 
@@ -54,22 +54,11 @@ def test_balanced_uneven_total_is_within_one_row() -> None:
 def _balanced_parity(spec: ModelSpec, hf: torch.nn.Module, seed: int) -> None:
     """megaseq's balanced MoE against transformers' MoE with ``balance_hf_experts``: output, the input's and
     every parameter's gradient (the router's included), float64."""
-    gen = torch.Generator().manual_seed(seed)
-    ours = MoE(spec)
-    _randomize_and_copy(hf, ours, gen, bias=spec.router == "sigmoid_bias")
-    assert set_routing(ours, "balanced") == 1 and balance_hf_experts(hf) == 1
-    x = torch.randn(3, 7, spec.hidden_size, generator=gen, dtype=torch.float64)
-    x_hf, x_ours = x.clone().requires_grad_(), x.clone().requires_grad_()
-    y_hf, y_ours = hf(x_hf), ours(x_ours)
-    _assert_close(y_ours, y_hf)
-    g = torch.randn(y_hf.shape, generator=gen, dtype=torch.float64)
-    y_hf.backward(g)
-    y_ours.backward(g)
-    _assert_close(x_ours.grad, x_hf.grad)
-    ours_params = dict(ours.named_parameters())
-    for name, p in hf.named_parameters():
-        assert p.grad is not None, name
-        _assert_close(ours_params[name].grad, p.grad)
+
+    def balance(ours: MoE, hf_: torch.nn.Module) -> None:
+        assert set_routing(ours, "balanced") == 1 and balance_hf_experts(hf_) == 1
+
+    ours = _check_parity(spec, hf, seed, prepare=balance)
     assert ours.gate.weight.grad.abs().max() > 0, "the router's gradient must flow under balanced routing"
 
 
