@@ -10,6 +10,7 @@ import pytest
 import megaseq.eval.report as report
 import megaseq.eval.verdict as verdict
 from megaseq.eval.by_position import PositionLoss, compare
+from test_eval_report import figure_of  # the Figure plot_by_position draws
 
 LN2 = math.log(2)
 
@@ -20,13 +21,6 @@ def loss(bits, seq=2048, width=2048, seed=0, windows=4, sd=0.3):
     for _ in range(windows):
         r.add(rng.normal(bits * LN2, sd, size=(1, seq)).clip(0.01), np.ones((1, seq), bool))
     return r
-
-
-def figure_of(result, monkeypatch):
-    seen = {}
-    monkeypatch.setattr(report, "save_figure", lambda fig, path: seen.setdefault("fig", fig))
-    report.plot_by_position(result, "unused.png")
-    return seen["fig"]
 
 
 def old_y_range(result):

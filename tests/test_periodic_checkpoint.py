@@ -4,7 +4,6 @@ schedule that ignores the interval is caught."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -13,13 +12,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 import yaml
 
-from megaseq.cli.main import main
 from megaseq.config import TrainConfig
 from megaseq.train.checkpoint import latest_resumable
 from megaseq.train.periodic import SaveSchedule
+from test_faults import _curve, _train  # the run helpers of the kill tests
 
 STEPS, KILL_AT = 6, 4  # the child is killed as step KILL_AT starts: steps 1..3 are done
 
@@ -77,19 +75,6 @@ trainer.train_step = step
 from megaseq.cli.main import main
 sys.exit(main(["train", {recipe!r}, "--train.save_every_minutes", "1e-9"]))
 """
-
-
-def _curve(run_dir: Path) -> list[float]:
-    return [json.loads(ln)["loss"] for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def _train(*argv: str) -> int:
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return main(["train", *argv])
-    finally:
-        torch.set_num_threads(prev)
 
 
 @pytest.fixture(scope="module")
