@@ -285,11 +285,17 @@ def test_moe_bf16_on_gpu_uses_grouped_mm_and_matches_float64() -> None:
     fast.experts.bfloat16()
     fast.shared_experts.bfloat16()  # the router stays float32, as build_model keeps it
     x = torch.randn(3, 301, 64).bfloat16().double()  # bf16-exact, so both routers see the same inputs
+    gpu_moe_matches_float64(fast, ref, x, "gpu.mlp")
+
+
+def gpu_moe_matches_float64(fast: MoE, ref: MoE, x: torch.Tensor, layer: str) -> None:
+    """``fast`` (bf16 experts on the GPU, dispatched as ``layer``) runs both expert matmuls as grouped_mm's and
+    matches ``ref`` (float64, CPU) on ``x`` (bf16-exact): the output and every parameter's gradient."""
     dispatch.reset_records()
     y_fast = fast(x.cuda().bfloat16())
     # the layer's records hold every op it dispatches (swiglu, moe_permute and moe_combine run their "torch"
     # references unless their opt-in Triton kernels are preferred); both expert matmuls must be grouped_mm's
-    ran = {(r.op, r.impl) for layer, r in dispatch.records() if layer == "gpu.mlp"}
+    ran = {(r.op, r.impl) for name, r in dispatch.records() if name == layer}
     assert {impl for op, impl in ran if op == "grouped_mm"} == {"torch_grouped_mm"}, ran
     y_ref = ref(x)
     torch.testing.assert_close(y_fast.double().cpu(), y_ref, rtol=5e-2, atol=5e-2)
