@@ -19,7 +19,7 @@
 # A step that already reached its target is skipped. Environment: RESULTS (default
 # benchmarks/results/long_context/genome_protocol), PY (python3), RECIPES (recipes/long-context), RUNS (runs),
 # and settings appended to a step's command: COMMON_ARGS (every training step), START_ARGS, LONG_ARGS,
-# CONTROL_ARGS, EVAL_ARGS (word-split; a CPU check at tiny scale sets them: tests/test_protocol_e2e.py).
+# CONTROL_ARGS, EVAL_ARGS (word-split; a CPU check at tiny scale sets them: tests/eval/test_protocol_e2e.py).
 # The genomes: shared/data/genomes carried as .data/ at the repository root (the recipes read ../../.data/).
 set -u
 [ $# -eq 1 ] || { sed -n '2,26p' "$0"; exit 2; }

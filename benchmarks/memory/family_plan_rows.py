@@ -17,7 +17,7 @@ memory schemes are the planner's choice (the cheapest set that fits); a scheme a
 runtime cannot run (sequence segments for the dense-MLA / GDN families) is never chosen. The longest length
 is searched in multiples of 1024 x cp up to 4M tokens (doubling, then three bisection steps: a lower
 bound within 1/8 of the true longest). Pure Python: the planner only, nothing runs on a GPU; the MLA and
-GDN terms are checked against the CPU blocks (tests/test_plan_families.py), not yet against an H200.
+GDN terms are checked against the CPU blocks (tests/plan/test_plan_families.py), not yet against an H200.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ step's loss and every parameter gradient at S tokens, plain (one forward + backw
 in segments of T tokens (``memory/model_segments.py``): their relative difference (per-parameter norm
 ratio) is two orders of summation in bf16, so a few 1e-3 is the expected scale; the plain step run a
 second time is reported beside it. Also each one's peak ``max_memory_allocated`` above the model and its
-time. The float64 exactness is tests/test_model_segments.py.
+time. The float64 exactness is tests/memory/test_model_segments.py.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@
 Writes the JSON (``--out``) and a markdown table beside it (same name, ``.md``). Every number comes from
 ``megaseq.plan.flops.comm_volume`` / ``ring_dtp_volume`` at the trainer's precision (fp32 master weights
 under bf16 autocast), one sequence over the whole cp group (dp = 1). Those formulas are checked to the
-byte against the collectives of a traced multi-process CPU step by ``tests/test_parallel_comm_volume.py``.
+byte against the collectives of a traced multi-process CPU step by ``tests/parallel/test_parallel_comm_volume.py``.
 No torch needed.
 """
 
@@ -59,7 +59,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         "- The formulas (`megaseq.plan.flops.comm_volume`, `ring_dtp_volume`) are checked to the byte "
         "against the bytes the collectives really send in a traced multi-process CPU training step "
         "(gloo, float32, glm5-flash-tiny and qwen3-moe-tiny, cp 2 and 4) by "
-        "`tests/test_parallel_comm_volume.py`; the bf16 dtypes they assume are checked there under CPU "
+        "`tests/parallel/test_parallel_comm_volume.py`; the bf16 dtypes they assume are checked there under CPU "
         "autocast for KDA and softmax attention.",
         "- **The H200 time of these collectives was not measured**: no multi-GPU machine was lent. "
         "These are bytes, not seconds.",
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"model": MODEL, "precision": "fp32 params + bf16 autocast", "unit": "bytes sent per GPU",
-            "checked_by": "tests/test_parallel_comm_volume.py", "h200_timing": "not measured"}
+            "checked_by": "tests/parallel/test_parallel_comm_volume.py", "h200_timing": "not measured"}
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
     out.with_suffix(".md").write_text(markdown(rows))
     print(markdown(rows))

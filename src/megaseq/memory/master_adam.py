@@ -13,11 +13,11 @@ small steps round away. Per parameter this optimizer holds, on the parameter's d
 and a step is ``torch.optim.AdamW``'s own arithmetic on the master (its functional ``adamw``: fused for whole
 tensors when ``fused``, as ``make_optimizer`` asks on CUDA; else foreach as given), then ``weight <- master``
 rounded to the weight's dtype. So the result equals AdamW run on an fp32 copy and cast, bit for bit
-(``tests/test_master_adam.py``). Weights that are already fp32 (the router a bf16 model keeps) get a master
+(``tests/memory/test_master_adam.py``). Weights that are already fp32 (the router a bf16 model keeps) get a master
 too, equal to them: one code path. With ``kernel="triton"`` (``make_optimizer``'s choice on CUDA where Triton
 is installed; ``MEGASEQ_ADAMW=torch`` declines it) the whole parameters step in ``ops.triton_adamw``: torch's
 fused arithmetic in one pass that reads a lone bf16 gradient as it is (28 bytes an element against the five
-passes' 48), within a few fp32 ulps of it (``tests/test_triton_adamw.py``).
+passes' 48), within a few fp32 ulps of it (``tests/ops/test_triton_adamw.py``).
 
 Gradients. The bf16 gradient a backward leaves (FSDP: reduce-scattered in ``parallel.reduce_dtype``, then
 cast to the weight's dtype) is cast to fp32 at the step. With ``accumulate`` (micro-batches, sequence

@@ -1,7 +1,7 @@
 """LoRA adapters in PEFT's format, out and in: ``adapter_config.json`` + ``adapter_model.safetensors``.
 
 An exported adapter loads with ``peft.PeftModel.from_pretrained`` on the transformers model of the same
-checkpoint and gives the same logits (``tests/test_lora_peft.py``); ``load_adapter`` reads one (written
+checkpoint and gives the same logits (``tests/models/test_lora_peft.py``); ``load_adapter`` reads one (written
 by megaseq or by PEFT) back into a model that has the same adapters, so training goes on from it. The
 key names and layouts are ``models.adapters``' (PEFT's ``lora.Linear`` and ``ParamWrapper``):
 

@@ -32,7 +32,7 @@ class Fast:
 
 
 # The fast set: Triton kernels (and fla's, Liger's), each checked against its reference on the GPU
-# (tests/test_triton_*.py, tests/test_hc_mix.py, tests/test_liger_loss.py). The memory plan counts the working
+# (tests/test_triton_*.py, tests/ops/test_hc_mix.py, tests/ops/test_liger_loss.py). The memory plan counts the working
 # sets of those with ``packages`` (where they are installed) and the base kernels' for the rest (for these an
 # upper bound); docs/planner.md, "The fast kernels", and benchmarks/results/h200 hold the measurements.
 FAST: dict[str, Fast] = {

@@ -30,9 +30,9 @@ def sdpa_head_groups(num_heads: int, num_kv_heads: int) -> int:
     (``dk_expanded``, ``dv_expanded``: 2 x the query's bytes) and a float32 dq accumulator (2 x again) for
     every head of the call; the calls' backwards run one after another, so each holds only its share, at the
     cost of the output's concatenation (a copy, which is also ``o_proj``'s input) and the query gradient's
-    (the split's backward). For Qwen3-30B-A3B (32 query heads on 4 KV heads), measured on an H200 at 64K
-    (``tests/test_attention.py``, measured 2026-12-02): 0.75 GiB of backward temporaries in 4 calls against about 2.6 in
-    one (planned 2.63, ``plan.layers.attention_temp``), about 15 GiB less at 512K. Each head's output is
+    (the split's backward). For Qwen3-30B-A3B (32 query heads on 4 KV heads), four calls hold about a quarter
+    of one call's backward temporaries (``plan.layers.attention_temp``; ``tests/models/test_attention.py``
+    checks it on a GPU). Each head's output is
     computed as in one call."""
     if num_kv_heads >= num_heads:
         return 1

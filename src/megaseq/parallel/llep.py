@@ -18,7 +18,7 @@ LLEP (arXiv 2601.17111; written from its description and the reference ``compute
   on the native GPU;
 - a GPU that takes a spilled piece receives that expert's weights and sends its weight gradient back.
 
-Properties (``tests/test_llep.py``): every row is served exactly once; a GPU that receives a spill ends
+Properties (``tests/parallel/test_llep.py``): every row is served exactly once; a GPU that receives a spill ends
 at or under the cap; every spilled piece has at least ``min_tokens`` rows; with ``min_tokens = 1`` and
 ``alpha >= 1`` every GPU ends at or under the cap; with ``threshold >= alpha`` the busiest GPU is never
 busier than under plain expert parallelism.

@@ -27,7 +27,7 @@ block addressed to itself stays), an all-gather its shard ``P - 1`` times, a red
 ``P - 1`` blocks of other ranks, a point-to-point send the whole tensor: the definition
 ``megaseq.plan.flops.comm_volume`` uses. ``scope`` is a label set with ``comm_scope`` (e.g. the layer
 kind; the backward keeps the forward's label), ``direction`` is ``fwd`` or ``bwd``. One dict add per
-call; ``tests/test_parallel_comm_volume.py`` checks the planner's formulas against it.
+call; ``tests/parallel/test_parallel_comm_volume.py`` checks the planner's formulas against it.
 """
 
 from __future__ import annotations

@@ -16,10 +16,10 @@ Memory (``dispatch_terms``), by dispatch mode (``config.ExpertDispatchSettings``
   their expert output) is ``llep.dispatch_buffer_bound``.
 
 The per-row costs are the MoE's (``layers.moe_row_saved`` / ``moe_row_temp``: an upper bound of the CPU
-reference path, ``tests/test_parallel_expert_memory.py``), plus the all-to-all's send and receive copies.
+reference path, ``tests/parallel/test_parallel_expert_memory.py``), plus the all-to-all's send and receive copies.
 
 Traffic (``layer_bytes``): exactly what ``parallel/expert.py`` sends for given routing counts (checked to
-the byte by ``tests/test_parallel_expert_comm.py``); ``expected_step_bytes``: the same for routing spread
+the byte by ``tests/parallel/test_parallel_expert_comm.py``); ``expected_step_bytes``: the same for routing spread
 evenly over the experts, per GPU per training step (all MoE layers).
 """
 

@@ -215,7 +215,7 @@ def comm_volume(spec: ModelSpec, seq_len: int, mesh: Mesh, batch: int = 1,
     kind and mode, and the cheaper mode. An all-to-all over P ranks sends ``(P - 1) / P`` of its input;
     an all-gather sends its shard to ``P - 1`` ranks; its backward reduce-scatter moves the same amount.
     ``c`` / ``f`` are ``prec.compute`` / ``prec.f32`` (default the trainer's bf16 autocast: 2 / 4; a
-    float32 run is 4 / 4). ``tests/test_parallel_comm_volume.py`` checks every term against the bytes
+    float32 run is 4 / 4). ``tests/parallel/test_parallel_comm_volume.py`` checks every term against the bytes
     the collectives of a real multi-process step send (``parallel.ulysses.COMM_BYTES``).
 
     KDA (Ulysses): q, k, v ``3 * D * c``, the per-channel log-decay g ``D * f``, beta ``heads * c`` in;

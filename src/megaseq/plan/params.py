@@ -1,7 +1,7 @@
 """Every parameter of the model a spec builds, by name and shape, and what trains when the base is frozen.
 
 Pure Python. ``param_table(spec)`` lists what ``models.build.build_model(spec).named_parameters()`` holds
-(``tests/test_lora_plan.py`` compares them for every preset), each tagged as ``models.adapters`` needs:
+(``tests/plan/test_lora_plan.py`` compares them for every preset), each tagged as ``models.adapters`` needs:
 ``linear`` (an ``nn.Linear`` weight), ``experts`` (a fused ``[E, out, in]`` tensor) or ``other``. From it and
 the run's ``AdapterSettings``, ``trained_counts`` says what the planner must count for a frozen base
 (``train.trainable`` patterns, LoRA adapters): the trained parameters per layer (adapters included), the

@@ -25,7 +25,7 @@ Two rules, chosen by the family (``registry.Family.balance``) or by ``moe.balanc
   ``alpha * f_i / T / sequences`` per token of the sequence and expert, handed to ``s'`` the same way.
   The counts it reads are each sequence's own, so it runs where every sequence sits whole on one rank:
   one process or data parallelism (the per-rank gradient divided by the ranks as well, the gradients
-  being summed over them; ``tests/test_balance_parallel.py``). A sequence split over context-parallel
+  being summed over them; ``tests/parallel/test_balance_parallel.py``). A sequence split over context-parallel
   ranks (or routed over ep) would need its counts reduced over those ranks: refused there.
 
 Statistics are reduced over every rank (dp x cp x ep; every token lives on exactly one rank) with one

@@ -1,0 +1,55 @@
+"""``bench.measure.warm_planned_step`` (the memory benchmarks' step) runs under the dispatcher set up as
+``megaseq train`` sets it: before session 13 it ran the base kernels whatever ``model.kernels`` said, so a
+memory census of the fast set measured the base set (and ran out of memory at 32K on the H200)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from megaseq.bench import measure
+from megaseq.config import load_config
+from megaseq.ops import dispatch
+from megaseq.train import trainer
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_warm_planned_step_configures_the_dispatcher(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    prefer = {"rms_norm": ["torch"]}  # a preference a CPU step can honour, standing in for the fast set
+    # what kernel_settings reads
+    monkeypatch.setattr(trainer, "preferred_kernels", lambda device_type, kernels: dict(prefer))
+    before = (dict(dispatch._state.preferred), dict(dispatch._state.planned), dispatch._state.strict)
+    try:
+        cfg = load_config("recipes/glm5-flash-tiny-dna.yaml", [])
+        measure.warm_planned_step(cfg, 256, torch.device("cpu"))
+        assert dispatch._state.preferred == prefer
+    finally:
+        dispatch.configure(*before)
+    assert dispatch._state.preferred == before[0]
+
+
+def test_timed_steps_say_the_cold_first_step_compiles_on_a_gpu(monkeypatch, capsys):
+    """On a GPU the warm-up step compiles and autotunes for minutes (467 s at 1M on a fresh H200): the bench
+    says so before it starts, and then reports each step; on the CPU there is nothing to compile."""
+    import torch
+
+    from megaseq.bench import measure
+
+    monkeypatch.setattr(measure, "_sync", lambda device: None)
+    calls = []
+    assert len(measure.timed_steps(lambda: calls.append(1), 2, torch.device("cuda"))) == 2 and len(calls) == 3
+    err = capsys.readouterr().err.splitlines()
+    assert "compiles and autotunes" in err[0] and "step 1 of 3 (warm-up)" in err[1] and len(err) == 4
+    measure.timed_steps(lambda: None, 0, torch.device("cpu"))
+    err = capsys.readouterr().err
+    assert "compiles" not in err and "step 1 of 1 (timed)" in err
+
+
+def test_the_cold_start_note_is_for_gpus_only(monkeypatch):
+    from megaseq.ops.kernels import cold_start_note
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", "/cache/here")
+    assert "/cache/here" in cold_start_note("cuda") and cold_start_note("cpu") is None
