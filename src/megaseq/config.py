@@ -197,6 +197,12 @@ class DataConfig:
                                 "assistant, tool)")
     column: str = opt("", "the field or column holding the data in JSONL, parquet, Arrow or datasets directories; "
                       "empty: messages (chat), data.text_field (text)")
+    chat_template: str = opt("", "chat: the chat template to render with instead of the tokenizer's: a Jinja file, a "
+                             "tokenizer directory or tokenizer_config.json holding one, or a hub id whose template to "
+                             "use; written into the HF export (chat_template.jinja). Empty: the tokenizer's own")
+    shuffle_buffer: int = opt(0, "streamed data (chat, columnar text): documents are read through a buffer of this "
+                              "many, drawn at random (seeded by data.seed and the pass), each pass in a new order. "
+                              "0: file order", ge=0)
 
     def __post_init__(self) -> None:
         self.seq_len = parse_size(self.seq_len, "data.seq_len")
@@ -235,6 +241,13 @@ class DataConfig:
         if self.kind != "chat" and list(self.loss_roles) != ["assistant"]:
             raise ValueError(f"data.loss_roles applies to conversations (data.kind chat), not data.kind {self.kind}; "
                              "leave it at its default")
+        if self.chat_template and self.kind != "chat":
+            raise ValueError(f"data.chat_template renders conversations (data.kind chat), not data.kind {self.kind}; "
+                             "leave it empty")
+        if self.shuffle_buffer and self.kind not in ("text", "chat"):
+            raise ValueError(f"data.shuffle_buffer orders streamed documents (data.kind chat, or text from parquet, "
+                             f"Arrow or datasets directories); data.kind {self.kind} draws its windows at random "
+                             "already: leave it 0")
         if self.column and self.kind not in ("text", "chat") and not protein:
             raise ValueError(f"data.column names the column of text, conversations or protein sequences; data.kind "
                              f"{self.kind} with DNA reads none: leave it empty")

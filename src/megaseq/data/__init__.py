@@ -172,6 +172,10 @@ def _build_text(data_cfg: Any, tok: Any, seq_len: int, eval_len: int, max_window
         from megaseq.data.text_stream import build_text_stream
 
         return Data(**build_text_stream(data_cfg, tok, seq_len, eval_len, max_windows, kw))
+    if getattr(data_cfg, "shuffle_buffer", 0):
+        raise ValueError("data.shuffle_buffer orders streamed documents (text in parquet, Arrow or datasets "
+                         "directories); text from .jsonl / .txt is held in memory and its windows drawn at random "
+                         "already: leave it 0")
     field_name = getattr(data_cfg, "column", "") or data_cfg.text_field
     packed = load_text(list(data_cfg.train), tok, field_name, _txt(data_cfg), setting="data.train")
     train = WindowSampler([packed], seq_len, **kw)

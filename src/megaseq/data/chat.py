@@ -10,6 +10,8 @@ checkpoint saw. Which tokens the loss counts (``data.loss_roles``, default assis
 
 - a template with ``{% generation %}`` markers, loss on assistant turns only: transformers'
   ``return_assistant_tokens_mask`` (the spans the template marks);
+- a known template that has a marked form (``chat_template.KNOWN_MARKED``: Qwen3's), loss on assistant turns
+  only: the ids of the template itself, the mask of its marked form, which must render the same text;
 - any other template or role set: by rendering. A message's span is the text that rendering it adds to
   the conversation before it (for an assistant turn, to that conversation with the generation prompt, so
   the ``<|im_start|>assistant`` header the user's side supplies is not a target); a token is a target when
@@ -17,7 +19,8 @@ checkpoint saw. Which tokens the loss counts (``data.loss_roles``, default assis
   is linear in the conversation (a 17K-message trace of 230K tokens in about 30 s); the pieces must add up
   to exactly the whole rendering, else every prefix ``messages[:i]`` is rendered instead (quadratic, so
   only up to ``PREFIX_RENDER_MAX_MESSAGES``). A template that renders a turn differently once later turns
-  follow (Qwen3's empty thinking block on the last turn) is refused with the fix: add generation markers.
+  follow (Qwen3's empty thinking block on the last turn) and has no known marked form is refused with the fix:
+add generation markers (``data.chat_template`` gives a template in place of the tokenizer's).
 """
 
 from __future__ import annotations
@@ -28,14 +31,16 @@ from typing import Any
 
 import numpy as np
 
+from megaseq.data.chat_template import marked_form, read_chat_template
+
 ROLES = ("system", "developer", "user", "assistant", "tool")
 PREFIX_RENDER_MAX_MESSAGES = 256  # beyond this, rendering every prefix (quadratic) is refused
 _GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
-def load_chat_tokenizer(path: str) -> Any:
+def load_chat_tokenizer(path: str, chat_template: str = "") -> Any:
     """The transformers tokenizer of a checkpoint directory (or the directory of a tokenizer.json), which
-    must carry a chat template."""
+    must carry a chat template, or be given one (``data.chat_template``: ``chat_template.read_chat_template``)."""
     try:
         from transformers import AutoTokenizer
     except ImportError:
@@ -46,10 +51,12 @@ def load_chat_tokenizer(path: str) -> Any:
         raise ValueError(f"data.tokenizer {path!r}: data.kind chat needs the checkpoint's tokenizer directory "
                          "(tokenizer.json, tokenizer_config.json and its chat template); set --data.tokenizer DIR")
     tok = AutoTokenizer.from_pretrained(str(folder))
+    if chat_template:
+        tok.chat_template = read_chat_template(chat_template)
     if not getattr(tok, "chat_template", None):
         raise ValueError(f"data.tokenizer {folder}: the tokenizer has no chat template (no 'chat_template' in "
                          "tokenizer_config.json, no chat_template.jinja); use the checkpoint's own tokenizer "
-                         "directory, or add its template there")
+                         "directory, or give one with --data.chat_template FILE")
     return tok
 
 
@@ -88,7 +95,11 @@ class ChatRenderer:
         self.eos_id = tokenizer.eos_token_id
         self.pad_id = next((i for i in (tokenizer.pad_token_id, self.eos_id) if i is not None), 0)
         marked = bool(_GENERATION.search(tokenizer.chat_template))
-        self.method = "generation" if marked and self.loss_roles == ("assistant",) else "prefix"
+        self.marked = None if marked else marked_form(tokenizer.chat_template)
+        assistant_only = self.loss_roles == ("assistant",)
+        self.method = "prefix"
+        if assistant_only and (marked or self.marked):
+            self.method = "generation" if marked else "marked form"
 
     def check_vocab(self, model_vocab_size: int) -> None:
         if self.num_ids > model_vocab_size:
@@ -107,12 +118,26 @@ class ChatRenderer:
                 out = self.tok.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=True,
                                                    return_assistant_tokens_mask=True)
                 return np.asarray(out["input_ids"], np.int32), np.asarray(out["assistant_masks"], bool)
+            if self.method == "marked form":
+                return self._by_marked_form(messages, tools, where)
             return self._by_prefixes(messages, tools, where)
         except ValueError:
             raise
         except Exception as e:  # noqa: BLE001  (jinja raises its own types for a template that refuses a message)
             raise ValueError(f"{where}: the chat template could not render this conversation "
                              f"({type(e).__name__}: {e}); check its roles and order against the template") from None
+
+    def _by_marked_form(self, messages: list[dict[str, Any]], tools: Any,
+                        where: str) -> tuple[np.ndarray, np.ndarray]:
+        """The ids and assistant mask of the known template's marked form, which must render the original's text."""
+        kw = {"tools": tools, "chat_template": self.marked}
+        if self.tok.apply_chat_template(messages, tokenize=False, **kw) != self._text(messages, tools):
+            raise ValueError(f"{where}: the generation-marked form of this chat template renders this conversation "
+                             "differently from the template itself; give a template with {% generation %} markers "
+                             "(--data.chat_template FILE) or set data.loss_roles")
+        out = self.tok.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True,
+                                           **kw)
+        return np.asarray(out["input_ids"], np.int32), np.asarray(out["assistant_masks"], bool)
 
     def _by_prefixes(self, messages: list[dict[str, Any]], tools: Any, where: str) -> tuple[np.ndarray, np.ndarray]:
         text = self._text(messages, tools)
@@ -171,10 +196,13 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "chat_template.json", "vocab.json", "merges.txt", "tokenizer.model")
 
 
-def copy_tokenizer_files(tokenizer: str, out_dir: str | Path) -> list[str]:
+def copy_tokenizer_files(tokenizer: str, out_dir: str | Path, chat_template: str = "") -> list[str]:
     """Copy the tokenizer files (and chat template) of ``data.tokenizer`` when it is a directory or a
-    tokenizer.json into an HF export, so the export loads with its tokenizer; returns the names copied."""
+    tokenizer.json into an HF export, so the export loads with its tokenizer; ``chat_template``
+    (``data.chat_template``) replaces the tokenizer's template there. Returns the names copied."""
     import shutil
+
+    from megaseq.data.chat_template import write_chat_template
 
     p = Path(tokenizer).expanduser()
     folder = p if p.is_dir() else p.parent
@@ -185,4 +213,7 @@ def copy_tokenizer_files(tokenizer: str, out_dir: str | Path) -> list[str]:
         if (folder / name).is_file() and not (Path(out_dir) / name).exists():
             shutil.copyfile(folder / name, Path(out_dir) / name)
             copied.append(name)
+    if chat_template:
+        write_chat_template(read_chat_template(chat_template), out_dir)
+        copied = sorted({*copied, "chat_template.jinja"} - {"chat_template.json"})
     return copied

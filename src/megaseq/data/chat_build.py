@@ -2,12 +2,13 @@
 
 Conversations are read in file order, rendered (``chat.ChatRenderer``) and packed whole into windows
 (``packing.pack_whole``); training streams them (``packing.StreamWindows``), so a corpus larger than
-host memory trains. Held-out conversations each fill their own window, so the report's positions are
+host memory trains. Each data-parallel rank renders and trains on its own share of the conversations, in the
+order of ``data.shuffle_buffer`` (``doc_order.DocOrder``). Held-out conversations each fill their own window, so the report's positions are
 positions in the conversation, and only target tokens (assistant turns) are scored.
-Before any model is built the whole training set is read once: a bad record fails there, naming its
-file and line, and a set with no target token, or conversations cut by data.seq_len, are reported. A set
-of at most ``CACHE_TOKENS`` tokens is kept as rendered then (rendering a long trace takes seconds); a
-larger one is rendered again on each pass.
+Before any model is built the whole training set is read once, on every rank (so every rank fails alike): a
+bad record fails there, naming its file and line, and a set with no target token, or conversations cut by
+data.seq_len, are reported. A set of at most ``CACHE_TOKENS`` tokens is kept as rendered then (each rank its
+own share; rendering a long trace takes seconds); a larger one is rendered again on each pass.
 """
 
 from __future__ import annotations
@@ -20,33 +21,39 @@ from typing import Any
 import numpy as np
 
 from megaseq.data.chat import ROLES, ChatRenderer, check_record, load_chat_tokenizer
+from megaseq.data.chat_template import template_sha
+from megaseq.data.doc_order import DocOrder
 from megaseq.data.packing import PackStats, StreamWindows, eval_windows, pack_whole
 from megaseq.data.sources import data_paths, iter_records
 
 CACHE_TOKENS = 1 << 26  # training data up to this many tokens is rendered once and kept (int32 ids + mask bytes)
 
 
-def conversations(paths: list[Path], renderer: ChatRenderer, column: str,
-                  setting: str) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """(ids, targets) of every conversation of ``paths``, in order."""
-    for path in paths:
-        for where, record in iter_records(path, column, ("tools",), "one JSON object with a 'messages' list",
-                                          setting):
-            messages, tools = check_record(record, column, where)
-            yield renderer.render(messages, tools, where)
+def conversations(paths: list[Path], renderer: ChatRenderer, column: str, setting: str,
+                  order: DocOrder | None = None, pass_number: int = 0) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """(ids, targets) of every conversation of ``paths`` in order, or of this rank's share in the order of
+    pass ``pass_number`` (``order``; only those are rendered)."""
+    records: Iterator[tuple[str, Any]] = (item for path in paths for item in iter_records(
+        path, column, ("tools",), "one JSON object with a 'messages' list", setting))
+    if order is not None:
+        records = order(records, pass_number)
+    for where, record in records:
+        messages, tools = check_record(record, column, where)
+        yield renderer.render(messages, tools, where)
 
 
-def _scan(paths: list[Path], renderer: ChatRenderer, column: str, seq_len: int,
-          setting: str) -> tuple[PackStats, list[Any] | None]:
-    """Read and render everything once (every error before the model is built): what packing will do, and the
-    rendered conversations when they hold at most ``CACHE_TOKENS`` tokens (else None: training streams)."""
+def _scan(paths: list[Path], renderer: ChatRenderer, column: str, seq_len: int, setting: str,
+          order: DocOrder) -> tuple[PackStats, list[Any] | None]:
+    """Read and render everything once (every error before the model is built): what packing will do, and this
+    rank's share of the rendered conversations when they hold at most ``CACHE_TOKENS`` tokens (else None:
+    training streams)."""
     stats = PackStats()
     cache: list[Any] | None = []
 
     def keep() -> Iterator[tuple[np.ndarray, np.ndarray]]:
         nonlocal cache
-        for doc in conversations(paths, renderer, column, setting):
-            if cache is not None:
+        for k, doc in enumerate(conversations(paths, renderer, column, setting)):
+            if cache is not None and k % order.world_size == order.rank:
                 cache.append(doc)
                 if stats.tokens > CACHE_TOKENS:
                     cache = None
@@ -54,8 +61,9 @@ def _scan(paths: list[Path], renderer: ChatRenderer, column: str, seq_len: int,
 
     for _ in pack_whole(keep(), seq_len, renderer.pad_id, stats):
         pass
-    if stats.docs == 0:
-        raise ValueError(f"{setting} holds no conversations")
+    if stats.docs < order.world_size:
+        raise ValueError(f"{setting} holds {stats.docs} conversations, fewer than the {order.world_size} data-parallel "
+                         "ranks, each of which trains on its own share; add conversations or lower parallel.dp")
     if stats.targets == 0:
         raise ValueError(f"{setting}: no token of roles {list(renderer.loss_roles)} in {stats.docs} conversations, "
                          "so there is nothing to learn; set data.loss_roles to roles the data has")
@@ -76,24 +84,30 @@ def build_chat(data_cfg: Any, seq_len: int, eval_len: int, max_windows: int, kw:
     if not data_cfg.train:
         raise ValueError("data.kind chat needs data.train: JSONL files with a 'messages' list per line, or "
                          "parquet / Arrow / datasets directories with a messages column")
-    renderer = ChatRenderer(load_chat_tokenizer(data_cfg.tokenizer), tuple(data_cfg.loss_roles))
+    chat_template = getattr(data_cfg, "chat_template", "")
+    renderer = ChatRenderer(load_chat_tokenizer(data_cfg.tokenizer, chat_template), tuple(data_cfg.loss_roles))
     if vocab_size is not None:
         renderer.check_vocab(vocab_size)
     column = data_cfg.column or "messages"
     train_paths = data_paths(list(data_cfg.train), "data.train")
-    stats, cache = _scan(train_paths, renderer, column, seq_len, "data.train")
+    buffer = getattr(data_cfg, "shuffle_buffer", 0)
+    order = DocOrder(kw["rank"], kw["world_size"], buffer, kw["seed"])
+    stats, cache = _scan(train_paths, renderer, column, seq_len, "data.train", order)
 
-    def stream() -> Iterator[Any]:
-        docs = cache if cache is not None else conversations(train_paths, renderer, column, "data.train")
+    def stream(pass_number: int) -> Iterator[Any]:
+        docs = (order.shuffle(cache, pass_number) if cache is not None else
+                conversations(train_paths, renderer, column, "data.train", order, pass_number))
         return pack_whole(docs, seq_len, renderer.pad_id)
 
-    train = StreamWindows(stream, seq_len, what="data.train", **kw)
+    train = StreamWindows(stream, seq_len, what="data.train", shuffle_buffer=buffer, **kw)
     heldout = {}
     for path in data_paths(list(data_cfg.heldout), "data.heldout"):
         docs = conversations([path], renderer, column, "data.heldout")
         heldout[path.name] = eval_windows(pack_whole(docs, eval_len, renderer.pad_id, one_per_window=True),
                                           max_windows)
     roles = ", ".join(renderer.loss_roles)
+    source = f"data.chat_template {chat_template}" if chat_template else "the tokenizer's"
     note = (f"Scored: tokens of the {roles} turns only ({renderer.method} mask; {stats.targets} of "
-            f"{stats.tokens} training tokens are targets); a position is a position in the conversation.")
+            f"{stats.tokens} training tokens are targets); a position is a position in the conversation. Chat "
+            f"template: {source} (sha256 {template_sha(renderer.tok.chat_template)[:12]}).")
     return {"train": train, "heldout": heldout, "tokenizer": renderer, "notes": [note]}

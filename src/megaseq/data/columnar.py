@@ -118,20 +118,24 @@ class _TextBuffer:
         self.ids, self.docs = ids[start:], doc_ids[start:]
 
 
-def text_windows(paths: list[Path], tokenizer: Any, column: str, seq_len: int, setting: str) -> Iterator[Window]:
-    """The text documents of a column in windows (``_TextBuffer``), tokenized a record batch at a time."""
+def text_windows(paths: list[Path], tokenizer: Any, column: str, seq_len: int, setting: str,
+                 order: Any = None, pass_number: int = 0) -> Iterator[Window]:
+    """The text documents of a column in windows (``_TextBuffer``), tokenized a record batch at a time; with
+    ``order`` (a ``doc_order.DocOrder``) only this rank's share, in the order of pass ``pass_number``."""
     buffer = _TextBuffer(seq_len, tokenizer.eos_id)
     batch: list[str] = []
-    for path in paths:
-        for where, record in iter_rows(path, column, (), setting):
-            text = record[column]
-            if not isinstance(text, str):
-                raise ValueError(f"{where}: column {column!r} holds {type(text).__name__}, expected text; set "
-                                 "--data.column to a text column")
-            batch.append(text)
-            if len(batch) == BATCH_ROWS:
-                yield from buffer.add(tokenizer.encode_batch(batch))
-                batch = []
+    rows: Iterator[tuple[str, dict[str, Any]]] = (item for path in paths for item in iter_rows(path, column, (), setting))
+    if order is not None:
+        rows = order(rows, pass_number)
+    for where, record in rows:
+        text = record[column]
+        if not isinstance(text, str):
+            raise ValueError(f"{where}: column {column!r} holds {type(text).__name__}, expected text; set "
+                             "--data.column to a text column")
+        batch.append(text)
+        if len(batch) == BATCH_ROWS:
+            yield from buffer.add(tokenizer.encode_batch(batch))
+            batch = []
     if batch:
         yield from buffer.add(tokenizer.encode_batch(batch))
 

@@ -10,10 +10,10 @@ window (``PackStats.split`` counts them; its later pieces lose the context of th
 builder warns and names data.seq_len). ``doc_ids`` count from 0 in each window; ``make_batch`` keeps
 attention inside each document and masks the labels of non-targets and at document boundaries.
 
-``StreamWindows`` is the training source for streamed data (conversations, and any columnar file): it
-reads windows in file order, one pass after another, never holding more than one window batch of data;
-window number n of the global order is read by rank ``(n // batch_size) % world_size``, and a resume
-replays the stream up to its position (reading, not training).
+``StreamWindows`` is the training source for streamed data (conversations, and any columnar file): each
+data-parallel rank reads the windows of its own share of the documents (``doc_order.DocOrder``), one pass
+after another, never holding more than one window batch of data; step ``index`` reads the rank's windows
+``index * batch_size ...``, and a resume replays the rank's passes up to its position (reading, not training).
 """
 
 from __future__ import annotations
@@ -80,26 +80,40 @@ def _window(parts: list[tuple[np.ndarray, np.ndarray]], L: int, pad_id: int) -> 
 
 
 class StreamWindows(StepWindows):
-    """Training windows read in order from ``make_stream()`` (an iterator of ``Window``), pass after pass."""
+    """This rank's training windows, read in order from ``make_stream(pass_number)`` (an iterator of ``Window``
+    over the rank's share of the documents), pass after pass."""
 
-    def __init__(self, make_stream: Callable[[], Iterator[Window]], seq_len: int, *, batch_size: int = 1,
-                 seed: int = 0, rank: int = 0, world_size: int = 1, what: str = "data.train") -> None:
+    def __init__(self, make_stream: Callable[[int], Iterator[Window]], seq_len: int, *, batch_size: int = 1,
+                 seed: int = 0, rank: int = 0, world_size: int = 1, shuffle_buffer: int = 0,
+                 what: str = "data.train") -> None:
         assert 0 <= rank < world_size and batch_size >= 1
         self.make_stream, self.seq_len, self.what = make_stream, seq_len, what
         self.batch_size, self.seed, self.rank, self.world_size = batch_size, seed, rank, world_size
+        self.shuffle_buffer = shuffle_buffer
         self.index = 0
         self._it: Iterator[Window] | None = None
-        self._next = 0  # the global number of the window self._it yields next
+        self._pass = 0  # the pass self._it reads
+        self._next = 0  # the number (on this rank, over all passes) of the window self._it yields next
+        self._pass_start = 0  # the number of the first window of self._pass
+
+    def step_windows(self) -> range:
+        """This step's window numbers in this rank's own stream; moves to the next step."""
+        first = self.index * self.batch_size
+        self.index += 1
+        return range(first, first + self.batch_size)
 
     def _window(self, n: int) -> Window:
         if self._it is None or n < self._next:
-            self._it, self._next = self.make_stream(), 0
+            self._pass, self._next, self._pass_start = 0, 0, 0
+            self._it = self.make_stream(0)
         while True:
             got = next(self._it, None)
             if got is None:
-                if self._next == 0:
-                    raise ValueError(f"{self.what} holds no windows to train on")
-                self._it = self.make_stream()  # the next pass over the data
+                if self._next == self._pass_start:
+                    raise ValueError(f"{self.what} holds no windows to train on"
+                                     + (f" on data-parallel rank {self.rank}" if self.world_size > 1 else ""))
+                self._pass, self._pass_start = self._pass + 1, self._next
+                self._it = self.make_stream(self._pass)  # the next pass over the data
                 continue
             self._next += 1
             if self._next - 1 == n:
@@ -111,14 +125,17 @@ class StreamWindows(StepWindows):
 
     def state_dict(self) -> dict[str, int]:
         return {"seed": self.seed, "index": self.index, "seq_len": self.seq_len, "batch_size": self.batch_size,
-                "global_batch": self.batch_size * self.world_size}
+                "global_batch": self.batch_size * self.world_size, "shards": self.world_size,
+                "shuffle_buffer": self.shuffle_buffer}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        for key, mine in (("seq_len", self.seq_len), ("global_batch", self.batch_size * self.world_size)):
+        for key, mine in (("seq_len", self.seq_len), ("global_batch", self.batch_size * self.world_size),
+                          ("shards", self.world_size), ("shuffle_buffer", self.shuffle_buffer)):
             if key in state and state[key] != mine:
                 raise ValueError(f"cannot resume the data stream: {key} was {state[key]} in the checkpoint and is "
-                                 f"{mine} now; resume with the same data.seq_len and train.batch_size x "
-                                 "parallel.dp, or start a new run")
+                                 f"{mine} now (each data-parallel rank reads its own share of the documents, in an "
+                                 "order set by data.shuffle_buffer); resume with the same data.seq_len, "
+                                 "data.shuffle_buffer, train.batch_size and parallel.dp, or start a new run")
         self.seed, self.index = int(state["seed"]), int(state["index"])
         self._it = None
 

@@ -4,7 +4,9 @@ The documents of ``data.column`` (default ``data.text_field``) are tokenized a r
 cut into consecutive windows (``columnar.text_windows``) as training asks for them
 (``packing.StreamWindows``): the corpus is never held in memory. The packing rules are those of
 ``data.text``: an end-of-document token after each document, no attention or label across documents.
-Held-out files give their first ``eval.max_windows`` windows (0: all).
+Each data-parallel rank reads and tokenizes only its own share of the rows, in the order of
+``data.shuffle_buffer`` (``doc_order.DocOrder``). Held-out files give their first ``eval.max_windows`` windows
+(0: all).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from megaseq.data.columnar import text_windows
+from megaseq.data.doc_order import DocOrder
 from megaseq.data.packing import StreamWindows, eval_windows
 from megaseq.data.sources import data_paths, is_columnar
 
@@ -31,15 +34,21 @@ def build_text_stream(data_cfg: Any, tok: Any, seq_len: int, eval_len: int, max_
             raise ValueError(f"data.{setting}: {other} mixed with columnar files; give parquet, Arrow or datasets "
                              "directories only (or convert the JSONL) in one run")
 
-    def stream() -> Iterator[Any]:
-        return text_windows(paths["train"], tok, column, seq_len, "data.train")
+    buffer = getattr(data_cfg, "shuffle_buffer", 0)
+    orders = [DocOrder(r, kw["world_size"], buffer, kw["seed"]) for r in range(kw["world_size"])]
 
-    if next(stream(), None) is None:
-        raise ValueError(f"data.train holds fewer than data.seq_len + 1 = {seq_len + 1} tokens of text in column "
-                         f"{column!r}; lower data.seq_len or add data")
+    def stream(pass_number: int) -> Iterator[Any]:
+        return text_windows(paths["train"], tok, column, seq_len, "data.train", orders[kw["rank"]], pass_number)
+
+    for order in orders:  # every rank checks every rank's share, so all fail alike before a model is built
+        if next(text_windows(paths["train"], tok, column, seq_len, "data.train", order), None) is None:
+            share = f" for each of the {len(orders)} data-parallel ranks" if len(orders) > 1 else ""
+            raise ValueError(f"data.train holds fewer than data.seq_len + 1 = {seq_len + 1} tokens of text in column "
+                             f"{column!r}{share}; lower data.seq_len (or parallel.dp) or add data")
     heldout = {p.name: eval_windows(text_windows([p], tok, column, eval_len, "data.heldout"), max_windows)
                for p in paths["heldout"]}
     for name, windows in heldout.items():
         if not windows:
             raise ValueError(f"data.heldout {name}: fewer than eval.seq_len + 1 = {eval_len + 1} tokens")
-    return {"train": StreamWindows(stream, seq_len, what="data.train", **kw), "heldout": heldout, "tokenizer": tok}
+    train = StreamWindows(stream, seq_len, what="data.train", shuffle_buffer=buffer, **kw)
+    return {"train": train, "heldout": heldout, "tokenizer": tok}

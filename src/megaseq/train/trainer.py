@@ -630,4 +630,4 @@ def export_run(cfg: Config, model: torch.nn.Module, spec: Any, run_dir: Path, re
     if is_main:  # the tokenizer and its chat template beside the weights, so the export loads whole
         from megaseq.data.chat import copy_tokenizer_files
 
-        copy_tokenizer_files(cfg.data.tokenizer, result.hf_export)
+        copy_tokenizer_files(cfg.data.tokenizer, result.hf_export, getattr(cfg.data, "chat_template", ""))
