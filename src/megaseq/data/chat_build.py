@@ -52,8 +52,8 @@ def _scan(paths: list[Path], renderer: ChatRenderer, column: str, seq_len: int, 
 
     def keep() -> Iterator[tuple[np.ndarray, np.ndarray]]:
         nonlocal cache
-        for k, doc in enumerate(conversations(paths, renderer, column, setting)):
-            if cache is not None and k % order.world_size == order.rank:
+        for doc in conversations(paths, renderer, column, setting):
+            if cache is not None:
                 cache.append(doc)
                 if stats.tokens > CACHE_TOKENS:
                     cache = None
@@ -61,6 +61,7 @@ def _scan(paths: list[Path], renderer: ChatRenderer, column: str, seq_len: int, 
 
     for _ in pack_whole(keep(), seq_len, renderer.pad_id, stats):
         pass
+    cache = list(order.share(cache)) if cache is not None else None
     if stats.docs < order.world_size:
         raise ValueError(f"{setting} holds {stats.docs} conversations, fewer than the {order.world_size} data-parallel "
                          "ranks, each of which trains on its own share; add conversations or lower parallel.dp")
