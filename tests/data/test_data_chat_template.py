@@ -187,3 +187,20 @@ def test_export_carries_the_given_template(tmp_path):
     assert "chat_template.jinja" in copied
     assert AutoTokenizer.from_pretrained(str(out)).chat_template == QWEN3.read_text()
     assert marked_form(QWEN3.read_text()) is not None and marked_form(QWEN3.read_text() + "x") is None
+
+
+def test_agent_recipe_trains_with_qwen3_template_and_exports_it(tmp_path):
+    """Through the trainer: the tiny agent-trace recipe rendered by Qwen3's template; the export renders with it."""
+    from test_data_recipes import QUIET, _make_checkpoint
+    from transformers import AutoTokenizer
+
+    from megaseq.config import load_config
+    from megaseq.train.trainer import run_training
+
+    _make_checkpoint(tmp_path)
+    cfg = load_config(tmp_path / "recipe.yaml", [f"train.run_dir={tmp_path / 'run'}", f"data.chat_template={QWEN3}",
+                                                 "train.eval_after=false", *QUIET])
+    result = run_training(cfg)
+    assert len(result.losses) == 2
+    assert AutoTokenizer.from_pretrained(str(tmp_path / "run" / "hf")).chat_template == QWEN3.read_text()
+    assert f"chat_template: {QWEN3}" in (tmp_path / "run" / "config.yaml").read_text()

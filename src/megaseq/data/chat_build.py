@@ -2,9 +2,10 @@
 
 Conversations are read in file order, rendered (``chat.ChatRenderer``) and packed whole into windows
 (``packing.pack_whole``); training streams them (``packing.StreamWindows``), so a corpus larger than
-host memory trains. Each data-parallel rank renders and trains on its own share of the conversations, in the
-order of ``data.shuffle_buffer`` (``doc_order.DocOrder``). Held-out conversations each fill their own window, so the report's positions are
-positions in the conversation, and only target tokens (assistant turns) are scored.
+host memory trains. Each data-parallel rank renders and trains on its own share of the conversations, in
+the order of ``data.shuffle_buffer`` (``doc_order.DocOrder``). Held-out conversations each fill their own
+window, so the report's positions are positions in the conversation, and only target tokens (assistant
+turns) are scored.
 Before any model is built the whole training set is read once, on every rank (so every rank fails alike): a
 bad record fails there, naming its file and line, and a set with no target token, or conversations cut by
 data.seq_len, are reported. A set of at most ``CACHE_TOKENS`` tokens is kept as rendered then (each rank its

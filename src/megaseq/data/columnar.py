@@ -124,7 +124,8 @@ def text_windows(paths: list[Path], tokenizer: Any, column: str, seq_len: int, s
     ``order`` (a ``doc_order.DocOrder``) only this rank's share, in the order of pass ``pass_number``."""
     buffer = _TextBuffer(seq_len, tokenizer.eos_id)
     batch: list[str] = []
-    rows: Iterator[tuple[str, dict[str, Any]]] = (item for path in paths for item in iter_rows(path, column, (), setting))
+    rows: Iterator[tuple[str, dict[str, Any]]] = (item for path in paths
+                                                  for item in iter_rows(path, column, (), setting))
     if order is not None:
         rows = order(rows, pass_number)
     for where, record in rows:
