@@ -19,8 +19,8 @@ checkpoint saw. Which tokens the loss counts (``data.loss_roles``, default assis
   is linear in the conversation (a 17K-message trace of 230K tokens in about 30 s); the pieces must add up
   to exactly the whole rendering, else every prefix ``messages[:i]`` is rendered instead (quadratic, so
   only up to ``PREFIX_RENDER_MAX_MESSAGES``). A template that renders a turn differently once later turns
-  follow (Qwen3's empty thinking block on the last turn) and has no known marked form is refused with the fix:
-add generation markers (``data.chat_template`` gives a template in place of the tokenizer's).
+  follow (Qwen3's empty thinking block on the last turn) and has no known marked form is refused with the
+  fix: add generation markers (``data.chat_template`` gives a template in place of the tokenizer's).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from megaseq.data.chat_template import marked_form, read_chat_template
+from megaseq.data.chat_template import marked_form, read_chat_template, write_chat_template
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 PREFIX_RENDER_MAX_MESSAGES = 256  # beyond this, rendering every prefix (quadratic) is refused
@@ -201,8 +201,6 @@ def copy_tokenizer_files(tokenizer: str, out_dir: str | Path, chat_template: str
     tokenizer.json into an HF export, so the export loads with its tokenizer; ``chat_template``
     (``data.chat_template``) replaces the tokenizer's template there. Returns the names copied."""
     import shutil
-
-    from megaseq.data.chat_template import write_chat_template
 
     p = Path(tokenizer).expanduser()
     folder = p if p.is_dir() else p.parent
