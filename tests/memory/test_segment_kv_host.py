@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_family_segments import DOCS, FAMILIES, S, _batch, _grads, _loss_fn, _model, plain, worst
+from test_family_segments import DOCS, FAMILIES, B, S, _batch, _grads, _loss_fn, _model, plain, worst
 
 from family_parity import rel_err
 from megaseq.memory import model_segments as ms
 from megaseq.memory import segment_host as sh
-from megaseq.models.presets import get_preset
 from megaseq.ops import dispatch
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -54,3 +53,119 @@ def test_host_store_equals_gpu_store(family, T, docs):
     assert torch.equal(l1, l2) and not bitwise(g2, g1), bitwise(g2, g1)
     err, name = worst(g2, g0)
     assert rel_err(l2, l0) < 1e-12 and err < 1e-10, name
+
+
+def test_the_store_is_on_the_host_and_two_layers_on_the_device(monkeypatch):
+    """With the host store the segments keep no attention rows on the device (only DSA/recurrent state would
+    stay there); the host holds every layer's rows and fp32 gradients, the planner's bytes
+    (``plan.phases.segment_kv_host_bytes``); the fetched tensors on the device peak at the planner's in-flight
+    bound (two layers: one in its backward with its rows' gradient, the next fetched ahead)."""
+    from megaseq.config import MemorySettings
+    from megaseq.plan import Mesh
+    from megaseq.plan import components as C
+    from megaseq.plan.phases import Run, segment_kv_host_bytes, segment_kv_rows, segment_store_bytes
+
+    model = _model(FAMILIES["qwen3_moe"])
+    ids, labels = _batch(model)
+    seen = []
+    orig = sh.HostKV.release
+
+    def spy(self):
+        seen.append((self.host_bytes(), self.peak_device_bytes, list(self.order), dict(self.ahead)))
+        orig(self)
+
+    monkeypatch.setattr(sh.HostKV, "release", spy)
+    cached = []
+    orig_collect = ms.SegmentContext.collect
+    monkeypatch.setattr(ms.SegmentContext, "collect",
+                        lambda self: (cached.append(sorted(self.store.cache)), orig_collect(self))[1])
+    segmented(model, ids, labels, 9, DOCS, kv_host=True)
+    host_bytes, peak, order, left = seen[0]
+    assert order == [f"layers.{i}.self_attn" for i in range(len(model.layers))]
+    assert all(not keys for keys in cached) and not left  # nothing on the device store; every fetch consumed
+    run = Run(spec=model.spec, seq_len=S, batch=B, mesh=Mesh(), model_dtype="fp64",
+              memory=MemorySettings(model_segment_tokens=9, segment_kv_host=True),
+              counts=C.gpu_counts(C.count_params(model.spec), Mesh()))
+    assert host_bytes == segment_kv_host_bytes(run)
+    in_flight = segment_store_bytes(run)["segment K/V in flight (host-kept store)"]
+    one_layer = B * S * max(segment_kv_rows(run)) * 8 * 2  # rows + fp64 accumulator
+    assert one_layer < peak <= in_flight, (peak, in_flight)
+
+
+# ---- broken variants ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("family,param", [("qwen3_moe", "k_proj"), ("deepseek_v3", "kv_a_proj_with_mqa")])
+def test_an_accumulator_not_written_back_fails(monkeypatch, family, param):
+    """The accumulated gradient of the earlier rows never reaches the host: the keys' projection (or the MLA
+    latent's) gets another gradient than the GPU-resident store's."""
+    model = _model(FAMILIES[family])
+    ids, labels = _batch(model)
+    _, g1 = segmented(model, ids, labels, 9, DOCS)
+    monkeypatch.setattr(sh.HostKV, "write_grad", lambda self, name, acc, S: None)
+    monkeypatch.setattr(sh.HostKV, "grad_rows", lambda self, name, s, e, dtype, device: torch.zeros(
+        self.rows[name][:, s:e].shape, dtype=dtype))
+    _, g2 = segmented(model, ids, labels, 9, DOCS, kv_host=True)
+    bad = [n for n in g1 if rel_err(g2[n], g1[n]) > 1e-6]
+    assert any(param in n for n in bad), bad
+
+
+def _stale(monkeypatch, how: str) -> None:
+    """Hand a layer stale rows: the layer before's (the prefetch one layer off), or rows the last segment wrote
+    missing (a fetch that did not wait for the write-back before it)."""
+    orig = sh.HostKV._fetch
+
+    def fetch(self, key, r, grads, device):
+        i = self.order.index(key) if key in self.order else 0
+        if how == "layer" and i > 0:
+            return orig(self, self.order[i - 1], r, grads, device)
+        rows, accs, r_, event = orig(self, key, r, grads, device)
+        if how == "segment":
+            last = max(s for s, _ in self.bounds if s < r)
+            for x in rows:
+                x[:, last:r] = 0
+        return rows, accs, r_, event
+
+    monkeypatch.setattr(sh.HostKV, "_fetch", fetch)
+
+
+@pytest.mark.parametrize("how", ["layer", "segment"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_stale_rows_fail(monkeypatch, family, how):
+    model = _model(FAMILIES[family])
+    ids, labels = _batch(model)
+    l1, g1 = segmented(model, ids, labels, 9, DOCS)
+    _stale(monkeypatch, how)
+    l2, g2 = segmented(model, ids, labels, 9, DOCS, kv_host=True)
+    assert rel_err(l2, l1) > 1e-6 or worst(g2, g1)[0] > 1e-6
+
+
+# ---- LoRA ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("preset", ["qwen3-moe-tiny", "kimi-linear-tiny"])
+def test_host_store_with_lora(preset):
+    """LoRA on every projection (the base frozen: the first layer's keys carry no gradient, so its rows reach the
+    attention as the forward pass's): bitwise the GPU-resident store's step."""
+    from lora_helpers import adapted_model, settings
+    from megaseq.config import MemorySettings
+    from megaseq.models.presets import get_preset
+
+    model, done = adapted_model(get_preset(preset), settings("all"),
+                                MemorySettings(model_segment_tokens=9, segment_kv_host=True))
+    assert done.model_segmented == 9 and done.adapters
+    ids, labels = _batch(model)
+    l1, g1 = segmented(model, ids, labels, 9, DOCS)
+    l2, g2 = segmented(model, ids, labels, 9, DOCS, kv_host=True)
+    assert g1 and all("lora_" in n for n in g1)
+    assert torch.equal(l1, l2) and not bitwise(g2, g1), bitwise(g2, g1)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_frozen_keys_read_the_forward_rows(family):
+    """Every key-side projection frozen (no K/V gradient anywhere: the layers read the rows ``[0, e)`` the forward
+    pass wrote): bitwise the GPU-resident store's step."""
+    model = _model(FAMILIES[family])
+    for n, p in model.named_parameters():
+        if any(k in n for k in ("k_proj", "v_proj", "kv_a_proj", "kv_a_layernorm", "k_norm", "embed", "layers.0.")):
+            p.requires_grad_(False)
+    ids, labels = _batch(model)
+    l1, g1 = segmented(model, ids, labels, 9, DOCS)
+    l2, g2 = segmented(model, ids, labels, 9, DOCS, kv_host=True)
+    assert torch.equal(l1, l2) and not bitwise(g2, g1), bitwise(g2, g1)
