@@ -169,3 +169,79 @@ def test_frozen_keys_read_the_forward_rows(family):
     l1, g1 = segmented(model, ids, labels, 9, DOCS)
     l2, g2 = segmented(model, ids, labels, 9, DOCS, kv_host=True)
     assert torch.equal(l1, l2) and not bitwise(g2, g1), bitwise(g2, g1)
+
+
+# ---- Ulysses CP + FSDP over gloo -------------------------------------------------------------------------------
+def _rank(rank: int, preset: str, broken: bool, ref) -> None:
+    """One rank of the trainer's steps with ``memory.segment_kv_host`` on (the trainer passes it to the segments)."""
+    import test_fsdp_train_step as fsdp_test
+
+    from megaseq.config import MemorySettings
+
+    dispatch.configure(preferred={"attention": ["torch_exact"]})
+    fsdp_test.MemorySettings = lambda **kw: MemorySettings(segment_kv_host=True, **kw)  # a forked rank
+    made = []
+    orig_init = sh.HostKV.__init__
+
+    def counted(self, bounds):
+        made.append(len(bounds))
+        orig_init(self, bounds)
+
+    sh.HostKV.__init__ = counted
+    if broken:
+        sh.HostKV.write_grad = lambda self, name, acc, S: None
+        sh.HostKV.grad_rows = lambda self, name, s, e, dtype, device: torch.zeros(
+            self.rows[name][:, s:e].shape, dtype=dtype)
+    fsdp_test._rank(rank, 1, 2, "dp_cp", 8, "", ref, preset)
+    assert made, "the host store did not run"
+
+
+@pytest.mark.parametrize("preset", ["qwen3-moe-tiny", "deepseek-v3-tiny"])
+def test_host_store_under_cp_matches_one_process(preset):
+    """Two trainer steps over 2 gloo ranks (cp 2, FSDP over both, segments of 8) with the host store equal the
+    one-process steps (loss, every gradient, the parameters); the accumulators not written back fail."""
+    from test_fsdp_train_step import reference
+
+    from conftest import torch_threads
+    from megaseq.parallel.launch import spawn_local
+
+    with torch_threads(1), dispatch.configured(preferred={"attention": ["torch_exact"]}):
+        ref = reference(preset)
+    spawn_local(_rank, 2, args=(preset, False, ref))
+    with pytest.raises(Exception, match="step 0 grad"):
+        spawn_local(_rank, 2, args=(preset, True, ref))
+
+
+# ---- on a GPU -------------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_host_store_on_gpu_equals_gpu_store_with_a_lower_peak(family):
+    """bf16 autocast on a GPU (SDPA / the absorbed MLA kernel, the copies on the side stream into pinned host
+    memory): the host store's step equals the GPU-resident store's bitwise (one sequence, so the GPU store's
+    ``[:, :e]`` views are contiguous as the joined rows are), and its peak ``max_memory_allocated`` is lower by
+    about the store less two layers' worth."""
+    model = _model(FAMILIES[family]).float().cuda()
+    g = torch.Generator().manual_seed(4)
+    Sg, T = 16384, 512  # the store (4 layers x 16K rows) well above one segment's working set
+    ids, labels = (torch.randint(1, model.spec.vocab_size, (1, Sg), generator=g).cuda() for _ in range(2))
+    doc_ids = torch.tensor([[0] * 5000 + [1] * 9000 + [2] * 2384]).cuda()
+
+    def run(kv_host: bool):
+        model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        with dispatch.configured(), torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = ms.segmented_loss_backward(model, ids, labels, _loss_fn(model), 1 / Sg, T, doc_ids=doc_ids,
+                                              kv_host=kv_host)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+        return loss, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, peak
+
+    l1, g1, peak_gpu = run(False)
+    l2, g2, peak_host = run(True)
+    print(f"\n{family} GPU bf16, {Sg} tokens in segments of {T}: peak above the model {peak_gpu / 2**20:.1f} MiB "
+          f"(GPU store) vs {peak_host / 2**20:.1f} MiB (host store)")
+    assert torch.equal(l1, l2) and not bitwise(g2, g1), bitwise(g2, g1)
+    assert peak_host < peak_gpu

@@ -203,6 +203,11 @@ class HostKV:
             self._count([acc], -1)
 
 
+def _autocast_state(device_type: str) -> dict[str, Any]:
+    return {"enabled": torch.is_autocast_enabled(device_type), "dtype": torch.get_autocast_dtype(device_type),
+            "cache_enabled": torch.is_autocast_cache_enabled()}
+
+
 class _HostAttend(torch.autograd.Function):
     """``attend(q, *(rows [0, s) joined to kv))`` keeping neither the rows nor the joined keys for the backward:
     the backward fetches the rows again, reruns ``joined`` with a graph, and adds the rows' gradient into the
@@ -217,6 +222,7 @@ class _HostAttend(torch.autograd.Function):
         out = joined_attend(attend, q, rows, list(kv))
         host.done(rows)
         ctx.seg, ctx.key, ctx.attend = seg, key, attend
+        ctx.autocast = _autocast_state(dev.type)  # the backward's rerun casts as this forward did (as checkpoint)
         ctx.save_for_backward(q, *kv)
         return out
 
@@ -228,7 +234,7 @@ class _HostAttend(torch.autograd.Function):
         need_kv = ctx.needs_input_grad[4:] if kv else [False] * len(host.names[key])
         rows, accs = host.take("backward", key, seg.j, seg.s if kv else seg.e, q.device)
         host.after("backward", key, seg.j, seg.s, seg.e, q.device)
-        with torch.enable_grad():
+        with torch.enable_grad(), torch.autocast(q.device.type, **ctx.autocast):
             q_ = q.detach().requires_grad_(ctx.needs_input_grad[3])
             kv_ = [x.detach().requires_grad_(need) for x, need in zip(kv, need_kv, strict=False)]
             rows_ = [r.detach().requires_grad_(need) for r, need in zip(rows, need_kv, strict=True)]
