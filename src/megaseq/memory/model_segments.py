@@ -43,6 +43,10 @@ latents over the group before they join the cache of the earlier ones (every ran
 fed back as the gradient of the gathered segment, the gather's backward (a reduce-scatter) sums the ranks'
 parts. A KDA layer carries its own heads' state and halo (``KimiDeltaAttention._mix_carried``).
 
+Host memory (``kv_host``, ``memory.segment_kv_host``): the softmax-attention and dense-MLA layers' rows and their
+fp32 accumulators live in pinned host memory and reach the device a layer ahead (``memory/segment_host.py``),
+the same step bitwise.
+
 No other layer scheme (recompute, SCO, segmented KDA) at the same time; models whose token mixers all
 implement the hooks (``glm5_next``). ``check_model_segments`` says so with the setting to change before
 anything runs.
