@@ -219,8 +219,9 @@ def test_host_store_under_cp_matches_one_process(preset):
 def test_host_store_on_gpu_equals_gpu_store_with_a_lower_peak(family):
     """bf16 autocast on a GPU (SDPA / the absorbed MLA kernel, the copies on the side stream into pinned host
     memory): the host store's step equals the GPU-resident store's bitwise (one sequence, so the GPU store's
-    ``[:, :e]`` views are contiguous as the joined rows are), and its peak ``max_memory_allocated`` is lower by
-    about the store less two layers' worth."""
+    ``[:, :e]`` views are contiguous as the joined rows are; where a kernel's backward is not deterministic, no
+    further from it than the GPU store is from itself), and its peak ``max_memory_allocated`` is lower by about
+    the store less two layers' worth."""
     model = _model(FAMILIES[family]).float().cuda()
     g = torch.Generator().manual_seed(4)
     Sg, T = 16384, 512  # the store (4 layers x 16K rows) well above one segment's working set
@@ -243,5 +244,11 @@ def test_host_store_on_gpu_equals_gpu_store_with_a_lower_peak(family):
     l2, g2, peak_host = run(True)
     print(f"\n{family} GPU bf16, {Sg} tokens in segments of {T}: peak above the model {peak_gpu / 2**20:.1f} MiB "
           f"(GPU store) vs {peak_host / 2**20:.1f} MiB (host store)")
-    assert torch.equal(l1, l2) and not bitwise(g2, g1), bitwise(g2, g1)
     assert peak_host < peak_gpu
+    if torch.equal(l1, l2) and not bitwise(g2, g1):
+        return
+    # not bitwise: only as far as the GPU store differs from itself (a kernel's backward summing in any order)
+    l3, g3, _ = run(False)
+    noise, diff = worst(g3, g1)[0], worst(g2, g1)
+    print(f"not bitwise: GPU store against itself {noise:.2e}, host against GPU store {diff[0]:.2e} ({diff[1]})")
+    assert noise > 0 and diff[0] <= 2 * noise, diff[1]
