@@ -252,3 +252,30 @@ def test_host_store_on_gpu_equals_gpu_store_with_a_lower_peak(family):
     noise, diff = worst(g3, g1)[0], worst(g2, g1)
     print(f"not bitwise: GPU store against itself {noise:.2e}, host against GPU store {diff[0]:.2e} ({diff[1]})")
     assert noise > 0 and diff[0] <= 2 * noise, diff[1]
+
+
+# ---- through megaseq train ---------------------------------------------------------------------------------------
+def test_megaseq_train_with_the_host_store(tmp_path, monkeypatch):
+    """``memory.segment_kv_host`` forced through ``megaseq train`` (qwen3-moe-tiny, float64, a 96-base window in
+    segments of 40): every step runs the host store, the losses are the plain step's, the plan records it."""
+    import json
+
+    import numpy as np
+    from test_train import _cfg, _fasta
+
+    from megaseq.train.trainer import run_training
+
+    _fasta(tmp_path / "g.fa", 3000, seed=2)
+    common = dict(data={"train": [str(tmp_path / "g.fa")], "seq_len": 96},
+                  model={"name": "qwen3-moe-tiny", "dtype": "fp64"}, train={"steps": 2})
+    plain = run_training(_cfg(tmp_path, "plain", **common))
+    made = []
+    orig = sh.HostKV.__init__
+    monkeypatch.setattr(sh.HostKV, "__init__", lambda self, bounds: (made.append(len(bounds)), orig(self, bounds))[1])
+    host = run_training(_cfg(tmp_path, "host", **common, memory={"auto": False, "model_segment_tokens": 40,
+                                                                "segment_kv_host": True}))
+    assert made == [3, 3]
+    np.testing.assert_allclose(host.losses, plain.losses, rtol=1e-10)
+    plan = json.loads((tmp_path / "host" / "plan.json").read_text())
+    assert plan["memory"]["segment_kv_host"]
+    assert any(c[0].startswith("host: segment K/V") for c in plan["components"])
