@@ -52,6 +52,15 @@ def joined_attend(attend: Callable[..., torch.Tensor], q: torch.Tensor, rows: li
     return attend(q, *(torch.cat([p, x.to(p.dtype)], dim=1) for p, x in zip(rows, kv, strict=True)))
 
 
+def _copy_in(host: torch.Tensor, s: int, e: int, device: torch.device) -> torch.Tensor:
+    """Rows ``[s, e)`` of ``host [B, S, ...]`` on ``device``, one sequence at a time (each a contiguous host range:
+    an asynchronous DMA from pinned memory, where a strided source would be staged through pageable memory)."""
+    out = torch.empty((host.shape[0], e - s) + tuple(host.shape[2:]), dtype=host.dtype, device=device)
+    for b in range(host.shape[0]):
+        out[b].copy_(host[b, s:e], non_blocking=True)
+    return out
+
+
 class HostKV:
     """The host-kept K/V (or latent) rows and fp32 gradient accumulators of one step, by layer key; the copy
     stream; the fetches issued one layer ahead. ``device_bytes`` / ``peak_device_bytes``: what its fetched
@@ -108,11 +117,9 @@ class HostKV:
         on_cuda = device.type == "cuda"
         names = self.names[key]
         with self._copy_ctx(on_cuda):
-            rows = [torch.empty_like(self.rows[n][:, :r], device=device).copy_(self.rows[n][:, :r], non_blocking=True)
-                    for n in names]
-            accs: list[torch.Tensor | None] = [
-                torch.empty_like(self.grad[n][:, :r], device=device).copy_(self.grad[n][:, :r], non_blocking=True)
-                if grads and n in self.grad else None for n in names]
+            rows = [_copy_in(self.rows[n], 0, r, device) for n in names]
+            accs: list[torch.Tensor | None] = [_copy_in(self.grad[n], 0, r, device) if grads and n in self.grad
+                                               else None for n in names]
             event = torch.cuda.Event() if on_cuda else None
             if event is not None:
                 event.record()
@@ -147,17 +154,20 @@ class HostKV:
         """This segment's rows ``[s, e)`` of ``name`` out to the host store (made on first use)."""
         if name not in self.rows:
             self.rows[name] = self._host((x.shape[0], S) + tuple(x.shape[2:]), x.dtype, x.is_cuda)
-        self._copy_out(self.rows[name][:, s:e], x)
+        self._copy_out(self.rows[name], s, x)
 
     def write_grad(self, name: str, acc: torch.Tensor, S: int) -> None:
         """The accumulated gradient of rows ``[0, s)`` (``acc [B, s, ...]``) back out to the host."""
         if name not in self.grad:
             self.grad[name] = self._host((acc.shape[0], S) + tuple(acc.shape[2:]), acc.dtype, acc.is_cuda)
-        self._copy_out(self.grad[name][:, :acc.shape[1]], acc)
+        self._copy_out(self.grad[name], 0, acc)
 
-    def _copy_out(self, host: torch.Tensor, x: torch.Tensor) -> None:
+    def _copy_out(self, host: torch.Tensor, s: int, x: torch.Tensor) -> None:
+        """``x [B, L, ...]`` into rows ``[s, s + L)`` of ``host``, one sequence at a time (each a contiguous host
+        range, so the copy is one asynchronous DMA)."""
         with self._copy_ctx(x.is_cuda):
-            host.copy_(x.detach(), non_blocking=True)
+            for b in range(x.shape[0]):
+                host[b, s:s + x.shape[1]].copy_(x[b].detach(), non_blocking=True)
         if x.is_cuda:
             x.record_stream(self.stream)  # the allocator may reuse x only after the copy
 
@@ -165,8 +175,7 @@ class HostKV:
         """The accumulated gradient of rows ``[s, e)`` (final: every later segment has run), in ``dtype``."""
         on_cuda = device.type == "cuda"
         with self._copy_ctx(on_cuda):
-            g = torch.empty_like(self.grad[name][:, s:e], device=device).copy_(self.grad[name][:, s:e],
-                                                                                non_blocking=True)
+            g = _copy_in(self.grad[name], s, e, device)
         if on_cuda:
             torch.cuda.current_stream().wait_stream(self.stream)
         return g.to(dtype)
