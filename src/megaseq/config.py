@@ -398,6 +398,10 @@ class MemorySettings:
                                               "for the backward (int32 [S, topk + 15] per DSA layer) instead of "
                                               "scoring again (saves the indexer's second pass; with auto, used "
                                               "where it fits with 5% to spare; not yet measured on a GPU)")
+    segment_kv_host: bool = opt(False, "under sequence segments, keep the softmax-attention and MLA layers' earlier "
+                                       "keys/values (or latents) and their fp32 gradients in pinned host memory, "
+                                       "copied to the GPU a layer ahead (at most about two layers' worth there); "
+                                       "with auto, chosen only where the GPU-resident store does not fit")
 
     def __post_init__(self) -> None:
         for name in SIZE_SETTINGS:
@@ -417,6 +421,9 @@ class MemorySettings:
         given: forced ones, and what the planner chose, which never combines them): the schemes' ``requires``
         and ``excludes`` (``megaseq.schemes``)."""
         schemes.check_combination(self)
+        if self.segment_kv_host and not self.model_segment_tokens:
+            raise ValueError("memory.segment_kv_host keeps sequence segments' keys and values in host memory: set "
+                             "--memory.model_segment_tokens (e.g. 64K) or --memory.segment_kv_host false")
 
     def to_dict(self) -> dict[str, Any]:
         """The settings alone (a plan's ``memory``), in field order."""

@@ -48,7 +48,7 @@ SCHEMES: dict[str, Scheme] = {s.name: s for s in (
     Scheme("model_segments", "model_segment_tokens", ("model_segment_tokens",),
            "memory.model_segments.segmented_loss_backward", "phases.segment_store_bytes", applied="model_segmented",
            excludes=("recompute", "checkpoint_offload", "kda_segments"), replays=True,
-           options=("segment_keep_selection",)),
+           options=("segment_keep_selection", "segment_kv_host")),
     Scheme("checkpoint_offload", "checkpoint_offload", ("offload_host_budget",),
            "memory.offload.BoundaryOffloader (SCO)", "components.sco_slots", applied="offloader",
            requires=("recompute",)),

@@ -43,6 +43,10 @@ latents over the group before they join the cache of the earlier ones (every ran
 fed back as the gradient of the gathered segment, the gather's backward (a reduce-scatter) sums the ranks'
 parts. A KDA layer carries its own heads' state and halo (``KimiDeltaAttention._mix_carried``).
 
+Host memory (``kv_host``, ``memory.segment_kv_host``): the softmax-attention and dense-MLA layers' rows and their
+fp32 accumulators live in pinned host memory and reach the device a layer ahead (``memory/segment_host.py``),
+the same step bitwise.
+
 No other layer scheme (recompute, SCO, segmented KDA) at the same time; models whose token mixers all
 implement the hooks (``glm5_next``). ``check_model_segments`` says so with the setting to change before
 anything runs.
@@ -59,6 +63,7 @@ from torch.utils.checkpoint import checkpoint
 
 from megaseq.memory.replay import Chunk, SideState, chunk_bounds, run_chunks
 from megaseq.memory.rules import check_model_segments  # noqa: F401  (re-exported: the planner's rules too)
+from megaseq.memory.segment_host import HostKV, host_attend
 from megaseq.models.common.context import SeqContext
 from megaseq.schemes import SEGMENT_SETTING
 
@@ -74,9 +79,10 @@ class SegmentStore:
     """What the segments carry, by layer key: the DSA caches of every token so far (and their gradient
     accumulators in the backward pass), and each KDA layer's (halo, state) at every segment start."""
 
-    def __init__(self, num_segments: int, keep_selection: bool = False) -> None:
+    def __init__(self, num_segments: int, keep_selection: bool = False, host: HostKV | None = None) -> None:
         self.n = num_segments
         self.keep_selection = keep_selection  # keep the DSA selections of the forward pass for the backward
+        self.host = host  # memory.segment_kv_host: the attention layers' K/V (or latents) in host memory
         self.kept: dict[tuple[str, int], torch.Tensor] = {}
         self.cache: dict[str, torch.Tensor] = {}  # [B, S, ...] written segment by segment
         self.cache_grad: dict[str, torch.Tensor] = {}  # fp32 [B, S, ...] gradient from later segments
@@ -165,6 +171,8 @@ class SegmentContext(SeqContext):
         if not gathered:  # this rank's shard of the segment: the whole segment's rows (gather-KV)
             kv = tuple(x if self.grad and not x.requires_grad else self.inner.gather_seq(x, n)
                        for x, n in zip(kv, names, strict=True))
+        if st.host is not None:
+            return host_attend(self, q, kv, key, names, attend)
         if not self.grad:
             for x, n in zip(kv, names, strict=True):
                 if n not in st.cache:
@@ -295,20 +303,24 @@ def _forward_pass(model: nn.Module, input_ids: torch.Tensor, bounds: list[tuple[
 
 def segmented_forward(model: nn.Module, input_ids: torch.Tensor, segment_tokens: int,
                       on_hidden: Callable[[torch.Tensor, int, int], None],
-                      doc_ids: torch.Tensor | None = None) -> None:
+                      doc_ids: torch.Tensor | None = None, kv_host: bool = False) -> None:
     """The model's forward over ``input_ids [B, S]`` in segments, without a graph (evaluation, one rank):
     ``on_hidden(hidden [B, T, H], s, e)`` is called for each segment ``[s, e)`` in order. Memory: the
-    caches and one segment's no-grad forward, as in ``segmented_loss_backward``."""
+    caches and one segment's no-grad forward, as in ``segmented_loss_backward`` (``kv_host`` as there)."""
     bounds = segment_bounds(input_ids.shape[1], segment_tokens)
-    store = SegmentStore(len(bounds))
-    _forward_pass(model, input_ids, bounds, store, plain_contexts(doc_ids), on_hidden=on_hidden)
+    store = SegmentStore(len(bounds), host=HostKV(bounds) if kv_host else None)
+    try:
+        _forward_pass(model, input_ids, bounds, store, plain_contexts(doc_ids), on_hidden=on_hidden)
+    finally:
+        if store.host is not None:
+            store.host.release()
 
 
 def segmented_loss_backward(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, loss_fn: LossFn,
                             scale: float, segment_tokens: int, progress: Progress | None = None,
                             doc_ids: torch.Tensor | None = None, keep_selection: bool = False, cp: int = 1,
                             contexts: Contexts | None = None,
-                            after_forward: Callable[[], None] | None = None) -> torch.Tensor:
+                            after_forward: Callable[[], None] | None = None, kv_host: bool = False) -> torch.Tensor:
     """Forward and backward of ``loss_fn(model(input_ids), labels) * scale`` over segments of
     ``segment_tokens`` tokens (see the module docstring): parameter gradients are accumulated into
     ``.grad`` as ``(loss * scale).backward()`` would; returns the unscaled loss sum (no graph).
@@ -325,14 +337,29 @@ def segmented_loss_backward(model: nn.Module, input_ids: torch.Tensor, labels: t
     (``parallel.mesh.segment_stripes``) of a sequence of ``cp`` times their length, and ``contexts(lo, hi)``
     the cp group's context of rows ``[lo, hi)`` of it (one rank: ``plain_contexts(doc_ids)``).
     ``after_forward()`` runs between the forward pass and the backward (the trainer's router balancing
-    reads the whole sequence's loads there).
+    reads the whole sequence's loads there). ``kv_host`` (``memory.segment_kv_host``): the softmax-attention
+    and dense-MLA layers' K/V (or latents) and their fp32 gradients kept in host memory
+    (``memory/segment_host.py``), the same step bitwise.
     """
     B, S_loc = input_ids.shape
     S = S_loc * cp
     bounds = segment_bounds(S, segment_tokens)
     assert all(s % cp == 0 and e % cp == 0 for s, e in bounds), "every segment splits into cp equal pieces"
     contexts = contexts or plain_contexts(doc_ids)
-    store = SegmentStore(len(bounds), keep_selection)
+    store = SegmentStore(len(bounds), keep_selection, HostKV(bounds) if kv_host else None)
+    try:
+        return _segments(model, input_ids, labels, loss_fn, scale, bounds, store, contexts, cp, progress,
+                         after_forward)
+    finally:
+        if store.host is not None:
+            store.host.release()
+
+
+def _segments(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, loss_fn: LossFn, scale: float,
+              bounds: list[tuple[int, int]], store: SegmentStore, contexts: Contexts, cp: int,
+              progress: Progress | None, after_forward: Callable[[], None] | None) -> torch.Tensor:
+    """The forward pass, then the segments in reverse with their backward (``segmented_loss_backward``)."""
+    S = input_ids.shape[1] * cp
     _forward_pass(model, input_ids, bounds, store, contexts, cp, progress=progress)
     if after_forward is not None:
         after_forward()

@@ -26,7 +26,7 @@ from megaseq.config import MemorySettings
 from megaseq.memory.rules import check_model_segments  # noqa: F401  (re-exported)
 from megaseq.models.registry import family
 from megaseq.plan import components as C
-from megaseq.plan import layers
+from megaseq.plan import layers, phases
 from megaseq.plan.components import GB, GIB, Mesh
 from megaseq.plan.flops import (
     DEVICE_BYTES_PER_S,
@@ -85,6 +85,7 @@ class CostTerms:
     sco_excess_s: float  # SCO copy time the compute cannot hide
     optimizer_s: float  # OffloadStreamAdamW's transfer time beyond an on-GPU step
     segment_regather_s: float = 0.0  # FSDP: what sequence segments' re-gathers add (0 without FSDP)
+    segment_kv_host_s: float = 0.0  # memory.segment_kv_host: the K/V copies the compute cannot hide
 
     @classmethod
     def of(cls, run: Run) -> CostTerms:
@@ -94,7 +95,7 @@ class CostTerms:
         copy = C.boundary_bytes(run.spec, run.n, run.prec) * run.spec.num_layers / PINNED_BYTES_PER_S
         excess = max(0.0, copy - T / 3) + max(0.0, copy - 2 * T / 3)  # hidden behind the fwd (1/3) and bwd
         opt = max(0.0, P * 30 / PINNED_BYTES_PER_S - P * 32 / DEVICE_BYTES_PER_S)  # up 16 B, down 14 B
-        return cls(sf, T, excess, opt, segment_regather_seconds(run))
+        return cls(sf, T, excess, opt, segment_regather_seconds(run), segment_kv_host_excess(run, T))
 
 
 @dataclass(frozen=True)
@@ -148,6 +149,32 @@ def segment_regather_seconds(run: Run) -> float:
     if not run.mesh.sharded:
         return 0.0
     return fsdp_step_traffic(run, max(2, segments_of(run)))["seconds"] - fsdp_step_traffic(run)["seconds"]
+
+
+def segment_kv_host_copies(run: Run) -> tuple[float, float, float]:
+    """``memory.segment_kv_host``: the bytes copied between host and device in the forward pass, the backward's
+    reruns and its backward (``memory/segment_host.py``). Per layer and segment ``[s, e)``, of ``r`` row bytes in
+    the compute dtype and ``a`` in fp32: the forward reads rows ``[0, s)`` and writes ``[s, e)``; the rerun reads
+    ``[0, s)`` and the accumulated gradient of ``[s, e)``; the backward reads ``[0, s)`` and their accumulator
+    and writes the accumulator back."""
+    rows = sum(phases.segment_kv_rows(run)) * run.batch
+    if not (run.segment and rows):
+        return 0.0, 0.0, 0.0
+    c, f = run.prec.compute, run.prec.f32
+    earlier = sum(range(0, run.seq_len, run.segment))  # rows [0, s) summed over the segments
+    return (rows * (earlier * c + run.seq_len * c), rows * (earlier * c + run.seq_len * f),
+            rows * earlier * (c + 2 * f))
+
+
+def segment_kv_host_excess(run: Run, step_s: float) -> float:
+    """Seconds the host-kept K/V's copies add to a step: each pass's copies (one copy stream, both directions,
+    ``PINNED_BYTES_PER_S`` = 55 GB/s, the H200's measured pinned bandwidth) overlap that pass's compute (the
+    forward and the reruns a quarter of the step each, the backward half); what exceeds it is added."""
+    if not run.memory.segment_kv_host:
+        return 0.0
+    share = (0.25, 0.25, 0.5)
+    return sum(max(0.0, b / PINNED_BYTES_PER_S - s * step_s) for b, s in zip(segment_kv_host_copies(run), share,
+                                                                             strict=True))
 
 
 def _on(name: str) -> Callable[[Run, MemorySettings], bool]:
@@ -212,13 +239,14 @@ FIXES: dict[str, Fix] = {f.name: f for f in (
         why=lambda m: "each layer keeps only its input; its forward is rerun in backward"),
     _fix("model_segments",
         cost=lambda run, t: (t.sf.layers_forward + segment_attention_rerun(run.spec, run.seq_len)) / t.sf.total
-        + MODEL_SEGMENT_OVERHEAD + t.segment_regather_s / t.step_s,
+        + MODEL_SEGMENT_OVERHEAD + (t.segment_regather_s + t.segment_kv_host_s) / t.step_s,
         usable=lambda run: family(run.spec.family).segmentable and MODEL_SEGMENT_CHUNKS[0] % run.mesh.cp == 0,
         enable=lambda b, run, s, h: {"model_segment_tokens": b.model_segment_tokens or MODEL_SEGMENT_CHUNKS[0]},
         enabled=lambda run, m: bool(replace(run, memory=m).segment),
         why=lambda m: f"the whole model over the sequence {m.model_segment_tokens} tokens at a time (KDA state, "
                       "DSA latents and keys carried), each segment rerun in backward"
-                      + (", the forward's DSA selections kept for it" if m.segment_keep_selection else ""),
+                      + (", the forward's DSA selections kept for it" if m.segment_keep_selection else "")
+                      + (", the K/V (latents) and their fp32 gradients in host memory" if m.segment_kv_host else ""),
         growth=Growth("model_segment_tokens", 0, lambda run: MODEL_SEGMENT_CHUNKS, _on("model_segment_tokens"))),
     _fix("checkpoint_offload",
         cost=lambda run, t: SCO_BASE_COST + t.sco_excess_s / t.step_s,
@@ -251,6 +279,7 @@ def base_settings(memory_cfg: Any | None, n_local: int) -> MemorySettings:
         # 0: off; a configured size is where the planner starts when it chooses the scheme
         kda_segment_tokens=int(get("kda_segment_tokens", 0)), model_segment_tokens=int(get("model_segment_tokens", 0)),
         segment_keep_selection=False,  # the planner turns it on where it fits (_grow)
+        segment_kv_host=False,  # the planner turns it on where the GPU-resident store does not fit (choose)
     )
 
 
@@ -352,7 +381,12 @@ def choose(run: Run, budgets: Budgets, memory_cfg: Any | None) -> tuple[MemorySe
     host_room = budgets.host(run.mesh) // run.mesh.gpus_on_host - run.cal.process_host_bytes
     for fixes in _candidates(run, costs):
         m = with_fixes(base, fixes, run, host_room)
-        if _fits(evaluate(replace(run, memory=m)), budgets, run.mesh):
+        fit = _fits(evaluate(replace(run, memory=m)), budgets, run.mesh)
+        if not fit and "model_segments" in fixes and phases.segment_kv_rows(run):
+            # the segments' K/V store in host memory, only where the GPU-resident one does not fit
+            m = m.replace(segment_kv_host=True)
+            fit = _fits(evaluate(replace(run, memory=m)), budgets, run.mesh)
+        if fit:
             m = _grow(run, m, budgets, bool(getattr(memory_cfg, "segment_keep_selection", False)))
             if m.indexer_query_chunk < run.n and "indexer_query_chunk" not in fixes:  # the 2 GiB bound
                 fixes = tuple(f for f in LADDER if f in fixes or f == "indexer_query_chunk")

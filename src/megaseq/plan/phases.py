@@ -450,16 +450,42 @@ def _segment_mixer_store(run: Run, segs: int) -> dict[str, int]:
     Hk, Dk, Hv, Dv = layers.gdn_dims(spec)
     gdn_state = Hv // cp * Dk * Dv * f + (spec.linear_conv_kernel - 1) * (2 * Hk * Dk + Hv * Dv) // cp * c
     out = {}
-    if "attention" in kinds:  # (only softmax attention's heads constrain cp: ask only then)
+    rows = segment_kv_rows(run)
+    if run.memory.segment_kv_host and rows:  # the store in host memory (segment_kv_host_bytes), two layers here
+        out["segment K/V in flight (host-kept store)"] = B * S * max(rows) * (3 * c + 2 * f)
+    elif "attention" in kinds:  # (only softmax attention's heads constrain cp: ask only then)
         D = spec.head_dim or spec.hidden_size // spec.num_attention_heads
         kv = max(1, layers.kv_heads(spec, run.mesh) // cp)
         out["segment K/V caches + fp32 gradients"] = kinds.count("attention") * B * S * 2 * (c + f) * kv * D
-    if "mla" in kinds:
+    if "mla" in kinds and not run.memory.segment_kv_host:
         out["segment MLA latents + fp32 gradients"] = (kinds.count("mla") * B * S * (c + f)
                                                        * (spec.kv_lora_rank + spec.qk_rope_head_dim))
     if "gdn" in kinds:
         out["segment GDN states"] = kinds.count("gdn") * max(segs - 1, 0) * B * gdn_state  # none into the first
     return out
+
+
+def segment_kv_rows(run: Run) -> list[int]:
+    """Elements per token of each softmax-attention layer's K and V (this rank's KV heads) and each dense MLA
+    layer's latent ``[c | k_rot]``: the rows sequence segments keep for every token (``attend_seq``)."""
+    spec, out = run.spec, []
+    for kind in spec.layer_types:
+        if kind == "attention":
+            D = spec.head_dim or spec.hidden_size // spec.num_attention_heads
+            out.append(2 * max(1, layers.kv_heads(spec, run.mesh) // run.mesh.cp) * D)
+        elif kind == "mla":
+            out.append(spec.kv_lora_rank + spec.qk_rope_head_dim)
+    return out
+
+
+def segment_kv_host_bytes(run: Run) -> int:
+    """``memory.segment_kv_host``: the host memory of the K/V (or latent) rows of every token and layer with their
+    fp32 gradient accumulators, ``(c + f) * rows`` per token and layer (``memory/segment_host.py``); 0 when off.
+    The device holds about two layers' worth instead (``_segment_mixer_store``): the rows and the accumulator
+    of the layer in its backward, their gradient, and the next layer's rows and accumulator fetched ahead."""
+    if not (run.segment and run.memory.segment_kv_host):
+        return 0
+    return run.batch * run.seq_len * sum(segment_kv_rows(run)) * (run.prec.compute + run.prec.f32)
 
 
 def _copies(run: Run, i: int, cached_only: bool) -> int:
@@ -626,6 +652,7 @@ def evaluate(run: Run) -> Evaluation:
     host = {
         "process (Python, torch, CUDA host state)": run.cal.process_host_bytes,
         "SCO pinned boundaries": k * C.round_up(bnd),
+        "segment K/V + fp32 gradients (memory.segment_kv_host)": segment_kv_host_bytes(run),
         "optimizer state (OffloadStreamAdamW)": C.optimizer_host_bytes(
             run.counts, run.mesh, run.memory.optimizer_offload, run.prec
         ),

@@ -189,9 +189,12 @@ def no_fit_advice(run: Run, ev: Evaluation, budgets: Budgets, memory_cfg: Any | 
     if ev.peak_host <= budgets.host(run.mesh) and _all_fixes_fit(run, big_host, memory_cfg):
         need = choose(run, big_host, memory_cfg)
         ev2 = evaluate(replace(run, memory=need[0]))
+        takers = {"checkpoint_offload": "SCO", "optimizer_offload": "optimizer offload"}
+        names = [takers[f] for f in need[1] if f in takers]
+        names += ["sequence segments' K/V store (memory.segment_kv_host)"] if need[0].segment_kv_host else []
         lines.append(
-            f"more host RAM would do: {ev2.peak_host / GB:.0f} GB per host lets SCO / optimizer "
-            "offload take the rest."
+            f"more host RAM would do: {ev2.peak_host / GB:.0f} GB per host lets {' / '.join(names) or 'it'} "
+            "take the rest."
         )
     lines += _state_advice(run, budgets)
     if binding == "FSDP buffers" and run.mesh.ep == 1 and run.spec.num_experts > 1:

@@ -133,7 +133,8 @@ def train_step(model: torch.nn.Module, micro_batches: list[dict[str, torch.Tenso
         b = env.to_device(batch)
         if segment and b["input_ids"].shape[1] * env.cp_size > segment:  # sequence segments (memory/model_segments.py)
             loss_sum += float(_segmented_step(model, b, env, autocast, chunk, segment, total, progress,
-                                              memory.segment_keep_selection, after_forward))
+                                              memory.segment_keep_selection, after_forward,
+                                              kv_host=memory.segment_kv_host))
             continue
         with _autocast(autocast, env.device):
             hidden = model(b["input_ids"], doc_ids=b.get("doc_ids"), ctx=env.context(b))
@@ -211,7 +212,8 @@ def _loss_sum(model: torch.nn.Module, hidden: torch.Tensor, labels: torch.Tensor
 
 def _segmented_step(model: torch.nn.Module, b: dict[str, torch.Tensor], env: ParallelEnv,
                     autocast: torch.dtype | None, chunk: int | None, segment: int, total: int,
-                    progress: Any = None, keep_selection: bool = False, after_forward: Any = None) -> torch.Tensor:
+                    progress: Any = None, keep_selection: bool = False, after_forward: Any = None,
+                    kv_host: bool = False) -> torch.Tensor:
     """Forward + backward of one micro-batch in sequence segments; returns its loss sum (no graph). Under
     cp the shard is this rank's piece of every segment (``env.shard_batch(batch, segment)``)."""
     from megaseq.memory.model_segments import segmented_loss_backward  # its settings checked when applied
@@ -226,7 +228,7 @@ def _segmented_step(model: torch.nn.Module, b: dict[str, torch.Tensor], env: Par
         return segmented_loss_backward(model, b["input_ids"], b["labels"], loss_fn, 1.0 / max(total, 1), segment,
                                        progress, doc_ids=b.get("doc_ids"), keep_selection=keep_selection,
                                        cp=env.cp_size, contexts=contexts if env.cp_size > 1 else None,
-                                       after_forward=after_forward)
+                                       after_forward=after_forward, kv_host=kv_host)
 
 
 def build_planned_model(cfg: Config, spec: Any, device: torch.device, memory: MemorySettings, total_steps: int,
