@@ -385,6 +385,10 @@ class MemorySettings:
                                               "for the backward (int32 [S, topk + 15] per DSA layer) instead of "
                                               "scoring again (saves the indexer's second pass; with auto, used "
                                               "where it fits with 5% to spare; not yet measured on a GPU)")
+    stream_base: bool = opt(False, "a frozen base (LoRA, train.trainable) kept in pinned host memory, each decoder "
+                                   "layer's frozen weights copied to the GPU a layer ahead of use (forward, "
+                                   "recompute, backward); at most 2 layers on the GPU; with parallel.fsdp each rank "
+                                   "streams its own shards")
 
     def __post_init__(self) -> None:
         for name in SIZE_SETTINGS:
