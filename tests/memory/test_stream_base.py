@@ -81,8 +81,10 @@ MEMORY = {"plain": {}, "recompute": {"recompute": True}, "segments": {"model_seg
           "segments_tiled": {"model_segment_tokens": 16, "tiled_mlp": True, "mlp_tile_tokens": 5}}
 
 
-@pytest.mark.parametrize("preset", PRESETS)
-@pytest.mark.parametrize("schemes", list(MEMORY))
+CASES = [(p, m) for p in PRESETS for m in MEMORY] + [("glm5-flash-tiny", "plain"), ("glm5-flash-tiny", "segments")]
+
+
+@pytest.mark.parametrize(("preset", "schemes"), CASES)
 def test_streamed_base_equals_resident_bitwise(preset, schemes):
     """Two steps (the second starts from the residency the first left): loss and every adapter gradient
     bitwise the resident model's; at most 2 layers resident; every layer fetched again for its backward; each
@@ -95,8 +97,7 @@ def test_streamed_base_equals_resident_bitwise(preset, schemes):
     assert streamer.peak_resident == 2  # the layer running and the one prefetched
     passes = 2 * 3 * -(-S // MEMORY[schemes]["model_segment_tokens"]) if "segments" in schemes else 2 * 2
     assert streamer.fetches >= passes * L - 2 * passes  # forward and backward each fetch (almost) every layer
-    for i, layer in enumerate(model.layers):
-        rec = streamer.layers[i]
+    for i, rec in enumerate(streamer.layers):
         assert rec.params and all(not p.requires_grad for p in rec.params)
         if i not in streamer.resident:
             assert all(p.data_ptr() == v.data_ptr() for p, v in zip(rec.params, rec.host_views))
@@ -163,6 +164,26 @@ def test_a_base_that_trains_is_refused():
     model = build_model(get_preset("qwen3-moe-tiny"), dtype=torch.float64, seed=0)
     with pytest.raises(ValueError, match="memory.stream_base .*--lora.rank"):
         parallelize(model, MemorySettings(stream_base=True))
+
+
+def test_a_training_run_streams_and_exports_as_the_resident_run(tmp_path):
+    """``megaseq train`` (one process, LoRA + a trained norm, the settings forced): with the base streamed the
+    losses and the merged HF export equal the resident run's bitwise."""
+    import numpy as np
+    from test_lora_fsdp import _losses, _overrides, _tensors, _train_rank
+
+    rng = np.random.default_rng(4)
+    (tmp_path / "g.fa").write_text(">rec\n" + "".join(rng.choice(list("ACGT"), 4000)) + "\n")
+    for name, stream in (("resident", False), ("streamed", True)):
+        over = _overrides(tmp_path, name, 1, 2, **{"memory.auto": False, "memory.stream_base": stream,
+                                                   "train.steps": 2, "train.save_every": 0})
+        _train_rank(0, over)
+    import json
+
+    assert json.loads((tmp_path / "streamed" / "plan.json").read_text())["memory"]["stream_base"]
+    assert _losses(tmp_path / "streamed") == _losses(tmp_path / "resident")
+    want, got = _tensors(tmp_path / "resident" / "hf"), _tensors(tmp_path / "streamed" / "hf")
+    assert want.keys() == got.keys() and all(torch.equal(got[k], want[k]) for k in want)
 
 
 # ---- FSDP2 over gloo: each rank's shards in host memory (CPUOffloadPolicy) ---------------------------------------

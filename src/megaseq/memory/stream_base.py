@@ -250,7 +250,7 @@ def to_device_resident(model: nn.Module, device: torch.device | str) -> None:
     streamed = {id(p) for m in model.modules() if isinstance(f := m.__dict__.get("forward"), _StreamedForward)
                 for p in f.streamer.layers[f.index].params}
     for m in model.modules():
-        for name, p in m._parameters.items():
+        for p in m._parameters.values():
             if p is not None and id(p) not in streamed and not isinstance(p, DTensor):
                 p.data = p.data.to(device)
         for name, b in m._buffers.items():

@@ -28,7 +28,7 @@ from megaseq.config import MemorySettings
 from megaseq.memory.rules import check_model_segments  # noqa: F401  (re-exported)
 from megaseq.models.registry import family
 from megaseq.plan import components as C
-from megaseq.plan import layers
+from megaseq.plan import layers, stream
 from megaseq.plan.components import GB, GIB, Mesh
 from megaseq.plan.flops import (
     DEVICE_BYTES_PER_S,
@@ -39,7 +39,6 @@ from megaseq.plan.flops import (
     step_flops,
     step_seconds,
 )
-from megaseq.plan import stream
 from megaseq.plan.phases import Evaluation, Run, evaluate
 from megaseq.schemes import SCHEMES
 
