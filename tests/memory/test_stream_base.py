@@ -1,7 +1,8 @@
 """A frozen base streamed from host memory (``memory.stream_base``), float64 on the CPU: LoRA on qwen3-moe-tiny
-and kimi-linear-tiny, the streamed model against the resident one, BITWISE equal loss and every trained
-gradient: plain, with recompute, with sequence segments, and under FSDP2 over 2 gloo ranks (torch's
-``CPUOffloadPolicy`` on the blocks). The "device" is the CPU here: the mechanism runs all the same (a copy
+and kimi-linear-tiny (and glm5-flash-tiny), the streamed model against the resident one, BITWISE equal loss and
+every trained gradient over two steps: plain, with recompute, with sequence segments (and tiling inside them),
+with recompute + SCO + tiling, with segmented KDA + tiling; a ``megaseq train`` run and its merged export; and
+under FSDP2 over 2 gloo ranks (torch's ``CPUOffloadPolicy`` on the blocks). The "device" is the CPU here: the mechanism runs all the same (a copy
 into a fresh device buffer a layer ahead, the buffer freed on eviction, the weights fetched again for the
 backward), and its own bookkeeping says at most two layers were resident at once.
 
@@ -81,7 +82,12 @@ MEMORY = {"plain": {}, "recompute": {"recompute": True}, "segments": {"model_seg
           "segments_tiled": {"model_segment_tokens": 16, "tiled_mlp": True, "mlp_tile_tokens": 5}}
 
 
-CASES = [(p, m) for p in PRESETS for m in MEMORY] + [("glm5-flash-tiny", "plain"), ("glm5-flash-tiny", "segments")]
+MEMORY |= {"sco_tiled": {"recompute": True, "checkpoint_offload": True, "offload_host_budget": 1 << 20,
+                         "tiled_mlp": True, "mlp_tile_tokens": 7},
+           "kda_tiled": {"kda_segment_tokens": 8, "tiled_mlp": True, "mlp_tile_tokens": 7}}
+CASES = ([(p, m) for p in PRESETS for m in ("plain", "recompute", "segments", "segments_tiled")]
+         + [("qwen3-moe-tiny", "sco_tiled"), ("kimi-linear-tiny", "kda_tiled"), ("glm5-flash-tiny", "plain"),
+            ("glm5-flash-tiny", "segments")])
 
 
 @pytest.mark.parametrize(("preset", "schemes"), CASES)
