@@ -2,9 +2,9 @@
 and kimi-linear-tiny (and glm5-flash-tiny), the streamed model against the resident one, BITWISE equal loss and
 every trained gradient over two steps: plain, with recompute, with sequence segments (and tiling inside them),
 with recompute + SCO + tiling, with segmented KDA + tiling; a ``megaseq train`` run and its merged export; and
-under FSDP2 over 2 gloo ranks (torch's ``CPUOffloadPolicy`` on the blocks). The "device" is the CPU here: the mechanism runs all the same (a copy
-into a fresh device buffer a layer ahead, the buffer freed on eviction, the weights fetched again for the
-backward), and its own bookkeeping says at most two layers were resident at once.
+under FSDP2 over 2 gloo ranks (torch's ``CPUOffloadPolicy`` on the blocks). The "device" is the CPU here: the
+mechanism runs all the same (a copy into a fresh device buffer a layer ahead, the buffer freed on eviction, the
+weights fetched again for the backward), and its own bookkeeping says at most two layers were resident at once.
 
 Broken variants that must fail: a stale copy (the previous layer's weights), the backward not fetching again
 (must raise), autograd keeping the device weights instead of handles (freed before the backward used them:
