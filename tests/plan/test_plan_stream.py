@@ -89,3 +89,10 @@ def test_segments_cost_more_copies() -> None:
     plan_run.counts.trained = trained_counts(plan_run.spec, settings(targets="all", rank=4, frozen_dtype="bf16"))
     costs = [stream.excess_seconds(plan_run, n) for n in (1, 4, 16)]
     assert 0 <= costs[0] <= costs[1] <= costs[2] and costs[2] > 0
+
+
+def test_forcing_it_on_a_full_fine_tuning_is_refused() -> None:
+    """``megaseq plan`` with the setting forced and nothing frozen: one message naming it and the fix."""
+    cfg = load_config(KIMI, ["lora.rank=0", "memory.auto=false", "memory.stream_base=true", "data.seq_len=8K"])
+    with pytest.raises(ValueError, match=r"memory.stream_base .*--lora.rank"):
+        plan_from_config(cfg, world_size=1)

@@ -32,8 +32,7 @@ from megaseq.config import MemorySettings
 from megaseq.memory import tiling
 from megaseq.memory.offload import BoundaryOffloader, checkpoint_layers, uncheckpoint_layer
 from megaseq.memory.offload_adam import OffloadStreamAdamW
-from megaseq.memory.rules import check_model_segments
-from megaseq.memory.stream_base import SETTING as STREAM_SETTING
+from megaseq.memory.rules import check_model_segments, check_stream_base
 from megaseq.memory.stream_base import BaseStreamer, stream_layers, unstream_layers
 from megaseq.memory.vocab_loss import linear_cross_entropy
 
@@ -83,10 +82,7 @@ def stream_base(layers: list[nn.Module], settings: MemorySettings, done: Applied
     ``stream_base.stream_layers`` to ``env.device`` (default: where the layers are). Before ``recompute_layers``."""
     if not settings.stream_base:
         return
-    if not any(not p.requires_grad for layer in layers for p in layer.parameters()):
-        raise ValueError(f"{STREAM_SETTING} streams a frozen base, and every parameter of this model trains: "
-                         "turn on LoRA (--lora.rank 16) or name what trains (--train.trainable ...), or set "
-                         f"--{STREAM_SETTING} false")
+    check_stream_base(any(not p.requires_grad for layer in layers for p in layer.parameters()))
     if getattr(env, "fsdp", None) not in (None, "off"):
         done.streamed = "fsdp"
         return

@@ -38,3 +38,12 @@ def check_model_segments(family_name: str, segment_tokens: int, cp: int = 1,
                          f"cp ranks, so it must be a multiple of {cp}; set --{name} to a multiple of {cp}")
     if layer_schemes:
         raise ValueError(segment_conflict(segment_tokens, list(layer_schemes)))
+
+
+def check_stream_base(freezes: bool) -> None:
+    """ValueError naming ``memory.stream_base`` and the fix when it is asked for a run whose every parameter
+    trains (it streams a frozen base: LoRA, ``train.trainable``); the planner and the runtime both check it."""
+    if not freezes:
+        raise ValueError("memory.stream_base streams a frozen base, and every parameter of this run trains: turn "
+                         "on LoRA (--lora.rank 16) or name what trains (--train.trainable ...), or set "
+                         "--memory.stream_base false")

@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from megaseq.memory.offload import HostBuffer
-from megaseq.memory.rules import round_up
+from megaseq.memory.rules import check_stream_base, round_up
 
 SETTING = "memory.stream_base"
 
@@ -262,9 +262,7 @@ def to_device_resident(model: nn.Module, device: torch.device | str) -> None:
 
 def check_run(freezes: bool, sharded: bool, init_from: bool) -> None:
     """ValueError naming ``memory.stream_base`` and the fix, before a model is built, for what it cannot run."""
-    if not freezes:
-        raise ValueError(f"{SETTING} streams a frozen base, and this run trains every parameter: turn on LoRA "
-                         f"(--lora.rank 16) or name what trains (--train.trainable ...), or set --{SETTING} false")
+    check_stream_base(freezes)
     if sharded and init_from:
         raise ValueError(f"{SETTING} with parallel.fsdp and model.init_from: the offloaded shards are loaded on the "
                          "device before FSDP's offload; run on one GPU per process without FSDP "
