@@ -82,7 +82,8 @@ def stream_base(layers: list[nn.Module], settings: MemorySettings, done: Applied
     ``stream_base.stream_layers`` to ``env.device`` (default: where the layers are). Before ``recompute_layers``."""
     if not settings.stream_base:
         return
-    check_stream_base(any(not p.requires_grad for layer in layers for p in layer.parameters()))
+    check_stream_base(any(not p.requires_grad for layer in layers for p in layer.parameters()),
+                      int(getattr(env, "ep_size", 1)))
     if getattr(env, "fsdp", None) not in (None, "off"):
         done.streamed = "fsdp"
         return

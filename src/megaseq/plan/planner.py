@@ -257,7 +257,7 @@ def _forced(memory_cfg: Any, n: int, run: Run) -> MemorySettings:
     if m.model_segment_tokens:
         check_model_segments(run.spec.family, m.model_segment_tokens, run.mesh.cp)
     if m.stream_base:
-        check_stream_base(run.counts.trained is not None)
+        check_stream_base(run.counts.trained is not None, run.mesh.ep)
     return m
 
 
