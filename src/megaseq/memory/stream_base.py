@@ -50,7 +50,6 @@ class _Layer:
     """One layer's streamed weights: the parameters, their byte offsets, the host buffer, the device copy."""
 
     params: list[nn.Parameter]
-    names: list[str]
     offsets: list[int]
     nbytes: int
     host: HostBuffer | None = None
@@ -83,8 +82,8 @@ class BaseStreamer:
         self.layers: list[_Layer] = []
         self.resident: list[int] = []  # layers whose device copy exists, oldest first
         self.live: dict[int, int] = {}  # device buffer storage address -> layer
-        self.peak_resident = 0  # the most layers resident at once since the last reset
-        self.fetches = 0  # host-to-device copies since the last reset
+        self.peak_resident = 0  # the most layers resident at once
+        self.fetches = 0  # host-to-device copies
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         for layer in layers:
             self.layers.append(self._host_layer(layer))
@@ -101,7 +100,7 @@ class BaseStreamer:
                              "streams each rank's shards")
         params = [p for _, p in named]
         offsets, nbytes = _layout(params)
-        rec = _Layer(params, [n for n, _ in named], offsets, nbytes)
+        rec = _Layer(params, offsets, nbytes)
         rec.host = HostBuffer(nbytes, pin=self.device.type == "cuda")
         for p, off in zip(params, offsets):
             view = _view(rec.host.base, off, p)
@@ -114,9 +113,6 @@ class BaseStreamer:
     def host_bytes(self) -> int:
         """Host bytes the streamed layers hold (pinned on CUDA)."""
         return sum(rec.nbytes for rec in self.layers)
-
-    def reset_counts(self) -> None:
-        self.peak_resident, self.fetches = len(self.resident), 0
 
     # ---- copies ----------------------------------------------------------------------------------------------
     def _copy_in(self, i: int) -> None:
