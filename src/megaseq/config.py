@@ -402,6 +402,10 @@ class MemorySettings:
                                        "keys/values (or latents) and their fp32 gradients in pinned host memory, "
                                        "copied to the GPU a layer ahead (at most about two layers' worth there); "
                                        "with auto, chosen only where the GPU-resident store does not fit")
+    stream_base: bool = opt(False, "a frozen base (LoRA, train.trainable) kept in pinned host memory, each decoder "
+                                   "layer's frozen weights copied to the GPU a layer ahead of use (forward, "
+                                   "recompute, backward); at most 2 layers on the GPU; with parallel.fsdp each rank "
+                                   "streams its own shards")
 
     def __post_init__(self) -> None:
         for name in SIZE_SETTINGS:

@@ -54,6 +54,9 @@ SCHEMES: dict[str, Scheme] = {s.name: s for s in (
            requires=("recompute",)),
     Scheme("optimizer_offload", "optimizer_offload", ("optimizer_bucket_params",),
            "memory.offload_adam.OffloadStreamAdamW", "components.optimizer_gpu_bytes / optimizer_host_bytes"),
+    # last in the ladder: the planner tries it only when no set without it fits (plan.fixes.LAST_RESORT)
+    Scheme("stream_base", "stream_base", (), "memory.stream_base.stream_layers (one process); FSDP2's "
+           "CPUOffloadPolicy on the blocks (parallel.fsdp)", "plan.stream.stream_terms", applied="streamed"),
 )}
 
 # every size setting (parsed from "8K" / "64G" by MemorySettings)

@@ -8,7 +8,8 @@ calls the appliers here and in the scheme modules:
 - the DSA indexer's scoring chunk (its ``query_chunk``, the op's working-set bound);
 - segmented KDA: ``kda_segments.segment`` on each KDA mixer;
 - sequence segments: checked here, run by the trainer's step (``model_segments.segmented_loss_backward``);
-- full recompute with SCO boundary offload: ``recompute_layers``.
+- full recompute with SCO boundary offload: ``recompute_layers``;
+- a frozen base streamed from pinned host memory: ``stream_base`` (before recompute, so the rerun streams too).
 
 The vocabulary loss and the optimizer are the trainer's to build: ``loss_fn(settings)`` and
 ``make_optimizer(params, settings, ...)`` return the planned ones (OffloadStreamAdamW, MasterAdamW for bf16
@@ -31,7 +32,8 @@ from megaseq.config import MemorySettings
 from megaseq.memory import tiling
 from megaseq.memory.offload import BoundaryOffloader, checkpoint_layers, uncheckpoint_layer
 from megaseq.memory.offload_adam import OffloadStreamAdamW
-from megaseq.memory.rules import check_model_segments
+from megaseq.memory.rules import check_model_segments, check_stream_base
+from megaseq.memory.stream_base import BaseStreamer, stream_layers, unstream_layers
 from megaseq.memory.vocab_loss import linear_cross_entropy
 
 
@@ -48,6 +50,8 @@ class AppliedMemory:
     model_segmented: int = 0  # tokens per sequence segment (0: off)
     sharded: Any = None  # what FSDP sharded (``parallel.fsdp.ShardedModel``), None when nothing is
     adapters: list[str] = field(default_factory=list)  # projections given LoRA adapters (models.common.lora)
+    streamed: str = ""  # the frozen base streamed from host memory: "layers" (BaseStreamer), "fsdp", "" (off)
+    streamer: BaseStreamer | None = None  # the one-process streamer (its residency counts)
 
     def release(self) -> None:
         """Free the SCO pinned pool (re-planned on demand if training continues)."""
@@ -61,6 +65,7 @@ def begin(layers: Iterable[nn.Module], settings: MemorySettings) -> AppliedMemor
     settings.check_combination()
     for layer in layers:
         uncheckpoint_layer(layer)
+    unstream_layers(layers)
     return AppliedMemory(settings)
 
 
@@ -69,6 +74,22 @@ def check_segments(family: str, settings: MemorySettings, done: AppliedMemory, c
     if settings.model_segment_tokens:
         check_model_segments(family, settings.model_segment_tokens, cp)
         done.model_segmented = settings.model_segment_tokens
+
+
+def stream_base(layers: list[nn.Module], settings: MemorySettings, done: AppliedMemory, env: Any = None) -> None:
+    """The frozen base of ``layers`` in pinned host memory when ``settings.stream_base``: under FSDP
+    (``env.fsdp``) torch's ``CPUOffloadPolicy`` on each block, applied by ``parallel.fsdp.apply_fsdp``; else
+    ``stream_base.stream_layers`` to ``env.device`` (default: where the layers are). Before ``recompute_layers``."""
+    if not settings.stream_base:
+        return
+    check_stream_base(any(not p.requires_grad for layer in layers for p in layer.parameters()),
+                      int(getattr(env, "ep_size", 1)))
+    if getattr(env, "fsdp", None) not in (None, "off"):
+        done.streamed = "fsdp"
+        return
+    device = getattr(env, "device", None) or next(p.device for layer in layers for p in layer.parameters())
+    done.streamer = stream_layers(layers, device)
+    done.streamed = "layers"
 
 
 def recompute_layers(layers: list[nn.Module], settings: MemorySettings, done: AppliedMemory) -> None:
@@ -97,6 +118,7 @@ def apply_prenorm(model: nn.Module, settings: MemorySettings, env: Any = None,
         if mixer_schemes is not None:
             mixer_schemes(i, layer.mixer, done)
     check_segments(model.spec.family, settings, done, env_cp(env))
+    stream_base(layers, settings, done, env)
     recompute_layers(layers, settings, done)
     return done
 

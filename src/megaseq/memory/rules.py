@@ -38,3 +38,17 @@ def check_model_segments(family_name: str, segment_tokens: int, cp: int = 1,
                          f"cp ranks, so it must be a multiple of {cp}; set --{name} to a multiple of {cp}")
     if layer_schemes:
         raise ValueError(segment_conflict(segment_tokens, list(layer_schemes)))
+
+
+def check_stream_base(freezes: bool, ep: int = 1) -> None:
+    """ValueError naming ``memory.stream_base`` and the fix when it is asked for a run whose every parameter
+    trains (it streams a frozen base: LoRA, ``train.trainable``) or whose routed experts are sharded over ep
+    ranks (not streamed); the planner and the runtime both check it."""
+    if not freezes:
+        raise ValueError("memory.stream_base streams a frozen base, and every parameter of this run trains: turn "
+                         "on LoRA (--lora.rank 16) or name what trains (--train.trainable ...), or set "
+                         "--memory.stream_base false")
+    if ep > 1:
+        raise ValueError(f"memory.stream_base with parallel.ep {ep}: the routed experts sharded over ep are not "
+                         "streamed; set --parallel.ep 1 (FSDP streams each rank's shards) or --memory.stream_base "
+                         "false")

@@ -100,10 +100,13 @@ def _dominant_dtype(params: list[nn.Parameter]) -> torch.dtype:
     return max(count, key=count.get)
 
 
-def apply_fsdp(model: nn.Module, blocks: list[nn.Module], env: Any) -> ShardedModel | None:
+def apply_fsdp(model: nn.Module, blocks: list[nn.Module], env: Any, stream_base: bool = False) -> ShardedModel | None:
     """Shard ``model`` per block as ``env`` says (``env.fsdp``: the mode, None or "off" for none); returns
-    what was sharded, or None. Memory schemes must already be applied (they wrap the blocks' forwards)."""
-    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+    what was sharded, or None. Memory schemes must already be applied (they wrap the blocks' forwards).
+    ``stream_base`` (``memory.stream_base``, a frozen base): the blocks' shards live in host memory (pinned on
+    CUDA), torch's ``CPUOffloadPolicy``: each unit's all-gather copies this rank's shard to the GPU first,
+    prefetched one unit ahead, and frees the gathered weights after the forward and after the backward."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
     mode = getattr(env, "fsdp", None)
     if isinstance(model, FSDPModule):  # applying the memory schemes again keeps the sharding
@@ -125,7 +128,11 @@ def apply_fsdp(model: nn.Module, blocks: list[nn.Module], env: Any) -> ShardedMo
     tied = model.lm_head.weight is model.embed_tokens.weight
     if not tied:  # the embedding is needed at the start of the forward and the end of the backward only
         units.append(fully_shard(model.embed_tokens, reshard_after_forward=True, **kw))
-    units += [fully_shard(b, reshard_after_forward=True, **kw) for b in blocks]
+    offload = {}
+    if stream_base and frozen_base:  # what trains is whole (ignored): only the frozen shards go to the host
+        offload = dict(offload_policy=CPUOffloadPolicy(pin_memory=torch.cuda.is_available() and
+                                                        device_mesh.device_type == "cuda"))
+    units += [fully_shard(b, reshard_after_forward=True, **kw, **offload) for b in blocks]
     units.append(fully_shard(model, **kw))  # the root: norm and head, gathered through the step
     for unit in units:
         unit.set_gradient_divide_factor(1.0)  # the loss is already a global mean: sum, never average

@@ -29,7 +29,8 @@ def shard_layers(model: nn.Module, done: AppliedMemory, env: Any = None) -> Appl
         for layer, kind in zip(layers, model.spec.mlp_types):
             if kind == "moe":
                 env.shard_moe(layer.mlp)
-    done.sharded = apply_fsdp(model, layers, env)  # last: its hooks surround the wrapped forwards
+    # last: its hooks surround the wrapped forwards
+    done.sharded = apply_fsdp(model, layers, env, stream_base=done.settings.stream_base)
     return done
 
 

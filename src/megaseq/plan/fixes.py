@@ -11,8 +11,10 @@ The ladder, cheapest first in the usual case: chunked loss (+5% of the loss time
 forward of every layer), sequence segments (the same, plus a small per-segment cost; they bound each
 layer's memory by the segment instead of the sequence and replace recompute, SCO and segmented KDA), SCO
 (1.9% + any copy time the compute cannot hide), OffloadStreamAdamW (the host<->device traffic of the
-optimizer step). Every set of fixes is tried in order of total cost; the first that fits wins and its
-chunk sizes then grow, in powers of two, as far as the budget allows.
+optimizer step), and last the frozen base streamed from host memory (the copy time the compute cannot
+hide, ``plan.stream``). Every set of fixes is tried in order of total cost, the sets with a fix of
+``LAST_RESORT`` after every set without one; the first that fits wins and its chunk sizes then grow, in
+powers of two, as far as the budget allows.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from megaseq.config import MemorySettings
 from megaseq.memory.rules import check_model_segments  # noqa: F401  (re-exported)
 from megaseq.models.registry import family
 from megaseq.plan import components as C
-from megaseq.plan import layers, phases
+from megaseq.plan import layers, phases, stream
 from megaseq.plan.components import GB, GIB, Mesh
 from megaseq.plan.flops import (
     DEVICE_BYTES_PER_S,
@@ -86,6 +88,7 @@ class CostTerms:
     optimizer_s: float  # OffloadStreamAdamW's transfer time beyond an on-GPU step
     segment_regather_s: float = 0.0  # FSDP: what sequence segments' re-gathers add (0 without FSDP)
     segment_kv_host_s: float = 0.0  # memory.segment_kv_host: the K/V copies the compute cannot hide
+    stream_excess_s: float = 0.0  # the streamed base's copy time the compute cannot hide (plan.stream)
 
     @classmethod
     def of(cls, run: Run) -> CostTerms:
@@ -95,7 +98,10 @@ class CostTerms:
         copy = C.boundary_bytes(run.spec, run.n, run.prec) * run.spec.num_layers / PINNED_BYTES_PER_S
         excess = max(0.0, copy - T / 3) + max(0.0, copy - 2 * T / 3)  # hidden behind the fwd (1/3) and bwd
         opt = max(0.0, P * 30 / PINNED_BYTES_PER_S - P * 32 / DEVICE_BYTES_PER_S)  # up 16 B, down 14 B
-        return cls(sf, T, excess, opt, segment_regather_seconds(run), segment_kv_host_excess(run, T))
+        streamed = replace(run, memory=run.memory.replace(stream_base=True))
+        stream_s = stream.excess_seconds(streamed, segments_of(run) if run.segment else 1)
+        return cls(sf, T, excess, opt, segment_regather_seconds(run),
+                   segment_kv_host_excess(run, T), stream_s)
 
 
 @dataclass(frozen=True)
@@ -188,6 +194,8 @@ def _kda_layer_share(run: Run) -> float:
 def _sco_enable(base: MemorySettings, run: Run, fixes: tuple[str, ...], host_room: int) -> dict[str, Any]:
     bnd = C.boundary_bytes(run.spec, run.n, run.prec)
     opt_host = C.optimizer_host_bytes(run.counts, run.mesh, "optimizer_offload" in fixes)
+    if "stream_base" in fixes:  # the streamed base's pinned bytes come first
+        opt_host += sum(stream.streamed_layer_bytes(replace(run, memory=run.memory.replace(stream_base=True))))
     return {"checkpoint_offload": True,
             "offload_host_budget": max(0, min(run.spec.num_layers * bnd, host_room - opt_host))}
 
@@ -260,7 +268,16 @@ FIXES: dict[str, Fix] = {f.name: f for f in (
         enable=lambda b, run, s, h: {"optimizer_offload": True},
         enabled=_on("optimizer_offload"),
         why=lambda m: "fp32 master weights, moments and gradients in host memory, streamed"),
+    _fix("stream_base",
+        cost=lambda run, t: t.stream_excess_s / t.step_s,
+        usable=lambda run: run.counts.trained is not None and run.mesh.ep == 1,
+        enable=lambda b, run, s, h: {"stream_base": True},
+        enabled=_on("stream_base"),
+        why=lambda m: "the frozen base's layers in pinned host memory, each copied to the GPU a layer ahead of use "
+                      f"(forward, rerun, backward; {stream.STREAM_BYTES_PER_S / 1e9:.0f} GB/s assumed)"),
 )}
+# tried only when no set without them fits (the frozen base streamed: chosen where the resident base does not fit)
+LAST_RESORT: tuple[str, ...] = ("stream_base",)
 LADDER: tuple[str, ...] = tuple(FIXES)
 # sequence segments replace these (each layer's memory is already bounded by the segment)
 SEGMENT_EXCLUDES = FIXES["model_segments"].excludes
@@ -319,9 +336,8 @@ def _candidates(run: Run, costs: dict[str, float]) -> list[tuple[str, ...]]:
             if any(x in combo for f in combo for x in FIXES[f].excludes):
                 continue
             sets.append(combo)
-    return sorted(
-        sets, key=lambda s: (round(sum(costs[f] for f in s), 6), len(s), [LADDER.index(f) for f in s])
-    )
+    return sorted(sets, key=lambda s: (any(f in LAST_RESORT for f in s), round(sum(costs[f] for f in s), 6), len(s),
+                                       [LADDER.index(f) for f in s]))
 
 
 def _fits(ev: Evaluation, budgets: Budgets, mesh: Mesh) -> bool:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from megaseq.config import ExpertDispatchSettings, MemorySettings
 from megaseq.models.spec import ModelSpec
 from megaseq.plan import components as C
-from megaseq.plan import expert, layers
+from megaseq.plan import expert, layers, stream
 from megaseq.plan.components import CAL, Calibration, Mesh, ParamCounts, Precision
 
 
@@ -374,6 +374,7 @@ def _state(run: Run) -> tuple[dict[str, int], list[int], int, int]:
     }
     if run.segment:
         state.update(segment_store_bytes(run))
+    state.update(stream.gpu_terms(run, state["parameters"]))  # a frozen base streamed from the host
     acc = run.accumulates
     kept = counts.fp32_kept if prec.master else [0] * len(counts.layers)
     tr = counts.trained
@@ -656,6 +657,7 @@ def evaluate(run: Run) -> Evaluation:
         "optimizer state (OffloadStreamAdamW)": C.optimizer_host_bytes(
             run.counts, run.mesh, run.memory.optimizer_offload, run.prec
         ),
+        **stream.host_terms(run),
     }
     notes = {"layer working set": where, "recomputed layer": where, "saved activations": name}
     # torch's AdamW makes its moments in the first update; MasterAdamW (bf16 weights) makes its state with

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from megaseq.config import AdapterSettings, ExpertDispatchSettings, MemorySettings
+from megaseq.memory.rules import check_stream_base
 from megaseq.models.spec import ModelSpec
 from megaseq.ops.kernels import PLANNED_FAST_OPS, planned_fast_ops  # noqa: F401  (PLANNED_FAST_OPS re-exported)
 from megaseq.plan import components as C
@@ -258,6 +259,8 @@ def _forced(memory_cfg: Any, n: int, run: Run) -> MemorySettings:
     m.check_combination()
     if m.model_segment_tokens:
         check_model_segments(run.spec.family, m.model_segment_tokens, run.mesh.cp)
+    if m.stream_base:
+        check_stream_base(run.counts.trained is not None, run.mesh.ep)
     return m
 
 

@@ -250,13 +250,23 @@ def build_planned_model(cfg: Config, spec: Any, device: torch.device, memory: Me
     sharded = getattr(env, "fsdp", None) not in (None, "off") and getattr(env, "world_size", 1) > 1
     if init_from and env is not None:
         env.log(f"model weights from {init_from}")
+    if memory.stream_base:  # the frozen base in host memory (memory/stream_base.py): what it cannot run, said now
+        from megaseq.memory import stream_base
+
+        stream_base.check_run(adapters.freezes, sharded, bool(init_from))
     if not sharded:
         # a frozen base stored in bf16 is built so from the start (never its fp32 copy: 30B parameters fit)
         frozen = frozen_base_dtypes(adapters) if adapters.freezes and adapters.frozen_dtype else None
-        model = build_model(spec, dtype=dtype, device=device, seed=cfg.train.seed, stored=frozen)
+        where = device
+        if memory.stream_base:  # built where it fits (the host when the GPU cannot hold it), streamed from the host
+            where = stream_base.build_device(build_model(spec, dtype=dtype, device="meta", stored=frozen), device)
+            where = "cpu" if init_from else where
+        model = build_model(spec, dtype=dtype, device=where, seed=cfg.train.seed, stored=frozen)
         if init_from:
             load_hf_checkpoint(init_from, model=model, spec=spec)
         applied = parallelize(model, memory, env, adapters)
+        if memory.stream_base:
+            stream_base.to_device_resident(model, device)
     else:  # a frozen base: its frozen tensors built (and sharded) in their storage dtype, what trains kept whole
         frozen = frozen_base_dtypes(adapters) if adapters.freezes and adapters.frozen_dtype else None
         model = build_model(spec, dtype=dtype, device="meta" if init_from else "cpu", seed=cfg.train.seed,
@@ -269,7 +279,10 @@ def build_planned_model(cfg: Config, spec: Any, device: torch.device, memory: Me
                 from megaseq.models.common.lora import draw_adapters
 
                 draw_adapters(model, adapters)
-        model.to(device)  # the parameters FSDP keeps whole (a bf16 model's fp32 router, the adapters), buffers
+        if memory.stream_base:  # the blocks' shards stay in host memory (FSDP's CPUOffloadPolicy)
+            stream_base.to_device_resident(model, device)
+        else:
+            model.to(device)  # the parameters FSDP keeps whole (a bf16 model's fp32 router, the adapters), buffers
     if cfg.lora.init_from:
         from megaseq.models.peft_io import load_adapter
 

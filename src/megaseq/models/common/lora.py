@@ -312,5 +312,5 @@ def base_items(model: nn.Module, merged: bool = False) -> Iterator[tuple[str, to
             with torch.no_grad():
                 wide = torch.promote_types(t.dtype, torch.float32)
                 d = m.delta_weight(wide) if tensor is None else m.delta_weight(tensor, wide)
-                t = (t.to(wide) + d).to(t.dtype)
+                t = (t.to(wide) + d.to(t.device)).to(t.dtype)  # a base streamed from the host: t on the host
         yield name, t

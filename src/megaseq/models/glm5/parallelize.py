@@ -58,6 +58,8 @@ def parallelize(model: Glm5Model, settings: MemorySettings, env: Any = None,
             kda_segments.segment(mixer, segment)
             done.kda_segmented = segment or 0
     apply.check_segments(model.spec.family, settings, done, apply.env_cp(env))
+    apply.stream_base(layers, settings, done, env)
     apply.recompute_layers(layers, settings, done)
-    done.sharded = apply_fsdp(model, layers, env)  # last: its hooks surround the wrapped forwards
+    # last: its hooks surround the wrapped forwards
+    done.sharded = apply_fsdp(model, layers, env, stream_base=settings.stream_base)
     return done
