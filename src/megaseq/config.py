@@ -323,9 +323,6 @@ class ParallelConfig:
             raise ValueError(f"parallel.fsdp must be off, dp or dp_cp, got {self.fsdp!r}")
         if self.reduce_dtype not in ("fp32", "bf16"):
             raise ValueError(f"parallel.reduce_dtype must be fp32 or bf16, got {self.reduce_dtype!r}")
-        if self.fsdp != "off" and self.ep > 1:
-            raise ValueError("parallel.fsdp with parallel.ep > 1 is not supported yet (the experts would need an "
-                             "FSDP mesh without the ep axis): set --parallel.fsdp off or --parallel.ep 1")
         self.ep_chunk_tokens = parse_size(self.ep_chunk_tokens)
         self.llep_min_tokens = parse_size(self.llep_min_tokens)
         if self.ep_dispatch_settings() != ExpertDispatchSettings() and self.ep == 1:  # (validates them too)
