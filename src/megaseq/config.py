@@ -674,18 +674,14 @@ class Config:
         self.check_frozen_base()
 
     def check_frozen_base(self) -> None:
-        """The combinations of a frozen base (``lora.rank > 0`` or ``train.trainable``) not tested yet, refused
-        before anything starts: under expert parallelism (``LoRAExperts`` runs with every expert in the
-        process) and with bf16 weights (the fp32 adapters would meet bf16 activations without autocast; the
-        frozen base is stored in bf16 anyway). Under FSDP (``parallel.fsdp dp`` / ``dp_cp``) the frozen base is
-        sharded and what trains is kept whole on every rank (``parallel.fsdp``)."""
+        """The combination of a frozen base (``lora.rank > 0`` or ``train.trainable``) not tested yet, refused
+        before anything starts: bf16 weights (the fp32 adapters would meet bf16 activations without autocast;
+        the frozen base is stored in bf16 anyway). Under FSDP (``parallel.fsdp dp`` / ``dp_cp``) the frozen base
+        is sharded and what trains is kept whole on every rank (``parallel.fsdp``); under expert parallelism
+        the routed experts' adapters are split over the ep ranks with their experts (``parallel.expert``)."""
         if not (self.lora.enabled or self.train.trainable):
             return
         what = f"lora.rank {self.lora.rank}" if self.lora.enabled else f"train.trainable {self.train.trainable}"
-        if self.parallel.ep > 1:
-            raise ValueError(f"{what} (a frozen base) with parallel.ep {self.parallel.ep} is not supported yet "
-                             "(adapters on the routed experts run with every expert in the process): set "
-                             "--parallel.ep 1")
         if self.model.weights == "bf16":
             raise ValueError(f"{what} (a frozen base) with model.weights bf16 is not supported yet (the fp32 "
                              "adapters would meet bf16 activations without autocast): set --model.weights fp32 (under "

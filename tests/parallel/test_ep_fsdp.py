@@ -130,8 +130,16 @@ def test_trainer_run_checkpoints_resumes_and_exports_as_one_process(tmp_path):
     steps), every parameter of both checkpoints (the experts gathered from their ep shards, the rest from
     FSDP's), each expert slice stored once; the step-1 checkpoint resumed on the same mesh continues the run,
     and the HF export equals the one-process export."""
-    from test_ep_train import _assert_same, _fasta, _one_process, _overrides, _records, _train_rank, _weights
-    from test_ep_train import assert_every_expert_saved_once
+    from test_ep_train import (
+        _assert_same,
+        _fasta,
+        _one_process,
+        _overrides,
+        _records,
+        _train_rank,
+        _weights,
+        assert_every_expert_saved_once,
+    )
 
     from conftest import run_as_of_step
     from megaseq.train import checkpoint as ckpt
