@@ -168,3 +168,56 @@ def test_trainer_run_checkpoints_resumes_and_exports_as_one_process(tmp_path):
         return {k: v for f in sorted(d.glob("*.safetensors")) for k, v in load_file(f).items()}
 
     _assert_same(tensors(tmp_path / "epf" / "hf"), tensors(tmp_path / "one" / "hf"))
+
+
+# ---- the planner's terms against what each rank holds ----------------------------------------------------------
+def _planner_rank(rank: int, preset: str, lora: bool, broken: bool) -> None:
+    """ep 2 x dp 2 with FSDP (fp64 here, the planner's fp64 precision): per layer the elements FSDP gathers (the
+    experts are not among them), this rank's parameter bytes, its routed-expert parameters (whole: ``E / ep``
+    experts), its gradient and AdamW bytes after a step equal the planner's ``plan.components`` terms. With a
+    frozen base (LoRA on the attention and the experts) the same for what trains (whole) and the frozen shards."""
+    from lora_helpers import settings
+    from megaseq.plan import components as C
+    from megaseq.plan.params import trained_counts
+
+    spec = get_preset(preset)
+    env = DistributedEnv(_cfg(2, 2, 1, "dp"), spec=spec)
+    adapters = settings(targets="q_proj,v_proj,experts", rank=4, trainable="*norm.weight") if lora else None
+    model = build_model(spec, dtype=torch.float64, seed=0)
+    parallelize(model, MemorySettings(), env, adapters)
+    mesh, prec = C.Mesh(dp=2, ep=2, fsdp="dp"), C.precision_for("fp64")
+    counts = C.count_params(spec)
+    counts.trained = trained_counts(spec, adapters)
+    counts = C.gpu_counts(counts, mesh)
+    if broken:  # the experts counted as FSDP-sharded with the rest (the planner's picture before ep x FSDP)
+        C.expert_params = lambda *a, **k: 0
+    for i, layer in enumerate(model.layers):
+        gathered = sum(p.numel() for p in layer.parameters() if is_sharded(p) and p.device_mesh.ndim == 1)
+        assert gathered == C.gathered_params(counts, i, mesh, prec), i
+    local = sum(_local_numel(p) for p in model.parameters()) * 8
+    assert abs(local / C.param_bytes(counts, mesh, prec) - 1) < 0.01, (local, C.param_bytes(counts, mesh, prec))
+    experts = [p for n, p in model.named_parameters() if ".experts." in n and "shared" not in n]
+    assert sum(p.to_local().numel() for p in experts) == C.expert_params(counts, mesh)
+    trains = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trains, foreach=False)
+    for p in trains:
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    state = sum(_local_numel(t) * 8 for st in opt.state.values() for k, t in st.items() if k != "step")
+    want = C.optimizer_gpu_bytes(counts, mesh, prec, False, 1)
+    assert abs(state / want - 1) < 0.01, (state, want)
+    env.shutdown()
+
+
+def _local_numel(t: torch.Tensor) -> int:
+    return (t.to_local() if hasattr(t, "to_local") else t).numel()
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_planner_terms_are_what_each_rank_holds(lora):
+    spawn_local(_planner_rank, 4, args=("qwen3-moe-tiny", lora, False))
+
+
+def test_planner_with_the_experts_sharded_by_fsdp_fails():
+    with pytest.raises(Exception, match=r"AssertionError: \(\d+, \d+\)"):  # the parameter bytes differ
+        spawn_local(_planner_rank, 4, args=("qwen3-moe-tiny", False, True))
