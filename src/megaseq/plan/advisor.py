@@ -328,7 +328,8 @@ def _miss(s: dict[str, Any], cp: int, p: Plan) -> str:
     if p.peak_gpu > p.gpu_budget:
         return f"full fine-tuning comes closest with {where}; the GPU's binding component: {p.binding}"
     name, _, host, _ = max(p.components, key=lambda c: c[2])
-    return f"full fine-tuning comes closest with {where}; the host's: {name.removeprefix('host: ')} ({host / 1e9:.0f} GB a GPU)"
+    return (f"full fine-tuning comes closest with {where}; the host's binding component: "
+            f"{name.removeprefix('host: ')} ({host / 1e9:.0f} GB a GPU)")
 
 
 def advise(src: Source, hw: Hardware, seq_len: int | None = None, allow_lora: bool = False,
