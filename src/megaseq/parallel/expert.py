@@ -27,7 +27,10 @@ so every non-expert parameter is replicated over dp x ep x cp and reduced over t
 over the dp x cp ranks holding the same ones (``mesh.expert_group``). Under cp each rank dispatches its
 own sequence shard. The held experts are DTensors ``Shard(0)`` over the mesh's ep axis (``shard_experts``):
 DCP saves each slice once and reshards it on load, the HF export gathers them (``full_tensor``), and the
-shard-aware clipping sums their squares over the ep group. FSDP with ep > 1 is refused (``ParallelConfig``).
+shard-aware clipping sums their squares over the ep group. Under FSDP (``parallel.fsdp``) the experts stay as
+they are (FSDP leaves DTensors out) and every other parameter is sharded over dp x ep (x cp). With LoRA on the
+experts (``LoRAExperts``) the factors are per-expert tensors like the weights (``Experts.expert_tensors``): split
+over ep, sent with a spilled expert, their gradients returned and reduced the same way.
 """
 
 from __future__ import annotations

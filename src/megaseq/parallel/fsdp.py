@@ -29,6 +29,11 @@ layer), on the embedding when the head is not tied to it, and on the root (the f
   (HSDP: a 2-D mesh, cp x dp): FSDP all-reduces the reduce-scattered shards over cp in each backward, so a
   shard's gradient is complete when FSDP hands it over (the optimizer may fold it into an fp32 sum).
 
+Under expert parallelism (``parallel.ep > 1``) the routed experts (and their LoRA factors) are already DTensors
+over the ep axis when FSDP is applied: they are left out (whole on their rank, their gradients reduced by
+``DistributedEnv.reduce_gradients`` over the ranks holding the same experts), and everything else is sharded over
+dp x ep (the ranks that read different sequences), x cp with ``dp_cp`` (``shard_mesh``).
+
 Composes with the memory schemes (applied first: recompute and tiling wrap the blocks' forwards, FSDP's
 hooks surround them, so a recomputed block runs on gathered weights), Ulysses CP (activations only),
 Ring-DTP (the head is whole on every rank) and sequence segments (every segment's forward and backward
