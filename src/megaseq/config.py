@@ -336,9 +336,6 @@ class ParallelConfig:
             raise ValueError(f"parallel.fsdp must be off, dp or dp_cp, got {self.fsdp!r}")
         if self.reduce_dtype not in ("fp32", "bf16"):
             raise ValueError(f"parallel.reduce_dtype must be fp32 or bf16, got {self.reduce_dtype!r}")
-        if self.fsdp != "off" and self.ep > 1:
-            raise ValueError("parallel.fsdp with parallel.ep > 1 is not supported yet (the experts would need an "
-                             "FSDP mesh without the ep axis): set --parallel.fsdp off or --parallel.ep 1")
         self.ep_chunk_tokens = parse_size(self.ep_chunk_tokens)
         self.llep_min_tokens = parse_size(self.llep_min_tokens)
         if self.ep_dispatch_settings() != ExpertDispatchSettings() and self.ep == 1:  # (validates them too)
@@ -701,18 +698,14 @@ class Config:
         self.check_frozen_base()
 
     def check_frozen_base(self) -> None:
-        """The combinations of a frozen base (``lora.rank > 0`` or ``train.trainable``) not tested yet, refused
-        before anything starts: under expert parallelism (``LoRAExperts`` runs with every expert in the
-        process) and with bf16 weights (the fp32 adapters would meet bf16 activations without autocast; the
-        frozen base is stored in bf16 anyway). Under FSDP (``parallel.fsdp dp`` / ``dp_cp``) the frozen base is
-        sharded and what trains is kept whole on every rank (``parallel.fsdp``)."""
+        """The combination of a frozen base (``lora.rank > 0`` or ``train.trainable``) not tested yet, refused
+        before anything starts: bf16 weights (the fp32 adapters would meet bf16 activations without autocast;
+        the frozen base is stored in bf16 anyway). Under FSDP (``parallel.fsdp dp`` / ``dp_cp``) the frozen base
+        is sharded and what trains is kept whole on every rank (``parallel.fsdp``); under expert parallelism
+        the routed experts' adapters are split over the ep ranks with their experts (``parallel.expert``)."""
         if not (self.lora.enabled or self.train.trainable):
             return
         what = f"lora.rank {self.lora.rank}" if self.lora.enabled else f"train.trainable {self.train.trainable}"
-        if self.parallel.ep > 1:
-            raise ValueError(f"{what} (a frozen base) with parallel.ep {self.parallel.ep} is not supported yet "
-                             "(adapters on the routed experts run with every expert in the process): set "
-                             "--parallel.ep 1")
         if self.model.weights == "bf16":
             raise ValueError(f"{what} (a frozen base) with model.weights bf16 is not supported yet (the fp32 "
                              "adapters would meet bf16 activations without autocast): set --model.weights fp32 (under "

@@ -72,8 +72,8 @@ def test_shard_experts_keeps_a_contiguous_slice():
 def test_refusals_name_the_setting():
     with pytest.raises(ValueError, match="parallel.ep > 1"):
         ParallelEnv().shard_moe(None)
-    with pytest.raises(ValueError, match="--parallel.fsdp off or --parallel.ep 1"):  # not composed yet
-        build_config(overrides={"parallel.ep": 2, "parallel.fsdp": "dp"})
+    for fsdp in ("dp", "dp_cp"):  # composed (tests/parallel/test_ep_fsdp.py): accepted
+        assert build_config(overrides={"parallel.ep": 2, "parallel.fsdp": fsdp}).parallel.fsdp == fsdp
 
 
 def test_planner_splits_experts_and_bounds_the_dispatch():

@@ -50,9 +50,10 @@ def test_glm5_flash_at_1m_on_64_h200_without_flags():
 
 
 def test_refused_combinations_are_never_advised(monkeypatch):
-    """A broken grid that offers only FSDP with expert parallelism (the trainer refuses it): nothing is advised."""
+    """A broken grid that offers only LoRA with bf16 weights (the trainer refuses a frozen base with
+    model.weights bf16): nothing is advised."""
     def broken_grid(spec, hw, allow_lora, lora_in_recipe):
-        yield {"lora": False, "weights": "bf16", "fsdp": "dp_cp", "ep": 8}
+        yield {"lora": True, "weights": "bf16", "fsdp": "dp_cp", "ep": 8}
 
     monkeypatch.setattr(advisor, "_grid", broken_grid)
     src = Source(QWEN3_30B, [])

@@ -1,7 +1,7 @@
 """A frozen base with main's several-rank machinery (the feat-lora x feat-fsdp merge): a 2-rank data-parallel
 LoRA run writes trainable-only checkpoints from every rank (DCP, no frozen tensor in them), resumes on one
-process on the same loss curve, exports its adapter; the combinations not tested yet (expert parallelism,
-bf16 weights) are refused by the config, naming the settings and the fix."""
+process on the same loss curve, exports its adapter; the combination not tested yet (bf16 weights) is refused by
+the config, naming the settings and the fix (expert parallelism: tests/parallel/test_lora_ep.py)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,6 @@ LORA = {"lora.rank": 4, "lora.alpha": 8.0, "lora.targets": ["q_proj", "v_proj", 
 
 
 @pytest.mark.parametrize("extra, words", [
-    ({"parallel.ep": 2}, ["lora.rank 4", "parallel.ep 2", "--parallel.ep 1"]),
     ({"model.weights": "bf16"}, ["model.weights bf16", "--model.weights fp32"]),
 ])
 @pytest.mark.parametrize("frozen", [LORA, {"train.trainable": ["norm.weight"]}])

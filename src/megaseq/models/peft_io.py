@@ -24,7 +24,7 @@ from torch import nn
 
 from megaseq.config import LoraConfig
 from megaseq.models.adapters import Projection, check_peft_config, peft_config, peft_keys
-from megaseq.models.common.lora import LoRAExperts, LoRALinear, adapted
+from megaseq.models.common.lora import LoRAExperts, LoRALinear, adapted, copy_whole
 from megaseq.models.hf_io import adapter_for
 from megaseq.models.spec import ModelSpec, to_hf_config
 
@@ -94,9 +94,11 @@ def base_reference(base_model: str | None) -> str | None:
 
 
 def export_adapter(model: nn.Module, spec: ModelSpec, lora: LoraConfig, out_dir: str | Path,
-                   base_model: str | None = None) -> Path:
+                   base_model: str | None = None, write: bool = True) -> Path:
     """Write ``model``'s adapters as a PEFT adapter directory; returns it. ``base_model`` is recorded as
-    ``base_model_name_or_path`` (the HF checkpoint the adapter goes on)."""
+    ``base_model_name_or_path`` (the HF checkpoint the adapter goes on). Under expert parallelism the routed
+    experts' factors are split over the ep ranks: every rank calls it (each factor is gathered whole in turn)
+    and only the one with ``write`` writes."""
     from megaseq.models.hf_io import save_safetensors
 
     found = targets_of(model)
@@ -108,8 +110,11 @@ def export_adapter(model: nn.Module, spec: ModelSpec, lora: LoraConfig, out_dir:
     tensors = {}
     for proj, A, B in found:
         key_a, key_b = peft_keys(proj, projs, prefix)
-        a, b = _peft_layout(proj, A.detach(), B.detach())
+        A, B = (t.detach().full_tensor() if hasattr(t, "full_tensor") else t.detach() for t in (A, B))
+        a, b = _peft_layout(proj, A, B)
         tensors[key_a], tensors[key_b] = (t.to("cpu").contiguous().clone() for t in (a, b))
+    if not write:
+        return Path(out_dir)
     cfg = peft_config(projs, prefix, lora.rank, lora.alpha, lora.dropout, lora.use_rslora, lora.init,
                       base_reference(base_model))
     out_dir = Path(out_dir)
@@ -157,7 +162,7 @@ def load_adapter(model: nn.Module, spec: ModelSpec, lora: LoraConfig, path: str 
                 if tuple(src.shape) != tuple(dst.shape):
                     raise ValueError(f"{path}: {key} has shape {tuple(disk[key].shape)}, which does not fit "
                                      f"{proj.name} (megaseq {tuple(dst.shape)}): another model or rank")
-                dst.copy_(src)
+                copy_whole(dst, src)
             unused -= set(keys)
     if unused:
         raise ValueError(f"{path} holds {len(unused)} tensors for targets lora.targets does not select, e.g. "

@@ -27,7 +27,10 @@ so every non-expert parameter is replicated over dp x ep x cp and reduced over t
 over the dp x cp ranks holding the same ones (``mesh.expert_group``). Under cp each rank dispatches its
 own sequence shard. The held experts are DTensors ``Shard(0)`` over the mesh's ep axis (``shard_experts``):
 DCP saves each slice once and reshards it on load, the HF export gathers them (``full_tensor``), and the
-shard-aware clipping sums their squares over the ep group. FSDP with ep > 1 is refused (``ParallelConfig``).
+shard-aware clipping sums their squares over the ep group. Under FSDP (``parallel.fsdp``) the experts stay as
+they are (FSDP leaves DTensors out) and every other parameter is sharded over dp x ep (x cp). With LoRA on the
+experts (``LoRAExperts``) the factors are per-expert tensors like the weights (``Experts.expert_tensors``): split
+over ep, sent with a spilled expert, their gradients returned and reduced the same way.
 """
 
 from __future__ import annotations
@@ -97,16 +100,30 @@ def shard_experts(experts: Experts, ep: int, rank: int, device_mesh: Any = None,
     if experts.held == held:
         return
     assert experts.held == range(E), f"experts already sharded as {experts.held}, not {held}"
-    for name in ("gate_up_proj", "down_proj"):
-        w = getattr(experts, name)
+    for owner, name, w in _per_expert(experts):
         part = w.detach()[held.start:held.stop].clone()
         if device_mesh is not None:
             part = _as_ep_dtensor(part, device_mesh, mesh_dim, tuple(w.shape))
         p = nn.Parameter(part, requires_grad=w.requires_grad)
         if device_mesh is not None:
             setattr(p, REDUCED_AFTER_BACKWARD, True)
-        setattr(experts, name, p)
+        if isinstance(owner, nn.ParameterDict):
+            owner[name] = p
+        else:
+            setattr(owner, name, p)
     experts.held = held
+
+
+def _per_expert(experts: Experts) -> list[tuple[nn.Module, str, nn.Parameter]]:
+    """``(owner, name, parameter)`` of each tensor of ``experts.expert_tensors()`` (the weights, then the LoRA
+    factors of ``LoRAExperts``: ``lora_A`` / ``lora_B`` entries), as ``shard_experts`` replaces them."""
+    wanted = {id(t) for t in experts.expert_tensors()}
+    found = {}
+    for m in experts.modules():
+        for name, p in m.named_parameters(recurse=False):
+            if id(p) in wanted:
+                found[id(p)] = (m, name, p)
+    return [found[id(t)] for t in experts.expert_tensors()]
 
 
 def _as_ep_dtensor(part: torch.Tensor, device_mesh: Any, mesh_dim: str, shape: tuple[int, ...]) -> torch.Tensor:
@@ -121,14 +138,15 @@ def _as_ep_dtensor(part: torch.Tensor, device_mesh: Any, mesh_dim: str, shape: t
                               stride=stride)
 
 
-def local_weights(experts: Experts) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(gate_up [Ep, 2I, H], down [Ep, H, I])``: the expert weights this rank holds, as plain tensors (a
-    DTensor's local slice through ``to_local``, differentiable: its gradient lands on the DTensor)."""
-    return tuple(w.to_local() if is_dtensor(w) else w for w in (experts.gate_up_proj, experts.down_proj))
+def local_weights(experts: Experts) -> tuple[torch.Tensor, ...]:
+    """``(gate_up [Ep, 2I, H], down [Ep, H, I], *LoRA factors [Ep, ...])`` (``experts.expert_tensors()``): the
+    per-expert tensors this rank holds, as plain tensors (a DTensor's local slice through ``to_local``,
+    differentiable: its gradient lands on the DTensor)."""
+    return tuple(w.to_local() if is_dtensor(w) else w for w in experts.expert_tensors())
 
 
 # ---- the dispatch ------------------------------------------------------------------------------------
-Weights = tuple[torch.Tensor, ...]  # (gate_up [*, 2I, H], down [*, H, I])
+Weights = tuple[torch.Tensor, ...]  # (gate_up [*, 2I, H], down [*, H, I], *LoRA factors): expert_tensors()
 
 
 @dataclass
@@ -152,11 +170,12 @@ class EPDispatch(ExpertDispatch):
                             self.token_order)
         self.last = route.stats()
         order = route.order_N
-        ins = (x_NH[order], weights_NK[order], experts_NK[order], *local_weights(experts))
+        held = local_weights(experts)
+        ins = (x_NH[order], weights_NK[order], experts_NK[order], *held)
         if torch.is_grad_enabled() and any(t.requires_grad for t in ins):
             y_NH = _DispatchFn.apply(self, experts, route, *ins)
         else:
-            y_NH = self.run(experts, route, *ins, keep_graph=False)[0]
+            y_NH = self.run(experts, route, *ins[:3], held, keep_graph=False)[0]
         out_NH = x_NH.new_zeros((x_NH.shape[0], y_NH.shape[1]), dtype=y_NH.dtype)
         return out_NH.index_put((order,), y_NH), counts_E
 
@@ -166,38 +185,49 @@ class EPDispatch(ExpertDispatch):
 
     # ---- forward ------------------------------------------------------------------------------------
     def run(self, experts: Experts, route: Route, x_NH: torch.Tensor, w_NK: torch.Tensor, e_NK: torch.Tensor,
-            gate_up: torch.Tensor, down: torch.Tensor, keep_graph: bool) -> tuple[torch.Tensor, Weights]:
-        """Every chunk (tokens in strided order): ``(y_NH, the spilled experts' weights received)``. With
+            held: Weights, keep_graph: bool) -> tuple[torch.Tensor, Weights]:
+        """Every chunk (tokens in strided order): ``(y_NH, the spilled experts' tensors received)``. With
         ``keep_graph`` (plain / llep: one chunk) the chunk's graph is built and kept until backward."""
-        foreign = self.send_weights(gate_up, down, route)
-        if keep_graph:  # the received weights are leaves of the kept graph: their gradients come out of it
-            foreign = tuple(f.detach().requires_grad_(True) for f in foreign)
-            return self.chunk(experts, route, route.parts[0], x_NH, w_NK, e_NK, (gate_up, down), foreign), foreign
+        foreign = self.send_weights(held, route)
+        if keep_graph:  # the received tensors are leaves of the kept graph: their gradients come out of it
+            foreign = tuple(f.detach().requires_grad_(h.requires_grad) for f, h in zip(foreign, held))
+            return self.chunk(experts, route, route.parts[0], x_NH, w_NK, e_NK, held, foreign), foreign
         y_NH = None
         for c, part in zip(route.chunks, route.parts):
             y = self.chunk(experts, route, part, x_NH[c.start:c.end], w_NK[c.start:c.end], e_NK[c.start:c.end],
-                           (gate_up, down), foreign)
+                           held, foreign)
             if y_NH is None:
                 y_NH = y.new_empty((x_NH.shape[0], y.shape[1]))
             y_NH[c.start:c.end] = y
             del y
         if y_NH is None:  # no chunk at all (no tokens anywhere)
-            y_NH = x_NH.new_zeros((0, gate_up.shape[2]))
+            y_NH = x_NH.new_zeros((0, held[0].shape[2]))
         return y_NH, foreign
 
-    def send_weights(self, gate_up: torch.Tensor, down: torch.Tensor, route: Route) -> Weights:
-        """``(gate_up [F, 2I, H], down [F, H, I])`` of the experts spilled here, sent by their native ranks
-        (no graph: ``return_weight_grads`` sends their gradients back); ``()`` when no weights move."""
+    def send_weights(self, held: Weights, route: Route) -> Weights:
+        """``(gate_up [F, 2I, H], down [F, H, I], *factors [F, ...])`` of the experts spilled here, sent by their
+        native ranks (no graph: ``return_weight_grads`` sends their gradients back); ``()`` when none move."""
         if not route.moves_weights:
             return ()
         with torch.no_grad():
             idx = torch.tensor([e - route.held_start for e, _ in route.weight_send], dtype=torch.long,
-                               device=gate_up.device)
-            flat = torch.cat([gate_up[idx].flatten(1), down[idx].flatten(1)], dim=1)
-            got = all_to_all_rows(flat, route.weight_send_splits, route.weight_recv_splits, self.group,
-                                  "ep_weights", "fwd", self.scope)
-        F, (I2, H), split = len(route.foreign), gate_up.shape[1:], gate_up.shape[1] * gate_up.shape[2]
-        return got[:, :split].view(F, I2, H), got[:, split:].view(F, H, I2 // 2)
+                               device=held[0].device)
+            got = self._exchange([t[idx] for t in held], route.weight_send_splits, route.weight_recv_splits, "fwd")
+        F = len(route.foreign)
+        return tuple(g.reshape(F, *t.shape[1:]) for g, t in zip(got, held))
+
+    def _exchange(self, tensors: list[torch.Tensor], send: list[int], recv: list[int],
+                  direction: str) -> list[torch.Tensor]:
+        """Rows of each per-expert tensor all-to-all (one flat exchange per dtype: a bf16 frozen base and its
+        fp32 adapters travel in their own dtypes); each returned ``[rows, *]`` flattened past dim 0."""
+        out: list[torch.Tensor | None] = [None] * len(tensors)
+        for dtype in dict.fromkeys(t.dtype for t in tensors):
+            idx = [i for i, t in enumerate(tensors) if t.dtype == dtype]
+            flat = torch.cat([tensors[i].flatten(1) for i in idx], dim=1)
+            got = all_to_all_rows(flat, send, recv, self.group, "ep_weights", direction, self.scope)
+            for i, part in zip(idx, got.split([math.prod(tensors[i].shape[1:]) for i in idx], dim=1)):
+                out[i] = part
+        return out
 
     def chunk(self, experts: Experts, route: Route, part: ChunkRoute, x_nH: torch.Tensor, w_nK: torch.Tensor,
               e_nK: torch.Tensor, held: Weights, foreign: Weights) -> torch.Tensor:
@@ -222,9 +252,9 @@ class EPDispatch(ExpertDispatch):
         x_RH = x_RH[order_R]
         Ep = route.num_held
         held_rows = int(per_served[:Ep].sum())
-        ys = [experts.routed_mlp(x_RH[:held_rows], held[0], held[1], per_served[:Ep])]
+        ys = [experts.routed_rows(x_RH[:held_rows], held, per_served[:Ep])]
         if foreign and x_RH.shape[0] > held_rows:
-            ys.append(experts.routed_mlp(x_RH[held_rows:], foreign[0], foreign[1], per_served[Ep:]))
+            ys.append(experts.routed_rows(x_RH[held_rows:], foreign, per_served[Ep:]))
         del x_RH
         y_RH = torch.cat(ys) if len(ys) > 1 else ys[0]
         del ys
@@ -234,19 +264,17 @@ class EPDispatch(ExpertDispatch):
 
     # ---- backward -----------------------------------------------------------------------------------
     def return_weight_grads(self, route: Route, g_foreign: Weights, g_gate_up: torch.Tensor,
-                            g_down: torch.Tensor) -> None:
-        """Send the spilled experts' weight gradients to their native ranks, added into ``g_gate_up`` /
-        ``g_down`` there (the reverse of ``send_weights``)."""
+                            g_down: torch.Tensor, *g_factors: torch.Tensor) -> None:
+        """Send the spilled experts' gradients to their native ranks, added into ``g_gate_up`` / ``g_down`` (and
+        the LoRA factors' ``g_factors``) there (the reverse of ``send_weights``)."""
         if not route.moves_weights:
             return
-        flat = torch.cat([g_foreign[0].flatten(1), g_foreign[1].flatten(1)], dim=1)
-        back = all_to_all_rows(flat, route.weight_recv_splits, route.weight_send_splits, self.group, "ep_weights",
-                               "bwd", self.scope)
-        split = g_gate_up.shape[1] * g_gate_up.shape[2]
+        g_held = (g_gate_up, g_down, *g_factors)
+        back = self._exchange(list(g_foreign), route.weight_recv_splits, route.weight_send_splits, "bwd")
         for row, (e, _) in enumerate(route.weight_send):
             i = e - route.held_start
-            g_gate_up[i] += back[row, :split].view_as(g_gate_up[i])
-            g_down[i] += back[row, split:].view_as(g_down[i])
+            for g, part in zip(g_held, back):
+                g[i] += part[row].view_as(g[i])
 
 
 class _DispatchFn(torch.autograd.Function):
@@ -257,53 +285,58 @@ class _DispatchFn(torch.autograd.Function):
     saved, and each chunk is replayed in backward; plain / llep: the one chunk's graph is kept."""
 
     @staticmethod
-    def forward(ctx, d: EPDispatch, experts: Experts, route: Route, x_NH, w_NK, e_NK, gate_up, down):
+    def forward(ctx, d: EPDispatch, experts: Experts, route: Route, x_NH, w_NK, e_NK, *held):
         ctx.d, ctx.experts, ctx.route, ctx.autocast = d, experts, route, autocast_state()
-        ctx.keep = not d.settings.pipelined
+        ctx.keep, ctx.num_held = not d.settings.pipelined, len(held)
         if ctx.keep:
-            leaves = [t.detach().requires_grad_(t.requires_grad) for t in (x_NH, w_NK, gate_up, down)]
+            leaves = [t.detach().requires_grad_(t.requires_grad) for t in (x_NH, w_NK, *held)]
             with torch.enable_grad():
-                y, foreign = d.run(experts, route, leaves[0], leaves[1], e_NK, leaves[2], leaves[3], True)
+                y, foreign = d.run(experts, route, leaves[0], leaves[1], e_NK, tuple(leaves[2:]), True)
             ctx.graph = (y, leaves + list(foreign))
             return y.detach()
-        y, foreign = d.run(experts, route, x_NH, w_NK, e_NK, gate_up, down, keep_graph=False)
-        ctx.save_for_backward(x_NH, w_NK, e_NK, gate_up, down, *foreign)
+        y, foreign = d.run(experts, route, x_NH, w_NK, e_NK, held, keep_graph=False)
+        ctx.save_for_backward(x_NH, w_NK, e_NK, *held, *foreign)
         return y
 
     @staticmethod
     def backward(ctx, g_NH):
-        d, route = ctx.d, ctx.route
+        d, route, n = ctx.d, ctx.route, ctx.num_held
         if ctx.keep:
             y, leaves = ctx.graph
             del ctx.graph
-            gx, gw, ggu, gdn, *g_for = _grads(y, leaves, g_NH)
+            gx, gw, *g = _grads(y, leaves, g_NH, n)
         else:
-            gx, gw, ggu, gdn, *g_for = _replay_chunks(ctx, g_NH)
+            gx, gw, *g = _replay_chunks(ctx, g_NH)
+        g_held, g_for = g[:n], g[n:]
         if route.moves_weights:  # the native rank receives its helpers' gradients even if it used none itself
-            held_gu, held_dn = local_weights(ctx.experts)
-            ggu = torch.zeros_like(held_gu) if ggu is None else ggu
-            gdn = torch.zeros_like(held_dn) if gdn is None else gdn
-            d.return_weight_grads(route, tuple(g_for), ggu, gdn)
-        return None, None, None, gx, gw, None, ggu, gdn
+            held, need = local_weights(ctx.experts), ctx.needs_input_grad[6:6 + n]
+            g_held = [(torch.zeros_like(t) if gi is None else gi) if q else None
+                      for t, gi, q in zip(held, g_held, need)]
+            trained = [i for i, q in enumerate(need) if q]
+            if trained:  # the gradients of what trains go back (a frozen base's weights have none)
+                d.return_weight_grads(route, tuple(g_for[i] for i in trained), *(g_held[i] for i in trained))
+        return None, None, None, gx, gw, None, *g_held
 
 
-def _grads(y: torch.Tensor, leaves: list[torch.Tensor], g: torch.Tensor) -> list[torch.Tensor | None]:
-    """``d y / d leaves`` (None for leaves without grad; zeros for received weights the chunk did not use:
-    index 4 on)."""
+def _grads(y: torch.Tensor, leaves: list[torch.Tensor], g: torch.Tensor, num_held: int) -> list[torch.Tensor | None]:
+    """``d y / d leaves`` (None for leaves without grad; zeros for received tensors that train but the chunk did
+    not use: index ``2 + num_held`` on)."""
     wrt = [t for t in leaves if t.requires_grad]
     got = iter(torch.autograd.grad(y, wrt, g, allow_unused=True))
     out = [next(got) if t.requires_grad else None for t in leaves]
-    return out[:4] + [torch.zeros_like(t) if o is None else o for t, o in zip(leaves[4:], out[4:])]
+    k = 2 + num_held
+    return out[:k] + [torch.zeros_like(t) if o is None and t.requires_grad else o for t, o in zip(leaves[k:], out[k:])]
 
 
 def _replay_chunks(ctx: Any, g_NH: torch.Tensor) -> list[torch.Tensor | None]:
     """pipelined backward: each chunk rerun with a graph (under the forward's autocast) and backpropagated;
-    input gradients written per chunk, weight gradients summed over the chunks."""
-    d, route, experts = ctx.d, ctx.route, ctx.experts
-    x, w, e, gate_up, down, *foreign = ctx.saved_tensors
+    input gradients written per chunk, the held and received tensors' gradients summed over the chunks."""
+    d, route, experts, n = ctx.d, ctx.route, ctx.experts, ctx.num_held
+    x, w, e, *tensors = ctx.saved_tensors
     need = ctx.needs_input_grad
-    weights = [t.detach().requires_grad_(n) for t, n in zip((gate_up, down), (need[6], need[7]))]
-    weights += [f.detach().requires_grad_(True) for f in foreign]
+    held_need = need[6:6 + n]
+    weights = [t.detach().requires_grad_(q) for t, q in zip(tensors[:n], held_need)]
+    weights += [f.detach().requires_grad_(q) for f, q in zip(tensors[n:], held_need)]
     gx = torch.zeros_like(x) if need[3] else None
     gw = torch.zeros_like(w) if need[4] else None
     sums: list[torch.Tensor | None] = [None] * len(weights)
@@ -311,8 +344,8 @@ def _replay_chunks(ctx: Any, g_NH: torch.Tensor) -> list[torch.Tensor | None]:
         for c, part in zip(route.chunks, route.parts):
             xc = x[c.start:c.end].detach().requires_grad_(need[3])
             wc = w[c.start:c.end].detach().requires_grad_(need[4])
-            y = d.chunk(experts, route, part, xc, wc, e[c.start:c.end], tuple(weights[:2]), tuple(weights[2:]))
-            g = _grads(y, [xc, wc, *weights], g_NH[c.start:c.end])
+            y = d.chunk(experts, route, part, xc, wc, e[c.start:c.end], tuple(weights[:n]), tuple(weights[n:]))
+            g = _grads(y, [xc, wc, *weights], g_NH[c.start:c.end], n)
             del y
             if gx is not None:
                 gx[c.start:c.end] = g[0]

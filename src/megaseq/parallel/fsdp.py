@@ -29,6 +29,11 @@ layer), on the embedding when the head is not tied to it, and on the root (the f
   (HSDP: a 2-D mesh, cp x dp): FSDP all-reduces the reduce-scattered shards over cp in each backward, so a
   shard's gradient is complete when FSDP hands it over (the optimizer may fold it into an fp32 sum).
 
+Under expert parallelism (``parallel.ep > 1``) the routed experts (and their LoRA factors) are already DTensors
+over the ep axis when FSDP is applied: they are left out (whole on their rank, their gradients reduced by
+``DistributedEnv.reduce_gradients`` over the ranks holding the same experts), and everything else is sharded over
+dp x ep (the ranks that read different sequences), x cp with ``dp_cp`` (``shard_mesh``).
+
 Composes with the memory schemes (applied first: recompute and tiling wrap the blocks' forwards, FSDP's
 hooks surround them, so a recomputed block runs on gathered weights), Ulysses CP (activations only),
 Ring-DTP (the head is whole on every rank) and sequence segments (every segment's forward and backward
@@ -71,16 +76,18 @@ class ShardedModel:
 def shard_mesh(mesh: Any, mode: str) -> Any:
     """The DeviceMesh FSDP shards over for ``parallel.fsdp = mode`` on a ``parallel.mesh.Mesh``: the dp ranks
     (1-D), dp x cp flattened (``dp_cp``), or with ``dp`` and cp > 1 a 2-D (cp, dp) mesh (HSDP: replicated
-    over cp, sharded over dp)."""
+    over cp, sharded over dp). Under expert parallelism the ep ranks are data ranks for every parameter FSDP
+    shards (the routed experts are not among them: ``apply_fsdp``), so "dp" is dp x ep there."""
     from torch.distributed.device_mesh import DeviceMesh
 
     dm = mesh.device_mesh
-    if mode == "dp_cp":
-        return dm["dp", "cp"]._flatten("dp_cp") if mesh.cp > 1 else dm["dp"]
-    assert mode == "dp", mode
+    data = ("dp", "ep") if mesh.ep > 1 else ("dp",)
+    if mode == "dp_cp" and mesh.cp > 1:
+        return dm[(*data, "cp")]._flatten("_".join((*data, "cp")))
+    assert mode in ("dp", "dp_cp"), mode
     if mesh.cp == 1:
-        return dm["dp"]
-    ranks_CD = dm.mesh[:, 0, :].t().contiguous()  # (dp, ep, cp) row-major -> (cp, dp); ep is 1
+        return dm[data]._flatten("dp_ep") if mesh.ep > 1 else dm["dp"]
+    ranks_CD = dm.mesh.reshape(-1, mesh.cp).t().contiguous()  # (dp, ep, cp) row-major -> (cp, dp x ep)
     return DeviceMesh(dm.device_type, ranks_CD, mesh_dim_names=("cp_replicate", "dp_shard"))
 
 
@@ -118,7 +125,9 @@ def apply_fsdp(model: nn.Module, blocks: list[nn.Module], env: Any, stream_base:
         return None
     device_mesh = shard_mesh(env.mesh, mode)
     frozen_base = has_frozen_base(model)  # LoRA / train.trainable: shard the frozen base, keep what trains whole
-    shard = [p for p in model.parameters() if not (frozen_base and p.requires_grad)]
+    # the routed experts under expert parallelism are already DTensors over the ep axis (and their adapters):
+    # left to the environment, which reduces their gradients over the ranks holding the same experts
+    shard = [p for p in model.parameters() if not (frozen_base and p.requires_grad) and not is_sharded(p)]
     dtype = _dominant_dtype(shard)
     mp = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=reduce_dtype(dtype, env.reduce_dtype))
     kept = {id(p) for p in shard if p.dtype == dtype}

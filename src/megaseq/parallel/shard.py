@@ -23,7 +23,8 @@ from megaseq.parallel.fsdp import apply_fsdp
 
 def shard_layers(model: nn.Module, done: AppliedMemory, env: Any = None) -> AppliedMemory:
     """Shard ``model.layers``' routed experts over ep and then every layer with FSDP, as ``env`` says (both
-    no-ops with one rank); returns ``done`` with what was sharded. Applying again keeps the sharding."""
+    no-ops with one rank; FSDP leaves the ep-sharded experts out and shards the rest over dp x ep); returns
+    ``done`` with what was sharded. Applying again keeps the sharding."""
     layers = list(model.layers)
     if env is not None and getattr(env, "ep_size", 1) > 1:
         for layer, kind in zip(layers, model.spec.mlp_types):

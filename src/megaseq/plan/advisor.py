@@ -5,8 +5,8 @@ config validation (``megaseq.config.load_config``) and the planner's mesh check 
 
 - weights: ``model.weights`` fp32 (bf16 autocast) or bf16 (fp32 master and moments in the optimizer);
 - sharding: ``parallel.fsdp`` off, dp or dp_cp (several GPUs only);
-- ``parallel.cp`` and ``parallel.ep`` in powers of two that divide the GPUs (ep only for MoE models, without
-  FSDP and without a frozen base: the combinations the trainer refuses are never advised);
+- ``parallel.cp`` and ``parallel.ep`` in powers of two that divide the GPUs (ep only for MoE models, at 1 and at
+  its largest, with or without FSDP and a frozen base; the combinations the trainer refuses are never advised);
 - full fine-tuning, then LoRA on a frozen base when the user allows it (``--allow-lora``);
 - the memory fixes: each candidate is planned by ``planner.plan_from_config`` with ``memory.auto``, which picks
   the cheapest exact fixes that fit (``fixes.py``).
@@ -101,7 +101,7 @@ def _grid(spec: ModelSpec, hw: Hardware, allow_lora: bool, lora_in_recipe: bool)
     for lora in trainables:
         for weights in (["fp32"] if lora else ["bf16", "fp32"]):
             for fsdp in (["off", "dp", "dp_cp"] if hw.gpus > 1 else ["off"]):
-                for ep in sorted({1, eps[-1]}) if fsdp == "off" and not lora and experts else [1]:
+                for ep in sorted({1, eps[-1]}) if experts else [1]:
                     yield {"lora": lora, "weights": weights, "fsdp": fsdp, "ep": ep}
 
 
@@ -125,7 +125,7 @@ def estimated_step_seconds(plan: Plan, spec: ModelSpec, mesh_cp: int, lora: bool
     compute *= 1 + sum(f[1] for f in plan.fixes)
     comm = 0.0
     for kind, v in plan.comm.items():
-        if kind == "fsdp":
+        if kind in ("fsdp", "expert_grads"):
             comm += v.get("seconds", 0.0)
         elif isinstance(v, dict) and "mode" in v:
             per_layer = v.get(v["mode"], 0.0)
@@ -300,7 +300,36 @@ def nearest(src: Source, hw: Hardware, seq_len: int, allow_lora: bool) -> list[s
         bigger = Hardware(hw.gpus, hw.gpu_bytes, hw.gpus_per_host, hw.host_bytes * 4)
         if c := first(bigger, seq_len):
             out.append(f"more host memory: {hw.host_bytes * 4 / GIB:.0f} GiB per host ({_describe(c)})")
+    if not lora_in and (why := closest_full(src, hw, seq_len)):
+        out.append(why)
     return out
+
+
+def closest_full(src: Source, hw: Hardware, seq_len: int) -> str:
+    """Full fine-tuning's nearest miss on ``hw`` (the grid's settings at cp 1 and 8; the one whose GPU and host
+    peaks overshoot their budgets least) and the component that prevents it: the binding GPU component, or the
+    largest host one when only the host overflows. '' when no setting plans."""
+    worst: tuple[float, str] | None = None
+    for s in _grid(src.spec, hw, False, False):
+        for cp in sorted({1, min(8, hw.gpus // s["ep"])}):
+            p = _plan(src.recipe, src.base, _overrides(s, cp, hw, seq_len), hw)
+            if p is None:
+                continue
+            over = max(p.peak_gpu / p.gpu_budget, p.peak_host / max(p.host_budget, 1))
+            if worst is None or over < worst[0]:
+                worst = (over, _miss(s, cp, p))
+    return worst[1] if worst else ""
+
+
+def _miss(s: dict[str, Any], cp: int, p: Plan) -> str:
+    where = (f"full, {s['weights']} weights, fsdp {s['fsdp']}, dp {p.mesh['dp']}, cp {cp}, ep {s['ep']}: GPU "
+             f"{p.peak_gpu / GIB:.1f} of {p.gpu_budget / GIB:.1f} GiB, host {p.peak_host / 1e9:.0f} of "
+             f"{p.host_budget / 1e9:.0f} GB a host")
+    if p.peak_gpu > p.gpu_budget:
+        return f"full fine-tuning comes closest with {where}; the GPU's binding component: {p.binding}"
+    name, _, host, _ = max(p.components, key=lambda c: c[2])
+    return (f"full fine-tuning comes closest with {where}; the host's binding component: "
+            f"{name.removeprefix('host: ')} ({host / 1e9:.0f} GB a GPU)")
 
 
 def advise(src: Source, hw: Hardware, seq_len: int | None = None, allow_lora: bool = False,

@@ -38,7 +38,9 @@ class Mesh:
     """The GPUs of a run: ``world = dp * ep * cp`` (megaseq.parallel.mesh lays ranks out the same way).
 
     ``fsdp`` (``parallel.fsdp``) shards parameters, gradients and optimizer state per layer (FSDP2): over the
-    dp ranks (``dp``, replicated over cp) or over the whole world (``dp_cp``); ``off`` replicates them.
+    dp x ep ranks (``dp``, replicated over cp) or over the whole world (``dp_cp``); ``off`` replicates them.
+    Under expert parallelism the routed experts are not among them: each GPU holds its ``E / ep`` experts
+    whole, their gradients and optimizer state too (``expert_params``).
     ``True`` / ``False`` are read as ``dp_cp`` / ``off``.
     ``mla_mode``: how DSA/MLA layers go context-parallel (``auto``, ``gather_kv`` or ``ulysses``).
     """
@@ -77,7 +79,7 @@ class Mesh:
     @property
     def shard(self) -> int:
         """Ranks the parameters, gradients and optimizer state are split over."""
-        return {"off": 1, "dp": self.dp, "dp_cp": self.world}[self.fsdp]
+        return {"off": 1, "dp": self.dp * self.ep, "dp_cp": self.world}[self.fsdp]
 
     @property
     def sharded(self) -> bool:
@@ -283,12 +285,35 @@ def mlp_params(spec: ModelSpec, kind: str) -> tuple[int, int]:
 
 
 def gpu_counts(counts: ParamCounts, mesh: Mesh) -> ParamCounts:
-    """The parameters one GPU holds: the routed experts split over ep (``parallel.expert.shard_experts``).
-    Under FSDP the counts stay whole: its shard over the world already gives each GPU ``1 / world`` of the
-    experts (``E / ep`` of them, sharded again over dp x cp) and of everything else."""
-    if mesh.ep == 1 or mesh.fsdp != "off":
+    """The parameters one GPU holds: the routed experts split over ep (``parallel.expert.shard_experts``), with
+    their LoRA factors and a frozen base's expert part. FSDP shards the rest (``Mesh.shard``); the experts stay
+    whole on their GPU (``expert_params``)."""
+    if mesh.ep == 1:
         return counts
-    return replace(counts, layers=[(d, x // mesh.ep, g) for d, x, g in counts.layers])
+    ep, tr = mesh.ep, counts.trained
+    if tr is not None:
+        adapters = sum(x - (b - f) for (_, x), (_, b, _), (_, f) in zip(tr.layers, counts.layers, tr.frozen_layers))
+        tr = replace(tr, layers=[(d, x // ep) for d, x in tr.layers],
+                     frozen_layers=[(d, x // ep) for d, x in tr.frozen_layers],
+                     frozen=tr.frozen - sum(x - x // ep for _, x in tr.frozen_layers),
+                     adapters=tr.adapters - (adapters - adapters // ep))
+    return replace(counts, layers=[(d, x // ep, g) for d, x, g in counts.layers], trained=tr)
+
+
+def expert_params(counts: ParamCounts, mesh: Mesh, part: str = "all") -> int:
+    """Routed-expert parameters one GPU holds whole under expert parallelism (``counts`` per GPU:
+    ``gpu_counts``; 0 with ep 1, where FSDP shards the experts with their layer): ``all``, those that train
+    (``trained``: a frozen base's expert adapters and trained expert weights) or the frozen ones (``frozen``)."""
+    if mesh.ep == 1:
+        return 0
+    tr = counts.trained
+    if part == "frozen":
+        return sum(x for _, x in tr.frozen_layers) if tr is not None else 0
+    if part == "trained" and tr is not None:
+        return sum(x for _, x in tr.layers)
+    if tr is not None:  # what trains (adapters included) and what is frozen
+        return sum(x for _, x in tr.layers) + sum(x for _, x in tr.frozen_layers)
+    return sum(x for _, x, _ in counts.layers)
 
 
 def fp32_kept_params(spec: ModelSpec, i: int) -> int:
@@ -373,17 +398,22 @@ def param_bytes(counts: ParamCounts, mesh: Mesh, prec: Precision) -> int:
     if frozen:
         fb = frozen_bytes(prec)
         kept_frozen = min(counts.kept, frozen) if fb < 4 else 0
-        return (counts.total - frozen) * prec.param + (frozen - kept_frozen) * fb // mesh.shard + kept_frozen * 4
-    sharded, kept = _split(counts, prec, counts.total)
-    return sharded * prec.param // mesh.shard + kept * 4
+        whole = expert_params(counts, mesh, "frozen")  # under ep: not FSDP-sharded
+        return ((counts.total - frozen) * prec.param + (frozen - kept_frozen - whole) * fb // mesh.shard
+                + kept_frozen * 4 + whole * fb)
+    whole = expert_params(counts, mesh)
+    sharded, kept = _split(counts, prec, counts.total - whole)
+    return sharded * prec.param // mesh.shard + kept * 4 + whole * prec.param
 
 
-def grad_bytes(params: int, mesh: Mesh, prec: Precision, kept: int = 0, accumulate: bool = False) -> int:
-    """Gradients of ``params`` parameters (``kept`` of them fp32 and whole): ``params * grad / shard``; bf16
-    weights whose step sums several backward passes keep the sum in fp32 (``MasterAdamW``'s ``accumulate``:
-    4 B, one process or FSDP shards) instead of the bf16 ``.grad``."""
+def grad_bytes(params: int, mesh: Mesh, prec: Precision, kept: int = 0, accumulate: bool = False,
+               whole: int = 0) -> int:
+    """Gradients of ``params`` parameters (``kept`` of them fp32 and whole, ``whole`` of them routed experts
+    under ep: not FSDP-sharded): ``params * grad / shard``; bf16 weights whose step sums several backward
+    passes keep the sum in fp32 (``MasterAdamW``'s ``accumulate``: 4 B, one process or FSDP shards) instead of
+    the bf16 ``.grad``."""
     g = 4 if (accumulate and prec.master and (mesh.sharded or mesh.world == 1)) else prec.grad
-    return (params - kept) * g // mesh.shard + kept * max(4, prec.grad)
+    return (params - kept - whole) * g // mesh.shard + kept * max(4, prec.grad) + whole * prec.grad
 
 
 def offload_adam_bytes(num_params: int, bucket_params: int, master_bytes: int = 4) -> dict[str, int]:
@@ -402,17 +432,20 @@ def optimizer_gpu_bytes(
     (``offload_adam_bytes``: two slots of master, both moments and the gradient plus one temporary)."""
     if offload:
         return offload_adam_bytes(counts.trainable, bucket_params)["gpu_staging"]
-    sharded, kept = _split(counts, prec, counts.trainable)
+    whole = expert_params(counts, mesh, "trained")
+    sharded, kept = _split(counts, prec, counts.trainable - whole)
     per = prec.moments + prec.master
-    return sharded * per // state_shard(counts, mesh) + kept * per
+    return sharded * per // state_shard(counts, mesh) + (kept + whole) * per
 
 
 def optimizer_host_bytes(counts: ParamCounts, mesh: Mesh, offload: bool, prec: Precision = Precision()) -> int:
     """OffloadStreamAdamW host state per GPU: fp32 master, m, v and gradient, ``P_trainable * 16 / shard``."""
     if not offload:
         return 0
-    sharded, kept = _split(counts, prec, counts.trainable)
-    return offload_adam_bytes(sharded, 1)["host"] // state_shard(counts, mesh) + offload_adam_bytes(kept, 1)["host"]
+    whole = expert_params(counts, mesh, "trained")
+    sharded, kept = _split(counts, prec, counts.trainable - whole)
+    return (offload_adam_bytes(sharded, 1)["host"] // state_shard(counts, mesh)
+            + offload_adam_bytes(kept + whole, 1)["host"])
 
 
 def weight_copy_bytes(layer_params: int, prec: Precision, mesh: Mesh) -> int:
@@ -423,15 +456,16 @@ def weight_copy_bytes(layer_params: int, prec: Precision, mesh: Mesh) -> int:
 
 def gathered_params(counts: ParamCounts, i: int, mesh: Mesh, prec: Precision) -> int:
     """Parameters FSDP gathers for layer i: its dense part (the kept fp32 ones are whole already) and its
-    routed experts (split over ``ep`` ranks, not gathered); with a frozen base its frozen parameters only
-    (what trains is whole on every rank: ``state_shard``)."""
+    routed experts (with ep 1; under expert parallelism each GPU holds its experts whole, never gathered:
+    ``expert_params``); with a frozen base its frozen parameters only (what trains is whole on every rank:
+    ``state_shard``)."""
     if counts.trained is not None:  # a frozen base: its frozen part (the kept fp32 ones whole when it is narrower)
         dense, experts = counts.trained.frozen_layers[i]
         kept = min(counts.fp32_kept[i], dense) if frozen_bytes(prec) < 4 or prec.master else 0
-        return dense - kept + experts // mesh.ep
+        return dense - kept + (experts if mesh.ep == 1 else 0)
     dense, experts, no_grad = counts.layers[i]
     kept = counts.fp32_kept[i] if prec.master else 0
-    return dense + no_grad - kept + experts // mesh.ep
+    return dense + no_grad - kept + (experts if mesh.ep == 1 else 0)
 
 
 def fsdp_buffers(current: int, other: int, head: int, mesh: Mesh, prec: Precision, reduce_bytes: int,

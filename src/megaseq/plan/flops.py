@@ -347,3 +347,15 @@ def fsdp_traffic(gathered_params: int, param_bytes: int, reduce_bytes: int, mesh
             "reduce_scatter_bytes": scatters * rs, "bytes": total, "seconds": total / rate,
             "per_segment_bytes": 3 * ag + rs if num_segments > 1 else 0.0,
             "per_segment_seconds": (3 * ag + rs) / rate if num_segments > 1 else 0.0, "bytes_per_s": rate}
+
+
+def expert_grad_traffic(expert_params: int, reduce_bytes: int, mesh: Mesh) -> dict[str, float]:
+    """Bytes one rank sends per step to sum its routed experts' gradients over the dp x cp ranks holding the
+    same experts (expert parallelism: ``parallel.env.DistributedEnv.reduce_gradients``, a ring all-reduce,
+    ``2 (n - 1) / n`` of them), and the seconds at ``FSDP_BYTES_PER_S_*``; nothing when one rank holds them."""
+    n = mesh.dp * mesh.cp
+    if mesh.ep == 1 or n == 1 or not expert_params:
+        return {}
+    total = expert_params * reduce_bytes * 2 * (n - 1) / n
+    rate = FSDP_BYTES_PER_S_HOST if mesh.hosts == 1 else FSDP_BYTES_PER_S_NET
+    return {"ranks": n, "bytes": total, "seconds": total / rate, "bytes_per_s": rate}

@@ -381,7 +381,9 @@ def _state(run: Run) -> tuple[dict[str, int], list[int], int, int]:
     if tr is not None:  # a frozen base: only what trains has a gradient (the kept fp32 tensors taken as frozen),
         kept = [0] * len(counts.layers)  # whole on every rank under FSDP (C.state_mesh)
         mesh = C.state_mesh(counts, mesh)
-    g_layers = [C.grad_bytes(sum(counts.layer_trained(i)), mesh, prec, k, acc) for i, k in enumerate(kept)]
+    whole = [counts.layer_trained(i)[1] if mesh.ep > 1 else 0 for i in range(len(kept))]  # the experts under ep
+    g_layers = [C.grad_bytes(sum(counts.layer_trained(i)), mesh, prec, k, acc, w)
+                for i, (k, w) in enumerate(zip(kept, whole))]
     tied = run.spec.tie_word_embeddings
     head, embed, norm = (counts.head, counts.embed, counts.final_norm) if tr is None else (tr.head, tr.embed,
                                                                                             tr.final_norm)

@@ -200,8 +200,8 @@ def no_fit_advice(run: Run, ev: Evaluation, budgets: Budgets, memory_cfg: Any | 
     lines += _state_advice(run, budgets)
     if binding == "FSDP buffers" and run.mesh.ep == 1 and run.spec.num_experts > 1:
         lines.append(
-            "most of the FSDP buffers are one layer's gathered routed experts: expert parallelism would keep "
-            "each GPU's experts local (not in this release: parallel.ep must be 1)."
+            "most of the FSDP buffers are one layer's gathered routed experts: expert parallelism keeps each "
+            "GPU's experts local, FSDP sharding the rest (--parallel.ep, a divisor of num_experts)."
         )
     cp = _smallest_cp(run, budgets, memory_cfg)
     if cp is not None:
@@ -225,10 +225,12 @@ def _state_advice(run: Run, budgets: Budgets) -> list[str]:
         return []
     line = f"parameters + optimizer state alone need {state / GIB:.0f} GiB per GPU"
     options = []
-    if mesh.fsdp != "dp_cp" and mesh.world > 1:  # FSDP runs without expert parallelism only
-        options.append("shard them over all the GPUs (FSDP: --parallel.fsdp dp_cp" +
-                       (", which needs --parallel.ep 1: FSDP does not run with expert parallelism)"
-                        if mesh.ep > 1 else ")"))
+    if mesh.fsdp != "dp_cp" and mesh.world > 1:
+        options.append("shard them over all the GPUs (FSDP: --parallel.fsdp dp_cp)")
+    experts = C.expert_params(counts, mesh)
+    if experts and mesh.sharded and experts * prec.param > budgets.gpu_bytes // 4:
+        options.append(f"split the routed experts over more GPUs (--parallel.ep: each GPU holds its "
+                       f"{experts / 1e9:.1f}B expert parameters whole, FSDP shards the rest)")
     if run.weights != "bf16" and run.model_dtype == "bf16":
         options.append("keep the weights in bf16 (--model.weights bf16: 2 B per weight and gradient, the fp32 "
                        "master with the optimizer)")
@@ -383,8 +385,9 @@ def plan(
     if seq_len < 1 or batch_size < 1:
         raise ValueError(f"seq_len ({seq_len}) and batch_size ({batch_size}) must be >= 1")
     validate_mesh(spec, seq_len, mesh)
-    counts = C.gpu_counts(indexer_trains(C.count_params(spec), indexer_objective), mesh)
+    counts = indexer_trains(C.count_params(spec), indexer_objective)
     counts.trained = trained_counts(spec, adapters)
+    counts = C.gpu_counts(counts, mesh)  # the experts (and their adapters) one GPU holds under ep
     best: Plan | None = None
     for mode in mla_modes(spec, mesh):
         run = Run(
@@ -420,6 +423,11 @@ def _comm(run: Run) -> dict[str, Any]:
     comm: dict[str, Any] = comm_volume(run.spec, run.seq_len, run.mesh, run.batch) if run.mesh.cp > 1 else {}
     if run.mesh.ep > 1:
         comm["moe"] = expected_step_bytes(run.spec, run.seq_len, run.mesh, run.ep_dispatch, run.batch, run.prec)
+        from megaseq.plan.flops import expert_grad_traffic
+
+        grads = expert_grad_traffic(C.expert_params(run.counts, run.mesh, "trained"), run.prec.grad, run.mesh)
+        if grads:  # the experts' gradients summed over the ranks holding them
+            comm["expert_grads"] = grads
     if run.mesh.sharded:
         from megaseq.plan.fixes import fsdp_step_traffic, segments_of
 
@@ -487,8 +495,9 @@ def run_for(
     mode = mla_mode or ("gather_kv" if mesh.mla_mode == "auto" else mesh.mla_mode)
     given = memory.to_dict() if isinstance(memory, MemorySettings) else memory
     full = base_settings(None, batch_size * seq_len // mesh.cp).replace(**given)
-    counts = C.gpu_counts(indexer_trains(C.count_params(spec), indexer_objective), mesh)
+    counts = indexer_trains(C.count_params(spec), indexer_objective)
     counts.trained = trained_counts(spec, adapters)
+    counts = C.gpu_counts(counts, mesh)  # the experts (and their adapters) one GPU holds under ep
     return Run(
         spec=spec,
         seq_len=seq_len,

@@ -94,6 +94,11 @@ def _footer(plan: Plan) -> list[str]:
         if kind == "fsdp":
             lines.append(_fsdp_line(v))
             continue
+        if kind == "expert_grads":
+            lines.append(f"expert gradients: all-reduced over the {v['ranks']} GPUs holding the same experts, "
+                         f"{v['bytes'] / GB:.1f} GB per step ({v['seconds']:.2f} s at {v['bytes_per_s'] / GB:.0f} "
+                         "GB/s, not overlapped)")
+            continue
         mode = v["mode"]
         lines.append(
             f"context parallel {kind}: {mode}, {v[mode] / GB:.2f} GB per layer per step "

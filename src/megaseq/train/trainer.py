@@ -629,15 +629,16 @@ def _base_meta(cfg: Config) -> dict[str, Any] | None:
 def export_run(cfg: Config, model: torch.nn.Module, spec: Any, run_dir: Path, result: RunResult,
                is_main: bool = True) -> None:
     """The end-of-run export: the HF checkpoint (``run_dir/hf``), or with LoRA the PEFT adapter
-    (``run_dir/adapter``, written by the main rank: adapters are replicated) and, with ``lora.export_merged``,
-    the merged model as the HF checkpoint. Every rank calls it (FSDP's shards are gathered tensor by tensor)."""
+    (``run_dir/adapter``, written by the main rank; the expert-parallel factors gathered first) and, with
+    ``lora.export_merged``, the merged model as the HF checkpoint. Every rank calls it (FSDP's shards are
+    gathered tensor by tensor)."""
     from megaseq.models.hf_io import export_hf_checkpoint
 
     if cfg.lora.enabled:
         from megaseq.models.peft_io import export_adapter
 
         out = run_dir / "adapter"
-        result.adapter_export = export_adapter(model, spec, cfg.lora, out, cfg.model.init_from) if is_main else out
+        result.adapter_export = export_adapter(model, spec, cfg.lora, out, cfg.model.init_from, write=is_main)
         if not cfg.lora.export_merged:
             return
     result.hf_export = export_hf_checkpoint(model, spec, run_dir / "hf", merged=cfg.lora.enabled,

@@ -70,8 +70,17 @@ def init_factors(a: torch.Tensor, b: torch.Tensor, fan_in: int, lora: LoraConfig
             draw = torch.randn(a.shape, generator=gen, dtype=torch.float64) / lora.rank
         else:
             draw = (torch.rand(a.shape, generator=gen, dtype=torch.float64) * 2 - 1) / math.sqrt(fan_in)
-        a.copy_(draw)
+        copy_whole(a, draw)
         b.zero_()
+
+
+def copy_whole(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` for a whole ``src``: a DTensor ``dst`` (expert-parallel factors) takes its own slice."""
+    if hasattr(dst, "to_local"):
+        from torch.distributed.tensor import distribute_tensor
+
+        src = distribute_tensor(src.to(dst.dtype), dst.device_mesh, dst.placements, src_data_rank=None)
+    dst.copy_(src)
 
 
 # ---- the adapted modules ------------------------------------------------------------------------------
@@ -110,30 +119,59 @@ class LoRAExperts(Experts):
     lora_B: nn.ParameterDict  # tensor name -> [E, out, r]
     scaling: float
 
+    def factor_names(self) -> list[str]:
+        """The adapted tensors, in ``EXPERT_PARAMS`` order (the order of ``expert_tensors``' factors)."""
+        return [n for n in EXPERT_PARAMS if n in self.lora_A]
+
+    def expert_tensors(self) -> tuple[torch.Tensor, ...]:
+        """The weights, then ``(A, B)`` of each adapted tensor: what expert parallelism shards and sends."""
+        factors = [t for n in self.factor_names() for t in (self.lora_A[n], self.lora_B[n])]
+        return (self.gate_up_proj, self.down_proj, *factors)
+
+    def routed_rows(self, x_MH: torch.Tensor, tensors: tuple[torch.Tensor, ...],
+                    counts_E: torch.Tensor) -> torch.Tensor:
+        """The rows through experts given as ``expert_tensors`` (held here or received from another rank)."""
+        names = self.factor_names()
+        factors = {n: (tensors[2 + 2 * i], tensors[3 + 2 * i]) for i, n in enumerate(names)}
+        return self._routed(x_MH, tensors[0], tensors[1], counts_E, factors)
+
     def routed_mlp(self, x_MH: torch.Tensor, gate_up_EOH: torch.Tensor, down_EHI: torch.Tensor,
                    counts_E: torch.Tensor) -> torch.Tensor:
         if gate_up_EOH is not self.gate_up_proj or down_EHI is not self.down_proj:
-            raise ValueError("LoRA on the routed experts runs with every expert in this process (parallel.ep 1)")
-        gu_M2I = self.add_bias(self._project(x_MH, self.gate_up_proj, "gate_up_proj", counts_E),
+            raise ValueError(f"{self.layer}: LoRA experts given other weights run through routed_rows with their "
+                             "factors (the expert-parallel dispatch)")
+        return self._routed(x_MH, gate_up_EOH, down_EHI, counts_E,
+                            {n: (self.lora_A[n], self.lora_B[n]) for n in self.factor_names()})
+
+    def _routed(self, x_MH: torch.Tensor, gate_up_EOH: torch.Tensor, down_EHI: torch.Tensor, counts_E: torch.Tensor,
+                factors: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        gu_M2I = self.add_bias(self._project(x_MH, gate_up_EOH, factors.get("gate_up_proj"), counts_E),
                                self.gate_up_proj_bias, counts_E)
-        y_MH = self._project(self.activate(gu_M2I), self.down_proj, "down_proj", counts_E)
+        y_MH = self._project(self.activate(gu_M2I), down_EHI, factors.get("down_proj"), counts_E)
         return self.add_bias(y_MH, self.down_proj_bias, counts_E)
 
-    def _project(self, x_MI: torch.Tensor, w_EOI: torch.Tensor, name: str, counts_E: torch.Tensor) -> torch.Tensor:
-        if name not in self.lora_A:
+    def _project(self, x_MI: torch.Tensor, w_EOI: torch.Tensor, factors: tuple[torch.Tensor, torch.Tensor] | None,
+                 counts_E: torch.Tensor) -> torch.Tensor:
+        if factors is None:
             return dispatch.call("grouped_mm", x_MI, w_EOI, counts_E, layer=self.layer)
+        A_ErI, B_EOr = factors
         x_MI = _mm_input(x_MI)
         y_MO = dispatch.call("grouped_mm", x_MI, w_EOI, counts_E, layer=self.layer)
-        t_Mr = dispatch.call("grouped_mm", x_MI, self.lora_A[name], counts_E, layer=f"{self.layer}.lora")
-        return y_MO + dispatch.call("grouped_mm", t_Mr, self.lora_B[name], counts_E,
-                                    layer=f"{self.layer}.lora") * self.scaling
+        t_Mr = dispatch.call("grouped_mm", x_MI, A_ErI, counts_E, layer=f"{self.layer}.lora")
+        return y_MO + dispatch.call("grouped_mm", t_Mr, B_EOr, counts_E, layer=f"{self.layer}.lora") * self.scaling
 
     def delta_weight(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """``s * B_e A_e`` for every expert: ``[E, out, in]`` in ``dtype`` (default the tensor's)."""
         w = {"gate_up_proj": self.gate_up_proj, "down_proj": self.down_proj}[name]
         dtype = dtype or w.dtype
+        B, A = (_whole(t) for t in (self.lora_B[name], self.lora_A[name]))  # every expert's, under ep too
         with torch.autocast(w.device.type, enabled=False):
-            return torch.bmm(self.lora_B[name].to(dtype), self.lora_A[name].to(dtype)) * self.scaling
+            return torch.bmm(B.to(dtype), A.to(dtype)) * self.scaling
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """A tensor whole: a DTensor's (expert-parallel factors) gathered on every rank, else ``t``."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 # ---- attaching ---------------------------------------------------------------------------------------

@@ -252,6 +252,16 @@ class Experts(nn.Module):
         y_MH = dispatch.call("grouped_mm", self.activate(gu_M2I), down_EHI, counts_E, layer=self.layer)
         return self.add_bias(y_MH, self.down_proj_bias, counts_E)
 
+    def expert_tensors(self) -> tuple[torch.Tensor, ...]:
+        """The per-expert tensors (first dim: the held experts) the routed rows need, in a fixed order: the two
+        weights (``LoRAExperts`` adds its factors). What expert parallelism shards, sends and reduces."""
+        return (self.gate_up_proj, self.down_proj)
+
+    def routed_rows(self, x_MH: torch.Tensor, tensors: tuple[torch.Tensor, ...],
+                    counts_E: torch.Tensor) -> torch.Tensor:
+        """``routed_mlp`` through experts given as ``expert_tensors`` (held here or received from another rank)."""
+        return self.routed_mlp(x_MH, tensors[0], tensors[1], counts_E)
+
     def activate(self, gu_M2I: torch.Tensor) -> torch.Tensor:
         """The SwiGLU of the fused gate/up rows (gate first): op ``swiglu``, or ``clamped_swiglu`` (gpt-oss)."""
         gate_MI, up_MI = gu_M2I.chunk(2, dim=-1)
