@@ -13,7 +13,7 @@ from megaseq.memory.kda_segments import segment, segment_bounds, segment_tokens_
 from megaseq.models.common.context import SeqContext
 from megaseq.models.common.kda import KimiDeltaAttention, kda_reference
 from megaseq.models.glm5.spec import glm5_flash_tiny
-from megaseq.ops import fla_kda
+from megaseq.ops.kda import fla as fla_kda
 from megaseq.plan import layers as LY
 from megaseq.plan.components import precision_for
 

@@ -24,7 +24,7 @@ from megaseq.models.common.kda import (
 from megaseq.models.common.mhc import HyperConnection
 from megaseq.models.common.mla_dsa import Indexer, MLASparseAttention, sparse_attention_reference
 from megaseq.models.spec import from_hf_config
-from megaseq.ops import indexer_scoring
+from megaseq.ops.indexer import scoring as indexer_scoring
 
 pytest.importorskip("transformers")
 from test_glm5_parity import hf_glm5_module, make_config, randomize_, rel_err  # noqa: E402

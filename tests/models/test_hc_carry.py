@@ -3,7 +3,7 @@
 A layer uses its streams three times: ``hc_mix`` (the mixing weights), ``hc_collapse`` (the block input) and
 ``hc_merge`` (the residual). With the Triton kernels, ``carrying`` hands the streams on through ``hc_mix`` and
 ``hc_collapse`` as views whose gradients those kernels' backwards add into the streams' gradient as they write
-it (``ops/triton_hc_mix.py``, ``ops/triton_mhc_streams.py``), instead of autograd adding three gradients.
+it (``ops/mhc.mix_triton.py``, ``ops/mhc.streams_triton.py``), instead of autograd adding three gradients.
 
 Checked here against the plain computation in float64 (the references, ``forward`` with the streams as the
 residual): the loss and every gradient (streams, ``fn``, ``base``, ``scale``, the block's weight), on odd
@@ -22,8 +22,8 @@ from devices import DEV, F16, F32  # noqa: E402
 from megaseq.models.common import mhc  # noqa: E402
 from megaseq.models.spec import ModelSpec  # noqa: E402
 from megaseq.ops import dispatch  # noqa: E402
-from megaseq.ops import triton_hc_mix as thm  # noqa: E402
-from megaseq.ops import triton_mhc_streams as tms  # noqa: E402
+from megaseq.ops.mhc import mix_triton as thm  # noqa: E402
+from megaseq.ops.mhc import streams_triton as tms  # noqa: E402
 from numerics import assert_close  # noqa: E402
 
 torch.set_num_threads(1)

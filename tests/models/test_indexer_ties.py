@@ -1,4 +1,4 @@
-"""The indexer's tie order (``ops/indexer_scoring.py``): with ``row_len`` the reference keeps the pools
+"""The indexer's tie order (``ops/indexer.scoring.py``): with ``row_len`` the reference keeps the pools
 ``torch.topk`` keeps on transformers' row (every pool of the sequence, invalid ones at the floor), whatever the
 query chunk; without it the lowest pools win. Rows cut inside blocks of exact-zero scores (few heads, keys
 every head scores negative), so the two rules disagree and each is checked against its own brute force."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megaseq.ops import indexer_scoring
+from megaseq.ops.indexer import scoring as indexer_scoring
 
 F64 = torch.float64
 
@@ -62,7 +62,7 @@ def test_a_padded_row_picks_as_the_longer_row():
 
 def test_the_triton_selection_leaves_transformers_order_to_the_reference():
     pytest.importorskip("triton")
-    from megaseq.ops import indexer_topk
+    from megaseq.ops.indexer import topk as indexer_topk
 
     q, w, keys, ends, pdoc, q_pos, qdoc = _inputs()
     why = indexer_topk.indexer_topk_supports(q.float(), w.float(), keys.float(), ends, pdoc, q_pos, qdoc, 6, 0.7,

@@ -1,4 +1,4 @@
-"""Op ``kda_gate`` (KDA's forget-gate activation): fla's fused kernel (``ops/fla_kda.py: kda_gate_fla``) against the
+"""Op ``kda_gate`` (KDA's forget-gate activation): fla's fused kernel (``ops/kda.fla.py: kda_gate_fla``) against the
 reference (``models/common/kda.py: kda_gate_reference``, HF's order of ops).
 
 On the CPU: the reference is the formula in float64 (the safe gate and the softplus gate, GLM-5's ``[Hh]`` and

@@ -1,4 +1,4 @@
-"""Op ``gated_rms_norm`` (KDA's gated output norm): fla's fused kernel (``ops/fla_norm.py``) against the reference
+"""Op ``gated_rms_norm`` (KDA's gated output norm): fla's fused kernel (``ops/gated_norm.fla.py``) against the reference
 (``models/common/kda.py``, HF's order of ops).
 
 On the CPU: the KDA block's norm runs through the dispatcher, the reference equals the formula in float64, and

@@ -83,7 +83,7 @@ def test_fast_set_runs_its_kernels_under_autocast(family, monkeypatch):
 
 def test_merge_refusing_a_bf16_block_output_is_caught(monkeypatch):
     """The rule session 10 ran with (y and the streams in one dtype) fails the check above."""
-    from megaseq.ops import triton_mhc_streams as streams
+    from megaseq.ops.mhc import streams_triton as streams
 
     rule = streams.hc_merge_triton_supports
 

@@ -1,4 +1,4 @@
-"""MasterAdamW's one-pass Triton step (``ops/triton_adamw.py``) against torch's AdamW on an fp32 copy.
+"""MasterAdamW's one-pass Triton step (``ops/adamw.fused.py``) against torch's AdamW on an fp32 copy.
 
 Without a GPU the kernel runs under Triton's interpreter (conftest.py), with fp16 and fp32 weights (the
 interpreter's bf16 is broken); with a GPU the same tests run there and the ``gpu`` test compares bf16 weights
@@ -20,7 +20,7 @@ from torch.optim.adamw import adamw  # noqa: E402
 
 from devices import BF16, DEV, F16, F32, GPU  # noqa: E402
 from megaseq.memory.master_adam import MasterAdamW  # noqa: E402
-from megaseq.ops import triton_adamw  # noqa: E402
+from megaseq.ops.adamw import fused as triton_adamw  # noqa: E402
 
 HYPER = dict(lr=3e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
 RTOL = 2e-6  # of each tensor's largest value: a few fp32 ulps

@@ -23,10 +23,10 @@ from megaseq.models.common import mhc as blocks_mhc  # noqa: E402  (the referenc
 from megaseq.models.common import mlp as blocks_mlp  # noqa: E402
 from megaseq.models.common import norm as blocks_norm  # noqa: E402
 from megaseq.ops import _triton_util, dispatch  # noqa: E402
-from megaseq.ops import triton_mhc as mhc  # noqa: E402
-from megaseq.ops import triton_mhc_streams as streams  # noqa: E402
-from megaseq.ops import triton_rms_norm as rms  # noqa: E402
-from megaseq.ops import triton_swiglu as swi  # noqa: E402
+from megaseq.ops.mhc import weights_triton as mhc  # noqa: E402
+from megaseq.ops.mhc import streams_triton as streams  # noqa: E402
+from megaseq.ops.rms_norm import fused as rms  # noqa: E402
+from megaseq.ops.swiglu import fused as swi  # noqa: E402
 from numerics import assert_close  # noqa: E402
 
 torch.set_num_threads(1)

@@ -1,4 +1,4 @@
-"""Ops ``moe_permute`` / ``moe_combine``: the Triton kernels (``ops/triton_moe_glue.py``) against the torch
+"""Ops ``moe_permute`` / ``moe_combine``: the Triton kernels (``ops/moe_glue.fused.py``) against the torch
 references (``models/common/moe.py``).
 
 Without a GPU the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``, set by conftest.py before
@@ -25,7 +25,7 @@ pytest.importorskip("triton")  # on the CPU under the interpreter conftest.py se
 from devices import BF16, DEV, F16, F32, GPU  # noqa: E402
 from megaseq.models.common import moe  # noqa: E402
 from megaseq.ops import _triton_util, dispatch  # noqa: E402
-from megaseq.ops import triton_moe_glue as glue  # noqa: E402
+from megaseq.ops.moe_glue import fused as glue  # noqa: E402
 from numerics import assert_close  # noqa: E402
 from triton_compile import compile_in_child  # noqa: E402
 
@@ -161,7 +161,7 @@ COMPILE_SM90 = textwrap.dedent("""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from megaseq.ops import _moe_glue_kernels as K
+    from megaseq.ops.moe_glue import kernels as K
 
     def build(kernel, sig, consts, cfg):
         fn = kernel.fn  # the autotuner's JITFunction

@@ -19,7 +19,7 @@ import torch
 from devices import GPU  # noqa: E402
 from megaseq.models.common.mla_dsa import sparse_mla_reference  # noqa: E402
 from megaseq.ops import dispatch, sparse_mla, workspace  # noqa: E402
-from megaseq.ops import triton_sparse_mla as tsm  # noqa: E402
+from megaseq.ops.sparse_mla import fused as tsm  # noqa: E402
 from numerics import rel_err  # noqa: E402
 from triton_compile import compile_in_child  # noqa: E402
 
@@ -125,7 +125,7 @@ def test_triton_matches_absorbed_fp32(device):
 def test_an_explicit_launch_config_computes_the_same(device):
     """``config=`` (benchmarks/kernels/sparse_mla_configs.py times each one): another slot block and pipeline depth sum
     in another order, nothing else; a config that drops slots fails (checked against the default's result)."""
-    from megaseq.ops import triton_sparse_mla_kernels as K
+    from megaseq.ops.sparse_mla import kernels as K
 
     gen = torch.Generator().manual_seed(3)
     Hh, Q, S, R, W = 5, 13, 20, 32, 37
@@ -154,7 +154,7 @@ def test_the_pool_pass_sums_the_latent_gradient_as_the_atomics_do(device, monkey
     selected pool's latent gradient is summed key-major from the queries that chose it and only the tail goes
     through the atomics; ``dq_abs`` and ``dc`` as the atomic path's. A selection not in pools falls back to the
     atomics; a pool pass that misses one query of a pool fails."""
-    from megaseq.ops import triton_sparse_mla_kernels as K
+    from megaseq.ops.sparse_mla import kernels as K
 
     gen = torch.Generator().manual_seed(5)
     B, Q, S, Hh, R = 2, 40, 100, 5, 32  # S not a multiple of 16: the last 4 keys are in no complete pool
@@ -215,7 +215,7 @@ def test_the_saved_pool_pass_sums_the_latent_gradient_as_the_atomics_do(device, 
     ``p^T do_lat + ds^T q_abs`` from them, ``SAVED_QUERIES`` queries of a batch row at a time; ``dq_abs`` and
     ``dc`` as the atomic path's, in chunks that split the rows too. A pool pass that reads another entry's
     saved block fails; so does a slot pass that leaves no ``p``."""
-    from megaseq.ops import triton_sparse_mla_kernels as K
+    from megaseq.ops.sparse_mla import kernels as K
 
     gen = torch.Generator().manual_seed(7)
     B, Q, S, Hh, R = 2, 40, 100, 5, 32
@@ -267,7 +267,7 @@ def test_the_forward_reads_the_pool_layout_for_the_backward(device, monkeypatch)
     hands the answer to the backward, which then runs no check of its own; a selection not in pools is left for
     the backward to check (and falls back to the atomics); the gradients are the reference's either way. A
     ``checks`` that claims pools for a scattered selection gives a wrong latent gradient."""
-    from megaseq.ops import triton_sparse_mla_kernels as K
+    from megaseq.ops.sparse_mla import kernels as K
 
     gen = torch.Generator().manual_seed(9)
     B, Q, S, Hh, R = 2, 40, 100, 5, 32
@@ -372,7 +372,7 @@ def plant(kind: str, idx: torch.Tensor, S: int, gen, kp: int = 16) -> tuple[torc
 
 def check_layout(idx: torch.Tensor, S: int) -> int | None:
     """The Triton pass's answer, asserted equal to the torch reference's."""
-    from megaseq.ops import triton_sparse_mla_kernels as K
+    from megaseq.ops.sparse_mla import kernels as K
 
     got, want = K.pool_layout_triton(idx, S), K.pool_layout_reference(idx, S)
     assert got == want, (got, want)
@@ -384,7 +384,7 @@ def layout_block(request, monkeypatch) -> tuple[int, int] | None:
     """Slots per program of the layout pass and slots of a query per program at most: the defaults (all 64 slots
     of 32 queries a program: 3 programs for 2 x 39 queries), or 16 queries of 8 slots, half a block (5 x 8
     programs); the last programs partial. A violation must be seen from any of them."""
-    from megaseq.ops import triton_sparse_mla_kernels as K
+    from megaseq.ops.sparse_mla import kernels as K
 
     if request.param:
         monkeypatch.setattr(K, "POOL_LAYOUT_BLOCK", request.param[0])
@@ -443,7 +443,7 @@ def test_pool_layout_kernel_without_a_candidate(device):
 def test_pool_layout_runs_the_reference_where_triton_cannot(monkeypatch):
     """On the CPU without the interpreter ``pool_layout`` is the torch reference; with it (or on CUDA), the
     Triton pass."""
-    from megaseq.ops import triton_sparse_mla_kernels as K
+    from megaseq.ops.sparse_mla import kernels as K
 
     idx = tsm.causal_pool_selection(1, 20, 64, kpool=16, pools=3, generator=torch.Generator().manual_seed(13))
     monkeypatch.setattr(K, "pool_layout_triton", lambda idx, S: "triton")
@@ -457,7 +457,7 @@ def test_pool_layout_runs_the_reference_where_triton_cannot(monkeypatch):
 # ---- the GPU code compiles for sm_90 (no GPU needed) ------------------------------------------------------
 COMPILE_SM90 = textwrap.dedent("""
     import torch
-    from megaseq.ops.triton_sparse_mla_kernels import compile_ptx
+    from megaseq.ops.sparse_mla.kernels import compile_ptx
     for kind, dtype, Hh in [("fwd", torch.bfloat16, 16), ("bwd", torch.bfloat16, 16), ("fwd", torch.bfloat16, 64),
                             ("bwd", torch.float32, 16), ("fwd", torch.float32, 5), ("bwd_tail", torch.bfloat16, 16),
                             ("pool", torch.bfloat16, 16), ("pool", torch.float32, 16), ("layout", torch.int32, 0),
@@ -577,7 +577,7 @@ def test_gpu_pool_pass_matches_the_atomics(dtype, mode):
     """The key-major latent gradient (``dc="pool"``, and ``"saved"``: from the slot pass's saved p and ds, 8K queries
     at a time) on the indexer's layout at glm5-flash-1gpu's DSA shapes (8K queries and keys, 16 heads, R = 512,
     128 pools of 16 and the tail) against the atomic path."""
-    from megaseq.ops import triton_sparse_mla_kernels as K
+    from megaseq.ops.sparse_mla import kernels as K
 
     gen = torch.Generator(device="cuda").manual_seed(2)
     Q = S = 8192
@@ -598,7 +598,7 @@ def test_gpu_pool_sort_stays_within_its_planned_bytes():
     """``ops.workspace.sparse_mla_pool_bytes`` counts ``POOL_SORT_BYTES`` per (query, selected pool) while
     ``pool_entries`` sorts ``POOL_QUERIES`` queries: the measured peak of the sort at glm5-flash-1gpu's DSA
     shapes (32K queries, 128 pools of 16) is within that and not far below it."""
-    from megaseq.ops import triton_sparse_mla_kernels as K
+    from megaseq.ops.sparse_mla import kernels as K
 
     Q = S = K.POOL_QUERIES
     idx = tsm.causal_pool_selection(1, Q, S, generator=torch.Generator(device="cuda").manual_seed(3), device="cuda")
@@ -620,7 +620,7 @@ def test_gpu_pool_layout_kernel_matches_the_reference_at_32k():
     """The layout check at glm5-flash-1gpu's DSA shapes (32K queries and keys, W = 2063: 128 pools of 16, then
     the tail): the Triton pass answers as the torch reference on the indexer's selection (16) and with one
     violation planted at a random block (None)."""
-    from megaseq.ops import triton_sparse_mla_kernels as K
+    from megaseq.ops.sparse_mla import kernels as K
 
     Q = S = 32768
     idx = tsm.causal_pool_selection(1, Q, S, generator=torch.Generator(device="cuda").manual_seed(4), device="cuda")

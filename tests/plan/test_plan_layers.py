@@ -59,7 +59,7 @@ def test_dsa_kv_rows_by_mode():
 
 def test_indexer_scoring_matches_memory_module():
     pytest.importorskip("torch")
-    from megaseq.ops.indexer_scoring import indexer_scoring_bytes
+    from megaseq.ops.indexer.scoring import indexer_scoring_bytes
 
     assert LY.indexer_scoring_bytes(37, 1001, 5, 13) == indexer_scoring_bytes(37, 1001, 5, 13)
     # by hand: 2 queries x (3 pools x ((2 heads + 1) x 4 + 9) + 1 selected x 13)

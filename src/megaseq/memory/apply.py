@@ -114,12 +114,12 @@ def loss_fn(settings: MemorySettings) -> Callable[..., torch.Tensor]:
 
 
 def master_kernel(on_cuda: bool) -> str:
-    """MasterAdamW's step: ``triton`` (``ops.triton_adamw``) on CUDA where Triton is installed, unless
+    """MasterAdamW's step: ``triton`` (``ops.adamw.fused``) on CUDA where Triton is installed, unless
     ``MEGASEQ_ADAMW=torch``; else torch's fused AdamW with its casts and copies around it."""
     choice = os.environ.get("MEGASEQ_ADAMW", "triton")
     if choice not in ("triton", "torch"):
         raise ValueError(f"MEGASEQ_ADAMW must be triton or torch, got {choice!r}")
-    from megaseq.ops import triton_adamw
+    from megaseq.ops.adamw import fused as triton_adamw
 
     return "triton" if choice == "triton" and on_cuda and triton_adamw.available() else "torch"
 

@@ -12,45 +12,25 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass
 
-GPU_BF16 = {
-    "kda": "fla_chunk",
-    "gdn": "fla_chunk",
-    "causal_conv": "fla",
-    "grouped_mm": "torch_grouped_mm",
-    "sparse_attention": "absorbed",
-    "attention": "sdpa",
-}
+from megaseq.ops.table import OPS, fast_impl
 
 
 @dataclass(frozen=True)
 class Fast:
-    """One op's fast kernel under ``model.kernels fast`` on a GPU."""
+    """One op's fast kernel under ``model.kernels fast`` on a GPU (a view of its ``ops.table`` row)."""
 
     impl: str  # the implementation put first
-    packages: tuple[str, ...] = ()  # what it needs; non-empty: the memory plan counts its working set
+    packages: tuple[str, ...] = ()  # what it needs where the memory plan counts its working set; else empty
     fallbacks: tuple[str, ...] = ()  # where it declines (a dtype, a shape), the next tried before the reference
 
 
-# The fast set: Triton kernels (and fla's, Liger's), each checked against its reference on the GPU
-# (tests/test_triton_*.py, tests/ops/test_hc_mix.py, tests/ops/test_liger_loss.py). The memory plan counts the working
-# sets of those with ``packages`` (where they are installed) and the base kernels' for the rest (for these an
-# upper bound); docs/planner.md, "The fast kernels", and benchmarks/results/h200 hold the measurements.
-FAST: dict[str, Fast] = {
-    "sparse_attention": Fast("triton", ("triton",)),
-    "indexer_topk": Fast("triton", ("triton",)),
-    "hc_mix": Fast("triton", ("triton",), fallbacks=("torch_fused",)),
-    "gated_rms_norm": Fast("fla", ("triton", "fla")),
-    "kda_gate": Fast("fla"),
-    "hc_weights": Fast("triton"),
-    "hc_collapse": Fast("triton"),
-    "hc_merge": Fast("triton", ("triton",)),
-    "swiglu": Fast("triton", ("triton",)),
-    "rms_norm": Fast("triton", ("triton",)),
-    "moe_permute": Fast("triton"),
-    "moe_combine": Fast("triton"),
-    "linear_cross_entropy": Fast("liger", ("triton", "liger_kernel")),
-    "chunked_linear_cross_entropy": Fast("liger"),
-}
+# The fast set (``ops.table``: Triton kernels and fla's, Liger's), each checked against its reference on the GPU
+# (tests/ops/<op>/). The memory plan counts the working sets of those with ``packages`` (where they are
+# installed) and the base kernels' for the rest (for these an upper bound); docs/planner.md, "The fast
+# kernels", and benchmarks/results/h200 hold the measurements.
+GPU_BF16: dict[str, str] = {op.name: op.gpu_bf16 for op in OPS if op.gpu_bf16}
+FAST: dict[str, Fast] = {op.name: Fast(op.fast, fast_impl(op).packages if op.plan_counts_fast else (), op.fast_fallbacks)
+                         for op in OPS if op.fast}
 # views of FAST: op -> implementation; op -> its fallbacks; op -> the packages of the planned ones
 FAST_GPU = {op: f.impl for op, f in FAST.items()}
 FAST_FALLBACKS = {op: f.fallbacks for op, f in FAST.items() if f.fallbacks}

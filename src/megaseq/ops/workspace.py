@@ -64,7 +64,7 @@ def norm_backward_temp(rows: int, width: int, out_bytes: int) -> int:
     return rows * width * out_bytes + 16 * chunk + 8 * width
 
 
-# ---- op indexer_topk (ops/indexer_scoring.py): one scoring chunk ------------------------------------
+# ---- op indexer_topk (ops/indexer.scoring.py): one scoring chunk ------------------------------------
 SCORING_BUDGET_BYTES: int = 2 << 30  # the reference system's bound on one scoring chunk
 
 
@@ -131,11 +131,11 @@ def indexer_kl_bytes(Q: int, S: int, num_heads: int, index_heads: int, head_dim:
     return chunk + sums + graph
 
 
-# ---- op linear_cross_entropy, implementation liger (ops/liger_loss.py) --------------------------------
+# ---- op linear_cross_entropy, implementation liger (ops/vocab_loss.liger.py) --------------------------------
 LIGER_CHUNK_ROWS: int = 4096  # rows of one chunk of logits at most (a power of two)
 
 
-# ---- op indexer_topk, implementation triton (ops/indexer_topk.py) -----------------------------------
+# ---- op indexer_topk, implementation triton (ops/indexer.topk.py) -----------------------------------
 TOPK_MARGIN: int = 32  # candidates beyond K per row
 TOPK_RECHECK_BYTES: int = 256 << 20  # one re-check sub-block (gathered fp32 keys [r, W, D], head scores [r, I, W])
 
@@ -160,7 +160,7 @@ def topk_row_bytes(num_pools: int, num_heads: int, num_select: int, margin: int,
     return 4 * P + 28 * M + 32 + 8 * (M + K) + 9 * K, M * (4 * head_dim + 4 * num_heads + 64)
 
 
-# ---- op sparse_attention, implementation absorbed (ops/sparse_mla.py) --------------------------------
+# ---- op sparse_attention, implementation absorbed (ops/sparse_mla.absorbed.py) --------------------------------
 ABSORBED_BLOCK_BYTES: int = 2 << 30  # one query block's budget (forward or backward)
 
 
@@ -188,16 +188,16 @@ def absorbed_bytes(Q: int, S: int, W: int, R: int, Hh: int, Dn: int, Dv: int, d:
             "backward": block + Q * Hh * Dn * d + S * R * c + Hh * (Dn + Dv) * R * c}
 
 
-# ---- op sparse_attention, implementation triton (ops/triton_sparse_mla.py) ---------------------------
+# ---- op sparse_attention, implementation triton (ops/sparse_mla.fused.py) ---------------------------
 POOL_SORT_BYTES: int = 64  # per (query, selected pool) while the pool pass's entries are sorted
-POOL_QUERIES: int = 32768  # queries per batch row sorted at once (ops.triton_sparse_mla_kernels.POOL_QUERIES)
+POOL_QUERIES: int = 32768  # queries per batch row sorted at once (ops.sparse_mla.kernels.POOL_QUERIES)
 SAVED_QUERIES: int = 8192  # dc="saved": queries of one batch row whose p and ds are held at once (the kernels')
 DC_DEFAULT: str = "saved"  # the latent gradient's way unless MEGASEQ_MLA_DC says otherwise (the kernels read it)
 
 
 def sparse_mla_pool_bytes(Q: int, W: int, kp: int, Hh: int, batch: int = 1, d: int = 2,
                           mode: str = DC_DEFAULT) -> int:
-    """Bytes the key-major latent gradient (``ops.triton_sparse_mla_kernels``, ``dc="saved"`` or ``"pool"``) adds to
+    """Bytes the key-major latent gradient (``ops.sparse_mla.kernels``, ``dc="saved"`` or ``"pool"``) adds to
     the backward's kernel moment, for ``Q`` queries (all batch rows together) of ``W`` slots in pools of ``kp`` (0
     where the selection has no pools, or ``mode="atomic"``: the atomics alone run), ``d`` bytes a work-dtype element.
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import torch
 
-from megaseq.ops import dispatch
 from megaseq.ops._triton_util import cdiv, kernels, triton_supports
 
 KERNELS = "_moe_glue_kernels"
@@ -124,14 +123,12 @@ def moe_combine_triton_supports(y_MH, order_M, inverse_M, weights_NK, dtype) -> 
                                                                                   weights_NK)
 
 
-@dispatch.register("moe_permute", "triton", supports=moe_permute_triton_supports, opt_in=True)
 def moe_permute_triton(x_NH: torch.Tensor, order_M: torch.Tensor, inverse_M: torch.Tensor, K: int,
                        dtype: torch.dtype) -> torch.Tensor:
     """Same contract as ``moe_permute_reference``; the rows come out in ``dtype``."""
     return _Permute.apply(x_NH, order_M, inverse_M, int(K), dtype)
 
 
-@dispatch.register("moe_combine", "triton", supports=moe_combine_triton_supports, opt_in=True)
 def moe_combine_triton(y_MH: torch.Tensor, order_M: torch.Tensor, inverse_M: torch.Tensor, weights_NK: torch.Tensor,
                        dtype: torch.dtype) -> torch.Tensor:
     """Same contract as ``moe_combine_reference``."""

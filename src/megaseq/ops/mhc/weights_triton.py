@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import torch
 
-from megaseq.ops import dispatch
 from megaseq.ops._triton_util import cdiv, kernels, next_pow2, triton_supports
 from megaseq.ops.amp import compute_dtype
 
@@ -101,7 +100,6 @@ def hc_weights_triton_supports(mix_BSM: torch.Tensor, base_M: torch.Tensor, scal
     return triton_supports(mix_BSM, base_M, scale_3)
 
 
-@dispatch.register("hc_weights", "triton", supports=hc_weights_triton_supports, opt_in=True)
 def hc_weights_triton(mix_BSM: torch.Tensor, base_M: torch.Tensor, scale_3: torch.Tensor, N: int, iters: int,
                       hc_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Same contract as ``hc_weights_reference``; outputs float32."""

@@ -7,11 +7,11 @@ fn)`` in the matmul's dtype (autocast's where it is on, else the compute dtype f
 streams and ``fn``.
 
 Why a kernel: with bf16 weights (the default) the streams are bf16 and ``fn`` float32 (HF keeps it so), so the
-float32 GEMM of the reference, and of the closed-form ``torch_fused`` (``ops/hc_mix.py``), first widens the
+float32 GEMM of the reference, and of the closed-form ``torch_fused`` (``ops/mhc.mix_fused.py``), first widens the
 ``[R, D]`` streams into a float32 copy that it keeps for the backward (1 GiB per hyper-connection at 32K tokens
 of glm5-flash-1gpu, 16 a step), runs on the CUDA cores (cuBLAS has no fp32 tensor-core GEMM without tf32), and
 the backward makes three more float32 ``[R, D]`` passes (``d_u @ fn``, the widened streams, the
-multiply-add) before rounding back. Here (``ops/_hc_mix_kernels.py``):
+multiply-add) before rounding back. Here (``ops/mhc.mix_kernels.py``):
 
 - forward: one pass over the bf16 streams computes ``u = flat @ fn^T`` and each row's sum of squares (with
   bf16 streams as three exact bf16 tensor-core products of ``fn``'s bf16 pieces, ``split_bf16x3``);
@@ -35,9 +35,8 @@ from __future__ import annotations
 
 import torch
 
-from megaseq.ops import dispatch
 from megaseq.ops._triton_util import cdiv, kernels, next_pow2, triton_supports
-from megaseq.ops.hc_mix import _mm_dtype, hc_mix_fused_supports
+from megaseq.ops.mhc.mix_fused import _mm_dtype, hc_mix_fused_supports
 
 KERNELS = "_hc_mix_kernels"
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -138,7 +137,6 @@ def _apply(h_BSNH: torch.Tensor, fn_MD: torch.Tensor, norm_eps: float, carry: bo
     return res.view(B, S, -1)
 
 
-@dispatch.register("hc_mix", "triton", supports=hc_mix_triton_supports, opt_in=True)
 def hc_mix_triton(h_BSNH: torch.Tensor, fn_MD: torch.Tensor, norm_eps: float) -> torch.Tensor:
     """Same contract as ``hc_mix_reference``: ``[B, S, M]`` in the matmul's dtype."""
     return _apply(h_BSNH, fn_MD, norm_eps, False)

@@ -17,8 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from megaseq.ops import dispatch
-from megaseq.ops.fla_kda import _maybe_limit_autotune, fla_available
+from megaseq.ops.kda.fla import _maybe_limit_autotune, fla_available
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -36,7 +35,6 @@ def gated_rms_norm_fla_supports(x: torch.Tensor, gate: torch.Tensor, weight: tor
     return fla_available()
 
 
-@dispatch.register("gated_rms_norm", "fla", supports=gated_rms_norm_fla_supports, opt_in=True)
 def gated_rms_norm_fla(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Same contract as ``gated_rms_norm_reference``: x's shape and dtype."""
     from fla.modules.norm.fused_norm_gate import rms_norm_gated

@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import torch
 
-from megaseq.ops import indexer_scoring
-from megaseq.ops import indexer_topk as op
+from megaseq.ops.indexer import scoring as indexer_scoring
+from megaseq.ops.indexer import topk as op
 
 BIG = torch.iinfo(torch.int64).max
 
@@ -54,7 +54,7 @@ class Run:
 
     def chunk(self, s: int, e: int, n: int, margin: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The selection of rows ``[s, e)`` from the scores of their first ``n`` pools (``pools_scored``)."""
-        from megaseq.ops.indexer_topk_kernel import index_scores
+        from megaseq.ops.indexer.topk_kernel import index_scores
 
         k, floor = self.k, self.floor
         pos_c, doc_c = self.q_pos_Q[s:e], self.q_doc_Q[s:e]

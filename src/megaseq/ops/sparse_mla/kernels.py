@@ -379,7 +379,7 @@ def _autotune() -> bool:
 
 _TUNED: dict[tuple, Config] = {}  # timed here (MEGASEQ_MLA_AUTOTUNE=1)
 _UNTIMED: dict[tuple, Config] = {}  # from the tuned table, else the default
-TABLE_KERNEL = "megaseq.ops.triton_sparse_mla_kernels.sparse_mla"
+TABLE_KERNEL = "megaseq.ops.sparse_mla.kernels.sparse_mla"
 
 
 def _pick(kind: str, Hh: int, R: int, dtype: torch.dtype, run, N: int = 0) -> Config:

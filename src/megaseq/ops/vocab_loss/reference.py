@@ -23,8 +23,6 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from megaseq.ops import dispatch
-
 REDUCTIONS = ("mean", "sum", "none")
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     """Accumulation dtype: fp32 for half types, else the dtype itself (fp64 stays fp64)."""
@@ -109,7 +107,6 @@ def reduce_loss(loss_N: torch.Tensor, valid_N: torch.Tensor, reduction: str,
 
 
 # ---- plain reference ---------------------------------------------------------------------------
-@dispatch.register("linear_cross_entropy", "torch", reference=True)
 def plain_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                                ignore_index: int = -100, reduction: str = "mean",
                                num_items: int | float | torch.Tensor | None = None) -> torch.Tensor:

@@ -43,8 +43,7 @@ import importlib.util
 
 import torch
 
-from megaseq.ops import dispatch
-from megaseq.ops.cross_entropy import REDUCTIONS
+from megaseq.ops.vocab_loss.reference import REDUCTIONS
 from megaseq.ops.workspace import LIGER_CHUNK_ROWS
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -115,7 +114,7 @@ def _takes_chunk_const() -> bool:  # liger-kernel 0.8.5 has it; older releases c
     return "chunk_mem_const" in inspect.signature(LigerFLCE.forward).parameters
 
 
-# the reference, ``torch``, is ``ops.cross_entropy.plain_linear_cross_entropy`` (registered there)
+# the reference, ``torch``, is ``ops.vocab_loss.reference.plain_linear_cross_entropy`` (registered there)
 
 
 def liger_loss_supports(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100,
@@ -134,7 +133,6 @@ def liger_loss_supports(hidden: torch.Tensor, weight: torch.Tensor, labels: torc
     return None
 
 
-@dispatch.register("linear_cross_entropy", "liger", supports=liger_loss_supports, opt_in=True)
 def linear_cross_entropy_liger(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                                ignore_index: int = -100, reduction: str = "mean",
                                num_items: int | float | torch.Tensor | None = None,
@@ -157,9 +155,13 @@ def linear_cross_entropy_liger(hidden: torch.Tensor, weight: torch.Tensor, label
     return loss / (labels != ignore_index).sum().clamp(min=1)
 
 
-@dispatch.register("chunked_linear_cross_entropy", "liger",
-                   supports=lambda h, w, y, chunk_tokens, vocab_chunk=None, ignore_index=-100, reduction="mean",
-                   num_items=None: liger_loss_supports(h, w, y, ignore_index, reduction, num_items), opt_in=True)
+def chunked_liger_supports(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_tokens: int,
+                           vocab_chunk: int | None = None, ignore_index: int = -100, reduction: str = "mean",
+                           num_items: int | float | torch.Tensor | None = None) -> str | None:
+    """``liger_loss_supports`` for op ``chunked_linear_cross_entropy``'s arguments."""
+    return liger_loss_supports(hidden, weight, labels, ignore_index, reduction, num_items)
+
+
 def chunked_linear_cross_entropy_liger(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                                        chunk_tokens: int, vocab_chunk: int | None = None, ignore_index: int = -100,
                                        reduction: str = "mean",

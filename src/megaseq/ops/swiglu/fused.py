@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import torch
 
-from megaseq.ops import dispatch
 from megaseq.ops._triton_util import cdiv, kernels, triton_supports
 
 KERNELS = "_swiglu_kernels"
@@ -87,7 +86,6 @@ def swiglu_triton_supports(gate: torch.Tensor, up: torch.Tensor, limit: float | 
     return triton_supports(gate, up)
 
 
-@dispatch.register("swiglu", "triton", supports=swiglu_triton_supports, opt_in=True)
 def swiglu_triton(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.Tensor:
     """Same contract as ``swiglu_reference``."""
     return _SwiGLU.apply(gate, up, None if limit is None else float(limit))

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import torch
 
-from megaseq.ops import dispatch
 from megaseq.ops.amp import compute_dtype
 from megaseq.ops.workspace import absorbed_block_queries
 
@@ -218,7 +217,6 @@ def sparse_mla_supports(q_BQHD, c_BSR, kv_b_weight, idx_BQW, scale) -> str | Non
     return None
 
 
-@dispatch.register("sparse_attention", "absorbed", supports=sparse_mla_supports)
 def sparse_mla(q_BQHD: torch.Tensor, c_BSR: torch.Tensor, kv_b_weight: torch.Tensor, idx_BQW: torch.Tensor,
                scale: float) -> torch.Tensor:
     """Absorbed sparse MLA, ``[B, Q, Hh, Dv]``; same arguments and result as the reference op."""

@@ -24,8 +24,6 @@ import os
 
 import torch
 
-from megaseq.ops import dispatch
-
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_HEAD_DIM = 256  # chunk_kda's limit on the key head dim
 
@@ -117,7 +115,6 @@ def kda_fla_supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     return _common_supports(q, cu_seqlens)
 
 
-@dispatch.register("kda", "fla_chunk", supports=kda_fla_supports)
 def kda_fla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
             cu_seqlens: torch.Tensor | None = None, chunk_size: int = 64, initial_state: torch.Tensor | None = None,
             return_state: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -157,7 +154,6 @@ def kda_gate_fla_supports(f_BSHD: torch.Tensor, A_log_H: torch.Tensor, dt_bias_C
     return fla_available()
 
 
-@dispatch.register("kda_gate", "fla", supports=kda_gate_fla_supports, opt_in=True)
 def kda_gate_fla(f_BSHD: torch.Tensor, A_log_H: torch.Tensor, dt_bias_C: torch.Tensor,
                  lower_bound: float | None) -> torch.Tensor:
     """Same contract as ``models/common/kda.py: kda_gate_reference`` (float32 out): fla's ``fused_kda_gate``, the
@@ -181,7 +177,6 @@ def conv_fla_supports(x_BSC: torch.Tensor, weight_CK: torch.Tensor, activation: 
     return _common_supports(x_BSC, cu_seqlens)
 
 
-@dispatch.register("causal_conv", "fla", supports=conv_fla_supports)
 def conv_fla(x_BSC: torch.Tensor, weight_CK: torch.Tensor, activation: str | None = "silu",
              cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
     """Depthwise causal conv (+ SiLU) ``[B, S, C] -> [B, S, C]`` in x's dtype, as the reference."""

@@ -4,7 +4,7 @@ Shapes: Q queries, P complete pools, I indexer heads, D indexer head dim, K pool
 (``min(num_select, P)``), c query rows of one chunk, n pools scored for the chunk (its causal prefix),
 M = min(K + margin, n) candidates per row, r rows of a sub-block.
 
-Contract (``megaseq.ops.indexer_scoring.select_pools``, registered here as the reference
+Contract (``megaseq.ops.indexer.scoring.select_pools``, registered here as the reference
 ``torch_fp32``): ``index[q, p] = sum_h w[q, h] * relu(scale * q[q, h] . k[p])`` over the pools visible to
 the query (pool end at or before it, same document; the others score the dtype's min), each row's top-K
 with ties to the lowest pool index, returned ascending, with the validity of each pick.
@@ -43,7 +43,6 @@ from dataclasses import dataclass
 
 import torch
 
-from megaseq.ops import dispatch
 from megaseq.ops.workspace import TOPK_MARGIN, TOPK_RECHECK_BYTES
 from megaseq.ops.workspace import indexer_topk_bytes as indexer_topk_bytes  # re-exported: the op's memory formula
 from megaseq.ops.workspace import topk_row_bytes as _row_bytes
@@ -108,7 +107,7 @@ def score_error_bound(q_cID: torch.Tensor, w_cI: torch.Tensor, key_dtype: torch.
     Summed with the weights: ``e = 1.05 * scale * sum_h |w_h| (c_rel A_h + abs_h)`` (5% for the rounding
     of this bound's own arithmetic).
     """
-    from megaseq.ops import indexer_topk_kernel as kern
+    from megaseq.ops.indexer import topk_kernel as kern
 
     c, I, D = q_cID.shape
     low = kern.low_dtype()
@@ -127,7 +126,7 @@ def score_error_bound(q_cID: torch.Tensor, w_cI: torch.Tensor, key_dtype: torch.
 
 
 # ---- the op --------------------------------------------------------------------------------------------------
-# the reference, ``torch_fp32``, is ``ops.indexer_scoring.select_pools`` (registered there)
+# the reference, ``torch_fp32``, is ``ops.indexer.scoring.select_pools`` (registered there)
 
 
 def indexer_topk_supports(q_QID: torch.Tensor, weights_QI: torch.Tensor, keys_PD: torch.Tensor,
@@ -159,7 +158,6 @@ def indexer_topk_supports(q_QID: torch.Tensor, weights_QI: torch.Tensor, keys_PD
     return None
 
 
-@dispatch.register("indexer_topk", "triton", supports=indexer_topk_supports, opt_in=True)
 @torch.no_grad()
 @torch.autocast("cuda", enabled=False)
 @torch.autocast("cpu", enabled=False)
@@ -181,7 +179,7 @@ def indexer_topk_triton(q_QID: torch.Tensor, weights_QI: torch.Tensor, keys_PD: 
     if k == 0 or Q == 0:
         return sel, ok
     margin = MARGIN if margin is None else margin
-    from megaseq.ops.indexer_topk_select import Run
+    from megaseq.ops.indexer.select import Run
 
     run = Run(q_QID, weights_QI, keys_PD, pool_end_P.contiguous(), pool_doc_P, q_pos_Q, q_doc_Q, k, scale,
                SPLIT if split is None else split)

@@ -34,8 +34,8 @@ import os
 
 import torch
 
-from megaseq.ops import dispatch, workspace
-from megaseq.ops.sparse_mla import AbsorbedSparseMLA, _split_weight, _work_dtype
+from megaseq.ops import workspace
+from megaseq.ops.sparse_mla.absorbed import AbsorbedSparseMLA, _split_weight, _work_dtype
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_RANK = 1024  # the kernels hold [BW, R] latents and [BH, R] fp32 accumulators per program
@@ -70,7 +70,7 @@ class TritonSparseMLA(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q_BQHD, c_BSR, w_OR, idx_BQW, scale, layout="check"):
-        from megaseq.ops import triton_sparse_mla_kernels as kernels
+        from megaseq.ops.sparse_mla import kernels
 
         B, Q, Hh, Dn = q_BQHD.shape
         w_uk, w_uv = _split_weight(w_OR, Hh, Dn)
@@ -84,7 +84,7 @@ class TritonSparseMLA(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_BQHV):
-        from megaseq.ops import triton_sparse_mla_kernels as kernels
+        from megaseq.ops.sparse_mla import kernels
 
         q_BQHD, c_BSR, w_OR, idx_BQW, o_lat_HNR, lse_HN = ctx.saved_tensors
         B, Q, Hh, Dn = q_BQHD.shape
@@ -160,7 +160,7 @@ def checks(idx_BQW: torch.Tensor, S: int) -> tuple[list[bool], int | None | str]
     ``pool``, and the layout kernel can run), the first pool candidate's ``pool_layout`` check, read back together:
     one host sync a call where the forward and the backward had one each. The layout is ``"check"`` where not
     known (the backward checks)."""
-    from megaseq.ops import triton_sparse_mla_kernels as kernels
+    from megaseq.ops.sparse_mla import kernels
 
     found_B = _empty_rows_flags(idx_BQW, S)
     cands = kernels.pool_candidates(idx_BQW.shape[2])
@@ -171,7 +171,6 @@ def checks(idx_BQW: torch.Tensor, S: int) -> tuple[list[bool], int | None | str]
     return [bool(e) for e in empty], kp if holds else "check"
 
 
-@dispatch.register("sparse_attention", "triton", supports=triton_sparse_mla_supports, opt_in=True)
 def triton_sparse_mla(q_BQHD: torch.Tensor, c_BSR: torch.Tensor, kv_b_weight: torch.Tensor,
                       idx_BQW: torch.Tensor, scale: float) -> torch.Tensor:
     """Fused sparse MLA, ``[B, Q, Hh, Dv]`` in the work dtype; same arguments and result as ``absorbed``."""

@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from megaseq.ops import dispatch
-from megaseq.ops.fla_kda import _common_supports, _maybe_limit_autotune, _work_dtype
+from megaseq.ops.kda.fla import _common_supports, _maybe_limit_autotune, _work_dtype
 
 MAX_HEAD_DIM = 256
 
@@ -31,7 +30,6 @@ def gdn_fla_supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     return _common_supports(q, cu_seqlens)
 
 
-@dispatch.register("gdn", "fla_chunk", supports=gdn_fla_supports)
 def gdn_fla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
             cu_seqlens: torch.Tensor | None = None, initial_state: torch.Tensor | None = None,
             return_state: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:

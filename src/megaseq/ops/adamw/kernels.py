@@ -1,4 +1,4 @@
-"""Triton kernel of ``ops.triton_adamw`` (imported lazily: it imports Triton)."""
+"""Triton kernel of ``ops.adamw.fused`` (imported lazily: it imports Triton)."""
 
 from __future__ import annotations
 

@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import torch
 
-from megaseq.ops import dispatch
-
 
 def _mm_dtype(h: torch.Tensor, cd: torch.dtype) -> torch.dtype:
     """The GEMM's dtype as the reference's ``F.linear`` picks it: autocast's where it is on, else ``cd``."""
@@ -80,7 +78,6 @@ def hc_mix_fused_supports(h_BSNH: torch.Tensor, fn_MD: torch.Tensor, norm_eps: f
     return None
 
 
-@dispatch.register("hc_mix", "torch_fused", supports=hc_mix_fused_supports, opt_in=True)
 def hc_mix_fused(h_BSNH: torch.Tensor, fn_MD: torch.Tensor, norm_eps: float) -> torch.Tensor:
     """Same contract as ``hc_mix_reference``: ``[B, S, M]`` in the matmul's dtype."""
     B, S, N, H = h_BSNH.shape

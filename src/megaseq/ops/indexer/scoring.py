@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import torch
 
-from megaseq.ops import dispatch
 from megaseq.ops.workspace import SCORING_BUDGET_BYTES, indexer_scoring_bytes, scoring_chunk  # noqa: F401
 
 
@@ -36,7 +35,6 @@ def resolve_query_chunk(query_chunk: int | None, num_pools: int, num_heads: int,
     return max(1, int(query_chunk))
 
 
-@dispatch.register("indexer_topk", "torch_fp32", reference=True)
 @torch.no_grad()
 @torch.autocast("cuda", enabled=False)
 @torch.autocast("cpu", enabled=False)

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import torch
 
-from megaseq.ops import dispatch
 from megaseq.ops._triton_util import cdiv, kernels, next_pow2, triton_supports
 
 KERNELS = "_mhc_stream_kernels"
@@ -127,7 +126,6 @@ def hc_collapse_triton_supports(pre_BSN: torch.Tensor, h_BSNH: torch.Tensor) -> 
     return _stream_supports(h_BSNH, pre_BSN)
 
 
-@dispatch.register("hc_collapse", "triton", supports=hc_collapse_triton_supports, opt_in=True)
 def hc_collapse_triton(pre_BSN: torch.Tensor, h_BSNH: torch.Tensor) -> torch.Tensor:
     """Same contract as ``hc_collapse_reference``."""
     return _Collapse.apply(pre_BSN, h_BSNH)
@@ -159,7 +157,6 @@ def hc_merge_triton_supports(post_BSN: torch.Tensor, comb_BSNN: torch.Tensor, y_
     return _stream_supports(residual_BSNH, post_BSN, comb_BSNN, y_BSH)
 
 
-@dispatch.register("hc_merge", "triton", supports=hc_merge_triton_supports, opt_in=True)
 def hc_merge_triton(post_BSN: torch.Tensor, comb_BSNN: torch.Tensor, y_BSH: torch.Tensor,
                     residual_BSNH: torch.Tensor) -> torch.Tensor:
     """Same contract as ``hc_merge_reference``."""

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import torch
 
-from megaseq.ops import dispatch
 from megaseq.ops._triton_util import cdiv, kernels, next_pow2, triton_supports
 
 KERNELS = "_rms_norm_kernels"
@@ -92,7 +91,6 @@ def rms_norm_triton_supports(x: torch.Tensor, weight: torch.Tensor, eps: float) 
     return triton_supports(x, weight)
 
 
-@dispatch.register("rms_norm", "triton", supports=rms_norm_triton_supports, opt_in=True)
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Same contract as ``rms_norm_reference``."""
     return _RMSNorm.apply(x, weight, float(eps))
