@@ -5,7 +5,7 @@
     python benchmarks/kernels/sparse_mla_configs.py --defaults-only --pool-blocks 0,512,1024,2048 --out ...  # its order
     python benchmarks/kernels/sparse_mla_configs.py --defaults-only --no-pool-grid --saved 32:4:2,64:4:2 --out ...
 
-The kernels (``ops/sparse_mla.kernels.py``) run a default configuration that was chosen by registers
+The kernels (``ops/sparse_mla/kernels.py``) run a default configuration that was chosen by registers
 and shared memory, never by time. This script times each configuration of a grid (slots per loop step BW,
 warps, pipeline stages; BH = 16 heads per program, glm5-flash-1gpu's Hh) on the kernels alone, bf16, W = 2063
 slots of causal 16-token pools drawn uniformly (``causal_pool_selection``), at three shapes:

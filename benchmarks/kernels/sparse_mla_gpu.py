@@ -65,9 +65,9 @@ def _run(fn, leaves, idx, g) -> dict:
 
 
 def check(Hh: int, Q: int, dev, small: bool) -> dict:
-    from megaseq.models.common.mla_dsa import sparse_mla_reference
     from megaseq.ops.sparse_mla.absorbed import sparse_mla
     from megaseq.ops.sparse_mla.fused import triton_sparse_mla
+    from megaseq.ops.sparse_mla.reference import sparse_mla_reference
 
     leaves, idx, g = _inputs(Hh, Q, Q, torch.bfloat16, dev, seed=Hh, small=small)
     f32 = [t.detach().float().requires_grad_() for t in leaves]

@@ -29,8 +29,8 @@ from megaseq.ops import dispatch, kernels
 # ops the fast set holds to on a GPU whatever the dtypes of a bf16-autocast step (those of FAST_GPU that have
 # no device rule of their own)
 HELD = ("hc_mix", "hc_weights", "hc_collapse", "hc_merge", "swiglu", "rms_norm", "moe_permute", "moe_combine")
-MODULES = ("hc_mix", "triton_hc_mix", "triton_mhc", "triton_mhc_streams", "triton_moe_glue", "triton_rms_norm",
-           "triton_swiglu")
+MODULES = ("mhc.mix_fused", "mhc.mix_triton", "mhc.weights_triton", "mhc.streams_triton", "moe_glue.fused",
+           "rms_norm.fused", "swiglu.fused")
 
 
 def _spec(family: str):

@@ -83,7 +83,7 @@ def test_chunked_loss_grows_by_its_per_token_terms_only():
     assert formula / 1000 == H * 4 + 2 * 4
 
 
-# ---- the indexer's scoring chunk (ops/indexer.scoring.py; ops.workspace.indexer_scoring_bytes) -------
+# ---- the indexer's scoring chunk (ops/indexer/scoring.py; ops.workspace.indexer_scoring_bytes) -------
 @pytest.mark.parametrize("chunk", [64, 256])
 def test_indexer_scoring_formula_is_one_chunks_peak(chunk):
     """32 heads as the real indexer, every pool visible to every query (the last chunk of a sequence)."""
@@ -105,7 +105,7 @@ def test_indexer_scoring_formula_is_one_chunks_peak(chunk):
     assert abs(measured / indexer_scoring_bytes(chunk, P, I, K) - 1) < 0.06
 
 
-# ---- the absorbed sparse MLA (ops/sparse_mla.absorbed.py; ops.workspace.absorbed_bytes) ----------------------
+# ---- the absorbed sparse MLA (ops/sparse_mla/absorbed.py; ops.workspace.absorbed_bytes) ----------------------
 def test_absorbed_sparse_mla_saves_its_inputs_and_the_formulas_saved_set():
     from megaseq.ops.sparse_mla.absorbed import sparse_mla
     from megaseq.ops.workspace import absorbed_bytes

@@ -181,8 +181,8 @@ def test_saved_set_matches_blocks(name, seq, autocast, block, kda_uncounted, mon
     import torch
 
     from megaseq.models.build import build_model
-    from megaseq.models.common import mla_dsa
     from megaseq.models.presets import get_preset
+    from megaseq.ops.sparse_mla import reference as mla_dsa
     from megaseq.plan import components as C
     from megaseq.plan.fixes import base_settings
     from megaseq.plan.phases import Run, layer_terms

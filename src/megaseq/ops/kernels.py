@@ -29,8 +29,10 @@ class Fast:
 # installed) and the base kernels' for the rest (for these an upper bound); docs/planner.md, "The fast
 # kernels", and benchmarks/results/h200 hold the measurements.
 GPU_BF16: dict[str, str] = {op.name: op.gpu_bf16 for op in OPS if op.gpu_bf16}
-FAST: dict[str, Fast] = {op.name: Fast(op.fast, fast_impl(op).packages if op.plan_counts_fast else (), op.fast_fallbacks)
-                         for op in OPS if op.fast}
+FAST: dict[str, Fast] = {
+    op.name: Fast(op.fast, fast_impl(op).packages if op.plan_counts_fast else (), op.fast_fallbacks)
+    for op in OPS if op.fast
+}
 # views of FAST: op -> implementation; op -> its fallbacks; op -> the packages of the planned ones
 FAST_GPU = {op: f.impl for op, f in FAST.items()}
 FAST_FALLBACKS = {op: f.fallbacks for op, f in FAST.items() if f.fallbacks}

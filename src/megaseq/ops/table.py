@@ -156,3 +156,30 @@ BY_NAME: dict[str, Op] = {op.name: op for op in OPS}
 def fast_impl(op: Op) -> Impl:
     """The row of ``op.fast``."""
     return next(i for i in op.impls if i.name == op.fast)
+
+
+def problems(ops: tuple[Op, ...] = OPS) -> list[str]:
+    """What is wrong with ``ops``, one line each (empty: every row resolves): a module that does not import, a
+    callable it lacks, an op without exactly one reference, a fast, fallback or planned name without a row."""
+    import importlib
+
+    found: list[str] = []
+    for op in ops:
+        names = [i.name for i in op.impls]
+        if len(set(names)) != len(names):
+            found.append(f"{op.name}: implementation names repeat: {names}")
+        if sum(i.reference for i in op.impls) != 1:
+            found.append(f"{op.name}: needs exactly one reference, has {[i.name for i in op.impls if i.reference]}")
+        for name in (op.fast, *op.fast_fallbacks, op.gpu_bf16):
+            if name is not None and name not in names:
+                found.append(f"{op.name}: {name!r} is named but has no row (rows: {names})")
+        for impl in op.impls:
+            try:
+                module = importlib.import_module(impl.module)
+            except ImportError as e:
+                found.append(f"{op.name}={impl.name}: module {impl.module} does not import ({e})")
+                continue
+            for attr in (impl.fn, impl.supports):
+                if attr is not None and not callable(getattr(module, attr, None)):
+                    found.append(f"{op.name}={impl.name}: {impl.module} has no callable {attr!r}")
+    return found

@@ -88,7 +88,7 @@ def master_adamw_(weights: list[torch.Tensor], grads: list[torch.Tensor], master
     bc = bias_corrections(steps, beta1, beta2)
     hyper = torch.tensor([lr, beta1, beta2, eps, weight_decay], dtype=torch.float64).to(dev, non_blocking=True)
     coef_t = coef.to(device=dev, dtype=torch.float32) if coef is not None else bc  # any pointer when unused
-    K = kernels("_adamw_kernels")
+    K = kernels("adamw.kernels")
     for i, (w, g, m, a, s) in enumerate(zip(weights, grads, masters, exp_avgs, exp_avg_sqs)):
         n = w.numel()
         if n:

@@ -3,7 +3,7 @@ with flash-linear-attention's fused kernel (``fla.modules.norm.fused_norm_gate.r
 
 Shapes: ``x`` and ``gate`` ``[..., D]`` (KDA: ``[B, S, Hh, D]``, D the head dim), ``weight`` ``[D]``.
 
-The reference (``models/common/kda.py: gated_rms_norm_reference``, HF's ``Glm5NextTextGatedRMSNorm`` order of
+The reference (``ops/gated_norm/reference.py: gated_rms_norm_reference``, HF's ``Glm5NextTextGatedRMSNorm`` order of
 ops) widens x and the gate to float32 and runs about ten elementwise kernels forward and fifteen backward over
 ``[S, Hh * D]``, each saving or reading a float32 copy (a few ms per KDA layer at 32K tokens). fla's kernel is
 one pass each way: it computes in float32 and keeps x, the gate and one float32 ``rstd`` per row (the same

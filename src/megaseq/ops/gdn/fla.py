@@ -3,7 +3,7 @@
 Shapes: B batch (1 when ``cu_seqlens`` is given), S tokens, Hk / Hv key / value heads, Dk / Dv head dims.
 
 ``fla.ops.gated_delta_rule.chunk_gated_delta_rule`` with q, k l2-normalised in the kernel and the scale
-``Dk^-0.5``, as the reference (``models.common.gdn.gdn_reference``, HF's ``torch_chunk_gated_delta_rule``).
+``Dk^-0.5``, as the reference (``ops.gdn.reference.gdn_reference``, HF's ``torch_chunk_gated_delta_rule``).
 Grouped value heads (Hv > Hk) are expanded first (``repeat_interleave``, as the reference does), so any fla
 version that runs equal heads runs these. Memory O(S * H * D) where the reference's is O(S * 64 * D) per
 head. fla is imported lazily; ``supports`` names why it cannot run (device, dtype, package) and the

@@ -18,21 +18,16 @@ order, so the selection does not depend on how queries are chunked or sharded.
 The chunk is the ``query_chunk`` argument (the DSA indexer passes its ``query_chunk``, which the family's
 ``parallelize`` sets from the memory plan), else as many rows as fit ``SCORING_BUDGET_BYTES`` by
 ``indexer_scoring_bytes``: the scoring is bounded even when no plan was applied. Its reference
-implementation is ``torch_fp32`` (below); fast ones register against the same op and contract.
+implementation is ``torch_fp32`` (below); fast ones (``ops.table``) keep the same contract.
 """
 
 from __future__ import annotations
 
 import torch
 
-from megaseq.ops.workspace import SCORING_BUDGET_BYTES, indexer_scoring_bytes, scoring_chunk  # noqa: F401
-
-
-def resolve_query_chunk(query_chunk: int | None, num_pools: int, num_heads: int, num_select: int) -> int:
-    """The scoring chunk in rows (see the module docstring for the order of precedence)."""
-    if query_chunk is None:
-        return scoring_chunk(num_pools, num_heads, num_select)
-    return max(1, int(query_chunk))
+from megaseq.ops.workspace import SCORING_BUDGET_BYTES as SCORING_BUDGET_BYTES  # re-exported: the chunk's budget
+from megaseq.ops.workspace import indexer_scoring_bytes as indexer_scoring_bytes  # re-exported: its memory formula
+from megaseq.ops.workspace import resolve_query_chunk
 
 
 @torch.no_grad()

@@ -4,7 +4,7 @@ Shapes: c rows of one chunk, r rows of a sub-block, n pools scored, M candidates
 kernel score ``L``, descending), K pools selected, W positions of a row's ambiguous band, D head dim,
 I heads.
 
-With ``|L - E| <= e`` per row (``indexer_topk.score_error_bound``; E the fp32 score) the sorted candidates
+With ``|L - E| <= e`` per row (``score_error_bound``; E the fp32 score) the sorted candidates
 split in three (positions 0-based, ``L_(K)`` the K-th largest):
 
 - sure in: positions ``p < s``, where at most K pools (p included) have ``L >= L_p - 2e``: no pool can
@@ -25,12 +25,78 @@ fewer than K visible pools need no score: all of them plus the lowest-index inva
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from megaseq.ops.indexer import scoring as indexer_scoring
-from megaseq.ops.indexer import topk as op
+from megaseq.ops.workspace import TOPK_RECHECK_BYTES, indexer_topk_bytes
 
 BIG = torch.iinfo(torch.int64).max
+BAND: int = 32  # band positions re-checked per row (rows with a wider band re-check all M candidates)
+RECHECK_BYTES: int = TOPK_RECHECK_BYTES  # one re-check sub-block (gathered fp32 keys [r, W, D], head scores [r, I, W])
+F32_UNIT = 2.0**-24  # fp32 unit roundoff
+
+
+@dataclass
+class TopkStats:
+    """Rows seen, rows with fewer than K visible pools (no scores needed), rows whose band needed exact
+    scores, the widest such band, rows rescored by the fallback."""
+
+    rows: int = 0
+    few_pool_rows: int = 0
+    exact_rows: int = 0
+    band_max: int = 0
+    fallback_rows: int = 0
+    chunks: int = 0
+
+    def reset(self) -> None:
+        self.rows = self.few_pool_rows = self.exact_rows = self.band_max = self.fallback_rows = self.chunks = 0
+
+
+STATS = TopkStats()
+
+
+# ---- the error bound of the kernel's scores ------------------------------------------------------------------
+def score_error_bound(q_cID: torch.Tensor, w_cI: torch.Tensor, key_dtype: torch.dtype,
+                      key_norm_max: float | torch.Tensor, scale: float, split: bool) -> torch.Tensor:
+    """Per row, a bound ``e [c]`` (float64) on ``|L - E|``: kernel scores vs the fp32 scores of the re-check.
+
+    With ``A_h = ||q_h|| * max_p ||k_p||`` (Cauchy-Schwarz bounds ``sum_d |q_hd k_pd|`` by it):
+
+    - operands: an operand exact in the low dtype (bf16 in bf16) has no error; a split one
+      ``|x - hi - lo| <= u^2 |x| + t``, a rounded one ``u |x| + t`` (``u`` the low dtype's unit
+      roundoff, 2^-8 for bf16; ``t`` its smallest normal, for flushed subnormals). The dot's error is then
+      ``<= (e_q + e_k + e_q e_k) A_h + t sqrt(D) (||q_h|| + max ||k||)``, plus ``u^2 A_h`` for the dropped
+      ``lo . lo`` when both are split;
+    - tensor-core accumulation of ``D * (number of dots)`` products in fp32: taken as
+      ``2 * terms * 2^-23 * A_h`` (products of bf16 are exact in fp32; the factor 2 covers truncating,
+      non-IEEE accumulation; an assumption about the hardware, not a theorem);
+    - relu is 1-Lipschitz; ``w * scale``, the product and the head sum in fp32: ``(I + 2) 2^-24`` of
+      ``sum_h |w_h| scale |d_h|``;
+    - the re-check's own fp32 error (dot of D terms, the scale, the head sum): ``(D + I + 3) 2^-24``.
+
+    Summed with the weights: ``e = 1.05 * scale * sum_h |w_h| (c_rel A_h + abs_h)`` (5% for the rounding
+    of this bound's own arithmetic).
+    """
+    from megaseq.ops.indexer import topk_kernel as kern
+
+    c, I, D = q_cID.shape
+    low = kern.low_dtype()
+    u = torch.finfo(low).eps / 2  # unit roundoff: 2^-8 for bf16
+    tiny = torch.finfo(low).tiny if not kern.INTERPRET else torch.finfo(low).smallest_normal * 2.0**-11
+    sq, sk = kern.splits(q_cID.dtype, key_dtype, split)
+    e_q = 0.0 if q_cID.dtype == low else (u * u if sq else u)
+    e_k = 0.0 if key_dtype == low else (u * u if sk else u)
+    dots = 1 + int(sk) + int(sq)
+    c_rel = e_q + e_k + e_q * e_k + (u * u if sq and sk else 0.0)
+    c_rel += 2 * D * dots * 2.0**-23 + (I + 2) * F32_UNIT * (1 + c_rel) + (D + I + 3) * F32_UNIT
+    qn_cI = torch.linalg.vector_norm(q_cID, dim=-1, dtype=torch.float32).double()
+    abs_cI = tiny * D**0.5 * (qn_cI + key_norm_max) * 1.1
+    per_head = c_rel * qn_cI * key_norm_max + abs_cI
+    return 1.05 * scale * (w_cI.double().abs() * per_head).sum(-1)
+
+
 
 
 class Run:
@@ -78,12 +144,12 @@ class Run:
             many = _rows_of(many_c, num_many)
             sel_cK[many], num_redo = self._certified(s + many, vals_cM[many], cand_cM[many], M == n, cert_c, many,
                                                      bad_c)
-        op.STATS.rows += e - s
-        op.STATS.chunks += 1
-        op.STATS.few_pool_rows += num_few
+        STATS.rows += e - s
+        STATS.chunks += 1
+        STATS.few_pool_rows += num_few
         if num_redo:
             redo = _rows_of(bad_c | ~cert_c, num_redo)
-            op.STATS.fallback_rows += num_redo
+            STATS.fallback_rows += num_redo
             sel_cK[redo] = self._fallback(s + redo, e - s, margin)
         ok_cK = (self.ends_P[sel_cK] <= pos_c[:, None]) & (self.pool_doc_P[sel_cK] == doc_c[:, None])
         return sel_cK, ok_cK
@@ -93,7 +159,7 @@ class Run:
         go to the fallback (``bad_c`` or failing the certificate: these rows' certificates are written into
         ``cert_c`` at ``many``), read back with the band's sizes in one host sync."""
         k, M = self.k, vals_rM.shape[1]
-        err_r = op.score_error_bound(self.q_QID[rows_r], self.w_QI[rows_r], self.keys_PD.dtype, self.key_norm_max,
+        err_r = score_error_bound(self.q_QID[rows_r], self.w_QI[rows_r], self.keys_PD.dtype, self.key_norm_max,
                                      self.scale, self.split)
         neg_rM = -vals_rM.double()  # ascending
         two_e = 2 * err_r[:, None]
@@ -103,14 +169,14 @@ class Run:
         sel_rK = cand_rM[:, :k].sort(dim=-1).values  # right where the band is exactly the free slots
         need_r = cert_r & (end_r > k)
         width_r = torch.where(need_r, end_r - first_r, 0)
-        narrow_r = need_r & (width_r <= op.BAND)
+        narrow_r = need_r & (width_r <= BAND)
         cert_c[many] = cert_r
         num_need, num_narrow, band_max, num_redo = torch.stack(
             [need_r.sum(), narrow_r.sum(), width_r.max(), (bad_c | ~cert_c).sum()]).tolist()
         if num_need:
-            op.STATS.exact_rows += num_need
-            op.STATS.band_max = max(op.STATS.band_max, band_max)
-            for mask, count, W in ((narrow_r, num_narrow, op.BAND), (need_r & ~narrow_r, num_need - num_narrow, M)):
+            STATS.exact_rows += num_need
+            STATS.band_max = max(STATS.band_max, band_max)
+            for mask, count, W in ((narrow_r, num_narrow, BAND), (need_r & ~narrow_r, num_need - num_narrow, M)):
                 if count:
                     group = _rows_of(mask, count)
                     sel_rK[group] = self._band_selection(rows_r[group], cand_rM[group], first_r[group],
@@ -122,7 +188,7 @@ class Run:
         k, M = self.k, cand_rM.shape[1]
         out = torch.empty(len(rows_r), k, dtype=torch.int64, device=cand_rM.device)
         D, I = self.keys_PD.shape[1], self.q_QID.shape[1]
-        block = max(1, op.RECHECK_BYTES // (W * (4 * D + 4 * I + 64)))
+        block = max(1, RECHECK_BYTES // (W * (4 * D + 4 * I + 64)))
         offs_W = torch.arange(W, device=cand_rM.device)
         for b0 in range(0, len(rows_r), block):
             sl = slice(b0, b0 + block)
@@ -147,7 +213,7 @@ class Run:
     def _fallback(self, rows_f: torch.Tensor, chunk_rows: int, margin: int) -> torch.Tensor:
         """The reference on the rows that failed the certificate, in chunks within this call's working set."""
         P, I, D = self.keys_PD.shape[0], self.q_QID.shape[1], self.q_QID.shape[2]
-        budget = op.indexer_topk_bytes(chunk_rows, P, I, self.k, margin, D)
+        budget = indexer_topk_bytes(chunk_rows, P, I, self.k, margin, D)
         ref_chunk = max(1, budget // indexer_scoring.indexer_scoring_bytes(1, P, I, self.k))
         sel_fK, _ = indexer_scoring.select_pools(
             self.q_QID[rows_f], self.w_QI[rows_f], self.keys_PD, self.ends_P, self.pool_doc_P,

@@ -4,17 +4,17 @@ Shapes: Q queries, P complete pools, I indexer heads, D indexer head dim, K pool
 (``min(num_select, P)``), c query rows of one chunk, n pools scored for the chunk (its causal prefix),
 M = min(K + margin, n) candidates per row, r rows of a sub-block.
 
-Contract (``megaseq.ops.indexer.scoring.select_pools``, registered here as the reference
+Contract (``megaseq.ops.indexer.scoring.select_pools``, the reference
 ``torch_fp32``): ``index[q, p] = sum_h w[q, h] * relu(scale * q[q, h] . k[p])`` over the pools visible to
 the query (pool end at or before it, same document; the others score the dtype's min), each row's top-K
 with ties to the lowest pool index, returned ascending, with the validity of each pick.
 
 The fast implementation ``triton`` computes the same selection, per chunk of rows:
 
-1. ``indexer_topk_kernel.index_scores``: the scores ``L [c, n]`` on tensor cores (bf16 operands, an fp32
+1. ``topk_kernel.index_scores``: the scores ``L [c, n]`` on tensor cores (bf16 operands, an fp32
    operand split into bf16 ``hi + lo``, fp32 accumulation), masked as the reference; no ``[c, I, n]``.
 2. Candidates: ``torch.topk(L, M)``, sorted.
-3. Certificate and band (``indexer_topk_select``): with ``|L - E| <= e`` per row (``score_error_bound``;
+3. Certificate and band (``select``): with ``|L - E| <= e`` per row (``score_error_bound``;
    ``E`` the fp32 score) the sorted candidates split into sure-in, an ambiguous band and sure-out; every
    pool outside the candidates is sure out when the M-th candidate is (``L_(M) < L_(K) - 2e``) or when
    every visible pool is a candidate. Rows that fail go to the fallback: the reference on those rows.
@@ -39,94 +39,22 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from dataclasses import dataclass
 
 import torch
 
-from megaseq.ops.workspace import TOPK_MARGIN, TOPK_RECHECK_BYTES
+from megaseq.ops.indexer.select import STATS as STATS  # re-exported: the op's counters
+from megaseq.ops.indexer.select import Run
+from megaseq.ops.indexer.select import score_error_bound as score_error_bound  # re-exported: the op's bound
+from megaseq.ops.workspace import TOPK_MARGIN, resolve_query_chunk
 from megaseq.ops.workspace import indexer_topk_bytes as indexer_topk_bytes  # re-exported: the op's memory formula
-from megaseq.ops.workspace import topk_row_bytes as _row_bytes
 
 MARGIN: int = TOPK_MARGIN  # candidates beyond K per row
 SPLIT: bool = True  # split fp32 operands into bf16 hi + lo (False: round them to bf16, a 64x looser bound)
-SCORING_BUDGET_BYTES: int = 2 << 30  # one chunk's working set when no query_chunk is given
-BAND: int = 32  # band positions re-checked per row (rows with a wider band re-check all M candidates)
-RECHECK_BYTES: int = TOPK_RECHECK_BYTES  # one re-check sub-block (gathered fp32 keys [r, W, D], head scores [r, I, W])
 DTYPES = (torch.float32, torch.bfloat16)
-F32_UNIT = 2.0**-24  # fp32 unit roundoff
-
-
-@dataclass
-class TopkStats:
-    """Rows seen, rows with fewer than K visible pools (no scores needed), rows whose band needed exact
-    scores, the widest such band, rows rescored by the fallback."""
-
-    rows: int = 0
-    few_pool_rows: int = 0
-    exact_rows: int = 0
-    band_max: int = 0
-    fallback_rows: int = 0
-    chunks: int = 0
-
-    def reset(self) -> None:
-        self.rows = self.few_pool_rows = self.exact_rows = self.band_max = self.fallback_rows = self.chunks = 0
-
-
-STATS = TopkStats()
-
-
-# ---- memory ------------------------------------------------------------------------------------------------
-def resolve_query_chunk(query_chunk: int | None, num_pools: int, num_heads: int, num_select: int,
-                        margin: int = MARGIN, head_dim: int = 128) -> int:
-    """Rows per chunk: ``query_chunk`` when given, else as many as fit ``SCORING_BUDGET_BYTES``."""
-    if query_chunk is not None:
-        return max(1, int(query_chunk))
-    per_row, _ = _row_bytes(num_pools, num_heads, num_select, margin, head_dim)
-    return max(1, (SCORING_BUDGET_BYTES - RECHECK_BYTES) // per_row)
-
-
-# ---- the error bound of the kernel's scores ------------------------------------------------------------------
-def score_error_bound(q_cID: torch.Tensor, w_cI: torch.Tensor, key_dtype: torch.dtype,
-                      key_norm_max: float | torch.Tensor, scale: float, split: bool) -> torch.Tensor:
-    """Per row, a bound ``e [c]`` (float64) on ``|L - E|``: kernel scores vs the fp32 scores of the re-check.
-
-    With ``A_h = ||q_h|| * max_p ||k_p||`` (Cauchy-Schwarz bounds ``sum_d |q_hd k_pd|`` by it):
-
-    - operands: an operand exact in the low dtype (bf16 in bf16) has no error; a split one
-      ``|x - hi - lo| <= u^2 |x| + t``, a rounded one ``u |x| + t`` (``u`` the low dtype's unit
-      roundoff, 2^-8 for bf16; ``t`` its smallest normal, for flushed subnormals). The dot's error is then
-      ``<= (e_q + e_k + e_q e_k) A_h + t sqrt(D) (||q_h|| + max ||k||)``, plus ``u^2 A_h`` for the dropped
-      ``lo . lo`` when both are split;
-    - tensor-core accumulation of ``D * (number of dots)`` products in fp32: taken as
-      ``2 * terms * 2^-23 * A_h`` (products of bf16 are exact in fp32; the factor 2 covers truncating,
-      non-IEEE accumulation; an assumption about the hardware, not a theorem);
-    - relu is 1-Lipschitz; ``w * scale``, the product and the head sum in fp32: ``(I + 2) 2^-24`` of
-      ``sum_h |w_h| scale |d_h|``;
-    - the re-check's own fp32 error (dot of D terms, the scale, the head sum): ``(D + I + 3) 2^-24``.
-
-    Summed with the weights: ``e = 1.05 * scale * sum_h |w_h| (c_rel A_h + abs_h)`` (5% for the rounding
-    of this bound's own arithmetic).
-    """
-    from megaseq.ops.indexer import topk_kernel as kern
-
-    c, I, D = q_cID.shape
-    low = kern.low_dtype()
-    u = torch.finfo(low).eps / 2  # unit roundoff: 2^-8 for bf16
-    tiny = torch.finfo(low).tiny if not kern.INTERPRET else torch.finfo(low).smallest_normal * 2.0**-11
-    sq, sk = kern.splits(q_cID.dtype, key_dtype, split)
-    e_q = 0.0 if q_cID.dtype == low else (u * u if sq else u)
-    e_k = 0.0 if key_dtype == low else (u * u if sk else u)
-    dots = 1 + int(sk) + int(sq)
-    c_rel = e_q + e_k + e_q * e_k + (u * u if sq and sk else 0.0)
-    c_rel += 2 * D * dots * 2.0**-23 + (I + 2) * F32_UNIT * (1 + c_rel) + (D + I + 3) * F32_UNIT
-    qn_cI = torch.linalg.vector_norm(q_cID, dim=-1, dtype=torch.float32).double()
-    abs_cI = tiny * D**0.5 * (qn_cI + key_norm_max) * 1.1
-    per_head = c_rel * qn_cI * key_norm_max + abs_cI
-    return 1.05 * scale * (w_cI.double().abs() * per_head).sum(-1)
 
 
 # ---- the op --------------------------------------------------------------------------------------------------
-# the reference, ``torch_fp32``, is ``ops.indexer.scoring.select_pools`` (registered there)
+# the reference, ``torch_fp32``, is ``ops.indexer.scoring.select_pools`` (rows: ``ops.table``)
 
 
 def indexer_topk_supports(q_QID: torch.Tensor, weights_QI: torch.Tensor, keys_PD: torch.Tensor,
@@ -179,11 +107,9 @@ def indexer_topk_triton(q_QID: torch.Tensor, weights_QI: torch.Tensor, keys_PD: 
     if k == 0 or Q == 0:
         return sel, ok
     margin = MARGIN if margin is None else margin
-    from megaseq.ops.indexer.select import Run
-
     run = Run(q_QID, weights_QI, keys_PD, pool_end_P.contiguous(), pool_doc_P, q_pos_Q, q_doc_Q, k, scale,
                SPLIT if split is None else split)
-    chunk = resolve_query_chunk(query_chunk, P, I, k, margin, D)
+    chunk = resolve_query_chunk(query_chunk, P, I, k, "triton", margin, D)
     bounds = [(s, min(s + chunk, Q)) for s in range(0, Q, chunk)]
     for (s, e), n in zip(bounds, run.pools_scored(bounds), strict=True):
         sel[s:e], ok[s:e] = run.chunk(s, e, n, margin)

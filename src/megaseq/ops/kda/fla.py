@@ -156,7 +156,7 @@ def kda_gate_fla_supports(f_BSHD: torch.Tensor, A_log_H: torch.Tensor, dt_bias_C
 
 def kda_gate_fla(f_BSHD: torch.Tensor, A_log_H: torch.Tensor, dt_bias_C: torch.Tensor,
                  lower_bound: float | None) -> torch.Tensor:
-    """Same contract as ``models/common/kda.py: kda_gate_reference`` (float32 out): fla's ``fused_kda_gate``, the
+    """Same contract as ``ops/kda/reference.py: kda_gate_reference`` (float32 out): fla's ``fused_kda_gate``, the
     bias, ``exp(A_log)``, the sigmoid (or softplus) and the bound in one pass each way (fla's KimiDeltaAttention's
     own gate), where the reference runs five float32 elementwise passes forward and as many back, and sums the
     bias's and A_log's gradients per 32-token block on the fly. ``f``'s gradient comes back in its dtype."""

@@ -2,7 +2,7 @@
 
 Shapes: R = B * S tokens, D = N * H (the flattened streams), M = (2 + N) * N mixing outputs (24 for N = 4).
 
-The reference (``models/common/mhc.py: hc_mix_reference``, HF's order of ops)::
+The reference (``ops/mhc/reference.py: hc_mix_reference``, HF's order of ops)::
 
     flat = h.reshape(R, D).float();  flat = flat * rsqrt(mean(flat^2) + eps);  mix = F.linear(flat, fn)
 

@@ -2,16 +2,16 @@
 
 Shapes: R = B * S tokens, D = N * H (the flattened streams), M = (2 + N) * N mixing outputs (24 for N = 4).
 
-Contract (as ``models/common/mhc.py: hc_mix_reference``): ``mix = F.linear(flat * rsqrt(mean(flat^2) + eps),
+Contract (as ``ops/mhc/reference.py: hc_mix_reference``): ``mix = F.linear(flat * rsqrt(mean(flat^2) + eps),
 fn)`` in the matmul's dtype (autocast's where it is on, else the compute dtype float32), differentiable in the
 streams and ``fn``.
 
 Why a kernel: with bf16 weights (the default) the streams are bf16 and ``fn`` float32 (HF keeps it so), so the
-float32 GEMM of the reference, and of the closed-form ``torch_fused`` (``ops/mhc.mix_fused.py``), first widens the
+float32 GEMM of the reference, and of the closed-form ``torch_fused`` (``ops/mhc/mix_fused.py``), first widens the
 ``[R, D]`` streams into a float32 copy that it keeps for the backward (1 GiB per hyper-connection at 32K tokens
 of glm5-flash-1gpu, 16 a step), runs on the CUDA cores (cuBLAS has no fp32 tensor-core GEMM without tf32), and
 the backward makes three more float32 ``[R, D]`` passes (``d_u @ fn``, the widened streams, the
-multiply-add) before rounding back. Here (``ops/mhc.mix_kernels.py``):
+multiply-add) before rounding back. Here (``ops/mhc/mix_kernels.py``):
 
 - forward: one pass over the bf16 streams computes ``u = flat @ fn^T`` and each row's sum of squares (with
   bf16 streams as three exact bf16 tensor-core products of ``fn``'s bf16 pieces, ``split_bf16x3``);
@@ -38,7 +38,7 @@ import torch
 from megaseq.ops._triton_util import cdiv, kernels, next_pow2, triton_supports
 from megaseq.ops.mhc.mix_fused import _mm_dtype, hc_mix_fused_supports
 
-KERNELS = "_hc_mix_kernels"
+KERNELS = "mhc.mix_kernels"
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_M = 128  # [BT, MP] and [MP, BD] fp32 tiles in registers
 ROW_CHUNKS = 64  # the backward's dfn partial sums: at most this many [M, D] float32 slots

@@ -28,12 +28,12 @@ import torch
 
 from megaseq.ops._triton_util import cdiv, kernels, next_pow2, triton_supports
 
-KERNELS = "_mhc_stream_kernels"
+KERNELS = "mhc.streams_kernels"
 MAX_STREAMS = 8
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-# the references, ``torch``, are ``models.common.mhc.hc_collapse_reference`` / ``hc_merge_reference``
+# the references, ``torch``, are ``ops.mhc.reference.hc_collapse_reference`` / ``hc_merge_reference``
 
 
 # ---- Triton -------------------------------------------------------------------------------------------

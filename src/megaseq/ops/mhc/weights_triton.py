@@ -39,14 +39,14 @@ BWD_CONFIG = (64, 4)
 SEGMENT_PAIRS = 4  # Sinkhorn (row, col) pairs per recompute segment of the backward
 
 
-# the reference, ``torch``, is ``models.common.mhc.hc_weights_reference`` (registered there)
+# the reference, ``torch``, is ``ops.mhc.reference.hc_weights_reference`` (rows: ``ops.table``)
 
 
 # ---- Triton -------------------------------------------------------------------------------------------
 class _HcWeights(torch.autograd.Function):
     @staticmethod
     def forward(ctx, mix_BSM, base_M, scale_3, N: int, iters: int, hc_eps: float):
-        K = kernels("_mhc_weights_kernels")
+        K = kernels("mhc.weights_kernels")
         M = mix_BSM.shape[-1]
         lead = mix_BSM.shape[:-1]
         mix_TM = mix_BSM.reshape(-1, M).contiguous()
@@ -65,7 +65,7 @@ class _HcWeights(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_pre, g_post, g_comb):
-        K = kernels("_mhc_weights_kernels")
+        K = kernels("mhc.weights_kernels")
         mix_TM, base_M, scale_3 = ctx.saved_tensors
         N, iters, hc_eps, shape = ctx.args
         T, M = mix_TM.shape

@@ -3,7 +3,7 @@
 Shapes: N tokens, K experts per token, M = N * K rows, H hidden. ``order_M`` (the slots ``j = n * K + k``
 sorted by expert) and ``inverse_M`` (``inverse[order[m]] = m``) come from ``Experts.forward``.
 
-The references (``models/common/moe.py``) are torch's indexing and arithmetic::
+The references (``ops/moe_glue/reference.py``) are torch's indexing and arithmetic::
 
     permute: x_MH = x_NH[order_M // K]                                   (grouped_mm then casts to bf16)
     combine: out_NH = (y_MH[inverse_M] * w_NK.reshape(-1, 1)).to(dtype).view(N, K, H).sum(1).to(dtype)
@@ -28,7 +28,7 @@ import torch
 
 from megaseq.ops._triton_util import cdiv, kernels, triton_supports
 
-KERNELS = "_moe_glue_kernels"
+KERNELS = "moe_glue.kernels"
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 HALF = (torch.bfloat16, torch.float16)
 

@@ -24,13 +24,13 @@ import torch
 
 from megaseq.ops._triton_util import cdiv, kernels, next_pow2, triton_supports
 
-KERNELS = "_rms_norm_kernels"
+KERNELS = "rms_norm.kernels"
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_HIDDEN = 32768  # a whole row in registers
 ELEMENTS_PER_BLOCK = 4096  # BR * BH: rows per block for small H
 
 
-# the reference, ``torch``, is ``models.common.norm.rms_norm_reference`` (registered there)
+# the reference, ``torch``, is ``ops.rms_norm.reference.rms_norm_reference`` (rows: ``ops.table``)
 
 
 def _config(H: int) -> tuple[int, int, int]:

@@ -25,11 +25,11 @@ import torch
 
 from megaseq.ops._triton_util import cdiv, kernels, triton_supports
 
-KERNELS = "_swiglu_kernels"
+KERNELS = "swiglu.kernels"
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-# the reference, ``torch``, is ``models.common.mlp.swiglu`` (registered there)
+# the reference, ``torch``, is ``ops.swiglu.reference.swiglu`` (rows: ``ops.table``)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

@@ -114,7 +114,7 @@ def _takes_chunk_const() -> bool:  # liger-kernel 0.8.5 has it; older releases c
     return "chunk_mem_const" in inspect.signature(LigerFLCE.forward).parameters
 
 
-# the reference, ``torch``, is ``ops.vocab_loss.reference.plain_linear_cross_entropy`` (registered there)
+# the reference, ``torch``, is ``ops.vocab_loss.reference.plain_linear_cross_entropy`` (rows: ``ops.table``)
 
 
 def liger_loss_supports(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100,

@@ -1,5 +1,5 @@
-"""Ops ``moe_permute`` / ``moe_combine``: the Triton kernels (``ops/moe_glue.fused.py``) against the torch
-references (``models/common/moe.py``).
+"""Ops ``moe_permute`` / ``moe_combine``: the Triton kernels (``ops/moe_glue/fused.py``) against the torch
+references (``ops/moe_glue/reference.py``).
 
 Without a GPU the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``, set by conftest.py before
 Triton is imported) in fp32 and fp16 (the interpreter's bf16 is broken), on odd shapes: N = 37 tokens, K = 3 of E = 5
@@ -26,6 +26,7 @@ from devices import BF16, DEV, F16, F32, GPU  # noqa: E402
 from megaseq.models.common import moe  # noqa: E402
 from megaseq.ops import _triton_util, dispatch  # noqa: E402
 from megaseq.ops.moe_glue import fused as glue  # noqa: E402
+from megaseq.ops.moe_glue import reference as moe_ref  # noqa: E402
 from numerics import assert_close  # noqa: E402
 from triton_compile import compile_in_child  # noqa: E402
 
@@ -62,7 +63,7 @@ def test_permute_matches_reference(x_dtype, dtype):
     assert glue.moe_permute_triton_supports(x, order_M, inverse_M, K, dtype) == (
         None if DEV == "cuda" else "device cpu (Triton kernels need cuda)")
     got = glue.moe_permute_triton(x, order_M, inverse_M, K, dtype)
-    want = moe.moe_permute_reference(x, order_M, inverse_M, K, dtype).to(dtype)  # grouped_mm's cast
+    want = moe_ref.moe_permute_reference(x, order_M, inverse_M, K, dtype).to(dtype)  # grouped_mm's cast
     assert got.dtype == dtype and torch.equal(got, want)
     (gx,) = _grads(got, [x])
     (wx,) = _grads(want, [x])
@@ -87,7 +88,7 @@ def _combine_inputs(y_dtype, w_dtype, N=37, K=3, E=5, H=600, seed=2):
 def test_combine_matches_reference(y_dtype, w_dtype, dtype):
     y, order_M, inverse_M, w = _combine_inputs(y_dtype, w_dtype)
     got = glue.moe_combine_triton(y, order_M, inverse_M, w, dtype)
-    want = moe.moe_combine_reference(y, order_M, inverse_M, w, dtype)
+    want = moe_ref.moe_combine_reference(y, order_M, inverse_M, w, dtype)
     half = dtype != F32 or y_dtype != F32
     _close("combine out", got, want, 2e-3 if dtype != F32 else 2e-6)
     for name, a, b in zip(("grad y", "grad w"), _grads(got, [y, w]), _grads(want, [y, w])):
@@ -98,7 +99,7 @@ def test_combine_rounds_half_products_as_torch():
     """Half y and weights: torch rounds each product to half before the sum; without that rounding the
     kernel's output moves by more than its fp32 summation order can (checked against a no-rounding run)."""
     y, order_M, inverse_M, w = _combine_inputs(HALF, HALF, seed=4)
-    want = moe.moe_combine_reference(y, order_M, inverse_M, w, F32).detach()
+    want = moe_ref.moe_combine_reference(y, order_M, inverse_M, w, F32).detach()
     got = glue.moe_combine_triton(y, order_M, inverse_M, w, F32).detach()
     out = torch.empty_like(got)
     glue._sum_rows(y.detach(), inverse_M, w.detach().reshape(-1).contiguous(), out, 3, round_p=False)
@@ -120,7 +121,7 @@ def test_combine_with_one_row_dropped_fails(monkeypatch):
     y, order_M, inverse_M, w = _combine_inputs(F32, F32)
     with pytest.raises(AssertionError, match="combine out"):
         _close("combine out", glue.moe_combine_triton(y, order_M, inverse_M, w, F32),
-               moe.moe_combine_reference(y, order_M, inverse_M, w, F32), 2e-6)
+               moe_ref.moe_combine_reference(y, order_M, inverse_M, w, F32), 2e-6)
 
 
 def test_the_dispatcher_keeps_the_reference_on_the_cpu():

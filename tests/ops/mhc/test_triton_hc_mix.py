@@ -1,4 +1,4 @@
-"""Op ``hc_mix`` in Triton (``ops/mhc.mix_triton.py``) against the reference (HF's order of ops, float64).
+"""Op ``hc_mix`` in Triton (``ops/mhc/mix_triton.py``) against the reference (HF's order of ops, float64).
 
 Without a GPU the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``, conftest.py), in fp32 and
 fp16 streams (the interpreter's bf16 is broken) with an fp32 ``fn``, on odd shapes: N = 4 (M = 24, padded to
@@ -20,9 +20,9 @@ import torch
 pytest.importorskip("triton")  # on the CPU under the interpreter conftest.py selects
 
 from devices import BF16, DEV, F16, F32  # noqa: E402
-from megaseq.models.common import mhc  # noqa: E402
 from megaseq.ops import dispatch, kernels  # noqa: E402
 from megaseq.ops.mhc import mix_triton as thm  # noqa: E402
+from megaseq.ops.mhc import reference as mhc  # noqa: E402
 from numerics import assert_close  # noqa: E402
 
 torch.set_num_threads(1)

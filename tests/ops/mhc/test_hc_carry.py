@@ -3,7 +3,7 @@
 A layer uses its streams three times: ``hc_mix`` (the mixing weights), ``hc_collapse`` (the block input) and
 ``hc_merge`` (the residual). With the Triton kernels, ``carrying`` hands the streams on through ``hc_mix`` and
 ``hc_collapse`` as views whose gradients those kernels' backwards add into the streams' gradient as they write
-it (``ops/mhc.mix_triton.py``, ``ops/mhc.streams_triton.py``), instead of autograd adding three gradients.
+it (``ops/mhc/mix_triton.py``, ``ops/mhc/streams_triton.py``), instead of autograd adding three gradients.
 
 Checked here against the plain computation in float64 (the references, ``forward`` with the streams as the
 residual): the loss and every gradient (streams, ``fn``, ``base``, ``scale``, the block's weight), on odd

@@ -1,4 +1,4 @@
-"""The indexer's tie order (``ops/indexer.scoring.py``): with ``row_len`` the reference keeps the pools
+"""The indexer's tie order (``ops/indexer/scoring.py``): with ``row_len`` the reference keeps the pools
 ``torch.topk`` keeps on transformers' row (every pool of the sequence, invalid ones at the floor), whatever the
 query chunk; without it the lowest pools win. Rows cut inside blocks of exact-zero scores (few heads, keys
 every head scores negative), so the two rules disagree and each is checked against its own brute force."""

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from devices import GPU
-from megaseq.ops import dispatch, liger_loss
+from megaseq.ops import dispatch
+from megaseq.ops.vocab_loss import liger as liger_loss
 from megaseq.ops.vocab_loss.reference import plain_linear_cross_entropy
 from numerics import rel_err
 

@@ -17,9 +17,10 @@ import pytest
 import torch
 
 from devices import GPU  # noqa: E402
-from megaseq.models.common.mla_dsa import sparse_mla_reference  # noqa: E402
-from megaseq.ops import dispatch, sparse_mla, workspace  # noqa: E402
+from megaseq.ops import dispatch, workspace  # noqa: E402
+from megaseq.ops.sparse_mla import absorbed as sparse_mla  # noqa: E402
 from megaseq.ops.sparse_mla import fused as tsm  # noqa: E402
+from megaseq.ops.sparse_mla.reference import sparse_mla_reference  # noqa: E402
 from numerics import rel_err  # noqa: E402
 from triton_compile import compile_in_child  # noqa: E402
 

@@ -18,9 +18,9 @@ pytest.importorskip("triton")  # on the CPU under the interpreter conftest.py se
 from devices import GPU  # noqa: E402
 from megaseq.ops import dispatch  # noqa: E402
 from megaseq.ops.indexer import scoring as indexer_scoring  # noqa: E402
+from megaseq.ops.indexer import select as sel_mod  # noqa: E402
 from megaseq.ops.indexer import topk as indexer_topk  # noqa: E402
 from megaseq.ops.indexer import topk_kernel as kern  # noqa: E402
-from megaseq.ops.indexer import select as sel_mod  # noqa: E402
 
 torch.set_num_threads(1)
 CPU = pytest.mark.skipif(torch.cuda.is_available() or not kern.INTERPRET, reason="CPU interpreter test")

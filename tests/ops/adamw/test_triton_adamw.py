@@ -1,4 +1,4 @@
-"""MasterAdamW's one-pass Triton step (``ops/adamw.fused.py``) against torch's AdamW on an fp32 copy.
+"""MasterAdamW's one-pass Triton step (``ops/adamw/fused.py``) against torch's AdamW on an fp32 copy.
 
 Without a GPU the kernel runs under Triton's interpreter (conftest.py), with fp16 and fp32 weights (the
 interpreter's bf16 is broken); with a GPU the same tests run there and the ``gpu`` test compares bf16 weights

@@ -1,4 +1,4 @@
-"""Op ``hc_mix`` (mHC's normalised-streams projection): the fused implementation (``ops/mhc.mix_fused.py``, the RMS
+"""Op ``hc_mix`` (mHC's normalised-streams projection): the fused implementation (``ops/mhc/mix_fused.py``, the RMS
 scale applied after the GEMM, its gradient in closed form) against the reference (HF's order of ops).
 
 Pure torch, so it runs on the CPU: float64 to 1e-12 (values, the streams' and ``fn``'s gradients), float32
@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megaseq.models.common import mhc
 from megaseq.ops import dispatch
 from megaseq.ops.mhc import mix_fused as fused
+from megaseq.ops.mhc import reference as mhc
 from numerics import rel_err
 
 F64, F32, BF16 = torch.float64, torch.float32, torch.bfloat16

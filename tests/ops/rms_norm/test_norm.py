@@ -6,11 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-import megaseq.models.common.norm as norm
+import megaseq.ops.rms_norm.reference as norm
 import megaseq.ops.workspace as workspace
 from conftest import cuda_backward_peak
-from megaseq.models.common.norm import RMSNorm, rms_norm_reference, rms_norm_torch
+from megaseq.models.common.norm import RMSNorm
 from megaseq.ops import dispatch
+from megaseq.ops.rms_norm.reference import rms_norm_reference, rms_norm_torch
 
 torch.set_num_threads(2)
 

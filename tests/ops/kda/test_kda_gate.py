@@ -1,5 +1,5 @@
-"""Op ``kda_gate`` (KDA's forget-gate activation): fla's fused kernel (``ops/kda.fla.py: kda_gate_fla``) against the
-reference (``models/common/kda.py: kda_gate_reference``, HF's order of ops).
+"""Op ``kda_gate`` (KDA's forget-gate activation): fla's fused kernel (``ops/kda/fla.py: kda_gate_fla``) against the
+reference (``ops/kda/reference.py: kda_gate_reference``, HF's order of ops).
 
 On the CPU: the reference is the formula in float64 (the safe gate and the softplus gate, GLM-5's ``[Hh]`` and
 Kimi-Linear's ``[1, 1, Hh, 1]`` A_log), the forget gate runs it through the dispatcher under its layer's name, and
@@ -16,7 +16,9 @@ import torch
 from devices import GPU
 from megaseq.models.common import kda
 from megaseq.models.spec import ModelSpec
-from megaseq.ops import dispatch, fla_kda, kernels
+from megaseq.ops import dispatch, kernels
+from megaseq.ops.kda import fla as fla_kda
+from megaseq.ops.kda import reference as kda_ref
 from numerics import assert_close
 
 F64, F32, BF16 = torch.float64, torch.float32, torch.bfloat16
@@ -40,7 +42,7 @@ def test_the_reference_is_the_formula_in_float64(lower_bound, kimi):
     g = f + bias.view(3, 8)
     rate = a.reshape(3, 1).exp()
     want = lower_bound * torch.sigmoid(rate * g) if lower_bound is not None else -rate * torch.nn.functional.softplus(g)
-    assert_close("gate", kda.kda_gate_reference(f, a, bias, lower_bound), want, 1e-14)
+    assert_close("gate", kda_ref.kda_gate_reference(f, a, bias, lower_bound), want, 1e-14)
 
 
 def test_the_forget_gate_runs_through_the_dispatcher():
@@ -54,7 +56,7 @@ def test_the_forget_gate_runs_through_the_dispatcher():
     (layer, rec), = [(lay, r) for lay, r in dispatch.records() if r.op == "kda_gate"]
     assert layer == "layers.0.self_attn.forget_gate" and rec.impl == "torch" and "fla: dtype" in rec.reason, rec
     f = gate.f_b_proj(gate.f_a_proj(x)).view(2, 5, 2, 8)
-    assert_close("gate", g, kda.kda_gate_reference(f, gate.A_log, gate.dt_bias, -5.0), 0.0)
+    assert_close("gate", g, kda_ref.kda_gate_reference(f, gate.A_log, gate.dt_bias, -5.0), 0.0)
 
 
 def test_fla_declines_what_it_cannot_run():
@@ -91,7 +93,7 @@ def _compare(reference, shape, dtype, lower_bound, kimi=False):
 @pytest.mark.parametrize("lower_bound", [-5.0, None])
 @pytest.mark.parametrize("shape,kimi", [((1, 32768, 16, 128), False), ((2, 37, 3, 48), True)])
 def test_fla_matches_the_reference_on_gpu(dtype, lower_bound, shape, kimi):
-    _compare(kda.kda_gate_reference, shape, dtype, lower_bound, kimi)
+    _compare(kda_ref.kda_gate_reference, shape, dtype, lower_bound, kimi)
 
 
 @pytest.mark.gpu

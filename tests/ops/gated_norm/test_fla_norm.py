@@ -1,4 +1,4 @@
-"""Op ``gated_rms_norm`` (KDA's gated output norm): fla's fused kernel (``ops/gated_norm.fla.py``) against the reference
+"""Op ``gated_rms_norm`` (KDA's gated output norm): fla's fused kernel (``ops/gated_norm/fla.py``) against the reference
 (``models/common/kda.py``, HF's order of ops).
 
 On the CPU: the KDA block's norm runs through the dispatcher, the reference equals the formula in float64, and
@@ -13,7 +13,9 @@ import pytest
 import torch
 
 from megaseq.models.common import kda
-from megaseq.ops import dispatch, fla_norm, kernels
+from megaseq.ops import dispatch, kernels
+from megaseq.ops.gated_norm import fla as fla_norm
+from megaseq.ops.gated_norm import reference as gated_norm_ref
 from numerics import assert_close
 
 F64, F32, BF16 = torch.float64, torch.float32, torch.bfloat16
@@ -31,7 +33,7 @@ def _inputs(shape, dtype, device="cpu", seed=0):
 def test_the_reference_is_the_formula_in_float64():
     x, gate, w = _inputs((2, 5, 3, 16), F64)
     want = w * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * torch.sigmoid(gate)
-    assert_close("gated norm", kda.gated_rms_norm_reference(x, gate, w, 1e-6), want, 1e-14)
+    assert_close("gated norm", gated_norm_ref.gated_rms_norm_reference(x, gate, w, 1e-6), want, 1e-14)
 
 
 def test_the_kda_norm_runs_through_the_dispatcher():
@@ -42,7 +44,7 @@ def test_the_kda_norm_runs_through_the_dispatcher():
         y = norm(x, gate)
     (layer, rec), = [(lay, r) for lay, r in dispatch.records() if r.op == "gated_rms_norm"]
     assert layer == "layers.0.self_attn.o_norm" and rec.impl == "torch" and "fla: dtypes" in rec.reason, rec
-    assert_close("norm", y, kda.gated_rms_norm_reference(x, gate, norm.weight, 1e-6), 0.0)
+    assert_close("norm", y, gated_norm_ref.gated_rms_norm_reference(x, gate, norm.weight, 1e-6), 0.0)
 
 
 def test_fla_declines_what_it_cannot_run():
@@ -56,7 +58,7 @@ def test_fla_declines_what_it_cannot_run():
 def _compare(fast, shape, dtype):
     x, gate, w = _inputs(shape, dtype, "cuda")
     out_tol, grad_tol = TOL[dtype]
-    got, want = fast(x, gate, w, 1e-6), kda.gated_rms_norm_reference(x, gate, w, 1e-6)
+    got, want = fast(x, gate, w, 1e-6), gated_norm_ref.gated_rms_norm_reference(x, gate, w, 1e-6)
     assert got.dtype == want.dtype == dtype
     assert_close("out", got, want, out_tol)
     g = torch.randn(shape, generator=torch.Generator(device="cuda").manual_seed(5), device="cuda").to(dtype)
