@@ -16,7 +16,7 @@ import torch
 pytest.importorskip("triton")  # on the CPU under the interpreter conftest.py selects
 
 from devices import GPU  # noqa: E402
-from megaseq.ops import dispatch  # noqa: E402
+from megaseq.ops import dispatch, workspace  # noqa: E402
 from megaseq.ops.indexer import scoring as indexer_scoring  # noqa: E402
 from megaseq.ops.indexer import select as sel_mod  # noqa: E402
 from megaseq.ops.indexer import topk as indexer_topk  # noqa: E402
@@ -139,7 +139,7 @@ def test_certified_rows_need_no_fallback():
 @pytest.mark.parametrize("ties", [False, True])
 def test_exact_band_recheck(band, ties, monkeypatch):
     """Without the split the bound is wide: most rows re-check their band (narrow, or all M candidates)."""
-    monkeypatch.setattr(indexer_topk, "BAND", band)
+    monkeypatch.setattr(sel_mod, "BAND", band)
     args, scale = make_inputs(13, S=400, I=5, doc_split=90, ties=ties)
     got, ref = run_both(args, scale, 7, margin=12, split=False)
     assert_same(got, ref, f"band={band} ties={ties}")
@@ -190,7 +190,7 @@ def test_broken_variants_fail(monkeypatch):
     must change the result."""
     args = _near_tie()
     with monkeypatch.context() as m:
-        m.setattr(indexer_topk, "score_error_bound", lambda q, *a: torch.full((len(q),), -float("inf")))
+        m.setattr(sel_mod, "score_error_bound", lambda q, *a: torch.full((len(q),), -float("inf")))
         got, ref = run_both(args, 1.0, 1, margin=0, split=False)
         assert got[0][:, 0].tolist() == [1, 1] != ref[0][:, 0].tolist()
     with monkeypatch.context() as m:  # trust the kernel's order inside the band: the near tie flips
@@ -227,9 +227,9 @@ def test_bytes_and_chunk():
     P, I, K = (1 << 20) // 16, 32, 128
     one = indexer_topk.indexer_topk_bytes(1, P, I, K) - indexer_topk.indexer_topk_bytes(0, P, I, K)
     assert one >= 4 * P
-    chunk = indexer_topk.resolve_query_chunk(None, P, I, K)
-    assert indexer_topk.indexer_topk_bytes(chunk, P, I, K) <= indexer_topk.SCORING_BUDGET_BYTES
-    assert indexer_topk.resolve_query_chunk(7, P, I, K) == 7
+    chunk = workspace.resolve_query_chunk(None, P, I, K, "triton")
+    assert indexer_topk.indexer_topk_bytes(chunk, P, I, K) <= workspace.SCORING_BUDGET_BYTES
+    assert workspace.resolve_query_chunk(7, P, I, K, "triton") == 7
     # the fused kernel holds no [c, I, P] tensor: ~I times more rows than the reference in the same memory
     if getattr(indexer_scoring, "QUERY_CHUNK", None) is None:
         assert chunk > 20 * indexer_scoring.resolve_query_chunk(None, P, I, K)

@@ -20,9 +20,10 @@ back to the reference. Inputs are cast to one working dtype (autocast's when it 
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import torch
+
+from megaseq.ops import switches
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_HEAD_DIM = 256  # chunk_kda's limit on the key head dim
@@ -77,7 +78,7 @@ def _maybe_limit_autotune() -> None:
     from megaseq.ops.triton_autotune import install
 
     install()  # the persistent cache, the tuned tables and the pruned spaces (ops.autotune)
-    if os.environ.get("MEGASEQ_FLA_AUTOTUNE", "full") == "one":
+    if switches.fla_one_config():
         limit_autotune()
 
 

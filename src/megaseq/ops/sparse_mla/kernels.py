@@ -54,7 +54,6 @@ Precision: the dots take the work dtype's operands with fp32 accumulation (fp32 
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -63,7 +62,7 @@ import triton.language as tl
 from triton.compiler.errors import CompilationError
 from triton.runtime.errors import OutOfResources
 
-from megaseq.ops import workspace
+from megaseq.ops import switches, workspace
 from megaseq.ops._triton_util import _fix_interpreter_index, interpreting
 from megaseq.ops.autotune import use_persistent_cache
 
@@ -374,7 +373,7 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 
 def _autotune() -> bool:
-    return os.environ.get("MEGASEQ_MLA_AUTOTUNE", "0") == "1"
+    return switches.mla_autotune()
 
 
 _TUNED: dict[tuple, Config] = {}  # timed here (MEGASEQ_MLA_AUTOTUNE=1)
@@ -439,7 +438,7 @@ def forward(q_abs_HNR: torch.Tensor, c_BSR: torch.Tensor, idx_BQW: torch.Tensor,
 # where the selection is not in pools); ``saved`` is ``pool`` from the ``p`` and ``ds`` the slot pass left in
 # memory (``SAVED_QUERIES`` queries at a time) instead of the scores computed again; ``atomic`` adds each query's
 # [W, R] block by fp32 atomics
-DC_MODES = ("pool", "saved", "atomic")
+DC_MODES = switches.MLA_DC_MODES
 POOL_MODES = ("pool", "saved")  # the modes that run a pool pass where the selection is in pools
 POOL_SIZES = (16, 32, 64, 128)  # the pool pass's tl.dot needs at least 16 keys a pool
 POOL_SCAN_ROWS = 4096  # query rows per step of the layout check ([rows, K, kp] int32 temporaries)
@@ -464,10 +463,8 @@ POOL_SAVED_CONFIG = (16, 4, 2)
 
 
 def dc_mode() -> str:
-    mode = os.environ.get("MEGASEQ_MLA_DC", workspace.DC_DEFAULT)
-    if mode not in DC_MODES:
-        raise ValueError(f"MEGASEQ_MLA_DC must be one of {', '.join(DC_MODES)}, got {mode!r}")
-    return mode
+    """``MEGASEQ_MLA_DC`` (``ops.switches.mla_dc``)."""
+    return switches.mla_dc()
 
 
 def pool_candidates(W: int) -> list[tuple[int, int]]:
