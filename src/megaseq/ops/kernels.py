@@ -80,8 +80,8 @@ def fast_ops_installed() -> frozenset[str]:
 
 def cold_start_note(device_type: str) -> str | None:
     """What a run says before its first step on a GPU, where that step compiles and autotunes the Triton
-    kernels (fla's and megaseq's) for minutes on a machine without a Triton cache (467 s for glm5-flash-1gpu
-    at 1M on a fresh H200, measured 2026-12-02); None elsewhere, where there is nothing to compile."""
+    kernels (fla's and megaseq's) for minutes on a machine without a Triton cache (``benchmarks/results/kernels/
+    h200_ops.md``); None elsewhere, where there is nothing to compile."""
     if device_type != "cuda":
         return None
     import os

@@ -58,8 +58,8 @@ def norm_backward_temp(rows: int, width: int, out_bytes: int) -> int:
     input's gradient ``rows * width * out_bytes`` (a whole tensor, filled chunk by chunk), one chunk's
     float32 temporaries at their peak, and the weight's float32 partial sum. At the peak four float32
     chunk-sized tensors are live (``dxhat``, ``xhat``, their difference term and the result: ``16 * chunk``;
-    the bf16 product before ``dxhat`` is freed by then). Measured on an H200 (bf16 q norm, 32 x 128 at 64K,
-    measured 2026-12-02): 768 MiB = 512 MiB of input gradient + 256 MiB for a 16M-element chunk, exactly this."""
+    the bf16 product before ``dxhat`` is freed by then); ``benchmarks/results/kernels/h200_ops.md`` holds the
+    GPU check of this formula."""
     chunk = min(rows, norm_backward_rows(width)) * width
     return rows * width * out_bytes + 16 * chunk + 8 * width
 

@@ -217,7 +217,7 @@ class Indexer(nn.Module):
                 "indexer_topk", q_cID, w_QI[s:e], keys_PD, pool_end_P, pool_doc_P, q_pos_Q[s:e], q_doc_Q[s:e],
                 self.index_topk // kp, self.softmax_scale, query_chunk=e - s, row_len=row_len, layer=self.layer)
             # a pool's tokens are consecutive (tok_Pk[p] = first_P[p] + 0 .. kp - 1): written from the pools'
-            # first tokens, not gathered as [c, K, kp] rows of tok_Pk (a 64-byte-row gather: 2.5 ms a layer at 32K)
+            # first tokens, not gathered as [c, K, kp] rows of tok_Pk (a slow gather of 64-byte rows)
             if sel_cK.shape != (e - s, num_pools):  # the add below would broadcast a single column silently
                 raise RuntimeError(f"{self.layer}: indexer_topk returned {tuple(sel_cK.shape)} pools for "
                                    f"{(e - s, num_pools)}")

@@ -17,8 +17,8 @@ The top K is then the sure-in pools plus the best ``K - s`` of the band by exact
 pool index among ties (removing part of a top K from a set leaves the rest of it on top). When the band
 holds exactly ``K - s`` pools (``b = K``) no exact score is needed; otherwise the band's fp32 scores are
 computed with the reference's op order (fp32 matmul over the gathered keys, ``mul_(scale)``, ``relu_``,
-the weighted head sum as a matmul: on an H200 these reproduced the reference's selection in every row
-measured, where a Triton fp32 kernel summing in its own order flipped 1 row in 8K at an fp32-level tie).
+the weighted head sum as a matmul: a Triton fp32 kernel summing in its own order can flip a row at an
+fp32-level tie; ``benchmarks/results/kernels/indexer_topk/`` holds the GPU runs).
 Rows that fail the certificate or hold a non-finite score go to the reference (the fallback). Rows with
 fewer than K visible pools need no score: all of them plus the lowest-index invalid pools.
 """

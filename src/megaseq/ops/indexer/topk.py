@@ -23,10 +23,9 @@ The fast implementation ``triton`` computes the same selection, per chunk of row
    need no scores: the reference picks all visible pools plus the lowest-index invalid ones.
 
 So the selection equals fp32 scoring exactly: pools outside the band are placed by a proof, and the pick
-inside it uses fp32 scores computed as the reference computes them. On an H200 (torch 2.11, cuBLAS) the
-selection equalled the reference in every row measured (32K queries x 4 dtype cases, 8K queries at 1M x 3
-margins, 2 more 1M chunks). "fp32 scoring" is the re-check's: where a BLAS sums in another order than the
-reference's ``[c * I, D] x [D, n]`` GEMM, a tie at the last bit (1e-7 relative) can go either way, as
+inside it uses fp32 scores computed as the reference computes them (the GPU runs:
+``benchmarks/results/kernels/indexer_topk/``). "fp32 scoring" is the re-check's: where a BLAS sums in another
+order than the reference's ``[c * I, D] x [D, n]`` GEMM, a tie at the last bit (1e-7 relative) can go either way, as
 between two chunkings of the reference itself. Rows with a non-finite candidate score go to the fallback.
 
 Memory: ``indexer_topk_bytes`` (chunk rows from ``resolve_query_chunk``, ``SCORING_BUDGET_BYTES`` when no

@@ -19,7 +19,7 @@ token and the GEMM is linear, so ``mix = r * (flat @ fn^T)`` with ``r = rsqrt(su
 Numerics: in float32 and float64 the same value as the reference to rounding (the tests hold float64 to
 1e-12); under bf16 autocast the GEMM's operand is the unnormalised stream rounded to bf16 instead of the
 normalised one (the same relative rounding), so the mix agrees to bf16 rounding, not bit for bit. Opt-in
-(``model.kernels fast``) until a GPU run has measured it.
+(``model.kernels fast``).
 """
 
 from __future__ import annotations

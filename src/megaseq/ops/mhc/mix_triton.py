@@ -25,10 +25,8 @@ gradients to float32 rounding under bf16 weights; under bf16 autocast (fp32 weig
 bf16-rounded operands and this kernel does not, so the two agree to bf16 rounding and this one is the closer
 to exact. float64 runs the reference or ``torch_fused`` (float64 exactness).
 
-Measured on an H200 (``benchmarks/kernels/glue_gpu.py --only hc_mix``, 32K tokens, 4 x 2048 bf16 streams, 2026-12-02):
-forward + backward 9.09 ms (reference) and 4.53 ms (``torch_fused``) -> 1.33 ms, forward 2.81 -> 0.21 ms;
-held for the backward 2,051 -> 6 MiB; mix within 3.8e-7 of float64 (of its largest value; the reference's
-fp32 GEMM 3.2e-6). With the fp32 FMA dot in the forward it was 2.59 ms (compute-bound).
+Timings and errors: ``benchmarks/kernels/glue_gpu.py --only hc_mix`` (``benchmarks/results/speed/runs/
+2026-12-02_hc-mix-triton/``).
 """
 
 from __future__ import annotations

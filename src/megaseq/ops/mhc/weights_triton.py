@@ -20,9 +20,7 @@ reference keeps a float64 model exact).
 Precision: the kernel agrees with the reference to float32 rounding (sums in another order); the Sinkhorn
 iterations are contractive, so the relative error stays ~1e-6 after 39 divisions (tests: 2e-5).
 
-Measured on an H200 (benchmarks/kernels/glue_gpu.py, 32K tokens, N = 4, iters 20): forward + backward 5.72 -> 0.48 ms
-(forward 1.74 -> 0.07 ms), 104 -> 3 MiB held for the backward; largest error against float64 3e-7, the
-reference's own 3e-7. The backward (~0.4 ms) is compute-bound on the recomputed iterations, unprofiled.
+Timings: ``benchmarks/kernels/glue_gpu.py`` (``benchmarks/results/kernels/h200_ops.md``).
 """
 
 from __future__ import annotations

@@ -8,10 +8,9 @@ The references (``ops/moe_glue/reference.py``) are torch's indexing and arithmet
     permute: x_MH = x_NH[order_M // K]                                   (grouped_mm then casts to bf16)
     combine: out_NH = (y_MH[inverse_M] * w_NK.reshape(-1, 1)).to(dtype).view(N, K, H).sum(1).to(dtype)
 
-Profiled in a 32K step of glm5-flash-1gpu with the fast kernels (H200, 2026-12-02,
-``benchmarks/results/lora/runs/2026-12-02_48-layers-128k/``): the experts' forward took 151 ms of GPU time over 7
-MoE layers, about 31 of them in the grouped GEMMs. With an fp32 stream the permutation writes ``[M, H]`` in fp32
-(2 GiB at 32K x top-8 x 2048) and casts it; the combine gathers ``y``, multiplies bf16 by fp32 weights in a mixed-dtype
+The profile of a glm5-flash-1gpu step (``benchmarks/results/lora/runs/2026-12-02_48-layers-128k/``) shows
+the experts' forward dominated by this glue, not the grouped GEMMs. With an fp32 stream the permutation writes
+``[M, H]`` in fp32 and casts it; the combine gathers ``y``, multiplies bf16 by fp32 weights in a mixed-dtype
 elementwise kernel (torch's slowest path) into another fp32 ``[M, H]`` and sums it; the backward repeats each.
 
 Here the permutation gathers and casts in one kernel (its rows leave already in the matmul's dtype: a cast

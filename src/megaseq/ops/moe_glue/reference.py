@@ -39,9 +39,7 @@ def _grouped_mm_supports(x_MD: torch.Tensor, w_EOD: torch.Tensor, counts_E: torc
 def grouped_mm_fast(x_MD: torch.Tensor, w_EOD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
     """cuBLAS/CUTLASS grouped GEMM (bf16, sm90+); no host sync: offsets stay on the device.
 
-    Checked against the reference (values and gradients) only by the GPU tests in tests/models/test_moe.py,
-    which CPU CI skips; they passed on an H200 with torch 2.11 (0.83 ms vs the loop's 1.14 ms for
-    32 experts, 64K rows, 2048 -> 2048).
+    Checked against the reference (values and gradients) by the GPU tests in tests/models/test_moe.py.
     """
     offs = torch.cumsum(counts_E, dim=0, dtype=torch.int32)
     gmm = getattr(F, "grouped_mm", None) or torch._grouped_mm
@@ -75,5 +73,5 @@ def combine(y_MH: torch.Tensor, weights_NK: torch.Tensor, dtype: torch.dtype) ->
     N, K = weights_NK.shape
     y_MH = (y_MH * weights_NK.reshape(-1, 1)).to(dtype)
     # CUDA autocast runs sum in float32: cast back, or a bf16 residual stream (a frozen bf16 base under
-    # autocast) turns float32 at the first MoE layer and every later boundary doubles (measured on an H200)
+    # autocast) turns float32 at the first MoE layer and every later boundary doubles its bytes
     return y_MH.view(N, K, -1).sum(dim=1).to(dtype)

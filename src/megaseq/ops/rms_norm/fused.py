@@ -9,13 +9,10 @@ rsqrt, product, cast, weight product) and saves the fp32 copy; the kernel reads 
 per-row fp32 ``rstd``, and the backward reads x, gy and rstd once (``grad weight``: per-program fp32
 partial sums added by torch, deterministic).
 
-Liger Kernel's ``LigerRMSNorm(casting_mode="llama")`` computes the same forward formula for a bf16 weight (read
-from its source, not measured), but it returns x's dtype where HF promotes (an fp32 weight on bf16
-activations gives fp32 in HF), and its weight gradient sums in another order; benchmarks/kernels/glue_gpu.py times it.
-
-Measured on an H200 (bf16, forward + backward): [32768, 2048] 2.72 -> 0.50 ms (Liger 0.40), [131072, 2048]
-10.5 -> 0.70 ms (Liger 1.44). At the smaller shape the backward is latency-bound (4 programs per SM walking
-their row blocks in turn); more programs (``_programs``) would likely help, not measured.
+Liger Kernel's ``LigerRMSNorm(casting_mode="llama")`` computes the same forward formula for a bf16 weight, but
+it returns x's dtype where HF promotes (an fp32 weight on bf16 activations gives fp32 in HF), and its weight
+gradient sums in another order; benchmarks/kernels/glue_gpu.py times both (``benchmarks/results/kernels/
+h200_ops.md``).
 """
 
 from __future__ import annotations

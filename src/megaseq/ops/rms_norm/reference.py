@@ -54,9 +54,8 @@ class _RMSNormChunkedBackward(torch.autograd.Function):
     """``rms_norm_reference``'s forward (``_normalise``: the output is bitwise the same), and the same saved
     tensors (the float32 input, the per-row ``rstd``, the normalised value's cast where the weight trains),
     but a backward in row chunks of ``ops.workspace.norm_backward_rows``. Autograd's backward of the
-    reference holds four to five float32 copies of the whole input at once: for Qwen3-30B-A3B's q norm (32
-    heads of 128) at 128K, 9 GiB above what was live before it and the peak of the whole LoRA step (measured
-    by op on an H200, measured 2026-12-02: ``benchmarks/results/lora/runs/2026-12-02_memory-census/``). Here the chunk's
+    reference holds four to five float32 copies of the whole input at once, at long lengths the peak of a
+    LoRA step (``benchmarks/results/lora/runs/2026-12-02_memory-census/``). Here the chunk's
     temporaries are bounded (``ops.workspace.norm_backward_temp``); the gradient is the same formula:
     ``dx = rstd * (dxhat - xhat * mean(dxhat * xhat))``, ``dxhat = (g * w).float()``."""
 

@@ -24,23 +24,21 @@ log-sum-exp ``[Hh, N]`` fp32 in base 2 (``lse2 = max + log2(sum)`` of the base-2
   writes ``delta``, and ``sparse_mla_bwd_pool_dc_kernel`` sums each selected pool's ``[kp, R]`` gradient from the
   queries that chose it (sorted by pool, ``pool_entries``; in chunks of ``POOL_CHUNK`` queries; ``POOL_QUERIES``
   queries of a row sorted at once), one atomic add per chunk instead of one per query. It recomputes the scores
-  (about 40% more dot FLOPs) and removes about 39 G fp32 atomic adds per DSA layer at 32K. Measured on the H200
-  (2026-12-02, ``benchmarks/kernels/sparse_mla_configs.py``, glm5-flash-1gpu's shapes): the whole backward
-  14.4 ms against the atomics' 14.8 at 8K, 59.9 against 67.7 at 32K, 65.0 against 108.0 for a 32K segment of
-  256K keys. Its working set (``ops.workspace.sparse_mla_pool_bytes``, in the plan): the sort's keys and order,
-  ``POOL_SORT_BYTES`` (64) per selected pool at most, and ``delta``.
+  (about 40% more dot FLOPs) and removes about 39 G fp32 atomic adds per DSA layer at 32K
+  (``benchmarks/kernels/sparse_mla_configs.py`` times the ways). Its working set
+  (``ops.workspace.sparse_mla_pool_bytes``, in the plan): the sort's keys and order, ``POOL_SORT_BYTES`` (64) per
+  selected pool at most, and ``delta``.
   The default is ``MEGASEQ_MLA_DC=saved``: the slot pass (``SAVE_PDS``) leaves the pool slots'
   ``p`` and ``ds`` (the dot operands it has, in the work dtype) in ``[queries, K, Hh, kp]`` blocks, ``SAVED_QUERIES``
   queries of one batch row at a time, and ``sparse_mla_bwd_pool_saved_kernel`` sums ``p^T do_lat + ds^T q_abs``
-  from them: two dots a step instead of four, no exponentials, no key block, ``lse`` or ``delta``. Measured on the
-  H200 (measured 2026-12-04, the whole backward of one layer): 40.8 ms against the recomputing pass's 54.9 at 32K, 56.0
-  against 64.0 for a 32K segment of 256K keys; +4.5% tokens/s in a 32K step. Its buffer (1 GiB of bf16 at
-  glm5-flash-1gpu's shapes) and the chunk's sort are in the plan (``ops.workspace.sparse_mla_pool_bytes``).
-  The layout is checked by one pass over the selection, ``pool_layout_kernel`` (one int32 flag; 0.17 ms at 32K
-  against 2.4 ms for the torch reference, ``pool_layout_reference``): in the op's forward, read back with its
+  from them: two dots a step instead of four, no exponentials, no key block, ``lse`` or ``delta``
+  (``benchmarks/results/speed/runs/2026-12-04_mla-saved-gradient/``). Its buffer and the chunk's sort are in
+  the plan (``ops.workspace.sparse_mla_pool_bytes``).
+  The layout is checked by one pass over the selection, ``pool_layout_kernel`` (one int32 flag; the torch
+  reference is ``pool_layout_reference``): in the op's forward, read back with its
   empty-row check (``triton_sparse_mla.checks``), else in the backward (``layout="check"``). The pool pass's
   programs go a block of queries at a time (``pool_entries``, ``pool_query_block``), so those running together
-  read the same rows from L2 (measured 2026-12-04: the 32K backward 54.7 ms against 58.7 in pool order).
+  read the same rows from L2.
 
 Empty slots (``idx < 0`` or ``>= S``) read no memory and weigh 0. A query with no valid slot gets
 ``o_lat = 0`` and ``lse2 = +inf`` (so its backward is 0); the op hands such batch rows to ``absorbed``.
@@ -96,14 +94,10 @@ def default_config(kind: str, Hh: int, R: int, dtype: torch.dtype) -> Config:
     """The untuned choice. fp32 (the checking path) halves the slot block: its tiles are twice the bytes.
     The backward holds ``dq_abs [BH, R]`` and ``dc [BW, R]`` in fp32 registers, hence BH = 16.
 
-    bf16 at R = 512 with 16 heads per program, timed on an H200
-    (``benchmarks/kernels/sparse_mla_configs.py``, 2026-12-02,
-    W = 2063; ms per DSA layer at Q = S = 8K / 32K / a 32K segment of 256K keys):
-    forward (16, 64, 4 warps, 2 stages) 3.96 / 15.4 / 18.4, the former default (16, 32, 8, 2) 6.63 / 26.2 / 28.5;
-    backward (16, 32, 4, 2) 15.1 / 67.5 / 106.7, the former (16, 32, 8, 2) 20.6 / 83.2 / 137.1. Four warps
-    win throughout (more programs resident per SM); a 64-slot backward block needs more shared memory than an
-    SM has at 2 stages and is 4x slower at 1. A 32-head forward block keeps the untimed (32, 32, 8, 2):
-    (32, 64, 4) would hold twice the registers per thread of the timed (16, 64, 4).
+    bf16 at R = 512 with 16 heads per program: the fastest of ``benchmarks/kernels/sparse_mla_configs.py``
+    (``benchmarks/results/kernels/h200_ops.md``). Four warps win throughout (more programs resident per SM); a
+    64-slot backward block needs more shared memory than an SM has at 2 stages. A 32-head forward block keeps the
+    untimed (32, 32, 8, 2): (32, 64, 4) would hold twice the registers per thread of the timed (16, 64, 4).
 
     ptxas for sm_90 at R = 512, W = 2063, bf16 (``compile_ptx``; registers per thread, shared memory):
     forward (16, 32, 8 warps) 103 regs, 50 KB (4 warps: 202 regs, every warp holds all of q_abs);
@@ -442,9 +436,8 @@ DC_MODES = switches.MLA_DC_MODES
 POOL_MODES = ("pool", "saved")  # the modes that run a pool pass where the selection is in pools
 POOL_SIZES = (16, 32, 64, 128)  # the pool pass's tl.dot needs at least 16 keys a pool
 POOL_SCAN_ROWS = 4096  # query rows per step of the layout check ([rows, K, kp] int32 temporaries)
-# (rows, warps, stages) of the pool pass: timed on the H200 (measured 2026-12-02, sparse_mla_configs.py) among rows
-# 16 / 32 / 64, warps 4 / 8, stages 1 / 2: the fastest at 32K and at a 32K segment of 256K, within 8% of the
-# fastest at 8K; 1 stage is 20-25% slower, 8 warps 30-50%
+# (rows, warps, stages) of the pool pass: the fastest of sparse_mla_configs.py's rows 16 / 32 / 64, warps 4 / 8,
+# stages 1 / 2 (benchmarks/results/kernels/h200_ops.md)
 POOL_CONFIG = (32, 4, 2)
 POOL_CHUNK = 256  # selecting queries per program of the pool pass at most
 # the pool pass's programs go a block of queries at a time (pool_entries): None picks it (pool_query_block), an int
@@ -454,11 +447,10 @@ POOL_BLOCK_MIN = 1024  # queries a block at least: 32 MB of q_abs and do_lat row
 POOL_BLOCK_ENTRIES = 64  # the mean selecting queries per (block, pool) the picked block aims at, at least
 POOL_QUERIES = 32768  # queries per batch row whose pool entries are sorted at once (ops.workspace.POOL_QUERIES)
 # ``saved``: queries of a batch row per slot pass and pool pass, whose p and ds ([queries, K, Hh, kp] each, the work
-# dtype) are held at once: 1 GiB of bf16 at glm5-flash-1gpu's shapes (K = 128, Hh = 16, kp = 16)
+# dtype) are held at once (ops.workspace.sparse_mla_pool_bytes)
 SAVED_QUERIES = workspace.SAVED_QUERIES
-# (rows, warps, stages) of sparse_mla_bwd_pool_saved_kernel: timed on the H200 (measured 2026-12-04, the whole backward
-# of one layer): 16 rows 40.8 ms at 32K queries and keys, 56.0 for a 32K segment of 256K keys; 32 rows 41.9 / 56.1;
-# 32 rows and 8 warps 42.5 / 57.0; 64 rows 49.3 / 58.5
+# (rows, warps, stages) of sparse_mla_bwd_pool_saved_kernel: the fastest of the whole backward of one layer
+# (benchmarks/results/kernels/h200_ops.md)
 POOL_SAVED_CONFIG = (16, 4, 2)
 
 
@@ -490,9 +482,7 @@ def pool_layout(idx_BQW: torch.Tensor, S: int) -> int | None:
 
 
 # the layout check's programs: BN queries x BS slots, POOL_LAYOUT_BLOCK slots in all, BS <= POOL_LAYOUT_SLOTS.
-# On the H200 at 32K queries, W = 2063 (measured 2026-12-03): 128 us a pass (2.1 TB/s of idx; one query of 2048 slots a
-# program, 4 warps), 149 us at 4096 slots (2 queries) a program, 177 at 8192 and 8 warps; with the flag's fill
-# and read 0.17 ms a call against the torch reference's 2.4 ms
+# One query of 2048 slots a program, 4 warps: the fastest of those timed (benchmarks/results/kernels/h200_ops.md)
 POOL_LAYOUT_BLOCK = 2048
 POOL_LAYOUT_SLOTS = 2048
 POOL_LAYOUT_WARPS = 4

@@ -11,12 +11,12 @@ bf16/fp16 inputs. The reference is megaseq's ``plain_linear_cross_entropy`` (ful
 Liger walks token chunks, writes each chunk's ``softmax - onehot`` over its
 bf16 logits in place and folds it into ``grad hidden`` and ``grad weight`` during the forward; the
 backward only scales them (``sum``/``mean``; ``none`` recomputes). Working memory beyond the inputs is
-the two gradients plus one chunk of logits: at 32K tokens x V 154,880 x H 4096 in bf16, Liger's 1.73 GiB.
+the two gradients plus one chunk of logits (``LIGER_CHUNK_ROWS``; ``benchmarks/results/kernels/h200_ops.md``).
 
 Chunk rows: Liger's own rule keeps a chunk of logits near the size of the hidden states (``N * H / V`` rows,
 rounded up to a power of two): 128 rows at 8K tokens of glm5-flash (H 2048, V 154,880), so 64 GEMMs of
-K = 128 and 64 read-modify-writes of the whole ``[V, H]`` weight gradient (the 2026-12-02 8K profile: 53 ms of
-the 273 ms step where its three GEMMs' FLOPs take 20 ms). megaseq sets Liger's ``chunk_mem_const`` so
+K = 128 and 64 read-modify-writes of the whole ``[V, H]`` weight gradient, several times its GEMMs' FLOP time
+(``benchmarks/results/kernels/h200_ops.md``). megaseq sets Liger's ``chunk_mem_const`` so
 that a chunk is the largest power of two up to ``CHUNK_ROWS`` (4096: 1.2 GiB of bf16 logits at V 154,880),
 within the chunked loss's ``chunk_tokens`` (the plan's fp32 chunk of that many rows).
 The weight gradient accumulates in the weight's dtype across chunks unless ``WEIGHT_GRAD_DTYPE`` is set
@@ -30,10 +30,7 @@ itself bounded (one chunk of about ``N * H / V`` rows of logits beside the two g
 reference's ``chunk_tokens x V`` float32 chunk, so the plan stays an upper bound; the chunk sizes are the
 reference's and Liger ignores them.
 
-Measured on an H200 (benchmarks/kernels/glue_gpu.py: 32K tokens x V 154,880 x H 4096, bf16, forward + backward, peak
-above the inputs): plain 0.249 s / 56.7 GiB; chunked (4096 tokens) 0.338 s / 6.2 GiB; Liger 0.197 s /
-1.73 GiB, with an fp32 weight-gradient accumulator 0.210 s / 3.80 GiB. grad weight against the plain loss:
-7.1e-3 of its largest value for Liger either way (the bf16 ``softmax - onehot`` dominates), 3.6e-3 chunked.
+Timings, peaks and errors: ``benchmarks/kernels/glue_gpu.py`` (``benchmarks/results/kernels/h200_ops.md``).
 """
 
 from __future__ import annotations
