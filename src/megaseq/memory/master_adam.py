@@ -17,7 +17,7 @@ rounded to the weight's dtype. So the result equals AdamW run on an fp32 copy an
 too, equal to them: one code path. With ``kernel="triton"`` (``make_optimizer``'s choice on CUDA where Triton
 is installed; ``MEGASEQ_ADAMW=torch`` declines it) the whole parameters step in ``ops.adamw.fused``: torch's
 fused arithmetic in one pass that reads a lone bf16 gradient as it is (28 bytes an element against the five
-passes' 48), within a few fp32 ulps of it (``tests/ops/test_triton_adamw.py``).
+passes' 48), within a few fp32 ulps of it (``tests/ops/adamw/test_triton_adamw.py``).
 
 Gradients. The bf16 gradient a backward leaves (FSDP: reduce-scattered in ``parallel.reduce_dtype``, then
 cast to the weight's dtype) is cast to fp32 at the step. With ``accumulate`` (micro-batches, sequence

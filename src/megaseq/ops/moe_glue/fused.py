@@ -18,7 +18,7 @@ commutes with a gather), and its backward sums each token's K row gradients in f
 token's K rows, weights and sums them in fp32 (rounding each product as the reference does) and writes
 ``[N, H]``; its backward writes y's gradient by gather-and-scale and the weights' by one dot per slot. No
 ``[M, H]`` float32 tensor is made in either direction. Results agree with the references up to the order
-of the fp32 sums (``tests/ops/test_triton_moe_glue.py``; bitwise where nothing is summed).
+of the fp32 sums (``tests/ops/moe_glue/test_triton_moe_glue.py``; bitwise where nothing is summed).
 """
 
 from __future__ import annotations
