@@ -18,8 +18,8 @@ update ``step_size * exp_avg / denom`` in fp32 (IEEE division and square root: `
 bias corrections ``1 - beta ** step`` are fp64 from the step counters (torch's ``pow`` in double, then fp32),
 made once per call for all tensors. torch's fused arithmetic has changed across releases (fma lerps, then fp32
 hyperparameters) and nvcc may contract its products, so equality is not to the bit:
-``tests/ops/adamw/test_triton_adamw.py`` holds the kernel to torch's AdamW within a few fp32 ulps, and ``tests/memory/test_master_adam.py`` to torch's fused
-kernel on the GPU within a bound derived there.
+``tests/ops/adamw/test_triton_adamw.py`` holds the kernel to torch's AdamW within a few fp32 ulps, and
+``tests/memory/test_master_adam.py`` to torch's fused kernel on the GPU within a bound derived there.
 """
 
 from __future__ import annotations
