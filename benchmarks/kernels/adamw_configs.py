@@ -1,4 +1,4 @@
-"""MasterAdamW's Triton step (``ops.triton_adamw``) timed per launch configuration (BLOCK, num_warps).
+"""MasterAdamW's Triton step (``ops.adamw.fused``) timed per launch configuration (BLOCK, num_warps).
 
 glm5-flash-1gpu-sized: 2.3B parameters as bf16 weights and gradients with fp32 masters and moments (28 bytes an
 element moved), in tensors of the model's sizes (32 x [2048, 2048] expert stacks stand in as 64M-element
@@ -15,7 +15,7 @@ import statistics
 
 import torch
 
-from megaseq.ops import triton_adamw
+from megaseq.ops.adamw import fused as triton_adamw
 
 CONFIGS = [(1024, 4), (2048, 4), (2048, 8), (4096, 4), (4096, 8), (8192, 8), (8192, 16), (16384, 16)]
 

@@ -93,10 +93,15 @@ def bench_op(name: str, shape: str, ref, fast, inputs, dtype: torch.dtype, extra
 
 def op_cases(S: int, H: int, N: int, dtype: torch.dtype, smoke: bool):
     """(name, shape, ref, fused, inputs, extra implementations) at the brief's shapes."""
-    from megaseq.models.common import mhc as blocks_mhc
-    from megaseq.models.common import mlp as blocks_mlp
-    from megaseq.models.common import norm as blocks_norm
-    from megaseq.ops import hc_mix, triton_hc_mix, triton_mhc, triton_mhc_streams, triton_rms_norm, triton_swiglu
+    from megaseq.ops.mhc import mix_fused as hc_mix
+    from megaseq.ops.mhc import mix_triton as triton_hc_mix
+    from megaseq.ops.mhc import reference as blocks_mhc
+    from megaseq.ops.mhc import streams_triton as triton_mhc_streams
+    from megaseq.ops.mhc import weights_triton as triton_mhc
+    from megaseq.ops.rms_norm import fused as triton_rms_norm
+    from megaseq.ops.rms_norm import reference as blocks_norm
+    from megaseq.ops.swiglu import fused as triton_swiglu
+    from megaseq.ops.swiglu import reference as blocks_mlp
 
     dev, M, gen = DEV, 2 * N + N * N, torch.Generator(device=DEV).manual_seed(1)
 
@@ -140,8 +145,8 @@ def op_cases(S: int, H: int, N: int, dtype: torch.dtype, smoke: bool):
 def bench_loss(N: int, V: int, H: int, chunk_tokens: tuple[int, ...]) -> list[dict]:
     """Plain vs chunked vs Liger linear cross-entropy: time, peak memory above the inputs, errors."""
     from megaseq.memory.vocab_loss import chunked_linear_cross_entropy
-    from megaseq.ops import liger_loss
-    from megaseq.ops.cross_entropy import plain_linear_cross_entropy
+    from megaseq.ops.vocab_loss import liger as liger_loss
+    from megaseq.ops.vocab_loss.reference import plain_linear_cross_entropy
 
     gen = torch.Generator(device=DEV).manual_seed(2)
     hidden = (torch.randn(N, H, generator=gen, device=DEV) * 0.5).bfloat16().requires_grad_()

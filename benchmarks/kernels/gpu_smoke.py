@@ -43,11 +43,13 @@ import torch
 from megaseq.memory.tiling import tile_layer
 from megaseq.models.build import build_model
 from megaseq.models.common.context import SeqContext
-from megaseq.models.common.kda import causal_conv_reference, kda_reference
-from megaseq.models.common.mla_dsa import sparse_mla_reference
 from megaseq.models.glm5.model import Glm5DecoderLayer, Glm5Model
 from megaseq.models.glm5.spec import glm5_flash_1gpu, glm5_flash_tiny
-from megaseq.ops import dispatch, fla_kda, sparse_mla
+from megaseq.ops import dispatch
+from megaseq.ops.kda import fla as fla_kda
+from megaseq.ops.kda.reference import causal_conv_reference, kda_reference
+from megaseq.ops.sparse_mla import absorbed as sparse_mla
+from megaseq.ops.sparse_mla.reference import sparse_mla_reference
 
 GIB = 2**30
 K = 1024

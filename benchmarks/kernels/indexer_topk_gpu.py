@@ -36,11 +36,9 @@ import torch
 if "--smoke" in sys.argv and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from megaseq.ops import (
-    indexer_scoring,  # noqa: E402
-    indexer_topk,  # noqa: E402
-)
-from megaseq.ops import indexer_topk_kernel as kern  # noqa: E402
+from megaseq.ops.indexer import scoring as indexer_scoring  # noqa: E402
+from megaseq.ops.indexer import topk as indexer_topk  # noqa: E402
+from megaseq.ops.indexer import topk_kernel as kern  # noqa: E402
 
 MIB = 2**20
 

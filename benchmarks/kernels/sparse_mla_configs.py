@@ -5,7 +5,7 @@
     python benchmarks/kernels/sparse_mla_configs.py --defaults-only --pool-blocks 0,512,1024,2048 --out ...  # its order
     python benchmarks/kernels/sparse_mla_configs.py --defaults-only --no-pool-grid --saved 32:4:2,64:4:2 --out ...
 
-The kernels (``ops/triton_sparse_mla_kernels.py``) run a default configuration that was chosen by registers
+The kernels (``ops/sparse_mla/kernels.py``) run a default configuration that was chosen by registers
 and shared memory, never by time. This script times each configuration of a grid (slots per loop step BW,
 warps, pipeline stages; BH = 16 heads per program, glm5-flash-1gpu's Hh) on the kernels alone, bf16, W = 2063
 slots of causal 16-token pools drawn uniformly (``causal_pool_selection``), at three shapes:
@@ -57,7 +57,7 @@ def run_shape(K, row: dict, dev, dt, R: int, pools: int, fwd_space, bwd_space, s
     from triton.compiler.errors import CompilationError
     from triton.runtime.errors import OutOfResources
 
-    from megaseq.ops.triton_sparse_mla import causal_pool_selection
+    from megaseq.ops.sparse_mla.fused import causal_pool_selection
 
     Q, S = row["Q"], row["S"]
     gen = torch.Generator(device=dev).manual_seed(Q + S)
@@ -149,7 +149,7 @@ def main() -> int:
 
         os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton
         R = 32
-    from megaseq.ops import triton_sparse_mla_kernels as K
+    from megaseq.ops.sparse_mla import kernels as K
 
     shapes = SHAPES if not args.shapes else tuple(tuple(int(x) for x in s.split(":")) for s in args.shapes.split(","))
     dev, dt, pools = torch.device("cuda"), torch.bfloat16, 128
@@ -161,7 +161,7 @@ def main() -> int:
     if args.no_pool_grid:
         pool_space = [K.POOL_CONFIG]
     if args.smoke:
-        from megaseq.ops import triton_sparse_mla
+        from megaseq.ops.sparse_mla import fused as triton_sparse_mla
 
         triton_sparse_mla.CPU_INTERPRETER = True
         dev, dt, pools, shapes = torch.device("cpu"), torch.float32, 4, ((64, 96),)

@@ -46,7 +46,7 @@ def _errors(a: dict, b: dict) -> dict:
 
 
 def _inputs(Hh: int, Q: int, S: int, dtype, dev, seed: int = 0, small: bool = False):
-    from megaseq.ops.triton_sparse_mla import causal_pool_selection
+    from megaseq.ops.sparse_mla.fused import causal_pool_selection
 
     R, D, kp, pools = (32, 16, 4, 6) if small else (512, 256, 16, 128)
     gen = torch.Generator(device=dev).manual_seed(seed)
@@ -65,9 +65,9 @@ def _run(fn, leaves, idx, g) -> dict:
 
 
 def check(Hh: int, Q: int, dev, small: bool) -> dict:
-    from megaseq.models.common.mla_dsa import sparse_mla_reference
-    from megaseq.ops.sparse_mla import sparse_mla
-    from megaseq.ops.triton_sparse_mla import triton_sparse_mla
+    from megaseq.ops.sparse_mla.absorbed import sparse_mla
+    from megaseq.ops.sparse_mla.fused import triton_sparse_mla
+    from megaseq.ops.sparse_mla.reference import sparse_mla_reference
 
     leaves, idx, g = _inputs(Hh, Q, Q, torch.bfloat16, dev, seed=Hh, small=small)
     f32 = [t.detach().float().requires_grad_() for t in leaves]
@@ -121,8 +121,8 @@ def time_impl(fn, leaves, idx, g, dev) -> dict:
 
 
 def timings(Hh: int, Q: int, S: int, dev, small: bool) -> dict:
-    from megaseq.ops.sparse_mla import sparse_mla
-    from megaseq.ops.triton_sparse_mla import triton_sparse_mla
+    from megaseq.ops.sparse_mla.absorbed import sparse_mla
+    from megaseq.ops.sparse_mla.fused import triton_sparse_mla
 
     leaves, idx, g = _inputs(Hh, Q, S, torch.bfloat16 if dev.type == "cuda" else torch.float32, dev, small=small)
     W, R = idx.shape[-1], leaves[1].shape[-1]
@@ -176,7 +176,8 @@ def main() -> int:
         os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton
     if args.autotune:
         os.environ["MEGASEQ_MLA_AUTOTUNE"] = "1"
-    from megaseq.ops import triton_sparse_mla, triton_sparse_mla_kernels
+    from megaseq.ops.sparse_mla import fused as triton_sparse_mla
+    from megaseq.ops.sparse_mla import kernels as triton_sparse_mla_kernels
 
     dev = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
     if dev.type == "cpu":

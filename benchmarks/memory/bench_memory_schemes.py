@@ -45,7 +45,7 @@ from megaseq.models.common.mlp import MLP
 from megaseq.models.common.moe import FP32_PARAM_SUFFIXES, MoE
 from megaseq.models.common.norm import RMSNorm
 from megaseq.models.glm5.spec import glm5_flash_1gpu, glm5_flash_tiny
-from megaseq.ops.cross_entropy import plain_linear_cross_entropy
+from megaseq.ops.vocab_loss.reference import plain_linear_cross_entropy
 from megaseq.plan.components import layer_input_bytes as boundary_bytes
 from megaseq.plan.components import offload_adam_bytes, sco_plan, vocab_loss_bytes
 
@@ -225,7 +225,7 @@ def _indexer_inputs(spec, S: int, device, gen: torch.Generator):
 
 
 def bench_indexer(m: Meter, cfg: dict, smoke: bool) -> dict[str, Any]:
-    from megaseq.ops.indexer_scoring import indexer_scoring_bytes, resolve_query_chunk, select_pools
+    from megaseq.ops.indexer.scoring import indexer_scoring_bytes, resolve_query_chunk, select_pools
 
     spec = glm5_flash_tiny() if smoke else glm5_flash_1gpu()
     K = spec.index_topk // spec.index_kpool

@@ -125,6 +125,12 @@ class ModelConfig:
                                 "step) or base (the set the memory plan is calibrated on: fla's KDA, the absorbed "
                                 "sparse MLA, SDPA, grouped GEMMs, torch elsewhere); the plan is an upper bound "
                                 "for fast")
+    autotune: str | None = opt(None, "Triton autotuning where no tuned table holds a kernel's key: pruned (a few "
+                               "configs a space, timed once and cached), full (every config, as `megaseq tune`) or "
+                               "one (the most conservative config, untimed); unset: MEGASEQ_AUTOTUNE, else pruned",
+                               choices=("pruned", "full", "one"))
+    kernel_cache: str | None = opt(None, "directory of the compiled GPU kernels and the tuned tables; unset: "
+                                   "MEGASEQ_CACHE_DIR, else ~/.cache/megaseq")
     train_indexer: bool = opt(False, "train the DSA lightning indexer with its KL objective (DeepSeek-V3.2's): the "
                               "main attention's probabilities summed over heads, over the selected keys, as the "
                               "target of the indexer's softmax, the indexer's inputs detached (docs/indexer.md)")

@@ -56,8 +56,8 @@ def test_verify_parity_with_transformers(preset):
 
 def test_verify_parity_holds_on_the_init_ties(monkeypatch):
     """On the fresh init (unit norms, zero biases) DeepSeek-V3.2's indexer scores tie; the selection keeps the
-    keys transformers' torch.topk keeps, so the check passes without the noise too (tests/models/test_indexer_ties.py
-    has the broken variant: the lowest-index rule is 54-94% off)."""
+    keys transformers' torch.topk keeps, so the check passes without the noise too
+    (tests/ops/indexer/test_indexer_ties.py has the broken variant: the lowest-index rule is 54-94% off)."""
     import megaseq.bench.verify as v
 
     monkeypatch.setattr(v, "_break_ties_", lambda model: None)

@@ -274,7 +274,8 @@ def test_trainer_with_bf16_weights_resumes_exactly(tmp_path):
 # difference carries to later steps scaled by beta < 1, so over 3 steps the master differs by at most
 # 3 * (1.5 ulp(p) + 6 ulp(update)) with |update| < lr * 3 << |p|: below 5 ulps of the tensor's largest entry
 # (6e-7), and the moments by at most 3 ulps of theirs. 2e-6 of each tensor's largest value (16 fp32 ulps) is the
-# bound, as in tests/ops/test_triton_adamw.py; dropping the weight decay (3e-4 of |p|) or the clip's scale breaks it.
+# bound, as in tests/ops/adamw/test_triton_adamw.py; dropping the weight decay (3e-4 of |p|) or the clip's scale
+# breaks it.
 TRITON_RTOL = 2e-6
 
 

@@ -17,10 +17,10 @@ from megaseq.memory.apply import loss_fn, make_optimizer
 from megaseq.memory.kda_segments import segment_tokens_of
 from megaseq.memory.offload_adam import OffloadStreamAdamW
 from megaseq.models.build import build_model
-from megaseq.models.common.norm import full_precision_norms
 from megaseq.models.glm5.spec import _glm5_pattern, glm5_flash_tiny
 from megaseq.models.qwen3_moe.spec import qwen3_moe_tiny
 from megaseq.models.registry import parallelize as apply_memory_plan
+from megaseq.ops.rms_norm.reference import full_precision_norms
 from megaseq.plan.components import layer_input_bytes as boundary_bytes
 from megaseq.plan.components import round_up
 

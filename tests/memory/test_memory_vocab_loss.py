@@ -7,7 +7,13 @@ import torch
 import torch.nn.functional as F
 
 from megaseq.memory.vocab_loss import chunked_linear_cross_entropy, linear_cross_entropy
-from megaseq.ops.cross_entropy import lse_finalize, lse_init, lse_logsumexp, lse_update, plain_linear_cross_entropy
+from megaseq.ops.vocab_loss.reference import (
+    lse_finalize,
+    lse_init,
+    lse_logsumexp,
+    lse_update,
+    plain_linear_cross_entropy,
+)
 from megaseq.plan.components import vocab_loss_bytes
 
 torch.set_num_threads(1)

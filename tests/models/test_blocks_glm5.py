@@ -13,18 +13,15 @@ import torch
 import torch.nn.functional as F
 
 from megaseq.models.build import build_model
-from megaseq.models.common import mla_dsa
 from megaseq.models.common.context import SeqContext
-from megaseq.models.common.kda import (
-    ForgetGate,
-    causal_conv_reference,
-    cu_seqlens_from_doc_ids,
-    kda_reference,
-)
+from megaseq.models.common.kda import ForgetGate, cu_seqlens_from_doc_ids
 from megaseq.models.common.mhc import HyperConnection
-from megaseq.models.common.mla_dsa import Indexer, MLASparseAttention, sparse_attention_reference
+from megaseq.models.common.mla_dsa import Indexer, MLASparseAttention
 from megaseq.models.spec import from_hf_config
-from megaseq.ops import indexer_scoring
+from megaseq.ops.indexer import scoring as indexer_scoring
+from megaseq.ops.kda.reference import causal_conv_reference, kda_reference
+from megaseq.ops.sparse_mla import reference as mla_dsa
+from megaseq.ops.sparse_mla.reference import sparse_attention_reference
 
 pytest.importorskip("transformers")
 from test_glm5_parity import hf_glm5_module, make_config, randomize_, rel_err  # noqa: E402

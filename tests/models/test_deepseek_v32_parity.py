@@ -85,7 +85,7 @@ def test_broken_block_fails() -> None:
 def test_two_indexer_heads_break_ties_as_transformers(broken, monkeypatch) -> None:
     """2 indexer heads: about a quarter of the keys score exactly 0, so rows cut inside blocks of ties. The
     broken variant (ties to the lowest index) must change the logits."""
-    from megaseq.ops import indexer_scoring
+    from megaseq.ops.indexer import scoring as indexer_scoring
 
     if broken:
         monkeypatch.setattr(indexer_scoring, "topk_as_transformers",

@@ -200,7 +200,7 @@ def test_from_hf_config_dsa_spellings(spelling):
 
 
 def _lowest_index_ties(x_cP, k, row_len, floor):
-    from megaseq.ops import indexer_scoring
+    from megaseq.ops.indexer import scoring as indexer_scoring
 
     return indexer_scoring.topk_lowest_index_ties(x_cP, k)
 
@@ -210,7 +210,7 @@ def test_four_indexer_heads_break_ties_as_transformers(broken, monkeypatch):
     """4 indexer heads: many pools score exactly 0 (every head relu'd), so rows cut inside blocks of ties.
     Scored whole on the CPU, megaseq keeps the pools ``torch.topk`` keeps on transformers' row; breaking the
     ties by the lowest index instead (the broken variant) changes the selection and the hidden states."""
-    from megaseq.ops import indexer_scoring
+    from megaseq.ops.indexer import scoring as indexer_scoring
 
     if broken:
         monkeypatch.setattr(indexer_scoring, "topk_as_transformers", _lowest_index_ties)

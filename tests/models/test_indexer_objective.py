@@ -17,8 +17,10 @@ import torch.nn.functional as F
 
 from megaseq.models.common import indexer_kl, mla_dsa
 from megaseq.models.common.context import SeqContext, positions_from_doc_ids
-from megaseq.models.common.mla_dsa import MLASparseAttention, expand_latent
+from megaseq.models.common.mla_dsa import MLASparseAttention
 from megaseq.models.glm5.spec import glm5_flash_tiny
+from megaseq.ops.sparse_mla import reference as sparse_mla_ref
+from megaseq.ops.sparse_mla.reference import expand_latent
 
 TOL = dict(atol=1e-10, rtol=1e-9)
 COEF, SCALE = 0.7, 1.0 / 37
@@ -199,7 +201,7 @@ def test_dense_attention_is_sparse_over_every_visible_key() -> None:
     pos = torch.arange(S)
     same = docs[0][None] == docs[0][:, None]
     idx = torch.where(same & (pos[None] <= pos[:, None]), pos[None], -1).to(torch.int32)[None]
-    want = mla_dsa.sparse_mla_reference(q, latent, m.kv_b_proj.weight, idx, m.scaling)
+    want = sparse_mla_ref.sparse_mla_reference(q, latent, m.kv_b_proj.weight, idx, m.scaling)
     got = indexer_kl.dense_latent_attention(q, latent, m.kv_b_proj.weight, pos, docs, m.scaling, 0)
     torch.testing.assert_close(got, want, **TOL)
 

@@ -10,13 +10,9 @@ import torch
 
 from megaseq.models.common import kda as kda_mod
 from megaseq.models.common.context import SeqContext
-from megaseq.models.common.kda import (
-    KimiDeltaAttention,
-    causal_conv_reference,
-    cu_seqlens_from_doc_ids,
-    kda_reference,
-)
+from megaseq.models.common.kda import KimiDeltaAttention, cu_seqlens_from_doc_ids
 from megaseq.models.glm5.spec import glm5_flash_tiny
+from megaseq.ops.kda.reference import causal_conv_reference, kda_reference
 
 torch.set_num_threads(1)
 F64 = torch.float64

@@ -19,10 +19,11 @@ import pytest
 import torch
 
 from megaseq.models.common.mlp import MLP
-from megaseq.models.common.moe import MoE, grouped_mm_reference
+from megaseq.models.common.moe import MoE
 from megaseq.models.common.norm import RMSNorm
 from megaseq.models.spec import ModelSpec
 from megaseq.ops import dispatch
+from megaseq.ops.moe_glue.reference import grouped_mm_reference
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.glm5_next import modeling_glm5_next as hf_glm  # noqa: E402
@@ -311,7 +312,7 @@ def test_combine_returns_the_residual_dtype_whatever_sum_promotes_to(monkeypatch
     """CUDA autocast runs ``sum`` in float32 (CPU autocast does not): the MoE's output must still be in the
     residual stream's dtype, or a frozen bf16 base's stream turns float32 at the first MoE layer (every later
     boundary doubled: +27% of a Qwen3-30B-A3B LoRA step's memory on an H200). The promotion is simulated here."""
-    from megaseq.models.common import moe as moe_mod
+    from megaseq.ops.moe_glue import reference as moe_mod
 
     real_sum = torch.Tensor.sum
     monkeypatch.setattr(torch.Tensor, "sum", lambda self, *a, **k: real_sum(self.float(), *a, **k))

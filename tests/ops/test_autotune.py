@@ -289,7 +289,7 @@ def test_sparse_mla_reads_the_table_before_its_default(monkeypatch) -> None:
     pytest.importorskip("triton")
     import torch
 
-    from megaseq.ops import triton_sparse_mla_kernels as k
+    from megaseq.ops.sparse_mla import kernels as k
 
     monkeypatch.setattr(k, "_UNTIMED", {})
     monkeypatch.delenv("MEGASEQ_MLA_AUTOTUNE", raising=False)

@@ -7,12 +7,16 @@ import pytest
 import torch
 
 from devices import GPU
-from megaseq.models.common import mla_dsa
 from megaseq.models.common.context import SeqContext
-from megaseq.models.common.kda import causal_conv_reference, kda_reference
-from megaseq.models.common.mla_dsa import MLASparseAttention, sparse_mla_reference
+from megaseq.models.common.mla_dsa import MLASparseAttention
 from megaseq.models.presets import get_preset
-from megaseq.ops import dispatch, fla_kda, indexer_scoring, sparse_mla, workspace
+from megaseq.ops import dispatch, workspace
+from megaseq.ops.indexer import scoring as indexer_scoring
+from megaseq.ops.kda import fla as fla_kda
+from megaseq.ops.kda.reference import causal_conv_reference, kda_reference
+from megaseq.ops.sparse_mla import absorbed as sparse_mla
+from megaseq.ops.sparse_mla import reference as mla_dsa
+from megaseq.ops.sparse_mla.reference import sparse_mla_reference
 
 torch.set_num_threads(1)
 F64 = torch.float64

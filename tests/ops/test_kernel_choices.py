@@ -29,8 +29,8 @@ from megaseq.ops import dispatch, kernels
 # ops the fast set holds to on a GPU whatever the dtypes of a bf16-autocast step (those of FAST_GPU that have
 # no device rule of their own)
 HELD = ("hc_mix", "hc_weights", "hc_collapse", "hc_merge", "swiglu", "rms_norm", "moe_permute", "moe_combine")
-MODULES = ("hc_mix", "triton_hc_mix", "triton_mhc", "triton_mhc_streams", "triton_moe_glue", "triton_rms_norm",
-           "triton_swiglu")
+MODULES = ("mhc.mix_fused", "mhc.mix_triton", "mhc.weights_triton", "mhc.streams_triton", "moe_glue.fused",
+           "rms_norm.fused", "swiglu.fused")
 
 
 def _spec(family: str):
@@ -83,7 +83,7 @@ def test_fast_set_runs_its_kernels_under_autocast(family, monkeypatch):
 
 def test_merge_refusing_a_bf16_block_output_is_caught(monkeypatch):
     """The rule session 10 ran with (y and the streams in one dtype) fails the check above."""
-    from megaseq.ops import triton_mhc_streams as streams
+    from megaseq.ops.mhc import streams_triton as streams
 
     rule = streams.hc_merge_triton_supports
 

@@ -1,21 +1,15 @@
-"""Every kernel ``ops.kernels`` names (the fast set, the planned base set) is registered with the dispatcher
-once the model code and the loss are imported: a registration that no module imports would never run."""
+"""Every kernel ``ops.kernels`` names (the fast set, the planned base set) is an implementation the dispatcher
+finds (a row of ``ops.table`` whose module and callables import): a name without one would never run."""
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 
-from megaseq.models.registry import FAMILY_PACKAGES
-from megaseq.ops import dispatch, kernels
+from megaseq.ops import dispatch, kernels, table
 
 
 def _registered() -> dict[str, set[str]]:
-    for pkg in FAMILY_PACKAGES.values():
-        importlib.import_module(f"{pkg}.model")
-    importlib.import_module("megaseq.memory.vocab_loss")
-    return {op: set(impls) for op, impls in dispatch._state.registry.items()}
+    return {op: set(dispatch.implementations(op)) for op in table.BY_NAME}
 
 
 def _missing(named: dict[str, list[str]]) -> list[str]:

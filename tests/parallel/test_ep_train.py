@@ -201,7 +201,7 @@ def _master_reference() -> tuple[float, dict[str, torch.Tensor]]:
     """One process, all 8 sequences at once: the clipped AdamW step's gradient norm and parameters."""
     from megaseq.models.build import build_model
     from megaseq.models.presets import get_preset
-    from megaseq.ops.cross_entropy import plain_linear_cross_entropy
+    from megaseq.ops.vocab_loss.reference import plain_linear_cross_entropy
     from megaseq.parallel.mesh import complete_batch
 
     model = build_model(get_preset("qwen3-moe-tiny"), dtype=torch.float64, seed=0)

@@ -47,7 +47,8 @@ def test_mla_dsa_matches_one_process(dp, cp):
 
 
 def _indexer_worker(rank: int, cp: int, S: int) -> None:
-    from megaseq.ops import dispatch, indexer_scoring
+    from megaseq.ops import dispatch
+    from megaseq.ops.indexer import scoring as indexer_scoring
 
     torch.set_default_dtype(torch.float64)
     mesh = init_mesh(ParallelConfig(cp=cp, backend="gloo"), S)

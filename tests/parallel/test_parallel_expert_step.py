@@ -62,7 +62,7 @@ def adamw(model: torch.nn.Module) -> torch.optim.AdamW:
 def reference_step(num_seqs: int, skew: bool) -> tuple[float, float, dict, dict, float]:
     """One process, every sequence: loss, grad norm, gradients, parameters after the step, and the share
     of routed rows that went to experts 0..E/2-1 (what ep 2's rank 0 holds)."""
-    from megaseq.ops.cross_entropy import plain_linear_cross_entropy
+    from megaseq.ops.vocab_loss.reference import plain_linear_cross_entropy
 
     model = make_model(skew)
     opt = adamw(model)

@@ -33,7 +33,7 @@ def test_blocks_over_nccl_match_one_gpu(name, make, H):
 
 
 def _ring_bf16_worker(rank: int, N: int, H: int, V: int, device: str = "cuda") -> None:
-    from megaseq.ops.cross_entropy import plain_linear_cross_entropy
+    from megaseq.ops.vocab_loss.reference import plain_linear_cross_entropy
 
     dev = torch.device(f"cuda:{rank}") if device == "cuda" else torch.device("cpu")
     mesh = init_mesh(ParallelConfig(cp=2, backend="nccl" if device == "cuda" else "gloo"), N, device=dev)

@@ -52,7 +52,7 @@ def eval_loss(cfg) -> float:
 def one_process_loss() -> float:
     from megaseq.models.build import build_model
     from megaseq.models.presets import get_preset
-    from megaseq.ops.cross_entropy import plain_linear_cross_entropy
+    from megaseq.ops.vocab_loss.reference import plain_linear_cross_entropy
     from megaseq.parallel.mesh import complete_batch
 
     model = build_model(get_preset("glm5-flash-tiny"), dtype=torch.float64, seed=0)

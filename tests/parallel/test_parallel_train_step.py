@@ -65,7 +65,7 @@ def train_step(model, batch, env, optimizer) -> tuple[float, dict[str, torch.Ten
 
 def reference_step(num_seqs: int) -> tuple[float, dict, dict]:
     """One process, the whole global batch: loss, gradients, and parameters after the step."""
-    from megaseq.ops.cross_entropy import plain_linear_cross_entropy
+    from megaseq.ops.vocab_loss.reference import plain_linear_cross_entropy
 
     torch.manual_seed(0)
     model = build_model(glm5_tiny4(), dtype=torch.float64, seed=0)

@@ -42,7 +42,7 @@ def _nbytes(*ts: torch.Tensor) -> int:
 @pytest.mark.parametrize("kind", ["plain", "chunked"])
 def test_vocab_loss_formula_is_what_the_loss_allocates(kind, dtype):
     from megaseq.memory.vocab_loss import chunked_linear_cross_entropy
-    from megaseq.ops.cross_entropy import plain_linear_cross_entropy
+    from megaseq.ops.vocab_loss.reference import plain_linear_cross_entropy
 
     g = torch.Generator().manual_seed(0)
     N, H, V, chunk = 1500, 48, 2000, 256
@@ -83,11 +83,11 @@ def test_chunked_loss_grows_by_its_per_token_terms_only():
     assert formula / 1000 == H * 4 + 2 * 4
 
 
-# ---- the indexer's scoring chunk (ops/indexer_scoring.py; ops.workspace.indexer_scoring_bytes) -------
+# ---- the indexer's scoring chunk (ops/indexer/scoring.py; ops.workspace.indexer_scoring_bytes) -------
 @pytest.mark.parametrize("chunk", [64, 256])
 def test_indexer_scoring_formula_is_one_chunks_peak(chunk):
     """32 heads as the real indexer, every pool visible to every query (the last chunk of a sequence)."""
-    from megaseq.ops.indexer_scoring import select_pools
+    from megaseq.ops.indexer.scoring import select_pools
     from megaseq.ops.workspace import indexer_scoring_bytes
 
     g = torch.Generator().manual_seed(2)
@@ -105,9 +105,9 @@ def test_indexer_scoring_formula_is_one_chunks_peak(chunk):
     assert abs(measured / indexer_scoring_bytes(chunk, P, I, K) - 1) < 0.06
 
 
-# ---- the absorbed sparse MLA (ops/sparse_mla.py; ops.workspace.absorbed_bytes) ----------------------
+# ---- the absorbed sparse MLA (ops/sparse_mla/absorbed.py; ops.workspace.absorbed_bytes) ----------------------
 def test_absorbed_sparse_mla_saves_its_inputs_and_the_formulas_saved_set():
-    from megaseq.ops.sparse_mla import sparse_mla
+    from megaseq.ops.sparse_mla.absorbed import sparse_mla
     from megaseq.ops.workspace import absorbed_bytes
 
     g = torch.Generator().manual_seed(3)

@@ -59,7 +59,7 @@ def test_dsa_kv_rows_by_mode():
 
 def test_indexer_scoring_matches_memory_module():
     pytest.importorskip("torch")
-    from megaseq.ops.indexer_scoring import indexer_scoring_bytes
+    from megaseq.ops.indexer.scoring import indexer_scoring_bytes
 
     assert LY.indexer_scoring_bytes(37, 1001, 5, 13) == indexer_scoring_bytes(37, 1001, 5, 13)
     # by hand: 2 queries x (3 pools x ((2 heads + 1) x 4 + 9) + 1 selected x 13)
@@ -181,8 +181,8 @@ def test_saved_set_matches_blocks(name, seq, autocast, block, kda_uncounted, mon
     import torch
 
     from megaseq.models.build import build_model
-    from megaseq.models.common import mla_dsa
     from megaseq.models.presets import get_preset
+    from megaseq.ops.sparse_mla import reference as mla_dsa
     from megaseq.plan import components as C
     from megaseq.plan.fixes import base_settings
     from megaseq.plan.phases import Run, layer_terms

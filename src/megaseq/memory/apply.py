@@ -20,7 +20,6 @@ Applying again with other settings replaces the previous ones (nothing stacks).
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +34,7 @@ from megaseq.memory.offload_adam import OffloadStreamAdamW
 from megaseq.memory.rules import check_model_segments, check_stream_base
 from megaseq.memory.stream_base import BaseStreamer, stream_layers, unstream_layers
 from megaseq.memory.vocab_loss import linear_cross_entropy
+from megaseq.ops import switches
 
 
 @dataclass
@@ -136,12 +136,10 @@ def loss_fn(settings: MemorySettings) -> Callable[..., torch.Tensor]:
 
 
 def master_kernel(on_cuda: bool) -> str:
-    """MasterAdamW's step: ``triton`` (``ops.triton_adamw``) on CUDA where Triton is installed, unless
+    """MasterAdamW's step: ``triton`` (``ops.adamw.fused``) on CUDA where Triton is installed, unless
     ``MEGASEQ_ADAMW=torch``; else torch's fused AdamW with its casts and copies around it."""
-    choice = os.environ.get("MEGASEQ_ADAMW", "triton")
-    if choice not in ("triton", "torch"):
-        raise ValueError(f"MEGASEQ_ADAMW must be triton or torch, got {choice!r}")
-    from megaseq.ops import triton_adamw
+    choice = switches.adamw_kernel()
+    from megaseq.ops.adamw import fused as triton_adamw
 
     return "triton" if choice == "triton" and on_cuda and triton_adamw.available() else "torch"
 

@@ -15,9 +15,9 @@ tensors when ``fused``, as ``make_optimizer`` asks on CUDA; else foreach as give
 rounded to the weight's dtype. So the result equals AdamW run on an fp32 copy and cast, bit for bit
 (``tests/memory/test_master_adam.py``). Weights that are already fp32 (the router a bf16 model keeps) get a master
 too, equal to them: one code path. With ``kernel="triton"`` (``make_optimizer``'s choice on CUDA where Triton
-is installed; ``MEGASEQ_ADAMW=torch`` declines it) the whole parameters step in ``ops.triton_adamw``: torch's
+is installed; ``MEGASEQ_ADAMW=torch`` declines it) the whole parameters step in ``ops.adamw.fused``: torch's
 fused arithmetic in one pass that reads a lone bf16 gradient as it is (28 bytes an element against the five
-passes' 48), within a few fp32 ulps of it (``tests/ops/test_triton_adamw.py``).
+passes' 48), within a few fp32 ulps of it (``tests/ops/adamw/test_triton_adamw.py``).
 
 Gradients. The bf16 gradient a backward leaves (FSDP: reduce-scattered in ``parallel.reduce_dtype``, then
 cast to the weight's dtype) is cast to fp32 at the step. With ``accumulate`` (micro-batches, sequence
@@ -187,7 +187,7 @@ class MasterAdamW(torch.optim.Optimizer):
         if kernel not in ("torch", "triton"):
             raise ValueError(f"MasterAdamW kernel must be torch or triton, got {kernel!r}")
         self.foreach = foreach
-        # kernel "triton": ops.triton_adamw's one pass per whole parameter (clip, AdamW, rounding; the bf16
+        # kernel "triton": ops.adamw.fused's one pass per whole parameter (clip, AdamW, rounding; the bf16
         # gradient read as it is, not copied to fp32) where it supports the tensors; torch's way elsewhere
         self.kernel = kernel
         # fused: torch's fused AdamW kernel over the masters (one pass; foreach makes about ten), its step
@@ -293,8 +293,8 @@ class MasterAdamW(torch.optim.Optimizer):
 
     def _triton_update(self, live: list[tuple[torch.Tensor, torch.Tensor]], hyper: dict[str, Any],
                        finite: torch.Tensor | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Step the parameters ``ops.triton_adamw`` supports; returns the others."""
-        from megaseq.ops import triton_adamw
+        """Step the parameters ``ops.adamw.fused`` supports; returns the others."""
+        from megaseq.ops.adamw import fused as triton_adamw
 
         mine, rest = [], []
         for p, g in live:

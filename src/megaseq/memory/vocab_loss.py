@@ -3,7 +3,7 @@
 Shapes: N tokens, H hidden, V vocabulary, C tokens per chunk, Vc vocabulary entries per strip.
 
 The plain reference (``plain_linear_cross_entropy``) and the online log-sum-exp live in
-``megaseq.ops.cross_entropy``; this module is the memory scheme built on them.
+``megaseq.ops.vocab_loss.reference``; this module is the memory scheme built on them.
 
 ``chunked_linear_cross_entropy`` computes the same loss and the same gradients with a bounded working
 set: the forward walks token chunks (and, optionally, vocabulary strips) folding each ``C x Vc`` strip
@@ -11,7 +11,7 @@ of logits into an online log-sum-exp state, and keeps only the per-token log-sum
 recomputes each chunk's logits, forms ``softmax - onehot`` and accumulates ``grad_hidden`` and
 ``grad_weight`` chunk by chunk (grad_weight in fp32 for low-precision inputs).
 
-Reductions as ``megaseq.ops.cross_entropy``.
+Reductions as ``megaseq.ops.vocab_loss.reference``.
 """
 
 from __future__ import annotations
@@ -19,11 +19,8 @@ from __future__ import annotations
 import torch
 
 from megaseq.memory.rules import WEIGHT_GRAD_ROWS  # the planner's formula counts these blocks
-from megaseq.ops import (
-    dispatch,
-    liger_loss,  # noqa: F401  (registers Liger's fused loss, opt-in)
-)
-from megaseq.ops.cross_entropy import (
+from megaseq.ops import dispatch
+from megaseq.ops.vocab_loss.reference import (
     LSEState,
     acc_dtype,
     check_shapes,
@@ -115,7 +112,6 @@ class _ChunkedLinearCE(torch.autograd.Function):
         return grad_h, grad_w, None, None, None, None
 
 
-@dispatch.register("chunked_linear_cross_entropy", "torch_chunked", reference=True)
 def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                                  chunk_tokens: int, vocab_chunk: int | None = None, ignore_index: int = -100,
                                  reduction: str = "mean",

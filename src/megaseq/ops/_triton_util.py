@@ -2,7 +2,7 @@
 
 Triton kernels run on CUDA tensors, or on CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1``
 set before Triton is imported: the CPU tests, which call the kernels directly). The kernel modules
-themselves (``_*_kernels.py``) import Triton at their top and are imported lazily by the ops, so megaseq
+themselves (``<op>/*kernels.py``) import Triton at their top and are imported lazily by the ops, so megaseq
 imports without Triton.
 """
 

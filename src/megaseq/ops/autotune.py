@@ -11,12 +11,12 @@ kernel over its whole config space: minutes, where a warm step takes seconds. Fo
   by ``megaseq tune`` on that GPU) and are kept per user (``<cache>/autotune/<gpu>.json``, every tuning this
   machine ran); the user's entries win. A length without its own bucket takes the nearest bucket within
   ``NEAR_BUCKETS`` powers of two, so one tuning serves nearby lengths.
-- **Pruned spaces** (``MEGASEQ_AUTOTUNE``): ``pruned`` (the default) times at most ``PRUNED_CONFIGS`` configs
-  of a space, the most conservative one and an even spread of the rest by cost; ``full`` times them all
-  (what ``megaseq tune`` uses); ``one`` runs the most conservative config untimed.
+- **Pruned spaces** (``model.autotune``, ``MEGASEQ_AUTOTUNE``): ``pruned`` (the default) times at most
+  ``PRUNED_CONFIGS`` configs of a space, the most conservative one and an even spread of the rest by cost;
+  ``full`` times them all (what ``megaseq tune`` uses); ``one`` runs the most conservative config untimed.
 - **A persistent cache** (``use_persistent_cache``): ``TRITON_CACHE_DIR`` defaults to
-  ``~/.cache/megaseq/triton`` (``MEGASEQ_CACHE_DIR`` moves the root) and Triton's autotune results are kept
-  there too (``TRITON_CACHE_AUTOTUNING``), unless the user set them.
+  ``~/.cache/megaseq/triton`` (``model.kernel_cache`` or ``MEGASEQ_CACHE_DIR`` moves the root) and Triton's
+  autotune results are kept there too (``TRITON_CACHE_AUTOTUNING``), unless the user set them.
 - Triton's ``Autotuner`` reads the tables and the mode through ``ops.triton_autotune``; megaseq's own tuner
   (the sparse MLA launcher) calls ``TunedTable`` directly.
 
@@ -31,7 +31,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-MODES = ("pruned", "full", "one")
+from megaseq.ops import switches
+
+MODES = switches.AUTOTUNE_MODES
 PRUNED_CONFIGS = 4
 NEAR_BUCKETS = 2
 FORMAT = 1
@@ -39,8 +41,9 @@ SHIPPED_DIR = Path(__file__).parent / "tuned"
 
 
 def cache_root() -> Path:
-    """megaseq's per-user cache: ``$MEGASEQ_CACHE_DIR``, else ``~/.cache/megaseq``."""
-    return Path(os.environ.get("MEGASEQ_CACHE_DIR") or "~/.cache/megaseq").expanduser()
+    """megaseq's per-user cache: ``model.kernel_cache`` or ``MEGASEQ_CACHE_DIR``, else ``~/.cache/megaseq``
+    (``ops.switches``)."""
+    return switches.cache_root()
 
 
 def use_persistent_cache() -> str:
@@ -52,13 +55,8 @@ def use_persistent_cache() -> str:
 
 
 def mode() -> str:
-    """``MEGASEQ_AUTOTUNE`` (pruned, full or one); unset, ``MEGASEQ_FLA_AUTOTUNE`` ``one`` or ``full`` is read as
-    the same; else ``pruned``."""
-    fla = os.environ.get("MEGASEQ_FLA_AUTOTUNE")
-    m = os.environ.get("MEGASEQ_AUTOTUNE") or (fla if fla in ("one", "full") else "pruned")
-    if m not in MODES:
-        raise ValueError(f"MEGASEQ_AUTOTUNE must be one of {', '.join(MODES)}, got {m!r}")
-    return m
+    """``model.autotune`` or ``MEGASEQ_AUTOTUNE`` (pruned, full or one; ``ops.switches.autotune_mode``)."""
+    return switches.autotune_mode()
 
 
 def seq_bucket(n: int) -> int:

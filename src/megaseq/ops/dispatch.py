@@ -12,22 +12,20 @@ Usage in a block::
 
     out = dispatch.call("kda", layer="layers.3.self_attn", q=q, k=k, ...)
 
-Registration::
-
-    @register("kda", "torch_chunked", reference=True)
-    def kda_torch(...): ...
-
-    @register("kda", "fla", supports=fla_supports)
-    def kda_fla(...): ...
+The implementations are the rows of ``ops.table``: the first call of an op imports its rows' modules. ``register``
+adds one outside the table (tests, experiments).
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
+
+from megaseq.ops import table
 
 
 class KernelFallbackError(ValueError):
@@ -59,27 +57,50 @@ class _State:
     planned: dict[str, str] = field(default_factory=dict)  # op -> impl the plan requires
     strict: bool = False
     records: dict[tuple[str, str, str], Record] = field(default_factory=dict)  # (layer, op, impl) -> record
+    loaded: set[str] = field(default_factory=set)  # ops whose ``ops.table`` rows are imported
 
 
 _state = _State()
 _lock = threading.Lock()
 
 
+def resolve(row: table.Impl) -> Impl:
+    """The implementation a table row names: its module imported, its callables looked up."""
+    module = importlib.import_module(row.module)
+    supports = getattr(module, row.supports) if row.supports else None
+    return Impl(row.name, getattr(module, row.fn), supports, row.reference, row.opt_in)
+
+
+def _impls(op: str) -> dict[str, Impl]:
+    """The implementations of ``op``: its ``ops.table`` rows (imported on the first call) and any registered."""
+    impls = _state.registry.get(op)
+    if op in _state.loaded or op not in table.BY_NAME:
+        return impls or {}
+    rows = {row.name: resolve(row) for row in table.BY_NAME[op].impls}
+    with _lock:
+        extra = _state.registry.get(op, {})
+        _state.registry[op] = {**rows, **{n: i for n, i in extra.items() if n not in rows}}
+        _state.loaded.add(op)
+    return _state.registry[op]
+
+
 def register(op: str, name: str, *, reference: bool = False, supports: Callable[..., str | None] | None = None,
              opt_in: bool = False) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Decorator: register ``fn`` as implementation ``name`` of ``op``. ``opt_in``: tried only where a run
+    """Decorator: register ``fn`` as implementation ``name`` of ``op`` outside ``ops.table`` (tests and
+    experiments; the product's implementations are the table's rows). ``opt_in``: tried only where a run
     prefers or plans it (``model.kernels fast``), not by default."""
 
     def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
-        impls = _state.registry.setdefault(op, {})
+        impls = _impls(op) if op in table.BY_NAME else _state.registry.setdefault(op, {})
         impls[name] = Impl(name, fn, supports, reference, opt_in)
+        _state.registry[op] = impls
         return fn
 
     return deco
 
 
 def implementations(op: str) -> dict[str, Impl]:
-    return dict(_state.registry.get(op, {}))
+    return dict(_impls(op))
 
 
 def configure(preferred: dict[str, list[str]] | None = None, planned: dict[str, str] | None = None,
@@ -106,7 +127,7 @@ def configured(preferred: dict[str, list[str]] | None = None, planned: dict[str,
 def override(op: str, name: str, fn: Callable[..., Any]) -> Iterator[Callable[..., Any]]:
     """Run ``fn`` in place of implementation ``name`` of ``op`` for the duration (instrumentation and tests:
     ``fn`` may wrap the original, which the context yields)."""
-    impl = _state.registry[op][name]
+    impl = _impls(op)[name]
     original = impl.fn
     impl.fn = fn
     try:
@@ -150,9 +171,10 @@ def describe_fallback(g: dict[str, Any]) -> str:
 
 
 def _order(op: str) -> list[Impl]:
-    impls = _state.registry.get(op)
+    impls = _impls(op)
     if not impls:
-        raise KeyError(f"no implementation registered for op {op!r}; known ops: {sorted(_state.registry)}")
+        known = sorted(set(_state.registry) | set(table.BY_NAME))
+        raise KeyError(f"no implementation registered for op {op!r}; known ops: {known}")
     names = list(_state.preferred.get(op, []))
     if op in _state.planned and _state.planned[op] not in names:
         names.append(_state.planned[op])

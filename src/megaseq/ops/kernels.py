@@ -12,44 +12,26 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass
 
-GPU_BF16 = {
-    "kda": "fla_chunk",
-    "gdn": "fla_chunk",
-    "causal_conv": "fla",
-    "grouped_mm": "torch_grouped_mm",
-    "sparse_attention": "absorbed",
-    "attention": "sdpa",
-}
+from megaseq.ops.table import OPS, fast_impl
 
 
 @dataclass(frozen=True)
 class Fast:
-    """One op's fast kernel under ``model.kernels fast`` on a GPU."""
+    """One op's fast kernel under ``model.kernels fast`` on a GPU (a view of its ``ops.table`` row)."""
 
     impl: str  # the implementation put first
-    packages: tuple[str, ...] = ()  # what it needs; non-empty: the memory plan counts its working set
+    packages: tuple[str, ...] = ()  # what it needs where the memory plan counts its working set; else empty
     fallbacks: tuple[str, ...] = ()  # where it declines (a dtype, a shape), the next tried before the reference
 
 
-# The fast set: Triton kernels (and fla's, Liger's), each checked against its reference on the GPU
-# (tests/test_triton_*.py, tests/ops/test_hc_mix.py, tests/ops/test_liger_loss.py). The memory plan counts the working
-# sets of those with ``packages`` (where they are installed) and the base kernels' for the rest (for these an
-# upper bound); docs/planner.md, "The fast kernels", and benchmarks/results/h200 hold the measurements.
+# The fast set (``ops.table``: Triton kernels and fla's, Liger's), each checked against its reference on the GPU
+# (tests/ops/<op>/). The memory plan counts the working sets of those with ``packages`` (where they are
+# installed) and the base kernels' for the rest (for these an upper bound); docs/planner.md, "The fast
+# kernels", and benchmarks/results/h200 hold the measurements.
+GPU_BF16: dict[str, str] = {op.name: op.gpu_bf16 for op in OPS if op.gpu_bf16}
 FAST: dict[str, Fast] = {
-    "sparse_attention": Fast("triton", ("triton",)),
-    "indexer_topk": Fast("triton", ("triton",)),
-    "hc_mix": Fast("triton", ("triton",), fallbacks=("torch_fused",)),
-    "gated_rms_norm": Fast("fla", ("triton", "fla")),
-    "kda_gate": Fast("fla"),
-    "hc_weights": Fast("triton"),
-    "hc_collapse": Fast("triton"),
-    "hc_merge": Fast("triton", ("triton",)),
-    "swiglu": Fast("triton", ("triton",)),
-    "rms_norm": Fast("triton", ("triton",)),
-    "moe_permute": Fast("triton"),
-    "moe_combine": Fast("triton"),
-    "linear_cross_entropy": Fast("liger", ("triton", "liger_kernel")),
-    "chunked_linear_cross_entropy": Fast("liger"),
+    op.name: Fast(op.fast, fast_impl(op).packages if op.plan_counts_fast else (), op.fast_fallbacks)
+    for op in OPS if op.fast
 }
 # views of FAST: op -> implementation; op -> its fallbacks; op -> the packages of the planned ones
 FAST_GPU = {op: f.impl for op, f in FAST.items()}
@@ -98,8 +80,8 @@ def fast_ops_installed() -> frozenset[str]:
 
 def cold_start_note(device_type: str) -> str | None:
     """What a run says before its first step on a GPU, where that step compiles and autotunes the Triton
-    kernels (fla's and megaseq's) for minutes on a machine without a Triton cache (467 s for glm5-flash-1gpu
-    at 1M on a fresh H200, measured 2026-12-02); None elsewhere, where there is nothing to compile."""
+    kernels (fla's and megaseq's) for minutes on a machine without a Triton cache (``benchmarks/results/kernels/
+    h200_ops.md``); None elsewhere, where there is nothing to compile."""
     if device_type != "cuda":
         return None
     import os

@@ -42,7 +42,7 @@ def sdpa_head_groups(num_heads: int, num_kv_heads: int) -> int:
     return num_kv_heads * split
 
 
-# ---- op rms_norm (models/common/norm.py: rms_norm_torch) -------------------------------------------
+# ---- op rms_norm (ops/rms_norm/reference.py: rms_norm_torch) -------------------------------------------
 NORM_BACKWARD_ELEMENTS: int = 1 << 24  # rows of one backward chunk: at most this many elements
 
 
@@ -58,13 +58,13 @@ def norm_backward_temp(rows: int, width: int, out_bytes: int) -> int:
     input's gradient ``rows * width * out_bytes`` (a whole tensor, filled chunk by chunk), one chunk's
     float32 temporaries at their peak, and the weight's float32 partial sum. At the peak four float32
     chunk-sized tensors are live (``dxhat``, ``xhat``, their difference term and the result: ``16 * chunk``;
-    the bf16 product before ``dxhat`` is freed by then). Measured on an H200 (bf16 q norm, 32 x 128 at 64K,
-    measured 2026-12-02): 768 MiB = 512 MiB of input gradient + 256 MiB for a 16M-element chunk, exactly this."""
+    the bf16 product before ``dxhat`` is freed by then); ``benchmarks/results/kernels/h200_ops.md`` holds the
+    GPU check of this formula."""
     chunk = min(rows, norm_backward_rows(width)) * width
     return rows * width * out_bytes + 16 * chunk + 8 * width
 
 
-# ---- op indexer_topk (ops/indexer_scoring.py): one scoring chunk ------------------------------------
+# ---- op indexer_topk (ops/indexer/scoring.py): one scoring chunk ------------------------------------
 SCORING_BUDGET_BYTES: int = 2 << 30  # the reference system's bound on one scoring chunk
 
 
@@ -131,11 +131,11 @@ def indexer_kl_bytes(Q: int, S: int, num_heads: int, index_heads: int, head_dim:
     return chunk + sums + graph
 
 
-# ---- op linear_cross_entropy, implementation liger (ops/liger_loss.py) --------------------------------
+# ---- op linear_cross_entropy, implementation liger (ops/vocab_loss/liger.py) --------------------------------
 LIGER_CHUNK_ROWS: int = 4096  # rows of one chunk of logits at most (a power of two)
 
 
-# ---- op indexer_topk, implementation triton (ops/indexer_topk.py) -----------------------------------
+# ---- op indexer_topk, implementation triton (ops/indexer/topk.py) -----------------------------------
 TOPK_MARGIN: int = 32  # candidates beyond K per row
 TOPK_RECHECK_BYTES: int = 256 << 20  # one re-check sub-block (gathered fp32 keys [r, W, D], head scores [r, I, W])
 
@@ -148,7 +148,7 @@ def indexer_topk_bytes(query_chunk: int, num_pools: int, num_heads: int, num_sel
     int64 (12M); the error bound, the band limits and the searchsorted counts (16M + 32); the few-pool
     keys (int64, 8(M + K)); the selection and validity (9K). One re-check sub-block (``TOPK_RECHECK_BYTES``,
     rows whose band is ambiguous): the gathered fp32 keys ``[W, D]``, the head scores ``[I, W]`` and the
-    sorts (4WD + 4IW + 64W a row). The fallback's chunks stay within this total (``indexer_topk_select``).
+    sorts (4WD + 4IW + 64W a row). The fallback's chunks stay within this total (``ops.indexer.select``).
     """
     per_row, recheck_row = topk_row_bytes(num_pools, num_heads, num_select, margin, head_dim)
     return query_chunk * per_row + min(TOPK_RECHECK_BYTES, query_chunk * recheck_row)
@@ -160,7 +160,23 @@ def topk_row_bytes(num_pools: int, num_heads: int, num_select: int, margin: int,
     return 4 * P + 28 * M + 32 + 8 * (M + K) + 9 * K, M * (4 * head_dim + 4 * num_heads + 64)
 
 
-# ---- op sparse_attention, implementation absorbed (ops/sparse_mla.py) --------------------------------
+def resolve_query_chunk(query_chunk: int | None, num_pools: int, num_heads: int, num_select: int,
+                        impl: str = "torch_fp32", margin: int = TOPK_MARGIN, head_dim: int = 128) -> int:
+    """Rows per scoring chunk of op ``indexer_topk``: ``query_chunk`` (``model.index_query_chunk``) when given,
+    else as many as fit ``SCORING_BUDGET_BYTES`` under the working set of ``impl``: the reference's
+    ``torch_fp32`` (``indexer_scoring_bytes``) or ``triton`` (``topk_row_bytes``, one re-check sub-block
+    ``TOPK_RECHECK_BYTES`` set aside)."""
+    if query_chunk is not None:
+        return max(1, int(query_chunk))
+    if impl == "torch_fp32":
+        return scoring_chunk(num_pools, num_heads, num_select)
+    if impl != "triton":
+        raise ValueError(f"indexer_topk has no implementation {impl!r} (torch_fp32 or triton)")
+    per_row, _ = topk_row_bytes(num_pools, num_heads, num_select, margin, head_dim)
+    return max(1, (SCORING_BUDGET_BYTES - TOPK_RECHECK_BYTES) // per_row)
+
+
+# ---- op sparse_attention, implementation absorbed (ops/sparse_mla/absorbed.py) --------------------------------
 ABSORBED_BLOCK_BYTES: int = 2 << 30  # one query block's budget (forward or backward)
 
 
@@ -188,16 +204,16 @@ def absorbed_bytes(Q: int, S: int, W: int, R: int, Hh: int, Dn: int, Dv: int, d:
             "backward": block + Q * Hh * Dn * d + S * R * c + Hh * (Dn + Dv) * R * c}
 
 
-# ---- op sparse_attention, implementation triton (ops/triton_sparse_mla.py) ---------------------------
+# ---- op sparse_attention, implementation triton (ops/sparse_mla/fused.py) ---------------------------
 POOL_SORT_BYTES: int = 64  # per (query, selected pool) while the pool pass's entries are sorted
-POOL_QUERIES: int = 32768  # queries per batch row sorted at once (ops.triton_sparse_mla_kernels.POOL_QUERIES)
+POOL_QUERIES: int = 32768  # queries per batch row sorted at once (ops.sparse_mla.kernels.POOL_QUERIES)
 SAVED_QUERIES: int = 8192  # dc="saved": queries of one batch row whose p and ds are held at once (the kernels')
 DC_DEFAULT: str = "saved"  # the latent gradient's way unless MEGASEQ_MLA_DC says otherwise (the kernels read it)
 
 
 def sparse_mla_pool_bytes(Q: int, W: int, kp: int, Hh: int, batch: int = 1, d: int = 2,
                           mode: str = DC_DEFAULT) -> int:
-    """Bytes the key-major latent gradient (``ops.triton_sparse_mla_kernels``, ``dc="saved"`` or ``"pool"``) adds to
+    """Bytes the key-major latent gradient (``ops.sparse_mla.kernels``, ``dc="saved"`` or ``"pool"``) adds to
     the backward's kernel moment, for ``Q`` queries (all batch rows together) of ``W`` slots in pools of ``kp`` (0
     where the selection has no pools, or ``mode="atomic"``: the atomics alone run), ``d`` bytes a work-dtype element.
 

@@ -45,8 +45,9 @@ from torch import nn
 
 from megaseq.config import ExpertDispatchSettings
 from megaseq.memory.master_adam import REDUCED_AFTER_BACKWARD, is_dtensor
-from megaseq.models.common.moe import ExpertDispatch, Experts, combine
+from megaseq.models.common.moe import ExpertDispatch, Experts
 from megaseq.ops.amp import autocast_as, autocast_state
+from megaseq.ops.moe_glue.reference import combine
 from megaseq.parallel.expert_route import ChunkRoute, Route, build_route, destinations, group_by_served, strided_order
 from megaseq.parallel.ulysses import count_bytes
 

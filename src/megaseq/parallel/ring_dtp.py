@@ -6,7 +6,7 @@ rows in a padded shard, Vo rows of shard o (balanced: the first V % P shards hav
 Rank o owns rows ``[off_o, off_o + Vo)`` of ``lm_head.weight``. The weight-rotating ring: in round
 k rank r holds shard ``o = (r + k) % P`` (received from rank r + 1, passed on to rank r - 1), computes
 one ``N x Vo`` strip of logits for its own tokens, folds it into the online log-sum-exp state
-``(m, s, t)`` of ``megaseq.ops.cross_entropy`` and frees it. After P rounds each token's
+``(m, s, t)`` of ``megaseq.ops.vocab_loss.reference`` and frees it. After P rounds each token's
 ``loss = m + log s - t`` is exact. The next shard travels while the current strip is computed.
 
 Backward runs the ring again: the strip is recomputed, ``dlogits = g * (softmax - onehot)``; the
@@ -97,7 +97,7 @@ class RingDTPLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, h_NH: torch.Tensor, w_VoH: torch.Tensor, labels_N: torch.Tensor, vocab_size: int,
                 group: Any, ignore_index: int) -> torch.Tensor:
-        from megaseq.ops.cross_entropy import acc_dtype, lse_init, lse_logsumexp, lse_update
+        from megaseq.ops.vocab_loss.reference import acc_dtype, lse_init, lse_logsumexp, lse_update
 
         r, P, send_to, recv_from = _ring_peers(group)
         bounds = vocab_shard_bounds(vocab_size, P)
@@ -165,7 +165,7 @@ def ring_dtp_loss(hidden_NH: torch.Tensor, weight_shard_VoH: torch.Tensor, label
     contributions of every rank's tokens; the hidden gradient is this rank's tokens' own.
     """
     if dist.get_world_size(group) == 1:
-        from megaseq.ops.cross_entropy import plain_linear_cross_entropy
+        from megaseq.ops.vocab_loss.reference import plain_linear_cross_entropy
 
         return plain_linear_cross_entropy(hidden_NH, weight_shard_VoH, labels_N, ignore_index=ignore_index,
                                           reduction="none")

@@ -154,7 +154,7 @@ class Calibration:
     nograd_fraction: float = 0.35  # peak of a layer's no-grad forward, as a fraction of its saved set
     sinkhorn_saved: bool = True  # Sinkhorn's 2*iters-1 divisions each save [N, N] + [N] in fp32
     hc_mix_torch: bool = False  # the fast set with hc_mix as the closed-form torch op
-    # (ops/hc_mix.py, its input's copy kept in the GEMM's dtype; the Triton op keeps none) and KDA's gated norm
+    # (ops/mhc/mix_fused.py, its input's copy kept in the GEMM's dtype; the Triton op keeps none) and KDA's gated norm
     # the reference; True plans what the runs of 2026-12-02 measured with it
     process_host_bytes: int = 2_010_000_000  # one training process: Python, torch, CUDA host state, data
     # (H200, torch 2.11: VmHWM 1.95-2.07 GB, mean 2.01 GB, over 14 runs of glm5-flash-1gpu 8K-1M and
@@ -535,7 +535,7 @@ def norm_saved(width: int, in_bytes: int, prec: Precision, fast: bool = False) -
     output is ``weight * x``, promoted to the wider of the weight and input dtypes. A frozen weight needs
     no gradient, so the normalised value is not kept: ``f * width``.
 
-    ``fast``: the fast set's Triton norm (``ops/triton_rms_norm.py``) keeps the input itself and the fp32
+    ``fast``: the fast set's Triton norm (``ops/rms_norm/fused.py``) keeps the input itself and the fp32
     ``rstd`` of each row, ``in * width + 4``, whether the weight trains or not."""
     out = max(prec.norm or prec.param, in_bytes)
     if fast:
@@ -551,7 +551,7 @@ def hc_saved(spec: ModelSpec, prec: Precision, cal: Calibration = CAL, fn_trains
     The flattened streams in fp32 (a copy unless the stream is fp32), the normalised flat input of the
     ``fn`` linear (its bf16 cast under autocast, else fp32; kept only when ``fn`` trains) and the small
     [N]/[N, N] weights, of which Sinkhorn's ``2 * iters - 1`` divisions each save comb and its sums.
-    ``fast``: the Triton ``hc_mix`` (``ops/triton_hc_mix.py``) keeps the streams themselves (no copy) and
+    ``fast``: the Triton ``hc_mix`` (``ops/mhc/mix_triton.py``) keeps the streams themselves (no copy) and
     its fp32 GEMM output ``u`` and RMS scale ``r``: ``f * (M + 1)`` with ``M = (2 + N) * N``, whether ``fn``
     trains or not (``cal.hc_mix_torch``: the closed-form torch op's, the streams and their copy in the GEMM's
     dtype where that differs from theirs)."""
@@ -579,7 +579,7 @@ def merge_saved(spec: ModelSpec, y_bytes: int, prec: Precision, fast: bool = Fal
     """``HyperConnection.merge`` per token: the block output ``y`` (kept by ``post * y``), ``post`` and
     ``comb``, and under autocast the bf16 cast of the residual that ``matmul(comb^T, residual)`` saves
     (``c * N * H``; without autocast the residual itself, counted elsewhere). ``fast``: the Triton merge
-    (``ops/triton_mhc_streams.py``) keeps the residual itself, so no cast."""
+    (``ops/mhc/streams_triton.py``) keeps the residual itself, so no cast."""
     N, H, c = spec.hc_mult, spec.hidden_size, prec.compute
     cast = c * N * H if (prec.autocast and prec.stream != c and not fast) else 0
     return y_bytes * H + cast + prec.f32 * N + c * N * N
@@ -619,10 +619,10 @@ def vocab_loss_bytes(N: int, H: int, V: int, chunk_tokens: int, dtype_bytes: int
 
 
 def liger_loss_bytes(N: int, H: int, V: int, d: int, weight_grad: bool = True) -> int:
-    """The fast set's loss (``ops/liger_loss.py``: Liger's fused linear cross-entropy, chunked or not), beyond
+    """The fast set's loss (``ops/vocab_loss/liger.py``: Liger's fused linear cross-entropy, chunked or not), beyond
     its inputs: the input gradient ``N*H*d`` and the weight gradient ``V*H*d`` it fills during the forward
     (in the head's dtype), one chunk of logits ``rows*V*d`` written over in place by its softmax gradient
-    (``rows``: at most ``ops.workspace.LIGER_CHUNK_ROWS``, ``ops.liger_loss.CHUNK_ROWS``'s default), the
+    (``rows``: at most ``ops.workspace.LIGER_CHUNK_ROWS``, ``ops.vocab_loss.liger.CHUNK_ROWS``'s default), the
     per-token fp32 loss ``4*N``; for a half head, the weight gradient's fp32 copy ``V*H*4`` at the backward
     (the cast to an fp32 parameter's gradient: counted for a bf16 parameter too, an upper bound). Measured
     at 32K x V 154,880 x H 4096 in bf16 on an H200: 1.73 GiB with Liger's own chunks of 1,024 rows

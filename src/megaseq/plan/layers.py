@@ -156,10 +156,10 @@ def dsa_saved(
     """MLA + DSA (``blocks/mla_dsa.py``); K/V rows from ``dsa_kv_rows``.
 
     ``impl`` is the sparse-attention implementation: ``torch_masked`` (the reference, the CPU path) as
-    below, or ``absorbed`` (``ops/sparse_mla.py``, the GPU path): no per-head K/V at all; the op saves
+    below, or ``absorbed`` (``ops/sparse_mla/absorbed.py``, the GPU path): no per-head K/V at all; the op saves
     the latent's compute-dtype copy ``c * (kv_lora + rope)`` per K/V row, the per-(query, head)
     log-sum-exp ``f * Hh`` and the selection (every layer that computes one), its blocks being
-    recomputed in backward; or ``triton`` (the fast set's fused kernels, ``ops/triton_sparse_mla.py``):
+    recomputed in backward; or ``triton`` (the fast set's fused kernels, ``ops/sparse_mla/fused.py``):
     the same and the latent output ``o_lat`` ``c * Hh * R`` per query (``ops.workspace.triton_sparse_mla_bytes``).
 
     Per query token: q_a/kv_a inputs; q_a_layernorm and kv_a_layernorm (``(f + c) * rank``); q_b's input;
@@ -206,7 +206,7 @@ def dsa_saved(
 def indexer_scoring(spec: ModelSpec, query_chunk: int, seq_len: int, fast: bool = False) -> int:
     """One scoring chunk of ``query_chunk`` queries over a ``seq_len`` sequence: the fp32 reference's
     (``ops.workspace.indexer_scoring_bytes``: head scores ``[c, I, P]``) or, ``fast``, the Triton
-    selection's (``ops.indexer_topk.indexer_topk_bytes``: summed scores ``[c, P]`` and its candidates)."""
+    selection's (``ops.indexer.topk.indexer_topk_bytes``: summed scores ``[c, P]`` and its candidates)."""
     kp = max(spec.index_kpool, 1)
     pools, select = seq_len // kp, spec.index_topk // kp
     if fast:
@@ -559,7 +559,7 @@ def swiglu_saved_ci(spec: ModelSpec, fast: bool = False) -> int:
     """SwiGLU (``blocks/mlp.py: swiglu``) per row, in units of ``c * I``: the gate/up outputs (kept by
     the clamps or the SiLU and product), the clamped gate, SiLU output, clamped up and the product
     (down_proj's input): 6 with GLM's clamp, 4 without. ``fast``: the fast set's fused kernel
-    (``ops/triton_swiglu.py``) keeps gate and up only (views of their producer) and recomputes the rest:
+    (``ops/swiglu/fused.py``) keeps gate and up only (views of their producer) and recomputes the rest:
     with the product, 3 either way."""
     if fast:
         return 3

@@ -40,7 +40,7 @@ class Run:
     mla_mode: str = "gather_kv"
     imbalance: float = 4.0
     grad_accum: int = 1
-    sparse_impl: str = "absorbed"  # ops/sparse_mla.py on the GPU; "torch_masked" is the CPU reference
+    sparse_impl: str = "absorbed"  # ops/sparse_mla/absorbed.py on the GPU; "torch_masked" is the CPU reference
     packed_documents: bool = False  # data with document boundaries (text): no segmented KDA
     loss_in_compute_dtype: bool = True  # the trainer casts hidden + head for the loss (False: before 2026-11-29)
     cal: Calibration = CAL

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from megaseq.config import AdapterSettings, Config, MemorySettings, parse_duration
-from megaseq.ops import dispatch
+from megaseq.ops import dispatch, switches
 from megaseq.ops.kernels import cold_start_note, planned_kernels, preferred_kernels
 from megaseq.plan.flops import mfu
 from megaseq.train import checkpoint as ckpt
@@ -310,8 +310,12 @@ def kernel_settings(cfg: Config, device: torch.device) -> dict[str, Any]:
 
 
 def kernels_for(cfg: Config, device: torch.device) -> contextlib.AbstractContextManager:
-    """The dispatcher set up as the run is planned (``kernel_settings``) for the duration of the run."""
-    return dispatch.configured(**kernel_settings(cfg, device))
+    """The dispatcher set up as the run is planned (``kernel_settings``), and ``model.autotune`` and
+    ``model.kernel_cache`` in force (``ops.switches``), for the duration of the run."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(dispatch.configured(**kernel_settings(cfg, device)))
+    stack.enter_context(switches.configured(cfg.model.autotune, cfg.model.kernel_cache))
+    return stack
 
 
 def report_fallbacks(cfg: Config, device: torch.device, log: Any) -> None:

@@ -80,7 +80,6 @@ def query_spans(doc_ids_BS: torch.Tensor | None, num_queries: int, num_keys: int
     return [[(s0, max(s0, first), s1) for s0, s1 in row if s1 > first] for row in spans]
 
 
-@dispatch.register("attention", "torch_reference", reference=True)
 def attention_reference(q_BSHD: torch.Tensor, k_BSKD: torch.Tensor, v_BSKD: torch.Tensor,
                         doc_ids_BS: torch.Tensor | None, scale: float,
                         softmax_dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -96,7 +95,6 @@ def attention_reference(q_BSHD: torch.Tensor, k_BSKD: torch.Tensor, v_BSKD: torc
     return torch.stack(rows).transpose(1, 2)
 
 
-@dispatch.register("attention", "torch_exact", opt_in=True)
 def attention_exact(q_BSHD: torch.Tensor, k_BSKD: torch.Tensor, v_BSKD: torch.Tensor,
                     doc_ids_BS: torch.Tensor | None, scale: float) -> torch.Tensor:
     """The reference with the softmax in ``promote_types(dtype, float32)`` (HF's eager path takes it in float32
@@ -130,7 +128,6 @@ def kv_for_sdpa(q_BHSD: torch.Tensor, k_BKSD: torch.Tensor, v_BKSD: torch.Tensor
     return k_BKSD.repeat_interleave(H // K, dim=1), v_BKSD.repeat_interleave(H // K, dim=1)
 
 
-@dispatch.register("attention", "sdpa", supports=_sdpa_supports)
 def attention_sdpa(q_BSHD: torch.Tensor, k_BSKD: torch.Tensor, v_BSKD: torch.Tensor,
                    doc_ids_BS: torch.Tensor | None, scale: float) -> torch.Tensor:
     """torch SDPA (flash / cuDNN / efficient on GPU), one causal call per document: no S x S mask. With fewer

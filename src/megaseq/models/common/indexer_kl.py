@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megaseq.ops.indexer_scoring import topk_lowest_index_ties
+from megaseq.ops.indexer.scoring import topk_lowest_index_ties
 
 # score elements per chunk of the dense warm-up's attention (as the reference sparse attention's blocks)
 DENSE_BLOCK_ELEMS: int = 1 << 26

@@ -29,8 +29,8 @@ import torch.nn.functional as F
 from megaseq.models.common import indexer_kl as kl
 from megaseq.models.common import rope
 from megaseq.models.common.lora import linear_weight
-from megaseq.models.common.mhc import compute_dtype
 from megaseq.ops import workspace
+from megaseq.ops.amp import compute_dtype
 
 
 def indexer_loss(layer: Any, prep: Any, q_BQHD: torch.Tensor, c_BSC: torch.Tensor, kv_b_weight: torch.Tensor,

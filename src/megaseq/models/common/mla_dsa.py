@@ -12,7 +12,7 @@ W = K * kp + kp - 1 selected key slots per query (-1 = empty).
 
 Op ``sparse_attention`` (``megaseq.ops.dispatch``) takes the latent, not expanded keys: the reference
 ``torch_masked`` here expands ``k [B, Hh, S, Dn]``, ``v [B, Hh, S, Dv]`` with ``kv_b_proj`` and attends
-with a mask (HF's computation, O(block * S) scores); ``absorbed`` (``megaseq.ops.sparse_mla``) folds the
+with a mask (HF's computation, O(block * S) scores); ``absorbed`` (``megaseq.ops.sparse_mla.absorbed``) folds the
 key part of ``kv_b_proj`` into the query and attends over the gathered latents of the selected keys
 only, O(block * W * R), which is what runs at long context.
 
@@ -44,89 +44,22 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from megaseq.models.common import rope
 from megaseq.models.common.attention import positions_for
 from megaseq.models.common.context import SeqContext, positions_from_doc_ids
 from megaseq.models.common.indexer_kl import AttachLoss, IndexerStats, dense_latent_attention
 from megaseq.models.common.lora import linear_weight
-from megaseq.models.common.mhc import compute_dtype
 from megaseq.models.common.mla import MultiLatentAttention
 from megaseq.models.spec import ModelSpec
-from megaseq.ops import dispatch, indexer_scoring, indexer_topk, triton_sparse_mla  # noqa: F401  (register the Triton kernels, opt-in)
-from megaseq.ops import sparse_mla as _sparse_mla  # noqa: F401  (registers the absorbed op)
+from megaseq.ops import dispatch
+from megaseq.ops.amp import compute_dtype
+from megaseq.ops.indexer import scoring as indexer_scoring
 
 # score elements per query block of the reference sparse attention (bounds its working set)
-ATTENTION_BLOCK_ELEMS: int = 1 << 26
 
 
 # ---- op sparse_attention -----------------------------------------------------------------------------
-def _attend_block(q_BHqD: torch.Tensor, k_BHKD: torch.Tensor, v_BHKD: torch.Tensor, idx_BqW: torch.Tensor,
-                  scale: float) -> torch.Tensor:
-    Sk = k_BHKD.shape[2]
-    ok = (idx_BqW >= 0) & (idx_BqW < Sk)
-    slot = torch.where(ok, idx_BqW.long(), Sk)  # empty slots land in a dropped extra column
-    mask = torch.zeros(*idx_BqW.shape[:2], Sk + 1, dtype=torch.bool, device=idx_BqW.device)
-    mask.scatter_(-1, slot, True)
-    mask = mask[..., :Sk].unsqueeze(1)
-    scores = torch.matmul(q_BHqD, k_BHKD.transpose(2, 3)) * scale
-    # additive mask with the dtype's min, as HF's eager path does
-    zero = torch.zeros((), dtype=scores.dtype, device=scores.device)
-    scores = scores + torch.where(mask, zero, torch.finfo(scores.dtype).min)
-    probs = F.softmax(scores, dim=-1, dtype=compute_dtype(q_BHqD.dtype)).to(q_BHqD.dtype)
-    return torch.matmul(probs, v_BHKD).transpose(1, 2)
-
-
-def sparse_attention_reference(q_BHQD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor,
-                               idx_BQW: torch.Tensor, scale: float) -> torch.Tensor:
-    """Softmax attention of each query over the keys listed in ``idx`` (-1 = none): ``[B, Q, Hh, Dv]``.
-
-    Queries are processed in blocks of about ``ATTENTION_BLOCK_ELEMS`` score elements; with several
-    blocks and autograd on, each block is recomputed in backward so the saved state stays bounded.
-    """
-    B, Hh, Q, _ = q_BHQD.shape
-    S = k_BHSD.shape[2]
-    block = max(1, ATTENTION_BLOCK_ELEMS // max(1, B * Hh * S))
-    if block >= Q:
-        return _attend_block(q_BHQD, k_BHSD, v_BHSD, idx_BQW, scale)
-    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q_BHQD, k_BHSD, v_BHSD))
-    outs = []
-    for s in range(0, Q, block):
-        args = (q_BHQD[:, :, s:s + block], k_BHSD, v_BHSD, idx_BQW[:, s:s + block], scale)
-        outs.append(checkpoint(_attend_block, *args, use_reentrant=False) if grad else _attend_block(*args))
-    return torch.cat(outs, dim=1)
-
-
-def expand_latent(c_BSR: torch.Tensor, kv_b_weight: torch.Tensor, num_heads: int,
-                  nope_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Latent ``[B, S, R]`` -> keys ``[B, Hh, S, Dn]`` (contiguous), values ``[B, Hh, S, Dv]`` (kv_b_proj)."""
-    B, S, _ = c_BSR.shape
-    kv = F.linear(c_BSR, kv_b_weight).view(B, S, num_heads, -1).transpose(1, 2)
-    k_nope, v = kv.split([nope_dim, kv.shape[-1] - nope_dim], dim=-1)
-    # one contiguous copy of the keys: each query block's matmul would otherwise copy the strided view
-    return k_nope.contiguous(), v
-
-
-@dispatch.register("sparse_attention", "torch_masked", reference=True)
-def sparse_mla_reference(q_BQHD: torch.Tensor, c_BSR: torch.Tensor, kv_b_weight: torch.Tensor,
-                         idx_BQW: torch.Tensor, scale: float) -> torch.Tensor:
-    """MLA over the selected keys: ``[B, Q, Hh, Dv]``, the HF computation.
-
-    ``q [B, Q, Hh, Dn (+ Dr)]``, the latent ``c [B, S, R (+ Dr)]`` (kv_a_layernorm output, whole sequence;
-    with DeepSeek's RoPE its last Dr channels are the rotated key part every head shares), the
-    ``kv_b_proj`` weight ``[Hh * (Dn + Dv), R]``; the keys and values are expanded for all heads and
-    every selected key is attended with a mask (``sparse_attention_reference``). The fast ops
-    (``absorbed``, ``megaseq.ops.sparse_mla``; Triton) take the same arguments and run NoPE latents only.
-    """
-    Hh, Dq = q_BQHD.shape[2], q_BQHD.shape[3]
-    R = kv_b_weight.shape[1]
-    Dr = c_BSR.shape[-1] - R
-    k, v = expand_latent(c_BSR[..., :R] if Dr else c_BSR, kv_b_weight, Hh, Dq - Dr)
-    if Dr:
-        B, S = c_BSR.shape[:2]
-        k = torch.cat([k, c_BSR[..., R:].unsqueeze(1).expand(B, Hh, S, Dr)], dim=-1)
-    return sparse_attention_reference(q_BQHD.transpose(1, 2), k, v, idx_BQW, scale)
 
 
 # ---- indexer -------------------------------------------------------------------------------------------
@@ -170,7 +103,7 @@ class Indexer(nn.Module):
         if pooled:
             self.index_kpool_compress_ape = nn.Parameter(torch.zeros(kp, Di))
             self.index_kpool_compress_gate = nn.Parameter(torch.ones(Di, spec.hidden_size))
-        # scoring rows per chunk (None: as many as ``ops.indexer_scoring.SCORING_BUDGET_BYTES`` allows): the
+        # scoring rows per chunk (None: as many as ``ops.indexer.scoring.SCORING_BUDGET_BYTES`` allows): the
         # op's working-set bound, which the family's ``parallelize`` sets from the memory plan
         self.query_chunk: int | None = None
         self.layer = "indexer"  # the owning layer's name (MLASparseAttention sets it)
@@ -284,7 +217,7 @@ class Indexer(nn.Module):
                 "indexer_topk", q_cID, w_QI[s:e], keys_PD, pool_end_P, pool_doc_P, q_pos_Q[s:e], q_doc_Q[s:e],
                 self.index_topk // kp, self.softmax_scale, query_chunk=e - s, row_len=row_len, layer=self.layer)
             # a pool's tokens are consecutive (tok_Pk[p] = first_P[p] + 0 .. kp - 1): written from the pools'
-            # first tokens, not gathered as [c, K, kp] rows of tok_Pk (a 64-byte-row gather: 2.5 ms a layer at 32K)
+            # first tokens, not gathered as [c, K, kp] rows of tok_Pk (a slow gather of 64-byte rows)
             if sel_cK.shape != (e - s, num_pools):  # the add below would broadcast a single column silently
                 raise RuntimeError(f"{self.layer}: indexer_topk returned {tuple(sel_cK.shape)} pools for "
                                    f"{(e - s, num_pools)}")

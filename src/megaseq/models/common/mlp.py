@@ -12,33 +12,9 @@ MLP is Qwen3's plain SwiGLU. Parameter names mirror HF: ``gate_proj``, ``up_proj
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from megaseq.ops import (
-    dispatch,
-    triton_swiglu,  # noqa: F401  (registers the fused kernel, opt-in)
-)
-
-
-@dispatch.register("swiglu", "torch", reference=True)
-def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.Tensor:
-    """``silu(gate) * up`` with GLM's clamp when ``limit`` is set (shared with the routed experts); op
-    ``swiglu``'s reference (the fused one: ``megaseq.ops.triton_swiglu``)."""
-    if limit is not None:
-        gate = gate.clamp(max=limit)
-        up = up.clamp(min=-limit, max=limit)
-    return F.silu(gate) * up
-
-
-@dispatch.register("clamped_swiglu", "torch", reference=True)
-def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float | None) -> torch.Tensor:
-    """gpt-oss's experts (``GptOssExperts._apply_gate``): ``(up + 1) * g * sigmoid(alpha * g)`` with the gate
-    clamped from above at ``limit`` and ``up`` into ``[-limit, limit]``."""
-    if limit is not None:
-        gate = gate.clamp(max=limit)
-        up = up.clamp(min=-limit, max=limit)
-    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+from megaseq.ops import dispatch
 
 
 class MLP(nn.Module):

@@ -72,7 +72,6 @@ def _doc_sink_attention(q_HLD: torch.Tensor, k_KLD: torch.Tensor, v_KLD: torch.T
     return torch.cat(out, dim=2).reshape(Hq, L, -1)
 
 
-@dispatch.register("sink_attention", "torch_reference", reference=True)
 def sink_attention_reference(q_BSHD: torch.Tensor, k_BSKD: torch.Tensor, v_BSKD: torch.Tensor,
                              doc_ids_BS: torch.Tensor | None, scale: float, sinks_H: torch.Tensor,
                              window: int) -> torch.Tensor:
@@ -160,7 +159,6 @@ def _sliding_span(q_BHLD: torch.Tensor, k_BKLD: torch.Tensor, v_BKLD: torch.Tens
     return o[:, :, :L, :D]
 
 
-@dispatch.register("sink_attention", "sdpa", supports=_sdpa_supports)
 def sink_attention_sdpa(q_BSHD: torch.Tensor, k_BSKD: torch.Tensor, v_BSKD: torch.Tensor,
                         doc_ids_BS: torch.Tensor | None, scale: float, sinks_H: torch.Tensor,
                         window: int) -> torch.Tensor:

@@ -1,0 +1,98 @@
+"""The ``MEGASEQ_*`` environment switches of the kernels: the one module that reads them.
+
+Two are user settings with a config field that wins over the variable (``configured``, entered by a run):
+
+- ``MEGASEQ_AUTOTUNE`` (``model.autotune``): how Triton autotunes megaseq's and fla's kernels where no tuned
+  table has the key (``ops.autotune``): ``pruned`` (the default) times a few configs of each space, ``full``
+  times them all (``megaseq tune``), ``one`` runs the most conservative config untimed.
+- ``MEGASEQ_CACHE_DIR`` (``model.kernel_cache``): the root of the per-user cache of compiled kernels and tuned
+  tables; default ``~/.cache/megaseq``.
+
+The others are debugging and tuning switches, live for benchmarks and for comparing kernel variants:
+
+- ``MEGASEQ_FLA_AUTOTUNE``: ``one`` (or ``full``) is read as ``MEGASEQ_AUTOTUNE`` where that is unset, and
+  ``one`` also limits fla's autotuners to one conservative config (the GPU suite's quick runs).
+- ``MEGASEQ_MLA_AUTOTUNE``: ``1`` times the sparse MLA launcher's configs once per key (``megaseq tune``);
+  else the tuned table's or the default.
+- ``MEGASEQ_MLA_DC``: the sparse MLA backward's latent gradient, ``saved`` (the default), ``pool`` or
+  ``atomic`` (``ops.sparse_mla.kernels``).
+- ``MEGASEQ_ADAMW``: ``torch`` declines the one-pass Triton AdamW step of the master weights
+  (``ops.adamw``) for torch's fused AdamW; default ``triton``.
+
+A value outside a switch's choices is a ValueError naming the variable and the choices.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+from megaseq.ops.workspace import DC_DEFAULT as MLA_DC_DEFAULT
+
+AUTOTUNE_MODES = ("pruned", "full", "one")
+MLA_DC_MODES = ("pool", "saved", "atomic")
+ADAMW_KERNELS = ("triton", "torch")
+
+_config: dict[str, str] = {}  # variable -> the value a run's config sets (``configured``)
+
+
+def _read(name: str) -> str | None:
+    """The config's value of ``name`` in a run that sets it, else the environment's (None: unset or empty)."""
+    return _config.get(name) or os.environ.get(name) or None
+
+
+def _choice(name: str, value: str, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
+    return value
+
+
+@contextlib.contextmanager
+def configured(autotune: str | None = None, cache_dir: str | None = None) -> Iterator[None]:
+    """The run's ``model.autotune`` and ``model.kernel_cache`` in place of ``MEGASEQ_AUTOTUNE`` and
+    ``MEGASEQ_CACHE_DIR`` for its duration (None: the variable, else the default)."""
+    before = dict(_config)
+    if autotune is not None:
+        _config["MEGASEQ_AUTOTUNE"] = _choice("model.autotune", autotune, AUTOTUNE_MODES)
+    if cache_dir is not None:
+        _config["MEGASEQ_CACHE_DIR"] = cache_dir
+    try:
+        yield
+    finally:
+        _config.clear()
+        _config.update(before)
+
+
+def autotune_mode() -> str:
+    """``MEGASEQ_AUTOTUNE`` (pruned, full or one); unset, ``MEGASEQ_FLA_AUTOTUNE`` ``one`` or ``full`` is read as
+    the same; else ``pruned``."""
+    fla = _read("MEGASEQ_FLA_AUTOTUNE")
+    return _choice("MEGASEQ_AUTOTUNE", _read("MEGASEQ_AUTOTUNE") or (fla if fla in ("one", "full") else "pruned"),
+                   AUTOTUNE_MODES)
+
+
+def cache_root() -> Path:
+    """megaseq's per-user cache: ``MEGASEQ_CACHE_DIR``, else ``~/.cache/megaseq``."""
+    return Path(_read("MEGASEQ_CACHE_DIR") or "~/.cache/megaseq").expanduser()
+
+
+def fla_one_config() -> bool:
+    """``MEGASEQ_FLA_AUTOTUNE=one``: fla's autotuners run one conservative config each, untimed."""
+    return (_read("MEGASEQ_FLA_AUTOTUNE") or "full") == "one"
+
+
+def mla_autotune() -> bool:
+    """``MEGASEQ_MLA_AUTOTUNE=1``: the sparse MLA launcher times its configs once per key."""
+    return (_read("MEGASEQ_MLA_AUTOTUNE") or "0") == "1"
+
+
+def mla_dc() -> str:
+    """``MEGASEQ_MLA_DC``: how the sparse MLA backward sums the latent gradient (``MLA_DC_MODES``)."""
+    return _choice("MEGASEQ_MLA_DC", _read("MEGASEQ_MLA_DC") or MLA_DC_DEFAULT, MLA_DC_MODES)
+
+
+def adamw_kernel() -> str:
+    """``MEGASEQ_ADAMW``: ``triton`` (the default) or ``torch`` for the master weights' AdamW step."""
+    return _choice("MEGASEQ_ADAMW", _read("MEGASEQ_ADAMW") or "triton", ADAMW_KERNELS)
