@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 
 from megaseq import schemes
-from megaseq.config import SECTIONS, ExpertDispatchSettings, MemorySettings, build_config, checks, fields, field_help
+from megaseq.config import SECTIONS, ExpertDispatchSettings, MemorySettings, build_config, checks, field_help, fields
 
 KNOWN = {"help", "name", "aliases", "size", "duration", "length", "length_text", "nonempty", "also", "choices",
          "pattern", "ge", "gt", "le", "lt", "expect", "note", "family"}
