@@ -121,6 +121,7 @@ class OptimConfig:
     def __post_init__(self) -> None:
         validate(self, "optim")
 
+
 UNSET = " (or unset for the model family's)"
 BALANCE_MODES = ("auto", "bias", "aux_loss", "none")
 FAMILY_DEFAULT = "the model family's"  # what --help prints for a setting left unset (None) to follow the model
@@ -152,6 +153,7 @@ class MoEConfig:
 
     def __post_init__(self) -> None:
         validate(self, "moe")
+
 
 LORA_INITS = ("default", "gaussian")
 
