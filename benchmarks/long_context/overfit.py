@@ -134,8 +134,9 @@ def _train_on(cfg, init_from: str | None, batch: dict, steps: int) -> list[float
     from megaseq.config import MemorySettings
     from megaseq.models.presets import resolve_spec
     from megaseq.train.balance import Balancer, resolve_balance
+    from megaseq.train.build import build_planned_model, dtypes, kernels_for, resolve_device
     from megaseq.train.parallel_env import ParallelEnv
-    from megaseq.train.trainer import build_planned_model, dtypes, kernels_for, resolve_device, train_step
+    from megaseq.train.step import StepState, train_step
 
     device = resolve_device(cfg)
     spec = resolve_spec(cfg.model.name)
@@ -147,10 +148,10 @@ def _train_on(cfg, init_from: str | None, batch: dict, steps: int) -> list[float
         model, applied, opt, sched = build_planned_model(cfg, spec, device, memory, steps, init_from=init_from,
                                                          env=env)
         balancer = Balancer(model, resolve_balance(cfg.moe, spec), env, 1)
+        state = StepState.of(cfg, model, opt, sched, env, memory, dtypes(cfg, device)[1], balancer)
         try:
             for i in range(steps):
-                loss, _ = train_step(model, [batch], opt, sched, cfg, env, dtypes(cfg, device)[1], memory,
-                                     balancer=balancer)
+                loss, _ = train_step(state, [batch])
                 losses.append(float(loss))
                 print(f"step {i + 1}/{steps} | loss {losses[-1]:.4f} | {cfg.data.seq_len:,} tokens", flush=True)
         finally:

@@ -41,7 +41,7 @@ def main() -> None:
     from megaseq.bench.measure import cfg_for, plan_on, planned_step
     from megaseq.config import load_config, parse_size
     from megaseq.models.presets import resolve_spec
-    from megaseq.train.trainer import kernels_for, resolve_device, use_expandable_segments
+    from megaseq.train.build import kernels_for, resolve_device, use_expandable_segments
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("length")

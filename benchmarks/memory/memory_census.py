@@ -58,7 +58,7 @@ def main() -> int:
     args, rest = ap.parse_known_args()
     from megaseq.bench.measure import warm_planned_step
     from megaseq.config import load_config, parse_size, split_overrides
-    from megaseq.train.trainer import use_expandable_segments
+    from megaseq.train.build import use_expandable_segments
 
     use_expandable_segments()
     cfg = load_config(args.recipe, split_overrides(rest))

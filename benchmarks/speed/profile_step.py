@@ -214,7 +214,7 @@ def gap_lines(g: dict, limit: int = 30) -> list[str]:
 
 def main(argv: list[str]) -> int:
     from megaseq.models.presets import resolve_spec
-    from megaseq.train.trainer import kernels_for, resolve_device
+    from megaseq.train.build import kernels_for, resolve_device
 
     recipe, length, *rest = argv
     source, json_path = "random", None

@@ -11,7 +11,7 @@ import torch
 from megaseq.bench import measure
 from megaseq.config import load_config
 from megaseq.ops import dispatch
-from megaseq.train import trainer
+from megaseq.train import build
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -20,7 +20,7 @@ def test_warm_planned_step_configures_the_dispatcher(monkeypatch):
     monkeypatch.chdir(ROOT)
     prefer = {"rms_norm": ["torch"]}  # a preference a CPU step can honour, standing in for the fast set
     # what kernel_settings reads
-    monkeypatch.setattr(trainer, "preferred_kernels", lambda device_type, kernels: dict(prefer))
+    monkeypatch.setattr(build, "preferred_kernels", lambda device_type, kernels: dict(prefer))
     before = (dict(dispatch._state.preferred), dict(dispatch._state.planned), dispatch._state.strict)
     try:
         cfg = load_config("recipes/glm5-flash-tiny-dna.yaml", [])

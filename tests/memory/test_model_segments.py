@@ -250,7 +250,7 @@ def test_trainer_step_in_segments_keeps_documents_apart():
     """The trainer's segmented step passes the batch's ``doc_ids`` on (packed text): its gradients equal
     the plain step's on a batch with documents."""
     from megaseq.parallel.env import ParallelEnv
-    from megaseq.train.trainer import _segmented_step
+    from megaseq.train.step import _segmented_step
 
     model, cfg = _model("dense")
     ids, labels = _batch(cfg, 1, 30)

@@ -72,7 +72,7 @@ SPECS = {"glm5": glm5_spec, "qwen3_moe": qwen3_moe_tiny,
 
 
 def lora_step(model, memory: MemorySettings, ids, labels, doc_ids) -> torch.Tensor:
-    """The trainer's backward (``train.trainer.train_step`` without the optimizer): one micro-batch, the loss
+    """The trainer's backward (``train.step.train_step`` without the optimizer): one micro-batch, the loss
     a mean over the labelled tokens, sequence segments when the settings run them."""
     total = int((labels != -100).sum())
     if memory.model_segment_tokens:

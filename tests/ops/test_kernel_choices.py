@@ -128,9 +128,9 @@ def _prefer_triton_norm(device_type: str, kernels_set: str) -> dict[str, list[st
 def test_bench_row_lists_the_fallbacks(monkeypatch):
     from megaseq.bench import measure
     from megaseq.config import build_config
-    from megaseq.train import trainer
+    from megaseq.train import build
 
-    monkeypatch.setattr(trainer, "preferred_kernels", _prefer_triton_norm)  # the dispatcher's (kernels_for)
+    monkeypatch.setattr(build, "preferred_kernels", _prefer_triton_norm)  # the dispatcher's (kernels_for)
     monkeypatch.setattr(measure, "preferred_kernels", _prefer_triton_norm)  # the row's summary
     cfg = build_config(None, ["model.name=qwen3-moe-tiny", "data.kind=random", "model.dtype=fp32",
                               "train.device=cpu"])
@@ -146,9 +146,9 @@ def test_run_reports_the_fallbacks_after_its_first_step(monkeypatch, tmp_path, c
     import yaml
 
     from megaseq.cli.main import main
-    from megaseq.train import trainer
+    from megaseq.train import build
 
-    monkeypatch.setattr(trainer, "preferred_kernels", _prefer_triton_norm)
+    monkeypatch.setattr(build, "preferred_kernels", _prefer_triton_norm)
     recipe = tmp_path / "r.yaml"
     recipe.write_text(yaml.safe_dump({
         "model": {"name": "qwen3-moe-tiny", "dtype": "fp32"}, "data": {"kind": "random", "seq_len": 32},

@@ -225,7 +225,7 @@ def _master_rank(rank: int, ref: tuple, broken: bool) -> None:
     from megaseq.models.presets import get_preset
     from megaseq.models.registry import parallelize
     from megaseq.parallel.env import DistributedEnv
-    from megaseq.train.trainer import train_step
+    from megaseq.train.step import StepState, train_step
 
     torch.set_num_threads(1)
     cfg = build_config(overrides={"model.name": "qwen3-moe-tiny", "parallel.dp": 2, "parallel.ep": 2,
@@ -241,7 +241,7 @@ def _master_rank(rank: int, ref: tuple, broken: bool) -> None:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     ids = _sequences(8)
     micro = [env.shard_batch({"input_ids": ids[i:i + 1]}) for i in (env.dp_rank, env.dp_rank + 4)]
-    _, norm = train_step(model, micro, opt, sched, cfg, env, None, MemorySettings())
+    _, norm = train_step(StepState.of(cfg, model, opt, sched, env, MemorySettings()), micro)
     ref_norm, ref_params = ref
     assert abs(norm - ref_norm) <= 1e-10 * ref_norm, (norm, ref_norm)
     for n, p in model.named_parameters():

@@ -4,7 +4,7 @@ the shards) and every parameter after the second step: the first step's gradient
 the second's and the parameters to 1e-9 (``LATER_TOL``: what near-ties make of the first update's rounding).
 Meshes: dp (FSDP over dp), dp x cp with FSDP over dp (the shards replicated over cp: HSDP) and fully sharded
 (FSDP over dp x cp), on 2, 4 and 8 ranks, with and without sequence segments. The trainer's own step runs
-(``train.trainer.train_step``): Ulysses + gather-KV CP, Ring-DTP, the global token count, the gradient
+(``train.step.train_step``): Ulysses + gather-KV CP, Ring-DTP, the global token count, the gradient
 reduction, the clip.
 
 Broken variants that must fail: one block's gradient not reduce-scattered
@@ -71,7 +71,7 @@ class RecordingAdamW(torch.optim.AdamW):
 
 
 def run_steps(model, env, memory: MemorySettings, cfg, steps: int = STEPS) -> tuple[list[float], list[dict], dict]:
-    from megaseq.train.trainer import train_step
+    from megaseq.train.step import StepState, train_step
 
     opt = RecordingAdamW(model)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
@@ -80,7 +80,7 @@ def run_steps(model, env, memory: MemorySettings, cfg, steps: int = STEPS) -> tu
         full, per_dp = global_batch(step), NUM_SEQS // env.dp_size
         mine = {k: v[env.dp_rank * per_dp:(env.dp_rank + 1) * per_dp] for k, v in full.items()}
         batch = env.shard_batch(mine if env.reads_data else None, memory.model_segment_tokens)
-        loss, _ = train_step(model, [batch], opt, sched, cfg, env, None, memory)
+        loss, _ = train_step(StepState.of(cfg, model, opt, sched, env, memory), [batch])
         losses.append(loss)
     params = {n: _full(p.detach()).clone() for n, p in model.named_parameters()}
     return losses, opt.grads, params
@@ -254,7 +254,7 @@ def _trace_rank(rank: int, broken: bool, segment: int = 0) -> None:
     from torch.distributed.fsdp._fully_shard import _fsdp_param_group
 
     from megaseq.plan.flops import fsdp_passes
-    from megaseq.train.trainer import train_step
+    from megaseq.train.step import StepState, train_step
 
     cfg = _cfg(2, 1, "dp")
     env = DistributedEnv(cfg)
@@ -281,8 +281,8 @@ def _trace_rank(rank: int, broken: bool, segment: int = 0) -> None:
     _fsdp_param_group.foreach_reduce = counted_reduce
     opt = RecordingAdamW(model)
     batch = env.shard_batch({k: v[rank:rank + 1] for k, v in global_batch(0).items()})
-    train_step(model, [batch], opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0), cfg, env, None,
-               memory)
+    train_step(StepState.of(cfg, model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0), env, memory),
+               [batch])
     if segment:  # what plan.flops.fsdp_passes counts: 3 gathers and 1 reduce-scatter of every block a segment
         gathers, want_scatters = fsdp_passes(-(-S // segment))
         for i in range(len(blocks)):

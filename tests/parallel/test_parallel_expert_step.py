@@ -107,7 +107,7 @@ def _case(dp: int, ep: int, cp: int, mode: str, skew: bool, memory: dict, ref: t
     batch = env.shard_batch(mine if env.reads_data else None)
     total = env.all_reduce_count(int((batch["labels"] != -100).sum()))
     if settings.model_segment_tokens:  # the trainer's step over sequence segments
-        from megaseq.train.trainer import _segmented_step
+        from megaseq.train.step import _segmented_step
 
         loss_sum = _segmented_step(model, batch, env, None, None, settings.model_segment_tokens, total)
     else:

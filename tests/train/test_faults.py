@@ -94,7 +94,8 @@ def _kill_self() -> None:
 def _arm(fault: dict) -> None:
     """Patch the n-th call of ``fault['point']`` to SIGKILL this process (or raise ``fault['raise']``)."""
     from megaseq.models import hf_io
-    from megaseq.train import checkpoint, metrics, trainer
+    from megaseq.train import checkpoint, metrics
+    from megaseq.train import step as train_step_module
 
     point, n = fault["point"], fault["n"]
     calls = [0]
@@ -116,7 +117,7 @@ def _arm(fault: dict) -> None:
         setattr(owner, name, hit)
 
     if point == "step":
-        wrap(trainer, "train_step")
+        wrap(train_step_module, "train_step")
     elif point == "dcp_save":
         wrap(checkpoint.dcp, "save")
     elif point == "atomic_write":
@@ -341,12 +342,12 @@ import json, os, subprocess, sys
 import torch
 torch.set_num_threads(1)
 from megaseq.cli.main import main
-from megaseq.train import trainer
+from megaseq.train import step as train_step_module
 mnt, recipe, mode = sys.argv[1:4]
 out = {}
 def sh(cmd):
     subprocess.run(cmd, shell=True, check=True)
-real = trainer.train_step
+real = train_step_module.train_step
 calls = [0]
 def step(*a, **k):
     calls[0] += 1
@@ -363,13 +364,13 @@ def step(*a, **k):
             ck = os.path.join(mnt, "r", "checkpoints")
             sh(f"mount --bind {ck} {ck} && mount -o remount,bind,ro {ck}")
     return real(*a, **k)
-trainer.train_step = step
+train_step_module.train_step = step
 import io, contextlib
 err = io.StringIO()
 with contextlib.redirect_stderr(err):
     out["rc"] = main(["train", recipe])
 out["message"] = err.getvalue()
-trainer.train_step = real
+train_step_module.train_step = real
 if mode == "full":
     os.remove(os.path.join(mnt, "filler"))
 else:

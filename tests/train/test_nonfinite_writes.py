@@ -19,7 +19,8 @@ import yaml
 
 from megaseq.cli.main import main
 from megaseq.train import checkpoint as ckpt
-from megaseq.train import safe_checkpoint, trainer
+from megaseq.train import safe_checkpoint
+from megaseq.train import step as train_step_module
 
 torch.set_num_threads(2)
 BAD = 3  # the step whose update overflows
@@ -41,16 +42,16 @@ def _recipe(tmp: Path, **train) -> Path:
 @pytest.fixture
 def overflow_at_bad_step(monkeypatch):
     """After step BAD's real update, one weight holds inf (its loss and gradient norm were finite)."""
-    real, calls = trainer.train_step, [0]
+    real, calls = train_step_module.train_step, [0]
 
-    def step(model, *a, **k):
-        out = real(model, *a, **k)
+    def step(state, *a, **k):
+        out = real(state, *a, **k)
         calls[0] += 1
         if calls[0] == BAD:
             with torch.no_grad():
-                next(model.parameters()).view(-1)[0] = float("inf")
+                next(state.model.parameters()).view(-1)[0] = float("inf")
         return out
-    monkeypatch.setattr(trainer, "train_step", step)
+    monkeypatch.setattr(train_step_module, "train_step", step)
 
 
 def _finite(path: Path) -> bool:

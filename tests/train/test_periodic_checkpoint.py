@@ -61,17 +61,18 @@ def _recipe(root: Path) -> Path:
 
 CHILD = """
 import os, signal, sys, torch
-from megaseq.train import periodic, trainer
+from megaseq.train import periodic
+from megaseq.train import step as train_step_module
 torch.set_num_threads(1)
 if {broken}:  # the interval ignored: only the step rule
     periodic.SaveSchedule.due = lambda self, step: bool(self.every_steps and step % self.every_steps == 0)
-real, calls = trainer.train_step, [0]
+real, calls = train_step_module.train_step, [0]
 def step(*a, **k):
     calls[0] += 1
     if calls[0] == {kill_at}:
         os.kill(os.getpid(), signal.SIGKILL)
     return real(*a, **k)
-trainer.train_step = step
+train_step_module.train_step = step
 from megaseq.cli.main import main
 sys.exit(main(["train", {recipe!r}, "--train.save_every_minutes", "1e-9"]))
 """

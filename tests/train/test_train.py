@@ -189,9 +189,9 @@ def test_strict_kernels_fails_a_run_whose_planned_kernel_cannot_run(tmp_path, mo
     """``model.strict_kernels``: a layer that falls back from its planned kernel stops the run with the
     layer, the kernel and the reason (here fla's KDA, planned as on a GPU, cannot run on the CPU)."""
     from megaseq.ops import dispatch
-    from megaseq.train import trainer
+    from megaseq.train import build
 
-    monkeypatch.setattr(trainer, "planned_kernels", lambda device, dtype: {"kda": "fla_chunk"})
+    monkeypatch.setattr(build, "planned_kernels", lambda device, dtype: {"kda": "fla_chunk"})
     with pytest.raises(dispatch.KernelFallbackError, match=r"layers\.0\.self_attn: planned kernel kda=fla_chunk "
                                                            r"did not run.*fla_chunk: .*(device|not installed)"):
         run_training(_cfg(tmp_path, "strict", model={"strict_kernels": True}))
@@ -201,7 +201,7 @@ def test_strict_kernels_fails_a_run_whose_planned_kernel_cannot_run(tmp_path, mo
 
 
 def test_step_mfu_from_the_plans_flops():
-    from megaseq.train.trainer import step_mfu
+    from megaseq.train.loop import step_mfu
 
     plan = {"flops": {"per_token": 6e9}}
     assert step_mfu(1e4, plan, 2, torch.device("cpu")) is None

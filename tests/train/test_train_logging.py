@@ -189,7 +189,7 @@ def test_time_limit_stops_after_the_step_that_fits_and_resume_finishes_the_run(t
     """train.time_limit: with every step taking 10 s (a fake clock) and a limit of 25 s, the run stops after step
     2 (2 x 10 s spent + 10 s for the next > 25 s), saves a checkpoint there, exports and evaluates as a finished
     run; --train.resume true continues it to step 4 with the losses of an uninterrupted run."""
-    from megaseq.train import trainer
+    from megaseq.train import loop
 
     clock = {"t": 0.0}
 
@@ -200,7 +200,7 @@ def test_time_limit_stops_after_the_step_that_fits_and_resume_finishes_the_run(t
             return clock["t"]
 
     full = run_training(_cfg(tmp_path, train={"run_dir": str(tmp_path / "full")}))
-    monkeypatch.setattr(trainer, "time", FakeTime)
+    monkeypatch.setattr(loop, "time", FakeTime)
     cut = {"run_dir": str(tmp_path / "cut")}
     first = run_training(_cfg(tmp_path, train={**cut, "time_limit": "25s", "export_hf": True, "eval_after": True}))
     assert first.time_limited == (2, 4, "25s"), first.time_limited
@@ -217,17 +217,17 @@ def test_time_limit_stops_after_the_step_that_fits_and_resume_finishes_the_run(t
 def test_time_limit_leaves_the_first_step_out_of_the_estimate_once_another_ran(monkeypatch):
     """A first step of 30 s (compiling) and warm steps of 10 s under a 65 s limit: the run takes 4 steps (60 s),
     not the 2 that the first step's 30 s as the estimate would allow; with one step run, it is the estimate."""
-    from megaseq.train import trainer
+    from megaseq.train import loop
 
     clock = {"t": 0.0}
-    monkeypatch.setattr(trainer.time, "perf_counter", lambda: clock["t"])
-    limit = trainer.TimeLimit(65, None)
+    monkeypatch.setattr(loop.time, "perf_counter", lambda: clock["t"])
+    limit = loop.TimeLimit(65, None)
     stops = []
     for step_s in (30, 10, 10, 10, 10):
         clock["t"] += step_s
         stops.append(limit.spent(step_s))
     assert stops == [False, False, False, True, True]
-    alone = trainer.TimeLimit(55, None)
+    alone = loop.TimeLimit(55, None)
     clock["t"] += 30
     assert alone.spent(30)  # 30 s spent + 30 s for the next > 55 s
 

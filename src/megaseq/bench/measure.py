@@ -1,7 +1,7 @@
 """One measured point of ``megaseq bench``: the planned training step of a recipe at one length, timed and
 its peak GPU and host memory read, beside the plan's prediction.
 
-The step is the trainer's own (``train.trainer.train_step`` with the plan's fixes applied, as ``megaseq
+The step is the trainer's own (``train.step.train_step`` with the plan's fixes applied, as ``megaseq
 train`` runs it). Warm steps only: one warm-up step (kernels, autotune, the allocator) is left out, unless
 ``steps`` is 0 (the one, cold, step of a length whose step is minutes long). MFU comes from the planner's
 FLOP count (``plan.flops.mfu``: model FLOPs only, attention and indexer included, recompute not).
@@ -72,8 +72,9 @@ def planned_step(c: Config, spec: Any, device: torch.device, plan: Any, total_st
     """``(model, applied memory, next_batch(), step(batch))``: the trainer's data, model, optimizer and step
     with ``plan``'s fixes applied, as ``megaseq train`` runs them."""
     from megaseq.data import build_data
+    from megaseq.train.build import build_planned_model, dtypes
     from megaseq.train.parallel_env import ParallelEnv
-    from megaseq.train.trainer import build_planned_model, dtypes, train_step
+    from megaseq.train.step import StepState, train_step
 
     autocast = dtypes(c, device)[1]
     data = build_data(c.data, None, batch_size=c.train.batch_size, vocab_size=spec.vocab_size)
@@ -81,8 +82,10 @@ def planned_step(c: Config, spec: Any, device: torch.device, plan: Any, total_st
     env = ParallelEnv(device)
     model, applied, opt, sched = build_planned_model(c, spec, device, memory, total_steps, env=env)
 
+    state = StepState.of(c, model, opt, sched, env, memory, autocast)
+
     def step(batch: dict[str, torch.Tensor]) -> None:
-        train_step(model, [batch], opt, sched, c, env, autocast, memory)
+        train_step(state, [batch])
 
     return model, applied, data.train.next_batch, step
 
@@ -94,7 +97,7 @@ def warm_planned_step(cfg: Config, seq_len: int, device: torch.device) -> tuple:
     ``megaseq train`` sets it (``model.kernels``) for the rest of the process: a memory benchmark's step
     runs the kernels the plan counts."""
     from megaseq.models.presets import resolve_spec
-    from megaseq.train.trainer import kernel_settings
+    from megaseq.train.build import kernel_settings
 
     c = cfg_for(cfg, seq_len, "random")
     spec = resolve_spec(c.model.name)
@@ -111,8 +114,8 @@ def measure_megaseq(cfg: Config, seq_len: int, steps: int, source: str, routing:
     an OOM is a result, not an error. ``routing``: the MoE routers' (``models.common.routing``)."""
     from megaseq.models.common.routing import set_routing
     from megaseq.models.presets import resolve_spec
+    from megaseq.train.build import kernels_for, resolve_device
     from megaseq.train.metrics import moe_load
-    from megaseq.train.trainer import kernels_for, resolve_device
 
     c = cfg_for(cfg, seq_len, source)
     device = resolve_device(c)

@@ -100,7 +100,7 @@ def run_bench(cfg: Config, lengths: list[int], steps: int = 3, source: str = "ra
     """Every measurement in order; the outputs are rewritten after each, so a run stopped early keeps
     what it measured. ``isolate`` (default: on a GPU) runs each measurement in its own process. ``routing``:
     auto, balanced or natural (``resolve_routing``), the reference's the same as megaseq's random rows."""
-    from megaseq.train.trainer import use_expandable_segments
+    from megaseq.train.build import use_expandable_segments
 
     use_expandable_segments()  # the allocator as `megaseq train` sets it
     call = isolated if (torch.cuda.is_available() if isolate is None else isolate) else _direct

@@ -109,7 +109,7 @@ BF16_WEIGHTS = Precision(param=2, grad=2, moments=8, compute=2, stream=2, f32=4,
 @functools.lru_cache(maxsize=64)  # a plan asks for it per term; Precision is frozen
 def precision_for(model_dtype: str = "bf16", weights: str = "fp32", frozen_embedding: bool = False,
                   frozen_norms: bool = False) -> Precision:
-    """The trainer's dtypes (``train/trainer.py: dtypes``) for a GPU run.
+    """The trainer's dtypes (``train/build.py: dtypes``) for a GPU run.
 
     bf16: fp32 parameters + bf16 autocast, or with ``model.weights bf16`` bf16 parameters (no autocast, a
     bf16 residual stream) and the optimizer's fp32 master beside them (``BF16_WEIGHTS``). fp32 / fp64:

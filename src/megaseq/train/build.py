@@ -1,0 +1,170 @@
+"""What a run trains, built as planned: the device and dtypes, the model with its family's ``parallelize``
+applying the plan's memory schemes, adapters and FSDP, its optimizer and LR schedule, and the kernel
+dispatcher set up as the plan assumed.
+
+Nothing here plans or trains: ``train.trainer`` plans and calls these, ``train.step`` runs the step, and the
+bench (``bench.measure``) builds its measured step from the same functions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any
+
+import torch
+
+from megaseq.config import AdapterSettings, Config, MemorySettings
+from megaseq.ops import dispatch, switches
+from megaseq.ops.kernels import planned_kernels, preferred_kernels
+from megaseq.train import indexer_training
+from megaseq.train.optim import build_optimizer
+
+
+def resolve_device(cfg: Config) -> torch.device:
+    want = cfg.train.device
+    if want == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if want.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("train.device is cuda but no CUDA GPU is visible; set --train.device cpu")
+    return torch.device(want)
+
+
+def dtypes(cfg: Config, device: torch.device) -> tuple[torch.dtype, torch.dtype | None]:
+    """(parameter dtype, autocast dtype). bf16 compute keeps fp32 weights under autocast, or with
+    ``model.weights bf16`` bf16 weights (the optimizer's fp32 master beside them) and no autocast."""
+    if cfg.model.dtype == "fp64":
+        return torch.float64, None
+    if cfg.model.weights == "bf16":
+        return torch.bfloat16, None
+    if cfg.model.dtype == "bf16" and device.type == "cuda":
+        return torch.float32, torch.bfloat16
+    return torch.float32, None  # bf16 on the CPU is slow and unhelpful: compute in fp32
+
+
+def adapter_settings(cfg: Config, device: torch.device) -> AdapterSettings:
+    """The run's frozen parameters and adapters; frozen matmul weights stored in bf16 under bf16 autocast."""
+    return AdapterSettings.of(cfg, frozen_dtype="bf16" if dtypes(cfg, device)[1] == torch.bfloat16 else None)
+
+
+def build_planned_model(cfg: Config, spec: Any, device: torch.device, memory: MemorySettings, total_steps: int,
+                        init_from: str | None = None, env: Any = None) -> tuple[torch.nn.Module, Any, Any, Any]:
+    """The model with the plan's memory schemes (and FSDP) applied by its family's ``parallelize``, and its
+    planned optimizer and LR schedule: (model, what was applied (release it at the end), optimizer, scheduler).
+
+    Under FSDP the whole model never sits on the device: loaded from ``init_from`` it is built on the meta
+    device, sharded, then each rank reads only its rows of the safetensors files; a random init is drawn on
+    the host (the one-process weights, one full copy per process) and sharded to the device. A frozen base
+    (LoRA, ``train.trainable``) is sharded in its storage dtype (bf16 under bf16 autocast); the adapters and
+    the trained tensors stay whole on every rank (``parallel.fsdp``)."""
+    from megaseq.models.build import build_model
+    from megaseq.models.hf_io import load_hf_checkpoint
+    from megaseq.models.registry import parallelize
+
+    dtype = dtypes(cfg, device)[0]
+    adapters = adapter_settings(cfg, device)
+    sharded = getattr(env, "fsdp", None) not in (None, "off") and getattr(env, "world_size", 1) > 1
+    if init_from and env is not None:
+        env.log(f"model weights from {init_from}")
+    if memory.stream_base:  # the frozen base in host memory (memory/stream_base.py): what it cannot run, said now
+        from megaseq.memory import stream_base
+
+        stream_base.check_run(adapters.freezes, sharded, bool(init_from))
+    if not sharded:
+        # a frozen base stored in bf16 is built so from the start (never its fp32 copy: 30B parameters fit)
+        frozen = frozen_base_dtypes(adapters) if adapters.freezes and adapters.frozen_dtype else None
+        where = device
+        if memory.stream_base:  # built where it fits (the host when the GPU cannot hold it), streamed from the host
+            where = stream_base.build_device(build_model(spec, dtype=dtype, device="meta", stored=frozen), device)
+            where = "cpu" if init_from else where
+        model = build_model(spec, dtype=dtype, device=where, seed=cfg.train.seed, stored=frozen)
+        if init_from:
+            load_hf_checkpoint(init_from, model=model, spec=spec)
+        applied = parallelize(model, memory, env, adapters)
+        if memory.stream_base:
+            stream_base.to_device_resident(model, device)
+    else:  # a frozen base: its frozen tensors built (and sharded) in their storage dtype, what trains kept whole
+        frozen = frozen_base_dtypes(adapters) if adapters.freezes and adapters.frozen_dtype else None
+        model = build_model(spec, dtype=dtype, device="meta" if init_from else "cpu", seed=cfg.train.seed,
+                            stored=frozen)
+        applied = parallelize(model, memory, env, adapters)  # shards (moves each rank's shards to the device)
+        if init_from:
+            model.to_empty(device=device)
+            load_hf_checkpoint(init_from, model=model, spec=spec)  # this rank's rows of each tensor only
+            if adapters.lora.enabled:  # the factors were attached on the meta device: draw them now
+                from megaseq.models.common.lora import draw_adapters
+
+                draw_adapters(model, adapters)
+        if memory.stream_base:  # the blocks' shards stay in host memory (FSDP's CPUOffloadPolicy)
+            stream_base.to_device_resident(model, device)
+        else:
+            model.to(device)  # the parameters FSDP keeps whole (a bf16 model's fp32 router, the adapters), buffers
+    if cfg.lora.init_from:
+        from megaseq.models.peft_io import load_adapter
+
+        load_adapter(model, spec, cfg.lora, cfg.lora.init_from)
+    if cfg.model.train_indexer:  # before the optimizer: the indexers' parameters train
+        indexer_training.enable(model, cfg.model.indexer_loss_coef, cfg.model.dsa_warmup_steps, dtype)
+    several = cfg.train.grad_accum > 1 or 0 < memory.model_segment_tokens < cfg.data.seq_len
+    optimizer, scheduler = build_optimizer(model, cfg.optim, total_steps, memory, accumulate=several,
+                                           distributed=getattr(env, "world_size", 1) > 1)
+    return model, applied, optimizer, scheduler
+
+
+def frozen_base_dtypes(adapters: AdapterSettings) -> Any:
+    """``build_model``'s ``stored``: each parameter's storage dtype, from the model built on the meta device."""
+    from megaseq.models.common.lora import storage_dtypes
+
+    return lambda model, param_dtype: storage_dtypes(model, adapters, param_dtype)
+
+
+def kernel_settings(cfg: Config, device: torch.device) -> dict[str, Any]:
+    """``dispatch.configure``'s arguments for the run: ``model.kernels``' preferences, the planned kernels, and
+    with ``model.strict_kernels`` a fallback from them an error naming the layer and the reason."""
+    return dict(preferred=preferred_kernels(device.type, cfg.model.kernels),
+                planned=planned_kernels(device.type, cfg.model.dtype), strict=cfg.model.strict_kernels)
+
+
+def kernels_for(cfg: Config, device: torch.device) -> contextlib.AbstractContextManager:
+    """The dispatcher set up as the run is planned (``kernel_settings``), and ``model.autotune`` and
+    ``model.kernel_cache`` in force (``ops.switches``), for the duration of the run."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(dispatch.configured(**kernel_settings(cfg, device)))
+    stack.enter_context(switches.configured(cfg.model.autotune, cfg.model.kernel_cache))
+    return stack
+
+
+def report_fallbacks(cfg: Config, device: torch.device, log: Any) -> None:
+    """After the first step: each op that ``model.kernels`` prefers but that ran another implementation, where
+    and why (the preferred kernels are not held to as the planned ones are under ``strict_kernels``)."""
+    for g in dispatch.fallback_summary(preferred_kernels(device.type, cfg.model.kernels)):
+        log(f"model.kernels {cfg.model.kernels}: {dispatch.describe_fallback(g)}")
+
+
+def use_expandable_segments() -> None:
+    """Long sequences allocate a few huge, differently sized blocks per step: expandable segments keep the
+    caching allocator from fragmenting them. Call before the first CUDA allocation (processes spawned
+    later inherit it); a value the user set is kept."""
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+
+
+def check_adapters(cfg: Config, spec: Any, memory: MemorySettings) -> None:
+    """What the adapters cannot do in this run, said before data or weights are touched: dropout under a
+    replaying scheme, an export PEFT could not load, an adapter to start from that does not fit."""
+    if not cfg.lora.enabled:
+        return
+    from megaseq.models.adapters import check_dropout, projections, resolve_targets
+    from megaseq.plan.params import param_table
+
+    check_dropout(cfg.lora, memory)
+    if cfg.train.export_hf:
+        from megaseq.models.peft_io import check_exportable
+
+        table = param_table(spec)
+        check_exportable(spec, resolve_targets(projections(table), cfg.lora.targets, table))
+    if cfg.lora.init_from:
+        from megaseq.models.adapters import check_peft_config
+        from megaseq.models.peft_io import CONFIG, read_adapter_config
+
+        check_peft_config(read_adapter_config(cfg.lora.init_from), f"{cfg.lora.init_from}/{CONFIG}", cfg.lora.rank,
+                          cfg.lora.alpha, cfg.lora.use_rslora)
