@@ -14,6 +14,7 @@ import dataclasses
 import difflib
 import math
 import os
+import re
 import types
 import typing
 import warnings
@@ -465,6 +466,7 @@ class OptimConfig:
 
 BALANCE_MODES = ("auto", "bias", "aux_loss", "none")
 FAMILY_DEFAULT = "the model family's"  # what --help prints for a setting left unset (None) to follow the model
+DATA_DEFAULT = "the data's"  # what --help prints for an evaluation setting left unset (None) to follow the data
 
 
 @dataclass
@@ -632,14 +634,18 @@ class TrainConfig:
 class EvalConfig:
     """Held-out loss by position."""
 
-    by_position: Any = opt("32K", "position bucket width (accepts 32K)", ge=1)
+    by_position: Any = opt(None, "position bucket width (accepts 32K); unset: the data's, an eighth of the "
+                                 "evaluation window rounded down to a power of two (8 buckets)", ge=1, family=DATA_DEFAULT)
     seq_len: Any = opt(None, "tokens per evaluation window (default: data.seq_len)", ge=2)
     max_windows: int = opt(8, "evaluation windows per held-out file (0: all)", ge=0)
-    kmer_k: int = opt(8, "order of the k-mer Markov baseline for DNA (0 disables)", ge=0, le=30)
+    kmer_k: int | None = opt(None, "order of the k-mer Markov baseline (0 disables); unset: the data's, 8 for DNA "
+                                   "scored per base and 0 otherwise (a k-mer baseline of tokens or residues is not "
+                                   "fitted)", ge=0, le=30, family=DATA_DEFAULT)
     batch_size: int = opt(1, "evaluation windows per forward pass", ge=1)
 
     def __post_init__(self) -> None:
-        self.by_position = parse_size(self.by_position, "eval.by_position")
+        if self.by_position is not None:
+            self.by_position = parse_size(self.by_position, "eval.by_position")
         if self.seq_len is not None:
             self.seq_len = parse_size(self.seq_len, "eval.seq_len")
         check_bounds(self, "eval")
@@ -802,7 +808,7 @@ def _split_override(item: str) -> tuple[str, Any]:
     if not sep:
         raise ValueError(f"override {item!r} must look like section.key=value")
     try:
-        parsed = yaml.safe_load(value) if value.strip() else ""
+        parsed = yaml.load(value, Loader=_UniqueKeyLoader) if value.strip() else ""
     except yaml.YAMLError:
         parsed = value  # not YAML (a path with odd characters): the string as given
     return key.strip().lstrip("-"), parsed
@@ -826,6 +832,13 @@ def _unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool
 
 
 _UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
+# Booleans as YAML 1.2 has them (true / false): YAML 1.1 also reads on, off, yes, no as booleans, which would turn
+# `fsdp: off` or `--parallel.fsdp off` into False; a bool setting still takes those words (``_coerce``)
+_BOOL_TAG = "tag:yaml.org,2002:bool"
+_UniqueKeyLoader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if tag != _BOOL_TAG]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_UniqueKeyLoader.add_implicit_resolver(_BOOL_TAG, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
 
 
 def read_yaml(path: str | Path) -> Any:
@@ -941,7 +954,7 @@ def field_help() -> dict[str, list[tuple[str, str, Any]]]:
         for f in dataclasses.fields(cls):
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
             if f.metadata.get("family") and default is None:
-                default = FAMILY_DEFAULT
+                default = f.metadata["family"] if isinstance(f.metadata["family"], str) else FAMILY_DEFAULT
             rows.append((f.name, f.metadata.get("help", ""), default))
         out[section] = rows
     return out

@@ -16,6 +16,7 @@ over micro-batches, and FSDP buffers when parameters are sharded.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 from megaseq.config import ExpertDispatchSettings, MemorySettings
@@ -518,6 +519,11 @@ def _phases(run: Run, terms: list[LayerTerms]) -> list[tuple[str, dict[str, int]
     readers = _readers(spec)
     k = _sco_offloaded(run, bnd)
     fwd_state = dict(state, **{"gradients": g_all if acc else 0})
+    # each layer's weight copies and DSA selection once, with running sums (the phases read prefixes of them)
+    copies_cached = [_copies(run, i, cached_only=True) for i in range(L)]
+    copies_full = [_copies(run, i, cached_only=False) for i in range(L)]
+    copies_upto = list(itertools.accumulate(copies_full, initial=0))  # [i]: layers 0 .. i - 1
+    sel_upto = list(itertools.accumulate((sel if readers[j] else 0 for j in range(L)), initial=0))
     out: list[tuple[str, dict[str, int], str]] = []
     saved_before, copies_before, carry = 0, 0, 0
     for i, t in enumerate(terms):  # forward
@@ -525,13 +531,13 @@ def _phases(run: Run, terms: list[LayerTerms]) -> list[tuple[str, dict[str, int]
         kind = f"layer {i} ({spec.layer_types[i]} + {spec.mlp_types[i]})"
         carry += sel if (rec and readers[i]) else 0
         if rec:
-            copies_before += _copies(run, i, cached_only=True)
+            copies_before += copies_cached[i]
             kept = max(0, i + 1 - k) + (1 if i < k else 0)
             work = int(run.cal.nograd_fraction * (t.saved - t.boundary_term))
             work += max(t.mixer_fwd, t.mlp_fwd, t.merge_fwd)
             comps = {"checkpoint boundaries": kept * bnd, "layer working set": work}
         else:
-            copies_before += _copies(run, i, cached_only=False)
+            copies_before += copies_full[i]
             part, work = max(
                 (t.before_mixer_output, t.mixer_fwd), (A + F, t.mlp_fwd), (A + F, t.merge_fwd), key=sum
             )
@@ -580,18 +586,18 @@ def _phases(run: Run, terms: list[LayerTerms]) -> list[tuple[str, dict[str, int]
         part, work, agrad = max(branches, key=sum)
         if rec:
             kept = max(0, i + 1 - k) + min(2, min(i + 1, k))
-            live = sum(sel for j in range(i + 1) if readers[j])
+            live = sel_upto[i + 1]
             comps = {
                 "checkpoint boundaries": kept * bnd,
                 "recomputed layer": part - t.boundary_term,
                 "layer working set": work,
                 "activation gradients": agrad,
-                "weight copies (bf16)": _copies(run, i, False),
+                "weight copies (bf16)": copies_full[i],
                 "DSA selections (carry)": live,
             }
         else:
             saved_before -= t.saved
-            copies = sum(_copies(run, j, False) for j in range(i + 1))
+            copies = copies_upto[i + 1]
             comps = {
                 "saved activations": saved_before + part,
                 "layer working set": work,
