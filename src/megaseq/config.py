@@ -635,7 +635,8 @@ class EvalConfig:
     """Held-out loss by position."""
 
     by_position: Any = opt(None, "position bucket width (accepts 32K); unset: the data's, an eighth of the "
-                                 "evaluation window rounded down to a power of two (8 buckets)", ge=1, family=DATA_DEFAULT)
+                                 "evaluation window rounded down to a power of two (8 buckets)",
+                           ge=1, family=DATA_DEFAULT)
     seq_len: Any = opt(None, "tokens per evaluation window (default: data.seq_len)", ge=2)
     max_windows: int = opt(8, "evaluation windows per held-out file (0: all)", ge=0)
     kmer_k: int | None = opt(None, "order of the k-mer Markov baseline (0 disables); unset: the data's, 8 for DNA "

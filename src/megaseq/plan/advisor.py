@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from megaseq.config import Config, _split_override, load_config
+from megaseq.config import Config, load_config
 from megaseq.models.spec import ModelSpec
 from megaseq.plan.components import GIB
 from megaseq.plan.flops import step_seconds
