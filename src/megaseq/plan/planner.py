@@ -378,7 +378,7 @@ def plan(
         raise ValueError(f"seq_len ({seq_len}) and batch_size ({batch_size}) must be >= 1")
     validate_mesh(spec, seq_len, mesh)
     counts = C.gpu_counts(indexer_trains(C.count_params(spec), indexer_objective), mesh)
-    counts.trained = trained_counts(spec, adapters)
+    counts.trained = trained_counts(spec, adapters, indexer_objective)
     best: Plan | None = None
     for mode in mla_modes(spec, mesh):
         run = Run(
@@ -482,7 +482,7 @@ def run_for(
     given = memory.to_dict() if isinstance(memory, MemorySettings) else memory
     full = base_settings(None, batch_size * seq_len // mesh.cp).replace(**given)
     counts = C.gpu_counts(indexer_trains(C.count_params(spec), indexer_objective), mesh)
-    counts.trained = trained_counts(spec, adapters)
+    counts.trained = trained_counts(spec, adapters, indexer_objective)
     return Run(
         spec=spec,
         seq_len=seq_len,
