@@ -43,7 +43,7 @@ class Run:
     grad_accum: int = 1
     sparse_impl: str = "absorbed"  # ops/sparse_mla.py on the GPU; "torch_masked" is the CPU reference
     packed_documents: bool = False  # data with document boundaries (text): no segmented KDA
-    loss_in_compute_dtype: bool = True  # the trainer casts hidden + head for the loss (False: before 2026-11-29)
+    loss_in_compute_dtype: bool = True  # the trainer casts hidden + head for the loss (False: in the stream's dtype)
     cal: Calibration = CAL
     ep_dispatch: ExpertDispatchSettings = ExpertDispatchSettings()  # how routed rows travel when mesh.ep > 1
     weights: str = "fp32"  # model.weights: fp32 (+ autocast) or bf16 (fp32 master in the optimizer)
@@ -286,9 +286,8 @@ def layer_terms(run: Run, i: int) -> LayerTerms:
     # backward: the gradient of the sublayer's input (in its dtype, xb: the norm's output; a tiled MLP's
     # replay fills one such buffer) and of its output where that is a tensor of its own: a cast of the
     # stream's gradient (a bf16 output added to an fp32 stream) or mHC's merge backward (N > 1); with a
-    # plain residual in the output's dtype it is the stream's gradient itself, counted in ``agrad``. Measured
-    # on an H200 (LoRA, bf16 stream, 2026-12-02): counting an fp32 input gradient and the output's again would
-    # put the plan 4.6 GiB over a tiled MoE's backward at 600K.
+    # plain residual in the output's dtype it is the stream's gradient itself, counted in ``agrad`` (counting an fp32
+    # input gradient and the output's again would count that gradient twice).
     y_mlp = c if spec.mlp_types[i] == "dense" else xb
     grad_attn = n * H * (xb + (c if (c != s or N > 1) else 0))
     grad_mlp = n * H * (xb + (y_mlp if (y_mlp != s or N > 1) else 0))
