@@ -133,8 +133,8 @@ class ModelConfig:
                                    "DSA layer); 0.001 is Megatron-Bridge's default for DeepSeek-V3.2 and GLM-5",
                                    ge=0.0)
     dsa_warmup_steps: int = opt(0, "with model.train_indexer: the first N optimizer steps are the dense warm-up "
-                                "(every DSA layer attends every visible key, the main model frozen, only the "
-                                "indexers train); then the sparse stage", ge=0)
+                                "(every DSA layer attends every visible key, the main model frozen, LoRA adapters "
+                                "too, only the indexers train); then the sparse stage", ge=0)
 
     def __post_init__(self) -> None:
         check_bounds(self, "model")
