@@ -7,7 +7,8 @@ config validation (``megaseq.config.load_config``) and the planner's mesh check 
 - sharding: ``parallel.fsdp`` off, dp or dp_cp (several GPUs only);
 - ``parallel.cp`` and ``parallel.ep`` in powers of two that divide the GPUs (ep only for MoE models, without
   FSDP and without a frozen base: the combinations the trainer refuses are never advised);
-- full fine-tuning, then LoRA on a frozen base when the user allows it (``--allow-lora``);
+- full fine-tuning, then LoRA on a frozen base when the user allows it (``--allow-lora``; a recipe with adapters
+  keeps its own rank, alpha and targets);
 - the memory fixes: each candidate is planned by ``planner.plan_from_config`` with ``memory.auto``, which picks
   the cheapest exact fixes that fit (``fixes.py``).
 
