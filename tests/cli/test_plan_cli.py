@@ -1,6 +1,6 @@
 """``megaseq plan`` as a user reads it: its first lines say whether the settings as given fit and what to run, its exit
-code says the same (0 fits as given, 1 a fitting configuration is printed instead, 3 nothing fits: the nearest is
-named), and on / off / yes / no on the command line or in a recipe stay words for a setting that takes words."""
+code says whether they fit (0 fits as given, 1 does not: the first lines name what fits instead, or the nearest when
+nothing does), and on / off / yes / no on the command line or in a recipe stay words for a setting that takes words."""
 
 from __future__ import annotations
 
@@ -71,9 +71,9 @@ def test_a_setting_that_does_not_fit_names_what_to_run_first(capsys):
     assert "--data.seq_len 1M" in lines[2]
 
 
-def test_nothing_fits_exits_3_and_names_the_nearest(capsys):
+def test_nothing_fits_names_the_nearest(capsys):
     rc, lines = _plan(capsys, "--gpu-mem", "2G", "--seq-len", "4M")
-    assert rc == 3 and lines[0].startswith("DOES NOT FIT as given (")
+    assert rc == 1 and lines[0].startswith("DOES NOT FIT as given (")
     assert lines[1].startswith("nothing megaseq supports fits") and lines[2].startswith("  - ")
 
 

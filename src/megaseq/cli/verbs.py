@@ -53,13 +53,13 @@ def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
     return 0
 
 
-PLAN_FITS, PLAN_FITS_OTHERWISE, PLAN_NOTHING_FITS = 0, 1, 3  # `megaseq plan`'s exit codes (2: bad input)
+PLAN_FITS, PLAN_DOES_NOT_FIT = 0, 1  # `megaseq plan`'s exit codes: the settings as given fit or not (2: bad input)
 
 
 def cmd_plan(args: argparse.Namespace, rest: list[str]) -> int:
     """The plan of the settings as given, with the verdict first: whether they fit and the command to run (theirs,
-    or the fastest configuration that fits, or the nearest that does). Exit 0: fits as given; 1: does not, and a
-    fitting configuration is printed; 3: nothing fits (the nearest is named)."""
+    or the fastest configuration that fits, or the nearest that does). Exit 0: fits as given; 1: does not (the
+    first lines name what fits instead, or the nearest when nothing does)."""
     from megaseq.plan.planner import plan_from_config
     from megaseq.plan.report import format_plan
 
@@ -78,7 +78,7 @@ def cmd_plan(args: argparse.Namespace, rest: list[str]) -> int:
     )
     if args.json or args.as_given:
         print(json.dumps(plan.to_dict(), indent=2, default=str) if args.json else format_plan(plan))
-        return PLAN_FITS if plan.fits else PLAN_FITS_OTHERWISE
+        return PLAN_FITS if plan.fits else PLAN_DOES_NOT_FIT
     from megaseq.plan.advisor import format_advice, format_verdict
 
     advice = _advise(args, rest, world)
@@ -88,9 +88,7 @@ def cmd_plan(args: argparse.Namespace, rest: list[str]) -> int:
     print("\nthe fastest configuration that fits (searched: weights dtype, FSDP, cp, ep"
           + (", LoRA" if args.allow_lora else "") + "; memory fixes by the planner):")
     print(format_advice(advice))
-    if plan.fits:
-        return PLAN_FITS
-    return PLAN_FITS_OTHERWISE if advice.choice is not None else PLAN_NOTHING_FITS
+    return PLAN_FITS if plan.fits else PLAN_DOES_NOT_FIT
 
 
 def _hardware(args: argparse.Namespace, gpus: int) -> Any:
