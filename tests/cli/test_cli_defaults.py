@@ -10,7 +10,7 @@ import re
 import pytest
 
 from megaseq.cli import main as cli
-from megaseq.config import FAMILY_DEFAULT, Config, default_recipe, load_config, parse_size
+from megaseq.config import DATA_DEFAULT, FAMILY_DEFAULT, Config, default_recipe, load_config, parse_size
 
 
 def _printed() -> dict[tuple[str, str], tuple[str, str | None]]:
@@ -33,7 +33,7 @@ def _values(cfg: Config) -> dict[tuple[str, str], str]:
 
 def _same(value: str, printed: str) -> bool:
     """Equal as printed, or as sizes (a printed ``8K`` is 8192 tokens)."""
-    if value == printed or value == "None" and printed == FAMILY_DEFAULT:  # unset: resolved for the model
+    if value == printed or value == "None" and printed in (FAMILY_DEFAULT, DATA_DEFAULT):  # unset: resolved later
         return True
     try:
         return parse_size(value) == parse_size(printed)

@@ -76,3 +76,27 @@ def test_the_check_catches_a_command_that_does_not_exist(capsys, monkeypatch):
     monkeypatch.setitem(EXAMPLES, "verify", ["megaseq verify --list-presets"])
     with pytest.raises(AssertionError, match="no option --list-presets"):
         test_every_command_a_help_text_names_exists(capsys)
+
+
+SETTINGS_VERBS = ("train", "plan", "bench", "verify", "tune", "eval")  # the verbs that take --section.key settings
+
+
+def test_each_verb_names_only_its_own_options(capsys):
+    """Every --option a verb's help names is one of its own; a --section.key setting is named only by a verb that
+    takes settings, and only as a real key (train's help is the settings reference)."""
+    sub = {a.dest: a for a in parser()._actions if a.dest == "verb"}["verb"].choices
+    keys = {f"--{section}.{key}" for section, rows in field_help().items() for key, _, _ in rows}
+    for verb in VERBS:
+        own = {s for a in sub[verb]._actions for s in a.option_strings}
+        text = re.sub(r"torchrun .*?-m megaseq", "", _help(capsys, verb))  # torchrun's own options
+        named = set(re.findall(r"(?<![\w-])--[a-z][\w.-]*[\w]", text))
+        settings = {n for n in named if "." in n} - {"--section.key"}  # the placeholder of "--section.key value"
+        named -= {"--section.key"}
+        assert named - settings <= own, f"megaseq {verb} --help names {sorted(named - settings - own)}"
+        assert settings <= keys and (not settings or verb in SETTINGS_VERBS), (verb, sorted(settings - keys))
+
+
+def test_another_verbs_option_in_a_help_fails_the_check(capsys, monkeypatch):
+    monkeypatch.setitem(EXAMPLES, "convert", ["megaseq convert a b --merged"])  # export's option, not convert's
+    with pytest.raises(AssertionError, match="megaseq convert --help names \\['--merged'\\]"):
+        test_each_verb_names_only_its_own_options(capsys)

@@ -105,3 +105,41 @@ def test_qwen3_30b_lora_plan_on_one_h200(monkeypatch) -> None:
     assert fits(632 * 1024, "model.kernels=base") and not fits(640 * 1024, "model.kernels=base")
     assert fits(640 * 1024) and not fits(648 * 1024)
     assert not fits(8192, "lora.rank=0")  # the frozen base is what makes it fit
+
+
+@pytest.mark.parametrize("name", ["glm5-flash-tiny", "deepseek-v32-tiny"])
+def test_trained_counts_with_the_indexer_objective_are_the_runtimes(name: str) -> None:
+    """LoRA with ``model.train_indexer``: the indexers' parameters train beside the adapters (their gradients and
+    optimizer state), and the planner counts them, parameters and bytes, as the runtime has them."""
+    from megaseq.train import indexer_training
+
+    spec = get_preset(name)
+    adapters = settings(targets="attention", rank=4, frozen_dtype="bf16")
+    model = build_model(spec, dtype=torch.float32, seed=0)
+    parallelize(model, MemorySettings(), None, adapters)
+    indexer_training.enable(model, 0.001, 0, torch.float32)  # as the trainer does, before the optimizer
+    trained = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    indexer = sum(p.numel() for n, p in trained.items() if ".indexer." in n)
+    assert indexer > 0
+    tr = trained_counts(spec, adapters, train_indexer=True)
+    assert tr.total == sum(p.numel() for p in trained.values())
+    for i in range(spec.num_layers):
+        assert sum(tr.layers[i]) == sum(p.numel() for n, p in trained.items() if n.startswith(f"layers.{i}."))
+    counts = C.count_params(spec)
+    counts.trained = tr
+    assert C.param_bytes(counts, C.Mesh(), C.precision_for("bf16")) == sum(
+        p.numel() * p.element_size() for p in model.parameters())
+    # the count without the indexers (the planner as it was) is short by exactly their parameters
+    assert trained_counts(spec, adapters).total == tr.total - indexer
+
+
+def test_the_plan_of_a_lora_run_counts_the_trained_indexers() -> None:
+    """``plan_from_config``: a LoRA run with ``model.train_indexer`` plans more optimizer state than without."""
+    from megaseq.config import build_config
+    from megaseq.plan.planner import plan_from_config
+
+    over = {"model.name": "glm5-flash-tiny", "lora.rank": 4, "lora.targets": "attention", "data.seq_len": 512}
+    without = plan_from_config(build_config(overrides=over), world_size=1)
+    with_ = plan_from_config(build_config(overrides={**over, "model.train_indexer": True}), world_size=1)
+    before, after = ({c[0]: c[1] for c in p.components} for p in (without, with_))
+    assert after["optimizer state"] > before["optimizer state"], (before, after)

@@ -88,3 +88,34 @@ def test_more_gpus_never_fit_less():
     src = Source(str(ROOT / "recipes" / "olmoe-1b-7b-0924" / "config.json"), lora)
     on8, on64 = (advise(src, Hardware(g), 1 << 20, explain=False).choice for g in (8, 64))
     assert on8 is not None and on64 is not None and on64.settings["cp"] <= 16
+
+
+def _published() -> list[str]:
+    """Every published model and recipe: the recipes (YAML) and the checkpoints' config.json files under recipes/
+    (the agent-traces recipe reads a checkpoint its script writes first: not published as a model)."""
+    found = sorted(ROOT.glob("recipes/**/*.yaml")) + sorted(ROOT.glob("recipes/**/config.json")) + sorted(
+        ROOT.glob("recipes/long-context/*.json"))
+    return [str(p.relative_to(ROOT)) for p in found if "agent-traces" not in str(p)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("published", _published())
+def test_every_published_config_gets_a_fitting_command_or_the_nearest(published):
+    """On 1, 8 and 64 H200s at the recipe's length: a configuration the runtime accepts with its command, or (only
+    when nothing fits) the nearest configuration that does."""
+    src = Source(str(ROOT / published), [])
+    for gpus in (64, 8, 1):  # the larger meshes first: the nearest-fit search on fewer GPUs reuses their plans
+        a = advise(src, Hardware(gpus))
+        if a.choice is None:
+            assert a.nearest, f"{published} on {gpus} GPUs: nothing fits and nothing nearest is named"
+            continue
+        _check_runtime_accepts(src, a)
+        launcher = "megaseq train" if gpus == 1 else f"torchrun --nproc-per-node {min(gpus, 8)}"
+        assert a.command.startswith(launcher), a.command
+        if src.cfg.lora.enabled:  # a recipe's own adapters are kept as it gives them
+            assert "--lora." not in a.command, a.command
+
+
+def test_the_published_set_is_found():
+    names = _published()
+    assert len(names) >= 25 and "recipes/glm5-flash.yaml" in names and "recipes/qwen3-30b-a3b/config.json" in names

@@ -103,3 +103,95 @@ def test_help_says_the_family_decides():
     for key in ("balance", "aux_loss_coef", "bias_update_rate", "seq_aux_loss_coef"):
         block = text.split(f"--moe.{key} ")[1].split("--moe.")[0]
         assert f"[default: {FAMILY_DEFAULT}]" in block, block
+
+
+# ---- evaluation: what the held-out report measures follows the data ----------------------------------------
+
+def _data(**kw):
+    from megaseq.config import DataConfig
+
+    return DataConfig(**kw)
+
+
+@pytest.mark.parametrize("data, unit, kmer_k", [
+    ({}, "base", 8),                                                          # DNA, single nucleotides
+    ({"alphabet": "protein", "train": ["f.fa"]}, "residue", 0),               # protein, built-in residues
+    ({"kind": "text", "tokenizer": "tok.json"}, "token", 0),                  # text
+    ({"kind": "chat", "tokenizer": "ckpt"}, "token", 0),                      # conversations
+    ({"tokenizer": "ckpt"}, "token", 0),                                      # DNA through a model's tokenizer
+])
+def test_evaluation_follows_the_data(data, unit, kmer_k):
+    from megaseq.config import EvalConfig
+    from megaseq.train.family_settings import eval_unit, resolve_eval
+
+    d = _data(seq_len="2K", **data)
+    assert eval_unit(d) == unit
+    ev = resolve_eval(EvalConfig(), d)
+    assert ev.kmer_k == kmer_k and ev.by_position == 256  # 8 buckets of the 2K window
+    assert resolve_eval(EvalConfig(seq_len="1M"), d).by_position == 128 * 1024
+    assert resolve_eval(EvalConfig(seq_len=1000), d).by_position == 64  # a power of two, at least 8 buckets
+    assert resolve_eval(ev, d) == ev  # idempotent
+    kept = resolve_eval(EvalConfig(by_position=100, kmer_k=3 if unit == "base" else 0), d)
+    assert kept.by_position == 100 and kept.kmer_k == (3 if unit == "base" else 0)  # the user's values win
+
+
+def test_a_kmer_order_for_data_without_bases_is_warned_about():
+    from megaseq.config import EvalConfig
+    from megaseq.train.family_settings import resolve_eval
+
+    with pytest.warns(UserWarning, match="eval.kmer_k 6 has no effect.*per token"):
+        resolve_eval(EvalConfig(kmer_k=6), _data(kind="text", tokenizer="tok.json"))
+
+
+def test_help_says_the_data_decides_the_evaluation():
+    from megaseq.config import DATA_DEFAULT
+
+    text = " ".join(cli.config_help("eval").split())
+    for key in ("by_position", "kmer_k"):
+        block = text.split(f"--eval.{key} ")[1].split("--eval.")[0]
+        assert f"[default: {DATA_DEFAULT}]" in block, block
+
+
+def _dna_recipe(tmp_path):
+    recipe = tmp_path / "dna.yaml"  # a recipe that leaves the eval section out: every eval setting is its default
+    recipe.write_text("model:\n  name: glm5-flash-tiny\n")
+    return recipe
+
+
+def _run_eval(tmp_path, recipe, *argv):
+    run = tmp_path / "run"
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        rc = cli.main(["train", str(recipe), *QUICK[:4], "--train.eval_after", "true", *QUICK[6:],
+                       "--train.run_dir", str(run), "--eval.max_windows", "1", *argv])
+    finally:
+        torch.set_num_threads(prev)
+    assert rc == 0
+    return yaml.safe_load((run / "config.yaml").read_text())["eval"], json_of(run / "eval" / "eval_by_position.json")
+
+
+def json_of(path):
+    import json
+
+    return json.loads(path.read_text())
+
+
+def test_the_run_records_and_uses_the_datas_evaluation(tmp_path):
+    """A DNA run with no eval settings: config.yaml records the resolved values, and its report used them (the
+    k-mer baseline of order 8, 8 position buckets of the 64-token window)."""
+    recorded, report = _run_eval(tmp_path, _dna_recipe(tmp_path))
+    assert recorded["kmer_k"] == 8 and recorded["by_position"] == 8
+    assert report["unit"] == "base" and report["bucket_width"] == recorded["by_position"]
+    assert report["baseline"] == "kmer-k8", report["baseline"]
+
+
+def test_evaluation_left_unresolved_fails_the_check(tmp_path, monkeypatch):
+    """A broken variant that resolves only the balancing: the run cannot evaluate with the printed defaults."""
+    from megaseq.train import family_settings, trainer
+
+    monkeypatch.setattr(trainer, "resolve_family_settings",
+                        lambda cfg, spec: family_settings.dataclasses.replace(
+                            cfg, moe=family_settings.resolve_moe(cfg.moe, spec)))
+    with pytest.raises((AssertionError, TypeError)):
+        test_the_run_records_and_uses_the_datas_evaluation(tmp_path)

@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 from megaseq.config import Config, default_recipe, load_config, parse_size, split_overrides
 
@@ -52,7 +53,13 @@ def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
     return 0
 
 
+PLAN_FITS, PLAN_DOES_NOT_FIT = 0, 1  # `megaseq plan`'s exit codes: the settings as given fit or not (2: bad input)
+
+
 def cmd_plan(args: argparse.Namespace, rest: list[str]) -> int:
+    """The plan of the settings as given, with the verdict first: whether they fit and the command to run (theirs,
+    or the fastest configuration that fits, or the nearest that does). Exit 0: fits as given; 1: does not (the
+    first lines name what fits instead, or the nearest when nothing does)."""
     from megaseq.plan.planner import plan_from_config
     from megaseq.plan.report import format_plan
 
@@ -69,35 +76,54 @@ def cmd_plan(args: argparse.Namespace, rest: list[str]) -> int:
         host_bytes=parse_size(args.host_mem) if args.host_mem else None,
         gpus_per_host=args.gpus_per_host,
     )
-    print(json.dumps(plan.to_dict(), indent=2, default=str) if args.json else format_plan(plan))
-    if not args.json and not args.as_given:
-        _advise(args, rest)
-    return 0 if plan.fits else 1
+    if args.json or args.as_given:
+        print(json.dumps(plan.to_dict(), indent=2, default=str) if args.json else format_plan(plan))
+        return PLAN_FITS if plan.fits else PLAN_DOES_NOT_FIT
+    from megaseq.plan.advisor import format_advice, format_verdict
 
-
-def _advise(args: argparse.Namespace, rest: list[str]) -> None:
-    """``megaseq plan``'s advice: the fastest configuration that fits (plan/advisor.py) and its command."""
-    from megaseq.plan.advisor import Hardware, Source, advise, format_advice
-
-    hw = Hardware(args.gpus or 1, parse_size(args.gpu_mem) if args.gpu_mem else None, args.gpus_per_host,
-                  parse_size(args.host_mem) if args.host_mem else None)
-    src = Source(args.config, split_overrides(rest))
-    advice = advise(src, hw, parse_size(args.seq_len) if args.seq_len else None, allow_lora=args.allow_lora)
+    advice = _advise(args, rest, world)
+    print(format_verdict(plan, advice, _as_given_command(args, rest, world, plan)))
+    print("\nthe plan of the settings as given:")
+    print(format_plan(plan))
     print("\nthe fastest configuration that fits (searched: weights dtype, FSDP, cp, ep"
           + (", LoRA" if args.allow_lora else "") + "; memory fixes by the planner):")
     print(format_advice(advice))
+    return PLAN_FITS if plan.fits else PLAN_DOES_NOT_FIT
+
+
+def _hardware(args: argparse.Namespace, gpus: int) -> Any:
+    from megaseq.plan.advisor import Hardware
+
+    return Hardware(gpus, parse_size(args.gpu_mem) if args.gpu_mem else None, args.gpus_per_host,
+                    parse_size(args.host_mem) if args.host_mem else None)
+
+
+def _advise(args: argparse.Namespace, rest: list[str], gpus: int) -> Any:
+    """``megaseq plan``'s advice: the fastest configuration that fits (plan/advisor.py) and its command."""
+    from megaseq.plan.advisor import Source, advise
+
+    src = Source(args.config, split_overrides(rest))
+    return advise(src, _hardware(args, gpus), parse_size(args.seq_len) if args.seq_len else None,
+                  allow_lora=args.allow_lora)
+
+
+def _as_given_command(args: argparse.Namespace, rest: list[str], gpus: int, plan: Any) -> str:
+    """The command that trains the settings as given (the recipe, the user's settings, --seq-len)."""
+    from megaseq.plan.advisor import Choice, Source, command
+
+    src = Source(args.config, split_overrides(rest))
+    given = [f"data.seq_len={parse_size(args.seq_len)}"] if args.seq_len else []
+    return command(src, Choice({}, given, plan, 0.0, 0.0), _hardware(args, gpus))
 
 
 def cmd_plan_max_len(args: argparse.Namespace, rest: list[str]) -> int:
     """``megaseq plan --max-len``: the longest length that fits on each GPU count, and how."""
-    from megaseq.plan.advisor import GPU_COUNTS, Hardware, Source, longest, model_table_row
+    from megaseq.plan.advisor import GPU_COUNTS, Source, longest, model_table_row
 
     src = Source(args.config, split_overrides(rest))
     counts = [args.gpus] if args.gpus else list(GPU_COUNTS)
     for n in counts:
-        hw = Hardware(n, parse_size(args.gpu_mem) if args.gpu_mem else None, args.gpus_per_host,
-                      parse_size(args.host_mem) if args.host_mem else None)
-        print(model_table_row(n, *longest(src, hw, allow_lora=args.allow_lora)))
+        print(model_table_row(n, *longest(src, _hardware(args, n), allow_lora=args.allow_lora)))
     return 0
 
 

@@ -29,6 +29,7 @@ from megaseq.config.loading import (
 )
 from megaseq.config.schema import (
     BALANCE_MODES,
+    DATA_DEFAULT,
     FAMILY_DEFAULT,
     LORA_INITS,
     SECTIONS,
@@ -47,7 +48,8 @@ from megaseq.config.settings import EP_DISPATCH, ExpertDispatchSettings, MemoryC
 from megaseq.schemes import SEGMENT_EXCLUDED, SEGMENT_SETTING, SIZE_SETTINGS
 
 __all__ = [
-    "BALANCE_MODES", "EP_DISPATCH", "FAMILY_DEFAULT", "HF_WEIGHT_FILES", "LORA_INITS", "RECIPE_PATH_LISTS",
+    "BALANCE_MODES", "DATA_DEFAULT", "EP_DISPATCH", "FAMILY_DEFAULT", "HF_WEIGHT_FILES", "LORA_INITS",
+    "RECIPE_PATH_LISTS",
     "RECIPE_PATH_OR_NAME", "SECTIONS", "SEGMENT_EXCLUDED", "SEGMENT_SETTING", "SIZE_SETTINGS", "AdapterSettings",
     "Config", "DataConfig", "EvalConfig", "ExpertDispatchSettings", "LogConfig", "LoraConfig", "MemoryConfig",
     "MemorySettings", "ModelConfig", "MoEConfig", "OptimConfig", "ParallelConfig", "TrainConfig", "_split_override",

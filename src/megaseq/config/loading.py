@@ -14,6 +14,7 @@ import dataclasses
 import difflib
 import math
 import os
+import re
 import types
 import typing
 from pathlib import Path
@@ -119,7 +120,7 @@ def _split_override(item: str) -> tuple[str, Any]:
     if not sep:
         raise ValueError(f"override {item!r} must look like section.key=value")
     try:
-        parsed = yaml.safe_load(value) if value.strip() else ""
+        parsed = yaml.load(value, Loader=_UniqueKeyLoader) if value.strip() else ""
     except yaml.YAMLError:
         parsed = value  # not YAML (a path with odd characters): the string as given
     return key.strip().lstrip("-"), parsed
@@ -143,6 +144,13 @@ def _unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool
 
 
 _UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
+# Booleans as YAML 1.2 has them (true / false): YAML 1.1 also reads on, off, yes, no as booleans, which would turn
+# `fsdp: off` or `--parallel.fsdp off` into False; a bool setting still takes those words (``_coerce``)
+_BOOL_TAG = "tag:yaml.org,2002:bool"
+_UniqueKeyLoader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if tag != _BOOL_TAG]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_UniqueKeyLoader.add_implicit_resolver(_BOOL_TAG, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
 
 
 def read_yaml(path: str | Path) -> Any:
@@ -259,7 +267,7 @@ def field_help() -> dict[str, list[tuple[str, str, Any]]]:
         for f in dataclasses.fields(cls):
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
             if f.metadata.get("family") and default is None:
-                default = FAMILY_DEFAULT
+                default = f.metadata["family"] if isinstance(f.metadata["family"], str) else FAMILY_DEFAULT
             accepted = describe(f.metadata)
             rows.append((f.name, f.metadata.get("help", "") + (f" {accepted}" if accepted else ""), default))
         out[section] = rows

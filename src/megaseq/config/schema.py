@@ -56,8 +56,8 @@ class ModelConfig:
                                    "DSA layer); 0.001 is Megatron-Bridge's default for DeepSeek-V3.2 and GLM-5",
                                    ge=0.0)
     dsa_warmup_steps: int = opt(0, "with model.train_indexer: the first N optimizer steps are the dense warm-up "
-                                "(every DSA layer attends every visible key, the main model frozen, only the "
-                                "indexers train); then the sparse stage", ge=0)
+                                "(every DSA layer attends every visible key, the main model frozen, LoRA adapters "
+                                "too, only the indexers train); then the sparse stage", ge=0)
 
     def __post_init__(self) -> None:
         validate(self, "model")
@@ -137,6 +137,7 @@ class OptimConfig:
 UNSET = " (or unset for the model family's)"
 BALANCE_MODES = ("auto", "bias", "aux_loss", "none")
 FAMILY_DEFAULT = "the model family's"  # what --help prints for a setting left unset (None) to follow the model
+DATA_DEFAULT = "the data's"  # what --help prints for an evaluation setting left unset (None) to follow the data
 
 
 @dataclass
@@ -276,10 +277,14 @@ class TrainConfig:
 class EvalConfig:
     """Held-out loss by position."""
 
-    by_position: Any = opt("32K", "position bucket width (accepts 32K)", ge=1, size=True)
+    by_position: Any = opt(None, "position bucket width (accepts 32K); unset: the data's, an eighth of the "
+                                 "evaluation window rounded down to a power of two (8 buckets)",
+                           ge=1, size=True, family=DATA_DEFAULT)
     seq_len: Any = opt(None, "tokens per evaluation window (default: data.seq_len)", ge=2, size=True)
     max_windows: int = opt(8, "evaluation windows per held-out file (0: all)", ge=0)
-    kmer_k: int = opt(8, "order of the k-mer Markov baseline for DNA (0 disables)", ge=0, le=30)
+    kmer_k: int | None = opt(None, "order of the k-mer Markov baseline (0 disables); unset: the data's, 8 for DNA "
+                                   "scored per base and 0 otherwise (a k-mer baseline of tokens or residues is not "
+                                   "fitted)", ge=0, le=30, family=DATA_DEFAULT)
     batch_size: int = opt(1, "evaluation windows per forward pass", ge=1)
 
     def __post_init__(self) -> None:

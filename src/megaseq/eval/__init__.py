@@ -47,6 +47,7 @@ def report_by_position(models: dict[str, Any], data: Any, eval_cfg: Any, out_dir
     """Evaluate named per-token loss functions on ``data``'s held-out windows beside the k-mer baseline
     (DNA; ``kmer``: one already fitted, else fit here), and write the JSON, markdown and PNG report to
     ``out_dir``; returns the result. ``compare_kw``: ``compare``'s before, after, descriptions, notes."""
+    assert eval_cfg.by_position is not None and eval_cfg.kmer_k is not None, "eval settings resolved for the data first"
     kmer = kmer if kmer is not None else build_kmer_baseline(data, eval_cfg.kmer_k)
     baseline = (kmer.name, kmer.batch_loss) if kmer is not None else None
     compare_kw["notes"] = [*compare_kw.get("notes", ()), *getattr(data, "notes", ())]

@@ -7,7 +7,8 @@ config validation (``megaseq.config.load_config``) and the planner's mesh check 
 - sharding: ``parallel.fsdp`` off, dp or dp_cp (several GPUs only);
 - ``parallel.cp`` and ``parallel.ep`` in powers of two that divide the GPUs (ep only for MoE models, at 1 and at
   its largest, with or without FSDP and a frozen base; the combinations the trainer refuses are never advised);
-- full fine-tuning, then LoRA on a frozen base when the user allows it (``--allow-lora``);
+- full fine-tuning, then LoRA on a frozen base when the user allows it (``--allow-lora``; a recipe with adapters
+  keeps its own rank, alpha and targets);
 - the memory fixes: each candidate is planned by ``planner.plan_from_config`` with ``memory.auto``, which picks
   the cheapest exact fixes that fit (``fixes.py``).
 
@@ -20,11 +21,12 @@ length, LoRA, more GPUs or more host memory.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from megaseq.config import Config, _split_override, load_config
+from megaseq.config import Config, load_config
 from megaseq.models.spec import ModelSpec
 from megaseq.plan.components import GIB
 from megaseq.plan.flops import step_seconds
@@ -102,7 +104,8 @@ def _grid(spec: ModelSpec, hw: Hardware, allow_lora: bool, lora_in_recipe: bool)
         for weights in (["fp32"] if lora else ["bf16", "fp32"]):
             for fsdp in (["off", "dp", "dp_cp"] if hw.gpus > 1 else ["off"]):
                 for ep in sorted({1, eps[-1]}) if experts else [1]:
-                    yield {"lora": lora, "weights": weights, "fsdp": fsdp, "ep": ep}
+                    yield {"lora": lora, "weights": weights, "fsdp": fsdp, "ep": ep,
+                           "lora_in_recipe": lora_in_recipe}
 
 
 def _overrides(setting: dict[str, Any], cp: int, hw: Hardware, seq_len: int | None) -> dict[str, Any]:
@@ -110,7 +113,7 @@ def _overrides(setting: dict[str, Any], cp: int, hw: Hardware, seq_len: int | No
                            "parallel.ep": setting["ep"], "parallel.dp": hw.gpus // (cp * setting["ep"])}
     if seq_len:
         out["data.seq_len"] = seq_len
-    if setting["lora"]:
+    if setting["lora"] and not setting.get("lora_in_recipe"):  # a recipe's own adapters are kept as given
         out.update(LORA_SETTINGS)
     return out
 
@@ -137,9 +140,15 @@ CP_BYTES_PER_S = 150e9  # all-to-all within an NVLink host, as a ranking rate
 
 
 def _plan(source: str | None, base: list[str], overrides: dict[str, Any], hw: Hardware) -> Plan | None:
-    """The plan of one setting, or None when the runtime's validation or the mesh check refuses it."""
+    """The plan of one setting, or None when the runtime's validation or the mesh check refuses it (each planned
+    once: the search for the nearest fit asks again for settings it has planned)."""
+    return _plan_once(source, tuple(base), tuple(_flat(overrides)), hw)
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan_once(source: str | None, base: tuple[str, ...], flat: tuple[str, ...], hw: Hardware) -> Plan | None:
     try:
-        cfg = load_config(source, {**dict(_split_override(o) for o in base), **overrides})
+        cfg = load_config(source, [*base, *flat])
         return plan_from_config(cfg, world_size=hw.gpus, gpu_bytes=hw.gpu_bytes, host_bytes=hw.host_bytes,
                                 gpus_per_host=min(hw.gpus, hw.gpus_per_host), explain=False)
     except ValueError:
@@ -393,6 +402,24 @@ def format_advice(a: Advice) -> str:
         "command:",
         f"  {a.command}",
     ])
+
+
+def format_verdict(plan: Plan, advice: Advice, as_given_command: str) -> str:
+    """The first lines ``megaseq plan`` prints: whether the settings as given fit, and the command to run (theirs
+    when they fit; else the fastest configuration that fits; else the nearest that does)."""
+    where = f"{plan.peak_gpu / GIB:.1f} GiB a GPU of {plan.gpu_budget / GIB:.1f}"
+    if plan.fits:
+        lines = [f"FITS as given ({where}); run:", f"  {as_given_command}"]
+        if advice.choice is not None and advice.command != as_given_command:
+            lines += [f"a faster configuration that fits ({_describe(advice.choice)}):", f"  {advice.command}"]
+        return "\n".join(lines)
+    host = (f", host {plan.peak_host / GIB:.1f} GiB of {plan.host_budget / GIB:.1f}"
+            if plan.peak_host > plan.host_budget else "")
+    lines = [f"DOES NOT FIT as given ({where}{host}; binding: {plan.binding})."]
+    if advice.choice is not None:
+        return "\n".join([*lines, f"fits instead ({_describe(advice.choice)}); run:", f"  {advice.command}"])
+    lines.append("nothing megaseq supports fits these GPUs at this length; the nearest that fits:")
+    return "\n".join([*lines, *(f"  - {x}" for x in advice.nearest or ["nothing nearby"])])
 
 
 def model_table_row(gpus: int, seq_len: int, choice: Choice | None) -> str:

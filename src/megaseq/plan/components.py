@@ -155,7 +155,7 @@ class Calibration:
     sinkhorn_saved: bool = True  # Sinkhorn's 2*iters-1 divisions each save [N, N] + [N] in fp32
     hc_mix_torch: bool = False  # the fast set with hc_mix as the closed-form torch op
     # (ops/mhc/mix_fused.py, its input's copy kept in the GEMM's dtype; the Triton op keeps none) and KDA's gated norm
-    # the reference; True plans what the runs of 2026-12-02 measured with it
+    # the reference; True plans a run whose fast set runs those two
     process_host_bytes: int = 2_010_000_000  # one training process: Python, torch, CUDA host state, data
     # (H200, torch 2.11: VmHWM 1.95-2.07 GB, mean 2.01 GB, over 14 runs of glm5-flash-1gpu 8K-1M and
     # glm5-flash-tiny 128K-1M without offload, benchmarks/results/speed/runs/2026-11-29_base-kernels/)

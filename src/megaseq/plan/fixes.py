@@ -57,11 +57,11 @@ MODEL_SEGMENT_OVERHEAD = 0.03
 # the kept DSA selections (a speed-up, not a fix) only where the plan then has this much of the GPU spare
 KEEP_SELECTION_MARGIN = 0.05
 # a segmented KDA layer reruns its forward in backward: one KDA forward, about half its layer's forward
-# (measured on the H200: the segmented layer's forward + backward 1.31x / 1.43x the plain one at 128K / 256K)
+# (docs/planner.md, "Choosing fixes")
 KDA_MIXER_SHARE = 0.5
-# one indexer scoring chunk stays under this ("a few hundred queries at a time keeps that under
-# 2 GiB"); chunking is free, and an unchunked 32 GiB scoring tensor failed at 64K tokens on an H200 with
-# 58 GiB reserved but free (allocator fragmentation), so the bound applies whether or not memory is short
+# one indexer scoring chunk stays under this (a few hundred queries at a time); chunking is free, and one huge
+# scoring tensor can fail to allocate with memory reserved but free (fragmentation: docs/planner.md, "Choosing
+# fixes"), so the bound applies whether or not memory is short
 INDEXER_SCORING_MAX = 2 * GIB
 SCO_BASE_COST = 0.019  # SCO throughput within 1.9%
 LOSS_CHUNK_COST = 0.05  # +4-5% of the loss time

@@ -516,10 +516,8 @@ def attention_temp(spec: ModelSpec, n: int, prec: Precision, backward: bool, mes
     gradients). SDPA runs in G calls (``attention.sdpa_head_groups``) one after another: each call's backward
     holds its share (``(f + 2c) Hq D / G``, and a contiguous copy of its output gradient, a slice of the
     concatenation's: ``c Hq D / G``) beside the gradients of q, k, v finished so far, then the query gradient
-    is concatenated (``2 c (Hq + Hkv) D``). Measured by op on an H200 (measured 2026-12-02, Qwen3-30B-A3B LoRA, 600K,
-    cuDNN): each call allocated its dq, dk, dv and two float32 buffers of its q (``2 f Hq D / G``): in bf16
-    the same bytes as the share above. (A 2.4 GiB gap once put down to ``dk_expanded`` is the
-    RMSNorm's backward: ``models/common/norm.py``.)
+    is concatenated (``2 c (Hq + Hkv) D``). With cuDNN each call allocates its dq, dk, dv and two float32
+    buffers of its q (``2 f Hq D / G``): in bf16 the same bytes as the share above (``docs/planner.md``).
     With attention sinks every head is ``Dp = sink_attention_dims(D)`` wide in SDPA (and a sliding layer's
     keys ``sliding_key_rows`` per token): the terms above scaled so, plus, forward, the padded q's second
     copy and, backward, the gradients sliced back to D dims (an upper bound: not measured on a GPU)."""

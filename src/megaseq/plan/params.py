@@ -170,14 +170,17 @@ class Trained:
         return self.embed + self.head + self.final_norm + sum(d + x for d, x in self.layers)
 
 
-def trained_counts(spec: ModelSpec, adapters: AdapterSettings | None) -> Trained | None:
+def trained_counts(spec: ModelSpec, adapters: AdapterSettings | None, train_indexer: bool = False) -> Trained | None:
     """What a run with these adapter settings trains (None when nothing is frozen: every parameter but the
-    DSA indexer trains, as ``plan.components.ParamCounts`` counts it)."""
+    DSA indexer trains, as ``plan.components.ParamCounts`` counts it). ``train_indexer`` (``model.train_indexer``):
+    the full DSA indexers' parameters train beside the adapters too (``train.indexer_training.enable``)."""
     if adapters is None or not adapters.freezes:
         return None
     table = param_table(spec)
     lora = adapters.lora
     train = {n for n in trainable_names(table, adapters.trainable) if ".indexer." not in n}
+    if train_indexer:
+        train |= {p.name for p in table if ".indexer." in p.name}
     L = spec.num_layers
     out = Trained(layers=[(0, 0)] * L, projections=[frozenset()] * L, frozen_layers=[(0, 0)] * L,
                   **{k: [0] * L for k in ("mlp", "largest", "lora_rows_attn", "lora_rows_mlp", "merged")})

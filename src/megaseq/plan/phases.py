@@ -16,6 +16,7 @@ over micro-batches, and FSDP buffers when parameters are sharded.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 from megaseq.config import ExpertDispatchSettings, MemorySettings
@@ -42,7 +43,7 @@ class Run:
     grad_accum: int = 1
     sparse_impl: str = "absorbed"  # ops/sparse_mla/absorbed.py on the GPU; "torch_masked" is the CPU reference
     packed_documents: bool = False  # data with document boundaries (text): no segmented KDA
-    loss_in_compute_dtype: bool = True  # the trainer casts hidden + head for the loss (False: before 2026-11-29)
+    loss_in_compute_dtype: bool = True  # the trainer casts hidden + head for the loss (False: in the stream's dtype)
     cal: Calibration = CAL
     ep_dispatch: ExpertDispatchSettings = ExpertDispatchSettings()  # how routed rows travel when mesh.ep > 1
     weights: str = "fp32"  # model.weights: fp32 (+ autocast) or bf16 (fp32 master in the optimizer)
@@ -285,9 +286,8 @@ def layer_terms(run: Run, i: int) -> LayerTerms:
     # backward: the gradient of the sublayer's input (in its dtype, xb: the norm's output; a tiled MLP's
     # replay fills one such buffer) and of its output where that is a tensor of its own: a cast of the
     # stream's gradient (a bf16 output added to an fp32 stream) or mHC's merge backward (N > 1); with a
-    # plain residual in the output's dtype it is the stream's gradient itself, counted in ``agrad``. Measured
-    # on an H200 (LoRA, bf16 stream, 2026-12-02): counting an fp32 input gradient and the output's again would
-    # put the plan 4.6 GiB over a tiled MoE's backward at 600K.
+    # plain residual in the output's dtype it is the stream's gradient itself, counted in ``agrad`` (counting an fp32
+    # input gradient and the output's again would count that gradient twice).
     y_mlp = c if spec.mlp_types[i] == "dense" else xb
     grad_attn = n * H * (xb + (c if (c != s or N > 1) else 0))
     grad_mlp = n * H * (xb + (y_mlp if (y_mlp != s or N > 1) else 0))
@@ -547,6 +547,11 @@ def _phases(run: Run, terms: list[LayerTerms]) -> list[tuple[str, dict[str, int]
     readers = _readers(spec)
     k = _sco_offloaded(run, bnd)
     fwd_state = dict(state, **{"gradients": g_all if acc else 0})
+    # each layer's weight copies and DSA selection once, with running sums (the phases read prefixes of them)
+    copies_cached = [_copies(run, i, cached_only=True) for i in range(L)]
+    copies_full = [_copies(run, i, cached_only=False) for i in range(L)]
+    copies_upto = list(itertools.accumulate(copies_full, initial=0))  # [i]: layers 0 .. i - 1
+    sel_upto = list(itertools.accumulate((sel if readers[j] else 0 for j in range(L)), initial=0))
     out: list[tuple[str, dict[str, int], str]] = []
     saved_before, copies_before, carry = 0, 0, 0
     for i, t in enumerate(terms):  # forward
@@ -554,13 +559,13 @@ def _phases(run: Run, terms: list[LayerTerms]) -> list[tuple[str, dict[str, int]
         kind = f"layer {i} ({spec.layer_types[i]} + {spec.mlp_types[i]})"
         carry += sel if (rec and readers[i]) else 0
         if rec:
-            copies_before += _copies(run, i, cached_only=True)
+            copies_before += copies_cached[i]
             kept = max(0, i + 1 - k) + (1 if i < k else 0)
             work = int(run.cal.nograd_fraction * (t.saved - t.boundary_term))
             work += max(t.mixer_fwd, t.mlp_fwd, t.merge_fwd)
             comps = {"checkpoint boundaries": kept * bnd, "layer working set": work}
         else:
-            copies_before += _copies(run, i, cached_only=False)
+            copies_before += copies_full[i]
             part, work = max(
                 (t.before_mixer_output, t.mixer_fwd), (A + F, t.mlp_fwd), (A + F, t.merge_fwd), key=sum
             )
@@ -609,18 +614,18 @@ def _phases(run: Run, terms: list[LayerTerms]) -> list[tuple[str, dict[str, int]
         part, work, agrad = max(branches, key=sum)
         if rec:
             kept = max(0, i + 1 - k) + min(2, min(i + 1, k))
-            live = sum(sel for j in range(i + 1) if readers[j])
+            live = sel_upto[i + 1]
             comps = {
                 "checkpoint boundaries": kept * bnd,
                 "recomputed layer": part - t.boundary_term,
                 "layer working set": work,
                 "activation gradients": agrad,
-                "weight copies (bf16)": _copies(run, i, False),
+                "weight copies (bf16)": copies_full[i],
                 "DSA selections (carry)": live,
             }
         else:
             saved_before -= t.saved
-            copies = sum(_copies(run, j, False) for j in range(i + 1))
+            copies = copies_upto[i + 1]
             comps = {
                 "saved activations": saved_before + part,
                 "layer working set": work,

@@ -386,7 +386,7 @@ def plan(
         raise ValueError(f"seq_len ({seq_len}) and batch_size ({batch_size}) must be >= 1")
     validate_mesh(spec, seq_len, mesh)
     counts = indexer_trains(C.count_params(spec), indexer_objective)
-    counts.trained = trained_counts(spec, adapters)
+    counts.trained = trained_counts(spec, adapters, indexer_objective)
     counts = C.gpu_counts(counts, mesh)  # the experts (and their adapters) one GPU holds under ep
     best: Plan | None = None
     for mode in mla_modes(spec, mesh):
@@ -496,7 +496,7 @@ def run_for(
     given = memory.to_dict() if isinstance(memory, MemorySettings) else memory
     full = base_settings(None, batch_size * seq_len // mesh.cp).replace(**given)
     counts = indexer_trains(C.count_params(spec), indexer_objective)
-    counts.trained = trained_counts(spec, adapters)
+    counts.trained = trained_counts(spec, adapters, indexer_objective)
     counts = C.gpu_counts(counts, mesh)  # the experts (and their adapters) one GPU holds under ep
     return Run(
         spec=spec,

@@ -10,6 +10,7 @@ and tokenizer are the ones the run used; ``--data`` replaces the held-out files.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ import yaml
 
 from megaseq.config import build_config, default_recipe
 from megaseq.train import checkpoint as ckpt
+from megaseq.train.family_settings import resolve_eval
 
 
 def _run_dir_of(target: Path) -> Path | None:
@@ -85,6 +87,7 @@ def evaluate_targets(targets: list[str], data: list[str] | None = None, override
     if data:
         extra += [f"data.heldout={','.join(data)}", "data.heldout_records=[]", "data.heldout_tail=0"]
     cfg = build_config(raw, extra)
+    cfg = dataclasses.replace(cfg, eval=resolve_eval(cfg.eval, cfg.data))  # what is unset follows the data
     device = "cuda" if torch.cuda.is_available() else "cpu"
     env = ParallelEnv(torch.device(device))
     autocast = torch.bfloat16 if device == "cuda" and cfg.model.dtype == "bf16" else None

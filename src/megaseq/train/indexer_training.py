@@ -18,6 +18,8 @@ selection's expected share on the same queries).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,17 +70,54 @@ def enable(model: nn.Module, coef: float, warmup_steps: int = 0, dtype: Any = No
 
 
 def check(cfg: Any, spec: Any) -> None:
-    """``model.train_indexer`` for a model without a DSA layer, or a warm-up beside a frozen base (LoRA,
-    ``train.trainable``: its checkpoints hold what trains, and the warm-up freezes the adapters too): a
-    ValueError naming the setting, before anything is built."""
+    """``model.train_indexer`` for a model without a DSA layer: a ValueError naming the setting, before anything is
+    built. (Beside a frozen base the warm-up freezes what trains, the adapters included, and they train after it;
+    a checkpoint written in the warm-up still holds them: ``thawed``.)"""
     m = cfg.model
     if m.train_indexer and "dsa" not in spec.layer_types:
         raise ValueError(f"model.train_indexer: {m.name} has no DSA indexer to train (its layers: "
                          f"{', '.join(sorted(set(spec.layer_types)))}); set --model.train_indexer false")
-    if m.dsa_warmup_steps and (cfg.lora.rank > 0 or cfg.train.trainable):
-        raise ValueError(f"model.dsa_warmup_steps {m.dsa_warmup_steps} with a frozen base (lora.rank / "
-                         "train.trainable) is not implemented: run the warm-up as a full-model run first (it "
-                         "trains only the indexers), then the adapters with --model.dsa_warmup_steps 0")
+
+
+@contextmanager
+def thawed(model: nn.Module, optimizer: Any = None) -> Iterator[None]:
+    """The parameters the warm-up froze marked trainable again while inside (a checkpoint's "what trains" and a
+    frozen base's fingerprint are the run's, not the warm-up's), frozen again after; ``optimizer`` (torch's
+    Adam / AdamW) given the state it would make for them at their first update (``initial_adam_state``), so a
+    checkpoint written in the warm-up holds every trained parameter's state, as a resume's optimizer expects."""
+    state = _state(model)
+    frozen = list(state.frozen_by_warmup) if state is not None else []
+    for p in frozen:
+        p.requires_grad_(True)
+    initial_adam_state(optimizer, frozen)
+    try:
+        yield
+    finally:
+        for p in frozen:
+            p.requires_grad_(False)
+
+
+def initial_adam_state(optimizer: Any, params: list[nn.Parameter]) -> None:
+    """For each of ``params`` without optimizer state, the state torch's Adam / AdamW create at a parameter's first
+    update (step 0, zero moments): the update that follows is the same bit for bit. Other optimizers: nothing."""
+    import torch
+    from torch.optim.optimizer import _get_scalar_dtype
+
+    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW) or not params:
+        return
+    group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+    for p in params:
+        group = group_of.get(id(p))
+        if group is None or optimizer.state.get(p):
+            continue
+        on_device = group.get("capturable") or group.get("fused")
+        st = {"step": torch.zeros((), dtype=_get_scalar_dtype(is_fused=group.get("fused")), device=p.device)
+              if on_device else torch.tensor(0.0, dtype=_get_scalar_dtype()),
+              "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+              "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
+        if group.get("amsgrad"):
+            st["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        optimizer.state[p] = st
 
 
 def _state(model: nn.Module) -> IndexerTraining | None:

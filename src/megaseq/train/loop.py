@@ -144,10 +144,11 @@ class TrainLoop:
         update of ``step`` (at learning rate ``lr``) made non-finite, on any rank, stop the run naming the step
         (the ranks agree inside ``save_checkpoint``, so all of them stop)."""
         try:
-            result.last_checkpoint = ckpt.save_checkpoint(
-                result.run_dir, step, self.model, self.state.optimizer, self.state.scheduler,
-                checkpoint_meta(self.spec_dict, self.data, step, self.cfg, self.base), self.cfg.train.keep_checkpoints,
-                trainable_only=self.base is not None)
+            with indexer_training.thawed(self.model, self.state.optimizer):  # what the run trains, in the warm-up too
+                result.last_checkpoint = ckpt.save_checkpoint(
+                    result.run_dir, step, self.model, self.state.optimizer, self.state.scheduler,
+                    checkpoint_meta(self.spec_dict, self.data, step, self.cfg, self.base),
+                    self.cfg.train.keep_checkpoints, trainable_only=self.base is not None)
         except NonFiniteWeights as e:  # an update with a finite gradient overflowed: nothing was written
             raise guard.overflowed(step, str(e), lr, ckpt.latest_resumable(result.run_dir)) from None
 

@@ -11,6 +11,7 @@ the held-out files. Writes ``eval_protocol.{json,md,png}`` and ``eval_by_positio
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ import yaml
 
 from megaseq.config import build_config, default_recipe
 from megaseq.train import checkpoint as ckpt
+from megaseq.train.family_settings import resolve_eval
 
 
 def parse_named(targets: list[str]) -> dict[str, Path]:
@@ -80,6 +82,7 @@ def evaluate_protocol(targets: list[str], data: list[str] | None = None, overrid
     if data:
         extra += [f"data.heldout={','.join(data)}", "data.heldout_records=[]", "data.heldout_tail=0"]
     cfg = build_config(raw, extra)
+    cfg = dataclasses.replace(cfg, eval=resolve_eval(cfg.eval, cfg.data))  # what is unset follows the data
     probe = ProtocolSettings(bucket_width=cfg.eval.by_position, batch_size=cfg.eval.batch_size,
                              kmer_k=cfg.eval.kmer_k, **settings)  # bad settings fail before any model loads
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -181,3 +181,8 @@ def export_run(cfg: Config, model: torch.nn.Module, spec: Any, run_dir: Path, re
         from megaseq.data.chat import copy_tokenizer_files
 
         copy_tokenizer_files(cfg.data.tokenizer, result.hf_export, cfg.data.chat_template)
+        if cfg.data.kind == "fasta" and cfg.data.tokenizer == "dna":  # the single-nucleotide one, as a HF tokenizer
+            from megaseq.data.dna_hf import write_hf_dna_tokenizer
+            from megaseq.data.tokenizer import DnaTokenizer
+
+            write_hf_dna_tokenizer(DnaTokenizer(cfg.data.lowercase, cfg.data.non_acgt), result.hf_export)
