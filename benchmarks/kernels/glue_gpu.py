@@ -92,7 +92,7 @@ def bench_op(name: str, shape: str, ref, fast, inputs, dtype: torch.dtype, extra
 
 
 def op_cases(S: int, H: int, N: int, dtype: torch.dtype, smoke: bool):
-    """(name, shape, ref, fused, inputs, extra implementations) at the brief's shapes."""
+    """(name, shape, ref, fused, inputs, extra implementations) at the given shapes."""
     from megaseq.ops.mhc import mix_fused as hc_mix
     from megaseq.ops.mhc import mix_triton as triton_hc_mix
     from megaseq.ops.mhc import reference as blocks_mhc
@@ -115,7 +115,7 @@ def op_cases(S: int, H: int, N: int, dtype: torch.dtype, smoke: bool):
     pre = (torch.rand(1, S, N, generator=gen, device=dev) + 1e-6).requires_grad_()
     h = rnd(1, S, N, H, dt=dtype)
     # the streams' projection as bf16 weights run it (bf16 streams, fp32 fn, no autocast: an fp32 GEMM); the
-    # closed-form torch op (the fast set's earlier form) as an extra
+    # closed-form torch op (``hc_mix_fused``, an opt-in implementation) as an extra
     yield ("hc_mix", f"h [1, {S}, {N}, {H}], fn [{M}, {N * H}] fp32", blocks_mhc.hc_mix_reference,
            triton_hc_mix.hc_mix_triton, [h, rnd(M, N * H, scale=0.02), 1e-6], {"torch_fused": hc_mix.hc_mix_fused})
     yield ("hc_collapse", f"h [1, {S}, {N}, {H}]", blocks_mhc.hc_collapse_reference,

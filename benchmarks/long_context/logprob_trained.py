@@ -12,7 +12,7 @@ length L, one window of L + 1 bases of the run's first held-out genome (its midd
 - **the fp32 reference**: transformers' own class for the export, fp32 weights, SDPA attention, where it
   runs (vocabulary 16: its logits are small); megaseq in fp32 with no fix beyond that, marked so.
 
-Random weights give near-uniform log-probs whose errors say little (issue #18); a trained model's
+Random weights give near-uniform log-probs whose errors say little; a trained model's
 log-probs spread over tens of nats, so this is the check that counts. Reports mean and max absolute
 difference of log p(next base) per length (target: mean <= 0.04 at 128K and longer), and the
 bits per base each side gives. Results: OUT.json and OUT.md, rewritten after every length.

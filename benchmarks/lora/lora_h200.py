@@ -5,11 +5,11 @@ memory need no trained weights), training steps at 128K and at the longest lengt
     python benchmarks/lora/lora_h200.py --lengths 128K --steps 1 --out $OUT/lora_h200_128k
     python benchmarks/lora/lora_h200.py --smoke --out /tmp/lora_smoke    # CPU, qwen3-moe-tiny, seconds
 
-First run on an H200 on 2026-12-01 (benchmarks/results/lora/runs/2026-12-01_bf16-weights/README.md).
+Results of an H200 run: benchmarks/results/lora/runs/2026-12-01_bf16-weights/README.md.
 Each length runs as ``megaseq bench`` does (``bench.run.run_bench``: the
 planner picks the fixes, ``megaseq train``'s model/optimizer/step with the adapters applied by the family's
 ``parallelize``, each length in its own process), so each row has the planned and measured peak GPU memory
-(``max_memory_allocated``), host RSS, tokens/s and MFU. The issue's bar: measured peak within 5% of the plan,
+(``max_memory_allocated``), host RSS, tokens/s and MFU. The target: measured peak within 5% of the plan,
 and at least 512K tokens for Qwen3-30B-A3B.
 
 MFU: ``mfu`` is ``bench``'s (model FLOPs of full fine-tuning, 3x the forward), the convention peers report.

@@ -12,7 +12,7 @@ glm5-flash-tiny's MoE shapes throughout. Modes: ``plain`` (one all-to-all, the g
 received at once, the bound ``2 * ep * k * c_eff * H * bytes`` on the dispatch buffer, and the planner's
 working set (``plan.expert.dispatch_terms`` at that bound). float32; shapes are small so that it runs on a
 laptop: the ratios, not the bytes, are what compares with the paper's matched-component result (dispatch peak
-52.7 -> 21.4 GiB, -59.3%, at 65K tokens on GPUs: BRIEF section 4). Writes the JSON and a markdown table beside
+52.7 -> 21.4 GiB, -59.3%, at 65K tokens on GPUs: docs/expert_parallel.md). Writes the JSON and a markdown table beside
 it (same name, ``.md``).
 """
 

@@ -6,8 +6,8 @@ schemes, at 256K and 1M tokens: what fits, the peak, what binds, the dispatch co
 Pure Python (the planner); no GPU. Every mesh ``dp x ep x cp = 64`` the model allows (ep dividing 288,
 cp dividing the 64 KDA heads, 8 GPUs per host, 1 TB of host RAM per host), FSDP over the world (the
 experts' E / ep over dp x cp), the planner choosing the memory schemes; the expert dispatch as plain EP
-planned at the measured max/mean load (``--imbalance``: 2.2-4 on genome windows, BRIEF) and as
-PipelinedLLEP planned at its routing-independent bound. FSDP is planned, not yet run (issue #14); the
+planned at the measured max/mean load (``--imbalance``: 2.2-4 on genome windows, docs/expert_parallel.md) and as
+PipelinedLLEP planned at its routing-independent bound. Nothing here runs on GPUs: the
 figures are the planner's, not measurements. Writes the JSON and a markdown table beside it (``.md``).
 """
 

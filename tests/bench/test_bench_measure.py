@@ -1,6 +1,6 @@
 """``bench.measure.warm_planned_step`` (the memory benchmarks' step) runs under the dispatcher set up as
-``megaseq train`` sets it: before session 13 it ran the base kernels whatever ``model.kernels`` said, so a
-memory census of the fast set measured the base set (and ran out of memory at 32K on the H200)."""
+``megaseq train`` sets it: without that it runs the base kernels whatever ``model.kernels`` says, so a memory
+census of the fast set measures the base set (and runs out of memory at 32K on the H200)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Bad input, table-driven: every row of issue 19's table (and each family's unsupported config fields) is one
+"""Bad input, table-driven: every row of the table below (and each family's unsupported config fields) is one
 clear message from ``megaseq train`` naming the setting or file, exit status 2, no traceback, and no run
 directory. Then the rows whose answer is not an error: ``model.name: DIR`` with weights trains from them,
 a diverging run stops naming the step with nothing written, a foreign config.yaml is never touched, a

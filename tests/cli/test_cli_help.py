@@ -72,7 +72,7 @@ def test_every_command_a_help_text_names_exists(capsys):
 
 
 def test_the_check_catches_a_command_that_does_not_exist(capsys, monkeypatch):
-    """A broken help text (the old ``verify --list-presets``) fails the check above."""
+    """A broken help text (one naming ``verify --list-presets``, which does not exist) fails the check above."""
     monkeypatch.setitem(EXAMPLES, "verify", ["megaseq verify --list-presets"])
     with pytest.raises(AssertionError, match="no option --list-presets"):
         test_every_command_a_help_text_names_exists(capsys)

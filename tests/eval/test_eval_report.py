@@ -56,7 +56,7 @@ def test_a_model_worse_than_the_baseline_is_reported_as_worse():
 def test_broken_report_that_hides_a_worse_model_is_caught(monkeypatch):
     real = verdict.baseline_gain
 
-    def flipped(model, base):  # the old report's mistake: no sign, no word for "worse"
+    def flipped(model, base):  # a report with no sign and no word for "worse"
         g = real(model, base)
         return {**g, "overall": abs(g["overall"]), "buckets": [abs(b) for b in g["buckets"]]}
 
@@ -105,7 +105,7 @@ def test_a_bucket_of_a_few_edge_tokens_does_not_count_as_a_win():
 
 def test_broken_verdict_that_counts_edge_buckets_is_caught(monkeypatch):
     real = verdict.baseline_gain
-    monkeypatch.setattr(verdict, "baseline_gain",  # the old rule: every bucket with a token counts
+    monkeypatch.setattr(verdict, "baseline_gain",  # a looser rule: every bucket with a token counts
                         lambda m, b: {**real(m, b), "scored_buckets": list(range(len(m.count)))})
     with pytest.raises(AssertionError):
         check_edge_bucket_not_counted(edge_result())

@@ -166,8 +166,8 @@ def test_sdpa_backward_memory_is_the_planned_temporaries(groups, monkeypatch: py
     """bf16 SDPA backward at Qwen3-30B-A3B's heads (32 query heads on 4 KV heads, D 128), 64K tokens: the peak
     above what exists before it (the inputs, the output, its gradient) is ``plan.layers.attention_temp``
     within 10% in one call; per KV head (``sdpa_head_groups``) at most the plan and more than the gradients
-    alone. Measured on an H200 (session 9): one call within 10%; per KV head 0.75 GiB against 1.25 planned, the
-    per-call term the 4-layer Qwen3-30B-A3B step at 600K measured (cuDNN, 2 float32 buffers of a call's q)."""
+    alone. Per KV head the plan holds the per-call term of the 600K Qwen3-30B-A3B step (cuDNN, 2 float32
+    buffers of a call's q), above a 64K call's; docs/lora.md gives the H200 figures."""
     import megaseq.models.common.attention as attn
     import megaseq.plan.layers as plan_layers
     from megaseq.plan.components import Mesh, precision_for
@@ -184,6 +184,6 @@ def test_sdpa_backward_memory_is_the_planned_temporaries(groups, monkeypatch: py
     planned = attention_temp(spec, n, precision_for("bf16"), True, Mesh())
     if groups == 1:
         assert abs(measured / planned - 1) < 0.10, (groups, measured / 2**30, planned / 2**30)
-    else:  # an upper bound: in a 64K call cuDNN's workspace was smaller than at 600K in the layer (session 9)
+    else:  # an upper bound: a 64K call's cuDNN workspace is smaller than a 600K layer's
         grads = n * 2 * (32 + 2 * 4) * 128  # dq, dk, dv alone
         assert grads < measured <= 1.05 * planned, (groups, measured / 2**30, planned / 2**30)

@@ -2,9 +2,9 @@
 
 A GPU step in bf16 with fp32 weights runs under autocast: fp32 streams and norms beside bf16 block outputs. A
 kernel whose ``supports`` refuses such a mix falls back to the reference silently (only the dispatcher's table
-shows it), and the step is timed slower than the fast set claims. Session 10's fast profile ran the merge's
-reference batched GEMM (92 ms of a 1.04 s 32K step, plus its backward) for 9 of 16 hyper-connection merges: the
-attention and dense MLP outputs are bf16 beside the fp32 streams, and the kernel asked for one dtype.
+shows it), and the step is timed slower than the fast set claims. A merge kernel that asks for one dtype, for
+instance, runs the reference batched GEMM for 9 of glm5-flash-1gpu's 16 hyper-connection merges: their
+attention and dense MLP outputs are bf16 beside the fp32 streams.
 
 Here the whole forward of each family's tiny model runs on the CPU under bf16 autocast, fp32 weights, with the
 fast set preferred; ``triton_supports`` (the device check) is made to accept the CPU and every fast
@@ -82,7 +82,7 @@ def test_fast_set_runs_its_kernels_under_autocast(family, monkeypatch):
 
 
 def test_merge_refusing_a_bf16_block_output_is_caught(monkeypatch):
-    """The rule session 10 ran with (y and the streams in one dtype) fails the check above."""
+    """A rule asking for one dtype (y and the streams alike) fails the check above."""
     from megaseq.ops.mhc import streams_triton as streams
 
     rule = streams.hc_merge_triton_supports
@@ -166,7 +166,7 @@ def test_the_fast_set_is_the_default_and_base_names_the_other():
     from megaseq.ops.kernels import FAST_FALLBACKS, FAST_GPU, preferred_kernels
 
     assert ModelConfig().kernels == "fast"
-    assert ModelConfig(kernels="default").kernels == "base"  # run directories written before session 12
+    assert ModelConfig(kernels="default").kernels == "base"  # the alias that configs of older run directories hold
     with pytest.raises(ValueError, match="model.kernels must be fast or base"):
         ModelConfig(kernels="fastest")
     want = {op: [name, *FAST_FALLBACKS.get(op, ())] for op, name in FAST_GPU.items()}

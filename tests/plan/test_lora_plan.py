@@ -90,9 +90,9 @@ def test_lora_saved_set_matches_blocks(name, seq, autocast) -> None:
 
 def test_qwen3_30b_lora_plan_on_one_h200(monkeypatch) -> None:
     """The figures docs/lora.md quotes: Qwen3-30B-A3B (the published config) with rank-16 LoRA on every
-    projection fits 632K tokens on one H200 and not 640K with the base kernels (measured at 632K, session 10),
-    640K and not 648K with the fast set's working sets (the default; planned, not measured); full fine-tuning
-    of the same model does not fit at all."""
+    projection fits 632K tokens on one H200 and not 640K with the base kernels (the 632K run:
+    benchmarks/results/lora/runs/2026-12-02_48-layers-632k/), 640K and not 648K with the fast set's working sets
+    (the default; planned, not measured); full fine-tuning of the same model does not fit at all."""
     from megaseq.config import load_config
     from megaseq.plan.planner import plan_from_config
 

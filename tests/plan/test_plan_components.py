@@ -115,8 +115,8 @@ def test_param_counts_match_built_model(name):
 def test_full_model_size_matches_brief():
     spec = get_preset("glm5-flash")
     counts = C.count_params(spec)
-    assert abs(counts.total / 320e9 - 1) < 0.05  # BRIEF: about 320B parameters
-    assert abs(counts.active(spec) / 18e9 - 1) < 0.05  # BRIEF: 18B active
+    assert abs(counts.total / 320e9 - 1) < 0.05  # GLM-5.3-Flash: about 320B parameters
+    assert abs(counts.active(spec) / 18e9 - 1) < 0.05  # and 18B active
 
 
 def test_state_bytes():

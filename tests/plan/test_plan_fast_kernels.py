@@ -57,7 +57,7 @@ def test_fast_formulas():
     bf16w = C.precision_for("bf16", "bf16")
     assert C.hc_saved(spec, prec) - C.hc_saved(spec, prec, fast=True) == 2 * N * Hs - 4 * (M + 1)
     assert C.hc_saved(spec, bf16w) - C.hc_saved(spec, bf16w, fast=True) == 8 * N * Hs - 4 * (M + 1)
-    # the closed-form torch op the fast set ran in sessions 12-14: the streams and their copy in the GEMM's dtype
+    # the closed-form torch op (the calibration of the R12-R14 runs): the streams and their copy in the GEMM's dtype
     # (bf16 under autocast: the reference's bytes; an fp32 copy of bf16 streams: half the reference's)
     old = C.Calibration(hc_mix_torch=True)
     assert C.hc_saved(spec, prec, old, fast=True) == C.hc_saved(spec, prec)
@@ -72,7 +72,7 @@ def test_fast_formulas():
     assert fast * 8 < base
 
 
-# the runs of sessions 12-14 ran the closed-form torch hc_mix (its input's copy kept), not the Triton one, and
+# the runs R12-R14 ran the closed-form torch hc_mix (its input's copy kept), not the Triton one, and
 # KDA's gated norm in torch, not fla's
 BEFORE_TRITON_HC_MIX = C.Calibration(hc_mix_torch=True)
 
@@ -93,23 +93,22 @@ def _fast(n: int, memory: dict, weights: str = "fp32", calibration: C.Calibratio
     (R13 + "/bench_1gpu_bf16w.json", 8192, {}, "bf16"),
     (R13 + "/bench_1gpu_bf16w.json", 32768,
      {"chunked_loss": True, "indexer_query_chunk": 4096, "kda_segment_tokens": 16384}, "bf16"),
-    # session 14: the plans that count the fast set, as the recipe runs them
+    # R14: the plans that count the fast set, as the recipe runs them
     (R14 + "/bench_1gpu_plan2.json", 32768, {"indexer_query_chunk": 32768, "kda_segment_tokens": 0}, "bf16"),
     (R14 + "/bench_1gpu_plan2.json", 1 << 18, {"indexer_query_chunk": 16384, "model_segment_tokens": 32768},
      "bf16"),
     (R14 + "/bench_1gpu_1m_plan.json", 1 << 20, {"indexer_query_chunk": 4096, "model_segment_tokens": 16384},
      "bf16"),
-    # session 15: the Triton hc_mix and fla's gated norm (the default calibration)
+    # R15: the Triton hc_mix and fla's gated norm (the default calibration)
     (R15 + "/bench_1gpu_issue.json", 8192, {"indexer_query_chunk": 8192}, "bf16"),
     (R15 + "/bench_1gpu_issue.json", 32768, {"indexer_query_chunk": 32768}, "bf16"),
     (R15 + "/bench_1gpu_1m.json", 1 << 20, {"indexer_query_chunk": 4096, "model_segment_tokens": 32768}, "bf16"),
 ], ids=["32k-no-kda-segments", "8k", "32k-kda-segments", "256k-bf16-weights", "1m-bf16-weights", "8k-bf16-weights",
         "32k-kda-segments-bf16-weights", "32k-plan", "256k-plan", "1m-plan", "8k-s15", "32k-s15", "1m-s15"])
 def test_the_fast_plan_bounds_what_the_h200_measured(where, n, memory, weights):
-    """glm5-flash-1gpu with the fast set (sessions 12 to 15): the plan of the measured settings is at or above
-    the measured peak, by at most 12% (measured: +1.2..+8.0%; session 15 +2.0..+5.1%; the base kernels' plan was
-    33-36% above at 8K and 32K), and below the base plan. At 256K the base plan (116.1) was 2.9% short: it did
-    not count the fused sparse MLA's ``o_lat``."""
+    """glm5-flash-1gpu with the fast set, for each H200 run in RESULTS (R12 to R15, each with the calibration
+    of the code it ran): the plan of the measured settings is at or above the measured peak, by at most 12%,
+    and below the base kernels' plan (which does not count the fused sparse MLA's ``o_lat``)."""
     data = json.loads((RESULTS / where).read_text())
     rows = [dict(r, meta_weights=data["meta"].get("weights", "fp32")) for r in data["rows"]
             if r["seq_len"] == n and r["status"] == "ok" and r.get("system", "megaseq") == "megaseq"]
@@ -123,9 +122,9 @@ def test_the_fast_plan_bounds_what_the_h200_measured(where, n, memory, weights):
 
 
 def test_at_256k_the_plan_picks_the_faster_measured_setting():
-    """glm5-flash-1gpu at 256K: tiled MLP + KDA segments (30.8K tokens/s, 119.6 GiB, session 13) fit once the fused
-    sparse MLA's backward no longer holds the head-major q beside its kernel; 32K sequence segments were the
-    plan's choice before (28.3K tokens/s, session 14)."""
+    """glm5-flash-1gpu at 256K: the plan picks tiled MLP + KDA segments, the faster of the measured settings
+    (R13's bench_1gpu_256k_plan.json against the 32K sequence segments of R14's bench_1gpu_plan2.json); they
+    fit because the fused sparse MLA's backward does not hold the head-major q beside its kernel."""
     from megaseq.plan.planner import plan
 
     p = plan(glm5_flash_1gpu(), 1 << 18, weights="bf16", fast_ops=PLANNED_FAST_OPS)
@@ -133,8 +132,8 @@ def test_at_256k_the_plan_picks_the_faster_measured_setting():
 
 
 def test_the_fast_indexer_scores_longer_chunks():
-    """At 256K the reference's [c, I, P] bound allows 512 queries a chunk (session 13's profile: a step's GPU
-    idle for half its time); the Triton selection's 16K."""
+    """At 256K the reference's [c, I, P] bound allows 512 queries a chunk (such short chunks leave a step's GPU
+    idle for about half its time: R13's profile_1gpu_256k_fast.txt); the Triton selection's 16K."""
     spec = glm5_flash_1gpu()
     base = indexer_chunk_cap(run_for(spec, 1 << 18, {}))
     fast = indexer_chunk_cap(run_for(spec, 1 << 18, {}, fast_ops=PLANNED_FAST_OPS))

@@ -251,9 +251,8 @@ class MasterAdamW(torch.optim.Optimizer):
 
     # ---- the step --------------------------------------------------------------------------------
     # the trainer may hand ``step`` the step's finiteness as a device tensor (``finite``) instead of reading the
-    # loss and gradient norm back first (host syncs between the backward and the update that left the GPU idle
-    # while the update was launched; measured 2026-12-04, glm5-flash-1gpu: +0.2% tokens/s at 32K in one job, the idle
-    # under the profiler 43 -> 38 ms; 8K's 0.21 s step gained more)
+    # loss and gradient norm back first (host syncs between the backward and the update leave the GPU idle
+    # while the update is launched; benchmarks/results/speed/runs/2026-12-04_host-syncs/ has the measured gain)
     guards_on_device = True
 
     @torch.no_grad()

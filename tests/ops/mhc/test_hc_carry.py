@@ -96,7 +96,7 @@ def _check(hc, h, w, g, dtype, use_x: bool = True, carry: bool = True):
 
 
 # on the GPU two of the four cases: each new shape and dtype compiles and autotunes every kernel's configurations
-# (minutes for all four on an H200 without a Triton cache, session 17)
+# (minutes for all four on an H200 without a Triton cache)
 CASES = [(4, 37, F32), (3, 300, F16)] + ([] if DEV == "cuda" else [(4, 37, F16), (3, 300, F32)])
 
 
