@@ -174,7 +174,7 @@ def segment_kv_host_copies(run: Run) -> tuple[float, float, float]:
 
 def segment_kv_host_excess(run: Run, step_s: float) -> float:
     """Seconds the host-kept K/V's copies add to a step: each pass's copies (one copy stream, both directions,
-    ``PINNED_BYTES_PER_S`` = 55 GB/s, the H200's measured pinned bandwidth) overlap that pass's compute (the
+    ``PINNED_BYTES_PER_S`` = 55 GB/s, the planner's pinned-copy rate: an assumption) overlap that pass's compute (the
     forward and the reruns a quarter of the step each, the backward half); what exceeds it is added."""
     if not run.memory.segment_kv_host:
         return 0.0

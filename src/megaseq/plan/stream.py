@@ -25,8 +25,9 @@ from typing import Any
 
 from megaseq.plan import components as C
 
-# host to device from pinned memory on an H200 (PCIe 5 x16): 55 GB/s measured for one large copy; per-layer
-# copies of 0.1-3 GB beside the compute's own traffic are taken at 50 GB/s (an assumption, not measured)
+# host to device from pinned memory on an H200 (PCIe 5 x16): the planner takes 55 GB/s for one large copy
+# (flops.PINNED_BYTES_PER_S); per-layer copies of 0.1-3 GB beside the compute's own traffic are taken at 50 GB/s
+# (an assumption, not measured)
 STREAM_BYTES_PER_S = 50e9
 IN_FLIGHT = 2  # layers whose streamed weights are on the GPU at once
 
