@@ -25,6 +25,9 @@ a warm-up step on the first ``--warm-tokens`` of the window (the optimizer's sta
   during the forward pass (the step's own loss function): the whole step's loss without its backward
   (``--check-full`` also runs a whole step after it and records its loss, ``full_step_loss``).
 
+``OUT.progress.jsonl`` (beside ``--out``) gets a line as each segment starts (the time so far and the peak
+since the last reset): a run stopped by its time limit still says how far the forward pass got.
+
 The peaks are compared with the plan's tensors peak (``plan.peak_gpu_tensors``) and its phase peaks.
 """
 
@@ -59,16 +62,16 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                     help="compute each segment's loss in the forward pass (adds the loss's working set to it)")
     ap.add_argument("--check-full", action="store_true", help="then run a whole step and record its loss")
     ap.add_argument("--smoke", action="store_true",
-                    help="CPU: kimi-linear-tiny LoRA with 64-token segments and the base streamed")
+                    help="CPU: kimi-linear-tiny LoRA, 64-token segments, K/V in host memory, the base streamed")
     ap.add_argument("--source", choices=("random", "genome"), default="random",
                     help="random tokens, or windows of data.train's genome (real data routes unevenly)")
     ap.add_argument("--out", required=True)
     ap.add_argument("overrides", nargs="*", help="config overrides key=value")
-    return ap.parse_args(argv)
+    return ap.parse_intermixed_args(argv)
 
 
 SMOKE = ["model.name=kimi-linear-tiny", "model.dtype=fp32", "memory.auto=false",
-         "memory.model_segment_tokens=64", "memory.stream_base=true"]
+         "memory.model_segment_tokens=64", "memory.segment_kv_host=true", "memory.stream_base=true"]
 
 
 def build(cfg: Any, device: torch.device, plan: Any) -> tuple:
@@ -95,8 +98,11 @@ class Probe:
     segments; with ``labels`` the loss of each segment's forward (a forward hook on the model)."""
 
     def __init__(self, device: torch.device, k: int, bounds: list[tuple[int, int]], state: Any,
-                 labels: torch.Tensor | None) -> None:
+                 labels: torch.Tensor | None, log: str | None = None) -> None:
         self.device, self.k, self.bounds, self.state, self.labels = device, k, bounds, state, labels
+        self.log = log  # a JSON line per segment (a run stopped by its time limit still says how far it got)
+        if log is not None:
+            open(log, "w").close()
         self.cuda = device.type == "cuda"
         self.marks: dict[str, Any] = {"forward_segment_s": [], "backward_segment_s": []}
         self.j: int | None = None
@@ -111,6 +117,7 @@ class Probe:
         return dt
 
     def __call__(self, phase: str, done: int, total: int) -> None:
+        self._record(phase, done, total)
         m = self.marks
         if phase == "forward":
             if done > 0:
@@ -134,6 +141,16 @@ class Probe:
                 m["backward_peak"] = torch.cuda.max_memory_allocated(self.device)
             m["backward_segments_run"] = done
             raise StopStep(f"stopped after the backward of {done} of {total} segments")
+
+    def _record(self, phase: str, done: int, total: int) -> None:
+        if self.log is None:
+            return
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        line = {"phase": phase, "done": done, "total": total, "s": time.perf_counter() - self.t0,
+                "peak_since_reset_gib": torch.cuda.max_memory_allocated(self.device) / GIB if self.cuda else None}
+        with open(self.log, "a") as f:
+            f.write(json.dumps(line) + "\n")
 
     def on_hidden(self, _mod: Any, _args: Any, hidden: torch.Tensor) -> None:
         """The loss of the forward pass's segment ``j`` (no graph), as the step computes a segment's loss."""
@@ -203,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     from megaseq.train.step import train_step
 
     args = parse(argv)
-    over = list(args.overrides) + (SMOKE if args.smoke else [])
+    over = (SMOKE if args.smoke else []) + list(args.overrides)  # the user's overrides last: they win
     use_expandable_segments()
     cfg = cfg_for(load_config(args.recipe, over), parse_size(args.length), args.source)
     device = resolve_device(cfg)
@@ -221,7 +238,8 @@ def main(argv: list[str] | None = None) -> int:
         warm = min(args.warm_tokens, seg)  # one segment or less: the optimizer's state made, not the segments run
         train_step(state, [{key: v[:, :warm] if torch.is_tensor(v) else v for key, v in batch.items()}])
         build_s = time.perf_counter() - t0
-        probe = Probe(device, k, bounds, state, batch["labels"] if args.forward_loss or args.check_full else None)
+        labels = batch["labels"] if args.forward_loss or args.check_full else None
+        probe = Probe(device, k, bounds, state, labels, log=args.out + ".progress.jsonl")
         stopped = partial_step(state, batch, probe)
         marks = probe.marks
         trainable = [p for p in model.parameters() if p.requires_grad]
