@@ -266,6 +266,11 @@ def main(argv: list[str] | None = None) -> int:
             row |= {"forward_peak_gib": fp / GIB, "after_forward_gib": marks["after_forward"] / GIB,
                     "backward_peak_gib": bp / GIB, "measured_peak_gib": max(fp, bp) / GIB,
                     "plan_vs_measured": planned / max(fp, bp) - 1}
+            ph = plan.phases  # the measured backward phase holds the last segment's loss too
+            if "forward" in ph:
+                row["plan_vs_measured_forward"] = ph["forward"] / fp - 1
+            if "backward" in ph:
+                row["plan_vs_measured_backward"] = max(ph["backward"], ph.get("loss", 0)) / bp - 1
         if args.check_full:  # a whole step on the same batch (the partial one updated nothing)
             state.optimizer.zero_grad(set_to_none=True)
             row["full_step_loss"] = train_step(state, [batch])[0]
