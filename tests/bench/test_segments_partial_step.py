@@ -65,3 +65,4 @@ def test_partial_step_peaks_on_gpu(tmp_path):
     assert row["device"] != "cpu" and row["checks"] == []
     assert row["backward_peak_gib"] > 0 and row["forward_peak_gib"] > 0
     assert row["measured_peak_gib"] == max(row["forward_peak_gib"], row["backward_peak_gib"])
+    assert {"plan_vs_measured", "plan_vs_measured_forward", "plan_vs_measured_backward"} <= set(row)
