@@ -85,9 +85,11 @@ MEMORY = {"plain": {}, "recompute": {"recompute": True}, "segments": {"model_seg
 MEMORY |= {"sco_tiled": {"recompute": True, "checkpoint_offload": True, "offload_host_budget": 1 << 20,
                          "tiled_mlp": True, "mlp_tile_tokens": 7},
            "kda_tiled": {"kda_segment_tokens": 8, "tiled_mlp": True, "mlp_tile_tokens": 7}}
-CASES = ([(p, m) for p in PRESETS for m in ("plain", "recompute", "segments", "segments_tiled")]
-         + [("qwen3-moe-tiny", "sco_tiled"), ("kimi-linear-tiny", "kda_tiled"), ("glm5-flash-tiny", "plain"),
-            ("glm5-flash-tiny", "segments")])
+SLOW_CASES = {("kimi-linear-tiny", "segments_tiled"), ("glm5-flash-tiny", "segments")}  # `make test-all`
+CASES = [pytest.param(p, m, marks=pytest.mark.slow) if (p, m) in SLOW_CASES else (p, m)
+         for p, m in ([(p, m) for p in PRESETS for m in ("plain", "recompute", "segments", "segments_tiled")]
+                      + [("qwen3-moe-tiny", "sco_tiled"), ("kimi-linear-tiny", "kda_tiled"),
+                         ("glm5-flash-tiny", "plain"), ("glm5-flash-tiny", "segments")])]
 
 
 @pytest.mark.parametrize(("preset", "schemes"), CASES)

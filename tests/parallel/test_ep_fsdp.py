@@ -105,6 +105,7 @@ def test_deepseek_v3_ep2_fsdp2_matches_one_process():
     spawn_local(_rank, 4, args=(2, 2, 1, "dp", "deepseek-v3-tiny", reference("deepseek-v3-tiny")))
 
 
+@pytest.mark.slow  # 8 gloo ranks (`make test-all`); ep2 x dp2 and ep2 x dp2 x cp2 run in `make test`
 def test_ep2_fsdp4_matches_one_process(qwen_ref):
     spawn_local(_rank, 8, args=(4, 2, 1, "dp", "qwen3-moe-tiny", qwen_ref))
 
