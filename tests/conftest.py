@@ -89,6 +89,15 @@ def one_thread() -> Iterator[None]:
         yield
 
 
+@pytest.fixture
+def exact_attention() -> Iterator[None]:
+    """Softmax attention through its exact reference (``torch_exact``), as the float64 segment tests compare."""
+    from megaseq.ops import dispatch
+
+    with dispatch.configured(preferred={"attention": ["torch_exact"]}):
+        yield
+
+
 def run_as_of_step(src: Path, dst: Path, step: int, drop: tuple[str, ...] = ("hf",)) -> Path:
     """A copy of the run directory ``src`` at ``dst`` as it stood after ``step``, to resume from: the
     checkpoints of later steps removed, the end-of-run outputs ``drop`` (the HF export, the adapter)

@@ -34,13 +34,7 @@ FAMILIES = {"qwen3_moe": "qwen3-moe-tiny", "olmoe": "olmoe-tiny", "mixtral": "mi
 DOCS = torch.tensor([[0] * 9 + [1] * 2 + [2] * 16 + [3] * 10, [0] * 20 + [1] * 17])
 B, S = 2, 37
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture(autouse=True)
-def exact_attention():
-    with dispatch.configured(preferred={"attention": ["torch_exact"]}):
-        yield
+pytestmark = pytest.mark.usefixtures("one_thread", "exact_attention")
 
 
 def _model(preset: str, seed: int = 0):

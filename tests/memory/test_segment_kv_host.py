@@ -18,14 +18,8 @@ from megaseq.memory import model_segments as ms
 from megaseq.memory import segment_host as sh
 from megaseq.ops import dispatch
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = pytest.mark.usefixtures("one_thread", "exact_attention")
 HOSTED = ["qwen3_moe", "deepseek_v3", "qwen3_next", "kimi_linear"]
-
-
-@pytest.fixture(autouse=True)
-def exact_attention():
-    with dispatch.configured(preferred={"attention": ["torch_exact"]}):
-        yield
 
 
 def segmented(model, ids, labels, T: int, doc_ids=None, kv_host: bool = False):

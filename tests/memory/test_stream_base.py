@@ -26,13 +26,7 @@ from megaseq.ops import dispatch
 PRESETS = ["qwen3-moe-tiny", "kimi-linear-tiny"]
 B, S = 2, 37
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture(autouse=True)
-def exact_attention():
-    with dispatch.configured(preferred={"attention": ["torch_exact"]}):
-        yield
+pytestmark = pytest.mark.usefixtures("one_thread", "exact_attention")
 
 
 def _batch(spec, seed: int = 3):
