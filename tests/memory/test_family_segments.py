@@ -247,6 +247,45 @@ def test_segments_under_cp_match_one_process(preset):
         spawn_local(_rank, 2, args=(preset, ".self_attn.0", ref))
 
 
+# ---- bf16 autocast (the CPU's): the rows kept in bf16, SDPA over a segment ---------------------------------------
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_segments_under_autocast_keep_bf16_rows_and_match_one_pass(family):
+    """Under bf16 autocast the segments keep their K/V (or MLA latent) rows in bf16, the bytes the planner counts
+    (``plan.phases.segment_kv_rows`` in the compute dtype) and the dtype the attention reads them in, whatever
+    dtype the projections and norms gave (Qwen3's q/k norms give float32 keys beside bf16 values); SDPA's
+    lower-right causal call over a segment takes them, and the step is about as close to the float64 one as one
+    pass (within 1.5x: the absorbed MLA over a segment sums in another order than one pass's expanded keys)."""
+    model = _model(FAMILIES[family])
+    ids, labels = _batch(model)
+    _, truth = plain(model, ids, labels, DOCS)
+    model.float()
+    kept = []
+    orig = ms.SegmentContext.collect
+
+    def spy(self):
+        kept.extend(t.dtype for t in self.store.cache.values())
+        orig(self)
+
+    def run(segmented: bool) -> float:
+        model.zero_grad(set_to_none=True)
+        with dispatch.configured(preferred={"attention": ["sdpa"]}), torch.autocast("cpu", dtype=torch.bfloat16):
+            if segmented:
+                ms.segmented_loss_backward(model, ids, labels, _loss_fn(model), 1 / S, 8, doc_ids=DOCS)
+            else:
+                (_loss_fn(model)(model(ids, doc_ids=DOCS), labels) / S).backward()
+        errs = sorted(rel_err(p.grad.double(), truth[n]) for n, p in model.named_parameters() if n in truth)
+        return errs[len(errs) // 2]
+
+    ms.SegmentContext.collect = spy
+    try:
+        one, seg = run(False), run(True)
+    finally:
+        ms.SegmentContext.collect = orig
+    print(f"\n{family} CPU bf16 vs float64, median relative gradient error: one pass {one:.3g}, segments {seg:.3g}")
+    assert kept and set(kept) == {torch.bfloat16}, kept
+    assert seg < 1.5 * one + 1e-3
+
+
 # ---- on a GPU -------------------------------------------------------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -22,7 +22,7 @@ def dense_sink_attention(q, k, v, doc_ids, scale, sinks_H, window):
     g = q.shape[2] // k.shape[2]
     k, v = k.repeat_interleave(g, 2), v.repeat_interleave(g, 2)
     S = q.shape[1]
-    i, j = torch.arange(S)[:, None], torch.arange(S)[None, :]
+    i, j = torch.arange(S, device=q.device)[:, None], torch.arange(S, device=q.device)[None, :]
     allowed = ((j <= i) & ((j > i - window) if window else True))[None]
     if doc_ids is not None:
         allowed = allowed & (doc_ids[:, :, None] == doc_ids[:, None, :])

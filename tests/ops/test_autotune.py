@@ -319,7 +319,7 @@ def _real_scale_kernel():
 
 
 @pytest.mark.gpu
-def test_real_triton_autotuner_writes_then_reads_the_table() -> None:
+def test_real_triton_autotuner_writes_then_reads_the_table(monkeypatch) -> None:
     """Triton's own ``Autotuner`` with the patch: a pruned tuning kept under its length bucket, then a new
     autotuner (a new process's) at a nearby length takes it untimed."""
     import torch
@@ -328,6 +328,8 @@ def test_real_triton_autotuner_writes_then_reads_the_table() -> None:
         pytest.skip("needs CUDA")
     triton = pytest.importorskip("triton")
     triton_autotune.install()
+    monkeypatch.delenv("MEGASEQ_FLA_AUTOTUNE", raising=False)  # the GPU suite's own setting: one config, untimed
+    monkeypatch.setenv("MEGASEQ_AUTOTUNE", "pruned")
     x = torch.randn(1000 * 8, device="cuda")
     out = torch.empty_like(x)
     first = _real_scale_kernel()

@@ -168,6 +168,55 @@ def test_fla_kda_refuses_float32_and_the_dispatcher_runs_the_reference(docs):
         assert fla_kda.kda_fla_supports(*inputs, cu) is None
 
 
+def _gdn_inputs(device, dtype, B=2, S=300, Hk=2, Hv=4, D=64, seed=0):
+    """q, k ``[B, S, Hk, D]``, v ``[B, S, Hv, D]`` (two value heads per key head, as Qwen3-Next), g (log decay,
+    float32) and beta ``[B, S, Hv]``."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    q, k = (torch.randn(B, S, Hk, D, generator=gen) for _ in range(2))
+    v = torch.randn(B, S, Hv, D, generator=gen)
+    g = -torch.nn.functional.softplus(torch.randn(B, S, Hv, generator=gen))
+    beta = torch.sigmoid(torch.randn(B, S, Hv, generator=gen))
+    return [t.to(device, dtype if t is not g else torch.float32).requires_grad_() for t in (q, k, v, g, beta)]
+
+
+@pytest.mark.gpu
+@GPU
+@pytest.mark.parametrize("docs", [False, True])
+def test_fla_gdn_matches_reference_or_declines_where_fla_refuses(docs):
+    """fla's chunked gated delta rule in bf16 (grouped value heads, documents as ``cu_seqlens``, a carried initial
+    state and the final state returned) against the reference in float64: outputs, final states and every
+    gradient. Where fla refuses the gated backward (Hopper with Triton 3.4-3.7.0 and no TileLang backend) the
+    check declines with that reason before the forward and the dispatcher runs the reference."""
+    from megaseq.ops.gdn import fla as fla_gdn
+    from megaseq.ops.gdn.reference import gdn_reference
+
+    inputs = _gdn_inputs("cuda", torch.bfloat16)
+    cu = None
+    if docs:
+        inputs = [t.detach().reshape(1, -1, *t.shape[2:]).requires_grad_() for t in inputs]
+        cu = torch.tensor([0, 77, 301, 600], device="cuda")
+    N = 3 if docs else 2
+    h0 = torch.randn(N, 4, 64, 64, device="cuda", generator=torch.Generator("cuda").manual_seed(1)) * 0.1
+    refused = fla_gdn.hopper_backward_refused()
+    if refused is not None:
+        assert fla_gdn.gdn_fla_supports(*inputs, cu, h0, True) == refused and "3.7.1" in refused
+        with dispatch.configured(preferred={"gdn": ["fla_chunk"]}):
+            chosen = dispatch.select("gdn", "test.gdn", *inputs, cu, h0, True)
+        assert dispatch.implementations("gdn")[chosen.name].reference
+        pytest.skip(refused)
+    assert fla_gdn.gdn_fla_supports(*inputs, cu, h0, True) is None
+    h0 = h0.requires_grad_()
+    ref, ref_h = gdn_reference(*[t.double() for t in inputs], cu, h0.double(), True)
+    out, out_h = fla_gdn.gdn_fla(*inputs, cu, h0, True)
+    w, wh = torch.randn_like(ref), torch.randn_like(ref_h)
+    leaves = (*inputs, h0)
+    g_ref = torch.autograd.grad((ref * w).sum() + (ref_h * wh).sum(), leaves)
+    g_out = torch.autograd.grad((out.double() * w).sum() + (out_h.double() * wh).sum(), leaves)
+    assert rel_err(out.double(), ref) < 3e-2 and rel_err(out_h.double(), ref_h) < 3e-2
+    for a, b in zip(g_out, g_ref):
+        assert rel_err(a.double(), b.double()) < 3e-2
+
+
 @pytest.mark.gpu
 @GPU
 def test_fla_conv_matches_reference():

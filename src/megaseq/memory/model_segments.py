@@ -65,6 +65,7 @@ from megaseq.memory.replay import Chunk, SideState, chunk_bounds, run_chunks
 from megaseq.memory.rules import check_model_segments  # noqa: F401  (re-exported: the planner's rules too)
 from megaseq.memory.segment_host import HostKV, host_attend
 from megaseq.models.common.context import SeqContext
+from megaseq.ops.amp import lowered
 from megaseq.schemes import SEGMENT_SETTING
 
 SETTING = SEGMENT_SETTING
@@ -175,8 +176,8 @@ class SegmentContext(SeqContext):
             return host_attend(self, q, kv, key, names, attend)
         if not self.grad:
             for x, n in zip(kv, names, strict=True):
-                if n not in st.cache:
-                    st.cache[n] = x.new_empty((x.shape[0], self.S) + tuple(x.shape[2:]))
+                if n not in st.cache:  # in the dtype the attention reads them in (bf16 under autocast)
+                    st.cache[n] = x.new_empty((x.shape[0], self.S) + tuple(x.shape[2:]), dtype=lowered(x))
                 st.cache[n][:, self.s:self.e] = x
             return attend(q, *(st.cache[n][:, :self.e] for n in names))
         if not any(x.requires_grad for x in kv):  # a frozen projection: the forward pass's values

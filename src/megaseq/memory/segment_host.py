@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from megaseq.memory.offload import HostBuffer
+from megaseq.ops.amp import lowered
 
 # (rows [0, r), their accumulators (None: none yet), r, the copy's event)
 Fetched = tuple[list[torch.Tensor], list[torch.Tensor | None], int, Any]
@@ -152,6 +153,7 @@ class HostKV:
 
     def write_rows(self, name: str, x: torch.Tensor, s: int, e: int, S: int) -> None:
         """This segment's rows ``[s, e)`` of ``name`` out to the host store (made on first use)."""
+        x = x.to(lowered(x))  # in the dtype the attention reads the rows in (bf16 under autocast)
         if name not in self.rows:
             self.rows[name] = self._host((x.shape[0], S) + tuple(x.shape[2:]), x.dtype, x.is_cuda)
         self._copy_out(self.rows[name], s, x)

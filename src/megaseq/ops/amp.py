@@ -32,3 +32,14 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype HF computes "in float32" in: float32 for bf16/fp16/fp32 inputs, float64 for float64 ones
     (so the float64 parity tests stay exact)."""
     return torch.promote_types(dtype, torch.float32)
+
+
+def lowered(t: torch.Tensor) -> torch.dtype:
+    """The dtype an autocast-eligible matmul or attention would read ``t`` in: the autocast dtype where autocast
+    is on for ``t``'s device and ``t`` is a wider float, else ``t``'s own dtype."""
+    dev = t.device.type
+    if t.is_floating_point() and torch.is_autocast_enabled(dev):
+        low = torch.get_autocast_dtype(dev)
+        if t.dtype.itemsize > low.itemsize:
+            return low
+    return t.dtype

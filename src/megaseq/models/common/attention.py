@@ -41,6 +41,7 @@ from megaseq.models.common.context import SeqContext, doc_spans, positions_from_
 from megaseq.models.common.norm import make_norm
 from megaseq.models.spec import ModelSpec
 from megaseq.ops import dispatch
+from megaseq.ops.amp import lowered
 from megaseq.ops.workspace import kv_repeats, sdpa_head_groups  # noqa: F401  (kv_repeats: also mla.py's)
 
 # score elements one block of queries may hold in the reference (x Hq): bounds its memory at long S
@@ -179,6 +180,9 @@ def _sdpa_lower_right(q_BHLD: torch.Tensor, k_BKLD: torch.Tensor, v_BKLD: torch.
         return F.scaled_dot_product_attention(q_BHLD, k_BKLD, v_BKLD, is_causal=True, scale=scale, enable_gqa=True)
     from torch.nn.attention.bias import causal_lower_right
 
+    # the mask's own dispatch validates the inputs before autocast would cast them: cast them as it would
+    dt = lowered(q_BHLD)
+    q_BHLD, k_BKLD, v_BKLD = (t.to(dt) for t in (q_BHLD, k_BKLD, v_BKLD))
     return F.scaled_dot_product_attention(q_BHLD, k_BKLD, v_BKLD, attn_mask=causal_lower_right(Lq, L), scale=scale,
                                           enable_gqa=True)
 

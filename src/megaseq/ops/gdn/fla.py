@@ -8,7 +8,7 @@ Grouped value heads (Hv > Hk) are expanded first (``repeat_interleave``, as the 
 version that runs equal heads runs these. Memory O(S * H * D) where the reference's is O(S * 64 * D) per
 head. fla is imported lazily; ``supports`` names why it cannot run (device, dtype, package) and the
 dispatcher falls back to the reference. Not run in CI (no GPU): its check against the reference is the
-GPU test in tests/test_gdn.py.
+GPU test in tests/ops/test_fast_ops.py.
 """
 
 from __future__ import annotations
@@ -27,7 +27,27 @@ def gdn_fla_supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         return f"shapes q {tuple(q.shape)}, v {tuple(v.shape)}, g {tuple(g.shape)}, beta {tuple(beta.shape)}"
     if max(q.shape[-1], v.shape[-1]) > MAX_HEAD_DIM:
         return f"head dims {q.shape[-1]}, {v.shape[-1]} > {MAX_HEAD_DIM}"
-    return _common_supports(q, cu_seqlens)
+    return _common_supports(q, cu_seqlens) or (hopper_backward_refused() if q.is_cuda else None)
+
+
+def hopper_backward_refused() -> str | None:
+    """Why fla would refuse this machine's gated backward, else None: fla raises in the backward's
+    ``chunk_bwd_dqkwg`` on a Hopper GPU with Triton 3.4-3.7.0 (wrong results there, fla issue #640) unless its
+    TileLang backend can run (tilelang installed and an ``nvcc``). Declined before the forward, so a training
+    step runs the reference in both passes instead of failing in the backward."""
+    try:
+        from fla.backends import TileLangBackend
+        from fla.utils import IS_NVIDIA_HOPPER, TRITON_ABOVE_3_4_0, TRITON_ABOVE_3_7_1
+    except ImportError:  # another fla: its own checks apply
+        return None
+    if not (IS_NVIDIA_HOPPER and TRITON_ABOVE_3_4_0 and not TRITON_ABOVE_3_7_1):
+        return None
+    if TileLangBackend.is_available() and TileLangBackend().is_enabled():
+        return None
+    import triton
+
+    return (f"fla refuses the gated delta rule's backward on Hopper with Triton {triton.__version__} (fla #640): "
+            "install Triton >= 3.7.1 or tilelang with an nvcc")
 
 
 def gdn_fla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,

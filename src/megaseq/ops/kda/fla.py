@@ -42,7 +42,7 @@ _AUTOTUNE_LIMITED = False
 
 
 def limit_autotune() -> None:
-    """One config per Triton autotuner (fla's kernels): the fewest stages, the smallest blocks, 4 warps.
+    """One config per Triton autotuner of fla's kernels: the fewest stages, the smallest blocks, 4 warps.
 
     fla tunes each kernel over dozens of configs on its first call (minutes on a fresh machine). With
     ``MEGASEQ_FLA_AUTOTUNE=one`` the first fla call applies this instead: every kernel compiles once and
@@ -53,6 +53,8 @@ def limit_autotune() -> None:
         return
     from triton.runtime.autotuner import Autotuner
 
+    from megaseq.ops.triton_autotune import kernel_name
+
     run = Autotuner.run
 
     def cost(c) -> tuple:
@@ -62,7 +64,7 @@ def limit_autotune() -> None:
         return (c.num_stages or 0, blocks, abs((c.num_warps or 4) - 4))
 
     def run_one(self, *args, **kwargs):
-        if len(self.configs) > 1:
+        if len(self.configs) > 1 and kernel_name(self).startswith("fla."):  # megaseq's kernels: ops.autotune
             self.configs = [min(self.configs, key=cost)]
         return run(self, *args, **kwargs)
 
