@@ -172,19 +172,20 @@ def test_a_training_run_streams_and_exports_as_the_resident_run(tmp_path):
     """``megaseq train`` (one process, LoRA + a trained norm, the settings forced): with the base streamed the
     losses and the merged HF export equal the resident run's bitwise."""
     import numpy as np
-    from test_lora_fsdp import _losses, _overrides, _tensors, _train_rank
+
+    from lora_parallel_checks import lora_run_overrides, run_losses, safetensors_in, train_rank
 
     rng = np.random.default_rng(4)
     (tmp_path / "g.fa").write_text(">rec\n" + "".join(rng.choice(list("ACGT"), 4000)) + "\n")
     for name, stream in (("resident", False), ("streamed", True)):
-        over = _overrides(tmp_path, name, 1, 2, **{"memory.auto": False, "memory.stream_base": stream,
-                                                   "train.steps": 2, "train.save_every": 0})
-        _train_rank(0, over)
+        over = lora_run_overrides(tmp_path, name, 1, 2, **{"memory.auto": False, "memory.stream_base": stream,
+                                                            "train.steps": 2, "train.save_every": 0})
+        train_rank(0, over)
     import json
 
     assert json.loads((tmp_path / "streamed" / "plan.json").read_text())["memory"]["stream_base"]
-    assert _losses(tmp_path / "streamed") == _losses(tmp_path / "resident")
-    want, got = _tensors(tmp_path / "resident" / "hf"), _tensors(tmp_path / "streamed" / "hf")
+    assert run_losses(tmp_path / "streamed") == run_losses(tmp_path / "resident")
+    want, got = safetensors_in(tmp_path / "resident" / "hf"), safetensors_in(tmp_path / "streamed" / "hf")
     assert want.keys() == got.keys() and all(torch.equal(got[k], want[k]) for k in want)
 
 

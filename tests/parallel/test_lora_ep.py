@@ -19,11 +19,19 @@ import pytest
 import torch
 import torch.distributed.tensor  # noqa: F401  assert_close imports it lazily: once here, not in each fork
 from test_ep_fsdp import _cfg, max_rel_err
-from test_fsdp_train_step import STEPS, TOL, run_steps
+from test_fsdp_train_step import STEPS, run_steps
 from test_lora_fsdp import TRAIN
 
 from conftest import torch_threads
 from lora_helpers import randomize_adapters, settings
+from lora_parallel_checks import (
+    assert_exports_match,
+    assert_steps_match,
+    lora_run_overrides,
+    run_losses,
+    safetensors_in,
+    train_rank,
+)
 from megaseq.config import MemorySettings
 from megaseq.models.build import build_model
 from megaseq.models.common.lora import is_adapter
@@ -82,18 +90,10 @@ def _rank(rank: int, dp: int, ep: int, fsdp: str, targets: str, ref, broken: str
         assert applied.sharded is not None
         assert all(is_sharded(p) for n, p in params.items() if n not in trains)  # the frozen base is sharded
     _break(env, broken)
-    losses, grads, final = run_steps(model, env, MemorySettings(), cfg)
+    _, grads, final = assert_steps_match(model, env, MemorySettings(), cfg, ref, trains)
     moved = sum(m.mlp.expert_dispatch.last.get("foreign_experts", 0) for m in model.layers)
-    ref_losses, ref_grads, ref_params = ref
-    for k in range(STEPS):
-        assert abs(losses[k] - ref_losses[k]) < 1e-12 * abs(ref_losses[k]), (k, losses[k], ref_losses[k])
-        assert grads[k].keys() == ref_grads[k].keys() == trains  # the frozen base has no gradient
-        for n, g in grads[k].items():
-            torch.testing.assert_close(g, ref_grads[k][n], **TOL, msg=lambda m, n=n, k=k: f"step {k} grad {n}: {m}")
-    for n, p in final.items():
-        torch.testing.assert_close(p, ref_params[n], **TOL, msg=lambda m, n=n: f"{n}: {m}")
-    assert all(p.grad is None for n, p in params.items() if n not in trains)
     if rank == 0:
+        _, ref_grads, ref_params = ref
         print(f"\nLoRA ({targets}) ep {ep} dp {dp} fsdp {fsdp}: spilled experts on rank 0 at the last layer call "
               f"{moved}; max rel err step-0 grads {max_rel_err(grads[0], ref_grads[0]):.1e}, parameters after step "
               f"{STEPS} {max_rel_err(final, ref_params):.1e}")
@@ -135,7 +135,6 @@ def test_lora_ep_run_exports_and_resumes_as_one_process(tmp_path) -> None:
     merged HF export; its step-2 checkpoint (what trains only: the expert factors as ep shards) resumes on ep 2
     on the same loss curve."""
     import numpy as np
-    from test_lora_fsdp import _losses, _overrides, _tensors, _train_rank
 
     from conftest import run_as_of_step
     from megaseq.parallel.launch import spawn_local as spawn
@@ -144,16 +143,13 @@ def test_lora_ep_run_exports_and_resumes_as_one_process(tmp_path) -> None:
     (tmp_path / "g.fa").write_text(">rec\n" + "".join(rng.choice(list("ACGT"), 4000)) + "\n")
     ep = {"parallel.ep": 2, "parallel.dp": 1, "parallel.ep_chunk_tokens": 8, "parallel.ep_max_chunks": 4,
           "parallel.llep_min_tokens": 2}
-    _train_rank(0, _overrides(tmp_path, "one", 1, 2))
-    spawn(_train_rank, 2, args=(_overrides(tmp_path, "ep", 1, 1, **ep),))
+    train_rank(0, lora_run_overrides(tmp_path, "one", 1, 2))
+    spawn(train_rank, 2, args=(lora_run_overrides(tmp_path, "ep", 1, 1, **ep),))
     one, two = tmp_path / "one", tmp_path / "ep"
-    np.testing.assert_allclose(_losses(two), _losses(one), rtol=1e-10, atol=0)
-    for sub in ("adapter", "hf"):
-        want, got = _tensors(one / sub), _tensors(two / sub)
-        assert got.keys() == want.keys() and got, sub
-        assert sub != "adapter" or any(".experts." in k for k in got)
-        for k, t in want.items():
-            torch.testing.assert_close(got[k], t, rtol=1e-10, atol=1e-13, msg=lambda m, k=k, s=sub: f"{s} {k}: {m}")
+    np.testing.assert_allclose(run_losses(two), run_losses(one), rtol=1e-10, atol=0)
+    assert_exports_match(two, one)
+    assert any(".experts." in k for k in safetensors_in(two / "adapter"))
     run = run_as_of_step(two, tmp_path / "resumed", 2, drop=("hf", "adapter"))
-    spawn(_train_rank, 2, args=(_overrides(tmp_path, "resumed", 1, 1, **ep, **{"train.resume": True}),))
-    np.testing.assert_allclose(_losses(run), _losses(two), rtol=1e-10, atol=0)
+    resume = lora_run_overrides(tmp_path, "resumed", 1, 1, **ep, **{"train.resume": True})
+    spawn(train_rank, 2, args=(resume,))
+    np.testing.assert_allclose(run_losses(run), run_losses(two), rtol=1e-10, atol=0)

@@ -21,10 +21,18 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed.tensor  # noqa: F401  assert_close imports it lazily: once here, not in each fork
-from test_fsdp_train_step import STEPS, TOL, _cfg, run_steps
+from test_fsdp_train_step import _cfg, run_steps
 
 from conftest import run_as_of_step, torch_threads
 from lora_helpers import randomize_adapters, settings
+from lora_parallel_checks import (
+    assert_exports_match,
+    assert_steps_match,
+    lora_run_overrides,
+    run_losses,
+    safetensors_in,
+    train_rank,
+)
 from megaseq.config import MemorySettings
 from megaseq.models.build import build_model
 from megaseq.models.common.lora import is_adapter
@@ -75,16 +83,7 @@ def _rank(rank: int, dp: int, cp: int, fsdp: str, broken: str, ref, preset: str 
     assert all(is_sharded(p) for n, p in params.items() if n not in trains)  # the frozen base is sharded
     if broken == "unreduced":
         env.reduce_gradients = lambda model: None
-    losses, grads, final = run_steps(model, env, MEMORY[memory], cfg)
-    ref_losses, ref_grads, ref_params = ref
-    for k in range(STEPS):
-        assert abs(losses[k] - ref_losses[k]) < 1e-12 * abs(ref_losses[k]), (k, losses[k], ref_losses[k])
-        assert grads[k].keys() == ref_grads[k].keys() == trains  # the frozen base has no gradient
-        for n, g in grads[k].items():
-            torch.testing.assert_close(g, ref_grads[k][n], **TOL, msg=lambda m, n=n, k=k: f"step {k} grad {n}: {m}")
-    for n, p in final.items():
-        torch.testing.assert_close(p, ref_params[n], **TOL, msg=lambda m, n=n: f"{n}: {m}")
-    assert all(p.grad is None for n, p in params.items() if n not in trains)
+    assert_steps_match(model, env, MEMORY[memory], cfg, ref, trains)
     env.shutdown()
 
 
@@ -116,39 +115,6 @@ def test_adapter_gradients_not_reduced_fail(ref):
 
 
 # ---- through the trainer: checkpoints, resume, the PEFT adapter and the merged export ----------------------
-def _overrides(tmp, run: str, dp: int, batch: int, fsdp: str = "off", **extra) -> dict:
-    return {"model.name": PRESET, "model.dtype": "fp64", "data.train": [str(tmp / "g.fa")], "data.seq_len": 32,
-            "data.heldout_tail": 0, "train.steps": 4, "train.batch_size": batch, "train.save_every": 2,
-            "train.keep_checkpoints": 10, "train.run_dir": str(tmp / run), "train.eval_after": False,
-            "train.export_hf": True, "lora.export_merged": True, "train.device": "cpu",
-            "train.trainable": ["norm.weight"], "optim.lr": 3e-3, "optim.warmup_steps": 1, "log.progress": False,
-            "log.tensorboard": False, "parallel.dp": dp, "parallel.fsdp": fsdp, "parallel.backend": "gloo",
-            "lora.rank": 4, "lora.alpha": 8.0, "lora.targets": ["q_proj", "v_proj", "experts"], **extra}
-
-
-def _train_rank(rank: int, overrides: dict) -> None:
-    from megaseq.config import build_config
-    from megaseq.train.trainer import run_training
-
-    torch.set_num_threads(1)
-    run_training(build_config(overrides=overrides))
-
-
-def _losses(run_dir) -> list[float]:
-    import json
-
-    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def _tensors(path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    out = {}
-    for f in sorted(path.glob("*.safetensors")):
-        out.update(load_file(str(f)))
-    return out
-
-
 def test_fsdp_lora_run_checkpoints_exports_and_resumes_as_one_process(tmp_path) -> None:
     """A 2-rank FSDP LoRA run (``megaseq train``) has the one-process run's losses, writes checkpoints of what
     trains only (every rank its part, the base's fingerprint the one process's), exports the same PEFT adapter
@@ -161,15 +127,11 @@ def test_fsdp_lora_run_checkpoints_exports_and_resumes_as_one_process(tmp_path) 
 
     rng = np.random.default_rng(4)
     (tmp_path / "g.fa").write_text(">rec\n" + "".join(rng.choice(list("ACGT"), 4000)) + "\n")
-    _train_rank(0, _overrides(tmp_path, "one", 1, 2))  # the same 2 sequences per step
-    spawn_local(_train_rank, 2, args=(_overrides(tmp_path, "two", 2, 1, "dp"),))
+    train_rank(0, lora_run_overrides(tmp_path, "one", 1, 2))  # the same 2 sequences per step
+    spawn_local(train_rank, 2, args=(lora_run_overrides(tmp_path, "two", 2, 1, "dp"),))
     one, two = tmp_path / "one", tmp_path / "two"
-    np.testing.assert_allclose(_losses(two), _losses(one), rtol=1e-10, atol=0)
-    for sub in ("adapter", "hf"):
-        want, got = _tensors(one / sub), _tensors(two / sub)
-        assert got.keys() == want.keys() and got, sub
-        for k, t in want.items():
-            torch.testing.assert_close(got[k], t, rtol=1e-10, atol=1e-13, msg=lambda m, k=k, s=sub: f"{s} {k}: {m}")
+    np.testing.assert_allclose(run_losses(two), run_losses(one), rtol=1e-10, atol=0)
+    assert_exports_match(two, one)
     step2 = two / ckpt.CKPT_DIR / "step_000002"
     meta, meta_one = ckpt.read_meta(step2), ckpt.read_meta(one / ckpt.CKPT_DIR / "step_000002")
     assert meta["trainable_only"] and meta["trainable"] == meta_one["trainable"]
@@ -177,15 +139,17 @@ def test_fsdp_lora_run_checkpoints_exports_and_resumes_as_one_process(tmp_path) 
     keys = {k for k in FileSystemReader(str(step2)).read_metadata().state_dict_metadata if k.startswith("model.")}
     assert keys and all(".lora_" in k or k.endswith("norm.weight") for k in keys), sorted(keys)[:5]
     run = run_as_of_step(two, tmp_path / "resumed", 2, drop=())  # the step-2 checkpoint resumed on 2 FSDP ranks
-    spawn_local(_train_rank, 2, args=(_overrides(tmp_path, "resumed", 2, 1, "dp", **{"train.resume": True}),))
-    np.testing.assert_allclose(_losses(run), _losses(two), rtol=1e-10, atol=0)
+    resume = lora_run_overrides(tmp_path, "resumed", 2, 1, "dp", **{"train.resume": True})
+    spawn_local(train_rank, 2, args=(resume,))
+    np.testing.assert_allclose(run_losses(run), run_losses(two), rtol=1e-10, atol=0)
     # from an HF checkpoint (the merged export): under FSDP the model is built on the meta device and the
     # adapters' factors are drawn once it is materialised, the values one process draws (A matters from step 2)
     init = {"model.init_from": str(one / "hf"), "train.steps": 2, "train.save_every": 0, "lora.export_merged": False}
-    _train_rank(0, _overrides(tmp_path, "init_one", 1, 2, **init))
-    spawn_local(_train_rank, 2, args=(_overrides(tmp_path, "init_two", 2, 1, "dp", **init),))
-    np.testing.assert_allclose(_losses(tmp_path / "init_two"), _losses(tmp_path / "init_one"), rtol=1e-10, atol=0)
-    want, got = _tensors(tmp_path / "init_one" / "adapter"), _tensors(tmp_path / "init_two" / "adapter")
+    train_rank(0, lora_run_overrides(tmp_path, "init_one", 1, 2, **init))
+    spawn_local(train_rank, 2, args=(lora_run_overrides(tmp_path, "init_two", 2, 1, "dp", **init),))
+    np.testing.assert_allclose(run_losses(tmp_path / "init_two"), run_losses(tmp_path / "init_one"), rtol=1e-10,
+                               atol=0)
+    want, got = safetensors_in(tmp_path / "init_one" / "adapter"), safetensors_in(tmp_path / "init_two" / "adapter")
     for k, t in want.items():
         torch.testing.assert_close(got[k], t, rtol=1e-10, atol=1e-13, msg=lambda m, k=k: f"init_from {k}: {m}")
 

@@ -245,23 +245,25 @@ def base_fingerprint(model: torch.nn.Module) -> list[float]:
     """Sum and sum of magnitudes of every frozen tensor, in float64 and 16M-element pieces: what a resume
     compares to know it rebuilt the same frozen base (another seed or checkpoint differs far beyond
     rounding). Under FSDP each rank sums its shards and the sums are added over the shard mesh (DTensor's
-    partial sum), so every rank gets the whole base's fingerprint, up to rounding."""
+    partial sum), so every rank gets the whole base's fingerprint, up to rounding; each mesh and placement
+    (FSDP's shards over every rank, the routed experts split over ep and replicated over dp) is summed apart."""
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-    whole, sharded, mesh, placements = [0.0, 0.0], [0.0, 0.0], None, None
+    whole, sharded = [0.0, 0.0], {}
     for i, p in enumerate(p for p in model.parameters() if not p.requires_grad):
         local, acc = p.detach(), whole
         if isinstance(local, DTensor):
-            mesh, acc = local.device_mesh, sharded
-            placements = [Partial() if isinstance(q, Shard) else Replicate() for q in local.placements]
+            placements = tuple(Partial() if isinstance(q, Shard) else Replicate() for q in local.placements)
+            acc = sharded.setdefault((local.device_mesh, placements), [0.0, 0.0])
             local = local.to_local()
         for piece in local.reshape(-1).split(1 << 24):
             acc[0] += (i + 1) * float(piece.sum(dtype=torch.float64))
             acc[1] += float(piece.abs().sum(dtype=torch.float64))
-    if mesh is not None:  # FSDP's units share one mesh
-        t = torch.tensor(sharded, dtype=torch.float64, device=mesh.device_type)
-        sharded = DTensor.from_local(t, mesh, placements).full_tensor().tolist()
-    return [whole[0] + sharded[0], whole[1] + sharded[1]]
+    for (mesh, placements), acc in sharded.items():  # the same parameters in the same order on every rank
+        t = torch.tensor(acc, dtype=torch.float64, device=mesh.device_type)
+        total = DTensor.from_local(t, mesh, list(placements)).full_tensor().tolist()
+        whole = [whole[0] + total[0], whole[1] + total[1]]
+    return whole
 
 
 def _check_base(ckpt: Path, meta: dict[str, Any], model: torch.nn.Module) -> None:
