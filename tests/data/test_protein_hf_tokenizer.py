@@ -170,8 +170,23 @@ def test_a_protein_runs_export_loads_with_its_tokenizer(tmp_path):
 
 
 def test_a_protein_lora_runs_adapter_carries_the_tokenizer(tmp_path):
-    """With LoRA the PEFT adapter directory carries the tokenizer as the merged HF export does."""
+    """With LoRA the PEFT adapter directory carries the tokenizer as the merged HF export does, and so do
+    ``megaseq export`` (adapter and merged) and ``megaseq convert`` from the run's checkpoint."""
+    from megaseq.cli.main import main
+
     run = _train(tmp_path, "lora.rank=4", "lora.export_merged=true")
     assert (run / "adapter" / "adapter_config.json").is_file()
-    for folder in (run / "adapter", run / "hf"):
+    assert main(["export", str(run), str(tmp_path / "adapter2")]) == 0
+    assert main(["export", str(run), str(tmp_path / "merged2"), "--merged"]) == 0
+    assert (tmp_path / "adapter2" / "adapter_config.json").is_file()
+    for folder in (run / "adapter", run / "hf", tmp_path / "adapter2", tmp_path / "merged2"):
         _check_export(folder, "keep")
+
+
+def test_convert_from_a_protein_run_carries_the_tokenizer(tmp_path):
+    from megaseq.cli.main import main
+
+    run = _train(tmp_path, "train.export_hf=false")
+    assert not (run / "hf").exists()
+    assert main(["convert", str(run), str(tmp_path / "converted")]) == 0
+    _check_export(tmp_path / "converted", "keep")
