@@ -57,3 +57,26 @@ def test_a_chat_lora_runs_adapter_loads_with_the_checkpoint_tokenizer_and_templa
         ids = [tok.apply_chat_template(record["messages"], tools=record["tools"], tokenize=True,
                                        return_dict=True)["input_ids"] for tok in (want, got)]
         assert ids[0] == ids[1] and len(ids[0]) > 20
+
+
+def test_an_export_outside_a_run_or_with_its_template_gone_has_no_tokenizer_files(tmp_path):
+    """``megaseq export`` / ``convert``: a checkpoint outside a run directory writes none; a run whose chat
+    template file has gone since warns, naming it, and writes none (the weights are written all the same)."""
+    import yaml
+
+    from megaseq.train.convert import write_run_tokenizer_of
+
+    out = tmp_path / "out"
+    out.mkdir()
+    step = tmp_path / "run" / "checkpoints" / "step_000001"
+    step.mkdir(parents=True)
+    assert write_run_tokenizer_of(step, out) == []
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    (tok / "tokenizer.json").write_text("{}")
+    data = {"kind": "chat", "tokenizer": str(tok), "train": ["t.jsonl"], "chat_template": str(tmp_path / "gone.jinja")}
+    (tmp_path / "run" / "config.yaml").write_text(yaml.safe_dump({"data": data}))
+    with pytest.warns(UserWarning, match="written without the run's tokenizer files.*gone.jinja"):
+        assert write_run_tokenizer_of(step, out) == []
+    (tmp_path / "gone.jinja").write_text("{% for message in messages %}{{ message.content }}{% endfor %}")
+    assert write_run_tokenizer_of(step, out) == ["chat_template.jinja", "tokenizer.json"]

@@ -86,7 +86,13 @@ def write_run_tokenizer_of(target: Path, out: Path) -> list[str]:
     if not (run_dir / "config.yaml").is_file():
         return []
     raw = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
-    return write_run_tokenizer(build_config({"data": raw.get("data") or {}}).data, out)
+    try:
+        return write_run_tokenizer(build_config({"data": raw.get("data") or {}}).data, out)
+    except ValueError as e:  # e.g. the run's chat template file is gone since: the weights are written all the same
+        import warnings
+
+        warnings.warn(f"{out}: written without the run's tokenizer files ({e})", stacklevel=2)
+        return []
 
 
 def convert(src: Path, dst: Path) -> Path:
