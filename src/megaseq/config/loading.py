@@ -23,6 +23,7 @@ from typing import Any
 import yaml
 
 from megaseq.config.fields import describe, parse_size
+from megaseq.config.generated import check_written
 from megaseq.config.schema import FAMILY_DEFAULT, SECTIONS, Config
 
 
@@ -214,9 +215,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | dict[str,
         raw = resolve_recipe_paths({k: (dict(v) if isinstance(v, dict) else v) for k, v in loaded.items()
                                     if k not in drop_sections}, p)
         try:
-            return build_config(raw, overrides)
+            cfg = build_config(raw, overrides)
         except ValueError as e:
             raise ValueError(f"{e} (config file {p}, or its command-line settings)") from None
+        check_written(cfg, raw, p)  # a file the recipe's own make_*.py writes, not written yet
+        return cfg
     return build_config(raw, overrides)
 
 

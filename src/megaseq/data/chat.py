@@ -206,12 +206,13 @@ def copy_tokenizer_files(tokenizer: str, out_dir: str | Path, chat_template: str
     folder = p if p.is_dir() else p.parent
     if tokenizer in ("dna", "protein") or not folder.is_dir() or not Path(out_dir).is_dir():
         return []
+    template = read_chat_template(chat_template) if chat_template else None  # a bad one: nothing copied
     copied = []
     for name in TOKENIZER_FILES:
         if (folder / name).is_file() and not (Path(out_dir) / name).exists():
             shutil.copyfile(folder / name, Path(out_dir) / name)
             copied.append(name)
-    if chat_template:
-        write_chat_template(read_chat_template(chat_template), out_dir)
+    if template is not None:
+        write_chat_template(template, out_dir)
         copied = sorted({*copied, "chat_template.jinja"} - {"chat_template.json"})
     return copied

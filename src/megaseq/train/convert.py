@@ -66,9 +66,33 @@ def export(src: Path, dst: Path, merged: bool = False) -> Path:
     if targets_of(model) and not merged:
         from megaseq.config import LoraConfig
 
-        return export_adapter(model, spec, LoraConfig(**{**base["lora"], "init_from": None}), Path(dst),
-                              base.get("init_from"))
-    return export_hf_checkpoint(model, spec, Path(dst), merged=merged)
+        out = export_adapter(model, spec, LoraConfig(**{**base["lora"], "init_from": None}), Path(dst),
+                             base.get("init_from"))
+    else:
+        out = export_hf_checkpoint(model, spec, Path(dst), merged=merged)
+    write_run_tokenizer_of(target, out)
+    return out
+
+
+def write_run_tokenizer_of(target: Path, out: Path) -> list[str]:
+    """The tokenizer files of the run a checkpoint belongs to (its ``config.yaml``'s data settings) beside an
+    export of it, as the end-of-run export writes them; nothing for a checkpoint outside a run."""
+    import yaml
+
+    from megaseq.config import build_config
+    from megaseq.data.char_hf import write_run_tokenizer
+
+    run_dir = target if (target / "config.yaml").is_file() else target.parent.parent
+    if not (run_dir / "config.yaml").is_file():
+        return []
+    raw = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
+    try:
+        return write_run_tokenizer(build_config({"data": raw.get("data") or {}}).data, out)
+    except ValueError as e:  # e.g. the run's chat template file is gone since: the weights are written all the same
+        import warnings
+
+        warnings.warn(f"{out}: written without the run's tokenizer files ({e})", stacklevel=2)
+        return []
 
 
 def convert(src: Path, dst: Path) -> Path:
@@ -88,6 +112,7 @@ def convert(src: Path, dst: Path) -> Path:
     source = meta.get("init_from") or meta.get("source")  # the HF checkpoint it came from, if still there
     carry = source if source and (Path(source) / "config.json").is_file() else None
     export_hf_checkpoint(model, spec, dst, carry_from=carry)
+    write_run_tokenizer_of(target, dst)
     return dst
 
 

@@ -173,16 +173,15 @@ def export_run(cfg: Config, model: torch.nn.Module, spec: Any, run_dir: Path, re
 
         out = run_dir / "adapter"
         result.adapter_export = export_adapter(model, spec, cfg.lora, out, cfg.model.init_from, write=is_main)
+        if is_main:  # the tokenizer beside the adapter too, as PEFT adapters saved by users carry it
+            from megaseq.data.char_hf import write_run_tokenizer
+
+            write_run_tokenizer(cfg.data, result.adapter_export)
         if not cfg.lora.export_merged:
             return
     result.hf_export = export_hf_checkpoint(model, spec, run_dir / "hf", merged=cfg.lora.enabled,
                                             carry_from=cfg.model.init_from)
-    if is_main:  # the tokenizer and its chat template beside the weights, so the export loads whole
-        from megaseq.data.chat import copy_tokenizer_files
+    if is_main:  # the tokenizer (a checkpoint's with its chat template, or the built-in one) beside the weights
+        from megaseq.data.char_hf import write_run_tokenizer
 
-        copy_tokenizer_files(cfg.data.tokenizer, result.hf_export, cfg.data.chat_template)
-        if cfg.data.kind == "fasta" and cfg.data.tokenizer == "dna":  # the single-nucleotide one, as a HF tokenizer
-            from megaseq.data.dna_hf import write_hf_dna_tokenizer
-            from megaseq.data.tokenizer import DnaTokenizer
-
-            write_hf_dna_tokenizer(DnaTokenizer(cfg.data.lowercase, cfg.data.non_acgt), result.hf_export)
+        write_run_tokenizer(cfg.data, result.hf_export)
