@@ -180,7 +180,7 @@ def test_lora_init_from_under_ep_matches_one_process(src, lora_ref, dp, fsdp):
     spawn_local(_rank, dp * 2, args=(src, "lora", dp, 2, fsdp, lora_ref))
 
 
-@pytest.mark.parametrize("dp, fsdp", [(1, "off"), (2, "dp")])
+@pytest.mark.parametrize("dp, fsdp", [(1, "off"), pytest.param(2, "dp", marks=pytest.mark.slow)])
 def test_adapters_drawn_on_model_init_from_under_ep_match_one_process(src, model_ref, dp, fsdp):
     spawn_local(_rank, dp * 2, args=(src, "model", dp, 2, fsdp, model_ref))
 
@@ -190,7 +190,7 @@ def test_expert_factors_loaded_from_the_wrong_rows_fail(src, lora_ref):
         spawn_local(_rank, 2, args=(src, "lora", 1, 2, "off", lora_ref, "first_rows"))
 
 
-@pytest.mark.parametrize("dp, fsdp", [(1, "off"), (2, "dp")])
+@pytest.mark.parametrize("dp, fsdp", [(1, "off"), pytest.param(2, "dp", marks=pytest.mark.slow)])
 def test_adapters_drawn_differently_on_one_rank_fail(src, model_ref, dp, fsdp):
     """B is zero at the start (step 0's loss is right); A, drawn differently, shows in B's first gradient."""
     with pytest.raises(Exception, match=r"step 0 grad .*lora_B"):
@@ -249,11 +249,13 @@ def one_run(src) -> Path:
     return src / "one"
 
 
+@pytest.mark.slow  # make test-all; test_lora_ep.py's trainer run on ep 2 stays in make test
 def test_lora_ep_fsdp_run_from_model_init_from_matches_one_process(src, one_run):
     spawn_local(_train_rank, 4, args=(_run_overrides(src, "epf", 2, 1),))
     _assert_runs_match(src / "epf", one_run, STEPS)
 
 
+@pytest.mark.slow  # make test-all; test_lora_ep.py's trainer run on ep 2 stays in make test
 def test_lora_ep_fsdp_run_without_the_gradient_reduction_fails(src, one_run):
     spawn_local(_train_rank, 4, args=(_run_overrides(src, "unreduced", 2, 1), "unreduced"))
     with pytest.raises(AssertionError, match="step 1 grad_norm"):  # each rank's own gradients
