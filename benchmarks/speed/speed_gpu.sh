@@ -31,7 +31,7 @@ ms() { python3 -m megaseq "$@"; }
 t0=$(date +%s)
 case "$STAGE" in
   glm)
-    timeout -k 5 420 ms bench recipes/glm5-flash-1gpu.yaml --seq-lens 8K,32K --steps 3 --baseline \
+    timeout -k 5 420 python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml --seq-lens 8K,32K --steps 3 --baseline \
       --out "$OUT/glm_cold" 2>&1 | tail -40
     echo "cold bench: $(( $(date +%s) - t0 )) s end to end" | tee "$OUT/glm_wall.txt"
     cp .speed_cache/megaseq/autotune/*.json "$OUT/" 2>/dev/null
@@ -40,19 +40,19 @@ case "$STAGE" in
     if [ $(( $(date +%s) - t0 )) -lt 430 ]; then
       rm -rf .speed_cache/triton
       t1=$(date +%s)
-      timeout -k 5 140 ms bench recipes/glm5-flash-1gpu.yaml --seq-lens 8K --steps 2 --out "$OUT/glm_tables" 2>&1 | tail -8
+      timeout -k 5 140 python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml --seq-lens 8K --steps 2 --out "$OUT/glm_tables" 2>&1 | tail -8
       echo "8K with tables, no compiled kernels: $(( $(date +%s) - t1 )) s end to end" | tee -a "$OUT/glm_wall.txt"
     fi
     python3 benchmarks/speed/speed_summary.py "$OUT/speed_glm.json" "$OUT/glm_cold.json" "$OUT/glm_tables.json"
     ;;
   qwen)
-    timeout -k 5 540 ms bench recipes/qwen3-30b-a3b-lora.yaml --seq-lens 32K --steps 2 --baseline \
+    timeout -k 5 540 python3 -m megaseq bench recipes/qwen3-30b-a3b-lora.yaml --seq-lens 32K --steps 2 --baseline \
       --out "$OUT/qwen_lora" 2>&1 | tail -30
     echo "qwen bench: $(( $(date +%s) - t0 )) s end to end" | tee "$OUT/qwen_wall.txt"
     python3 benchmarks/speed/speed_summary.py "$OUT/speed_qwen.json" "$OUT/qwen_lora.json"
     ;;
   tune)
-    timeout -k 5 570 ms tune recipes/glm5-flash-1gpu.yaml --seq-lens 8K,32K --out "$OUT/nvidia-h200.json" 2>&1 | tail -20
+    timeout -k 5 570 python3 -m megaseq tune recipes/glm5-flash-1gpu.yaml --seq-lens 8K,32K --out "$OUT/nvidia-h200.json" 2>&1 | tail -20
     echo "tune: $(( $(date +%s) - t0 )) s end to end" | tee "$OUT/tune_wall.txt"
     ;;
   *) echo "stage $STAGE: use glm, qwen or tune" >&2; exit 2 ;;
