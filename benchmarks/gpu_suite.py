@@ -74,7 +74,10 @@ def gpu_name() -> str | None:
 
 
 def git_commit() -> str | None:
-    """HEAD's hash, with ``-dirty`` when tracked files differ from it (None outside a git checkout)."""
+    """``MEGASEQ_TREE`` where set (a copied tree whose git metadata is another checkout's names its commit so), else
+    HEAD's hash, with ``-dirty`` when tracked files differ from it (None outside a git checkout)."""
+    if os.environ.get("MEGASEQ_TREE"):
+        return os.environ["MEGASEQ_TREE"]
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True)
         dirty = subprocess.run(["git", "diff", "--quiet", "HEAD"], cwd=ROOT, capture_output=True).returncode != 0
