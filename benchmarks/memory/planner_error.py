@@ -6,12 +6,12 @@ resident set where measured).
     PYTHONPATH=src python benchmarks/memory/planner_error.py            # the markdown table (stdout)
     PYTHONPATH=src python benchmarks/memory/planner_error.py --write    # ... into docs/planner.md, and the JSON
 
-Each row is planned as ``megaseq train`` plans it (``plan_from_config`` on one H200 with ``memory.auto`` false
-and the row's settings), from the row's recipe (``meta.model``; a LoRA run's ``*_lora.json`` beside it names the
-LoRA recipe) with its ``meta`` dtype, weights and kernels. A one-step row (``--steps 0``) is compared with the
-plan's first-step peak (no optimizer state before the first update). Rows that did not run (``status`` not ok)
-are left out. The error is ``plan / measured - 1``: positive when the plan over-predicts.
-"""
+Each row is planned as ``megaseq train`` plans it (``plan_from_config`` on one H200 with ``memory.auto`` false and
+the row's settings), from the row's recipe (``meta.recipe`` where the bench recorded it; else a LoRA run's
+``*_lora.json`` beside it names the LoRA recipe; else ``meta.model``) with its ``meta`` dtype, weights and kernels.
+A one-step row (``--steps 0``) is compared with the plan's first-step peak (no optimizer state before the first
+update). Rows that did not run (``status`` not ok) are left out. The error is ``plan / measured - 1``: positive when
+the plan over-predicts."""
 
 from __future__ import annotations
 
@@ -54,6 +54,9 @@ def recipe_of(f: Path, meta: dict[str, Any]) -> tuple[str | None, dict[str, Any]
     """(recipe path or None, overrides) of a bench file: its LoRA sibling's recipe, else ``meta.model`` as a
     path, a recipe name under recipes/ or a preset name; ``meta``'s dtype / weights / kernels as overrides."""
     over = {f"model.{k}": meta[k] for k in ("dtype", "weights", "kernels") if k in meta}
+    if meta.get("recipe"):  # recorded by megaseq bench from a YAML recipe
+        over.update(dict(o.split("=", 1) for o in meta.get("overrides", [])))
+        return str(ROOT / meta["recipe"]), over
     lora = f.with_name(f.stem + "_lora.json")
     if lora.is_file():
         d = json.loads(lora.read_text())

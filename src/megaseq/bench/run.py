@@ -96,7 +96,8 @@ def isolated(fn, *args) -> dict[str, Any]:
 def run_bench(cfg: Config, lengths: list[int], steps: int = 3, source: str = "random", find_max_len: bool = False,
               baseline: bool = False, out: str = "benchmarks/results/bench",
               logprob_lengths: list[int] | None = None, max_limit: int = 4 << 20,
-              isolate: bool | None = None, routing: str = "auto") -> dict[str, Any]:
+              isolate: bool | None = None, routing: str = "auto", recipe: str | None = None,
+              overrides: list[str] | None = None) -> dict[str, Any]:
     """Every measurement in order; the outputs are rewritten after each, so a run stopped early keeps
     what it measured. ``isolate`` (default: on a GPU) runs each measurement in its own process. ``routing``:
     auto, balanced or natural (``resolve_routing``), the reference's the same as megaseq's random rows."""
@@ -116,6 +117,8 @@ def run_bench(cfg: Config, lengths: list[int], steps: int = 3, source: str = "ra
         build_data(cfg_for(cfg, max(lengths), "genome").data, None)
     rows: list[dict[str, Any]] = []
     result: dict[str, Any] = {"meta": _meta(cfg, lengths, steps, source, routing), "rows": rows}
+    if recipe is not None:  # what re-plans the rows (benchmarks/memory/planner_error.py)
+        result["meta"].update(recipe=recipe, overrides=list(overrides or []))
     path = Path(out)
 
     def keep(row: dict[str, Any], into: list[dict[str, Any]]) -> dict[str, Any]:

@@ -150,7 +150,9 @@ def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
     lp = [parse_size(s) for s in args.logprob_check.split(",") if s]
     result = run_bench(cfg, lens, steps=args.steps, source=args.source, find_max_len=args.find_max,
                        baseline=args.baseline, out=args.out, logprob_lengths=lp,
-                       max_limit=parse_size(args.max_limit), routing=args.routing)
+                       max_limit=parse_size(args.max_limit), routing=args.routing,
+                       recipe=args.config if args.config and Path(args.config).suffix in (".yaml", ".yml") else None,
+                       overrides=split_overrides(rest))
     from megaseq.bench.report import markdown
 
     print(markdown(result))
