@@ -35,8 +35,8 @@ LORA = {"rank": 4, "targets": ["attention"]}
 CASES = {  # model, memory and LoRA settings of each optimizer's run
     "offload-full": ({}, {"auto": False, "optimizer_offload": True}, {}),
     "offload-lora": ({}, {"auto": False, "optimizer_offload": True}, LORA),
-    "master-full": ({"weights": "bf16"}, {}, {}),
-    "master-lora": ({"weights": "bf16"}, {}, LORA),
+    "master-full": ({"weights": "bf16", "dtype": "bf16"}, {}, {}),
+    "master-lora": ({"weights": "bf16", "dtype": "bf16"}, {}, LORA),
 }
 
 
