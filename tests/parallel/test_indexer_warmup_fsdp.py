@@ -3,8 +3,11 @@ float64, through ``megaseq train``: in the warm-up only the indexers' parameters
 sharded base bitwise as built), after it the adapters train too; a run resumed on 2 ranks from a checkpoint
 written inside its warm-up has the uninterrupted run's losses and final parameters, bit for bit.
 
-Broken variant that must fail: the checkpoint written without what the warm-up froze
-(``indexer_training.thawed`` skipped): the resume is refused.
+The optimizer here is ``master_adam.SplitAdamW`` (the indexers are sharded, the adapters whole): a subclass of
+torch's AdamW, whose state for what the warm-up froze ``indexer_training.initial_adam_state`` completes before
+the checkpoint. Broken variants that must fail: that completion for torch's exact AdamW only (the checkpoint
+lacks the adapters' optimizer state: the resume is refused); the checkpoint written without what the warm-up
+froze (``indexer_training.thawed`` skipped).
 """
 
 from __future__ import annotations
@@ -37,7 +40,15 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
 
 
-def _rank(rank: int, overrides: dict, out: str, broken: bool) -> None:
+def _exact_type_only(real):
+    """Broken: the state completed for ``torch.optim.Adam`` / ``AdamW`` themselves, not their subclasses."""
+    def complete(optimizer, params):
+        if type(optimizer) in (torch.optim.Adam, torch.optim.AdamW):
+            real(optimizer, params)
+    return complete
+
+
+def _rank(rank: int, overrides: dict, out: str, broken: str) -> None:
     """One rank of the run; rank 0 writes the whole parameters at each step's start and at the end to ``out``."""
     from megaseq.config import build_config
     from megaseq.train import indexer_training, trainer
@@ -45,6 +56,12 @@ def _rank(rank: int, overrides: dict, out: str, broken: bool) -> None:
     torch.set_num_threads(1)
     seen: dict = {"shots": []}
     real_begin, real_metrics = indexer_training.begin_step, indexer_training.metrics
+    real_build = trainer.build_planned_model
+
+    def spy_build(*a, **kw):
+        built = real_build(*a, **kw)
+        seen["optimizer"] = type(built[2]).__name__
+        return built
 
     def spy_begin(model, step):
         seen["shots"].append({n: _full(p) for n, p in model.named_parameters()})  # every rank gathers
@@ -55,26 +72,31 @@ def _rank(rank: int, overrides: dict, out: str, broken: bool) -> None:
         return real_metrics(model, env)
 
     indexer_training.begin_step, indexer_training.metrics = spy_begin, spy_metrics
-    if broken:
+    trainer.build_planned_model = spy_build
+    if broken == "thawed":
         indexer_training.thawed = lambda model, optimizer=None: contextlib.nullcontext()
+    if broken == "exact_type":
+        indexer_training.initial_adam_state = _exact_type_only(indexer_training.initial_adam_state)
     trainer.run_training(build_config(overrides=overrides))
     seen["shots"].append(seen["end"])
     if rank == 0:
-        torch.save(seen["shots"], out)
+        torch.save({"shots": seen["shots"], "optimizer": seen["optimizer"]}, out)
 
 
-def _run(tmp: Path, run: str, broken: bool = False, **extra) -> tuple[list[float], list[dict]]:
+def _run(tmp: Path, run: str, broken: str = "", **extra) -> tuple[list[float], list[dict]]:
     out = tmp / f"{run}.pt"
     spawn_local(_rank, 2, args=(_overrides(tmp, run, **extra), str(out), broken))
     losses = [json.loads(line)["loss"] for line in (tmp / run / "metrics.jsonl").read_text().splitlines()]
-    return losses, torch.load(out)
+    saved = torch.load(out)
+    assert saved["optimizer"] == "SplitAdamW"
+    return losses, saved["shots"]
 
 
 def _changed(a: dict, b: dict) -> set[str]:
     return {n for n in a if not torch.equal(a[n], b[n])}
 
 
-def _resume(tmp: Path, broken: bool = False) -> tuple[list[float], list[dict], list[float], list[dict]]:
+def _resume(tmp: Path, broken: str = "") -> tuple[list[float], list[dict], list[float], list[dict]]:
     rng = np.random.default_rng(3)
     (tmp / "g.fa").write_text(">rec\n" + "".join(rng.choice(list("ACGT"), 2000)) + "\n")
     want_losses, want = _run(tmp, "full", broken)
@@ -97,6 +119,10 @@ def test_fsdp_lora_warmup_trains_the_indexers_alone_and_resumes_exactly(tmp_path
     assert not differ, differ[:5]
 
 
-def test_fsdp_warmup_checkpoint_without_the_frozen_parameters_is_refused(tmp_path) -> None:
-    with pytest.raises(Exception, match="adapter|trainable|optimizer|lora|missing|state"):
-        _resume(tmp_path, broken=True)
+@pytest.mark.parametrize("broken, match", [
+    ("exact_type", "Missing key in checkpoint state_dict: optim.state.*lora_A"),
+    ("thawed", "trained other parameters than this run does"),
+])
+def test_fsdp_warmup_checkpoint_without_the_frozen_parameters_state_fails(tmp_path, broken, match) -> None:
+    with pytest.raises(Exception, match=match):
+        _resume(tmp_path, broken=broken)
