@@ -122,7 +122,7 @@ def test_fsdp_lora_warmup_trains_the_indexers_alone_and_resumes_exactly(tmp_path
 @pytest.mark.parametrize("broken, match", [
     ("exact_type", "Missing key in checkpoint state_dict: optim.state.*lora_A"),
     ("thawed", "trained other parameters than this run does"),
-])
+], ids=["completion-for-exact-AdamW-only", "thawed-skipped"])
 def test_fsdp_warmup_checkpoint_without_the_frozen_parameters_state_fails(tmp_path, broken, match) -> None:
     with pytest.raises(Exception, match=match):
         _resume(tmp_path, broken=broken)

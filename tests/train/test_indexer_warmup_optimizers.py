@@ -1,6 +1,7 @@
 """The indexer's dense warm-up (``model.dsa_warmup_steps``) with the optimizers other than torch's AdamW:
-OffloadStreamAdamW (``memory.optimizer_offload``), MasterAdamW (``model.weights bf16``, fp32 masters), and
-FSDP2 over 2 gloo ranks with a frozen base (LoRA). For each, through the trainer:
+OffloadStreamAdamW (``memory.optimizer_offload``, full fine-tune and LoRA) and MasterAdamW (``model.weights bf16``,
+fp32 masters; FSDP2 with a frozen base: tests/parallel/test_indexer_warmup_fsdp.py). For each, through the
+trainer:
 
 - in the warm-up only the indexers' parameters change (everything else bitwise as built), after it the rest
   train too;
@@ -14,8 +15,8 @@ MasterAdamW beside a frozen base (LoRA with ``model.weights bf16``) is refused b
 message to naming the settings and the fix.
 
 Broken variants that must fail: the warm-up freezing nothing (other parameters change in it); a checkpoint
-written without what the warm-up froze (``indexer_training.thawed`` skipped: the resume is refused or
-diverges).
+written without what the warm-up froze (``indexer_training.thawed`` skipped: with LoRA the resume is
+refused); the optimizer's step counts lost on resume (it diverges).
 """
 
 from __future__ import annotations
@@ -147,21 +148,24 @@ def test_a_warmup_checkpoint_without_what_it_froze_fails_the_check(tmp_path, mon
 
 
 @pytest.mark.slow
-def test_a_resume_that_loses_the_master_optimizer_steps_diverges(tmp_path, monkeypatch) -> None:
-    """Broken: MasterAdamW's step counts not restored (the indexers' bias correction starts again)."""
+@pytest.mark.parametrize("case", ["offload-full", "master-full"])
+def test_a_resume_that_loses_the_optimizer_steps_diverges(tmp_path, monkeypatch, case) -> None:
+    """Broken: the optimizer's step counts not restored (the indexers' bias correction starts again)."""
     from megaseq.memory.master_adam import MasterAdamW
+    from megaseq.memory.offload_adam import OffloadStreamAdamW
 
-    losses, shots, _ = _run(tmp_path, "full", "master-full")
-    real = MasterAdamW.load_state_dict
+    losses, shots, _ = _run(tmp_path, "full", case)
+    cls = OffloadStreamAdamW if case.startswith("offload") else MasterAdamW
+    real = cls.load_state_dict
 
     def lose_steps(self, state_dict):
         real(self, state_dict)
         for st in self.state.values():
             st["step"].zero_()
 
-    monkeypatch.setattr(MasterAdamW, "load_state_dict", lose_steps)
+    monkeypatch.setattr(cls, "load_state_dict", lose_steps)
     with pytest.raises(AssertionError):
-        _assert_resumes(tmp_path, "master-full", losses, shots[-1])
+        _assert_resumes(tmp_path, case, losses, shots[-1])
 
 
 def test_bf16_weights_beside_lora_are_refused_naming_the_fix(tmp_path) -> None:
