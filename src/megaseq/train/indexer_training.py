@@ -99,11 +99,13 @@ def thawed(model: nn.Module, optimizer: Any = None) -> Iterator[None]:
 
 def initial_adam_state(optimizer: Any, params: list[nn.Parameter]) -> None:
     """For each of ``params`` without optimizer state, the state torch's Adam / AdamW create at a parameter's first
-    update (step 0, zero moments): the update that follows is the same bit for bit. Other optimizers: nothing."""
+    update (step 0, zero moments): the update that follows is the same bit for bit. Their subclasses too
+    (``master_adam.SplitAdamW``: FSDP's sharded indexers beside whole adapters). Other optimizers: nothing
+    (MasterAdamW and OffloadStreamAdamW make every parameter's state when they are built)."""
     import torch
     from torch.optim.optimizer import _get_scalar_dtype
 
-    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW) or not params:
+    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) or not params:
         return
     group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
     for p in params:
