@@ -98,6 +98,19 @@ def exact_attention() -> Iterator[None]:
         yield
 
 
+def agent_trace_checkpoint(folder: Path) -> Path:
+    """The agent-trace recipe's tiny checkpoint written into ``folder`` by the recipe's own ``make_checkpoint.py``,
+    with the recipe copied beside it (``folder / "recipe.yaml"``); returns the checkpoint's directory."""
+    import importlib.util
+
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "agent-traces-tiny"
+    spec = importlib.util.spec_from_file_location("make_checkpoint", recipe / "make_checkpoint.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    shutil.copy(recipe / "recipe.yaml", folder / "recipe.yaml")
+    return module.main(folder)
+
+
 def run_as_of_step(src: Path, dst: Path, step: int, drop: tuple[str, ...] = ("hf",)) -> Path:
     """A copy of the run directory ``src`` at ``dst`` as it stood after ``step``, to resume from: the
     checkpoints of later steps removed, the end-of-run outputs ``drop`` (the HF export, the adapter)

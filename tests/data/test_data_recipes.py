@@ -1,15 +1,14 @@
 """The data recipes run on the CPU: a protein-family fine-tune, and an agent-trace fine-tune whose export loads in
 transformers with its tokenizer and chat template."""
 
-import importlib.util
 import json
 import math
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
+from conftest import agent_trace_checkpoint
 from megaseq.config import load_config
 from megaseq.train.trainer import run_training
 
@@ -31,20 +30,11 @@ def test_protein_family_recipe_trains_and_reports_bits_per_residue(tmp_path):
     assert json.loads((tmp_path / "run" / "hf" / "config.json").read_text())["vocab_size"] == 32
 
 
-def _make_checkpoint(folder: Path) -> Path:
-    script = RECIPES / "agent-traces-tiny" / "make_checkpoint.py"
-    spec = importlib.util.spec_from_file_location("make_checkpoint", script)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    shutil.copy(RECIPES / "agent-traces-tiny" / "recipe.yaml", folder / "recipe.yaml")
-    return module.main(folder)
-
-
 def test_agent_trace_recipe_export_loads_in_transformers(tmp_path):
     transformers = pytest.importorskip("transformers")
     from safetensors.torch import load_file
 
-    source = _make_checkpoint(tmp_path)
+    source = agent_trace_checkpoint(tmp_path)
     cfg = load_config(tmp_path / "recipe.yaml", [f"train.run_dir={tmp_path / 'run'}", *QUIET])
     result = run_training(cfg)
     assert all(math.isfinite(v) for v in result.losses)

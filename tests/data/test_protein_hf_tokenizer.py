@@ -8,8 +8,8 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
+from conftest import torch_threads
 from megaseq.data import char_hf
 from megaseq.data.protein import FIRST_RESIDUE_ID, GAP_ID, LETTERS, ProteinTokenizer, pack_family, read_family
 from megaseq.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, SEP_ID
@@ -143,12 +143,8 @@ def _train(tmp_path: Path, *extra: str) -> Path:
     cfg = load_config(RECIPES / "protein-family-tiny" / "recipe.yaml",
                       [f"train.run_dir={run}", "data.seq_len=128", "train.steps=1", "train.eval_every=0",
                        "train.eval_after=false", "log.progress=false", "log.tensorboard=false", *extra])
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with torch_threads(1):
         run_training(cfg)
-    finally:
-        torch.set_num_threads(prev)
     return run
 
 

@@ -5,42 +5,26 @@ training did (the agent-trace recipe with LoRA, on the CPU). The built-in protei
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import shutil
-from pathlib import Path
 
 import pytest
-import torch
 
-RECIPES = Path(__file__).resolve().parents[2] / "recipes"
+from conftest import agent_trace_checkpoint, torch_threads
+
 transformers = pytest.importorskip("transformers")
-
-
-def _make_checkpoint(folder: Path) -> Path:
-    script = RECIPES / "agent-traces-tiny" / "make_checkpoint.py"
-    spec = importlib.util.spec_from_file_location("make_checkpoint", script)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    shutil.copy(RECIPES / "agent-traces-tiny" / "recipe.yaml", folder / "recipe.yaml")
-    return module.main(folder)
 
 
 def test_a_chat_lora_runs_adapter_loads_with_the_checkpoint_tokenizer_and_template(tmp_path):
     from megaseq.config import load_config
     from megaseq.train.trainer import run_training
 
-    source = _make_checkpoint(tmp_path)
+    source = agent_trace_checkpoint(tmp_path)
     run = tmp_path / "run"
     cfg = load_config(tmp_path / "recipe.yaml", [
         f"train.run_dir={run}", "train.steps=1", "train.eval_every=0", "train.eval_after=false",
         "log.progress=false", "log.tensorboard=false", "lora.rank=4", "lora.export_merged=true"])
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with torch_threads(1):
         run_training(cfg)
-    finally:
-        torch.set_num_threads(prev)
     adapter, export = run / "adapter", run / "hf"
     assert (adapter / "adapter_config.json").is_file() and (adapter / "adapter_model.safetensors").is_file()
     # the same tokenizer files as the merged HF export, byte for byte
