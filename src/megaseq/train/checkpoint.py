@@ -90,6 +90,16 @@ def list_complete(run_dir: Path) -> list[tuple[int, Path]]:
     return sorted(out)
 
 
+def run_dir_of(target: Path) -> Path | None:
+    """The run directory a target belongs to (the target itself, or two levels above a checkpoint); None for a
+    checkpoint outside any run (e.g. written by ``megaseq convert``)."""
+    if (target / "config.yaml").is_file():
+        return target
+    if (target / META).is_file():
+        return target.parent.parent if (target.parent.parent / "config.yaml").is_file() else None
+    raise ValueError(f"{target} is neither a megaseq run directory nor a checkpoint")
+
+
 def latest_complete(run_dir: Path) -> Path | None:
     found = list_complete(run_dir)
     return found[-1][1] if found else None

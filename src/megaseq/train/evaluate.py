@@ -23,16 +23,6 @@ from megaseq.train import checkpoint as ckpt
 from megaseq.train.family_settings import resolve_eval
 
 
-def _run_dir_of(target: Path) -> Path | None:
-    """The run directory a target belongs to (the target itself, or two levels above a checkpoint);
-    None for a checkpoint outside any run (e.g. written by ``megaseq convert``)."""
-    if (target / "config.yaml").is_file():
-        return target
-    if (target / ckpt.META).is_file():
-        return target.parent.parent if (target.parent.parent / "config.yaml").is_file() else None
-    raise ValueError(f"{target} is neither a megaseq run directory nor a checkpoint")
-
-
 def _checkpoints(targets: list[Path]) -> tuple[dict[str, Path], dict[str, Any]]:
     """The checkpoints to evaluate by name, and ``compare``'s arguments: the before/after pair only
     between real models (a random initialisation is shown, never a 'before'), what each name is, notes."""
@@ -76,7 +66,7 @@ def evaluate_targets(targets: list[str], data: list[str] | None = None, override
     for p in paths:
         if not p.exists():
             raise ValueError(f"eval: {p} does not exist")
-    run_dir = _run_dir_of(paths[0])
+    run_dir = ckpt.run_dir_of(paths[0])
     if run_dir is None:
         if not data:
             raise ValueError(f"{paths[0]} is not inside a run directory, so it has no held-out data: pass --data")

@@ -49,11 +49,6 @@ def _checkpoint(path: Path) -> Path:
     return found[-1][1]
 
 
-def _run_dir(checkpoint: Path) -> Path | None:
-    up = checkpoint.parent.parent
-    return up if (up / "config.yaml").is_file() else None
-
-
 def _segment(run_dir: Path | None, default: int) -> int:
     plan = run_dir / "plan.json" if run_dir is not None else None
     if plan is not None and plan.is_file():
@@ -74,7 +69,7 @@ def evaluate_protocol(targets: list[str], data: list[str] | None = None, overrid
 
     named = {n: _checkpoint(p) for n, p in parse_named(targets).items()}
     source = named.get("after", next(iter(named.values())))
-    run_dir = _run_dir(source)
+    run_dir = ckpt.run_dir_of(source)
     if run_dir is None and not data:
         raise ValueError(f"{source} is not inside a run directory, so it has no held-out data: pass --data")
     raw: dict[str, Any] = yaml.safe_load((run_dir / "config.yaml" if run_dir else Path(default_recipe())).read_text())
