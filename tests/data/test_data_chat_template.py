@@ -191,13 +191,14 @@ def test_export_carries_the_given_template(tmp_path):
 
 def test_agent_recipe_trains_with_qwen3_template_and_exports_it(tmp_path):
     """Through the trainer: the tiny agent-trace recipe rendered by Qwen3's template; the export renders with it."""
-    from test_data_recipes import QUIET, _make_checkpoint
+    from test_data_recipes import QUIET
     from transformers import AutoTokenizer
 
+    from conftest import agent_trace_checkpoint
     from megaseq.config import load_config
     from megaseq.train.trainer import run_training
 
-    _make_checkpoint(tmp_path)
+    agent_trace_checkpoint(tmp_path)
     cfg = load_config(tmp_path / "recipe.yaml", [f"train.run_dir={tmp_path / 'run'}", f"data.chat_template={QWEN3}",
                                                  "train.eval_after=false", *QUIET])
     result = run_training(cfg)
