@@ -47,13 +47,18 @@ def check_init_from(path: str, spec: Any) -> None:
                          "directory or its config.json)") from None
 
 
-def checkpoint_bytes(model: torch.nn.Module) -> int:
-    """A lower bound on one resumable checkpoint: the weights and AdamW's two moments of the same size."""
-    return 3 * sum(t.numel() * t.element_size() for t in model.state_dict().values())
+def checkpoint_bytes(model: torch.nn.Module, trainable_only: bool = False) -> int:
+    """A lower bound on one resumable checkpoint: the weights and AdamW's two moments of the same size.
+    ``trainable_only`` (a frozen base: LoRA, ``train.trainable``): the checkpoint holds the trained parameters
+    with their moments and the buffers, not the frozen base (``checkpoint.save_checkpoint``)."""
+    if not trainable_only:
+        return 3 * sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    trained = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    return 3 * trained + sum(b.numel() * b.element_size() for b in model.buffers())
 
 
-def check_disk_space(run_dir: Path, model: torch.nn.Module) -> None:
-    need = checkpoint_bytes(model)
+def check_disk_space(run_dir: Path, model: torch.nn.Module, trainable_only: bool = False) -> None:
+    need = checkpoint_bytes(model, trainable_only)
     free = shutil.disk_usage(run_dir).free
     if free < need:
         raise ValueError(f"train.run_dir {run_dir} has {free / GIB:.2f} GiB free, but one resumable checkpoint of "

@@ -120,10 +120,10 @@ def _run_claimed(cfg: Config, spec: Any, env: ParallelEnv, device: torch.device,
     autocast = dtypes(cfg, device)[1]
     model, applied, optimizer, scheduler = build_planned_model(cfg, spec, device, memory, cfg.train.steps,
                                                                cfg.model.init_from, env)
-    if env.is_main:
-        check_disk_space(run_dir, model)
     spec_dict = spec.to_dict()
     base = base_meta(cfg)
+    if env.is_main:
+        check_disk_space(run_dir, model, trainable_only=base is not None)
     start = 0
     if resume_from is not None:
         meta = ckpt.load_checkpoint(resume_from, model, optimizer, scheduler, expected_spec=spec_dict)
