@@ -336,6 +336,26 @@ def test_a_disk_too_small_for_one_checkpoint_is_refused_before_the_first_step(tm
         assert not (tmp_path / "r" / "metrics.jsonl").exists() and not (tmp_path / "r" / "checkpoints").exists()
 
 
+def test_a_frozen_base_runs_disk_check_counts_what_its_checkpoint_holds(tmp_path, capsys, monkeypatch):
+    """A LoRA run's checkpoint holds the adapters, their moments and the buffers, not the frozen base: the
+    disk check's bound is at most what the run really writes, and far below the whole model's bound (which
+    refused a 288K Qwen3-30B-A3B LoRA run on a 64 GB disk that holds its checkpoint many times over)."""
+    from megaseq.train import preflight
+
+    recipe = _recipe(tmp_path, "r", 1)
+    seen = []
+    real = preflight.checkpoint_bytes
+    monkeypatch.setattr(preflight, "checkpoint_bytes",
+                        lambda model, trainable_only=False: seen.append((real(model, trainable_only), real(model)))
+                        or seen[-1][0])
+    rc = _train(str(recipe), "--train.overwrite", "true", "--train.steps", "1", "--lora.rank", "2")
+    assert rc == 0, capsys.readouterr().err
+    bound, whole = seen[-1]
+    step = tmp_path / "r" / "checkpoints" / "step_000001"
+    written = sum(f.stat().st_size for f in step.rglob("*") if f.is_file())
+    assert 0 < bound <= written < whole, (bound, written, whole)
+
+
 # ---- real disk faults: a tmpfs that fills up, a mount made read-only (unprivileged mount namespace) ----
 _DRIVER = r'''
 import json, os, subprocess, sys
