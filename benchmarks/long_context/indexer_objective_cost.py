@@ -30,13 +30,17 @@ def main() -> None:
     ap.add_argument("--seq-len", default="32K")
     ap.add_argument("--steps", type=int, default=1, help="timed steps after the warm-up step")
     ap.add_argument("--out", default=str(OUT))
+    ap.add_argument("--profile", action="store_true",
+                    help="one more step of each row under torch.profiler, its table beside the JSON")
     a = ap.parse_args()
     S = parse_size(a.seq_len, "--seq-len")
     rows = {}
     for on in (False, True):
         cfg = build_config({"model": {"name": a.model, "train_indexer": on},
                             "data": {"kind": "random", "seq_len": S}, "train": {"steps": a.steps + 1}})
-        rows["with_objective" if on else "without"] = measure_megaseq(cfg, S, a.steps, "random")
+        name = "with_objective" if on else "without"
+        prof = Path(a.out) / f"indexer_objective_{a.model}_{a.seq_len}_{name}.profile.txt" if a.profile else None
+        rows[name] = measure_megaseq(cfg, S, a.steps, "random", profile=prof)
     base, obj = rows["without"], rows["with_objective"]
     summary = {}
     if base.get("status") == "ok" and obj.get("status") == "ok":

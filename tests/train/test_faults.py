@@ -319,7 +319,8 @@ def test_a_disk_too_small_for_one_checkpoint_is_refused_before_the_first_step(tm
     recipe = _recipe(tmp_path, "r", 3)
     need = []
     real = preflight.checkpoint_bytes
-    monkeypatch.setattr(preflight, "checkpoint_bytes", lambda model, trainable_only=False: need.append(real(model, trainable_only)) or need[-1])
+    monkeypatch.setattr(preflight, "checkpoint_bytes",
+                        lambda model, trainable_only=False: need.append(real(model, trainable_only)) or need[-1])
     usage = shutil.disk_usage(tmp_path)
     for free, ok in ((lambda n: n - 1, False), (lambda n: n, True)):
         monkeypatch.setattr(preflight.shutil, "disk_usage",

@@ -109,9 +109,12 @@ def warm_planned_step(cfg: Config, seq_len: int, device: torch.device) -> tuple:
     return c, spec, plan, model, applied, next_batch, step
 
 
-def measure_megaseq(cfg: Config, seq_len: int, steps: int, source: str, routing: str = "natural") -> dict[str, Any]:
+def measure_megaseq(cfg: Config, seq_len: int, steps: int, source: str, routing: str = "natural",
+                    profile: Path | None = None) -> dict[str, Any]:
     """Warm-up step + ``steps`` timed steps of megaseq at ``seq_len`` (``steps`` 0: the one step, timed cold);
-    an OOM is a result, not an error. ``routing``: the MoE routers' (``models.common.routing``)."""
+    an OOM is a result, not an error. ``routing``: the MoE routers' (``models.common.routing``). ``profile``:
+    one more step after the timed ones under ``torch.profiler``, its table of ops by device time written to
+    that file (the timed steps run without the profiler)."""
     from megaseq.models.common.routing import set_routing
     from megaseq.models.presets import resolve_spec
     from megaseq.train.build import kernels_for, resolve_device
@@ -139,6 +142,8 @@ def measure_megaseq(cfg: Config, seq_len: int, steps: int, source: str, routing:
                 torch.cuda.reset_peak_memory_stats(device)
             first: list[float] = []
             times = timed_steps(lambda: step(next_batch()), steps, device, first)
+            if profile is not None:
+                profiled_step(lambda: step(next_batch()), device, profile)
             # the ops `model.kernels` prefers that ran something else (where and why): the row says what it timed
             row["kernel_fallbacks"] = dispatch.fallback_summary(preferred_kernels(device.type, c.model.kernels))
             for g in row["kernel_fallbacks"]:
@@ -199,6 +204,22 @@ def timed_steps(run_step: Callable[[], None], steps: int, device: torch.device,
         what = "warm-up" if i == 0 and steps else "timed"
         logger.info(f"megaseq bench: step {i + 1} of {steps + 1} ({what}): {dt:.1f} s")
     return times
+
+
+def profiled_step(run_step: Callable[[], None], device: torch.device, out: Path, rows: int = 60) -> None:
+    """One step under ``torch.profiler`` (CPU and, on a GPU, CUDA activity): its ops sorted by device time
+    (self time first: where the step's time goes) into ``out``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        run_step()
+        _sync(device)
+    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(prof.key_averages().table(sort_by=key, row_limit=rows))
+    logger.info(f"megaseq bench: wrote the profile of one step to {out}")
 
 
 def _sync(device: torch.device) -> None:

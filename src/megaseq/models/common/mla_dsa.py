@@ -303,6 +303,7 @@ class MLASparseAttention(MultiLatentAttention):
         if prep is not None:
             from megaseq.models.common.indexer_objective import indexer_loss
 
-            kl = indexer_loss(self, prep, q_BQHD, c_BSC, w, idx)
+            with torch.profiler.record_function("indexer_objective"):  # its own row in a profile of the step
+                kl = indexer_loss(self, prep, q_BQHD, c_BSC, w, idx)
             out = AttachLoss.apply(out, kl, self.indexer.kl_coef * self.indexer.kl_scale)
         return out
