@@ -22,7 +22,6 @@ def _check_runtime_accepts(src: Source, a: advisor.Advice) -> None:
     c = a.choice
     assert c is not None, format_advice(a)
     cfg = load_config(src.recipe, [*src.base, *c.overrides])  # raises on any combination the trainer refuses
-    assert not (cfg.parallel.fsdp != "off" and cfg.parallel.ep > 1)
     assert cfg.parallel.dp * cfg.parallel.cp * cfg.parallel.ep == a.hardware.gpus
     plain = plan_from_config(cfg, world_size=a.hardware.gpus, gpus_per_host=min(a.hardware.gpus, 8))
     assert plain.fits and plain.peak_gpu == c.plan.peak_gpu and plain.memory == c.plan.memory
@@ -119,3 +118,15 @@ def test_every_published_config_gets_a_fitting_command_or_the_nearest(published)
 def test_the_published_set_is_found():
     names = _published()
     assert len(names) >= 25 and "recipes/glm5-flash.yaml" in names and "recipes/qwen3-30b-a3b/config.json" in names
+
+
+def test_the_command_names_each_setting_once():
+    """A setting the user gave and the choice keeps appears once, as the user gave it; one the choice changes
+    appears once, with the choice's value (the suggested command was ``--data.seq_len 1M --data.seq_len 1M``)."""
+    src = Source("recipes/kimi-linear-48b-a3b-lora.yaml", ["data.seq_len=1M", "train.steps=3"])
+    choice = advisor.Choice({}, ["data.seq_len=1048576", "train.steps=5", "memory.stream_base=true"], None, 1.0, 1.0)
+    cmd = advisor.command(src, choice, Hardware(1)).split()
+    flags = [w for w in cmd if w.startswith("--")]
+    assert sorted(flags) == sorted(set(flags)), cmd
+    assert cmd[cmd.index("--data.seq_len") + 1] == "1M" and cmd[cmd.index("--train.steps") + 1] == "5", cmd
+    assert "--memory.stream_base" in cmd, cmd

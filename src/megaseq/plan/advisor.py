@@ -260,16 +260,16 @@ class Source:
 
 def command(src: Source, choice: Choice, hw: Hardware) -> str:
     """The command that trains ``choice``: ``megaseq train`` on one GPU, ``torchrun`` on several."""
-    cfg_given = {o.split("=", 1)[0] for o in src.base}
-    defaults = load_config(src.recipe, src.base)
-    flags = []
+    given = load_config(src.recipe, src.base)  # the recipe with the user's own overrides
+    flags, replaced = [], set()
     for o in choice.overrides:
         key, value = o.split("=", 1)
         section, name = key.split(".")
-        if key in cfg_given or str(getattr(getattr(defaults, section), name)) != value:
+        if str(getattr(getattr(given, section), name)) != value:  # the user's flag, if any, gives way to it
             flags.append(f"--{key} {_size(int(value)) if key == 'data.seq_len' else value}")
+            replaced.add(key)
     user = [f"--{o.split('=', 1)[0]} {o.split('=', 1)[1]}" for o in src.base
-            if not o.startswith(("model.dtype=", "data.kind="))]
+            if not o.startswith(("model.dtype=", "data.kind=")) and o.split("=", 1)[0] not in replaced]
     what = src.recipe if src.given is not None and src.recipe else ""
     args = " ".join(x for x in [what, *user, *flags] if x)
     if hw.gpus == 1:
