@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from megaseq.models.common import indexer_kl as kl
 from megaseq.models.common import rope
 from megaseq.models.common.lora import linear_weight
-from megaseq.ops import workspace
+from megaseq.ops import dispatch, workspace
 from megaseq.ops.amp import compute_dtype
 
 
@@ -76,8 +76,10 @@ class _Row:
         self.K = min(ix.index_topk // ix.kpool, tok_Pk.shape[0])
         tail = ix.kpool - 1 if ix.select_tail and ix.kpool > 1 else 0
         self.num_pools = 0 if self.idx is None else (self.idx.shape[-1] - tail) // ix.kpool
+        self._target: dispatch.Impl | None = None
 
     def bounds(self) -> list[tuple[int, int]]:
+        """The row's query chunks, sized for the implementation of the target that runs them (``target_impl``)."""
         Q, S, Hh = self.q_det.shape[0], self.c_det.shape[0], self.q_det.shape[1]
         P, I, D, C = self.keys_PD.shape[0], self.ix.n_heads, self.ix.head_dim, self.c_det.shape[-1]
         size = torch.finfo(self.cd).bits // 8
@@ -85,11 +87,21 @@ class _Row:
             rows = workspace.indexer_kl_chunk(Hh, S, I, P, D, itemsize=size)
         else:
             W = self.idx.shape[-1]
+            fused = not self.target_impl().reference
             rows = workspace.indexer_kl_chunk(Hh, W, I, self.num_pools, D, gathered=W, latent=C, itemsize=size,
-                                              gathered_itemsize=self.c_det.element_size())
+                                              gathered_itemsize=self.c_det.element_size(), fused_target=fused)
         if self.ix.query_chunk is not None:
             rows = min(rows, int(self.ix.query_chunk))
         return kl.chunk_bounds(Q, rows)
+
+    def target_impl(self) -> dispatch.Impl:
+        """Op ``indexer_target``'s implementation for every chunk of this row, chosen once (on the row's first
+        query: the dispatcher's order under ``model.kernels``, the same checks on every chunk's arguments)."""
+        if self._target is None:
+            q_abs = kl.absorbed_query(self.q_det[:1], self.w_uk, self.Dr)
+            self._target = dispatch.select("indexer_target", self.ix.layer, q_abs, self.c_det, self.idx[:1],
+                                           self.scale)
+        return self._target
 
     def _queries(self, s: int, e: int, wq: torch.Tensor) -> torch.Tensor:
         ix = self.ix
@@ -108,7 +120,7 @@ class _Row:
                 pools = None
             else:
                 target, cand = kl.sparse_target(q_abs, self.c_det, self.idx[s:e], self.ix.kpool, self.num_pools,
-                                                self.scale)
+                                                self.scale, probs=self.target_impl().fn)
                 pools = self._selected_pools(self.idx[s:e])
         keys = keys_PD[:target.shape[1]] if pools is None else keys_PD[pools]
         score = kl.index_scores(q_cID, w_cI, keys.to(self.cd), self.ix.softmax_scale)

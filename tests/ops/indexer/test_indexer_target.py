@@ -1,0 +1,310 @@
+"""Op ``indexer_target`` (the sparse stage's target of the indexer objective): the Triton kernel against the torch
+reference ``torch_gather``, and the objective's chunks sized for the implementation that runs.
+
+Shapes: c queries, Hh heads, C latent width, S keys, W selected slots per query.
+
+CPU: the kernel runs under Triton's interpreter (``TRITON_INTERPRET=1`` from conftest.py; the ``device`` fixture sets
+``target.CPU_INTERPRETER`` for these tests only) in fp32 and fp16 against the float64 reference on the same
+(rounded) inputs: empty slots (-1 and >= S), a query with no valid slot, duplicated keys, head counts that are not
+powers of two (4, 20; 20 also in two blocks of 16), C = 512 and a small odd C. Broken kernels (the empty slots'
+mask skipped, one normaliser for all heads, the partial head block dropped) must fail the same check. GPU
+(``-m gpu``): bf16 at glm5-flash-1gpu's shape (Hh 16, C 512, W 2063, S 32K) against float64, and its working set.
+"""
+
+from __future__ import annotations
+
+import os
+import textwrap
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from devices import GPU  # noqa: E402
+from megaseq.ops import dispatch, kernels, workspace  # noqa: E402
+from megaseq.ops.indexer import target as tgt  # noqa: E402
+from megaseq.ops.indexer.target_kernel import _head_block_lse, _head_block_probs  # noqa: E402
+from megaseq.ops.sparse_mla.kernels import _gather_latents  # noqa: E402
+from triton_compile import compile_in_child  # noqa: E402
+
+torch.set_num_threads(1)
+CUDA = torch.cuda.is_available()
+TOL = {torch.float32: 1e-5, torch.float16: 1e-5}  # max |m - m64|, m64 in [0, Hh]: the inputs' rounding is shared
+
+
+@pytest.fixture
+def device(monkeypatch) -> str:
+    """cuda when present, else the cpu under the interpreter (skipped if triton was imported without it)."""
+    if CUDA:
+        return "cuda"
+    if os.environ.get("TRITON_INTERPRET") != "1" or not triton.knobs.runtime.interpret:
+        pytest.skip("triton was imported before TRITON_INTERPRET=1 was set")
+    monkeypatch.setattr(tgt, "CPU_INTERPRETER", True)
+    return "cpu"
+
+
+def make_inputs(seed: int, c: int, Hh: int, C: int, S: int, W: int, dtype=torch.float32, device: str = "cpu"):
+    """``q_abs [c, Hh, C]``, latents ``[S, C]`` (logits of a few units), ``idx [c, W]`` int32 with -1 and >= S
+    slots scattered, query 1 without a valid slot, query 2 reading one key three times and query 0 every slot."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(c, Hh, C, generator=gen) * 2 * C**-0.25
+    lat = torch.randn(S, C, generator=gen) * C**-0.25
+    idx = torch.randint(0, S, (c, W), generator=gen, dtype=torch.int32)
+    empty = torch.rand(c, W, generator=gen) < 0.3
+    idx = torch.where(empty, torch.where(torch.rand(c, W, generator=gen) < 0.5, -1, S + 3), idx).to(torch.int32)
+    idx[0] = torch.randint(0, S, (W,), generator=gen, dtype=torch.int32)
+    idx[1] = -1
+    idx[1, ::3] = S
+    idx[2, :3] = 7
+    return q.to(device, dtype), lat.to(device, dtype), idx.to(device)
+
+
+def reference64(q, lat, idx, scale: float) -> torch.Tensor:
+    return tgt.indexer_target_reference(q.double(), lat.double(), idx, scale)
+
+
+def check(q, lat, idx, scale: float, tol: float, config=None) -> torch.Tensor:
+    """The kernel's ``m`` and ``lse2`` against the float64 reference; returns ``m``."""
+    from megaseq.ops.indexer import target_kernel as K
+
+    m, lse2 = K.target(q.contiguous(), lat.contiguous(), idx.contiguous(), scale, config)
+    want = reference64(q, lat, idx, scale)
+    assert m.dtype == torch.float32 and m.shape == idx.shape
+    err = (m.double() - want).abs()
+    assert err.max() <= tol, f"max |m - m64| {err.max():.3e} at {divmod(int(err.argmax()), idx.shape[1])}"
+    ok = tgt.selected(idx, lat.shape[0])
+    assert (m[~ok] == 0).all(), "an empty slot has mass"
+    s = torch.einsum("chr,cwr->chw", q.double(), lat.double()[idx.long().clamp(0, lat.shape[0] - 1)]) * scale
+    lse_want = s.masked_fill(~ok[:, None], float("-inf")).logsumexp(-1) / torch.log(torch.tensor(2.0)).double()
+    has = ok.any(-1)
+    assert torch.isinf(lse2[~has]).all() and (lse2[has].double() - lse_want[has]).abs().max() <= 1e-4
+    return m
+
+
+# ---- CPU (interpreter) or GPU: odd shapes --------------------------------------------------------------
+@pytest.mark.parametrize("c,Hh,C,S,W,bh", [
+    (7, 4, 48, 40, 21, None),     # heads padded to a block of 16, C padded to 64, a partial slot block
+    (6, 20, 512, 30, 37, None),   # 20 heads in one block of 32, C = 512 (glm5's latent)
+    (5, 20, 48, 50, 37, 16),      # 20 heads in two blocks of 16: lse2 written then read back
+    (4, 3, 16, 9, 70, None),      # more slots than keys: most repeat or are empty
+])
+def test_kernel_matches_reference_fp32(device, c, Hh, C, S, W, bh):
+    from megaseq.ops.indexer import target_kernel as K
+
+    q, lat, idx = make_inputs(0, c, Hh, C, S, W, device=device)
+    cfg = None if bh is None else K.Config(bh, 16, 4, 1)
+    assert tgt.indexer_target_supports(q, lat, idx, 0.37) is None
+    m = check(q, lat, idx, 0.37, TOL[torch.float32], cfg)
+    assert torch.allclose(m.sum(-1)[[0, 2]], torch.full((2,), float(Hh), device=device))  # sum_w m = Hh
+    assert m[1].abs().max() == 0 and m[2, :3].sum() > 0
+
+
+def test_kernel_matches_reference_fp16(device):
+    q, lat, idx = make_inputs(1, 6, 5, 32, 25, 19, dtype=torch.float16, device=device)
+    check(q, lat, idx, 0.5, TOL[torch.float16])
+
+
+def test_dispatcher_runs_triton_when_preferred_and_the_fast_set_prefers_it(device):
+    q, lat, idx = make_inputs(2, 3, 4, 16, 12, 9, device=device)
+    dispatch.reset_records()
+    with dispatch.configured(preferred={"indexer_target": ["triton"]}):
+        m = dispatch.call("indexer_target", q, lat, idx, 0.4, layer="layers.3.self_attn")
+        assert [r.impl for _, r in dispatch.records()] == ["triton"]
+    assert (m.double() - reference64(q, lat, idx, 0.4)).abs().max() <= TOL[torch.float32]
+    # model.kernels fast (the default) puts it first on a GPU; base runs the reference (the kernel is opt-in)
+    assert kernels.preferred_kernels("cuda", "fast")["indexer_target"] == ["triton"]
+    assert "indexer_target" not in kernels.preferred_kernels("cuda", "base")
+    assert dispatch.implementations("indexer_target")["triton"].opt_in
+
+
+# ---- broken kernels fail the check (the interpreter reads the kernel module's globals at run time) ---------
+tl = triton.language
+
+
+@triton.jit
+def _gather_unmasked(c_row0, idx_row, w0, W: tl.constexpr, S, offs_r, R: tl.constexpr, RP: tl.constexpr,
+                     BW: tl.constexpr):
+    """Broken: the empty slots read as zero latents and counted as keys."""
+    c_WR, row, valid = _gather_latents(c_row0, idx_row, w0, W, S, offs_r, R, RP, BW)
+    return c_WR, row, (w0 + tl.arange(0, BW)) < W
+
+
+@triton.jit
+def _lse_joint(q_row, c_ptr, idx_row, offs_h, offs_c, S, scale_log2, W: tl.constexpr, Hh: tl.constexpr,
+               C: tl.constexpr, CP: tl.constexpr, BH: tl.constexpr, BW: tl.constexpr, DOT_PREC: tl.constexpr):
+    """Broken: one normaliser over every (head, slot) of the block instead of one per head."""
+    qa, lse2 = _head_block_lse(q_row, c_ptr, idx_row, offs_h, offs_c, S, scale_log2, W, Hh, C, CP, BH, BW, DOT_PREC)
+    fin = tl.where((offs_h < Hh) & (lse2 < float("inf")), lse2, float("-inf"))
+    top = tl.max(fin, 0)
+    joint = top + tl.log2(tl.sum(tl.where(fin > float("-inf"), tl.exp2(fin - top), 0.0), 0))
+    return qa, tl.where(lse2 < float("inf"), joint, lse2)
+
+
+@triton.jit
+def _probs_whole_blocks(qa_HC, c_WC, valid, lse2_H, mask_h, scale_log2, DOT_PREC: tl.constexpr):
+    """Broken: only blocks whose heads are all real are summed (a partial head block dropped)."""
+    keep = mask_h & (tl.sum(mask_h.to(tl.int32), 0) == lse2_H.shape[0])
+    return _head_block_probs(qa_HC, c_WC, valid, lse2_H, keep, scale_log2, DOT_PREC)
+
+
+BROKEN = {"unmasked_empty_slots": ("_gather_latents", _gather_unmasked),
+          "one_normaliser": ("_head_block_lse", _lse_joint),
+          "partial_head_block_dropped": ("_head_block_probs", _probs_whole_blocks)}
+
+
+@pytest.mark.skipif(CUDA, reason="replaces the kernel's helpers, which only the interpreter reads at run time")
+@pytest.mark.parametrize("name", list(BROKEN))
+def test_a_broken_kernel_fails(device, monkeypatch, name):
+    """20 heads in two blocks of 16: the kernel passes, each broken variant fails the same check."""
+    from megaseq.ops.indexer import target_kernel as K
+
+    q, lat, idx = make_inputs(3, 5, 20, 48, 50, 37, device=device)
+    cfg = K.Config(16, 16, 4, 1)
+    check(q, lat, idx, 0.37, TOL[torch.float32], cfg)
+    attr, fn = BROKEN[name]
+    monkeypatch.setattr(K, attr, fn)
+    with pytest.raises(AssertionError):
+        check(q, lat, idx, 0.37, TOL[torch.float32], cfg)
+
+
+# ---- what supports refuses; the GPU code compiles for sm_90 (no GPU needed) ---------------------------
+def test_supports_gives_reasons(monkeypatch):
+    q, lat, idx = make_inputs(5, 3, 4, 16, 12, 9)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert "device cpu" in tgt.indexer_target_supports(q, lat, idx, 0.5)  # CPU_INTERPRETER unset
+    monkeypatch.setattr(tgt, "CPU_INTERPRETER", True)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert "device cpu" in tgt.indexer_target_supports(q, lat, idx, 0.5)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert tgt.indexer_target_supports(q, lat, idx, 0.5) is None
+    assert tgt.indexer_target_supports(q, lat, idx.long(), 0.5) is None
+    assert "bfloat16" in tgt.indexer_target_supports(q.bfloat16(), lat.bfloat16(), idx, 0.5)
+    assert "float64" in tgt.indexer_target_supports(q.double(), lat.double(), idx, 0.5)
+    assert "latents" in tgt.indexer_target_supports(q, lat.double(), idx, 0.5)
+    wide = torch.zeros(1, 4, 1040), torch.zeros(12, 1040)
+    assert "C = 1040" in tgt.indexer_target_supports(*wide, idx[:1], 0.5)
+    assert "[c, W]" in tgt.indexer_target_supports(q, lat, idx[:2], 0.5)
+    assert "int32" in tgt.indexer_target_supports(q, lat, idx.float(), 0.5)
+    assert "[S, C]" in tgt.indexer_target_supports(q, lat[None], idx, 0.5)
+
+
+COMPILE_SM90 = textwrap.dedent("""
+    import torch
+    from megaseq.ops.indexer.target_kernel import compile_ptx
+    for dtype, Hh, C, W in [(torch.bfloat16, 16, 512, 2063), (torch.bfloat16, 20, 512, 2063),
+                            (torch.bfloat16, 64, 512, 2063), (torch.float32, 16, 512, 2063),
+                            (torch.bfloat16, 128, 576, 2048), (torch.float16, 4, 48, 37)]:
+        ptx, smem = compile_ptx(dtype, Hh, C, W)
+        assert smem <= 232448, (dtype, Hh, C, smem)  # an H200's shared memory per block
+        print(dtype, Hh, C, "ok", flush=True)
+""")
+
+
+def test_kernel_compiles_for_sm90():
+    """Triton's interpreter accepts code the compiler refuses (a loop-carried variable whose type changes): compile
+    the default launches for an H200 in a process without TRITON_INTERPRET, each within its shared memory: one
+    block of 16 or 32 heads, several blocks (64, 128 heads), fp32, a latent of 576 (DeepSeek's, C padded to 1024)."""
+    lines = compile_in_child(COMPILE_SM90).splitlines()
+    assert len(lines) == 6 and all(line.endswith(" ok") for line in lines), lines
+
+
+# ---- the working set: what the chunk of the objective counts --------------------------------------------
+def test_row_bytes_of_the_kernel_have_no_gather_and_no_head_scores():
+    """glm5-flash-1gpu's DSA layer (Hh 16, W 2063, C 512, bf16 work, fp32 compute): the reference's row holds the
+    gathered latents and two [Hh, W] fp32 tensors, the kernel's its [W] output; the objective's chunk grows from
+    about 850 to about 14K queries in the same 2 GiB budget."""
+    Hh, W, C, I, K, D = 16, 2063, 512, 32, 128, 128
+    ref = workspace.indexer_target_row_bytes(Hh, W, C, 4, 2)
+    fused = workspace.indexer_target_row_bytes(Hh, W, C, 4, 2, fused=True)
+    assert ref - fused == W * C * 2 + 2 * Hh * W * 4 - (5 * W + 4 * Hh)
+    assert fused == Hh * C * 2 + 5 * W + 4 * Hh  # the absorbed queries, m and the validity, lse2
+    rows = [workspace.indexer_kl_chunk(Hh, W, I, K, D, gathered=W, latent=C, itemsize=4, gathered_itemsize=2,
+                                       fused_target=f) for f in (False, True)]
+    assert 800 < rows[0] < 900 and 13000 < rows[1] < 16000, rows
+    dense = workspace.indexer_kl_row_bytes(Hh, 4096, I, 256, D)
+    assert dense == workspace.indexer_kl_row_bytes(Hh, 4096, I, 256, D, fused_target=True)  # the warm-up's own
+
+
+def test_the_plan_counts_the_kernel_where_the_fast_set_runs_it(monkeypatch):
+    """``indexer_target`` is a planned fast op: the planner's objective chunk at 32K is the kernel's rows of the
+    kernel's bytes where ``run.fast_ops`` has it, the reference's elsewhere (the same ``ops.workspace`` formula
+    ``_Row.bounds`` sizes its chunks with), and a plan with ``model.train_indexer`` asks for the kernel's exactly
+    when its fast ops hold it."""
+    from megaseq.models.glm5.spec import glm5_flash_1gpu
+    from megaseq.plan import layers
+    from megaseq.plan.components import Precision
+    from megaseq.plan.planner import plan
+
+    assert "indexer_target" in kernels.PLANNED_FAST_OPS
+    spec, S = glm5_flash_1gpu(), 32768
+    W, C, P = layers.dsa_width(spec), spec.kv_lora_rank, S // 16
+    rows = {}
+    for fused in (False, True):
+        kept, chunk = layers.indexer_objective_bytes(spec, S, 1, S, Precision(), fused_target=fused)
+        per_row = workspace.indexer_kl_row_bytes(16, W, 32, 128, 128, W, C, 4, 2, fused)
+        rows[fused] = workspace.indexer_kl_chunk(16, W, 32, 128, 128, W, C, 4, gathered_itemsize=2,
+                                                 fused_target=fused)
+        assert chunk + kept == rows[fused] * per_row + 4 * (P * 128 + S * 32) + 4 * (2 * S * 128 + P * 128)
+    assert rows[True] > 10 * rows[False]
+    asked = []
+    real = layers.indexer_objective_bytes
+    monkeypatch.setattr(layers, "indexer_objective_bytes", lambda *a, fused_target=False: asked.append(fused_target)
+                        or real(*a, fused_target=fused_target))
+    for fast in (frozenset(), kernels.PLANNED_FAST_OPS, kernels.PLANNED_FAST_OPS - {"indexer_target"}):
+        asked.clear()
+        plan(spec, S, fast_ops=fast, indexer_objective=True)
+        assert asked and set(asked) == {"indexer_target" in fast}, (sorted(fast), asked)
+
+
+# ---- the objective runs the implementation it sized its chunks for -------------------------------------
+KL_CHUNK = workspace.indexer_kl_chunk
+
+
+def objective(device: str, monkeypatch, preferred: dict[str, list[str]]):
+    """One glm5-shaped DSA layer's sparse-stage objective (pools of 4, 64 tokens, chunks of 16 queries) in fp32:
+    ``(KL, the indexer's gradients, the implementations of indexer_target that ran, fused_target per chunk
+    sizing)``."""
+    from megaseq.models.common import indexer_objective
+    from megaseq.models.common.context import SeqContext
+    from megaseq.models.common.mla_dsa import MLASparseAttention
+    from megaseq.models.glm5.spec import glm5_flash_tiny
+
+    torch.manual_seed(0)
+    spec = glm5_flash_tiny().replace(index_kpool=4, index_topk=32, index_n_heads=4)
+    m = MLASparseAttention(spec, 0).to(device)
+    with torch.no_grad():
+        for p in m.indexer.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    m.indexer.kl_coef, m.indexer.query_chunk, m.layer = 1.0, 16, "layers.3.self_attn"
+    m.indexer.layer = m.layer
+    x = torch.randn(1, 64, m.q_a_proj.in_features, device=device)
+    ctx = SeqContext()
+    q, latent, q_resid = m.project(x, ctx)
+    prep = m.indexer.prepare(x, q_resid.detach(), ctx)
+    idx = m.indexer.select(prep)
+    sized = []
+    monkeypatch.setattr(workspace, "indexer_kl_chunk", lambda *a, **k: sized.append(k.get("fused_target"))
+                        or KL_CHUNK(*a, **k))
+    dispatch.reset_records()
+    with dispatch.configured(preferred=preferred):
+        kl = indexer_objective.indexer_loss(m, prep, q, latent, m.kv_b_proj.weight, idx)
+    ran = [r.impl for _, r in dispatch.records() if r.op == "indexer_target"]
+    kl.backward()
+    grads = {n: p.grad.clone() for n, p in m.indexer.named_parameters() if p.grad is not None}
+    return kl.detach(), grads, ran, sized
+
+
+def test_the_objective_runs_the_kernel_and_sizes_its_chunks_for_it(device, monkeypatch):
+    """The sparse stage's KL and the indexer's gradients with the kernel (preferred, as ``model.kernels fast`` does
+    on a GPU) equal the reference's; the implementation is chosen once per batch row and the chunks are sized
+    with the kernel's bytes (``fused_target``) only where it runs."""
+    kl_ref, g_ref, ran_ref, sized_ref = objective(device, monkeypatch, {})
+    kl, g, ran, sized = objective(device, monkeypatch, {"indexer_target": ["triton"]})
+    assert (ran_ref, sized_ref) == (["torch_gather"], [False])
+    assert (ran, sized) == (["triton"], [True])
+    assert abs(float(kl) - float(kl_ref)) <= 1e-5 * abs(float(kl_ref)), (float(kl), float(kl_ref))
+    assert g.keys() == g_ref.keys() and len(g) > 2
+    for n in g:
+        err = (g[n] - g_ref[n]).abs().max() / g_ref[n].abs().max()
+        assert err < 1e-4, (n, float(err))
