@@ -112,8 +112,14 @@ def test_dispatcher_runs_triton_when_preferred_and_the_fast_set_prefers_it(devic
         m = dispatch.call("indexer_target", q, lat, idx, 0.4, layer="layers.3.self_attn")
         assert [r.impl for _, r in dispatch.records()] == ["triton"]
     assert (m.double() - reference64(q, lat, idx, 0.4)).abs().max() <= TOL[torch.float32]
-    # model.kernels fast (the default) puts it first on a GPU; base runs the reference (the kernel is opt-in)
-    assert kernels.preferred_kernels("cuda", "fast")["indexer_target"] == ["triton"]
+    # model.kernels fast (the default, glm5-flash-1gpu's too) puts it first on a GPU; base runs the reference (the
+    # kernel is opt-in)
+    from megaseq.config import build_config
+    from megaseq.train.build import kernel_settings
+
+    cfg = build_config({"model": {"name": "glm5-flash-1gpu", "train_indexer": True}})
+    assert cfg.model.kernels == "fast"
+    assert kernel_settings(cfg, torch.device("cuda"))["preferred"]["indexer_target"] == ["triton"]
     assert "indexer_target" not in kernels.preferred_kernels("cuda", "base")
     assert dispatch.implementations("indexer_target")["triton"].opt_in
 
@@ -308,3 +314,71 @@ def test_the_objective_runs_the_kernel_and_sizes_its_chunks_for_it(device, monke
     for n in g:
         err = (g[n] - g_ref[n]).abs().max() / g_ref[n].abs().max()
         assert err < 1e-4, (n, float(err))
+
+
+# ---- GPU: glm5-flash-1gpu's shape ----------------------------------------------------------------------
+def glm5_inputs(dtype: torch.dtype, c: int = 384, S: int = 32768, seed: int = 0):
+    """The last ``c`` queries of 32K keys with the indexer's layout (128 random pools of 16 and the query's tail:
+    W = 2063), 16 heads, C = 512, logits of a few units (up to about 15); query 5 with no valid slot, query 6
+    reading one key 16 times."""
+    from megaseq.ops.sparse_mla.fused import causal_pool_selection
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    idx = causal_pool_selection(1, c, S, generator=gen, device="cuda")[0]
+    idx[5] = -1
+    idx[6, :16] = idx[6, 0]
+    q = (torch.randn(c, 16, 512, device="cuda", generator=gen) * 3 * 512**-0.25).to(dtype)
+    lat = (torch.randn(S, 512, device="cuda", generator=gen) * 512**-0.25).to(dtype)
+    return q, lat, idx
+
+
+@pytest.mark.gpu
+@GPU
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_matches_float64_at_the_glm5_flash_shape(dtype):
+    """bf16 (and fp32) against float64 on the same rounded inputs. Bound: 2^-9, bf16's rounding unit at 1, on
+    ``m`` (a sum of 16 probabilities). The kernel's logits are fp32 sums of exact bf16 products (errors near 1e-6
+    of the logits' scale, a probability's relative error the same), far inside it; rounding each logit to bf16, as
+    the torch reference computing in bf16 does, costs 2^-9 of the logit in every probability (logits here reach
+    about 15): the torch path's own error is printed and must not be smaller than the kernel's. Broken kernels
+    (per-head normalisation, an unmasked empty slot) are off by 1e-1 and more (the CPU tests show them)."""
+    q, lat, idx = glm5_inputs(dtype)
+    assert idx.shape == (384, 2063) and tgt.indexer_target_supports(q, lat, idx, 1.0) is None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    m = tgt.indexer_target_triton(q, lat, idx, 1.0)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    want = reference64(q, lat, idx, 1.0)
+    err = (m.double() - want).abs().max().item()
+    torch_err = (tgt.indexer_target_reference(q, lat, idx, 1.0).double() - want).abs().max().item()
+    print(f"\n{dtype}: kernel max |m - m64| {err:.2e}, the torch reference in {dtype} {torch_err:.2e}, "
+          f"peak {peak} bytes")
+    if dtype == torch.bfloat16:
+        assert err <= 2**-9 and err <= torch_err, (err, torch_err)
+    else:  # fp32 operands, ieee dots: as exact as the fp32 reference
+        assert err <= 1e-5, err
+    assert (m[5] == 0).all() and (m[~tgt.selected(idx, lat.shape[0])] == 0).all()
+    sums = m.sum(-1)
+    assert ((sums[torch.arange(384, device="cuda") != 5] - 16).abs() <= 1e-3).all()
+    # nothing of size [c, W, C] or [c, Hh, W]: the kernel's output and lse2, within the objective's row bytes
+    assert peak <= 384 * workspace.indexer_target_row_bytes(16, 2063, 512, 4, dtype.itemsize, fused=True)
+
+
+@pytest.mark.gpu
+@GPU
+def test_gpu_the_objective_runs_the_kernel_under_the_default_kernels(monkeypatch):
+    """glm5-flash-1gpu's default ``model.kernels`` (fast) on a GPU: the objective's target runs the kernel, and
+    its KL and gradients in fp32 equal the reference's (the CPU test's check, here compiled for the GPU)."""
+    from megaseq.config import build_config
+    from megaseq.train.build import kernel_settings
+
+    cfg = build_config({"model": {"name": "glm5-flash-1gpu", "train_indexer": True}})
+    preferred = kernel_settings(cfg, torch.device("cuda"))["preferred"]
+    kl_ref, g_ref, ran_ref, _ = objective("cuda", monkeypatch, {})
+    kl, g, ran, sized = objective("cuda", monkeypatch, preferred)
+    assert (ran_ref, ran, sized) == (["torch_gather"], ["triton"], [True])
+    assert abs(float(kl) - float(kl_ref)) <= 1e-4 * abs(float(kl_ref)), (float(kl), float(kl_ref))
+    for n in g:
+        assert (g[n] - g_ref[n]).abs().max() <= 1e-3 * g_ref[n].abs().max(), n

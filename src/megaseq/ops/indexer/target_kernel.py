@@ -18,7 +18,11 @@ back (after a barrier) and the query's head tiles again, from L2.
 
 Empty slots (``idx < 0`` or ``>= S``) read no memory and get 0, so does every slot of a query without a valid
 one. Dots take the work dtype's operands with fp32 accumulation (fp32 operands with ``input_precision="ieee"``:
-no tf32); the softmax and the sums are fp32. W, Hh and C are compile-time constants (one set per model). Offsets that can pass 2^31 are int64.
+no tf32); the softmax and the sums are fp32. W, Hh and C are compile-time constants (one set per model). Offsets
+that can pass 2^31 are int64.
+
+Cost per query: two passes over the W gathered rows of C (``2 * W * C`` work-dtype bytes read, mostly from L2
+when the latents fit there) and ``4 * Hh * W * C`` dot FLOPs; written ``4 * W`` bytes.
 """
 
 from __future__ import annotations
