@@ -9,6 +9,10 @@ with its adapter, if any) enter ``indexer_kl.ChunkedKL``; the main attention's q
 ``kv_b_proj`` weight are read detached. ``idx`` None: the dense warm-up's target (every visible key), else
 the sparse stage's (the selected slots). The layer attaches it with ``coef * scale`` (``AttachLoss``).
 
+The sparse stage's target is op ``indexer_target``: its implementation (the Triton kernel under ``model.kernels
+fast`` on a GPU, else the torch reference) is chosen once per batch row and runs every chunk of the row, whose
+size is ``ops.workspace.indexer_kl_chunk`` of that implementation's bytes (``fused_target``).
+
 Context parallelism: queries are this rank's, keys the gathered sequence's (``Indexer.prepare`` gathers them
 with a graph: the pooled keys' gradient goes back to the ranks that own the tokens through the gather's
 reduce-scatter). Sequence segments: the same, the keys of earlier segments a leaf of the segment's rerun.
