@@ -9,6 +9,7 @@ CPU: the kernel runs under Triton's interpreter (``TRITON_INTERPRET=1`` from con
 powers of two (4, 20; 20 also in two blocks of 16), C = 512 and a small odd C. Broken kernels (the empty slots'
 mask skipped, one normaliser for all heads, the partial head block dropped) must fail the same check. GPU
 (``-m gpu``): bf16 at glm5-flash-1gpu's shape (Hh 16, C 512, W 2063, S 32K) against float64, and its working set.
+The byte formulas, the plan and the kernel sets are in ``test_indexer_target_plan.py`` (no Triton needed).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 triton = pytest.importorskip("triton")
 
 from devices import GPU  # noqa: E402
-from megaseq.ops import dispatch, kernels, workspace  # noqa: E402
+from megaseq.ops import dispatch, workspace  # noqa: E402
 from megaseq.ops.indexer import target as tgt  # noqa: E402
 from megaseq.ops.indexer.target_kernel import _head_block_lse, _head_block_probs  # noqa: E402
 from megaseq.ops.sparse_mla.kernels import _gather_latents  # noqa: E402
@@ -105,23 +106,13 @@ def test_kernel_matches_reference_fp16(device):
     check(q, lat, idx, 0.5, TOL[torch.float16])
 
 
-def test_dispatcher_runs_triton_when_preferred_and_the_fast_set_prefers_it(device):
+def test_dispatcher_runs_triton_when_preferred(device):
     q, lat, idx = make_inputs(2, 3, 4, 16, 12, 9, device=device)
     dispatch.reset_records()
     with dispatch.configured(preferred={"indexer_target": ["triton"]}):
         m = dispatch.call("indexer_target", q, lat, idx, 0.4, layer="layers.3.self_attn")
         assert [r.impl for _, r in dispatch.records()] == ["triton"]
     assert (m.double() - reference64(q, lat, idx, 0.4)).abs().max() <= TOL[torch.float32]
-    # model.kernels fast (the default, glm5-flash-1gpu's too) puts it first on a GPU; base runs the reference (the
-    # kernel is opt-in)
-    from megaseq.config import build_config
-    from megaseq.train.build import kernel_settings
-
-    cfg = build_config({"model": {"name": "glm5-flash-1gpu", "train_indexer": True}})
-    assert cfg.model.kernels == "fast"
-    assert kernel_settings(cfg, torch.device("cuda"))["preferred"]["indexer_target"] == ["triton"]
-    assert "indexer_target" not in kernels.preferred_kernels("cuda", "base")
-    assert dispatch.implementations("indexer_target")["triton"].opt_in
 
 
 # ---- broken kernels fail the check (the interpreter reads the kernel module's globals at run time) ---------
@@ -213,54 +204,6 @@ def test_kernel_compiles_for_sm90():
     block of 16 or 32 heads, several blocks (64, 128 heads), fp32, a latent of 576 (DeepSeek's, C padded to 1024)."""
     lines = compile_in_child(COMPILE_SM90).splitlines()
     assert len(lines) == 6 and all(line.endswith(" ok") for line in lines), lines
-
-
-# ---- the working set: what the chunk of the objective counts --------------------------------------------
-def test_row_bytes_of_the_kernel_have_no_gather_and_no_head_scores():
-    """glm5-flash-1gpu's DSA layer (Hh 16, W 2063, C 512, bf16 work, fp32 compute): the reference's row holds the
-    gathered latents and two [Hh, W] fp32 tensors, the kernel's its [W] output; the objective's chunk grows from
-    about 850 to about 14K queries in the same 2 GiB budget."""
-    Hh, W, C, I, K, D = 16, 2063, 512, 32, 128, 128
-    ref = workspace.indexer_target_row_bytes(Hh, W, C, 4, 2)
-    fused = workspace.indexer_target_row_bytes(Hh, W, C, 4, 2, fused=True)
-    assert ref - fused == W * C * 2 + 2 * Hh * W * 4 - (5 * W + 4 * Hh)
-    assert fused == Hh * C * 2 + 5 * W + 4 * Hh  # the absorbed queries, m and the validity, lse2
-    rows = [workspace.indexer_kl_chunk(Hh, W, I, K, D, gathered=W, latent=C, itemsize=4, gathered_itemsize=2,
-                                       fused_target=f) for f in (False, True)]
-    assert 800 < rows[0] < 900 and 13000 < rows[1] < 16000, rows
-    dense = workspace.indexer_kl_row_bytes(Hh, 4096, I, 256, D)
-    assert dense == workspace.indexer_kl_row_bytes(Hh, 4096, I, 256, D, fused_target=True)  # the warm-up's own
-
-
-def test_the_plan_counts_the_kernel_where_the_fast_set_runs_it(monkeypatch):
-    """``indexer_target`` is a planned fast op: the planner's objective chunk at 32K is the kernel's rows of the
-    kernel's bytes where ``run.fast_ops`` has it, the reference's elsewhere (the same ``ops.workspace`` formula
-    ``_Row.bounds`` sizes its chunks with), and a plan with ``model.train_indexer`` asks for the kernel's exactly
-    when its fast ops hold it."""
-    from megaseq.models.glm5.spec import glm5_flash_1gpu
-    from megaseq.plan import layers
-    from megaseq.plan.components import Precision
-    from megaseq.plan.planner import plan
-
-    assert "indexer_target" in kernels.PLANNED_FAST_OPS
-    spec, S = glm5_flash_1gpu(), 32768
-    W, C, P = layers.dsa_width(spec), spec.kv_lora_rank, S // 16
-    rows = {}
-    for fused in (False, True):
-        kept, chunk = layers.indexer_objective_bytes(spec, S, 1, S, Precision(), fused_target=fused)
-        per_row = workspace.indexer_kl_row_bytes(16, W, 32, 128, 128, W, C, 4, 2, fused)
-        rows[fused] = workspace.indexer_kl_chunk(16, W, 32, 128, 128, W, C, 4, gathered_itemsize=2,
-                                                 fused_target=fused)
-        assert chunk + kept == rows[fused] * per_row + 4 * (P * 128 + S * 32) + 4 * (2 * S * 128 + P * 128)
-    assert rows[True] > 10 * rows[False]
-    asked = []
-    real = layers.indexer_objective_bytes
-    monkeypatch.setattr(layers, "indexer_objective_bytes", lambda *a, fused_target=False: asked.append(fused_target)
-                        or real(*a, fused_target=fused_target))
-    for fast in (frozenset(), kernels.PLANNED_FAST_OPS, kernels.PLANNED_FAST_OPS - {"indexer_target"}):
-        asked.clear()
-        plan(spec, S, fast_ops=fast, indexer_objective=True)
-        assert asked and set(asked) == {"indexer_target" in fast}, (sorted(fast), asked)
 
 
 # ---- the objective runs the implementation it sized its chunks for -------------------------------------
