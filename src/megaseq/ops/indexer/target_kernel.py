@@ -118,12 +118,12 @@ def indexer_target_kernel(qabs_ptr, c_ptr, idx_ptr, lse_ptr, out_ptr, scale_log2
     else:
         for hb in range(NHB):
             offs_h = hb * BH + tl.arange(0, BH)
-            qa_HC, lse2_H = _head_block_lse(q_row, c_ptr, idx_row, offs_h, offs_c, S, scale_log2, W, Hh, C, CP, BH,
-                                        BW, DOT_PREC)
+            qa_HC, lse2_H = _head_block_lse(q_row, c_ptr, idx_row, offs_h, offs_c, S, scale_log2, W, Hh, C, CP,
+                                            BH, BW, DOT_PREC)
             tl.store(lse_ptr + n * Hh + offs_h, lse2_H, mask=offs_h < Hh)
         tl.debug_barrier()  # every thread of the program sees the lse2 just written
         for w0 in range(0, W, BW):
-            c_WC, rows_W, valid = _gather_latents(c_ptr, idx_row, w0, W, S, offs_c, C, CP, BW)
+            c_WC, _rows, valid = _gather_latents(c_ptr, idx_row, w0, W, S, offs_c, C, CP, BW)
             m_W = tl.zeros([BW], tl.float32)
             for hb in range(NHB):
                 offs_h = hb * BH + tl.arange(0, BH)
