@@ -1,10 +1,10 @@
 """Op ``indexer_target`` (the indexer objective's sparse-stage target) timed: the Triton kernel per launch
 configuration against the torch reference, at glm5-flash-1gpu's DSA shape.
 
-One chunk of queries (``--queries``, default 14K: the objective's chunk with the kernel at 32K) of a ``--seq-len``
+One chunk of queries (``--queries``, default 11K: the objective's chunk with the kernel at 32K) of a ``--seq-len``
 sequence, 16 heads, C = 512, W = 2063 (128 random pools of 16 and the tail), bf16. Warm: each way runs once
 untimed, then the median of ``--reps`` timed calls (CUDA events); the reference runs ``--ref-queries`` queries
-(its chunk at 32K, about 850) and is scaled to the same count. Prints one JSON line per way, and the largest
+(its chunk at 32K, about 840) and is scaled to the same count. Prints one JSON line per way, and the largest
 difference of each configuration's result from the default's.
 
     python benchmarks/kernels/indexer_target_configs.py --out indexer_target_configs.json
@@ -43,8 +43,8 @@ def timed(fn, reps: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seq-len", type=int, default=32768)
-    ap.add_argument("--queries", type=int, default=14336)
-    ap.add_argument("--ref-queries", type=int, default=850)
+    ap.add_argument("--queries", type=int, default=11264)
+    ap.add_argument("--ref-queries", type=int, default=840)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--out", default=None)
     a = ap.parse_args()

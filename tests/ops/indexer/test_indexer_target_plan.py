@@ -27,19 +27,23 @@ def test_the_fast_set_runs_the_kernel_and_base_the_reference():
 
 # ---- the working set: what the chunk of the objective counts --------------------------------------------
 def test_row_bytes_of_the_kernel_have_no_gather_and_no_head_scores():
-    """glm5-flash-1gpu's DSA layer (Hh 16, W 2063, C 512, bf16 work, fp32 compute): the reference's row holds the
-    gathered latents and two [Hh, W] fp32 tensors, the kernel's its [W] output; the objective's chunk grows from
-    about 850 to about 14K queries in the same 2 GiB budget."""
-    Hh, W, C, I, K, D = 16, 2063, 512, 32, 128, 128
+    """glm5-flash-1gpu's DSA layer (Hh 16, W 2063, C 512, bf16 work, fp32 compute; the indexer's 32 heads of 128 on a
+    1536-wide query latent): the reference's row holds the gathered latents and two [Hh, W] fp32 tensors, the
+    kernel's its [W] output; the objective's chunk grows from about 840 to about 11K queries in the same 2 GiB."""
+    Hh, W, C, I, K, D, Qr = 16, 2063, 512, 32, 128, 128, 1536
     ref = workspace.indexer_target_row_bytes(Hh, W, C, 4, 2)
     fused = workspace.indexer_target_row_bytes(Hh, W, C, 4, 2, fused=True)
     assert ref - fused == W * C * 2 + 2 * Hh * W * 4 - (5 * W + 4 * Hh)
     assert fused == Hh * C * 2 + 5 * W + 4 * Hh  # the absorbed queries, m and the validity, lse2
     rows = [workspace.indexer_kl_chunk(Hh, W, I, K, D, gathered=W, latent=C, itemsize=4, gathered_itemsize=2,
-                                       fused_target=f) for f in (False, True)]
-    assert 800 < rows[0] < 900 and 13000 < rows[1] < 16000, rows
-    dense = workspace.indexer_kl_row_bytes(Hh, 4096, I, 256, D)
-    assert dense == workspace.indexer_kl_row_bytes(Hh, 4096, I, 256, D, fused_target=True)  # the warm-up's own
+                                       fused_target=f, query_width=Qr) for f in (False, True)]
+    assert 800 < rows[0] < 900 and 10000 < rows[1] < 12000, rows
+    # the indexer's side: its queries (the projection's fp32 input and output, the rotated copy), the head scores
+    # and their relu mask and gradient, the gathered pool keys and their int64 indices, six [K] rows
+    indexer = (Qr + 2 * I * D) * 4 + I * K * 13 + K * (D * 4 + 16) + 6 * K * 4
+    assert workspace.indexer_kl_row_bytes(Hh, W, I, K, D, W, C, 4, 2, True, Qr) == fused + indexer
+    dense = workspace.indexer_kl_row_bytes(Hh, 4096, I, 256, D, query_width=Qr)
+    assert dense == workspace.indexer_kl_row_bytes(Hh, 4096, I, 256, D, fused_target=True, query_width=Qr)
 
 
 def test_the_plan_counts_the_kernel_where_the_fast_set_runs_it(monkeypatch):
@@ -58,9 +62,9 @@ def test_the_plan_counts_the_kernel_where_the_fast_set_runs_it(monkeypatch):
     rows = {}
     for fused in (False, True):
         kept, chunk = layers.indexer_objective_bytes(spec, S, 1, S, Precision(), fused_target=fused)
-        per_row = workspace.indexer_kl_row_bytes(16, W, 32, 128, 128, W, C, 4, 2, fused)
+        per_row = workspace.indexer_kl_row_bytes(16, W, 32, 128, 128, W, C, 4, 2, fused, spec.q_lora_rank)
         rows[fused] = workspace.indexer_kl_chunk(16, W, 32, 128, 128, W, C, 4, gathered_itemsize=2,
-                                                 fused_target=fused)
+                                                 fused_target=fused, query_width=spec.q_lora_rank)
         assert chunk + kept == rows[fused] * per_row + 4 * (P * 128 + S * 32) + 4 * (2 * S * 128 + P * 128)
     assert rows[True] > 10 * rows[False]
     asked = []

@@ -87,13 +87,15 @@ class _Row:
         Q, S, Hh = self.q_det.shape[0], self.c_det.shape[0], self.q_det.shape[1]
         P, I, D, C = self.keys_PD.shape[0], self.ix.n_heads, self.ix.head_dim, self.c_det.shape[-1]
         size = torch.finfo(self.cd).bits // 8
+        width = self.q_resid.shape[-1]
         if self.idx is None:
-            rows = workspace.indexer_kl_chunk(Hh, S, I, P, D, itemsize=size)
+            rows = workspace.indexer_kl_chunk(Hh, S, I, P, D, itemsize=size, query_width=width)
         else:
             W = self.idx.shape[-1]
             fused = not self.target_impl().reference
             rows = workspace.indexer_kl_chunk(Hh, W, I, self.num_pools, D, gathered=W, latent=C, itemsize=size,
-                                              gathered_itemsize=self.c_det.element_size(), fused_target=fused)
+                                              gathered_itemsize=self.c_det.element_size(), fused_target=fused,
+                                              query_width=width)
         if self.ix.query_chunk is not None:
             rows = min(rows, int(self.ix.query_chunk))
         return kl.chunk_bounds(Q, rows)
