@@ -117,6 +117,11 @@ OPS: tuple[Op, ...] = (
         Impl("triton", f"{_OPS}.indexer.topk", "indexer_topk_triton", "indexer_topk_supports", opt_in=True,
              packages=TRITON),
     ), fast="triton", plan_counts_fast=True),
+    Op("indexer_target", (
+        Impl("torch_gather", f"{_OPS}.indexer.target", "indexer_target_reference", reference=True),
+        Impl("triton", f"{_OPS}.indexer.target", "indexer_target_triton", "indexer_target_supports", opt_in=True,
+             packages=TRITON),
+    ), fast="triton", plan_counts_fast=True),
     Op("causal_conv", (
         Impl("torch_conv1d", f"{_OPS}.kda.reference", "causal_conv_reference", reference=True),
         Impl("fla", f"{_OPS}.kda.fla", "conv_fla", "conv_fla_supports", packages=FLA),

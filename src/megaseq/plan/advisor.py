@@ -37,7 +37,7 @@ from megaseq.plan.planner import Plan, plan_from_config
 OP_NEEDS: dict[str, str | None] = {
     "rms_norm": None, "swiglu": None, "linear_cross_entropy": None, "gated_rms_norm": "kda", "kda_gate": "kda",
     "sparse_attention": "dsa", "indexer_topk": "dsa", "hc_mix": "hc", "hc_weights": "hc", "hc_collapse": "hc",
-    "hc_merge": "hc", "moe_permute": "moe", "moe_combine": "moe",
+    "hc_merge": "hc", "moe_permute": "moe", "moe_combine": "moe", "indexer_target": "dsa",
 }
 LORA_SETTINGS = {"lora.rank": 16, "lora.alpha": 32.0, "lora.targets": ["all"]}
 GPU_COUNTS = (1, 8, 64)  # what ``--max-len`` and the model table report

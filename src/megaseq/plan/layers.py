@@ -229,18 +229,21 @@ def indexer_temp(spec: ModelSpec, n: int, batch: int, seq_len: int, query_chunk:
     return n * per_query + batch * seq_len * per_key + max(scoring, 3 * dsa_selection_bytes(spec, n))
 
 
-def indexer_objective_bytes(spec: ModelSpec, n: int, batch: int, seq_len: int, prec: Precision) -> tuple[int, int]:
+def indexer_objective_bytes(spec: ModelSpec, n: int, batch: int, seq_len: int, prec: Precision,
+                            fused_target: bool = False) -> tuple[int, int]:
     """The indexer objective of one full-indexer layer in the sparse stage (``models.common.indexer_kl``):
     ``(kept until the backward, one chunk's working set)`` from ``ops.workspace.indexer_kl_bytes`` (fp32: the
     objective computes in ``promote(dtype, fp32)``): kept are the gradients the forward summed (pooled keys
-    ``[P, Di]`` and head weights ``[Q, I]``) and the pooled keys' graph."""
+    ``[P, Di]`` and head weights ``[Q, I]``) and the pooled keys' graph. ``fused_target``: the target comes from
+    op ``indexer_target``'s Triton kernel (no gathered latents or head scores in the chunk, so more rows a chunk)."""
     kp = max(spec.index_kpool, 1)
     P, K = seq_len // kp, spec.index_topk // kp
     W = dsa_width(spec)
     R = spec.kv_lora_rank + spec.qk_rope_head_dim
     Q = max(1, n // batch)
     total = indexer_kl_bytes(Q, seq_len, spec.num_attention_heads, spec.index_n_heads, spec.index_head_dim, P, K,
-                             W, R, dense=False, itemsize=prec.f32, gathered_itemsize=prec.compute)
+                             W, R, dense=False, itemsize=prec.f32, gathered_itemsize=prec.compute,
+                             fused_target=fused_target, query_width=spec.q_lora_rank)
     kept = batch * (prec.f32 * (P * spec.index_head_dim + Q * spec.index_n_heads)
                     + prec.f32 * (2 * seq_len * spec.index_head_dim + P * spec.index_head_dim))
     return kept, batch * total - kept

@@ -49,8 +49,8 @@ class Run:
     weights: str = "fp32"  # model.weights: fp32 (+ autocast) or bf16 (fp32 master in the optimizer)
     reduce_dtype: str = "fp32"  # parallel.reduce_dtype: the FSDP reduce-scatter's dtype
     # ops whose fast kernel (``model.kernels fast``) the plan counts instead of the reference's working set:
-    # "rms_norm", "swiglu", "indexer_topk", "sparse_attention", "hc_merge" (Triton), "hc_mix" (fused torch),
-    # "linear_cross_entropy" (Liger); every other op keeps the base set's
+    # "rms_norm", "swiglu", "indexer_topk", "indexer_target", "sparse_attention", "hc_merge" (Triton), "hc_mix"
+    # (fused torch), "linear_cross_entropy" (Liger); every other op keeps the base set's
     # (for the fast kernels an upper bound). ``ops.kernels.planned_fast_ops`` picks them for a config.
     fast_ops: frozenset[str] = frozenset()
     indexer_objective: bool = False  # model.train_indexer: each full-indexer layer adds its KL objective
@@ -197,7 +197,8 @@ def _mixer(run: Run, i: int, xb: int) -> tuple[dict[str, int], int, int]:
         fwd = max(fwd, layers.indexer_temp(spec, n, B, S, run.memory.indexer_query_chunk, prec,
                                            fast="indexer_topk" in run.fast_ops))
     if full and run.indexer_objective:  # the KL's chunk in the forward; its summed gradients until the backward
-        kept, chunk = layers.indexer_objective_bytes(spec, n, B, S, prec)
+        kept, chunk = layers.indexer_objective_bytes(spec, n, B, S, prec,
+                                                     fused_target="indexer_target" in run.fast_ops)
         saved = {**saved, "dsa indexer objective (gradients, pooled keys)": kept}
         fwd = max(fwd, chunk)
     return saved, fwd + comm, layers.dsa_temp(spec, n, B, S, prec, mesh, mode, True, run.cal, impl) + comm

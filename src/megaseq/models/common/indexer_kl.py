@@ -25,8 +25,10 @@ Memory: never ``[S, S]``. The target and the indexer's log-softmax are built a q
 loss's gradient with respect to the indexer's inputs (pooled keys ``[P, D]``, head weights ``[Q, I]``, the
 query projection's weight) is taken chunk by chunk inside the forward (Liger's fused-loss way), so nothing
 of size ``c * n`` outlives its chunk and the backward is a scale of what the forward summed. One chunk holds
-``c * Hh * n`` scores of the target (``n`` = the visible keys in the warm-up, ``W`` in the sparse stage)
-and ``c * I * n`` indexer scores (``ops.workspace.indexer_kl_bytes``).
+``c * Hh * n`` scores of the warm-up's target (``n`` the visible keys); the sparse stage's target is op
+``indexer_target`` (``ops/indexer/target.py``): the reference gathers ``c * W`` latents and ``c * Hh * W``
+scores, the Triton kernel (``model.kernels fast`` on a GPU) only its ``[c, W]`` output. The indexer side holds
+``c * I * n`` scores (``ops.workspace.indexer_kl_bytes``).
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ from dataclasses import dataclass, field
 import torch
 
 from megaseq.ops.indexer.scoring import topk_lowest_index_ties
+from megaseq.ops.indexer.target import head_summed_probs, indexer_target_reference, selected
+
+TargetProbs = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]  # op indexer_target's contract
 
 # score elements per chunk of the dense warm-up's attention (as the reference sparse attention's blocks)
 DENSE_BLOCK_ELEMS: int = 1 << 26
@@ -100,19 +105,6 @@ def absorbed_query(q_cHD: torch.Tensor, w_uk_HDR: torch.Tensor, rope_dim: int) -
     return torch.cat([q_abs, q_cHD[..., Dn:]], dim=-1) if rope_dim else q_abs
 
 
-def head_summed_probs(q_abs_cHC: torch.Tensor, keys: torch.Tensor, valid_cn: torch.Tensor,
-                      scale: float) -> torch.Tensor:
-    """``sum_h softmax_n(scale * q_h . k_n)`` over the valid keys ``[c, n]`` (0 elsewhere, and on rows with none):
-    ``keys`` is ``[n, C]`` (shared by the rows) or ``[c, n, C]`` (each row's own). fp32 (or wider) out."""
-    eq = "chr,nr->chn" if keys.dim() == 2 else "chr,cnr->chn"
-    # the scores in the inputs' dtype (the attention's work dtype, as the op), softmax and sums in fp32 or wider
-    s = torch.einsum(eq, q_abs_cHC, keys).to(torch.promote_types(keys.dtype, torch.float32)) * scale
-    s = s.masked_fill_(~valid_cn[:, None, :], float("-inf"))
-    has = valid_cn.any(-1)
-    s = s.masked_fill_(~has[:, None, None], 0.0)
-    return s.softmax(-1).masked_fill_(~has[:, None, None], 0.0).sum(1)
-
-
 def normalise(mass_cn: torch.Tensor, cand_cn: torch.Tensor) -> torch.Tensor:
     """L1-normalised over the candidates (rows without any: zeros)."""
     mass = mass_cn.masked_fill(~cand_cn, 0.0)
@@ -154,14 +146,14 @@ def dense_target(q_abs_cHC: torch.Tensor, c_SC: torch.Tensor, q_pos_c: torch.Ten
 
 
 def sparse_target(q_abs_cHC: torch.Tensor, c_SC: torch.Tensor, idx_cW: torch.Tensor, kp: int,
-                  num_pools: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                  num_pools: int, scale: float,
+                  probs: TargetProbs = indexer_target_reference) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse-stage target over each query's selected pools: ``(target [c, K], selected-and-valid [c, K])``.
-    The main attention's probabilities over all selected slots (the tail too), summed over heads, a pool's
-    slots summed, the tail dropped, normalised over the selected pools."""
-    S = c_SC.shape[0]
-    ok = (idx_cW >= 0) & (idx_cW < S)
-    keys = c_SC.index_select(0, torch.where(ok, idx_cW.long(), 0).reshape(-1)).view(*idx_cW.shape, -1)
-    m_cW = head_summed_probs(q_abs_cHC, keys, ok, scale)
+    The main attention's probabilities over all selected slots (the tail too), summed over heads (``probs``: an
+    implementation of op ``indexer_target``, the torch reference by default), a pool's slots summed, the tail
+    dropped, normalised over the selected pools."""
+    ok = selected(idx_cW, c_SC.shape[0])
+    m_cW = probs(q_abs_cHC, c_SC, idx_cW, scale)
     width = num_pools * kp
     mass = m_cW[:, :width].reshape(-1, num_pools, kp).sum(-1)
     cand = ok[:, :width:kp]

@@ -9,6 +9,10 @@ with its adapter, if any) enter ``indexer_kl.ChunkedKL``; the main attention's q
 ``kv_b_proj`` weight are read detached. ``idx`` None: the dense warm-up's target (every visible key), else
 the sparse stage's (the selected slots). The layer attaches it with ``coef * scale`` (``AttachLoss``).
 
+The sparse stage's target is op ``indexer_target``: its implementation (the Triton kernel under ``model.kernels
+fast`` on a GPU, else the torch reference) is chosen once per batch row and runs every chunk of the row, whose
+size is ``ops.workspace.indexer_kl_chunk`` of that implementation's bytes (``fused_target``).
+
 Context parallelism: queries are this rank's, keys the gathered sequence's (``Indexer.prepare`` gathers them
 with a graph: the pooled keys' gradient goes back to the ranks that own the tokens through the gather's
 reduce-scatter). Sequence segments: the same, the keys of earlier segments a leaf of the segment's rerun.
@@ -29,7 +33,7 @@ import torch.nn.functional as F
 from megaseq.models.common import indexer_kl as kl
 from megaseq.models.common import rope
 from megaseq.models.common.lora import linear_weight
-from megaseq.ops import workspace
+from megaseq.ops import dispatch, workspace
 from megaseq.ops.amp import compute_dtype
 
 
@@ -76,20 +80,34 @@ class _Row:
         self.K = min(ix.index_topk // ix.kpool, tok_Pk.shape[0])
         tail = ix.kpool - 1 if ix.select_tail and ix.kpool > 1 else 0
         self.num_pools = 0 if self.idx is None else (self.idx.shape[-1] - tail) // ix.kpool
+        self._target: dispatch.Impl | None = None
 
     def bounds(self) -> list[tuple[int, int]]:
+        """The row's query chunks, sized for the implementation of the target that runs them (``target_impl``)."""
         Q, S, Hh = self.q_det.shape[0], self.c_det.shape[0], self.q_det.shape[1]
         P, I, D, C = self.keys_PD.shape[0], self.ix.n_heads, self.ix.head_dim, self.c_det.shape[-1]
         size = torch.finfo(self.cd).bits // 8
+        width = self.q_resid.shape[-1]
         if self.idx is None:
-            rows = workspace.indexer_kl_chunk(Hh, S, I, P, D, itemsize=size)
+            rows = workspace.indexer_kl_chunk(Hh, S, I, P, D, itemsize=size, query_width=width)
         else:
             W = self.idx.shape[-1]
+            fused = not self.target_impl().reference
             rows = workspace.indexer_kl_chunk(Hh, W, I, self.num_pools, D, gathered=W, latent=C, itemsize=size,
-                                              gathered_itemsize=self.c_det.element_size())
+                                              gathered_itemsize=self.c_det.element_size(), fused_target=fused,
+                                              query_width=width)
         if self.ix.query_chunk is not None:
             rows = min(rows, int(self.ix.query_chunk))
         return kl.chunk_bounds(Q, rows)
+
+    def target_impl(self) -> dispatch.Impl:
+        """Op ``indexer_target``'s implementation for every chunk of this row, chosen once (on the row's first
+        query: the dispatcher's order under ``model.kernels``, the same checks on every chunk's arguments)."""
+        if self._target is None:
+            q_abs = kl.absorbed_query(self.q_det[:1], self.w_uk, self.Dr)
+            self._target = dispatch.select("indexer_target", self.ix.layer, q_abs, self.c_det, self.idx[:1],
+                                           self.scale)
+        return self._target
 
     def _queries(self, s: int, e: int, wq: torch.Tensor) -> torch.Tensor:
         ix = self.ix
@@ -108,7 +126,7 @@ class _Row:
                 pools = None
             else:
                 target, cand = kl.sparse_target(q_abs, self.c_det, self.idx[s:e], self.ix.kpool, self.num_pools,
-                                                self.scale)
+                                                self.scale, probs=self.target_impl().fn)
                 pools = self._selected_pools(self.idx[s:e])
         keys = keys_PD[:target.shape[1]] if pools is None else keys_PD[pools]
         score = kl.index_scores(q_cID, w_cI, keys.to(self.cd), self.ix.softmax_scale)

@@ -1,0 +1,103 @@
+"""Op ``indexer_target``: the main attention's probabilities over each query's selected slots, summed over heads.
+
+Shapes: c queries, Hh heads, C latent width (R, or R + Dr with DeepSeek's RoPE part), S keys, W selected
+slots per query, n keys of ``head_summed_probs``.
+
+The sparse stage of the indexer objective (``models.common.indexer_kl.sparse_target``) needs, per query,
+``m[w] = sum_h softmax_w(scale * q_abs[h] . c[idx[w]])`` over the valid slots (``0 <= idx < S``): 0 on empty
+slots and on every slot of a query without a valid one. ``q_abs [c, Hh, C]`` are the absorbed queries
+(``q . k = q_abs . c``) in the attention's work dtype, ``c_SC`` the latents in the same dtype, ``idx_cW`` the
+selection (int32 or int64).
+
+Implementations (``ops.table``):
+
+- ``torch_gather`` (the reference): the selected latents gathered into ``[c, W, C]``, the scores ``[c, Hh, W]``
+  in the work dtype, then softmax and the sum over heads in fp32 (or wider). Working set per query
+  ``W * C`` work-dtype bytes and two ``[Hh, W]`` fp32 tensors (``ops.workspace.indexer_target_row_bytes``).
+- ``triton`` (``target_kernel``): one program per query, the latents gathered into the dot operand a slot
+  block at a time, two passes (log-sum-exp per head, then the head-summed probabilities); it writes only
+  ``m [c, W]`` and ``lse2 [c, Hh]`` fp32. Its scores keep the fp32 accumulator instead of the reference's
+  rounding to the work dtype, so in bf16 it is the closer of the two to the float64 computation.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from megaseq.ops._triton_util import interpreting
+
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+MAX_LATENT = 1024  # target_kernel.MAX_LATENT (the kernel module imports triton)
+# cpu tensors are accepted only with TRITON_INTERPRET=1 *and* this flag (the CPU tests set both), as for the fused
+# sparse MLA: the variable alone would send every CPU call of other tests to the (slow) interpreter
+CPU_INTERPRETER: bool = False
+
+
+# ---- the reference -------------------------------------------------------------------------------------
+def head_summed_probs(q_abs_cHC: torch.Tensor, keys: torch.Tensor, valid_cn: torch.Tensor,
+                      scale: float) -> torch.Tensor:
+    """``sum_h softmax_n(scale * q_h . k_n)`` over the valid keys ``[c, n]`` (0 elsewhere, and on rows with none):
+    ``keys`` is ``[n, C]`` (shared by the rows) or ``[c, n, C]`` (each row's own). fp32 (or wider) out."""
+    eq = "chr,nr->chn" if keys.dim() == 2 else "chr,cnr->chn"
+    # the scores in the inputs' dtype (the attention's work dtype, as the op), softmax and sums in fp32 or wider
+    s = torch.einsum(eq, q_abs_cHC, keys).to(torch.promote_types(keys.dtype, torch.float32)) * scale
+    s = s.masked_fill_(~valid_cn[:, None, :], float("-inf"))
+    has = valid_cn.any(-1)
+    s = s.masked_fill_(~has[:, None, None], 0.0)
+    return s.softmax(-1).masked_fill_(~has[:, None, None], 0.0).sum(1)
+
+
+def selected(idx_cW: torch.Tensor, S: int) -> torch.Tensor:
+    """``[c, W]`` bool: the slots that hold a key (``0 <= idx < S``)."""
+    return (idx_cW >= 0) & (idx_cW < S)
+
+
+def indexer_target_reference(q_abs_cHC: torch.Tensor, c_SC: torch.Tensor, idx_cW: torch.Tensor,
+                             scale: float) -> torch.Tensor:
+    """``m [c, W]`` fp32 (or wider): the latents of the selected slots gathered, then ``head_summed_probs``."""
+    ok = selected(idx_cW, c_SC.shape[0])
+    keys = c_SC.index_select(0, torch.where(ok, idx_cW.long(), 0).reshape(-1)).view(*idx_cW.shape, -1)
+    return head_summed_probs(q_abs_cHC, keys, ok, scale)
+
+
+# ---- the Triton kernel ---------------------------------------------------------------------------------
+def _device_ok(dev: str) -> bool:
+    return dev == "cuda" or (dev == "cpu" and CPU_INTERPRETER and interpreting())
+
+
+def indexer_target_supports(q_abs_cHC: torch.Tensor, c_SC: torch.Tensor, idx_cW: torch.Tensor,
+                            scale: float) -> str | None:
+    """None when ``triton`` can run these arguments, else the reason."""
+    if q_abs_cHC.dim() != 3 or c_SC.dim() != 2 or q_abs_cHC.shape[-1] != c_SC.shape[-1]:
+        return f"needs q_abs [c, Hh, C] and latents [S, C] (got {tuple(q_abs_cHC.shape)}, {tuple(c_SC.shape)})"
+    if idx_cW.dim() != 2 or idx_cW.shape[0] != q_abs_cHC.shape[0]:
+        return f"idx {tuple(idx_cW.shape)} is not [c, W] for q_abs {tuple(q_abs_cHC.shape)}"
+    if idx_cW.dtype not in (torch.int32, torch.int64) or c_SC.shape[0] >= 2**31:
+        return f"idx must be int32/int64 with S < 2^31 (got {idx_cW.dtype}, S = {c_SC.shape[0]})"
+    C = c_SC.shape[-1]
+    if C > MAX_LATENT:
+        return f"latent width C = {C}: the kernel holds [slots, C] tiles up to C = {MAX_LATENT}"
+    if q_abs_cHC.dtype not in DTYPES or c_SC.dtype != q_abs_cHC.dtype:
+        return f"dtypes q_abs {q_abs_cHC.dtype}, latents {c_SC.dtype} (runs one of bf16/fp16/fp32)"
+    dev = q_abs_cHC.device.type
+    if not _device_ok(dev):
+        return f"device {dev} (needs cuda, or the cpu under TRITON_INTERPRET=1 with CPU_INTERPRETER set)"
+    if dev == "cpu" and q_abs_cHC.dtype == torch.bfloat16:
+        return "bfloat16 on the cpu (Triton's interpreter computes bf16 wrongly)"
+    if len({t.device for t in (q_abs_cHC, c_SC, idx_cW)}) != 1:
+        return "q_abs, the latents and idx are on different devices"
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed"
+    return None
+
+
+@torch.no_grad()
+def indexer_target_triton(q_abs_cHC: torch.Tensor, c_SC: torch.Tensor, idx_cW: torch.Tensor,
+                          scale: float) -> torch.Tensor:
+    """The reference's contract and result, ``m [c, W]`` fp32, without a gathered ``[c, W, C]`` or ``[c, Hh, W]``."""
+    from megaseq.ops._triton_util import kernels
+
+    kern = kernels("indexer.target_kernel")
+    return kern.target(q_abs_cHC.contiguous(), c_SC.contiguous(), idx_cW.contiguous(), float(scale))[0]

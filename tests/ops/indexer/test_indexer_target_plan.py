@@ -1,0 +1,77 @@
+"""Op ``indexer_target``'s working set as the objective's chunks and the memory plan count it, and where the fast
+set runs its kernel (no Triton needed: the kernel's own tests are ``test_indexer_target.py``).
+
+Shapes: Hh heads, W selected slots, C latent width, I indexer heads, K selected pools, D indexer head dim.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megaseq.ops import dispatch, kernels, workspace
+
+
+def test_the_fast_set_runs_the_kernel_and_base_the_reference():
+    """``model.kernels fast`` (the default, glm5-flash-1gpu's too) puts the kernel first on a GPU; ``base`` runs the
+    reference (the kernel is opt-in), and so does the CPU."""
+    from megaseq.config import build_config
+    from megaseq.train.build import kernel_settings
+
+    cfg = build_config({"model": {"name": "glm5-flash-1gpu", "train_indexer": True}})
+    assert cfg.model.kernels == "fast"
+    assert kernel_settings(cfg, torch.device("cuda"))["preferred"]["indexer_target"] == ["triton"]
+    assert "indexer_target" not in kernels.preferred_kernels("cuda", "base")
+    assert "indexer_target" not in kernels.preferred_kernels("cpu", "fast")
+    assert dispatch.implementations("indexer_target")["triton"].opt_in
+
+
+# ---- the working set: what the chunk of the objective counts --------------------------------------------
+def test_row_bytes_of_the_kernel_have_no_gather_and_no_head_scores():
+    """glm5-flash-1gpu's DSA layer (Hh 16, W 2063, C 512, bf16 work, fp32 compute; the indexer's 32 heads of 128 on a
+    1536-wide query latent): the reference's row holds the gathered latents and two [Hh, W] fp32 tensors, the
+    kernel's its [W] output; the objective's chunk grows from about 840 to about 11K queries in the same 2 GiB."""
+    Hh, W, C, I, K, D, Qr = 16, 2063, 512, 32, 128, 128, 1536
+    ref = workspace.indexer_target_row_bytes(Hh, W, C, 4, 2)
+    fused = workspace.indexer_target_row_bytes(Hh, W, C, 4, 2, fused=True)
+    assert ref - fused == W * C * 2 + 2 * Hh * W * 4 - (5 * W + 4 * Hh)
+    assert fused == Hh * C * 2 + 5 * W + 4 * Hh  # the absorbed queries, m and the validity, lse2
+    rows = [workspace.indexer_kl_chunk(Hh, W, I, K, D, gathered=W, latent=C, itemsize=4, gathered_itemsize=2,
+                                       fused_target=f, query_width=Qr) for f in (False, True)]
+    assert 800 < rows[0] < 900 and 10000 < rows[1] < 12000, rows
+    # the indexer's side: its queries (the projection's fp32 input and output, the rotated copy), the head scores
+    # and their relu mask and gradient, the gathered pool keys and their int64 indices, six [K] rows
+    indexer = (Qr + 2 * I * D) * 4 + I * K * 13 + K * (D * 4 + 16) + 6 * K * 4
+    assert workspace.indexer_kl_row_bytes(Hh, W, I, K, D, W, C, 4, 2, True, Qr) == fused + indexer
+    dense = workspace.indexer_kl_row_bytes(Hh, 4096, I, 256, D, query_width=Qr)
+    assert dense == workspace.indexer_kl_row_bytes(Hh, 4096, I, 256, D, fused_target=True, query_width=Qr)
+
+
+def test_the_plan_counts_the_kernel_where_the_fast_set_runs_it(monkeypatch):
+    """``indexer_target`` is a planned fast op: the planner's objective chunk at 32K is the kernel's rows of the
+    kernel's bytes where ``run.fast_ops`` has it, the reference's elsewhere (the same ``ops.workspace`` formula
+    ``_Row.bounds`` sizes its chunks with), and a plan with ``model.train_indexer`` asks for the kernel's exactly
+    when its fast ops hold it."""
+    from megaseq.models.glm5.spec import glm5_flash_1gpu
+    from megaseq.plan import layers
+    from megaseq.plan.components import Precision
+    from megaseq.plan.planner import plan
+
+    assert "indexer_target" in kernels.PLANNED_FAST_OPS
+    spec, S = glm5_flash_1gpu(), 32768
+    W, C, P = layers.dsa_width(spec), spec.kv_lora_rank, S // 16
+    rows = {}
+    for fused in (False, True):
+        kept, chunk = layers.indexer_objective_bytes(spec, S, 1, S, Precision(), fused_target=fused)
+        per_row = workspace.indexer_kl_row_bytes(16, W, 32, 128, 128, W, C, 4, 2, fused, spec.q_lora_rank)
+        rows[fused] = workspace.indexer_kl_chunk(16, W, 32, 128, 128, W, C, 4, gathered_itemsize=2,
+                                                 fused_target=fused, query_width=spec.q_lora_rank)
+        assert chunk + kept == rows[fused] * per_row + 4 * (P * 128 + S * 32) + 4 * (2 * S * 128 + P * 128)
+    assert rows[True] > 10 * rows[False]
+    asked = []
+    real = layers.indexer_objective_bytes
+    monkeypatch.setattr(layers, "indexer_objective_bytes", lambda *a, fused_target=False: asked.append(fused_target)
+                        or real(*a, fused_target=fused_target))
+    for fast in (frozenset(), kernels.PLANNED_FAST_OPS, kernels.PLANNED_FAST_OPS - {"indexer_target"}):
+        asked.clear()
+        plan(spec, S, fast_ops=fast, indexer_objective=True)
+        assert asked and set(asked) == {"indexer_target" in fast}, (sorted(fast), asked)
