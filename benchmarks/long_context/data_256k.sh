@@ -6,6 +6,9 @@
 #                                                       # rendered by Qwen3's own chat template (data.chat_template)
 # The data are generated (recipes/protein-family-tiny/make_families.py, recipes/agent-traces-tiny/
 # make_checkpoint.py) and the weights random: the runs measure the pipeline at length, not what a model learns.
+# The chat window is 272K: the generated conversation is at least 262,144 tokens and at most about 5% more
+# (make_checkpoint.py grows it in steps of 5%), and the planner estimates about 290 s for the step at 272K, so
+# the step and its evaluation fit one 10-minute device call.
 # SEQ / RESIDUES (protein) and CHAT_SEQ / CHAT_TOKENS (chat) shrink a stage for a dry run on the CPU; WORK moves
 # its generated data and run directories (default /tmp).
 set -u
@@ -40,7 +43,7 @@ case "${1:-}" in
     python3 -m megaseq train recipes/qwen3-30b-a3b-lora.yaml --data.kind chat --data.tokenizer "$WORK/agent/checkpoint" \
       --data.chat_template tests/fixtures/qwen3_chat_template.jinja \
       --data.train "$WORK/agent/long_traces.jsonl" --data.heldout "$WORK/agent/heldout_long_traces.jsonl" \
-      --data.seq_len "${CHAT_SEQ:-288K}" --train.steps 1 --train.eval_after true --eval.by_position 32K \
+      --data.seq_len "${CHAT_SEQ:-272K}" --train.steps 1 --train.eval_after true --eval.by_position 32K \
       --train.run_dir "$WORK/runs/chat256k" --log.progress false || exit 1
     summary chat256k "$WORK/runs/chat256k" ;;
   *) echo "usage: bash benchmarks/long_context/data_256k.sh protein|chat" >&2; exit 2 ;;
