@@ -112,3 +112,14 @@ def test_bench_refuses_a_genome_shorter_than_the_length_before_building_anything
     assert not (tmp_path / "b.json").exists()
     with pytest.raises(ValueError, match="--source"):
         run_bench(cfg, [64], source="genomes", out=str(tmp_path / "b"))
+
+
+def test_bench_profile_writes_one_table_per_length(tmp_path):
+    """``--profile``: after each length's timed steps, one profiled step; its ops table lands beside the JSON
+    and names the ops that ran."""
+    cfg = build_config(None, ["model.name=glm5-flash-tiny", "data.kind=random", "model.dtype=fp32"])
+    result = run_bench(cfg, [64, 96], steps=1, out=str(tmp_path / "b"), isolate=False, profile=True)
+    assert [r["status"] for r in result["rows"]] == ["ok", "ok"]
+    for L in (64, 96):
+        table = (tmp_path / f"b_profile_random_{L}.txt").read_text()
+        assert "Self CPU" in table and "aten::mm" in table

@@ -150,6 +150,9 @@ def parser() -> argparse.ArgumentParser:
                             help="MoE routing: auto (balanced for an MoE on random weights and random tokens, "
                                  "natural for genome windows and loaded checkpoints), balanced (each token's "
                                  "top-k spread evenly over the experts, the router's weights kept) or natural")
+            sp.add_argument("--profile", action="store_true",
+                            help="one more step per length under torch.profiler: its ops by device time in "
+                                 "OUT_profile_SOURCE_TOKENS.txt")
         if verb == "tune":
             sp.add_argument("--seq-lens", default=None, help="comma-separated lengths, e.g. 8K,32K (default: "
                             "data.seq_len); nearby lengths share a power-of-two bucket")
