@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
+from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
@@ -41,6 +41,7 @@ def main() -> None:
         name = "with_objective" if on else "without"
         prof = Path(a.out) / f"indexer_objective_{a.model}_{a.seq_len}_{name}.profile.txt" if a.profile else None
         rows[name] = measure_megaseq(cfg, S, a.steps, "random", profile=prof)
+        rows[name].update(name=name, overrides=[f"model.train_indexer={str(on).lower()}"])
     base, obj = rows["without"], rows["with_objective"]
     summary = {}
     if base.get("status") == "ok" and obj.get("status") == "ok":
@@ -49,9 +50,13 @@ def main() -> None:
             summary.update(peak_gib_delta=obj["measured_gpu_gib"] - base["measured_gpu_gib"],
                            plan_over_measured=obj["predicted_gpu_gib"] / obj["measured_gpu_gib"],
                            plan_delta_gib=obj["predicted_gpu_gib"] - base["predicted_gpu_gib"])
-    result = {"model": a.model, "seq_len": S, "rows": rows, "summary": summary, "date": time.strftime("%Y-%m-%d"),
-              "torch": torch.__version__,
-              "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
+    # as ``megaseq bench`` writes its results (``meta`` + a list of rows), each row with the overrides it ran
+    # under: benchmarks/memory/planner_error.py plans every row again
+    meta = {"model": a.model, "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+            "torch": torch.__version__, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "lengths": [S], "steps": a.steps, "source": "random", "routing": "natural", "dtype": cfg.model.dtype,
+            "kernels": cfg.model.kernels, "weights": cfg.model.weights}
+    result = {"meta": meta, "rows": [base, obj], "summary": summary}
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"indexer_objective_{a.model}_{a.seq_len}.json"

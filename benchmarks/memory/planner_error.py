@@ -90,10 +90,11 @@ def rows() -> list[dict[str, Any]]:
         for r in d["rows"]:
             if r.get("status") != "ok" or "memory_plan" not in r or r.get("system", "megaseq") != "megaseq":
                 continue
+            row_over = {**over, **dict(o.split("=", 1) for o in r.get("overrides", []))}  # a row's own settings
             try:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
-                    gpu, host = replan(recipe, over, r)
+                    gpu, host = replan(recipe, row_over, r)
             except ValueError as e:  # a setting this checkout no longer has: said, not hidden
                 out.append({"file": str(f.relative_to(ROOT)), "seq_len": r["seq_len"], "error": str(e)[:120]})
                 continue
