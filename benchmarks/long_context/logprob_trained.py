@@ -91,7 +91,7 @@ def reference_logprobs(hf: Path, ids: torch.Tensor, device: torch.device) -> tor
     """log p(next token) [L] of the transformers class of the export, fp32 weights, SDPA."""
     import transformers.integrations.sdpa_attention as hf_sdpa
 
-    from megaseq.bench.reference import load_reference_model
+    from megaseq.bench.hf_model import load_reference_model
 
     ref = load_reference_model(str(hf), dtype=torch.float32, attn="sdpa", experts="eager").to(device)
     # float32 SDPA with enable_gqa has only the math kernel on CUDA (the S x S scores: 512 GiB at 128K); with

@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from megaseq.cli import main as cli
+from megaseq.cli import help_text as cli
 from megaseq.config import DATA_DEFAULT, FAMILY_DEFAULT, Config, default_recipe, load_config, parse_size
 
 

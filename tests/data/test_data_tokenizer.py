@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 
 from megaseq.config import DataConfig
+from megaseq.data import build_tokenizer
 from megaseq.data.tokenizer import (
     DNA_VOCAB_SIZE,
     DnaTokenizer,
     HfTokenizer,
-    build_tokenizer,
     complement_lut,
     reverse_complement,
 )

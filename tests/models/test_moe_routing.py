@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from megaseq.models.common import routing
-from megaseq.models.common.moe import MoE
-from megaseq.models.common.routing import balance_hf_experts, balanced_experts, set_routing
+from megaseq.models.common.moe import MoE, set_routing
+from megaseq.models.common.routing import balance_hf_experts, balanced_experts
 from megaseq.models.spec import ModelSpec
 from megaseq.train.metrics import moe_load
 

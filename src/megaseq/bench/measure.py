@@ -115,7 +115,7 @@ def measure_megaseq(cfg: Config, seq_len: int, steps: int, source: str, routing:
     an OOM is a result, not an error. ``routing``: the MoE routers' (``models.common.routing``). ``profile``:
     one more step after the timed ones under ``torch.profiler``, its table of ops by device time written to
     that file (the timed steps run without the profiler)."""
-    from megaseq.models.common.routing import set_routing
+    from megaseq.models.common.moe import set_routing
     from megaseq.models.presets import resolve_spec
     from megaseq.train.build import kernels_for, resolve_device
     from megaseq.train.metrics import moe_load

@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from megaseq.bench.hf_model import load_reference_model
+from megaseq.bench.verify import param_count
 from megaseq.config import Config
 
 SAME_WEIGHTS_MAX_PARAMS = 8_000_000_000  # 32 GB in fp32 on the host (and as a temporary export)
@@ -59,8 +61,6 @@ def _random_hf_model(spec: Any, device: torch.device, dtype: torch.dtype) -> tor
 def peer_model(cfg: Config, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> tuple[torch.nn.Module,
                                                                                               Any, str]:
     """(transformers model on ``device``, spec, which weights) before Liger, PEFT and checkpointing."""
-    from megaseq.bench.reference import load_reference_model
-    from megaseq.bench.verify import param_count
     from megaseq.models.build import build_model
     from megaseq.models.hf_io import export_hf_checkpoint
     from megaseq.models.presets import resolve_spec

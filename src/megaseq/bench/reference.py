@@ -11,26 +11,10 @@ from typing import Any
 
 import torch
 
+from megaseq.bench.hf_model import load_reference_model
 from megaseq.bench.measure import GIB, free_memory, host_rss_peak, host_rss_peak_reset, timed_steps
+from megaseq.bench.peer import build_peer
 from megaseq.config import Config
-
-
-def load_reference_model(path: str, dtype: torch.dtype = torch.float64, attn: str = "eager",
-                         experts: str = "eager") -> torch.nn.Module:
-    """The transformers model of an exported checkpoint (pure-torch eager paths unless told otherwise)."""
-    import json
-    from pathlib import Path
-
-    import transformers
-
-    transformers.logging.set_verbosity_error()  # the GLM-5 export has no vision weights: expected
-    cls = json.loads((Path(path) / "config.json").read_text())["architectures"][0]  # what the export names
-    config = transformers.AutoConfig.from_pretrained(path)
-    for c in (config, getattr(config, "text_config", None)):
-        if c is not None:
-            c._experts_implementation = experts
-    model = getattr(transformers, cls).from_pretrained(path, config=config, dtype=dtype, attn_implementation=attn)
-    return model.eval()
 
 
 def build_reference(cfg: Config, device: torch.device,
@@ -58,7 +42,6 @@ def build_reference(cfg: Config, device: torch.device,
 def measure_reference(cfg: Config, seq_len: int, steps: int, routing: str = "natural") -> dict[str, Any]:
     """The peer (``bench.peer``: transformers, Liger where it applies, PEFT's LoRA for a LoRA recipe) at
     ``seq_len``: warm-up + ``steps`` timed steps on random tokens; an OOM is a result, not an error."""
-    from megaseq.bench.peer import build_peer
     from megaseq.plan.flops import mfu, step_flops
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

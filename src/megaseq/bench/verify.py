@@ -16,6 +16,7 @@ import tempfile
 
 import torch
 
+from megaseq.bench.hf_model import load_reference_model
 from megaseq.config import Config
 from megaseq.console import TO_STDOUT
 from megaseq.models.spec import ModelSpec
@@ -94,7 +95,6 @@ def _break_ties_(model: torch.nn.Module, scale: float = 0.05) -> None:
 
 def hf_parity(spec: ModelSpec) -> float:
     """Max |megaseq - transformers| / max |transformers| of the logits, float64 on the CPU."""
-    from megaseq.bench.reference import load_reference_model
     from megaseq.models.build import build_model
     from megaseq.models.hf_io import export_hf_checkpoint
 

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from megaseq.cli.help_text import config_help
 from megaseq.config import Config, default_recipe, load_config, parse_size, split_overrides
 
 
@@ -215,7 +216,6 @@ def cmd_convert(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def cmd_config(args: argparse.Namespace, rest: list[str]) -> int:
-    from megaseq.cli.main import config_help
     from megaseq.models.presets import PRESETS
 
     if rest:

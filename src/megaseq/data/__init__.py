@@ -15,13 +15,13 @@ from typing import Any
 import numpy as np
 
 from megaseq.data.fasta import DnaSplit, FastaRecord, default_genome_path, load_dna_split, read_fasta
+from megaseq.data.protein import ProteinTokenizer
 from megaseq.data.text import PackedText, load_text
 from megaseq.data.tokenizer import (
     ACGT_IDS,
     DNA_VOCAB_SIZE,
     DnaTokenizer,
     HfTokenizer,
-    build_tokenizer,
     reverse_complement,
 )
 from megaseq.data.windows import (
@@ -56,6 +56,16 @@ class Data:
 
     def heldout_batches(self, batch_size: int = 1) -> dict[str, EvalBatches]:
         return {group: EvalBatches(windows, batch_size) for group, windows in self.heldout.items()}
+
+
+def build_tokenizer(data_cfg: Any) -> Any:
+    """``data.tokenizer``: 'dna' -> DnaTokenizer (with data.lowercase / data.non_acgt), 'protein' ->
+    ``protein.ProteinTokenizer`` (with data.gaps), else a HF path."""
+    if data_cfg.tokenizer == "dna":
+        return DnaTokenizer(data_cfg.lowercase, data_cfg.non_acgt)
+    if data_cfg.tokenizer == "protein":
+        return ProteinTokenizer(getattr(data_cfg, "gaps", "keep"))
+    return HfTokenizer(data_cfg.tokenizer)
 
 
 def _hf_records(records: list[FastaRecord], tok: HfTokenizer, both_strands: bool) -> list[FastaRecord]:

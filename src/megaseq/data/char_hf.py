@@ -8,9 +8,6 @@ the pre-tokenizer splits every character, and a WordLevel model maps each to its
 (``<pad> <bos> <eos> <sep>``) keep the run's ids and are never added on encode: the run adds none to its
 windows. One difference: a character the run refuses becomes ``<unk>`` (an id the run never uses) instead of
 an error, as a tokenizer cannot refuse its input.
-
-``write_run_tokenizer`` writes, for a run's configuration, whatever tokenizer files its export needs: the
-built-in tokenizer as above, or the files (and chat template) of the checkpoint tokenizer it used.
 """
 
 from __future__ import annotations
@@ -18,10 +15,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
+from megaseq.data.protein import _SPECIAL_NAMES, FIRST_RESIDUE_ID, GAP_ID, LETTERS, PROTEIN_VOCAB_SIZE, ProteinTokenizer
 from megaseq.data.tokenizer import SKIP
 
 FILES = ["tokenizer.json", "tokenizer_config.json"]
@@ -86,36 +83,15 @@ def write_hf_char_tokenizer(v: CharVocab, out_dir: str | Path) -> list[str]:
 
 
 # ---- protein (data.tokenizer protein: protein.ProteinTokenizer) ---------------------------------------------
-def protein_char_vocab(tok: Any) -> CharVocab:
+def protein_char_vocab(tok: ProteinTokenizer) -> CharVocab:
     """The 32 protein ids (``data/protein.py``): ``<pad> <bos> <eos> <sep>``, the 25 residue letters, the gap,
     ``<unk>`` (id 30, unused by the run) and ``<unused31>``; the table is the run's (``data.gaps``)."""
-    from megaseq.data.protein import _SPECIAL_NAMES, FIRST_RESIDUE_ID, GAP_ID, LETTERS, PROTEIN_VOCAB_SIZE
-
     unk_id = GAP_ID + 1
     vocab = {**tok.vocab(), "<unk>": unk_id, **{f"<unused{i}>": i for i in range(unk_id + 1, PROTEIN_VOCAB_SIZE)}}
     letters = {FIRST_RESIDUE_ID + k: ch for k, ch in enumerate(LETTERS)}
     return CharVocab(vocab, {**_SPECIAL_NAMES, unk_id: "<unk>"}, lut_replacements(tok.lut, letters))
 
 
-def write_hf_protein_tokenizer(tok: Any, out_dir: str | Path) -> list[str]:
+def write_hf_protein_tokenizer(tok: ProteinTokenizer, out_dir: str | Path) -> list[str]:
     """The protein tokenizer ``tok`` (a ``ProteinTokenizer``) as HF tokenizer files in ``out_dir``."""
     return write_hf_char_tokenizer(protein_char_vocab(tok), out_dir)
-
-
-def write_run_tokenizer(data_cfg: Any, out_dir: str | Path) -> list[str]:
-    """The tokenizer files of a run's export (HF checkpoint or LoRA adapter directory) into ``out_dir``: the
-    checkpoint tokenizer's files and the chat template (``data.tokenizer`` a path, ``data.chat_template``), or
-    the built-in DNA / protein tokenizer written as a HF tokenizer. Returns the names written."""
-    from megaseq.data.chat import copy_tokenizer_files
-
-    written = copy_tokenizer_files(data_cfg.tokenizer, out_dir, data_cfg.chat_template)
-    if data_cfg.kind == "fasta" and data_cfg.tokenizer == "dna":
-        from megaseq.data.dna_hf import write_hf_dna_tokenizer
-        from megaseq.data.tokenizer import DnaTokenizer
-
-        written += write_hf_dna_tokenizer(DnaTokenizer(data_cfg.lowercase, data_cfg.non_acgt), out_dir)
-    elif data_cfg.kind == "fasta" and data_cfg.tokenizer == "protein":
-        from megaseq.data.protein import ProteinTokenizer
-
-        written += write_hf_protein_tokenizer(ProteinTokenizer(data_cfg.gaps), out_dir)
-    return written

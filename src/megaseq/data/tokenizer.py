@@ -208,15 +208,3 @@ def _read_json(path: Path) -> dict[str, Any]:
     except (OSError, json.JSONDecodeError):
         return {}
     return data if isinstance(data, dict) else {}
-
-
-def build_tokenizer(data_cfg: Any) -> Any:
-    """``data.tokenizer``: 'dna' -> DnaTokenizer (with data.lowercase / data.non_acgt), 'protein' ->
-    ``protein.ProteinTokenizer`` (with data.gaps), else a HF path."""
-    if data_cfg.tokenizer == "dna":
-        return DnaTokenizer(data_cfg.lowercase, data_cfg.non_acgt)
-    if data_cfg.tokenizer == "protein":
-        from megaseq.data.protein import ProteinTokenizer
-
-        return ProteinTokenizer(getattr(data_cfg, "gaps", "keep"))
-    return HfTokenizer(data_cfg.tokenizer)

@@ -80,7 +80,7 @@ def write_run_tokenizer_of(target: Path, out: Path) -> list[str]:
     import yaml
 
     from megaseq.config import build_config
-    from megaseq.data.char_hf import write_run_tokenizer
+    from megaseq.data.run_tokenizer import write_run_tokenizer
 
     run_dir = target if (target / "config.yaml").is_file() else target.parent.parent
     if not (run_dir / "config.yaml").is_file():

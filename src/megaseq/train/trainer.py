@@ -174,7 +174,7 @@ def export_run(cfg: Config, model: torch.nn.Module, spec: Any, run_dir: Path, re
         out = run_dir / "adapter"
         result.adapter_export = export_adapter(model, spec, cfg.lora, out, cfg.model.init_from, write=is_main)
         if is_main:  # the tokenizer beside the adapter too, as PEFT adapters saved by users carry it
-            from megaseq.data.char_hf import write_run_tokenizer
+            from megaseq.data.run_tokenizer import write_run_tokenizer
 
             write_run_tokenizer(cfg.data, result.adapter_export)
         if not cfg.lora.export_merged:
@@ -182,6 +182,6 @@ def export_run(cfg: Config, model: torch.nn.Module, spec: Any, run_dir: Path, re
     result.hf_export = export_hf_checkpoint(model, spec, run_dir / "hf", merged=cfg.lora.enabled,
                                             carry_from=cfg.model.init_from)
     if is_main:  # the tokenizer (a checkpoint's with its chat template, or the built-in one) beside the weights
-        from megaseq.data.char_hf import write_run_tokenizer
+        from megaseq.data.run_tokenizer import write_run_tokenizer
 
         write_run_tokenizer(cfg.data, result.hf_export)

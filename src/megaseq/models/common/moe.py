@@ -64,7 +64,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megaseq.models.common.mlp import MLP
-from megaseq.models.common.routing import balanced_experts
+from megaseq.models.common.routing import balanced_experts, check_routing
 from megaseq.models.spec import ModelSpec
 from megaseq.ops import dispatch
 from megaseq.ops.moe_glue.reference import _mm_dtype
@@ -170,6 +170,16 @@ class TopKRouter(nn.Module):
         if self.norm_topk_prob:
             weights_NK = weights_NK / (weights_NK.sum(dim=-1, keepdim=True) + 1e-20)
         return weights_NK * self.routed_scaling_factor, experts_NK, scores_NE
+
+
+def set_routing(model: nn.Module, routing: str) -> int:
+    """Set every megaseq router of ``model`` to ``routing`` (``models.common.routing``: natural or balanced);
+    returns how many routers it set."""
+    check_routing(routing)
+    routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
+    for r in routers:
+        r.routing = routing
+    return len(routers)
 
 
 # ---- experts ----------------------------------------------------------------------------------------

@@ -12,7 +12,9 @@ Shapes: N tokens, K experts per token, E routed experts.
 
 A model with random weights routes almost every token to the same K experts (its router logits are nearly
 equal for every token): a step then runs K large GEMMs instead of E grouped ones, which is not what a
-trained checkpoint does. ``megaseq bench`` uses ``balanced`` there (``bench.run.resolve_routing``).
+trained checkpoint does. ``megaseq bench`` uses ``balanced`` there (``bench.run.resolve_routing``); a
+megaseq model's routers take it through ``moe.set_routing``, a transformers model's experts through
+``balance_hf_experts``.
 K distinct experts per token: ``(n * K + j) mod E`` are K consecutive residues and ``perm`` is a bijection.
 """
 
@@ -45,17 +47,6 @@ def check_routing(routing: str, setting: str = "--routing") -> str:
     if routing not in ROUTINGS:
         raise ValueError(f"{setting} must be one of {', '.join(ROUTINGS)}, got {routing!r}")
     return routing
-
-
-def set_routing(model: nn.Module, routing: str) -> int:
-    """Set every megaseq router of ``model`` to ``routing``; returns how many routers it set."""
-    from megaseq.models.common.moe import TopKRouter
-
-    check_routing(routing)
-    routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
-    for r in routers:
-        r.routing = routing
-    return len(routers)
 
 
 def _balanced_hf_hook(num_experts: int):
