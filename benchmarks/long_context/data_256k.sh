@@ -19,7 +19,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 fi
 export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1
-summary() {  # the run's last step, its plan's peak and the report, into $OUT/$1
+summary() {  # the run's last step, its plan's peak and the report, into $OUT/$1 (also what a stopped run left)
   local run=$2
   mkdir -p "$OUT/$1"
   cp "$run/metrics.jsonl" "$run/plan.json" "$OUT/$1/" 2>/dev/null
@@ -36,15 +36,15 @@ case "${1:-}" in
     python3 -m megaseq train recipes/protein-family-tiny/recipe.yaml --model.dtype bf16 \
       --data.train "$WORK/prot/long_train.fa" --data.heldout "$WORK/prot/long_heldout.fa" --data.seq_len "${SEQ:-256K}" \
       --train.steps 20 --train.eval_every 0 --eval.by_position "${BUCKET:-32K}" --eval.max_windows 2 \
-      --train.run_dir "$WORK/runs/protein256k" --log.progress false || exit 1
-    summary protein256k "$WORK/runs/protein256k" ;;
+      --train.run_dir "$WORK/runs/protein256k" --log.progress false
+    rc=$?; summary protein256k "$WORK/runs/protein256k"; exit $rc ;;
   chat)
     python3 recipes/agent-traces-tiny/make_checkpoint.py "$WORK/agent" --long-tokens "${CHAT_TOKENS:-262144}" || exit 1
     python3 -m megaseq train recipes/qwen3-30b-a3b-lora.yaml --data.kind chat --data.tokenizer "$WORK/agent/checkpoint" \
       --data.chat_template tests/fixtures/qwen3_chat_template.jinja \
       --data.train "$WORK/agent/long_traces.jsonl" --data.heldout "$WORK/agent/heldout_long_traces.jsonl" \
       --data.seq_len "${CHAT_SEQ:-272K}" --train.steps 1 --train.eval_after true --eval.by_position 32K \
-      --train.run_dir "$WORK/runs/chat256k" --log.progress false || exit 1
-    summary chat256k "$WORK/runs/chat256k" ;;
+      --train.run_dir "$WORK/runs/chat256k" --log.progress false
+    rc=$?; summary chat256k "$WORK/runs/chat256k"; exit $rc ;;
   *) echo "usage: bash benchmarks/long_context/data_256k.sh protein|chat" >&2; exit 2 ;;
 esac
