@@ -32,8 +32,8 @@ from typing import Any
 from megaseq.config import AdapterSettings, LoraConfig
 from megaseq.models.spec import from_hf_config
 from megaseq.plan import Mesh, plan
-from megaseq.plan.components import GB, GIB
 from megaseq.plan.fixes import Budgets
+from megaseq.plan.mesh import GB, GIB
 from megaseq.plan.planner import validate_mesh
 
 K = 1024

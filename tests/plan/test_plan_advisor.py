@@ -10,7 +10,7 @@ import pytest
 from megaseq.config import load_config
 from megaseq.plan import advisor
 from megaseq.plan.advisor import Hardware, Source, advise, candidates, format_advice, model_kernels
-from megaseq.plan.components import GIB
+from megaseq.plan.mesh import GIB
 from megaseq.plan.planner import plan_from_config
 
 ROOT = Path(__file__).resolve().parents[2]

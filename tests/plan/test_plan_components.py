@@ -8,7 +8,7 @@ import pytest
 from megaseq.models.presets import get_preset
 from megaseq.models.spec import ModelSpec
 from megaseq.plan import components as C
-from megaseq.plan.components import GIB, Mesh, Precision
+from megaseq.plan.mesh import GIB, Mesh, Precision
 
 AUTOCAST = Precision()  # fp32 params + bf16 autocast: param 4, grad 4, moments 8, compute 2, stream 4
 FP32 = C.precision_for("fp32")

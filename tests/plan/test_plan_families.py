@@ -11,7 +11,7 @@ import pytest
 from test_plan_layers import kda_uncounted, saved_bytes, uncounted  # noqa: F401  (kda_uncounted: a fixture)
 
 from megaseq.plan import layers as LY
-from megaseq.plan.components import Calibration, Mesh, Precision
+from megaseq.plan.mesh import Calibration, Mesh, Precision
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = sorted(p.parent.name for p in (ROOT / "recipes").glob("*/config.json"))

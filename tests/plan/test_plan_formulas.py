@@ -15,7 +15,8 @@ import torch
 
 from megaseq.config import MemorySettings
 from megaseq.plan import components as C
-from megaseq.plan.components import Mesh, vocab_loss_bytes
+from megaseq.plan.components import vocab_loss_bytes
+from megaseq.plan.mesh import Mesh
 
 torch.set_num_threads(1)
 CPU = torch.device("cpu")

@@ -11,7 +11,7 @@ from test_plan_components import small_spec
 
 from megaseq.models.spec import ModelSpec
 from megaseq.plan import layers as LY
-from megaseq.plan.components import Calibration, Mesh, Precision
+from megaseq.plan.mesh import Calibration, Mesh, Precision
 
 AUTOCAST = Precision()
 

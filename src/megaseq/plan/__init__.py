@@ -9,10 +9,11 @@ setting, ``planner`` chooses the cheapest fixes that fit, ``flops`` the FLOPs / 
 model, ``report`` the rendering. See docs/planner.md for the arithmetic.
 """
 
-from megaseq.plan.components import GB, GIB, Calibration, Mesh, Precision, count_params, precision_for
 from megaseq.plan.flops import comm_volume, mfu, step_flops
+from megaseq.plan.mesh import GB, GIB, Calibration, Mesh, Precision, precision_for
 from megaseq.plan.planner import Budgets, Plan, plan, plan_from_config, validate_mesh
 from megaseq.plan.report import format_plan, plan_json
+from megaseq.plan.weights import count_params
 
 __all__ = [
     "GB",

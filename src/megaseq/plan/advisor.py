@@ -28,8 +28,8 @@ from typing import Any
 
 from megaseq.config import Config, load_config
 from megaseq.models.spec import ModelSpec
-from megaseq.plan.components import GIB
 from megaseq.plan.flops import step_seconds
+from megaseq.plan.mesh import GIB
 from megaseq.plan.planner import Plan, plan_from_config
 
 # the ops of the fast set (ops.kernels.FAST_GPU) and what a model needs for each to run: a layer kind, hyper-

@@ -40,7 +40,7 @@ from megaseq.parallel.llep import (
     source_pieces,
 )
 from megaseq.plan import layers
-from megaseq.plan.components import CAL, Calibration, Mesh, Precision
+from megaseq.plan.mesh import CAL, Calibration, Mesh, Precision
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,8 @@ from megaseq.ops.workspace import (  # noqa: F401  (the ops' own formulas)
     sparse_mla_pool_bytes,
     triton_sparse_mla_bytes,
 )
-from megaseq.plan.components import CAL, Calibration, Mesh, Precision, linear_inputs, norm_saved
+from megaseq.plan.components import linear_inputs, norm_saved
+from megaseq.plan.mesh import CAL, Calibration, Mesh, Precision
 
 Trains = frozenset[str] | None
 

@@ -25,7 +25,7 @@ from megaseq.memory.rules import check_stream_base
 from megaseq.models.spec import ModelSpec
 from megaseq.ops.kernels import PLANNED_FAST_OPS, planned_fast_ops  # noqa: F401  (PLANNED_FAST_OPS re-exported)
 from megaseq.plan import components as C
-from megaseq.plan.components import GB, GIB, Calibration, Mesh
+from megaseq.plan import weights as W
 from megaseq.plan.expert import dispatch_terms, expected_step_bytes
 from megaseq.plan.fixes import (  # noqa: F401  (Budgets, H200_GPU_BYTES, HOST_BYTES_PER_GPU: re-exported)
     FIXES,
@@ -40,6 +40,7 @@ from megaseq.plan.fixes import (  # noqa: F401  (Budgets, H200_GPU_BYTES, HOST_B
     fix_costs,
 )
 from megaseq.plan.flops import comm_volume, step_flops
+from megaseq.plan.mesh import CAL, GB, GIB, Calibration, Mesh
 from megaseq.plan.params import trained_counts
 from megaseq.plan.phases import Evaluation, Run, evaluate
 
@@ -220,14 +221,14 @@ def _state_advice(run: Run, budgets: Budgets) -> list[str]:
     """When parameters + optimizer state (on the GPU) alone overflow it: what shards or shrinks them (the
     settings the runtime has: ``parallel.fsdp``, ``model.weights bf16``, ``memory.optimizer_offload``)."""
     counts, mesh, prec = run.counts, run.mesh, run.prec
-    state = C.param_bytes(counts, mesh, prec) + C.optimizer_gpu_bytes(counts, mesh, prec, False, 1)
+    state = W.param_bytes(counts, mesh, prec) + W.optimizer_gpu_bytes(counts, mesh, prec, False, 1)
     if state <= budgets.gpu_bytes:
         return []
     line = f"parameters + optimizer state alone need {state / GIB:.0f} GiB per GPU"
     options = []
     if mesh.fsdp != "dp_cp" and mesh.world > 1:
         options.append("shard them over all the GPUs (FSDP: --parallel.fsdp dp_cp)")
-    experts = C.expert_params(counts, mesh)
+    experts = W.expert_params(counts, mesh)
     if experts and mesh.sharded and experts * prec.param > budgets.gpu_bytes // 4:
         options.append(f"split the routed experts over more GPUs (--parallel.ep: each GPU holds its "
                        f"{experts / 1e9:.1f}B expert parameters whole, FSDP shards the rest)")
@@ -357,7 +358,7 @@ def plan(
     model_dtype: str = "bf16",
     grad_accum: int = 1,
     moe_imbalance: float = 4.0,
-    calibration: Calibration = C.CAL,
+    calibration: Calibration = CAL,
     name: str = "",
     packed_documents: bool = False,
     ep_dispatch: ExpertDispatchSettings | None = None,
@@ -385,9 +386,9 @@ def plan(
     if seq_len < 1 or batch_size < 1:
         raise ValueError(f"seq_len ({seq_len}) and batch_size ({batch_size}) must be >= 1")
     validate_mesh(spec, seq_len, mesh)
-    counts = indexer_trains(C.count_params(spec), indexer_objective)
+    counts = indexer_trains(W.count_params(spec), indexer_objective)
     counts.trained = trained_counts(spec, adapters, indexer_objective)
-    counts = C.gpu_counts(counts, mesh)  # the experts (and their adapters) one GPU holds under ep
+    counts = W.gpu_counts(counts, mesh)  # the experts (and their adapters) one GPU holds under ep
     best: Plan | None = None
     for mode in mla_modes(spec, mesh):
         run = Run(
@@ -425,7 +426,7 @@ def _comm(run: Run) -> dict[str, Any]:
         comm["moe"] = expected_step_bytes(run.spec, run.seq_len, run.mesh, run.ep_dispatch, run.batch, run.prec)
         from megaseq.plan.flops import expert_grad_traffic
 
-        grads = expert_grad_traffic(C.expert_params(run.counts, run.mesh, "trained"), run.prec.grad, run.mesh)
+        grads = expert_grad_traffic(W.expert_params(run.counts, run.mesh, "trained"), run.prec.grad, run.mesh)
         if grads:  # the experts' gradients summed over the ranks holding them
             comm["expert_grads"] = grads
     if run.mesh.sharded:
@@ -478,7 +479,7 @@ def run_for(
     grad_accum: int = 1,
     moe_imbalance: float = 4.0,
     mla_mode: str | None = None,
-    calibration: Calibration = C.CAL,
+    calibration: Calibration = CAL,
     loss_in_compute_dtype: bool = True,
     ep_dispatch: ExpertDispatchSettings | None = None,
     weights: str = "fp32",
@@ -495,9 +496,9 @@ def run_for(
     mode = mla_mode or ("gather_kv" if mesh.mla_mode == "auto" else mesh.mla_mode)
     given = memory.to_dict() if isinstance(memory, MemorySettings) else memory
     full = base_settings(None, batch_size * seq_len // mesh.cp).replace(**given)
-    counts = indexer_trains(C.count_params(spec), indexer_objective)
+    counts = indexer_trains(W.count_params(spec), indexer_objective)
     counts.trained = trained_counts(spec, adapters, indexer_objective)
-    counts = C.gpu_counts(counts, mesh)  # the experts (and their adapters) one GPU holds under ep
+    counts = W.gpu_counts(counts, mesh)  # the experts (and their adapters) one GPU holds under ep
     return Run(
         spec=spec,
         seq_len=seq_len,
@@ -519,7 +520,7 @@ def run_for(
     )
 
 
-def indexer_trains(counts: C.ParamCounts, objective: bool) -> C.ParamCounts:
+def indexer_trains(counts: W.ParamCounts, objective: bool) -> W.ParamCounts:
     """With the indexer objective the DSA indexers' parameters train: counted with the dense trained ones."""
     if objective:
         counts.layers = [(dense + no_grad, experts, 0) for dense, experts, no_grad in counts.layers]

@@ -7,7 +7,7 @@ import io
 import json
 from typing import Any
 
-from megaseq.plan.components import GB, GIB
+from megaseq.plan.mesh import GB, GIB
 from megaseq.plan.planner import Plan
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from megaseq.plan import components as C
+from megaseq.plan import weights as W
 
 # host to device from pinned memory on an H200 (PCIe 5 x16): the planner takes 55 GB/s for one large copy
 # (flops.PINNED_BYTES_PER_S); per-layer copies of 0.1-3 GB beside the compute's own traffic are taken at 50 GB/s
@@ -38,8 +38,8 @@ def streamed_layer_bytes(run: Any) -> list[int]:
     counts, mesh, prec = run.counts, run.mesh, run.prec
     if not run.memory.stream_base or counts.trained is None:
         return [0] * len(counts.layers)
-    fb = C.frozen_bytes(prec)
-    return [C.gathered_params(counts, i, mesh, prec) * fb // mesh.shard for i in range(len(counts.layers))]
+    fb = W.frozen_bytes(prec)
+    return [W.gathered_params(counts, i, mesh, prec) * fb // mesh.shard for i in range(len(counts.layers))]
 
 
 def gpu_terms(run: Any, parameters: int) -> dict[str, int]:
