@@ -51,6 +51,10 @@ from megaseq.plan.weights import (  # noqa: F401  (the parameter terms, re-expor
     weight_copy_bytes,
 )
 
+# a layer's projections whose weight gets a gradient, by name within the layer (LoRA,
+# ``train.trainable``: an adapter counts, its ``A`` reads the same input); None: every one
+Trains = frozenset[str] | None
+
 
 # ---- small shared pieces -----------------------------------------------------------------------------
 def layer_input_bytes(tokens: int, hidden: int, hc_mult: int, dtype_bytes: int) -> int:
@@ -91,6 +95,17 @@ def linear_inputs(width: int, num_linears: int, in_bytes: int, prec: Precision) 
     if prec.autocast and in_bytes != prec.compute:
         return num_linears * prec.compute * width
     return in_bytes * width
+
+
+def trained_inputs(width: int, names: list[str], in_bytes: int, prec: Precision, trains: Trains) -> int:
+    """``linear_inputs`` of the linears ``names`` reading one tensor, counting only those that train."""
+    k = len(names) if trains is None else sum(n in trains for n in names)
+    return linear_inputs(width, k, in_bytes, prec) if k else 0
+
+
+def if_trained(name: str, trains: Trains) -> int:
+    """1 where the projection ``name`` trains (its input is kept for its weight's gradient), else 0."""
+    return 1 if trains is None or name in trains else 0
 
 
 def norm_saved(width: int, in_bytes: int, prec: Precision, fast: bool = False) -> tuple[int, int]:

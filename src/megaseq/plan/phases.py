@@ -23,6 +23,9 @@ from megaseq.config import ExpertDispatchSettings, MemorySettings
 from megaseq.models.spec import ModelSpec
 from megaseq.plan import components as C
 from megaseq.plan import expert, layers, stream
+from megaseq.plan import linear_mixers as LM
+from megaseq.plan import mlp as MLP
+from megaseq.plan import sparse_attention as SA
 from megaseq.plan import weights as W
 from megaseq.plan.mesh import CAL, Calibration, Mesh, Precision, precision_for
 from megaseq.plan.weights import ParamCounts
@@ -154,12 +157,12 @@ def _mixer(run: Run, i: int, xb: int) -> tuple[dict[str, int], int, int]:
     T = run.memory.kda_segment_tokens
     fast_norm = "gated_rms_norm" in run.fast_ops
     if kind == "kda" and 0 < T < n:
-        return layers.kda_segmented(spec, n, run.batch, T, xb, prec, run.cal, trains, fast_norm)
+        return LM.kda_segmented(spec, n, run.batch, T, xb, prec, run.cal, trains, fast_norm)
     if kind == "kda":
         return (
-            layers.kda_saved(spec, n, xb, prec, run.cal, trains, fast_norm),
-            layers.kda_temp(spec, n, prec, False, run.cal) + comm,
-            layers.kda_temp(spec, n, prec, True, run.cal) + comm,
+            LM.kda_saved(spec, n, xb, prec, run.cal, trains, fast_norm),
+            LM.kda_temp(spec, n, prec, False, run.cal) + comm,
+            LM.kda_temp(spec, n, prec, True, run.cal) + comm,
         )
     keys = run.batch * run.seq_len if run.segment else 0  # sequence segments: the last segment's keys
     if kind == "attention":
@@ -182,9 +185,9 @@ def _mixer(run: Run, i: int, xb: int) -> tuple[dict[str, int], int, int]:
         )
     if kind == "gdn":
         return (
-            layers.gdn_saved(spec, n, xb, prec, run.cal, trains),
-            layers.gdn_temp(spec, n, prec, False, run.cal) + comm,
-            layers.gdn_temp(spec, n, prec, True, run.cal) + comm,
+            LM.gdn_saved(spec, n, xb, prec, run.cal, trains),
+            LM.gdn_temp(spec, n, prec, False, run.cal) + comm,
+            LM.gdn_temp(spec, n, prec, True, run.cal) + comm,
         )
     if kind != "dsa":
         raise ValueError(
@@ -193,8 +196,8 @@ def _mixer(run: Run, i: int, xb: int) -> tuple[dict[str, int], int, int]:
     full = spec.indexer_types[i] == "full"
     B, S, mode = run.batch, run.seq_len, run.mla_mode
     impl = "triton" if "sparse_attention" in run.fast_ops else run.sparse_impl
-    saved = layers.dsa_saved(spec, n, B, S, xb, prec, mesh, mode, full, run.cal, impl, trains)
-    fwd = layers.dsa_temp(spec, n, B, S, prec, mesh, mode, False, run.cal, impl)
+    saved = SA.dsa_saved(spec, n, B, S, xb, prec, mesh, mode, full, run.cal, impl, trains)
+    fwd = SA.dsa_temp(spec, n, B, S, prec, mesh, mode, False, run.cal, impl)
     if full:
         fwd = max(fwd, layers.indexer_temp(spec, n, B, S, run.memory.indexer_query_chunk, prec,
                                            fast="indexer_topk" in run.fast_ops))
@@ -203,7 +206,7 @@ def _mixer(run: Run, i: int, xb: int) -> tuple[dict[str, int], int, int]:
                                                      fused_target="indexer_target" in run.fast_ops)
         saved = {**saved, "dsa indexer objective (gradients, pooled keys)": kept}
         fwd = max(fwd, chunk)
-    return saved, fwd + comm, layers.dsa_temp(spec, n, B, S, prec, mesh, mode, True, run.cal, impl) + comm
+    return saved, fwd + comm, SA.dsa_temp(spec, n, B, S, prec, mesh, mode, True, run.cal, impl) + comm
 
 
 def _mlp(run: Run, i: int, xb: int, tokens: int) -> tuple[dict[str, int], int, int]:
@@ -214,12 +217,12 @@ def _mlp(run: Run, i: int, xb: int, tokens: int) -> tuple[dict[str, int], int, i
         return _moe_ep(run, xb, tokens)
     fast = "swiglu" in run.fast_ops
     if kind == "dense":
-        saved = {"mlp (dense SwiGLU)": layers.mlp_saved(spec, tokens, spec.intermediate_size, xb, prec,
+        saved = {"mlp (dense SwiGLU)": MLP.mlp_saved(spec, tokens, spec.intermediate_size, xb, prec,
                                                         _trains(run, i), fast=fast)}
     else:
-        saved = layers.moe_saved(spec, tokens, xb, prec, mesh, run.imbalance, _trains(run, i), fast=fast)
-    fwd = layers.mlp_temp(spec, tokens, kind, xb, prec, mesh, run.imbalance, False, run.cal)
-    bwd = layers.mlp_temp(spec, tokens, kind, xb, prec, mesh, run.imbalance, True, run.cal)
+        saved = MLP.moe_saved(spec, tokens, xb, prec, mesh, run.imbalance, _trains(run, i), fast=fast)
+    fwd = MLP.mlp_temp(spec, tokens, kind, xb, prec, mesh, run.imbalance, False, run.cal)
+    bwd = MLP.mlp_temp(spec, tokens, kind, xb, prec, mesh, run.imbalance, True, run.cal)
     return saved, fwd, bwd
 
 
@@ -228,9 +231,9 @@ def _moe_ep(run: Run, xb: int, tokens: int) -> tuple[dict[str, int], int, int]:
     dispatch mode runs it (``plan.expert.dispatch_terms``: PipelinedLLEP at its bound)."""
     spec, prec = run.spec, run.prec
     t = expert.dispatch_terms(spec, tokens, run.mesh, run.ep_dispatch, xb, prec, run.imbalance, run.cal)
-    saved = {"moe router": layers.moe_router_saved(spec, tokens, prec), **t.saved}
+    saved = {"moe router": MLP.moe_router_saved(spec, tokens, prec), **t.saved}
     if spec.num_shared_experts:
-        saved["moe shared expert"] = layers.shared_expert_saved(spec, tokens, xb, prec,
+        saved["moe shared expert"] = MLP.shared_expert_saved(spec, tokens, xb, prec,
                                                                 fast="swiglu" in run.fast_ops)
     return saved, t.fwd_temp, t.bwd_temp
 
@@ -254,7 +257,7 @@ def _largest_weight(spec: ModelSpec, i: int) -> int:
             spec.kv_lora_rank * Hh * (spec.qk_nope_head_dim + spec.v_head_dim),
         )
     elif kind == "gdn":
-        Hk, Dk, Hv, Dv = layers.gdn_dims(spec)
+        Hk, Dk, Hv, Dv = LM.gdn_dims(spec)
         mix = H * (2 * Hk * Dk + 2 * Hv * Dv)  # in_proj_qkvz
     else:
         gate = 2 if spec.attn_output_gate else 1  # Qwen3-Next's q_proj carries the output gate
@@ -429,7 +432,7 @@ def segment_store_bytes(run: Run) -> dict[str, int]:
     Hl, D = spec.linear_num_heads // run.mesh.cp, spec.linear_head_dim
     state = Hl * D * D * f + (spec.linear_conv_kernel - 1) * 3 * Hl * D * c
     full = sum(1 for i, k in enumerate(spec.layer_types) if k == "dsa" and spec.indexer_types[i] == "full")
-    kept = full * layers.dsa_selection_bytes(spec, B * S) if run.memory.segment_keep_selection else 0
+    kept = full * SA.dsa_selection_bytes(spec, B * S) if run.memory.segment_keep_selection else 0
     out = {
         "segment DSA selections (kept)": kept,
         "segment caches (DSA latents, indexer keys)": dsa * B * S * (R * c + 2 * spec.index_head_dim * f),
@@ -453,7 +456,7 @@ def _segment_mixer_store(run: Run, segs: int) -> dict[str, int]:
     spec, prec, B, S, cp = run.spec, run.prec, run.batch, run.seq_len, run.mesh.cp
     c, f = prec.compute, prec.f32
     kinds = spec.layer_types
-    Hk, Dk, Hv, Dv = layers.gdn_dims(spec)
+    Hk, Dk, Hv, Dv = LM.gdn_dims(spec)
     gdn_state = Hv // cp * Dk * Dv * f + (spec.linear_conv_kernel - 1) * (2 * Hk * Dk + Hv * Dv) // cp * c
     out = {}
     rows = segment_kv_rows(run)
@@ -546,7 +549,7 @@ def _phases(run: Run, terms: list[LayerTerms]) -> list[tuple[str, dict[str, int]
         spec, n, d_loss, run.memory.chunked_loss, run.memory.loss_chunk_tokens, weight_grad=head_trains,
         fast="linear_cross_entropy" in run.fast_ops,
     ) + ((n + (spec.vocab_size if head_trains else 0)) * H * d_loss if cast else 0)
-    sel = layers.dsa_selection_bytes(spec, n) if "dsa" in spec.layer_types else 0
+    sel = SA.dsa_selection_bytes(spec, n) if "dsa" in spec.layer_types else 0
     readers = _readers(spec)
     k = _sco_offloaded(run, bnd)
     fwd_state = dict(state, **{"gradients": g_all if acc else 0})
