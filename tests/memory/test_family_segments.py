@@ -334,7 +334,8 @@ def test_planned_store_bounds_the_runtime_store(preset):
     from megaseq.config import MemorySettings
     from megaseq.plan import Mesh
     from megaseq.plan import components as C
-    from megaseq.plan.phases import Run, segment_store_bytes
+    from megaseq.plan.run import Run
+    from megaseq.plan.segments import segment_store_bytes
 
     model = build_model(get_preset(preset), dtype=torch.float32, seed=0)
     ids, labels = _batch(model)

@@ -57,7 +57,8 @@ def test_the_store_is_on_the_host_and_two_layers_on_the_device(monkeypatch):
     from megaseq.config import MemorySettings
     from megaseq.plan import Mesh
     from megaseq.plan import components as C
-    from megaseq.plan.phases import Run, segment_kv_host_bytes, segment_kv_rows, segment_store_bytes
+    from megaseq.plan.run import Run
+    from megaseq.plan.segments import segment_kv_host_bytes, segment_kv_rows, segment_store_bytes
 
     model = _model(FAMILIES["qwen3_moe"])
     ids, labels = _batch(model)

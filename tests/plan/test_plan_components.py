@@ -166,7 +166,9 @@ def test_sequence_segment_terms_by_hand():
     from dataclasses import replace
 
     from megaseq.plan.fixes import base_settings
-    from megaseq.plan.phases import Run, evaluate, segment_store_bytes
+    from megaseq.plan.phases import evaluate
+    from megaseq.plan.run import Run
+    from megaseq.plan.segments import segment_store_bytes
 
     spec = small_spec()  # 3 KDA (2 heads x 3, conv 4, H 8) + 1 DSA (kv_lora 4, indexer dim 4)
     S, T = 1000, 256

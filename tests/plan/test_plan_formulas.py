@@ -135,7 +135,8 @@ def test_segment_store_holds_what_the_planner_counts(monkeypatch):
     from megaseq.memory.vocab_loss import linear_cross_entropy
     from megaseq.models.build import build_model
     from megaseq.models.glm5.spec import glm5_flash_tiny
-    from megaseq.plan.phases import Run, segment_store_bytes
+    from megaseq.plan.run import Run
+    from megaseq.plan.segments import segment_store_bytes
 
     spec = glm5_flash_tiny().replace(index_topk=32)
     model = build_model(spec, dtype=torch.float32, seed=0)

@@ -185,7 +185,8 @@ def test_saved_set_matches_blocks(name, seq, autocast, block, kda_uncounted, mon
     from megaseq.ops.sparse_mla import reference as mla_dsa
     from megaseq.plan import components as C
     from megaseq.plan.fixes import base_settings
-    from megaseq.plan.phases import Run, layer_terms
+    from megaseq.plan.layer_terms import layer_terms
+    from megaseq.plan.run import Run
 
     if block:
         monkeypatch.setattr(mla_dsa, "ATTENTION_BLOCK_ELEMS", block)
@@ -220,7 +221,8 @@ def test_token_tiled_saved_set_matches_blocks(kda_uncounted):
     from megaseq.models.presets import get_preset
     from megaseq.plan import components as C
     from megaseq.plan.fixes import base_settings
-    from megaseq.plan.phases import Run, layer_terms
+    from megaseq.plan.layer_terms import layer_terms
+    from megaseq.plan.run import Run
 
     torch.manual_seed(0)
     spec, seq, tile = get_preset("glm5-flash-tiny"), 999, 128

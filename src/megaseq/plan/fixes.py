@@ -28,7 +28,7 @@ from megaseq.config import MemorySettings
 from megaseq.memory.rules import check_model_segments  # noqa: F401  (re-exported)
 from megaseq.models.registry import family
 from megaseq.plan import components as C
-from megaseq.plan import layers, phases, stream
+from megaseq.plan import layers, segments, stream
 from megaseq.plan import weights as W
 from megaseq.plan.flops import (
     DEVICE_BYTES_PER_S,
@@ -40,7 +40,8 @@ from megaseq.plan.flops import (
     step_seconds,
 )
 from megaseq.plan.mesh import GB, GIB, Mesh
-from megaseq.plan.phases import Evaluation, Run, evaluate
+from megaseq.plan.phases import evaluate
+from megaseq.plan.run import Evaluation, Run
 from megaseq.schemes import SCHEMES
 
 H200_GPU_BYTES = int(139.8 * GIB)  # usable memory of one H200
@@ -164,7 +165,7 @@ def segment_kv_host_copies(run: Run) -> tuple[float, float, float]:
     the compute dtype and ``a`` in fp32: the forward reads rows ``[0, s)`` and writes ``[s, e)``; the rerun reads
     ``[0, s)`` and the accumulated gradient of ``[s, e)``; the backward reads ``[0, s)`` and their accumulator
     and writes the accumulator back."""
-    rows = sum(phases.segment_kv_rows(run)) * run.batch
+    rows = sum(segments.segment_kv_rows(run)) * run.batch
     if not (run.segment and rows):
         return 0.0, 0.0, 0.0
     c, f = run.prec.compute, run.prec.f32
@@ -399,7 +400,7 @@ def choose(run: Run, budgets: Budgets, memory_cfg: Any | None) -> tuple[MemorySe
     for fixes in _candidates(run, costs):
         m = with_fixes(base, fixes, run, host_room)
         fit = _fits(evaluate(replace(run, memory=m)), budgets, run.mesh)
-        if not fit and "model_segments" in fixes and phases.segment_kv_rows(run):
+        if not fit and "model_segments" in fixes and segments.segment_kv_rows(run):
             # the segments' K/V store in host memory, only where the GPU-resident one does not fit
             m = m.replace(segment_kv_host=True)
             fit = _fits(evaluate(replace(run, memory=m)), budgets, run.mesh)

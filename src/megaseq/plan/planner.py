@@ -42,7 +42,8 @@ from megaseq.plan.fixes import (  # noqa: F401  (Budgets, H200_GPU_BYTES, HOST_B
 from megaseq.plan.flops import comm_volume, step_flops
 from megaseq.plan.mesh import CAL, GB, GIB, Calibration, Mesh
 from megaseq.plan.params import trained_counts
-from megaseq.plan.phases import Evaluation, Run, evaluate
+from megaseq.plan.phases import evaluate
+from megaseq.plan.run import Evaluation, Run
 
 # the memory settings a plan carries, in order (``Plan.memory``: ``MemorySettings.to_dict``)
 MEMORY_KEYS = tuple(f.name for f in fields(MemorySettings))
