@@ -52,7 +52,7 @@ def test_host_store_equals_gpu_store(family, T, docs):
 def test_the_store_is_on_the_host_and_two_layers_on_the_device(monkeypatch):
     """With the host store the segments keep no attention rows on the device (only DSA/recurrent state would
     stay there); the host holds every layer's rows and fp32 gradients, the planner's bytes
-    (``plan.phases.segment_kv_host_bytes``); the fetched tensors on the device peak at the planner's in-flight
+    (``plan.segments.segment_kv_host_bytes``); the fetched tensors on the device peak at the planner's in-flight
     bound (two layers: one in its backward with its rows' gradient, the next fetched ahead)."""
     from megaseq.config import MemorySettings
     from megaseq.plan import Mesh

@@ -125,7 +125,7 @@ def test_absorbed_sparse_mla_saves_its_inputs_and_the_formulas_saved_set():
     assert _nbytes(*saved) == _nbytes(q, w, idx) + formula
 
 
-# ---- sequence segments (memory/model_segments.py; plan.phases.segment_store_bytes) --------------------
+# ---- sequence segments (memory/model_segments.py; plan.segments.segment_store_bytes) --------------------
 def test_segment_store_holds_what_the_planner_counts(monkeypatch):
     """The store's fullest moment is the first backward segment's end: the DSA caches and one fp32
     latent-gradient accumulator per DSA layer over the whole sequence, and the KDA state + halo at every

@@ -122,7 +122,7 @@ def estimated_step_seconds(plan: Plan, spec: ModelSpec, mesh_cp: int, lora: bool
     """One step's seconds: the model FLOPs on one GPU at the planner's rate (2/3 of them under LoRA: no weight
     gradients of the frozen base), times the fixes' costs, plus context-parallel and FSDP traffic (none of it
     overlapped: a ranking, not a forecast)."""
-    from megaseq.plan.components import Mesh
+    from megaseq.plan.mesh import Mesh
 
     compute = step_seconds(spec, plan.seq_len, plan.batch_size, Mesh(cp=mesh_cp)) * (2 / 3 if lora else 1.0)
     compute *= 1 + sum(f[1] for f in plan.fixes)

@@ -50,7 +50,7 @@ class Run:
 
     @property
     def prec(self) -> Precision:
-        """Dtypes of ``model.dtype`` and ``model.weights`` (``components.precision_for``); a frozen bf16 base
+        """Dtypes of ``model.dtype`` and ``model.weights`` (``mesh.precision_for``); a frozen bf16 base
         with its embedding makes the residual stream bf16, with its norms their outputs bf16."""
         tr = self.counts.trained
         frozen = tr is not None

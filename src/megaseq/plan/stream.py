@@ -9,7 +9,7 @@ Pure Python. With a frozen base (LoRA, ``train.trainable``) the decoder layers' 
   of a few MB per layer in one process);
 - GPU: the parameters less those bytes, plus two layers in flight (the one running and the one prefetched):
   ``2 max_i W_i`` in one process; under FSDP the gathered layers are FSDP's buffers already
-  (``components.fsdp_buffers``), and two shards' copies feed the all-gathers (``2 max_i W_i / shard``);
+  (``weights.fsdp_buffers``), and two shards' copies feed the all-gathers (``2 max_i W_i / shard``);
 - time: each pass over the layers copies the whole streamed base at ``STREAM_BYTES_PER_S``, layer i + 1's
   copy while layer i computes; a layer whose copy takes longer than its compute delays the pass by the
   difference (``excess_seconds``). A plain or recomputed step passes twice (forward; backward, where a
@@ -43,7 +43,7 @@ def streamed_layer_bytes(run: Any) -> list[int]:
 
 
 def gpu_terms(run: Any, parameters: int) -> dict[str, int]:
-    """The state's GPU terms with the base streamed: ``parameters`` (``components.param_bytes``) less the
+    """The state's GPU terms with the base streamed: ``parameters`` (``weights.param_bytes``) less the
     streamed bytes, and the layers in flight; ``{}`` when nothing streams."""
     per_layer = streamed_layer_bytes(run)
     if not any(per_layer):
