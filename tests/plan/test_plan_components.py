@@ -165,7 +165,7 @@ def test_sequence_segment_terms_by_hand():
     and the DSA keys of the whole sequence; the caches are over the whole sequence; gradients are held."""
     from dataclasses import replace
 
-    from megaseq.plan.fixes import base_settings
+    from megaseq.plan.choice import base_settings
     from megaseq.plan.phases import evaluate
     from megaseq.plan.run import Run
     from megaseq.plan.segments import segment_store_bytes

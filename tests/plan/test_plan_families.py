@@ -27,7 +27,7 @@ def gdn_uncounted():
 
 def _run(spec, seq: int, autocast: bool):
     from megaseq.plan import components as C
-    from megaseq.plan.fixes import base_settings
+    from megaseq.plan.choice import base_settings
     from megaseq.plan.run import Run
 
     return Run(spec=spec, seq_len=seq, batch=1, mesh=Mesh(), model_dtype="bf16" if autocast else "fp32",

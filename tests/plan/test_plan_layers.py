@@ -184,7 +184,7 @@ def test_saved_set_matches_blocks(name, seq, autocast, block, kda_uncounted, mon
     from megaseq.models.presets import get_preset
     from megaseq.ops.sparse_mla import reference as mla_dsa
     from megaseq.plan import components as C
-    from megaseq.plan.fixes import base_settings
+    from megaseq.plan.choice import base_settings
     from megaseq.plan.layer_terms import layer_terms
     from megaseq.plan.run import Run
 
@@ -220,7 +220,7 @@ def test_token_tiled_saved_set_matches_blocks(kda_uncounted):
     from megaseq.models.build import build_model
     from megaseq.models.presets import get_preset
     from megaseq.plan import components as C
-    from megaseq.plan.fixes import base_settings
+    from megaseq.plan.choice import base_settings
     from megaseq.plan.layer_terms import layer_terms
     from megaseq.plan.run import Run
 

@@ -15,7 +15,7 @@ from megaseq.models.presets import get_preset
 from megaseq.models.registry import parallelize
 from megaseq.plan import components as C
 from megaseq.plan import fixes, stream
-from megaseq.plan.fixes import base_settings
+from megaseq.plan.choice import base_settings
 from megaseq.plan.params import trained_counts
 from megaseq.plan.phases import evaluate
 from megaseq.plan.planner import plan_from_config

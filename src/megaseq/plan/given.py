@@ -12,9 +12,7 @@ from typing import Any
 from megaseq.config import AdapterSettings, ExpertDispatchSettings, MemorySettings
 from megaseq.models.spec import ModelSpec
 from megaseq.plan import weights as W
-from megaseq.plan.fixes import (
-    base_settings,
-)
+from megaseq.plan.choice import base_settings
 from megaseq.plan.mesh import CAL, Calibration, Mesh
 from megaseq.plan.params import trained_counts
 from megaseq.plan.phases import evaluate

@@ -27,6 +27,7 @@ from megaseq.models.spec import ModelSpec
 from megaseq.ops.kernels import PLANNED_FAST_OPS, planned_fast_ops  # noqa: F401  (PLANNED_FAST_OPS re-exported)
 from megaseq.plan import components as C
 from megaseq.plan import weights as W
+from megaseq.plan.choice import base_settings, choose, enabled_fixes, fix_costs
 from megaseq.plan.expert import dispatch_terms, expected_step_bytes
 from megaseq.plan.fixes import (  # noqa: F401  (Budgets, H200_GPU_BYTES, HOST_BYTES_PER_GPU: re-exported)
     FIXES,
@@ -34,11 +35,7 @@ from megaseq.plan.fixes import (  # noqa: F401  (Budgets, H200_GPU_BYTES, HOST_B
     HOST_BYTES_PER_GPU,
     LADDER,
     Budgets,
-    base_settings,
     check_model_segments,
-    choose,
-    enabled_fixes,
-    fix_costs,
 )
 from megaseq.plan.flops import comm_volume, step_flops
 from megaseq.plan.given import indexer_trains, mla_modes, validate_mesh

@@ -11,9 +11,9 @@ from dataclasses import replace
 from typing import Any
 
 from megaseq.plan import weights as W
+from megaseq.plan.choice import choose
 from megaseq.plan.fixes import (
     Budgets,
-    choose,
 )
 from megaseq.plan.given import mla_modes, validate_mesh
 from megaseq.plan.mesh import GB, GIB
