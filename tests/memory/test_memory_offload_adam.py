@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from megaseq.memory.offload_adam import OffloadStreamAdamW, SequentialOffloadAdamW
-from megaseq.plan.weights import offload_adam_bytes
+from megaseq.plan.components import offload_adam_bytes
 
 torch.set_num_threads(1)
 TOL = {"rtol": 1e-12, "atol": 1e-14}

@@ -14,9 +14,9 @@ from megaseq.parallel.env import ParallelEnv
 from megaseq.parallel.expert import EPDispatch, shard_experts
 from megaseq.parallel.llep import dispatch_buffer_bound
 from megaseq.parallel.mesh import MeshShape
+from megaseq.plan.components import count_params, gpu_counts
 from megaseq.plan.expert import dispatch_terms
 from megaseq.plan.mesh import Mesh, precision_for
-from megaseq.plan.weights import count_params, gpu_counts
 
 
 @pytest.mark.parametrize("override, words", [
@@ -82,7 +82,7 @@ def test_planner_splits_experts_and_bounds_the_dispatch():
     counts = count_params(spec)
     on8 = gpu_counts(counts, Mesh(ep=8, cp=8))
     assert counts.total - on8.total == sum(x - x // 8 for _, x, _ in counts.layers) > 0  # 36 of 288 experts each
-    # under FSDP too the experts stay whole, split over ep; FSDP shards the rest (plan.weights.gpu_counts)
+    # under FSDP too the experts stay whole, split over ep; FSDP shards the rest (plan.components.gpu_counts)
     assert gpu_counts(counts, Mesh(ep=8, cp=8, fsdp=True)) == on8
     prec, n = precision_for("bf16"), 128 * 1024
     pipelined = dispatch_terms(spec, n, Mesh(ep=8, cp=8), ExpertDispatchSettings(), 4, prec, 4.0)

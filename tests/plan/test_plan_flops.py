@@ -53,7 +53,7 @@ def test_step_flops_counts_training_as_three_forwards():
 
 def test_active_flops_of_full_model_near_six_per_active_param():
     spec = get_preset("glm5-flash")
-    from megaseq.plan.weights import count_params
+    from megaseq.plan.components import count_params
 
     active = count_params(spec).active(spec) - spec.vocab_size * spec.hidden_size  # the embedding is a lookup
     per_token = F.step_flops(spec, 4096).per_token

@@ -15,7 +15,7 @@ import torch
 
 from megaseq.config import MemorySettings
 from megaseq.plan import components as C
-from megaseq.plan.components import vocab_loss_bytes
+from megaseq.plan.activations import vocab_loss_bytes
 from megaseq.plan.mesh import Mesh
 
 torch.set_num_threads(1)
@@ -38,7 +38,7 @@ def _nbytes(*ts: torch.Tensor) -> int:
     return sum(t.numel() * t.element_size() for t in ts)
 
 
-# ---- the vocabulary loss (memory/vocab_loss.py; plan.components.vocab_loss_bytes) ---------------------
+# ---- the vocabulary loss (memory/vocab_loss.py; plan.activations.vocab_loss_bytes) ---------------------
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("kind", ["plain", "chunked"])
 def test_vocab_loss_formula_is_what_the_loss_allocates(kind, dtype):

@@ -12,7 +12,7 @@ layer), on the embedding when the head is not tied to it, and on the root (the f
   token count (``parallel.grads``);
 - the next block's all-gather is issued before this block runs (``prefetch_plan``: forward i -> i + 1,
   backward i -> i - 1), so at most two blocks are gathered at once: what the planner counts
-  (``plan.weights.fsdp_buffers``);
+  (``plan.components.fsdp_buffers``);
 - the root keeps the head gathered from the forward to its backward (torch's rule for the root), so the
   trainer's losses (chunked, Ring-DTP) read ``model.lm_head.weight`` whole after ``model(...)``;
 - parameters whose dtype differs from the model's (the router, KDA conv and decay, mHC base/scale that a
@@ -24,7 +24,7 @@ layer), on the embedding when the head is not tied to it, and on the root (the f
   an FSDP group needs one dtype (bf16 frozen + fp32 adapters cannot share one), and the adapters cannot be
   units of their own: the routed experts' factors and ``kv_b_proj``'s merged adapter are read as tensors,
   not through the factor module's forward whose hooks would gather them. The cost: the trained state is
-  not divided by the shard count (``plan.weights.state_mesh``).
+  not divided by the shard count (``plan.components.state_mesh``).
   With ``parallel.fsdp dp`` and cp > 1 the shards are replicated over the cp ranks
   (HSDP: a 2-D mesh, cp x dp): FSDP all-reduces the reduce-scattered shards over cp in each backward, so a
   shard's gradient is complete when FSDP hands it over (the optimizer may fold it into an fp32 sum).

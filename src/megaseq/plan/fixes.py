@@ -28,7 +28,6 @@ from megaseq.memory.rules import check_model_segments  # noqa: F401  (re-exporte
 from megaseq.models.registry import family
 from megaseq.plan import components as C
 from megaseq.plan import layers, segments, stream
-from megaseq.plan import weights as W
 from megaseq.plan.flops import (
     DEVICE_BYTES_PER_S,
     PINNED_BYTES_PER_S,
@@ -94,7 +93,7 @@ class CostTerms:
     def of(cls, run: Run) -> CostTerms:
         sf = step_flops(run.spec, run.seq_len)
         T = step_seconds(run.spec, run.seq_len, run.batch, run.mesh)
-        P = run.counts.trainable / W.state_shard(run.counts, run.mesh)
+        P = run.counts.trainable / C.state_shard(run.counts, run.mesh)
         copy = C.boundary_bytes(run.spec, run.n, run.prec) * run.spec.num_layers / PINNED_BYTES_PER_S
         excess = max(0.0, copy - T / 3) + max(0.0, copy - 2 * T / 3)  # hidden behind the fwd (1/3) and bwd
         opt = max(0.0, P * 30 / PINNED_BYTES_PER_S - P * 32 / DEVICE_BYTES_PER_S)  # up 16 B, down 14 B
@@ -144,7 +143,7 @@ def fsdp_step_traffic(run: Run, num_segments: int = 1) -> dict[str, float]:
 
     layers, embed, head = fsdp_per_layer(run)
     if run.counts.trained is not None:  # a frozen base: gathered in its storage dtype, nothing reduce-scattered
-        return fsdp_traffic(sum(layers) + embed, W.frozen_bytes(run.prec), 0, run.mesh, num_segments,
+        return fsdp_traffic(sum(layers) + embed, C.frozen_bytes(run.prec), 0, run.mesh, num_segments,
                             run.grad_accum)
     return fsdp_traffic(sum(layers) + embed, run.prec.param, run.reduce_bytes, run.mesh, num_segments,
                         run.grad_accum)
@@ -193,7 +192,7 @@ def _kda_layer_share(run: Run) -> float:
 
 def _sco_enable(base: MemorySettings, run: Run, fixes: tuple[str, ...], host_room: int) -> dict[str, Any]:
     bnd = C.boundary_bytes(run.spec, run.n, run.prec)
-    opt_host = W.optimizer_host_bytes(run.counts, run.mesh, "optimizer_offload" in fixes)
+    opt_host = C.optimizer_host_bytes(run.counts, run.mesh, "optimizer_offload" in fixes)
     if "stream_base" in fixes:  # the streamed base's pinned bytes come first
         opt_host += sum(stream.streamed_layer_bytes(replace(run, memory=run.memory.replace(stream_base=True))))
     return {"checkpoint_offload": True,

@@ -11,7 +11,7 @@ from typing import Any
 
 from megaseq.config import AdapterSettings, ExpertDispatchSettings, MemorySettings
 from megaseq.models.spec import ModelSpec
-from megaseq.plan import weights as W
+from megaseq.plan import components as C
 from megaseq.plan.choice import base_settings
 from megaseq.plan.mesh import CAL, Calibration, Mesh
 from megaseq.plan.params import trained_counts
@@ -98,9 +98,9 @@ def run_for(
     mode = mla_mode or ("gather_kv" if mesh.mla_mode == "auto" else mesh.mla_mode)
     given = memory.to_dict() if isinstance(memory, MemorySettings) else memory
     full = base_settings(None, batch_size * seq_len // mesh.cp).replace(**given)
-    counts = indexer_trains(W.count_params(spec), indexer_objective)
+    counts = indexer_trains(C.count_params(spec), indexer_objective)
     counts.trained = trained_counts(spec, adapters, indexer_objective)
-    counts = W.gpu_counts(counts, mesh)  # the experts (and their adapters) one GPU holds under ep
+    counts = C.gpu_counts(counts, mesh)  # the experts (and their adapters) one GPU holds under ep
     return Run(
         spec=spec,
         seq_len=seq_len,
@@ -122,7 +122,7 @@ def run_for(
     )
 
 
-def indexer_trains(counts: W.ParamCounts, objective: bool) -> W.ParamCounts:
+def indexer_trains(counts: C.ParamCounts, objective: bool) -> C.ParamCounts:
     """With the indexer objective the DSA indexers' parameters train: counted with the dense trained ones."""
     if objective:
         counts.layers = [(dense + no_grad, experts, 0) for dense, experts, no_grad in counts.layers]

@@ -13,7 +13,6 @@ from megaseq.plan import expert, layers
 from megaseq.plan import linear_mixers as LM
 from megaseq.plan import mlp as MLP
 from megaseq.plan import sparse_attention as SA
-from megaseq.plan import weights as W
 from megaseq.plan.run import LayerTerms, Run
 
 
@@ -174,10 +173,10 @@ def layer_terms(run: Run, i: int) -> LayerTerms:
     grad_mlp = n * H * (xb + (y_mlp if (y_mlp != s or N > 1) else 0))
     if tiled:  # the tiles run without a graph: their weights' bf16 copies live only inside backward
         tile_saved = sum(mlp.values())
-        mlp_params = sum(W.mlp_params(spec, spec.mlp_types[i])) if tr is None else tr.mlp[i]
+        mlp_params = sum(C.mlp_params(spec, spec.mlp_types[i])) if tr is None else tr.mlp[i]
         mlp_fwd = int(run.cal.nograd_fraction * tile_saved) + mlp_fwd
-        mlp_bwd = tile_saved + mlp_bwd + 2 * W.grad_bytes(mlp_params, W.state_mesh(run.counts, run.mesh), prec)
-        mlp_bwd += W.weight_copy_bytes(mlp_params, prec, run.mesh)
+        mlp_bwd = tile_saved + mlp_bwd + 2 * C.grad_bytes(mlp_params, C.state_mesh(run.counts, run.mesh), prec)
+        mlp_bwd += C.weight_copy_bytes(mlp_params, prec, run.mesh)
         mlp = {"mlp (tiled: input only)": n * xb * H}
     if N > 1:
         fast_merge = "hc_merge" in run.fast_ops

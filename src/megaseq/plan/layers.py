@@ -6,7 +6,7 @@ sinks and sliding windows), MLA (``mla_saved`` / ``mla_temp``), the DSA indexer 
 ``indexer_objective_bytes``) and the sequence-segment terms; the other kinds sit one module each and are
 re-exported here, so ``plan.layers`` names every kind's terms: KDA and GDN in ``linear_mixers``, DSA's
 attention in ``sparse_attention``, the MLP, MoE and shared expert in ``mlp``. Named coefficients live in
-``mesh.Calibration``. Notation as in ``components``: c compute bytes, f fp32 bytes, xb bytes of the normed
+``mesh.Calibration``. Notation as in ``activations``: c compute bytes, f fp32 bytes, xb bytes of the normed
 block input, D = KDA heads x head dim. ``docs/planner.md`` has the arithmetic.
 
 ``trains``: with a frozen base (LoRA, ``train.trainable``) the layer's projections whose weight gets a
@@ -30,7 +30,7 @@ from megaseq.ops.workspace import (  # noqa: F401  (the ops' own formulas)
     sparse_mla_pool_bytes,
     triton_sparse_mla_bytes,
 )
-from megaseq.plan.components import Trains, if_trained, norm_saved, trained_inputs
+from megaseq.plan.activations import Trains, if_trained, norm_saved, trained_inputs
 from megaseq.plan.linear_mixers import gdn_dims, gdn_saved, gdn_temp, kda_saved, kda_segmented, kda_temp  # noqa: F401
 from megaseq.plan.mesh import Mesh, Precision
 from megaseq.plan.mlp import (  # noqa: F401  (re-exported: plan.layers names every layer kind's terms)

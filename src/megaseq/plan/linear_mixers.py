@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from megaseq.models.spec import ModelSpec
-from megaseq.plan.components import Trains, if_trained, trained_inputs
+from megaseq.plan.activations import Trains, if_trained, trained_inputs
 from megaseq.plan.mesh import CAL, Calibration, Precision
 
 

@@ -7,7 +7,7 @@ Pure Python. Notation and ``trains`` as in ``layers``; ``docs/planner.md`` has t
 from __future__ import annotations
 
 from megaseq.models.spec import ModelSpec
-from megaseq.plan.components import Trains, if_trained, trained_inputs
+from megaseq.plan.activations import Trains, if_trained, trained_inputs
 from megaseq.plan.mesh import CAL, Calibration, Mesh, Precision
 
 

@@ -172,7 +172,7 @@ class Trained:
 
 def trained_counts(spec: ModelSpec, adapters: AdapterSettings | None, train_indexer: bool = False) -> Trained | None:
     """What a run with these adapter settings trains (None when nothing is frozen: every parameter but the
-    DSA indexer trains, as ``plan.weights.ParamCounts`` counts it). ``train_indexer`` (``model.train_indexer``):
+    DSA indexer trains, as ``plan.components.ParamCounts`` counts it). ``train_indexer`` (``model.train_indexer``):
     the full DSA indexers' parameters train beside the adapters too (``train.indexer_training.enable``)."""
     if adapters is None or not adapters.freezes:
         return None

@@ -23,7 +23,6 @@ from megaseq.models.spec import ModelSpec
 from megaseq.plan import components as C
 from megaseq.plan import sparse_attention as SA
 from megaseq.plan import stream
-from megaseq.plan import weights as W
 from megaseq.plan.layer_terms import all_layer_terms
 from megaseq.plan.run import Evaluation, LayerTerms, Run
 from megaseq.plan.segments import segment_kv_host_bytes, segment_store_bytes
@@ -48,8 +47,8 @@ def _state(run: Run) -> tuple[dict[str, int], list[int], int, int]:
     """(persistent state, per-layer gradients, head gradient, embedding gradient)."""
     counts, mesh, prec, m = run.counts, run.mesh, run.prec, run.memory
     state = {
-        "parameters": W.param_bytes(counts, mesh, prec),
-        "optimizer state": W.optimizer_gpu_bytes(counts, mesh, prec, m.optimizer_offload, m.optimizer_bucket_params),
+        "parameters": C.param_bytes(counts, mesh, prec),
+        "optimizer state": C.optimizer_gpu_bytes(counts, mesh, prec, m.optimizer_offload, m.optimizer_bucket_params),
     }
     if run.segment:
         state.update(segment_store_bytes(run))
@@ -58,16 +57,16 @@ def _state(run: Run) -> tuple[dict[str, int], list[int], int, int]:
     kept = counts.fp32_kept if prec.master else [0] * len(counts.layers)
     tr = counts.trained
     if tr is not None:  # a frozen base: only what trains has a gradient (the kept fp32 tensors taken as frozen),
-        kept = [0] * len(counts.layers)  # whole on every rank under FSDP (W.state_mesh)
-        mesh = W.state_mesh(counts, mesh)
+        kept = [0] * len(counts.layers)  # whole on every rank under FSDP (C.state_mesh)
+        mesh = C.state_mesh(counts, mesh)
     whole = [counts.layer_trained(i)[1] if mesh.ep > 1 else 0 for i in range(len(kept))]  # the experts under ep
-    g_layers = [W.grad_bytes(sum(counts.layer_trained(i)), mesh, prec, k, acc, w)
+    g_layers = [C.grad_bytes(sum(counts.layer_trained(i)), mesh, prec, k, acc, w)
                 for i, (k, w) in enumerate(zip(kept, whole))]
     tied = run.spec.tie_word_embeddings
     head, embed, norm = (counts.head, counts.embed, counts.final_norm) if tr is None else (tr.head, tr.embed,
                                                                                             tr.final_norm)
-    g_head = W.grad_bytes(norm + (embed if tied else head), mesh, prec, 0, acc)
-    g_embed = 0 if tied else W.grad_bytes(embed, mesh, prec, 0, acc)
+    g_head = C.grad_bytes(norm + (embed if tied else head), mesh, prec, 0, acc)
+    g_embed = 0 if tied else C.grad_bytes(embed, mesh, prec, 0, acc)
     return state, g_layers, g_head, g_embed
 
 
@@ -75,7 +74,7 @@ def fsdp_per_layer(run: Run) -> tuple[list[int], int, int]:
     """(parameters FSDP gathers for each layer, for the embedding (0 when tied: it is the root's head), the
     root's head + final norm)."""
     counts, mesh, prec = run.counts, run.mesh, run.prec
-    layers = [W.gathered_params(counts, i, mesh, prec) for i in range(len(counts.layers))]
+    layers = [C.gathered_params(counts, i, mesh, prec) for i in range(len(counts.layers))]
     tied = run.spec.tie_word_embeddings
     tr = counts.trained
     if tr is not None:  # a frozen base: its frozen part only (what trains is whole on every rank)
@@ -92,13 +91,13 @@ def _copies(run: Run, i: int, cached_only: bool) -> int:
     dense, experts, _ = run.counts.layers[i]
     if run.counts.trained is not None:  # a frozen base is stored in the compute dtype: nothing to cast
         dense, experts = run.counts.layer_trained(i)
-        return W.weight_copy_bytes(dense + (0 if cached_only else experts), run.prec, run.mesh)
+        return C.weight_copy_bytes(dense + (0 if cached_only else experts), run.prec, run.mesh)
     if cached_only:
         experts = 0
     elif run.memory.tiled_mlp:
-        dense -= W.mlp_params(run.spec, run.spec.mlp_types[i])[0]
+        dense -= C.mlp_params(run.spec, run.spec.mlp_types[i])[0]
         experts = 0
-    return W.weight_copy_bytes(dense + experts, run.prec, run.mesh)
+    return C.weight_copy_bytes(dense + experts, run.prec, run.mesh)
 
 
 def _sco_offloaded(run: Run, bnd: int) -> int:
@@ -126,7 +125,7 @@ def _phases(run: Run, terms: list[LayerTerms]) -> list[tuple[str, dict[str, int]
         j = first + i
         other = blocks[j - 1] if backward and j > 0 else (blocks[j + 1] if not backward and j + 1 < len(blocks)
                                                           else 0)
-        return W.fsdp_buffers(blocks[j], other, head, mesh, prec, run.reduce_bytes, backward, frozen)
+        return C.fsdp_buffers(blocks[j], other, head, mesh, prec, run.reduce_bytes, backward, frozen)
     bnd = C.boundary_bytes(spec, n, prec)
     final = n * (C.norm_saved(H, s, prec, fast="rms_norm" in run.fast_ops)[0] + s * H)
     # under autocast the trainer casts the hidden states and the head to the compute dtype for the loss
@@ -186,7 +185,7 @@ def _phases(run: Run, terms: list[LayerTerms]) -> list[tuple[str, dict[str, int]
         loss_comps["checkpoint boundaries"] = (L - k) * bnd
     else:
         loss_comps.update({"saved activations": saved_before, "weight copies (bf16)": copies_before})
-    loss_comps["FSDP buffers"] = W.fsdp_buffers(0, 0, head, mesh, prec, run.reduce_bytes, False, frozen)
+    loss_comps["FSDP buffers"] = C.fsdp_buffers(0, 0, head, mesh, prec, run.reduce_bytes, False, frozen)
     out.append(("loss", dict(fwd_state, **loss_comps), "loss"))
     grads = g_head + (g_embed if acc else 0) + (sum(g_layers) if acc else 0)
     for i in range(L - 1, -1, -1):  # backward
@@ -255,7 +254,7 @@ def evaluate(run: Run) -> Evaluation:
         "process (Python, torch, CUDA host state)": run.cal.process_host_bytes,
         "SCO pinned boundaries": k * C.round_up(bnd),
         "segment K/V + fp32 gradients (memory.segment_kv_host)": segment_kv_host_bytes(run),
-        "optimizer state (OffloadStreamAdamW)": W.optimizer_host_bytes(
+        "optimizer state (OffloadStreamAdamW)": C.optimizer_host_bytes(
             run.counts, run.mesh, run.memory.optimizer_offload, run.prec
         ),
         **stream.host_terms(run),

@@ -26,7 +26,6 @@ from megaseq.memory.rules import check_stream_base
 from megaseq.models.spec import ModelSpec
 from megaseq.ops.kernels import PLANNED_FAST_OPS, planned_fast_ops  # noqa: F401  (PLANNED_FAST_OPS re-exported)
 from megaseq.plan import components as C
-from megaseq.plan import weights as W
 from megaseq.plan.choice import base_settings, choose, enabled_fixes, fix_costs
 from megaseq.plan.expert import dispatch_terms, expected_step_bytes
 from megaseq.plan.fixes import (  # noqa: F401  (Budgets, H200_GPU_BYTES, HOST_BYTES_PER_GPU: re-exported)
@@ -222,9 +221,9 @@ def plan(
     if seq_len < 1 or batch_size < 1:
         raise ValueError(f"seq_len ({seq_len}) and batch_size ({batch_size}) must be >= 1")
     validate_mesh(spec, seq_len, mesh)
-    counts = indexer_trains(W.count_params(spec), indexer_objective)
+    counts = indexer_trains(C.count_params(spec), indexer_objective)
     counts.trained = trained_counts(spec, adapters, indexer_objective)
-    counts = W.gpu_counts(counts, mesh)  # the experts (and their adapters) one GPU holds under ep
+    counts = C.gpu_counts(counts, mesh)  # the experts (and their adapters) one GPU holds under ep
     best: Plan | None = None
     for mode in mla_modes(spec, mesh):
         run = Run(
@@ -262,7 +261,7 @@ def _comm(run: Run) -> dict[str, Any]:
         comm["moe"] = expected_step_bytes(run.spec, run.seq_len, run.mesh, run.ep_dispatch, run.batch, run.prec)
         from megaseq.plan.flops import expert_grad_traffic
 
-        grads = expert_grad_traffic(W.expert_params(run.counts, run.mesh, "trained"), run.prec.grad, run.mesh)
+        grads = expert_grad_traffic(C.expert_params(run.counts, run.mesh, "trained"), run.prec.grad, run.mesh)
         if grads:  # the experts' gradients summed over the ranks holding them
             comm["expert_grads"] = grads
     if run.mesh.sharded:

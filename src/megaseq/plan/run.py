@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 
 from megaseq.config import ExpertDispatchSettings, MemorySettings
 from megaseq.models.spec import ModelSpec
+from megaseq.plan.components import ParamCounts
 from megaseq.plan.mesh import CAL, Calibration, Mesh, Precision, precision_for
-from megaseq.plan.weights import ParamCounts
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from megaseq.plan import weights as W
+from megaseq.plan import components as C
 from megaseq.plan.choice import choose
 from megaseq.plan.fixes import (
     Budgets,
@@ -102,14 +102,14 @@ def _state_advice(run: Run, budgets: Budgets) -> list[str]:
     """When parameters + optimizer state (on the GPU) alone overflow it: what shards or shrinks them (the
     settings the runtime has: ``parallel.fsdp``, ``model.weights bf16``, ``memory.optimizer_offload``)."""
     counts, mesh, prec = run.counts, run.mesh, run.prec
-    state = W.param_bytes(counts, mesh, prec) + W.optimizer_gpu_bytes(counts, mesh, prec, False, 1)
+    state = C.param_bytes(counts, mesh, prec) + C.optimizer_gpu_bytes(counts, mesh, prec, False, 1)
     if state <= budgets.gpu_bytes:
         return []
     line = f"parameters + optimizer state alone need {state / GIB:.0f} GiB per GPU"
     options = []
     if mesh.fsdp != "dp_cp" and mesh.world > 1:
         options.append("shard them over all the GPUs (FSDP: --parallel.fsdp dp_cp)")
-    experts = W.expert_params(counts, mesh)
+    experts = C.expert_params(counts, mesh)
     if experts and mesh.sharded and experts * prec.param > budgets.gpu_bytes // 4:
         options.append(f"split the routed experts over more GPUs (--parallel.ep: each GPU holds its "
                        f"{experts / 1e9:.1f}B expert parameters whole, FSDP shards the rest)")

@@ -13,7 +13,7 @@ from megaseq.ops.workspace import (
     sparse_mla_pool_bytes,
     triton_sparse_mla_bytes,
 )
-from megaseq.plan.components import Trains, if_trained, norm_saved, trained_inputs
+from megaseq.plan.activations import Trains, if_trained, norm_saved, trained_inputs
 from megaseq.plan.mesh import CAL, Calibration, Mesh, Precision
 
 

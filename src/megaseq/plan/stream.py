@@ -9,7 +9,7 @@ Pure Python. With a frozen base (LoRA, ``train.trainable``) the decoder layers' 
   of a few MB per layer in one process);
 - GPU: the parameters less those bytes, plus two layers in flight (the one running and the one prefetched):
   ``2 max_i W_i`` in one process; under FSDP the gathered layers are FSDP's buffers already
-  (``weights.fsdp_buffers``), and two shards' copies feed the all-gathers (``2 max_i W_i / shard``);
+  (``components.fsdp_buffers``), and two shards' copies feed the all-gathers (``2 max_i W_i / shard``);
 - time: each pass over the layers copies the whole streamed base at ``STREAM_BYTES_PER_S``, layer i + 1's
   copy while layer i computes; a layer whose copy takes longer than its compute delays the pass by the
   difference (``excess_seconds``). A plain or recomputed step passes twice (forward; backward, where a
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from megaseq.plan import weights as W
+from megaseq.plan import components as C
 
 # host to device from pinned memory on an H200 (PCIe 5 x16): the planner takes 55 GB/s for one large copy
 # (flops.PINNED_BYTES_PER_S); per-layer copies of 0.1-3 GB beside the compute's own traffic are taken at 50 GB/s
@@ -38,12 +38,12 @@ def streamed_layer_bytes(run: Any) -> list[int]:
     counts, mesh, prec = run.counts, run.mesh, run.prec
     if not run.memory.stream_base or counts.trained is None:
         return [0] * len(counts.layers)
-    fb = W.frozen_bytes(prec)
-    return [W.gathered_params(counts, i, mesh, prec) * fb // mesh.shard for i in range(len(counts.layers))]
+    fb = C.frozen_bytes(prec)
+    return [C.gathered_params(counts, i, mesh, prec) * fb // mesh.shard for i in range(len(counts.layers))]
 
 
 def gpu_terms(run: Any, parameters: int) -> dict[str, int]:
-    """The state's GPU terms with the base streamed: ``parameters`` (``weights.param_bytes``) less the
+    """The state's GPU terms with the base streamed: ``parameters`` (``components.param_bytes``) less the
     streamed bytes, and the layers in flight; ``{}`` when nothing streams."""
     per_layer = streamed_layer_bytes(run)
     if not any(per_layer):
