@@ -13,7 +13,7 @@ def planned_step_for(recipe: str, seq_len: str, overrides: list[str]) -> tuple:
     smoke run: the memory reads are zeros."""
     from megaseq.bench.measure import warm_planned_step
     from megaseq.config import AdapterSettings, load_config, parse_size, split_overrides
-    from megaseq.plan.planner import run_for
+    from megaseq.plan.given import run_for
     from megaseq.train.build import use_expandable_segments
 
     use_expandable_segments()  # as `megaseq train` (before any CUDA allocation)

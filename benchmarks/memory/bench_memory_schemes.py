@@ -46,8 +46,9 @@ from megaseq.models.common.moe import FP32_PARAM_SUFFIXES, MoE
 from megaseq.models.common.norm import RMSNorm
 from megaseq.models.glm5.spec import glm5_flash_1gpu, glm5_flash_tiny
 from megaseq.ops.vocab_loss.reference import plain_linear_cross_entropy
-from megaseq.plan.components import layer_input_bytes as boundary_bytes
-from megaseq.plan.components import offload_adam_bytes, sco_plan, vocab_loss_bytes
+from megaseq.plan.activations import layer_input_bytes as boundary_bytes
+from megaseq.plan.activations import sco_plan, vocab_loss_bytes
+from megaseq.plan.components import offload_adam_bytes
 
 GIB = 2**30
 FULL = dict(vocab=(32768, 4096, 154880, 8192), long=(131072, 1048576), moe_tokens=131072, moe_tile=16384,

@@ -32,9 +32,9 @@ from typing import Any
 from megaseq.config import AdapterSettings, LoraConfig
 from megaseq.models.spec import from_hf_config
 from megaseq.plan import Mesh, plan
-from megaseq.plan.components import GB, GIB
 from megaseq.plan.fixes import Budgets
-from megaseq.plan.planner import validate_mesh
+from megaseq.plan.given import validate_mesh
+from megaseq.plan.mesh import GB, GIB
 
 K = 1024
 ROOT = Path(__file__).resolve().parents[2]

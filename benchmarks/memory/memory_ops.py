@@ -59,7 +59,8 @@ def main() -> int:
     args, rest = ap.parse_known_args()
     from _planned_step import planned_step_for
 
-    from megaseq.plan.phases import all_layer_terms, evaluate
+    from megaseq.plan.layer_terms import all_layer_terms
+    from megaseq.plan.phases import evaluate
 
     c, spec, plan, model, applied, next_batch, step, run = planned_step_for(args.recipe, args.seq_len, rest)
     ev = evaluate(run)

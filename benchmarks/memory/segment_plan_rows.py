@@ -29,8 +29,8 @@ from family_plan_rows import LORA, ROOT  # noqa: E402  (benchmarks/ is the scrip
 
 from megaseq.models.spec import from_hf_config
 from megaseq.plan import Mesh, plan
-from megaseq.plan.components import GIB
 from megaseq.plan.fixes import Budgets
+from megaseq.plan.mesh import GIB
 
 K = 1024
 STEP, LIMIT = 16 * K, 4 * K * K

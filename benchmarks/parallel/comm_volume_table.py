@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from megaseq.models.presets import get_preset
-from megaseq.plan.components import GB, Mesh, precision_for
 from megaseq.plan.flops import comm_volume, ring_dtp_volume
+from megaseq.plan.mesh import GB, Mesh, precision_for
 
 MODEL = "glm5-flash"
 SEQ_LENS = {"128K": 128 * 1024, "1M": 1024 * 1024}

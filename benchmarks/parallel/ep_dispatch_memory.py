@@ -34,8 +34,8 @@ from megaseq.models.presets import get_preset
 from megaseq.parallel.expert import EPDispatch, shard_experts
 from megaseq.parallel.launch import spawn_local
 from megaseq.parallel.llep import dispatch_buffer_bound
-from megaseq.plan.components import Mesh, precision_for
 from megaseq.plan.expert import dispatch_terms
+from megaseq.plan.mesh import Mesh, precision_for
 
 ROUTINGS = ("balanced", "genome", "skew95", "one_gpu")
 MODES = ("plain", "pipelined", "pipelined_llep")

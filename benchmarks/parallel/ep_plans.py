@@ -20,8 +20,8 @@ from typing import Any
 
 from megaseq.config import ExpertDispatchSettings
 from megaseq.models.presets import get_preset
-from megaseq.plan.components import GB, GIB, Mesh
 from megaseq.plan.fixes import Budgets
+from megaseq.plan.mesh import GB, GIB, Mesh
 from megaseq.plan.planner import plan
 
 MODEL = "glm5-flash"

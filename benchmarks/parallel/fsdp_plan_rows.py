@@ -18,7 +18,7 @@ from pathlib import Path
 from megaseq.models.spec import from_hf_config
 from megaseq.plan import Mesh, plan
 from megaseq.plan import components as C
-from megaseq.plan.components import GB, GIB
+from megaseq.plan.mesh import GB, GIB
 from megaseq.plan.planner import Budgets, longest_length
 
 K = 1024

@@ -17,7 +17,7 @@ from pathlib import Path
 from megaseq.bench.measure import GIB
 from megaseq.bench.report import write_outputs
 from megaseq.models.presets import resolve_spec
-from megaseq.plan.planner import peak_for
+from megaseq.plan.given import peak_for
 
 
 def replan(model: str, row: dict, fp32_loss: bool) -> None:

@@ -251,7 +251,7 @@ def test_segments_under_cp_match_one_process(preset):
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
 def test_segments_under_autocast_keep_bf16_rows_and_match_one_pass(family):
     """Under bf16 autocast the segments keep their K/V (or MLA latent) rows in bf16, the bytes the planner counts
-    (``plan.phases.segment_kv_rows`` in the compute dtype) and the dtype the attention reads them in, whatever
+    (``plan.segments.segment_kv_rows`` in the compute dtype) and the dtype the attention reads them in, whatever
     dtype the projections and norms gave (Qwen3's q/k norms give float32 keys beside bf16 values); SDPA's
     lower-right causal call over a segment takes them, and the step is about as close to the float64 one as one
     pass (within 1.5x: the absorbed MLA over a segment sums in another order than one pass's expanded keys)."""
@@ -327,14 +327,15 @@ def test_segments_on_gpu_are_as_close_to_fp64_as_one_pass(family):
 # ---- the planner's store against the runtime's ------------------------------------------------------------------
 @pytest.mark.parametrize("preset", ["qwen3-next-tiny", "deepseek-v3-tiny", "mixtral-tiny"])
 def test_planned_store_bounds_the_runtime_store(preset):
-    """``plan.phases.segment_store_bytes`` (K/V caches + fp32 gradients, MLA latents + gradients, GDN states and
+    """``plan.segments.segment_store_bytes`` (K/V caches + fp32 gradients, MLA latents + gradients, GDN states and
     halos) against ``SegmentStore.nbytes`` over a float32 step, measured after each segment's backward: the
     plan holds the caches and gradients exactly, and the states of every segment start but the first (the
     measurement sees one start fewer: the first backward has spent the last one)."""
     from megaseq.config import MemorySettings
     from megaseq.plan import Mesh
     from megaseq.plan import components as C
-    from megaseq.plan.phases import Run, segment_store_bytes
+    from megaseq.plan.run import Run
+    from megaseq.plan.segments import segment_store_bytes
 
     model = build_model(get_preset(preset), dtype=torch.float32, seed=0)
     ids, labels = _batch(model)

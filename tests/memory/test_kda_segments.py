@@ -16,7 +16,7 @@ from megaseq.models.glm5.spec import glm5_flash_tiny
 from megaseq.ops.kda import fla as fla_kda
 from megaseq.ops.kda.reference import kda_reference
 from megaseq.plan import layers as LY
-from megaseq.plan.components import precision_for
+from megaseq.plan.mesh import precision_for
 
 torch.set_num_threads(1)
 F64 = torch.float64

@@ -21,7 +21,7 @@ from megaseq.models.glm5.spec import _glm5_pattern, glm5_flash_tiny
 from megaseq.models.qwen3_moe.spec import qwen3_moe_tiny
 from megaseq.models.registry import parallelize as apply_memory_plan
 from megaseq.ops.rms_norm.reference import full_precision_norms
-from megaseq.plan.components import layer_input_bytes as boundary_bytes
+from megaseq.plan.activations import layer_input_bytes as boundary_bytes
 from megaseq.plan.components import round_up
 
 torch.set_num_threads(1)

@@ -17,8 +17,9 @@ from torch import nn
 from megaseq.memory.offload import BoundaryOffloader, _forward_tracking_carry, checkpoint_layers
 from megaseq.memory.tiling import enable_tiling
 from megaseq.models.common.context import SeqContext
-from megaseq.plan.components import layer_input_bytes as boundary_bytes
-from megaseq.plan.components import round_up, sco_plan
+from megaseq.plan.activations import layer_input_bytes as boundary_bytes
+from megaseq.plan.activations import sco_plan
+from megaseq.plan.components import round_up
 
 torch.set_num_threads(1)
 B, S, HC, H, TOPK = 2, 19, 4, 15, 5

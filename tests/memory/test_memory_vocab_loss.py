@@ -14,7 +14,7 @@ from megaseq.ops.vocab_loss.reference import (
     lse_update,
     plain_linear_cross_entropy,
 )
-from megaseq.plan.components import vocab_loss_bytes
+from megaseq.plan.activations import vocab_loss_bytes
 
 torch.set_num_threads(1)
 N, H, V = 47, 31, 123

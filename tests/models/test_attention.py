@@ -170,8 +170,8 @@ def test_sdpa_backward_memory_is_the_planned_temporaries(groups, monkeypatch: py
     buffers of a call's q), above a 64K call's; docs/lora.md gives the H200 figures."""
     import megaseq.models.common.attention as attn
     import megaseq.plan.layers as plan_layers
-    from megaseq.plan.components import Mesh, precision_for
     from megaseq.plan.layers import attention_temp
+    from megaseq.plan.mesh import Mesh, precision_for
 
     for module in (attn, plan_layers):
         monkeypatch.setattr(module, "sdpa_head_groups", lambda h, kv: groups if 1 < kv < h else 1)

@@ -23,7 +23,8 @@ from megaseq.models.common import lora
 from megaseq.models.glm5.spec import glm5_flash_tiny
 from megaseq.models.gpt_oss.spec import gpt_oss_tiny
 from megaseq.models.qwen3_moe.spec import qwen3_moe_tiny
-from megaseq.plan.components import layer_input_bytes, round_up
+from megaseq.plan.activations import layer_input_bytes
+from megaseq.plan.components import round_up
 from megaseq.train.optim import build_optimizer
 
 torch.set_num_threads(1)

@@ -33,9 +33,9 @@ from megaseq.parallel.env import DistributedEnv
 from megaseq.parallel.launch import spawn_local
 from megaseq.parallel.mesh import complete_batch
 from megaseq.parallel.ring_dtp import ring_dtp_bytes
-from megaseq.plan.components import Mesh as PlanMesh
-from megaseq.plan.components import precision_for
 from megaseq.plan.flops import comm_volume, ring_dtp_volume
+from megaseq.plan.mesh import Mesh as PlanMesh
+from megaseq.plan.mesh import precision_for
 
 FP32 = precision_for("fp32")
 

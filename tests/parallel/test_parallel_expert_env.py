@@ -14,8 +14,9 @@ from megaseq.parallel.env import ParallelEnv
 from megaseq.parallel.expert import EPDispatch, shard_experts
 from megaseq.parallel.llep import dispatch_buffer_bound
 from megaseq.parallel.mesh import MeshShape
-from megaseq.plan.components import Mesh, count_params, gpu_counts, precision_for
+from megaseq.plan.components import count_params, gpu_counts
 from megaseq.plan.expert import dispatch_terms
+from megaseq.plan.mesh import Mesh, precision_for
 
 
 @pytest.mark.parametrize("override, words", [

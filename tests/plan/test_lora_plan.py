@@ -18,9 +18,10 @@ from megaseq.models.common import lora
 from megaseq.models.presets import PRESETS, get_preset
 from megaseq.models.registry import family_module, parallelize
 from megaseq.plan import components as C
-from megaseq.plan.fixes import base_settings
+from megaseq.plan.choice import base_settings
+from megaseq.plan.layer_terms import layer_terms
 from megaseq.plan.params import param_table, trained_counts
-from megaseq.plan.phases import Run, layer_terms
+from megaseq.plan.run import Run
 
 torch.set_num_threads(2)
 TARGETS = "q_proj,v_proj,o_proj,kv_b_proj,experts,shared_experts.up_proj,mlp.gate_proj"

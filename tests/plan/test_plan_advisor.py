@@ -9,9 +9,10 @@ import pytest
 
 from megaseq.config import load_config
 from megaseq.plan import advisor
-from megaseq.plan.advisor import Hardware, Source, advise, candidates, format_advice, model_kernels
-from megaseq.plan.components import GIB
+from megaseq.plan.advisor import Hardware, Source, advise, candidates, model_kernels
+from megaseq.plan.mesh import GIB
 from megaseq.plan.planner import plan_from_config
+from megaseq.plan.report import format_advice
 
 ROOT = Path(__file__).resolve().parents[2]
 QWEN3_30B = str(ROOT / "recipes" / "qwen3-30b-a3b" / "config.json")

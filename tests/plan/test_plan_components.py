@@ -8,7 +8,7 @@ import pytest
 from megaseq.models.presets import get_preset
 from megaseq.models.spec import ModelSpec
 from megaseq.plan import components as C
-from megaseq.plan.components import GIB, Mesh, Precision
+from megaseq.plan.mesh import GIB, Mesh, Precision
 
 AUTOCAST = Precision()  # fp32 params + bf16 autocast: param 4, grad 4, moments 8, compute 2, stream 4
 FP32 = C.precision_for("fp32")
@@ -165,8 +165,10 @@ def test_sequence_segment_terms_by_hand():
     and the DSA keys of the whole sequence; the caches are over the whole sequence; gradients are held."""
     from dataclasses import replace
 
-    from megaseq.plan.fixes import base_settings
-    from megaseq.plan.phases import Run, evaluate, segment_store_bytes
+    from megaseq.plan.choice import base_settings
+    from megaseq.plan.phases import evaluate
+    from megaseq.plan.run import Run
+    from megaseq.plan.segments import segment_store_bytes
 
     spec = small_spec()  # 3 KDA (2 heads x 3, conv 4, H 8) + 1 DSA (kv_lora 4, indexer dim 4)
     S, T = 1000, 256

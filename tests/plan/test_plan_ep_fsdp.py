@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from megaseq.plan import components as C
-from megaseq.plan.components import GIB, Mesh
+from megaseq.plan.mesh import GIB, Mesh
 from megaseq.plan.planner import plan
 
 ROOT = Path(__file__).parents[2]

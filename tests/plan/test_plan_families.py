@@ -11,7 +11,7 @@ import pytest
 from test_plan_layers import kda_uncounted, saved_bytes, uncounted  # noqa: F401  (kda_uncounted: a fixture)
 
 from megaseq.plan import layers as LY
-from megaseq.plan.components import Calibration, Mesh, Precision
+from megaseq.plan.mesh import Calibration, Mesh, Precision
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = sorted(p.parent.name for p in (ROOT / "recipes").glob("*/config.json"))
@@ -27,8 +27,8 @@ def gdn_uncounted():
 
 def _run(spec, seq: int, autocast: bool):
     from megaseq.plan import components as C
-    from megaseq.plan.fixes import base_settings
-    from megaseq.plan.phases import Run
+    from megaseq.plan.choice import base_settings
+    from megaseq.plan.run import Run
 
     return Run(spec=spec, seq_len=seq, batch=1, mesh=Mesh(), model_dtype="bf16" if autocast else "fp32",
                memory=base_settings(None, seq).to_dict(), counts=C.count_params(spec), cal=CPU)
@@ -55,7 +55,7 @@ def test_mixer_saved_matches_blocks(name, seq, autocast, kda_uncounted, gdn_unco
     from megaseq.models.build import build_model
     from megaseq.models.presets import get_preset
     from megaseq.plan import components as C
-    from megaseq.plan.phases import _mixer
+    from megaseq.plan.layer_terms import _mixer
 
     torch.manual_seed(0)
     spec = get_preset(name)
@@ -89,7 +89,7 @@ def test_layer_saved_matches_blocks(name, seq, autocast, kda_uncounted, gdn_unco
     from megaseq.models.build import build_model
     from megaseq.models.presets import get_preset
     from megaseq.plan import components as C
-    from megaseq.plan.phases import layer_terms
+    from megaseq.plan.layer_terms import layer_terms
 
     torch.manual_seed(0)
     spec = get_preset(name)

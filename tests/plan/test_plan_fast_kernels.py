@@ -15,7 +15,8 @@ from megaseq.ops import kernels
 from megaseq.plan import components as C
 from megaseq.plan import layers
 from megaseq.plan.fixes import indexer_chunk_cap
-from megaseq.plan.planner import PLANNED_FAST_OPS, peak_for, planned_fast_ops, run_for
+from megaseq.plan.given import peak_for, run_for
+from megaseq.plan.planner import PLANNED_FAST_OPS, planned_fast_ops
 
 GIB = 2**30
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "speed" / "runs"

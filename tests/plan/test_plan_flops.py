@@ -7,7 +7,7 @@ from test_plan_components import small_spec
 
 from megaseq.models.presets import get_preset
 from megaseq.plan import flops as F
-from megaseq.plan.components import Mesh
+from megaseq.plan.mesh import Mesh
 
 
 def test_causal_keys():

@@ -15,7 +15,8 @@ import torch
 
 from megaseq.config import MemorySettings
 from megaseq.plan import components as C
-from megaseq.plan.components import Mesh, vocab_loss_bytes
+from megaseq.plan.activations import vocab_loss_bytes
+from megaseq.plan.mesh import Mesh
 
 torch.set_num_threads(1)
 CPU = torch.device("cpu")
@@ -37,7 +38,7 @@ def _nbytes(*ts: torch.Tensor) -> int:
     return sum(t.numel() * t.element_size() for t in ts)
 
 
-# ---- the vocabulary loss (memory/vocab_loss.py; plan.components.vocab_loss_bytes) ---------------------
+# ---- the vocabulary loss (memory/vocab_loss.py; plan.activations.vocab_loss_bytes) ---------------------
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("kind", ["plain", "chunked"])
 def test_vocab_loss_formula_is_what_the_loss_allocates(kind, dtype):
@@ -124,7 +125,7 @@ def test_absorbed_sparse_mla_saves_its_inputs_and_the_formulas_saved_set():
     assert _nbytes(*saved) == _nbytes(q, w, idx) + formula
 
 
-# ---- sequence segments (memory/model_segments.py; plan.phases.segment_store_bytes) --------------------
+# ---- sequence segments (memory/model_segments.py; plan.segments.segment_store_bytes) --------------------
 def test_segment_store_holds_what_the_planner_counts(monkeypatch):
     """The store's fullest moment is the first backward segment's end: the DSA caches and one fp32
     latent-gradient accumulator per DSA layer over the whole sequence, and the KDA state + halo at every
@@ -134,7 +135,8 @@ def test_segment_store_holds_what_the_planner_counts(monkeypatch):
     from megaseq.memory.vocab_loss import linear_cross_entropy
     from megaseq.models.build import build_model
     from megaseq.models.glm5.spec import glm5_flash_tiny
-    from megaseq.plan.phases import Run, segment_store_bytes
+    from megaseq.plan.run import Run
+    from megaseq.plan.segments import segment_store_bytes
 
     spec = glm5_flash_tiny().replace(index_topk=32)
     model = build_model(spec, dtype=torch.float32, seed=0)

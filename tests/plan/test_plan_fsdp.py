@@ -15,7 +15,7 @@ from megaseq.models.presets import get_preset
 from megaseq.models.spec import from_hf_config
 from megaseq.plan import Mesh, plan
 from megaseq.plan import components as C
-from megaseq.plan.components import GIB
+from megaseq.plan.mesh import GIB
 from megaseq.plan.planner import Budgets
 
 CONFIGS = Path(__file__).parents[1] / "fixtures" / "configs"

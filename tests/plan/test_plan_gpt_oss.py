@@ -14,7 +14,7 @@ from megaseq.ops.workspace import sink_attention_dims, sliding_key_rows
 from megaseq.plan import components as C
 from megaseq.plan import flops as F
 from megaseq.plan import layers
-from megaseq.plan.components import Mesh, Precision
+from megaseq.plan.mesh import Mesh, Precision
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -11,7 +11,7 @@ from test_plan_components import small_spec
 
 from megaseq.models.spec import ModelSpec
 from megaseq.plan import layers as LY
-from megaseq.plan.components import Calibration, Mesh, Precision
+from megaseq.plan.mesh import Calibration, Mesh, Precision
 
 AUTOCAST = Precision()
 
@@ -184,8 +184,9 @@ def test_saved_set_matches_blocks(name, seq, autocast, block, kda_uncounted, mon
     from megaseq.models.presets import get_preset
     from megaseq.ops.sparse_mla import reference as mla_dsa
     from megaseq.plan import components as C
-    from megaseq.plan.fixes import base_settings
-    from megaseq.plan.phases import Run, layer_terms
+    from megaseq.plan.choice import base_settings
+    from megaseq.plan.layer_terms import layer_terms
+    from megaseq.plan.run import Run
 
     if block:
         monkeypatch.setattr(mla_dsa, "ATTENTION_BLOCK_ELEMS", block)
@@ -219,8 +220,9 @@ def test_token_tiled_saved_set_matches_blocks(kda_uncounted):
     from megaseq.models.build import build_model
     from megaseq.models.presets import get_preset
     from megaseq.plan import components as C
-    from megaseq.plan.fixes import base_settings
-    from megaseq.plan.phases import Run, layer_terms
+    from megaseq.plan.choice import base_settings
+    from megaseq.plan.layer_terms import layer_terms
+    from megaseq.plan.run import Run
 
     torch.manual_seed(0)
     spec, seq, tile = get_preset("glm5-flash-tiny"), 999, 128

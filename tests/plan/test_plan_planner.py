@@ -14,7 +14,8 @@ from megaseq.config import MemoryConfig, build_config
 from megaseq.models.presets import get_preset
 from megaseq.plan import GB, GIB, Mesh, plan, plan_from_config
 from megaseq.plan.fixes import INDEXER_SCORING_MAX
-from megaseq.plan.planner import LADDER, MEMORY_KEYS, Budgets, Plan, peak_for
+from megaseq.plan.given import peak_for
+from megaseq.plan.planner import LADDER, MEMORY_KEYS, Budgets, Plan
 
 SPEC_1GPU = get_preset("glm5-flash-1gpu")
 K = 1024
@@ -234,7 +235,7 @@ def test_kept_selections_only_when_asked_and_with_room():
     """``memory.segment_keep_selection`` (a speed-up, unmeasured on a GPU): off by default; asked for, the
     planner keeps the forward's DSA selections where the plan then has 5% of the GPU to spare, and counts
     them (int32, topk + kpool - 1 slots per token and full-indexer DSA layer)."""
-    from megaseq.plan.layers import dsa_selection_bytes
+    from megaseq.plan.sparse_attention import dsa_selection_bytes
 
     default = plan(SPEC_1GPU, 1 << 20)
     assert not default.memory["segment_keep_selection"]

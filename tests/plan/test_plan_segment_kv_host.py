@@ -14,9 +14,13 @@ from megaseq.config import AdapterSettings, MemoryConfig, MemorySettings, load_c
 from megaseq.models.presets import resolve_spec
 from megaseq.plan import GB, Mesh
 from megaseq.plan import components as C
-from megaseq.plan.fixes import Budgets, _fits, segment_kv_host_copies
-from megaseq.plan.phases import Run, evaluate, segment_kv_host_bytes, segment_kv_rows, segment_store_bytes
-from megaseq.plan.planner import plan_from_config, run_for
+from megaseq.plan.choice import _fits
+from megaseq.plan.fixes import Budgets, segment_kv_host_copies
+from megaseq.plan.given import run_for
+from megaseq.plan.phases import evaluate
+from megaseq.plan.planner import plan_from_config
+from megaseq.plan.run import Run
+from megaseq.plan.segments import segment_kv_host_bytes, segment_kv_rows, segment_store_bytes
 
 K = 1024
 ROOT = Path(__file__).resolve().parents[2]

@@ -15,10 +15,11 @@ from megaseq.models.presets import get_preset
 from megaseq.models.registry import parallelize
 from megaseq.plan import components as C
 from megaseq.plan import fixes, stream
-from megaseq.plan.fixes import base_settings
+from megaseq.plan.choice import base_settings
 from megaseq.plan.params import trained_counts
-from megaseq.plan.phases import Run, evaluate
+from megaseq.plan.phases import evaluate
 from megaseq.plan.planner import plan_from_config
+from megaseq.plan.run import Run
 
 KIMI = "recipes/kimi-linear-48b-a3b-lora.yaml"
 

@@ -182,7 +182,7 @@ def test_fsdp_with_expert_parallelism_is_accepted_and_planned():
     it; the planner plans it: the routed experts whole on their GPU (E / ep of them), the rest sharded over all
     the GPUs, and never advises --parallel.ep 1 as a condition of FSDP."""
     from megaseq.config import build_config
-    from megaseq.plan.components import Mesh
+    from megaseq.plan.mesh import Mesh
     from megaseq.plan.planner import plan
 
     for fsdp in ("dp", "dp_cp"):

@@ -80,7 +80,7 @@ def cmd_plan(args: argparse.Namespace, rest: list[str]) -> int:
     if args.json or args.as_given:
         print(json.dumps(plan.to_dict(), indent=2, default=str) if args.json else format_plan(plan))
         return PLAN_FITS if plan.fits else PLAN_DOES_NOT_FIT
-    from megaseq.plan.advisor import format_advice, format_verdict
+    from megaseq.plan.report import format_advice, format_verdict
 
     advice = _advise(args, rest, world)
     print(format_verdict(plan, advice, _as_given_command(args, rest, world, plan)))
@@ -119,7 +119,8 @@ def _as_given_command(args: argparse.Namespace, rest: list[str], gpus: int, plan
 
 def cmd_plan_max_len(args: argparse.Namespace, rest: list[str]) -> int:
     """``megaseq plan --max-len``: the longest length that fits on each GPU count, and how."""
-    from megaseq.plan.advisor import GPU_COUNTS, Source, longest, model_table_row
+    from megaseq.plan.advisor import GPU_COUNTS, Source, longest
+    from megaseq.plan.report import model_table_row
 
     src = Source(args.config, split_overrides(rest))
     counts = [args.gpus] if args.gpus else list(GPU_COUNTS)

@@ -26,7 +26,7 @@ So a training step can run as an inference engine runs a prompt in chunks, and t
 Exact: the same computation with the sums in another order. The working set is one segment's graph
 plus the caches, so peak memory grows with S only through the DSA latents and keys (about
 ``S * (2 R + 8 Di + 4 R)`` bytes per DSA layer under bf16 autocast: the latent, the fp32 indexer keys and
-gates, the latent's fp32 gradient; ``plan.phases.segment_store_bytes``) instead of the ``S * N * H``
+gates, the latent's fp32 gradient; ``plan.segments.segment_store_bytes``) instead of the ``S * N * H``
 layer boundaries: it replaces recompute, checkpoint offload and segmented KDA for long sequences, at
 the cost of one more forward (as recompute). ``segmented_forward`` is the forward alone (evaluation).
 

@@ -63,7 +63,7 @@ def preferred_kernels(device_type: str, kernels: str) -> dict[str, list[str]]:
 
 def planned_fast_ops(kernels: str, model_dtype: str, device_type: str | None = None) -> frozenset[str]:
     """The ops whose fast kernels a GPU run of ``model.kernels`` / ``model.dtype`` uses and the plan counts
-    (``plan.phases.Run.fast_ops``; the fast set in bf16 on CUDA). ``device_type`` (a run planning where it
+    (``plan.run.Run.fast_ops``; the fast set in bf16 on CUDA). ``device_type`` (a run planning where it
     starts): none off CUDA, and on CUDA only those whose packages are installed (``fast_ops_installed``); the
     others run their references, whose working sets the plan then counts. None: every one the config names
     (``megaseq plan`` of a GPU run)."""

@@ -28,8 +28,8 @@ from typing import Any
 
 from megaseq.config import Config, load_config
 from megaseq.models.spec import ModelSpec
-from megaseq.plan.components import GIB
 from megaseq.plan.flops import step_seconds
+from megaseq.plan.mesh import GIB
 from megaseq.plan.planner import Plan, plan_from_config
 
 # the ops of the fast set (ops.kernels.FAST_GPU) and what a model needs for each to run: a layer kind, hyper-
@@ -122,7 +122,7 @@ def estimated_step_seconds(plan: Plan, spec: ModelSpec, mesh_cp: int, lora: bool
     """One step's seconds: the model FLOPs on one GPU at the planner's rate (2/3 of them under LoRA: no weight
     gradients of the frozen base), times the fixes' costs, plus context-parallel and FSDP traffic (none of it
     overlapped: a ranking, not a forecast)."""
-    from megaseq.plan.components import Mesh
+    from megaseq.plan.mesh import Mesh
 
     compute = step_seconds(spec, plan.seq_len, plan.batch_size, Mesh(cp=mesh_cp)) * (2 / 3 if lora else 1.0)
     compute *= 1 + sum(f[1] for f in plan.fixes)
@@ -296,19 +296,19 @@ def nearest(src: Source, hw: Hardware, seq_len: int, allow_lora: bool) -> list[s
         while n > 1024 and not (c := first(hw, n)):
             n //= 2
         c = first(hw, n) if n <= 1024 else c
-        out.append(f"a shorter length: {_size(n)} tokens ({_describe(c)})")
+        out.append(f"a shorter length: {_size(n)} tokens ({describe(c)})")
     if not allow_lora and not lora_in and (c := first(hw, seq_len, True)):
-        out.append(f"LoRA on a frozen base (--allow-lora): {_describe(c)}")
+        out.append(f"LoRA on a frozen base (--allow-lora): {describe(c)}")
     for gpus in (8, 64, 512):
         if gpus > hw.gpus:
             more = Hardware(gpus, hw.gpu_bytes, hw.gpus_per_host, hw.host_bytes)
             if c := first(more, seq_len):
-                out.append(f"more GPUs: {gpus} ({_describe(c)})")
+                out.append(f"more GPUs: {gpus} ({describe(c)})")
                 break
     if hw.host_bytes is not None:
         bigger = Hardware(hw.gpus, hw.gpu_bytes, hw.gpus_per_host, hw.host_bytes * 4)
         if c := first(bigger, seq_len):
-            out.append(f"more host memory: {hw.host_bytes * 4 / GIB:.0f} GiB per host ({_describe(c)})")
+            out.append(f"more host memory: {hw.host_bytes * 4 / GIB:.0f} GiB per host ({describe(c)})")
     if not lora_in and (why := closest_full(src, hw, seq_len)):
         out.append(why)
     return out
@@ -374,56 +374,9 @@ def _size(n: int) -> str:
     return str(n)
 
 
-def _describe(c: Choice) -> str:
+def describe(c: Choice) -> str:
+    """One line naming a choice's settings and its GPU peak."""
     s = c.settings
     parts = ["LoRA" if c.lora else "full", f"{s['weights']} weights", f"fsdp {s['fsdp']}", f"dp {s['dp']}",
              f"cp {s['cp']}", f"ep {s['ep']}"]
     return ", ".join(parts) + f"; {c.plan.peak_gpu / GIB:.1f} GiB a GPU"
-
-
-def format_advice(a: Advice) -> str:
-    hw = a.hardware
-    head = (f"{a.model} at {_size(a.seq_len)} tokens a sequence on {hw.gpus} GPU{'s' if hw.gpus > 1 else ''} "
-            f"({min(hw.gpus, hw.gpus_per_host)} a host)")
-    if a.choice is None:
-        lines = [head, "does not fit: no setting megaseq supports fits these GPUs at this length."]
-        lines += ["nearest that fits:", *(f"  - {x}" for x in a.nearest)] if a.nearest else ["nothing nearby fits"]
-        return "\n".join(lines)
-    c = a.choice
-    fixes = ", ".join(f[0] for f in c.plan.fixes) or "none"
-    return "\n".join([
-        head,
-        f"fits: {_describe(c)} (of {c.plan.gpu_budget / GIB:.1f}), host {c.plan.peak_host / GIB:.1f} of "
-        f"{c.plan.host_budget / GIB:.1f} GiB",
-        f"memory fixes: {fixes}",
-        f"estimated: {c.step_seconds:.1f} s a step, {c.tokens_per_s:,.0f} tokens/s over all GPUs (a ranking, "
-        "not a measurement)",
-        f"fast kernels it runs: {', '.join(a.kernels) or 'none'}",
-        "command:",
-        f"  {a.command}",
-    ])
-
-
-def format_verdict(plan: Plan, advice: Advice, as_given_command: str) -> str:
-    """The first lines ``megaseq plan`` prints: whether the settings as given fit, and the command to run (theirs
-    when they fit; else the fastest configuration that fits; else the nearest that does)."""
-    where = f"{plan.peak_gpu / GIB:.1f} GiB a GPU of {plan.gpu_budget / GIB:.1f}"
-    if plan.fits:
-        lines = [f"FITS as given ({where}); run:", f"  {as_given_command}"]
-        if advice.choice is not None and advice.command != as_given_command:
-            lines += [f"a faster configuration that fits ({_describe(advice.choice)}):", f"  {advice.command}"]
-        return "\n".join(lines)
-    host = (f", host {plan.peak_host / GIB:.1f} GiB of {plan.host_budget / GIB:.1f}"
-            if plan.peak_host > plan.host_budget else "")
-    lines = [f"DOES NOT FIT as given ({where}{host}; binding: {plan.binding})."]
-    if advice.choice is not None:
-        return "\n".join([*lines, f"fits instead ({_describe(advice.choice)}); run:", f"  {advice.command}"])
-    lines.append("nothing megaseq supports fits these GPUs at this length; the nearest that fits:")
-    return "\n".join([*lines, *(f"  - {x}" for x in advice.nearest or ["nothing nearby"])])
-
-
-def model_table_row(gpus: int, seq_len: int, choice: Choice | None) -> str:
-    """One line of ``--max-len``: the longest length on ``gpus`` GPUs and the configuration it takes."""
-    if choice is None:
-        return f"{gpus} GPU{'s' if gpus > 1 else ''}: nothing fits at 1K tokens"
-    return f"{gpus} GPU{'s' if gpus > 1 else ''}: {_size(seq_len)} tokens ({_describe(choice)})"

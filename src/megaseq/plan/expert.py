@@ -15,7 +15,7 @@ Memory (``dispatch_terms``), by dispatch mode (``config.ExpertDispatchSettings``
   backward is the inputs ``n * (xb * H + k * (f + 8))``. The dispatch buffer proper (received rows and
   their expert output) is ``llep.dispatch_buffer_bound``.
 
-The per-row costs are the MoE's (``layers.moe_row_saved`` / ``moe_row_temp``: an upper bound of the CPU
+The per-row costs are the MoE's (``MLP.moe_row_saved`` / ``moe_row_temp``: an upper bound of the CPU
 reference path, ``tests/parallel/test_parallel_expert_memory.py``), plus the all-to-all's send and receive copies.
 
 Traffic (``layer_bytes``): exactly what ``parallel/expert.py`` sends for given routing counts (checked to
@@ -39,8 +39,8 @@ from megaseq.parallel.llep import (
     plan_experts,
     source_pieces,
 )
-from megaseq.plan import layers
-from megaseq.plan.components import CAL, Calibration, Mesh, Precision
+from megaseq.plan import mlp as MLP
+from megaseq.plan.mesh import CAL, Calibration, Mesh, Precision
 
 
 @dataclass(frozen=True)
@@ -64,15 +64,15 @@ def expected_rows(spec: ModelSpec, tokens: int, mesh: Mesh, imbalance: float, d:
     it near ``alpha`` once it exceeds the threshold)."""
     if d.balances and imbalance > d.threshold:
         imbalance = d.alpha
-    return layers.moe_rows(spec, tokens, mesh, imbalance)
+    return MLP.moe_rows(spec, tokens, mesh, imbalance)
 
 
 def dispatch_terms(spec: ModelSpec, n: int, mesh: Mesh, d: ExpertDispatchSettings, xb: int, prec: Precision,
                    imbalance: float, cal: Calibration = CAL) -> DispatchTerms:
     """The routed path's memory under ``ep > 1`` (the router and the shared expert are the caller's)."""
     K, H, c, f = spec.num_experts_per_tok, spec.hidden_size, prec.compute, prec.f32
-    row_saved = layers.moe_row_saved(spec, xb, prec)
-    fwd_row, bwd_row = (layers.moe_row_temp(spec, xb, prec, b, cal) for b in (False, True))
+    row_saved = MLP.moe_row_saved(spec, xb, prec)
+    fwd_row, bwd_row = (MLP.moe_row_temp(spec, xb, prec, b, cal) for b in (False, True))
     a2a = 2 * c * H  # the all-to-all's send and receive copy of a row
     if not d.pipelined:
         rows = expected_rows(spec, n, mesh, imbalance, d)

@@ -1,4 +1,4 @@
-"""The registry of fixes: each exact memory scheme as the planner sees it, and the choice of the cheapest set.
+"""The registry of fixes: each exact memory scheme as the planner sees it (``choice.py`` chooses the cheapest set).
 
 Pure Python. A ``Fix`` is one object: the setting it switches or sizes (a ``MemorySettings`` field), where
 it can be used, its estimated step-time cost (from the FLOPs model), the settings its smallest form
@@ -12,14 +12,13 @@ forward of every layer), sequence segments (the same, plus a small per-segment c
 layer's memory by the segment instead of the sequence and replace recompute, SCO and segmented KDA), SCO
 (1.9% + any copy time the compute cannot hide), OffloadStreamAdamW (the host<->device traffic of the
 optimizer step), and last the frozen base streamed from host memory (the copy time the compute cannot
-hide, ``plan.stream``). Every set of fixes is tried in order of total cost, the sets with a fix of
-``LAST_RESORT`` after every set without one; the first that fits wins and its chunk sizes then grow, in
-powers of two, as far as the budget allows.
+hide, ``plan.stream``). ``choice.choose`` tries every set of fixes in order of total cost, the sets with a
+fix of ``LAST_RESORT`` after every set without one; the first that fits wins and its chunk sizes then grow,
+in powers of two, as far as the budget allows.
 """
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -28,8 +27,7 @@ from megaseq.config import MemorySettings
 from megaseq.memory.rules import check_model_segments  # noqa: F401  (re-exported)
 from megaseq.models.registry import family
 from megaseq.plan import components as C
-from megaseq.plan import layers, phases, stream
-from megaseq.plan.components import GB, GIB, Mesh
+from megaseq.plan import layers, segments, stream
 from megaseq.plan.flops import (
     DEVICE_BYTES_PER_S,
     PINNED_BYTES_PER_S,
@@ -39,7 +37,8 @@ from megaseq.plan.flops import (
     step_flops,
     step_seconds,
 )
-from megaseq.plan.phases import Evaluation, Run, evaluate
+from megaseq.plan.mesh import GB, GIB, Mesh
+from megaseq.plan.run import Run
 from megaseq.schemes import SCHEMES
 
 H200_GPU_BYTES = int(139.8 * GIB)  # usable memory of one H200
@@ -163,7 +162,7 @@ def segment_kv_host_copies(run: Run) -> tuple[float, float, float]:
     the compute dtype and ``a`` in fp32: the forward reads rows ``[0, s)`` and writes ``[s, e)``; the rerun reads
     ``[0, s)`` and the accumulated gradient of ``[s, e)``; the backward reads ``[0, s)`` and their accumulator
     and writes the accumulator back."""
-    rows = sum(phases.segment_kv_rows(run)) * run.batch
+    rows = sum(segments.segment_kv_rows(run)) * run.batch
     if not (run.segment and rows):
         return 0.0, 0.0, 0.0
     c, f = run.prec.compute, run.prec.f32
@@ -283,67 +282,6 @@ LADDER: tuple[str, ...] = tuple(FIXES)
 SEGMENT_EXCLUDES = FIXES["model_segments"].excludes
 
 
-# ---- settings and their costs -----------------------------------------------------------------------
-def base_settings(memory_cfg: Any | None, n_local: int) -> MemorySettings:
-    """The settings with no fix enabled (chunk sizes from the config where it has them; the indexer scores
-    all ``n_local`` queries at once)."""
-    get = (lambda k, d: getattr(memory_cfg, k, d)) if memory_cfg is not None else (lambda k, d: d)
-    return MemorySettings(
-        chunked_loss=False, loss_chunk_tokens=int(get("loss_chunk_tokens", 8192)), tiled_mlp=False,
-        mlp_tile_tokens=int(get("mlp_tile_tokens", 16384)), indexer_query_chunk=n_local, recompute=False,
-        checkpoint_offload=False, offload_host_budget=0, optimizer_offload=False,
-        optimizer_bucket_params=int(get("optimizer_bucket_params", 100_000_000)),
-        # 0: off; a configured size is where the planner starts when it chooses the scheme
-        kda_segment_tokens=int(get("kda_segment_tokens", 0)), model_segment_tokens=int(get("model_segment_tokens", 0)),
-        segment_keep_selection=False,  # the planner turns it on where it fits (_grow)
-        segment_kv_host=False,  # the planner turns it on where the GPU-resident store does not fit (choose)
-    )
-
-
-def fix_costs(run: Run) -> dict[str, float]:
-    """Estimated step-time cost of each fix, as a fraction of the step (FLOPs shares + transfer time)."""
-    terms = CostTerms.of(run)
-    return {name: fix.cost(run, terms) for name, fix in FIXES.items()}
-
-
-def usable_fix(run: Run, name: str) -> bool:
-    """Whether fix ``name`` applies to this model and run (``Fix.usable``)."""
-    return FIXES[name].usable(run)
-
-
-def enabled_fixes(run: Run, memory: MemorySettings) -> tuple[str, ...]:
-    """The fixes of the ladder that ``memory`` switches on for this run."""
-    return tuple(name for name, f in FIXES.items() if f.usable(run) and f.enabled(run, memory))
-
-
-def with_fixes(base: MemorySettings, fixes: tuple[str, ...], run: Run, host_room: int) -> MemorySettings:
-    """Settings with ``fixes`` enabled at their smallest chunk sizes (the feasibility test)."""
-    changes: dict[str, Any] = {}
-    for name in fixes:
-        changes.update(FIXES[name].enable(base, run, fixes, host_room))
-    return base.replace(**changes)
-
-
-def _candidates(run: Run, costs: dict[str, float]) -> list[tuple[str, ...]]:
-    """Every valid fix set (requirements met, exclusions respected), cheapest first; ties go to fewer
-    fixes, then the ladder."""
-    usable = [f for f in LADDER if usable_fix(run, f)]
-    sets = []
-    for r in range(len(usable) + 1):
-        for combo in itertools.combinations(usable, r):
-            if any(req not in combo for f in combo for req in FIXES[f].requires):
-                continue
-            if any(x in combo for f in combo for x in FIXES[f].excludes):
-                continue
-            sets.append(combo)
-    return sorted(sets, key=lambda s: (any(f in LAST_RESORT for f in s), round(sum(costs[f] for f in s), 6), len(s),
-                                       [LADDER.index(f) for f in s]))
-
-
-def _fits(ev: Evaluation, budgets: Budgets, mesh: Mesh) -> bool:
-    return ev.peak_gpu <= budgets.gpu_bytes and ev.peak_host <= budgets.host(mesh)
-
-
 def indexer_chunk_cap(run: Run) -> int:
     """The largest query chunk (a power of two, or every local query) whose scoring chunk stays under
     ``INDEXER_SCORING_MAX``; ``n`` when the model has no DSA layer or all queries fit at once."""
@@ -361,61 +299,3 @@ def indexer_chunk_cap(run: Run) -> int:
     return q
 
 
-def _grow(run: Run, m: MemorySettings, budgets: Budgets, keep_selection: bool = False) -> MemorySettings:
-    """Each enabled chunk size as large as still fits (powers of two, in ``Growth.rank`` order)."""
-    for g in sorted((f.growth for f in FIXES.values() if f.growth is not None), key=lambda g: g.rank):
-        if not g.active(run, m):
-            continue
-        lo, hi = g.bounds(run)
-        # a sequence segment grows first (fewer, longer segments; one as long as the sequence is none);
-        # the chunks inside it then follow the segment's length
-        top = min(hi, run.n_seq - 1) if g.setting == "model_segment_tokens" else min(hi, replace(run, memory=m).n)
-        size = lo
-        while size * 2 <= top:
-            trial = m.replace(**{g.setting: size * 2})
-            if not _fits(evaluate(replace(run, memory=trial)), budgets, run.mesh):
-                break
-            size *= 2
-        m = m.replace(**{g.setting: size})
-    # sequence segments, if asked (``memory.segment_keep_selection``, not yet measured on a GPU): keep the
-    # forward pass's DSA selections (no second scoring) where that fits with KEEP_SELECTION_MARGIN to
-    # spare: a speed-up is not worth a run at the edge of the planner's accuracy
-    if keep_selection and m.model_segment_tokens and "dsa" in run.spec.layer_types:
-        trial = m.replace(segment_keep_selection=True)
-        room = replace(budgets, gpu_bytes=int(budgets.gpu_bytes * (1 - KEEP_SELECTION_MARGIN)))
-        if _fits(evaluate(replace(run, memory=trial)), room, run.mesh):
-            m = trial
-    return m
-
-
-def choose(run: Run, budgets: Budgets, memory_cfg: Any | None) -> tuple[MemorySettings, tuple[str, ...], bool]:
-    """(settings, enabled fixes, fits): the cheapest fix set that fits, chunk sizes grown to the budget."""
-    # the choice must not depend on the settings ``run`` carries (its ``n`` would be a segment's)
-    run = replace(run, memory=run.memory.replace(model_segment_tokens=0))
-    base = base_settings(memory_cfg, run.n).replace(indexer_query_chunk=indexer_chunk_cap(run))
-    costs = fix_costs(run)
-    host_room = budgets.host(run.mesh) // run.mesh.gpus_on_host - run.cal.process_host_bytes
-    for fixes in _candidates(run, costs):
-        m = with_fixes(base, fixes, run, host_room)
-        fit = _fits(evaluate(replace(run, memory=m)), budgets, run.mesh)
-        if not fit and "model_segments" in fixes and phases.segment_kv_rows(run):
-            # the segments' K/V store in host memory, only where the GPU-resident one does not fit
-            m = m.replace(segment_kv_host=True)
-            fit = _fits(evaluate(replace(run, memory=m)), budgets, run.mesh)
-        if fit:
-            m = _grow(run, m, budgets, bool(getattr(memory_cfg, "segment_keep_selection", False)))
-            if m.indexer_query_chunk < run.n and "indexer_query_chunk" not in fixes:  # the 2 GiB bound
-                fixes = tuple(f for f in LADDER if f in fixes or f == "indexer_query_chunk")
-            return m, fixes, True
-    # nothing fits: every usable fix, as one valid set; sequence segments replace the fixes they exclude, so
-    # with segments usable the two largest sets are compared and the one nearer the GPU budget is reported
-    usable = tuple(f for f in LADDER if usable_fix(run, f))
-    sets = [tuple(f for f in usable if f != "model_segments")]
-    if "model_segments" in usable:
-        sets.append(tuple(f for f in usable if f not in SEGMENT_EXCLUDES))
-
-    def gpu_peak(fixes: tuple[str, ...]) -> int:
-        return evaluate(replace(run, memory=with_fixes(base, fixes, run, host_room))).peak_gpu
-
-    every = min(sets, key=gpu_peak)
-    return with_fixes(base, every, run, host_room), every, False

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megaseq.models.spec import ModelSpec
-from megaseq.plan.components import Mesh, Precision
+from megaseq.plan.mesh import Mesh, Precision
 
 H200_BF16_DENSE = 989.4e12  # NVIDIA H200 SXM datasheet, dense bf16 (the MFU denominator)
 H200_BF16_MEASURED = 775e12  # bf16 matmul 8192^3 on one H200

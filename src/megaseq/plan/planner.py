@@ -1,7 +1,8 @@
 """The memory planner: predict each component's GPU and host bytes, choose the cheapest fixes that fit.
 
 Pure Python (no torch). ``plan(spec, seq_len, mesh)`` sweeps the phases of one training step and takes
-the largest (``docs/planner.md``, ``phases.py``):
+the largest (``docs/planner.md``, ``phases.py``; one given setting in ``given.py``, the advice when
+nothing fits in ``shortfall.py``):
 
 - forward at layer l: the saved activations of layers < l (or, with recompute, the boundaries kept on
   the GPU) + layer l's own forward working set (the largest at the last layers);
@@ -25,7 +26,7 @@ from megaseq.memory.rules import check_stream_base
 from megaseq.models.spec import ModelSpec
 from megaseq.ops.kernels import PLANNED_FAST_OPS, planned_fast_ops  # noqa: F401  (PLANNED_FAST_OPS re-exported)
 from megaseq.plan import components as C
-from megaseq.plan.components import GB, GIB, Calibration, Mesh
+from megaseq.plan.choice import base_settings, choose, enabled_fixes, fix_costs
 from megaseq.plan.expert import dispatch_terms, expected_step_bytes
 from megaseq.plan.fixes import (  # noqa: F401  (Budgets, H200_GPU_BYTES, HOST_BYTES_PER_GPU: re-exported)
     FIXES,
@@ -33,15 +34,15 @@ from megaseq.plan.fixes import (  # noqa: F401  (Budgets, H200_GPU_BYTES, HOST_B
     HOST_BYTES_PER_GPU,
     LADDER,
     Budgets,
-    base_settings,
     check_model_segments,
-    choose,
-    enabled_fixes,
-    fix_costs,
 )
 from megaseq.plan.flops import comm_volume, step_flops
+from megaseq.plan.given import indexer_trains, mla_modes, validate_mesh
+from megaseq.plan.mesh import CAL, GIB, Calibration, Mesh
 from megaseq.plan.params import trained_counts
-from megaseq.plan.phases import Evaluation, Run, evaluate
+from megaseq.plan.phases import evaluate
+from megaseq.plan.run import Run
+from megaseq.plan.shortfall import binding_component, no_fit_advice
 
 # the memory settings a plan carries, in order (``Plan.memory``: ``MemorySettings.to_dict``)
 MEMORY_KEYS = tuple(f.name for f in fields(MemorySettings))
@@ -88,171 +89,6 @@ class Plan:
         return cls(**d)
 
 
-# ---- validation -------------------------------------------------------------------------------------
-def validate_mesh(spec: ModelSpec, seq_len: int, mesh: Mesh) -> None:
-    """ValueError when the cp group cannot split the sequence or a token mixer's heads."""
-    cp = mesh.cp
-    if seq_len % cp:
-        raise ValueError(
-            f"data.seq_len = {seq_len} is not divisible by parallel.cp = {cp}: each GPU holds "
-            f"seq_len / cp tokens; use a multiple of {cp}"
-        )
-    if mesh.ep > 1 and spec.num_experts % mesh.ep:
-        raise ValueError(f"parallel.ep = {mesh.ep} must divide num_experts = {spec.num_experts}")
-    if mesh.ep > 1 and spec.expert_bias:
-        raise ValueError(f"parallel.ep = {mesh.ep} is not supported for {spec.family}: its experts' biases do not "
-                         "travel with the expert-parallel dispatch; set --parallel.ep 1 and shard with "
-                         "--parallel.fsdp instead")
-    if cp == 1:
-        return
-    checks = []
-    kinds = set(spec.layer_types)
-    if "kda" in kinds:
-        checks.append(("KDA layers", "linear_num_heads", spec.linear_num_heads))
-    if "attention" in kinds:
-        checks.append(("attention layers", "num_attention_heads", spec.num_attention_heads))
-    if "mla" in kinds:  # dense MLA: Ulysses over its heads (every head has its own keys)
-        checks.append(("MLA layers", "num_attention_heads", spec.num_attention_heads))
-    if "gdn" in kinds:  # gated DeltaNet: Ulysses over the key and the value heads
-        checks.append(("gated DeltaNet layers", "linear_num_key_heads", spec.linear_num_heads))
-        checks.append(("gated DeltaNet layers", "linear_num_value_heads",
-                       spec.linear_num_value_heads or spec.linear_num_heads))
-    if "dsa" in kinds and mesh.mla_mode == "ulysses":
-        # the indexer is split by queries in both modes (each rank scores its own): its heads need not divide
-        checks.append(
-            ("DSA layers (parallel.mla_mode ulysses)", "num_attention_heads", spec.num_attention_heads)
-        )
-    for what, name, heads in checks:
-        if heads % cp:
-            divisors = [d for d in range(1, heads + 1) if heads % d == 0]
-            extra = " or set --parallel.mla_mode gather_kv (no head limit)" if "mla_mode" in what else ""
-            raise ValueError(
-                f"{what}: {name} = {heads} cannot be split over parallel.cp = {cp} ranks (Ulysses "
-                f"gives each rank heads / cp): use a cp among {divisors}{extra}"
-            )
-
-
-def mla_modes(spec: ModelSpec, mesh: Mesh) -> list[str]:
-    """The DSA context-parallel modes to consider: the configured one, or both when ``auto``."""
-    if "dsa" not in spec.layer_types or mesh.cp == 1 or mesh.mla_mode != "auto":
-        return ["gather_kv" if mesh.mla_mode == "auto" else mesh.mla_mode]
-    return ["gather_kv", "ulysses"] if spec.num_attention_heads % mesh.cp == 0 else ["gather_kv"]
-
-
-# ---- advice when nothing fits -------------------------------------------------------------------------
-def _all_fixes_fit(run: Run, budgets: Budgets, memory_cfg: Any | None) -> bool:
-    return choose(run, budgets, memory_cfg)[2]
-
-
-def _smallest_cp(run: Run, budgets: Budgets, memory_cfg: Any | None) -> int | None:
-    """The smallest cp above the current one (same dp, ep) with which some fix set fits."""
-    spec = run.spec
-    for cp in range(run.mesh.cp + 1, 1025):
-        mesh = replace(
-            run.mesh, cp=cp, mla_mode="gather_kv" if run.mesh.mla_mode == "auto" else run.mesh.mla_mode
-        )
-        try:
-            validate_mesh(spec, run.seq_len, mesh)
-        except ValueError:
-            continue
-        if _all_fixes_fit(replace(run, mesh=mesh, mla_mode=mla_modes(spec, mesh)[0]), budgets, memory_cfg):
-            return cp
-    return None
-
-
-def _longest(run: Run, budgets: Budgets, memory_cfg: Any | None) -> int:
-    """The longest multiple of 1024 * cp tokens that fits on this mesh (0 if none)."""
-    step = 1024 * run.mesh.cp
-    lo, hi = 0, max(1, run.seq_len // step)
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if _all_fixes_fit(replace(run, seq_len=mid * step), budgets, memory_cfg):
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo * step
-
-
-def no_fit_advice(run: Run, ev: Evaluation, budgets: Budgets, memory_cfg: Any | None, binding: str) -> str:
-    """Name the binding component and what would make the run fit."""
-    if ev.peak_gpu > budgets.gpu_bytes:
-        gib = f"{ev.peak_gpu / GIB:.1f} GiB > {budgets.gpu_bytes / GIB:.1f} GiB"
-        lines = [f"does not fit: GPU peak {gib} at {ev.phase}; binding component: {binding}."]
-    else:  # only the host overflows: never print a GPU peak under its budget as if it were over
-        lines = [f"does not fit in host memory; the GPU peak, {ev.peak_gpu / GIB:.1f} GiB at {ev.phase}, is "
-                 f"within {budgets.gpu_bytes / GIB:.1f} GiB."]
-    if ev.peak_host > budgets.host(run.mesh):
-        lines.append(
-            f"host memory: needs {ev.peak_host / GB:.0f} GB per host, the budget is "
-            f"{budgets.host(run.mesh) / GB:.0f} GB: give the host more RAM (--host-mem)."
-        )
-    big_host = replace(budgets, host_bytes=1 << 60)
-    if ev.peak_host <= budgets.host(run.mesh) and _all_fixes_fit(run, big_host, memory_cfg):
-        need = choose(run, big_host, memory_cfg)
-        ev2 = evaluate(replace(run, memory=need[0]))
-        takers = {"checkpoint_offload": "SCO", "optimizer_offload": "optimizer offload"}
-        names = [takers[f] for f in need[1] if f in takers]
-        names += ["sequence segments' K/V store (memory.segment_kv_host)"] if need[0].segment_kv_host else []
-        lines.append(
-            f"more host RAM would do: {ev2.peak_host / GB:.0f} GB per host lets {' / '.join(names) or 'it'} "
-            "take the rest."
-        )
-    lines += _state_advice(run, budgets)
-    if binding == "FSDP buffers" and run.mesh.ep == 1 and run.spec.num_experts > 1:
-        lines.append(
-            "most of the FSDP buffers are one layer's gathered routed experts: expert parallelism keeps each "
-            "GPU's experts local, FSDP sharding the rest (--parallel.ep, a divisor of num_experts)."
-        )
-    cp = _smallest_cp(run, budgets, memory_cfg)
-    if cp is not None:
-        gpus = run.mesh.dp * run.mesh.ep * cp
-        lines.append(f"context parallelism: --parallel.cp {cp} ({gpus} GPUs) fits.")
-    longest = _longest(run, budgets, memory_cfg)
-    lines.append(
-        f"the longest length that fits this mesh is {longest} tokens ({longest // 1024}K)."
-        if longest
-        else "no length fits this mesh: the model state itself does not fit."
-    )
-    return " ".join(lines)
-
-
-def _state_advice(run: Run, budgets: Budgets) -> list[str]:
-    """When parameters + optimizer state (on the GPU) alone overflow it: what shards or shrinks them (the
-    settings the runtime has: ``parallel.fsdp``, ``model.weights bf16``, ``memory.optimizer_offload``)."""
-    counts, mesh, prec = run.counts, run.mesh, run.prec
-    state = C.param_bytes(counts, mesh, prec) + C.optimizer_gpu_bytes(counts, mesh, prec, False, 1)
-    if state <= budgets.gpu_bytes:
-        return []
-    line = f"parameters + optimizer state alone need {state / GIB:.0f} GiB per GPU"
-    options = []
-    if mesh.fsdp != "dp_cp" and mesh.world > 1:
-        options.append("shard them over all the GPUs (FSDP: --parallel.fsdp dp_cp)")
-    experts = C.expert_params(counts, mesh)
-    if experts and mesh.sharded and experts * prec.param > budgets.gpu_bytes // 4:
-        options.append(f"split the routed experts over more GPUs (--parallel.ep: each GPU holds its "
-                       f"{experts / 1e9:.1f}B expert parameters whole, FSDP shards the rest)")
-    if run.weights != "bf16" and run.model_dtype == "bf16":
-        options.append("keep the weights in bf16 (--model.weights bf16: 2 B per weight and gradient, the fp32 "
-                       "master with the optimizer)")
-    if not run.memory.optimizer_offload:
-        options.append("offload the optimizer (--memory.optimizer_offload true)")
-    if mesh.world == 1:
-        options.append("or shard them over more GPUs (FSDP: --parallel.fsdp dp_cp)")
-    return [f"{line}: " + "; ".join(options) + "." if options else f"{line}."]
-
-
-def _binding(ev: Evaluation) -> str:
-    """The largest component at the peak (allocator slack aside), with its dominant part."""
-    comps = {k: v for k, v in ev.breakdown.items() if k not in ("allocator reserve", "CUDA context")}
-    name = max(comps, key=comps.get)
-    if name == "saved activations" and ev.saved_terms:
-        top = max(ev.saved_terms, key=ev.saved_terms.get)
-        return f"saved activations ({top})"
-    if name in ("layer working set", "recomputed layer"):
-        return f"{name} ({ev.notes.get(name, '')})"
-    return name
-
-
 # ---- entry points -------------------------------------------------------------------------------------
 def _forced(memory_cfg: Any, n: int, run: Run) -> MemorySettings:
     """The user's settings (``memory.auto`` false), checked to run as given before anything runs."""
@@ -277,7 +113,7 @@ def _make_plan(run: Run, budgets: Budgets, memory_cfg: Any | None, name: str, ex
     ev = evaluate(run)
     fits = ev.peak_gpu <= budgets.gpu_bytes and ev.peak_host <= budgets.host(run.mesh)
     costs = fix_costs(run)
-    binding = _binding(ev)
+    binding = binding_component(ev)
     advice = (
         f"fits: GPU peak {ev.peak_gpu / GIB:.1f} of {budgets.gpu_bytes / GIB:.1f} GiB at {ev.phase}"
         if fits
@@ -357,7 +193,7 @@ def plan(
     model_dtype: str = "bf16",
     grad_accum: int = 1,
     moe_imbalance: float = 4.0,
-    calibration: Calibration = C.CAL,
+    calibration: Calibration = CAL,
     name: str = "",
     packed_documents: bool = False,
     ep_dispatch: ExpertDispatchSettings | None = None,
@@ -465,73 +301,6 @@ def longest_length(spec: ModelSpec, mesh: Mesh | None = None, budgets: Budgets |
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
     return lo * step
-
-
-def run_for(
-    spec: ModelSpec,
-    seq_len: int,
-    memory: dict[str, Any] | MemorySettings,
-    mesh: Mesh | None = None,
-    batch_size: int = 1,
-    *,
-    model_dtype: str = "bf16",
-    grad_accum: int = 1,
-    moe_imbalance: float = 4.0,
-    mla_mode: str | None = None,
-    calibration: Calibration = C.CAL,
-    loss_in_compute_dtype: bool = True,
-    ep_dispatch: ExpertDispatchSettings | None = None,
-    weights: str = "fp32",
-    reduce_dtype: str = "fp32",
-    adapters: AdapterSettings | None = None,
-    fast_ops: frozenset[str] = frozenset(),
-    indexer_objective: bool = False,
-) -> Run:
-    """The planner's ``Run`` for one given setting (``MemorySettings``, or a dict of some of its fields, the
-    rest at the planner's base), choosing nothing. ``mla_mode`` defaults to the mesh's (``auto`` meaning
-    gather_kv, as the runtime)."""
-    mesh = mesh or Mesh()
-    validate_mesh(spec, seq_len, mesh)
-    mode = mla_mode or ("gather_kv" if mesh.mla_mode == "auto" else mesh.mla_mode)
-    given = memory.to_dict() if isinstance(memory, MemorySettings) else memory
-    full = base_settings(None, batch_size * seq_len // mesh.cp).replace(**given)
-    counts = indexer_trains(C.count_params(spec), indexer_objective)
-    counts.trained = trained_counts(spec, adapters, indexer_objective)
-    counts = C.gpu_counts(counts, mesh)  # the experts (and their adapters) one GPU holds under ep
-    return Run(
-        spec=spec,
-        seq_len=seq_len,
-        batch=batch_size,
-        mesh=mesh,
-        model_dtype=model_dtype,
-        memory=full,
-        counts=counts,
-        mla_mode=mode,
-        imbalance=moe_imbalance,
-        grad_accum=grad_accum,
-        cal=calibration,
-        loss_in_compute_dtype=loss_in_compute_dtype,
-        ep_dispatch=ep_dispatch or ExpertDispatchSettings(),
-        weights=weights,
-        reduce_dtype=reduce_dtype,
-        fast_ops=frozenset(fast_ops),
-        indexer_objective=indexer_objective,
-    )
-
-
-def indexer_trains(counts: C.ParamCounts, objective: bool) -> C.ParamCounts:
-    """With the indexer objective the DSA indexers' parameters train: counted with the dense trained ones."""
-    if objective:
-        counts.layers = [(dense + no_grad, experts, 0) for dense, experts, no_grad in counts.layers]
-    return counts
-
-
-def peak_for(spec: ModelSpec, seq_len: int, memory: dict[str, Any] | MemorySettings, mesh: Mesh | None = None,
-             batch_size: int = 1,
-             **kw: Any) -> Evaluation:
-    """Evaluate one given setting (``run_for``'s arguments) without choosing anything: the phase peaks and
-    the breakdown."""
-    return evaluate(run_for(spec, seq_len, memory, mesh, batch_size, **kw))
 
 
 def plan_from_config(

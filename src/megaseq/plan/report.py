@@ -1,5 +1,7 @@
 """Render a memory plan: a table of components (GPU and host GiB), the chosen fixes with their time
-cost, the headroom or the no-fit message, and the per-phase peaks. Plain text, rich, or JSON."""
+cost, the headroom or the no-fit message, and the per-phase peaks. Plain text, rich, or JSON. And the
+advisor's answer as ``megaseq plan`` prints it: the verdict on the settings as given, the advice, and one
+``--max-len`` line per GPU count."""
 
 from __future__ import annotations
 
@@ -7,7 +9,8 @@ import io
 import json
 from typing import Any
 
-from megaseq.plan.components import GB, GIB
+from megaseq.plan.advisor import Advice, Choice, describe
+from megaseq.plan.mesh import GB, GIB
 from megaseq.plan.planner import Plan
 
 
@@ -164,3 +167,52 @@ def plan_json(plan: Plan) -> str:
 def plan_from_json(text: str) -> Plan:
     data: dict[str, Any] = json.loads(text)
     return Plan.from_dict(data)
+
+
+# ---- the advisor's verdict and advice (``megaseq plan``) ----------------------------------------------
+def format_advice(a: Advice) -> str:
+    hw = a.hardware
+    head = (f"{a.model} at {_size(a.seq_len)} tokens a sequence on {hw.gpus} GPU{'s' if hw.gpus > 1 else ''} "
+            f"({min(hw.gpus, hw.gpus_per_host)} a host)")
+    if a.choice is None:
+        lines = [head, "does not fit: no setting megaseq supports fits these GPUs at this length."]
+        lines += ["nearest that fits:", *(f"  - {x}" for x in a.nearest)] if a.nearest else ["nothing nearby fits"]
+        return "\n".join(lines)
+    c = a.choice
+    fixes = ", ".join(f[0] for f in c.plan.fixes) or "none"
+    return "\n".join([
+        head,
+        f"fits: {describe(c)} (of {c.plan.gpu_budget / GIB:.1f}), host {c.plan.peak_host / GIB:.1f} of "
+        f"{c.plan.host_budget / GIB:.1f} GiB",
+        f"memory fixes: {fixes}",
+        f"estimated: {c.step_seconds:.1f} s a step, {c.tokens_per_s:,.0f} tokens/s over all GPUs (a ranking, "
+        "not a measurement)",
+        f"fast kernels it runs: {', '.join(a.kernels) or 'none'}",
+        "command:",
+        f"  {a.command}",
+    ])
+
+
+def format_verdict(plan: Plan, advice: Advice, as_given_command: str) -> str:
+    """The first lines ``megaseq plan`` prints: whether the settings as given fit, and the command to run (theirs
+    when they fit; else the fastest configuration that fits; else the nearest that does)."""
+    where = f"{plan.peak_gpu / GIB:.1f} GiB a GPU of {plan.gpu_budget / GIB:.1f}"
+    if plan.fits:
+        lines = [f"FITS as given ({where}); run:", f"  {as_given_command}"]
+        if advice.choice is not None and advice.command != as_given_command:
+            lines += [f"a faster configuration that fits ({describe(advice.choice)}):", f"  {advice.command}"]
+        return "\n".join(lines)
+    host = (f", host {plan.peak_host / GIB:.1f} GiB of {plan.host_budget / GIB:.1f}"
+            if plan.peak_host > plan.host_budget else "")
+    lines = [f"DOES NOT FIT as given ({where}{host}; binding: {plan.binding})."]
+    if advice.choice is not None:
+        return "\n".join([*lines, f"fits instead ({describe(advice.choice)}); run:", f"  {advice.command}"])
+    lines.append("nothing megaseq supports fits these GPUs at this length; the nearest that fits:")
+    return "\n".join([*lines, *(f"  - {x}" for x in advice.nearest or ["nothing nearby"])])
+
+
+def model_table_row(gpus: int, seq_len: int, choice: Choice | None) -> str:
+    """One line of ``--max-len``: the longest length on ``gpus`` GPUs and the configuration it takes."""
+    if choice is None:
+        return f"{gpus} GPU{'s' if gpus > 1 else ''}: nothing fits at 1K tokens"
+    return f"{gpus} GPU{'s' if gpus > 1 else ''}: {_size(seq_len)} tokens ({describe(choice)})"

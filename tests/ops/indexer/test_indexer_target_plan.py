@@ -53,7 +53,7 @@ def test_the_plan_counts_the_kernel_where_the_fast_set_runs_it(monkeypatch):
     when its fast ops hold it."""
     from megaseq.models.glm5.spec import glm5_flash_1gpu
     from megaseq.plan import layers
-    from megaseq.plan.components import Precision
+    from megaseq.plan.mesh import Precision
     from megaseq.plan.planner import plan
 
     assert "indexer_target" in kernels.PLANNED_FAST_OPS

@@ -1,0 +1,151 @@
+"""The choice of the cheapest set of fixes that fits: every set of ``fixes.FIXES`` the run can use, tried in
+order of total step-time cost (the sets with a fix of ``fixes.LAST_RESORT`` after every set without one);
+the first that fits wins and its chunk sizes then grow, in powers of two, as far as the budget allows.
+
+Pure Python. ``base_settings`` is the planner's starting point, ``with_fixes`` a set's settings, ``choose``
+the search.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import replace
+from typing import Any
+
+from megaseq.config import MemorySettings
+from megaseq.plan import fixes as registry  # LAST_RESORT read through the module (a test swaps it)
+from megaseq.plan import segments
+from megaseq.plan.fixes import (
+    FIXES,
+    KEEP_SELECTION_MARGIN,
+    LADDER,
+    SEGMENT_EXCLUDES,
+    Budgets,
+    CostTerms,
+    indexer_chunk_cap,
+)
+from megaseq.plan.mesh import Mesh
+from megaseq.plan.phases import evaluate
+from megaseq.plan.run import Evaluation, Run
+
+
+# ---- settings and their costs -----------------------------------------------------------------------
+def base_settings(memory_cfg: Any | None, n_local: int) -> MemorySettings:
+    """The settings with no fix enabled (chunk sizes from the config where it has them; the indexer scores
+    all ``n_local`` queries at once)."""
+    get = (lambda k, d: getattr(memory_cfg, k, d)) if memory_cfg is not None else (lambda k, d: d)
+    return MemorySettings(
+        chunked_loss=False, loss_chunk_tokens=int(get("loss_chunk_tokens", 8192)), tiled_mlp=False,
+        mlp_tile_tokens=int(get("mlp_tile_tokens", 16384)), indexer_query_chunk=n_local, recompute=False,
+        checkpoint_offload=False, offload_host_budget=0, optimizer_offload=False,
+        optimizer_bucket_params=int(get("optimizer_bucket_params", 100_000_000)),
+        # 0: off; a configured size is where the planner starts when it chooses the scheme
+        kda_segment_tokens=int(get("kda_segment_tokens", 0)), model_segment_tokens=int(get("model_segment_tokens", 0)),
+        segment_keep_selection=False,  # the planner turns it on where it fits (_grow)
+        segment_kv_host=False,  # the planner turns it on where the GPU-resident store does not fit (choose)
+    )
+
+
+def fix_costs(run: Run) -> dict[str, float]:
+    """Estimated step-time cost of each fix, as a fraction of the step (FLOPs shares + transfer time)."""
+    terms = CostTerms.of(run)
+    return {name: fix.cost(run, terms) for name, fix in FIXES.items()}
+
+
+def usable_fix(run: Run, name: str) -> bool:
+    """Whether fix ``name`` applies to this model and run (``Fix.usable``)."""
+    return FIXES[name].usable(run)
+
+
+def enabled_fixes(run: Run, memory: MemorySettings) -> tuple[str, ...]:
+    """The fixes of the ladder that ``memory`` switches on for this run."""
+    return tuple(name for name, f in FIXES.items() if f.usable(run) and f.enabled(run, memory))
+
+
+def with_fixes(base: MemorySettings, fixes: tuple[str, ...], run: Run, host_room: int) -> MemorySettings:
+    """Settings with ``fixes`` enabled at their smallest chunk sizes (the feasibility test)."""
+    changes: dict[str, Any] = {}
+    for name in fixes:
+        changes.update(FIXES[name].enable(base, run, fixes, host_room))
+    return base.replace(**changes)
+
+
+def _candidates(run: Run, costs: dict[str, float]) -> list[tuple[str, ...]]:
+    """Every valid fix set (requirements met, exclusions respected), cheapest first; ties go to fewer
+    fixes, then the ladder."""
+    usable = [f for f in LADDER if usable_fix(run, f)]
+    sets = []
+    for r in range(len(usable) + 1):
+        for combo in itertools.combinations(usable, r):
+            if any(req not in combo for f in combo for req in FIXES[f].requires):
+                continue
+            if any(x in combo for f in combo for x in FIXES[f].excludes):
+                continue
+            sets.append(combo)
+    last = registry.LAST_RESORT
+    return sorted(sets, key=lambda s: (any(f in last for f in s), round(sum(costs[f] for f in s), 6), len(s),
+                                       [LADDER.index(f) for f in s]))
+
+
+def _fits(ev: Evaluation, budgets: Budgets, mesh: Mesh) -> bool:
+    return ev.peak_gpu <= budgets.gpu_bytes and ev.peak_host <= budgets.host(mesh)
+
+
+def _grow(run: Run, m: MemorySettings, budgets: Budgets, keep_selection: bool = False) -> MemorySettings:
+    """Each enabled chunk size as large as still fits (powers of two, in ``Growth.rank`` order)."""
+    for g in sorted((f.growth for f in FIXES.values() if f.growth is not None), key=lambda g: g.rank):
+        if not g.active(run, m):
+            continue
+        lo, hi = g.bounds(run)
+        # a sequence segment grows first (fewer, longer segments; one as long as the sequence is none);
+        # the chunks inside it then follow the segment's length
+        top = min(hi, run.n_seq - 1) if g.setting == "model_segment_tokens" else min(hi, replace(run, memory=m).n)
+        size = lo
+        while size * 2 <= top:
+            trial = m.replace(**{g.setting: size * 2})
+            if not _fits(evaluate(replace(run, memory=trial)), budgets, run.mesh):
+                break
+            size *= 2
+        m = m.replace(**{g.setting: size})
+    # sequence segments, if asked (``memory.segment_keep_selection``, not yet measured on a GPU): keep the
+    # forward pass's DSA selections (no second scoring) where that fits with KEEP_SELECTION_MARGIN to
+    # spare: a speed-up is not worth a run at the edge of the planner's accuracy
+    if keep_selection and m.model_segment_tokens and "dsa" in run.spec.layer_types:
+        trial = m.replace(segment_keep_selection=True)
+        room = replace(budgets, gpu_bytes=int(budgets.gpu_bytes * (1 - KEEP_SELECTION_MARGIN)))
+        if _fits(evaluate(replace(run, memory=trial)), room, run.mesh):
+            m = trial
+    return m
+
+
+def choose(run: Run, budgets: Budgets, memory_cfg: Any | None) -> tuple[MemorySettings, tuple[str, ...], bool]:
+    """(settings, enabled fixes, fits): the cheapest fix set that fits, chunk sizes grown to the budget."""
+    # the choice must not depend on the settings ``run`` carries (its ``n`` would be a segment's)
+    run = replace(run, memory=run.memory.replace(model_segment_tokens=0))
+    base = base_settings(memory_cfg, run.n).replace(indexer_query_chunk=indexer_chunk_cap(run))
+    costs = fix_costs(run)
+    host_room = budgets.host(run.mesh) // run.mesh.gpus_on_host - run.cal.process_host_bytes
+    for fixes in _candidates(run, costs):
+        m = with_fixes(base, fixes, run, host_room)
+        fit = _fits(evaluate(replace(run, memory=m)), budgets, run.mesh)
+        if not fit and "model_segments" in fixes and segments.segment_kv_rows(run):
+            # the segments' K/V store in host memory, only where the GPU-resident one does not fit
+            m = m.replace(segment_kv_host=True)
+            fit = _fits(evaluate(replace(run, memory=m)), budgets, run.mesh)
+        if fit:
+            m = _grow(run, m, budgets, bool(getattr(memory_cfg, "segment_keep_selection", False)))
+            if m.indexer_query_chunk < run.n and "indexer_query_chunk" not in fixes:  # the 2 GiB bound
+                fixes = tuple(f for f in LADDER if f in fixes or f == "indexer_query_chunk")
+            return m, fixes, True
+    # nothing fits: every usable fix, as one valid set; sequence segments replace the fixes they exclude, so
+    # with segments usable the two largest sets are compared and the one nearer the GPU budget is reported
+    usable = tuple(f for f in LADDER if usable_fix(run, f))
+    sets = [tuple(f for f in usable if f != "model_segments")]
+    if "model_segments" in usable:
+        sets.append(tuple(f for f in usable if f not in SEGMENT_EXCLUDES))
+
+    def gpu_peak(fixes: tuple[str, ...]) -> int:
+        return evaluate(replace(run, memory=with_fixes(base, fixes, run, host_room))).peak_gpu
+
+    every = min(sets, key=gpu_peak)
+    return with_fixes(base, every, run, host_room), every, False
