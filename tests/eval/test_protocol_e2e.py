@@ -24,6 +24,9 @@ from megaseq.train.convert import load_megaseq_checkpoint
 from megaseq.train.parallel_env import ParallelEnv
 
 torch.set_num_threads(2)
+# about 40 s of the driver's four steps: under `make test-all`; the protocol's evaluation and recipes are tested
+# in `make test` by test_eval_protocol.py and test_protocol_recipes.py
+pytestmark = pytest.mark.slow
 SHORT, LONG, WIDTH, CUT = 128, 384, 96, 128
 ROOT = Path(__file__).resolve().parents[2]
 RECIPES, DRIVER = ROOT / "recipes" / "long-context", ROOT / "benchmarks" / "long_context" / "genome_protocol.sh"
