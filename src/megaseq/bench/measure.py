@@ -142,6 +142,10 @@ def measure_megaseq(cfg: Config, seq_len: int, steps: int, source: str, routing:
                 torch.cuda.reset_peak_memory_stats(device)
             first: list[float] = []
             times = timed_steps(lambda: step(next_batch()), steps, device, first)
+            cuda = device.type == "cuda"  # the timed steps' peaks and routing, read before any profiled step
+            peaks = dict(measured_gpu_gib=torch.cuda.max_memory_allocated(device) / GIB if cuda else None,
+                         measured_gpu_reserved_gib=torch.cuda.max_memory_reserved(device) / GIB if cuda else None,
+                         measured_host_gib=host_rss_peak() / 1e9, **load_summary(moe_load(model)))
             if profile is not None:
                 profiled_step(lambda: step(next_batch()), device, profile)
             # the ops `model.kernels` prefers that ran something else (where and why): the row says what it timed
@@ -155,11 +159,7 @@ def measure_megaseq(cfg: Config, seq_len: int, steps: int, source: str, routing:
         dt = sum(times) / len(times)
         tokens = c.train.batch_size * seq_len
         row.update(status="ok", step_s=dt, first_step_s=first[0], tokens_per_s=tokens / dt,
-                   mfu=mfu(tokens / dt, plan.flops["per_token"], 1) if device.type == "cuda" else None,
-                   measured_gpu_gib=torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None,
-                   measured_gpu_reserved_gib=(torch.cuda.max_memory_reserved(device) / GIB
-                                              if device.type == "cuda" else None),
-                   measured_host_gib=host_rss_peak() / 1e9, **load_summary(moe_load(model)))
+                   mfu=mfu(tokens / dt, plan.flops["per_token"], 1) if device.type == "cuda" else None, **peaks)
     except torch.OutOfMemoryError as e:
         row.update(status="oom", error=str(e).splitlines()[0][:200])
         # where it ran out, for whoever reads the log (the row keeps the message only)
