@@ -27,25 +27,15 @@ when the latents fit there) and ``4 * Hh * W * C`` dot FLOPs; written ``4 * W`` 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
-from megaseq.ops.sparse_mla.kernels import LOG2E, _gather_latents
+# the fused sparse MLA's slot gather, launch configuration (heads per block, slots per step, warps, stages) and
+# dot precision
+from megaseq.ops.sparse_mla.kernels import LOG2E, Config, _dot_precision, _gather_latents
 
 MAX_LATENT: int = 1024  # a program holds [BH, CP] query and [BW, CP] latent tiles
-
-
-@dataclass(frozen=True)
-class Config:
-    """One launch configuration: heads per block, slots per step, warps, software-pipeline stages."""
-
-    BH: int
-    BW: int
-    num_warps: int
-    num_stages: int
 
 
 def default_config(Hh: int, C: int, dtype: torch.dtype) -> Config:
@@ -137,10 +127,6 @@ def indexer_target_kernel(qabs_ptr, c_ptr, idx_ptr, lse_ptr, out_ptr, scale_log2
 
 
 # ---- launcher ------------------------------------------------------------------------------------------
-def _dot_precision(dtype: torch.dtype) -> str:
-    return "ieee" if dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit operands
-
-
 def target(q_abs_cHC: torch.Tensor, c_SC: torch.Tensor, idx_cW: torch.Tensor, scale: float,
            config: Config | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(m [c, W], lse2 [c, Hh])``: the head-summed probabilities over each query's valid slots and the base-2
