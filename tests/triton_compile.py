@@ -1,6 +1,7 @@
 """Compiling Triton kernels for an H200 (sm_90) without a GPU, for the CPU tests: Triton's interpreter
 accepts code the compiler refuses, so each kernel module's test compiles its kernels in a child process
-with ``TRITON_INTERPRET`` unset (it must be unset before Triton is imported, and the test process has it)."""
+with ``TRITON_INTERPRET`` unset (it must be unset before Triton is imported, and the test process has it).
+``interpreter_device`` picks where a kernel test runs: the GPU, or the CPU under that interpreter."""
 
 from __future__ import annotations
 
@@ -25,3 +26,17 @@ def compile_in_child(script: str, timeout: int = 600) -> str:
     run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=timeout)
     assert run.returncode == 0, run.stderr[-3000:]
     return run.stdout
+
+
+def interpreter_device(monkeypatch, module) -> str:
+    """cuda when present, else the cpu under Triton's interpreter with ``module.CPU_INTERPRETER`` set for the test
+    (skipped if triton was imported without ``TRITON_INTERPRET=1``)."""
+    import torch
+    import triton
+
+    if torch.cuda.is_available():
+        return "cuda"
+    if os.environ.get("TRITON_INTERPRET") != "1" or not triton.knobs.runtime.interpret:
+        pytest.skip("triton was imported before TRITON_INTERPRET=1 was set")
+    monkeypatch.setattr(module, "CPU_INTERPRETER", True)
+    return "cpu"

@@ -14,7 +14,6 @@ The byte formulas, the plan and the kernel sets are in ``test_indexer_target_pla
 
 from __future__ import annotations
 
-import os
 import textwrap
 
 import pytest
@@ -27,7 +26,7 @@ from megaseq.ops import dispatch, workspace  # noqa: E402
 from megaseq.ops.indexer import target as tgt  # noqa: E402
 from megaseq.ops.indexer.target_kernel import _head_block_lse, _head_block_probs  # noqa: E402
 from megaseq.ops.sparse_mla.kernels import _gather_latents  # noqa: E402
-from triton_compile import compile_in_child  # noqa: E402
+from triton_compile import compile_in_child, interpreter_device  # noqa: E402
 
 torch.set_num_threads(1)
 CUDA = torch.cuda.is_available()
@@ -37,12 +36,7 @@ TOL = {torch.float32: 1e-5, torch.float16: 1e-5}  # max |m - m64|, m64 in [0, Hh
 @pytest.fixture
 def device(monkeypatch) -> str:
     """cuda when present, else the cpu under the interpreter (skipped if triton was imported without it)."""
-    if CUDA:
-        return "cuda"
-    if os.environ.get("TRITON_INTERPRET") != "1" or not triton.knobs.runtime.interpret:
-        pytest.skip("triton was imported before TRITON_INTERPRET=1 was set")
-    monkeypatch.setattr(tgt, "CPU_INTERPRETER", True)
-    return "cpu"
+    return interpreter_device(monkeypatch, tgt)
 
 
 def make_inputs(seed: int, c: int, Hh: int, C: int, S: int, W: int, dtype=torch.float32, device: str = "cpu"):

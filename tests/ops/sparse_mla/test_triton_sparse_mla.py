@@ -10,7 +10,6 @@ glm5-flash-1gpu shapes (R = 512, Dn = Dv = 256, W = 2063, causal pool selections
 
 from __future__ import annotations
 
-import os
 import textwrap
 
 import pytest
@@ -22,7 +21,7 @@ from megaseq.ops.sparse_mla import absorbed as sparse_mla  # noqa: E402
 from megaseq.ops.sparse_mla import fused as tsm  # noqa: E402
 from megaseq.ops.sparse_mla.reference import sparse_mla_reference  # noqa: E402
 from numerics import rel_err  # noqa: E402
-from triton_compile import compile_in_child  # noqa: E402
+from triton_compile import compile_in_child, interpreter_device  # noqa: E402
 
 triton = pytest.importorskip("triton")
 torch.set_num_threads(1)
@@ -35,12 +34,7 @@ TOL_GPU = {torch.float32: 1e-4, torch.bfloat16: 3e-2}  # fp32 GEMMs around the k
 @pytest.fixture
 def device(monkeypatch) -> str:
     """cuda when present, else the cpu under the interpreter (skipped if triton was imported without it)."""
-    if CUDA:
-        return "cuda"
-    if os.environ.get("TRITON_INTERPRET") != "1" or not triton.knobs.runtime.interpret:
-        pytest.skip("triton was imported before TRITON_INTERPRET=1 was set")
-    monkeypatch.setattr(tsm, "CPU_INTERPRETER", True)
-    return "cpu"
+    return interpreter_device(monkeypatch, tsm)
 
 
 def where_differ(name: str, a: torch.Tensor, b: torch.Tensor) -> str:
