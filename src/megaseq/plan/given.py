@@ -98,9 +98,7 @@ def run_for(
     mode = mla_mode or ("gather_kv" if mesh.mla_mode == "auto" else mesh.mla_mode)
     given = memory.to_dict() if isinstance(memory, MemorySettings) else memory
     full = base_settings(None, batch_size * seq_len // mesh.cp).replace(**given)
-    counts = indexer_trains(C.count_params(spec), indexer_objective)
-    counts.trained = trained_counts(spec, adapters, indexer_objective)
-    counts = C.gpu_counts(counts, mesh)  # the experts (and their adapters) one GPU holds under ep
+    counts = gpu_param_counts(spec, mesh, adapters, indexer_objective)
     return Run(
         spec=spec,
         seq_len=seq_len,
@@ -120,6 +118,15 @@ def run_for(
         fast_ops=frozenset(fast_ops),
         indexer_objective=indexer_objective,
     )
+
+
+def gpu_param_counts(spec: ModelSpec, mesh: Mesh, adapters: AdapterSettings | None,
+                     indexer_objective: bool) -> C.ParamCounts:
+    """The parameters one GPU holds (the experts and their adapters under ep), with what trains: the adapters or
+    ``train.trainable`` of a frozen base, and the indexers when their objective is on."""
+    counts = indexer_trains(C.count_params(spec), indexer_objective)
+    counts.trained = trained_counts(spec, adapters, indexer_objective)
+    return C.gpu_counts(counts, mesh)
 
 
 def indexer_trains(counts: C.ParamCounts, objective: bool) -> C.ParamCounts:

@@ -37,9 +37,8 @@ from megaseq.plan.fixes import (  # noqa: F401  (Budgets, H200_GPU_BYTES, HOST_B
     check_model_segments,
 )
 from megaseq.plan.flops import comm_volume, step_flops
-from megaseq.plan.given import indexer_trains, mla_modes, validate_mesh
+from megaseq.plan.given import gpu_param_counts, mla_modes, validate_mesh
 from megaseq.plan.mesh import CAL, GIB, Calibration, Mesh
-from megaseq.plan.params import trained_counts
 from megaseq.plan.phases import evaluate
 from megaseq.plan.run import Run
 from megaseq.plan.shortfall import binding_component, no_fit_advice
@@ -221,9 +220,7 @@ def plan(
     if seq_len < 1 or batch_size < 1:
         raise ValueError(f"seq_len ({seq_len}) and batch_size ({batch_size}) must be >= 1")
     validate_mesh(spec, seq_len, mesh)
-    counts = indexer_trains(C.count_params(spec), indexer_objective)
-    counts.trained = trained_counts(spec, adapters, indexer_objective)
-    counts = C.gpu_counts(counts, mesh)  # the experts (and their adapters) one GPU holds under ep
+    counts = gpu_param_counts(spec, mesh, adapters, indexer_objective)
     best: Plan | None = None
     for mode in mla_modes(spec, mesh):
         run = Run(
