@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from megaseq.config import Config, build_config, field_help, load_config, parse_size
+from megaseq.config import Config, build_config, field_help, format_size, load_config, parse_size
 from megaseq.models.presets import PRESETS, get_preset, resolve_spec
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -17,6 +17,13 @@ def test_sizes():
     assert parse_size("1.5K") == 1536
     assert parse_size(7) == 7
     assert parse_size("64G") == 64 * 2**30
+
+
+@pytest.mark.parametrize("n, text", [(32768, "32K"), (1 << 20, "1M"), (3 << 20, "3M"), (1536, "1536"), (1000, "1000"),
+                                     (0, "0")])
+def test_format_size_spells_what_parse_size_reads(n, text):
+    assert format_size(n) == text
+    assert parse_size(text) == n
 
 
 def test_overrides_and_types():

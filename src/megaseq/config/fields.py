@@ -66,6 +66,14 @@ def parse_size(value: Any, setting: str | None = None) -> int:
     return int(v)
 
 
+def format_size(n: int) -> str:
+    """``parse_size``'s spelling of a token count: 32768 -> '32K', 1048576 -> '1M'; other counts as digits."""
+    for suffix, mult in (("M", 1 << 20), ("K", 1 << 10)):
+        if n and n % mult == 0:
+            return f"{n // mult}{suffix}"
+    return str(n)
+
+
 def parse_duration(value: Any, setting: str | None = None) -> float:
     """'90s' -> 90.0, '20m' -> 1200.0, '1.5h' -> 5400.0, 300 -> 300.0 (seconds); '' or None -> 0.0 (no limit).
     A negative, non-finite, unreadable or bool value is a ValueError (naming ``setting`` when given)."""

@@ -17,17 +17,11 @@ from typing import Any
 
 import numpy as np
 
+from megaseq.config import format_size
 from megaseq.eval.spread import WindowBuckets, beyond_noise, paired_gain
 
 UNIFORM_BITS = 2.0
 ORDER = ("before", "after", "control")
-
-
-def _size(n: int) -> str:
-    for suffix, mult in (("M", 1 << 20), ("K", 1 << 10)):
-        if n and n % mult == 0:
-            return f"{n // mult}{suffix}"
-    return str(n)
 
 
 def halves(count_N: np.ndarray) -> tuple[list[int], list[int]]:
@@ -66,7 +60,7 @@ def change_words(c: dict[str, Any], width: int) -> str:
     if c.get("late_minus_early") is None:
         return head + "."
     d, se = c["late_minus_early"], c["late_minus_early_se"]
-    span = lambda bs: f"{_size(bs[0] * width)}-{_size((bs[-1] + 1) * width)}"  # noqa: E731
+    span = lambda bs: f"{format_size(bs[0] * width)}-{format_size((bs[-1] + 1) * width)}"  # noqa: E731
     if not beyond_noise(d, se):
         trend = "the two differ by no more than the spread across windows"
     elif d > 0:

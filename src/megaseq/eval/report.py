@@ -14,6 +14,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from megaseq.config import format_size
+
 
 def default_file_mode() -> int:
     """The mode ``open`` gives a new file under this process's umask (0644 under the usual 022); mkstemp
@@ -44,14 +46,6 @@ def write_atomic(path: str | Path, data: str | bytes) -> Path:
 
 def write_json(path: str | Path, obj: Any) -> Path:
     return write_atomic(path, json.dumps(obj, indent=2, allow_nan=False) + "\n")
-
-
-def _size(n: int) -> str:
-    """32768 -> '32K', 1048576 -> '1M' (exact multiples only)."""
-    for suffix, mult in (("M", 1 << 20), ("K", 1 << 10)):
-        if n and n % mult == 0:
-            return f"{n // mult}{suffix}"
-    return str(n)
 
 
 def _fmt(v: float | None, digits: int = 4) -> str:
@@ -126,8 +120,8 @@ def markdown_table(result: dict[str, Any]) -> str:
     lines = [f"**{headline(result)}.**", ""] + [f"- {v}" for v in result.get("verdict", [])[1:]] + [""]
     lines += summary_table(result) + [""] + group_table(result)
     lines += [f"Held-out bits per {unit} by position ({result['num_windows']} windows of "
-              f"{_size(result['seq_len'])}, {result['tokens']:,} scored tokens, buckets of "
-              f"{_size(result['bucket_width'])}). Gain = baseline - model: positive where the model is better.",
+              f"{format_size(result['seq_len'])}, {result['tokens']:,} scored tokens, buckets of "
+              f"{format_size(result['bucket_width'])}). Gain = baseline - model: positive where the model is better.",
               "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
 
     def row(label: str, i: int | None) -> str:
@@ -144,7 +138,7 @@ def markdown_table(result: dict[str, Any]) -> str:
             cells.append("-" if v is None else f"{100 * v:+.2f}%")
         return "| " + " | ".join(cells) + " |"
 
-    lines += [row(f"{_size(a)}-{_size(b)}", i) for i, (a, b) in enumerate(result["buckets"])]
+    lines += [row(f"{format_size(a)}-{format_size(b)}", i) for i, (a, b) in enumerate(result["buckets"])]
     lines.append(row("all", None))
     return "\n".join(lines) + "\n"
 
@@ -225,9 +219,9 @@ def plot_by_position(result: dict[str, Any], path: str | Path) -> Path:
         gx.set_ylabel(f"gain over {base}\n(bits per {unit}; > 0: better)")
         gx.grid(alpha=0.3)
         gx.legend(fontsize=7)
-        gx.set_xlabel(f"position in window (tokens), buckets of {_size(result['bucket_width'])}")
+        gx.set_xlabel(f"position in window (tokens), buckets of {format_size(result['bucket_width'])}")
     else:
-        ax.set_xlabel(f"position in window (tokens), buckets of {_size(result['bucket_width'])}")
+        ax.set_xlabel(f"position in window (tokens), buckets of {format_size(result['bucket_width'])}")
     fig.tight_layout()
     return save_figure(fig, path)
 

@@ -20,6 +20,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from megaseq.config import format_size
+
 
 class PositionLoss(Protocol):
     """What the gains read of a ``by_position.PositionLoss`` (which imports this module, not the reverse)."""
@@ -117,16 +119,9 @@ def main_model(result: dict[str, Any]) -> str:
     return "after" if "after" in names else names[-1]
 
 
-def _size(n: int) -> str:
-    for suffix, mult in (("M", 1 << 20), ("K", 1 << 10)):
-        if n and n % mult == 0:
-            return f"{n // mult}{suffix}"
-    return str(n)
-
-
 def _span(result: dict[str, Any], lo: int, hi: int) -> str:
     """Positions covered by buckets [lo, hi), e.g. '0-1K'."""
-    return f"{_size(result['buckets'][lo][0])}-{_size(result['buckets'][hi - 1][1])}"
+    return f"{format_size(result['buckets'][lo][0])}-{format_size(result['buckets'][hi - 1][1])}"
 
 
 def _within(g: float, se: float | None) -> bool:

@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from megaseq.config import Config, load_config
+from megaseq.config import Config, format_size, load_config
 from megaseq.models.spec import ModelSpec
 from megaseq.plan.flops import step_seconds
 from megaseq.plan.mesh import GIB
@@ -266,7 +266,7 @@ def command(src: Source, choice: Choice, hw: Hardware) -> str:
         key, value = o.split("=", 1)
         section, name = key.split(".")
         if str(getattr(getattr(given, section), name)) != value:  # the user's flag, if any, gives way to it
-            flags.append(f"--{key} {_size(int(value)) if key == 'data.seq_len' else value}")
+            flags.append(f"--{key} {format_size(int(value)) if key == 'data.seq_len' else value}")
             replaced.add(key)
     user = [f"--{o.split('=', 1)[0]} {o.split('=', 1)[1]}" for o in src.base
             if not o.startswith(("model.dtype=", "data.kind=")) and o.split("=", 1)[0] not in replaced]
@@ -296,7 +296,7 @@ def nearest(src: Source, hw: Hardware, seq_len: int, allow_lora: bool) -> list[s
         while n > 1024 and not (c := first(hw, n)):
             n //= 2
         c = first(hw, n) if n <= 1024 else c
-        out.append(f"a shorter length: {_size(n)} tokens ({describe(c)})")
+        out.append(f"a shorter length: {format_size(n)} tokens ({describe(c)})")
     if not allow_lora and not lora_in and (c := first(hw, seq_len, True)):
         out.append(f"LoRA on a frozen base (--allow-lora): {describe(c)}")
     for gpus in (8, 64, 512):
@@ -365,13 +365,6 @@ def longest(src: Source, hw: Hardware, allow_lora: bool = False, limit: int = 1 
         found = (n, c)
         n *= 2
     return found
-
-
-def _size(n: int) -> str:
-    for unit, s in ((1 << 20, "M"), (1 << 10, "K")):
-        if n >= unit and n % unit == 0:
-            return f"{n // unit}{s}"
-    return str(n)
 
 
 def describe(c: Choice) -> str:

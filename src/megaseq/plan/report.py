@@ -9,6 +9,7 @@ import io
 import json
 from typing import Any
 
+from megaseq.config import format_size
 from megaseq.plan.advisor import Advice, Choice, describe
 from megaseq.plan.mesh import GB, GIB
 from megaseq.plan.planner import Plan
@@ -16,13 +17,6 @@ from megaseq.plan.planner import Plan
 
 def _gib(b: float) -> str:
     return f"{b / GIB:,.2f}" if b else "-"
-
-
-def _size(n: int) -> str:
-    for unit, k in (("M", 1 << 20), ("K", 1 << 10)):
-        if n >= k and n % k == 0:
-            return f"{n // k}{unit}"
-    return str(n)
 
 
 def _rows(plan: Plan) -> list[tuple[str, str, str, str]]:
@@ -33,7 +27,7 @@ def _header(plan: Plan) -> str:
     m = plan.mesh
     gpus = m["dp"] * m["cp"] * m["ep"]
     return (
-        f"{plan.model}: {_size(plan.seq_len)} tokens x batch {plan.batch_size} on {gpus} GPU(s) "
+        f"{plan.model}: {format_size(plan.seq_len)} tokens x batch {plan.batch_size} on {gpus} GPU(s) "
         f"(dp {m['dp']}, cp {m['cp']}, ep {m['ep']}{_fsdp_label(m)}"
         f"{_mla_label(plan)}{_kernels_label(m)})"
     )
@@ -172,7 +166,7 @@ def plan_from_json(text: str) -> Plan:
 # ---- the advisor's verdict and advice (``megaseq plan``) ----------------------------------------------
 def format_advice(a: Advice) -> str:
     hw = a.hardware
-    head = (f"{a.model} at {_size(a.seq_len)} tokens a sequence on {hw.gpus} GPU{'s' if hw.gpus > 1 else ''} "
+    head = (f"{a.model} at {format_size(a.seq_len)} tokens a sequence on {hw.gpus} GPU{'s' if hw.gpus > 1 else ''} "
             f"({min(hw.gpus, hw.gpus_per_host)} a host)")
     if a.choice is None:
         lines = [head, "does not fit: no setting megaseq supports fits these GPUs at this length."]
@@ -215,4 +209,4 @@ def model_table_row(gpus: int, seq_len: int, choice: Choice | None) -> str:
     """One line of ``--max-len``: the longest length on ``gpus`` GPUs and the configuration it takes."""
     if choice is None:
         return f"{gpus} GPU{'s' if gpus > 1 else ''}: nothing fits at 1K tokens"
-    return f"{gpus} GPU{'s' if gpus > 1 else ''}: {_size(seq_len)} tokens ({describe(choice)})"
+    return f"{gpus} GPU{'s' if gpus > 1 else ''}: {format_size(seq_len)} tokens ({describe(choice)})"
