@@ -120,3 +120,23 @@ def _distribute_worker(rank: int, dp: int, cp: int) -> None:
 @pytest.mark.parametrize("dp, cp", [(1, 2), (2, 2), (1, 4)])
 def test_distribute_batch_reads_once_per_cp_group(dp, cp):
     spawn_local(_distribute_worker, dp * cp, args=(dp, cp))
+
+
+# ---- the rendezvous port of local runs -------------------------------------------------------------------------
+def test_free_port_is_drawn_below_the_ephemeral_range_and_free(monkeypatch):
+    """Outgoing connections and port-0 listeners of other processes (other runs' gloo pairs) take their ports
+    from the OS's ephemeral range, so a port drawn below it cannot be taken between the pick and the
+    rendezvous; the OS's own pick (a port inside that range) fails this."""
+    import socket
+
+    from megaseq.parallel import launch
+
+    lo, _ = launch.ephemeral_ports()
+    ports = {launch.free_port() for _ in range(8)}
+    assert all(launch.PORT_FLOOR <= p < lo for p in ports), (ports, lo)
+    for p in ports:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("", p))
+    # where nothing below the range is free, the OS picks one
+    monkeypatch.setattr(launch, "_bindable", lambda port: False)
+    assert launch.free_port() >= lo

@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import copy
 import os
+import random
 import socket
 import sys
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,8 +28,38 @@ RAY_MISSING = ("parallel.launcher ray needs Ray: pip install 'megaseq[ray]' (or 
                "or launch with torchrun instead")
 
 
-def free_port() -> int:
-    """A TCP port free on this host now (the OS picks; a tiny race with other binders is accepted)."""
+PORT_FLOOR = 10000  # the lowest port ``free_port`` draws
+
+
+def ephemeral_ports() -> tuple[int, int]:
+    """The range the OS hands out for outgoing connections and port-0 listeners (Linux's
+    ``ip_local_port_range``; IANA's 49152-65535 where it cannot be read)."""
+    try:
+        lo, hi = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(lo), int(hi)
+    except (OSError, ValueError):
+        return 49152, 65535
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(tries: int = 64) -> int:
+    """A TCP port free on this host now, drawn at random below the OS's ephemeral range: every connection and
+    port-0 listener of every process (the gloo pairs of other jobs included) takes its port from that range, so
+    none of them can take this one between the pick and the rendezvous. Two pickers at once collide only by
+    drawing the same port. Where no port below the range is free, the OS picks one inside it."""
+    lo, _ = ephemeral_ports()
+    if lo - PORT_FLOOR > tries:
+        for port in random.SystemRandom().sample(range(PORT_FLOOR, lo), tries):
+            if _bindable(port):
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("", 0))
         return s.getsockname()[1]
