@@ -69,10 +69,10 @@ def parser() -> argparse.ArgumentParser:
         + "\n\n`megaseq VERB --help` lists the verb's options and examples; `megaseq config` every setting;"
         " `megaseq --version` the version.",
     )
-    sub = p.add_subparsers(dest="verb", metavar="VERB")
+    sub = p.add_subparsers(dest="verb", metavar="VERB", help="one of the verbs below")
     fmt = argparse.RawDescriptionHelpFormatter
     for verb, help_text in VERBS.items():
-        sp = sub.add_parser(verb, help=help_text, description=help_text, formatter_class=fmt,
+        sp = sub.add_parser(verb, description=help_text, formatter_class=fmt,
                             epilog=_epilog(verb))
         if verb in ("train", "plan", "bench", "verify", "tune"):
             sp.add_argument("config", nargs="?", help="YAML recipe (see recipes/); none: the embedded default"
