@@ -181,8 +181,12 @@ class StreamWindows(StepWindows):
             if self._next - 1 == n:
                 return window
 
+    def next_windows(self) -> list[Window]:
+        """This step's windows (tokens, doc ids, targets); moves to the next step."""
+        return [self._window(n) for n in self.step_windows()]
+
     def next_batch(self) -> dict[str, Any]:
-        windows = [self._window(n) for n in self.step_windows()]
+        windows = self.next_windows()
         return make_batch([w[0] for w in windows], [w[1] for w in windows], targets=[w[2] for w in windows])
 
     def state_dict(self) -> dict[str, Any]:
