@@ -8,10 +8,11 @@ pytest.importorskip("pyarrow")
 pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
+from stream_sets import FORMATS, assert_same_windows, build_train, resumed, run, write_sets  # noqa: E402
+
 import megaseq.data.doc_order as doc_order  # noqa: E402
 import megaseq.data.packing as packing  # noqa: E402
 from megaseq.data.packing import merge_positions  # noqa: E402
-from stream_sets import FORMATS, assert_same_windows, build_train, resumed, run, write_sets  # noqa: E402
 
 STEPS = 14
 pytestmark = pytest.mark.filterwarnings("ignore:data.train.*longer than data.seq_len")

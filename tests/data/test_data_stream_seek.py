@@ -12,11 +12,11 @@ pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
 import pyarrow.parquet as pq  # noqa: E402
+from stream_sets import TEXT_BATCH, build_train, resumed, run, write_sets  # noqa: E402
 
 import megaseq.data.sources as sources  # noqa: E402
 from megaseq.data.chat import ChatRenderer  # noqa: E402
 from megaseq.data.tokenizer import HfTokenizer  # noqa: E402
-from stream_sets import TEXT_BATCH, build_train, resumed, run, write_sets  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:data.train.*longer than data.seq_len")
 BUFFER = 4

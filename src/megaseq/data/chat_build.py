@@ -25,7 +25,15 @@ import numpy as np
 from megaseq.data.chat import ROLES, ChatRenderer, check_record, load_chat_tokenizer
 from megaseq.data.chat_template import template_sha
 from megaseq.data.doc_order import DocOrder, PassDocs
-from megaseq.data.packing import PackStats, Positioned, StreamPosition, StreamWindows, eval_windows, pack_docs, pack_whole
+from megaseq.data.packing import (
+    PackStats,
+    Positioned,
+    StreamPosition,
+    StreamWindows,
+    eval_windows,
+    pack_docs,
+    pack_whole,
+)
 from megaseq.data.seek import fingerprint, read_share
 from megaseq.data.sources import data_paths, iter_records
 

@@ -115,12 +115,12 @@ def row_chunks(path: Path, column: str, extra: tuple[str, ...] = (),
             pf = pa.parquet.ParquetFile(str(file))
             for g in range(pf.num_row_groups):
                 n = pf.metadata.row_group(g).num_rows
-                yield n, lambda rows, g=g, first=first: _picked(
-                    pf.iter_batches(batch_size=BATCH_ROWS, row_groups=[g], columns=columns), rows, file, first)
+                yield n, lambda rows, pf=pf, g=g, cols=columns, file=file, first=first: _picked(
+                    pf.iter_batches(batch_size=BATCH_ROWS, row_groups=[g], columns=cols), rows, file, first)
                 first += n
             continue
         for batch in _batches(file, columns):
-            yield batch.num_rows, lambda rows, batch=batch, first=first: _picked([batch], rows, file, first)
+            yield batch.num_rows, lambda rows, batch=batch, file=file, first=first: _picked([batch], rows, file, first)
             first += batch.num_rows
 
 
