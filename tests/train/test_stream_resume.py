@@ -15,6 +15,7 @@ import megaseq.data.chat_build as chat_build  # noqa: E402
 from conftest import agent_trace_checkpoint, run_as_of_step  # noqa: E402
 from megaseq.config import load_config  # noqa: E402
 from megaseq.data.packing import StreamPosition, StreamWindows  # noqa: E402
+from megaseq.parallel.launch import spawn_local  # noqa: E402
 from megaseq.train import checkpoint as ckpt  # noqa: E402
 from megaseq.train.trainer import run_training  # noqa: E402
 
@@ -23,8 +24,8 @@ STEPS, STOP = 4, 2
 pytestmark = pytest.mark.filterwarnings("ignore:data.train.*longer than data.seq_len")
 
 
-def _config(folder: Path, run: str, resume: bool = False):
-    return load_config(folder / "recipe.yaml", [
+def _config(folder: Path, run: str, resume: bool = False, extra: tuple[str, ...] = ()):
+    return load_config(folder / "recipe.yaml", [*extra,
         f"train.run_dir={folder / run}", f"train.steps={STEPS}", "train.save_every=1", "train.keep_checkpoints=10",
         f"train.resume={str(resume).lower()}", "train.eval_every=0", "train.eval_after=false",
         "train.export_hf=false", "data.seq_len=128", "data.shuffle_buffer=3", "data.heldout=[]",
@@ -88,3 +89,21 @@ def test_a_resume_at_another_position_changes_the_curve(whole, monkeypatch):
     got = _resume(whole, "elsewhere", monkeypatch)
     with pytest.raises(AssertionError):
         np.testing.assert_array_equal(got, _losses(whole / "whole"))
+
+
+def _train_rank(rank: int, folder: Path, run: str, resume: bool) -> None:
+    torch.set_num_threads(1)
+    chat_build.CACHE_TOKENS = 0  # a forked rank: read the file on each pass
+    run_training(_config(folder, run, resume, ["parallel.dp=2", "parallel.backend=gloo", "train.device=cpu"]))
+
+
+def test_two_ranks_save_both_positions_and_resume_from_them(whole):
+    """Each data-parallel rank reads its own share: the checkpoint (written by rank 0) holds both ranks'
+    positions, gathered, and a two-rank resume continues the two-rank curve bitwise."""
+    spawn_local(_train_rank, 2, args=(whole, "two", False))
+    meta = ckpt.read_meta(whole / "two" / ckpt.CKPT_DIR / f"step_{STOP:06d}")
+    first, second = meta["data"]["positions"]
+    assert first is not None and second is not None and first != second
+    run_as_of_step(whole / "two", whole / "two_resumed", STOP)
+    spawn_local(_train_rank, 2, args=(whole, "two_resumed", True))
+    np.testing.assert_array_equal(_losses(whole / "two_resumed"), _losses(whole / "two"))
