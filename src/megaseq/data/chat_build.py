@@ -9,7 +9,9 @@ turns) are scored.
 Before any model is built the whole training set is read once, on every rank (so every rank fails alike): a
 bad record fails there, naming its file and line, and a set with no target token, or conversations cut by
 data.seq_len, are reported. A set of at most ``CACHE_TOKENS`` tokens is kept as rendered then (each rank its
-own share; rendering a long trace takes seconds); a larger one is rendered again on each pass.
+own share; rendering a long trace takes seconds); a larger one is rendered again on each pass. A resumed run
+checks the set the same way, then reads its stream from the position its checkpoint saved
+(``packing.StreamWindows``), rendering from there on.
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ cut into consecutive windows (``columnar.text_windows``) as training asks for th
 (``packing.StreamWindows``): the corpus is never held in memory. The packing rules are those of
 ``data.text``: an end-of-document token after each document, no attention or label across documents.
 Each data-parallel rank reads and tokenizes only its own share of the rows, in the order of
-``data.shuffle_buffer`` (``doc_order.DocOrder``). Held-out files give their first ``eval.max_windows`` windows
+``data.shuffle_buffer`` (``doc_order.DocOrder``); a resumed run reads from the position its checkpoint saved
+(``packing.StreamWindows``), tokenizing from there on. Held-out files give their first ``eval.max_windows`` windows
 (0: all).
 """
 
