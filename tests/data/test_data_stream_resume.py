@@ -8,11 +8,12 @@ pytest.importorskip("pyarrow")
 pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
-from stream_sets import FORMATS, assert_same_windows, build_train, resumed, run, write_sets  # noqa: E402
+from stream_sets import FORMATS, TEXTS, assert_same_windows, build_train, resumed, run, write_sets  # noqa: E402
 
 import megaseq.data.doc_order as doc_order  # noqa: E402
 import megaseq.data.packing as packing  # noqa: E402
 from megaseq.data.packing import merge_positions  # noqa: E402
+from megaseq.data.tokenizer import HfTokenizer  # noqa: E402
 
 STEPS = 14
 pytestmark = pytest.mark.filterwarnings("ignore:data.train.*longer than data.seq_len")
@@ -100,3 +101,29 @@ def test_changed_settings_are_still_refused(sets, monkeypatch):
     for key, value in (("shuffle_buffer", 2), ("seq_len", 9), ("global_batch", 8), ("shards", 2)):
         with pytest.raises(ValueError, match=f"cannot resume the data stream: {key} was {value}"):
             resumed(build_train(sets, "text.parquet", 0, 1, 4, monkeypatch=monkeypatch), {**states[1], key: value})
+
+
+def text_shares(sets, buffer, monkeypatch) -> list[list[str]]:
+    """The documents each of 3 ranks tokenizes in its first pass over the text parquet."""
+    seen: list[str] = []
+    real = HfTokenizer.encode_batch
+    monkeypatch.setattr(HfTokenizer, "encode_batch", lambda self, texts: (seen.extend(texts), real(self, texts))[1])
+    shares = []
+    for rank in range(3):
+        train = build_train(sets, "text.parquet", rank, 3, buffer, monkeypatch=monkeypatch)
+        seen.clear()
+        list(train.make_stream(0))
+        shares.append(sorted(seen))
+    return shares
+
+
+@pytest.mark.parametrize("buffer", [0, 4])
+def test_each_rank_tokenizes_its_own_share_of_text(sets, buffer, monkeypatch):
+    assert text_shares(sets, buffer, monkeypatch) == [sorted(TEXTS[r::3]) for r in range(3)]
+
+
+def test_every_rank_reading_every_row_fails(sets, monkeypatch):
+    """Broken variant: every rank reads the whole stream: the check fails."""
+    monkeypatch.setattr(doc_order.DocOrder, "share", lambda self, items: iter(items))
+    with pytest.raises(AssertionError):
+        test_each_rank_tokenizes_its_own_share_of_text(sets, 4, monkeypatch)

@@ -39,13 +39,13 @@ def build_text_stream(data_cfg: Any, tok: Any, seq_len: int, eval_len: int, max_
     buffer = getattr(data_cfg, "shuffle_buffer", 0)
     orders = [DocOrder(r, kw["world_size"], buffer, kw["seed"]) for r in range(kw["world_size"])]
 
-    order = orders[kw["rank"]]
+    mine = orders[kw["rank"]]
 
     def read(wanted: Sequence[int], start: int) -> Iterator[tuple[int, Any]]:
-        return read_share(paths["train"], column, (), "a JSON object", "data.train", order, wanted, start)
+        return read_share(paths["train"], column, (), "a JSON object", "data.train", mine, wanted, start)
 
     def stream(at: StreamPosition) -> Positioned:
-        docs = PassDocs(order, read, at.pass_number, at.order, at.pending)
+        docs = PassDocs(mine, read, at.pass_number, at.order, at.pending)
         return positioned_text_windows(docs, tok, column, seq_len, at)
 
     for order in orders:  # every rank checks every rank's share, so all fail alike before a model is built
