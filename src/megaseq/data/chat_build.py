@@ -9,13 +9,16 @@ turns) are scored.
 Before any model is built the whole training set is read once, on every rank (so every rank fails alike): a
 bad record fails there, naming its file and line, and a set with no target token, or conversations cut by
 data.seq_len, are reported. A set of at most ``CACHE_TOKENS`` tokens is kept as rendered then (each rank its
-own share; rendering a long trace takes seconds); a larger one is rendered again on each pass.
+own share; rendering a long trace takes seconds); a larger one is rendered again on each pass. A resumed run
+checks the set the same way, then reads its stream from the position its checkpoint saved
+(``packing.StreamWindows``), rendering from there on.
 """
 
 from __future__ import annotations
 
+import itertools
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,24 +26,36 @@ import numpy as np
 
 from megaseq.data.chat import ROLES, ChatRenderer, check_record, load_chat_tokenizer
 from megaseq.data.chat_template import template_sha
-from megaseq.data.doc_order import DocOrder
-from megaseq.data.packing import PackStats, StreamWindows, eval_windows, pack_whole
+from megaseq.data.doc_order import DocOrder, PassDocs
+from megaseq.data.packing import (
+    PackStats,
+    Positioned,
+    StreamPosition,
+    StreamWindows,
+    eval_windows,
+    pack_docs,
+    pack_whole,
+)
+from megaseq.data.seek import fingerprint, read_share
 from megaseq.data.sources import data_paths, iter_records
 
 CACHE_TOKENS = 1 << 26  # training data up to this many tokens is rendered once and kept (int32 ids + mask bytes)
 
 
-def conversations(paths: list[Path], renderer: ChatRenderer, column: str, setting: str,
-                  order: DocOrder | None = None, pass_number: int = 0) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """(ids, targets) of every conversation of ``paths`` in order, or of this rank's share in the order of
-    pass ``pass_number`` (``order``; only those are rendered)."""
-    records: Iterator[tuple[str, Any]] = (item for path in paths for item in iter_records(
-        path, column, ("tools",), "one JSON object with a 'messages' list", setting))
-    if order is not None:
-        records = order(records, pass_number)
-    for where, record in records:
-        messages, tools = check_record(record, column, where)
-        yield renderer.render(messages, tools, where)
+WHAT = "one JSON object with a 'messages' list"
+
+
+def conversations(paths: list[Path], renderer: ChatRenderer, column: str,
+                  setting: str) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """(ids, targets) of every conversation of ``paths`` in order."""
+    for path in paths:
+        for where, record in iter_records(path, column, ("tools",), WHAT, setting):
+            yield render_record(renderer, column, where, record)
+
+
+def render_record(renderer: ChatRenderer, column: str, where: str, record: Any) -> tuple[np.ndarray, np.ndarray]:
+    messages, tools = check_record(record, column, where)
+    return renderer.render(messages, tools, where)
 
 
 def _scan(paths: list[Path], renderer: ChatRenderer, column: str, seq_len: int, setting: str,
@@ -96,12 +111,20 @@ def build_chat(data_cfg: Any, seq_len: int, eval_len: int, max_windows: int, kw:
     order = DocOrder(kw["rank"], kw["world_size"], buffer, kw["seed"])
     stats, cache = _scan(train_paths, renderer, column, seq_len, "data.train", order)
 
-    def stream(pass_number: int) -> Iterator[Any]:
-        docs = (order.shuffle(cache, pass_number) if cache is not None else
-                conversations(train_paths, renderer, column, "data.train", order, pass_number))
-        return pack_whole(docs, seq_len, renderer.pad_id)
+    def read(wanted: Sequence[int], start: int) -> Iterator[tuple[int, Any]]:
+        if cache is not None:
+            return ((p, cache[p]) for p in itertools.chain(wanted, range(start, len(cache))))
+        return read_share(train_paths, column, ("tools",), WHAT, "data.train", order, wanted, start)
 
-    train = StreamWindows(stream, seq_len, what="data.train", shuffle_buffer=buffer, **kw)
+    def to_doc(doc: Any) -> tuple[np.ndarray, np.ndarray]:
+        return doc if cache is not None else render_record(renderer, column, *doc)
+
+    def stream(at: StreamPosition) -> Positioned:
+        docs = PassDocs(order, read, at.pass_number, at.order, at.pending)
+        return pack_docs(docs, to_doc, seq_len, renderer.pad_id, at)
+
+    train = StreamWindows(stream, seq_len, what="data.train", shuffle_buffer=buffer,
+                          fingerprint=fingerprint(train_paths), **kw)
     heldout = {}
     for path in data_paths(list(data_cfg.heldout), "data.heldout"):
         docs = conversations([path], renderer, column, "data.heldout")

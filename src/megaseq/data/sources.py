@@ -2,13 +2,15 @@
 
 ``iter_records(path, column)`` yields ``(where, record)``: ``where`` names the file and line (or row) for
 messages, ``record`` is a dict holding at least ``column``. Nothing is read ahead of what the caller
-consumes, so a file larger than host memory streams through.
+consumes, so a file larger than host memory streams through. ``record_chunks`` gives the same records as
+chunks that can be skipped without decoding them (a JSON line, a parquet row group, an Arrow record batch):
+a resumed stream reads only the records it needs (``seek.read_share``).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -61,3 +63,31 @@ def iter_records(path: Path, column: str, extra: tuple[str, ...] = (), what: str
         raise ValueError(f"{setting}: {path} is not .jsonl (optionally .gz/.xz), .parquet, .arrow or a datasets "
                          "directory")
     yield from iter_jsonl(path, what)
+
+
+# (number of records, decode): decode(rows) yields (where, record) of the chunk's rows ``rows`` (increasing)
+Chunk = tuple[int, Callable[[list[int]], Iterator[tuple[str, Any]]]]
+
+
+def record_chunks(path: Path, column: str, extra: tuple[str, ...] = (), what: str = "a JSON object",
+                  setting: str = "data.train") -> Iterator[Chunk]:
+    """The records of ``iter_records`` as chunks: only the rows asked for are parsed or decoded."""
+    if is_columnar(path):
+        from megaseq.data.columnar import row_chunks
+
+        yield from row_chunks(path, column, extra, setting)
+        return
+    if not is_jsonl(path):
+        raise ValueError(f"{setting}: {path} is not .jsonl (optionally .gz/.xz), .parquet, .arrow or a datasets "
+                         "directory")
+    with open_maybe_compressed(path) as fh:
+        for num, raw in enumerate(fh, start=1):
+            if raw.strip():
+                yield 1, lambda rows, raw=raw, num=num: _parse_line(raw, f"{path} line {num}", what)
+
+
+def _parse_line(raw: bytes | str, where: str, what: str) -> Iterator[tuple[str, Any]]:
+    try:
+        yield where, json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: not valid JSON ({e.msg}); each line must be {what}") from None

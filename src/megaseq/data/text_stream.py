@@ -5,18 +5,20 @@ cut into consecutive windows (``columnar.text_windows``) as training asks for th
 (``packing.StreamWindows``): the corpus is never held in memory. The packing rules are those of
 ``data.text``: an end-of-document token after each document, no attention or label across documents.
 Each data-parallel rank reads and tokenizes only its own share of the rows, in the order of
-``data.shuffle_buffer`` (``doc_order.DocOrder``). Held-out files give their first ``eval.max_windows`` windows
+``data.shuffle_buffer`` (``doc_order.DocOrder``); a resumed run reads from the position its checkpoint saved
+(``packing.StreamWindows``), tokenizing from there on. Held-out files give their first ``eval.max_windows`` windows
 (0: all).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
-from megaseq.data.columnar import text_windows
-from megaseq.data.doc_order import DocOrder
-from megaseq.data.packing import StreamWindows, eval_windows
+from megaseq.data.columnar import positioned_text_windows, text_windows
+from megaseq.data.doc_order import DocOrder, PassDocs
+from megaseq.data.packing import Positioned, StreamPosition, StreamWindows, eval_windows
+from megaseq.data.seek import fingerprint, read_share
 from megaseq.data.sources import data_paths, is_columnar
 
 
@@ -37,8 +39,14 @@ def build_text_stream(data_cfg: Any, tok: Any, seq_len: int, eval_len: int, max_
     buffer = getattr(data_cfg, "shuffle_buffer", 0)
     orders = [DocOrder(r, kw["world_size"], buffer, kw["seed"]) for r in range(kw["world_size"])]
 
-    def stream(pass_number: int) -> Iterator[Any]:
-        return text_windows(paths["train"], tok, column, seq_len, "data.train", orders[kw["rank"]], pass_number)
+    mine = orders[kw["rank"]]
+
+    def read(wanted: Sequence[int], start: int) -> Iterator[tuple[int, Any]]:
+        return read_share(paths["train"], column, (), "a JSON object", "data.train", mine, wanted, start)
+
+    def stream(at: StreamPosition) -> Positioned:
+        docs = PassDocs(mine, read, at.pass_number, at.order, at.pending)
+        return positioned_text_windows(docs, tok, column, seq_len, at)
 
     for order in orders:  # every rank checks every rank's share, so all fail alike before a model is built
         if next(text_windows(paths["train"], tok, column, seq_len, "data.train", order), None) is None:
@@ -50,5 +58,6 @@ def build_text_stream(data_cfg: Any, tok: Any, seq_len: int, eval_len: int, max_
     for name, windows in heldout.items():
         if not windows:
             raise ValueError(f"data.heldout {name}: fewer than eval.seq_len + 1 = {eval_len + 1} tokens")
-    train = StreamWindows(stream, seq_len, what="data.train", shuffle_buffer=buffer, **kw)
+    train = StreamWindows(stream, seq_len, what="data.train", shuffle_buffer=buffer,
+                          fingerprint=fingerprint(paths["train"]), **kw)
     return {"train": train, "heldout": heldout, "tokenizer": tok}

@@ -232,8 +232,22 @@ def checkpoint_meta(spec_dict: dict[str, Any], data: Any, step: int, cfg: Config
           base: dict[str, Any] | None = None) -> dict[str, Any]:
     """A checkpoint's meta; ``init`` says what the starting checkpoint was (``checkpoint.is_random_init``)."""
     source = cfg.model.init_from if cfg is not None else None  # `megaseq convert` carries its unmodelled tensors
-    return {"spec": spec_dict, "data": data.train.state_dict(), "step": step, "init_from": source,
+    return {"spec": spec_dict, "data": data_state(data.train), "step": step, "init_from": source,
             "init": source or "random", **({"base": base} if base else {})}
+
+
+def data_state(train: Any) -> dict[str, Any]:
+    """The training source's state. A stream's position is each data-parallel rank's own (``positions``), so with
+    several processes every rank's is gathered into the one rank 0 writes (every rank saves, so all call this)."""
+    state = train.state_dict()
+    dist = torch.distributed
+    if "positions" in state and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        from megaseq.data.packing import merge_positions
+
+        got: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(got, (state["index"], state["positions"]))
+        state["positions"] = merge_positions([p for index, p in got if index == state["index"]])
+    return state
 
 
 def base_meta(cfg: Config) -> dict[str, Any] | None:
