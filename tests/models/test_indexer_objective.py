@@ -174,7 +174,7 @@ def test_per_head_target_fails(monkeypatch) -> None:
     with pytest.raises(AssertionError):
         check(4, True, False, per_head_reference=True)
 
-    def per_head(q_abs, c_SC, idx_cW, kp, num_pools, scale, probs=None):
+    def per_head(q_abs, c_SC, idx_cW, kp, num_pools, scale, probs=None, lse=None):
         S = c_SC.shape[0]
         ok = (idx_cW >= 0) & (idx_cW < S)
         keys = c_SC.index_select(0, torch.where(ok, idx_cW.long(), 0).reshape(-1)).view(*idx_cW.shape, -1)

@@ -69,8 +69,8 @@ def test_the_plan_counts_the_kernel_where_the_fast_set_runs_it(monkeypatch):
     assert rows[True] > 10 * rows[False]
     asked = []
     real = layers.indexer_objective_bytes
-    monkeypatch.setattr(layers, "indexer_objective_bytes", lambda *a, fused_target=False: asked.append(fused_target)
-                        or real(*a, fused_target=fused_target))
+    monkeypatch.setattr(layers, "indexer_objective_bytes", lambda *a, fused_target=False, **k:
+                        asked.append(fused_target) or real(*a, fused_target=fused_target, **k))
     for fast in (frozenset(), kernels.PLANNED_FAST_OPS, kernels.PLANNED_FAST_OPS - {"indexer_target"}):
         asked.clear()
         plan(spec, S, fast_ops=fast, indexer_objective=True)
