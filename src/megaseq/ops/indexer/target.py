@@ -18,12 +18,14 @@ sparse stage's objective passes it (``models.common.indexer_objective``).
 Implementations (``ops.table``):
 
 - ``torch_gather`` (the reference): the selected latents gathered into ``[c, W, C]``, the scores ``[c, Hh, W]``
-  in the work dtype, then softmax and the sum over heads in fp32 (or wider). Working set per query
-  ``W * C`` work-dtype bytes and two ``[Hh, W]`` fp32 tensors (``ops.workspace.indexer_target_row_bytes``).
+  in the work dtype, then softmax (given ``lse``: the scores exponentiated in place) and the sum over heads in
+  fp32 (or wider). Working set per query ``W * C`` work-dtype bytes and two ``[Hh, W]`` fp32 tensors, one given
+  ``lse`` (``ops.workspace.indexer_target_row_bytes``).
 - ``triton`` (``target_kernel``): one program per query, the latents gathered into the dot operand a slot
   block at a time, two passes (log-sum-exp per head, then the head-summed probabilities), or the second alone
-  given ``lse``; it writes only ``m [c, W]`` fp32 (and without ``lse`` its own ``lse2 [c, Hh]`` fp32). Its scores keep the fp32 accumulator instead of the reference's
-  rounding to the work dtype, so in bf16 it is the closer of the two to the float64 computation.
+  given ``lse``; it writes only ``m [c, W]`` fp32 (and without ``lse`` its own ``lse2 [c, Hh]`` fp32). Its scores
+  keep the fp32 accumulator instead of the reference's rounding to the work dtype, so in bf16 it is the closer
+  of the two to the float64 computation.
 """
 
 from __future__ import annotations
@@ -83,16 +85,16 @@ def _device_ok(dev: str) -> bool:
 def indexer_target_supports(q_abs_cHC: torch.Tensor, c_SC: torch.Tensor, idx_cW: torch.Tensor,
                             scale: float, lse: torch.Tensor | None = None) -> str | None:
     """None when ``triton`` can run these arguments, else the reason."""
-    if lse is not None and (lse.shape != q_abs_cHC.shape[:2] or lse.dtype != torch.float32
-                            or lse.device != q_abs_cHC.device):
-        return (f"lse {tuple(lse.shape)} {lse.dtype} on {lse.device} is not [c, Hh] = "
-                f"{tuple(q_abs_cHC.shape[:2])} fp32 on q_abs's device")
     if q_abs_cHC.dim() != 3 or c_SC.dim() != 2 or q_abs_cHC.shape[-1] != c_SC.shape[-1]:
         return f"needs q_abs [c, Hh, C] and latents [S, C] (got {tuple(q_abs_cHC.shape)}, {tuple(c_SC.shape)})"
     if idx_cW.dim() != 2 or idx_cW.shape[0] != q_abs_cHC.shape[0]:
         return f"idx {tuple(idx_cW.shape)} is not [c, W] for q_abs {tuple(q_abs_cHC.shape)}"
     if idx_cW.dtype not in (torch.int32, torch.int64) or c_SC.shape[0] >= 2**31:
         return f"idx must be int32/int64 with S < 2^31 (got {idx_cW.dtype}, S = {c_SC.shape[0]})"
+    if lse is not None and (lse.shape != q_abs_cHC.shape[:2] or lse.dtype != torch.float32
+                            or lse.device != q_abs_cHC.device):
+        return (f"lse {tuple(lse.shape)} {lse.dtype} on {lse.device} is not [c, Hh] = "
+                f"{tuple(q_abs_cHC.shape[:2])} fp32 on q_abs's device")
     C = c_SC.shape[-1]
     if C > MAX_LATENT:
         return f"latent width C = {C}: the kernel holds [slots, C] tiles up to C = {MAX_LATENT}"
