@@ -170,3 +170,45 @@ def test_one_pass_kernel_compiles_for_sm90():
 
     lines = compile_in_child(COMPILE_SM90).splitlines()
     assert len(lines) == 3 and all(line.endswith(" ok") for line in lines), lines
+
+
+def layer_objective(device: str, preferred: dict[str, list[str]]):
+    """A glm5-shaped DSA layer (pools of 4, 64 tokens, chunks of 16 queries) in fp32 with its sparse-stage objective:
+    ``(KL, the indexer's gradients, the lse each chunk's target got)``."""
+    from megaseq.models.common.context import SeqContext
+    from megaseq.models.common.mla_dsa import MLASparseAttention
+    from megaseq.models.glm5.spec import glm5_flash_tiny
+    from megaseq.ops import dispatch
+
+    torch.manual_seed(0)
+    m = MLASparseAttention(glm5_flash_tiny().replace(index_kpool=4, index_topk=32, index_n_heads=4), 0).to(device)
+    with torch.no_grad():
+        for p in m.indexer.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    m.indexer.kl_coef, m.indexer.query_chunk = 1.0, 16
+    x = torch.randn(1, 64, m.q_a_proj.in_features, device=device)
+    seen = []
+    impl = (preferred.get("indexer_target") or ["torch_gather"])[0]
+
+    def target(q_abs, c_SC, idx_cW, scale, lse=None):
+        seen.append(lse)
+        return original(q_abs, c_SC, idx_cW, scale, lse=lse)
+
+    with dispatch.configured(preferred=preferred), dispatch.override("indexer_target", impl, target) as original:
+        m(x, SeqContext()).sum().backward()
+    grads = {n: p.grad.clone() for n, p in m.indexer.named_parameters() if p.grad is not None}
+    return m.indexer.stats.read().kl_sum, grads, seen
+
+
+def test_the_layer_hands_the_triton_attentions_lse_to_the_kernel(device):
+    """The fused sparse MLA's lse (a strided view of its saved tensor) reaches the one-pass kernel through the layer,
+    chunk by chunk: the KL and the indexer's gradients equal the reference path's (``torch_masked`` attention and
+    ``torch_gather`` target, given the reference's lse)."""
+    kl_ref, g_ref, seen_ref = layer_objective(device, {"sparse_attention": ["torch_masked"]})
+    kl, g, seen = layer_objective(device, {"sparse_attention": ["triton"], "indexer_target": ["triton"]})
+    assert len(seen) == len(seen_ref) == 4 and all(lse is not None for lse in seen + seen_ref)
+    assert seen[0].stride() == (1, 64)  # rows of the saved [Hh, N] lse, N = 64 queries
+    assert abs(kl - kl_ref) <= 1e-5 * abs(kl_ref), (kl, kl_ref)
+    assert g.keys() == g_ref.keys() and len(g) > 2
+    for n in g:
+        assert (g[n] - g_ref[n]).abs().max() <= 1e-4 * g_ref[n].abs().max(), n
