@@ -153,11 +153,14 @@ class AbsorbedSparseMLA(torch.autograd.Function):
         if not return_lse:
             return out
         lse2 = lse * LOG2E
+        ctx.set_materialize_grads(False)  # no zeros for the lse's gradient
         ctx.mark_non_differentiable(lse2)
         return out, lse2
 
     @staticmethod
     def backward(ctx, grad_BQHV, *_lse_grad):
+        if grad_BQHV is None:  # with return_lse (grads not materialised): the output unused
+            return (None,) * 6
         q_BQHD, c_BSR, w_OR, idx_BQW, lse = ctx.saved_tensors
         B, Q, Hh, Dn = q_BQHD.shape
         S, R, W, cd = c_BSR.shape[1], c_BSR.shape[-1], idx_BQW.shape[-1], compute_dtype(q_BQHD.dtype)

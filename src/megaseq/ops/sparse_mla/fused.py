@@ -84,11 +84,14 @@ class TritonSparseMLA(torch.autograd.Function):
         ctx.scale, ctx.layout = scale, layout
         if not return_lse:
             return out
+        ctx.set_materialize_grads(False)  # no zeros for the lse's gradient
         ctx.mark_non_differentiable(lse_HN)
         return out, lse_HN
 
     @staticmethod
     def backward(ctx, grad_BQHV, *_lse_grad):
+        if grad_BQHV is None:  # with return_lse (grads not materialised): the output unused
+            return (None,) * 7
         from megaseq.ops.sparse_mla import kernels
 
         q_BQHD, c_BSR, w_OR, idx_BQW, o_lat_HNR, lse_HN = ctx.saved_tensors
