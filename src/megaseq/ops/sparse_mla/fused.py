@@ -17,7 +17,7 @@ kernels (``triton_sparse_mla_kernels.py``) is everything that touches the W sele
 The forward saves q, c, the weight, idx, ``o_lat [Hh, N, R]`` (work dtype; for ``delta`` and dW_uv, so
 the backward needs no third pass over the slots) and ``lse [Hh, N]`` fp32. ``return_lse`` hands that saved
 log-sum-exp out (base 2, ``+inf`` on rows without a valid slot: the contract in ``reference.py``) as a
-``[B, Q, Hh]`` view, no copy.
+``[B, Q, Hh]`` view, no copy (where some batch row runs ``absorbed``, the rows' lse concatenated).
 
 Rows with no valid slot: ``absorbed`` gives them the reference's uniform-over-all-keys output and its
 covariance gradient; the kernels do not. One host sync per call finds the batch rows that have such a
