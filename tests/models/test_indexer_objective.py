@@ -11,6 +11,8 @@ normalised per head) must fail the same checks.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -174,7 +176,7 @@ def test_per_head_target_fails(monkeypatch) -> None:
     with pytest.raises(AssertionError):
         check(4, True, False, per_head_reference=True)
 
-    def per_head(q_abs, c_SC, idx_cW, kp, num_pools, scale, probs=None):
+    def per_head(q_abs, c_SC, idx_cW, kp, num_pools, scale, probs=None, lse=None):
         S = c_SC.shape[0]
         ok = (idx_cW >= 0) & (idx_cW < S)
         keys = c_SC.index_select(0, torch.where(ok, idx_cW.long(), 0).reshape(-1)).view(*idx_cW.shape, -1)
@@ -189,6 +191,55 @@ def test_per_head_target_fails(monkeypatch) -> None:
     monkeypatch.setattr(indexer_kl, "sparse_target", per_head)
     with pytest.raises(AssertionError):
         check(4, True, False)
+
+
+# ---- the sparse stage's target reads the attention's log-sum-exp ----------------------------------------------
+ATTENTION_IMPL = {4: "absorbed", 0: "torch_masked"}  # float64 on the CPU: GLM's NoPE latent, DeepSeek's with RoPE
+
+
+@pytest.mark.parametrize("kp", [4, 0])
+def test_the_sparse_target_reads_the_attentions_lse(kp: int) -> None:
+    """Every chunk's target gets its queries' rows of the lse ``sparse_attention`` returned (base 2, ``[c, Hh]``):
+    the formula's check passes on that path; the warm-up's target takes none."""
+    from megaseq.ops import dispatch
+
+    seen, attn = [], []
+
+    def target(q_abs, c_SC, idx_cW, scale, lse=None):
+        seen.append(lse)
+        return original(q_abs, c_SC, idx_cW, scale, lse=lse)
+
+    def attention(*args, **kw):
+        res = attention_original(*args, **kw)
+        attn.append(res[1] if kw.get("return_lse") else None)
+        return res
+
+    with dispatch.override("indexer_target", "torch_gather", target) as original, \
+            dispatch.override("sparse_attention", ATTENTION_IMPL[kp], attention) as attention_original:
+        check(kp, True, False)
+        assert seen and all(lse is not None and lse.dtype == torch.float64 for lse in seen)
+        assert attn[0] is not None and torch.equal(torch.cat(seen), attn[0][0])  # one batch row, its chunks
+        seen.clear()
+        check(kp, True, True)
+        assert not seen
+
+
+BROKEN_LSE = {"natural_base": lambda lse: lse / math.log2(math.e), "heads_permuted": lambda lse: lse.roll(1, -1)}
+
+
+@pytest.mark.parametrize("kp", [4, 0])
+@pytest.mark.parametrize("name", list(BROKEN_LSE))
+def test_a_broken_attention_lse_fails(monkeypatch, kp: int, name: str) -> None:
+    """The attention's lse in the natural base, or with its heads permuted: the formula's check fails."""
+    from megaseq.ops import dispatch
+
+    def attention(*args, **kw):
+        res = attention_original(*args, **kw)
+        return (res[0], BROKEN_LSE[name](res[1])) if kw.get("return_lse") else res
+
+    with dispatch.override("sparse_attention", ATTENTION_IMPL[kp], attention) as attention_original:
+        with pytest.raises(AssertionError):
+            check(kp, False, False)
 
 
 def test_dense_attention_is_sparse_over_every_visible_key() -> None:

@@ -90,7 +90,7 @@ INDEXER_KL_BUDGET_BYTES: int = 2 << 30  # one query chunk of the objective (as t
 
 
 def indexer_target_row_bytes(num_heads: int, num_slots: int, latent: int, itemsize: int = 4,
-                             work_itemsize: int = 0, fused: bool = False) -> int:
+                             work_itemsize: int = 0, fused: bool = False, given_lse: bool = False) -> int:
     """Bytes per query row of op ``indexer_target`` (``ops/indexer/target.py``) in one chunk of the sparse stage:
     the chunk's absorbed queries ``[Hh, C]`` (work dtype ``work_itemsize``, default ``itemsize``) and
 
@@ -98,31 +98,36 @@ def indexer_target_row_bytes(num_heads: int, num_slots: int, latent: int, itemsi
       probabilities ``[Hh, W]`` (compute dtype ``itemsize``);
     - ``fused`` (the Triton kernel): its output ``m [W]`` and ``lse2 [Hh]`` (fp32) and the slots' validity ``[W]``
       (bool); nothing of size ``W * C`` or ``Hh * W``.
+
+    ``given_lse`` (the attention's log-sum-exp passed in, a view of a tensor that exists anyway): the kernel writes
+    no ``lse2``; the reference exponentiates its scores in place (one ``[Hh, W]`` tensor, no softmax output).
     """
     work = work_itemsize or itemsize
     queries = num_heads * latent * work
     if fused:
-        return queries + 4 * num_slots + 4 * num_heads + num_slots
-    return queries + 2 * num_heads * num_slots * itemsize + num_slots * latent * work
+        return queries + 4 * num_slots + (0 if given_lse else 4 * num_heads) + num_slots
+    return queries + (1 if given_lse else 2) * num_heads * num_slots * itemsize + num_slots * latent * work
 
 
 def indexer_kl_row_bytes(num_heads: int, num_keys: int, index_heads: int, num_cand: int, head_dim: int,
                          gathered: int = 0, latent: int = 0, itemsize: int = 4, gathered_itemsize: int = 0,
-                         fused_target: bool = False, query_width: int = 0) -> int:
+                         fused_target: bool = False, query_width: int = 0, given_lse: bool = False) -> int:
     """Bytes per query row of one chunk of the indexer objective (compute dtype ``itemsize``).
 
     Target: the main attention's scores and probabilities ``[Hh, n]`` (``n`` = every visible key in the warm-up);
     in the sparse stage (``gathered`` = its W selected slots, of width ``latent``, in the attention's work dtype
     ``gathered_itemsize``, default ``itemsize``) op ``indexer_target``'s working set
     (``indexer_target_row_bytes``: the reference's gathered latents ``[W, C]`` and ``[Hh, W]`` scores, or with
-    ``fused_target`` the Triton kernel's ``[W]`` output). Indexer: its queries (the projection's input of width
+    ``fused_target`` the Triton kernel's ``[W]`` output; ``given_lse``: the attention's log-sum-exp read, none
+    written). Indexer: its queries (the projection's input of width
     ``query_width`` in the compute dtype, kept for its weight's gradient, and its output ``[I, D]`` with the
     rotated copy), its head scores ``[I, m]`` kept for the chunk's backward with their relu mask and gradient, the
     gathered pool keys ``[m, D]`` and their int64 pool indices of the sparse stage, and ``[m]`` rows of target,
     log-softmax and their gradient (``m`` = the candidate pools).
     """
     if gathered:
-        target = indexer_target_row_bytes(num_heads, gathered, latent, itemsize, gathered_itemsize, fused_target)
+        target = indexer_target_row_bytes(num_heads, gathered, latent, itemsize, gathered_itemsize, fused_target,
+                                          given_lse)
     else:
         target = 2 * num_heads * num_keys * itemsize
     queries = (query_width + 2 * index_heads * head_dim) * itemsize
@@ -133,30 +138,36 @@ def indexer_kl_row_bytes(num_heads: int, num_keys: int, index_heads: int, num_ca
 def indexer_kl_chunk(num_heads: int, num_keys: int, index_heads: int, num_cand: int, head_dim: int,
                      gathered: int = 0, latent: int = 0, itemsize: int = 4,
                      budget: int = INDEXER_KL_BUDGET_BYTES, gathered_itemsize: int = 0,
-                     fused_target: bool = False, query_width: int = 0) -> int:
+                     fused_target: bool = False, query_width: int = 0, given_lse: bool = False) -> int:
     """Query rows of one chunk of the objective within ``budget`` (at least one)."""
     per_row = indexer_kl_row_bytes(num_heads, num_keys, index_heads, num_cand, head_dim, gathered, latent, itemsize,
-                                   gathered_itemsize, fused_target, query_width)
+                                   gathered_itemsize, fused_target, query_width, given_lse)
     return max(1, budget // max(per_row, 1))
 
 
 def indexer_kl_bytes(Q: int, S: int, num_heads: int, index_heads: int, head_dim: int, num_pools: int,
                      num_select: int, W: int, latent: int, dense: bool, itemsize: int = 4,
                      budget: int = INDEXER_KL_BUDGET_BYTES, gathered_itemsize: int = 0,
-                     fused_target: bool = False, query_width: int = 0) -> int:
+                     fused_target: bool = False, query_width: int = 0, given_lse: bool = False,
+                     lse_copy: bool = False) -> int:
     """GPU bytes of one DSA layer's objective beyond its inputs: one chunk (``indexer_kl_chunk`` rows, at most Q;
-    ``fused_target``: the sparse stage's target from the Triton kernel) plus the gradients the forward sums
-    (pooled keys ``[P, D]``, head weights ``[Q, I]``, fp32) and the pooled keys themselves with their graph
-    (``[S, D]`` keys and gates, ``[P, D]`` pools)."""
+    ``fused_target``: the sparse stage's target from the Triton kernel; ``given_lse``: it reads the attention's
+    log-sum-exp) plus the gradients the forward sums (pooled keys ``[P, D]``, head weights ``[Q, I]``, fp32) and the
+    pooled keys themselves with their graph (``[S, D]`` keys and gates, ``[P, D]`` pools). ``lse_copy``: the
+    attention's base-2 log-sum-exp ``[Q, Hh]`` is a tensor of its own (``absorbed``, ``torch_masked``; in the
+    compute dtype ``itemsize``) kept from the attention to the objective; the Triton op's is a view of what it
+    saves for its backward (counted there)."""
     keys, cand = (S, num_pools) if dense else (W, num_select)
     gathered = 0 if dense else W
+    given_lse = given_lse and not dense
     rows = min(Q, indexer_kl_chunk(num_heads, keys, index_heads, cand, head_dim, gathered, latent, itemsize, budget,
-                                   gathered_itemsize, fused_target, query_width))
+                                   gathered_itemsize, fused_target, query_width, given_lse))
     chunk = rows * indexer_kl_row_bytes(num_heads, keys, index_heads, cand, head_dim, gathered, latent, itemsize,
-                                        gathered_itemsize, fused_target, query_width)
+                                        gathered_itemsize, fused_target, query_width, given_lse)
     sums = 4 * (num_pools * head_dim + Q * index_heads)
     graph = itemsize * (2 * S * head_dim + num_pools * head_dim)
-    return chunk + sums + graph
+    lse = Q * num_heads * itemsize if given_lse and lse_copy else 0
+    return chunk + sums + graph + lse
 
 
 # ---- op linear_cross_entropy, implementation liger (ops/vocab_loss/liger.py) --------------------------------

@@ -77,7 +77,8 @@ def _mixer(run: Run, i: int, xb: int) -> tuple[dict[str, int], int, int]:
                                            fast="indexer_topk" in run.fast_ops))
     if full and run.indexer_objective:  # the KL's chunk in the forward; its summed gradients until the backward
         kept, chunk = layers.indexer_objective_bytes(spec, n, B, S, prec,
-                                                     fused_target="indexer_target" in run.fast_ops)
+                                                     fused_target="indexer_target" in run.fast_ops,
+                                                     given_lse=True, lse_copy=impl != "triton")
         saved = {**saved, "dsa indexer objective (gradients, pooled keys)": kept}
         fwd = max(fwd, chunk)
     return saved, fwd + comm, SA.dsa_temp(spec, n, B, S, prec, mesh, mode, True, run.cal, impl) + comm

@@ -8,7 +8,9 @@ CPU: the kernel runs under Triton's interpreter (``TRITON_INTERPRET=1`` from con
 (rounded) inputs: empty slots (-1 and >= S), a query with no valid slot, duplicated keys, head counts that are not
 powers of two (4, 20; 20 also in two blocks of 16), C = 512 and a small odd C. Broken kernels (the empty slots'
 mask skipped, one normaliser for all heads, the partial head block dropped) must fail the same check. GPU
-(``-m gpu``): bf16 at glm5-flash-1gpu's shape (Hh 16, C 512, W 2063, S 32K) against float64, and its working set.
+(``-m gpu``): bf16 at glm5-flash-1gpu's shape (Hh 16, C 512, W 2063, S 32K) against float64, and its working set;
+the same with the fused sparse MLA's log-sum-exp (one pass). ``test_indexer_target_lse.py`` holds the CPU tests of
+the one-pass kernel.
 The byte formulas, the plan and the kernel sets are in ``test_indexer_target_plan.py`` (no Triton needed).
 """
 
@@ -25,7 +27,7 @@ from devices import GPU  # noqa: E402
 from megaseq.ops import dispatch, workspace  # noqa: E402
 from megaseq.ops.indexer import target as tgt  # noqa: E402
 from megaseq.ops.indexer.target_kernel import _head_block_lse, _head_block_probs  # noqa: E402
-from megaseq.ops.sparse_mla.kernels import _gather_latents  # noqa: E402
+from megaseq.ops.sparse_mla.kernels import LOG2E, _gather_latents  # noqa: E402
 from triton_compile import compile_in_child, interpreter_device  # noqa: E402
 
 torch.set_num_threads(1)
@@ -301,6 +303,33 @@ def test_gpu_matches_float64_at_the_glm5_flash_shape(dtype):
     assert ((sums[torch.arange(384, device="cuda") != 5] - 16).abs() <= 1e-3).all()
     # nothing of size [c, W, C] or [c, Hh, W]: the kernel's output and lse2, within the objective's row bytes
     assert peak <= 384 * workspace.indexer_target_row_bytes(16, 2063, 512, 4, dtype.itemsize, fused=True)
+
+
+@pytest.mark.gpu
+@GPU
+def test_gpu_one_pass_with_the_attentions_lse_matches_float64():
+    """bf16 at glm5-flash-1gpu's shape with the log-sum-exp the fused sparse MLA's forward computes over the same
+    queries, latents and selection (its saved ``lse2 [Hh, N]``, read through the ``[c, Hh]`` view the op hands out;
+    +inf on the query without a valid slot): the kernel's one pass against float64, within the two-pass bound, and
+    against the two-pass kernel (the two lse differ only in the dot's summation order)."""
+    from megaseq.ops.sparse_mla import kernels as SK
+
+    q, lat, idx = glm5_inputs(torch.bfloat16)
+    _, lse_HN = SK.forward(q.transpose(0, 1).contiguous(), lat[None], idx[None], 1.0)
+    lse = lse_HN.t()
+    assert not lse.is_contiguous() and torch.isinf(lse[5]).all()
+    assert tgt.indexer_target_supports(q, lat, idx, 1.0, lse=lse) is None
+    m = tgt.indexer_target_triton(q, lat, idx, 1.0, lse=lse)
+    two = tgt.indexer_target_triton(q, lat, idx, 1.0)
+    want = reference64(q, lat, idx, 1.0)
+    err = (m.double() - want).abs().max().item()
+    print(f"\none pass with the attention's lse: max |m - m64| {err:.2e}, from the two-pass "
+          f"{(m - two).abs().max().item():.2e}")
+    assert err <= 2**-9 and (m - two).abs().max() <= 1e-4, err
+    assert (m[5] == 0).all() and (m[~tgt.selected(idx, lat.shape[0])] == 0).all()
+    for name, bad in {"natural base": lse / LOG2E, "heads permuted": lse.roll(1, -1)}.items():
+        wrong = (tgt.indexer_target_triton(q, lat, idx, 1.0, lse=bad).double() - want).abs().max().item()
+        assert wrong > 1e-2, (name, wrong)
 
 
 @pytest.mark.gpu

@@ -69,9 +69,37 @@ def test_the_plan_counts_the_kernel_where_the_fast_set_runs_it(monkeypatch):
     assert rows[True] > 10 * rows[False]
     asked = []
     real = layers.indexer_objective_bytes
-    monkeypatch.setattr(layers, "indexer_objective_bytes", lambda *a, fused_target=False: asked.append(fused_target)
-                        or real(*a, fused_target=fused_target))
+    monkeypatch.setattr(layers, "indexer_objective_bytes", lambda *a, fused_target=False, **k:
+                        asked.append(fused_target) or real(*a, fused_target=fused_target, **k))
     for fast in (frozenset(), kernels.PLANNED_FAST_OPS, kernels.PLANNED_FAST_OPS - {"indexer_target"}):
         asked.clear()
         plan(spec, S, fast_ops=fast, indexer_objective=True)
         assert asked and set(asked) == {"indexer_target" in fast}, (sorted(fast), asked)
+
+
+def test_the_attentions_lse_in_the_row_bytes_and_the_plan(monkeypatch):
+    """Given the attention's log-sum-exp the kernel writes no ``lse2 [Hh]`` and the reference exponentiates its scores
+    in place (one ``[Hh, W]`` fp32 tensor fewer); the plan's objective reads it in the sparse stage and counts it as
+    a tensor of its own (``[Q, Hh]`` fp32) only where ``sparse_attention`` is not the Triton op (whose lse is a view
+    of what it saves)."""
+    from megaseq.models.glm5.spec import glm5_flash_1gpu
+    from megaseq.plan import layers
+    from megaseq.plan.mesh import Precision
+    from megaseq.plan.planner import plan
+
+    Hh, W, C = 16, 2063, 512
+    for fused, fewer in ((True, 4 * Hh), (False, 4 * Hh * W)):
+        plain = workspace.indexer_target_row_bytes(Hh, W, C, 4, 2, fused=fused)
+        assert plain - workspace.indexer_target_row_bytes(Hh, W, C, 4, 2, fused=fused, given_lse=True) == fewer
+    spec, S = glm5_flash_1gpu(), 32768
+    base = sum(layers.indexer_objective_bytes(spec, S, 1, S, Precision(), fused_target=True, given_lse=True))
+    copy = sum(layers.indexer_objective_bytes(spec, S, 1, S, Precision(), fused_target=True, given_lse=True,
+                                              lse_copy=True))
+    assert copy - base == S * Hh * 4
+    asked = []
+    real = layers.indexer_objective_bytes
+    monkeypatch.setattr(layers, "indexer_objective_bytes", lambda *a, **k: asked.append(k) or real(*a, **k))
+    for fast in (frozenset(), kernels.PLANNED_FAST_OPS):
+        asked.clear()
+        plan(spec, S, fast_ops=fast, indexer_objective=True)
+        assert asked and all(k["given_lse"] and k["lse_copy"] == ("sparse_attention" not in fast) for k in asked)

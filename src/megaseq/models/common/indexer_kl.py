@@ -27,7 +27,9 @@ query projection's weight) is taken chunk by chunk inside the forward (Liger's f
 of size ``c * n`` outlives its chunk and the backward is a scale of what the forward summed. One chunk holds
 ``c * Hh * n`` scores of the warm-up's target (``n`` the visible keys); the sparse stage's target is op
 ``indexer_target`` (``ops/indexer/target.py``): the reference gathers ``c * W`` latents and ``c * Hh * W``
-scores, the Triton kernel (``model.kernels fast`` on a GPU) only its ``[c, W]`` output. The indexer side holds
+scores, the Triton kernel (``model.kernels fast`` on a GPU) only its ``[c, W]`` output; both normalise each head
+with the attention's own log-sum-exp when the layer passes it (``lse``), so the kernel makes one pass over the
+selected latents. The indexer side holds
 ``c * I * n`` scores (``ops.workspace.indexer_kl_bytes``).
 """
 
@@ -41,7 +43,8 @@ import torch
 from megaseq.ops.indexer.scoring import topk_lowest_index_ties
 from megaseq.ops.indexer.target import head_summed_probs, indexer_target_reference, selected
 
-TargetProbs = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]  # op indexer_target's contract
+# op indexer_target's contract: (q_abs [c, Hh, C], latents [S, C], idx [c, W], scale, lse=[c, Hh] | None) -> m [c, W]
+TargetProbs = Callable[..., torch.Tensor]
 
 # score elements per chunk of the dense warm-up's attention (as the reference sparse attention's blocks)
 DENSE_BLOCK_ELEMS: int = 1 << 26
@@ -146,14 +149,15 @@ def dense_target(q_abs_cHC: torch.Tensor, c_SC: torch.Tensor, q_pos_c: torch.Ten
 
 
 def sparse_target(q_abs_cHC: torch.Tensor, c_SC: torch.Tensor, idx_cW: torch.Tensor, kp: int,
-                  num_pools: int, scale: float,
-                  probs: TargetProbs = indexer_target_reference) -> tuple[torch.Tensor, torch.Tensor]:
+                  num_pools: int, scale: float, probs: TargetProbs = indexer_target_reference,
+                  lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse-stage target over each query's selected pools: ``(target [c, K], selected-and-valid [c, K])``.
     The main attention's probabilities over all selected slots (the tail too), summed over heads (``probs``: an
-    implementation of op ``indexer_target``, the torch reference by default), a pool's slots summed, the tail
-    dropped, normalised over the selected pools."""
+    implementation of op ``indexer_target``, the torch reference by default; ``lse [c, Hh]``: the attention's
+    base-2 log-sum-exp of these queries, each head's normaliser), a pool's slots summed, the tail dropped,
+    normalised over the selected pools."""
     ok = selected(idx_cW, c_SC.shape[0])
-    m_cW = probs(q_abs_cHC, c_SC, idx_cW, scale)
+    m_cW = probs(q_abs_cHC, c_SC, idx_cW, scale, lse=lse)
     width = num_pools * kp
     mass = m_cW[:, :width].reshape(-1, num_pools, kp).sum(-1)
     cand = ok[:, :width:kp]

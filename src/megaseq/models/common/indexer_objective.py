@@ -3,13 +3,16 @@
 Shapes: B batch, Q this rank's queries, S keys (the whole sequence), Hh heads, C latent width, I indexer
 heads, D indexer head dim, P complete pools, kp tokens per pool, K selected pools per query, W slots.
 
-``indexer_loss(layer, prep, q, c, w, idx)`` returns ``sum over this rank's queries of KL(target || indexer)``
+``indexer_loss(layer, prep, q, c, w, idx, lse)`` returns ``sum over this rank's queries of KL(target || indexer)``
 with a graph to the indexer's parameters only: the pooled keys, the head weights and ``wq_b``'s weight (merged
 with its adapter, if any) enter ``indexer_kl.ChunkedKL``; the main attention's queries, latents and
 ``kv_b_proj`` weight are read detached. ``idx`` None: the dense warm-up's target (every visible key), else
 the sparse stage's (the selected slots). The layer attaches it with ``coef * scale`` (``AttachLoss``).
 
-The sparse stage's target is op ``indexer_target``: its implementation (the Triton kernel under ``model.kernels
+The sparse stage's target is op ``indexer_target`` given the attention's per-head log-sum-exp ``lse [B, Q, Hh]``
+(base 2, what ``sparse_attention`` computed over the same queries, latents, selection and scale and hands out with
+``return_lse``): each chunk passes its rows ``lse[b, s:e]``, and the target is one pass over the selected latents
+(``lse`` None: the target computes its own, two passes). Its implementation (the Triton kernel under ``model.kernels
 fast`` on a GPU, else the torch reference) is chosen once per batch row and runs every chunk of the row, whose
 size is ``ops.workspace.indexer_kl_chunk`` of that implementation's bytes (``fused_target``).
 
@@ -38,7 +41,7 @@ from megaseq.ops.amp import compute_dtype
 
 
 def indexer_loss(layer: Any, prep: Any, q_BQHD: torch.Tensor, c_BSC: torch.Tensor, kv_b_weight: torch.Tensor,
-                 idx_BQW: torch.Tensor | None) -> torch.Tensor:
+                 idx_BQW: torch.Tensor | None, lse_BQH: torch.Tensor | None = None) -> torch.Tensor:
     """The summed KL of this layer's queries (see the module docstring)."""
     ix = layer.indexer
     B, Q, Hh, Dq = q_BQHD.shape
@@ -55,7 +58,7 @@ def indexer_loss(layer: Any, prep: Any, q_BQHD: torch.Tensor, c_BSC: torch.Tenso
         for b in range(B):
             if prep.pools[b][0].shape[0] == 0:  # no complete pool in this row (its documents are short): no term
                 continue
-            row = _Row(layer, prep, b, q_det, c_det, w_uk, idx_BQW, cd)
+            row = _Row(layer, prep, b, q_det, c_det, w_uk, idx_BQW, cd, lse_BQH)
             part = kl.ChunkedKL.apply(row.loss, row.bounds(), row.keys_PD, prep.weights_BQI[b], wq)
             if idx_BQW is not None:
                 row.sampled_recall()
@@ -67,7 +70,8 @@ class _Row:
     """One batch row: its pools, its target inputs (detached) and the chunk loss ``ChunkedKL`` calls."""
 
     def __init__(self, layer: Any, prep: Any, b: int, q_det: torch.Tensor, c_det: torch.Tensor,
-                 w_uk: torch.Tensor, idx_BQW: torch.Tensor | None, cd: torch.dtype) -> None:
+                 w_uk: torch.Tensor, idx_BQW: torch.Tensor | None, cd: torch.dtype,
+                 lse_BQH: torch.Tensor | None = None) -> None:
         ix = layer.indexer
         self.ix, self.b, self.cd, self.scale, self.Dr = ix, b, cd, layer.scaling, layer.rope_dim
         self.keys_PD, tok_Pk = prep.pools[b]
@@ -77,6 +81,7 @@ class _Row:
         self.rot = None if prep.cos is None else (prep.cos[b].unsqueeze(1), prep.sin[b].unsqueeze(1))
         self.q_det, self.c_det, self.w_uk = q_det[b], c_det[b], w_uk
         self.idx = None if idx_BQW is None else idx_BQW[b]
+        self.lse_QH = None if lse_BQH is None or idx_BQW is None else lse_BQH[b]  # the attention's, base 2
         self.K = min(ix.index_topk // ix.kpool, tok_Pk.shape[0])
         tail = ix.kpool - 1 if ix.select_tail and ix.kpool > 1 else 0
         self.num_pools = 0 if self.idx is None else (self.idx.shape[-1] - tail) // ix.kpool
@@ -95,7 +100,7 @@ class _Row:
             fused = not self.target_impl().reference
             rows = workspace.indexer_kl_chunk(Hh, W, I, self.num_pools, D, gathered=W, latent=C, itemsize=size,
                                               gathered_itemsize=self.c_det.element_size(), fused_target=fused,
-                                              query_width=width)
+                                              query_width=width, given_lse=self.lse_QH is not None)
         if self.ix.query_chunk is not None:
             rows = min(rows, int(self.ix.query_chunk))
         return kl.chunk_bounds(Q, rows)
@@ -105,8 +110,9 @@ class _Row:
         query: the dispatcher's order under ``model.kernels``, the same checks on every chunk's arguments)."""
         if self._target is None:
             q_abs = kl.absorbed_query(self.q_det[:1], self.w_uk, self.Dr)
+            lse = None if self.lse_QH is None else self.lse_QH[:1]
             self._target = dispatch.select("indexer_target", self.ix.layer, q_abs, self.c_det, self.idx[:1],
-                                           self.scale)
+                                           self.scale, lse=lse)
         return self._target
 
     def _queries(self, s: int, e: int, wq: torch.Tensor) -> torch.Tensor:
@@ -125,8 +131,9 @@ class _Row:
                 target, cand = kl.dense_target(q_abs, self.c_det, self.q_pos[s:e], self.pools, self.scale)
                 pools = None
             else:
+                lse = None if self.lse_QH is None else self.lse_QH[s:e]
                 target, cand = kl.sparse_target(q_abs, self.c_det, self.idx[s:e], self.ix.kpool, self.num_pools,
-                                                self.scale, probs=self.target_impl().fn)
+                                                self.scale, probs=self.target_impl().fn, lse=lse)
                 pools = self._selected_pools(self.idx[s:e])
         keys = keys_PD[:target.shape[1]] if pools is None else keys_PD[pools]
         score = kl.index_scores(q_cID, w_cI, keys.to(self.cd), self.ix.softmax_scale)

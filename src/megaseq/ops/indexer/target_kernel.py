@@ -10,6 +10,10 @@ valid slots (``idx`` in ``[0, S)``), in two passes over its W slots:
    fused sparse MLA's forward does: ``lse2 [Hh]`` (``+inf`` for a query with no valid slot);
 2. per slot block, ``p = exp2(s - lse2)`` for every head block, summed over the (real) heads and stored.
 
+Given ``lse2`` (``HAS_LSE``: the fused sparse MLA's forward computed exactly it for the same queries, latents,
+selection and scale, and op ``sparse_attention`` hands it out), pass 1 is skipped: one pass over the slots, the
+given ``[c, Hh]`` read with its strides (a view of the attention's ``[Hh, N]`` tensor reads without a copy).
+
 The latent rows ``c[idx]`` are gathered ``BW`` at a time straight into the dot operand
 (``sparse_mla.kernels._gather_latents``), so neither the gathered ``[c, W, C]`` latents nor the ``[c, Hh, W]``
 scores of the torch reference ever exist: what the kernel writes is ``m [c, W]`` fp32 and ``lse2 [c, Hh]`` fp32.
@@ -22,7 +26,7 @@ no tf32); the softmax and the sums are fp32. W, Hh and C are compile-time consta
 that can pass 2^31 are int64.
 
 Cost per query: two passes over the W gathered rows of C (``2 * W * C`` work-dtype bytes read, mostly from L2
-when the latents fit there) and ``4 * Hh * W * C`` dot FLOPs; written ``4 * W`` bytes.
+when the latents fit there) and ``4 * Hh * W * C`` dot FLOPs, half of each given ``lse2``; written ``4 * W`` bytes.
 """
 
 from __future__ import annotations
@@ -57,12 +61,17 @@ def default_config(Hh: int, C: int, dtype: torch.dtype) -> Config:
 
 # ---- kernel --------------------------------------------------------------------------------------------
 @triton.jit
+def _head_tile(q_row, offs_h, offs_c, Hh: tl.constexpr, C: tl.constexpr):
+    """The ``[BH, CP]`` absorbed queries of heads ``offs_h`` (0 past Hh and C)."""
+    return tl.load(q_row + offs_h[:, None] * C + offs_c[None, :], mask=(offs_h < Hh)[:, None] & (offs_c[None, :] < C),
+                   other=0.0)
+
+
+@triton.jit
 def _head_block_lse(q_row, c_ptr, idx_row, offs_h, offs_c, S, scale_log2, W: tl.constexpr, Hh: tl.constexpr,
                     C: tl.constexpr, CP: tl.constexpr, BH: tl.constexpr, BW: tl.constexpr, DOT_PREC: tl.constexpr):
     """Pass 1 for heads ``offs_h`` of one query: their ``[BH, CP]`` tile and ``lse2 [BH]`` (+inf: no valid slot)."""
-    mask_h = offs_h < Hh
-    qa_HC = tl.load(q_row + offs_h[:, None] * C + offs_c[None, :], mask=mask_h[:, None] & (offs_c[None, :] < C),
-                    other=0.0)
+    qa_HC = _head_tile(q_row, offs_h, offs_c, Hh, C)
     m_H = tl.full([BH], float("-inf"), tl.float32)
     l_H = tl.zeros([BH], tl.float32)
     for w0 in range(0, W, BW):
@@ -86,41 +95,48 @@ def _head_block_probs(qa_HC, c_WC, valid, lse2_H, mask_h, scale_log2, DOT_PREC: 
 
 
 @triton.jit
-def indexer_target_kernel(qabs_ptr, c_ptr, idx_ptr, lse_ptr, out_ptr, scale_log2, S, W: tl.constexpr,
-                          Hh: tl.constexpr, C: tl.constexpr, CP: tl.constexpr, BH: tl.constexpr, BW: tl.constexpr,
-                          DOT_PREC: tl.constexpr):
+def indexer_target_kernel(qabs_ptr, c_ptr, idx_ptr, lse_ptr, out_ptr, scale_log2, S, stride_ln, stride_lh,
+                          W: tl.constexpr, Hh: tl.constexpr, C: tl.constexpr, CP: tl.constexpr, BH: tl.constexpr,
+                          BW: tl.constexpr, DOT_PREC: tl.constexpr, HAS_LSE: tl.constexpr):
+    """``lse_ptr`` (strides ``stride_ln`` per query, ``stride_lh`` per head): ``HAS_LSE`` the given ``lse2`` read,
+    else where pass 1 writes its own."""
     NHB: tl.constexpr = (Hh + BH - 1) // BH
     n = tl.program_id(0).to(tl.int64)
     offs_c = tl.arange(0, CP)
     q_row = qabs_ptr + n * (Hh * C)
     idx_row = idx_ptr + n * W
+    lse_row = lse_ptr + n * stride_ln
     if NHB == 1:  # the heads' tile and lse2 stay in registers between the passes
         offs_h = tl.arange(0, BH)
         mask_h = offs_h < Hh
-        qa_HC, lse2_H = _head_block_lse(q_row, c_ptr, idx_row, offs_h, offs_c, S, scale_log2, W, Hh, C, CP, BH,
-                                        BW, DOT_PREC)
-        tl.store(lse_ptr + n * Hh + offs_h, lse2_H, mask=mask_h)
+        if HAS_LSE:
+            qa_HC = _head_tile(q_row, offs_h, offs_c, Hh, C)
+            lse2_H = tl.load(lse_row + offs_h.to(tl.int64) * stride_lh, mask=mask_h, other=float("inf"))
+        else:
+            qa_HC, lse2_H = _head_block_lse(q_row, c_ptr, idx_row, offs_h, offs_c, S, scale_log2, W, Hh, C, CP, BH,
+                                            BW, DOT_PREC)
+            tl.store(lse_row + offs_h.to(tl.int64) * stride_lh, lse2_H, mask=mask_h)
         for w0 in range(0, W, BW):
             c_WC, _, valid = _gather_latents(c_ptr, idx_row, w0, W, S, offs_c, C, CP, BW)
             m_W = _head_block_probs(qa_HC, c_WC, valid, lse2_H, mask_h, scale_log2, DOT_PREC)
             offs_w = w0 + tl.arange(0, BW)
             tl.store(out_ptr + n * W + offs_w, m_W, mask=offs_w < W)
     else:
-        for hb in range(NHB):
-            offs_h = hb * BH + tl.arange(0, BH)
-            qa_HC, lse2_H = _head_block_lse(q_row, c_ptr, idx_row, offs_h, offs_c, S, scale_log2, W, Hh, C, CP,
-                                            BH, BW, DOT_PREC)
-            tl.store(lse_ptr + n * Hh + offs_h, lse2_H, mask=offs_h < Hh)
-        tl.debug_barrier()  # every thread of the program sees the lse2 just written
+        if not HAS_LSE:
+            for hb in range(NHB):
+                offs_h = hb * BH + tl.arange(0, BH)
+                qa_HC, lse2_H = _head_block_lse(q_row, c_ptr, idx_row, offs_h, offs_c, S, scale_log2, W, Hh, C, CP,
+                                                BH, BW, DOT_PREC)
+                tl.store(lse_row + offs_h.to(tl.int64) * stride_lh, lse2_H, mask=offs_h < Hh)
+            tl.debug_barrier()  # every thread of the program sees the lse2 just written
         for w0 in range(0, W, BW):
             c_WC, _rows, valid = _gather_latents(c_ptr, idx_row, w0, W, S, offs_c, C, CP, BW)
             m_W = tl.zeros([BW], tl.float32)
             for hb in range(NHB):
                 offs_h = hb * BH + tl.arange(0, BH)
                 mask_h = offs_h < Hh
-                qa_HC = tl.load(q_row + offs_h[:, None] * C + offs_c[None, :],
-                                mask=mask_h[:, None] & (offs_c[None, :] < C), other=0.0)
-                lse2_H = tl.load(lse_ptr + n * Hh + offs_h, mask=mask_h, other=float("inf"))
+                qa_HC = _head_tile(q_row, offs_h, offs_c, Hh, C)
+                lse2_H = tl.load(lse_row + offs_h.to(tl.int64) * stride_lh, mask=mask_h, other=float("inf"))
                 m_W += _head_block_probs(qa_HC, c_WC, valid, lse2_H, mask_h, scale_log2, DOT_PREC)
             offs_w = w0 + tl.arange(0, BW)
             tl.store(out_ptr + n * W + offs_w, m_W, mask=offs_w < W)
@@ -128,26 +144,30 @@ def indexer_target_kernel(qabs_ptr, c_ptr, idx_ptr, lse_ptr, out_ptr, scale_log2
 
 # ---- launcher ------------------------------------------------------------------------------------------
 def target(q_abs_cHC: torch.Tensor, c_SC: torch.Tensor, idx_cW: torch.Tensor, scale: float,
-           config: Config | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+           config: Config | None = None, lse2: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(m [c, W], lse2 [c, Hh])``: the head-summed probabilities over each query's valid slots and the base-2
-    log-sum-exp of each head's logits, fp32. Inputs contiguous, one dtype;
-    ``config`` replaces the default launch configuration (tests, benchmarks)."""
+    log-sum-exp of each head's logits, fp32. Inputs contiguous, one dtype; ``lse2`` (fp32 ``[c, Hh]``, any strides):
+    the attention's, read instead of computed (pass 2 alone) and returned as given; ``config`` replaces the default
+    launch configuration (tests, benchmarks)."""
     c, Hh, C = q_abs_cHC.shape
     S, W = c_SC.shape[0], idx_cW.shape[1]
     m_cW = torch.empty(c, W, dtype=torch.float32, device=q_abs_cHC.device)
-    lse2_cH = torch.empty(c, Hh, dtype=torch.float32, device=q_abs_cHC.device)
+    given = lse2 is not None
+    if given:
+        assert lse2.shape == (c, Hh) and lse2.dtype == torch.float32, (tuple(lse2.shape), lse2.dtype)
+    lse2_cH = lse2 if given else torch.empty(c, Hh, dtype=torch.float32, device=q_abs_cHC.device)
     if c == 0 or W == 0:
-        return m_cW.zero_(), lse2_cH.fill_(float("inf"))
+        return m_cW.zero_(), lse2_cH if given else lse2_cH.fill_(float("inf"))
     cfg = config or default_config(Hh, C, q_abs_cHC.dtype)
-    indexer_target_kernel[(c,)](q_abs_cHC, c_SC, idx_cW, lse2_cH, m_cW, scale * LOG2E, S, W=W, Hh=Hh, C=C,
-                                CP=max(16, triton.next_power_of_2(C)), BH=cfg.BH, BW=cfg.BW,
-                                DOT_PREC=_dot_precision(q_abs_cHC.dtype), num_warps=cfg.num_warps,
-                                num_stages=cfg.num_stages)
+    indexer_target_kernel[(c,)](q_abs_cHC, c_SC, idx_cW, lse2_cH, m_cW, scale * LOG2E, S, lse2_cH.stride(0),
+                                lse2_cH.stride(1), W=W, Hh=Hh, C=C, CP=max(16, triton.next_power_of_2(C)), BH=cfg.BH,
+                                BW=cfg.BW, DOT_PREC=_dot_precision(q_abs_cHC.dtype), HAS_LSE=given,
+                                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return m_cW, lse2_cH
 
 
 def compile_ptx(dtype: torch.dtype, Hh: int, C: int, W: int, cfg: Config | None = None,
-                arch: int = 90) -> tuple[str, int]:
+                arch: int = 90, has_lse: bool = False) -> tuple[str, int]:
     """PTX and shared-memory bytes of the kernel compiled for ``sm_<arch>`` without a GPU (Triton's bundled ptxas
     also checks that it assembles): the CPU test's guard against code only the interpreter accepts. Needs
     triton imported without ``TRITON_INTERPRET``."""
@@ -156,8 +176,8 @@ def compile_ptx(dtype: torch.dtype, Hh: int, C: int, W: int, cfg: Config | None 
     cfg = cfg or default_config(Hh, C, dtype)
     t = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}[dtype]
     types = {"qabs_ptr": t, "c_ptr": t, "idx_ptr": "*i32", "lse_ptr": "*fp32", "out_ptr": "*fp32",
-             "scale_log2": "fp32", "S": "i32"}
+             "scale_log2": "fp32", "S": "i32", "stride_ln": "i32", "stride_lh": "i32"}
     consts = {"W": W, "Hh": Hh, "C": C, "CP": max(16, triton.next_power_of_2(C)), "BH": cfg.BH, "BW": cfg.BW,
-              "DOT_PREC": _dot_precision(dtype)}
-    aligned = [n for n in types if n != "scale_log2"]
+              "DOT_PREC": _dot_precision(dtype), "HAS_LSE": has_lse}
+    aligned = [n for n in types if n not in ("scale_log2", "stride_ln", "stride_lh")]
     return _compile(indexer_target_kernel, types, consts, aligned, cfg.num_warps, cfg.num_stages, arch)

@@ -23,6 +23,10 @@ negative or ``>= S`` are empty. A row without any valid slot gets what the refer
 ``finfo.min`` mask gives it: uniform weights over all S keys of its batch row, with the reference's
 gradient (the mean and covariance of ``c``, see ``_EmptyRows``).
 
+``return_lse``: also the per-head log-sum-exp the forward saves, in base 2 (``lse2 [B, Q, Hh]``, the contract in
+``reference.py``; one ``[B, Q, Hh]`` compute-dtype tensor beyond the saved one), ``+inf`` on rows without a valid
+slot.
+
 Precision follows the reference: scores and ``p @ c`` in the input dtype (bf16 under autocast), the
 softmax in ``promote_types(dtype, float32)``. Indices are int64 after the batch offset (``B * S * R``
 passes 2^31 at 1M tokens).
@@ -33,6 +37,7 @@ from __future__ import annotations
 import torch
 
 from megaseq.ops.amp import compute_dtype
+from megaseq.ops.sparse_mla.reference import LOG2E
 from megaseq.ops.workspace import absorbed_block_queries
 
 # run on the CPU for these dtypes (float64: exact to the reference, so the float64 parity tests cover it)
@@ -128,7 +133,7 @@ def _blocks(Q: int, W: int, R: int, Hh: int, dtype: torch.dtype) -> list[tuple[i
 
 class AbsorbedSparseMLA(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q_BQHD, c_BSR, w_OR, idx_BQW, scale):
+    def forward(ctx, q_BQHD, c_BSR, w_OR, idx_BQW, scale, return_lse=False):
         B, Q, Hh, Dn = q_BQHD.shape
         S, R, W, cd = c_BSR.shape[1], c_BSR.shape[-1], idx_BQW.shape[-1], compute_dtype(q_BQHD.dtype)
         w_uk, w_uv = _split_weight(w_OR, Hh, Dn)
@@ -138,16 +143,24 @@ class AbsorbedSparseMLA(torch.autograd.Function):
             empty = _EmptyRows(c_BSR[b], cd) if _EmptyRows.has_empty(idx_BQW[b], S) else None
             for s, e in _blocks(Q, W, R, Hh, q_BQHD.dtype):
                 blk = _Block(q_BQHD[b, s:e], c_BSR[b], w_uk, idx_BQW[b, s:e], scale, cd)
-                lse[b, s:e] = torch.logsumexp(blk.s_QHW, dim=-1)
+                # +inf on empty rows (their probabilities are 0 either way: _Block.probs)
+                lse[b, s:e] = torch.logsumexp(blk.s_QHW, dim=-1).masked_fill_(blk.empty_Q[:, None], float("inf"))
                 o_lat = blk.latent_out(blk.probs(lse[b, s:e]), empty)
                 out[b, s:e] = torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
                 del blk, o_lat
         ctx.save_for_backward(q_BQHD, c_BSR, w_OR, idx_BQW, lse)
         ctx.scale = scale
-        return out
+        if not return_lse:
+            return out
+        lse2 = lse * LOG2E
+        ctx.set_materialize_grads(False)  # no zeros for the lse's gradient
+        ctx.mark_non_differentiable(lse2)
+        return out, lse2
 
     @staticmethod
-    def backward(ctx, grad_BQHV):
+    def backward(ctx, grad_BQHV, *_lse_grad):
+        if grad_BQHV is None:  # with return_lse (grads not materialised): the output unused
+            return (None,) * 6
         q_BQHD, c_BSR, w_OR, idx_BQW, lse = ctx.saved_tensors
         B, Q, Hh, Dn = q_BQHD.shape
         S, R, W, cd = c_BSR.shape[1], c_BSR.shape[-1], idx_BQW.shape[-1], compute_dtype(q_BQHD.dtype)
@@ -167,7 +180,7 @@ class AbsorbedSparseMLA(torch.autograd.Function):
                     grads[1][b] += empty.grad_c(ctx.scale)
         dq, dc, dw_uk, dw_uv = grads
         dw = torch.cat([dw_uk, dw_uv], dim=1).reshape(w_OR.shape).to(w_OR.dtype)
-        return dq, dc.to(c_BSR.dtype), dw, None, None
+        return dq, dc.to(c_BSR.dtype), dw, None, None, None
 
 
 def _block_backward(blk: _Block, b: int, s: int, e: int, q_BQHD, grad_BQHV, lse, w_uk, w_uv,
@@ -204,7 +217,7 @@ def _work_dtype(q: torch.Tensor) -> torch.dtype:
     return q.dtype
 
 
-def sparse_mla_supports(q_BQHD, c_BSR, kv_b_weight, idx_BQW, scale) -> str | None:
+def sparse_mla_supports(q_BQHD, c_BSR, kv_b_weight, idx_BQW, scale, return_lse: bool = False) -> str | None:
     if c_BSR.dim() != 3 or kv_b_weight.dim() != 2 or kv_b_weight.shape[1] != c_BSR.shape[-1]:
         return "needs the latent c [B, S, R] and the kv_b weight [Hh * (Dn + Dv), R]"
     if q_BQHD.dim() != 4 or kv_b_weight.shape[0] % q_BQHD.shape[2]:
@@ -218,9 +231,10 @@ def sparse_mla_supports(q_BQHD, c_BSR, kv_b_weight, idx_BQW, scale) -> str | Non
 
 
 def sparse_mla(q_BQHD: torch.Tensor, c_BSR: torch.Tensor, kv_b_weight: torch.Tensor, idx_BQW: torch.Tensor,
-               scale: float) -> torch.Tensor:
-    """Absorbed sparse MLA, ``[B, Q, Hh, Dv]``; same arguments and result as the reference op."""
+               scale: float, return_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Absorbed sparse MLA, ``[B, Q, Hh, Dv]`` (``return_lse``: and ``lse2 [B, Q, Hh]``); same arguments and result
+    as the reference op."""
     dt = _work_dtype(q_BQHD)
-    args = (q_BQHD.to(dt), c_BSR.to(dt), kv_b_weight.to(dt), idx_BQW, float(scale))
+    args = (q_BQHD.to(dt), c_BSR.to(dt), kv_b_weight.to(dt), idx_BQW, float(scale), return_lse)
     with torch.autocast(q_BQHD.device.type, enabled=False):
         return AbsorbedSparseMLA.apply(*args)

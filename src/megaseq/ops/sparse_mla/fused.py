@@ -15,7 +15,9 @@ kernels (``triton_sparse_mla_kernels.py``) is everything that touches the W sele
             dq = dq_abs @ W_uk^T, dW_uk = q^T dq_abs.
 
 The forward saves q, c, the weight, idx, ``o_lat [Hh, N, R]`` (work dtype; for ``delta`` and dW_uv, so
-the backward needs no third pass over the slots) and ``lse [Hh, N]`` fp32.
+the backward needs no third pass over the slots) and ``lse [Hh, N]`` fp32. ``return_lse`` hands that saved
+log-sum-exp out (base 2, ``+inf`` on rows without a valid slot: the contract in ``reference.py``) as a
+``[B, Q, Hh]`` view, no copy (where some batch row runs ``absorbed``, the rows' lse concatenated).
 
 Rows with no valid slot: ``absorbed`` gives them the reference's uniform-over-all-keys output and its
 covariance gradient; the kernels do not. One host sync per call finds the batch rows that have such a
@@ -69,7 +71,7 @@ class TritonSparseMLA(torch.autograd.Function):
     """Inputs already in the work dtype, contiguous, autocast off (``triton_sparse_mla`` sees to it)."""
 
     @staticmethod
-    def forward(ctx, q_BQHD, c_BSR, w_OR, idx_BQW, scale, layout="check"):
+    def forward(ctx, q_BQHD, c_BSR, w_OR, idx_BQW, scale, layout="check", return_lse=False):
         from megaseq.ops.sparse_mla import kernels
 
         B, Q, Hh, Dn = q_BQHD.shape
@@ -80,10 +82,16 @@ class TritonSparseMLA(torch.autograd.Function):
         out = _batch_major(torch.bmm(o_lat_HNR, w_uv.transpose(1, 2)), B, Q)
         ctx.save_for_backward(q_BQHD, c_BSR, w_OR, idx_BQW, o_lat_HNR, lse_HN)
         ctx.scale, ctx.layout = scale, layout
-        return out
+        if not return_lse:
+            return out
+        ctx.set_materialize_grads(False)  # no zeros for the lse's gradient
+        ctx.mark_non_differentiable(lse_HN)
+        return out, lse_HN
 
     @staticmethod
-    def backward(ctx, grad_BQHV):
+    def backward(ctx, grad_BQHV, *_lse_grad):
+        if grad_BQHV is None:  # with return_lse (grads not materialised): the output unused
+            return (None,) * 7
         from megaseq.ops.sparse_mla import kernels
 
         q_BQHD, c_BSR, w_OR, idx_BQW, o_lat_HNR, lse_HN = ctx.saved_tensors
@@ -104,7 +112,7 @@ class TritonSparseMLA(torch.autograd.Function):
             dw_uk = torch.bmm(_heads_major(q_BQHD).transpose(1, 2), dq_abs_HNR)
             dq = _batch_major(torch.bmm(dq_abs_HNR, w_uk.transpose(1, 2)), B, Q)
             dw = torch.cat([dw_uk, dw_uv], dim=1).reshape(w_OR.shape)
-        return dq, dc_BSR.to(c_BSR.dtype), dw, None, None, None
+        return dq, dc_BSR.to(c_BSR.dtype), dw, None, None, None, None
 
 
 # ---- the op ---------------------------------------------------------------------------------------------
@@ -112,7 +120,7 @@ def _interpreting() -> bool:
     return CPU_INTERPRETER and os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def triton_sparse_mla_supports(q_BQHD, c_BSR, kv_b_weight, idx_BQW, scale) -> str | None:
+def triton_sparse_mla_supports(q_BQHD, c_BSR, kv_b_weight, idx_BQW, scale, return_lse: bool = False) -> str | None:
     if c_BSR.dim() != 3 or kv_b_weight.dim() != 2 or kv_b_weight.shape[1] != c_BSR.shape[-1]:
         return "needs the latent c [B, S, R] and the kv_b weight [Hh * (Dn + Dv), R]"
     if q_BQHD.dim() != 4 or kv_b_weight.shape[0] % q_BQHD.shape[2]:
@@ -172,20 +180,35 @@ def checks(idx_BQW: torch.Tensor, S: int) -> tuple[list[bool], int | None | str]
 
 
 def triton_sparse_mla(q_BQHD: torch.Tensor, c_BSR: torch.Tensor, kv_b_weight: torch.Tensor,
-                      idx_BQW: torch.Tensor, scale: float) -> torch.Tensor:
-    """Fused sparse MLA, ``[B, Q, Hh, Dv]`` in the work dtype; same arguments and result as ``absorbed``."""
+                      idx_BQW: torch.Tensor, scale: float,
+                      return_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Fused sparse MLA, ``[B, Q, Hh, Dv]`` in the work dtype (``return_lse``: and ``lse2 [B, Q, Hh]`` fp32); same
+    arguments and result as ``absorbed``."""
     dt = _work_dtype(q_BQHD)
     q, c, w = (t.to(dt).contiguous() for t in (q_BQHD, c_BSR, kv_b_weight))
     idx = idx_BQW.contiguous()
+    B, Q, Hh = q.shape[:3]
     with torch.autocast(q_BQHD.device.type, enabled=False):
         empty, layout = checks(idx, c.shape[1])
         if not any(empty):
-            return TritonSparseMLA.apply(q, c, w, idx, float(scale), layout)
-        outs = []
-        for b, has_empty in enumerate(empty):
-            fn = AbsorbedSparseMLA if has_empty else TritonSparseMLA
-            outs.append(fn.apply(q[b:b + 1], c[b:b + 1], w, idx[b:b + 1], float(scale)))
-        return torch.cat(outs, dim=0)
+            res = TritonSparseMLA.apply(q, c, w, idx, float(scale), layout, return_lse)
+            if not return_lse:
+                return res
+            out, lse_HN = res
+            return out, lse_HN.view(Hh, B, Q).permute(1, 2, 0)  # the saved tensor, viewed [B, Q, Hh]
+        parts = []
+        for b, has_empty in enumerate(empty):  # absorbed for the batch rows with an empty query
+            args = (q[b:b + 1], c[b:b + 1], w, idx[b:b + 1], float(scale))
+            if has_empty:
+                part = AbsorbedSparseMLA.apply(*args, return_lse)
+            else:
+                part = TritonSparseMLA.apply(*args, "check", return_lse)
+                if return_lse:
+                    part = (part[0], part[1].view(Hh, 1, Q).permute(1, 2, 0))
+            parts.append(part)
+        if not return_lse:
+            return torch.cat(parts, dim=0)
+        return torch.cat([o for o, _ in parts], dim=0), torch.cat([lse.float() for _, lse in parts], dim=0)
 
 
 # ---- synthetic selections (tests and benchmarks) ---------------------------------------------------------

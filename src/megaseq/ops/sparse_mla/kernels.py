@@ -63,10 +63,9 @@ from triton.runtime.errors import OutOfResources
 from megaseq.ops import switches, workspace
 from megaseq.ops._triton_util import _fix_interpreter_index, interpreting
 from megaseq.ops.autotune import use_persistent_cache
+from megaseq.ops.sparse_mla.reference import LOG2E  # the host's scale to base 2 (target_kernel imports it here)
 
 use_persistent_cache()  # before any kernel of this module compiles (its tuning reads the tables in ``_pick``)
-
-LOG2E = 1.4426950408889634
 
 
 @dataclass(frozen=True)
