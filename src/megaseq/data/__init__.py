@@ -53,6 +53,7 @@ class Data:
     score_ids: tuple[int, ...] | None = None  # label ids that count in evaluation (A C G T for DNA)
     train_records: list[FastaRecord] = field(default_factory=list)  # DNA ids, for the k-mer baseline
     notes: list[str] = field(default_factory=list)  # sentences for the report (what is scored)
+    log: list[str] = field(default_factory=list)  # lines for the run's log (what a resume did not read again)
 
     def heldout_batches(self, batch_size: int = 1) -> dict[str, EvalBatches]:
         return {group: EvalBatches(windows, batch_size) for group, windows in self.heldout.items()}
@@ -78,13 +79,17 @@ def _hf_records(records: list[FastaRecord], tok: HfTokenizer, both_strands: bool
 
 
 def build_data(data_cfg: Any, eval_cfg: Any = None, *, batch_size: int = 1, vocab_size: int | None = None,
-               rank: int = 0, world_size: int = 1, heldout_tail: float | None = None) -> Data:
+               rank: int = 0, world_size: int = 1, heldout_tail: float | None = None,
+               resume_state: dict[str, Any] | None = None) -> Data:
     """Build the training source and held-out windows of ``data_cfg`` (a DataConfig).
 
     ``vocab_size``: the model's; checked against the tokenizer, and the range of random tokens.
     ``eval_cfg`` (an EvalConfig): window length (default data.seq_len) and windows per group.
     ``heldout_tail``: see ``fasta.load_dna_split`` (a single-genome demo split); None reads
     ``data_cfg.heldout_tail``, whose -1 means 0.1 for the built-in genome with nothing else held out.
+    ``resume_state``: the data state of the checkpoint a run resumes from (None: a first start); conversations
+    use its summary of the first start's read of the same files instead of reading them again
+    (``chat_build``).
     """
     if getattr(data_cfg, "related", 0) and (data_cfg.kind != "fasta" or data_cfg.tokenizer != "dna"):
         raise ValueError("data.related needs DNA with the single-nucleotide tokenizer (data.kind fasta, "
@@ -102,7 +107,7 @@ def build_data(data_cfg: Any, eval_cfg: Any = None, *, batch_size: int = 1, voca
     if data_cfg.kind == "chat":
         from megaseq.data.chat_build import build_chat
 
-        return Data(**build_chat(data_cfg, seq_len, eval_len, max_windows, kw, vocab_size))
+        return Data(**build_chat(data_cfg, seq_len, eval_len, max_windows, kw, vocab_size, resume_state))
     tok = build_tokenizer(data_cfg)
     if vocab_size is not None:
         tok.check_vocab(vocab_size)

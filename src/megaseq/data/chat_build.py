@@ -9,14 +9,28 @@ turns) are scored.
 Before any model is built the whole training set is read once, on every rank (so every rank fails alike): a
 bad record fails there, naming its file and line, and a set with no target token, or conversations cut by
 data.seq_len, are reported. A set of at most ``CACHE_TOKENS`` tokens is kept as rendered then (each rank its
-own share; rendering a long trace takes seconds); a larger one is rendered again on each pass. A resumed run
-checks the set the same way, then reads its stream from the position its checkpoint saved
-(``packing.StreamWindows``), rendering from there on.
+own share; rendering a long trace takes seconds); a larger one is rendered again on each pass. The summary of that read
+(``PackStats`` and ``scan_key``) goes into the training source's state, so every checkpoint carries it.
+
+A resumed run reads its stream from the position its checkpoint saved (``packing.StreamWindows``), rendering
+from there on. It reads the set again first only when it cannot trust the first start's read: it trusts it,
+and uses the stored summary for the same checks and the report, when the checkpoint's data state holds a
+summary and a fingerprint (``seek.fingerprint``: names, sizes, first and last 64 KiB) equal to those of the
+``data.train`` files now, and the summary's ``scan_key`` is the same: the files' modification times, and what
+renders and packs them (the template, the mask method, data.loss_roles, data.column, data.seq_len, the
+vocabulary size, the pad id). Files moved with their times kept resume without a read; files copied
+(new times), touched, or edited in place are read again (a resume on files whose fingerprint changed is then
+refused, ``StreamWindows.load_state_dict``). A set that is read again on a resume is not kept in memory: its
+windows are rendered as they are read, the same windows bitwise. A checkpoint without the summary resumes
+with the full read.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import itertools
+import json
 import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -36,13 +50,14 @@ from megaseq.data.packing import (
     pack_docs,
     pack_whole,
 )
-from megaseq.data.seek import fingerprint, read_share
+from megaseq.data.seek import data_files, fingerprint, read_share
 from megaseq.data.sources import data_paths, iter_records
 
 CACHE_TOKENS = 1 << 26  # training data up to this many tokens is rendered once and kept (int32 ids + mask bytes)
 
 
 WHAT = "one JSON object with a 'messages' list"
+TRUSTED = "data.train: checked at the run's first start (same files); not re-read"
 
 
 def conversations(paths: list[Path], renderer: ChatRenderer, column: str,
@@ -78,6 +93,12 @@ def _scan(paths: list[Path], renderer: ChatRenderer, column: str, seq_len: int, 
     for _ in pack_whole(keep(), seq_len, renderer.pad_id, stats):
         pass
     cache = list(order.share(cache)) if cache is not None else None
+    check_stats(stats, renderer, seq_len, setting, order)
+    return stats, cache
+
+
+def check_stats(stats: PackStats, renderer: ChatRenderer, seq_len: int, setting: str, order: DocOrder) -> None:
+    """Refuse a set with fewer conversations than data-parallel ranks or no target token; warn of cut ones."""
     if stats.docs < order.world_size:
         raise ValueError(f"{setting} holds {stats.docs} conversations, fewer than the {order.world_size} data-parallel "
                          "ranks, each of which trains on its own share; add conversations or lower parallel.dp")
@@ -88,13 +109,42 @@ def _scan(paths: list[Path], renderer: ChatRenderer, column: str, seq_len: int, 
         warnings.warn(f"{setting}: {stats.split} of {stats.docs} conversations are longer than data.seq_len + 1 = "
                       f"{seq_len + 1} tokens (the longest {stats.longest}); each is cut into windows that do not see "
                       f"the earlier pieces: raise data.seq_len to at least {stats.longest - 1} to keep them whole",
-                      stacklevel=3)
-    return stats, cache
+                      stacklevel=4)
+
+
+def scan_key(paths: list[Path], renderer: ChatRenderer, column: str, seq_len: int) -> str:
+    """What a scan summary holds for besides the files' fingerprint: each file's name and modification time
+    (ns), and what renders and packs the conversations."""
+    h = hashlib.sha256()
+    for f in data_files(paths):
+        h.update(f"{f.name}\0{f.stat().st_mtime_ns}\0".encode())
+    h.update(json.dumps([template_sha(renderer.tok.chat_template), renderer.method, list(renderer.loss_roles),
+                         column, seq_len, renderer.num_ids, renderer.pad_id]).encode())
+    return h.hexdigest()[:16]
+
+
+def summary(stats: PackStats, key: str) -> dict[str, Any]:
+    """The scan's summary as a checkpoint keeps it (``StreamWindows.scan``)."""
+    return {**dataclasses.asdict(stats), "key": key}
+
+
+def trusted_stats(resume_state: dict[str, Any] | None, files: str, key: str) -> PackStats | None:
+    """The first start's ``PackStats`` from a checkpoint's data state, when it was taken on the same files
+    (``files``: their fingerprint now) and its summary's ``key`` is this run's; else None (read the set)."""
+    state = resume_state or {}
+    scan = state.get("scan")
+    if not isinstance(scan, dict) or not files or state.get("fingerprint") != files or scan.get("key") != key:
+        return None
+    try:
+        return PackStats(**{f.name: int(scan[f.name]) for f in dataclasses.fields(PackStats)})
+    except (KeyError, TypeError, ValueError):
+        return None
 
 
 def build_chat(data_cfg: Any, seq_len: int, eval_len: int, max_windows: int, kw: dict[str, Any],
-               vocab_size: int | None) -> dict[str, Any]:
-    """The fields of ``data.Data`` for conversations."""
+               vocab_size: int | None, resume_state: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The fields of ``data.Data`` for conversations. ``resume_state``: the data state of the checkpoint a run
+    resumes from (its first start's scan summary is used when it holds for these files: the module docstring)."""
     bad = sorted(set(data_cfg.loss_roles) - set(ROLES))
     if bad or not data_cfg.loss_roles:
         raise ValueError(f"data.loss_roles {list(data_cfg.loss_roles)}: give roles among {', '.join(ROLES)}")
@@ -109,7 +159,13 @@ def build_chat(data_cfg: Any, seq_len: int, eval_len: int, max_windows: int, kw:
     train_paths = data_paths(list(data_cfg.train), "data.train")
     buffer = getattr(data_cfg, "shuffle_buffer", 0)
     order = DocOrder(kw["rank"], kw["world_size"], buffer, kw["seed"])
-    stats, cache = _scan(train_paths, renderer, column, seq_len, "data.train", order)
+    files, key = fingerprint(train_paths), scan_key(train_paths, renderer, column, seq_len)
+    stats = trusted_stats(resume_state, files, key)
+    trusted, cache = stats is not None, None
+    if stats is None:
+        stats, cache = _scan(train_paths, renderer, column, seq_len, "data.train", order)
+    else:  # the first start's read of the same files: its summary, the same checks
+        check_stats(stats, renderer, seq_len, "data.train", order)
 
     def read(wanted: Sequence[int], start: int) -> Iterator[tuple[int, Any]]:
         if cache is not None:
@@ -123,8 +179,8 @@ def build_chat(data_cfg: Any, seq_len: int, eval_len: int, max_windows: int, kw:
         docs = PassDocs(order, read, at.pass_number, at.order, at.pending)
         return pack_docs(docs, to_doc, seq_len, renderer.pad_id, at)
 
-    train = StreamWindows(stream, seq_len, what="data.train", shuffle_buffer=buffer,
-                          fingerprint=fingerprint(train_paths), **kw)
+    train = StreamWindows(stream, seq_len, what="data.train", shuffle_buffer=buffer, fingerprint=files, **kw)
+    train.scan = summary(stats, key)
     heldout = {}
     for path in data_paths(list(data_cfg.heldout), "data.heldout"):
         docs = conversations([path], renderer, column, "data.heldout")
@@ -135,4 +191,6 @@ def build_chat(data_cfg: Any, seq_len: int, eval_len: int, max_windows: int, kw:
     note = (f"Scored: tokens of the {roles} turns only ({renderer.method} mask; {stats.targets} of "
             f"{stats.tokens} training tokens are targets); a position is a position in the conversation. Chat "
             f"template: {source} (sha256 {template_sha(renderer.tok.chat_template)[:12]}).")
-    return {"train": train, "heldout": heldout, "tokenizer": renderer, "notes": [note]}
+    log = [TRUSTED] if trusted else []
+    return {"train": train, "heldout": heldout, "tokenizer": renderer, "notes": [note, *(f"{t}." for t in log)],
+            "log": log}

@@ -134,7 +134,11 @@ def _window(parts: list[tuple[np.ndarray, np.ndarray]], L: int, pad_id: int) -> 
 class StreamWindows(StepWindows):
     """This rank's training windows, read in order from ``open_stream(position)`` (an iterator of (``Window``, the
     position after it) over the rank's share of the documents), pass after pass. ``fingerprint``: of the files
-    the stream reads (``seek.fingerprint``); a checkpoint taken on other files is refused."""
+    the stream reads (``seek.fingerprint``); a checkpoint taken on other files is refused. ``scan``: what the
+    builder's read of the whole set found (conversations: ``chat_build.summary``), kept in the state so that a
+    resume on the same files can use it instead of reading them again; None: nothing to keep."""
+
+    scan: dict[str, Any] | None = None
 
     def __init__(self, open_stream: Callable[[StreamPosition], Positioned], seq_len: int, *, batch_size: int = 1,
                  seed: int = 0, rank: int = 0, world_size: int = 1, shuffle_buffer: int = 0,
@@ -191,13 +195,15 @@ class StreamWindows(StepWindows):
 
     def state_dict(self) -> dict[str, Any]:
         """The step, the settings a resume must keep, and ``positions``: per data-parallel rank, where its stream
-        goes on (this rank's only; ``merge_positions`` joins the ranks'), and the files' fingerprint."""
+        goes on (this rank's only; ``merge_positions`` joins the ranks'), the files' fingerprint, and ``scan``
+        where the builder set one."""
         positions: list[dict[str, Any] | None] = [None] * self.world_size
         if self._after is not None and self._next == self.index * self.batch_size:
             positions[self.rank] = self._after.to_dict()
         return {"seed": self.seed, "index": self.index, "seq_len": self.seq_len, "batch_size": self.batch_size,
                 "global_batch": self.batch_size * self.world_size, "shards": self.world_size,
-                "shuffle_buffer": self.shuffle_buffer, "positions": positions, "fingerprint": self.fingerprint}
+                "shuffle_buffer": self.shuffle_buffer, "positions": positions, "fingerprint": self.fingerprint,
+                **({"scan": self.scan} if self.scan is not None else {})}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume where ``state`` stopped: at this rank's saved position when it has one, else by replaying the

@@ -112,8 +112,11 @@ def _run_claimed(cfg: Config, spec: Any, env: ParallelEnv, device: torch.device,
 
     if env.is_main:
         write_plan(run_dir, plan_dict)
+    resume_data = ckpt.read_meta(resume_from).get("data") if resume_from is not None else None
     data = build_data(cfg.data, cfg.eval, batch_size=cfg.train.batch_size, vocab_size=spec.vocab_size,
-                      rank=env.dp_rank, world_size=env.dp_size)
+                      rank=env.dp_rank, world_size=env.dp_size, resume_state=resume_data)
+    for line in data.log:
+        env.log(line)
     if cfg.train.eval_every and not data.heldout:
         raise ValueError("train.eval_every needs held-out data: set data.heldout (files the model never trains "
                          "on), data.heldout_records or data.heldout_tail, or set --train.eval_every 0")
