@@ -1,6 +1,9 @@
 """A conversation run (data.kind chat, streamed from its JSONL through a shuffle buffer) stopped after a
 checkpoint and resumed continues on the uninterrupted run's loss curve bitwise, starting from the position the
-checkpoint holds; resumed at another position (a broken variant) the curve differs."""
+checkpoint holds; resumed at another position (a broken variant) the curve differs. With the same files it
+renders no conversation before its first step but the buffer and that step's (the first start's read of the set is
+trusted; a set the first start kept in memory is streamed, on the same curve); a checkpoint without the first
+start's summary resumes with the whole set read, on the same curve."""
 
 import json
 from pathlib import Path
@@ -11,10 +14,14 @@ import torch
 
 pytest.importorskip("transformers")
 
+import megaseq.data as data_pkg  # noqa: E402
 import megaseq.data.chat_build as chat_build  # noqa: E402
+import megaseq.train.step as step_mod  # noqa: E402
 from conftest import agent_trace_checkpoint, run_as_of_step  # noqa: E402
 from megaseq.config import load_config  # noqa: E402
+from megaseq.data.chat import ChatRenderer  # noqa: E402
 from megaseq.data.packing import StreamPosition, StreamWindows  # noqa: E402
+from megaseq.parallel.env import ParallelEnv  # noqa: E402
 from megaseq.parallel.launch import spawn_local  # noqa: E402
 from megaseq.train import checkpoint as ckpt  # noqa: E402
 from megaseq.train.trainer import run_training  # noqa: E402
@@ -107,3 +114,99 @@ def test_two_ranks_save_both_positions_and_resume_from_them(whole):
     run_as_of_step(whole / "two", whole / "two_resumed", STOP)
     spawn_local(_train_rank, 2, args=(whole, "two_resumed", True))
     np.testing.assert_array_equal(_losses(whole / "two_resumed"), _losses(whole / "two"))
+
+
+N_TRACES, BUFFER = 64, 3  # the recipe's training traces; data.shuffle_buffer above
+
+
+class Watch:
+    """Conversations rendered before the first optimizer step, the documents of that step's windows, and the
+    run's log lines."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.rendered, self.step_docs = 0, 0
+        self.before_first: int | None = None
+        self.lines: list[str] = []
+        render, step, windows, log = (ChatRenderer.render, step_mod.train_step, StreamWindows.next_windows,
+                                      ParallelEnv.log)
+
+        def counted_render(renderer, *args, **kw):
+            self.rendered += 1
+            return render(renderer, *args, **kw)
+
+        def first_step(state, batches, **kw):
+            if self.before_first is None:
+                self.before_first = self.rendered
+            return step(state, batches, **kw)
+
+        def seen_windows(train):
+            got = windows(train)
+            if self.before_first is None:
+                self.step_docs += sum(len(set(w[1].tolist())) for w in got)
+            return got
+
+        def logged(env, msg):
+            self.lines.append(msg)
+            return log(env, msg)
+
+        monkeypatch.setattr(ChatRenderer, "render", counted_render)
+        monkeypatch.setattr(step_mod, "train_step", first_step)
+        monkeypatch.setattr(StreamWindows, "next_windows", seen_windows)
+        monkeypatch.setattr(ParallelEnv, "log", logged)
+
+    def check_trusted(self) -> None:
+        bound = BUFFER + self.step_docs + 1
+        assert self.before_first is not None and self.before_first <= bound, (
+            f"the resume rendered {self.before_first} conversations before its first step, more than the buffer "
+            f"and one step's ({bound})")
+        assert chat_build.TRUSTED in self.lines
+
+
+def _resume_watched(folder: Path, src: str, run: str, monkeypatch, kept: bool = False) -> tuple[list[float], Watch]:
+    run_as_of_step(folder / src, folder / run, STOP)
+    if not kept:
+        monkeypatch.setattr(chat_build, "CACHE_TOKENS", 0)
+    watch = Watch(monkeypatch)
+    run_training(_config(folder, run, resume=True))
+    return _losses(folder / run), watch
+
+
+def test_a_resume_on_the_same_files_renders_only_what_its_first_step_reads(whole, monkeypatch):
+    got, watch = _resume_watched(whole, "whole", "trusted", monkeypatch)
+    np.testing.assert_array_equal(got, _losses(whole / "whole"))
+    watch.check_trusted()
+    meta = ckpt.read_meta(whole / "trusted" / ckpt.CKPT_DIR / f"step_{STEPS:06d}")
+    first = ckpt.read_meta(whole / "whole" / ckpt.CKPT_DIR / f"step_{STOP:06d}")
+    assert meta["data"]["scan"] == first["data"]["scan"] and first["data"]["scan"]["docs"] == N_TRACES
+
+
+def test_a_resume_given_no_checkpoint_data_fails_the_check(whole, monkeypatch):
+    """Broken variant: the trainer builds the data of a resume as a first start's: it renders the whole set."""
+    real = data_pkg.build_data
+    monkeypatch.setattr(data_pkg, "build_data", lambda *a, resume_state=None, **kw: real(*a, **kw))
+    got, watch = _resume_watched(whole, "whole", "untrusted", monkeypatch)
+    np.testing.assert_array_equal(got, _losses(whole / "whole"))
+    assert watch.before_first >= N_TRACES
+    with pytest.raises(AssertionError, match="more than the buffer and one step's"):
+        watch.check_trusted()
+
+
+def test_a_kept_set_resumed_streams_on_the_same_curve(whole, monkeypatch):
+    """The first start keeps the (small) set rendered in memory; the resume trusts its read and streams."""
+    run_training(_config(whole, "kept"))  # chat_build.CACHE_TOKENS as it is
+    np.testing.assert_array_equal(_losses(whole / "kept"), _losses(whole / "whole"))
+    got, watch = _resume_watched(whole, "kept", "kept_resumed", monkeypatch, kept=True)
+    np.testing.assert_array_equal(got, _losses(whole / "kept"))
+    watch.check_trusted()
+
+
+def test_a_checkpoint_without_the_summary_resumes_with_the_whole_read(whole, monkeypatch):
+    run_as_of_step(whole / "whole", whole / "older_src", STOP)
+    meta_path = whole / "older_src" / ckpt.CKPT_DIR / f"step_{STOP:06d}" / ckpt.META
+    meta = json.loads(meta_path.read_text())
+    del meta["data"]["scan"]
+    meta_path.write_text(json.dumps(meta))
+    got, watch = _resume_watched(whole, "older_src", "older", monkeypatch)
+    np.testing.assert_array_equal(got, _losses(whole / "whole"))
+    assert watch.before_first >= N_TRACES and chat_build.TRUSTED not in watch.lines
+    assert "scan" in ckpt.read_meta(whole / "older" / ckpt.CKPT_DIR / f"step_{STEPS:06d}")["data"]
