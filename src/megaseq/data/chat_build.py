@@ -6,11 +6,13 @@ host memory trains. Each data-parallel rank renders and trains on its own share 
 the order of ``data.shuffle_buffer`` (``doc_order.DocOrder``). Held-out conversations each fill their own
 window, so the report's positions are positions in the conversation, and only target tokens (assistant
 turns) are scored.
-Before any model is built the whole training set is read once, on every rank (so every rank fails alike): a
-bad record fails there, naming its file and line, and a set with no target token, or conversations cut by
-data.seq_len, are reported. A set of at most ``CACHE_TOKENS`` tokens is kept as rendered then (each rank its
-own share; rendering a long trace takes seconds); a larger one is rendered again on each pass. The summary of that read
-(``PackStats`` and ``scan_key``) goes into the training source's state, so every checkpoint carries it.
+
+On a run's first start, before any model is built, the whole training set is read once, on every rank (so
+every rank fails alike): a bad record fails there, naming its file and line, and a set with no target token,
+or conversations cut by data.seq_len, are reported. A set of at most ``CACHE_TOKENS`` tokens is kept as
+rendered then (each rank its own share; rendering a long trace takes seconds); a larger one is rendered again
+on each pass. The summary of that read (``summary``: the ``PackStats`` and ``scan_key``) goes into the
+training source's state (``StreamWindows.scan``), so every checkpoint carries it.
 
 A resumed run reads its stream from the position its checkpoint saved (``packing.StreamWindows``), rendering
 from there on. It reads the set again first only when it cannot trust the first start's read: it trusts it,
@@ -20,7 +22,7 @@ summary and a fingerprint (``seek.fingerprint``: names, sizes, first and last 64
 renders and packs them (the template, the mask method, data.loss_roles, data.column, data.seq_len, the
 vocabulary size, the pad id). Files moved with their times kept resume without a read; files copied
 (new times), touched, or edited in place are read again (a resume on files whose fingerprint changed is then
-refused, ``StreamWindows.load_state_dict``). A set that is read again on a resume is not kept in memory: its
+refused, ``StreamWindows.load_state_dict``). A trusted set is not kept in memory, whatever its size: its
 windows are rendered as they are read, the same windows bitwise. A checkpoint without the summary resumes
 with the full read.
 """
