@@ -1,9 +1,10 @@
 """A resumed conversation stream trusts its first start's read of the same files: it renders no conversation to
 build (the buffer and one step's to read the next step), reads the uninterrupted run's windows bitwise (a set the
 first start kept in memory is streamed, the same windows), and uses the stored summary for the checks and the
-report. A first start reads everything and refuses a bad record by file and line; files whose fingerprint or
-modification times changed, and a checkpoint without the summary, are read again. Broken variants (the read
-skipped on a first start, or skipped whatever the fingerprint or the times) fail these checks."""
+report. A first start reads everything and refuses a bad record by file and line; files whose modification
+times changed, and a checkpoint without the summary or the files' fingerprint, are read again; files whose
+fingerprint changed are refused before anything is rendered. Broken variants (the read skipped on a first start,
+or whatever the fingerprint or the times; the fingerprints compared only after the read) fail these checks."""
 
 import os
 import shutil
@@ -130,9 +131,9 @@ def first_state(sets, tmp_path: Path, monkeypatch) -> tuple[dict, Path]:
     return states[-1], path
 
 
-def test_files_edited_in_place_are_read_again(sets, tmp_path, monkeypatch, renders):
-    """Line 5 broken in place, the size and the modification time kept: the fingerprint differs, so the resume
-    reads the set and refuses the record (file and line) before a model is built."""
+def test_files_edited_in_place_are_refused_before_they_are_read(sets, tmp_path, monkeypatch, renders):
+    """Line 5 broken in place, the size and the modification time kept: the fingerprint differs, so the resume is
+    refused, naming data.train, before a conversation is rendered (and before a model is built)."""
     state, path = first_state(sets, tmp_path, monkeypatch)
     stat = path.stat()
     lines = path.read_text().splitlines(keepends=True)
@@ -140,17 +141,35 @@ def test_files_edited_in_place_are_read_again(sets, tmp_path, monkeypatch, rende
     path.write_text("".join(lines))
     os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     assert path.stat().st_size == stat.st_size and path.stat().st_mtime_ns == stat.st_mtime_ns
-    with pytest.raises(ValueError, match=r"chat.jsonl line 5: message 0 has role 'USER'"):
+    before = renders[0]
+    with pytest.raises(ValueError, match=r"the files of data.train changed since the checkpoint"):
         build({**sets, "chat.jsonl": path}, "chat.jsonl", 0, 1, state, monkeypatch, renders)
+    assert renders[0] == before, f"{renders[0] - before} conversations rendered before the refusal"
 
 
-def test_trusting_a_summary_of_other_files_fails(sets, tmp_path, monkeypatch, renders):
-    """Broken variant: the summary is trusted whatever the fingerprint: the edited record is not refused."""
+def test_refusing_other_files_only_after_reading_them_fails(sets, tmp_path, monkeypatch, renders):
+    """Broken variant: the builder does not compare the fingerprints (the stream's resume still would, later): the
+    edited set is read and rendered before anything refuses it."""
+    monkeypatch.setattr(chat_build, "check_same_files", lambda *a, **k: None)
+    with pytest.raises((pytest.fail.Exception, AssertionError)):
+        test_files_edited_in_place_are_refused_before_they_are_read(sets, tmp_path, monkeypatch, renders)
+
+
+def test_a_summary_without_the_files_fingerprint_is_not_trusted(sets, tmp_path, monkeypatch, renders):
+    """A state holding the summary but not the files' fingerprint (nothing to compare): the set is read again."""
+    state, path = first_state(sets, tmp_path, monkeypatch)
+    state = {k: v for k, v in state.items() if k != "fingerprint"}
+    data, built = build({**sets, "chat.jsonl": path}, "chat.jsonl", 0, 1, state, monkeypatch, renders)
+    assert built == N and data.log == [], "a summary without the files' fingerprint was trusted"
+
+
+def test_trusting_a_summary_whatever_the_fingerprint_fails(sets, tmp_path, monkeypatch, renders):
+    """Broken variant: the summary is trusted whatever the fingerprint: a state without one is trusted."""
     real = chat_build.trusted_stats
     monkeypatch.setattr(chat_build, "trusted_stats",
                         lambda state, files, key: real(state and {**state, "fingerprint": files}, files, key))
-    with pytest.raises(pytest.fail.Exception):
-        test_files_edited_in_place_are_read_again(sets, tmp_path, monkeypatch, renders)
+    with pytest.raises(AssertionError, match="without the files' fingerprint was trusted"):
+        test_a_summary_without_the_files_fingerprint_is_not_trusted(sets, tmp_path, monkeypatch, renders)
 
 
 def test_files_copied_or_touched_are_read_again_and_moved_ones_are_not(sets, tmp_path, monkeypatch, renders):

@@ -21,8 +21,8 @@ summary and a fingerprint (``seek.fingerprint``: names, sizes, first and last 64
 ``data.train`` files now, and the summary's ``scan_key`` is the same: the files' modification times, and what
 renders and packs them (the template, the mask method, data.loss_roles, data.column, data.seq_len, the
 vocabulary size, the pad id). Files moved with their times kept resume without a read; files copied
-(new times), touched, or edited in place are read again (a resume on files whose fingerprint changed is then
-refused, ``StreamWindows.load_state_dict``). A trusted set is not kept in memory, whatever its size: its
+(new times) or touched are read again. A resume on files whose fingerprint changed (edited in place) is refused
+before anything is read (``packing.check_same_files``). A trusted set is not kept in memory, whatever its size: its
 windows are rendered as they are read, the same windows bitwise. A checkpoint without the summary resumes
 with the full read.
 """
@@ -48,6 +48,7 @@ from megaseq.data.packing import (
     Positioned,
     StreamPosition,
     StreamWindows,
+    check_same_files,
     eval_windows,
     pack_docs,
     pack_whole,
@@ -162,6 +163,7 @@ def build_chat(data_cfg: Any, seq_len: int, eval_len: int, max_windows: int, kw:
     buffer = getattr(data_cfg, "shuffle_buffer", 0)
     order = DocOrder(kw["rank"], kw["world_size"], buffer, kw["seed"])
     files, key = fingerprint(train_paths), scan_key(train_paths, renderer, column, seq_len)
+    check_same_files(resume_state, files)  # a resume on other files: refused before the set is read
     stats = trusted_stats(resume_state, files, key)
     trusted, cache = stats is not None, None
     if stats is None:

@@ -215,10 +215,7 @@ class StreamWindows(StepWindows):
                                  f"{mine} now (each data-parallel rank reads its own share of the documents, in an "
                                  "order set by data.shuffle_buffer); resume with the same data.seq_len, "
                                  "data.shuffle_buffer, train.batch_size and parallel.dp, or start a new run")
-        if state.get("fingerprint") and self.fingerprint and state["fingerprint"] != self.fingerprint:
-            raise ValueError(f"cannot resume the data stream: the files of {self.what} changed since the checkpoint "
-                             "(names, sizes or contents differ), so its saved position would point elsewhere in "
-                             f"them; resume with the {self.what} files the run trained on, or start a new run")
+        check_same_files(state, self.fingerprint, self.what)
         self.seed, self.index = int(state["seed"]), int(state["index"])
         positions = state.get("positions") or []
         mine = positions[self.rank] if len(positions) == self.world_size else None
@@ -229,6 +226,16 @@ class StreamWindows(StepWindows):
         self._after, self._next = StreamPosition.from_dict(mine), self.index * self.batch_size
         self._pass = self._after.pass_number
         self._pass_start = self._next if self._after.order is None else None
+
+
+def check_same_files(state: dict[str, Any] | None, fingerprint: str, what: str = "data.train") -> None:
+    """A ValueError naming ``what`` when the checkpoint's data ``state`` was taken on other files than those whose
+    fingerprint (``seek.fingerprint``) is ``fingerprint`` now: its saved position would point elsewhere in them.
+    A builder calls it before reading the files; ``StreamWindows.load_state_dict`` calls it again."""
+    if state and state.get("fingerprint") and fingerprint and state["fingerprint"] != fingerprint:
+        raise ValueError(f"cannot resume the data stream: the files of {what} changed since the checkpoint "
+                         "(names, sizes or contents differ), so its saved position would point elsewhere in "
+                         f"them; resume with the {what} files the run trained on, or start a new run")
 
 
 def merge_positions(all_positions: list[list[dict[str, Any] | None]]) -> list[dict[str, Any] | None]:
