@@ -42,13 +42,15 @@ def iter_jsonl(path: Path, what: str = "a JSON object") -> Iterator[tuple[str, A
     """(``'FILE line N'``, object) per non-empty line; a line that is not JSON is one ValueError."""
     with open_maybe_compressed(path) as fh:
         for num, raw in enumerate(fh, start=1):
-            if not raw.strip():
-                continue
-            where = f"{path} line {num}"
-            try:
-                yield where, json.loads(raw)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: not valid JSON ({e.msg}); each line must be {what}") from None
+            if raw.strip():
+                yield from _parse_line(raw, f"{path} line {num}", what)
+
+
+def _check_jsonl(path: Path, setting: str) -> None:
+    """A file that is neither columnar (checked first) nor JSONL: one ValueError naming ``setting``."""
+    if not is_jsonl(path):
+        raise ValueError(f"{setting}: {path} is not .jsonl (optionally .gz/.xz), .parquet, .arrow or a datasets "
+                         "directory")
 
 
 def iter_records(path: Path, column: str, extra: tuple[str, ...] = (), what: str = "a JSON object",
@@ -59,9 +61,7 @@ def iter_records(path: Path, column: str, extra: tuple[str, ...] = (), what: str
 
         yield from iter_rows(path, column, extra, setting)
         return
-    if not is_jsonl(path):
-        raise ValueError(f"{setting}: {path} is not .jsonl (optionally .gz/.xz), .parquet, .arrow or a datasets "
-                         "directory")
+    _check_jsonl(path, setting)
     yield from iter_jsonl(path, what)
 
 
@@ -77,9 +77,7 @@ def record_chunks(path: Path, column: str, extra: tuple[str, ...] = (), what: st
 
         yield from row_chunks(path, column, extra, setting)
         return
-    if not is_jsonl(path):
-        raise ValueError(f"{setting}: {path} is not .jsonl (optionally .gz/.xz), .parquet, .arrow or a datasets "
-                         "directory")
+    _check_jsonl(path, setting)
     with open_maybe_compressed(path) as fh:
         for num, raw in enumerate(fh, start=1):
             if raw.strip():
