@@ -217,3 +217,13 @@ def test_another_template_or_length_reads_again(sets, monkeypatch, renders):
     assert chat_build.scan_key(paths, renderer, "messages", 63) != key
     renderer.loss_roles = ("assistant", "tool")
     assert chat_build.scan_key(paths, renderer, "messages", 31) != key
+
+
+def test_another_vocabulary_reads_again(sets, monkeypatch, renders):
+    """A data.tokenizer whose vocabulary changed (here one added token; the renderer's id count stays) reads again."""
+    first, _ = build(sets, "chat.jsonl", 0, 1, None, monkeypatch, renders)
+    key = first.train.state_dict()["scan"]["key"]
+    renderer, paths = first.tokenizer, [sets["chat.jsonl"]]
+    assert chat_build.scan_key(paths, renderer, "messages", 31) == key
+    renderer.tok.add_tokens(["<a token added after the first start>"])
+    assert chat_build.scan_key(paths, renderer, "messages", 31) != key

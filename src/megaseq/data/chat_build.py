@@ -19,8 +19,8 @@ from there on. It reads the set again first only when it cannot trust the first 
 and uses the stored summary for the same checks and the report, when the checkpoint's data state holds a
 summary and a fingerprint (``seek.fingerprint``: names, sizes, first and last 64 KiB) equal to those of the
 ``data.train`` files now, and the summary's ``scan_key`` is the same: the files' modification times, and what
-renders and packs them (the template, the mask method, data.loss_roles, data.column, data.seq_len, the
-vocabulary size, the pad id). Files moved with their times kept resume without a read; files copied
+renders and packs them (the tokenizer's vocabulary, the template, the mask method, data.loss_roles, data.column,
+data.seq_len, the vocabulary size, the pad id). Files moved with their times kept resume without a read; files copied
 (new times) or touched are read again. A resume on files whose fingerprint changed (edited in place) is refused
 before anything is read (``packing.check_same_files``). A trusted set is not kept in memory, whatever its size: its
 windows are rendered as they are read, the same windows bitwise. A checkpoint without the summary resumes
@@ -117,13 +117,23 @@ def check_stats(stats: PackStats, renderer: ChatRenderer, seq_len: int, setting:
 
 def scan_key(paths: list[Path], renderer: ChatRenderer, column: str, seq_len: int) -> str:
     """What a scan summary holds for besides the files' fingerprint: each file's name and modification time
-    (ns), and what renders and packs the conversations."""
+    (ns), and what renders and packs the conversations: the tokenizer's vocabulary, its chat template, the loss
+    roles, the column and the window length."""
     h = hashlib.sha256()
     for f in data_files(paths):
         h.update(f"{f.name}\0{f.stat().st_mtime_ns}\0".encode())
+    h.update(vocabulary_sha(renderer.tok).encode())
     h.update(json.dumps([template_sha(renderer.tok.chat_template), renderer.method, list(renderer.loss_roles),
                          column, seq_len, renderer.num_ids, renderer.pad_id]).encode())
     return h.hexdigest()[:16]
+
+
+def vocabulary_sha(tok: Any) -> str:
+    """A fingerprint of what maps text to ids: a fast tokenizer's whole serialized form (vocabulary, merges,
+    normalizer, pre-tokenizer), else its vocabulary and added tokens."""
+    backend = getattr(tok, "backend_tokenizer", None)
+    text = backend.to_str() if backend is not None else json.dumps(sorted(tok.get_vocab().items()))
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def summary(stats: PackStats, key: str) -> dict[str, Any]:
