@@ -226,3 +226,4 @@ def test_fla_forget_gate_keeps_its_input():
         by_op = saved_by_op(lambda: gate(x * 1.0), gate.parameters())
     planned = linear_mixers.kda_saved(spec, S, 2, precision_for("bf16", "bf16"), fast_gate=True)["kda forget gate"]
     assert by_op["kda_gate"] == planned, (by_op, planned)
+
