@@ -47,13 +47,13 @@ class Marks:
         """The peak between mark ``first`` (exclusive) and mark ``last`` (inclusive); None where one is missing (a
         frozen embedding's output has no gradient)."""
         names = [r["mark"] for r in self.rows]
-        if first not in names or last not in names:
-            return None
+        if first not in names or last not in names or names.index(last) <= names.index(first):
+            return None  # a scheme that runs the model in pieces (sequence segments) marks its phases otherwise
         i, j = names.index(first), names.index(last)
         return max(r["peak_since_last_gib"] for r in self.rows[i + 1: j + 1])
 
     def get(self, name: str) -> dict:
-        return next(r for r in self.rows if r["mark"] == name)
+        return next((r for r in self.rows if r["mark"] == name), {"allocated_gib": None})
 
 
 class SavedByLayer:
@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     for k, v in res["phases"].items():
         m = v["measured_gib"]
         print(f"{k:<16}{m if m is not None else float('nan'):>10.2f}{v['planned_gib']:>10.2f}")
-    print(f"allocated after the forward {res['allocated_after_forward_gib']:.2f} GiB")
+    print(f"allocated after the forward {res['allocated_after_forward_gib']} GiB")
     print(f"{'layer':<18}{'saved':>8}{'planned':>9}{'bwd peak':>10}{'planned':>9}  GiB")
     for r in res["layers"]:
         bwd = r["backward_peak_gib"]
