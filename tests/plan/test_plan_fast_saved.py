@@ -242,3 +242,24 @@ def test_fla_forget_gate_keeps_its_input():
     planned = linear_mixers.kda_saved(spec, S, 2, precision_for("bf16", "bf16"), fast_gate=True)["kda forget gate"]
     assert by_op["kda_gate"] == planned, (by_op, planned)
 
+
+
+@pytest.mark.parametrize("fast_norm,within", [(True, True), (False, False)], ids=["fast", "broken-reference-norms"])
+def test_fast_mla_saved_set_matches_the_kernels(fast_norm, within):
+    """Dense MLA (DeepSeek-V3's, bf16 weights) with the Triton norm keeps what ``mla_saved(fast_norm=True)`` says,
+    within 3%; the broken variant, the torch norm's terms (the fp32 input and the normalised value), is over."""
+    from megaseq.models.build import build_model
+    from megaseq.models.presets import get_preset
+    from megaseq.plan import layers
+    from megaseq.plan.mesh import precision_for
+
+    if CUDA:
+        pytest.skip("the CPU interpreter's run")
+    spec, S = get_preset("deepseek-v3-tiny"), 128
+    mixer = build_model(spec, dtype=torch.bfloat16, seed=0).layers[spec.layer_types.index("mla")].self_attn
+    x = torch.randn(1, S, spec.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+    with triton_on_cpu():
+        by_op = saved_by_op(lambda: mixer(x * 1.0, SeqContext()), mixer.parameters())
+    assert by_op["rms_norm"]
+    planned = sum(layers.mla_saved(spec, S, 2, precision_for("bf16", "bf16"), fast_norm=fast_norm).values())
+    assert (abs(planned / sum(by_op.values()) - 1) < TOL) == within, (planned / S, by_op)

@@ -49,7 +49,7 @@ def _mixer(run: Run, i: int, xb: int) -> tuple[dict[str, int], int, int]:
                 spec, keys, prec, mesh, True),
         )
     if kind == "mla":
-        saved = layers.mla_saved(spec, n, xb, prec, trains)
+        saved = layers.mla_saved(spec, n, xb, prec, trains, fast_norm="rms_norm" in run.fast_ops)
         if run.segment:  # absorbed over the carried latent (no expanded SDPA q, k, v, o)
             saved["mla q,k,v,o (SDPA, v padded) + lse"] = layers.mla_segment_saved(spec, n, prec)
         return (
