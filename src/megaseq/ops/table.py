@@ -95,7 +95,7 @@ OPS: tuple[Op, ...] = (
         Impl("torch", f"{_OPS}.mhc.reference", "hc_weights_reference", reference=True),
         Impl("triton", f"{_OPS}.mhc.weights_triton", "hc_weights_triton", "hc_weights_triton_supports",
              opt_in=True, packages=TRITON),
-    ), fast="triton"),
+    ), fast="triton", plan_counts_fast=True),
     Op("hc_collapse", (
         Impl("torch", f"{_OPS}.mhc.reference", "hc_collapse_reference", reference=True),
         Impl("triton", f"{_OPS}.mhc.streams_triton", "hc_collapse_triton", "hc_collapse_triton_supports",
@@ -133,7 +133,7 @@ OPS: tuple[Op, ...] = (
     Op("kda_gate", (
         Impl("torch", f"{_OPS}.kda.reference", "kda_gate_reference", reference=True),
         Impl("fla", f"{_OPS}.kda.fla", "kda_gate_fla", "kda_gate_fla_supports", opt_in=True, packages=FLA),
-    ), fast="fla"),
+    ), fast="fla", plan_counts_fast=True),
     Op("gated_rms_norm", (
         Impl("torch", f"{_OPS}.gated_norm.reference", "gated_rms_norm_reference", reference=True),
         Impl("fla", f"{_OPS}.gated_norm.fla", "gated_rms_norm_fla", "gated_rms_norm_fla_supports", opt_in=True,

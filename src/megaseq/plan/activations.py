@@ -102,7 +102,7 @@ def norm_saved(width: int, in_bytes: int, prec: Precision, fast: bool = False) -
 
 
 def hc_saved(spec: ModelSpec, prec: Precision, cal: Calibration = CAL, fn_trains: bool = True,
-             fast: bool = False) -> int:
+             fast: bool = False, fast_weights: bool = False) -> int:
     """One HyperConnection (``blocks/mhc.py``) per token, its residual input not counted.
 
     The flattened streams in fp32 (a copy unless the stream is fp32), the normalised flat input of the
@@ -111,7 +111,11 @@ def hc_saved(spec: ModelSpec, prec: Precision, cal: Calibration = CAL, fn_trains
     ``fast``: the Triton ``hc_mix`` (``ops/mhc/mix_triton.py``) keeps the streams themselves (no copy) and
     its fp32 GEMM output ``u`` and RMS scale ``r``: ``f * (M + 1)`` with ``M = (2 + N) * N``, whether ``fn``
     trains or not (``cal.hc_mix_torch``: the closed-form torch op's, the streams and their copy in the GEMM's
-    dtype where that differs from theirs)."""
+    dtype where that differs from theirs).
+
+    ``fast_weights``: the Triton ``hc_weights`` (``ops/mhc/weights_triton.py``) keeps only its fp32 copy of the
+    mix ``[M]`` and recomputes the Sinkhorn iterations in its backward, and the Triton ``hc_collapse`` keeps
+    ``pre`` ``[N]``: ``f * (M + N)`` in place of the reference's Sinkhorn divisions and weights."""
     N, H, f = spec.hc_mult, spec.hidden_size, prec.f32
     if fast and cal.hc_mix_torch:  # ``torch_fused``: the streams and their copy in the GEMM's dtype
         mm = prec.compute if prec.autocast else f
@@ -121,6 +125,8 @@ def hc_saved(spec: ModelSpec, prec: Precision, cal: Calibration = CAL, fn_trains
     else:
         flat = 0 if prec.stream == f else f * N * H
         normed = (prec.compute * N * H if prec.autocast else f * N * H) if fn_trains else 0
+    if fast_weights:
+        return flat + normed + f * ((2 + N) * N + N)
     sink = (2 * spec.hc_sinkhorn_iters - 1) * (N * N + N) if cal.sinkhorn_saved else 0
     return flat + normed + f * (sink + 3 * N * N + 4 * N)
 

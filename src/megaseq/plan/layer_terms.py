@@ -29,12 +29,12 @@ def _mixer(run: Run, i: int, xb: int) -> tuple[dict[str, int], int, int]:
     kind = spec.layer_types[i]
     comm = C.comm_buffer_bytes(spec, n, kind, prec, mesh, run.mla_mode)
     T = run.memory.kda_segment_tokens
-    fast_norm = "gated_rms_norm" in run.fast_ops
+    fast_norm, fast_gate = "gated_rms_norm" in run.fast_ops, "kda_gate" in run.fast_ops
     if kind == "kda" and 0 < T < n:
-        return LM.kda_segmented(spec, n, run.batch, T, xb, prec, run.cal, trains, fast_norm)
+        return LM.kda_segmented(spec, n, run.batch, T, xb, prec, run.cal, trains, fast_norm, fast_gate)
     if kind == "kda":
         return (
-            LM.kda_saved(spec, n, xb, prec, run.cal, trains, fast_norm),
+            LM.kda_saved(spec, n, xb, prec, run.cal, trains, fast_norm, fast_gate),
             LM.kda_temp(spec, n, prec, False, run.cal) + comm,
             LM.kda_temp(spec, n, prec, True, run.cal) + comm,
         )
@@ -49,7 +49,7 @@ def _mixer(run: Run, i: int, xb: int) -> tuple[dict[str, int], int, int]:
                 spec, keys, prec, mesh, True),
         )
     if kind == "mla":
-        saved = layers.mla_saved(spec, n, xb, prec, trains)
+        saved = layers.mla_saved(spec, n, xb, prec, trains, fast_norm="rms_norm" in run.fast_ops)
         if run.segment:  # absorbed over the carried latent (no expanded SDPA q, k, v, o)
             saved["mla q,k,v,o (SDPA, v padded) + lse"] = layers.mla_segment_saved(spec, n, prec)
         return (
@@ -70,7 +70,8 @@ def _mixer(run: Run, i: int, xb: int) -> tuple[dict[str, int], int, int]:
     full = spec.indexer_types[i] == "full"
     B, S, mode = run.batch, run.seq_len, run.mla_mode
     impl = "triton" if "sparse_attention" in run.fast_ops else run.sparse_impl
-    saved = SA.dsa_saved(spec, n, B, S, xb, prec, mesh, mode, full, run.cal, impl, trains)
+    saved = SA.dsa_saved(spec, n, B, S, xb, prec, mesh, mode, full, run.cal, impl, trains,
+                         fast_norm="rms_norm" in run.fast_ops)
     fwd = SA.dsa_temp(spec, n, B, S, prec, mesh, mode, False, run.cal, impl)
     if full:
         fwd = max(fwd, layers.indexer_temp(spec, n, B, S, run.memory.indexer_query_chunk, prec,
@@ -152,7 +153,8 @@ def layer_terms(run: Run, i: int) -> LayerTerms:
     if N > 1:
         trains = _trains(run, i)
         attn["mHC"], ffn["mHC"] = (n * C.hc_saved(spec, prec, run.cal, trains is None or f"{hc}.fn" in trains,
-                                                  fast="hc_mix" in run.fast_ops)
+                                                  fast="hc_mix" in run.fast_ops,
+                                                  fast_weights="hc_weights" in run.fast_ops)
                                    for hc in ("attn_hc", "ffn_hc"))
     attn["input norm"] = ffn["post-attention norm"] = n * norm - (n * resid if N == 1 else 0)
     attn.update(mixer)

@@ -154,13 +154,15 @@ def attention_sink_saved(spec: ModelSpec, prec: Precision, kv: int, window: int,
     return c * (2 * Hq + keys) * Dp + f * Hq
 
 
-def mla_saved(spec: ModelSpec, n: int, xb: int, prec: Precision, trains: Trains = None) -> dict[str, int]:
+def mla_saved(spec: ModelSpec, n: int, xb: int, prec: Precision, trains: Trains = None,
+              fast_norm: bool = False) -> dict[str, int]:
     """Dense MLA (``models/common/mla.py``: DeepSeek-V3, Kimi-Linear's MLA layers) through SDPA, per query
     token (``n`` this rank's tokens; under Ulysses each rank holds all tokens of ``Hh / cp`` heads: the
     same bytes). Hh heads, R kv_lora_rank, Dn/Dr/Dv the nope/rope/value head dims, Dq = Dn + Dr.
 
     The projections' inputs (``q_a_proj`` or ``q_proj``, and ``kv_a_proj_with_mqa``); the q_a / kv_a
-    RMSNorms ``(f + c) * rank`` and q_b's input; RoPE's cos/sin ``2 * xb * Dr`` (rotating layers only);
+    RMSNorms ``(f + c) * rank`` (``fast_norm``: the Triton norm's input and rstd, ``activations.norm_saved``) and
+    q_b's input; RoPE's cos/sin ``2 * xb * Dr`` (rotating layers only);
     kv_b's input, the normed latent ``c * R`` (its bf16 cast; without autocast the latent itself,
     ``R + Dr`` wide); SDPA's q, k, v and output, each ``Hh * Dq`` wide (the op zero-pads v to q's head dim
     when ``Dv < Dq``, ``ops`` ``attention_sdpa``, so v and o are ``Dq`` wide) in the compute dtype, and
@@ -171,12 +173,12 @@ def mla_saved(spec: ModelSpec, n: int, xb: int, prec: Precision, trains: Trains 
     Dq = spec.qk_head_dim
     p = "self_attn."
     first = [p + ("q_a_proj" if ql else "q_proj"), p + "kv_a_proj_with_mqa"]
-    q_norm, q_out = norm_saved(ql, c, prec) if ql else (0, c)
-    kv_norm, kv_out = norm_saved(R, c, prec)
-    # without autocast kv_b reads a view of the latent [c | k_rot] and kv_a_layernorm a view of kv_a's output:
-    # both keep the whole R + Dr wide storage
+    q_norm, q_out = norm_saved(ql, c, prec, fast=fast_norm) if ql else (0, c)
+    kv_norm, kv_out = norm_saved(R, c, prec, fast=fast_norm)
+    # without autocast kv_b reads a view of the latent [c | k_rot] and the torch kv_a_layernorm a view of kv_a's
+    # output: both keep the whole R + Dr wide storage (the Triton norm keeps its own R wide input)
     latent = R + (0 if prec.autocast else Dr)
-    kv_norm += 0 if prec.autocast else f * Dr
+    kv_norm += 0 if (prec.autocast or fast_norm) else f * Dr
     rotate = spec.mla_rotate and Dr > 0
     return {
         "mla projections' inputs": n * trained_inputs(H, first, xb, prec, trains),

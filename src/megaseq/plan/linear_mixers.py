@@ -16,13 +16,14 @@ from megaseq.plan.mesh import CAL, Calibration, Precision
 
 # ---- token mixers: saved per layer, and temporaries --------------------------------------------------
 def kda_saved(spec: ModelSpec, n: int, xb: int, prec: Precision, cal: Calibration = CAL,
-              trains: Trains = None, fast_norm: bool = False) -> dict[str, int]:
+              trains: Trains = None, fast_norm: bool = False, fast_gate: bool = False) -> dict[str, int]:
     """KDA (``blocks/kda.py``) with fla's ``chunk_kda`` on the GPU; ``xb`` bytes of the normed input.
 
     Per token: the six projections' inputs (q, k, v, f_a, b, g_a); the conv's input ``c * 3D`` (fla's
     conv fuses the SiLU and saves only its input; ``kda_conv_copies``); the forget gate ``2 * f * D``
     (g before the decay product, the sigmoid output; Kimi-Linear's softplus gate without a lower bound
-    ``(3 f + 1) * D``); chunk_kda's ``q, k`` (l2-normed), ``v`` in bf16,
+    ``(3 f + 1) * D``; ``fast_gate``: fla's ``fused_kda_gate`` keeps only its input, the gate projection's output
+    ``c * D``, and recomputes the rest in its backward); chunk_kda's ``q, k`` (l2-normed), ``v`` in bf16,
     ``g`` and its chunk cumsum in fp32, the intra-chunk ``Aqk, Akk`` ``2 * c * heads * 64`` (fla 0.6
     keeps them in the input dtype); the gated output norm ``4 * f * D`` + o_proj's input ``c * D``
     (``fast_norm``: fla's fused norm keeps its input and gate and an fp32 ``rstd`` per row, ``2 * c * D + f * Hh``,
@@ -39,7 +40,8 @@ def kda_saved(spec: ModelSpec, n: int, xb: int, prec: Precision, cal: Calibratio
         "kda conv": n * cal.kda_conv_copies * c * 3 * D,
         # the safe gate (lower_bound * sigmoid): g and the sigmoid's output; without a lower bound (Kimi-Linear)
         # exp(g), 1 + exp(g), the where's bool mask and its output
-        "kda forget gate": n * (2 * f * D if spec.linear_lower_bound is not None else (3 * f + 1) * D),
+        "kda forget gate": n * (c * D if fast_gate else 2 * f * D if spec.linear_lower_bound is not None
+                                else (3 * f + 1) * D),
         "kda chunk state (q,k,v,g,A)": n * (3 * c * D + 2 * f * D + 2 * c * Hh * 64 + 2 * f * Hh),
         "kda output norm + o_proj input": n * ((2 * c * D + f * Hh if fast_norm and not cal.hc_mix_torch
                                                 else (3 + if_trained(p + "o_norm", trains)) * f * D) + late),
@@ -61,6 +63,7 @@ def kda_segmented(
     spec: ModelSpec, n: int, batch: int, T: int, xb: int, prec: Precision, cal: Calibration = CAL,
     trains: Trains = None,
     fast_norm: bool = False,
+    fast_gate: bool = False,
 ) -> tuple[dict[str, int], int, int]:
     """KDA in segments of ``T`` tokens (``memory/kda_segments.py``): (saved, forward temp, backward temp).
 
@@ -72,7 +75,7 @@ def kda_segmented(
     H, Hh, Dk, c, f = spec.hidden_size, spec.linear_num_heads, spec.linear_head_dim, prec.compute, prec.f32
     m = min(T + spec.linear_conv_kernel - 1, n)
     segments = -(-n // (batch * T)) if batch else 0
-    seg_saved = sum(kda_saved(spec, m * batch, xb, prec, cal, trains, fast_norm).values())
+    seg_saved = sum(kda_saved(spec, m * batch, xb, prec, cal, trains, fast_norm, fast_gate).values())
     saved = {"kda segmented: input": n * xb * H, "kda segmented: states": segments * batch * f * Hh * Dk * Dk}
     fwd = kda_temp(spec, m * batch, prec, False, cal) + int(cal.nograd_fraction * seg_saved) + n * c * H
     seg_cal = replace(cal, kda_bwd_temp_fd=cal.kda_segment_bwd_temp_fd)

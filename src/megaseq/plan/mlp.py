@@ -97,7 +97,10 @@ def shared_expert_saved(spec: ModelSpec, n: int, xb: int, prec: Precision, train
     gate = [prefix[:-1] + "_gate"] if spec.shared_expert_gate else []
     names = [prefix + "gate_proj", prefix + "up_proj"] + gate
     uncast = not (prec.autocast and xb != c)  # the linears keep the MoE input itself, not casts of their own
-    if uncast and trained_inputs(H, ["mlp.gate"], prec.f32, prec, trains):  # ... which the router's input already is
+    # ... which the router's input already is, but for the sigmoid router's fp32 copy of a narrower input
+    # (``x.to(float32)``: a tensor of its own with bf16 weights)
+    shares = spec.router != "sigmoid_bias" or xb == prec.f32
+    if uncast and shares and trained_inputs(H, ["mlp.gate"], prec.f32, prec, trains):
         out -= n * trained_inputs(H, names[:2], xb, prec, trains)
     elif gate:
         out += n * (trained_inputs(H, names, xb, prec, trains) - trained_inputs(H, names[:2], xb, prec, trains))

@@ -350,12 +350,12 @@ def plan_from_config(
 def ops_of_model(spec: ModelSpec) -> frozenset[str]:
     """The planned fast ops a model's layers call (the plan names only these): the norms, SwiGLU and the loss
     in every model; DSA's indexer, its objective's target (``model.train_indexer``) and sparse attention, mHC's
-    mixing and merge, KDA's gated norm where the model has those layers."""
+    mixing, weights and merge, KDA's forget gate and gated norm where the model has those layers."""
     ops = {"rms_norm", "swiglu", "linear_cross_entropy"}
     if "dsa" in spec.layer_types:
         ops |= {"indexer_topk", "indexer_target", "sparse_attention"}
     if spec.hc_mult > 1:
-        ops |= {"hc_mix", "hc_merge"}
+        ops |= {"hc_mix", "hc_weights", "hc_merge"}
     if "kda" in spec.layer_types:
-        ops.add("gated_rms_norm")
+        ops |= {"kda_gate", "gated_rms_norm"}
     return frozenset(ops)

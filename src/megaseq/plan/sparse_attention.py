@@ -59,6 +59,7 @@ def dsa_saved(
     cal: Calibration = CAL,
     impl: str = "torch_masked",
     trains: Trains = None,
+    fast_norm: bool = False,
 ) -> dict[str, int]:
     """MLA + DSA (``blocks/mla_dsa.py``); K/V rows from ``dsa_kv_rows``.
 
@@ -69,7 +70,8 @@ def dsa_saved(
     recomputed in backward; or ``triton`` (the fast set's fused kernels, ``ops/sparse_mla/fused.py``):
     the same and the latent output ``o_lat`` ``c * Hh * R`` per query (``ops.workspace.triton_sparse_mla_bytes``).
 
-    Per query token: q_a/kv_a inputs; q_a_layernorm and kv_a_layernorm (``(f + c) * rank``); q_b's input;
+    Per query token: q_a/kv_a inputs; q_a_layernorm and kv_a_layernorm (``(f + c) * rank``; ``fast_norm``: the
+    Triton norm's input and rstd, ``activations.norm_saved``); q_b's input;
     q ``c * Hh * qk``; o_proj's input ``c * Hh * v``; the selection ``4 * W`` (full-indexer layers, kept by
     the checkpointed query blocks; a shared layer reuses it). Per K/V row: kv_b's input ``c * kv_lora``,
     the keys ``c * Hh * qk`` (a concatenation) and kv_b's output ``c * Hh * (nope + v)`` (v is a view of
@@ -80,8 +82,8 @@ def dsa_saved(
     H, Hh, c, f = spec.hidden_size, spec.num_attention_heads, prec.compute, prec.f32
     ql, kl, qk, v = spec.q_lora_rank, spec.kv_lora_rank, spec.qk_head_dim, spec.v_head_dim
     kv_rows = dsa_kv_rows(n, batch, seq_len, mesh, mode)
-    q_norm, q_out = norm_saved(ql, c, prec)
-    kv_norm, kv_out = norm_saved(kl, c, prec)
+    q_norm, q_out = norm_saved(ql, c, prec, fast=fast_norm)
+    kv_norm, kv_out = norm_saved(kl, c, prec, fast=fast_norm)
     p = "self_attn."
     out = {
         "dsa projections' inputs": n * trained_inputs(H, [p + "q_a_proj", p + "kv_a_proj_with_mqa"], xb, prec,
