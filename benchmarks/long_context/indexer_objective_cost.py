@@ -4,6 +4,9 @@
     python benchmarks/long_context/indexer_objective_cost.py                        # glm5-flash-1gpu at 32K
     python benchmarks/long_context/indexer_objective_cost.py --seq-len 1M           # the 1M step (sequence segments)
 
+Both rows run the recipe's own settings (``--recipe``, default recipes/glm5-flash-1gpu.yaml: bf16 weights with
+fp32 masters) on random tokens, with ``model.train_indexer`` off and on.
+
 Writes ``benchmarks/results/long_context/indexer_objective_<model>_<len>.json`` (both rows as ``megaseq
 bench`` measures them: step time, measured and planned peak) and prints the ratios. The aim: the objective
 costs at most 5% of the step, and the plan stays within 5% of the measured peak.
@@ -19,14 +22,14 @@ from pathlib import Path
 import torch
 
 from megaseq.bench.measure import measure_megaseq
-from megaseq.config import build_config, parse_size
+from megaseq.config import load_config, parse_size
 
 OUT = Path(__file__).parent / "results" / "long_context"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="glm5-flash-1gpu")
+    ap.add_argument("--recipe", default="recipes/glm5-flash-1gpu.yaml")
     ap.add_argument("--seq-len", default="32K")
     ap.add_argument("--steps", type=int, default=1, help="timed steps after the warm-up step")
     ap.add_argument("--out", default=str(OUT))
@@ -36,10 +39,11 @@ def main() -> None:
     S = parse_size(a.seq_len, "--seq-len")
     rows = {}
     for on in (False, True):
-        cfg = build_config({"model": {"name": a.model, "train_indexer": on},
-                            "data": {"kind": "random", "seq_len": S}, "train": {"steps": a.steps + 1}})
+        cfg = load_config(a.recipe, {"model.train_indexer": on, "data.kind": "random", "data.seq_len": S,
+                                     "train.steps": a.steps + 1})
+        model = cfg.model.name
         name = "with_objective" if on else "without"
-        prof = Path(a.out) / f"indexer_objective_{a.model}_{a.seq_len}_{name}.profile.txt" if a.profile else None
+        prof = Path(a.out) / f"indexer_objective_{model}_{a.seq_len}_{name}.profile.txt" if a.profile else None
         rows[name] = measure_megaseq(cfg, S, a.steps, "random", profile=prof)
         rows[name].update(name=name, overrides=[f"model.train_indexer={str(on).lower()}"])
     base, obj = rows["without"], rows["with_objective"]
@@ -52,14 +56,15 @@ def main() -> None:
                            plan_delta_gib=obj["predicted_gpu_gib"] - base["predicted_gpu_gib"])
     # as ``megaseq bench`` writes its results (``meta`` + a list of rows), each row with the overrides it ran
     # under: benchmarks/memory/planner_error.py plans every row again
-    meta = {"model": a.model, "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+    meta = {"model": model, "recipe": a.recipe,
+            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
             "torch": torch.__version__, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "lengths": [S], "steps": a.steps, "source": "random", "routing": "natural", "dtype": cfg.model.dtype,
             "kernels": cfg.model.kernels, "weights": cfg.model.weights}
     result = {"meta": meta, "rows": [base, obj], "summary": summary}
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"indexer_objective_{a.model}_{a.seq_len}.json"
+    path = out / f"indexer_objective_{model}_{a.seq_len}.json"
     path.write_text(json.dumps(result, indent=1, default=str))
     print(json.dumps({k: {f: v.get(f) for f in ("status", "step_s", "measured_gpu_gib", "predicted_gpu_gib")}
                       for k, v in rows.items()}, indent=1))
