@@ -237,9 +237,13 @@ def test_streamed_on_gpu_equals_resident_with_less_memory(preset):
     """bf16 autocast on a GPU, the base stored bf16 and streamed from pinned memory on the side stream: the loss
     and the adapters' gradients equal the resident model's (the same kernels on the same values; to the GPU's
     run-to-run noise where the MoE's atomics sum in another order), the peak allocated memory is lower, and the
-    host buffers are pinned."""
+    host buffers are pinned. The routers balance as the trainer has them (``train.balance.Balancer``: Qwen3's
+    auxiliary loss, whose gradient the balancer sets beside the router's weight, in host memory when streamed)."""
+    from megaseq.config import MoEConfig
     from megaseq.models.build import build_model
     from megaseq.models.registry import parallelize
+    from megaseq.parallel.env import ParallelEnv
+    from megaseq.train.balance import Balancer, resolve_balance
 
     spec = get_preset(preset)
     ids, labels = (t.cuda() for t in _batch(spec))
@@ -248,11 +252,13 @@ def test_streamed_on_gpu_equals_resident_with_less_memory(preset):
         model = build_model(spec, dtype=torch.float32, seed=0, device="cuda")
         done = parallelize(model, MemorySettings(stream_base=stream), None, settings("all", frozen_dtype="bf16"))
         randomize_adapters(model)
+        balancer = Balancer(model, resolve_balance(MoEConfig(), spec), ParallelEnv())
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
         with dispatch.configured(), torch.autocast("cuda", dtype=torch.bfloat16):
             loss = _loss_fn(model)(model(ids), labels)
+        balancer.after_forward()
         (loss / S).backward()
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - base

@@ -465,3 +465,31 @@ def test_seq_aux_loss_with_a_tiled_mlp_is_refused_when_planned() -> None:
     cfg.parallel.cp = 2
     with pytest.raises(ValueError, match="moe.seq_aux_loss_coef with parallel.cp 2 / parallel.ep 1 is not"):
         make_plan(cfg, two, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_aux_gradient_lands_on_the_probabilities_device(broken: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under memory.stream_base the router's weight lives in host memory, so the balancer leaves aux_grad_E there
+    while the probabilities are on the GPU; the gradient must come back on the probabilities' device. Here the
+    probabilities are on the meta device and aux_grad_E on the CPU (a CPU-only stand-in for the GPU and host)."""
+    from megaseq.models.common import moe as moe_mod
+
+    if broken:  # the device left as the balancer set it
+        real = moe_mod._AuxLossGrad.backward
+
+        def backward(ctx, grad_NK):
+            ctx.device = ctx.moe.aux_grad_E.device
+            return real(ctx, grad_NK)
+
+        monkeypatch.setattr(moe_mod._AuxLossGrad, "backward", staticmethod(backward))
+    N, K, E = 6, 2, 4
+    weights_NK = torch.rand(N, K, device="meta", requires_grad=True)
+    probs_NE = torch.rand(N, E, device="meta", requires_grad=True)
+    holder = types.SimpleNamespace(aux_grad_E=torch.full((E,), 0.5), aux_loss_coef=0.01)
+    out = moe_mod._AuxLossGrad.apply(weights_NK, probs_NE, holder, 1)
+    if broken:
+        with pytest.raises(RuntimeError, match="device"):
+            out.sum().backward()
+        return
+    out.sum().backward()
+    assert probs_NE.grad.device.type == "meta" and probs_NE.grad.shape == (N, E)

@@ -71,7 +71,7 @@ def outputs_and_grads(fn, leaves, idx, scale: float, **kw):
     leaves = [t.detach().requires_grad_() for t in leaves]
     res = fn(*leaves, idx, scale, **kw)
     out, lse = res if isinstance(res, tuple) else (res, None)
-    g = torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)
+    g = torch.linspace(-1, 1, out.numel(), dtype=out.dtype, device=out.device).view_as(out)
     return out, lse, torch.autograd.grad((out * g).sum(), leaves)
 
 

@@ -292,6 +292,7 @@ class _AuxLossGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx, weights_NK: torch.Tensor, probs_NE: torch.Tensor, moe: MoE, rows: int) -> torch.Tensor:
         ctx.moe, ctx.shape, ctx.dtype, ctx.rows = moe, probs_NE.shape, probs_NE.dtype, rows
+        ctx.device = probs_NE.device
         return weights_NK.view_as(weights_NK)
 
     @staticmethod
@@ -301,7 +302,9 @@ class _AuxLossGrad(torch.autograd.Function):
             raise RuntimeError(f"{ctx.moe.experts.layer}: the auxiliary balancing loss is on (aux_loss_coef "
                                f"{ctx.moe.aux_loss_coef}) but no aux_grad_E was set between the forward and the "
                                "backward: megaseq.train.balance.Balancer.after_forward sets it")
-        g_E = g_E.to(ctx.dtype)
+        # on the probabilities' device: under memory.stream_base the router's weight, whose device the balancer
+        # puts aux_grad_E on, lives in host memory
+        g_E = g_E.to(device=ctx.device, dtype=ctx.dtype)
         if g_E.dim() == 2:  # [B, E]: token n belongs to sequence n // (N / B)
             B, (N, E) = ctx.rows, ctx.shape
             g_E = g_E.unsqueeze(1).expand(B, N // B, E).reshape(N, E)
