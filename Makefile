@@ -1,6 +1,6 @@
 # Quick start:  make train   (set up and run the embedded default job)
 #               make test    (set up and run the test suite)
-#               make test-gpu (on a GPU machine: every gpu-marked test, recorded in benchmarks/results/gpu_suite/)
+#               make test-gpu (on a GPU machine: every gpu- and triton-marked test, recorded in benchmarks/results/gpu_suite/)
 PYTHON ?= python3
 VENV ?= .venv
 # The CPU build of torch 2.13 installs from local disk on the development machines; on a GPU

@@ -1,6 +1,7 @@
 """The whole GPU test suite in one run, and its record: ``make test-gpu``.
 
-Runs ``pytest -m gpu tests`` once (every gpu-marked test of every file, so a failure anywhere is seen), reads
+Runs ``pytest -m "gpu or triton" tests`` once (every gpu-marked test of every file, and every test of a Triton
+kernel, which runs on the GPU where there is one: a failure anywhere is seen), reads
 the junit XML pytest writes, and records in ``benchmarks/results/gpu_suite/latest.json``: the passed, failed,
 errored and skipped counts, the failing test ids, the GPU, the versions of torch, Triton, transformers, fla
 and Liger, the date and the git commit. Exits with pytest's status, so a red suite fails the make target.
@@ -92,7 +93,7 @@ def run_suite(pytest_args: list[str], xml_path: Path) -> tuple[int, float]:
     env.setdefault("MEGASEQ_FLA_AUTOTUNE", "one")
     src = str(ROOT / "src")
     env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "tests", "-p", "no:cacheprovider", "-rfE",
+    cmd = [sys.executable, "-m", "pytest", "-m", "gpu or triton", "tests", "-p", "no:cacheprovider", "-rfE",
            "--durations=15", f"--junitxml={xml_path}", *pytest_args]
     start = dt.datetime.now(dt.timezone.utc)
     rc = subprocess.run(cmd, cwd=ROOT, env=env).returncode

@@ -24,16 +24,30 @@ if not torch.cuda.is_available():
 
 
 def pytest_collection_modifyitems(config, items) -> None:
-    """One meaning for the ``gpu`` mark, so ``pytest -m gpu tests`` (``make test-gpu``) runs every test that
+    """One meaning for the ``gpu`` mark, so ``pytest -m "gpu or triton" tests`` (``make test-gpu``) runs every test that
     needs CUDA: a test skipped for want of CUDA or a GPU carries the mark, and a gpu-marked test skips where
     CUDA is absent."""
     no_cuda = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
+        if _runs_triton_kernels(item):
+            item.add_marker(pytest.mark.triton)
         reasons = " ".join(str(m.kwargs.get("reason", "")) for m in item.iter_markers("skipif")).lower()
         if "cuda" in reasons or "gpu" in reasons:
             item.add_marker(pytest.mark.gpu)
         if item.get_closest_marker("gpu") is not None and not torch.cuda.is_available():
             item.add_marker(no_cuda)
+
+
+def _runs_triton_kernels(item) -> bool:
+    """The test takes a fixture that picks ``triton_compile.interpreter_device``: its Triton kernels run under the
+    interpreter on the CPU and on the GPU where there is one, so ``make test-gpu`` (``-m "gpu or triton"``) runs it."""
+    info = getattr(item, "_fixtureinfo", None)
+    for defs in (info.name2fixturedefs.values() if info is not None else ()):
+        for d in defs:
+            code = getattr(d.func, "__code__", None)
+            if code is not None and "interpreter_device" in code.co_names:
+                return True
+    return False
 
 
 def pytest_collection_finish(session) -> None:
