@@ -145,8 +145,8 @@ class Balancer:
         p_E = reduced[L * E:].view(L, E).sum(dim=0) / rows
         self._aux.append(E * (f_E * p_E).sum())
         grad_E = self.settings.aux_loss_coef * E * f_E / rows / self.micro_batches
-        for _, m in self.moes:
-            m.aux_grad_E = grad_E.to(m.gate.weight.device)
+        for _, m in self.moes:  # where the router ran (not its weight's device: a streamed base keeps it on the host)
+            m.aux_grad_E = grad_E.to(m.last_router_prob_sum.device)
 
     def _seq_aux_grads(self) -> None:
         """The sequence-wise loss of this micro-batch (each sequence whole on this rank: one process or data
@@ -165,7 +165,7 @@ class Balancer:
             T_B1 = c_BE.sum(dim=1, keepdim=True) / K  # tokens of each sequence
             f_BE = E * c_BE / (K * T_B1)
             total += float((f_BE * p_BE / T_B1).sum(dim=1).mean())
-            m.aux_grad_E = (alpha * f_BE / T_B1 / (B * ranks * self.micro_batches)).to(m.gate.weight.device)
+            m.aux_grad_E = (alpha * f_BE / T_B1 / (B * ranks * self.micro_batches)).to(m.last_router_prob_sum.device)
         self._seq_aux.append(self.env.all_reduce_sum(total) / ranks if ranks > 1 else total)
 
     @staticmethod
