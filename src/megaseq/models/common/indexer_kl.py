@@ -167,9 +167,11 @@ def sparse_target(q_abs_cHC: torch.Tensor, c_SC: torch.Tensor, idx_cW: torch.Ten
 # ---- the indexer's side -------------------------------------------------------------------------------------
 def index_scores(q_cID: torch.Tensor, w_cI: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
     """``sum_h w_h relu(scale * q_h . k)`` (``indexer_topk``'s scores): keys ``[n, D]`` -> ``[c, n]``, or each
-    row's own ``[c, K, D]`` -> ``[c, K]``."""
+    row's own ``[c, K, D]`` -> ``[c, K]``. The dot products in the queries' and keys' dtype (bf16 operands under
+    autocast, as the selection kernel's), the heads' weighted sum in ``w_cI``'s."""
     eq = "cid,nd->cin" if keys.dim() == 2 else "cid,ckd->cik"
-    return torch.einsum("ci,cin->cn", w_cI, torch.einsum(eq, q_cID, keys).mul(scale).relu())
+    dots = torch.einsum(eq, q_cID, keys.to(q_cID.dtype)).to(w_cI.dtype)
+    return torch.einsum("ci,cin->cn", w_cI, dots.mul(scale).relu())
 
 
 def kl_rows(target_cn: torch.Tensor, index_cn: torch.Tensor, cand_cn: torch.Tensor) -> torch.Tensor:

@@ -116,10 +116,12 @@ class _Row:
         return self._target
 
     def _queries(self, s: int, e: int, wq: torch.Tensor) -> torch.Tensor:
-        ix = self.ix
-        q_cID = F.linear(self.q_resid[s:e].to(self.cd), wq.to(self.cd)).view(e - s, ix.n_heads, ix.head_dim)
+        """The indexer's queries of the chunk with a graph to ``wq``, in the attention's work dtype (bf16 under
+        autocast: the selection's operands; float64 in the exact tests)."""
+        ix, md = self.ix, self.c_det.dtype
+        q_cID = F.linear(self.q_resid[s:e].to(md), wq.to(md)).view(e - s, ix.n_heads, ix.head_dim)
         if self.rot is not None:
-            q_cID = rope.apply(q_cID, self.rot[0][s:e].to(self.cd), self.rot[1][s:e].to(self.cd))
+            q_cID = rope.apply(q_cID, self.rot[0][s:e].to(md), self.rot[1][s:e].to(md))
         return q_cID
 
     def loss(self, s: int, e: int, leaves: list[torch.Tensor]) -> torch.Tensor:
@@ -139,7 +141,7 @@ class _Row:
         # index_put_ (on an H100 at 16K, 0.29 s of a 0.74 s step)
         keys = keys_PD[:target.shape[1]] if pools is None else keys_PD.index_select(0, pools.flatten()).view(
             *pools.shape, keys_PD.shape[-1])
-        score = kl.index_scores(q_cID, w_cI, keys.to(self.cd), self.ix.softmax_scale)
+        score = kl.index_scores(q_cID, w_cI, keys, self.ix.softmax_scale)
         rows_kl = kl.kl_rows(target, score, cand)
         with torch.no_grad():
             if pools is None:
