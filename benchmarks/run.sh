@@ -4,13 +4,15 @@
 #   bash benchmarks/run.sh STAGE          (from the repository root; or: make bench STAGE=...)
 #
 # Stages (by what they measure):
-#   gpu_suite     the GPU tests (what `make test-gpu` runs: pytest -m gpu tests), one H200, about 3 minutes
+#   gpu_suite     the GPU tests (what `make test-gpu` runs: pytest -m "gpu or triton" tests), one H200, about 6 minutes
 #   speed         glm5-flash-1gpu: tokens/s and MFU at 8K and 32K beside the transformers reference in the
 #                 same job, then a warm 1M step (one H200, about 8 minutes)
 #   lora          Qwen3-30B-A3B (published shapes, 48 layers) LoRA rank 16 at 128K as the planner plans it:
 #                 measured peak against the plan, tokens/s, MFU (one H200, about 8 minutes)
 #   memory        the exact memory schemes' peaks against the plain computation (one H200, about 3 minutes)
 #   kernels       every fast kernel against its reference, with timings (one H200, about 4 minutes)
+#   indexer       the DSA indexer objective's cost (with and without it, profiles) and one step's saved bytes by
+#                 layer against the plan, glm5-flash-1gpu at 32K (16K on a GPU of less than 120 GiB), about 4 minutes
 #   long_context  the long-context experiment in one job (docs/long_context.md; needs the genomes as .data/)
 #   parallel      FSDP2 over 8 GPUs: glm5-flash-slice at 64K, dp 2 x cp 4, bf16 weights (8 H200s)
 #   plans         the planner's tables (CPU, seconds): the model table of the README, families, FSDP,
@@ -83,6 +85,18 @@ stage_kernels() {
   current $b smoke; current $b glue; current $b sparse_mla
 }
 
+stage_indexer() {
+  local len=32K b=long_context/indexer_objective
+  if [ "$($PY -c 'import torch; print(int(torch.cuda.get_device_properties(0).total_memory < 120 * 2**30))')" = 1 ]; then
+    len=16K
+  fi
+  mkdir -p "$RESULTS/$b" "$RESULTS/memory/saved_by_layer"
+  timeout -k 5 200 $PY benchmarks/long_context/indexer_objective_cost.py --seq-len $len --profile --out "$RESULTS/$b" \
+    | tail -16
+  timeout -k 5 150 $PY benchmarks/memory/saved_by_layer.py recipes/glm5-flash-1gpu.yaml --seq-len $len \
+    --out "$(dest memory/saved_by_layer glm5-flash-1gpu_$len).json" | tail -20
+}
+
 stage_long_context() {
   OUT=$(dest long_context/experiment run) GENOMES=${GENOMES:-.data} bash benchmarks/long_context/long_context.sh call
 }
@@ -105,6 +119,7 @@ stage_plans() {
 }
 
 case "$1" in
-  gpu_suite|speed|lora|memory|kernels|long_context|parallel|plans) machine; "stage_$1" ;;
-  *) echo "unknown stage '$1': one of gpu_suite speed lora memory kernels long_context parallel plans" >&2; exit 2 ;;
+  gpu_suite|speed|lora|memory|kernels|indexer|long_context|parallel|plans) machine; "stage_$1" ;;
+  *) echo "unknown stage '$1': one of gpu_suite speed lora memory kernels indexer long_context parallel plans" >&2
+     exit 2 ;;
 esac
