@@ -89,16 +89,19 @@ def run_for(
     adapters: AdapterSettings | None = None,
     fast_ops: frozenset[str] = frozenset(),
     indexer_objective: bool = False,
+    packed_documents: bool = False,
+    counts: C.ParamCounts | None = None,
 ) -> Run:
     """The planner's ``Run`` for one given setting (``MemorySettings``, or a dict of some of its fields, the
-    rest at the planner's base), choosing nothing. ``mla_mode`` defaults to the mesh's (``auto`` meaning
-    gather_kv, as the runtime)."""
+    rest at the planner's base), choosing nothing: the one place a ``Run`` is built (``planner.plan`` builds
+    each MLA mode's through it). ``mla_mode`` defaults to the mesh's (``auto`` meaning gather_kv, as the
+    runtime); ``counts``: the GPU's parameters where the caller has them (``gpu_param_counts``)."""
     mesh = mesh or Mesh()
     validate_mesh(spec, seq_len, mesh)
     mode = mla_mode or ("gather_kv" if mesh.mla_mode == "auto" else mesh.mla_mode)
     given = memory.to_dict() if isinstance(memory, MemorySettings) else memory
     full = base_settings(None, batch_size * seq_len // mesh.cp).replace(**given)
-    counts = gpu_param_counts(spec, mesh, adapters, indexer_objective)
+    counts = counts or gpu_param_counts(spec, mesh, adapters, indexer_objective)
     return Run(
         spec=spec,
         seq_len=seq_len,
@@ -117,6 +120,7 @@ def run_for(
         reduce_dtype=reduce_dtype,
         fast_ops=frozenset(fast_ops),
         indexer_objective=indexer_objective,
+        packed_documents=packed_documents,
     )
 
 

@@ -37,7 +37,7 @@ from megaseq.plan.fixes import (  # noqa: F401  (Budgets, H200_GPU_BYTES, HOST_B
     check_model_segments,
 )
 from megaseq.plan.flops import comm_volume, step_flops
-from megaseq.plan.given import gpu_param_counts, mla_modes, validate_mesh
+from megaseq.plan.given import gpu_param_counts, mla_modes, run_for, validate_mesh
 from megaseq.plan.mesh import CAL, GIB, Calibration, Mesh
 from megaseq.plan.phases import evaluate
 from megaseq.plan.run import Run
@@ -223,25 +223,11 @@ def plan(
     counts = gpu_param_counts(spec, mesh, adapters, indexer_objective)
     best: Plan | None = None
     for mode in mla_modes(spec, mesh):
-        run = Run(
-            spec=spec,
-            seq_len=seq_len,
-            batch=batch_size,
-            mesh=mesh,
-            model_dtype=model_dtype,
-            memory=base_settings(memory_cfg, batch_size * seq_len // mesh.cp),
-            counts=counts,
-            mla_mode=mode,
-            imbalance=moe_imbalance,
-            grad_accum=grad_accum,
-            cal=calibration,
-            packed_documents=packed_documents,
-            ep_dispatch=ep_dispatch or ExpertDispatchSettings(),
-            weights=weights,
-            reduce_dtype=reduce_dtype,
-            fast_ops=frozenset(fast_ops),
-            indexer_objective=indexer_objective,
-        )
+        run = run_for(spec, seq_len, base_settings(memory_cfg, batch_size * seq_len // mesh.cp), mesh, batch_size,
+                      model_dtype=model_dtype, grad_accum=grad_accum, moe_imbalance=moe_imbalance, mla_mode=mode,
+                      calibration=calibration, ep_dispatch=ep_dispatch, weights=weights, reduce_dtype=reduce_dtype,
+                      adapters=adapters, fast_ops=fast_ops, indexer_objective=indexer_objective,
+                      packed_documents=packed_documents, counts=counts)
         p = _make_plan(run, budgets, memory_cfg, name or spec.family, explain)
         if best is None or _better(p, best):
             best = p
