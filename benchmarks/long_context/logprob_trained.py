@@ -127,7 +127,7 @@ def markdown(result: dict) -> str:
             continue
         lines.append(f"| {r['seq_len']:,} | {r['megaseq']} | {r['reference']} | {r['mean_abs_diff']:.3g} | "
                      f"{r['max_abs_diff']:.3g} | {r['bits_per_base']:.4f} | {r['ref_bits_per_base']:.4f} |")
-    return "\n".join(lines) + "\n\nTarget: mean abs diff <= 0.04 at 128K and longer (issue #18).\n"
+    return "\n".join(lines) + "\n\nTarget: mean abs diff <= 0.04 at 128K and longer.\n"
 
 
 def run(run_dir: Path, lengths: list[int], out: Path) -> dict:
