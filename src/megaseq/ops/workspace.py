@@ -120,8 +120,9 @@ def indexer_kl_row_bytes(num_heads: int, num_keys: int, index_heads: int, num_ca
     (``indexer_target_row_bytes``: the reference's gathered latents ``[W, C]`` and ``[Hh, W]`` scores, or with
     ``fused_target`` the Triton kernel's ``[W]`` output; ``given_lse``: the attention's log-sum-exp read, none
     written). Indexer: its queries (the projection's input of width
-    ``query_width`` in the compute dtype, kept for its weight's gradient, and its output ``[I, D]`` with the
-    rotated copy), its head scores ``[I, m]`` kept for the chunk's backward with their relu mask and gradient, the
+    ``query_width``, kept for its weight's gradient, and its output ``[I, D]`` with the rotated copy; counted at
+    ``itemsize``, an upper bound where they run in a narrower work dtype), its head scores ``[I, m]`` kept for the
+    chunk's backward with their relu mask and gradient, the
     gathered pool keys ``[m, D]`` and their int64 pool indices of the sparse stage, and ``[m]`` rows of target,
     log-softmax and their gradient (``m`` = the candidate pools).
     """

@@ -117,16 +117,17 @@ def hc_saved(spec: ModelSpec, prec: Precision, cal: Calibration = CAL, fn_trains
     mix ``[M]`` and recomputes the Sinkhorn iterations in its backward, and the Triton ``hc_collapse`` keeps
     ``pre`` ``[N]``: ``f * (M + N)`` in place of the reference's Sinkhorn divisions and weights."""
     N, H, f = spec.hc_mult, spec.hidden_size, prec.f32
+    M = (2 + N) * N  # the mix's width: pre, post and the N x N comb
     if fast and cal.hc_mix_torch:  # ``torch_fused``: the streams and their copy in the GEMM's dtype
         mm = prec.compute if prec.autocast else f
         flat, normed = (0 if mm == prec.stream else mm * N * H), 0
     elif fast:
-        flat, normed = 0, f * ((2 + N) * N + 1)
+        flat, normed = 0, f * (M + 1)
     else:
         flat = 0 if prec.stream == f else f * N * H
         normed = (prec.compute * N * H if prec.autocast else f * N * H) if fn_trains else 0
     if fast_weights:
-        return flat + normed + f * ((2 + N) * N + N)
+        return flat + normed + f * (M + N)
     sink = (2 * spec.hc_sinkhorn_iters - 1) * (N * N + N) if cal.sinkhorn_saved else 0
     return flat + normed + f * (sink + 3 * N * N + 4 * N)
 

@@ -101,7 +101,8 @@ def run_for(
     mode = mla_mode or ("gather_kv" if mesh.mla_mode == "auto" else mesh.mla_mode)
     given = memory.to_dict() if isinstance(memory, MemorySettings) else memory
     full = base_settings(None, batch_size * seq_len // mesh.cp).replace(**given)
-    counts = counts or gpu_param_counts(spec, mesh, adapters, indexer_objective)
+    if counts is None:
+        counts = gpu_param_counts(spec, mesh, adapters, indexer_objective)
     return Run(
         spec=spec,
         seq_len=seq_len,
