@@ -13,6 +13,8 @@ must raise).
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -237,7 +239,7 @@ def test_streamed_on_gpu_equals_resident_with_less_memory(preset):
     """bf16 autocast on a GPU, the base stored bf16 and streamed from pinned memory on the side stream: the loss
     and the adapters' gradients equal the resident model's (the same kernels on the same values; to the GPU's
     run-to-run noise where the MoE's atomics sum in another order), the peak allocated memory is lower, and the
-    host buffers are pinned. The routers balance as the trainer has them (``train.balance.Balancer``: Qwen3's
+    host buffers are pinned (the experts widened so that the base's bytes dominate the peak). The routers balance as the trainer has them (``train.balance.Balancer``: Qwen3's
     auxiliary loss, whose gradient the balancer sets beside the router's weight, in host memory when streamed)."""
     from megaseq.config import MoEConfig
     from megaseq.models.build import build_model
@@ -245,7 +247,8 @@ def test_streamed_on_gpu_equals_resident_with_less_memory(preset):
     from megaseq.parallel.env import ParallelEnv
     from megaseq.train.balance import Balancer, resolve_balance
 
-    spec = get_preset(preset)
+    # experts wide enough that the base's bytes, not the allocator's and the kernels' small buffers, set the peak
+    spec = dataclasses.replace(get_preset(preset), moe_intermediate_size=512)
     ids, labels = (t.cuda() for t in _batch(spec))
     runs = []
     for stream in (False, True):

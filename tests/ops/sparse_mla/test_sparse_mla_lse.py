@@ -75,13 +75,18 @@ def outputs_and_grads(fn, leaves, idx, scale: float, **kw):
     return out, lse, torch.autograd.grad((out * g).sum(), leaves)
 
 
-def check_unchanged(fn, leaves, idx, scale: float) -> torch.Tensor:
-    """``return_lse`` changes neither the output nor the gradients (bitwise); returns the lse."""
+def check_unchanged(fn, leaves, idx, scale: float, atomics: bool = False) -> torch.Tensor:
+    """``return_lse`` changes neither the output (bitwise) nor the gradients (bitwise; with ``atomics``, the fused
+    backward's fp32 atomic adds on a GPU sum in a run-dependent order: to the dtype's default tolerance); returns
+    the lse."""
     out, _, grads = outputs_and_grads(fn, leaves, idx, scale)
     out2, lse, grads2 = outputs_and_grads(fn, leaves, idx, scale, return_lse=True)
     assert torch.equal(out, out2)
     for a, b in zip(grads, grads2, strict=True):
-        assert torch.equal(a, b)
+        if atomics:
+            torch.testing.assert_close(b, a)
+        else:
+            assert torch.equal(a, b)
     return lse
 
 
@@ -156,7 +161,7 @@ def test_triton_lse_is_its_saved_tensor(device, dtype):
     leaves, idx = make_inputs(4, 2, 13, 29, 5, 32, dtype=dtype, device=device)
     idx[0, 1, 0] = 12  # no batch row with an empty query: the kernels run every row
     assert fused.empty_batch_rows(idx, 29) == [False, False]
-    lse = check_unchanged(fused.triton_sparse_mla, leaves, idx, 0.37)
+    lse = check_unchanged(fused.triton_sparse_mla, leaves, idx, 0.37, atomics=True)
     assert lse.dtype == torch.float32 and lse.stride() == (13, 1, 26)  # a view of [Hh, B * Q]
     check_lse(lse, lse2_64(*leaves, idx, 0.37), TOL[dtype])
 
@@ -165,7 +170,7 @@ def test_triton_rows_with_an_empty_query_take_absorbed_with_their_lse(device):
     """A batch row with a query that selects nothing runs ``absorbed``; its lse joins the kernels' rows."""
     leaves, idx = make_inputs(5, 2, 13, 29, 3, 32, dtype=torch.float32, device=device)
     assert fused.empty_batch_rows(idx, 29) == [True, False]
-    lse = check_unchanged(fused.triton_sparse_mla, leaves, idx, 0.37)
+    lse = check_unchanged(fused.triton_sparse_mla, leaves, idx, 0.37, atomics=True)
     check_lse(lse, lse2_64(*leaves, idx, 0.37), TOL[torch.float32])
 
 
