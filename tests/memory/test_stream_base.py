@@ -238,9 +238,10 @@ def test_fsdp_streams_each_ranks_shards_bitwise():
 def test_streamed_on_gpu_equals_resident_with_less_memory(preset):
     """bf16 autocast on a GPU, the base stored bf16 and streamed from pinned memory on the side stream: the loss
     and the adapters' gradients equal the resident model's (the same kernels on the same values; to the GPU's
-    run-to-run noise where the MoE's atomics sum in another order), the peak allocated memory is lower, and the
-    host buffers are pinned (the experts widened so that the base's bytes dominate the peak). The routers balance as the trainer has them (``train.balance.Balancer``: Qwen3's
-    auxiliary loss, whose gradient the balancer sets beside the router's weight, in host memory when streamed)."""
+    run-to-run noise where the MoE's atomics sum in another order), the peak allocated memory is lower (the
+    experts widened so that the base's bytes set the peak), and the host buffers are pinned. The routers balance
+    as the trainer has them (``train.balance.Balancer``: Qwen3's auxiliary loss, whose gradient the balancer sets
+    beside the router's weight, in host memory when streamed)."""
     from megaseq.config import MoEConfig
     from megaseq.models.build import build_model
     from megaseq.models.registry import parallelize
