@@ -158,7 +158,7 @@ def test_chat_template_setting_overrides_the_tokenizers(tmp_path, qwen3):
     path = write_jsonl(tmp_path / "t.jsonl", [{"messages": SHORT}] * 2)
     cfg = DataConfig(kind="chat", tokenizer=str(other), train=[str(path)], seq_len=31, chat_template=str(QWEN3))
     data = build_data(cfg, vocab_size=256)
-    assert f"data.chat_template {QWEN3}" in data.notes[0] and "marked form mask" in data.notes[0]
+    assert f"data.chat_template {QWEN3}" in data.notes[0] and "known marked form;" in data.notes[0]
 
 
 @pytest.mark.parametrize("text, words", [

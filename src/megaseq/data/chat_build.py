@@ -58,6 +58,10 @@ from megaseq.data.sources import data_paths, iter_records
 
 CACHE_TOKENS = 1 << 26  # training data up to this many tokens is rendered once and kept (int32 ids + mask bytes)
 
+# the report's words for ``ChatRenderer.method``: where a run's loss mask comes from
+MASK_SOURCE = {"prefix": "the rendered prefixes of each turn", "generation": "the template's generation marks",
+               "marked form": "the generation marks of the template's known marked form"}
+
 
 WHAT = "one JSON object with a 'messages' list"
 TRUSTED = "data.train: checked at the run's first start (same files); not re-read"
@@ -202,7 +206,8 @@ def build_chat(data_cfg: Any, seq_len: int, eval_len: int, max_windows: int, kw:
                                           max_windows)
     roles = ", ".join(renderer.loss_roles)
     source = f"data.chat_template {chat_template}" if chat_template else "the tokenizer's"
-    note = (f"Scored: tokens of the {roles} turns only ({renderer.method} mask; {stats.targets} of "
+    how = MASK_SOURCE[renderer.method]
+    note = (f"Scored: tokens of the {roles} turns only (the mask from {how}; {stats.targets} of "
             f"{stats.tokens} training tokens are targets); a position is a position in the conversation. Chat "
             f"template: {source} (sha256 {template_sha(renderer.tok.chat_template)[:12]}).")
     log = [TRUSTED] if trusted else []
