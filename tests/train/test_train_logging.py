@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megaseq.config import build_config, load_config
-from megaseq.train.metrics import MetricsLogger, step_line
+from megaseq.train.metrics import MetricsLogger, over_plan, step_line
 from megaseq.train.trainer import run_training
 
 torch.set_num_threads(2)
@@ -59,6 +59,30 @@ def test_step_line_eta_and_memory():
            "plan_gpu_gib": 13.0, "host_peak_gib": 2.0}
     assert step_line(rec, 10, 18.0) == ("step 4/10 | loss 1.2500 | 1,234 tok/s | 3.00 s/step | gpu 12.3 GiB "
                                         "(plan 13.0) | host 2.0 GiB | ETA 18s")
+
+
+def test_over_plan_warns_only_above_the_plans_whole_figure():
+    rec = {"step": 3, "gpu_peak_gib": 70.6, "plan_gpu_gib": 43.4}
+    msg = over_plan(rec, "runs/x")
+    assert msg.startswith("step 3: the GPU peak, 70.6 GiB of tensors, is above the plan's 43.4 GiB (+63%)")
+    assert "runs/x/plan.json" in msg
+    assert over_plan(dict(rec, gpu_peak_gib=43.4), "r") is None  # at the plan: no warning
+    assert over_plan(dict(rec, gpu_peak_gib=0.0), "r") is None  # no GPU
+    assert over_plan({"step": 1, "gpu_peak_gib": 5.0}, "r") is None  # no plan figure
+
+
+def test_a_step_above_its_plan_is_reported_once(tmp_path, caplog, monkeypatch):
+    """The trainer says so at the first step whose GPU peak outgrew the plan, and not again (a broken loop that
+    warns at every step, or never, fails)."""
+    import logging
+
+    from megaseq.train import loop
+
+    monkeypatch.setattr(loop, "gpu_peak_bytes", lambda device: 10**15)  # ~931,000 GiB: above any plan
+    with caplog.at_level(logging.INFO, logger="megaseq"):
+        run_training(_cfg(tmp_path, log={"progress": False}))
+    said = [r.getMessage() for r in caplog.records if "is above the plan's" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("step 1: the GPU peak"), said
 
 
 def test_eval_every_logs_held_out_loss_beside_the_baselines(tmp_path, capsys):

@@ -25,7 +25,7 @@ from megaseq.train import guard, indexer_training
 from megaseq.train import step as step_mod
 from megaseq.train.build import report_fallbacks
 from megaseq.train.heldout import HeldoutProbe
-from megaseq.train.metrics import MetricsLogger, gpu_peak_bytes, host_peak_bytes
+from megaseq.train.metrics import MetricsLogger, gpu_peak_bytes, host_peak_bytes, over_plan
 from megaseq.train.parallel_env import ParallelEnv
 from megaseq.train.periodic import SaveSchedule
 from megaseq.train.safe_checkpoint import NonFiniteWeights
@@ -109,6 +109,7 @@ class TrainLoop:
     def _steps(self, start: int, result: RunResult, logger: MetricsLogger) -> None:
         cfg, env, every = self.cfg, self.env, self.cfg.train.eval_every
         skipped = 0  # non-finite steps in a row (train.on_nonfinite skip)
+        warned_plan: str | None = None  # the first step above the plan says so once
         clock = TimeLimit(parse_duration(cfg.train.time_limit), env)
         schedule = SaveSchedule(cfg.train.save_every, cfg.train.save_every_minutes, env)
         with guard.StopSignals(env.log) as signals:
@@ -116,6 +117,8 @@ class TrainLoop:
                 loss, record = self.step(step, logger, result)
                 if step == start + 1:
                     report_fallbacks(cfg, self.device, env.log)
+                if not warned_plan and (warned_plan := over_plan(record, str(result.run_dir))):
+                    env.log(warned_plan)
                 skipped = self._skipped(step, record, skipped, result)
                 result.losses.append(loss)
                 out_of_time = step < cfg.train.steps and clock.spent(record["step_s"])

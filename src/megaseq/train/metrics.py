@@ -75,6 +75,18 @@ def step_line(record: dict[str, Any], total: int, eta_s: float | None) -> str:
     return " | ".join(parts)
 
 
+def over_plan(record: dict[str, Any], run_dir: str) -> str | None:
+    """A warning when a step's tensors (``max_memory_allocated``) outgrew the plan's whole GPU figure (its tensors,
+    the allocator's reserve and the CUDA context): the plan is wrong for this run, so a longer sequence it says
+    fits may not. None otherwise, and without a GPU figure."""
+    peak, plan = record.get("gpu_peak_gib") or 0.0, record.get("plan_gpu_gib") or 0.0
+    if not peak or not plan or peak <= plan:
+        return None
+    return (f"step {record['step']}: the GPU peak, {peak:.1f} GiB of tensors, is above the plan's {plan:.1f} GiB "
+            f"(+{peak / plan - 1:.0%}): the plan misses memory this run uses, so a length it says fits may run out "
+            f"of memory; the plan and the settings are in {run_dir}/plan.json and config.yaml")
+
+
 def eval_line(record: dict[str, Any]) -> str:
     """The held-out record of ``train.eval_every`` in words, with the baselines beside it."""
     key = next(k for k in record if k.startswith("eval_bits_per_"))
