@@ -13,6 +13,9 @@
 #   kernels       every fast kernel against its reference, with timings (one H200, about 4 minutes)
 #   indexer       the DSA indexer objective's cost (with and without it, profiles) and one step's saved bytes by
 #                 layer against the plan, glm5-flash-1gpu at 32K (16K on a GPU of less than 120 GiB), about 4 minutes
+#   stream        Qwen3-30B-A3B LoRA at 96K with the frozen base streamed from host memory, then resident (the
+#                 plan's other fixes forced): each step's peak against the plan, and the blocks live at it by the
+#                 code that allocated them (benchmarks/memory/peak_by_frame.py), about 6 minutes
 #   long_context  the long-context experiment in one job (docs/long_context.md; needs the genomes as .data/)
 #   parallel      FSDP2 over 8 GPUs: glm5-flash-slice at 64K, dp 2 x cp 4, bf16 weights (8 H200s)
 #   plans         the planner's tables (CPU, seconds): the model table of the README, families, FSDP,
@@ -23,7 +26,7 @@
 # machine set RESULTS=$OUT. GPU packages (fla-core, liger-kernel) come from `pip install .[gpu]`, or from
 # wheels in .whl/ (bash benchmarks/wheels.sh) when the machine has no package index.
 set -u
-[ $# -eq 1 ] || { sed -n '2,24p' "$0"; exit 2; }
+[ $# -eq 1 ] || { sed -n '2,27p' "$0"; exit 2; }
 RESULTS=${RESULTS:-benchmarks/results}
 DATE=$(date -u +%F)
 PY=${PY:-python3}
@@ -97,6 +100,19 @@ stage_indexer() {
     --out "$(dest memory/saved_by_layer glm5-flash-1gpu_$len).json" | tail -20
 }
 
+stage_stream() {
+  local b=memory/stream_base s run
+  local forced="--memory.auto false --memory.recompute true --memory.tiled_mlp true --memory.checkpoint_offload true"
+  for s in true false; do
+    run=$(dest $b qwen3-30b-a3b-lora_96k_stream-$s)
+    rm -rf "/tmp/stream_$s"
+    timeout -k 5 250 $PY benchmarks/memory/peak_by_frame.py --out "$run.txt" -- train recipes/qwen3-30b-a3b-lora.yaml \
+      --data.seq_len 96K --train.steps 1 --train.eval_after false --train.run_dir "/tmp/stream_$s" \
+      --log.progress false $forced --memory.offload_host_budget 60G --memory.stream_base $s | head -30
+    cp "/tmp/stream_$s/metrics.jsonl" "$run.metrics.jsonl"; cp "/tmp/stream_$s/plan.json" "$run.plan.json"
+  done
+}
+
 stage_long_context() {
   OUT=$(dest long_context/experiment run) GENOMES=${GENOMES:-.data} bash benchmarks/long_context/long_context.sh call
 }
@@ -119,7 +135,7 @@ stage_plans() {
 }
 
 case "$1" in
-  gpu_suite|speed|lora|memory|kernels|indexer|long_context|parallel|plans) machine; "stage_$1" ;;
-  *) echo "unknown stage '$1': one of gpu_suite speed lora memory kernels indexer long_context parallel plans" >&2
+  gpu_suite|speed|lora|memory|kernels|indexer|stream|long_context|parallel|plans) machine; "stage_$1" ;;
+  *) echo "unknown stage '$1': one of gpu_suite speed lora memory kernels indexer stream long_context parallel plans" >&2
      exit 2 ;;
 esac
