@@ -24,7 +24,7 @@ triton = pytest.importorskip("triton")
 from devices import GPU  # noqa: E402
 from megaseq.ops import dispatch  # noqa: E402
 from megaseq.ops.indexer import kl  # noqa: E402
-from megaseq.ops.indexer.kl_kernel import _add_key_grads, _candidate_logits, _scores  # noqa: E402
+from megaseq.ops.indexer.kl_kernel import _scores  # noqa: E402
 from triton_compile import compile_in_child, interpreter_device  # noqa: E402
 
 torch.set_num_threads(1)
