@@ -2,9 +2,10 @@
 
 Shapes: c queries, I indexer heads, D indexer head dim, P pooled keys, K selected pools per query, n keys.
 
-Given the indexer's queries ``q_cID`` (the work dtype), head weights ``w_cI`` (fp32), pooled keys ``keys_PD`` (the
-queries' dtype), the pool of each selected slot ``pools_cK`` (int32/int64) and the sparse stage's target
-``target_cK`` (fp32, summing to 1 over the candidates ``cand_cK``, bool), the op returns ``rows_kl [c]`` fp32::
+Given the indexer's queries ``q_cID`` (the work dtype), head weights ``w_cI`` (fp32), pooled keys ``keys_PD`` (any
+float dtype: the dots take them in the queries'), the pool of each selected slot ``pools_cK`` (int32/int64) and
+the sparse stage's target ``target_cK`` (fp32, summing to 1 over the candidates ``cand_cK``, bool), the op
+returns ``rows_kl [c]`` fp32::
 
     score[k] = sum_i w[i] * relu(scale * q[i] . keys[pools[k]])
     rows_kl  = sum_k xlogy(t[k], t[k]) - sum_{k in cand} t[k] * log_softmax_cand(score)[k]
@@ -92,8 +93,8 @@ def _shape_problem(q_cID, w_cI, keys_PD, pools_cK, target_cK, cand_cK) -> str | 
 
 
 def _dtype_problem(q_cID, w_cI, keys_PD, pools_cK, target_cK, cand_cK) -> str | None:
-    if q_cID.dtype not in DTYPES or keys_PD.dtype != q_cID.dtype:
-        return f"dtypes q {q_cID.dtype}, keys {keys_PD.dtype} (runs one of bf16/fp16/fp32, the same for both)"
+    if q_cID.dtype not in DTYPES or keys_PD.dtype not in DTYPES:
+        return f"dtypes q {q_cID.dtype}, keys {keys_PD.dtype} (runs bf16/fp16/fp32 for each)"
     if w_cI.dtype != torch.float32 or target_cK.dtype != torch.float32:
         return f"head weights {w_cI.dtype} and target {target_cK.dtype} must be fp32"
     if cand_cK.dtype != torch.bool or pools_cK.dtype not in (torch.int32, torch.int64):
@@ -113,7 +114,7 @@ def indexer_kl_supports(q_cID: torch.Tensor, w_cI: torch.Tensor, keys_PD: torch.
     dev = q_cID.device.type
     if not _device_ok(dev):
         return f"device {dev} (needs cuda, or the cpu under TRITON_INTERPRET=1 with CPU_INTERPRETER set)"
-    if dev == "cpu" and q_cID.dtype == torch.bfloat16:
+    if dev == "cpu" and torch.bfloat16 in (q_cID.dtype, keys_PD.dtype):
         return "bfloat16 on the cpu (Triton's interpreter computes bf16 wrongly)"
     if len({t.device for t in args}) != 1:
         return "q, the head weights, the keys, pools, target and candidates are on different devices"

@@ -5,7 +5,8 @@ padded likewise), P pooled keys, K selected pools per query, BK pools per loop s
 
 For query n, ``score[k] = sum_i w[i] relu(scale * q[i] . keys[pools[k]])`` over its candidate slots, and
 
-1. pass 1, per block of BK slots: the keys gathered by pool index into the dot's ``[BK, DP]`` operand, the dots
+1. pass 1, per block of BK slots: the keys gathered by pool index into the dot's ``[BK, DP]`` operand (in the
+   queries' dtype: keys of another dtype are converted as they are read), the dots
    ``[IP, BK]`` on tensor cores (work-dtype operands, fp32 accumulation; fp32 operands with
    ``input_precision="ieee"``), the relu-weighted head sum, and per lane an online max and sum of ``exp``
    over the candidates (``_candidate_logits``: everything else is -inf): the log-sum-exp, and the target's
@@ -62,8 +63,8 @@ def _dot_precision(dtype: torch.dtype) -> str:
 @triton.jit
 def _gather_block(k_ptr, pool_row, cand_row, tgt_row, k0, K: tl.constexpr, offs_d, D: tl.constexpr,
                   DP: tl.constexpr, BK: tl.constexpr):
-    """Slots ``k0 .. k0 + BK`` of one query: the key rows ``[BK, DP]`` (0 off the candidates and past D), their
-    pool index (int64, 0 off the candidates), the candidate mask and the target (0 past K)."""
+    """Slots ``k0 .. k0 + BK`` of one query: the key rows ``[BK, DP]`` in the keys' dtype (0 off the candidates and
+    past D), their pool index (int64, 0 off the candidates), the candidate mask and the target (0 past K)."""
     offs_k = k0 + tl.arange(0, BK)
     inside = offs_k < K
     cand = (tl.load(cand_row + offs_k, mask=inside, other=0) != 0) & inside
@@ -108,7 +109,7 @@ def _row_lse(q_ID, w_I, k_ptr, pool_row, cand_row, tgt_row, offs_d, scale, K: tl
     T_K = tl.zeros([BK], tl.float32)
     for k0 in range(0, K, BK):
         keys_KD, _pool, cand, t_K = _gather_block(k_ptr, pool_row, cand_row, tgt_row, k0, K, offs_d, D, DP, BK)
-        _dots, s_K = _scores(q_ID, w_I, keys_KD, scale, DOT_PREC)
+        _dots, s_K = _scores(q_ID, w_I, keys_KD.to(q_ID.dtype), scale, DOT_PREC)
         x_K = _candidate_logits(s_K, cand)
         m_new = tl.maximum(m_K, x_K)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no candidate in this lane yet: keep exp finite
@@ -142,6 +143,7 @@ def indexer_kl_kernel(q_ptr, w_ptr, k_ptr, pool_ptr, cand_ptr, tgt_ptr, rw_ptr, 
     dq_ID = tl.zeros([IP, DP], tl.float32)
     for k0 in range(0, K, BK):
         keys_KD, pool, cand, t_K = _gather_block(k_ptr, pool_row, cand_row, tgt_row, k0, K, offs_d, D, DP, BK)
+        keys_KD = keys_KD.to(q_ID.dtype)  # the dots in the queries' dtype, as the reference's
         dots_IK, s_K = _scores(q_ID, w_I, keys_KD, scale, DOT_PREC)
         logp_K = _candidate_logits(s_K, cand) - lse  # -inf off the candidates
         kl_K += tl.where(t_K > 0.0, t_K * tl.log(tl.where(t_K > 0.0, t_K, 1.0)), 0.0)
@@ -187,17 +189,17 @@ def indexer_kl(q_cID: torch.Tensor, w_cI: torch.Tensor, keys_PD: torch.Tensor, p
 
 
 def compile_ptx(dtype: torch.dtype, I: int, D: int, K: int, cfg: Config | None = None, arch: int = 90,
-                grads: bool = True) -> tuple[str, int]:
+                grads: bool = True, keys_dtype: torch.dtype | None = None) -> tuple[str, int]:
     """PTX and shared-memory bytes of the kernel compiled for ``sm_<arch>`` without a GPU (Triton's bundled ptxas
     also checks that it assembles): the CPU test's guard against code only the interpreter accepts. Needs
     triton imported without ``TRITON_INTERPRET``."""
     from megaseq.ops.sparse_mla.kernels import _compile
 
     cfg = cfg or default_config(I, D, dtype)
-    t = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}[dtype]
-    types = {"q_ptr": t, "w_ptr": "*fp32", "k_ptr": t, "pool_ptr": "*i32", "cand_ptr": "*u8", "tgt_ptr": "*fp32",
-             "rw_ptr": "*fp32", "kl_ptr": "*fp32", "dq_ptr": "*fp32", "dw_ptr": "*fp32", "dk_ptr": "*fp32",
-             "scale": "fp32"}
+    ty = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}
+    types = {"q_ptr": ty[dtype], "w_ptr": "*fp32", "k_ptr": ty[keys_dtype or dtype], "pool_ptr": "*i32",
+             "cand_ptr": "*u8", "tgt_ptr": "*fp32", "rw_ptr": "*fp32", "kl_ptr": "*fp32", "dq_ptr": "*fp32",
+             "dw_ptr": "*fp32", "dk_ptr": "*fp32", "scale": "fp32"}
     consts = {"I": I, "D": D, "K": K, "IP": max(16, triton.next_power_of_2(I)),
               "DP": max(16, triton.next_power_of_2(D)), "BK": cfg.BK, "DOT_PREC": _dot_precision(dtype),
               "GRADS": grads}
