@@ -298,12 +298,19 @@ def objective(device: str, preferred: dict[str, list[str]]):
     return loss.detach(), {n: p.grad.clone() for n, p in m.indexer.named_parameters() if p.grad is not None}, ran
 
 
-def test_the_objective_runs_the_kernel_when_preferred(device):
+def test_the_objective_runs_the_kernel_when_preferred(device, monkeypatch):
     """The sparse stage's KL and the indexer's gradients (keys, head weights, query projection) with the kernel
-    preferred equal the reference's; without the preference the reference runs (the kernel is opt-in)."""
+    preferred equal the reference's; without the preference the reference runs (the kernel is opt-in). The kernel
+    runs once per chunk of 16 queries: ``ChunkedKL`` sums the rows, so the backward only scales."""
+    from megaseq.ops.indexer import kl_kernel as K
+
+    launches = []
+    real = K.indexer_kl
+    monkeypatch.setattr(K, "indexer_kl", lambda *a, **k: launches.append(k.get("row_weight")) or real(*a, **k))
     kl_ref, g_ref, ran_ref = objective(device, {})
     kl_tri, g, ran = objective(device, {"indexer_kl": ["triton"]})
     assert (ran_ref, ran) == (["torch_gather"], ["triton"])
+    assert len(launches) == 4 and all(w is None for w in launches), launches
     assert abs(float(kl_tri) - float(kl_ref)) <= 1e-5 * abs(float(kl_ref)), (float(kl_tri), float(kl_ref))
     assert g.keys() == g_ref.keys() and len(g) > 2
     for n in g:
