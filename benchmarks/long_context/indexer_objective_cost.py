@@ -8,7 +8,8 @@
 Both rows run the recipe's own settings (``--recipe``, default recipes/glm5-flash-1gpu.yaml: bf16 weights with
 fp32 masters) on random tokens, with ``model.train_indexer`` off and on. ``--fused-kl`` adds a third row: the
 objective with op ``indexer_kl``'s Triton kernel preferred (opt-in, not in ``model.kernels fast``), each row
-naming the ``indexer_kl`` implementations that ran and why (a kernel that declined says so there).
+naming the ``indexer_kl`` implementations that ran and why (a kernel that declined says so there), written to
+``indexer_objective_<model>_<len>_fused_kl.json``.
 
 Writes ``benchmarks/results/long_context/indexer_objective_<model>_<len>.json`` (both rows as ``megaseq
 bench`` measures them: step time, measured and planned peak) and prints the ratios. The aim: the objective
@@ -101,7 +102,7 @@ def main() -> None:
     result = {"meta": meta, "rows": list(rows.values()), "summary": summary}
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"indexer_objective_{model}_{a.seq_len}.json"
+    path = out / f"indexer_objective_{model}_{a.seq_len}{'_fused_kl' if a.fused_kl else ''}.json"
     path.write_text(json.dumps(result, indent=1, default=str))
     print(json.dumps({k: {f: v.get(f) for f in ("status", "step_s", "measured_gpu_gib", "predicted_gpu_gib",
                                                 "indexer_kl")}
