@@ -3,9 +3,13 @@
 
     python benchmarks/long_context/indexer_objective_cost.py                        # glm5-flash-1gpu at 32K
     python benchmarks/long_context/indexer_objective_cost.py --seq-len 1M           # the 1M step (sequence segments)
+    python benchmarks/long_context/indexer_objective_cost.py --seq-len 16K --fused-kl  # + the fused indexer_kl row
 
 Both rows run the recipe's own settings (``--recipe``, default recipes/glm5-flash-1gpu.yaml: bf16 weights with
-fp32 masters) on random tokens, with ``model.train_indexer`` off and on.
+fp32 masters) on random tokens, with ``model.train_indexer`` off and on. ``--fused-kl`` adds a third row: the
+objective with op ``indexer_kl``'s Triton kernel preferred (opt-in, not in ``model.kernels fast``), each row
+naming the ``indexer_kl`` implementations that ran and why (a kernel that declined says so there), written to
+``indexer_objective_<model>_<len>_fused_kl.json``.
 
 Writes ``benchmarks/results/long_context/indexer_objective_<model>_<len>.json`` (both rows as ``megaseq
 bench`` measures them: step time, measured and planned peak) and prints the ratios. The aim: the objective
@@ -15,7 +19,9 @@ costs at most 5% of the step, and the plan stays within 5% of the measured peak.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+from collections.abc import Iterator
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -23,8 +29,28 @@ import torch
 
 from megaseq.bench.measure import measure_megaseq
 from megaseq.config import load_config, parse_size
+from megaseq.ops import dispatch
 
 OUT = Path(__file__).parent / "results" / "long_context"
+
+
+@contextlib.contextmanager
+def preferring(op: str, impl: str) -> Iterator[None]:
+    """Runs set up as ``megaseq train`` sets them up (``train.build.kernel_settings``), with ``impl`` put first
+    for ``op``."""
+    from megaseq.train import build
+
+    real = build.kernel_settings
+
+    def settings(cfg, device):
+        out = real(cfg, device)
+        return {**out, "preferred": {**out["preferred"], op: [impl]}}
+
+    build.kernel_settings = settings
+    try:
+        yield
+    finally:
+        build.kernel_settings = real
 
 
 def main() -> None:
@@ -35,17 +61,23 @@ def main() -> None:
     ap.add_argument("--out", default=str(OUT))
     ap.add_argument("--profile", action="store_true",
                     help="one more step of each row under torch.profiler, its table beside the JSON")
+    ap.add_argument("--fused-kl", action="store_true",
+                    help="a third row: the objective with op indexer_kl's Triton kernel preferred")
     a = ap.parse_args()
     S = parse_size(a.seq_len, "--seq-len")
     rows = {}
-    for on in (False, True):
+    runs = [("without", False), ("with_objective", True)] + ([("with_objective_fused_kl", True)] if a.fused_kl
+                                                             else [])
+    for name, on in runs:
         cfg = load_config(a.recipe, {"model.train_indexer": on, "data.kind": "random", "data.seq_len": S,
                                      "train.steps": a.steps + 1})
         model = cfg.model.name
-        name = "with_objective" if on else "without"
         prof = Path(a.out) / f"indexer_objective_{model}_{a.seq_len}_{name}.profile.txt" if a.profile else None
-        rows[name] = measure_megaseq(cfg, S, a.steps, "random", profile=prof)
-        rows[name].update(name=name, overrides=[f"model.train_indexer={str(on).lower()}"])
+        fused = name.endswith("fused_kl")
+        with preferring("indexer_kl", "triton") if fused else contextlib.nullcontext():
+            rows[name] = measure_megaseq(cfg, S, a.steps, "random", profile=prof)
+        rows[name].update(name=name, overrides=[f"model.train_indexer={str(on).lower()}"],
+                          indexer_kl={r.impl: r.reason for _, r in dispatch.records() if r.op == "indexer_kl"})
     base, obj = rows["without"], rows["with_objective"]
     summary = {}
     if base.get("status") == "ok" and obj.get("status") == "ok":
@@ -54,6 +86,12 @@ def main() -> None:
             summary.update(peak_gib_delta=obj["measured_gpu_gib"] - base["measured_gpu_gib"],
                            plan_over_measured=obj["predicted_gpu_gib"] / obj["measured_gpu_gib"],
                            plan_delta_gib=obj["predicted_gpu_gib"] - base["predicted_gpu_gib"])
+    fused = rows.get("with_objective_fused_kl", {})
+    if summary and fused.get("status") == "ok":
+        summary.update(fused_kl_step_time_ratio=fused["step_s"] / base["step_s"],
+                       fused_kl_over_reference=fused["step_s"] / obj["step_s"])
+        if fused.get("measured_gpu_gib"):
+            summary.update(fused_kl_peak_gib_delta=fused["measured_gpu_gib"] - base["measured_gpu_gib"])
     # as ``megaseq bench`` writes its results (``meta`` + a list of rows), each row with the overrides it ran
     # under: benchmarks/memory/planner_error.py plans every row again
     meta = {"model": model, "recipe": a.recipe,
@@ -61,12 +99,13 @@ def main() -> None:
             "torch": torch.__version__, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "lengths": [S], "steps": a.steps, "source": "random", "routing": "natural", "dtype": cfg.model.dtype,
             "kernels": cfg.model.kernels, "weights": cfg.model.weights}
-    result = {"meta": meta, "rows": [base, obj], "summary": summary}
+    result = {"meta": meta, "rows": list(rows.values()), "summary": summary}
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"indexer_objective_{model}_{a.seq_len}.json"
+    path = out / f"indexer_objective_{model}_{a.seq_len}{'_fused_kl' if a.fused_kl else ''}.json"
     path.write_text(json.dumps(result, indent=1, default=str))
-    print(json.dumps({k: {f: v.get(f) for f in ("status", "step_s", "measured_gpu_gib", "predicted_gpu_gib")}
+    print(json.dumps({k: {f: v.get(f) for f in ("status", "step_s", "measured_gpu_gib", "predicted_gpu_gib",
+                                                "indexer_kl")}
                       for k, v in rows.items()}, indent=1))
     print(json.dumps(summary, indent=1))
     print(f"wrote {path}")

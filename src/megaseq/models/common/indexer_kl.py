@@ -30,7 +30,9 @@ of size ``c * n`` outlives its chunk and the backward is a scale of what the for
 scores, the Triton kernel (``model.kernels fast`` on a GPU) only its ``[c, W]`` output; both normalise each head
 with the attention's own log-sum-exp when the layer passes it (``lse``), so the kernel makes one pass over the
 selected latents. The indexer side holds
-``c * I * n`` scores (``ops.workspace.indexer_kl_bytes``).
+``c * I * n`` scores (``ops.workspace.indexer_kl_bytes``); in the sparse stage it is op ``indexer_kl``
+(``ops/indexer/kl.py``: ``index_scores`` and ``kl_rows`` over the gathered selected keys, or one Triton kernel
+that also writes the gradients).
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from megaseq.ops.indexer.kl import index_scores as index_scores  # the indexer's scores and KL: op indexer_kl's
+from megaseq.ops.indexer.kl import kl_rows as kl_rows
 from megaseq.ops.indexer.scoring import topk_lowest_index_ties
 from megaseq.ops.indexer.target import head_summed_probs, indexer_target_reference, selected
 
@@ -165,23 +169,6 @@ def sparse_target(q_abs_cHC: torch.Tensor, c_SC: torch.Tensor, idx_cW: torch.Ten
 
 
 # ---- the indexer's side -------------------------------------------------------------------------------------
-def index_scores(q_cID: torch.Tensor, w_cI: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
-    """``sum_h w_h relu(scale * q_h . k)`` (``indexer_topk``'s scores): keys ``[n, D]`` -> ``[c, n]``, or each
-    row's own ``[c, K, D]`` -> ``[c, K]``. The dot products in the queries' and keys' dtype (bf16 operands under
-    autocast, as the selection kernel's), the heads' weighted sum in ``w_cI``'s."""
-    eq = "cid,nd->cin" if keys.dim() == 2 else "cid,ckd->cik"
-    dots = torch.einsum(eq, q_cID, keys.to(q_cID.dtype)).to(w_cI.dtype)
-    return torch.einsum("ci,cin->cn", w_cI, dots.mul(scale).relu())
-
-
-def kl_rows(target_cn: torch.Tensor, index_cn: torch.Tensor, cand_cn: torch.Tensor) -> torch.Tensor:
-    """``KL(target || softmax(index))`` per row over the candidates ``[c]`` (0 for rows without any)."""
-    has = cand_cn.any(-1, keepdim=True)
-    x = index_cn.masked_fill(~cand_cn, torch.finfo(index_cn.dtype).min)
-    logp = torch.where(has, x, 0.0).log_softmax(-1).masked_fill(~cand_cn, 0.0)
-    return (torch.xlogy(target_cn, target_cn) - target_cn * logp).sum(-1)
-
-
 def recall_counts(target_cn: torch.Tensor, chosen_cn: torch.Tensor, cand_cn: torch.Tensor,
                   K: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Over rows with more than K candidates: (the dense target's top-K pools that were chosen, the picks

@@ -137,12 +137,12 @@ class _Row:
                 target, cand = kl.sparse_target(q_abs, self.c_det, self.idx[s:e], self.ix.kpool, self.num_pools,
                                                 self.scale, probs=self.target_impl().fn, lse=lse)
                 pools = self._selected_pools(self.idx[s:e])
-        # index_select, not keys_PD[pools]: its backward is an index_add_, where advanced indexing's is a sorting
-        # index_put_ (on an H100 at 16K, 0.29 s of a 0.74 s step)
-        keys = keys_PD[:target.shape[1]] if pools is None else keys_PD.index_select(0, pools.flatten()).view(
-            *pools.shape, keys_PD.shape[-1])
-        score = kl.index_scores(q_cID, w_cI, keys, self.ix.softmax_scale)
-        rows_kl = kl.kl_rows(target, score, cand)
+        if pools is None:
+            score = kl.index_scores(q_cID, w_cI, keys_PD[:target.shape[1]], self.ix.softmax_scale)
+            rows_kl = kl.kl_rows(target, score, cand)
+        else:  # op indexer_kl: the selected keys gathered by pool, the scores and the KL (or one fused kernel)
+            rows_kl = dispatch.call("indexer_kl", q_cID, w_cI, keys_PD, pools, target, cand, self.ix.softmax_scale,
+                                    layer=self.ix.layer)
         with torch.no_grad():
             if pools is None:
                 hits = kl.recall_counts(target, kl.topk_mask(score.detach(), cand, self.K), cand, self.K)
