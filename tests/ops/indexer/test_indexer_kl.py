@@ -21,6 +21,8 @@ import torch
 
 triton = pytest.importorskip("triton")
 
+from kl_cases import grads_of, make_inputs  # noqa: E402
+
 from devices import GPU  # noqa: E402
 from megaseq.ops import dispatch  # noqa: E402
 from megaseq.ops.indexer import kl  # noqa: E402
@@ -41,34 +43,6 @@ GPU_TOL = {torch.float32: 1e-3, torch.bfloat16: 2e-2}
 def device(monkeypatch) -> str:
     """cuda when present, else the cpu under the interpreter (skipped if triton was imported without it)."""
     return interpreter_device(monkeypatch, kl)
-
-
-def make_inputs(seed: int, c: int, I: int, D: int, P: int, K: int, dtype=torch.float32, device: str = "cpu"):
-    """``(q [c, I, D], w [c, I] fp32, keys [P, D], pools [c, K] int64, target [c, K] fp32, cand [c, K])``: scores of
-    a few units, about 20% of the slots not candidates (their pools out of range: never read), row 1 without a
-    candidate, row 2 selecting pool 3 at six slots; the target positive on the candidates, summing to 1."""
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(c, I, D, generator=gen) * 2 * D**-0.25
-    w = torch.randn(c, I, generator=gen) * I**-0.5
-    keys = torch.randn(P, D, generator=gen) * D**-0.25
-    pools = torch.randint(0, P, (c, K), generator=gen)
-    pools[2, :6] = 3
-    cand = torch.rand(c, K, generator=gen) < 0.8
-    cand[1] = False
-    cand[2, :6] = True
-    pools = torch.where(cand, pools, P + 5)
-    t = torch.rand(c, K, generator=gen) * cand
-    t = t / t.sum(-1, keepdim=True).clamp_min(1e-30)
-    return (q.to(device, dtype), w.to(device), keys.to(device, dtype), pools.to(device), t.to(device),
-            cand.to(device))
-
-
-def grads_of(fn, q, w, keys, pools, t, cand, scale: float, weight=None):
-    """``(kl [c], (dq, dw, dkeys))`` of ``fn`` with ``sum(kl)`` (or ``sum(weight * kl)``) as the loss."""
-    leaves = [x.detach().clone().requires_grad_(True) for x in (q, w, keys)]
-    rows = fn(*leaves, pools, t, cand, scale)
-    loss = rows.sum() if weight is None else (rows * weight).sum()
-    return rows.detach(), torch.autograd.grad(loss, leaves)
 
 
 def reference64(q, w, keys, pools, t, cand, scale: float, weight=None):
@@ -104,33 +78,6 @@ def _with_config(K, config, q, w, keys, pools, t, cand, scale):
         return kl.indexer_kl_triton(q, w, keys, pools, t, cand, scale)
     finally:
         K.default_config = real
-
-
-# ---- the reference against the written-out formula ---------------------------------------------------------
-def formula(q, w, keys, pools, t, cand, scale: float) -> torch.Tensor:
-    """Row by row, slot by slot: ``s_k = sum_i w_i max(0, scale q_i . key_{pool_k})``, ``logp = s - log sum_cand
-    exp(s)``, ``KL = sum_k t_k log t_k - sum_cand t_k logp_k`` (0 without candidates)."""
-    rows = []
-    for n in range(q.shape[0]):
-        ks = [k for k in range(pools.shape[1]) if cand[n, k]]
-        s = [sum(w[n, i] * torch.clamp(scale * q[n, i] @ keys[pools[n, k]], min=0) for i in range(q.shape[1]))
-             for k in ks]
-        lse = torch.logsumexp(torch.stack(s), 0) if ks else 0.0
-        ent = sum(t[n, k] * torch.log(t[n, k]) for k in range(pools.shape[1]) if t[n, k] > 0)
-        rows.append(ent - sum(t[n, k] * (s[j] - lse) for j, k in enumerate(ks)) + 0.0 * q.sum())
-    return torch.stack(rows)
-
-
-def test_reference_matches_the_formula_in_float64():
-    q, w, keys, pools, t, cand = make_inputs(0, 4, 3, 5, 7, 9)
-    pools = torch.where(cand, pools, 0)
-    args = (q.double(), w.double(), keys.double(), pools, t.double(), cand)
-    got, g = grads_of(kl.indexer_kl_reference, *args, 0.6)
-    want, g_f = grads_of(formula, *args, 0.6)
-    assert torch.allclose(got, want, rtol=1e-12, atol=1e-12) and got[1] == 0 and (got[[0, 2, 3]] > 0).all()
-    for a, b in zip(g, g_f, strict=True):
-        assert torch.allclose(a, b, rtol=1e-10, atol=1e-12)
-    assert (g[0][1] == 0).all() and g[2].abs().sum() > 0
 
 
 # ---- the kernel against the reference (CPU interpreter or GPU) ----------------------------------------------
