@@ -25,10 +25,11 @@ ARGS ?=
 train: setup
 	$(BIN)/megaseq train $(ARGS)
 
+# the CPU suite over up to 4 worker processes (pytest-xdist; one per core)
 test: setup
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/lint-imports --no-cache
-	$(BIN)/python -m pytest -m "not gpu and not slow" --durations=15
+	$(BIN)/python -m pytest -m "not gpu and not slow" -n auto --maxprocesses=4 --durations=15
 
 # everything `test` runs plus the tests marked slow (the rest of the fault-injection suite, ~6 more minutes)
 test-all: setup
