@@ -493,3 +493,34 @@ def test_aux_gradient_lands_on_the_probabilities_device(broken: bool, monkeypatc
         return
     out.sum().backward()
     assert probs_NE.grad.device.type == "meta" and probs_NE.grad.shape == (N, E)
+
+
+class _OnTheRouterWeight(Balancer):
+    """Broken: each router's gradient where its weight lives (under memory.stream_base, host memory)."""
+
+    def after_forward(self) -> None:
+        super().after_forward()
+        for _, m in self.moes:
+            m.aux_grad_E = torch.zeros(m.aux_grad_E.shape, dtype=m.aux_grad_E.dtype, device=m.gate.weight.device)
+
+
+@pytest.mark.parametrize("cls", [Balancer, _OnTheRouterWeight])
+def test_aux_gradient_goes_where_the_router_ran(cls, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The aux loss's gradient is handed to each router on the device of its forward's probabilities, not on its
+    weight's (a streamed base keeps the weight in host memory while the router runs on the GPU). The probabilities
+    are stood in for by a meta tensor: the balancer reduces the real sums, and must place the gradient on "meta"."""
+    model = build_model(get_preset("qwen3-moe-tiny"), dtype=torch.float64, seed=0)
+    balancer = cls(model, BalanceSettings("aux_loss", aux_loss_coef=0.01), ParallelEnv())
+    model(torch.randint(1, 16, (2, 9), generator=torch.Generator().manual_seed(3)))
+    sums = {}
+    for name, m in balancer.moes:
+        sums[name] = m.last_router_prob_sum
+        m.last_router_prob_sum = torch.empty_like(sums[name], device="meta")
+    monkeypatch.setattr(Balancer, "_prob_sum", staticmethod(lambda name, m: sums[name]))
+    balancer.after_forward()
+    placed = {m.aux_grad_E.device.type for _, m in balancer.moes}
+    if cls is Balancer:
+        assert placed == {"meta"}
+    else:
+        with pytest.raises(AssertionError):
+            assert placed == {"meta"}
