@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
+from collections.abc import Sequence
 from types import ModuleType
 
 import torch
@@ -36,6 +37,23 @@ def triton_supports(*tensors: torch.Tensor) -> str | None:
     devices = {x.device for x in tensors}
     if len(devices) > 1:
         return f"tensors on several devices {sorted(map(str, devices))}"
+    return None
+
+
+def interpreted_run_problem(tensors: Sequence[torch.Tensor], names: str, cpu_interpreter: bool) -> str | None:
+    """None where a Triton kernel that its tests also run under the interpreter can run on ``tensors``: on cuda,
+    or on the cpu under ``TRITON_INTERPRET=1`` for an op whose module-level ``CPU_INTERPRETER`` flag a test set
+    (``cpu_interpreter``; never bf16 there: the interpreter computes it wrongly), all on one device, Triton
+    installed; else the reason. ``names``: what the tensors are, for that reason."""
+    dev = tensors[0].device.type
+    if not (dev == "cuda" or (dev == "cpu" and cpu_interpreter and interpreting())):
+        return f"device {dev} (needs cuda, or the cpu under TRITON_INTERPRET=1 with CPU_INTERPRETER set)"
+    if dev == "cpu" and any(t.dtype == torch.bfloat16 for t in tensors):
+        return "bfloat16 on the cpu (Triton's interpreter computes bf16 wrongly)"
+    if len({t.device for t in tensors}) != 1:
+        return f"{names} are on different devices"
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed"
     return None
 
 

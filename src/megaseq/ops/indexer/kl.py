@@ -31,11 +31,9 @@ Implementations (``ops.table``):
 
 from __future__ import annotations
 
-import importlib.util
-
 import torch
 
-from megaseq.ops._triton_util import interpreting
+from megaseq.ops._triton_util import interpreted_run_problem
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_HEADS = 64  # kl_kernel holds [heads, D] query and gradient tiles in registers
@@ -73,10 +71,6 @@ def indexer_kl_reference(q_cID: torch.Tensor, w_cI: torch.Tensor, keys_PD: torch
 
 
 # ---- the Triton kernel ---------------------------------------------------------------------------------
-def _device_ok(dev: str) -> bool:
-    return dev == "cuda" or (dev == "cpu" and CPU_INTERPRETER and interpreting())
-
-
 def _shape_problem(q_cID, w_cI, keys_PD, pools_cK, target_cK, cand_cK) -> str | None:
     if q_cID.dim() != 3 or keys_PD.dim() != 2 or q_cID.shape[-1] != keys_PD.shape[-1]:
         return f"needs q [c, I, D] and keys [P, D] (got {tuple(q_cID.shape)}, {tuple(keys_PD.shape)})"
@@ -111,16 +105,9 @@ def indexer_kl_supports(q_cID: torch.Tensor, w_cI: torch.Tensor, keys_PD: torch.
     why = _shape_problem(*args) or _dtype_problem(*args)
     if why is not None:
         return why
-    dev = q_cID.device.type
-    if not _device_ok(dev):
-        return f"device {dev} (needs cuda, or the cpu under TRITON_INTERPRET=1 with CPU_INTERPRETER set)"
-    if dev == "cpu" and torch.bfloat16 in (q_cID.dtype, keys_PD.dtype):
-        return "bfloat16 on the cpu (Triton's interpreter computes bf16 wrongly)"
-    if len({t.device for t in args}) != 1:
-        return "q, the head weights, the keys, pools, target and candidates are on different devices"
-    if importlib.util.find_spec("triton") is None:
-        return "triton is not installed"
-    return None
+    # the head weights and the target are fp32 (above): a bf16 among the tensors is the queries' or the keys'
+    return interpreted_run_problem(args, "q, the head weights, the keys, pools, target and candidates",
+                                   CPU_INTERPRETER)
 
 
 class FusedKL(torch.autograd.Function):

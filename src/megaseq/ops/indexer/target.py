@@ -30,12 +30,11 @@ Implementations (``ops.table``):
 
 from __future__ import annotations
 
-import importlib.util
 import math
 
 import torch
 
-from megaseq.ops._triton_util import interpreting
+from megaseq.ops._triton_util import interpreted_run_problem
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_LATENT = 1024  # target_kernel.MAX_LATENT (the kernel module imports triton)
@@ -78,10 +77,6 @@ def indexer_target_reference(q_abs_cHC: torch.Tensor, c_SC: torch.Tensor, idx_cW
 
 
 # ---- the Triton kernel ---------------------------------------------------------------------------------
-def _device_ok(dev: str) -> bool:
-    return dev == "cuda" or (dev == "cpu" and CPU_INTERPRETER and interpreting())
-
-
 def indexer_target_supports(q_abs_cHC: torch.Tensor, c_SC: torch.Tensor, idx_cW: torch.Tensor,
                             scale: float, lse: torch.Tensor | None = None) -> str | None:
     """None when ``triton`` can run these arguments, else the reason."""
@@ -100,16 +95,8 @@ def indexer_target_supports(q_abs_cHC: torch.Tensor, c_SC: torch.Tensor, idx_cW:
         return f"latent width C = {C}: the kernel holds [slots, C] tiles up to C = {MAX_LATENT}"
     if q_abs_cHC.dtype not in DTYPES or c_SC.dtype != q_abs_cHC.dtype:
         return f"dtypes q_abs {q_abs_cHC.dtype}, latents {c_SC.dtype} (runs one of bf16/fp16/fp32)"
-    dev = q_abs_cHC.device.type
-    if not _device_ok(dev):
-        return f"device {dev} (needs cuda, or the cpu under TRITON_INTERPRET=1 with CPU_INTERPRETER set)"
-    if dev == "cpu" and q_abs_cHC.dtype == torch.bfloat16:
-        return "bfloat16 on the cpu (Triton's interpreter computes bf16 wrongly)"
-    if len({t.device for t in (q_abs_cHC, c_SC, idx_cW)}) != 1:
-        return "q_abs, the latents and idx are on different devices"
-    if importlib.util.find_spec("triton") is None:
-        return "triton is not installed"
-    return None
+    # the latents share q_abs's dtype (above), so a bf16 q_abs is the interpreter's bf16 case
+    return interpreted_run_problem((q_abs_cHC, c_SC, idx_cW), "q_abs, the latents and idx", CPU_INTERPRETER)
 
 
 @torch.no_grad()
