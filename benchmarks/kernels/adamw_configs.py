@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
+from _timing import median_ms
 
 from megaseq.ops.adamw import fused as triton_adamw
 
@@ -49,15 +49,7 @@ def main() -> None:
 
         step()
         torch.cuda.synchronize()
-        times = []
-        for _ in range(args.reps):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            step()
-            b.record()
-            torch.cuda.synchronize()
-            times.append(a.elapsed_time(b))
-        t = statistics.median(times)
+        t = median_ms(step, args.reps)
         rows.append({"block": block, "num_warps": warps, "ms": t, "tb_per_s": 28 * total / t / 1e9})
         print(f"BLOCK {block:6d} warps {warps:2d}: {t:7.2f} ms  {rows[-1]['tb_per_s']:.2f} TB/s", flush=True)
     res = {"elements": total, "tensors": len(sizes), "device": torch.cuda.get_device_name(),

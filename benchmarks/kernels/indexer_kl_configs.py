@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
+from _timing import median_ms
 
 from megaseq.ops.indexer import kl
 from megaseq.ops.indexer import kl_kernel as K
@@ -33,15 +33,8 @@ def timed(fn, reps: int) -> tuple[float, int]:
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times), torch.cuda.max_memory_allocated() - base
+    ms = median_ms(fn, reps)
+    return ms, torch.cuda.max_memory_allocated() - base
 
 
 def inputs(c: int, P: int, gen: torch.Generator):

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
+from _timing import median_ms
 
 from megaseq.ops.indexer import target as tgt
 from megaseq.ops.indexer import target_kernel as K
@@ -34,15 +34,7 @@ CONFIGS = [K.Config(16, 32, 4, 2), K.Config(16, 32, 8, 2), K.Config(16, 64, 8, 2
 def timed(fn, reps: int) -> float:
     """Median milliseconds of ``reps`` calls after one untimed."""
     fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    return median_ms(fn, reps)
 
 
 def main() -> None:
