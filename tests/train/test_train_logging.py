@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megaseq.config import build_config, load_config
-from megaseq.train.metrics import MetricsLogger, over_plan, step_line
+from megaseq.train.metrics import MetricsLogger, over_plan, scheme_drift, step_line
 from megaseq.train.trainer import run_training
 
 torch.set_num_threads(2)
@@ -83,6 +83,61 @@ def test_a_step_above_its_plan_is_reported_once(tmp_path, caplog, monkeypatch):
         run_training(_cfg(tmp_path, log={"progress": False}))
     said = [r.getMessage() for r in caplog.records if "is above the plan's" in r.getMessage()]
     assert len(said) == 1 and said[0].startswith("step 1: the GPU peak"), said
+
+
+def test_scheme_drift_names_what_stayed_on_the_gpu():
+    rec = {"step": 2, "offloaded_layers": 24, "plan_offloaded_layers": 48, "streamed_layers_resident": 2}
+    msg = scheme_drift(rec)
+    assert msg.startswith("step 2: memory.checkpoint_offload put 24 of the plan's 48 layer inputs in host memory; "
+                          "the other 24 stayed on the GPU"), msg
+    assert scheme_drift(dict(rec, offloaded_layers=48)) is None  # as planned
+    assert scheme_drift(dict(rec, offloaded_layers=48, streamed_layers_resident=3)).startswith(
+        "step 2: memory.stream_base had 3 layers on the GPU at once; the plan counts 2")
+    assert scheme_drift({"step": 1, "loss": 1.0}) is None  # no scheme applied
+
+
+def _sco_stream_cfg(tmp_path: Path):
+    return _cfg(tmp_path, log={"progress": False}, data={"seq_len": 128},
+                model={"name": "qwen3-moe-tiny", "dtype": "fp32"}, lora={"rank": 4, "targets": ["all"]},
+                train={"steps": 2},
+                memory={"auto": False, "recompute": True, "checkpoint_offload": True, "stream_base": True})
+
+
+def test_the_records_count_what_the_schemes_did_beside_the_plan(tmp_path, caplog):
+    """Each step records the layer inputs SCO put in host memory and the streamed layers on the device at once,
+    beside the plan's count; as planned, nothing is said."""
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="megaseq"):
+        run_training(_sco_stream_cfg(tmp_path))
+    records = [json.loads(ln) for ln in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    layers = json.loads((tmp_path / "r" / "plan.json").read_text())["offloaded_layers"]
+    assert layers == 4  # qwen3-moe-tiny's layers, all offloaded within the default budget
+    for r in records:
+        assert (r["offloaded_layers"], r["plan_offloaded_layers"], r["streamed_layers_resident"]) == (4, 4, 2)
+    assert not [r for r in caplog.records if "layer inputs in host memory" in r.getMessage()]
+
+
+def test_a_step_whose_offload_fell_short_of_the_plan_is_reported_once(tmp_path, caplog, monkeypatch):
+    """An offloader that runs out of host slots (a pool planned for one slot) keeps the other layer inputs on the
+    GPU: the first step says so, once."""
+    import logging
+
+    from megaseq.memory.offload import BoundaryOffloader
+
+    plan_pool = BoundaryOffloader._plan_pool
+
+    def one_slot(self, nbytes, on_cuda):
+        self.max_slots = 1
+        plan_pool(self, nbytes, on_cuda)
+
+    monkeypatch.setattr(BoundaryOffloader, "_plan_pool", one_slot)
+    with caplog.at_level(logging.INFO, logger="megaseq"):
+        run_training(_sco_stream_cfg(tmp_path))
+    records = [json.loads(ln) for ln in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["offloaded_layers"] for r in records] == [1, 1]
+    said = [r.getMessage() for r in caplog.records if "layer inputs in host memory" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("step 1: memory.checkpoint_offload put 1 of the plan's 4"), said
 
 
 def test_eval_every_logs_held_out_loss_beside_the_baselines(tmp_path, capsys):

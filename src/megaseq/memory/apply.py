@@ -53,6 +53,24 @@ class AppliedMemory:
     streamed: str = ""  # the frozen base streamed from host memory: "layers" (BaseStreamer), "fsdp", "" (off)
     streamer: BaseStreamer | None = None  # the one-process streamer (its residency counts)
 
+    def start_counts(self) -> None:
+        """Start counting a step's scheme events (``counts``)."""
+        if self.offloader is not None:
+            self.offloader.num_offloaded = 0
+        if self.streamer is not None:
+            self.streamer.peak_resident = len(self.streamer.resident)
+
+    def counts(self) -> dict[str, int]:
+        """Since ``start_counts``: the layer inputs SCO put in host memory (``offloaded_layers``, every forward
+        summed) and the most streamed layers on the device at once (``streamed_layers_resident``), for the
+        schemes applied: what a step record sets beside the plan's figures."""
+        out = {}
+        if self.offloader is not None:
+            out["offloaded_layers"] = self.offloader.num_offloaded
+        if self.streamer is not None:
+            out["streamed_layers_resident"] = self.streamer.peak_resident
+        return out
+
     def release(self) -> None:
         """Free the SCO pinned pool (re-planned on demand if training continues)."""
         if self.offloader is not None:

@@ -276,4 +276,5 @@ def evaluate(run: Run) -> Evaluation:
         host_per_gpu=host,
         peak_host=sum(host.values()) * run.mesh.gpus_on_host,
         saved_terms=saved_terms,
+        offloaded_layers=k,
     )

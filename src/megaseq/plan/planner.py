@@ -73,6 +73,7 @@ class Plan:
     comm: dict[str, Any] = field(default_factory=dict)
     flops: dict[str, float] = field(default_factory=dict)
     expert_dispatch: dict[str, Any] = field(default_factory=dict)  # the MoE dispatch under ep > 1
+    offloaded_layers: int = 0  # layer inputs SCO puts in pinned host memory in each forward (the rest stay)
 
     def to_dict(self) -> dict[str, Any]:
         d = dict(self.__dict__)
@@ -140,6 +141,7 @@ def _make_plan(run: Run, budgets: Budgets, memory_cfg: Any | None, name: str, ex
         peak_gpu=ev.peak_gpu,
         peak_gpu_tensors=ev.peak_tensors,
         first_step_gpu_tensors=ev.first_step_tensors,
+        offloaded_layers=ev.offloaded_layers,
         peak_host=ev.peak_host,
         gpu_budget=budgets.gpu_bytes,
         host_budget=budgets.host(run.mesh),

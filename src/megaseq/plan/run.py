@@ -124,3 +124,4 @@ class Evaluation:
     # the first step's tensor peak: the optimizer's state is created by its first update, so the forward,
     # loss and backward of the first step run without it (what a one-step measurement reads)
     first_step_tensors: int = 0
+    offloaded_layers: int = 0  # layer inputs SCO puts in pinned host memory in each forward

@@ -25,7 +25,7 @@ from megaseq.train import guard, indexer_training
 from megaseq.train import step as step_mod
 from megaseq.train.build import report_fallbacks
 from megaseq.train.heldout import HeldoutProbe
-from megaseq.train.metrics import MetricsLogger, gpu_peak_bytes, host_peak_bytes, over_plan
+from megaseq.train.metrics import MetricsLogger, gpu_peak_bytes, host_peak_bytes, over_plan, scheme_drift
 from megaseq.train.parallel_env import ParallelEnv
 from megaseq.train.periodic import SaveSchedule
 from megaseq.train.safe_checkpoint import NonFiniteWeights
@@ -76,6 +76,7 @@ class TrainLoop:
     spec_dict: dict[str, Any]
     base: dict[str, Any] | None = None  # how the frozen base is made (checkpoints then hold what trains only)
     probe: HeldoutProbe | None = None  # train.eval_every
+    schemes: Any = None  # memory.apply.AppliedMemory: its step counts go in each record beside the plan's
 
     @property
     def env(self) -> ParallelEnv:
@@ -110,6 +111,7 @@ class TrainLoop:
         cfg, env, every = self.cfg, self.env, self.cfg.train.eval_every
         skipped = 0  # non-finite steps in a row (train.on_nonfinite skip)
         warned_plan: str | None = None  # the first step above the plan says so once
+        warned_drift: str | None = None  # and the first step whose memory schemes ran other than planned
         clock = TimeLimit(parse_duration(cfg.train.time_limit), env)
         schedule = SaveSchedule(cfg.train.save_every, cfg.train.save_every_minutes, env)
         with guard.StopSignals(env.log) as signals:
@@ -119,6 +121,8 @@ class TrainLoop:
                     report_fallbacks(cfg, self.device, env.log)
                 if not warned_plan and (warned_plan := over_plan(record, str(result.run_dir))):
                     env.log(warned_plan)
+                if not warned_drift and (warned_drift := scheme_drift(record)):
+                    env.log(warned_drift)
                 skipped = self._skipped(step, record, skipped, result)
                 result.losses.append(loss)
                 out_of_time = step < cfg.train.steps and clock.spent(record["step_s"])
@@ -173,6 +177,8 @@ class TrainLoop:
         cfg, env, device = self.cfg, self.env, self.device
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
+        if self.schemes is not None:
+            self.schemes.start_counts()
         t0 = time.perf_counter()
         # one rank of each context-parallel group reads the sequence and scatters the shards
         batches = [self.data.train.next_batch() if env.reads_data else None for _ in range(cfg.train.grad_accum)]
@@ -191,10 +197,26 @@ class TrainLoop:
                   "step_s": dt, "mfu": step_mfu(tokens_per_s, self.plan, env.world_size, device),
                   "gpu_peak_gib": gpu_peak_bytes(device) / GIB, "host_peak_gib": host_peak_bytes() / GIB,
                   "plan_gpu_gib": self.plan.get("peak_gpu", 0) / GIB}
+        record.update(self._scheme_counts())
         if self.state.balancer is not None:  # per MoE layer, the step's load over every rank (and the aux loss)
             record.update(self.state.balancer.metrics())
         record.update(indexer_training.metrics(self.model, env))
         return loss, record
+
+
+    def _scheme_counts(self) -> dict[str, Any]:
+        """The step's memory-scheme counts beside the plan's: layer inputs SCO put in host memory in each
+        forward (a whole-sequence forward: not under sequence segments, which run several) and the most streamed
+        layers on the device at once."""
+        if self.schemes is None:
+            return {}
+        counts, out = self.schemes.counts(), {}
+        if "offloaded_layers" in counts and not self.state.memory.model_segment_tokens:
+            out["offloaded_layers"] = counts["offloaded_layers"] // self.cfg.train.grad_accum
+            out["plan_offloaded_layers"] = self.plan.get("offloaded_layers", 0)
+        if "streamed_layers_resident" in counts:
+            out["streamed_layers_resident"] = counts["streamed_layers_resident"]
+        return out
 
 
 class TimeLimit:

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from megaseq.console import TO_STDOUT
+from megaseq.plan.stream import IN_FLIGHT
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +86,24 @@ def over_plan(record: dict[str, Any], run_dir: str) -> str | None:
     return (f"step {record['step']}: the GPU peak, {peak:.1f} GiB of tensors, is above the plan's {plan:.1f} GiB "
             f"(+{peak / plan - 1:.0%}): the plan misses memory this run uses, so a length it says fits may run out "
             f"of memory; the plan and the settings are in {run_dir}/plan.json and config.yaml")
+
+
+def scheme_drift(record: dict[str, Any]) -> str | None:
+    """A warning when a step's memory schemes kept more on the GPU than the plan counts: SCO put fewer layer
+    inputs in host memory than planned (the rest stayed on the GPU), or more streamed layers than the two in
+    flight were on the device at once. None otherwise, and for a run without these schemes."""
+    lines = []
+    done, planned = record.get("offloaded_layers"), record.get("plan_offloaded_layers")
+    if done is not None and planned and done < planned:
+        lines.append(f"memory.checkpoint_offload put {done} of the plan's {planned} layer inputs in host memory; the "
+                     f"other {planned - done} stayed on the GPU")
+    resident = record.get("streamed_layers_resident") or 0
+    if resident > IN_FLIGHT:
+        lines.append(f"memory.stream_base had {resident} layers on the GPU at once; the plan counts "
+                     f"{IN_FLIGHT}")
+    if not lines:
+        return None
+    return f"step {record['step']}: " + "; ".join(lines) + " (the plan's figures are in plan.json)"
 
 
 def eval_line(record: dict[str, Any]) -> str:

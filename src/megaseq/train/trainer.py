@@ -143,7 +143,7 @@ def _run_claimed(cfg: Config, spec: Any, env: ParallelEnv, device: torch.device,
     balancer = Balancer(model, resolve_balance(cfg.moe, spec), env, cfg.train.grad_accum)
     probe = HeldoutProbe(cfg, data, env, autocast, memory) if cfg.train.eval_every else None
     state = StepState.of(cfg, model, optimizer, scheduler, env, memory, autocast, balancer)
-    loop = TrainLoop(cfg, device, plan_dict, state, data, spec_dict, base, probe)
+    loop = TrainLoop(cfg, device, plan_dict, state, data, spec_dict, base, probe, applied)
     try:
         loop.run(start, result)
     finally:
