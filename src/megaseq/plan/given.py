@@ -95,9 +95,11 @@ def run_for(
     """The planner's ``Run`` for one given setting (``MemorySettings``, or a dict of some of its fields, the
     rest at the planner's base), choosing nothing: the one place a ``Run`` is built (``planner.plan`` builds
     each MLA mode's through it). ``mla_mode`` defaults to the mesh's (``auto`` meaning gather_kv, as the
-    runtime); ``counts``: the GPU's parameters where the caller has them (``gpu_param_counts``)."""
+    runtime); ``counts``: the GPU's parameters where the caller has them (``gpu_param_counts``), which says the
+    caller has validated the mesh (``planner.plan`` does once for every MLA mode); without them it is validated here."""
     mesh = mesh or Mesh()
-    validate_mesh(spec, seq_len, mesh)
+    if counts is None:
+        validate_mesh(spec, seq_len, mesh)
     mode = mla_mode or ("gather_kv" if mesh.mla_mode == "auto" else mesh.mla_mode)
     given = memory.to_dict() if isinstance(memory, MemorySettings) else memory
     full = base_settings(None, batch_size * seq_len // mesh.cp).replace(**given)
