@@ -31,11 +31,12 @@ test: setup
 	$(BIN)/lint-imports --no-cache
 	$(BIN)/python -m pytest -m "not gpu and not slow" -n auto --maxprocesses=4 --durations=15
 
-# everything `test` runs plus the tests marked slow (the rest of the fault-injection suite, ~6 more minutes)
+# everything `test` runs plus the tests marked slow (the rest of the fault-injection suite and the published
+# configs' plans), over the same workers
 test-all: setup
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/lint-imports --no-cache
-	$(BIN)/python -m pytest -m "not gpu" --durations=15
+	$(BIN)/python -m pytest -m "not gpu" -n auto --maxprocesses=4 --durations=15
 
 # the whole gpu-marked suite in one pytest run, with the python of $(VENV) where it exists, else $(PYTHON) (a
 # GPU machine with megaseq's dependencies installed); writes benchmarks/results/gpu_suite/latest.json
