@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import threading
 from pathlib import Path
 
 import torch
 from _planned_step import planned_step_for
+
+from megaseq.bench.saved import SavedStorages
 
 GIB = 2**30
 
@@ -56,54 +57,7 @@ class Marks:
         return next((r for r in self.rows if r["mark"] == name), {"allocated_gib": None})
 
 
-class SavedByLayer:
-    """Autograd's saved storages (each once, parameters left out) by the layer and the dispatcher op running when
-    they were packed."""
-
-    def __init__(self, params) -> None:
-        self.skip = {p.untyped_storage().data_ptr() for p in params}
-        self.seen: dict[int, tuple[str, str, int, str, tuple]] = {}
-        self.layer, self.local = "embedding", threading.local()
-
-    def pack(self, t: torch.Tensor) -> torch.Tensor:
-        st = t.untyped_storage()
-        ptr = st.data_ptr()
-        if ptr not in self.skip and ptr not in self.seen:
-            op = getattr(self.local, "op", None) or "torch"
-            self.seen[ptr] = (self.layer, op, st.nbytes(), str(t.dtype), tuple(t.shape))
-        return t
-
-    def wrap_dispatch(self):
-        """``dispatch.call`` that records the outermost op running (restore with the returned original)."""
-        from megaseq.ops import dispatch
-
-        original, local = dispatch.call, self.local
-
-        def call(op, *args, layer="?", **kwargs):
-            outer = getattr(local, "op", None)
-            local.op = outer or op
-            try:
-                return dispatch.select(op, layer, *args, **kwargs).fn(*args, **kwargs)
-            finally:
-                local.op = outer
-
-        dispatch.call = call
-        return original
-
-    def by_layer(self) -> dict[str, dict]:
-        out: dict[str, dict] = {}
-        for layer, op, nbytes, dtype, shape in self.seen.values():
-            row = out.setdefault(layer, {"total": 0, "by_op": {}, "largest": []})
-            row["total"] += nbytes
-            row["by_op"][op] = row["by_op"].get(op, 0) + nbytes
-            row["largest"].append((nbytes, op, dtype, list(shape)))
-        for row in out.values():
-            row["largest"] = [{"gib": b / GIB, "op": o, "dtype": d, "shape": s}
-                              for b, o, d, s in sorted(row["largest"], reverse=True)[:8]]
-        return out
-
-
-def install_hooks(model, marks: Marks, saved: SavedByLayer) -> list:
+def install_hooks(model, marks: Marks, saved: SavedStorages) -> list:
     """Forward hooks naming the running layer, and gradient hooks marking the loss's end and each layer's
     backward (its output's gradient: the start; its input's: the end)."""
     hooks = []
@@ -114,13 +68,13 @@ def install_hooks(model, marks: Marks, saved: SavedByLayer) -> list:
 
     def pre(i):
         def hook(module, args):
-            saved.layer = f"layer {i}"
+            saved.label = f"layer {i}"
             grad_mark(args[0], f"backward layer {i} done")
         return hook
 
     def post(i):
         def hook(module, args, out):
-            saved.layer = f"after layer {i}"
+            saved.label = f"after layer {i}"
             grad_mark(out, f"backward layer {i} start")
         return hook
 
@@ -129,7 +83,7 @@ def install_hooks(model, marks: Marks, saved: SavedByLayer) -> list:
         hooks.append(layer.register_forward_hook(post(i)))
 
     def model_done(module, args, out):
-        saved.layer = "loss"
+        saved.label = "loss"
         marks("forward done")
         grad_mark(out, "loss done")
 
@@ -157,28 +111,25 @@ def planned(run) -> dict:
             "layers": layers}
 
 
-def measure(c, spec, model, next_batch, step) -> tuple[Marks, SavedByLayer]:
-    marks, saved = Marks(), SavedByLayer(model.parameters())
+def measure(c, spec, model, next_batch, step) -> tuple[Marks, SavedStorages]:
+    marks, saved = Marks(), SavedStorages(model.parameters())
+    saved.label = "embedding"
     hooks = install_hooks(model, marks, saved)
-    original = saved.wrap_dispatch()
     batch = next_batch()
     try:
         marks("start")
-        with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
+        with saved.recording():
             step(batch)
         marks("step done")
     finally:
-        from megaseq.ops import dispatch
-
-        dispatch.call = original
         for h in hooks:
             h.remove()
     return marks, saved
 
 
-def report(c, spec, plan, run, marks: Marks, saved: SavedByLayer) -> dict:
+def report(c, spec, plan, run, marks: Marks, saved: SavedStorages) -> dict:
     p = planned(run)
-    by_layer = saved.by_layer()
+    by_layer = saved.by_label()
     L = spec.num_layers
     layers = []
     for i in range(L):
@@ -187,7 +138,9 @@ def report(c, spec, plan, run, marks: Marks, saved: SavedByLayer) -> dict:
                        "saved_gib": m["total"] / GIB, "planned_saved_gib": p["layers"][i]["saved_gib"],
                        "planned_weight_copies_gib": p["layers"][i]["weight_copies_gib"],
                        "saved_by_op_gib": {k: v / GIB for k, v in sorted(m["by_op"].items(), key=lambda kv: -kv[1])},
-                       "largest_saved": m["largest"], "planned_terms_gib": p["layers"][i]["terms_gib"],
+                       "largest_saved": [{"gib": b / GIB, "op": o, "dtype": d, "shape": sh}
+                                         for b, o, d, sh in m["largest"]],
+                       "planned_terms_gib": p["layers"][i]["terms_gib"],
                        "backward_peak_gib": marks.peak(f"backward layer {i} start", f"backward layer {i} done"),
                        "planned_backward_peak_gib": p["layers"][i]["backward_peak_gib"]})
     phases = {

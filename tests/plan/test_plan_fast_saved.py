@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import threading
 
 import pytest
 import torch
 
 pytest.importorskip("triton")  # on the CPU under the interpreter conftest.py selects
 
+from megaseq.bench.saved import SavedStorages  # noqa: E402
 from megaseq.models.common.context import SeqContext  # noqa: E402
 from megaseq.ops import dispatch, table  # noqa: E402
 from megaseq.plan import activations, layer_terms  # noqa: E402
@@ -63,36 +63,11 @@ def triton_on_cpu():
 
 def saved_by_op(fn, params) -> dict[str, int]:
     """Bytes of the distinct storages autograd keeps while ``fn()`` runs, by the dispatcher op whose call made
-    them (``"torch"``: outside any op), the parameters' own storages left out."""
-    skip = {p.untyped_storage().data_ptr() for p in params}
-    where, seen = threading.local(), {}
-    select = dispatch.select
-
-    def call(op, *args, layer="?", **kwargs):
-        outer = getattr(where, "op", None)
-        where.op = outer or op
-        try:
-            return select(op, layer, *args, **kwargs).fn(*args, **kwargs)
-        finally:
-            where.op = outer
-
-    def pack(t):
-        st = t.untyped_storage()
-        if st.data_ptr() not in skip and st.data_ptr() not in seen:
-            seen[st.data_ptr()] = (getattr(where, "op", None) or "torch", st.nbytes())
-        return t
-
-    original = dispatch.call
-    dispatch.call = call
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            fn()
-    finally:
-        dispatch.call = original
-    out: dict[str, int] = {}
-    for op, nbytes in seen.values():
-        out[op] = out.get(op, 0) + nbytes
-    return out
+    them (``"torch"``: outside any op), the parameters' own storages left out (``bench.saved``)."""
+    saved = SavedStorages(params)
+    with saved.recording():
+        fn()
+    return saved.by_op()
 
 
 def _run(spec, seq: int):

@@ -94,26 +94,20 @@ def test_attention_by_hand():
 
 # ---- the formulas against autograd's saved tensors in the real blocks ------------------------------------
 def saved_bytes(module, x, autocast: bool, skip_params: bool = False) -> int:
-    """Bytes of the distinct storages autograd saves during ``module(x, SeqContext())``; ``skip_params``: the
-    module's parameters' own storages left out (the planner counts those as state, and autocast's bf16
-    copies of them as weight copies; a frozen weight is kept for its input's gradient as a trained one is)."""
+    """Bytes of the distinct storages autograd saves during ``module(x, SeqContext())`` (``bench.saved``);
+    ``skip_params``: the module's parameters' own storages left out (the planner counts those as state, and
+    autocast's bf16 copies of them as weight copies; a frozen weight is kept for its input's gradient as a
+    trained one is)."""
     import torch
 
+    from megaseq.bench.saved import SavedStorages
     from megaseq.models.common.context import SeqContext
 
-    params = {p.untyped_storage().data_ptr() for p in module.parameters()} if skip_params else set()
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        st = t.untyped_storage()
-        if st.data_ptr() not in params:
-            seen[st.data_ptr()] = st.nbytes()
-        return t
-
+    saved = SavedStorages(module.parameters() if skip_params else ())
     cm = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), cm, kv_heads_as_on_cuda():
+    with saved.recording(), cm, kv_heads_as_on_cuda():
         module(x, SeqContext())
-    return sum(seen.values())
+    return saved.total()
 
 
 @contextlib.contextmanager
