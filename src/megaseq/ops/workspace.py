@@ -111,7 +111,8 @@ def indexer_target_row_bytes(num_heads: int, num_slots: int, latent: int, itemsi
 
 def indexer_kl_row_bytes(num_heads: int, num_keys: int, index_heads: int, num_cand: int, head_dim: int,
                          gathered: int = 0, latent: int = 0, itemsize: int = 4, gathered_itemsize: int = 0,
-                         fused_target: bool = False, query_width: int = 0, given_lse: bool = False) -> int:
+                         fused_target: bool = False, query_width: int = 0, given_lse: bool = False,
+                         fused_kl: bool = False) -> int:
     """Bytes per query row of one chunk of the indexer objective (compute dtype ``itemsize``).
 
     Target: the main attention's scores and probabilities ``[Hh, n]`` (``n`` = every visible key in the warm-up);
@@ -125,6 +126,10 @@ def indexer_kl_row_bytes(num_heads: int, num_keys: int, index_heads: int, num_ca
     chunk's backward with their relu mask and gradient, the
     gathered pool keys ``[m, D]`` and their int64 pool indices of the sparse stage, and ``[m]`` rows of target,
     log-softmax and their gradient (``m`` = the candidate pools).
+
+    ``fused_kl`` (the sparse stage's indexer side in op ``indexer_kl``'s Triton kernel): no head scores and no
+    gathered keys; what the kernel allocates (``indexer_kl_kernel_row_bytes``; ``indexer_kl_fixed_bytes`` is its
+    per-chunk part) and the pools, target and candidates it reads.
     """
     if gathered:
         target = indexer_target_row_bytes(num_heads, gathered, latent, itemsize, gathered_itemsize, fused_target,
@@ -132,39 +137,63 @@ def indexer_kl_row_bytes(num_heads: int, num_keys: int, index_heads: int, num_ca
     else:
         target = 2 * num_heads * num_keys * itemsize
     queries = (query_width + 2 * index_heads * head_dim) * itemsize
+    if fused_kl and gathered:  # the pools (int64), target (fp32) and candidates the objective hands the kernel
+        kernel = indexer_kl_kernel_row_bytes(index_heads, head_dim, num_cand, gathered_itemsize or itemsize)
+        return target + queries + kernel + 13 * num_cand
     indexer = index_heads * num_cand * (3 * itemsize + 1) + (num_cand * (head_dim * itemsize + 16) if gathered else 0)
     return target + queries + indexer + 6 * num_cand * itemsize
+
+
+def indexer_kl_kernel_row_bytes(index_heads: int, head_dim: int, num_cand: int, work_itemsize: int) -> int:
+    """Bytes per query row that op ``indexer_kl``'s Triton kernel allocates, through its backward: the KL and the
+    row weight, ``dq [I, D]`` and ``dw [I]`` fp32 kept for the backward and scaled there, ``dq`` cast to the
+    queries' work dtype (none in fp32), and the pools as int32."""
+    cast = work_itemsize * index_heads * head_dim if work_itemsize != 4 else 0
+    return 8 + 8 * index_heads * (head_dim + 1) + cast + 4 * num_cand
+
+
+def indexer_kl_fixed_bytes(num_pools: int, head_dim: int, keys_itemsize: int = 4) -> int:
+    """Bytes of one chunk of op ``indexer_kl``'s Triton kernel whatever its rows: the pooled keys' gradient
+    ``[P, D]`` fp32, kept for the backward and scaled there, and cast to the keys' dtype (none for fp32 keys)."""
+    return (8 + (keys_itemsize if keys_itemsize != 4 else 0)) * num_pools * head_dim
 
 
 def indexer_kl_chunk(num_heads: int, num_keys: int, index_heads: int, num_cand: int, head_dim: int,
                      gathered: int = 0, latent: int = 0, itemsize: int = 4,
                      budget: int = INDEXER_KL_BUDGET_BYTES, gathered_itemsize: int = 0,
-                     fused_target: bool = False, query_width: int = 0, given_lse: bool = False) -> int:
-    """Query rows of one chunk of the objective within ``budget`` (at least one)."""
+                     fused_target: bool = False, query_width: int = 0, given_lse: bool = False,
+                     fused_kl: bool = False, num_pools: int = 0, keys_itemsize: int = 4) -> int:
+    """Query rows of one chunk of the objective within ``budget`` (at least one); ``fused_kl``: op ``indexer_kl``'s
+    kernel, whose chunk also holds ``indexer_kl_fixed_bytes`` of the ``num_pools`` pooled keys."""
+    fused_kl = fused_kl and bool(gathered)
     per_row = indexer_kl_row_bytes(num_heads, num_keys, index_heads, num_cand, head_dim, gathered, latent, itemsize,
-                                   gathered_itemsize, fused_target, query_width, given_lse)
-    return max(1, budget // max(per_row, 1))
+                                   gathered_itemsize, fused_target, query_width, given_lse, fused_kl)
+    fixed = indexer_kl_fixed_bytes(num_pools, head_dim, keys_itemsize) if fused_kl else 0
+    return max(1, (budget - fixed) // max(per_row, 1))
 
 
 def indexer_kl_bytes(Q: int, S: int, num_heads: int, index_heads: int, head_dim: int, num_pools: int,
                      num_select: int, W: int, latent: int, dense: bool, itemsize: int = 4,
                      budget: int = INDEXER_KL_BUDGET_BYTES, gathered_itemsize: int = 0,
                      fused_target: bool = False, query_width: int = 0, given_lse: bool = False,
-                     lse_copy: bool = False) -> int:
+                     lse_copy: bool = False, fused_kl: bool = False) -> int:
     """GPU bytes of one DSA layer's objective beyond its inputs: one chunk (``indexer_kl_chunk`` rows, at most Q;
     ``fused_target``: the sparse stage's target from the Triton kernel; ``given_lse``: it reads the attention's
     log-sum-exp) plus the gradients the forward sums (pooled keys ``[P, D]``, head weights ``[Q, I]``, fp32) and the
     pooled keys themselves with their graph (``[S, D]`` keys and gates, ``[P, D]`` pools). ``lse_copy``: the
     attention's base-2 log-sum-exp ``[Q, Hh]`` is a tensor of its own (``absorbed``, ``torch_masked``; in the
     compute dtype ``itemsize``) kept from the attention to the objective; the Triton op's is a view of what it
-    saves for its backward (counted there)."""
+    saves for its backward (counted there). ``fused_kl``: the sparse stage's indexer side in op ``indexer_kl``'s
+    kernel."""
     keys, cand = (S, num_pools) if dense else (W, num_select)
     gathered = 0 if dense else W
     given_lse = given_lse and not dense
+    fused_kl = fused_kl and not dense
     rows = min(Q, indexer_kl_chunk(num_heads, keys, index_heads, cand, head_dim, gathered, latent, itemsize, budget,
-                                   gathered_itemsize, fused_target, query_width, given_lse))
+                                   gathered_itemsize, fused_target, query_width, given_lse, fused_kl, num_pools))
     chunk = rows * indexer_kl_row_bytes(num_heads, keys, index_heads, cand, head_dim, gathered, latent, itemsize,
-                                        gathered_itemsize, fused_target, query_width, given_lse)
+                                        gathered_itemsize, fused_target, query_width, given_lse, fused_kl)
+    chunk += indexer_kl_fixed_bytes(num_pools, head_dim) if fused_kl else 0
     sums = 4 * (num_pools * head_dim + Q * index_heads)
     graph = itemsize * (2 * S * head_dim + num_pools * head_dim)
     lse = Q * num_heads * itemsize if given_lse and lse_copy else 0

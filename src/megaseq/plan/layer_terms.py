@@ -79,7 +79,8 @@ def _mixer(run: Run, i: int, xb: int) -> tuple[dict[str, int], int, int]:
     if full and run.indexer_objective:  # the KL's chunk in the forward; its summed gradients until the backward
         kept, chunk = layers.indexer_objective_bytes(spec, n, B, S, prec,
                                                      fused_target="indexer_target" in run.fast_ops,
-                                                     given_lse=True, lse_copy=impl != "triton")
+                                                     given_lse=True, lse_copy=impl != "triton",
+                                                     fused_kl="indexer_kl" in run.fast_ops)
         saved = {**saved, "dsa indexer objective (gradients, pooled keys)": kept}
         fwd = max(fwd, chunk)
     return saved, fwd + comm, SA.dsa_temp(spec, n, B, S, prec, mesh, mode, True, run.cal, impl) + comm

@@ -83,7 +83,7 @@ def indexer_temp(spec: ModelSpec, n: int, batch: int, seq_len: int, query_chunk:
 
 def indexer_objective_bytes(spec: ModelSpec, n: int, batch: int, seq_len: int, prec: Precision,
                             fused_target: bool = False, given_lse: bool = False,
-                            lse_copy: bool = False) -> tuple[int, int]:
+                            lse_copy: bool = False, fused_kl: bool = False) -> tuple[int, int]:
     """The indexer objective of one full-indexer layer in the sparse stage (``models.common.indexer_kl``):
     ``(kept until the backward, one chunk's working set)`` from ``ops.workspace.indexer_kl_bytes`` (fp32: the
     objective computes in ``promote(dtype, fp32)``): kept are the gradients the forward summed (pooled keys
@@ -91,7 +91,8 @@ def indexer_objective_bytes(spec: ModelSpec, n: int, batch: int, seq_len: int, p
     op ``indexer_target``'s Triton kernel (no gathered latents or head scores in the chunk, so more rows a chunk).
     ``given_lse``: the target reads the attention's per-head log-sum-exp (what the layer does); ``lse_copy``: that
     log-sum-exp ``[Q, Hh]`` fp32 is a tensor of its own, held through the objective (``sparse_attention``'s
-    ``absorbed`` and ``torch_masked``; the Triton op's is a view of the tensor it saves)."""
+    ``absorbed`` and ``torch_masked``; the Triton op's is a view of the tensor it saves). ``fused_kl``: the indexer
+    side in op ``indexer_kl``'s kernel."""
     kp = max(spec.index_kpool, 1)
     P, K = seq_len // kp, spec.index_topk // kp
     W = dsa_width(spec)
@@ -100,7 +101,7 @@ def indexer_objective_bytes(spec: ModelSpec, n: int, batch: int, seq_len: int, p
     total = indexer_kl_bytes(Q, seq_len, spec.num_attention_heads, spec.index_n_heads, spec.index_head_dim, P, K,
                              W, R, dense=False, itemsize=prec.f32, gathered_itemsize=prec.compute,
                              fused_target=fused_target, query_width=spec.q_lora_rank, given_lse=given_lse,
-                             lse_copy=lse_copy)
+                             lse_copy=lse_copy, fused_kl=fused_kl)
     kept = batch * (prec.f32 * (P * spec.index_head_dim + Q * spec.index_n_heads)
                     + prec.f32 * (2 * seq_len * spec.index_head_dim + P * spec.index_head_dim))
     return kept, batch * total - kept

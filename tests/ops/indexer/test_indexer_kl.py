@@ -249,20 +249,43 @@ def test_the_objective_runs_the_kernel_when_preferred(device, monkeypatch):
     """The sparse stage's KL and the indexer's gradients (keys, head weights, query projection) with the kernel
     preferred equal the reference's; without the preference the reference runs (the kernel is opt-in). The kernel
     runs once per chunk of 16 queries: ``ChunkedKL`` sums the rows, so the backward only scales."""
+    from megaseq.ops import workspace
     from megaseq.ops.indexer import kl_kernel as K
 
-    launches = []
-    real = K.indexer_kl
+    launches, sized = [], []
+    real, chunk = K.indexer_kl, workspace.indexer_kl_chunk
     monkeypatch.setattr(K, "indexer_kl", lambda *a, **k: launches.append(k.get("row_weight")) or real(*a, **k))
+    monkeypatch.setattr(workspace, "indexer_kl_chunk",
+                        lambda *a, **k: sized.append(k.get("fused_kl")) or chunk(*a, **k))
     kl_ref, g_ref, ran_ref = objective(device, {})
     kl_tri, g, ran = objective(device, {"indexer_kl": ["triton"]})
     assert (ran_ref, ran) == (["torch_gather"], ["triton"])
+    assert sized == [False, True]  # the chunks sized for the implementation that runs them
     assert len(launches) == 4 and all(w is None for w in launches), launches
     assert abs(float(kl_tri) - float(kl_ref)) <= 1e-5 * abs(float(kl_ref)), (float(kl_tri), float(kl_ref))
     assert g.keys() == g_ref.keys() and len(g) > 2
     for n in g:
         err = (g[n] - g_ref[n]).abs().max() / g_ref[n].abs().max()
         assert err < 1e-4, (n, float(err))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_kernel_allocates_what_the_chunk_counts(device, dtype):
+    """What the op allocates through a forward and the backward of its sum (the objective's use), beyond its
+    inputs, is ``ops.workspace``'s count for the kernel: per row ``indexer_kl_kernel_row_bytes`` and per chunk
+    ``indexer_kl_fixed_bytes``. The count sizes the objective's chunks where the kernel runs."""
+    from megaseq.bench.live import CreatedStorages
+    from megaseq.ops import workspace
+
+    c, I, D, P, K = 24, 6, 32, 40, 19
+    q, w, keys, pools, t, cand = make_inputs(3, c, I, D, P, K, dtype=dtype, device=device)
+    q, w, keys = (x.detach().requires_grad_() for x in (q, w, keys))
+    with CreatedStorages() as live:
+        kl.indexer_kl_triton(q, w, keys, pools, t, cand, 0.5).sum().backward()
+    work = torch.finfo(dtype).bits // 8
+    count = (c * workspace.indexer_kl_kernel_row_bytes(I, D, K, work)
+             + workspace.indexer_kl_fixed_bytes(P, D, keys.element_size()))
+    assert 0 <= live.peak - count <= 64, (live.peak, count)  # the backward's scalar gradient
 
 
 # ---- GPU: glm5-flash-1gpu's indexer shape --------------------------------------------------------------

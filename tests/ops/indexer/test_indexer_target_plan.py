@@ -103,3 +103,40 @@ def test_the_attentions_lse_in_the_row_bytes_and_the_plan(monkeypatch):
         asked.clear()
         plan(spec, S, fast_ops=fast, indexer_objective=True)
         assert asked and all(k["given_lse"] and k["lse_copy"] == ("sparse_attention" not in fast) for k in asked)
+
+
+def test_the_fused_kl_row_has_no_head_scores_and_no_gathered_keys(monkeypatch):
+    """glm5-flash-1gpu's DSA layer at 1M (P = 64K pools of 16; and at 16K): with op ``indexer_kl``'s kernel the
+    row's indexer side is its queries, the kernel's own rows (``indexer_kl_kernel_row_bytes``) and the pools, target
+    and candidates it reads, not ``[I, K]`` head scores and ``[K, D]`` gathered keys; the chunk holds the pooled
+    keys' gradient once, and grows from about 11K to about 20K queries. The plan counts the kernel only where its
+    fast ops hold it."""
+    from megaseq.models.glm5.spec import glm5_flash_1gpu
+    from megaseq.plan import layers
+    from megaseq.plan.mesh import Precision
+
+    Hh, W, C, I, K, D, Qr, P = 16, 2063, 512, 32, 128, 128, 1536, 1 << 16
+    target = workspace.indexer_target_row_bytes(Hh, W, C, 4, 2, fused=True)
+    row = workspace.indexer_kl_row_bytes(Hh, W, I, K, D, W, C, 4, 2, True, Qr, fused_kl=True)
+    assert row == target + (Qr + 2 * I * D) * 4 + 8 + 8 * I * (D + 1) + 2 * I * D + 4 * K + 13 * K
+    rows = [workspace.indexer_kl_chunk(Hh, W, I, K, D, W, C, 4, gathered_itemsize=2, fused_target=True, query_width=Qr,
+                                       fused_kl=f, num_pools=P) for f in (False, True)]
+    assert 10000 < rows[0] < 12000 and 19000 < rows[1] < 21000, rows
+    assert rows[1] == (workspace.INDEXER_KL_BUDGET_BYTES - 8 * P * D) // row
+    # the dense warm-up has no kernel: the same row either way
+    assert workspace.indexer_kl_row_bytes(Hh, 4096, I, 256, D, query_width=Qr, fused_kl=True) == \
+        workspace.indexer_kl_row_bytes(Hh, 4096, I, 256, D, query_width=Qr)
+    # at 16K one chunk of the kernel's holds every query, below the budget the reference's chunks fill
+    spec, S = glm5_flash_1gpu(), 1 << 14
+    ref, fused = (layers.indexer_objective_bytes(spec, S, 1, S, Precision(), fused_target=True, given_lse=True,
+                                                 fused_kl=f) for f in (False, True))
+    assert ref[0] == fused[0] and fused[1] < ref[1] < workspace.INDEXER_KL_BUDGET_BYTES
+    from megaseq.plan.planner import plan
+
+    asked, real = [], layers.indexer_objective_bytes
+    monkeypatch.setattr(layers, "indexer_objective_bytes", lambda *a, fused_kl=False, **k:
+                        asked.append(fused_kl) or real(*a, fused_kl=fused_kl, **k))
+    for fast in (kernels.PLANNED_FAST_OPS, kernels.PLANNED_FAST_OPS | {"indexer_kl"}):
+        asked.clear()
+        plan(spec, S, fast_ops=fast, indexer_objective=True)
+        assert asked and set(asked) == {"indexer_kl" in fast}, (sorted(fast), asked)

@@ -14,7 +14,8 @@ The sparse stage's target is op ``indexer_target`` given the attention's per-hea
 ``return_lse``): each chunk passes its rows ``lse[b, s:e]``, and the target is one pass over the selected latents
 (``lse`` None: the target computes its own, two passes). Its implementation (the Triton kernel under ``model.kernels
 fast`` on a GPU, else the torch reference) is chosen once per batch row and runs every chunk of the row, whose
-size is ``ops.workspace.indexer_kl_chunk`` of that implementation's bytes (``fused_target``).
+size is ``ops.workspace.indexer_kl_chunk`` of that implementation's bytes (``fused_target``), and of op
+``indexer_kl``'s (``fused_kl``: its Triton kernel where ``model.kernels`` prefers it).
 
 Context parallelism: queries are this rank's, keys the gathered sequence's (``Indexer.prepare`` gathers them
 with a graph: the pooled keys' gradient goes back to the ranks that own the tokens through the gather's
@@ -86,6 +87,7 @@ class _Row:
         tail = ix.kpool - 1 if ix.select_tail and ix.kpool > 1 else 0
         self.num_pools = 0 if self.idx is None else (self.idx.shape[-1] - tail) // ix.kpool
         self._target: dispatch.Impl | None = None
+        self._kl: dispatch.Impl | None = None
 
     def bounds(self) -> list[tuple[int, int]]:
         """The row's query chunks, sized for the implementation of the target that runs them (``target_impl``)."""
@@ -100,7 +102,9 @@ class _Row:
             fused = not self.target_impl().reference
             rows = workspace.indexer_kl_chunk(Hh, W, I, self.num_pools, D, gathered=W, latent=C, itemsize=size,
                                               gathered_itemsize=self.c_det.element_size(), fused_target=fused,
-                                              query_width=width, given_lse=self.lse_QH is not None)
+                                              query_width=width, given_lse=self.lse_QH is not None,
+                                              fused_kl=not self.kl_impl().reference, num_pools=P,
+                                              keys_itemsize=self.keys_PD.element_size())
         if self.ix.query_chunk is not None:
             rows = min(rows, int(self.ix.query_chunk))
         return kl.chunk_bounds(Q, rows)
@@ -114,6 +118,20 @@ class _Row:
             self._target = dispatch.select("indexer_target", self.ix.layer, q_abs, self.c_det, self.idx[:1],
                                            self.scale, lse=lse)
         return self._target
+
+    def kl_impl(self) -> dispatch.Impl:
+        """Op ``indexer_kl``'s implementation for this row's chunks (sparse stage), chosen once, for sizing them:
+        the dispatcher's order under ``model.kernels`` asked with one row of the chunks' dtypes and devices."""
+        if self._kl is None:
+            ix, K, dev = self.ix, self.num_pools, self.c_det.device
+            q = torch.zeros(1, ix.n_heads, ix.head_dim, dtype=self.c_det.dtype, device=dev)
+            w = torch.zeros(1, ix.n_heads, dtype=self.cd, device=dev)
+            pools = torch.zeros(1, K, dtype=torch.int64, device=dev)
+            target = torch.zeros(1, K, dtype=torch.float32, device=dev)
+            cand = torch.zeros(1, K, dtype=torch.bool, device=dev)
+            self._kl = dispatch.select("indexer_kl", ix.layer, q, w, self.keys_PD, pools, target, cand,
+                                       ix.softmax_scale)
+        return self._kl
 
     def _queries(self, s: int, e: int, wq: torch.Tensor) -> torch.Tensor:
         """The indexer's queries of the chunk with a graph to ``wq``, in the attention's work dtype (bf16 under
