@@ -203,7 +203,6 @@ class TrainLoop:
         record.update(indexer_training.metrics(self.model, env))
         return loss, record
 
-
     def _scheme_counts(self) -> dict[str, Any]:
         """The step's memory-scheme counts beside the plan's: layer inputs SCO put in host memory in each
         forward (a whole-sequence forward: not under sequence segments, which run several) and the most streamed
