@@ -252,7 +252,10 @@ def test_host_store_on_gpu_equals_gpu_store_with_a_lower_peak(family):
 # ---- through megaseq train ---------------------------------------------------------------------------------------
 def test_megaseq_train_with_the_host_store(tmp_path, monkeypatch):
     """``memory.segment_kv_host`` forced through ``megaseq train`` (qwen3-moe-tiny, float64, a 96-base window in
-    segments of 40): every step runs the host store, the losses are the plain step's, the plan records it."""
+    segments of 40): every step runs the host store, the losses are the plain step's, the plan records it. The
+    first loss to 1e-10; the second after one AdamW update, whose first step divides each gradient entry by its
+    own magnitude, so an entry near 0 turns float64 rounding into a difference of up to about 1e-9 (seen under
+    xdist): to 1e-8. The gradients themselves are compared to float64 rounding above."""
     import json
 
     import numpy as np
@@ -270,7 +273,8 @@ def test_megaseq_train_with_the_host_store(tmp_path, monkeypatch):
     host = run_training(_cfg(tmp_path, "host", **common, memory={"auto": False, "model_segment_tokens": 40,
                                                                 "segment_kv_host": True}))
     assert made == [3, 3]
-    np.testing.assert_allclose(host.losses, plain.losses, rtol=1e-10)
+    np.testing.assert_allclose(host.losses[0], plain.losses[0], rtol=1e-10)
+    np.testing.assert_allclose(host.losses[1], plain.losses[1], rtol=1e-8)
     plan = json.loads((tmp_path / "host" / "plan.json").read_text())
     assert plan["memory"]["segment_kv_host"]
     assert any(c[0].startswith("host: segment K/V") for c in plan["components"])

@@ -20,7 +20,14 @@ import pytest
 import torch
 
 import fast_standins
+import megaseq.train.build as build
 from megaseq.bench.live import CreatedStorages
+from megaseq.bench.measure import warm_planned_step
+from megaseq.config import AdapterSettings, build_config
+from megaseq.ops import dispatch
+from megaseq.plan.given import run_for
+from megaseq.plan.layer_terms import all_layer_terms
+from megaseq.plan.phases import _phases
 
 SEQ = 4096
 BEFORE_STEP = ("parameters", "optimizer state")  # what exists when the step starts
@@ -38,13 +45,6 @@ def _qwen_small(tmp_path) -> str:
 
 def _measure(tmp_path, monkeypatch) -> tuple[dict[str, float], dict[str, float]]:
     """(measured, planned) MiB of the forward and the step."""
-    import megaseq.train.build as build
-    from megaseq.bench.measure import warm_planned_step
-    from megaseq.config import AdapterSettings, build_config
-    from megaseq.plan.given import run_for
-    from megaseq.plan.layer_terms import all_layer_terms
-    from megaseq.plan.phases import _phases
-
     fast_standins.install(monkeypatch)
     # the GPU's precision on the CPU: fp32 weights, bf16 autocast, the frozen base stored in bf16
     monkeypatch.setattr(build, "dtypes", lambda cfg, device: (torch.float32, torch.bfloat16))
@@ -58,6 +58,11 @@ def _measure(tmp_path, monkeypatch) -> tuple[dict[str, float], dict[str, float]]
         "memory": {"auto": False, "recompute": True, "checkpoint_offload": True, "stream_base": True,
                    "tiled_mlp": True, "mlp_tile_tokens": 1024, "chunked_loss": True, "loss_chunk_tokens": 1024},
     })
+    with dispatch.configured():  # warm_planned_step sets the dispatcher for the process: put back after
+        return _step(cfg)
+
+
+def _step(cfg) -> tuple[dict[str, float], dict[str, float]]:
     c, spec, plan, model, applied, next_batch, step = warm_planned_step(cfg, SEQ, torch.device("cpu"))
     run = run_for(spec, SEQ, plan.memory, model_dtype="bf16", weights="fp32",
                   adapters=AdapterSettings.of(c, frozen_dtype="bf16"), fast_ops=fast_standins.STOOD_IN)
