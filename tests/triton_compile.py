@@ -40,3 +40,13 @@ def interpreter_device(monkeypatch, module) -> str:
         pytest.skip("triton was imported before TRITON_INTERPRET=1 was set")
     monkeypatch.setattr(module, "CPU_INTERPRETER", True)
     return "cpu"
+
+
+def broken_helper_fails(monkeypatch, kernels, broken: tuple[str, object], check) -> None:
+    """``check()`` passes with the kernel module ``kernels`` as it is and raises AssertionError with one of its
+    ``@triton.jit`` helpers replaced (``broken``: the helper's name and a broken variant). Under the interpreter
+    only, which reads the helpers at run time."""
+    check()
+    monkeypatch.setattr(kernels, *broken)
+    with pytest.raises(AssertionError):
+        check()

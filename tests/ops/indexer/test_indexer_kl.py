@@ -27,7 +27,7 @@ from devices import GPU  # noqa: E402
 from megaseq.ops import dispatch  # noqa: E402
 from megaseq.ops.indexer import kl  # noqa: E402
 from megaseq.ops.indexer.kl_kernel import _scores  # noqa: E402
-from triton_compile import compile_in_child, interpreter_device  # noqa: E402
+from triton_compile import broken_helper_fails, compile_in_child, interpreter_device  # noqa: E402
 
 torch.set_num_threads(1)
 CUDA = torch.cuda.is_available()
@@ -166,11 +166,7 @@ def test_a_broken_kernel_fails(device, monkeypatch, name):
 
     args = make_inputs(6, 4, 5, 16, 12, 21, device=device)
     cfg = K.Config(16, 4, 1)
-    check(*args, 0.5, TOL[torch.float32], cfg)
-    attr, fn = BROKEN[name]
-    monkeypatch.setattr(K, attr, fn)
-    with pytest.raises(AssertionError):
-        check(*args, 0.5, TOL[torch.float32], cfg)
+    broken_helper_fails(monkeypatch, K, BROKEN[name], lambda: check(*args, 0.5, TOL[torch.float32], cfg))
 
 
 # ---- what supports refuses; the GPU code compiles for sm_90 (no GPU needed) ---------------------------

@@ -28,7 +28,7 @@ from megaseq.ops import dispatch, workspace  # noqa: E402
 from megaseq.ops.indexer import target as tgt  # noqa: E402
 from megaseq.ops.indexer.target_kernel import _head_block_lse, _head_block_probs  # noqa: E402
 from megaseq.ops.sparse_mla.kernels import LOG2E, _gather_latents  # noqa: E402
-from triton_compile import compile_in_child, interpreter_device  # noqa: E402
+from triton_compile import broken_helper_fails, compile_in_child, interpreter_device  # noqa: E402
 
 torch.set_num_threads(1)
 CUDA = torch.cuda.is_available()
@@ -154,11 +154,7 @@ def test_a_broken_kernel_fails(device, monkeypatch, name):
 
     q, lat, idx = make_inputs(3, 5, 20, 48, 50, 37, device=device)
     cfg = K.Config(16, 16, 4, 1)
-    check(q, lat, idx, 0.37, TOL[torch.float32], cfg)
-    attr, fn = BROKEN[name]
-    monkeypatch.setattr(K, attr, fn)
-    with pytest.raises(AssertionError):
-        check(q, lat, idx, 0.37, TOL[torch.float32], cfg)
+    broken_helper_fails(monkeypatch, K, BROKEN[name], lambda: check(q, lat, idx, 0.37, TOL[torch.float32], cfg))
 
 
 # ---- what supports refuses; the GPU code compiles for sm_90 (no GPU needed) ---------------------------
