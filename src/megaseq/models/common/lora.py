@@ -158,7 +158,10 @@ class LoRAExperts(Experts):
         x_MI = _mm_input(x_MI)
         y_MO = dispatch.call("grouped_mm", x_MI, w_EOI, counts_E, layer=self.layer)
         t_Mr = dispatch.call("grouped_mm", x_MI, A_ErI, counts_E, layer=f"{self.layer}.lora")
-        return y_MO + dispatch.call("grouped_mm", t_Mr, B_EOr, counts_E, layer=f"{self.layer}.lora") * self.scaling
+        # the adapter's rows added into the base's (no backward reads grouped_mm's output): one [M, O] tensor
+        # alive instead of three (the base's, the adapter's scaled copy, their sum) in a tile of routed rows
+        return y_MO.add_(dispatch.call("grouped_mm", t_Mr, B_EOr, counts_E, layer=f"{self.layer}.lora"),
+                         alpha=self.scaling)
 
     def delta_weight(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """``s * B_e A_e`` for every expert: ``[E, out, in]`` in ``dtype`` (default the tensor's)."""
