@@ -158,8 +158,9 @@ class LoRAExperts(Experts):
         x_MI = _mm_input(x_MI)
         y_MO = dispatch.call("grouped_mm", x_MI, w_EOI, counts_E, layer=self.layer)
         t_Mr = dispatch.call("grouped_mm", x_MI, A_ErI, counts_E, layer=f"{self.layer}.lora")
-        # the adapter's rows added into the base's (no backward reads grouped_mm's output): one [M, O] tensor
-        # alive instead of three (the base's, the adapter's scaled copy, their sum) in a tile of routed rows
+        # the adapter's rows added into the base's in place (no backward reads grouped_mm's output): a tile of
+        # routed rows holds the base's [M, O] and the adapter's, where an out-of-place sum would add a scaled copy
+        # and the sum
         return y_MO.add_(dispatch.call("grouped_mm", t_Mr, B_EOr, counts_E, layer=f"{self.layer}.lora"),
                          alpha=self.scaling)
 
