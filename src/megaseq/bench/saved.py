@@ -49,7 +49,7 @@ class SavedStorages:
             outer = getattr(local, "op", None)
             local.op = outer or op
             try:
-                return dispatch.select(op, layer, *args, **kwargs).fn(*args, **kwargs)
+                return original(op, *args, layer=layer, **kwargs)
             finally:
                 local.op = outer
 
