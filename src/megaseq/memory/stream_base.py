@@ -222,20 +222,42 @@ def stream_layers(layers: list[nn.Module], device: torch.device | str) -> BaseSt
     return streamer
 
 
+def streamed_forward(layer: nn.Module) -> _StreamedForward | None:
+    """The streamed forward installed on ``layer``, under whatever wrappers were installed after it (recompute,
+    SCO and tiling each keep the forward they replaced as ``prior``), or None."""
+    f = layer.__dict__.get("forward")
+    while f is not None and not isinstance(f, _StreamedForward):
+        f = getattr(f, "prior", None)
+    return f
+
+
+def streamed_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """Every parameter of ``model`` that a streamer holds in host memory."""
+    return [p for m in model.modules() if (f := streamed_forward(m)) is not None
+            for p in f.streamer.layers[f.index].params]
+
+
 def unstream_layers(layers: list[nn.Module], device: torch.device | str | None = None) -> None:
     """Undo ``stream_layers``: each streamed weight back on ``device`` (default: the streamer's) as a tensor of
-    its own; the layers' forwards as they were."""
+    its own; the layers' forwards as they were (a wrapper installed after the streamed forward calls what the
+    streamed forward wrapped)."""
     for layer in layers:
-        current = layer.__dict__.get("forward")
-        if not isinstance(current, _StreamedForward):
+        current = streamed_forward(layer)
+        if current is None:
             continue
         streamer = current.streamer
         streamer.release()
         for p in streamer.layers[current.index].params:
             p.data = p.data.to(device or streamer.device, copy=True)
-        del layer.forward
-        if current.prior is not None:
-            layer.forward = current.prior
+        outer = layer.__dict__["forward"]
+        if outer is current:
+            del layer.forward
+            if current.prior is not None:
+                layer.forward = current.prior
+            continue
+        while outer.prior is not current:
+            outer = outer.prior
+        outer.prior, outer.inner = current.prior, current.inner
 
 
 def to_device_resident(model: nn.Module, device: torch.device | str) -> None:
@@ -243,8 +265,7 @@ def to_device_resident(model: nn.Module, device: torch.device | str) -> None:
     FSDP shard (``DTensor``: FSDP placed it, on the device or, offloaded, on the host), and every buffer."""
     from torch.distributed.tensor import DTensor
 
-    streamed = {id(p) for m in model.modules() if isinstance(f := m.__dict__.get("forward"), _StreamedForward)
-                for p in f.streamer.layers[f.index].params}
+    streamed = {id(p) for p in streamed_parameters(model)}
     for m in model.modules():
         for p in m._parameters.values():
             if p is not None and id(p) not in streamed and not isinstance(p, DTensor):
