@@ -122,12 +122,11 @@ OPS: tuple[Op, ...] = (
         Impl("triton", f"{_OPS}.indexer.target", "indexer_target_triton", "indexer_target_supports", opt_in=True,
              packages=TRITON),
     ), fast="triton", plan_counts_fast=True),
-    # opt-in until measured on a GPU: a run prefers it (benchmarks/long_context/indexer_objective_cost.py --fused-kl)
     Op("indexer_kl", (
         Impl("torch_gather", f"{_OPS}.indexer.kl", "indexer_kl_reference", reference=True),
         Impl("triton", f"{_OPS}.indexer.kl", "indexer_kl_triton", "indexer_kl_supports", opt_in=True,
              packages=TRITON),
-    )),
+    ), fast="triton", plan_counts_fast=True),
     Op("causal_conv", (
         Impl("torch_conv1d", f"{_OPS}.kda.reference", "causal_conv_reference", reference=True),
         Impl("fla", f"{_OPS}.kda.fla", "conv_fla", "conv_fla_supports", packages=FLA),
