@@ -337,11 +337,11 @@ def plan_from_config(
 
 def ops_of_model(spec: ModelSpec) -> frozenset[str]:
     """The planned fast ops a model's layers call (the plan names only these): the norms, SwiGLU and the loss
-    in every model; DSA's indexer, its objective's target (``model.train_indexer``) and sparse attention, mHC's
-    mixing, weights and merge, KDA's forget gate and gated norm where the model has those layers."""
+    in every model; DSA's indexer, its objective's target and KL (``model.train_indexer``) and sparse attention,
+    mHC's mixing, weights and merge, KDA's forget gate and gated norm where the model has those layers."""
     ops = {"rms_norm", "swiglu", "linear_cross_entropy"}
     if "dsa" in spec.layer_types:
-        ops |= {"indexer_topk", "indexer_target", "sparse_attention"}
+        ops |= {"indexer_topk", "indexer_target", "indexer_kl", "sparse_attention"}
     if spec.hc_mult > 1:
         ops |= {"hc_mix", "hc_weights", "hc_merge"}
     if "kda" in spec.layer_types:

@@ -38,8 +38,8 @@ class Run:
     weights: str = "fp32"  # model.weights: fp32 (+ autocast) or bf16 (fp32 master in the optimizer)
     reduce_dtype: str = "fp32"  # parallel.reduce_dtype: the FSDP reduce-scatter's dtype
     # ops whose fast kernel (``model.kernels fast``) the plan counts instead of the reference's working set:
-    # "rms_norm", "swiglu", "indexer_topk", "indexer_target", "sparse_attention", "hc_merge" (Triton), "hc_mix"
-    # (fused torch), "linear_cross_entropy" (Liger); every other op keeps the base set's
+    # "rms_norm", "swiglu", "indexer_topk", "indexer_target", "indexer_kl", "sparse_attention", "hc_merge"
+    # (Triton), "hc_mix" (fused torch), "linear_cross_entropy" (Liger); every other op keeps the base set's
     # (for the fast kernels an upper bound). ``ops.kernels.planned_fast_ops`` picks them for a config.
     fast_ops: frozenset[str] = frozenset()
     indexer_objective: bool = False  # model.train_indexer: each full-indexer layer adds its KL objective
