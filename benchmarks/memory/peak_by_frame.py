@@ -1,6 +1,7 @@
 """Which code holds the GPU memory at a run's peak: ``megaseq train ARGS`` in this process with CUDA's memory
-history on, then the blocks live at the highest point of the recorded allocations, summed by the innermost
-megaseq frame that allocated them (else torch's), and the largest blocks with their stacks.
+history on, then the blocks live at the highest point of the recorded allocations from the first training step on
+(``--from-frame``), summed by the innermost megaseq frame that allocated them (else torch's), and the largest
+blocks with their stacks.
 
     python benchmarks/memory/peak_by_frame.py --out $OUT/peak.txt -- train recipes/qwen3-30b-a3b-lora.yaml \\
         --data.seq_len 96K --train.steps 1 --train.eval_after false
@@ -21,18 +22,23 @@ from pathlib import Path
 GIB = 2**30
 
 
-def peak_blocks(trace: Iterable[dict]) -> tuple[int, list[dict]]:
+def peak_blocks(trace: Iterable[dict], start_frame: str = "") -> tuple[int, list[dict]]:
     """(peak bytes, the blocks live at the peak) of one device's trace of ``torch.cuda.memory._snapshot()``:
     its ``alloc`` and ``free_completed`` events replayed in order (a free of a block allocated before the
-    recorded window is skipped)."""
+    recorded window is skipped). ``start_frame``: the peak is taken from the first allocation made inside a
+    function of that name on (blocks made before it and still live count; what was freed before it does not)."""
     events = list(trace)
+    start = 0
+    if start_frame:
+        start = next((i for i, e in enumerate(events) if e["action"] == "alloc"
+                      and any(f["name"] == start_frame for f in e.get("frames", []))), len(events))
     live: dict[int, dict] = {}
     cur = peak = peak_i = 0
     for i, e in enumerate(events):
         if e["action"] == "alloc":
             live[e["addr"]] = e
             cur += e["size"]
-            if cur > peak:
+            if i >= start and cur > peak:
                 peak, peak_i = cur, i + 1
         elif e["action"] == "free_completed" and e["addr"] in live:
             cur -= live.pop(e["addr"])["size"]
@@ -73,6 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True, help="the analysis, as text")
     p.add_argument("--max-entries", type=int, default=3_000_000, help="allocation events CUDA keeps")
+    p.add_argument("--from-frame", default="train_step",
+                   help="take the peak from the first allocation inside this function on (default: the training "
+                        "steps, not the model's build); '' for the whole process")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- then the megaseq command and its arguments")
     args = p.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -92,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     trace = snap["device_traces"][torch.cuda.current_device()]
     if len(trace) >= args.max_entries:
         print(f"the history kept its last {args.max_entries} events only: raise --max-entries", file=sys.stderr)
-    lines = [f"command: megaseq {' '.join(command)} (exit status {rc})", *report(*peak_blocks(trace))]
+    lines = [f"command: megaseq {' '.join(command)} (exit status {rc})", *report(*peak_blocks(trace, args.from_frame))]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines[:40]))

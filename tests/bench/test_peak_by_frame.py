@@ -46,6 +46,19 @@ def test_peak_and_live_blocks():
     assert lines[0].startswith("peak of the recorded allocations: 0.00 GiB in 2 live blocks")
 
 
+def test_the_peak_from_a_frame_on():
+    """From the first allocation inside ``step`` on: block 2 (made before it, still live) counts, the earlier
+    peak does not."""
+    bench = bench_scripts.load("memory/peak_by_frame")
+    step = {"filename": "/x/src/megaseq/train/step.py", "line": 9, "name": "step"}
+    trace = [*TRACE[:5], _free(3), _alloc(5, 50, F_TORCH, step), _free(5), _alloc(6, 10, step)]
+    # replayed: 100, 400, 300, 550 (before the window), 300, 350 (block 5 in step: the peak), 300, 310
+    peak, blocks = bench.peak_blocks(trace, "step")
+    assert peak == 350 and sorted(b["addr"] for b in blocks) == [2, 5]
+    assert bench.peak_blocks(trace, "") == bench.peak_blocks(trace)
+    assert bench.peak_blocks(trace, "nowhere") == (0, [])
+
+
 def test_broken_replay_without_frees_fails():
     bench = bench_scripts.load("memory/peak_by_frame")
     with pytest.raises(AssertionError):
