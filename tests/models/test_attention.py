@@ -187,3 +187,22 @@ def test_sdpa_backward_memory_is_the_planned_temporaries(groups, monkeypatch: py
     else:  # an upper bound: a 64K call's cuDNN workspace is smaller than a 600K layer's
         grads = n * 2 * (32 + 2 * 4) * 128  # dq, dk, dv alone
         assert grads < measured <= 1.05 * planned, (groups, measured / 2**30, planned / 2**30)
+
+
+def test_lower_right_causal_under_a_dispatch_mode() -> None:
+    """The last ``Lq`` of ``L`` queries (a segment after the ones carried): the lower-right causal SDPA equals the
+    explicit mask, and runs as well under a dispatch mode (the memory census ``bench.live.CreatedStorages``; torch's
+    FLOP counter is one too), inside which its tensor-subclass mask cannot be made."""
+    from megaseq.bench.live import CreatedStorages
+    from megaseq.models.common.attention import _sdpa_lower_right
+
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, 5, 8, generator=gen)
+    k, v = (torch.randn(1, 2, 12, 8, generator=gen) for _ in range(2))
+    keep = torch.ones(5, 12, dtype=torch.bool).tril(12 - 5)  # query i sees keys up to 7 + i
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=0.3)
+    torch.testing.assert_close(_sdpa_lower_right(q, k, v, 0.3), want)
+    with CreatedStorages() as live:
+        got = _sdpa_lower_right(q, k, v, 0.3)
+    torch.testing.assert_close(got, want)
+    assert live.peak >= got.numel() * got.element_size()  # the mode saw the attention's ops

@@ -179,12 +179,14 @@ def _sdpa_lower_right(q_BHLD: torch.Tensor, k_BKLD: torch.Tensor, v_BKLD: torch.
     if Lq == L:
         return F.scaled_dot_product_attention(q_BHLD, k_BKLD, v_BKLD, is_causal=True, scale=scale, enable_gqa=True)
     from torch.nn.attention.bias import causal_lower_right
+    from torch.utils._python_dispatch import _disable_current_modes
 
     # the mask's own dispatch validates the inputs before autocast would cast them: cast them as it would
     dt = lowered(q_BHLD)
     q_BHLD, k_BKLD, v_BKLD = (t.to(dt) for t in (q_BHLD, k_BKLD, v_BKLD))
-    return F.scaled_dot_product_attention(q_BHLD, k_BKLD, v_BKLD, attn_mask=causal_lower_right(Lq, L), scale=scale,
-                                          enable_gqa=True)
+    with _disable_current_modes():  # the mask (a tensor subclass holding no data) cannot be made under a dispatch
+        mask = causal_lower_right(Lq, L)  # mode (a FLOP counter, a memory census): made outside the mode
+    return F.scaled_dot_product_attention(q_BHLD, k_BKLD, v_BKLD, attn_mask=mask, scale=scale, enable_gqa=True)
 
 
 # ---- RoPE (models/common/rope.py) -----------------------------------------------------------------
