@@ -42,17 +42,18 @@ class Config:
 
 
 def default_config(I: int, D: int, dtype: torch.dtype) -> Config:
-    """128 pools a step for 16-bit operands with up to 32 heads of up to 128, else 32; fp32 operands 32; 8 warps,
-    2 stages.
+    """128 pools a step for 16-bit operands with up to 32 heads of up to 128, else 32; fp32 operands 32, else 16;
+    8 warps, 2 stages.
 
     Timed on an H100 at glm5-flash's indexer (I = 32, D = 128, K = 512, bf16, 2048 queries over 4096 pools, the
     forward and backward; ``benchmarks/kernels/indexer_kl_configs.py``, its result in
     ``benchmarks/results/kernels/indexer_kl/``): (128, 8, 2) the fastest of the six timed, 14% under (64, 8, 2),
     4.7x under the torch reference. Shared memory for sm_90: bf16 (128, 8, 2) 82 KB, (64, 8, 2) 49 KB; fp32
     (32, 8, 2) 49 KB; on 4 warps bf16 (32, 4, 1) spills."""
+    small = I <= 32 and D <= 128
     if dtype.itemsize > 2:
-        return Config(32, 8, 2)
-    return Config(128 if I <= 32 and D <= 128 else 32, 8, 2)
+        return Config(32 if small else 16, 8, 2)
+    return Config(128 if small else 32, 8, 2)
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
