@@ -120,8 +120,9 @@ class _Row:
         return self._target
 
     def kl_impl(self) -> dispatch.Impl:
-        """Op ``indexer_kl``'s implementation for this row's chunks (sparse stage), chosen once, for sizing them:
-        the dispatcher's order under ``model.kernels`` asked with one row of the chunks' dtypes and devices."""
+        """Op ``indexer_kl``'s implementation for every chunk of this row (sparse stage), chosen once before the
+        chunks are sized for it: the dispatcher's order under ``model.kernels`` asked with one row of the chunks'
+        dtypes and devices (the queries in the latents' dtype, the head weights in the work dtype, the keys)."""
         if self._kl is None:
             ix, K, dev = self.ix, self.num_pools, self.c_det.device
             q = torch.zeros(1, ix.n_heads, ix.head_dim, dtype=self.c_det.dtype, device=dev)
@@ -158,9 +159,9 @@ class _Row:
         if pools is None:
             score = kl.index_scores(q_cID, w_cI, keys_PD[:target.shape[1]], self.ix.softmax_scale)
             rows_kl = kl.kl_rows(target, score, cand)
-        else:  # op indexer_kl: the selected keys gathered by pool, the scores and the KL (or one fused kernel)
-            rows_kl = dispatch.call("indexer_kl", q_cID, w_cI, keys_PD, pools, target, cand, self.ix.softmax_scale,
-                                    layer=self.ix.layer)
+        else:  # op indexer_kl (the implementation the chunks were sized for): the selected keys gathered by pool,
+            # the scores and the KL, or one fused kernel
+            rows_kl = self.kl_impl().fn(q_cID, w_cI, keys_PD, pools, target, cand, self.ix.softmax_scale)
         with torch.no_grad():
             if pools is None:
                 hits = kl.recall_counts(target, kl.topk_mask(score.detach(), cand, self.K), cand, self.K)
