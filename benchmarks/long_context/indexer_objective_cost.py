@@ -3,13 +3,13 @@
 
     python benchmarks/long_context/indexer_objective_cost.py                        # glm5-flash-1gpu at 32K
     python benchmarks/long_context/indexer_objective_cost.py --seq-len 1M           # the 1M step (sequence segments)
-    python benchmarks/long_context/indexer_objective_cost.py --seq-len 16K --fused-kl  # + the fused indexer_kl row
+    python benchmarks/long_context/indexer_objective_cost.py --seq-len 16K --reference-kl  # + the torch KL row
 
 Both rows run the recipe's own settings (``--recipe``, default recipes/glm5-flash-1gpu.yaml: bf16 weights with
-fp32 masters) on random tokens, with ``model.train_indexer`` off and on. ``--fused-kl`` adds a third row: the
-objective with op ``indexer_kl``'s Triton kernel preferred (opt-in, not in ``model.kernels fast``), each row
-naming the ``indexer_kl`` implementations that ran and why (a kernel that declined says so there), written to
-``indexer_objective_<model>_<len>_fused_kl.json``.
+fp32 masters) on random tokens, with ``model.train_indexer`` off and on. The objective's rows run op ``indexer_kl``
+as ``model.kernels`` picks it (``fast``: the Triton kernel); ``--reference-kl`` adds a third row with its torch
+reference preferred, written to ``indexer_objective_<model>_<len>_reference_kl.json``. Each row names the
+``indexer_kl`` implementations that ran and why (a kernel that declined says so there).
 
 Writes ``benchmarks/results/long_context/indexer_objective_<model>_<len>.json`` (both rows as ``megaseq
 bench`` measures them: step time, measured and planned peak) and prints the ratios. The aim: the objective
@@ -61,20 +61,20 @@ def main() -> None:
     ap.add_argument("--out", default=str(OUT))
     ap.add_argument("--profile", action="store_true",
                     help="one more step of each row under torch.profiler, its table beside the JSON")
-    ap.add_argument("--fused-kl", action="store_true",
-                    help="a third row: the objective with op indexer_kl's Triton kernel preferred")
+    ap.add_argument("--reference-kl", action="store_true",
+                    help="a third row: the objective with op indexer_kl's torch reference preferred")
     a = ap.parse_args()
     S = parse_size(a.seq_len, "--seq-len")
     rows = {}
-    runs = [("without", False), ("with_objective", True)] + ([("with_objective_fused_kl", True)] if a.fused_kl
+    runs = [("without", False), ("with_objective", True)] + ([("with_objective_reference_kl", True)] if a.reference_kl
                                                              else [])
     for name, on in runs:
         cfg = load_config(a.recipe, {"model.train_indexer": on, "data.kind": "random", "data.seq_len": S,
                                      "train.steps": a.steps + 1})
         model = cfg.model.name
         prof = Path(a.out) / f"indexer_objective_{model}_{a.seq_len}_{name}.profile.txt" if a.profile else None
-        fused = name.endswith("fused_kl")
-        with preferring("indexer_kl", "triton") if fused else contextlib.nullcontext():
+        reference = name.endswith("reference_kl")
+        with preferring("indexer_kl", "torch_gather") if reference else contextlib.nullcontext():
             rows[name] = measure_megaseq(cfg, S, a.steps, "random", profile=prof)
         rows[name].update(name=name, overrides=[f"model.train_indexer={str(on).lower()}"],
                           indexer_kl={r.impl: r.reason for _, r in dispatch.records() if r.op == "indexer_kl"})
@@ -86,12 +86,12 @@ def main() -> None:
             summary.update(peak_gib_delta=obj["measured_gpu_gib"] - base["measured_gpu_gib"],
                            plan_over_measured=obj["predicted_gpu_gib"] / obj["measured_gpu_gib"],
                            plan_delta_gib=obj["predicted_gpu_gib"] - base["predicted_gpu_gib"])
-    fused = rows.get("with_objective_fused_kl", {})
-    if summary and fused.get("status") == "ok":
-        summary.update(fused_kl_step_time_ratio=fused["step_s"] / base["step_s"],
-                       fused_kl_over_reference=fused["step_s"] / obj["step_s"])
-        if fused.get("measured_gpu_gib"):
-            summary.update(fused_kl_peak_gib_delta=fused["measured_gpu_gib"] - base["measured_gpu_gib"])
+    ref = rows.get("with_objective_reference_kl", {})
+    if summary and ref.get("status") == "ok":
+        summary.update(reference_kl_step_time_ratio=ref["step_s"] / base["step_s"],
+                       reference_kl_over_kernel=ref["step_s"] / obj["step_s"])
+        if ref.get("measured_gpu_gib"):
+            summary.update(reference_kl_peak_gib_delta=ref["measured_gpu_gib"] - base["measured_gpu_gib"])
     # as ``megaseq bench`` writes its results (``meta`` + a list of rows), each row with the overrides it ran
     # under: benchmarks/memory/planner_error.py plans every row again
     meta = {"model": model, "recipe": a.recipe,
@@ -102,7 +102,7 @@ def main() -> None:
     result = {"meta": meta, "rows": list(rows.values()), "summary": summary}
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"indexer_objective_{model}_{a.seq_len}{'_fused_kl' if a.fused_kl else ''}.json"
+    path = out / f"indexer_objective_{model}_{a.seq_len}{'_reference_kl' if a.reference_kl else ''}.json"
     path.write_text(json.dumps(result, indent=1, default=str))
     print(json.dumps({k: {f: v.get(f) for f in ("status", "step_s", "measured_gpu_gib", "predicted_gpu_gib",
                                                 "indexer_kl")}
