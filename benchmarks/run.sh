@@ -55,7 +55,9 @@ machine() {
 stage_gpu_suite() {
   # what `make test-gpu` runs (benchmarks/gpu_suite.py: pytest -m gpu tests, recorded in latest.json), with this
   # interpreter (the machine's CUDA torch, not a fresh virtualenv)
-  $PY benchmarks/gpu_suite.py --out "$RESULTS/gpu_suite/latest.json" -- -p no:cacheprovider
+  # no test starts after SUITE_LIMIT seconds (default 480), so the record is written within the job's 10 minutes
+  $PY benchmarks/gpu_suite.py --out "$RESULTS/gpu_suite/latest.json" --time-limit "${SUITE_LIMIT:-480}" \
+    --log "$RESULTS/gpu_suite/latest.jsonl" -- -p no:cacheprovider
 }
 
 stage_speed() {
