@@ -16,6 +16,11 @@
 #   stream        Qwen3-30B-A3B LoRA at 96K with the frozen base streamed from host memory, then resident (the
 #                 plan's other fixes forced): each step's peak against the plan, and the blocks live at it by the
 #                 code that allocated them (benchmarks/memory/peak_by_frame.py), about 6 minutes
+#   longest       the planned longest LoRA steps of the published checkpoints, to the last layers' backward:
+#                 Kimi-Linear-48B-A3B at 1M on a genome window (sequence segments, the base streamed; the
+#                 forward of every segment, the loss and the last segment's backward, about 8 minutes), then
+#                 with LONGEST=qwen Qwen3-30B-A3B at its planned longest, 647K (the forward, the loss and the
+#                 last 2 layers' backward, about 8 minutes); one H200 each (needs the genomes as .data/)
 #   long_context  the long-context experiment in one job (docs/long_context.md; needs the genomes as .data/)
 #   parallel      FSDP2 over 8 GPUs: glm5-flash-slice at 64K, dp 2 x cp 4, bf16 weights (8 H200s)
 #   plans         the planner's tables (CPU, seconds): the model table of the README, families, FSDP,
@@ -26,7 +31,7 @@
 # machine set RESULTS=$OUT. GPU packages (fla-core, liger-kernel) come from `pip install .[gpu]`, or from
 # wheels in .whl/ (bash benchmarks/wheels.sh) when the machine has no package index.
 set -u
-[ $# -eq 1 ] || { sed -n '2,27p' "$0"; exit 2; }
+[ $# -eq 1 ] || { sed -n '2,/^set -u$/{/^set -u$/!p}' "$0"; exit 2; }
 RESULTS=${RESULTS:-benchmarks/results}
 DATE=$(date -u +%F)
 PY=${PY:-python3}
@@ -117,6 +122,20 @@ stage_stream() {
   done
 }
 
+stage_longest() {
+  local b
+  if [ "${LONGEST:-kimi}" = qwen ]; then
+    b=lora/qwen3-30b-a3b
+    timeout -k 5 560 $PY benchmarks/lora/lora_partial_step.py 647K --backward-layers 2 \
+      --out "$(dest $b 647k_partial).json" | tail -30
+  else
+    b=lora/kimi-linear-48b-a3b
+    mkdir -p "$RESULTS/$b"
+    timeout -k 5 560 $PY benchmarks/lora/segments_partial_step.py 1M --forward-loss --source genome \
+      --out "$(dest $b 1m_partial).json" data.train="${GENOMES:-.data}/ecoli_MG1655.fa.gz" | tail -30
+  fi
+}
+
 stage_long_context() {
   OUT=$(dest long_context/experiment run) GENOMES=${GENOMES:-.data} bash benchmarks/long_context/long_context.sh call
 }
@@ -139,7 +158,8 @@ stage_plans() {
 }
 
 case "$1" in
-  gpu_suite|speed|lora|memory|kernels|indexer|stream|long_context|parallel|plans) machine; "stage_$1" ;;
-  *) echo "unknown stage '$1': one of gpu_suite speed lora memory kernels indexer stream long_context parallel plans" >&2
+  gpu_suite|speed|lora|memory|kernels|indexer|stream|longest|long_context|parallel|plans) machine; "stage_$1" ;;
+  *) echo "unknown stage '$1': one of gpu_suite speed lora memory kernels indexer stream longest long_context" \
+       "parallel plans" >&2
      exit 2 ;;
 esac
