@@ -101,9 +101,8 @@ def git_commit() -> str | None:
     return head.stdout.strip() + ("-dirty" if dirty else "")
 
 
-def run_suite(pytest_args: list[str], log_path: Path, time_limit: float | None = None,
-              tests: str = "tests") -> tuple[int | None, float]:
-    """pytest over the gpu-marked tests of ``tests``, each outcome written to ``log_path`` as it finishes; its
+def run_suite(pytest_args: list[str], log_path: Path, time_limit: float | None = None) -> tuple[int | None, float]:
+    """pytest over the gpu-marked tests, each outcome written to ``log_path`` as it finishes; its
     exit status (None where it was stopped at ``time_limit`` + ``GRACE_S``) and wall seconds."""
     env = dict(os.environ)
     env.setdefault("MEGASEQ_FLA_AUTOTUNE", "one")
@@ -113,7 +112,7 @@ def run_suite(pytest_args: list[str], log_path: Path, time_limit: float | None =
     start = time.time()
     if time_limit is not None:
         env["MEGASEQ_SUITE_DEADLINE"] = str(start + time_limit)
-    cmd = [sys.executable, "-m", "pytest", "-m", "gpu or triton", tests, "-p", "no:cacheprovider",
+    cmd = [sys.executable, "-m", "pytest", "-m", "gpu or triton", "tests", "-p", "no:cacheprovider",
            "-p", "gpu_suite_log", "-rfE", "--durations=15", *pytest_args]
     try:
         rc = subprocess.run(cmd, cwd=ROOT, env=env,
