@@ -130,7 +130,6 @@ stage_longest() {
       --out "$(dest $b 647k_partial).json" | tail -30
   else
     b=lora/kimi-linear-48b-a3b
-    mkdir -p "$RESULTS/$b"
     timeout -k 5 560 $PY benchmarks/lora/segments_partial_step.py 1M --forward-loss --source genome \
       --out "$(dest $b 1m_partial).json" data.train="${GENOMES:-.data}/ecoli_MG1655.fa.gz" | tail -30
   fi
