@@ -176,7 +176,7 @@ def indexer_kl_bytes(Q: int, S: int, num_heads: int, index_heads: int, head_dim:
                      num_select: int, W: int, latent: int, dense: bool, itemsize: int = 4,
                      budget: int = INDEXER_KL_BUDGET_BYTES, gathered_itemsize: int = 0,
                      fused_target: bool = False, query_width: int = 0, given_lse: bool = False,
-                     lse_copy: bool = False, fused_kl: bool = False) -> int:
+                     lse_copy: bool = False, fused_kl: bool = False, keys_itemsize: int = 4) -> int:
     """GPU bytes of one DSA layer's objective beyond its inputs: one chunk (``indexer_kl_chunk`` rows, at most Q;
     ``fused_target``: the sparse stage's target from the Triton kernel; ``given_lse``: it reads the attention's
     log-sum-exp) plus the gradients the forward sums (pooled keys ``[P, D]``, head weights ``[Q, I]``, fp32) and the
@@ -184,16 +184,17 @@ def indexer_kl_bytes(Q: int, S: int, num_heads: int, index_heads: int, head_dim:
     attention's base-2 log-sum-exp ``[Q, Hh]`` is a tensor of its own (``absorbed``, ``torch_masked``; in the
     compute dtype ``itemsize``) kept from the attention to the objective; the Triton op's is a view of what it
     saves for its backward (counted there). ``fused_kl``: the sparse stage's indexer side in op ``indexer_kl``'s
-    kernel."""
+    kernel, whose chunk also holds the pooled keys' gradient cast to their dtype (``keys_itemsize``)."""
     keys, cand = (S, num_pools) if dense else (W, num_select)
     gathered = 0 if dense else W
     given_lse = given_lse and not dense
     fused_kl = fused_kl and not dense
     rows = min(Q, indexer_kl_chunk(num_heads, keys, index_heads, cand, head_dim, gathered, latent, itemsize, budget,
-                                   gathered_itemsize, fused_target, query_width, given_lse, fused_kl, num_pools))
+                                   gathered_itemsize, fused_target, query_width, given_lse, fused_kl, num_pools,
+                                   keys_itemsize))
     chunk = rows * indexer_kl_row_bytes(num_heads, keys, index_heads, cand, head_dim, gathered, latent, itemsize,
                                         gathered_itemsize, fused_target, query_width, given_lse, fused_kl)
-    chunk += indexer_kl_fixed_bytes(num_pools, head_dim) if fused_kl else 0
+    chunk += indexer_kl_fixed_bytes(num_pools, head_dim, keys_itemsize) if fused_kl else 0
     sums = 4 * (num_pools * head_dim + Q * index_heads)
     graph = itemsize * (2 * S * head_dim + num_pools * head_dim)
     lse = Q * num_heads * itemsize if given_lse and lse_copy else 0

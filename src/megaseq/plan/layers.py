@@ -101,7 +101,7 @@ def indexer_objective_bytes(spec: ModelSpec, n: int, batch: int, seq_len: int, p
     total = indexer_kl_bytes(Q, seq_len, spec.num_attention_heads, spec.index_n_heads, spec.index_head_dim, P, K,
                              W, R, dense=False, itemsize=prec.f32, gathered_itemsize=prec.compute,
                              fused_target=fused_target, query_width=spec.q_lora_rank, given_lse=given_lse,
-                             lse_copy=lse_copy, fused_kl=fused_kl)
+                             lse_copy=lse_copy, fused_kl=fused_kl, keys_itemsize=prec.compute)
     kept = batch * (prec.f32 * (P * spec.index_head_dim + Q * spec.index_n_heads)
                     + prec.f32 * (2 * seq_len * spec.index_head_dim + P * spec.index_head_dim))
     return kept, batch * total - kept

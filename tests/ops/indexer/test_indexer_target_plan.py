@@ -131,6 +131,17 @@ def test_the_fused_kl_row_has_no_head_scores_and_no_gathered_keys(monkeypatch):
     ref, fused = (layers.indexer_objective_bytes(spec, S, 1, S, Precision(), fused_target=True, given_lse=True,
                                                  fused_kl=f) for f in (False, True))
     assert ref[0] == fused[0] and fused[1] < ref[1] < workspace.INDEXER_KL_BUDGET_BYTES
+    # the kernel's chunk holds the pooled keys' gradient cast to bf16 keys: 2 bytes a value more than fp32 keys
+    P16 = S // spec.index_kpool
+    b16, b32 = (workspace.indexer_kl_bytes(S, S, Hh, I, D, P16, spec.index_topk // spec.index_kpool, W, C, False,
+                                           gathered_itemsize=2, fused_target=True, query_width=Qr, given_lse=True,
+                                           fused_kl=True, keys_itemsize=k) for k in (2, 4))
+    assert b16 - b32 == 2 * P16 * D
+    seen, real_bytes = [], layers.indexer_kl_bytes
+    monkeypatch.setattr(layers, "indexer_kl_bytes", lambda *a, **k: seen.append(k["keys_itemsize"]) or
+                        real_bytes(*a, **k))
+    layers.indexer_objective_bytes(spec, S, 1, S, Precision(), fused_target=True, given_lse=True, fused_kl=True)
+    assert seen == [Precision().compute]  # the pooled keys are the activations' dtype
     from megaseq.plan.planner import plan
 
     asked, real = [], layers.indexer_objective_bytes
