@@ -13,6 +13,7 @@ under the interpreter) and ``benchmarks/memory/saved_by_layer.py`` reads a GPU s
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 from collections.abc import Iterable, Iterator
 
@@ -42,23 +43,31 @@ class SavedStorages:
 
     @contextlib.contextmanager
     def recording(self) -> Iterator[SavedStorages]:
-        """Autograd's saved tensors packed through ``pack`` and ``dispatch.call`` noting the outermost op running."""
-        original, local = dispatch.call, self._local
+        """Autograd's saved tensors packed through ``pack``, and the outermost dispatcher op running noted: the
+        implementation ``dispatch.select`` returns runs under its op, whether ``dispatch.call`` runs it or the
+        caller keeps it and runs its ``fn`` (the indexer objective's chunks)."""
+        original, local = dispatch.select, self._local
 
-        def call(op, *args, layer="?", **kwargs):
-            outer = getattr(local, "op", None)
-            local.op = outer or op
-            try:
-                return original(op, *args, layer=layer, **kwargs)
-            finally:
-                local.op = outer
+        def under(op: str, fn):
+            def run(*args, **kwargs):
+                outer = getattr(local, "op", None)
+                local.op = outer or op
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    local.op = outer
+            return run
 
-        dispatch.call = call
+        def select(op, layer, *args, **kwargs):
+            impl = original(op, layer, *args, **kwargs)
+            return dataclasses.replace(impl, fn=under(op, impl.fn))
+
+        dispatch.select = select
         try:
             with torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t):
                 yield self
         finally:
-            dispatch.call = original
+            dispatch.select = original
 
     def total(self) -> int:
         return sum(nbytes for _, _, nbytes, _, _ in self.seen.values())
