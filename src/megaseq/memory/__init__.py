@@ -7,6 +7,7 @@
 - ``offload``          full recompute per layer, SCO boundary offload to an exactly sized pinned pool
 - ``model_segments``   sequence segments: the whole model over the sequence a segment at a time
 - ``offload_adam``     OffloadStreamAdamW (host fp32 state streamed through two GPU slots)
+- ``forwards``         the forwards the schemes install on a module instance, stacked, each removable
 - ``apply``            the runtime wrappers a family's ``parallelize`` applies from the memory settings
 
 Each has a float64 CPU test against the plain computation (tests/test_memory_*.py); its memory formula

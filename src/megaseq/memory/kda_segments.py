@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from megaseq.memory import forwards
 from megaseq.memory.replay import Chunk, Replay, chunk_bounds, replay
 from megaseq.models.common.context import SeqContext
 
@@ -72,12 +73,12 @@ def segmented_kda(module: nn.Module, x_BSH: torch.Tensor, ctx: SeqContext, segme
     return replay(Replay(step=step, chunks=chunks, modules=(module,), dim=1, carry=True), x_BSH)[0]
 
 
-class _SegmentedForward:
+class _SegmentedForward(forwards.InstanceForward):
     """The forward ``segment`` installs on a mixer instance: a sequence longer than ``segment_tokens`` runs
     in segments (under sequence segments the mixer's own forward carries its state itself)."""
 
     def __init__(self, module: nn.Module, segment_tokens: int) -> None:
-        self.prior = module.__dict__.get("forward")  # an instance forward installed before is kept
+        super().__init__(module)
         self.module_ref = module
         self.segment_tokens = segment_tokens
 
@@ -85,17 +86,13 @@ class _SegmentedForward:
         m = self.module_ref
         if not ctx.segmented and x_BSH.shape[1] * ctx.cp_size > self.segment_tokens:
             return segmented_kda(m, x_BSH, ctx, self.segment_tokens)
-        return self.prior(x_BSH, ctx) if self.prior is not None else type(m).forward(m, x_BSH, ctx)
+        return self.inner(x_BSH, ctx)
 
 
 def segment(module: nn.Module, segment_tokens: int | None) -> nn.Module:
     """Run ``module`` (a KDA mixer) in segments of ``segment_tokens`` tokens when the sequence is longer
     (None: off again; calling again changes the size). Returns the module."""
-    current = module.__dict__.get("forward")
-    if isinstance(current, _SegmentedForward):
-        del module.forward
-        if current.prior is not None:
-            module.forward = current.prior
+    forwards.remove(module, _SegmentedForward)
     if segment_tokens is not None:
         if segment_tokens < 1:
             raise ValueError(f"{SETTING} must be >= 1, got {segment_tokens}")
@@ -105,5 +102,5 @@ def segment(module: nn.Module, segment_tokens: int | None) -> nn.Module:
 
 def segment_tokens_of(module: nn.Module) -> int | None:
     """The segment size ``segment`` installed on ``module`` (None: not segmented)."""
-    current = module.__dict__.get("forward")
-    return current.segment_tokens if isinstance(current, _SegmentedForward) else None
+    current = forwards.installed(module, _SegmentedForward)
+    return None if current is None else current.segment_tokens

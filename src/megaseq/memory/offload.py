@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from megaseq.memory import forwards
 from megaseq.memory.replay import Chunk, InputStore, Replay, replay
 from megaseq.memory.rules import SLOT_ALIGN, round_up  # the planner's slot sizing too (one formula: sco_plan)
 
@@ -311,12 +312,11 @@ class _BoundaryStore(InputStore):
         return saved
 
 
-class _CheckpointedForward:
+class _CheckpointedForward(forwards.InstanceForward):
     """The forward ``checkpoint_layers`` installs on a layer instance (state-dict names unchanged)."""
 
     def __init__(self, layer: nn.Module, offloader: BoundaryOffloader | None) -> None:
-        self.prior = layer.__dict__.get("forward")
-        self.inner = self.prior or type(layer).forward.__get__(layer)
+        super().__init__(layer)
         self.layer_ref = weakref.ref(layer)
         self.offloader = offloader
 
@@ -345,8 +345,5 @@ def checkpoint_layers(layers: Any, offloader: BoundaryOffloader | None = None) -
 
 
 def uncheckpoint_layer(layer: nn.Module) -> None:
-    current = layer.__dict__.get("forward")
-    if isinstance(current, _CheckpointedForward):
-        del layer.forward
-        if current.prior is not None:
-            layer.forward = current.prior
+    """Undo ``checkpoint_layers`` on ``layer`` (the forwards around it as they were)."""
+    forwards.remove(layer, _CheckpointedForward)

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from megaseq.memory import forwards
 from megaseq.memory.offload import HostBuffer
 from megaseq.memory.rules import check_stream_base, round_up
 
@@ -196,12 +197,11 @@ def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-class _StreamedForward:
+class _StreamedForward(forwards.InstanceForward):
     """The forward ``stream_layers`` installs on a layer instance (inside any recompute wrapper)."""
 
     def __init__(self, layer: nn.Module, streamer: BaseStreamer, index: int) -> None:
-        self.prior = layer.__dict__.get("forward")
-        self.inner = self.prior or type(layer).forward.__get__(layer)
+        super().__init__(layer)
         self.streamer, self.index = streamer, index
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -225,10 +225,7 @@ def stream_layers(layers: list[nn.Module], device: torch.device | str) -> BaseSt
 def streamed_forward(layer: nn.Module) -> _StreamedForward | None:
     """The streamed forward installed on ``layer``, under whatever wrappers were installed after it (recompute,
     SCO and tiling each keep the forward they replaced as ``prior``), or None."""
-    f = layer.__dict__.get("forward")
-    while f is not None and not isinstance(f, _StreamedForward):
-        f = getattr(f, "prior", None)
-    return f
+    return forwards.installed(layer, _StreamedForward)
 
 
 def streamed_parameters(model: nn.Module) -> list[nn.Parameter]:
@@ -242,22 +239,13 @@ def unstream_layers(layers: list[nn.Module], device: torch.device | str | None =
     its own; the layers' forwards as they were (a wrapper installed after the streamed forward calls what the
     streamed forward wrapped)."""
     for layer in layers:
-        current = streamed_forward(layer)
+        current = forwards.remove(layer, _StreamedForward)
         if current is None:
             continue
         streamer = current.streamer
         streamer.release()
         for p in streamer.layers[current.index].params:
             p.data = p.data.to(device or streamer.device, copy=True)
-        outer = layer.__dict__["forward"]
-        if outer is current:
-            del layer.forward
-            if current.prior is not None:
-                layer.forward = current.prior
-            continue
-        while outer.prior is not current:
-            outer = outer.prior
-        outer.prior, outer.inner = current.prior, current.inner
 
 
 def to_device_resident(model: nn.Module, device: torch.device | str) -> None:

@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from megaseq.memory import forwards
 from megaseq.memory.replay import Replay, chunk_bounds, replay
 
 SETTING = "memory.mlp_tile_tokens"
@@ -58,13 +59,12 @@ def tiled_forward(module: nn.Module, x: torch.Tensor, tile_tokens: int,
 
 
 # ---- a token-separable module, tiled in place ---------------------------------------------------------
-class _TiledForward:
-    """The forward that ``enable_tiling`` installs on an instance (keeps the class and state-dict names)."""
+class _TiledForward(forwards.InstanceForward):
+    """The forward that ``enable_tiling`` installs on an instance (keeps the class and state-dict names); an
+    instance forward installed before it is kept and tiled."""
 
     def __init__(self, module: nn.Module, tile_tokens: int) -> None:
-        # an instance-level forward someone installed before us is kept and tiled
-        self.prior = module.__dict__.get("forward")
-        self.inner = self.prior or type(module).forward.__get__(module)
+        super().__init__(module)
         self.module_ref = module
         self.tile_tokens = tile_tokens
 
@@ -80,8 +80,8 @@ def _check_tile(tile_tokens: int) -> None:
 def enable_tiling(module: nn.Module, tile_tokens: int) -> nn.Module:
     """Tile ``module``'s forward in place (calling again changes the tile size). Returns the module."""
     _check_tile(tile_tokens)
-    current = module.__dict__.get("forward")
-    if isinstance(current, _TiledForward):
+    current = forwards.installed(module, _TiledForward)
+    if current is not None:
         current.tile_tokens = tile_tokens
     else:
         module.forward = _TiledForward(module, tile_tokens)
@@ -90,11 +90,7 @@ def enable_tiling(module: nn.Module, tile_tokens: int) -> nn.Module:
 
 def disable_tiling(module: nn.Module) -> nn.Module:
     """Undo ``enable_tiling`` (an instance forward installed before it comes back)."""
-    current = module.__dict__.get("forward")
-    if isinstance(current, _TiledForward):
-        del module.forward
-        if current.prior is not None:
-            module.forward = current.prior
+    forwards.remove(module, _TiledForward)
     return module
 
 
