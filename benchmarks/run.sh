@@ -100,7 +100,7 @@ stage_indexer() {
   if [ "$($PY -c 'import torch; print(int(torch.cuda.get_device_properties(0).total_memory < 120 * 2**30))')" = 1 ]; then
     len=16K
   fi
-  mkdir -p "$RESULTS/$b" "$RESULTS/memory/saved_by_layer"
+  mkdir -p "$RESULTS/$b"
   timeout -k 5 200 $PY benchmarks/long_context/indexer_objective_cost.py --seq-len $len --profile --out "$RESULTS/$b" \
     | tail -16
   timeout -k 5 150 $PY benchmarks/memory/saved_by_layer.py recipes/glm5-flash-1gpu.yaml --seq-len $len \
