@@ -25,8 +25,9 @@ a warm-up step on the first ``--warm-tokens`` of the window (the optimizer's sta
   during the forward pass (the step's own loss function): the whole step's loss without its backward
   (``--check-full`` also runs a whole step after it and records its loss, ``full_step_loss``).
 
-``OUT.progress.jsonl`` (beside ``--out``) gets a line as each segment starts (the time so far and the peak
-since the last reset): a run stopped by its time limit still says how far the forward pass got.
+``OUT.progress.jsonl`` (beside ``--out``) gets a line once the model is built and once it is warm (the time
+and the process's peak host memory, also printed) and one as each segment starts (the time so far and the
+peak since the last reset): a run stopped by its time limit still says how far it got.
 
 The peaks are compared with the plan's tensors peak (``plan.peak_gpu_tensors``) and its phase peaks.
 """
@@ -45,6 +46,13 @@ GIB = 1024**3
 
 class StopStep(Exception):
     """Raised from the step's progress hook once the last segments' backward has run."""
+
+
+def host_peak_gib() -> float:
+    """This process's peak resident host memory so far."""
+    import resource
+
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)
 
 
 def should_stop(backward_done: int, k: int) -> bool:
@@ -101,8 +109,6 @@ class Probe:
                  labels: torch.Tensor | None, log: str | None = None) -> None:
         self.device, self.k, self.bounds, self.state, self.labels = device, k, bounds, state, labels
         self.log = log  # a JSON line per segment (a run stopped by its time limit still says how far it got)
-        if log is not None:
-            open(log, "w").close()
         self.cuda = device.type == "cuda"
         self.marks: dict[str, Any] = {"forward_segment_s": [], "backward_segment_s": []}
         self.j: int | None = None
@@ -231,15 +237,26 @@ def main(argv: list[str] | None = None) -> int:
                          "use a longer length, or benchmarks/lora/lora_partial_step.py for recompute")
     bounds = segment_bounds(cfg.data.seq_len, seg)
     n, k = len(bounds), min(args.backward_segments, len(bounds) - 1)
+    log = args.out + ".progress.jsonl"
+    open(log, "w").close()
     t0 = time.perf_counter()
+
+    def setup(stage: str) -> None:  # printed and logged: a run stopped before its first segment says where
+        line = {"phase": stage, "s": round(time.perf_counter() - t0, 1), "host_peak_gib": host_peak_gib()}
+        print(json.dumps(line), flush=True)
+        with open(log, "a") as f:
+            f.write(json.dumps(line) + "\n")
+
     with kernels_for(cfg, device):
         model, applied, next_batch, state = build(cfg, device, plan)
+        setup("built")
         batch = next_batch()
         warm = min(args.warm_tokens, seg)  # one segment or less: the optimizer's state made, not the segments run
         train_step(state, [{key: v[:, :warm] if torch.is_tensor(v) else v for key, v in batch.items()}])
         build_s = time.perf_counter() - t0
+        setup("warmed")
         labels = batch["labels"] if args.forward_loss or args.check_full else None
-        probe = Probe(device, k, bounds, state, labels, log=args.out + ".progress.jsonl")
+        probe = Probe(device, k, bounds, state, labels, log=log)
         stopped = partial_step(state, batch, probe)
         marks = probe.marks
         trainable = [p for p in model.parameters() if p.requires_grad]

@@ -34,7 +34,8 @@ def test_partial_step_forward_loss_is_the_whole_steps(tmp_path):
     assert row["estimate_step_s"] > row["forward_s"] > 0
     assert set(row["planned_phase_peaks_gib"]) >= {"forward", "backward"}
     lines = [json.loads(t) for t in (tmp_path / "partial.json.progress.jsonl").read_text().splitlines()]
-    assert [(t["phase"], t["done"]) for t in lines] == [("forward", j) for j in range(4)] + [
+    assert [t["phase"] for t in lines[:2]] == ["built", "warmed"] and lines[1]["host_peak_gib"] > 0
+    assert [(t["phase"], t["done"]) for t in lines[2:]] == [("forward", j) for j in range(4)] + [
         ("backward", 0), ("backward", 1)]
 
 

@@ -25,20 +25,24 @@ StoredDtypes = Callable[[nn.Module, torch.dtype], dict[str, torch.dtype]]
 
 
 def build_model(spec: ModelSpec, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                seed: int | None = None, stored: StoredDtypes | None = None) -> nn.Module:
+                seed: int | None = None, stored: StoredDtypes | None = None,
+                draw_on: str | torch.device | None = None) -> nn.Module:
     """Construct ``spec.family``'s model on ``device`` with HF's init (seeded when ``seed`` is set).
 
     Parameters are cast to ``dtype``, except the ones HF keeps in float32 (router, KDA conv and decay,
     mHC base/scale) when ``dtype`` is narrower than float32. ``stored`` gives each parameter its own dtype
     instead (a frozen base in bf16: ``models.common.lora.storage_dtypes``): the model is then made on the
     meta device and each tensor allocated once, in its dtype, before the init (another draw of the random
-    weights than the default path's, the same for a seed).
+    weights than the default path's, the same for a seed). With ``stored``, ``draw_on`` (a CUDA device) draws
+    the init there, a module's own tensors at a time, and copies them to ``device``: a model built in host
+    memory (a streamed or sharded base) gets the weights it would get built on that GPU, without drawing
+    tens of billions of values on one CPU thread.
     """
     cls = family_module(spec.family, "model").Model
     device = torch.device(device)
     fork_devices = [device] if device.type == "cuda" else []
     if stored is not None:
-        model = _build_stored(cls, spec, dtype, device, seed, stored)
+        model = _build_stored(cls, spec, dtype, device, seed, stored, draw_on)
     else:
         with torch.random.fork_rng(devices=fork_devices, enabled=seed is not None):
             if seed is not None:
@@ -61,9 +65,10 @@ def build_model(spec: ModelSpec, dtype: torch.dtype = torch.float32, device: str
 
 
 def _build_stored(cls: type, spec: ModelSpec, dtype: torch.dtype, device: torch.device, seed: int | None,
-                  stored: StoredDtypes) -> nn.Module:
+                  stored: StoredDtypes, draw_on: str | torch.device | None = None) -> nn.Module:
     """The model made on the meta device, each parameter allocated on ``device`` in ``stored``'s dtype, then
-    initialised (HF's init, seeded); buffers and per-forward tensors made again on ``device``."""
+    initialised (HF's init, seeded; drawn on ``draw_on`` when given); buffers and per-forward tensors made again
+    on ``device``."""
     with torch.device("meta"):
         model = cls(spec)
     dtypes = stored(model, dtype)
@@ -79,9 +84,13 @@ def _build_stored(cls: type, spec: ModelSpec, dtype: torch.dtype, device: torch.
         for b in m._buffers.values():
             if b is not None:
                 b.zero_()  # every buffer megaseq has starts at zero (the router's correction bias)
-    fork_devices = [device] if device.type == "cuda" else []
+    draw = torch.device(draw_on) if draw_on is not None else device
+    fork_devices = [draw] if draw.type == "cuda" else []
     with torch.random.fork_rng(devices=fork_devices, enabled=seed is not None):
         if seed is not None:
             torch.manual_seed(seed)
-        model.reset_parameters()
+        if draw == device:
+            model.reset_parameters()
+        else:
+            model.reset_parameters(draw_on=draw)
     return model

@@ -77,7 +77,8 @@ def build_planned_model(cfg: Config, spec: Any, device: torch.device, memory: Me
         if memory.stream_base:  # built where it fits (the host when the GPU cannot hold it), streamed from the host
             where = stream_base.build_device(build_model(spec, dtype=dtype, device="meta", stored=frozen), device)
             where = "cpu" if init_from else where
-        model = build_model(spec, dtype=dtype, device=where, seed=cfg.train.seed, stored=frozen)
+        model = build_model(spec, dtype=dtype, device=where, seed=cfg.train.seed, stored=frozen,
+                            draw_on=device if device.type == "cuda" and not init_from else None)
         if init_from:
             load_hf_checkpoint(init_from, model=model, spec=spec)
         applied = parallelize(model, memory, env, adapters)
@@ -86,7 +87,7 @@ def build_planned_model(cfg: Config, spec: Any, device: torch.device, memory: Me
     else:  # a frozen base: its frozen tensors built (and sharded) in their storage dtype, what trains kept whole
         frozen = frozen_base_dtypes(adapters) if adapters.freezes and adapters.frozen_dtype else None
         model = build_model(spec, dtype=dtype, device="meta" if init_from else "cpu", seed=cfg.train.seed,
-                            stored=frozen)
+                            stored=frozen, draw_on=device if device.type == "cuda" and not init_from else None)
         applied = parallelize(model, memory, env, adapters)  # shards (moves each rank's shards to the device)
         if init_from:
             model.to_empty(device=device)

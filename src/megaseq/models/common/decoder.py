@@ -101,10 +101,24 @@ class CausalLM(nn.Module):
         return self.lm_head(hidden_BSH)
 
     @torch.no_grad()
-    def reset_parameters(self, std: float = INIT_STD) -> None:
-        """HF's init of every module, in module order (the global RNG)."""
+    def reset_parameters(self, std: float = INIT_STD, draw_on: torch.device | None = None) -> None:
+        """HF's init of every module, in module order (the global RNG). ``draw_on``: the tensors each module's
+        init writes (its own; every tensor under it when it has an ``init_weights``, which may reach into a
+        child) are copied to that device, drawn there and copied back into their storage: the same calls on
+        the same shapes, in the same order, as an init on that device, so the same values."""
         for module in self.modules():
+            if draw_on is None:
+                init_module(module, std)
+                continue
+            whole = getattr(type(module), "init_weights", None) is not None
+            own = list(module.parameters(recurse=whole))
+            homes = [p.data for p in own]
+            for p in own:  # with their values: what this init leaves alone comes back as it was
+                p.data = p.data.to(draw_on, copy=True)
             init_module(module, std)
+            for p, home in zip(own, homes):
+                home.copy_(p.data)
+                p.data = home
 
 
 @dataclass(frozen=True)

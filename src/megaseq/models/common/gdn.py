@@ -48,6 +48,10 @@ class GatedRMSNormSilu(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
+    def init_weights(self, std: float) -> None:
+        """HF's init: ones (a model made on the meta device gets them here)."""
+        self.weight.fill_(1.0)
+
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         cd = compute_dtype(x.dtype)
         h = x.to(cd)
