@@ -53,8 +53,9 @@ def build_planned_model(cfg: Config, spec: Any, device: torch.device, memory: Me
     planned optimizer and LR schedule: (model, what was applied (release it at the end), optimizer, scheduler).
 
     Under FSDP the whole model never sits on the device: loaded from ``init_from`` it is built on the meta
-    device, sharded, then each rank reads only its rows of the safetensors files; a random init is drawn on
-    the host (the one-process weights, one full copy per process) and sharded to the device. A frozen base
+    device, sharded, then each rank reads only its rows of the safetensors files; a random init is made in
+    host memory (the one-process weights, one full copy per process; a frozen base drawn on the GPU a module at
+    a time, ``build_model(draw_on=...)``) and sharded to the device. A frozen base
     (LoRA, ``train.trainable``) is sharded in its storage dtype (bf16 under bf16 autocast); the adapters and
     the trained tensors stay whole on every rank (``parallel.fsdp``)."""
     from megaseq.models.build import build_model
