@@ -34,6 +34,22 @@ from megaseq.models.spec import ModelSpec
 INIT_STD = 0.02  # HF's initializer_range default
 
 
+INIT_WHOLE = (nn.Linear, nn.Conv1d, nn.Embedding, RMSNorm, GatedRMSNorm, nn.LayerNorm)  # init_module writes all of
+# their ``weight`` and ``bias``
+
+
+def init_written(module: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """The tensors ``init_module(module)`` may write: ``(written whole, written in part or maybe not at all)``.
+    A block's ``init_weights`` may write any tensor under it, in part; the plain modules' init writes their
+    ``weight`` and ``bias`` whole."""
+    if getattr(type(module), "init_weights", None) is not None:
+        return [], list(module.parameters())
+    if not isinstance(module, INIT_WHOLE):
+        return [], []
+    whole = [p for k, p in module._parameters.items() if p is not None and k in ("weight", "bias")]
+    return whole, [p for k, p in module._parameters.items() if p is not None and k not in ("weight", "bias")]
+
+
 @torch.no_grad()
 def init_module(module: nn.Module, std: float) -> None:
     """HF's init of one module's own tensors: normal(0, std) for linear/conv weights and embeddings (the
@@ -103,20 +119,23 @@ class CausalLM(nn.Module):
     @torch.no_grad()
     def reset_parameters(self, std: float = INIT_STD, draw_on: torch.device | None = None) -> None:
         """HF's init of every module, in module order (the global RNG). ``draw_on``: the tensors each module's
-        init writes (its own; every tensor under it when it has an ``init_weights``, which may reach into a
-        child) are copied to that device, drawn there and copied back into their storage: the same calls on
-        the same shapes, in the same order, as an init on that device, so the same values."""
+        init writes (``init_written``) are drawn on that device and copied back into their storage: the same
+        calls on the same shapes, in the same order, as an init on that device, so the same values. A tensor
+        the init may write in part goes there with its values; one it writes whole, as allocated."""
         for module in self.modules():
             if draw_on is None:
                 init_module(module, std)
                 continue
-            whole = getattr(type(module), "init_weights", None) is not None
-            own = list(module.parameters(recurse=whole))
-            homes = [p.data for p in own]
-            for p in own:  # with their values: what this init leaves alone comes back as it was
+            whole, part = init_written(module)
+            if not whole and not part:
+                continue
+            homes = [p.data for p in whole + part]
+            for p in whole:
+                p.data = torch.empty_like(p.data, device=draw_on)
+            for p in part:
                 p.data = p.data.to(draw_on, copy=True)
             init_module(module, std)
-            for p, home in zip(own, homes):
+            for p, home in zip(whole + part, homes):
                 home.copy_(p.data)
                 p.data = home
 
