@@ -34,8 +34,8 @@ from megaseq.models.spec import ModelSpec
 INIT_STD = 0.02  # HF's initializer_range default
 
 
-INIT_WHOLE = (nn.Linear, nn.Conv1d, nn.Embedding, RMSNorm, GatedRMSNorm, nn.LayerNorm)  # init_module writes all of
-# their ``weight`` and ``bias``
+# the modules whose ``weight`` and ``bias`` ``init_module`` writes whole (the branches below)
+INIT_WHOLE = (nn.Linear, nn.Conv1d, nn.Embedding, RMSNorm, GatedRMSNorm, nn.LayerNorm)
 
 
 def init_written(module: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
