@@ -28,8 +28,9 @@
 #
 # Each run writes a dated file per benchmark, RESULTS/<topic>/<benchmark>/<date>_<what>.{json,md,png}, and copies
 # it to current_<what>.* beside it: the figure the docs cite. RESULTS defaults to benchmarks/results; on a lent
-# machine set RESULTS=$OUT. GPU packages (fla-core, liger-kernel) come from `pip install .[gpu]`, or from
-# wheels in .whl/ (bash benchmarks/wheels.sh) when the machine has no package index.
+# machine set RESULTS=$OUT, and TCACHE_PACK=$OUT/tcpart to bring the Triton cache back for the next job's
+# .tcpart/. GPU packages (fla-core, liger-kernel) come from `pip install .[gpu]`, or from wheels in .whl/
+# (bash benchmarks/wheels.sh) when the machine has no package index.
 set -u
 [ $# -eq 1 ] || { sed -n '2,/^set -u$/{/^set -u$/!p}' "$0"; exit 2; }
 RESULTS=${RESULTS:-benchmarks/results}
@@ -41,9 +42,18 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 MEGASEQ_FLA_AUTOTUNE=${MEGASEQ_FLA_AUTOTUNE:-full}
 export TRITON_CACHE_AUTOTUNING=1 TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.tcache}
-# a Triton cache from an earlier job (without one the first step compiles and autotunes for minutes): .tcache/, or
-# its parts .tcpart/tcache.tgz.part* (a packed .tcache, `tar czf - .tcache | split -b 15M - tcache.tgz.part`)
-if ls .tcpart/tcache.tgz.part* >/dev/null 2>&1; then cat .tcpart/tcache.tgz.part* | tar xz; fi
+# a Triton cache from an earlier job (without one the first step compiles and autotunes for minutes): the cache
+# directory itself, or its parts .tcpart/tcache.tgz.part* (what TCACHE_PACK=DIR writes after the stage: the
+# cache's files packed and split into 15 MB parts, to carry to the next job as .tcpart/)
+if ls .tcpart/tcache.tgz.part* >/dev/null 2>&1; then
+  mkdir -p "$TRITON_CACHE_DIR" && cat .tcpart/tcache.tgz.part* | tar xz -C "$TRITON_CACHE_DIR"
+fi
+pack_cache() {
+  [ -n "${TCACHE_PACK:-}" ] && [ -d "$TRITON_CACHE_DIR" ] || return 0
+  mkdir -p "$TCACHE_PACK" && rm -f "$TCACHE_PACK"/tcache.tgz.part*
+  tar czf - -C "$TRITON_CACHE_DIR" . | split -b 15M - "$TCACHE_PACK/tcache.tgz.part"
+  echo "Triton cache packed: $(du -ch "$TCACHE_PACK"/tcache.tgz.part* | tail -1 | cut -f1) in $TCACHE_PACK"
+}
 
 # where one benchmark's files go: dest TOPIC/BENCHMARK WHAT -> prints the dated prefix
 dest() { mkdir -p "$RESULTS/$1"; echo "$RESULTS/$1/${DATE}_$2"; }
@@ -157,7 +167,8 @@ stage_plans() {
 }
 
 case "$1" in
-  gpu_suite|speed|lora|memory|kernels|indexer|stream|longest|long_context|parallel|plans) machine; "stage_$1" ;;
+  gpu_suite|speed|lora|memory|kernels|indexer|stream|longest|long_context|parallel|plans)
+    machine; "stage_$1"; rc=$?; pack_cache; exit $rc ;;
   *) echo "unknown stage '$1': one of gpu_suite speed lora memory kernels indexer stream longest long_context" \
        "parallel plans" >&2
      exit 2 ;;
