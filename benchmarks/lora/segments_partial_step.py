@@ -48,13 +48,6 @@ class StopStep(Exception):
     """Raised from the step's progress hook once the last segments' backward has run."""
 
 
-def host_peak_gib() -> float:
-    """This process's peak resident host memory so far."""
-    import resource
-
-    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)
-
-
 def should_stop(backward_done: int, k: int) -> bool:
     """Whether the step stops before the next segment's backward, ``backward_done`` segments' having run."""
     return backward_done >= k
@@ -223,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     from megaseq.config import load_config, parse_size
     from megaseq.memory.model_segments import segment_bounds
     from megaseq.train.build import kernels_for, resolve_device, use_expandable_segments
+    from megaseq.train.metrics import host_peak_bytes
     from megaseq.train.step import train_step
 
     args = parse(argv)
@@ -242,7 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
 
     def setup(stage: str) -> None:  # printed and logged: a run stopped before its first segment says where
-        line = {"phase": stage, "s": round(time.perf_counter() - t0, 1), "host_peak_gib": host_peak_gib()}
+        line = {"phase": stage, "s": round(time.perf_counter() - t0, 1),
+                "host_peak_gib": round(host_peak_bytes() / GIB, 2)}
         print(json.dumps(line), flush=True)
         with open(log, "a") as f:
             f.write(json.dumps(line) + "\n")
