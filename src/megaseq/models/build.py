@@ -89,8 +89,5 @@ def _build_stored(cls: type, spec: ModelSpec, dtype: torch.dtype, device: torch.
     with torch.random.fork_rng(devices=fork_devices, enabled=seed is not None):
         if seed is not None:
             torch.manual_seed(seed)
-        if draw == device:
-            model.reset_parameters()
-        else:
-            model.reset_parameters(draw_on=draw)
+        model.reset_parameters(draw_on=None if draw == device else draw)
     return model

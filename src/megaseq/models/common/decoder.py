@@ -34,8 +34,10 @@ from megaseq.models.spec import ModelSpec
 INIT_STD = 0.02  # HF's initializer_range default
 
 
-# the modules whose ``weight`` and ``bias`` ``init_module`` writes whole (the branches below)
-INIT_WHOLE = (nn.Linear, nn.Conv1d, nn.Embedding, RMSNorm, GatedRMSNorm, nn.LayerNorm)
+# the module types ``init_module`` initialises by type; it writes their ``weight`` and ``bias`` whole
+INIT_LINEAR = (nn.Linear, nn.Conv1d)
+INIT_NORM = (RMSNorm, GatedRMSNorm, nn.LayerNorm)
+INIT_WHOLE = (*INIT_LINEAR, nn.Embedding, *INIT_NORM)
 
 
 def init_written(module: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
@@ -58,7 +60,7 @@ def init_module(module: nn.Module, std: float) -> None:
     assert own is not None or not isinstance(module, ZeroCenteredRMSNorm)
     if own is not None:
         own(module, std)
-    elif isinstance(module, (nn.Linear, nn.Conv1d)):
+    elif isinstance(module, INIT_LINEAR):
         module.weight.normal_(0.0, std)
         if module.bias is not None:
             module.bias.zero_()
@@ -66,7 +68,7 @@ def init_module(module: nn.Module, std: float) -> None:
         module.weight.normal_(0.0, std)
         if module.padding_idx is not None:
             module.weight[module.padding_idx].zero_()
-    elif isinstance(module, (RMSNorm, GatedRMSNorm, nn.LayerNorm)):
+    elif isinstance(module, INIT_NORM):
         module.weight.fill_(1.0)
         if getattr(module, "bias", None) is not None:
             module.bias.zero_()
