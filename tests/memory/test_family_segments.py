@@ -167,7 +167,7 @@ def test_a_recurrent_state_not_carried_fails(monkeypatch, family, param):
 # ---- LoRA ---------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("preset", ["kimi-linear-tiny", "qwen3-moe-tiny"])
 def test_segments_with_lora_equal_one_pass(preset):
-    """LoRA on every projection (MLA's ``kv_b_proj`` merged into the absorbed attention; the base frozen, so
+    """LoRA on every projection (MLA's ``kv_b_proj`` merged into the keys and values it expands; the base frozen, so
     the first layer's keys carry no gradient): the adapters' gradients equal one pass's."""
     from lora_helpers import adapted_model, settings
     from megaseq.config import MemorySettings
@@ -254,7 +254,7 @@ def test_segments_under_autocast_keep_bf16_rows_and_match_one_pass(family):
     (``plan.segments.segment_kv_rows`` in the compute dtype) and the dtype the attention reads them in, whatever
     dtype the projections and norms gave (Qwen3's q/k norms give float32 keys beside bf16 values); SDPA's
     lower-right causal call over a segment takes them, and the step is about as close to the float64 one as one
-    pass (within 1.5x: the absorbed MLA over a segment sums in another order than one pass's expanded keys)."""
+    pass (within 1.5x: the MLA keys expanded from the merged ``kv_b_proj`` weight sum in another order)."""
     model = _model(FAMILIES[family])
     ids, labels = _batch(model)
     _, truth = plain(model, ids, labels, DOCS)
@@ -291,8 +291,8 @@ def test_segments_under_autocast_keep_bf16_rows_and_match_one_pass(family):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("family", ["qwen3_moe", "kimi_linear", "qwen3_next", "deepseek_v3"])
 def test_segments_on_gpu_are_as_close_to_fp64_as_one_pass(family):
-    """bf16 autocast on a GPU (SDPA with lower-right causal masks per document, the absorbed MLA on the efficient
-    kernel, fla's KDA / gated delta rule with carried per-document states): the segmented step is no further from
+    """bf16 autocast on a GPU (SDPA with lower-right causal masks per document, MLA's latent expanded per head
+    group, fla's KDA / gated delta rule with carried per-document states): the segmented step is no further from
     the float64 step than one bf16 pass is. The SDPA math fallback (which would build a segment x keys mask) is
     off, so a kernel that cannot run a segment's shapes fails here instead of running slowly."""
     from torch.nn.attention import SDPBackend, sdpa_kernel

@@ -3,8 +3,9 @@
 (float64, CPU: the "device" is the CPU, so every fetch, write-back and prefetch runs as plain copies), and against
 one plain pass to 1e-10; softmax attention (qwen3-moe), dense MLA (deepseek-v3), hybrids (qwen3-next: gated
 DeltaNet + gated attention; kimi-linear: KDA + MLA), with packed documents and LoRA; under Ulysses CP + FSDP over
-2 gloo ranks. Broken variants that must fail: an accumulator never written back to the host, a stale layer's rows
-(the layer before's, or the rows of the previous segment) handed to a layer, the prefetch one layer off.
+2 gloo ranks; dense MLA with one head per expansion. Broken variants that must fail: an accumulator never written
+back to the host, a stale layer's rows (the layer before's, or the rows of the previous segment) handed to a layer,
+the prefetch one layer off, MLA's ``kv_b_proj`` weights without their gradient.
 """
 
 from __future__ import annotations
@@ -133,6 +134,50 @@ def test_stale_rows_fail(monkeypatch, family, how):
     assert rel_err(l2, l1) > 1e-6 or worst(g2, g1)[0] > 1e-6
 
 
+# ---- dense MLA: the latent expanded a group of heads at a time ---------------------------------------------------
+@pytest.mark.parametrize("family", ["deepseek_v3", "kimi_linear"])
+@pytest.mark.parametrize("kv_host", [False, True])
+def test_mla_one_head_per_call(monkeypatch, family, kv_host):
+    """Dense MLA under segments with one head per expansion (``ops.workspace.MLA_SEGMENT_GROUP_BYTES`` at 1 byte:
+    every call's keys over budget): each head's call checkpointed, the same loss and gradients as one pass to
+    1e-10."""
+    from megaseq.models.common import mla
+    from megaseq.ops import workspace
+
+    model = _model(FAMILIES[family])
+    ids, labels = _batch(model)
+    l0, g0 = plain(model, ids, labels, DOCS)
+    heads = []
+    orig = mla.MultiLatentAttention._attend_heads
+    monkeypatch.setattr(mla.MultiLatentAttention, "_attend_heads",
+                        lambda self, q, *a: (heads.append(q.shape[2]), orig(self, q, *a))[1])
+    monkeypatch.setattr(workspace, "MLA_SEGMENT_GROUP_BYTES", 1)
+    l1, g1 = segmented(model, ids, labels, 9, DOCS, kv_host=kv_host)
+    assert heads and set(heads) == {1} and model.spec.num_attention_heads > 1
+    err, name = worst(g1, g0)
+    assert rel_err(l1, l0) < 1e-12 and err < 1e-10, name
+
+
+def test_mla_weights_without_their_gradient_fail(monkeypatch):
+    """The host store's backward drops the gradient of ``attend``'s ``params`` (MLA's ``kv_b_proj`` weights, read
+    inside the rerun attention): ``kv_b_proj`` gets another gradient than the GPU-resident store's."""
+    model = _model(FAMILIES["deepseek_v3"])
+    ids, labels = _batch(model)
+    _, g1 = segmented(model, ids, labels, 9, DOCS)
+    orig = sh._HostAttend.backward
+
+    def dropped(ctx, g_out):
+        got = list(orig(ctx, g_out))
+        for i in range(5, 5 + ctx.n_params):
+            got[i] = None
+        return tuple(got)
+
+    monkeypatch.setattr(sh._HostAttend, "backward", staticmethod(dropped))
+    _, g2 = segmented(model, ids, labels, 9, DOCS, kv_host=True)
+    bad = [n for n in g1 if n not in g2 or rel_err(g2[n], g1[n]) > 1e-6]
+    assert bad and all("kv_b_proj" in n for n in bad), bad
+
+
 # ---- LoRA ---------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("preset", ["qwen3-moe-tiny", "kimi-linear-tiny"])
 def test_host_store_with_lora(preset):
@@ -212,8 +257,8 @@ def test_host_store_under_cp_matches_one_process(preset):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
 def test_host_store_on_gpu_equals_gpu_store_with_a_lower_peak(family):
-    """bf16 autocast on a GPU (SDPA / the absorbed MLA kernel, the copies on the side stream into pinned host
-    memory): the host store's step equals the GPU-resident store's bitwise (one sequence, so the GPU store's
+    """bf16 autocast on a GPU (SDPA, MLA's latent expanded per head group, the copies on the side stream into pinned
+    host memory): the host store's step equals the GPU-resident store's bitwise (one sequence, so the GPU store's
     ``[:, :e]`` views are contiguous as the joined rows are; where a kernel's backward is not deterministic, no
     further from it than the GPU store is from itself), and its peak ``max_memory_allocated`` is lower by about
     the store less two layers' worth."""

@@ -185,7 +185,9 @@ def test_unstreaming_under_a_wrapper_keeps_the_wrapper():
     """``unstream_layers`` on layers whose streamed forward sits under SCO's recompute wrapper: the weights are
     tensors of their own again, the wrapper stays and calls the layer's own forward, the loss is unchanged."""
     model, done, (first,) = step("qwen3-moe-tiny", MemorySettings(stream_base=True, **MEMORY["sco_tiled"]))
-    host = {p.data_ptr() for rec in done.streamer.layers for p in rec.params}
+    # the streamer's host copies (alive with it; a layer's resident copy is freed when it is evicted, and its
+    # address may then go to a weight copied back)
+    host = {v.data_ptr() for rec in done.streamer.layers for v in rec.host_views}
     wrappers = [layer.__dict__["forward"] for layer in model.layers]
     sb.unstream_layers(list(model.layers))
     assert all(sb.streamed_forward(layer) is None for layer in model.layers)

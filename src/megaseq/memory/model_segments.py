@@ -161,8 +161,9 @@ class SegmentContext(SeqContext):
 
     # ---- softmax attention and dense MLA: the keys of every token up to this segment's end ---------
     def attend_seq(self, q: torch.Tensor, kv: tuple[torch.Tensor, ...], key: str,
-                   attend: Callable[..., torch.Tensor], gathered: bool = True) -> torch.Tensor:
-        """``attend(q, *kv_all)`` over the keys ``[0, e)``: the forward pass writes this segment's ``kv`` into
+                   attend: Callable[..., torch.Tensor], gathered: bool = True,
+                   params: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
+        """``attend(q, *kv_all, *params)`` over the keys ``[0, e)``: the forward pass writes this segment's ``kv`` into
         the layer's caches ``[B, S, ...]`` and attends over a view of them. The backward pass joins leaves of
         the earlier segments' cached rows (views, no copy) to the recomputed ``kv`` inside a checkpoint, so
         the segment's graph keeps only its own rows (the joined ``[B, e, ...]`` keys are rebuilt in its
@@ -173,21 +174,21 @@ class SegmentContext(SeqContext):
             kv = tuple(x if self.grad and not x.requires_grad else self.inner.gather_seq(x, n)
                        for x, n in zip(kv, names, strict=True))
         if st.host is not None:
-            return host_attend(self, q, kv, key, names, attend)
+            return host_attend(self, q, kv, key, names, attend, params)
         if not self.grad:
             for x, n in zip(kv, names, strict=True):
                 if n not in st.cache:  # in the dtype the attention reads them in (bf16 under autocast)
                     st.cache[n] = x.new_empty((x.shape[0], self.S) + tuple(x.shape[2:]), dtype=lowered(x))
                 st.cache[n][:, self.s:self.e] = x
-            return attend(q, *(st.cache[n][:, :self.e] for n in names))
+            return attend(q, *(st.cache[n][:, :self.e] for n in names), *params)
         if not any(x.requires_grad for x in kv):  # a frozen projection: the forward pass's values
-            return attend(q, *(st.cache[n][:, :self.e] for n in names))
+            return attend(q, *(st.cache[n][:, :self.e] for n in names), *params)
         for x, n in zip(kv, names, strict=True):
             if x.requires_grad and self.j + 1 < st.n and n in st.cache_grad:
                 self.outputs.append(x)
                 self.output_grads.append(st.cache_grad[n][:, self.s:self.e].to(x.dtype))
         if self.s == 0:
-            return attend(q, *kv)
+            return attend(q, *kv, *params)
         prefixes = []
         for x, n in zip(kv, names, strict=True):
             prefix = st.cache[n][:, :self.s].detach().requires_grad_(x.requires_grad)
@@ -197,9 +198,10 @@ class SegmentContext(SeqContext):
         m = len(kv)
 
         def joined(q_: torch.Tensor, *parts: torch.Tensor) -> torch.Tensor:
-            return attend(q_, *(torch.cat([p, x.to(p.dtype)], dim=1) for p, x in zip(parts[:m], parts[m:])))
+            return attend(q_, *(torch.cat([p, x.to(p.dtype)], dim=1) for p, x in zip(parts[:m], parts[m:2 * m])),
+                          *parts[2 * m:])
 
-        return checkpoint(joined, q, *prefixes, *kv, use_reentrant=False)
+        return checkpoint(joined, q, *prefixes, *kv, *params, use_reentrant=False)
 
     def _accumulate(self, key: str, leaf: torch.Tensor) -> None:
         """The gradient of the earlier segments' cached rows ``[0, s)`` of ``key`` into its fp32 accumulator

@@ -43,14 +43,14 @@ Fetched = tuple[list[torch.Tensor], list[torch.Tensor | None], int, Any]
 
 
 def joined_attend(attend: Callable[..., torch.Tensor], q: torch.Tensor, rows: list[torch.Tensor],
-                  kv: list[torch.Tensor]) -> torch.Tensor:
+                  kv: list[torch.Tensor], params: tuple[torch.Tensor, ...] | list[torch.Tensor] = ()) -> torch.Tensor:
     """``attend`` over the earlier rows joined before this segment's ``kv`` (no rows: ``kv`` alone; no ``kv``:
-    the rows alone); the GPU-resident store's checkpoint runs the same ``cat``."""
+    the rows alone), then ``params``; the GPU-resident store's checkpoint runs the same ``cat``."""
     if not rows:
-        return attend(q, *kv)
+        return attend(q, *kv, *params)
     if not kv:
-        return attend(q, *rows)
-    return attend(q, *(torch.cat([p, x.to(p.dtype)], dim=1) for p, x in zip(rows, kv, strict=True)))
+        return attend(q, *rows, *params)
+    return attend(q, *(torch.cat([p, x.to(p.dtype)], dim=1) for p, x in zip(rows, kv, strict=True)), *params)
 
 
 def _copy_in(host: torch.Tensor, s: int, e: int, device: torch.device) -> torch.Tensor:
@@ -220,50 +220,55 @@ def _autocast_state(device_type: str) -> dict[str, Any]:
 
 
 class _HostAttend(torch.autograd.Function):
-    """``attend(q, *(rows [0, s) joined to kv))`` keeping neither the rows nor the joined keys for the backward:
-    the backward fetches the rows again, reruns ``joined`` with a graph, and adds the rows' gradient into the
-    host accumulators."""
+    """``attend(q, *(rows [0, s) joined to kv), *params)`` keeping neither the rows nor the joined keys for the
+    backward: the backward fetches the rows again, reruns ``joined`` with a graph, and adds the rows' gradient
+    into the host accumulators (``params`` get theirs as any input does)."""
 
     @staticmethod
-    def forward(ctx: Any, seg: Any, key: str, attend: Callable[..., torch.Tensor], q: torch.Tensor,
-                *kv: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, seg: Any, key: str, attend: Callable[..., torch.Tensor], n_params: int, q: torch.Tensor,
+                *rest: torch.Tensor) -> torch.Tensor:
         host, dev = seg.store.host, q.device
+        params, kv = rest[:n_params], rest[n_params:]
         rows, _ = host.take("rerun", key, seg.j, seg.s if kv else seg.e, dev)
         host.after("rerun", key, seg.j, seg.s, seg.e, dev)
-        out = joined_attend(attend, q, rows, list(kv))
+        out = joined_attend(attend, q, rows, list(kv), params)
         host.done(rows)
-        ctx.seg, ctx.key, ctx.attend = seg, key, attend
+        ctx.seg, ctx.key, ctx.attend, ctx.n_params = seg, key, attend, n_params
         ctx.autocast = _autocast_state(dev.type)  # the backward's rerun casts as this forward did (as checkpoint)
-        ctx.save_for_backward(q, *kv)
+        ctx.save_for_backward(q, *rest)
         return out
 
     @staticmethod
     def backward(ctx: Any, g_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        seg, key = ctx.seg, ctx.key
+        seg, key, m = ctx.seg, ctx.key, ctx.n_params
         host = seg.store.host
-        q, *kv = ctx.saved_tensors
-        need_kv = ctx.needs_input_grad[4:] if kv else [False] * len(host.names[key])
+        q, *rest = ctx.saved_tensors
+        params, kv = rest[:m], rest[m:]
+        need_params = ctx.needs_input_grad[5:5 + m]
+        need_kv = ctx.needs_input_grad[5 + m:] if kv else [False] * len(host.names[key])
         rows, accs = host.take("backward", key, seg.j, seg.s if kv else seg.e, q.device)
         host.after("backward", key, seg.j, seg.s, seg.e, q.device)
         with torch.enable_grad(), torch.autocast(q.device.type, **ctx.autocast):
-            q_ = q.detach().requires_grad_(ctx.needs_input_grad[3])
+            q_ = q.detach().requires_grad_(ctx.needs_input_grad[4])
+            params_ = [p.detach().requires_grad_(need) for p, need in zip(params, need_params, strict=True)]
             kv_ = [x.detach().requires_grad_(need) for x, need in zip(kv, need_kv, strict=False)]
             rows_ = [r.detach().requires_grad_(need) for r, need in zip(rows, need_kv, strict=True)]
-            out = joined_attend(ctx.attend, q_, rows_, kv_)
-            leaves = [q_, *rows_, *kv_]
+            out = joined_attend(ctx.attend, q_, rows_, kv_, params_)
+            leaves = [q_, *rows_, *kv_, *params_]
             got = iter(torch.autograd.grad(out, [t for t in leaves if t.requires_grad], g_out, allow_unused=True))
         d = [next(got) if t.requires_grad else None for t in leaves]
-        d_rows, d_kv = d[1:1 + len(rows_)], d[1 + len(rows_):]
+        r, k = len(rows_), len(kv_)
+        d_rows, d_kv, d_params = d[1:1 + r], d[1 + r:1 + r + k], d[1 + r + k:]
         del out, leaves, rows_
         for name, g, acc in zip(host.names[key], d_rows, accs, strict=True):
             if g is not None:
                 host.accumulate(name, g, acc, seg.S)
         host.done(rows + accs)
-        return (None, None, None, d[0], *d_kv)
+        return (None, None, None, None, d[0], *d_params, *d_kv)
 
 
 def host_attend(seg: Any, q: torch.Tensor, kv: tuple[torch.Tensor, ...], key: str, names: list[str],
-                attend: Callable[..., torch.Tensor]) -> torch.Tensor:
+                attend: Callable[..., torch.Tensor], params: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
     """``SegmentContext.attend_seq`` with the host-kept store (``seg``: the segment's context; ``kv`` this
     segment's whole rows, gathered over the cp group where the layer's keys are sharded)."""
     st, host, dev = seg.store, seg.store.host, q.device
@@ -273,7 +278,7 @@ def host_attend(seg: Any, q: torch.Tensor, kv: tuple[torch.Tensor, ...], key: st
         for x, n in zip(kv, names, strict=True):
             host.write_rows(n, x, seg.s, seg.e, seg.S)
         host.after("forward", key, seg.j, seg.s, seg.e, dev)
-        out = joined_attend(attend, q, rows, list(kv))
+        out = joined_attend(attend, q, rows, list(kv), params)
         host.done(rows)
         return out
     trained = [x for x in kv if x.requires_grad]
@@ -282,7 +287,7 @@ def host_attend(seg: Any, q: torch.Tensor, kv: tuple[torch.Tensor, ...], key: st
             seg.outputs.append(x)
             seg.output_grads.append(host.grad_rows(n, seg.s, seg.e, x.dtype, dev))
     if seg.s == 0:
-        return attend(q, *kv)
+        return attend(q, *kv, *params)
     if not trained:  # a frozen projection: the forward pass's rows [0, e), as the GPU-resident store reads them
-        return _HostAttend.apply(seg, key, attend, q)
-    return _HostAttend.apply(seg, key, attend, q, *kv)
+        return _HostAttend.apply(seg, key, attend, len(params), q, *params)
+    return _HostAttend.apply(seg, key, attend, len(params), q, *params, *kv)

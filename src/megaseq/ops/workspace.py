@@ -42,6 +42,26 @@ def sdpa_head_groups(num_heads: int, num_kv_heads: int) -> int:
     return num_kv_heads * split
 
 
+MLA_SEGMENT_GROUP_BYTES: int = 4 << 30  # dense MLA under sequence segments: one head group's expanded keys
+
+
+def mla_segment_heads(num_heads: int, rows: int, head_dim: int, itemsize: int) -> int:
+    """Heads per SDPA call of dense MLA under sequence segments (``MultiLatentAttention._attend_carried``):
+    each call expands the latent of ``rows`` keys (``B * e``, every token so far) to its heads' keys and
+    values, ``head_dim`` wide (``max(Dn + Dr, Dv)``: the op pads v to q's width), and its backward holds them
+    with their gradients, ``4 * head_dim * itemsize`` bytes per key row and head. The largest divisor of
+    ``num_heads`` whose group fits ``MLA_SEGMENT_GROUP_BYTES`` (4 GiB), at least one head: all heads in one
+    call at short lengths, two of Kimi-Linear-48B-A3B's 32 at 1M (3 GiB)."""
+    per_head = 4 * head_dim * itemsize * max(rows, 1)
+    fit = max(1, MLA_SEGMENT_GROUP_BYTES // per_head)
+    return max(d for d in range(1, num_heads + 1) if num_heads % d == 0 and d <= fit)
+
+
+def mla_segment_group_bytes(num_heads: int, rows: int, head_dim: int, itemsize: int) -> int:
+    """The bytes one head group of ``mla_segment_heads`` holds at its backward's peak."""
+    return mla_segment_heads(num_heads, rows, head_dim, itemsize) * 4 * head_dim * itemsize * rows
+
+
 # ---- op rms_norm (ops/rms_norm/reference.py: rms_norm_torch) -------------------------------------------
 NORM_BACKWARD_ELEMENTS: int = 1 << 24  # rows of one backward chunk: at most this many elements
 

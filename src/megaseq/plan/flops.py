@@ -148,7 +148,7 @@ def segment_attention_rerun(spec: ModelSpec, S: int) -> float:
     """FLOPs sequence segments add to a step for softmax attention and dense MLA layers: each segment's
     attention core (queries against every key so far) is rebuilt in its backward (the checkpointed join of
     the carried keys, ``memory/model_segments.py``), one more forward of the cores: ``4 Hq D`` per causal
-    key pair (MLA absorbed: ``2 Hh (2 R + Dr)``, queries and values of the latent's width)."""
+    key pair (MLA: ``4 Hh max(Dq, Dv)``, the keys expanded from the latent and the values padded to their width)."""
     keys = causal_keys(S, S)
     out = 0.0
     for kind in spec.layer_types:
@@ -156,7 +156,7 @@ def segment_attention_rerun(spec: ModelSpec, S: int) -> float:
             D = spec.head_dim or spec.hidden_size // spec.num_attention_heads
             out += 4 * spec.num_attention_heads * D * keys
         elif kind == "mla":
-            out += 2 * spec.num_attention_heads * (2 * spec.kv_lora_rank + spec.qk_rope_head_dim) * keys
+            out += 4 * spec.num_attention_heads * max(spec.qk_head_dim, spec.v_head_dim) * keys
     return out
 
 

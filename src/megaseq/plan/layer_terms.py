@@ -50,12 +50,13 @@ def _mixer(run: Run, i: int, xb: int) -> tuple[dict[str, int], int, int]:
         )
     if kind == "mla":
         saved = layers.mla_saved(spec, n, xb, prec, trains, fast_norm="rms_norm" in run.fast_ops)
-        if run.segment:  # absorbed over the carried latent (no expanded SDPA q, k, v, o)
-            saved["mla q,k,v,o (SDPA, v padded) + lse"] = layers.mla_segment_saved(spec, n, prec)
+        if run.segment:  # the checkpointed attention keeps its queries (keys rebuilt from the carried latent)
+            del saved["mla q,k,v,o (SDPA, v padded) + lse"]
+            saved["mla q (checkpointed segment attention)"] = layers.mla_segment_saved(spec, n, prec)
         return (
             saved,
-            layers.mla_temp(spec, n, prec, False) + comm + layers.mla_segment_temp(spec, keys, prec, False),
-            layers.mla_temp(spec, n, prec, True) + comm + layers.mla_segment_temp(spec, keys, prec, True),
+            layers.mla_temp(spec, n, prec, False) + comm + layers.mla_segment_temp(spec, keys, prec, mesh, False),
+            layers.mla_temp(spec, n, prec, True) + comm + layers.mla_segment_temp(spec, keys, prec, mesh, True),
         )
     if kind == "gdn":
         return (

@@ -24,6 +24,8 @@ from megaseq.ops.workspace import (  # noqa: F401  (the ops' own formulas)
     indexer_scoring_bytes,
     indexer_topk_bytes,
     kv_repeats,
+    mla_segment_group_bytes,
+    mla_segment_heads,
     sdpa_head_groups,
     sink_attention_dims,
     sliding_key_rows,
@@ -225,22 +227,24 @@ def attention_segment_temp(spec: ModelSpec, rows: int, prec: Precision, mesh: Me
 
 
 def mla_segment_saved(spec: ModelSpec, n: int, prec: Precision) -> int:
-    """Dense MLA under sequence segments runs absorbed (``MultiLatentAttention._attend_carried``): per query token
-    the absorbed query ``[q_nope W_uk | q_rot]`` ``c * Hh * (R + Dr)`` (the checkpoint's input) and the latent
-    output ``c * Hh * R`` (``W_uv``'s einsum input), with each head call's log-sum-exp ``f * Hh``; in place of
-    the expanded SDPA's q, k, v, o."""
-    Hh, R, Dr = spec.num_attention_heads, spec.kv_lora_rank, spec.qk_rope_head_dim
-    return n * (prec.compute * Hh * (2 * R + Dr) + prec.f32 * Hh)
+    """Dense MLA under sequence segments (``MultiLatentAttention._attend_carried``) keeps, per query token, the
+    queries ``c * Hh * Dq`` (the checkpointed attention's input: its keys are rebuilt from the carried latent in
+    the backward), in place of the one-pass SDPA's q, k, v, o and log-sum-exp."""
+    return n * prec.compute * spec.num_attention_heads * spec.qk_head_dim
 
 
-def mla_segment_temp(spec: ModelSpec, rows: int, prec: Precision, backward: bool) -> int:
+def mla_segment_temp(spec: ModelSpec, rows: int, prec: Precision, mesh: Mesh, backward: bool) -> int:
     """Dense MLA under sequence segments, per key row (``rows = B * e``, gathered: every rank holds all keys),
-    latent width ``C = R + Dr``: forward the values ``[c | 0]`` (a copy, when Dr > 0) ``c * C``; backward the
-    checkpointed attention rebuilt: the joined latent, the values, one head call's dk and dv and the joined
-    latent's gradient, taken as ``6 c * C``."""
-    C = spec.kv_lora_rank + spec.qk_rope_head_dim
-    values = prec.compute * C if spec.qk_rope_head_dim else 0
-    return rows * (6 * prec.compute * C if backward else values)
+    latent width ``C = R + Dr``: each SDPA call expands the latent to its head group's keys and values
+    (``ops.workspace.mla_segment_heads`` heads of this rank's ``Hh / cp``; ``D = max(Dq, Dv)``, v padded to it).
+    Forward the group's keys, values and padded values ``(2 D + Dv) c`` per head; backward the group's saved k
+    and v with their gradients (``ops.workspace.mla_segment_group_bytes``), above the checkpointed attention's
+    joined latent, its gradient and the groups' latent gradients, taken as ``6 c * C``."""
+    C, c = spec.kv_lora_rank + spec.qk_rope_head_dim, prec.compute
+    D, heads = max(spec.qk_head_dim, spec.v_head_dim), spec.num_attention_heads // mesh.cp
+    if not backward:
+        return rows * mla_segment_heads(heads, rows, D, c) * (2 * D + spec.v_head_dim) * c
+    return rows * 6 * c * C + mla_segment_group_bytes(heads, rows, D, c)
 
 
 def kv_heads(spec: ModelSpec, mesh: Mesh) -> int:

@@ -108,16 +108,19 @@ class SeqContext:
         return make()
 
     def attend_seq(self, q: torch.Tensor, kv: tuple[torch.Tensor, ...], key: str,
-                   attend: Callable[..., torch.Tensor], gathered: bool = True) -> torch.Tensor:
-        """``attend(q, *kv_all)``: softmax attention of these queries over the keys of every token so far.
+                   attend: Callable[..., torch.Tensor], gathered: bool = True,
+                   params: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
+        """``attend(q, *kv_all, *params)``: softmax attention of these queries over the keys of every token so far.
         ``kv`` are this layer's key-side tensors of these tokens (``[B, L, ...]``: softmax attention's k and v
         after ``seq_to_heads``, ``gathered``; MLA's latent, this rank's shard, gathered over the cp group
         here when not ``gathered``); ``kv_all`` the same over all tokens up to these queries' last, whose
         last ``L`` rows are these. Here the sequence starts with these tokens: ``attend(q, *kv)`` (after
-        the cp gather where asked). Sequence segments join the earlier segments' cached ``kv`` (``key``)."""
+        the cp gather where asked). Sequence segments join the earlier segments' cached ``kv`` (``key``).
+        ``params``: tensors ``attend`` reads besides (MLA's ``kv_b_proj`` weights), passed to it as arguments so
+        that a schedule which reruns ``attend`` in its backward gives them their gradients."""
         if not gathered:
             kv = tuple(self.gather_seq(t, f"{key}.{i}") for i, t in enumerate(kv))
-        return attend(q, *kv)
+        return attend(q, *kv, *params)
 
     def carried_out(self, key: str, tail: torch.Tensor, state: torch.Tensor | None) -> None:
         """The layer's last ``halo`` inputs and its recurrent state after these tokens (for the next

@@ -18,14 +18,15 @@ The latent norms use their own eps (DeepSeek-V3 / Kimi: HF's default 1e-6, not `
 ``rms_norm_eps``). The dense path expands keys and values locally and goes context-parallel through
 Ulysses like softmax attention (``Attention``). Under sequence segments the latent is carried
 (``ctx.attend_seq``: the earlier segments' latents joined before this segment's, gathered over the cp
-group) and attended absorbed (``kv_b_proj`` folded into the query and the output: an MQA over the
-latent). ``MLASparseAttention`` (``mla_dsa.py``) gathers ``project``'s latent instead.
+group) and expanded to keys and values inside the attention, a group of heads at a time
+(``ops.workspace.mla_segment_heads``). ``MLASparseAttention`` (``mla_dsa.py``) gathers ``project``'s latent instead.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from megaseq.models.common import rope
 from megaseq.models.common.attention import kv_repeats, positions_for
@@ -34,6 +35,8 @@ from megaseq.models.common.lora import linear_weight
 from megaseq.models.common.norm import RMSNorm
 from megaseq.models.spec import ModelSpec
 from megaseq.ops import dispatch
+from megaseq.ops.amp import lowered
+from megaseq.ops.workspace import mla_segment_heads
 
 
 class MultiLatentAttention(nn.Module):
@@ -115,14 +118,12 @@ class MultiLatentAttention(nn.Module):
         return self.o_proj(ctx.heads_to_seq(o).reshape(B, S_loc, self.num_heads * self.v_dim))
 
     def _attend_carried(self, q_BTHD: torch.Tensor, latent_BTC: torch.Tensor, ctx: SeqContext) -> torch.Tensor:
-        """Sequence segments: the latent ``[c | k_rot]`` (post-norm, post-RoPE) is what is carried, and the
-        attention runs on it absorbed, as an MQA over the latents of every token so far (``ctx.attend_seq``,
-        gathered over the cp group: gather-KV): each head's query ``[q_nope W_uk | q_rot]`` ``[R + Dr]`` against
-        the keys ``[c | k_rot]`` and the values ``c`` (as ``[c | 0]``, one width for the kernel), then
-        ``o = o_c W_uv``. The same sums as ``expand``'s keys and values in another order; the joined keys are
-        the latent itself (no ``Hh``-fold expansion), one head per op call (so the kernels' per-query-head key
-        gradients are one head wide). The queries are all of the segment for this rank's heads
-        (``seq_to_heads``)."""
+        """Sequence segments: the latent ``[c | k_rot]`` (post-norm, post-RoPE) is what is carried
+        (``ctx.attend_seq``: the latents of every token so far, gathered over the cp group: gather-KV), and each
+        call of ``attend`` expands it to keys and values as the dense path does, a group of heads at a time
+        (``_attend_heads``), so that a million keys never take all ``Hh`` heads' keys at once. ``kv_b_proj``'s
+        weights go to ``attend`` as arguments (``params``): the host store's backward reruns it and gives them
+        their gradients. The queries are all of the segment for this rank's heads (``seq_to_heads``)."""
         B, T_loc = latent_BTC.shape[:2]
         Hh, Dn, R = self.num_heads, self.nope_dim, self.kv_lora_rank
         heads = ctx.head_slice(Hh)
@@ -130,17 +131,31 @@ class MultiLatentAttention(nn.Module):
         q_BTHD = ctx.seq_to_heads(q_BTHD)
         w_HXR = linear_weight(self.kv_b_proj).view(Hh, Dn + self.v_dim, R)[heads]
         w_uk_HNR, w_uv_HVR = w_HXR.split([Dn, self.v_dim], dim=1)
-        q_c = torch.einsum("bthn,hnr->bthr", q_BTHD[..., :Dn], w_uk_HNR.to(q_BTHD.dtype))
-        q_abs_BTHC = torch.cat([q_c, q_BTHD[..., Dn:]], dim=-1)
 
-        def attend(q_: torch.Tensor, latent_BSC: torch.Tensor) -> torch.Tensor:
-            k_BS1C = latent_BSC.unsqueeze(2)
-            v_BS1C = torch.cat([latent_BSC[..., :R], latent_BSC.new_zeros(latent_BSC.shape[:2] + (self.rope_dim,))],
-                               dim=-1).unsqueeze(2) if self.rope_dim else k_BS1C
-            o = [dispatch.call("attention", q_[:, :, h:h + 1], k_BS1C, v_BS1C, doc_ids, self.scaling, layer=self.layer)
-                 for h in range(q_.shape[2])]
-            return torch.cat(o, dim=2)[..., :R]
+        def attend(q_: torch.Tensor, latent_BSC: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
+            H_loc, S = q_.shape[2], latent_BSC.shape[1]
+            n = mla_segment_heads(H_loc, B * S, max(Dn + self.rope_dim, self.v_dim), lowered(latent_BSC).itemsize)
+            group = torch.is_grad_enabled() and n < H_loc  # each group's expansion rebuilt in its backward
+            outs = []
+            for h in range(0, H_loc, n):
+                args = (q_[:, :, h:h + n], latent_BSC, w_uk[h:h + n], w_uv[h:h + n], doc_ids)
+                outs.append(checkpoint(self._attend_heads, *args, use_reentrant=False) if group
+                            else self._attend_heads(*args))
+            return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
-        o_c = ctx.attend_seq(q_abs_BTHC, (latent_BTC,), self.layer, attend, gathered=False)
-        o_BTHV = torch.einsum("bthr,hvr->bthv", o_c, w_uv_HVR.to(o_c.dtype))
+        o_BTHV = ctx.attend_seq(q_BTHD, (latent_BTC,), self.layer, attend, gathered=False,
+                                params=(w_uk_HNR, w_uv_HVR))
         return self.o_proj(ctx.heads_to_seq(o_BTHV).reshape(B, T_loc, self.num_heads * self.v_dim))
+
+    def _attend_heads(self, q_BTHD: torch.Tensor, latent_BSC: torch.Tensor, w_uk_HNR: torch.Tensor,
+                      w_uv_HVR: torch.Tensor, doc_ids: torch.Tensor | None) -> torch.Tensor:
+        """These heads' attention over the latent's keys: ``k = [c W_uk^T | k_rot]``, ``v = c W_uv^T``
+        (``expand``'s keys and values for these heads), the op "attention" (queries the last of the keys)."""
+        R = self.kv_lora_rank
+        c_BSR = latent_BSC[..., :R]
+        k_BSHN = torch.einsum("bsr,hnr->bshn", c_BSR, w_uk_HNR.to(c_BSR.dtype))
+        v_BSHV = torch.einsum("bsr,hvr->bshv", c_BSR, w_uv_HVR.to(c_BSR.dtype))
+        if self.rope_dim:
+            k_rot = latent_BSC[..., R:].unsqueeze(2).expand(-1, -1, k_BSHN.shape[2], -1)
+            k_BSHN = torch.cat([k_BSHN, k_rot.to(k_BSHN.dtype)], dim=-1)
+        return dispatch.call("attention", q_BTHD, k_BSHN, v_BSHV, doc_ids, self.scaling, layer=self.layer)
