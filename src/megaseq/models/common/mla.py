@@ -25,6 +25,7 @@ group) and expanded to keys and values inside the attention, a group of heads at
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -151,10 +152,10 @@ class MultiLatentAttention(nn.Module):
                       w_uv_HVR: torch.Tensor, doc_ids: torch.Tensor | None) -> torch.Tensor:
         """These heads' attention over the latent's keys: ``k = [c W_uk^T | k_rot]``, ``v = c W_uv^T``
         (``expand``'s keys and values for these heads), the op "attention" (queries the last of the keys)."""
-        R = self.kv_lora_rank
-        c_BSR = latent_BSC[..., :R]
-        k_BSHN = torch.einsum("bsr,hnr->bshn", c_BSR, w_uk_HNR.to(c_BSR.dtype))
-        v_BSHV = torch.einsum("bsr,hvr->bshv", c_BSR, w_uv_HVR.to(c_BSR.dtype))
+        R, n = self.kv_lora_rank, q_BTHD.shape[2]
+        c_BSR = latent_BSC[..., :R]  # a strided view: the matmuls read it in place
+        k_BSHN = F.linear(c_BSR, w_uk_HNR.reshape(-1, R).to(c_BSR.dtype)).unflatten(-1, (n, self.nope_dim))
+        v_BSHV = F.linear(c_BSR, w_uv_HVR.reshape(-1, R).to(c_BSR.dtype)).unflatten(-1, (n, self.v_dim))
         if self.rope_dim:
             k_rot = latent_BSC[..., R:].unsqueeze(2).expand(-1, -1, k_BSHN.shape[2], -1)
             k_BSHN = torch.cat([k_BSHN, k_rot.to(k_BSHN.dtype)], dim=-1)
