@@ -103,6 +103,8 @@ stage_kernels() {
   timeout -k 5 120 $PY benchmarks/kernels/glue_gpu.py --out "$(dest $b glue).json" | tail -15
   timeout -k 5 200 $PY benchmarks/kernels/sparse_mla_gpu.py --out "$(dest $b sparse_mla).json" | tail -15
   current $b smoke; current $b glue; current $b sparse_mla
+  timeout -k 5 150 $PY benchmarks/kernels/mla_segment_gpu.py --prefixes 262144 --out "$(dest kernels/mla_segment gpu).json" \
+    | tail -5
 }
 
 stage_indexer() {
