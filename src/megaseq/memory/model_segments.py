@@ -55,7 +55,7 @@ anything runs.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -65,7 +65,7 @@ from megaseq.memory.replay import Chunk, SideState, chunk_bounds, run_chunks
 from megaseq.memory.rules import check_model_segments  # noqa: F401  (re-exported: the planner's rules too)
 from megaseq.memory.segment_host import HostKV, host_attend
 from megaseq.models.common.context import SeqContext
-from megaseq.ops.amp import lowered
+from megaseq.ops.amp import autocast_as, autocast_state, lowered
 from megaseq.schemes import SEGMENT_SETTING
 
 SETTING = SEGMENT_SETTING
@@ -95,6 +95,46 @@ class SegmentStore:
         tensors = list(self.cache.values()) + list(self.cache_grad.values()) + list(self.kept.values())
         tensors += [t for per in self.carried.values() for c in per if c is not None for t in c]
         return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _join(prefixes: tuple[torch.Tensor, ...] | list[torch.Tensor],
+          kv: tuple[torch.Tensor, ...] | list[torch.Tensor]) -> list[torch.Tensor]:
+    """The earlier rows joined before this segment's, in the rows' dtype (the host store joins the same)."""
+    return [torch.cat([p, x.to(p.dtype)], dim=1) for p, x in zip(prefixes, kv, strict=True)]
+
+
+class _JoinedAttend(torch.autograd.Function):
+    """``attend(q, *(prefixes joined to kv), *params)`` for an ``attend`` with a ``vjp`` (dense MLA's head
+    groups): keeps its inputs (the prefixes are views of the cache) and its backward hands the rows joined again
+    to ``attend.vjp``, which runs the forward it needs itself, where a checkpoint would first rerun the whole
+    attention to rebuild a graph."""
+
+    @staticmethod
+    def forward(ctx: Any, attend: Callable[..., torch.Tensor], m: int, q: torch.Tensor,
+                *rest: torch.Tensor) -> torch.Tensor:
+        ctx.attend, ctx.m, ctx.autocast = attend, m, autocast_state()
+        ctx.save_for_backward(q, *rest)
+        return attend(q, *_join(rest[:m], rest[m:2 * m]), *rest[2 * m:])
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        m = ctx.m
+        q, *rest = ctx.saved_tensors
+        prefixes, kv, params = rest[:m], rest[m:2 * m], rest[2 * m:]
+        need = ctx.needs_input_grad[2:]
+        need_pre, need_kv = need[1:1 + m], need[1 + m:1 + 2 * m]
+        joined = _join(prefixes, kv)
+        with autocast_as(ctx.autocast):
+            d = ctx.attend.vjp(q, *joined, *params, g, (need[0], *(a or b for a, b in zip(need_pre, need_kv,
+                                                                                           strict=True)),
+                                                        *need[1 + 2 * m:]))
+        del joined
+        s = prefixes[0].shape[1]
+        d_joined = d[1:1 + m]
+        d_pre = [None if g_ is None or not n_ else g_[:, :s] for g_, n_ in zip(d_joined, need_pre, strict=True)]
+        d_kv = [None if g_ is None or not n_ else g_[:, s:].to(x.dtype)
+                for g_, n_, x in zip(d_joined, need_kv, kv, strict=True)]
+        return (None, None, d[0], *d_pre, *d_kv, *d[1 + m:])
 
 
 class SegmentContext(SeqContext):
@@ -197,9 +237,11 @@ class SegmentContext(SeqContext):
             prefixes.append(prefix)
         m = len(kv)
 
+        if getattr(attend, "vjp", None) is not None:
+            return _JoinedAttend.apply(attend, m, q, *prefixes, *kv, *params)
+
         def joined(q_: torch.Tensor, *parts: torch.Tensor) -> torch.Tensor:
-            return attend(q_, *(torch.cat([p, x.to(p.dtype)], dim=1) for p, x in zip(parts[:m], parts[m:2 * m])),
-                          *parts[2 * m:])
+            return attend(q_, *_join(parts[:m], parts[m:2 * m]), *parts[2 * m:])
 
         return checkpoint(joined, q, *prefixes, *kv, *params, use_reentrant=False)
 

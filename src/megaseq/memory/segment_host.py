@@ -221,7 +221,8 @@ def _autocast_state(device_type: str) -> dict[str, Any]:
 
 class _HostAttend(torch.autograd.Function):
     """``attend(q, *(rows [0, s) joined to kv), *params)`` keeping neither the rows nor the joined keys for the
-    backward: the backward fetches the rows again, reruns ``joined`` with a graph, and adds the rows' gradient
+    backward: the backward fetches the rows again, reruns ``joined`` with a graph (or, where ``attend`` has a
+    ``vjp``, hands it the joined rows, and it runs the forward it needs itself), and adds the rows' gradient
     into the host accumulators (``params`` get theirs as any input does)."""
 
     @staticmethod
@@ -248,23 +249,35 @@ class _HostAttend(torch.autograd.Function):
         need_kv = ctx.needs_input_grad[5 + m:] if kv else [False] * len(host.names[key])
         rows, accs = host.take("backward", key, seg.j, seg.s if kv else seg.e, q.device)
         host.after("backward", key, seg.j, seg.s, seg.e, q.device)
-        with torch.enable_grad(), torch.autocast(q.device.type, **ctx.autocast):
-            q_ = q.detach().requires_grad_(ctx.needs_input_grad[4])
-            params_ = [p.detach().requires_grad_(need) for p, need in zip(params, need_params, strict=True)]
-            kv_ = [x.detach().requires_grad_(need) for x, need in zip(kv, need_kv, strict=False)]
-            rows_ = [r.detach().requires_grad_(need) for r, need in zip(rows, need_kv, strict=True)]
-            out = joined_attend(ctx.attend, q_, rows_, kv_, params_)
-            leaves = [q_, *rows_, *kv_, *params_]
-            got = iter(torch.autograd.grad(out, [t for t in leaves if t.requires_grad], g_out, allow_unused=True))
-        d = [next(got) if t.requires_grad else None for t in leaves]
-        r, k = len(rows_), len(kv_)
-        d_rows, d_kv, d_params = d[1:1 + r], d[1 + r:1 + r + k], d[1 + r + k:]
-        del out, leaves, rows_
+        vjp = getattr(ctx.attend, "vjp", None)
+        if vjp is not None:  # the attention's own backward over the joined rows: no forward rerun for a graph
+            joined = [torch.cat([r, x.to(r.dtype)], dim=1) for r, x in zip(rows, kv, strict=True)] if kv else rows
+            with torch.autocast(q.device.type, **ctx.autocast):
+                d = vjp(q, *joined, *params, g_out, (ctx.needs_input_grad[4], *need_kv, *need_params))
+            del joined
+            s, n = seg.s, len(rows)
+            d_joined = d[1:1 + n]
+            d_rows = [None if g is None else g[:, :s] for g in d_joined]
+            d_kv = [None if g is None else g[:, s:].to(x.dtype) for g, x in zip(d_joined, kv, strict=False)]
+            d_q, d_params = d[0], d[1 + n:]
+        else:
+            with torch.enable_grad(), torch.autocast(q.device.type, **ctx.autocast):
+                q_ = q.detach().requires_grad_(ctx.needs_input_grad[4])
+                params_ = [p.detach().requires_grad_(need) for p, need in zip(params, need_params, strict=True)]
+                kv_ = [x.detach().requires_grad_(need) for x, need in zip(kv, need_kv, strict=False)]
+                rows_ = [r.detach().requires_grad_(need) for r, need in zip(rows, need_kv, strict=True)]
+                out = joined_attend(ctx.attend, q_, rows_, kv_, params_)
+                leaves = [q_, *rows_, *kv_, *params_]
+                got = iter(torch.autograd.grad(out, [t for t in leaves if t.requires_grad], g_out, allow_unused=True))
+            d = [next(got) if t.requires_grad else None for t in leaves]
+            r, k = len(rows_), len(kv_)
+            d_q, d_rows, d_kv, d_params = d[0], d[1:1 + r], d[1 + r:1 + r + k], d[1 + r + k:]
+            del out, leaves, rows_
         for name, g, acc in zip(host.names[key], d_rows, accs, strict=True):
             if g is not None:
                 host.accumulate(name, g, acc, seg.S)
         host.done(rows + accs)
-        return (None, None, None, None, d[0], *d_params, *d_kv)
+        return (None, None, None, None, d_q, *d_params, *d_kv)
 
 
 def host_attend(seg: Any, q: torch.Tensor, kv: tuple[torch.Tensor, ...], key: str, names: list[str],

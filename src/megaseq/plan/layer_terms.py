@@ -50,9 +50,9 @@ def _mixer(run: Run, i: int, xb: int) -> tuple[dict[str, int], int, int]:
         )
     if kind == "mla":
         saved = layers.mla_saved(spec, n, xb, prec, trains, fast_norm="rms_norm" in run.fast_ops)
-        if run.segment:  # the checkpointed attention keeps its queries (keys rebuilt from the carried latent)
+        if run.segment:  # the segment attention keeps its queries (keys rebuilt from the carried latent)
             del saved["mla q,k,v,o (SDPA, v padded) + lse"]
-            saved["mla q (checkpointed segment attention)"] = layers.mla_segment_saved(spec, n, prec)
+            saved["mla q (segment attention)"] = layers.mla_segment_saved(spec, n, prec)
         return (
             saved,
             layers.mla_temp(spec, n, prec, False) + comm + layers.mla_segment_temp(spec, keys, prec, mesh, False),

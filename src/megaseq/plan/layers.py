@@ -228,8 +228,8 @@ def attention_segment_temp(spec: ModelSpec, rows: int, prec: Precision, mesh: Me
 
 def mla_segment_saved(spec: ModelSpec, n: int, prec: Precision) -> int:
     """Dense MLA under sequence segments (``MultiLatentAttention._attend_carried``) keeps, per query token, the
-    queries ``c * Hh * Dq`` (the checkpointed attention's input: its keys are rebuilt from the carried latent in
-    the backward), in place of the one-pass SDPA's q, k, v, o and log-sum-exp."""
+    queries ``c * Hh * Dq`` (the segment attention's saved input: its keys are rebuilt from the carried latent
+    in the backward), in place of the one-pass SDPA's q, k, v, o and log-sum-exp."""
     return n * prec.compute * spec.num_attention_heads * spec.qk_head_dim
 
 
@@ -238,7 +238,7 @@ def mla_segment_temp(spec: ModelSpec, rows: int, prec: Precision, mesh: Mesh, ba
     latent width ``C = R + Dr``: each SDPA call expands the latent to its head group's keys and values
     (``ops.workspace.mla_segment_heads`` heads of this rank's ``Hh / cp``; ``D = max(Dq, Dv)``, v padded to it).
     Forward the group's keys, values and padded values ``(2 D + Dv) c`` per head; backward the group's saved k
-    and v with their gradients (``ops.workspace.mla_segment_group_bytes``), above the checkpointed attention's
+    and v with their gradients (``ops.workspace.mla_segment_group_bytes``), above the backward's
     joined latent, its gradient and the groups' latent gradients, taken as ``6 c * C``."""
     C, c = spec.kv_lora_rank + spec.qk_rope_head_dim, prec.compute
     D, heads = max(spec.qk_head_dim, spec.v_head_dim), spec.num_attention_heads // mesh.cp

@@ -24,10 +24,11 @@ group) and expanded to keys and values inside the attention, a group of heads at
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from megaseq.models.common import rope
 from megaseq.models.common.attention import kv_repeats, positions_for
@@ -36,8 +37,27 @@ from megaseq.models.common.lora import linear_weight
 from megaseq.models.common.norm import RMSNorm
 from megaseq.models.spec import ModelSpec
 from megaseq.ops import dispatch
-from megaseq.ops.amp import lowered
+from megaseq.ops.amp import autocast_as, autocast_state, lowered
 from megaseq.ops.workspace import mla_segment_heads
+
+
+class _HeadGroups(torch.autograd.Function):
+    """``MultiLatentAttention._attend_groups`` keeping only its inputs: the backward runs each head group's
+    forward again and backpropagates it before the next (``_attend_groups_vjp``), so the expanded keys and
+    values of one group at a time are alive."""
+
+    @staticmethod
+    def forward(ctx: Any, mla: MultiLatentAttention, doc_ids: torch.Tensor | None, q: torch.Tensor,
+                latent: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
+        ctx.mla, ctx.doc_ids, ctx.autocast = mla, doc_ids, autocast_state()
+        ctx.save_for_backward(q, latent, w_uk, w_uv)
+        return mla._attend_groups(q, latent, w_uk, w_uv, doc_ids)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        with autocast_as(ctx.autocast):
+            grads = ctx.mla._attend_groups_vjp(*ctx.saved_tensors, ctx.doc_ids, g, tuple(ctx.needs_input_grad[2:]))
+        return (None, None, *grads)
 
 
 class MultiLatentAttention(nn.Module):
@@ -134,19 +154,61 @@ class MultiLatentAttention(nn.Module):
         w_uk_HNR, w_uv_HVR = w_HXR.split([Dn, self.v_dim], dim=1)
 
         def attend(q_: torch.Tensor, latent_BSC: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
-            H_loc, S = q_.shape[2], latent_BSC.shape[1]
-            n = mla_segment_heads(H_loc, B * S, max(Dn + self.rope_dim, self.v_dim), lowered(latent_BSC).itemsize)
-            group = torch.is_grad_enabled() and n < H_loc  # each group's expansion rebuilt in its backward
-            outs = []
-            for h in range(0, H_loc, n):
-                args = (q_[:, :, h:h + n], latent_BSC, w_uk[h:h + n], w_uv[h:h + n], doc_ids)
-                outs.append(checkpoint(self._attend_heads, *args, use_reentrant=False) if group
-                            else self._attend_heads(*args))
-            return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+            grouped = self._heads_per_call(q_, latent_BSC) < q_.shape[2]
+            if grouped and torch.is_grad_enabled() and any(t.requires_grad for t in (q_, latent_BSC, w_uk, w_uv)):
+                return _HeadGroups.apply(self, doc_ids, q_, latent_BSC, w_uk, w_uv)
+            return self._attend_groups(q_, latent_BSC, w_uk, w_uv, doc_ids)
+
+        attend.vjp = lambda q_, latent_BSC, w_uk, w_uv, g, needs: self._attend_groups_vjp(  # type: ignore[attr-defined]
+            q_, latent_BSC, w_uk, w_uv, doc_ids, g, needs)
 
         o_BTHV = ctx.attend_seq(q_BTHD, (latent_BTC,), self.layer, attend, gathered=False,
                                 params=(w_uk_HNR, w_uv_HVR))
         return self.o_proj(ctx.heads_to_seq(o_BTHV).reshape(B, T_loc, self.num_heads * self.v_dim))
+
+    def _heads_per_call(self, q_BTHD: torch.Tensor, latent_BSC: torch.Tensor) -> int:
+        B, S = latent_BSC.shape[:2]
+        return mla_segment_heads(q_BTHD.shape[2], B * S, max(self.nope_dim + self.rope_dim, self.v_dim),
+                                 lowered(latent_BSC).itemsize)
+
+    def _attend_groups(self, q_BTHD: torch.Tensor, latent_BSC: torch.Tensor, w_uk_HNR: torch.Tensor,
+                       w_uv_HVR: torch.Tensor, doc_ids: torch.Tensor | None) -> torch.Tensor:
+        """``_attend_heads`` a group of heads at a time (``_heads_per_call``), the outputs joined."""
+        H, n = q_BTHD.shape[2], self._heads_per_call(q_BTHD, latent_BSC)
+        outs = [self._attend_heads(q_BTHD[:, :, h:h + n], latent_BSC, w_uk_HNR[h:h + n], w_uv_HVR[h:h + n], doc_ids)
+                for h in range(0, H, n)]
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+
+    def _attend_groups_vjp(self, q_BTHD: torch.Tensor, latent_BSC: torch.Tensor, w_uk_HNR: torch.Tensor,
+                           w_uv_HVR: torch.Tensor, doc_ids: torch.Tensor | None, g_BTHV: torch.Tensor,
+                           needs: tuple[bool, ...]) -> tuple[torch.Tensor | None, ...]:
+        """The gradients of ``_attend_groups``' inputs ``(q, latent, w_uk, w_uv)`` (None where ``needs`` says
+        not) for the output gradient ``g``: each head group's forward run with a graph and backpropagated
+        before the next (its keys and values the only per-head tensors alive); the latent's gradient summed
+        over the groups in their order, in float32 at least."""
+        H, n = q_BTHD.shape[2], self._heads_per_call(q_BTHD, latent_BSC)
+        d_q, d_wk, d_wv, d_lat = [], [], [], None
+        for h in range(0, H, n):
+            with torch.enable_grad():
+                ins = (q_BTHD[:, :, h:h + n], latent_BSC, w_uk_HNR[h:h + n], w_uv_HVR[h:h + n])
+                ins = tuple(t.detach().requires_grad_(need) for t, need in zip(ins, needs, strict=True))
+                out = self._attend_heads(*ins, doc_ids)
+                wanted = [t for t in ins if t.requires_grad]
+                got = iter(torch.autograd.grad(out, wanted, g_BTHV[:, :, h:h + n]) if wanted else ())
+            dq, dl, dk, dv = (next(got) if t.requires_grad else None for t in ins)
+            d_q.append(dq)
+            d_wk.append(dk)
+            d_wv.append(dv)
+            if dl is not None and d_lat is None:
+                d_lat = dl
+            elif dl is not None:  # summed in float32 (a copy the first time), as one GEMM over all heads sums
+                d_lat = d_lat.to(torch.promote_types(dl.dtype, torch.float32)).add_(dl)
+
+        def joined(parts: list[torch.Tensor | None], dim: int) -> torch.Tensor | None:
+            return None if parts[0] is None else parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
+
+        d_lat = d_lat if d_lat is None else d_lat.to(latent_BSC.dtype)
+        return joined(d_q, 2), d_lat, joined(d_wk, 0), joined(d_wv, 0)
 
     def _attend_heads(self, q_BTHD: torch.Tensor, latent_BSC: torch.Tensor, w_uk_HNR: torch.Tensor,
                       w_uv_HVR: torch.Tensor, doc_ids: torch.Tensor | None) -> torch.Tensor:
