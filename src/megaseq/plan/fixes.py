@@ -245,7 +245,8 @@ FIXES: dict[str, Fix] = {f.name: f for f in (
         enabled=_on("recompute"),
         why=lambda m: "each layer keeps only its input; its forward is rerun in backward"),
     _fix("model_segments",
-        cost=lambda run, t: (t.sf.layers_forward + segment_attention_rerun(run.spec, run.seq_len)) / t.sf.total
+        cost=lambda run, t: (t.sf.layers_forward + segment_attention_rerun(
+            run.spec, run.seq_len, run.memory.model_segment_tokens or MODEL_SEGMENT_CHUNKS[0])) / t.sf.total
         + MODEL_SEGMENT_OVERHEAD + (t.segment_regather_s + t.segment_kv_host_s) / t.step_s,
         usable=lambda run: family(run.spec.family).segmentable and MODEL_SEGMENT_CHUNKS[0] % run.mesh.cp == 0,
         enable=lambda b, run, s, h: {"model_segment_tokens": b.model_segment_tokens or MODEL_SEGMENT_CHUNKS[0]},

@@ -144,19 +144,26 @@ def layer_flops(spec: ModelSpec, S: int, i: int) -> LayerFlops:
     return out
 
 
-def segment_attention_rerun(spec: ModelSpec, S: int) -> float:
+def segment_attention_rerun(spec: ModelSpec, S: int, segment_tokens: int = 0) -> float:
     """FLOPs sequence segments add to a step for softmax attention and dense MLA layers: each segment's
     attention core (queries against every key so far) is rebuilt in its backward (the checkpointed join of
-    the carried keys, ``memory/model_segments.py``), one more forward of the cores: ``4 Hq D`` per causal
-    key pair (MLA: ``4 Hh max(Dq, Dv)``, the keys expanded from the latent and the values padded to their width)."""
+    the carried keys, ``memory/model_segments.py``, or MLA's ``attend.vjp``), one more forward of the cores:
+    ``4 Hq D`` per causal key pair (MLA: ``4 Hh max(Dq, Dv)``, the keys expanded from the latent and the values
+    padded to their width). Dense MLA also expands the latent of every key so far to its keys and values in each
+    segment (``2 R Hh (Dn + Dv)`` per key row): in the forward pass, the rerun's forward, the backward's forward
+    and its backward (twice a forward), ``5 sum(e_j)`` rows for segments ending at ``e_j`` (``segment_tokens``
+    apart), where one pass expands ``S`` rows and backpropagates them (``3 S``)."""
     keys = causal_keys(S, S)
+    ends = sum(min(e, S) for e in range(segment_tokens, S + segment_tokens, segment_tokens)) if segment_tokens else S
     out = 0.0
     for kind in spec.layer_types:
         if kind == "attention":
             D = spec.head_dim or spec.hidden_size // spec.num_attention_heads
             out += 4 * spec.num_attention_heads * D * keys
         elif kind == "mla":
-            out += 4 * spec.num_attention_heads * max(spec.qk_head_dim, spec.v_head_dim) * keys
+            Hh = spec.num_attention_heads
+            out += 4 * Hh * max(spec.qk_head_dim, spec.v_head_dim) * keys
+            out += max(0, 5 * ends - 3 * S) * 2 * spec.kv_lora_rank * Hh * (spec.qk_nope_head_dim + spec.v_head_dim)
     return out
 
 
