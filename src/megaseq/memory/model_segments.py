@@ -205,10 +205,11 @@ class SegmentContext(SeqContext):
                    params: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
         """``attend(q, *kv_all, *params)`` over the keys ``[0, e)``: the forward pass writes this segment's ``kv`` into
         the layer's caches ``[B, S, ...]`` and attends over a view of them. The backward pass joins leaves of
-        the earlier segments' cached rows (views, no copy) to the recomputed ``kv`` inside a checkpoint, so
-        the segment's graph keeps only its own rows (the joined ``[B, e, ...]`` keys are rebuilt in its
-        backward, one layer at a time); each leaf's gradient goes straight into the layer's fp32
-        accumulator (``_accumulate``) and the accumulated gradient of this segment's rows is sent back."""
+        the earlier segments' cached rows (views, no copy) to the recomputed ``kv`` inside a checkpoint (or, for
+        an ``attend`` with a ``vjp``, ``_JoinedAttend``), so the segment's graph keeps only its own rows (the
+        joined ``[B, e, ...]`` keys are rebuilt in its backward, one layer at a time); each leaf's gradient goes
+        straight into the layer's fp32 accumulator (``_accumulate``) and the accumulated gradient of this
+        segment's rows is sent back. ``params`` (tensors ``attend`` reads besides) get their gradients too."""
         st, names = self.store, [f"{key}.{i}" for i in range(len(kv))]
         if not gathered:  # this rank's shard of the segment: the whole segment's rows (gather-KV)
             kv = tuple(x if self.grad and not x.requires_grad else self.inner.gather_seq(x, n)
