@@ -63,7 +63,7 @@ from torch.utils.checkpoint import checkpoint
 
 from megaseq.memory.replay import Chunk, SideState, chunk_bounds, run_chunks
 from megaseq.memory.rules import check_model_segments  # noqa: F401  (re-exported: the planner's rules too)
-from megaseq.memory.segment_host import HostKV, host_attend
+from megaseq.memory.segment_host import HostKV, host_attend, join_rows, joined_vjp
 from megaseq.models.common.context import SeqContext
 from megaseq.ops.amp import autocast_as, autocast_state, lowered
 from megaseq.schemes import SEGMENT_SETTING
@@ -97,12 +97,6 @@ class SegmentStore:
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def _join(prefixes: tuple[torch.Tensor, ...] | list[torch.Tensor],
-          kv: tuple[torch.Tensor, ...] | list[torch.Tensor]) -> list[torch.Tensor]:
-    """The earlier rows joined before this segment's, in the rows' dtype (the host store joins the same)."""
-    return [torch.cat([p, x.to(p.dtype)], dim=1) for p, x in zip(prefixes, kv, strict=True)]
-
-
 class _JoinedAttend(torch.autograd.Function):
     """``attend(q, *(prefixes joined to kv), *params)`` for an ``attend`` with a ``vjp`` (dense MLA's head
     groups): keeps its inputs (the prefixes are views of the cache) and its backward hands the rows joined again
@@ -114,27 +108,16 @@ class _JoinedAttend(torch.autograd.Function):
                 *rest: torch.Tensor) -> torch.Tensor:
         ctx.attend, ctx.m, ctx.autocast = attend, m, autocast_state()
         ctx.save_for_backward(q, *rest)
-        return attend(q, *_join(rest[:m], rest[m:2 * m]), *rest[2 * m:])
+        return attend(q, *join_rows(rest[:m], rest[m:2 * m]), *rest[2 * m:])
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         m = ctx.m
         q, *rest = ctx.saved_tensors
-        prefixes, kv, params = rest[:m], rest[m:2 * m], rest[2 * m:]
-        need = ctx.needs_input_grad[2:]
-        need_pre, need_kv = need[1:1 + m], need[1 + m:1 + 2 * m]
-        joined = _join(prefixes, kv)
         with autocast_as(ctx.autocast):
-            d = ctx.attend.vjp(q, *joined, *params, g, (need[0], *(a or b for a, b in zip(need_pre, need_kv,
-                                                                                           strict=True)),
-                                                        *need[1 + 2 * m:]))
-        del joined
-        s = prefixes[0].shape[1]
-        d_joined = d[1:1 + m]
-        d_pre = [None if g_ is None or not n_ else g_[:, :s] for g_, n_ in zip(d_joined, need_pre, strict=True)]
-        d_kv = [None if g_ is None or not n_ else g_[:, s:].to(x.dtype)
-                for g_, n_, x in zip(d_joined, need_kv, kv, strict=True)]
-        return (None, None, d[0], *d_pre, *d_kv, *d[1 + m:])
+            d_q, d_pre, d_kv, d_params = joined_vjp(ctx.attend.vjp, q, rest[:m], rest[m:2 * m], rest[2 * m:], g,
+                                                    ctx.needs_input_grad[2:])
+        return (None, None, d_q, *d_pre, *d_kv, *d_params)
 
 
 class SegmentContext(SeqContext):
@@ -242,7 +225,7 @@ class SegmentContext(SeqContext):
             return _JoinedAttend.apply(attend, m, q, *prefixes, *kv, *params)
 
         def joined(q_: torch.Tensor, *parts: torch.Tensor) -> torch.Tensor:
-            return attend(q_, *_join(parts[:m], parts[m:2 * m]), *parts[2 * m:])
+            return attend(q_, *join_rows(parts[:m], parts[m:2 * m]), *parts[2 * m:])
 
         return checkpoint(joined, q, *prefixes, *kv, *params, use_reentrant=False)
 

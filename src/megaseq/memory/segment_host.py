@@ -30,27 +30,51 @@ device.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from megaseq.memory.offload import HostBuffer
-from megaseq.ops.amp import lowered
+from megaseq.ops.amp import autocast_as, autocast_state, lowered
 
 # (rows [0, r), their accumulators (None: none yet), r, the copy's event)
 Fetched = tuple[list[torch.Tensor], list[torch.Tensor | None], int, Any]
 
 
+def join_rows(rows: Sequence[torch.Tensor], kv: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The earlier rows joined before this segment's ``kv``, in the rows' dtype (both stores join so)."""
+    return [torch.cat([p, x.to(p.dtype)], dim=1) for p, x in zip(rows, kv, strict=True)]
+
+
 def joined_attend(attend: Callable[..., torch.Tensor], q: torch.Tensor, rows: list[torch.Tensor],
-                  kv: list[torch.Tensor], params: tuple[torch.Tensor, ...] | list[torch.Tensor] = ()) -> torch.Tensor:
+                  kv: list[torch.Tensor], params: Sequence[torch.Tensor] = ()) -> torch.Tensor:
     """``attend`` over the earlier rows joined before this segment's ``kv`` (no rows: ``kv`` alone; no ``kv``:
-    the rows alone), then ``params``; the GPU-resident store's checkpoint runs the same ``cat``."""
+    the rows alone), then ``params``."""
     if not rows:
         return attend(q, *kv, *params)
     if not kv:
         return attend(q, *rows, *params)
-    return attend(q, *(torch.cat([p, x.to(p.dtype)], dim=1) for p, x in zip(rows, kv, strict=True)), *params)
+    return attend(q, *join_rows(rows, kv), *params)
+
+
+def joined_vjp(vjp: Callable[..., tuple[torch.Tensor | None, ...]], q: torch.Tensor, rows: Sequence[torch.Tensor],
+               kv: Sequence[torch.Tensor], params: Sequence[torch.Tensor], g: torch.Tensor,
+               needs: Sequence[bool]) -> tuple[torch.Tensor | None, list, list, list]:
+    """``attend.vjp`` over the earlier rows ``[0, s)`` joined before ``kv`` (no ``kv``: the rows alone), for the
+    output gradient ``g``; ``needs`` says which of ``(q, *rows, *kv, *params)`` want one. Returns the gradients
+    of q, of the rows (the joined gradient's ``[0, s)``), of kv (its ``[s, e)`` in kv's dtype) and of params,
+    None where not wanted. Both stores' backwards hand an ``attend`` with a ``vjp`` its rows through here."""
+    r, k = len(rows), len(kv)
+    need_rows, need_kv = needs[1:1 + r], needs[1 + r:1 + r + k]
+    joined = join_rows(rows, kv) if kv else list(rows)
+    need_joined = [a or b for a, b in zip(need_rows, need_kv, strict=True)] if kv else list(need_rows)
+    d = vjp(q, *joined, *params, g, (needs[0], *need_joined, *needs[1 + r + k:]))
+    del joined
+    s, d_joined = rows[0].shape[1], d[1:1 + r]
+    d_rows = [None if x is None or not n else x[:, :s] for x, n in zip(d_joined, need_rows, strict=True)]
+    d_kv = [None if x is None or not n else x[:, s:].to(y.dtype) for x, n, y in zip(d_joined, need_kv, kv, strict=True)]
+    return d[0], d_rows, d_kv, list(d[1 + r:])
 
 
 def _copy_in(host: torch.Tensor, s: int, e: int, device: torch.device) -> torch.Tensor:
@@ -214,11 +238,6 @@ class HostKV:
             self._count([acc], -1)
 
 
-def _autocast_state(device_type: str) -> dict[str, Any]:
-    return {"enabled": torch.is_autocast_enabled(device_type), "dtype": torch.get_autocast_dtype(device_type),
-            "cache_enabled": torch.is_autocast_cache_enabled()}
-
-
 class _HostAttend(torch.autograd.Function):
     """``attend(q, *(rows [0, s) joined to kv), *params)`` keeping neither the rows nor the joined keys for the
     backward: the backward fetches the rows again, reruns ``joined`` with a graph (or, where ``attend`` has a
@@ -235,7 +254,7 @@ class _HostAttend(torch.autograd.Function):
         out = joined_attend(attend, q, rows, list(kv), params)
         host.done(rows)
         ctx.seg, ctx.key, ctx.attend, ctx.n_params = seg, key, attend, n_params
-        ctx.autocast = _autocast_state(dev.type)  # the backward's rerun casts as this forward did (as checkpoint)
+        ctx.autocast = autocast_state()  # the backward's rerun casts as this forward did (as checkpoint)
         ctx.save_for_backward(q, *rest)
         return out
 
@@ -251,17 +270,12 @@ class _HostAttend(torch.autograd.Function):
         host.after("backward", key, seg.j, seg.s, seg.e, q.device)
         vjp = getattr(ctx.attend, "vjp", None)
         if vjp is not None:  # the attention's own backward over the joined rows: no forward rerun for a graph
-            joined = [torch.cat([r, x.to(r.dtype)], dim=1) for r, x in zip(rows, kv, strict=True)] if kv else rows
-            with torch.autocast(q.device.type, **ctx.autocast):
-                d = vjp(q, *joined, *params, g_out, (ctx.needs_input_grad[4], *need_kv, *need_params))
-            del joined
-            s, n = seg.s, len(rows)
-            d_joined = d[1:1 + n]
-            d_rows = [None if g is None else g[:, :s] for g in d_joined]
-            d_kv = [None if g is None else g[:, s:].to(x.dtype) for g, x in zip(d_joined, kv, strict=False)]
-            d_q, d_params = d[0], d[1 + n:]
+            with autocast_as(ctx.autocast):
+                d_q, d_rows, d_kv, d_params = joined_vjp(
+                    vjp, q, rows, kv, params, g_out,
+                    (ctx.needs_input_grad[4], *need_kv, *(need_kv if kv else ()), *need_params))
         else:
-            with torch.enable_grad(), torch.autocast(q.device.type, **ctx.autocast):
+            with torch.enable_grad(), autocast_as(ctx.autocast):
                 q_ = q.detach().requires_grad_(ctx.needs_input_grad[4])
                 params_ = [p.detach().requires_grad_(need) for p, need in zip(params, need_params, strict=True)]
                 kv_ = [x.detach().requires_grad_(need) for x, need in zip(kv, need_kv, strict=False)]
