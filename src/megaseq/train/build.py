@@ -71,24 +71,24 @@ def build_planned_model(cfg: Config, spec: Any, device: torch.device, memory: Me
         from megaseq.memory import stream_base
 
         stream_base.check_run(adapters.freezes, sharded, bool(init_from))
+    # a frozen base stored in bf16 is built so from the start (never its fp32 copy: 30B parameters fit), its
+    # random init drawn on the run's GPU wherever it is built
+    frozen = frozen_base_dtypes(adapters) if adapters.freezes and adapters.frozen_dtype else None
+    draw_on = device if device.type == "cuda" and not init_from else None
     if not sharded:
-        # a frozen base stored in bf16 is built so from the start (never its fp32 copy: 30B parameters fit)
-        frozen = frozen_base_dtypes(adapters) if adapters.freezes and adapters.frozen_dtype else None
         where = device
         if memory.stream_base:  # built where it fits (the host when the GPU cannot hold it), streamed from the host
             where = stream_base.build_device(build_model(spec, dtype=dtype, device="meta", stored=frozen), device)
             where = "cpu" if init_from else where
-        model = build_model(spec, dtype=dtype, device=where, seed=cfg.train.seed, stored=frozen,
-                            draw_on=device if device.type == "cuda" and not init_from else None)
+        model = build_model(spec, dtype=dtype, device=where, seed=cfg.train.seed, stored=frozen, draw_on=draw_on)
         if init_from:
             load_hf_checkpoint(init_from, model=model, spec=spec)
         applied = parallelize(model, memory, env, adapters)
         if memory.stream_base:
             stream_base.to_device_resident(model, device)
     else:  # a frozen base: its frozen tensors built (and sharded) in their storage dtype, what trains kept whole
-        frozen = frozen_base_dtypes(adapters) if adapters.freezes and adapters.frozen_dtype else None
         model = build_model(spec, dtype=dtype, device="meta" if init_from else "cpu", seed=cfg.train.seed,
-                            stored=frozen, draw_on=device if device.type == "cuda" and not init_from else None)
+                            stored=frozen, draw_on=draw_on)
         applied = parallelize(model, memory, env, adapters)  # shards (moves each rank's shards to the device)
         if init_from:
             model.to_empty(device=device)
