@@ -18,7 +18,8 @@
 #                 code that allocated them (benchmarks/memory/peak_by_frame.py), about 6 minutes
 #   longest       the planned longest LoRA steps of the published checkpoints, to the last layers' backward:
 #                 Kimi-Linear-48B-A3B at 1M on a genome window (sequence segments, the base streamed; the
-#                 forward of every segment, the loss and the last segment's backward, about 8 minutes), then
+#                 forward of every segment, the loss and the last segment's backward, in two jobs on one machine:
+#                 PART=a then PART=b, about 10 and 6 minutes), then
 #                 with LONGEST=qwen Qwen3-30B-A3B at its planned longest, 647K (the forward, the loss and the
 #                 last 2 layers' backward, about 8 minutes); one H200 each (needs the genomes as .data/)
 #   long_context  the long-context experiment in one job (docs/long_context.md; needs the genomes as .data/)
@@ -141,9 +142,13 @@ stage_longest() {
     timeout -k 5 560 $PY benchmarks/lora/lora_partial_step.py 647K --backward-layers 2 \
       --out "$(dest $b 647k_partial).json" | tail -30
   else
+    # the forward of 128 segments is longer than one job: PART=a runs it for 500 s and saves what the step
+    # carries to CARRY (on the machine's disk), PART=b (the next job on the same machine) goes on from there
     b=lora/kimi-linear-48b-a3b
-    timeout -k 5 560 $PY benchmarks/lora/segments_partial_step.py 1M --forward-loss --source genome \
-      --out "$(dest $b 1m_partial).json" data.train="${GENOMES:-.data}/ecoli_MG1655.fa.gz" | tail -30
+    local part=${PART:-a} carry=${CARRY:-/root/megaseq_carry} split
+    if [ "$part" = a ]; then split="--forward-for 500 --carry $carry"; else split="--resume $carry"; fi
+    timeout -k 5 570 $PY benchmarks/lora/segments_partial_step.py 1M --forward-loss --source genome $split \
+      --out "$(dest $b 1m_partial_$part).json" data.train="${GENOMES:-.data}/ecoli_MG1655.fa.gz" | tail -30
   fi
 }
 

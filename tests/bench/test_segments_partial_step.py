@@ -59,6 +59,50 @@ def test_a_forward_loss_missing_a_segment_fails(tmp_path, monkeypatch):
     assert any("is not the whole step's" in c for c in row["checks"])
 
 
+def split(tmp_path, *extra: str) -> tuple[dict, dict]:
+    """The forward pass in two processes: segments [0, 2) saved, then the rest from the save."""
+    carry = str(tmp_path / "carry")
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    assert bench.main([*ARGS, *extra, "--forward-until", "2", "--carry", carry, "--out", str(a)]) == 0
+    assert bench.main([*ARGS, *extra, "--resume", carry, "--check-full", "--out", str(b)]) == 0
+    return json.loads(a.read_text()), json.loads(b.read_text())
+
+
+@pytest.mark.parametrize("kv_host", ["true", "false"])
+def test_a_forward_pass_split_over_two_processes_is_the_whole_steps(tmp_path, kv_host):
+    a, b = split(tmp_path, f"memory.segment_kv_host={kv_host}")
+    assert a["checks"] == [] and a["carry_saved_before"] == 2 and len(a["forward_segment_s"]) == 2
+    assert a["stopped"].startswith("stopped before the forward of segment 2 of 4")
+    assert b["checks"] == [] and b["resumed_from"] == 2 and len(b["forward_segment_s"]) == 4
+    assert b["full_step_loss"] == pytest.approx(b["forward_loss"], rel=1e-6)
+    lines = [json.loads(t) for t in (tmp_path / "b.json.progress.jsonl").read_text().splitlines()]
+    assert [(t["phase"], t["done"]) for t in lines[2:4]] == [("forward", 2), ("forward", 3)]
+
+
+def test_a_split_forward_pass_without_the_carried_states_fails(tmp_path, monkeypatch):
+    load = bench.Carry._load
+
+    def drop_states(self, st):  # the linear layers' states at segment 2 not restored: they start from zero
+        load(self, st)
+        for per in st.carried.values():
+            if per[2] is not None:
+                per[2] = tuple(torch.zeros_like(t) for t in per[2])
+
+    monkeypatch.setattr(bench.Carry, "_load", drop_states)
+    _, b = split(tmp_path)
+    assert any("is not the whole step's" in c for c in b["checks"])
+
+
+def test_resume_refuses_another_batch_and_a_partial_save(tmp_path):
+    carry = tmp_path / "carry"
+    assert bench.main([*ARGS, "--forward-until", "2", "--carry", str(carry), "--out", str(tmp_path / "a.json")]) == 0
+    with pytest.raises(SystemExit, match="batch differs"):
+        bench.main([*ARGS, "--resume", str(carry), "--out", str(tmp_path / "b.json"), "data.seed=7"])
+    (carry / "meta.json").unlink()
+    with pytest.raises(SystemExit, match="no meta.json"):
+        bench.main([*ARGS, "--resume", str(carry), "--out", str(tmp_path / "b.json")])
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_partial_step_peaks_on_gpu(tmp_path):
