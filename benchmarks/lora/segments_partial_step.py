@@ -90,6 +90,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                     help="stop at the first segment start after this many seconds of the process; save to --carry")
     ap.add_argument("--carry", help="directory for the state --forward-until / --forward-for save")
     ap.add_argument("--resume", help="directory a --carry run saved: its segments are not run again")
+    ap.add_argument("--history", action="store_true",
+                    help="CUDA: record the allocations of the backward (from the end of the forward pass) and write "
+                         "the blocks live at its peak by the code that made them to OUT.history.txt")
     ap.add_argument("--out", required=True)
     ap.add_argument("overrides", nargs="*", help="config overrides key=value")
     return ap.parse_intermixed_args(argv)
@@ -281,6 +284,7 @@ class Probe:
         self.device, self.k, self.bounds, self.state, self.labels = device, k, bounds, state, labels
         self.log = log  # a JSON line per segment (a run stopped by its time limit still says how far it got)
         self.carry, self.sha = carry, sha  # the forward pass split over two processes
+        self.history: str | None = None  # --history: where the backward's live blocks at its peak go
         self.first = carry.first if carry is not None else 0  # segments a first process ran
         self.cuda = device.type == "cuda"
         self.marks: dict[str, Any] = {"forward_segment_s": [], "backward_segment_s": []}
@@ -315,13 +319,34 @@ class Probe:
                 m["forward_peak"] = torch.cuda.max_memory_allocated(self.device)
                 m["after_forward"] = torch.cuda.memory_allocated(self.device)
                 torch.cuda.reset_peak_memory_stats(self.device)
+                if self.history is not None:
+                    torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
         else:
             m["backward_segment_s"].append(self._tick())
         if should_stop(done, self.k):
             if self.cuda:
                 m["backward_peak"] = torch.cuda.max_memory_allocated(self.device)
+                if self.history is not None:
+                    self._write_history()
             m["backward_segments_run"] = done
             raise StopStep(f"stopped after the backward of {done} of {total} segments")
+
+    def _write_history(self) -> None:
+        """The blocks the backward allocated that are live at its peak, by frame (``peak_by_frame``'s report)."""
+        import sys
+        from pathlib import Path
+
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "memory"))
+        import peak_by_frame
+
+        snap = torch.cuda.memory._snapshot()
+        torch.cuda.memory._record_memory_history(enabled=None)
+        trace = snap["device_traces"][self.device.index or 0]
+        before = self.marks["after_forward"]
+        lines = [f"allocated when the backward began: {before / GIB:.2f} GiB (not in the trace below)",
+                 *peak_by_frame.report(*peak_by_frame.peak_blocks(trace))]
+        assert self.history is not None
+        Path(self.history).write_text("\n".join(lines) + "\n")
 
     def _save(self, done: int) -> None:
         """The first process of a split forward pass: save before segment ``done`` and stop."""
@@ -482,6 +507,7 @@ def main(argv: list[str] | None = None) -> int:
         setup("warmed")
         labels = batch["labels"] if args.forward_loss or args.check_full else None
         probe = Probe(device, k, bounds, state, labels, log=log, carry=carry, sha=sha)
+        probe.history = args.out + ".history.txt" if args.history else None
         stopped = partial_step(state, batch, probe)
         marks = probe.marks
         trainable = [p for p in model.parameters() if p.requires_grad]

@@ -21,6 +21,11 @@ def truncated_config(src: str | Path, layers: int, out_dir: str | Path | None = 
     hf["num_hidden_layers"] = layers
     if "max_window_layers" in hf:
         hf["max_window_layers"] = min(hf["max_window_layers"], layers)
+    for key, kept in (hf.get("linear_attn_config") or {}).items():  # Kimi-Linear: layers numbered from 1
+        if key.endswith("_layers") and isinstance(kept, list):
+            hf["linear_attn_config"][key] = [i for i in kept if i <= layers]
+    if isinstance(hf.get("layer_types"), list):
+        hf["layer_types"] = hf["layer_types"][:layers]
     dst = Path(out_dir or tempfile.mkdtemp(prefix="truncated_")) / "config.json"
     dst.parent.mkdir(parents=True, exist_ok=True)
     dst.write_text(json.dumps(hf))

@@ -80,10 +80,12 @@ def _layer_types(c: dict[str, Any], n: int) -> list[str]:
         lin = c.get("linear_attn_config") or {}
         if "full_attn_layers" in lin and "kda_layers" in lin:
             types = [None] * n
-            for i in lin["full_attn_layers"]:
-                types[i - 1] = "full_attention"
-            for i in lin["kda_layers"]:
-                types[i - 1] = "linear_attention"
+            for key, kind in (("full_attn_layers", "full_attention"), ("kda_layers", "linear_attention")):
+                for i in lin[key]:
+                    if not 1 <= i <= n:
+                        raise ValueError(f"kimi_linear linear_attn_config.{key} names layer {i} (numbered from 1) "
+                                         f"but num_hidden_layers is {n}: list layers 1 to {n} only")
+                    types[i - 1] = kind
         else:
             types = ["full_attention" if i and i % 4 == 0 else "linear_attention" for i in range(n)]
     kinds = {"full_attention": "mla", "linear_attention": "kda"}
