@@ -15,8 +15,9 @@ settings, ``memory.stream_base`` and ``memory.segment_kv_host`` included; ``trai
 a warm-up step on the first ``--warm-tokens`` of the window (the optimizer's state then exists). The step's
 ``progress`` hook, told before each segment, reads the memory and the clock and stops the step:
 
-- ``forward_peak_gib``: ``max_memory_allocated`` over the forward of every segment;
-- ``backward_peak_gib``: over the loss and backward of the last segments (the peak counter is reset between);
+- ``forward_peak_gib``: ``max_memory_allocated`` over the forward of every segment (no graph);
+- ``backward_peak_gib``: over the last segments' rerun with a graph, loss and backward (the peak counter is reset
+  between): the window the plan's phases describe (``plan_vs_measured_backward``);
 - ``forward_segment_s`` / ``backward_segment_s``: the time of each segment (synchronised);
 - ``estimate_step_s``: an estimate, not a measurement: the forward time plus each segment's forward time
   scaled by the measured backward-to-forward ratio of the last segments (``estimate_step_upper_s``: every
@@ -75,7 +76,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("length")
     ap.add_argument("--recipe", default="recipes/kimi-linear-48b-a3b-lora.yaml")
-    ap.add_argument("--backward-segments", type=int, default=1, help="segments whose backward runs (from the last)")
+    ap.add_argument("--backward-segments", type=int, default=2,
+                    help="segments whose backward runs, from the last (the last has no gradient accumulators yet; "
+                         "the one before it holds them, as every earlier one does: the step's peak)")
     ap.add_argument("--warm-tokens", type=int, default=4096, help="length of the warm-up step")
     ap.add_argument("--forward-loss", action="store_true",
                     help="compute each segment's loss in the forward pass (adds the loss's working set to it)")
@@ -540,11 +543,12 @@ def main(argv: list[str] | None = None) -> int:
             row |= {"forward_peak_gib": fp / GIB, "after_forward_gib": marks["after_forward"] / GIB,
                     "backward_peak_gib": bp / GIB, "measured_peak_gib": max(fp, bp) / GIB,
                     "plan_vs_measured": planned / max(fp, bp) - 1}
-            ph = plan.phases  # the measured backward phase holds the last segment's loss too
-            if "forward" in ph:
-                row["plan_vs_measured_forward"] = ph["forward"] / fp - 1
+            # the plan's forward, loss and backward phases are a segment's rerun with a graph, its loss and its
+            # backward: all inside the measured backward window. The forward pass without a graph has no phase
+            # of its own in the plan (its peak is below the rerun's)
+            ph = plan.phases
             if "backward" in ph:
-                row["plan_vs_measured_backward"] = max(ph["backward"], ph.get("loss", 0)) / bp - 1
+                row["plan_vs_measured_backward"] = max(ph["backward"], ph.get("loss", 0), ph.get("forward", 0)) / bp - 1
         if args.check_full and not (carry is not None and carry.saved):
             # a whole step on the same batch (the partial one updated nothing)
             state.optimizer.zero_grad(set_to_none=True)

@@ -20,11 +20,15 @@ from collections.abc import Iterable
 from pathlib import Path
 
 GIB = 2**30
+# a block stops counting when its free is requested, as ``max_memory_allocated`` counts it (a block used on a side
+# stream, ``record_stream``, completes its free only once that stream's work is done); a trace without the request
+# event frees it on completion
+FREES = ("free_requested", "free_completed")
 
 
 def peak_blocks(trace: Iterable[dict], start_frame: str = "") -> tuple[int, list[dict]]:
     """(peak bytes, the blocks live at the peak) of one device's trace of ``torch.cuda.memory._snapshot()``:
-    its ``alloc`` and ``free_completed`` events replayed in order (a free of a block allocated before the
+    its ``alloc`` and free events replayed in order (a free of a block allocated before the
     recorded window is skipped). ``start_frame``: the peak is taken from the first allocation made inside a
     function of that name on (blocks made before it and still live count; what was freed before it does not)."""
     events = list(trace)
@@ -40,13 +44,13 @@ def peak_blocks(trace: Iterable[dict], start_frame: str = "") -> tuple[int, list
             cur += e["size"]
             if i >= start and cur > peak:
                 peak, peak_i = cur, i + 1
-        elif e["action"] == "free_completed" and e["addr"] in live:
+        elif e["action"] in FREES and e["addr"] in live:
             cur -= live.pop(e["addr"])["size"]
     live = {}
     for e in events[:peak_i]:
         if e["action"] == "alloc":
             live[e["addr"]] = e
-        elif e["action"] == "free_completed":
+        elif e["action"] in FREES:
             live.pop(e["addr"], None)
     return peak, list(live.values())
 

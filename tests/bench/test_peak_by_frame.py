@@ -63,3 +63,16 @@ def test_broken_replay_without_frees_fails():
     bench = bench_scripts.load("memory/peak_by_frame")
     with pytest.raises(AssertionError):
         check_replay(lambda trace: bench.peak_blocks([e for e in trace if e["action"] == "alloc"]))
+
+
+def test_a_block_stops_counting_when_its_free_is_requested():
+    """A block used on a side stream (``record_stream``) completes its free late; ``max_memory_allocated`` stops
+    counting it at the request, and so does the replay (counting to the completion reports 800 here)."""
+    bench = bench_scripts.load("memory/peak_by_frame")
+    trace = [_alloc(1, 500, F_OURS), {"action": "free_requested", "addr": 1}, _alloc(2, 300, F_TORCH),
+             _free(1), _alloc(3, 100, F_OURS)]
+    peak, blocks = bench.peak_blocks(trace)
+    assert peak == 500 and [b["addr"] for b in blocks] == [1]
+    later = [_alloc(1, 500, F_OURS), {"action": "free_requested", "addr": 1}, _alloc(2, 300, F_TORCH),
+             _alloc(3, 400, F_OURS), _free(1)]
+    assert bench.peak_blocks(later)[0] == 700
