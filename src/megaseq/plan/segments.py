@@ -62,7 +62,7 @@ def _segment_mixer_store(run: Run, segs: int) -> dict[str, int]:
     out = {}
     rows = segment_kv_rows(run)
     if run.memory.segment_kv_host and rows:  # the store in host memory (segment_kv_host_bytes), two layers here
-        out["segment K/V in flight (host-kept store)"] = B * S * max(rows) * (3 * c + 2 * f)
+        out["segment K/V in flight (host-kept store)"] = B * S * max(rows) * in_flight_per_element(run)
     elif "attention" in kinds:  # (only softmax attention's heads constrain cp: ask only then)
         D = spec.head_dim or spec.hidden_size // spec.num_attention_heads
         kv = max(1, layers.kv_heads(spec, run.mesh) // cp)
@@ -73,6 +73,15 @@ def _segment_mixer_store(run: Run, segs: int) -> dict[str, int]:
     if "gdn" in kinds:
         out["segment GDN states"] = kinds.count("gdn") * max(segs - 1, 0) * B * gdn_state  # none into the first
     return out
+
+
+def in_flight_per_element(run: Run) -> int:
+    """Bytes the host-kept store has on the device per element of a layer's rows (``segment_kv_rows``): the rows
+    and fp32 accumulators of the layer in its backward and of the next one fetched ahead, ``2 (c + f)``, and for
+    softmax attention the rows' gradient its backward makes, ``c`` (dense MLA forms its latent's gradient inside
+    its attention's backward: ``layers.mla_segment_temp``)."""
+    c, f = run.prec.compute, run.prec.f32
+    return 2 * (c + f) + (c if "attention" in run.spec.layer_types else 0)
 
 
 def segment_kv_rows(run: Run) -> list[int]:
@@ -91,8 +100,8 @@ def segment_kv_rows(run: Run) -> list[int]:
 def segment_kv_host_bytes(run: Run) -> int:
     """``memory.segment_kv_host``: the host memory of the K/V (or latent) rows of every token and layer with their
     fp32 gradient accumulators, ``(c + f) * rows`` per token and layer (``memory/segment_host.py``); 0 when off.
-    The device holds about two layers' worth instead (``_segment_mixer_store``): the rows and the accumulator
-    of the layer in its backward, their gradient, and the next layer's rows and accumulator fetched ahead."""
+    The device holds about two layers' worth instead (``_segment_mixer_store``, ``in_flight_per_element``): the
+    rows and the accumulator of the layer in its backward and of the next layer, fetched ahead."""
     if not (run.segment and run.memory.segment_kv_host):
         return 0
     return run.batch * run.seq_len * sum(segment_kv_rows(run)) * (run.prec.compute + run.prec.f32)

@@ -166,11 +166,18 @@ def _sdpa_causal(q_BSHD: torch.Tensor, k_BSKD: torch.Tensor, v_BSKD: torch.Tenso
         doc_spans_B = query_spans(None, q.shape[2], k.shape[2], q.shape[0])
     rows = []
     for b, spans in enumerate(doc_spans_B):
-        qb, kb, vb = q[b:b + 1], k[b:b + 1], v[b:b + 1]
-        docs = [_sdpa_lower_right(qb[:, :, q0 - first:s1 - first], kb[:, :, s0:s1], vb[:, :, s0:s1], scale)
+        qb, kb, vb = (_part(t, b, b + 1, 0) for t in (q, k, v))
+        docs = [_sdpa_lower_right(_part(qb, q0 - first, s1 - first, 2), _part(kb, s0, s1, 2), _part(vb, s0, s1, 2),
+                                  scale)
                 for s0, q0, s1 in spans]
-        rows.append(torch.cat(docs, dim=2))
-    return torch.cat(rows).transpose(1, 2)
+        rows.append(docs[0] if len(docs) == 1 else torch.cat(docs, dim=2))
+    return (rows[0] if len(rows) == 1 else torch.cat(rows)).transpose(1, 2)
+
+
+def _part(t: torch.Tensor, lo: int, hi: int, dim: int) -> torch.Tensor:
+    """``t``'s ``[lo, hi)`` along ``dim``; ``t`` itself where that is all of it: a slice's backward makes a zero
+    gradient of the whole tensor and copies the part's into it (at a million keys, one more copy of dk and dv)."""
+    return t if lo == 0 and hi == t.shape[dim] else t.narrow(dim, lo, hi - lo)
 
 
 def _sdpa_lower_right(q_BHLD: torch.Tensor, k_BKLD: torch.Tensor, v_BKLD: torch.Tensor, scale: float) -> torch.Tensor:

@@ -183,26 +183,48 @@ class MultiLatentAttention(nn.Module):
                            w_uv_HVR: torch.Tensor, doc_ids: torch.Tensor | None, g_BTHV: torch.Tensor,
                            needs: tuple[bool, ...]) -> tuple[torch.Tensor | None, ...]:
         """The gradients of ``_attend_groups``' inputs ``(q, latent, w_uk, w_uv)`` (None where ``needs`` says
-        not) for the output gradient ``g``: each head group's forward run with a graph and backpropagated
-        before the next (its keys and values the only per-head tensors alive); the latent's gradient summed
-        over the groups in their order, in float32 at least."""
+        not) for the output gradient ``g``. Each head group in turn: its keys and values expanded again (no
+        graph), the attention run and backpropagated with them as leaves, then freed; their gradients taken back
+        through the expansion by hand, each product added into the latent's gradient (float32 at least, made
+        once) and dropped, so that one ``[B, S, R]`` product beside the group's ``dk``, ``dv`` is the most the
+        latent's gradient costs (autograd's way through the strided views would hold several ``[B, S, C]``)."""
+        need_q, need_lat, need_wk, need_wv = needs
         H, n = q_BTHD.shape[2], self._heads_per_call(q_BTHD, latent_BSC)
-        d_q, d_wk, d_wv, d_lat = [], [], [], None
+        B, S, _ = latent_BSC.shape
+        R, Dn, Dv = self.kv_lora_rank, self.nope_dim, self.v_dim
+        c_XR = latent_BSC[..., :R].reshape(B * S, R)  # a strided view (rows C apart): read in place
+        d_lat = torch.zeros(latent_BSC.shape, dtype=torch.promote_types(latent_BSC.dtype, torch.float32),
+                            device=latent_BSC.device) if need_lat else None
+        d_q, d_wk, d_wv = [], [], []
         for h in range(0, H, n):
+            wk, wv = w_uk_HNR[h:h + n], w_uv_HVR[h:h + n]
+            with torch.no_grad():
+                k_BSHD, v_BSHV = self._keys_values(latent_BSC, wk, wv)
+                if Dv < k_BSHD.shape[-1]:  # padded here as the op would pad it: one copy of the values alive
+                    v_BSHV = F.pad(v_BSHV, (0, k_BSHD.shape[-1] - Dv))
             with torch.enable_grad():
-                ins = (q_BTHD[:, :, h:h + n], latent_BSC, w_uk_HNR[h:h + n], w_uv_HVR[h:h + n])
-                ins = tuple(t.detach().requires_grad_(need) for t, need in zip(ins, needs, strict=True))
-                out = self._attend_heads(*ins, doc_ids)
-                wanted = [t for t in ins if t.requires_grad]
+                q_ = q_BTHD[:, :, h:h + n].detach().requires_grad_(need_q)
+                k_ = k_BSHD.requires_grad_(need_lat or need_wk)
+                v_ = v_BSHV.requires_grad_(need_lat or need_wv)
+                out = dispatch.call("attention", q_, k_, v_, doc_ids, self.scaling, layer=self.layer)[..., :Dv]
+                wanted = [t for t in (q_, k_, v_) if t.requires_grad]
                 got = iter(torch.autograd.grad(out, wanted, g_BTHV[:, :, h:h + n]) if wanted else ())
-            dq, dl, dk, dv = (next(got) if t.requires_grad else None for t in ins)
+            dq, dk, dv = (next(got) if t.requires_grad else None for t in (q_, k_, v_))
+            del out, q_, k_, v_, k_BSHD, v_BSHV, wanted, got  # the group's keys and values go here
             d_q.append(dq)
-            d_wk.append(dk)
-            d_wv.append(dv)
-            if dl is not None and d_lat is None:
-                d_lat = dl
-            elif dl is not None:  # summed in float32 (a copy the first time), as one GEMM over all heads sums
-                d_lat = d_lat.to(torch.promote_types(dl.dtype, torch.float32)).add_(dl)
+            with torch.no_grad():  # a backward's arithmetic (never a graph, whatever mode the caller is in)
+                for d, w, need_w, width, into in ((dk, wk, need_wk, Dn, d_wk), (dv, wv, need_wv, Dv, d_wv)):
+                    if d is None:
+                        into.append(None)
+                        continue
+                    d_XF = d[..., :width].reshape(B * S, n * width)  # the expansion's output gradient [B S, n F]
+                    into.append((d_XF.T @ c_XR.to(d_XF.dtype)).view(n, width, R).to(w.dtype) if need_w else None)
+                    if d_lat is not None:
+                        d_lat[..., :R].add_((d_XF @ w.reshape(n * width, R).to(d_XF.dtype)).view(B, S, R))
+                    del d_XF
+                if d_lat is not None and self.rope_dim and dk is not None:  # k_rot: one rope key, every head
+                    d_lat[..., R:].add_(dk[..., Dn:].sum(dim=2))
+            del dk, dv, d
 
         def joined(parts: list[torch.Tensor | None], dim: int) -> torch.Tensor | None:
             return None if parts[0] is None else parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
@@ -210,15 +232,21 @@ class MultiLatentAttention(nn.Module):
         d_lat = d_lat if d_lat is None else d_lat.to(latent_BSC.dtype)
         return joined(d_q, 2), d_lat, joined(d_wk, 0), joined(d_wv, 0)
 
-    def _attend_heads(self, q_BTHD: torch.Tensor, latent_BSC: torch.Tensor, w_uk_HNR: torch.Tensor,
-                      w_uv_HVR: torch.Tensor, doc_ids: torch.Tensor | None) -> torch.Tensor:
-        """These heads' attention over the latent's keys: ``k = [c W_uk^T | k_rot]``, ``v = c W_uv^T``
-        (``expand``'s keys and values for these heads), the op "attention" (queries the last of the keys)."""
-        R, n = self.kv_lora_rank, q_BTHD.shape[2]
+    def _keys_values(self, latent_BSC: torch.Tensor, w_uk_HNR: torch.Tensor,
+                     w_uv_HVR: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """These heads' keys ``[c W_uk^T | k_rot]`` and values ``c W_uv^T`` from the latent ``[c | k_rot]``."""
+        R, n = self.kv_lora_rank, w_uk_HNR.shape[0]
         c_BSR = latent_BSC[..., :R]  # a strided view: the matmuls read it in place
         k_BSHN = F.linear(c_BSR, w_uk_HNR.reshape(-1, R).to(c_BSR.dtype)).unflatten(-1, (n, self.nope_dim))
         v_BSHV = F.linear(c_BSR, w_uv_HVR.reshape(-1, R).to(c_BSR.dtype)).unflatten(-1, (n, self.v_dim))
         if self.rope_dim:
-            k_rot = latent_BSC[..., R:].unsqueeze(2).expand(-1, -1, k_BSHN.shape[2], -1)
+            k_rot = latent_BSC[..., R:].unsqueeze(2).expand(-1, -1, n, -1)
             k_BSHN = torch.cat([k_BSHN, k_rot.to(k_BSHN.dtype)], dim=-1)
+        return k_BSHN, v_BSHV
+
+    def _attend_heads(self, q_BTHD: torch.Tensor, latent_BSC: torch.Tensor, w_uk_HNR: torch.Tensor,
+                      w_uv_HVR: torch.Tensor, doc_ids: torch.Tensor | None) -> torch.Tensor:
+        """These heads' attention over the latent's keys (``_keys_values``), the op "attention" (queries the last
+        of the keys)."""
+        k_BSHN, v_BSHV = self._keys_values(latent_BSC, w_uk_HNR, w_uv_HVR)
         return dispatch.call("attention", q_BTHD, k_BSHN, v_BSHV, doc_ids, self.scaling, layer=self.layer)
