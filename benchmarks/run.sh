@@ -146,7 +146,7 @@ stage_longest() {
     # carries to CARRY (on the machine's disk), PART=b (the next job on the same machine) goes on from there
     b=lora/kimi-linear-48b-a3b
     local part=${PART:-a} carry=${CARRY:-/root/megaseq_carry} split
-    if [ "$part" = a ]; then split="--forward-for 500 --carry $carry"; else split="--resume $carry"; fi
+    if [ "$part" = a ]; then split="--forward-for 500 --carry $carry"; else split="--resume $carry --history"; fi
     timeout -k 5 570 $PY benchmarks/lora/segments_partial_step.py 1M --forward-loss --source genome $split \
       --out "$(dest $b 1m_partial_$part).json" data.train="${GENOMES:-.data}/ecoli_MG1655.fa.gz" | tail -30
   fi

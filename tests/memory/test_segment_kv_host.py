@@ -50,18 +50,20 @@ def test_host_store_equals_gpu_store(family, T, docs):
     assert rel_err(l2, l0) < 1e-12 and err < 1e-10, name
 
 
-def test_the_store_is_on_the_host_and_two_layers_on_the_device(monkeypatch):
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_the_store_is_on_the_host_and_two_layers_on_the_device(monkeypatch, family):
     """With the host store the segments keep no attention rows on the device (only DSA/recurrent state would
     stay there); the host holds every layer's rows and fp32 gradients, the planner's bytes
-    (``plan.segments.segment_kv_host_bytes``); the fetched tensors on the device peak at the planner's in-flight
-    bound (two layers: one in its backward with its rows' gradient, the next fetched ahead)."""
+    (``plan.segments.segment_kv_host_bytes``); the fetched tensors on the device peak within the planner's
+    in-flight bound (two layers: one in its backward, the next fetched ahead; softmax attention's rows'
+    gradient beside them)."""
     from megaseq.config import MemorySettings
     from megaseq.plan import Mesh
     from megaseq.plan import components as C
     from megaseq.plan.run import Run
     from megaseq.plan.segments import segment_kv_host_bytes, segment_kv_rows, segment_store_bytes
 
-    model = _model(FAMILIES["qwen3_moe"])
+    model = _model(FAMILIES[family])
     ids, labels = _batch(model)
     seen = []
     orig = sh.HostKV.release
