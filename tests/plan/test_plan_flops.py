@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from test_plan_components import small_spec
 
 from megaseq.models.presets import get_preset
+from megaseq.models.spec import from_hf_config
 from megaseq.plan import flops as F
 from megaseq.plan.mesh import Mesh
 
@@ -49,6 +52,24 @@ def test_step_flops_counts_training_as_three_forwards():
     assert st.indexer == pytest.approx(sum(p.indexer for p in parts))  # no grad: forward only
     assert st.loss == 3 * 2 * 10 * 8 * 100
     assert st.per_token == pytest.approx(st.total / 10)
+
+
+def test_a_frozen_base_skips_a_third_of_the_weights_matmuls_not_the_attention_cores():
+    """``StepFlops.frozen_share`` (LoRA's step time): the weight gradients are a third of every weight's matmuls;
+    the attention cores (here DSA's over its selected keys and KDA's chunks) and the no-grad indexer keep theirs.
+    Kimi-Linear-48B-A3B at 8K is mostly weights (near a third skipped), at 1M mostly attention (near none)."""
+    spec = small_spec()
+    st = F.step_flops(spec, 10)
+    parts = [F.layer_flops(spec, 10, i) for i in range(spec.num_layers)]
+    cores = sum(F.mixer_core_flops(spec, 10, i) for i in range(spec.num_layers))
+    assert all(0 < p.core < p.mixer for p in parts)
+    keys = F.causal_keys(10, 8 + 1.5)
+    assert F.mixer_core_flops(spec, 10, spec.layer_types.index("dsa")) == pytest.approx(2 * 2 * (3 + 5) * keys)
+    assert st.cores == pytest.approx(3 * cores)
+    assert st.frozen_share * st.total == pytest.approx((st.total - st.indexer - 3 * cores) / 3)
+    kimi = from_hf_config(str(Path(__file__).parents[2] / "recipes/kimi-linear-48b-a3b-instruct/config.json"))
+    short, long = F.step_flops(kimi, 8192).frozen_share, F.step_flops(kimi, 1 << 20).frozen_share
+    assert 0.25 < short < 1 / 3 and long < 0.05
 
 
 def test_active_flops_of_full_model_near_six_per_active_param():

@@ -28,7 +28,7 @@ from typing import Any
 
 from megaseq.config import Config, format_size, load_config
 from megaseq.models.spec import ModelSpec
-from megaseq.plan.flops import step_seconds
+from megaseq.plan.flops import step_flops, step_seconds
 from megaseq.plan.mesh import GIB
 from megaseq.plan.planner import Plan, plan_from_config
 
@@ -119,12 +119,14 @@ def _overrides(setting: dict[str, Any], cp: int, hw: Hardware, seq_len: int | No
 
 
 def estimated_step_seconds(plan: Plan, spec: ModelSpec, mesh_cp: int, lora: bool) -> float:
-    """One step's seconds: the model FLOPs on one GPU at the planner's rate (2/3 of them under LoRA: no weight
-    gradients of the frozen base), times the fixes' costs, plus context-parallel and FSDP traffic (none of it
-    overlapped: a ranking, not a forecast)."""
+    """One step's seconds: the model FLOPs on one GPU at the planner's rate (under LoRA less the frozen base's
+    weight gradients, ``StepFlops.frozen_share``: a third of the weights' matmuls, none of the attention cores'),
+    times the fixes' costs, plus context-parallel and FSDP traffic (none of it overlapped: a ranking, not a
+    forecast)."""
     from megaseq.plan.mesh import Mesh
 
-    compute = step_seconds(spec, plan.seq_len, plan.batch_size, Mesh(cp=mesh_cp)) * (2 / 3 if lora else 1.0)
+    frozen = step_flops(spec, plan.seq_len).frozen_share if lora else 0.0
+    compute = step_seconds(spec, plan.seq_len, plan.batch_size, Mesh(cp=mesh_cp)) * (1 - frozen)
     compute *= 1 + sum(f[1] for f in plan.fixes)
     comm = 0.0
     for kind, v in plan.comm.items():

@@ -47,6 +47,7 @@ class LayerFlops:
     indexer: float = 0.0  # DSA indexer (no grad: forward only)
     mlp: float = 0.0
     hc: float = 0.0  # mHC weights + collapse/merge
+    core: float = 0.0  # the part of ``mixer`` with no weight: attention's scores and values, a recurrence's chunks
 
 
 def kda_flops(spec: ModelSpec, S: int) -> float:
@@ -126,9 +127,30 @@ def mlp_flops(spec: ModelSpec, S: int, kind: str) -> float:
     return 2 * S * H * spec.num_experts + 6 * S * H * (I * K + shared) + (2 * S * H if spec.shared_expert_gate else 0)
 
 
+def mixer_core_flops(spec: ModelSpec, S: int, i: int) -> float:
+    """Layer i's mixer FLOPs that multiply no weight (part of ``layer_flops``' ``mixer``): softmax attention's and
+    MLA's scores and weighted values, DSA's over its selected keys, a linear mixer's chunked recurrence. Their
+    backward is twice their forward whether or not the layer's weights train."""
+    kind = spec.layer_types[i]
+    if kind == "kda":
+        C, d = KDA_CHUNK, spec.linear_head_dim
+        return S * spec.linear_num_heads * (2 * 2 * (C / 2) * d * 2 + 2 * (C / 2) * d + 3 * 2 * d * d)
+    if kind == "gdn":
+        Dk, C = spec.linear_head_dim, KDA_CHUNK
+        Hv, Dv = spec.linear_num_value_heads or spec.linear_num_heads, spec.linear_value_head_dim or Dk
+        return S * Hv * (2 * 2 * (C / 2) * Dk + 2 * (C / 2) * (Dk + Dv) + 2 * (C / 2) * Dv + 3 * 2 * Dk * Dv)
+    if kind in ("mla", "dsa"):
+        tail = (spec.index_kpool - 1) / 2 if kind == "dsa" and spec.index_kpool_always_select_tail else 0.0
+        keys = causal_keys(S, spec.index_topk + tail) if kind == "dsa" else causal_keys(S, S)
+        return 2 * spec.num_attention_heads * (spec.qk_head_dim + spec.v_head_dim) * keys
+    D = spec.head_dim or spec.hidden_size // spec.num_attention_heads
+    window = spec.sliding_window if i in spec.sliding_layers else 0
+    return 4 * spec.num_attention_heads * D * causal_keys(S, window or S)
+
+
 def layer_flops(spec: ModelSpec, S: int, i: int) -> LayerFlops:
     kind, N, H = spec.layer_types[i], spec.hc_mult, spec.hidden_size
-    out = LayerFlops(mlp=mlp_flops(spec, S, spec.mlp_types[i]))
+    out = LayerFlops(mlp=mlp_flops(spec, S, spec.mlp_types[i]), core=mixer_core_flops(spec, S, i))
     if N > 1:  # two hyper-connections: fn linear + collapse + merge (N x N mix)
         out.hc = 2 * (2 * S * N * H * (2 + N) * N + 2 * S * N * H + 2 * S * N * N * H)
     if kind == "kda":
@@ -177,6 +199,7 @@ class StepFlops:
     indexer: float  # forward only
     loss: float  # lm_head, fwd + bwd
     layers_forward: float  # one forward of all layers (what full recompute adds)
+    cores: float = 0.0  # the weight-free part of ``layers`` (``mixer_core_flops``), fwd + bwd
 
     @property
     def total(self) -> float:
@@ -185,6 +208,12 @@ class StepFlops:
     @property
     def per_token(self) -> float:
         return self.total / self.seq_len
+
+    @property
+    def frozen_share(self) -> float:
+        """The share of ``total`` a frozen base does not compute: the weight gradients, a third of every
+        weight's matmuls (the attention cores and the no-grad indexer have none)."""
+        return (self.total - self.indexer - self.cores) / 3 / self.total if self.total else 0.0
 
 
 def step_flops(spec: ModelSpec, seq_len: int) -> StepFlops:
@@ -201,6 +230,7 @@ def step_flops(spec: ModelSpec, seq_len: int) -> StepFlops:
         indexer=idx,
         loss=3 * loss,
         layers_forward=mixer + mlp + idx,
+        cores=3 * sum(p.core for p in parts),
     )
 
 
