@@ -237,14 +237,15 @@ def mla_segment_temp(spec: ModelSpec, rows: int, prec: Precision, mesh: Mesh, ba
     """Dense MLA under sequence segments, per key row (``rows = B * e``, gathered: every rank holds all keys),
     latent width ``C = R + Dr``: each SDPA call expands the latent to its head group's keys and values
     (``ops.workspace.mla_segment_heads`` heads of this rank's ``Hh / cp``; ``D = max(Dq, Dv)``, v padded to it).
-    Forward the group's keys, values and padded values ``(2 D + Dv) c`` per head. Backward
+    Forward the group's keys and zero-padded values ``(Dq + D) c`` per head (the values made padded:
+    ``MultiLatentAttention._keys_values``). Backward
     (``MultiLatentAttention._attend_groups_vjp``) the joined latent ``c C`` and its gradient, formed in place in
     float32 ``f C``, beside one group's keys, padded values and their gradients
     (``ops.workspace.mla_segment_group_bytes``, ``4 D c`` per head)."""
     C, c = spec.kv_lora_rank + spec.qk_rope_head_dim, prec.compute
     D, heads = max(spec.qk_head_dim, spec.v_head_dim), spec.num_attention_heads // mesh.cp
     if not backward:
-        return rows * mla_segment_heads(heads, rows, D, c) * (2 * D + spec.v_head_dim) * c
+        return rows * mla_segment_heads(heads, rows, D, c) * (spec.qk_head_dim + D) * c
     return rows * (c + prec.f32) * C + mla_segment_group_bytes(heads, rows, D, c)
 
 

@@ -199,9 +199,7 @@ class MultiLatentAttention(nn.Module):
         for h in range(0, H, n):
             wk, wv = w_uk_HNR[h:h + n], w_uv_HVR[h:h + n]
             with torch.no_grad():
-                k_BSHD, v_BSHV = self._keys_values(latent_BSC, wk, wv)
-                if Dv < k_BSHD.shape[-1]:  # padded here as the op would pad it: one copy of the values alive
-                    v_BSHV = F.pad(v_BSHV, (0, k_BSHD.shape[-1] - Dv))
+                k_BSHD, v_BSHV = self._keys_values(latent_BSC, wk, wv, pad=True)
             with torch.enable_grad():
                 q_ = q_BTHD[:, :, h:h + n].detach().requires_grad_(need_q)
                 k_ = k_BSHD.requires_grad_(need_lat or need_wk)
@@ -232,21 +230,28 @@ class MultiLatentAttention(nn.Module):
         d_lat = d_lat if d_lat is None else d_lat.to(latent_BSC.dtype)
         return joined(d_q, 2), d_lat, joined(d_wk, 0), joined(d_wv, 0)
 
-    def _keys_values(self, latent_BSC: torch.Tensor, w_uk_HNR: torch.Tensor,
-                     w_uv_HVR: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """These heads' keys ``[c W_uk^T | k_rot]`` and values ``c W_uv^T`` from the latent ``[c | k_rot]``."""
+    def _keys_values(self, latent_BSC: torch.Tensor, w_uk_HNR: torch.Tensor, w_uv_HVR: torch.Tensor,
+                     pad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """These heads' keys ``[c W_uk^T | k_rot]`` and values ``c W_uv^T`` from the latent ``[c | k_rot]``;
+        ``pad``: the values zero-padded to the keys' width as the attention op would pad them, made so by zero
+        rows of ``W_uv`` (no unpadded copy of the values is ever made)."""
         R, n = self.kv_lora_rank, w_uk_HNR.shape[0]
         c_BSR = latent_BSC[..., :R]  # a strided view: the matmuls read it in place
         k_BSHN = F.linear(c_BSR, w_uk_HNR.reshape(-1, R).to(c_BSR.dtype)).unflatten(-1, (n, self.nope_dim))
-        v_BSHV = F.linear(c_BSR, w_uv_HVR.reshape(-1, R).to(c_BSR.dtype)).unflatten(-1, (n, self.v_dim))
-        if self.rope_dim:
+        if self.rope_dim:  # the keys whole before the values are made: never three of them at once
             k_rot = latent_BSC[..., R:].unsqueeze(2).expand(-1, -1, n, -1)
             k_BSHN = torch.cat([k_BSHN, k_rot.to(k_BSHN.dtype)], dim=-1)
+        width = self.nope_dim + self.rope_dim if pad and self.v_dim < self.nope_dim + self.rope_dim else self.v_dim
+        if width > self.v_dim:
+            w_uv_HVR = F.pad(w_uv_HVR, (0, 0, 0, width - self.v_dim))
+        v_BSHV = F.linear(c_BSR, w_uv_HVR.reshape(-1, R).to(c_BSR.dtype)).unflatten(-1, (n, width))
         return k_BSHN, v_BSHV
 
     def _attend_heads(self, q_BTHD: torch.Tensor, latent_BSC: torch.Tensor, w_uk_HNR: torch.Tensor,
                       w_uv_HVR: torch.Tensor, doc_ids: torch.Tensor | None) -> torch.Tensor:
-        """These heads' attention over the latent's keys (``_keys_values``), the op "attention" (queries the last
-        of the keys)."""
-        k_BSHN, v_BSHV = self._keys_values(latent_BSC, w_uk_HNR, w_uv_HVR)
-        return dispatch.call("attention", q_BTHD, k_BSHN, v_BSHV, doc_ids, self.scaling, layer=self.layer)
+        """These heads' attention over the latent's keys (``_keys_values``, the values zero-padded to the keys'
+        width as the op would pad them: the unpadded copy is gone before the attention runs), the op "attention"
+        (queries the last of the keys)."""
+        k_BSHN, v_BSHD = self._keys_values(latent_BSC, w_uk_HNR, w_uv_HVR, pad=True)
+        out = dispatch.call("attention", q_BTHD, k_BSHN, v_BSHD, doc_ids, self.scaling, layer=self.layer)
+        return out[..., :self.v_dim]
