@@ -204,7 +204,8 @@ class Carry:
                 files["host"][name] = [self._put(f"host{i}.pt", cut(t)), list(t.shape), str(t.dtype)]
             files["host_names"], files["host_order"] = st.host.names, st.host.order
         files["kept"] = self._put("kept.pt", {f"{k}\t{j}": t.cpu() for (k, j), t in st.kept.items()})
-        files["docs"] = None if st.docs is None else [self._put("docs.pt", cut(st.docs)), list(st.docs.shape)]
+        files["docs"] = None if st.docs is None else [self._put("docs.pt", cut(st.docs)), list(st.docs.shape),
+                                                       str(st.docs.dtype)]
         files["weights"] = self._put("weights.pt", weights_of(model))
         meta = {"segments_done": done, "rows": s, "segments": len(bounds), "input_sha256": input_sha,
                 "files": files, "measured": measured}
@@ -218,11 +219,11 @@ class Carry:
         return torch.load(os.path.join(self.dir, name), weights_only=True)
 
     def _full(self, entry: list, device: torch.device | None = None, make: Any = None) -> torch.Tensor:
-        name, shape, dtype = entry[0], entry[1], getattr(torch, str(entry[2]).removeprefix("torch.")) \
-            if len(entry) > 2 else None
+        """A saved ``[name, shape, dtype]``: the whole tensor (``make(shape, dtype)``, else empty on ``device``)
+        with its saved rows ``[0, s)`` in place."""
+        name, shape, dtype = entry[0], tuple(entry[1]), getattr(torch, entry[2].removeprefix("torch."))
         rows = self._get(name)
-        full = make(tuple(shape), dtype or rows.dtype) if make is not None else \
-            torch.empty(tuple(shape), dtype=dtype or rows.dtype, device=device)
+        full = make(shape, dtype) if make is not None else torch.empty(shape, dtype=dtype, device=device)
         full[:, :rows.shape[1]].copy_(rows)
         return full
 

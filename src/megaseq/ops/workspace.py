@@ -48,7 +48,7 @@ MLA_SEGMENT_GROUP_BYTES: int = 4 << 30  # dense MLA under sequence segments: one
 def mla_segment_heads(num_heads: int, rows: int, head_dim: int, itemsize: int) -> int:
     """Heads per SDPA call of dense MLA under sequence segments (``MultiLatentAttention._attend_carried``):
     each call expands the latent of ``rows`` keys (``B * e``, every token so far) to its heads' keys and
-    values, ``head_dim`` wide (``max(Dn + Dr, Dv)``: the op pads v to q's width), and its backward holds them
+    values, ``head_dim`` wide (``max(Dn + Dr, Dv)``: v zero-padded to q's width), and its backward holds them
     with their gradients, ``4 * head_dim * itemsize`` bytes per key row and head. The largest divisor of
     ``num_heads`` whose group fits ``MLA_SEGMENT_GROUP_BYTES`` (4 GiB), at least one head: all heads in one
     call at short lengths, two of Kimi-Linear-48B-A3B's 32 at 1M (3 GiB)."""

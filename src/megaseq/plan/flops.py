@@ -50,13 +50,18 @@ class LayerFlops:
     core: float = 0.0  # the part of ``mixer`` with no weight: attention's scores and values, a recurrence's chunks
 
 
+def _kda_core(spec: ModelSpec, S: int) -> float:
+    """KDA's chunked delta rule (no weight), per token and head (see the module docstring)."""
+    C, d = KDA_CHUNK, spec.linear_head_dim
+    return S * spec.linear_num_heads * (2 * 2 * (C / 2) * d * 2 + 2 * (C / 2) * d + 3 * 2 * d * d)
+
+
 def kda_flops(spec: ModelSpec, S: int) -> float:
     H, Hh, d = spec.hidden_size, spec.linear_num_heads, spec.linear_head_dim
-    D, C = Hh * d, KDA_CHUNK
+    D = Hh * d
     proj = 2 * S * (3 * H * D + H * d + d * D + H * Hh + H * d + d * D + D * H)
     conv = 2 * S * 3 * D * spec.linear_conv_kernel
-    per_token_head = 2 * 2 * (C / 2) * d * 2 + 2 * (C / 2) * d + 3 * 2 * d * d
-    return proj + conv + S * Hh * per_token_head
+    return proj + conv + _kda_core(spec, S)
 
 
 def dsa_flops(spec: ModelSpec, S: int, full_indexer: bool) -> tuple[float, float]:
@@ -74,9 +79,7 @@ def dsa_flops(spec: ModelSpec, S: int, full_indexer: bool) -> tuple[float, float
             + Hh * v * H
         )
     )
-    tail = (spec.index_kpool - 1) / 2 if spec.index_kpool_always_select_tail else 0.0
-    keys = causal_keys(S, spec.index_topk + tail)
-    attn = 2 * Hh * (qk + v) * keys
+    attn = _mla_core(spec, S, sparse=True)
     if not full_indexer:
         return proj + attn, 0.0
     I, Di, kp = spec.index_n_heads, spec.index_head_dim, max(spec.index_kpool, 1)
@@ -91,8 +94,24 @@ def attention_flops(spec: ModelSpec, S: int, window: int = 0) -> float:
     H, Hq, Hkv = spec.hidden_size, spec.num_attention_heads, spec.num_key_value_heads
     D = spec.head_dim or H // Hq
     gate = 2 * S * H * Hq * D if spec.attn_output_gate else 0  # Qwen3-Next: q_proj's gate half
-    keys = causal_keys(S, window or S)
-    return 2 * S * H * (Hq + 2 * Hkv) * D + gate + 2 * S * Hq * D * H + 4 * Hq * D * keys
+    return 2 * S * H * (Hq + 2 * Hkv) * D + gate + 2 * S * Hq * D * H + _attention_core(spec, S, window)
+
+
+def _attention_core(spec: ModelSpec, S: int, window: int = 0) -> float:
+    """Softmax attention's scores and weighted values, ``4 Hq D`` per attended key."""
+    D = spec.head_dim or spec.hidden_size // spec.num_attention_heads
+    return 4 * spec.num_attention_heads * D * causal_keys(S, window or S)
+
+
+def _mla_core(spec: ModelSpec, S: int, sparse: bool = False) -> float:
+    """MLA's scores and weighted values, ``2 Hh (Dq + Dv)`` per attended key: every earlier key, or (``sparse``,
+    DSA) the selected ones, ``topk`` and the average incomplete-pool tail ``(kpool - 1) / 2``."""
+    if sparse:
+        tail = (spec.index_kpool - 1) / 2 if spec.index_kpool_always_select_tail else 0.0
+        keys = causal_keys(S, spec.index_topk + tail)
+    else:
+        keys = causal_keys(S, S)
+    return 2 * spec.num_attention_heads * (spec.qk_head_dim + spec.v_head_dim) * keys
 
 
 def mla_flops(spec: ModelSpec, S: int) -> float:
@@ -103,7 +122,7 @@ def mla_flops(spec: ModelSpec, S: int) -> float:
     ql, kl, qk, v = spec.q_lora_rank, spec.kv_lora_rank, spec.qk_head_dim, spec.v_head_dim
     q = H * ql + ql * Hh * qk if ql else H * Hh * qk
     proj = 2 * S * (q + H * (kl + spec.qk_rope_head_dim) + kl * Hh * (spec.qk_nope_head_dim + v) + Hh * v * H)
-    return proj + 2 * Hh * (qk + v) * causal_keys(S, S)
+    return proj + _mla_core(spec, S)
 
 
 def gdn_flops(spec: ModelSpec, S: int) -> float:
@@ -111,11 +130,17 @@ def gdn_flops(spec: ModelSpec, S: int) -> float:
     value head as KDA's (chunk C = 64) with key / value dims Dk / Dv: ``Aqk``, ``Akk`` ``2 * 2 * (C/2) * Dk``,
     ``w``, ``u`` ``2 * (C/2) * (Dk + Dv)``, the output ``2 * (C/2) * Dv``, the state terms ``3 * 2 Dk Dv``."""
     H, Hk, Dk = spec.hidden_size, spec.linear_num_heads, spec.linear_head_dim
-    Hv, Dv, C = spec.linear_num_value_heads or Hk, spec.linear_value_head_dim or Dk, KDA_CHUNK
+    Hv, Dv = spec.linear_num_value_heads or Hk, spec.linear_value_head_dim or Dk
     proj = 2 * S * (H * (2 * Hk * Dk + 2 * Hv * Dv) + H * 2 * Hv + Hv * Dv * H)
     conv = 2 * S * (2 * Hk * Dk + Hv * Dv) * spec.linear_conv_kernel
-    per_token_head = 2 * 2 * (C / 2) * Dk + 2 * (C / 2) * (Dk + Dv) + 2 * (C / 2) * Dv + 3 * 2 * Dk * Dv
-    return proj + conv + S * Hv * per_token_head
+    return proj + conv + _gdn_core(spec, S)
+
+
+def _gdn_core(spec: ModelSpec, S: int) -> float:
+    """Gated DeltaNet's chunked delta rule (no weight), per token and value head (see ``gdn_flops``)."""
+    Dk, C = spec.linear_head_dim, KDA_CHUNK
+    Hv, Dv = spec.linear_num_value_heads or spec.linear_num_heads, spec.linear_value_head_dim or Dk
+    return S * Hv * (2 * 2 * (C / 2) * Dk + 2 * (C / 2) * (Dk + Dv) + 2 * (C / 2) * Dv + 3 * 2 * Dk * Dv)
 
 
 def mlp_flops(spec: ModelSpec, S: int, kind: str) -> float:
@@ -133,19 +158,12 @@ def mixer_core_flops(spec: ModelSpec, S: int, i: int) -> float:
     backward is twice their forward whether or not the layer's weights train."""
     kind = spec.layer_types[i]
     if kind == "kda":
-        C, d = KDA_CHUNK, spec.linear_head_dim
-        return S * spec.linear_num_heads * (2 * 2 * (C / 2) * d * 2 + 2 * (C / 2) * d + 3 * 2 * d * d)
+        return _kda_core(spec, S)
     if kind == "gdn":
-        Dk, C = spec.linear_head_dim, KDA_CHUNK
-        Hv, Dv = spec.linear_num_value_heads or spec.linear_num_heads, spec.linear_value_head_dim or Dk
-        return S * Hv * (2 * 2 * (C / 2) * Dk + 2 * (C / 2) * (Dk + Dv) + 2 * (C / 2) * Dv + 3 * 2 * Dk * Dv)
+        return _gdn_core(spec, S)
     if kind in ("mla", "dsa"):
-        tail = (spec.index_kpool - 1) / 2 if kind == "dsa" and spec.index_kpool_always_select_tail else 0.0
-        keys = causal_keys(S, spec.index_topk + tail) if kind == "dsa" else causal_keys(S, S)
-        return 2 * spec.num_attention_heads * (spec.qk_head_dim + spec.v_head_dim) * keys
-    D = spec.head_dim or spec.hidden_size // spec.num_attention_heads
-    window = spec.sliding_window if i in spec.sliding_layers else 0
-    return 4 * spec.num_attention_heads * D * causal_keys(S, window or S)
+        return _mla_core(spec, S, sparse=kind == "dsa")
+    return _attention_core(spec, S, spec.sliding_window if i in spec.sliding_layers else 0)
 
 
 def layer_flops(spec: ModelSpec, S: int, i: int) -> LayerFlops:
@@ -183,8 +201,8 @@ def segment_attention_rerun(spec: ModelSpec, S: int, segment_tokens: int = 0) ->
             D = spec.head_dim or spec.hidden_size // spec.num_attention_heads
             out += 4 * spec.num_attention_heads * D * keys
         elif kind == "mla":
-            Hh = spec.num_attention_heads
-            out += 4 * Hh * max(spec.qk_head_dim, spec.v_head_dim) * keys
+            Hh, D = spec.num_attention_heads, max(spec.qk_head_dim, spec.v_head_dim)
+            out += 4 * Hh * D * keys
             out += max(0, 5 * ends - 3 * S) * 2 * spec.kv_lora_rank * Hh * (spec.qk_nope_head_dim + spec.v_head_dim)
     return out
 

@@ -166,10 +166,14 @@ class MultiLatentAttention(nn.Module):
                                 params=(w_uk_HNR, w_uv_HVR))
         return self.o_proj(ctx.heads_to_seq(o_BTHV).reshape(B, T_loc, self.num_heads * self.v_dim))
 
+    @property
+    def _head_width(self) -> int:
+        """The width one segment-attention call runs its keys and values at: ``max(Dq, Dv)`` (v padded to it)."""
+        return max(self.nope_dim + self.rope_dim, self.v_dim)
+
     def _heads_per_call(self, q_BTHD: torch.Tensor, latent_BSC: torch.Tensor) -> int:
         B, S = latent_BSC.shape[:2]
-        return mla_segment_heads(q_BTHD.shape[2], B * S, max(self.nope_dim + self.rope_dim, self.v_dim),
-                                 lowered(latent_BSC).itemsize)
+        return mla_segment_heads(q_BTHD.shape[2], B * S, self._head_width, lowered(latent_BSC).itemsize)
 
     def _attend_groups(self, q_BTHD: torch.Tensor, latent_BSC: torch.Tensor, w_uk_HNR: torch.Tensor,
                        w_uv_HVR: torch.Tensor, doc_ids: torch.Tensor | None) -> torch.Tensor:
@@ -241,7 +245,7 @@ class MultiLatentAttention(nn.Module):
         if self.rope_dim:  # the keys whole before the values are made: never three of them at once
             k_rot = latent_BSC[..., R:].unsqueeze(2).expand(-1, -1, n, -1)
             k_BSHN = torch.cat([k_BSHN, k_rot.to(k_BSHN.dtype)], dim=-1)
-        width = self.nope_dim + self.rope_dim if pad and self.v_dim < self.nope_dim + self.rope_dim else self.v_dim
+        width = self._head_width if pad else self.v_dim
         if width > self.v_dim:
             w_uv_HVR = F.pad(w_uv_HVR, (0, 0, 0, width - self.v_dim))
         v_BSHV = F.linear(c_BSR, w_uv_HVR.reshape(-1, R).to(c_BSR.dtype)).unflatten(-1, (n, width))
