@@ -190,9 +190,10 @@ def segment_attention_rerun(spec: ModelSpec, S: int, segment_tokens: int = 0) ->
     the carried keys, ``memory/model_segments.py``, or MLA's ``attend.vjp``), one more forward of the cores:
     ``4 Hq D`` per causal key pair (MLA: ``4 Hh max(Dq, Dv)``, the keys expanded from the latent and the values
     padded to their width). Dense MLA also expands the latent of every key so far to its keys and values in each
-    segment (``2 R Hh (Dn + Dv)`` per key row): in the forward pass, the rerun's forward, the backward's forward
-    and its backward (twice a forward), ``5 sum(e_j)`` rows for segments ending at ``e_j`` (``segment_tokens``
-    apart), where one pass expands ``S`` rows and backpropagates them (``3 S``)."""
+    segment (``2 R Hh (Dn + D)`` per key row, ``D = max(Dq, Dv)``: the values are made zero-padded): in the
+    forward pass, the rerun's forward, the backward's forward and its backward (twice a forward), ``5 sum(e_j)``
+    rows for segments ending at ``e_j`` (``segment_tokens`` apart), where one pass expands ``S`` rows and
+    backpropagates them (``3 S``)."""
     keys = causal_keys(S, S)
     ends = sum(min(e, S) for e in range(segment_tokens, S + segment_tokens, segment_tokens)) if segment_tokens else S
     out = 0.0
@@ -203,7 +204,7 @@ def segment_attention_rerun(spec: ModelSpec, S: int, segment_tokens: int = 0) ->
         elif kind == "mla":
             Hh, D = spec.num_attention_heads, max(spec.qk_head_dim, spec.v_head_dim)
             out += 4 * Hh * D * keys
-            out += max(0, 5 * ends - 3 * S) * 2 * spec.kv_lora_rank * Hh * (spec.qk_nope_head_dim + spec.v_head_dim)
+            out += max(0, 5 * ends - 3 * S) * 2 * spec.kv_lora_rank * Hh * (spec.qk_nope_head_dim + D)
     return out
 
 
