@@ -183,9 +183,9 @@ class _Row:
         """The sparse stage's recall on ``RECALL_ROWS`` evenly spaced queries: their selected pools against
         the dense attention's top-K pools over every visible key."""
         Q = self.q_det.shape[0]
-        n = min(kl.RECALL_ROWS, Q)  # evenly spaced, computed on the host (a device unique() would sync)
-        picked = sorted({round(i * (Q - 1) / max(n - 1, 1)) for i in range(n)})
-        rows = torch.tensor(picked, dtype=torch.long).to(self.q_det.device, non_blocking=True)
+        # evenly spaced and distinct (at most Q of them: their spacing is 1 or more, so none round together), made
+        # on the device: no unique() and no copy from pageable host memory, either of which would sync the stream
+        rows = torch.linspace(0, Q - 1, min(kl.RECALL_ROWS, Q), device=self.q_det.device).round().long()
         q_abs = kl.absorbed_query(self.q_det[rows], self.w_uk, self.Dr)
         target, cand = kl.dense_target(q_abs, self.c_det, self.q_pos[rows], self.pools, self.scale)
         idx = self.idx[rows]
