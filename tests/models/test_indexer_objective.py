@@ -151,7 +151,7 @@ def check(kp: int, packed: bool, dense: bool, per_head_reference: bool = False) 
     m.zero_grad()
     ref = reference_kl(m, x, doc_S, idx, per_head=per_head_reference)
     ref = ref.detach()
-    assert abs(stats.kl_sum - float(ref)) <= 1e-9 * max(1.0, abs(float(ref))), (stats.kl_sum, float(ref))
+    assert abs(stats.kl_sum - float(ref)) <= 1e-9 * max(1.0, abs(float(ref))), ("kl", stats.kl_sum, float(ref))
     (reference_kl(m, x, doc_S, idx, per_head=per_head_reference) * COEF * SCALE).backward()
     for n, p in m.indexer.named_parameters():
         torch.testing.assert_close(got[n], p.grad, **TOL, msg=lambda s, n=n: f"indexer grad {n}: {s}")
@@ -173,6 +173,8 @@ def test_undetached_input_fails(monkeypatch) -> None:
 
 def test_per_head_target_fails(monkeypatch) -> None:
     """A target normalised per head (then averaged) is another distribution: the formula's check fails."""
+    from megaseq.ops import dispatch
+
     with pytest.raises(AssertionError):
         check(4, True, False, per_head_reference=True)
 
@@ -189,8 +191,17 @@ def test_per_head_target_fails(monkeypatch) -> None:
         return t, cand
 
     monkeypatch.setattr(indexer_kl, "sparse_target", per_head)
-    with pytest.raises(AssertionError):
-        check(4, True, False)
+    with dispatch.override("sparse_attention", "absorbed", _without_head_probs) as _WITHOUT[0]:
+        with pytest.raises(AssertionError):
+            check(4, True, False)
+
+
+_WITHOUT: list = [None]  # the implementation _without_head_probs runs (dispatch.override's original)
+
+
+def _without_head_probs(*args, head_probs=None, **kw):
+    """The attention's implementation leaving no head-summed probabilities: the target from its lse."""
+    return _WITHOUT[0](*args, **kw)
 
 
 # ---- the sparse stage's target reads the attention's log-sum-exp ----------------------------------------------
@@ -209,7 +220,7 @@ def test_the_sparse_target_reads_the_attentions_lse(kp: int) -> None:
         seen.append(lse)
         return original(q_abs, c_SC, idx_cW, scale, lse=lse)
 
-    def attention(*args, **kw):
+    def attention(*args, head_probs=None, **kw):  # none left: the target is made from the lse
         res = attention_original(*args, **kw)
         attn.append(res[1] if kw.get("return_lse") else None)
         return res
@@ -233,13 +244,58 @@ def test_a_broken_attention_lse_fails(monkeypatch, kp: int, name: str) -> None:
     """The attention's lse in the natural base, or with its heads permuted: the formula's check fails."""
     from megaseq.ops import dispatch
 
-    def attention(*args, **kw):
+    def attention(*args, head_probs=None, **kw):  # none left: the target is made from the lse
         res = attention_original(*args, **kw)
         return (res[0], BROKEN_LSE[name](res[1])) if kw.get("return_lse") else res
 
     with dispatch.override("sparse_attention", ATTENTION_IMPL[kp], attention) as attention_original:
         with pytest.raises(AssertionError):
             check(kp, False, False)
+
+
+# ---- the sparse stage's target read from the probabilities the attention's backward recomputes ----------------
+def test_the_sparse_target_reads_the_attentions_head_probs() -> None:
+    """``absorbed`` leaves the head-summed probabilities in its backward: the objective reads them (op
+    ``indexer_target`` never runs) and the formula's check passes, packed documents or not."""
+    from megaseq.ops import dispatch
+
+    def target(*args, **kw):
+        raise AssertionError("indexer_target ran: the attention's head probabilities were not read")
+
+    left = []
+
+    def attention(*args, head_probs=None, **kw):
+        left.append(head_probs)
+        return attention_original(*args, head_probs=head_probs, **kw)
+
+    with dispatch.override("indexer_target", "torch_gather", target), \
+            dispatch.override("sparse_attention", "absorbed", attention) as attention_original:
+        check(4, True, False)
+        check(4, False, False)
+    handed = [h for h in left if h is not None]  # the objective's runs (check's reference run has none)
+    assert len(handed) == 2 and all(h.m_BQW is None for h in handed)  # read, then released
+
+
+BROKEN_PROBS = {"one_head": "the first head's probabilities alone", "slots_rolled": "each slot given its neighbour's"}
+
+
+@pytest.mark.parametrize("name", list(BROKEN_PROBS))
+def test_broken_head_probs_fail(monkeypatch, name: str) -> None:
+    """The attention's backward leaving another quantity (one head's probabilities, or the slots shifted by one):
+    the formula's check fails."""
+    from megaseq.ops.sparse_mla import absorbed
+
+    real = absorbed._block_backward
+
+    def broken(blk, b, s, e, q, g, lse, w_uk, w_uv, empty, scale, grads, probs_QW=None):
+        real(blk, b, s, e, q, g, lse, w_uk, w_uv, empty, scale, grads, probs_QW)
+        if probs_QW is not None:
+            p = blk.probs(lse[b, s:e])
+            probs_QW.copy_(p[:, 0] if name == "one_head" else p.sum(1).roll(1, -1))
+
+    monkeypatch.setattr(absorbed, "_block_backward", broken)
+    with pytest.raises(AssertionError, match="indexer grad|kl"):
+        check(4, True, False)
 
 
 def test_dense_attention_is_sparse_over_every_visible_key() -> None:
@@ -378,12 +434,14 @@ def test_objective_under_sequence_segments(dense: bool) -> None:
 
 # ---- memory: one chunk at a time, never [S, S] ---------------------------------------------------------------
 def _objective_peak(S: int, dense: bool) -> tuple[int, int]:
-    """Peak bytes of one layer's objective (``indexer_loss``, its inputs made before) and the formula's."""
+    """Peak bytes of one layer's objective (the warm-up's ``indexer_loss``, the sparse stage's
+    ``SparseObjective.grads``; their inputs made before) and the formula's."""
     import warnings
 
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from megaseq.models.common.indexer_objective import indexer_loss
+    from megaseq.models.common.indexer_objective import SparseObjective, indexer_loss
+    from megaseq.models.common.lora import linear_weight
     from megaseq.ops.workspace import indexer_kl_bytes
 
     m = layer(4)
@@ -392,12 +450,22 @@ def _objective_peak(S: int, dense: bool) -> tuple[int, int]:
     ctx = SeqContext()
     q, latent, q_resid = m.project(x, ctx)
     prep = m.indexer.prepare(x.detach(), q_resid.detach(), ctx)
-    idx = None if dense else m.indexer.select(prep)
+    objective = None
+    if not dense:  # the sparse stage's objective as its backward runs it, from the attention's lse
+        idx = m.indexer.select(prep)
+        objective = SparseObjective(m, prep, q, latent, m.kv_b_proj.weight, idx)
+        with torch.no_grad():
+            objective.lse_BQH = sparse_mla_ref.sparse_mla_reference(q, latent, m.kv_b_proj.weight, idx, m.scaling,
+                                                                    return_lse=True)[1]
+        leaves = (prep.pools[0][0], prep.weights_BQI, linear_weight(m.indexer.wq_b))
     tracker = MemTracker()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with tracker:
-            indexer_loss(m, prep, q, latent, m.kv_b_proj.weight, idx)
+            if dense:
+                indexer_loss(m, prep, q, latent, m.kv_b_proj.weight)
+            else:
+                objective.grads(leaves)
     measured = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
     ix = m.indexer
     P, K = S // 4, ix.index_topk // 4

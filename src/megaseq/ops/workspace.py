@@ -199,12 +199,13 @@ def indexer_kl_bytes(Q: int, S: int, num_heads: int, index_heads: int, head_dim:
                      lse_copy: bool = False, fused_kl: bool = False, keys_itemsize: int = 4) -> int:
     """GPU bytes of one DSA layer's objective beyond its inputs: one chunk (``indexer_kl_chunk`` rows, at most Q;
     ``fused_target``: the sparse stage's target from the Triton kernel; ``given_lse``: it reads the attention's
-    log-sum-exp) plus the gradients the forward sums (pooled keys ``[P, D]``, head weights ``[Q, I]``, fp32) and the
+    log-sum-exp) plus the gradients the chunks sum (pooled keys ``[P, D]``, head weights ``[Q, I]``, fp32) and the
     pooled keys themselves with their graph (``[S, D]`` keys and gates, ``[P, D]`` pools). ``lse_copy``: the
     attention's base-2 log-sum-exp ``[Q, Hh]`` is a tensor of its own (``absorbed``, ``torch_masked``; in the
     compute dtype ``itemsize``) kept from the attention to the objective; the Triton op's is a view of what it
-    saves for its backward (counted there). ``fused_kl``: the sparse stage's indexer side in op ``indexer_kl``'s
-    kernel, whose chunk also holds the pooled keys' gradient cast to their dtype (``keys_itemsize``)."""
+    saves for its backward (counted there). The last two: ``indexer_kl_kept_bytes``. ``fused_kl``: the sparse stage's
+    indexer side in op ``indexer_kl``'s kernel, whose chunk also holds the pooled keys' gradient cast to their dtype
+    (``keys_itemsize``)."""
     keys, cand = (S, num_pools) if dense else (W, num_select)
     gathered = 0 if dense else W
     given_lse = given_lse and not dense
@@ -216,9 +217,17 @@ def indexer_kl_bytes(Q: int, S: int, num_heads: int, index_heads: int, head_dim:
                                         gathered_itemsize, fused_target, query_width, given_lse, fused_kl)
     chunk += indexer_kl_fixed_bytes(num_pools, head_dim, keys_itemsize) if fused_kl else 0
     sums = 4 * (num_pools * head_dim + Q * index_heads)
+    return chunk + sums + indexer_kl_kept_bytes(Q, S, num_heads, head_dim, num_pools, dense, itemsize, given_lse,
+                                                lse_copy)
+
+
+def indexer_kl_kept_bytes(Q: int, S: int, num_heads: int, head_dim: int, num_pools: int, dense: bool,
+                          itemsize: int = 4, given_lse: bool = False, lse_copy: bool = False) -> int:
+    """What of ``indexer_kl_bytes`` exists from the layer's forward to the objective: the pooled keys with their
+    graph (``[S, D]`` keys and gates, ``[P, D]`` pools) and, with ``lse_copy`` in the sparse stage, the
+    attention's log-sum-exp ``[Q, Hh]`` (its own tensor under ``absorbed`` and ``torch_masked``)."""
     graph = itemsize * (2 * S * head_dim + num_pools * head_dim)
-    lse = Q * num_heads * itemsize if given_lse and lse_copy else 0
-    return chunk + sums + graph + lse
+    return graph + (Q * num_heads * itemsize if given_lse and lse_copy and not dense else 0)
 
 
 # ---- op linear_cross_entropy, implementation liger (ops/vocab_loss/liger.py) --------------------------------

@@ -77,14 +77,20 @@ def _mixer(run: Run, i: int, xb: int) -> tuple[dict[str, int], int, int]:
     if full:
         fwd = max(fwd, layers.indexer_temp(spec, n, B, S, run.memory.indexer_query_chunk, prec,
                                            fast="indexer_topk" in run.fast_ops))
-    if full and run.indexer_objective:  # the KL's chunk in the forward; its summed gradients until the backward
-        kept, chunk = layers.indexer_objective_bytes(spec, n, B, S, prec,
-                                                     fused_target="indexer_target" in run.fast_ops,
-                                                     given_lse=True, lse_copy=impl != "triton",
-                                                     fused_kl="indexer_kl" in run.fast_ops)
-        saved = {**saved, "dsa indexer objective (gradients, pooled keys)": kept}
-        fwd = max(fwd, chunk)
-    return saved, fwd + comm, SA.dsa_temp(spec, n, B, S, prec, mesh, mode, True, run.cal, impl) + comm
+    bwd = SA.dsa_temp(spec, n, B, S, prec, mesh, mode, True, run.cal, impl)
+    if full and run.indexer_objective:  # the sparse stage's KL in the backward, right after the attention's
+        probs = layers.head_probs_bytes(spec, n, impl)  # the target the attention's backward leaves
+        kept, work = layers.indexer_objective_bytes(spec, n, B, S, prec,
+                                                    fused_target=bool(probs) or "indexer_target" in run.fast_ops,
+                                                    given_lse=True, lse_copy=impl != "triton",
+                                                    fused_kl="indexer_kl" in run.fast_ops)
+        saved = {**saved, "dsa indexer objective (pooled keys' graph)": kept}
+        # beside it the attention's gradients: dq [n, Hh, Dq] and the latent's [K/V rows, R] (work dtype)
+        R = spec.kv_lora_rank + spec.qk_rope_head_dim
+        grads = prec.compute * (n * spec.num_attention_heads * spec.qk_head_dim
+                                + SA.dsa_kv_rows(n, B, S, mesh, mode) * R)
+        bwd = max(bwd, grads + work) + probs
+    return saved, fwd + comm, bwd + comm
 
 
 def _mlp(run: Run, i: int, xb: int, tokens: int) -> tuple[dict[str, int], int, int]:

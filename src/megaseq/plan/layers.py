@@ -21,6 +21,7 @@ from megaseq.models.spec import ModelSpec
 from megaseq.ops.workspace import (  # noqa: F401  (the ops' own formulas)
     absorbed_bytes,
     indexer_kl_bytes,
+    indexer_kl_kept_bytes,
     indexer_scoring_bytes,
     indexer_topk_bytes,
     kv_repeats,
@@ -86,15 +87,17 @@ def indexer_temp(spec: ModelSpec, n: int, batch: int, seq_len: int, query_chunk:
 def indexer_objective_bytes(spec: ModelSpec, n: int, batch: int, seq_len: int, prec: Precision,
                             fused_target: bool = False, given_lse: bool = False,
                             lse_copy: bool = False, fused_kl: bool = False) -> tuple[int, int]:
-    """The indexer objective of one full-indexer layer in the sparse stage (``models.common.indexer_kl``):
-    ``(kept until the backward, one chunk's working set)`` from ``ops.workspace.indexer_kl_bytes`` (fp32: the
-    objective computes in ``promote(dtype, fp32)``): kept are the gradients the forward summed (pooled keys
-    ``[P, Di]`` and head weights ``[Q, I]``) and the pooled keys' graph. ``fused_target``: the target comes from
-    op ``indexer_target``'s Triton kernel (no gathered latents or head scores in the chunk, so more rows a chunk).
-    ``given_lse``: the target reads the attention's per-head log-sum-exp (what the layer does); ``lse_copy``: that
-    log-sum-exp ``[Q, Hh]`` fp32 is a tensor of its own, held through the objective (``sparse_attention``'s
-    ``absorbed`` and ``torch_masked``; the Triton op's is a view of the tensor it saves). ``fused_kl``: the indexer
-    side in op ``indexer_kl``'s kernel."""
+    """The indexer objective of one full-indexer layer in the sparse stage (``models.common.indexer_objective``'s
+    ``SparseObjective``, which runs in the backward right after the layer's attention): ``(kept from the forward
+    to it, its working set there)`` from ``ops.workspace.indexer_kl_bytes`` (fp32: the objective computes in
+    ``promote(dtype, fp32)``). Kept are the pooled keys' graph and, with ``lse_copy``, the attention's log-sum-exp
+    ``[Q, Hh]`` fp32, a tensor of its own under ``sparse_attention``'s ``absorbed`` and ``torch_masked`` (the
+    Triton op's is a view of the tensor it saves); the working set is one chunk and the gradients it sums (pooled
+    keys ``[P, Di]`` and head weights ``[Q, I]``). ``fused_target``: the target comes from op ``indexer_target``'s
+    Triton kernel or from the attention's head-summed probabilities (no gathered latents or head scores in the
+    chunk, so more rows a chunk). ``given_lse``: the target reads the attention's per-head log-sum-exp (what the
+    layer does). ``fused_kl``: the indexer side in op ``indexer_kl``'s kernel. The head-summed probabilities
+    themselves are ``head_probs_bytes``."""
     kp = max(spec.index_kpool, 1)
     P, K = seq_len // kp, spec.index_topk // kp
     W = dsa_width(spec)
@@ -104,9 +107,16 @@ def indexer_objective_bytes(spec: ModelSpec, n: int, batch: int, seq_len: int, p
                              W, R, dense=False, itemsize=prec.f32, gathered_itemsize=prec.compute,
                              fused_target=fused_target, query_width=spec.q_lora_rank, given_lse=given_lse,
                              lse_copy=lse_copy, fused_kl=fused_kl, keys_itemsize=prec.compute)
-    kept = batch * (prec.f32 * (P * spec.index_head_dim + Q * spec.index_n_heads)
-                    + prec.f32 * (2 * seq_len * spec.index_head_dim + P * spec.index_head_dim))
+    kept = batch * indexer_kl_kept_bytes(Q, seq_len, spec.num_attention_heads, spec.index_head_dim, P, False,
+                                         prec.f32, given_lse, lse_copy)
     return kept, batch * total - kept
+
+
+def head_probs_bytes(spec: ModelSpec, n: int, impl: str) -> int:
+    """The head-summed probabilities ``[n, W]`` fp32 (``ops.sparse_mla.reference.HeadProbs``) that
+    ``sparse_attention``'s backward leaves for the sparse stage's objective under ``triton`` and ``absorbed``
+    (none under ``torch_masked``): made as the attention's backward starts, freed when the objective is done."""
+    return 4 * n * dsa_width(spec) if impl in ("triton", "absorbed") else 0
 
 
 def attention_saved(spec: ModelSpec, n: int, xb: int, prec: Precision, mesh: Mesh,

@@ -216,7 +216,6 @@ def test_kernel_compiles_for_sm90():
 def objective(device: str, preferred: dict[str, list[str]]):
     """One glm5-shaped DSA layer's sparse-stage objective (pools of 4, 64 tokens, chunks of 16 queries) in fp32:
     ``(KL, the indexer's gradients, the implementations of indexer_kl that ran)``."""
-    from megaseq.models.common import indexer_objective
     from megaseq.models.common.context import SeqContext
     from megaseq.models.common.mla_dsa import MLASparseAttention
     from megaseq.models.glm5.spec import glm5_flash_tiny
@@ -235,16 +234,25 @@ def objective(device: str, preferred: dict[str, list[str]]):
     idx = m.indexer.select(prep)
     dispatch.reset_records()
     with dispatch.configured(preferred=preferred):
-        loss = indexer_objective.indexer_loss(m, prep, q, latent, m.kv_b_proj.weight, idx)
+        kl = sparse_objective_backward(m, prep, q, latent, idx)
     ran = sorted({r.impl for _, r in dispatch.records() if r.op == "indexer_kl"})
-    loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in m.indexer.named_parameters() if p.grad is not None}, ran
+    return kl, {n: p.grad.clone() for n, p in m.indexer.named_parameters() if p.grad is not None}, ran
+
+
+def sparse_objective_backward(m, prep, q, latent, idx) -> float:
+    """The sparse stage's objective as the layer's backward runs it (``SparseObjective``), without the attention
+    (no head-summed probabilities and no lse: op ``indexer_target`` makes the target): its summed KL."""
+    from megaseq.models.common import indexer_objective
+
+    objective = indexer_objective.SparseObjective(m, prep, q, latent, m.kv_b_proj.weight, idx)
+    objective.attach(q).sum().backward()
+    return m.indexer.stats.read().kl_sum
 
 
 def test_the_objective_runs_the_kernel_when_preferred(device, monkeypatch):
     """The sparse stage's KL and the indexer's gradients (keys, head weights, query projection) with the kernel
     preferred equal the reference's; without the preference the reference runs (the kernel is opt-in). The kernel
-    runs once per chunk of 16 queries: ``ChunkedKL`` sums the rows, so the backward only scales."""
+    runs once per chunk of 16 queries: ``chunk_grads`` sums the rows."""
     from megaseq.ops import workspace
     from megaseq.ops.indexer import kl_kernel as K
 

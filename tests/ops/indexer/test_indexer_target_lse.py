@@ -172,9 +172,10 @@ def test_one_pass_kernel_compiles_for_sm90():
     assert len(lines) == 3 and all(line.endswith(" ok") for line in lines), lines
 
 
-def layer_objective(device: str, preferred: dict[str, list[str]]):
+def layer_objective(device: str, preferred: dict[str, list[str]], keep_probs: bool = True):
     """A glm5-shaped DSA layer (pools of 4, 64 tokens, chunks of 16 queries) in fp32 with its sparse-stage objective:
-    ``(KL, the indexer's gradients, the lse each chunk's target got)``."""
+    ``(KL, the indexer's gradients, the lse each chunk's target got)``. ``keep_probs`` False: the attention leaves
+    no head-summed probabilities, so the target op runs from its lse."""
     from megaseq.models.common.context import SeqContext
     from megaseq.models.common.mla_dsa import MLASparseAttention
     from megaseq.models.glm5.spec import glm5_flash_tiny
@@ -194,21 +195,35 @@ def layer_objective(device: str, preferred: dict[str, list[str]]):
         seen.append(lse)
         return original(q_abs, c_SC, idx_cW, scale, lse=lse)
 
-    with dispatch.configured(preferred=preferred), dispatch.override("indexer_target", impl, target) as original:
+    attention = (preferred.get("sparse_attention") or ["absorbed"])[0]
+    state = {}
+
+    def attend(*args, head_probs=None, **kw):
+        return state["attend"](*args, head_probs=head_probs if keep_probs else None, **kw)
+
+    with dispatch.configured(preferred=preferred), dispatch.override("indexer_target", impl, target) as original, \
+            dispatch.override("sparse_attention", attention, attend) as state["attend"]:
         m(x, SeqContext()).sum().backward()
     grads = {n: p.grad.clone() for n, p in m.indexer.named_parameters() if p.grad is not None}
     return m.indexer.stats.read().kl_sum, grads, seen
 
 
 def test_the_layer_hands_the_triton_attentions_lse_to_the_kernel(device):
-    """The fused sparse MLA's lse (a strided view of its saved tensor) reaches the one-pass kernel through the layer,
-    chunk by chunk: the KL and the indexer's gradients equal the reference path's (``torch_masked`` attention and
-    ``torch_gather`` target, given the reference's lse)."""
+    """Where the fused sparse MLA leaves no head-summed probabilities, its lse (a strided view of its saved tensor)
+    reaches the one-pass kernel through the layer, chunk by chunk; where it leaves them (the default), the target
+    op does not run. Either way the KL and the indexer's gradients equal the reference path's (``torch_masked``
+    attention and ``torch_gather`` target, given the reference's lse)."""
     kl_ref, g_ref, seen_ref = layer_objective(device, {"sparse_attention": ["torch_masked"]})
-    kl, g, seen = layer_objective(device, {"sparse_attention": ["triton"], "indexer_target": ["triton"]})
-    assert len(seen) == len(seen_ref) == 4 and all(lse is not None for lse in seen + seen_ref)
-    assert seen[0].stride() == (1, 64)  # rows of the saved [Hh, N] lse, N = 64 queries
-    assert abs(kl - kl_ref) <= 1e-5 * abs(kl_ref), (kl, kl_ref)
-    assert g.keys() == g_ref.keys() and len(g) > 2
-    for n in g:
-        assert (g[n] - g_ref[n]).abs().max() <= 1e-4 * g_ref[n].abs().max(), n
+    assert len(seen_ref) == 4 and all(lse is not None for lse in seen_ref)
+    fused = {"sparse_attention": ["triton"], "indexer_target": ["triton"]}
+    for keep in (False, True):
+        kl, g, seen = layer_objective(device, fused, keep_probs=keep)
+        if keep:
+            assert seen == []  # the target read from the attention's backward
+        else:
+            assert len(seen) == 4 and all(lse is not None for lse in seen)
+            assert seen[0].stride() == (1, 64)  # rows of the saved [Hh, N] lse, N = 64 queries
+        assert abs(kl - kl_ref) <= 1e-5 * abs(kl_ref), (keep, kl, kl_ref)
+        assert g.keys() == g_ref.keys() and len(g) > 2
+        for n in g:
+            assert (g[n] - g_ref[n]).abs().max() <= 1e-4 * g_ref[n].abs().max(), (keep, n)

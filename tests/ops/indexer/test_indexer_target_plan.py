@@ -46,13 +46,15 @@ def test_row_bytes_of_the_kernel_have_no_gather_and_no_head_scores():
     assert dense == workspace.indexer_kl_row_bytes(Hh, 4096, I, 256, D, fused_target=True, query_width=Qr)
 
 
-def test_the_plan_counts_the_kernel_where_the_fast_set_runs_it(monkeypatch):
-    """``indexer_target`` is a planned fast op: the planner's objective chunk at 32K is the kernel's rows of the
-    kernel's bytes where ``run.fast_ops`` has it, the reference's elsewhere (the same ``ops.workspace`` formula
-    ``_Row.bounds`` sizes its chunks with), and a plan with ``model.train_indexer`` asks for the kernel's exactly
-    when its fast ops hold it."""
+def test_the_plan_counts_the_attentions_probabilities(monkeypatch):
+    """The objective's chunk at 32K is the kernel's rows of the kernel's bytes where the target comes from op
+    ``indexer_target``'s kernel or from the attention's backward, the reference's elsewhere (the same
+    ``ops.workspace`` formula ``_Row.bounds`` sizes its chunks with). Both sparse-attention implementations the
+    planner plans (``absorbed``, ``triton``) leave the head-summed probabilities, so a plan with
+    ``model.train_indexer`` sizes the objective for a given target whatever its fast ops, and its DSA layers'
+    backward holds the ``[n, W]`` fp32 buffer (``layers.head_probs_bytes``; none under ``torch_masked``)."""
     from megaseq.models.glm5.spec import glm5_flash_1gpu
-    from megaseq.plan import layers
+    from megaseq.plan import layer_terms, layers
     from megaseq.plan.mesh import Precision
     from megaseq.plan.planner import plan
 
@@ -61,12 +63,15 @@ def test_the_plan_counts_the_kernel_where_the_fast_set_runs_it(monkeypatch):
     W, C, P = layers.dsa_width(spec), spec.kv_lora_rank, S // 16
     rows = {}
     for fused in (False, True):
-        kept, chunk = layers.indexer_objective_bytes(spec, S, 1, S, Precision(), fused_target=fused)
+        kept, work = layers.indexer_objective_bytes(spec, S, 1, S, Precision(), fused_target=fused)
         per_row = workspace.indexer_kl_row_bytes(16, W, 32, 128, 128, W, C, 4, 2, fused, spec.q_lora_rank)
         rows[fused] = workspace.indexer_kl_chunk(16, W, 32, 128, 128, W, C, 4, gathered_itemsize=2,
                                                  fused_target=fused, query_width=spec.q_lora_rank)
-        assert chunk + kept == rows[fused] * per_row + 4 * (P * 128 + S * 32) + 4 * (2 * S * 128 + P * 128)
+        assert kept == 4 * (2 * S * 128 + P * 128)  # the pooled keys' graph, from the forward to the objective
+        assert work == rows[fused] * per_row + 4 * (P * 128 + S * 32)  # a chunk and the gradients it sums
     assert rows[True] > 10 * rows[False]
+    assert layers.head_probs_bytes(spec, S, "triton") == layers.head_probs_bytes(spec, S, "absorbed") == 4 * S * W
+    assert layers.head_probs_bytes(spec, S, "torch_masked") == 0
     asked = []
     real = layers.indexer_objective_bytes
     monkeypatch.setattr(layers, "indexer_objective_bytes", lambda *a, fused_target=False, **k:
@@ -74,7 +79,20 @@ def test_the_plan_counts_the_kernel_where_the_fast_set_runs_it(monkeypatch):
     for fast in (frozenset(), kernels.PLANNED_FAST_OPS, kernels.PLANNED_FAST_OPS - {"indexer_target"}):
         asked.clear()
         plan(spec, S, fast_ops=fast, indexer_objective=True)
-        assert asked and set(asked) == {"indexer_target" in fast}, (sorted(fast), asked)
+        assert asked and set(asked) == {True}, (sorted(fast), asked)
+    # the buffer in the DSA layer's backward: that layer's backward working set without it is lower by its bytes
+    from megaseq.plan import components as C
+    from megaseq.plan.choice import base_settings
+    from megaseq.plan.mesh import Mesh
+    from megaseq.plan.run import Run
+
+    monkeypatch.setattr(layers, "indexer_objective_bytes", real)
+    run = Run(spec=spec, seq_len=S, batch=1, mesh=Mesh(), model_dtype="bf16", memory=base_settings(None, S),
+              counts=C.count_params(spec), fast_ops=kernels.PLANNED_FAST_OPS, indexer_objective=True)
+    i = spec.layer_types.index("dsa")
+    with_probs = layer_terms._mixer(run, i, 2)[2]
+    monkeypatch.setattr(layers, "head_probs_bytes", lambda *a: 0)
+    assert with_probs - layer_terms._mixer(run, i, 2)[2] == 4 * S * W
 
 
 def test_the_attentions_lse_in_the_row_bytes_and_the_plan(monkeypatch):
@@ -128,11 +146,11 @@ def test_the_fused_kl_row_has_no_head_scores_and_no_gathered_keys(monkeypatch):
         workspace.indexer_kl_row_bytes(Hh, 4096, I, 256, D, query_width=Qr)
     # at 16K one chunk of the kernel's holds every query, below the budget the reference's chunks fill
     spec, S = glm5_flash_1gpu(), 1 << 14
+    P16 = S // spec.index_kpool
     ref, fused = (layers.indexer_objective_bytes(spec, S, 1, S, Precision(), fused_target=True, given_lse=True,
                                                  fused_kl=f) for f in (False, True))
-    assert ref[0] == fused[0] and fused[1] < ref[1] < workspace.INDEXER_KL_BUDGET_BYTES
+    assert ref[0] == fused[0] and fused[1] < ref[1] < workspace.INDEXER_KL_BUDGET_BYTES + 4 * (P16 * D + S * I)
     # the kernel's chunk holds the pooled keys' gradient cast to bf16 keys: 2 bytes a value more than fp32 keys
-    P16 = S // spec.index_kpool
     b16, b32 = (workspace.indexer_kl_bytes(S, S, Hh, I, D, P16, spec.index_topk // spec.index_kpool, W, C, False,
                                            gathered_itemsize=2, fused_target=True, query_width=Qr, given_lse=True,
                                            fused_kl=True, keys_itemsize=k) for k in (2, 4))

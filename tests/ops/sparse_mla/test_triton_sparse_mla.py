@@ -257,6 +257,69 @@ def test_the_saved_pool_pass_sums_the_latent_gradient_as_the_atomics_do(device, 
     assert rel_err(K.backward(q, do, o, lse, c, idx, 0.3, dc="saved")[1], dc) > TOL[torch.float32]
 
 
+def _head_summed64(q_HNR, c_BSR, idx_BQW, scale: float) -> torch.Tensor:
+    """``[B, Q, W]``: op ``indexer_target``'s reference in float64 (each head's own softmax over the valid slots,
+    summed over the heads) on the kernels' head-major absorbed queries."""
+    from megaseq.ops.indexer.target import indexer_target_reference
+
+    B, Q = idx_BQW.shape[:2]
+    q = q_HNR.double().view(q_HNR.shape[0], B, Q, -1)
+    return torch.stack([indexer_target_reference(q[:, b].transpose(0, 1), c_BSR[b].double(), idx_BQW[b], scale)
+                        for b in range(B)])
+
+
+@pytest.mark.parametrize("dc", ["atomic", "pool", "saved"])
+def test_the_backward_leaves_the_head_summed_probabilities(device, monkeypatch, dc):
+    """``probs``: the slot pass writes each slot's probability summed over the heads (op ``indexer_target``'s
+    result) in every latent-gradient mode, stored with one head block and added with two (17 heads), chunked
+    queries included; the op hands it out through ``HeadProbs`` in its backward. A slot pass that does not
+    write it fails the check."""
+    from megaseq.ops.sparse_mla import kernels as K
+    from megaseq.ops.sparse_mla.reference import HeadProbs
+
+    monkeypatch.setattr(K, "SAVED_QUERIES", 7)
+    gen = torch.Generator().manual_seed(11)
+    for B, Q, S, Hh, R in ((2, 40, 100, 5, 32), (1, 23, 64, 17, 48)):
+        idx = tsm.causal_pool_selection(B, Q, S, kpool=16, pools=3, generator=gen).to(device)
+        idx[0, 3, 5] = -1  # a pool with an empty slot: not a pool layout, so the pool modes take the atomics
+        q, do = (torch.randn(Hh, B * Q, R, generator=gen).to(device) for _ in range(2))
+        c = torch.randn(B, S, R, generator=gen).to(device)
+        o, lse = K.forward(q, c, idx, 0.3)
+        want = _head_summed64(q, c, idx, 0.3)
+        for sel in (idx, tsm.causal_pool_selection(B, Q, S, kpool=16, pools=3, generator=gen).to(device)):
+            want = _head_summed64(q, c, sel, 0.3)
+            o, lse = K.forward(q, c, sel, 0.3)
+            probs = torch.zeros(B * Q, sel.shape[-1], dtype=torch.float32, device=device)
+            K.backward(q, do, o, lse, c, sel, 0.3, dc=dc, probs=probs)
+            assert_close(f"head-summed probabilities, {Hh} heads, dc={dc}", probs.view(B, Q, -1), want,
+                         TOL[torch.float32])
+
+    leaves, idx, g_out = make_inputs(2, 2, 29, 41, 3, 32, 17, device=device)
+    holder = HeadProbs()
+    out, lse = tsm.triton_sparse_mla(*leaves, idx, 0.2, return_lse=True, head_probs=holder)
+    assert holder.m_BQW is None
+    (out * g_out).sum().backward()
+    w_uk = leaves[2].detach().view(3, -1, 32)[:, :16]
+    q_abs = torch.einsum("bqhd,hdr->hbqr", leaves[0].detach(), w_uk).reshape(3, 2 * 29, 32)
+    assert_close("the op's HeadProbs", holder.m_BQW, _head_summed64(q_abs, leaves[1].detach(), idx, 0.2),
+                 TOL[torch.float32])
+
+    launch = K.sparse_mla_bwd_kernel
+
+    class NoProbs:  # the slot pass as if STORE_PROBS were off: nothing written
+        def __getitem__(self, grid):
+            return lambda *a, **kw: launch[grid](*a, **{**kw, "STORE_PROBS": False})
+
+    monkeypatch.setattr(K, "sparse_mla_bwd_kernel", NoProbs())
+    probs = torch.zeros(B * Q, idx_last(sel), dtype=torch.float32, device=device)
+    K.backward(q, do, o, lse, c, sel, 0.3, dc=dc, probs=probs)
+    assert rel_err(probs.view(B, Q, -1), want) > TOL[torch.float32]
+
+
+def idx_last(idx: torch.Tensor) -> int:
+    return idx.shape[-1]
+
+
 def test_the_forward_reads_the_pool_layout_for_the_backward(device, monkeypatch):
     """The op reads its empty-row check and the first pool candidate's layout check in one sync (``checks``) and
     hands the answer to the backward, which then runs no check of its own; a selection not in pools is left for
@@ -461,6 +524,10 @@ COMPILE_SM90 = textwrap.dedent("""
         ptx, smem = compile_ptx(kind, dtype, Hh, 512, 2063)
         assert smem <= 232448, (kind, dtype, Hh, smem)  # an H200's shared memory per block
         print(kind, dtype, Hh, "v4-atomics" if "atom.global.gpu.relaxed.add.v4.f32" in ptx else "-", flush=True)
+    for kind, Hh in [("bwd", 16), ("bwd", 64), ("bwd_save", 64)]:  # STORE_PROBS: stored (one head block), added
+        ptx, smem = compile_ptx(kind, torch.bfloat16, Hh, 512, 2063, probs=True)
+        assert smem <= 232448, (kind, Hh, smem)
+        print("probs", kind, Hh, "atomics" if "atom.global.gpu.relaxed.add" in ptx else "-", flush=True)
 """)
 
 
@@ -468,9 +535,11 @@ def test_kernels_compile_for_sm90():
     """Triton's interpreter accepts code the compiler refuses (it did: a helper returning masks of two
     shapes); compile both kernels for an H200 in a process without TRITON_INTERPRET. The latent gradient's
     atomics must come out 4-wide (``atom...add.v4.f32``): scalar ones would be 4x the atomic operations. The
-    pool-layout check too, for int32 and int64 selections."""
+    pool-layout check too, for int32 and int64 selections, and the slot pass writing the head-summed
+    probabilities (``STORE_PROBS``)."""
     lines = compile_in_child(COMPILE_SM90).splitlines()
-    assert len(lines) == 13, lines
+    assert len(lines) == 16, lines
+    assert {"probs bwd 16 atomics", "probs bwd 64 atomics", "probs bwd_save 64 atomics"} <= set(lines)
     assert "layout torch.int32 0 -" in lines and "layout torch.int64 0 -" in lines
     assert "bwd torch.bfloat16 16 v4-atomics" in lines and "bwd torch.float32 16 v4-atomics" in lines
     assert "pool torch.bfloat16 16 v4-atomics" in lines and "bwd_tail torch.bfloat16 16 v4-atomics" in lines

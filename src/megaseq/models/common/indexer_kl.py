@@ -14,7 +14,9 @@ DeepSeek-V3.2 (section 2.1) trains the indexer by distillation from the main att
 
 Megatron-Core's ``compute_dsa_indexer_loss`` is the same formula (mean over queries, times
 ``dsa_indexer_loss_coeff``); ``DSAIndexerLossAutoScaler`` hands the term's gradient in at the layer output
-(``AttachLoss`` here), so it composes with recompute, sequence segments and context parallelism.
+(``AttachLoss`` here, the dense warm-up's way), so it composes with recompute, sequence segments and context
+parallelism. The sparse stage's term runs in the backward instead, right after the layer's attention, whose
+backward leaves the target (``models.common.indexer_objective.SparseObjective``).
 
 A pooled indexer (GLM's ``index_kpool``) scores complete pools of kp tokens, not tokens: the target of a pool
 is the sum of its tokens' probabilities (the attention mass the pool's selection buys), over the candidate
@@ -23,12 +25,12 @@ is left out before normalising (``docs/indexer.md``).
 
 Memory: never ``[S, S]``. The target and the indexer's log-softmax are built a query chunk at a time; the
 loss's gradient with respect to the indexer's inputs (pooled keys ``[P, D]``, head weights ``[Q, I]``, the
-query projection's weight) is taken chunk by chunk inside the forward (Liger's fused-loss way), so nothing
-of size ``c * n`` outlives its chunk and the backward is a scale of what the forward summed. One chunk holds
-``c * Hh * n`` scores of the warm-up's target (``n`` the visible keys); the sparse stage's target is op
-``indexer_target`` (``ops/indexer/target.py``): the reference gathers ``c * W`` latents and ``c * Hh * W``
-scores, the Triton kernel (``model.kernels fast`` on a GPU) only its ``[c, W]`` output; both normalise each head
-with the attention's own log-sum-exp when the layer passes it (``lse``), so the kernel makes one pass over the
+query projection's weight) is taken chunk by chunk (``chunk_grads``, Liger's fused-loss way), so nothing
+of size ``c * n`` outlives its chunk. One chunk holds ``c * Hh * n`` scores of the warm-up's target (``n`` the
+visible keys); the sparse stage's target is the attention's head-summed probabilities its backward left
+(``given``), else op ``indexer_target`` (``ops/indexer/target.py``): the reference gathers ``c * W`` latents and
+``c * Hh * W`` scores, the Triton kernel (``model.kernels fast`` on a GPU) only its ``[c, W]`` output; both
+normalise each head with the attention's own log-sum-exp (``lse``), so the kernel makes one pass over the
 selected latents. The indexer side holds
 ``c * I * n`` scores (``ops.workspace.indexer_kl_bytes``); in the sparse stage it is op ``indexer_kl``
 (``ops/indexer/kl.py``: ``index_scores`` and ``kl_rows`` over the gathered selected keys, or one Triton kernel
@@ -37,7 +39,7 @@ that also writes the gradients).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -152,16 +154,18 @@ def dense_target(q_abs_cHC: torch.Tensor, c_SC: torch.Tensor, q_pos_c: torch.Ten
     return normalise(mass, cand), cand
 
 
-def sparse_target(q_abs_cHC: torch.Tensor, c_SC: torch.Tensor, idx_cW: torch.Tensor, kp: int,
+def sparse_target(q_abs_cHC: torch.Tensor | None, c_SC: torch.Tensor, idx_cW: torch.Tensor, kp: int,
                   num_pools: int, scale: float, probs: TargetProbs = indexer_target_reference,
-                  lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  lse: torch.Tensor | None = None,
+                  given: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse-stage target over each query's selected pools: ``(target [c, K], selected-and-valid [c, K])``.
     The main attention's probabilities over all selected slots (the tail too), summed over heads (``probs``: an
     implementation of op ``indexer_target``, the torch reference by default; ``lse [c, Hh]``: the attention's
-    base-2 log-sum-exp of these queries, each head's normaliser), a pool's slots summed, the tail dropped,
+    base-2 log-sum-exp of these queries, each head's normaliser; ``given [c, W]``: that op's result already made,
+    by the attention's backward, ``ops.sparse_mla.reference.HeadProbs``), a pool's slots summed, the tail dropped,
     normalised over the selected pools."""
     ok = selected(idx_cW, c_SC.shape[0])
-    m_cW = probs(q_abs_cHC, c_SC, idx_cW, scale, lse=lse)
+    m_cW = given if given is not None else probs(q_abs_cHC, c_SC, idx_cW, scale, lse=lse)
     width = num_pools * kp
     mass = m_cW[:, :width].reshape(-1, num_pools, kp).sum(-1)
     cand = ok[:, :width:kp]
@@ -202,18 +206,7 @@ class ChunkedKL(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, loss: ChunkLoss, bounds: list[tuple[int, int]], *inputs: torch.Tensor) -> torch.Tensor:
-        grads = [torch.zeros(t.shape, dtype=torch.promote_types(t.dtype, torch.float32), device=t.device)
-                 for t in inputs]
-        total = torch.zeros((), dtype=grads[0].dtype if grads else torch.float32, device=inputs[0].device)
-        for s, e in bounds:
-            with torch.enable_grad():
-                leaves = [t.detach().requires_grad_(True) for t in inputs]
-                kl = loss(s, e, leaves)
-                got = torch.autograd.grad(kl, leaves, allow_unused=True)
-            for acc, g in zip(grads, got, strict=True):
-                if g is not None:
-                    acc += g
-            total += kl.detach()
+        total, grads = chunk_grads(loss, bounds, inputs)
         ctx.save_for_backward(*grads)
         ctx.dtypes = [t.dtype for t in inputs]
         return total
@@ -222,6 +215,25 @@ class ChunkedKL(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         scaled = [(g * grad).to(dt) for g, dt in zip(ctx.saved_tensors, ctx.dtypes, strict=True)]
         return (None, None, *scaled)
+
+
+def chunk_grads(loss: ChunkLoss, bounds: list[tuple[int, int]],
+                inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """``(sum_chunks loss(s, e, inputs), its gradient with respect to each input)``, one chunk's graph at a time
+    (fp32 or wider sums; an input no chunk reaches gets zeros)."""
+    grads = [torch.zeros(t.shape, dtype=torch.promote_types(t.dtype, torch.float32), device=t.device)
+             for t in inputs]
+    total = torch.zeros((), dtype=grads[0].dtype if grads else torch.float32, device=inputs[0].device)
+    for s, e in bounds:
+        with torch.enable_grad():
+            leaves = [t.detach().requires_grad_(True) for t in inputs]
+            kl = loss(s, e, leaves)
+            got = torch.autograd.grad(kl, leaves, allow_unused=True)
+        for acc, g in zip(grads, got, strict=True):
+            if g is not None:
+                acc += g
+        total += kl.detach()
+    return total, grads
 
 
 def chunk_bounds(Q: int, chunk: int) -> list[tuple[int, int]]:

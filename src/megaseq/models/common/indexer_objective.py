@@ -3,18 +3,21 @@
 Shapes: B batch, Q this rank's queries, S keys (the whole sequence), Hh heads, C latent width, I indexer
 heads, D indexer head dim, P complete pools, kp tokens per pool, K selected pools per query, W slots.
 
-``indexer_loss(layer, prep, q, c, w, idx, lse)`` returns ``sum over this rank's queries of KL(target || indexer)``
-with a graph to the indexer's parameters only: the pooled keys, the head weights and ``wq_b``'s weight (merged
-with its adapter, if any) enter ``indexer_kl.ChunkedKL``; the main attention's queries, latents and
-``kv_b_proj`` weight are read detached. ``idx`` None: the dense warm-up's target (every visible key), else
-the sparse stage's (the selected slots). The layer attaches it with ``coef * scale`` (``AttachLoss``).
+The dense warm-up: ``indexer_loss(layer, prep, q, c, w)`` returns ``sum over this rank's queries of
+KL(target || indexer)`` over every visible key, with a graph to the indexer's parameters only: the pooled keys,
+the head weights and ``wq_b``'s weight (merged with its adapter, if any) enter ``indexer_kl.ChunkedKL``; the main
+attention's queries, latents and ``kv_b_proj`` weight are read detached. The layer attaches it with
+``coef * scale`` (``AttachLoss``).
 
-The sparse stage's target is op ``indexer_target`` given the attention's per-head log-sum-exp ``lse [B, Q, Hh]``
-(base 2, what ``sparse_attention`` computed over the same queries, latents, selection and scale and hands out with
-``return_lse``): each chunk passes its rows ``lse[b, s:e]``, and the target is one pass over the selected latents
-(``lse`` None: the target computes its own, two passes). Its implementation (the Triton kernel under ``model.kernels
-fast`` on a GPU, else the torch reference) is chosen once per batch row and runs every chunk of the row, whose
-size is ``ops.workspace.indexer_kl_chunk`` of that implementation's bytes (``fused_target``), and of op
+The sparse stage: ``SparseObjective`` runs the same formula over the selected slots in the backward, right after
+the layer's attention, and hands the same inputs their gradient times ``coef * scale``. Its target is the
+head-summed probabilities the attention's backward left (``ops.sparse_mla.reference.HeadProbs``), else op
+``indexer_target`` given the attention's per-head log-sum-exp ``lse [B, Q, Hh]`` (base 2, what
+``sparse_attention`` computed over the same queries, latents, selection and scale and hands out with
+``return_lse``): each chunk passes its rows ``lse[b, s:e]``, and the target is one pass over the selected latents.
+That op's implementation (the Triton kernel under ``model.kernels fast`` on a GPU, else the torch reference) is
+chosen once per batch row and runs every chunk of the row, whose size is ``ops.workspace.indexer_kl_chunk`` of
+that implementation's bytes (``fused_target``; a given target counts as the kernel's), and of op
 ``indexer_kl``'s (``fused_kl``: its Triton kernel where ``model.kernels`` prefers it).
 
 Context parallelism: queries are this rank's, keys the gathered sequence's (``Indexer.prepare`` gathers them
@@ -41,30 +44,100 @@ from megaseq.ops import dispatch, workspace
 from megaseq.ops.amp import compute_dtype
 
 
-def indexer_loss(layer: Any, prep: Any, q_BQHD: torch.Tensor, c_BSC: torch.Tensor, kv_b_weight: torch.Tensor,
-                 idx_BQW: torch.Tensor | None, lse_BQH: torch.Tensor | None = None) -> torch.Tensor:
-    """The summed KL of this layer's queries (see the module docstring)."""
-    ix = layer.indexer
-    B, Q, Hh, Dq = q_BQHD.shape
-    cd = compute_dtype(q_BQHD.dtype)
-    Dr = layer.rope_dim
-    R = c_BSC.shape[-1] - Dr
-    # the target's matmuls in the attention's work dtype (the queries'), its softmax and sums in fp32
-    wd = q_BQHD.dtype
-    w_uk = kv_b_weight.detach().to(wd).view(Hh, -1, R)[:, :Dq - Dr]
-    q_det, c_det = q_BQHD.detach(), c_BSC.detach().to(wd)
-    wq = linear_weight(ix.wq_b)
+def indexer_loss(layer: Any, prep: Any, q_BQHD: torch.Tensor, c_BSC: torch.Tensor,
+                 kv_b_weight: torch.Tensor) -> torch.Tensor:
+    """The dense warm-up's summed KL of this layer's queries, with its gradient taken in the forward (see the
+    module docstring; the sparse stage's is ``SparseObjective``)."""
+    w_uk, q_det, c_det, cd = _detached(layer, q_BQHD, c_BSC, kv_b_weight)
+    wq = linear_weight(layer.indexer.wq_b)
     total = None
     with torch.autocast(q_BQHD.device.type, enabled=False):
-        for b in range(B):
+        for b in range(q_BQHD.shape[0]):
             if prep.pools[b][0].shape[0] == 0:  # no complete pool in this row (its documents are short): no term
                 continue
-            row = _Row(layer, prep, b, q_det, c_det, w_uk, idx_BQW, cd, lse_BQH)
+            row = _Row(layer, prep, b, q_det, c_det, w_uk, None, cd)
             part = kl.ChunkedKL.apply(row.loss, row.bounds(), row.keys_PD, prep.weights_BQI[b], wq)
-            if idx_BQW is not None:
-                row.sampled_recall()
             total = part if total is None else total + part
     return total if total is not None else torch.zeros((), dtype=cd, device=q_BQHD.device)
+
+
+def _detached(layer: Any, q_BQHD: torch.Tensor, c_BSC: torch.Tensor,
+              kv_b_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.dtype]:
+    """The target's inputs, detached: ``W_uk [Hh, Dn, R]``, the queries and the latents in the attention's work
+    dtype (the queries'; the target's softmax and sums run in fp32, the compute dtype returned last)."""
+    Hh, Dq = q_BQHD.shape[2:]
+    R = c_BSC.shape[-1] - layer.rope_dim
+    wd = q_BQHD.dtype
+    w_uk = kv_b_weight.detach().to(wd).view(Hh, -1, R)[:, :Dq - layer.rope_dim]
+    return w_uk, q_BQHD.detach(), c_BSC.detach().to(wd), compute_dtype(wd)
+
+
+class SparseObjective:
+    """The sparse stage's objective of one layer, computed in the backward right after the attention's.
+
+    ``attach(q)`` hands the attention its queries through ``_AfterAttention``, an identity whose backward runs
+    once the attention's backward has given the queries their gradient. By then the attention has left its
+    head-summed probabilities in ``head_probs`` (``ops.sparse_mla.reference.HeadProbs``: ``absorbed`` and
+    ``triton`` recompute them in their backward anyway), so the target is read, not computed again; where they
+    are not there (``torch_masked``, or the attention's output got no gradient) op ``indexer_target`` makes them
+    from ``lse``, as ``indexer_loss`` does. The KL and its gradient are then taken chunk by chunk
+    (``indexer_kl.chunk_grads``), the gradient times ``coef * scale`` handed to the indexer's inputs, the KL and
+    the recall into ``layer.indexer.stats``. The term's value is not part of the step's loss (as with
+    ``AttachLoss``); the metrics read it from the stats after the backward."""
+
+    def __init__(self, layer: Any, prep: Any, q_BQHD: torch.Tensor, c_BSC: torch.Tensor,
+                 kv_b_weight: torch.Tensor, idx_BQW: torch.Tensor) -> None:
+        from megaseq.ops.sparse_mla.reference import HeadProbs
+
+        self.layer, self.prep, self.idx = layer, prep, idx_BQW
+        self.w_uk, self.q_det, self.c_det, self.cd = _detached(layer, q_BQHD, c_BSC, kv_b_weight)
+        self.rows = [b for b in range(q_BQHD.shape[0]) if prep.pools[b][0].shape[0] > 0]  # rows with a pool
+        self.head_probs = HeadProbs()
+        self.lse_BQH: torch.Tensor | None = None  # the attention's, set once it has run
+
+    def attach(self, q_BQHD: torch.Tensor) -> torch.Tensor:
+        """``q`` for the attention, carrying the objective (``q`` itself where no row has a complete pool)."""
+        if not self.rows:
+            return q_BQHD
+        wq = linear_weight(self.layer.indexer.wq_b)
+        leaves = [self.prep.pools[b][0] for b in self.rows] + [self.prep.weights_BQI, wq]
+        return _AfterAttention.apply(self, q_BQHD, *leaves)
+
+    def grads(self, leaves: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+        """The objective's gradient times ``coef * scale`` for each of ``attach``'s leaves."""
+        ix = self.layer.indexer
+        *keys, weights_BQI, wq = leaves
+        given = self.head_probs.m_BQW
+        self.head_probs.m_BQW = None
+        g_keys, g_weights, g_wq = [], torch.zeros_like(weights_BQI), torch.zeros_like(wq)
+        coef = ix.kl_coef * ix.kl_scale
+        with torch.autocast(self.q_det.device.type, enabled=False):
+            for b, keys_PD in zip(self.rows, keys, strict=True):
+                row = _Row(self.layer, self.prep, b, self.q_det, self.c_det, self.w_uk, self.idx, self.cd,
+                           self.lse_BQH, None if given is None else given[b])
+                _, (gk, gw, gq) = kl.chunk_grads(row.loss, row.bounds(), [keys_PD, weights_BQI[b], wq])
+                row.sampled_recall()
+                g_keys.append((gk * coef).to(keys_PD.dtype))
+                g_weights[b] = gw * coef
+                g_wq += gq * coef
+        return [*g_keys, g_weights, g_wq]
+
+
+class _AfterAttention(torch.autograd.Function):
+    """The queries unchanged; the backward passes their gradient on and adds the objective's to the leaves."""
+
+    @staticmethod
+    def forward(ctx, objective: SparseObjective, q_BQHD: torch.Tensor, *leaves: torch.Tensor) -> torch.Tensor:
+        ctx.objective = objective
+        ctx.save_for_backward(*leaves)
+        return q_BQHD.view_as(q_BQHD)
+
+    @staticmethod
+    def backward(ctx, grad_q: torch.Tensor):
+        objective, ctx.objective = ctx.objective, None
+        with torch.profiler.record_function("indexer_objective"):  # its own row in a profile of the step
+            grads = objective.grads(ctx.saved_tensors)
+        return None, grad_q, *grads
 
 
 class _Row:
@@ -72,7 +145,7 @@ class _Row:
 
     def __init__(self, layer: Any, prep: Any, b: int, q_det: torch.Tensor, c_det: torch.Tensor,
                  w_uk: torch.Tensor, idx_BQW: torch.Tensor | None, cd: torch.dtype,
-                 lse_BQH: torch.Tensor | None = None) -> None:
+                 lse_BQH: torch.Tensor | None = None, given_QW: torch.Tensor | None = None) -> None:
         ix = layer.indexer
         self.ix, self.b, self.cd, self.scale, self.Dr = ix, b, cd, layer.scaling, layer.rope_dim
         self.keys_PD, tok_Pk = prep.pools[b]
@@ -83,6 +156,7 @@ class _Row:
         self.q_det, self.c_det, self.w_uk = q_det[b], c_det[b], w_uk
         self.idx = None if idx_BQW is None else idx_BQW[b]
         self.lse_QH = None if lse_BQH is None or idx_BQW is None else lse_BQH[b]  # the attention's, base 2
+        self.given_QW = given_QW  # op indexer_target's result, from the attention's backward (HeadProbs)
         self.K = min(ix.index_topk // ix.kpool, tok_Pk.shape[0])
         tail = ix.kpool - 1 if ix.select_tail and ix.kpool > 1 else 0
         self.num_pools = 0 if self.idx is None else (self.idx.shape[-1] - tail) // ix.kpool
@@ -99,7 +173,8 @@ class _Row:
             rows = workspace.indexer_kl_chunk(Hh, S, I, P, D, itemsize=size, query_width=width)
         else:
             W = self.idx.shape[-1]
-            fused = not self.target_impl().reference
+            # a given target is a view: at most the kernel's [c, W] output is counted for it
+            fused = self.given_QW is not None or not self.target_impl().reference
             rows = workspace.indexer_kl_chunk(Hh, W, I, self.num_pools, D, gathered=W, latent=C, itemsize=size,
                                               gathered_itemsize=self.c_det.element_size(), fused_target=fused,
                                               query_width=width, given_lse=self.lse_QH is not None,
@@ -147,14 +222,19 @@ class _Row:
         keys_PD, w_QI, wq = leaves
         q_cID, w_cI = self._queries(s, e, wq), w_QI[s:e].to(self.cd)
         with torch.no_grad():
-            q_abs = kl.absorbed_query(self.q_det[s:e], self.w_uk, self.Dr)
+            given = self.idx is not None and self.given_QW is not None
+            q_abs = None if given else kl.absorbed_query(self.q_det[s:e], self.w_uk, self.Dr)
             if self.idx is None:
                 target, cand = kl.dense_target(q_abs, self.c_det, self.q_pos[s:e], self.pools, self.scale)
                 pools = None
             else:
-                lse = None if self.lse_QH is None else self.lse_QH[s:e]
-                target, cand = kl.sparse_target(q_abs, self.c_det, self.idx[s:e], self.ix.kpool, self.num_pools,
-                                                self.scale, probs=self.target_impl().fn, lse=lse)
+                if given:
+                    target, cand = kl.sparse_target(None, self.c_det, self.idx[s:e], self.ix.kpool, self.num_pools,
+                                                    self.scale, given=self.given_QW[s:e])
+                else:
+                    lse = None if self.lse_QH is None else self.lse_QH[s:e]
+                    target, cand = kl.sparse_target(q_abs, self.c_det, self.idx[s:e], self.ix.kpool,
+                                                    self.num_pools, self.scale, probs=self.target_impl().fn, lse=lse)
                 pools = self._selected_pools(self.idx[s:e])
         if pools is None:
             score = kl.index_scores(q_cID, w_cI, keys_PD[:target.shape[1]], self.ix.softmax_scale)

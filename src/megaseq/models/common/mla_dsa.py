@@ -23,8 +23,10 @@ visible. The incomplete tail pool (the ``pos % kp`` most recent tokens) is alway
 ``shared`` layer reuses the previous full layer's selection (``ctx.carry["topk"]``). The selection runs
 under ``no_grad`` like the reference, so the LM loss never reaches the indexer; with ``Indexer.kl_coef`` set
 (``train.indexer_training``) the layer adds the indexer's KL objective on detached inputs
-(``models.common.indexer_objective``, ``docs/indexer.md``), attached to its output (``AttachLoss``); in the sparse
-stage it asks ``sparse_attention`` for its per-head log-sum-exp (``return_lse``), the target's normaliser. With
+(``models.common.indexer_objective``, ``docs/indexer.md``): in the warm-up attached to its output
+(``AttachLoss``); in the sparse stage run in the backward right after the attention's (``SparseObjective``), from
+the head-summed probabilities that backward leaves (``head_probs``) or the attention's per-head log-sum-exp
+(``return_lse``), the target's normaliser. With
 ``dense_attention`` set (the indexer's warm-up) the layer attends every visible key instead of its selection.
 
 DeepSeek-V3.2 (``indexer="deepseek"``): the MLA rotates a shared key part (``Dr`` dims, ``models.common.mla``),
@@ -287,7 +289,6 @@ class MLASparseAttention(MultiLatentAttention):
         c_BSC = ctx.gather_seq(latent_BQC, key=f"{self.layer}.latent")
         prep = self.indexer.prepare(*indexer_inputs(x_BQH, q_resid), ctx) if self.trains_indexer() else None
         w = linear_weight(self.kv_b_proj)  # with a LoRA adapter, merged with it
-        idx = lse_BQH = None
         if self.dense_attention:  # the warm-up: every visible key
             if prep is None and self.indexer is not None and ctx.segmented:  # the segments' key cache is filled
                 with torch.no_grad():
@@ -299,16 +300,21 @@ class MLASparseAttention(MultiLatentAttention):
             out = dense_latent_attention(q_BQHD, c_BSC, w, q_pos, doc_BS, self.scaling, self.rope_dim)
         else:
             idx = self._selection(x_BQH, q_resid, ctx, prep)
-            # the sparse stage's objective reads the attention's per-head log-sum-exp (its target's normaliser)
-            out = dispatch.call("sparse_attention", q_BQHD, c_BSC, w, idx, self.scaling, layer=self.layer,
-                                **({"return_lse": True} if prep is not None else {}))
-            if prep is not None:
-                out, lse_BQH = out
+            if prep is None:
+                out = dispatch.call("sparse_attention", q_BQHD, c_BSC, w, idx, self.scaling, layer=self.layer)
+            else:  # the sparse stage's objective runs in the backward, after the attention's, from the
+                # probabilities that backward leaves (else from the attention's per-head log-sum-exp)
+                from megaseq.models.common.indexer_objective import SparseObjective
+
+                objective = SparseObjective(self, prep, q_BQHD, c_BSC, w, idx)
+                out, objective.lse_BQH = dispatch.call(
+                    "sparse_attention", objective.attach(q_BQHD), c_BSC, w, idx, self.scaling, layer=self.layer,
+                    return_lse=True, head_probs=objective.head_probs)
         out = self.o_proj(out.reshape(B, Q, -1))
-        if prep is not None:
+        if prep is not None and self.dense_attention:
             from megaseq.models.common.indexer_objective import indexer_loss
 
             with torch.profiler.record_function("indexer_objective"):  # its own row in a profile of the step
-                kl = indexer_loss(self, prep, q_BQHD, c_BSC, w, idx, lse_BQH)
+                kl = indexer_loss(self, prep, q_BQHD, c_BSC, w)
             out = AttachLoss.apply(out, kl, self.indexer.kl_coef * self.indexer.kl_scale)
         return out

@@ -133,7 +133,7 @@ def _blocks(Q: int, W: int, R: int, Hh: int, dtype: torch.dtype) -> list[tuple[i
 
 class AbsorbedSparseMLA(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q_BQHD, c_BSR, w_OR, idx_BQW, scale, return_lse=False):
+    def forward(ctx, q_BQHD, c_BSR, w_OR, idx_BQW, scale, return_lse=False, head_probs=None):
         B, Q, Hh, Dn = q_BQHD.shape
         S, R, W, cd = c_BSR.shape[1], c_BSR.shape[-1], idx_BQW.shape[-1], compute_dtype(q_BQHD.dtype)
         w_uk, w_uv = _split_weight(w_OR, Hh, Dn)
@@ -149,7 +149,7 @@ class AbsorbedSparseMLA(torch.autograd.Function):
                 out[b, s:e] = torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
                 del blk, o_lat
         ctx.save_for_backward(q_BQHD, c_BSR, w_OR, idx_BQW, lse)
-        ctx.scale = scale
+        ctx.scale, ctx.head_probs = scale, head_probs
         if not return_lse:
             return out
         lse2 = lse * LOG2E
@@ -160,7 +160,7 @@ class AbsorbedSparseMLA(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_BQHV, *_lse_grad):
         if grad_BQHV is None:  # with return_lse (grads not materialised): the output unused
-            return (None,) * 6
+            return (None,) * 7
         q_BQHD, c_BSR, w_OR, idx_BQW, lse = ctx.saved_tensors
         B, Q, Hh, Dn = q_BQHD.shape
         S, R, W, cd = c_BSR.shape[1], c_BSR.shape[-1], idx_BQW.shape[-1], compute_dtype(q_BQHD.dtype)
@@ -168,27 +168,35 @@ class AbsorbedSparseMLA(torch.autograd.Function):
         grads = (torch.empty_like(q_BQHD), torch.zeros(B, S, R, dtype=cd, device=c_BSR.device),
                  torch.zeros(w_uk.shape, dtype=cd, device=w_OR.device),
                  torch.zeros(w_uv.shape, dtype=cd, device=w_OR.device))
+        # op indexer_target's result, from the probabilities each block recomputes (reference.HeadProbs)
+        probs = None if ctx.head_probs is None else torch.empty(B, Q, W, dtype=cd, device=q_BQHD.device)
         # backward may run inside the caller's autocast region: the dtypes here are explicit
         with torch.autocast(q_BQHD.device.type, enabled=False):
             for b in range(B):
                 empty = _EmptyRows(c_BSR[b], cd) if _EmptyRows.has_empty(idx_BQW[b], S) else None
                 for s, e in _blocks(Q, W, R, Hh, q_BQHD.dtype):
                     blk = _Block(q_BQHD[b, s:e], c_BSR[b], w_uk, idx_BQW[b, s:e], ctx.scale, cd)
-                    _block_backward(blk, b, s, e, q_BQHD, grad_BQHV, lse, w_uk, w_uv, empty, ctx.scale, grads)
+                    _block_backward(blk, b, s, e, q_BQHD, grad_BQHV, lse, w_uk, w_uv, empty, ctx.scale, grads,
+                                    None if probs is None else probs[b, s:e])
                     del blk
                 if empty is not None:
                     grads[1][b] += empty.grad_c(ctx.scale)
         dq, dc, dw_uk, dw_uv = grads
         dw = torch.cat([dw_uk, dw_uv], dim=1).reshape(w_OR.shape).to(w_OR.dtype)
-        return dq, dc.to(c_BSR.dtype), dw, None, None, None
+        if probs is not None:
+            ctx.head_probs.m_BQW = probs
+        return dq, dc.to(c_BSR.dtype), dw, None, None, None, None
 
 
 def _block_backward(blk: _Block, b: int, s: int, e: int, q_BQHD, grad_BQHV, lse, w_uk, w_uv,
-                    empty: _EmptyRows | None, scale: float, grads) -> None:
-    """One block's contribution to (dq, dc, dW_uk, dW_uv), written into / accumulated in ``grads``."""
+                    empty: _EmptyRows | None, scale: float, grads, probs_QW: torch.Tensor | None = None) -> None:
+    """One block's contribution to (dq, dc, dW_uk, dW_uv), written into / accumulated in ``grads`` (and its rows of
+    the head-summed probabilities into ``probs_QW``)."""
     dq, dc, dw_uk, dw_uv = grads
     dt = q_BQHD.dtype
     p = blk.probs(lse[b, s:e])
+    if probs_QW is not None:
+        probs_QW.copy_(p.sum(1))
     do_HQV = grad_BQHV[b, s:e].transpose(0, 1).to(dt)
     dw_uv += torch.bmm(do_HQV.transpose(1, 2), blk.latent_out(p, empty).transpose(0, 1))
     do_lat = torch.bmm(do_HQV, w_uv).transpose(0, 1)  # [Qb, Hh, R]
@@ -217,7 +225,8 @@ def _work_dtype(q: torch.Tensor) -> torch.dtype:
     return q.dtype
 
 
-def sparse_mla_supports(q_BQHD, c_BSR, kv_b_weight, idx_BQW, scale, return_lse: bool = False) -> str | None:
+def sparse_mla_supports(q_BQHD, c_BSR, kv_b_weight, idx_BQW, scale, return_lse: bool = False,
+                        head_probs=None) -> str | None:
     if c_BSR.dim() != 3 or kv_b_weight.dim() != 2 or kv_b_weight.shape[1] != c_BSR.shape[-1]:
         return "needs the latent c [B, S, R] and the kv_b weight [Hh * (Dn + Dv), R]"
     if q_BQHD.dim() != 4 or kv_b_weight.shape[0] % q_BQHD.shape[2]:
@@ -231,10 +240,11 @@ def sparse_mla_supports(q_BQHD, c_BSR, kv_b_weight, idx_BQW, scale, return_lse: 
 
 
 def sparse_mla(q_BQHD: torch.Tensor, c_BSR: torch.Tensor, kv_b_weight: torch.Tensor, idx_BQW: torch.Tensor,
-               scale: float, return_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+               scale: float, return_lse: bool = False,
+               head_probs=None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Absorbed sparse MLA, ``[B, Q, Hh, Dv]`` (``return_lse``: and ``lse2 [B, Q, Hh]``); same arguments and result
-    as the reference op."""
+    as the reference op (``head_probs``: filled by the backward, ``reference.HeadProbs``)."""
     dt = _work_dtype(q_BQHD)
-    args = (q_BQHD.to(dt), c_BSR.to(dt), kv_b_weight.to(dt), idx_BQW, float(scale), return_lse)
+    args = (q_BQHD.to(dt), c_BSR.to(dt), kv_b_weight.to(dt), idx_BQW, float(scale), return_lse, head_probs)
     with torch.autocast(q_BQHD.device.type, enabled=False):
         return AbsorbedSparseMLA.apply(*args)

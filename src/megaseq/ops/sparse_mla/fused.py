@@ -71,7 +71,7 @@ class TritonSparseMLA(torch.autograd.Function):
     """Inputs already in the work dtype, contiguous, autocast off (``triton_sparse_mla`` sees to it)."""
 
     @staticmethod
-    def forward(ctx, q_BQHD, c_BSR, w_OR, idx_BQW, scale, layout="check", return_lse=False):
+    def forward(ctx, q_BQHD, c_BSR, w_OR, idx_BQW, scale, layout="check", return_lse=False, head_probs=None):
         from megaseq.ops.sparse_mla import kernels
 
         B, Q, Hh, Dn = q_BQHD.shape
@@ -81,7 +81,7 @@ class TritonSparseMLA(torch.autograd.Function):
         del q_abs_HNR
         out = _batch_major(torch.bmm(o_lat_HNR, w_uv.transpose(1, 2)), B, Q)
         ctx.save_for_backward(q_BQHD, c_BSR, w_OR, idx_BQW, o_lat_HNR, lse_HN)
-        ctx.scale, ctx.layout = scale, layout
+        ctx.scale, ctx.layout, ctx.head_probs = scale, layout, head_probs
         if not return_lse:
             return out
         ctx.set_materialize_grads(False)  # no zeros for the lse's gradient
@@ -91,11 +91,14 @@ class TritonSparseMLA(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_BQHV, *_lse_grad):
         if grad_BQHV is None:  # with return_lse (grads not materialised): the output unused
-            return (None,) * 7
+            return (None,) * 8
         from megaseq.ops.sparse_mla import kernels
 
         q_BQHD, c_BSR, w_OR, idx_BQW, o_lat_HNR, lse_HN = ctx.saved_tensors
         B, Q, Hh, Dn = q_BQHD.shape
+        # op indexer_target's result, written by the slot pass from the probabilities it recomputes (HeadProbs)
+        probs = None if ctx.head_probs is None else torch.zeros(B * Q, idx_BQW.shape[-1], dtype=torch.float32,
+                                                                 device=q_BQHD.device)
         w_uk, w_uv = _split_weight(w_OR, Hh, Dn)
         # backward may run inside the caller's autocast region: the dtypes here are explicit
         with torch.autocast(q_BQHD.device.type, enabled=False):
@@ -107,12 +110,14 @@ class TritonSparseMLA(torch.autograd.Function):
             # [Hh, N, R] tensors, the backward's largest moment (ops.workspace.triton_sparse_mla_bytes)
             q_abs_HNR = torch.bmm(_heads_major(q_BQHD), w_uk)
             dq_abs_HNR, dc_BSR = kernels.backward(q_abs_HNR, do_lat_HNR, o_lat_HNR, lse_HN, c_BSR, idx_BQW,
-                                                  ctx.scale, layout=ctx.layout)
+                                                  ctx.scale, layout=ctx.layout, probs=probs)
             del q_abs_HNR, do_lat_HNR
             dw_uk = torch.bmm(_heads_major(q_BQHD).transpose(1, 2), dq_abs_HNR)
             dq = _batch_major(torch.bmm(dq_abs_HNR, w_uk.transpose(1, 2)), B, Q)
             dw = torch.cat([dw_uk, dw_uv], dim=1).reshape(w_OR.shape)
-        return dq, dc_BSR.to(c_BSR.dtype), dw, None, None, None, None
+        if probs is not None:
+            ctx.head_probs.m_BQW = probs.view(B, Q, -1)
+        return dq, dc_BSR.to(c_BSR.dtype), dw, None, None, None, None, None
 
 
 # ---- the op ---------------------------------------------------------------------------------------------
@@ -120,7 +125,8 @@ def _interpreting() -> bool:
     return CPU_INTERPRETER and os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def triton_sparse_mla_supports(q_BQHD, c_BSR, kv_b_weight, idx_BQW, scale, return_lse: bool = False) -> str | None:
+def triton_sparse_mla_supports(q_BQHD, c_BSR, kv_b_weight, idx_BQW, scale, return_lse: bool = False,
+                               head_probs=None) -> str | None:
     if c_BSR.dim() != 3 or kv_b_weight.dim() != 2 or kv_b_weight.shape[1] != c_BSR.shape[-1]:
         return "needs the latent c [B, S, R] and the kv_b weight [Hh * (Dn + Dv), R]"
     if q_BQHD.dim() != 4 or kv_b_weight.shape[0] % q_BQHD.shape[2]:
@@ -180,10 +186,11 @@ def checks(idx_BQW: torch.Tensor, S: int) -> tuple[list[bool], int | None | str]
 
 
 def triton_sparse_mla(q_BQHD: torch.Tensor, c_BSR: torch.Tensor, kv_b_weight: torch.Tensor,
-                      idx_BQW: torch.Tensor, scale: float,
-                      return_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                      idx_BQW: torch.Tensor, scale: float, return_lse: bool = False,
+                      head_probs=None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Fused sparse MLA, ``[B, Q, Hh, Dv]`` in the work dtype (``return_lse``: and ``lse2 [B, Q, Hh]`` fp32); same
-    arguments and result as ``absorbed``."""
+    arguments and result as ``absorbed`` (``head_probs``: filled by the backward where no batch row has a query
+    without a valid slot, ``reference.HeadProbs``)."""
     dt = _work_dtype(q_BQHD)
     q, c, w = (t.to(dt).contiguous() for t in (q_BQHD, c_BSR, kv_b_weight))
     idx = idx_BQW.contiguous()
@@ -191,7 +198,7 @@ def triton_sparse_mla(q_BQHD: torch.Tensor, c_BSR: torch.Tensor, kv_b_weight: to
     with torch.autocast(q_BQHD.device.type, enabled=False):
         empty, layout = checks(idx, c.shape[1])
         if not any(empty):
-            res = TritonSparseMLA.apply(q, c, w, idx, float(scale), layout, return_lse)
+            res = TritonSparseMLA.apply(q, c, w, idx, float(scale), layout, return_lse, head_probs)
             if not return_lse:
                 return res
             out, lse_HN = res

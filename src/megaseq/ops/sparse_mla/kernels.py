@@ -191,12 +191,15 @@ def sparse_mla_bwd_kernel(qabs_ptr, dolat_ptr, olat_ptr, lse_ptr, c_ptr, idx_ptr
                           RP: tl.constexpr,
                           BH: tl.constexpr, BW: tl.constexpr, DOT_PREC: tl.constexpr, DC_START: tl.constexpr = 0,
                           STORE_DELTA: tl.constexpr = False, p_ptr=None, ds_ptr=None, N0=0, KP: tl.constexpr = 16,
-                          SAVE_PDS: tl.constexpr = False):
+                          SAVE_PDS: tl.constexpr = False, probs_ptr=None, STORE_PROBS: tl.constexpr = False):
     """``dq_abs`` over all W slots; ``dc`` (fp32 atomics) for the slots from ``DC_START`` on (0: all; the pool
     pass, ``sparse_mla_bwd_pool_dc_kernel``, sums the others); with ``STORE_DELTA`` it writes ``delta [Hh, N]``
     for that pass. With ``SAVE_PDS`` the programs are the queries ``N0 ..`` (one per program and head block) and
     the slots before ``DC_START`` (K = DC_START / KP pools) leave their ``p`` and ``ds`` (the dot operands, in the
-    work dtype) in ``p_ptr`` / ``ds_ptr`` ``[n - N0, K, Hh, KP]`` for ``sparse_mla_bwd_pool_saved_kernel``."""
+    work dtype) in ``p_ptr`` / ``ds_ptr`` ``[n - N0, K, Hh, KP]`` for ``sparse_mla_bwd_pool_saved_kernel``. With
+    ``STORE_PROBS`` every slot's probability summed over the program's heads goes to ``probs_ptr [N, W]`` fp32
+    (op ``indexer_target``'s result, from the ``p`` this pass recomputes anyway): stored where one program holds
+    every head, else added (fp32 atomics into a zeroed buffer)."""
     NHB: tl.constexpr = (Hh + BH - 1) // BH
     pid = tl.program_id(0)
     n = N0 + pid // NHB
@@ -226,6 +229,12 @@ def sparse_mla_bwd_kernel(qabs_ptr, dolat_ptr, olat_ptr, lse_ptr, c_ptr, idx_ptr
         dp_HW = tl.dot(do_HR, tl.trans(c_WR), input_precision=DOT_PREC)
         ds_HW = (p_HW * (dp_HW - delta_H[:, None]) * scale).to(c_WR.dtype)  # d(q_abs . c), scale folded
         dq_HR = tl.dot(ds_HW, c_WR, dq_HR, input_precision=DOT_PREC)
+        if STORE_PROBS:  # the head-summed probabilities (heads past Hh have lse +inf: p = 0)
+            offs_p = w0 + tl.arange(0, BW)
+            if NHB == 1:
+                tl.store(probs_ptr + n64 * W + offs_p, tl.sum(p_HW, 0), mask=offs_p < W)
+            else:
+                tl.atomic_add(probs_ptr + n64 * W + offs_p, tl.sum(p_HW, 0), mask=offs_p < W, sem="relaxed")
         if SAVE_PDS:
             if w0 < DC_START:  # a pool slot: its p and ds for the pool pass
                 offs_w = w0 + tl.arange(0, BW)
@@ -611,12 +620,14 @@ def backward(q_abs_HNR: torch.Tensor, do_lat_HNR: torch.Tensor, o_lat_HNR: torch
              c_BSR: torch.Tensor, idx_BQW: torch.Tensor, scale: float,
              config: Config | None = None, dc: str | None = None,
              pool_config: tuple[int, int, int] | None = None,
-             layout: int | None | str = "check") -> tuple[torch.Tensor, torch.Tensor]:
+             layout: int | None | str = "check",
+             probs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``dq_abs [Hh, N, R]`` (q_abs's dtype) and the latent gradient ``dc [B, S, R]`` fp32 (``config``: as in
     ``forward``; ``dc``: one of ``DC_MODES``, default ``MEGASEQ_MLA_DC`` (else ``saved``); ``saved`` and ``pool``
     fall back to ``atomic`` where the selection is not in pools, ``pool_layout``; ``pool_config``: the pool pass's
     (rows per step, warps, stages), default ``POOL_SAVED_CONFIG`` or ``POOL_CONFIG``; ``layout``: ``pool_layout``'s
-    answer when the caller has it, the forward's, else ``"check"``)."""
+    answer when the caller has it, the forward's, else ``"check"``). ``probs``: a zeroed ``[N, W]`` fp32 buffer
+    the slot pass fills with each slot's probability summed over the heads (``STORE_PROBS``)."""
     Hh, N, R = q_abs_HNR.shape
     B, S, _ = c_BSR.shape
     Q, W = idx_BQW.shape[1:]
@@ -626,14 +637,15 @@ def backward(q_abs_HNR: torch.Tensor, do_lat_HNR: torch.Tensor, o_lat_HNR: torch
     kp = None if mode not in POOL_MODES else pool_layout(idx_BQW, S) if layout == "check" else layout
     dq_abs = torch.empty_like(q_abs_HNR)
     dc_BSR = torch.zeros(B, S, R, dtype=torch.float32, device=c_BSR.device)
+    flags = {} if probs is None else {"probs_ptr": probs, "STORE_PROBS": True}
     if kp and mode == "saved":
         return _backward_saved(q_abs_HNR, do_lat_HNR, o_lat_HNR, lse2_HN, c_BSR, idx_BQW, scale, config, pool_config,
-                               kp, dq_abs, dc_BSR)
+                               kp, dq_abs, dc_BSR, probs, flags)
     RP, prec = triton.next_power_of_2(R), _dot_precision(q_abs_HNR.dtype)
     delta = torch.empty(Hh, N, dtype=torch.float32, device=c_BSR.device) if kp else lse2_HN
     slot_args = (q_abs_HNR, do_lat_HNR, o_lat_HNR, lse2_HN, c_BSR, idx_BQW, dq_abs, dc_BSR, delta, scale)
     _tuned_run("bwd", config, q_abs_HNR, dc_BSR, lambda cfg: _slot_pass(
-        cfg, N, *slot_args, W - (kp - 1) if kp else 0, STORE_DELTA=kp is not None))
+        cfg, N, *slot_args, W - (kp - 1) if kp else 0, STORE_DELTA=kp is not None, **flags), probs)
     if kp:
         if interpreting():
             _fix_interpreter_index()  # the pass loops to bounds it loads
@@ -650,7 +662,7 @@ def backward(q_abs_HNR: torch.Tensor, do_lat_HNR: torch.Tensor, o_lat_HNR: torch
 
 
 def _backward_saved(q_abs_HNR, do_lat_HNR, o_lat_HNR, lse2_HN, c_BSR, idx_BQW, scale, config, pool_config, kp,
-                    dq_abs, dc_BSR) -> tuple[torch.Tensor, torch.Tensor]:
+                    dq_abs, dc_BSR, probs=None, flags=None) -> tuple[torch.Tensor, torch.Tensor]:
     """``backward`` with ``dc="saved"`` on a selection in pools of ``kp``: per batch row, ``SAVED_QUERIES`` queries
     at a time, the slot pass (``SAVE_PDS``: ``dq_abs``, the tail's atomics, and the pool slots' ``p`` and ``ds``
     left in one buffer) and then the pool pass over those queries' entries (``sparse_mla_bwd_pool_saved_kernel``)."""
@@ -672,7 +684,7 @@ def _backward_saved(q_abs_HNR, do_lat_HNR, o_lat_HNR, lse2_HN, c_BSR, idx_BQW, s
             for a in range(0, Q, chunk):
                 nq = min(chunk, Q - a)
                 _slot_pass(cfg, nq, *slot_args, K * kp, STORE_DELTA=False, p_ptr=pds[0], ds_ptr=pds[1],
-                           N0=b * Q + a, KP=kp, SAVE_PDS=True)
+                           N0=b * Q + a, KP=kp, SAVE_PDS=True, **(flags or {}))
                 qn, pool, lo, hi, NP, ent = pool_entries(idx_BQW[b:b + 1, a:a + nq], S, kp, q0=a, Q=Q, slots=True)
                 if pool.numel():
                     if b:
@@ -683,7 +695,7 @@ def _backward_saved(q_abs_HNR, do_lat_HNR, o_lat_HNR, lse2_HN, c_BSR, idx_BQW, s
                         R=R, RP=RP, KP=kp, BR=rows, DOT_PREC=prec, num_warps=warps, num_stages=stages)
                 del qn, pool, lo, hi, ent
 
-    _tuned_run("bwd_saved", config, q_abs_HNR, dc_BSR, run)  # tuned apart: its timed run has the pool pass in it
+    _tuned_run("bwd_saved", config, q_abs_HNR, dc_BSR, run, probs)  # tuned apart: its timed run has the pool pass
     return dq_abs, dc_BSR
 
 
@@ -706,24 +718,28 @@ def _bucket(N: int) -> int:
     return seq_bucket(N)
 
 
-def _tuned_run(kind: str, config: Config | None, q_abs_HNR: torch.Tensor, dc_BSR: torch.Tensor, run) -> None:
+def _tuned_run(kind: str, config: Config | None, q_abs_HNR: torch.Tensor, dc_BSR: torch.Tensor, run,
+               probs: torch.Tensor | None = None) -> None:
     """``run(cfg)`` once with ``config``, else the default or tuned one for ``kind`` (``_pick``); tuning may have run
-    the latent gradient's atomics several times, so ``dc`` is zeroed after it."""
+    the atomics several times, so ``dc`` (and ``probs``) are zeroed after it."""
     Hh, N, R = q_abs_HNR.shape
     tuning = config is None and _autotune() and (kind, Hh, R, q_abs_HNR.dtype, _bucket(N)) not in _TUNED
     cfg = config or _pick(kind, Hh, R, q_abs_HNR.dtype, run, N)
     if tuning:
         dc_BSR.zero_()
+        if probs is not None:
+            probs.zero_()
     run(cfg)
 
 
 def compile_ptx(kind: str, dtype: torch.dtype, Hh: int, R: int, W: int, cfg: Config | None = None,
-                arch: int = 90) -> tuple[str, int]:
+                arch: int = 90, probs: bool = False) -> tuple[str, int]:
     """PTX and shared-memory bytes of one kernel compiled for ``sm_<arch>`` without a GPU (Triton's
     bundled ptxas also checks that it assembles): what the CPU test uses to catch code that only the
     interpreter accepts, and a way to read registers, spills (``ptxas -v`` on the PTX) and the atomics'
     width. Needs triton imported without ``TRITON_INTERPRET``. ``layout``: ``pool_layout_kernel`` for 16-key
-    pools on an idx of ``dtype`` (int32 or int64; Hh and R unused), its row stride W not taken as aligned."""
+    pools on an idx of ``dtype`` (int32 or int64; Hh and R unused), its row stride W not taken as aligned.
+    ``probs``: a slot pass (``bwd*``) that also writes the head-summed probabilities (``STORE_PROBS``)."""
     if kind == "layout":
         ptrs = {"idx_ptr": {torch.int32: "*i32", torch.int64: "*i64"}[dtype], "flag_ptr": "*i32"}
         ints = {"N": "i32", "Q": "i32", "S": "i32", "L": "i32", "stride_b": "i64", "stride_q": "i32"}
@@ -744,6 +760,7 @@ def compile_ptx(kind: str, dtype: torch.dtype, Hh: int, R: int, W: int, cfg: Con
                                            "c_ptr": t, "idx_ptr": "*i32", "dqabs_ptr": t, "dc_ptr": "*fp32",
                                            "delta_ptr": "*fp32", "scale": "fp32", "scale_log2": "fp32"}
         ptrs.update({"p_ptr": t, "ds_ptr": t})  # read only with SAVE_PDS
+        ptrs["probs_ptr"] = "*fp32"  # written only with STORE_PROBS (``probs``)
     elif kind == "pool_saved":  # the pool pass from the saved p and ds, 16-key pools
         fn, ptrs = sparse_mla_bwd_pool_saved_kernel, {"qabs_ptr": t, "dolat_ptr": t, "p_ptr": t, "ds_ptr": t,
                                                       "qn_ptr": "*i32", "ent_ptr": "*i32", "pool_ptr": "*i32",
@@ -760,7 +777,7 @@ def compile_ptx(kind: str, dtype: torch.dtype, Hh: int, R: int, W: int, cfg: Con
     if kind in ("bwd", "bwd_tail", "bwd_save"):
         ints["N0"] = "i32"
         consts.update(DC_START=W - 15 if kind != "bwd" else 0, STORE_DELTA=kind == "bwd_tail", KP=16,
-                      SAVE_PDS=kind == "bwd_save")
+                      SAVE_PDS=kind == "bwd_save", STORE_PROBS=probs)
     if kind in ("pool", "pool_saved"):
         consts = {"Hh": Hh, "R": R, "RP": triton.next_power_of_2(R), "KP": 16,
                   "BR": (POOL_CONFIG if kind == "pool" else POOL_SAVED_CONFIG)[0], "DOT_PREC": _dot_precision(dtype)}

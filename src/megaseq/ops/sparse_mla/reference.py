@@ -6,6 +6,12 @@ Every implementation of the op takes ``return_lse`` (default False); with True i
 ``log2(sum_w 2^(LOG2E * scale * q . k_w))``, in the compute dtype (fp32, or float64 for float64 inputs), without
 a gradient, ``+inf`` for a query with no valid slot. The indexer objective's sparse-stage target reads it
 (``ops.indexer.target``): ``p_hw = 2^(LOG2E * scale * q_h . k_w - lse2_h)``, 0 on every slot of such a query.
+
+Every implementation also takes ``head_probs`` (a ``HeadProbs``, default None). One whose backward recomputes
+the probabilities (``absorbed``, ``triton``) leaves there ``m [B, Q, W]``, each slot's probability summed over
+the heads: op ``indexer_target``'s result over the same queries, latents and selection, which the sparse stage's
+objective then need not compute (``models.common.indexer_objective``). This reference leaves it None, as does
+any implementation for a call whose output gets no gradient.
 """
 
 from __future__ import annotations
@@ -20,6 +26,17 @@ from megaseq.ops.amp import compute_dtype
 
 ATTENTION_BLOCK_ELEMS: int = 1 << 26
 LOG2E: float = math.log2(math.e)  # natural logits to base 2 (the fused kernels' exp2 softmax)
+
+
+class HeadProbs:
+    """Where a ``sparse_attention`` backward leaves ``m_BQW [B, Q, W]`` fp32 (float64 for float64 inputs): each
+    slot's softmax probability summed over the heads, 0 on empty slots and on every slot of a query without a
+    valid one (the module docstring's). None until such a backward has run."""
+
+    __slots__ = ("m_BQW",)
+
+    def __init__(self) -> None:
+        self.m_BQW: torch.Tensor | None = None
 
 
 def _attend_block(q_BHqD: torch.Tensor, k_BHKD: torch.Tensor, v_BHKD: torch.Tensor, idx_BqW: torch.Tensor,
@@ -79,10 +96,10 @@ def expand_latent(c_BSR: torch.Tensor, kv_b_weight: torch.Tensor, num_heads: int
 
 
 def sparse_mla_reference(q_BQHD: torch.Tensor, c_BSR: torch.Tensor, kv_b_weight: torch.Tensor,
-                         idx_BQW: torch.Tensor, scale: float,
-                         return_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                         idx_BQW: torch.Tensor, scale: float, return_lse: bool = False,
+                         head_probs: HeadProbs | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """MLA over the selected keys: ``[B, Q, Hh, Dv]``, the HF computation (``return_lse``: and ``lse2 [B, Q, Hh]``,
-    the module docstring's).
+    the module docstring's; ``head_probs`` is left as it is).
 
     ``q [B, Q, Hh, Dn (+ Dr)]``, the latent ``c [B, S, R (+ Dr)]`` (kv_a_layernorm output, whole sequence;
     with DeepSeek's RoPE its last Dr channels are the rotated key part every head shares), the
@@ -90,6 +107,7 @@ def sparse_mla_reference(q_BQHD: torch.Tensor, c_BSR: torch.Tensor, kv_b_weight:
     every selected key is attended with a mask (``sparse_attention_reference``). The fast ops
     (``absorbed``, ``megaseq.ops.sparse_mla.absorbed``; Triton) take the same arguments and run NoPE latents only.
     """
+    del head_probs  # autograd's backward here does not hand the probabilities out
     Hh, Dq = q_BQHD.shape[2], q_BQHD.shape[3]
     R = kv_b_weight.shape[1]
     Dr = c_BSR.shape[-1] - R
