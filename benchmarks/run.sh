@@ -114,7 +114,8 @@ stage_indexer() {
     len=16K
   fi
   mkdir -p "$RESULTS/$b"
-  timeout -k 5 200 $PY benchmarks/long_context/indexer_objective_cost.py --seq-len $len --profile --out "$RESULTS/$b" \
+  timeout -k 5 200 $PY benchmarks/long_context/indexer_objective_cost.py --seq-len $len --steps 5 --profile \
+    --out "$RESULTS/$b" \
     | tail -16
   timeout -k 5 150 $PY benchmarks/memory/saved_by_layer.py recipes/glm5-flash-1gpu.yaml --seq-len $len \
     --out "$(dest memory/saved_by_layer glm5-flash-1gpu_$len).json" | tail -20
