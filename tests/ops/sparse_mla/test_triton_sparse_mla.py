@@ -284,8 +284,6 @@ def test_the_backward_leaves_the_head_summed_probabilities(device, monkeypatch, 
         idx[0, 3, 5] = -1  # a pool with an empty slot: not a pool layout, so the pool modes take the atomics
         q, do = (torch.randn(Hh, B * Q, R, generator=gen).to(device) for _ in range(2))
         c = torch.randn(B, S, R, generator=gen).to(device)
-        o, lse = K.forward(q, c, idx, 0.3)
-        want = _head_summed64(q, c, idx, 0.3)
         for sel in (idx, tsm.causal_pool_selection(B, Q, S, kpool=16, pools=3, generator=gen).to(device)):
             want = _head_summed64(q, c, sel, 0.3)
             o, lse = K.forward(q, c, sel, 0.3)
@@ -311,13 +309,9 @@ def test_the_backward_leaves_the_head_summed_probabilities(device, monkeypatch, 
             return lambda *a, **kw: launch[grid](*a, **{**kw, "STORE_PROBS": False})
 
     monkeypatch.setattr(K, "sparse_mla_bwd_kernel", NoProbs())
-    probs = torch.zeros(B * Q, idx_last(sel), dtype=torch.float32, device=device)
+    probs = torch.zeros(B * Q, sel.shape[-1], dtype=torch.float32, device=device)
     K.backward(q, do, o, lse, c, sel, 0.3, dc=dc, probs=probs)
     assert rel_err(probs.view(B, Q, -1), want) > TOL[torch.float32]
-
-
-def idx_last(idx: torch.Tensor) -> int:
-    return idx.shape[-1]
 
 
 def test_the_forward_reads_the_pool_layout_for_the_backward(device, monkeypatch):
