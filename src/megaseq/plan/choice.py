@@ -1,6 +1,8 @@
 """The choice of the cheapest set of fixes that fits: every set of ``fixes.FIXES`` the run can use, tried in
-order of total step-time cost (the sets with a fix of ``fixes.LAST_RESORT`` after every set without one);
-the first that fits wins and its chunk sizes then grow, in powers of two, as far as the budget allows.
+order of its least step-time cost (a tiled MLP's at its largest tile; the sets with a fix of
+``fixes.LAST_RESORT`` after every set without one). A set that fits has its chunk sizes grown, in powers of two,
+as far as the budget allows, and is costed at those sizes; the search stops at the first set whose least cost
+is no lower than the cheapest grown set so far, which wins.
 
 Pure Python. ``base_settings`` is the planner's starting point, ``with_fixes`` a set's settings, ``choose``
 the search.
@@ -20,6 +22,7 @@ from megaseq.plan.fixes import (
     KEEP_SELECTION_MARGIN,
     LADDER,
     SEGMENT_EXCLUDES,
+    TILE_CHUNKS,
     Budgets,
     CostTerms,
     indexer_chunk_cap,
@@ -123,20 +126,34 @@ def choose(run: Run, budgets: Budgets, memory_cfg: Any | None) -> tuple[MemorySe
     # the choice must not depend on the settings ``run`` carries (its ``n`` would be a segment's)
     run = replace(run, memory=run.memory.replace(model_segment_tokens=0))
     base = base_settings(memory_cfg, run.n).replace(indexer_query_chunk=indexer_chunk_cap(run))
-    costs = fix_costs(run)
+    # each fix's least cost: a tiled MLP's at the largest tile it may grow to (its tiles' fixed cost the least)
+    least = fix_costs(replace(run, memory=run.memory.replace(mlp_tile_tokens=TILE_CHUNKS[1])))
+    terms = CostTerms.of(run)
     host_room = budgets.host(run.mesh) // run.mesh.gpus_on_host - run.cal.process_host_bytes
-    for fixes in _candidates(run, costs):
+    best: tuple[float, bool, MemorySettings, tuple[str, ...]] | None = None
+    for fixes in _candidates(run, least):
+        last = any(f in registry.LAST_RESORT for f in fixes)
+        bound = round(sum(least[f] for f in fixes), 6)
+        if best is not None and (last > best[1] or bound >= best[0]):
+            break
         m = with_fixes(base, fixes, run, host_room)
         fit = _fits(evaluate(replace(run, memory=m)), budgets, run.mesh)
         if not fit and "model_segments" in fixes and segments.segment_kv_rows(run):
             # the segments' K/V store in host memory, only where the GPU-resident one does not fit
             m = m.replace(segment_kv_host=True)
             fit = _fits(evaluate(replace(run, memory=m)), budgets, run.mesh)
-        if fit:
-            m = _grow(run, m, budgets, bool(getattr(memory_cfg, "segment_keep_selection", False)))
-            if m.indexer_query_chunk < run.n and "indexer_query_chunk" not in fixes:  # the 2 GiB bound
-                fixes = tuple(f for f in LADDER if f in fixes or f == "indexer_query_chunk")
-            return m, fixes, True
+        if not fit:
+            continue
+        m = _grow(run, m, budgets, bool(getattr(memory_cfg, "segment_keep_selection", False)))
+        if m.indexer_query_chunk < run.n and "indexer_query_chunk" not in fixes:  # the 2 GiB bound
+            fixes = tuple(f for f in LADDER if f in fixes or f == "indexer_query_chunk")
+        cost = bound
+        if "tiled_mlp" in fixes:  # at the tile it grew to
+            cost += FIXES["tiled_mlp"].cost(replace(run, memory=m), terms) - least["tiled_mlp"]
+        if best is None or round(cost, 6) < best[0]:
+            best = (round(cost, 6), last, m, fixes)
+    if best is not None:
+        return best[2], best[3], True
     # nothing fits: every usable fix, as one valid set; sequence segments replace the fixes they exclude, so
     # with segments usable the two largest sets are compared and the one nearer the GPU budget is reported
     usable = tuple(f for f in LADDER if usable_fix(run, f))

@@ -7,14 +7,15 @@ formula it changes. Its runtime wrapper lives in ``megaseq.memory`` (named in ``
 (``LADDER``), the candidate sets, the chunk growth and the reports all loop over ``FIXES``.
 
 The ladder, cheapest first in the usual case: chunked loss (+5% of the loss time), indexer query chunking
-(free), MLP/MoE tiling (one more forward of the tiled module), segmented KDA, full recompute (one more
+(free), MLP/MoE tiling (one more forward of the tiled module, plus each tile's fixed cost where its tile is too
+short to hide it: ``tile_excess_seconds``), segmented KDA, full recompute (one more
 forward of every layer), sequence segments (the same, plus a small per-segment cost; they bound each
 layer's memory by the segment instead of the sequence and replace recompute, SCO and segmented KDA), SCO
 (1.9% + any copy time the compute cannot hide), OffloadStreamAdamW (the host<->device traffic of the
 optimizer step), and last the frozen base streamed from host memory (the copy time the compute cannot
-hide, ``plan.stream``). ``choice.choose`` tries every set of fixes in order of total cost, the sets with a
-fix of ``LAST_RESORT`` after every set without one; the first that fits wins and its chunk sizes then grow,
-in powers of two, as far as the budget allows.
+hide, ``plan.stream``). ``choice.choose`` tries the sets of fixes in order of their least cost (a tiled MLP's
+at its largest tile), the sets with a fix of ``LAST_RESORT`` after every set without one; each that fits has
+its chunk sizes grown, in powers of two, as far as the budget allows, and the cheapest at its grown sizes wins.
 """
 
 from __future__ import annotations
@@ -63,6 +64,13 @@ KDA_MIXER_SHARE = 0.5
 # fixes"), so the bound applies whether or not memory is short
 INDEXER_SCORING_MAX = 2 * GIB
 SCO_BASE_COST = 0.019  # SCO throughput within 1.9%
+# a tile's fixed cost in one tiled layer, a step (seconds): its forward without a graph, again in the layer's
+# recompute, and its replay with the backward each launch the module's kernels and run the replay's host work,
+# whatever the tile's size; a tile whose own GPU work is shorter leaves the GPU waiting. Measured on an H100,
+# Qwen3-30B-A3B LoRA at 32K, recompute on (benchmarks/results/speed/qwen3-30b-a3b-lora/2026-12-06_32k_h100.md):
+# MoE tiles of 2048 tokens took 9.5 s a step more than tiles of 16,384 (16 against 2 tiles in each of 48
+# layers, about 1.4 against 11 ms of MoE GPU work a tile)
+TILE_FIXED_S = 0.014
 LOSS_CHUNK_COST = 0.05  # +4-5% of the loss time
 
 
@@ -182,6 +190,16 @@ def segment_kv_host_excess(run: Run, step_s: float) -> float:
                                                                              strict=True))
 
 
+def tile_excess_seconds(run: Run, t: CostTerms) -> float:
+    """What tiles of ``memory.mlp_tile_tokens`` tokens add to the step beyond the rerun of their forward: in
+    every layer, each tile's fixed cost (``TILE_FIXED_S``) less the tile's own share of the layer's MLP seconds,
+    where that share is shorter (the MLP's seconds: its share of the step's FLOPs at the step's estimated rate)."""
+    layers = max(run.spec.num_layers, 1)
+    tiles = -(-run.n // max(1, min(run.memory.mlp_tile_tokens, run.n))) * (segments_of(run) if run.segment else 1)
+    tile_s = t.step_s * t.sf.mlp / t.sf.total / layers / tiles
+    return layers * tiles * max(0.0, TILE_FIXED_S - tile_s)
+
+
 def _on(name: str) -> Callable[[Run, MemorySettings], bool]:
     return lambda run, m: bool(getattr(m, name))
 
@@ -223,8 +241,8 @@ FIXES: dict[str, Fix] = {f.name: f for f in (
                       "or as the budget needs)",
         growth=Growth("indexer_query_chunk", 1, lambda run: (INDEXER_CHUNKS[0], indexer_chunk_cap(run)),
                       lambda run, m: m.indexer_query_chunk < run.n)),
-    _fix("tiled_mlp",
-        cost=lambda run, t: t.sf.mlp / 3 / t.sf.total,  # the tile's forward is rerun in backward
+    _fix("tiled_mlp",  # the tile's forward is rerun in backward; each tile's fixed cost at the settings' tile size
+        cost=lambda run, t: t.sf.mlp / 3 / t.sf.total + tile_excess_seconds(run, t) / t.step_s,
         usable=lambda run: True,
         enable=lambda b, run, s, h: {"tiled_mlp": True, "mlp_tile_tokens": TILE_CHUNKS[0]},
         enabled=_on("tiled_mlp"),
