@@ -520,3 +520,160 @@ def test_objective_on_gpu_bf16_matches_float64(dense: bool) -> None:
     for n, p in fast.indexer.named_parameters():
         err = (p.grad.double() - want[n]).norm() / want[n].norm().clamp_min(1e-30)
         assert err < 0.1, (n, float(err))
+
+
+# ---- the recall statistics, and no host read in the sparse stage's backward -------------------------------------
+def test_recall_counts_formula() -> None:
+    """Hits of the target's top K among the chosen pools, picks and random selection's expected hits, over the
+    rows with more than K candidates, against the loops written out; rows with K or fewer candidates count for
+    nothing."""
+    g = torch.Generator().manual_seed(3)
+    c, n, K = 9, 11, 3
+    target = torch.rand(c, n, generator=g, dtype=torch.float64)
+    cand = torch.rand(c, n, generator=g) < 0.6
+    cand[0] = False
+    cand[1, :K] = True
+    cand[1, K:] = False  # exactly K candidates: not counted
+    chosen = torch.rand(c, n, generator=g) < 0.4
+    hits, picks, rnd = indexer_kl.recall_counts(target, chosen, cand, K)
+    want = [0.0, 0.0, 0.0]
+    for r in range(c):
+        idx = [j for j in range(n) if cand[r, j]]
+        if len(idx) <= K:
+            continue
+        top = sorted(idx, key=lambda j: (-float(target[r, j]), j))[:K]
+        want[0] += sum(bool(chosen[r, j]) for j in top)
+        want[1] += K
+        want[2] += K * K / len(idx)
+    assert [float(hits), float(picks)] == want[:2] and abs(float(rnd) - want[2]) < 1e-12
+    z = indexer_kl.recall_counts(target[:, :K], chosen[:, :K], cand[:, :K], K)  # no row can have more than K
+    assert all(float(v) == 0.0 for v in z)
+
+
+def test_the_unbounded_dense_target_is_the_bounded_one_wider() -> None:
+    """``dense_target(bounded=False)`` (every key and pool, no host read) gives the bounded target on its pools
+    and nothing on the pools past the chunk's last query (packed documents)."""
+    from megaseq.models.common.indexer_kl import Pools
+
+    g = torch.Generator().manual_seed(5)
+    S, Hh, C, kp = 40, 3, 6, 4
+    doc = torch.zeros(S, dtype=torch.int64)
+    doc[17:] = 1
+    pos = positions_from_doc_ids(doc[None])[0]
+    ends = [t for t in range(S) if (int(pos[t]) + 1) % kp == 0]
+    pools = Pools(torch.tensor([list(range(t - kp + 1, t + 1)) for t in ends]), doc)
+    c_SC = torch.randn(S, C, generator=g, dtype=torch.float64)
+    q_pos = torch.tensor([3, 9, 18, 25])
+    q_abs = torch.randn(len(q_pos), Hh, C, generator=g, dtype=torch.float64)
+    t_b, c_b = indexer_kl.dense_target(q_abs, c_SC, q_pos, pools, 0.3)
+    t_u, c_u = indexer_kl.dense_target(q_abs, c_SC, q_pos, pools, 0.3, bounded=False)
+    n = c_b.shape[1]
+    assert c_u.shape[1] == len(ends) > n
+    torch.testing.assert_close(t_u[:, :n], t_b, atol=1e-15, rtol=0)
+    assert torch.equal(c_u[:, :n], c_b) and not c_u[:, n:].any() and not t_u[:, n:].any()
+
+
+# aten ops that read a tensor's values back to the host (on a GPU: a sync of the stream); indexing by a boolean
+# mask (``index``, ``index_put_``) counts its true entries on the host to size its result
+HOST_READS = ("_local_scalar_dense", "nonzero", "masked_select", "_unique2", "unique_dim", "unique_consecutive",
+              "index(bool)", "index_put(bool)", "index_put_(bool)")
+
+
+def test_the_sparse_objective_reads_nothing_back_to_the_host(monkeypatch) -> None:
+    """The sparse stage's objective runs in the backward between the attention's and the rest of the layer's: a
+    host read there would stall the GPU's queue once per layer and step. Its whole backward (target, KL, gradient,
+    sampled recall, statistics) is recorded op by op; none may read values back (packed documents, pools of 4)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from megaseq.models.common import indexer_objective
+
+    class Record(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            masks = name.startswith("index") and len(args) > 1 and isinstance(args[1], (list, tuple)) and any(
+                isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1])
+            self.ops.append(f"{name}(bool)" if masks else name)
+            return func(*args, **(kwargs or {}))
+
+    rec = Record()
+    real = indexer_objective.SparseObjective.grads
+
+    def recorded(self, leaves):
+        with rec:
+            return real(self, leaves)
+
+    monkeypatch.setattr(indexer_objective.SparseObjective, "grads", recorded)
+    S = 80  # the last document's late queries see more than K = 8 pools: the recall counts them
+    m = layer(4)
+    x = torch.randn(1, S, m.q_a_proj.in_features, dtype=torch.float64)
+    run_layer(m, x, doc_ids(S, True), dense=False)
+    assert rec.ops, "the sparse objective ran"
+    assert m.indexer.stats.read().recall_picks > 0, "the sampled recall counted rows"
+    read = sorted({op for op in rec.ops if op in HOST_READS})
+    assert not read, f"host reads in the sparse objective's backward: {read}"
+
+
+def _recall_row(S: int):
+    """One batch row of a pools-of-4 layer's sparse stage, float64, ready for ``sampled_recall``."""
+    from megaseq.models.common.indexer_objective import SparseObjective, _Row
+
+    m = layer(4)
+    x = torch.randn(1, S, m.q_a_proj.in_features, dtype=torch.float64)
+    ctx = SeqContext()
+    with torch.no_grad():
+        q, latent, q_resid = m.project(x, ctx)
+        prep = m.indexer.prepare(x, q_resid, ctx)
+        idx = m.indexer.select(prep)
+    o = SparseObjective(m, prep, q, latent, m.kv_b_proj.weight, idx)
+    return m, _Row(m, prep, 0, o.q_det, o.c_det, o.w_uk, idx, o.cd)
+
+
+def test_the_sampled_recall_in_groups_counts_the_same(monkeypatch) -> None:
+    """The sampled recall one row at a time (``RECALL_BLOCK_BYTES`` too small for two) counts what all its rows at
+    once count."""
+    from megaseq.ops import workspace
+
+    m, row = _recall_row(96)
+    row.sampled_recall()
+    whole = m.indexer.stats.read()
+    assert whole.recall_picks > 0
+    got = (whole.recall_hits, whole.recall_picks, whole.random_hits)
+    m.indexer.stats.reset()
+    monkeypatch.setattr(workspace, "RECALL_BLOCK_BYTES", 1)
+    assert workspace.indexer_recall_rows(m.num_heads, 96, itemsize=8) == 1
+    row.sampled_recall()
+    one = m.indexer.stats.read()
+    assert (one.recall_hits, one.recall_picks, one.random_hits) == pytest.approx(got, abs=1e-12)
+
+
+def test_the_sampled_recalls_memory_is_planned(monkeypatch) -> None:
+    """The sampled recall's measured peak (``MemTracker``, float64), all eight rows at once against one row at a
+    time: what the rows add is ``indexer_recall_bytes``' difference within 15%. (The rest, the same at any group
+    size, is the latents' copy CPU matmuls make of their transposed operand, about ``C`` values a key.)"""
+    import warnings
+
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from megaseq.ops import workspace
+
+    S = 2048
+
+    def peak(block: int) -> tuple[int, int]:
+        monkeypatch.setattr(workspace, "RECALL_BLOCK_BYTES", block)
+        m, row = _recall_row(S)
+        tracker = MemTracker()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with tracker:
+                row.sampled_recall()
+        return (tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"],
+                workspace.indexer_recall_bytes(m.num_heads, S, itemsize=8))
+
+    (all_rows, want_all), (one_row, want_one) = peak(1 << 30), peak(1)
+    print(f"\nsampled recall: 8 rows at once {all_rows}, one {one_row} bytes; planned {want_all}, {want_one}")
+    assert want_all == 8 * want_one
+    assert abs((all_rows - one_row) - (want_all - want_one)) <= 0.15 * (want_all - want_one)

@@ -107,6 +107,22 @@ def scoring_chunk(num_pools: int, num_heads: int, num_select: int, budget: int =
 
 # ---- the indexer's KL objective (models/common/indexer_kl.py) --------------------------------------------
 INDEXER_KL_BUDGET_BYTES: int = 2 << 30  # one query chunk of the objective (as the absorbed op's block)
+RECALL_ROWS: int = 8  # queries per layer and batch row whose recall the sparse stage measures against dense attention
+RECALL_BLOCK_BYTES: int = 256 << 20  # the sampled recall's fp32 scores of one group of its rows, [g, Hh, S], at most
+
+
+def indexer_recall_rows(num_heads: int, num_keys: int, rows: int = RECALL_ROWS, itemsize: int = 4) -> int:
+    """Rows of the sparse stage's sampled recall taken at once: their scores over every key (fp32, or the
+    compute dtype ``itemsize`` where wider) within ``RECALL_BLOCK_BYTES`` (at least one, at most ``rows``)."""
+    return max(1, min(rows, RECALL_BLOCK_BYTES // max(1, itemsize * num_heads * num_keys)))
+
+
+def indexer_recall_bytes(num_heads: int, num_keys: int, rows: int = RECALL_ROWS, itemsize: int = 4) -> int:
+    """GPU bytes of one group of the sampled recall (``indexer_recall_rows``): the dense attention's scores over
+    every key, ``[g, Hh, S]`` twice at the peak (the scaled scores and their softmax, fp32 or ``itemsize``), and
+    per key the visibility mask, the head-summed probabilities and the comparisons that make the mask."""
+    g = indexer_recall_rows(num_heads, num_keys, rows, itemsize)
+    return g * num_keys * (2 * itemsize * num_heads + 16)
 
 
 def indexer_target_row_bytes(num_heads: int, num_slots: int, latent: int, itemsize: int = 4,
@@ -196,7 +212,8 @@ def indexer_kl_bytes(Q: int, S: int, num_heads: int, index_heads: int, head_dim:
                      num_select: int, W: int, latent: int, dense: bool, itemsize: int = 4,
                      budget: int = INDEXER_KL_BUDGET_BYTES, gathered_itemsize: int = 0,
                      fused_target: bool = False, query_width: int = 0, given_lse: bool = False,
-                     lse_copy: bool = False, fused_kl: bool = False, keys_itemsize: int = 4) -> int:
+                     lse_copy: bool = False, fused_kl: bool = False, keys_itemsize: int = 4,
+                     recall: int = 0) -> int:
     """GPU bytes of one DSA layer's objective beyond its inputs: one chunk (``indexer_kl_chunk`` rows, at most Q;
     ``fused_target``: the sparse stage's target from the Triton kernel; ``given_lse``: it reads the attention's
     log-sum-exp) plus the gradients the chunks sum (pooled keys ``[P, D]``, head weights ``[Q, I]``, fp32) and the
@@ -205,7 +222,8 @@ def indexer_kl_bytes(Q: int, S: int, num_heads: int, index_heads: int, head_dim:
     compute dtype ``itemsize``) kept from the attention to the objective; the Triton op's is a view of what it
     saves for its backward (counted there). The last two: ``indexer_kl_kept_bytes``. ``fused_kl``: the sparse stage's
     indexer side in op ``indexer_kl``'s kernel, whose chunk also holds the pooled keys' gradient cast to their dtype
-    (``keys_itemsize``)."""
+    (``keys_itemsize``). ``recall``: the sampled recall's bytes (``indexer_recall_bytes``), which run after the
+    chunks, beside the sums: the larger of the two counts."""
     keys, cand = (S, num_pools) if dense else (W, num_select)
     gathered = 0 if dense else W
     given_lse = given_lse and not dense
@@ -217,8 +235,8 @@ def indexer_kl_bytes(Q: int, S: int, num_heads: int, index_heads: int, head_dim:
                                         gathered_itemsize, fused_target, query_width, given_lse, fused_kl)
     chunk += indexer_kl_fixed_bytes(num_pools, head_dim, keys_itemsize) if fused_kl else 0
     sums = 4 * (num_pools * head_dim + Q * index_heads)
-    return chunk + sums + indexer_kl_kept_bytes(Q, S, num_heads, head_dim, num_pools, dense, itemsize, given_lse,
-                                                lse_copy)
+    kept = indexer_kl_kept_bytes(Q, S, num_heads, head_dim, num_pools, dense, itemsize, given_lse, lse_copy)
+    return max(chunk, 0 if dense else recall) + sums + kept
 
 
 def indexer_kl_kept_bytes(Q: int, S: int, num_heads: int, head_dim: int, num_pools: int, dense: bool,

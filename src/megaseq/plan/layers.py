@@ -22,6 +22,7 @@ from megaseq.ops.workspace import (  # noqa: F401  (the ops' own formulas)
     absorbed_bytes,
     indexer_kl_bytes,
     indexer_kl_kept_bytes,
+    indexer_recall_bytes,
     indexer_scoring_bytes,
     indexer_topk_bytes,
     kv_repeats,
@@ -96,8 +97,9 @@ def indexer_objective_bytes(spec: ModelSpec, n: int, batch: int, seq_len: int, p
     keys ``[P, Di]`` and head weights ``[Q, I]``). ``fused_target``: the target comes from op ``indexer_target``'s
     Triton kernel or from the attention's head-summed probabilities (no gathered latents or head scores in the
     chunk, so more rows a chunk). ``given_lse``: the target reads the attention's per-head log-sum-exp (what the
-    layer does). ``fused_kl``: the indexer side in op ``indexer_kl``'s kernel. The head-summed probabilities
-    themselves are ``head_probs_bytes``."""
+    layer does). ``fused_kl``: the indexer side in op ``indexer_kl``'s kernel. The working set also holds, after the
+    chunks, one group of the sampled recall (``indexer_recall_bytes``, over every key). The head-summed
+    probabilities themselves are ``head_probs_bytes``."""
     kp = max(spec.index_kpool, 1)
     P, K = seq_len // kp, spec.index_topk // kp
     W = dsa_width(spec)
@@ -106,7 +108,8 @@ def indexer_objective_bytes(spec: ModelSpec, n: int, batch: int, seq_len: int, p
     total = indexer_kl_bytes(Q, seq_len, spec.num_attention_heads, spec.index_n_heads, spec.index_head_dim, P, K,
                              W, R, dense=False, itemsize=prec.f32, gathered_itemsize=prec.compute,
                              fused_target=fused_target, query_width=spec.q_lora_rank, given_lse=given_lse,
-                             lse_copy=lse_copy, fused_kl=fused_kl, keys_itemsize=prec.compute)
+                             lse_copy=lse_copy, fused_kl=fused_kl, keys_itemsize=prec.compute,
+                             recall=indexer_recall_bytes(spec.num_attention_heads, seq_len))
     kept = batch * indexer_kl_kept_bytes(Q, seq_len, spec.num_attention_heads, spec.index_head_dim, P, False,
                                          prec.f32, given_lse, lse_copy)
     return kept, batch * total - kept

@@ -54,7 +54,6 @@ TargetProbs = Callable[..., torch.Tensor]
 
 # score elements per chunk of the dense warm-up's attention (as the reference sparse attention's blocks)
 DENSE_BLOCK_ELEMS: int = 1 << 26
-RECALL_ROWS: int = 8  # queries per layer and call whose recall the sparse stage measures against dense attention
 
 
 @dataclass
@@ -139,16 +138,19 @@ class Pools:
 
 
 def dense_target(q_abs_cHC: torch.Tensor, c_SC: torch.Tensor, q_pos_c: torch.Tensor, pools: Pools,
-                 scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                 scale: float, bounded: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Warm-up target over the candidate pools a query sees: ``(target [c, n], candidates [c, n])``, ``n`` the
-    pools ending at or before the chunk's last query. The attention runs over every visible key (causal,
-    same document), as the dense attention does."""
-    last = int(q_pos_c.max()) + 1
+    pools ending at or before the chunk's last query (``bounded``: the keys and pools past the chunk's last
+    query are left out, which reads that position back to the host), or every complete pool (not ``bounded``:
+    the same target and candidates, wider, without a host read). The attention runs over every visible key
+    (causal, same document), as the dense attention does."""
+    last = int(q_pos_c.max()) + 1 if bounded else c_SC.shape[0]
     keys = torch.arange(last, device=q_pos_c.device)
     doc = pools.doc_S
     valid_cS = (keys[None] <= q_pos_c[:, None]) & (doc[:last][None] == doc[q_pos_c][:, None])
     m_cS = head_summed_probs(q_abs_cHC, c_SC[:last], valid_cS, scale)
-    n = int(torch.searchsorted(pools.end_P.contiguous(), q_pos_c.max(), right=True))
+    n = (int(torch.searchsorted(pools.end_P.contiguous(), q_pos_c.max(), right=True)) if bounded
+         else pools.tok_Pk.shape[0])
     cand = pools.visible(q_pos_c, n)
     mass = m_cS[:, pools.tok_Pk[:n]].sum(-1)  # a pool's probability: the sum of its tokens'
     return normalise(mass, cand), cand
@@ -176,17 +178,19 @@ def sparse_target(q_abs_cHC: torch.Tensor | None, c_SC: torch.Tensor, idx_cW: to
 def recall_counts(target_cn: torch.Tensor, chosen_cn: torch.Tensor, cand_cn: torch.Tensor,
                   K: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Over rows with more than K candidates: (the dense target's top-K pools that were chosen, the picks
-    ``rows * K``, random selection's expected hits ``sum K * K / n``)."""
+    ``rows * K``, random selection's expected hits ``sum K * K / n``). Every row is computed and the others
+    masked out, so nothing is read back to the host."""
+    z = target_cn.new_zeros(())
+    if K == 0 or cand_cn.shape[-1] <= K:  # no row has more than K candidates
+        return z, z, z
     n = cand_cn.sum(-1)
     rows = n > K
-    if K == 0 or not bool(rows.any()):
-        z = target_cn.new_zeros(())
-        return z, z, z
-    t = target_cn[rows].masked_fill(~cand_cn[rows], -1.0)
+    t = target_cn.masked_fill(~cand_cn, -1.0)
     top = torch.zeros_like(t, dtype=torch.bool).scatter_(-1, topk_lowest_index_ties(t, K), True)
-    hits = (top & chosen_cn[rows]).sum().to(target_cn.dtype)
+    hits = (top & chosen_cn & rows[:, None]).sum().to(target_cn.dtype)
     picks = rows.sum().to(target_cn.dtype) * K
-    return hits, picks, (K * K / n[rows].to(target_cn.dtype)).sum()
+    random = torch.where(rows, K * K / n.clamp_min(1).to(target_cn.dtype), z).sum()
+    return hits, picks, random
 
 
 def topk_mask(score_cn: torch.Tensor, cand_cn: torch.Tensor, K: int) -> torch.Tensor:

@@ -26,7 +26,7 @@ reduce-scatter). Sequence segments: the same, the keys of earlier segments a lea
 
 Also measured (no gradient), into ``layer.indexer.stats``: the summed KL, the queries, and the recall of the
 dense attention's top-K pools: every query in the warm-up (the indexer's own top-K against the target's),
-``indexer_kl.RECALL_ROWS`` evenly spaced queries per batch row in the sparse stage (their selection against
+``ops.workspace.RECALL_ROWS`` evenly spaced queries per batch row in the sparse stage (their selection against
 dense attention's top-K over every visible key).
 """
 
@@ -261,18 +261,23 @@ class _Row:
     @torch.no_grad()
     def sampled_recall(self) -> None:
         """The sparse stage's recall on ``RECALL_ROWS`` evenly spaced queries: their selected pools against
-        the dense attention's top-K pools over every visible key."""
-        Q = self.q_det.shape[0]
+        the dense attention's top-K pools over every visible key, ``indexer_recall_rows`` rows at a time."""
+        Q, Hh, S = self.q_det.shape[0], self.q_det.shape[1], self.c_det.shape[0]
         # evenly spaced and distinct (at most Q of them: their spacing is 1 or more, so none round together), made
         # on the device: no unique() and no copy from pageable host memory, either of which would sync the stream
-        rows = torch.linspace(0, Q - 1, min(kl.RECALL_ROWS, Q), device=self.q_det.device).round().long()
-        q_abs = kl.absorbed_query(self.q_det[rows], self.w_uk, self.Dr)
-        target, cand = kl.dense_target(q_abs, self.c_det, self.q_pos[rows], self.pools, self.scale)
-        idx = self.idx[rows]
-        ok = idx[:, :self.num_pools * self.ix.kpool:self.ix.kpool] >= 0
-        pools = self._selected_pools(idx)
-        chosen = torch.zeros_like(cand)
-        n = cand.shape[1]
-        chosen.scatter_(-1, pools.clamp_max(max(n - 1, 0)), ok & (pools < n))
-        z = target.new_zeros(())
-        self.ix.stats.add(z, z, *kl.recall_counts(target, chosen & cand, cand, self.K))
+        every = torch.linspace(0, Q - 1, min(workspace.RECALL_ROWS, Q), device=self.q_det.device).round().long()
+        g = workspace.indexer_recall_rows(Hh, S, every.shape[0], torch.finfo(self.cd).bits // 8)
+        for i in range(0, every.shape[0], g):
+            rows = every[i:i + g]
+            q_abs = kl.absorbed_query(self.q_det[rows], self.w_uk, self.Dr)
+            # every key and pool, masked per query: the same target without reading the rows' last position back
+            target, cand = kl.dense_target(q_abs, self.c_det, self.q_pos[rows], self.pools, self.scale,
+                                           bounded=False)
+            idx = self.idx[rows]
+            ok = idx[:, :self.num_pools * self.ix.kpool:self.ix.kpool] >= 0
+            pools = self._selected_pools(idx)
+            chosen = torch.zeros_like(cand)
+            n = cand.shape[1]
+            chosen.scatter_(-1, pools.clamp_max(max(n - 1, 0)), ok & (pools < n))
+            z = target.new_zeros(())
+            self.ix.stats.add(z, z, *kl.recall_counts(target, chosen & cand, cand, self.K))
