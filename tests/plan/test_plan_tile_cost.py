@@ -102,8 +102,10 @@ def test_choose_returns_the_cheapest_grown_set(monkeypatch, n, gpu_gib):
     run = replace(seen["run"], memory=seen["run"].memory.replace(model_segment_tokens=0))
     budgets, memory_cfg = seen["budgets"], seen["memory_cfg"]
     base = choice.base_settings(memory_cfg, run.n).replace(indexer_query_chunk=choice.indexer_chunk_cap(run))
-    least = choice.fix_costs(replace(run, memory=run.memory.replace(mlp_tile_tokens=TILE_CHUNKS[1])))
     terms = CostTerms.of(run)
+    least = choice.fix_costs(replace(run, memory=run.memory.replace(mlp_tile_tokens=TILE_CHUNKS[1])))
+    least["tiled_mlp"] = FIXES["tiled_mlp"].cost(  # beside recompute, where the tiles' replay may be free
+        replace(run, memory=run.memory.replace(mlp_tile_tokens=TILE_CHUNKS[1], recompute=True)), terms)
     host_room = budgets.host(run.mesh) // run.mesh.gpus_on_host - run.cal.process_host_bytes
     grown = {}
     for fixes in choice._candidates(run, least):
@@ -144,3 +146,34 @@ def test_the_first_fitting_set_is_not_the_choice_here(monkeypatch):
     assert broken.memory["mlp_tile_tokens"] < good.memory["mlp_tile_tokens"]
     cost_good, cost_broken = (sum(c for _, c, _ in p.fixes) for p in (good, broken))
     assert cost_broken > cost_good + 0.5  # the tiles' fixed cost: more than half a step
+
+
+def test_the_tiles_replay_is_free_beside_recompute_where_only_the_mlp_is_tiled(monkeypatch):
+    """A family that tiles only its MLP/MoE (a pre-norm layer) skips the tiles in its layer rerun, so beside
+    recompute the tiles' replay adds no forward; GLM-5's layers tile every token-separable part, whose rerun
+    runs the tiles, so there it still costs a third of the MLPs' share (tests/memory/test_tiling_rerun.py
+    checks the runtime side)."""
+    from megaseq.models.presets import get_preset
+    from megaseq.plan.fixes import tile_rerun_share
+
+    seen = _planned(monkeypatch, 32 * 1024, H100_BYTES)
+    qwen = seen["run"]
+    t = CostTerms.of(qwen)
+    share = t.sf.mlp / 3 / t.sf.total
+    assert tile_rerun_share(replace(qwen, memory=qwen.memory.replace(recompute=False)), t) == share > 0
+    assert tile_rerun_share(replace(qwen, memory=qwen.memory.replace(recompute=True)), t) == 0.0
+    import megaseq.plan.planner as planner
+    from megaseq.plan import plan
+
+    got = {}
+    real = choice.choose
+
+    def spy(run, budgets, memory_cfg):
+        got["run"] = run
+        return real(run, budgets, memory_cfg)
+
+    monkeypatch.setattr(planner, "choose", spy)
+    plan(get_preset("glm5-flash-1gpu"), 64 * 1024)
+    glm = got["run"]
+    tg = CostTerms.of(glm)
+    assert tile_rerun_share(replace(glm, memory=glm.memory.replace(recompute=True)), tg) == tg.sf.mlp / 3 / tg.sf.total

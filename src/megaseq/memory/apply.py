@@ -34,6 +34,7 @@ from megaseq.memory.offload_adam import OffloadStreamAdamW
 from megaseq.memory.rules import check_model_segments, check_stream_base
 from megaseq.memory.stream_base import BaseStreamer, stream_layers, unstream_layers
 from megaseq.memory.vocab_loss import linear_cross_entropy
+from megaseq.models.common.prenorm import PreNormDecoderLayer
 from megaseq.ops import switches
 
 
@@ -131,7 +132,9 @@ def apply_prenorm(model: nn.Module, settings: MemorySettings, env: Any = None,
     for i, layer in enumerate(layers):
         tiling.disable_tiling(layer.mlp)
         if settings.tiled_mlp:
-            tiling.enable_tiling(layer.mlp, settings.mlp_tile_tokens)
+            # a pre-norm layer adds its MLP's output to the residual and reads it nowhere else
+            residual_only = type(layer).forward is PreNormDecoderLayer.forward
+            tiling.enable_tiling(layer.mlp, settings.mlp_tile_tokens, residual_only=residual_only)
             done.tiled.append(f"layers.{i}.mlp")
         if mixer_schemes is not None:
             mixer_schemes(i, layer.mixer, done)

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from megaseq.memory import forwards
-from megaseq.memory.replay import Chunk, InputStore, Replay, replay
+from megaseq.memory.replay import Chunk, InputStore, Replay, layer_rerun, replay
 from megaseq.memory.rules import SLOT_ALIGN, round_up  # the planner's slot sizing too (one formula: sco_plan)
 
 
@@ -286,7 +286,8 @@ class _LayerStep:
                 )
             seq_ctx.carry = dict(self.carry)
         try:
-            return (self.fwd(xs[0], seq_ctx),), None
+            with layer_rerun():  # a module whose output only feeds the residual sum may skip computing it
+                return (self.fwd(xs[0], seq_ctx),), None
         finally:
             if self.carry is not None:
                 seq_ctx.carry = saved_carry

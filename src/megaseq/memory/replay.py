@@ -28,7 +28,9 @@ accumulate gradient instead of a chained tensor).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -147,6 +149,28 @@ def run_chunks(chunks: Sequence[Chunk], run: Callable[[int, Chunk], None], modul
     set_summed(totals)
 
 
+# ---- a layer's rerun -----------------------------------------------------------------------------------
+# set while a whole layer's forward runs again in its backward (``offload``'s recompute) to rebuild its graph:
+# a module whose output only feeds the layer's residual sum (its value read by nothing that backpropagates)
+# may then build its graph node without computing that value (``Replay.outputs_like``)
+_LAYER_RERUN: contextvars.ContextVar[bool] = contextvars.ContextVar("megaseq_layer_rerun", default=False)
+
+
+@contextlib.contextmanager
+def layer_rerun() -> Iterator[None]:
+    """``with layer_rerun():`` a layer's forward run again in its backward, to rebuild its graph."""
+    token = _LAYER_RERUN.set(True)
+    try:
+        yield
+    finally:
+        _LAYER_RERUN.reset(token)
+
+
+def in_layer_rerun() -> bool:
+    """Whether a layer's forward is being run again in its backward (``layer_rerun``)."""
+    return _LAYER_RERUN.get()
+
+
 # ---- what one scheme replays ----------------------------------------------------------------------
 # (input slices [lo, end), carry into the chunk, the chunk) -> (output slices [start, end), carry out)
 Step = Callable[[list[torch.Tensor], Any, Chunk], tuple[tuple[torch.Tensor, ...], Any]]
@@ -166,7 +190,10 @@ class InputStore:
 class Replay:
     """``step(inputs, carry, chunk) -> (outputs, carry_out)`` over ``chunks`` of every input along ``dim``; the
     parameters and side state are those of ``modules``. ``carry``: a tensor flows from each chunk into the
-    next (None into the first). ``rerun`` is the backward's step (default ``step``)."""
+    next (None into the first). ``rerun`` is the backward's step (default ``step``). ``outputs_like(inputs)``
+    (no carry): uninitialised outputs of the right shapes in place of the forward's chunks, for a forward whose
+    outputs' values nothing reads (a layer's rerun, ``in_layer_rerun``); the backward replays the chunks as
+    always."""
 
     step: Step
     chunks: list[Chunk]
@@ -175,6 +202,7 @@ class Replay:
     carry: bool = False
     rerun: Step | None = None
     store: InputStore | None = None
+    outputs_like: Callable[[Sequence[torch.Tensor]], tuple[torch.Tensor, ...]] | None = None
 
     def params(self) -> list[torch.Tensor]:
         return [p for m in self.modules for p in m.parameters()]
@@ -246,7 +274,11 @@ class _ReplayFn(torch.autograd.Function):
         inputs = list(tensors[:num_inputs])
         actx.r, actx.num_inputs, actx.autocast = r, num_inputs, autocast_state()
         saved = (r.store or InputStore()).stash(actx, inputs)  # first: an offload copy overlaps the forward
-        outs, carries = _forward(r, inputs, keep_carries=True)
+        if r.outputs_like is not None:
+            assert not r.carry, "outputs_like is for replays without a carry"
+            outs, carries = r.outputs_like(inputs), [None]
+        else:
+            outs, carries = _forward(r, inputs, keep_carries=True)
         actx.num_saved = len(saved)
         actx.save_for_backward(*saved, *[c for c in carries if c is not None])
         return outs

@@ -127,8 +127,11 @@ def choose(run: Run, budgets: Budgets, memory_cfg: Any | None) -> tuple[MemorySe
     run = replace(run, memory=run.memory.replace(model_segment_tokens=0))
     base = base_settings(memory_cfg, run.n).replace(indexer_query_chunk=indexer_chunk_cap(run))
     # each fix's least cost: a tiled MLP's at the largest tile it may grow to (its tiles' fixed cost the least)
-    least = fix_costs(replace(run, memory=run.memory.replace(mlp_tile_tokens=TILE_CHUNKS[1])))
+    # and beside recompute (where its replay may be free)
     terms = CostTerms.of(run)
+    least = fix_costs(replace(run, memory=run.memory.replace(mlp_tile_tokens=TILE_CHUNKS[1])))
+    least["tiled_mlp"] = FIXES["tiled_mlp"].cost(
+        replace(run, memory=run.memory.replace(mlp_tile_tokens=TILE_CHUNKS[1], recompute=True)), terms)
     host_room = budgets.host(run.mesh) // run.mesh.gpus_on_host - run.cal.process_host_bytes
     best: tuple[float, bool, MemorySettings, tuple[str, ...]] | None = None
     for fixes in _candidates(run, least):
@@ -148,7 +151,7 @@ def choose(run: Run, budgets: Budgets, memory_cfg: Any | None) -> tuple[MemorySe
         if m.indexer_query_chunk < run.n and "indexer_query_chunk" not in fixes:  # the 2 GiB bound
             fixes = tuple(f for f in LADDER if f in fixes or f == "indexer_query_chunk")
         cost = bound
-        if "tiled_mlp" in fixes:  # at the tile it grew to
+        if "tiled_mlp" in fixes:  # at the tile it grew to, beside recompute or not
             cost += FIXES["tiled_mlp"].cost(replace(run, memory=m), terms) - least["tiled_mlp"]
         if best is None or round(cost, 6) < best[0]:
             best = (round(cost, 6), last, m, fixes)

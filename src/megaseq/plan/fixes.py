@@ -7,8 +7,9 @@ formula it changes. Its runtime wrapper lives in ``megaseq.memory`` (named in ``
 (``LADDER``), the candidate sets, the chunk growth and the reports all loop over ``FIXES``.
 
 The ladder, cheapest first in the usual case: chunked loss (+5% of the loss time), indexer query chunking
-(free), MLP/MoE tiling (one more forward of the tiled module, plus each tile's fixed cost where its tile is too
-short to hide it: ``tile_excess_seconds``), segmented KDA, full recompute (one more
+(free), MLP/MoE tiling (one more forward of the tiled module, none beside recompute where only the MLP is
+tiled, plus each tile's fixed cost where its tile is too short to hide it: ``tile_excess_seconds``),
+segmented KDA, full recompute (one more
 forward of every layer), sequence segments (the same, plus a small per-segment cost; they bound each
 layer's memory by the segment instead of the sequence and replace recompute, SCO and segmented KDA), SCO
 (1.9% + any copy time the compute cannot hide), OffloadStreamAdamW (the host<->device traffic of the
@@ -190,6 +191,15 @@ def segment_kv_host_excess(run: Run, step_s: float) -> float:
                                                                              strict=True))
 
 
+def tile_rerun_share(run: Run, t: CostTerms) -> float:
+    """The step share a tiled MLP adds by replaying its tiles' forward in the backward: one more forward of the
+    MLPs (a third of their share), except beside recompute in a family that tiles only its MLP/MoE, whose
+    layer rerun then skips the tiles (``memory.tiling``'s ``residual_only``): the replay stands in for it."""
+    if run.memory.recompute and not family(run.spec.family).tiles_whole_layer:
+        return 0.0
+    return t.sf.mlp / 3 / t.sf.total
+
+
 def tile_excess_seconds(run: Run, t: CostTerms) -> float:
     """What tiles of ``memory.mlp_tile_tokens`` tokens add to the step beyond the rerun of their forward: in
     every layer, each tile's fixed cost (``TILE_FIXED_S``) less the tile's own share of the layer's MLP seconds,
@@ -241,8 +251,9 @@ FIXES: dict[str, Fix] = {f.name: f for f in (
                       "or as the budget needs)",
         growth=Growth("indexer_query_chunk", 1, lambda run: (INDEXER_CHUNKS[0], indexer_chunk_cap(run)),
                       lambda run, m: m.indexer_query_chunk < run.n)),
-    _fix("tiled_mlp",  # the tile's forward is rerun in backward; each tile's fixed cost at the settings' tile size
-        cost=lambda run, t: t.sf.mlp / 3 / t.sf.total + tile_excess_seconds(run, t) / t.step_s,
+    _fix("tiled_mlp",  # the tiles' forward replayed in backward (free beside recompute: tile_rerun_share); each
+        # tile's fixed cost at the settings' tile size
+        cost=lambda run, t: tile_rerun_share(run, t) + tile_excess_seconds(run, t) / t.step_s,
         usable=lambda run: True,
         enable=lambda b, run, s, h: {"tiled_mlp": True, "mlp_tile_tokens": TILE_CHUNKS[0]},
         enabled=_on("tiled_mlp"),
