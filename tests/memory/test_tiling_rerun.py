@@ -99,3 +99,42 @@ def test_the_skip_on_a_layer_that_reads_its_mlp_fails(monkeypatch):
     with pytest.raises(AssertionError):
         _check(qwen3_moe_tiny, monkeypatch, residual_only=True, layer_cls=_ReadsItsMLP)
     _check(qwen3_moe_tiny, monkeypatch, layer_cls=_ReadsItsMLP)  # as parallelize sets it: off here, and exact
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_rerun_skip_on_gpu_under_bf16_autocast(monkeypatch):
+    """On a GPU under bf16 autocast (the grouped GEMM's fast path): the step with the rerun's skip equals the step
+    without it (the same kernels on the same values, to the MoE's atomics), and the experts run twice a tile."""
+    spec = qwen3_moe_tiny()
+    runs = []
+    for residual_only in (True, False):
+        model = build_model(spec, dtype=torch.float32, seed=0, device="cuda")
+        plan = MemorySettings(tiled_mlp=True, mlp_tile_tokens=TILE, recompute=True)
+        parallelize(model, plan)
+        for layer in model.layers:
+            tiling.enable_tiling(layer.mlp, TILE, residual_only=residual_only)
+        calls = []
+        real = moe_module.Experts.forward
+
+        def counted(self, *args, _real=real, _calls=calls, **kw):
+            _calls.append(1)
+            return _real(self, *args, **kw)
+
+        monkeypatch.setattr(moe_module.Experts, "forward", counted)
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, spec.vocab_size, (2, S), generator=g).cuda()
+        labels = torch.cat([ids[:, 1:], torch.full((2, 1), -100, device="cuda")], dim=1)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = loss_fn(plan)(model(ids), model.lm_head.weight, labels)
+        loss.backward()
+        monkeypatch.setattr(moe_module.Experts, "forward", real)
+        runs.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
+                     len(calls)))
+    (l0, g0, c0), (l1, g1, c1) = runs
+    tiles = -(-2 * S // TILE)
+    moe_layers = sum(t == "moe" for t in spec.mlp_types)
+    assert (c0, c1) == (2 * tiles * moe_layers, 3 * tiles * moe_layers)
+    torch.testing.assert_close(l0, l1, rtol=1e-5, atol=1e-6)
+    for name in g1:
+        torch.testing.assert_close(g0[name], g1[name], rtol=1e-3, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
