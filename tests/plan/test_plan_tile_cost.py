@@ -78,22 +78,6 @@ def test_qwen_lora_on_an_80gb_gpu_gets_large_tiles():
     assert costs["tiled_mlp"] < 0.15  # the recompute of the MoE forward and little more
 
 
-def _grown_cost(run, budgets, memory_cfg, fixes, least, terms, base, host_room):
-    """``fixes`` as ``choose`` would run them if it were the only set: None where it does not fit."""
-    m = choice.with_fixes(base, fixes, run, host_room)
-    ok = choice._fits(evaluate(replace(run, memory=m)), budgets, run.mesh)
-    if not ok and "model_segments" in fixes:
-        m = m.replace(segment_kv_host=True)
-        ok = choice._fits(evaluate(replace(run, memory=m)), budgets, run.mesh)
-    if not ok:
-        return None
-    m = choice._grow(run, m, budgets)
-    cost = sum(least[f] for f in fixes)
-    if "tiled_mlp" in fixes:
-        cost += FIXES["tiled_mlp"].cost(replace(run, memory=m), terms) - least["tiled_mlp"]
-    return cost, m
-
-
 @pytest.mark.parametrize("n,gpu_gib", [(32 * 1024, 79.65), (64 * 1024, 79.65), (128 * 1024, 139.8)])
 def test_choose_returns_the_cheapest_grown_set(monkeypatch, n, gpu_gib):
     """Against every candidate set grown and costed: the choice is the cheapest (sets without a last-resort fix
@@ -103,15 +87,14 @@ def test_choose_returns_the_cheapest_grown_set(monkeypatch, n, gpu_gib):
     budgets, memory_cfg = seen["budgets"], seen["memory_cfg"]
     base = choice.base_settings(memory_cfg, run.n).replace(indexer_query_chunk=choice.indexer_chunk_cap(run))
     terms = CostTerms.of(run)
-    least = choice.fix_costs(replace(run, memory=run.memory.replace(mlp_tile_tokens=TILE_CHUNKS[1])))
-    least["tiled_mlp"] = FIXES["tiled_mlp"].cost(  # beside recompute, where the tiles' replay may be free
-        replace(run, memory=run.memory.replace(mlp_tile_tokens=TILE_CHUNKS[1], recompute=True)), terms)
+    least = choice.least_costs(run, terms)
     host_room = budgets.host(run.mesh) // run.mesh.gpus_on_host - run.cal.process_host_bytes
     grown = {}
-    for fixes in choice._candidates(run, least):
-        got = _grown_cost(run, budgets, memory_cfg, fixes, least, terms, base, host_room)
-        if got is not None:
-            grown[fixes] = got
+    for fixes in choice._candidates(run, least):  # every set, as ``choose`` would run it were it the only one
+        m = choice.fitting_settings(run, base, fixes, budgets, host_room)
+        if m is not None:
+            m = choice._grow(run, m, budgets)
+            grown[fixes] = (choice.grown_cost(run, fixes, m, least, terms), m)
     assert grown, "some set fits"
     plain = {f: c for f, c in grown.items() if not any(x in LAST_RESORT for x in f)}
     pool = plain or grown

@@ -121,17 +121,46 @@ def _grow(run: Run, m: MemorySettings, budgets: Budgets, keep_selection: bool = 
     return m
 
 
+def least_costs(run: Run, terms: CostTerms) -> dict[str, float]:
+    """Each fix's least step-time cost, the search's order and bound: a tiled MLP's at the largest tile it may grow
+    to (its tiles' fixed cost the least) and beside recompute (where its replay may be free)."""
+    least = fix_costs(replace(run, memory=run.memory.replace(mlp_tile_tokens=TILE_CHUNKS[1])))
+    least["tiled_mlp"] = FIXES["tiled_mlp"].cost(
+        replace(run, memory=run.memory.replace(mlp_tile_tokens=TILE_CHUNKS[1], recompute=True)), terms)
+    return least
+
+
+def grown_cost(run: Run, fixes: tuple[str, ...], m: MemorySettings, least: dict[str, float],
+               terms: CostTerms) -> float:
+    """The step-time cost of ``fixes`` at their grown settings ``m``: the fixes' least costs, a tiled MLP's at the
+    tile it grew to, beside recompute or not."""
+    cost = sum(least[f] for f in fixes)
+    if "tiled_mlp" in fixes:
+        cost += FIXES["tiled_mlp"].cost(replace(run, memory=m), terms) - least["tiled_mlp"]
+    return cost
+
+
+def fitting_settings(run: Run, base: MemorySettings, fixes: tuple[str, ...], budgets: Budgets,
+                     host_room: int) -> MemorySettings | None:
+    """``fixes``' settings at their smallest chunk sizes where they fit (sequence segments' K/V store moved to host
+    memory only where the GPU-resident one does not fit), else None."""
+    m = with_fixes(base, fixes, run, host_room)
+    if _fits(evaluate(replace(run, memory=m)), budgets, run.mesh):
+        return m
+    if "model_segments" in fixes and segments.segment_kv_rows(run):
+        m = m.replace(segment_kv_host=True)
+        if _fits(evaluate(replace(run, memory=m)), budgets, run.mesh):
+            return m
+    return None
+
+
 def choose(run: Run, budgets: Budgets, memory_cfg: Any | None) -> tuple[MemorySettings, tuple[str, ...], bool]:
     """(settings, enabled fixes, fits): the cheapest fix set that fits, chunk sizes grown to the budget."""
     # the choice must not depend on the settings ``run`` carries (its ``n`` would be a segment's)
     run = replace(run, memory=run.memory.replace(model_segment_tokens=0))
     base = base_settings(memory_cfg, run.n).replace(indexer_query_chunk=indexer_chunk_cap(run))
-    # each fix's least cost: a tiled MLP's at the largest tile it may grow to (its tiles' fixed cost the least)
-    # and beside recompute (where its replay may be free)
     terms = CostTerms.of(run)
-    least = fix_costs(replace(run, memory=run.memory.replace(mlp_tile_tokens=TILE_CHUNKS[1])))
-    least["tiled_mlp"] = FIXES["tiled_mlp"].cost(
-        replace(run, memory=run.memory.replace(mlp_tile_tokens=TILE_CHUNKS[1], recompute=True)), terms)
+    least = least_costs(run, terms)
     host_room = budgets.host(run.mesh) // run.mesh.gpus_on_host - run.cal.process_host_bytes
     best: tuple[float, bool, MemorySettings, tuple[str, ...]] | None = None
     for fixes in _candidates(run, least):
@@ -139,22 +168,15 @@ def choose(run: Run, budgets: Budgets, memory_cfg: Any | None) -> tuple[MemorySe
         bound = round(sum(least[f] for f in fixes), 6)
         if best is not None and (last > best[1] or bound >= best[0]):
             break
-        m = with_fixes(base, fixes, run, host_room)
-        fit = _fits(evaluate(replace(run, memory=m)), budgets, run.mesh)
-        if not fit and "model_segments" in fixes and segments.segment_kv_rows(run):
-            # the segments' K/V store in host memory, only where the GPU-resident one does not fit
-            m = m.replace(segment_kv_host=True)
-            fit = _fits(evaluate(replace(run, memory=m)), budgets, run.mesh)
-        if not fit:
+        m = fitting_settings(run, base, fixes, budgets, host_room)
+        if m is None:
             continue
         m = _grow(run, m, budgets, bool(getattr(memory_cfg, "segment_keep_selection", False)))
         if m.indexer_query_chunk < run.n and "indexer_query_chunk" not in fixes:  # the 2 GiB bound
             fixes = tuple(f for f in LADDER if f in fixes or f == "indexer_query_chunk")
-        cost = bound
-        if "tiled_mlp" in fixes:  # at the tile it grew to, beside recompute or not
-            cost += FIXES["tiled_mlp"].cost(replace(run, memory=m), terms) - least["tiled_mlp"]
-        if best is None or round(cost, 6) < best[0]:
-            best = (round(cost, 6), last, m, fixes)
+        cost = round(grown_cost(run, fixes, m, least, terms), 6)
+        if best is None or cost < best[0]:
+            best = (cost, last, m, fixes)
     if best is not None:
         return best[2], best[3], True
     # nothing fits: every usable fix, as one valid set; sequence segments replace the fixes they exclude, so
