@@ -29,12 +29,28 @@ S, TILE = 48, 16
 TOL = {"rtol": 1e-10, "atol": 1e-12}
 
 
-def _step(model, plan: MemorySettings | None) -> tuple:
+EXPERTS_FORWARD = moe_module.Experts.forward
+
+
+def _count_expert_runs(monkeypatch) -> list[int]:
+    """A list that gets one entry each time the routed experts run (from now on, in this test)."""
+    calls: list[int] = []
+
+    def counted(self, *args, **kw):
+        calls.append(1)
+        return EXPERTS_FORWARD(self, *args, **kw)
+
+    monkeypatch.setattr(moe_module.Experts, "forward", counted)
+    return calls
+
+
+def _step(model, plan: MemorySettings | None, device: str = "cpu", autocast: torch.dtype | None = None) -> tuple:
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, model.spec.vocab_size, (2, S), generator=g)
-    labels = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], dim=1)
+    ids = torch.randint(0, model.spec.vocab_size, (2, S), generator=g).to(device)
+    labels = torch.cat([ids[:, 1:], torch.full((2, 1), -100, device=device)], dim=1)
     model.zero_grad(set_to_none=True)
-    loss = loss_fn(plan or MemorySettings())(model(ids), model.lm_head.weight, labels)
+    with torch.autocast(device, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+        loss = loss_fn(plan or MemorySettings())(model(ids), model.lm_head.weight, labels)
     loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     counts = {n: m.last_tokens_per_expert.clone() for n, m in model.named_modules()
@@ -58,14 +74,7 @@ def _check(make_spec, monkeypatch, residual_only: bool | None = None, layer_cls:
     if residual_only is not None:
         for layer in model.layers:
             tiling.enable_tiling(layer.mlp, TILE, residual_only=residual_only)
-    calls = []
-    real = moe_module.Experts.forward
-
-    def counted(self, *args, **kw):
-        calls.append(1)
-        return real(self, *args, **kw)
-
-    monkeypatch.setattr(moe_module.Experts, "forward", counted)
+    calls = _count_expert_runs(monkeypatch)
     got = _step(model, plan)
     torch.testing.assert_close(got[0], ref[0], **TOL)
     assert got[1].keys() == ref[1].keys()
@@ -114,23 +123,9 @@ def test_the_rerun_skip_on_gpu_under_bf16_autocast(monkeypatch):
         parallelize(model, plan)
         for layer in model.layers:
             tiling.enable_tiling(layer.mlp, TILE, residual_only=residual_only)
-        calls = []
-        real = moe_module.Experts.forward
-
-        def counted(self, *args, _real=real, _calls=calls, **kw):
-            _calls.append(1)
-            return _real(self, *args, **kw)
-
-        monkeypatch.setattr(moe_module.Experts, "forward", counted)
-        g = torch.Generator().manual_seed(0)
-        ids = torch.randint(0, spec.vocab_size, (2, S), generator=g).cuda()
-        labels = torch.cat([ids[:, 1:], torch.full((2, 1), -100, device="cuda")], dim=1)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = loss_fn(plan)(model(ids), model.lm_head.weight, labels)
-        loss.backward()
-        monkeypatch.setattr(moe_module.Experts, "forward", real)
-        runs.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
-                     len(calls)))
+        calls = _count_expert_runs(monkeypatch)
+        loss, grads, _ = _step(model, plan, "cuda", torch.bfloat16)
+        runs.append((loss, grads, len(calls)))
     (l0, g0, c0), (l1, g1, c1) = runs
     tiles = -(-2 * S // TILE)
     moe_layers = sum(t == "moe" for t in spec.mlp_types)
