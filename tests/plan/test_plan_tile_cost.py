@@ -30,8 +30,9 @@ def _qwen_lora(n: int):
                        [f"data.seq_len={n}", f"model.name={ROOT / 'recipes/qwen3-30b-a3b/config.json'}"])
 
 
-def _planned(monkeypatch, n: int, gpu_bytes: int) -> dict:
-    """What ``choose`` saw and returned when the planner planned Qwen3-30B-A3B LoRA at ``n`` tokens."""
+def _planned(monkeypatch, n: int, gpu_bytes: int, make_plan=None) -> dict:
+    """What ``choose`` saw and returned when the planner planned Qwen3-30B-A3B LoRA at ``n`` tokens (or ran
+    ``make_plan()``)."""
     import megaseq.plan.planner as planner
 
     seen: dict = {}
@@ -43,7 +44,7 @@ def _planned(monkeypatch, n: int, gpu_bytes: int) -> dict:
         return seen["chosen"]
 
     monkeypatch.setattr(planner, "choose", spy)
-    seen["plan"] = plan_from_config(_qwen_lora(n), world_size=1, gpu_bytes=gpu_bytes)
+    seen["plan"] = (make_plan or (lambda: plan_from_config(_qwen_lora(n), world_size=1, gpu_bytes=gpu_bytes)))()
     monkeypatch.setattr(planner, "choose", real)
     return seen
 
@@ -145,18 +146,8 @@ def test_the_tiles_replay_is_free_beside_recompute_where_only_the_mlp_is_tiled(m
     share = t.sf.mlp / 3 / t.sf.total
     assert tile_rerun_share(replace(qwen, memory=qwen.memory.replace(recompute=False)), t) == share > 0
     assert tile_rerun_share(replace(qwen, memory=qwen.memory.replace(recompute=True)), t) == 0.0
-    import megaseq.plan.planner as planner
     from megaseq.plan import plan
 
-    got = {}
-    real = choice.choose
-
-    def spy(run, budgets, memory_cfg):
-        got["run"] = run
-        return real(run, budgets, memory_cfg)
-
-    monkeypatch.setattr(planner, "choose", spy)
-    plan(get_preset("glm5-flash-1gpu"), 64 * 1024)
-    glm = got["run"]
+    glm = _planned(monkeypatch, 0, 0, lambda: plan(get_preset("glm5-flash-1gpu"), 64 * 1024))["run"]
     tg = CostTerms.of(glm)
     assert tile_rerun_share(replace(glm, memory=glm.memory.replace(recompute=True)), tg) == tg.sf.mlp / 3 / tg.sf.total
