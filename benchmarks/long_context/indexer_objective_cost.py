@@ -83,8 +83,11 @@ def main() -> None:
     if base.get("status") == "ok" and obj.get("status") == "ok":
         summary = {"step_time_ratio": obj["step_s"] / base["step_s"]}
         if obj.get("measured_gpu_gib"):
+            # the plan's tensors against max_memory_allocated (like for like); its total (CUDA context and the
+            # allocator's reserve added) against what the allocator reserved
             summary.update(peak_gib_delta=obj["measured_gpu_gib"] - base["measured_gpu_gib"],
-                           plan_over_measured=obj["predicted_gpu_gib"] / obj["measured_gpu_gib"],
+                           plan_over_measured=obj["predicted_gpu_tensors_gib"] / obj["measured_gpu_gib"],
+                           plan_total_over_reserved=obj["predicted_gpu_gib"] / obj["measured_gpu_reserved_gib"],
                            plan_delta_gib=obj["predicted_gpu_gib"] - base["predicted_gpu_gib"])
     ref = rows.get("with_objective_reference_kl", {})
     if summary and ref.get("status") == "ok":
