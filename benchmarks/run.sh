@@ -11,8 +11,10 @@
 #                 measured peak against the plan, tokens/s, MFU (one H200, about 8 minutes)
 #   memory        the exact memory schemes' peaks against the plain computation (one H200, about 3 minutes)
 #   kernels       every fast kernel against its reference, with timings (one H200, about 4 minutes)
-#   indexer       the DSA indexer objective's cost (with and without it, profiles) and one step's saved bytes by
-#                 layer against the plan, glm5-flash-1gpu at 32K (16K on a GPU of less than 120 GiB), about 4 minutes
+#   indexer       the DSA indexer objective's cost (with and without it, the plan's memory fixes in both, five
+#                 timed steps each, profiles) and one step's saved bytes by layer against the plan, glm5-flash-1gpu
+#                 at INDEXER_LEN (default 32K; it fits an 80 GB GPU with MoE tiles), about 4 minutes; 1M:
+#                 INDEXER_LEN=1M INDEXER_STEPS=1 INDEXER_TIMEOUT=540 INDEXER_SAVED=0 (one H200, about 9 minutes)
 #   stream        Qwen3-30B-A3B LoRA at 96K with the frozen base streamed from host memory, then resident (the
 #                 plan's other fixes forced): each step's peak against the plan, and the blocks live at it by the
 #                 code that allocated them (benchmarks/memory/peak_by_frame.py), about 6 minutes
@@ -109,15 +111,14 @@ stage_kernels() {
 }
 
 stage_indexer() {
-  local len=32K b=long_context/indexer_objective
-  if [ "$($PY -c 'import torch; print(int(torch.cuda.get_device_properties(0).total_memory < 120 * 2**30))')" = 1 ]; then
-    len=16K
-  fi
+  local len=${INDEXER_LEN:-32K} b=long_context/indexer_objective
   mkdir -p "$RESULTS/$b"
-  timeout -k 5 200 $PY benchmarks/long_context/indexer_objective_cost.py --seq-len $len --steps 5 --profile \
+  timeout -k 5 "${INDEXER_TIMEOUT:-200}" $PY benchmarks/long_context/indexer_objective_cost.py --seq-len "$len" \
+    --steps "${INDEXER_STEPS:-5}" --profile \
     --out "$RESULTS/$b" \
     | tail -16
-  timeout -k 5 150 $PY benchmarks/memory/saved_by_layer.py recipes/glm5-flash-1gpu.yaml --seq-len $len \
+  [ "${INDEXER_SAVED:-1}" = 1 ] || return 0
+  timeout -k 5 150 $PY benchmarks/memory/saved_by_layer.py recipes/glm5-flash-1gpu.yaml --seq-len "$len" \
     --out "$(dest memory/saved_by_layer glm5-flash-1gpu_$len).json" | tail -20
 }
 
