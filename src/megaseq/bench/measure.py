@@ -141,7 +141,8 @@ def measure_megaseq(cfg: Config, seq_len: int, steps: int, source: str, routing:
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             first: list[float] = []
-            times = timed_steps(lambda: step(next_batch()), steps, device, first)
+            compiles: dict[str, Any] = {}
+            times = timed_steps(lambda: step(next_batch()), steps, device, first, compiles)
             cuda = device.type == "cuda"  # the timed steps' peaks and routing, read before any profiled step
             peaks = dict(measured_gpu_gib=torch.cuda.max_memory_allocated(device) / GIB if cuda else None,
                          measured_gpu_reserved_gib=torch.cuda.max_memory_reserved(device) / GIB if cuda else None,
@@ -158,7 +159,8 @@ def measure_megaseq(cfg: Config, seq_len: int, steps: int, source: str, routing:
             row["predicted_is_first_step"] = True
         dt = sum(times) / len(times)
         tokens = c.train.batch_size * seq_len
-        row.update(status="ok", step_s=dt, first_step_s=first[0], tokens_per_s=tokens / dt,
+        row.update(status="ok", step_s=dt, first_step_s=first[0], first_step_compiles=compiles,
+                   tokens_per_s=tokens / dt,
                    mfu=mfu(tokens / dt, plan.flops["per_token"], 1) if device.type == "cuda" else None, **peaks)
     except torch.OutOfMemoryError as e:
         row.update(status="oom", error=str(e).splitlines()[0][:200])
@@ -183,18 +185,27 @@ def load_summary(load: dict[str, float]) -> dict[str, Any]:
 
 
 def timed_steps(run_step: Callable[[], None], steps: int, device: torch.device,
-                first: list[float] | None = None) -> list[float]:
+                first: list[float] | None = None, first_compiles: dict | None = None) -> list[float]:
     """Seconds of each measured step: ``steps + 1`` runs of ``run_step``, the first a warm-up (kernels,
-    autotune, the allocator) left out (its seconds appended to ``first`` when given); ``steps`` 0: the one
+    autotune, the allocator) left out (its seconds appended to ``first`` when given; the Triton kernels it
+    compiled, ``compiles.CompileRecord.summary``, put in ``first_compiles`` when given); ``steps`` 0: the one
     (cold) step."""
+    from megaseq.bench.compiles import compile_record
+
     times = []
     note = cold_start_note(device.type)
     if note:  # a cold first step is silent for minutes otherwise
         logger.info(f"megaseq bench: {note}")
     for i in range(steps + 1):
         t0 = time.perf_counter()
-        run_step()
-        _sync(device)
+        if i == 0 and first_compiles is not None:
+            with compile_record() as rec:
+                run_step()
+                _sync(device)
+            first_compiles.update(rec.summary())
+        else:
+            run_step()
+            _sync(device)
         dt = time.perf_counter() - t0
         if i > 0 or steps == 0:
             times.append(dt)

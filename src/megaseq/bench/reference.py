@@ -63,10 +63,12 @@ def measure_reference(cfg: Config, seq_len: int, steps: int, routing: str = "nat
             opt.zero_grad(set_to_none=True)
 
         first: list[float] = []
-        times = timed_steps(step, steps, device, first)
+        compiles: dict[str, Any] = {}
+        times = timed_steps(step, steps, device, first, compiles)
         dt = sum(times) / len(times)
         per_token = step_flops(spec, seq_len).per_token
-        row.update(status="ok", step_s=dt, first_step_s=first[0], tokens_per_s=seq_len / dt,
+        row.update(status="ok", step_s=dt, first_step_s=first[0], first_step_compiles=compiles,
+                   tokens_per_s=seq_len / dt,
                    trained_params=sum(p.numel() for p in trained),
                    mfu=mfu(seq_len / dt, per_token, 1) if device.type == "cuda" else None,
                    measured_gpu_gib=torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None,

@@ -51,13 +51,19 @@ STATUS = {"ok": "ok", "oom": "out of memory"}
 
 
 def first_step_lines(rows: list[dict[str, Any]]) -> list[str]:
-    """The first step (compilation, autotuning, the allocator) against a warm step, per length that had both."""
+    """The first step (compilation, autotuning, the allocator) against a warm step, per length that had both, with
+    the Triton compiles it ran where the row counted them."""
     both = [r for r in rows if r.get("first_step_s") and r.get("step_s") and isinstance(r.get("timed_steps"), int)]
     if not both:
         return []
+
+    def compiles(r: dict[str, Any]) -> str:
+        c = r.get("first_step_compiles")
+        return f" ({c['count']} Triton kernels built in {c['seconds']:.1f} s)" if c and c.get("count") else ""
+
     return ["", "first step against a warm step: " + "; ".join(
         f"{r['seq_len']:,} ({r['source']}) {r['first_step_s']:.1f} s / {r['step_s']:.2f} s = "
-        f"{r['first_step_s'] / r['step_s']:.1f}x" for r in both)]
+        f"{r['first_step_s'] / r['step_s']:.1f}x{compiles(r)}" for r in both)]
 
 
 def reference_lines(result: dict[str, Any]) -> list[str]:

@@ -1,0 +1,102 @@
+"""``bench.compiles.compile_record``: the Triton compiles a step runs, timed between Triton's two JIT hooks, with the
+hooks that were installed before it still called and restored after; and ``timed_steps`` records the warm-up
+step's compiles (the ones a first step spends beyond a warm one) and no later step's."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megaseq.bench import measure
+from megaseq.bench.compiles import compile_record
+
+knobs = pytest.importorskip("triton").knobs
+
+
+def fake_compile(name: str, key: str, seconds: float) -> None:
+    """What ``JITFunction._do_compile`` does around a compile: the cache hook (a fresh ``fn`` object each call, as
+    Triton builds one per call), the compile, the post-compile hook."""
+    rt = knobs.runtime
+    fn = lambda: SimpleNamespace(module="megaseq.ops.k", name=name)  # noqa: E731
+    if rt.jit_cache_hook is not None and rt.jit_cache_hook(key=key, fn=fn(), repr=name, compile={},
+                                                           is_manual_warmup=False, already_compiled=False):
+        return
+    time.sleep(seconds)
+    if rt.jit_post_compile_hook is not None:
+        rt.jit_post_compile_hook(key=key, fn=fn(), repr=name, compile={}, is_manual_warmup=False,
+                                 already_compiled=False)
+
+
+def test_records_each_compile_and_keeps_the_hooks_it_found():
+    seen = []
+    before = (lambda **kw: seen.append(("pre", kw["key"])), lambda **kw: seen.append(("post", kw["key"])))
+    knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = before
+    try:
+        with compile_record() as rec:
+            fake_compile("rms_norm_fwd", "k1", 0.05)
+            fake_compile("swiglu_bwd", "k2", 0.01)
+        s = rec.summary()
+        assert s["count"] == 2 and [n for n, _ in s["slowest"]] == ["megaseq.ops.k.rms_norm_fwd",
+                                                                    "megaseq.ops.k.swiglu_bwd"]
+        assert 0.05 <= s["slowest"][0][1] < 1 and 0.06 <= s["seconds"] < 2
+        assert seen == [("pre", "k1"), ("post", "k1"), ("pre", "k2"), ("post", "k2")]
+        assert (knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook) == before
+        fake_compile("outside", "k3", 0.0)
+        assert rec.summary()["count"] == 2
+    finally:
+        knobs.runtime.jit_cache_hook = knobs.runtime.jit_post_compile_hook = None
+
+
+def test_a_compile_that_an_earlier_hook_skips_is_not_counted():
+    knobs.runtime.jit_cache_hook = lambda **kw: True  # e.g. a hook that serves the kernel itself
+    try:
+        with compile_record() as rec:
+            fake_compile("served", "k1", 0.0)
+        assert rec.summary()["count"] == 0 and not rec.pending
+    finally:
+        knobs.runtime.jit_cache_hook = None
+
+
+def test_timed_steps_record_the_warm_up_steps_compiles_only(monkeypatch):
+    monkeypatch.setattr(measure, "_sync", lambda device: None)
+    calls = iter(range(10))
+
+    def step():
+        i = next(calls)
+        fake_compile(f"kernel_{i}", f"k{i}", 0.0)  # a new kernel every step: only the first is the warm-up's
+
+    compiles: dict = {}
+    first: list[float] = []
+    assert len(measure.timed_steps(step, 2, torch.device("cpu"), first, compiles)) == 2
+    assert compiles["count"] == 1 and compiles["slowest"][0][0].endswith("kernel_0") and len(first) == 1
+    assert knobs.runtime.jit_cache_hook is None and knobs.runtime.jit_post_compile_hook is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_real_kernel_build_is_recorded_on_a_gpu():
+    """Triton's own hooks, on a GPU: a kernel with a specialisation this process has not built is counted once,
+    by its name; launching it again builds nothing."""
+    import random
+
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def add_constant(x_ptr, n, C: tl.constexpr, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=mask) + C, mask=mask)
+
+    x = torch.zeros(1000, device="cuda")
+    c = random.randint(1, 10**6)  # a constant no earlier run specialised on
+    with compile_record() as rec:
+        add_constant[(4,)](x, 1000, C=c, BLOCK=256)
+        torch.cuda.synchronize()
+        add_constant[(4,)](x, 1000, C=c, BLOCK=256)
+    s = rec.summary()
+    assert s["count"] == 1 and s["slowest"][0][0].endswith("add_constant") and s["seconds"] > 0
+    assert float(x[0]) == 2 * c
