@@ -100,3 +100,13 @@ def test_a_real_kernel_build_is_recorded_on_a_gpu():
     s = rec.summary()
     assert s["count"] == 1 and s["slowest"][0][0].endswith("add_constant") and s["seconds"] > 0
     assert float(x[0]) == 2 * c
+
+
+def test_the_report_names_the_first_steps_builds():
+    from megaseq.bench.report import first_step_lines
+
+    row = {"seq_len": 32768, "source": "random", "first_step_s": 20.0, "step_s": 5.0, "timed_steps": 2,
+           "first_step_compiles": {"count": 37, "seconds": 11.04, "slowest": []}}
+    assert "4.0x (37 Triton kernels built in 11.0 s)" in first_step_lines([row])[1]
+    row["first_step_compiles"] = {"count": 0, "seconds": 0.0, "slowest": []}
+    assert first_step_lines([row])[1].endswith("= 4.0x")
