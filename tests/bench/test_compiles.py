@@ -20,7 +20,12 @@ def fake_compile(name: str, key: str, seconds: float) -> None:
     """What ``JITFunction._do_compile`` does around a compile: the cache hook (a fresh ``fn`` object each call, as
     Triton builds one per call), the compile, the post-compile hook."""
     rt = knobs.runtime
-    fn = lambda: SimpleNamespace(module="megaseq.ops.k", name=name)  # noqa: E731
+    made = []  # kept alive, so that no two calls' objects share an id
+
+    def fn():
+        made.append(SimpleNamespace(module="megaseq.ops.k", name=name))
+        return made[-1]
+
     if rt.jit_cache_hook is not None and rt.jit_cache_hook(key=key, fn=fn(), repr=name, compile={},
                                                            is_manual_warmup=False, already_compiled=False):
         return
