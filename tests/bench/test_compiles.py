@@ -4,8 +4,9 @@ step's compiles (the ones a first step spends beyond a warm one) and no later st
 
 from __future__ import annotations
 
+import sys
 import time
-from types import SimpleNamespace
+from types import ModuleType, SimpleNamespace
 
 import pytest
 import torch
@@ -13,7 +14,21 @@ import torch
 from megaseq.bench import measure
 from megaseq.bench.compiles import compile_record
 
-knobs = pytest.importorskip("triton").knobs
+try:
+    from triton import knobs
+except ImportError:  # a CPU build of torch without Triton: a stand-in with the two hooks, as Triton's knobs hold them
+    knobs = SimpleNamespace(runtime=SimpleNamespace(jit_cache_hook=None, jit_post_compile_hook=None))
+
+
+@pytest.fixture(autouse=True)
+def triton_knobs(monkeypatch):
+    """``compile_record`` reads ``triton.knobs``: Triton's own where installed, else the stand-in."""
+    if "triton" not in sys.modules or not hasattr(sys.modules["triton"], "knobs"):
+        fake = ModuleType("triton")
+        fake.knobs = knobs
+        monkeypatch.setitem(sys.modules, "triton", fake)
+    yield
+    knobs.runtime.jit_cache_hook = knobs.runtime.jit_post_compile_hook = None
 
 
 def fake_compile(name: str, key: str, seconds: float) -> None:
@@ -115,3 +130,10 @@ def test_the_report_names_the_first_steps_builds():
     assert "4.0x (37 Triton kernels built in 11.0 s)" in first_step_lines([row])[1]
     row["first_step_compiles"] = {"count": 0, "seconds": 0.0, "slowest": []}
     assert first_step_lines([row])[1].endswith("= 4.0x")
+
+
+def test_without_triton_nothing_is_recorded(monkeypatch):
+    monkeypatch.setitem(sys.modules, "triton", None)  # `import triton` raises ImportError
+    with compile_record() as rec:
+        pass
+    assert rec.summary() == {"count": 0, "seconds": 0, "slowest": []}
