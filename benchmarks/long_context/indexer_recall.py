@@ -6,7 +6,10 @@ the sparse stage, for a glm5-family DNA model trained from scratch; random selec
 
 Writes ``benchmarks/results/long_context/indexer_recall_<preset>.json`` and ``.png``: per stage, per
 full-indexer layer, the recall and the random baseline on held-out windows of the lambda phage genome
-(the packaged default genome), and the training curves (LM loss, mean indexer KL).
+(the packaged default genome), and the training curves (LM loss, mean indexer KL). The objective's coefficient
+is ``--coef`` (default 0.001, ``model.indexer_loss_coef``'s), the indexers' AdamW epsilon times it as megaseq's
+optimizer holds them (``--plain-eps``: AdamW's own, for comparison); ``--seed`` picks the weights and windows'
+order.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from megaseq.models.build import build_model
 from megaseq.models.glm5.spec import glm5_flash_tiny
 from megaseq.train import indexer_training as it
 
-OUT = Path(__file__).parent / "results" / "long_context"
+OUT = Path(__file__).resolve().parents[1] / "results" / "long_context"
 
 
 def spec_for(preset: str, seq_len: int):
@@ -56,9 +59,15 @@ def mean_recall(model, ids) -> dict[str, float]:
             "per_layer": {str(i): float(np.mean([p[i][0] for p in per])) for i in layers}}
 
 
-def train(model, steps: int, first: int, ids_of, lr: float, device) -> list[dict[str, float]]:
-    params = [p for p in model.parameters()]
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+def train(model, steps: int, first: int, ids_of, lr: float, device, plain_eps: bool = False) -> list[dict[str, float]]:
+    # every parameter (the warm-up freezes the main model step by step), the indexers in their own group with
+    # AdamW's epsilon times the objective's coefficient, as megaseq's optimizer holds them (train.optim);
+    # ``plain_eps``: AdamW's own epsilon for the indexers too (for comparison)
+    ids, coef = it.adam_groups(model)
+    opt = torch.optim.AdamW([{"params": [p for p in model.parameters() if id(p) not in ids]},
+                             {"params": [p for p in model.parameters() if id(p) in ids],
+                              "eps": 1e-8 * (1.0 if plain_eps else coef)}],
+                            lr=lr, weight_decay=0.0, eps=1e-8)
     curve = []
     for step in range(first, first + steps):
         it.begin_step(model, step)
@@ -86,22 +95,28 @@ def main() -> None:
     ap.add_argument("--sparse", type=int, default=40, help="sparse-stage steps")
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--coef", type=float, default=0.001, help="the objective's coefficient (model.indexer_loss_coef)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--plain-eps", action="store_true",
+                    help="the indexers with AdamW's plain epsilon (not times the coefficient), for comparison")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--out", default=str(OUT))
     a = ap.parse_args()
     device = torch.device(a.device)
-    torch.manual_seed(0)
-    model = build_model(spec_for(a.preset, a.seq_len), dtype=torch.float32, device=device, seed=0)
-    it.enable(model, coef=1.0, warmup_steps=a.warmup)
+    torch.manual_seed(a.seed)
+    model = build_model(spec_for(a.preset, a.seq_len), dtype=torch.float32, device=device, seed=a.seed)
+    it.enable(model, coef=a.coef, warmup_steps=a.warmup)
     held = windows(a.seq_len, 4, seed=99, heldout=True).to(device)
     t0 = time.time()
     stages = {"init": mean_recall(model, held)}
-    curve = train(model, a.warmup, 1, lambda s: windows(a.seq_len + 1, a.batch, s, False), a.lr, device)
+    curve = train(model, a.warmup, 1, lambda s: windows(a.seq_len + 1, a.batch, s, False), a.lr, device, a.plain_eps)
     stages["after_warmup"] = mean_recall(model, held)
-    curve += train(model, a.sparse, a.warmup + 1, lambda s: windows(a.seq_len + 1, a.batch, s, False), a.lr, device)
+    curve += train(model, a.sparse, a.warmup + 1, lambda s: windows(a.seq_len + 1, a.batch, s, False), a.lr, device,
+                   a.plain_eps)
     stages["after_sparse"] = mean_recall(model, held)
     result = {"preset": a.preset, "seq_len": a.seq_len, "warmup_steps": a.warmup, "sparse_steps": a.sparse,
-              "lr": a.lr, "device": str(device), "seconds": time.time() - t0, "stages": stages, "curve": curve,
+              "lr": a.lr, "coef": a.coef, "seed": a.seed, "indexer_eps": "plain" if a.plain_eps else "times coef",
+              "device": str(device), "seconds": time.time() - t0, "stages": stages, "curve": curve,
               "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

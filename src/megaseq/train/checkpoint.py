@@ -333,6 +333,12 @@ def load_checkpoint(ckpt: Path, model: torch.nn.Module, optimizer: Any = None, s
         inner = next(iter(e.failures.values()))[0] if e.failures else e
         if isinstance(inner, ValueError):
             raise ValueError(str(inner)) from None
+        if optimizer is not None and "optim.param_groups" in str(inner):
+            raise ValueError(
+                f"checkpoint {ckpt}: its optimizer holds other parameter groups than this run's (with "
+                "model.train_indexer the trained DSA indexers are groups of their own, their AdamW epsilon times "
+                "model.indexer_loss_coef), so it cannot be resumed; start a new run from its weights: "
+                f"megaseq export {ckpt} DIR (--merged with LoRA), then --model.init_from DIR") from None
         raise ValueError(f"checkpoint {ckpt} could not be read ({type(inner).__name__}: {inner}); it is damaged "
                          "or was not written by megaseq") from None
     opts = StateDictOptions(ignore_frozen_params=partial, strict=not partial)

@@ -69,6 +69,19 @@ def enable(model: nn.Module, coef: float, warmup_steps: int = 0, dtype: Any = No
     return state
 
 
+def adam_groups(model: nn.Module) -> tuple[set[int], float] | None:
+    """``(ids of the trained indexers' parameters, the objective's coefficient)``, or None when no indexer trains.
+    Their gradient is the coefficient times the KL's (the inputs are detached: nothing else reaches them), so at
+    the default 0.001 most of it is smaller than AdamW's epsilon (1e-8), which then shrinks their updates several
+    times below the learning rate's; ``train.optim.param_groups`` gives them an epsilon scaled by the coefficient,
+    so that their AdamW update is the one they would take at coefficient 1."""
+    state = _state(model)
+    if state is None:
+        return None
+    ids = {id(p) for _, m in state.layers if m.indexer is not None for p in m.indexer.parameters()}
+    return ids, state.coef
+
+
 def check(cfg: Any, spec: Any) -> None:
     """``model.train_indexer`` for a model without a DSA layer: a ValueError naming the setting, before anything is
     built. (Beside a frozen base the warm-up freezes what trains, the adapters included, and they train after it;
