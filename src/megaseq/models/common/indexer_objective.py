@@ -266,7 +266,8 @@ class _Row:
         # evenly spaced and distinct (at most Q of them: their spacing is 1 or more, so none round together), made
         # on the device: no unique() and no copy from pageable host memory, either of which would sync the stream
         every = torch.linspace(0, Q - 1, min(workspace.RECALL_ROWS, Q), device=self.q_det.device).round().long()
-        g = workspace.indexer_recall_rows(Hh, S, every.shape[0], torch.finfo(self.cd).bits // 8)
+        # the scores' softmax is fp32 (or the compute dtype where wider), as the plan counts them
+        g = workspace.indexer_recall_rows(Hh, S, every.shape[0], max(4, torch.finfo(self.cd).bits // 8))
         for i in range(0, every.shape[0], g):
             rows = every[i:i + g]
             q_abs = kl.absorbed_query(self.q_det[rows], self.w_uk, self.Dr)
