@@ -17,16 +17,18 @@ import json
 import statistics
 from pathlib import Path
 
+from megaseq.train.loss_curve import read_metrics
+
 
 def read_rows(path: Path) -> list[dict]:
-    f = path / "metrics.jsonl" if path.is_dir() else path
-    if not f.is_file():
+    run_dir = path if path.is_dir() else path.parent
+    if not (run_dir / "metrics.jsonl").is_file():
         raise SystemExit(f"{path}: no metrics.jsonl (pass a run directory or its metrics.jsonl)")
-    rows = [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
-    rows = [r for r in rows if "step" in r and any(k.startswith("indexer_recall/") for k in r)]
+    steps, _ = read_metrics(run_dir)
+    rows = [r for r in steps if "step" in r and any(k.startswith("indexer_recall/") for k in r)]
     if not rows:
-        raise SystemExit(f"{f}: no indexer_recall/L metrics (the run did not train its indexer: "
-                         "model.train_indexer)")
+        raise SystemExit(f"{run_dir / 'metrics.jsonl'}: no indexer_recall/L metrics (the run did not train its "
+                         "indexer: model.train_indexer)")
     return rows
 
 

@@ -9,6 +9,7 @@ FLOP count (``plan.flops.mfu``: model FLOPs only, attention and indexer included
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import time
@@ -198,14 +199,12 @@ def timed_steps(run_step: Callable[[], None], steps: int, device: torch.device,
         logger.info(f"megaseq bench: {note}")
     for i in range(steps + 1):
         t0 = time.perf_counter()
-        if i == 0 and first_compiles is not None:
-            with compile_record() as rec:
-                run_step()
-                _sync(device)
-            first_compiles.update(rec.summary())
-        else:
+        counting = i == 0 and first_compiles is not None
+        with compile_record() if counting else contextlib.nullcontext() as rec:
             run_step()
             _sync(device)
+        if counting:
+            first_compiles.update(rec.summary())
         dt = time.perf_counter() - t0
         if i > 0 or steps == 0:
             times.append(dt)
