@@ -118,7 +118,7 @@ def measure_megaseq(cfg: Config, seq_len: int, steps: int, source: str, routing:
     that file (the timed steps run without the profiler)."""
     from megaseq.models.common.moe import set_routing
     from megaseq.models.presets import resolve_spec
-    from megaseq.train.build import kernels_for, resolve_device
+    from megaseq.train.build import kernels_for, resolve_device, start_precompile
     from megaseq.train.metrics import moe_load
 
     c = cfg_for(cfg, seq_len, source)
@@ -134,6 +134,9 @@ def measure_megaseq(cfg: Config, seq_len: int, steps: int, source: str, routing:
     model = applied = None
     try:
         with kernels_for(c, device):  # the dispatcher as `megaseq train` sets it up
+            # the run's kernel manifests compile while the model is built (a CUDA device only); the main thread
+            # launches no Triton kernel until timed_steps joins it before the first step
+            pre = start_precompile(c, spec, device)
             dispatch.reset_records()
             model, applied, next_batch, step = planned_step(c, spec, device, plan, steps + 1)
             set_routing(model, routing)
@@ -143,7 +146,8 @@ def measure_megaseq(cfg: Config, seq_len: int, steps: int, source: str, routing:
                 torch.cuda.reset_peak_memory_stats(device)
             first: list[float] = []
             compiles: dict[str, Any] = {}
-            times = timed_steps(lambda: step(next_batch()), steps, device, first, compiles)
+            times = timed_steps(lambda: step(next_batch()), steps, device, first, compiles, pre)
+            row["precompile"] = pre.summary() if pre is not None else None
             cuda = device.type == "cuda"  # the timed steps' peaks and routing, read before any profiled step
             peaks = dict(measured_gpu_gib=torch.cuda.max_memory_allocated(device) / GIB if cuda else None,
                          measured_gpu_reserved_gib=torch.cuda.max_memory_reserved(device) / GIB if cuda else None,
@@ -186,21 +190,27 @@ def load_summary(load: dict[str, float]) -> dict[str, Any]:
 
 
 def timed_steps(run_step: Callable[[], None], steps: int, device: torch.device,
-                first: list[float] | None = None, first_compiles: dict | None = None) -> list[float]:
+                first: list[float] | None = None, first_compiles: dict | None = None,
+                precompiled: Any = None) -> list[float]:
     """Seconds of each measured step: ``steps + 1`` runs of ``run_step``, the first a warm-up (kernels,
     autotune, the allocator) left out (its seconds appended to ``first`` when given; the Triton kernels it
     compiled, ``compiles.CompileRecord.summary``, put in ``first_compiles`` when given); ``steps`` 0: the one
-    (cold) step."""
+    (cold) step. ``precompiled`` (``ops.precompile.RunPrecompile``): joined before the first step (the seconds
+    waited for it in its ``summary()`` as ``wait_s``, outside the step's), the step's compiles added to the user's
+    kernel manifest."""
     from megaseq.bench.compiles import compile_record
 
     times = []
     note = cold_start_note(device.type)
     if note:  # a cold first step is silent for minutes otherwise
         logger.info(f"megaseq bench: {note}")
+    if precompiled is not None:
+        precompiled.join(lambda line: logger.info(f"megaseq bench: {line}"))
     for i in range(steps + 1):
         t0 = time.perf_counter()
         counting = i == 0 and first_compiles is not None
-        with compile_record() if counting else contextlib.nullcontext() as rec:
+        manifest = precompiled.recording() if i == 0 and precompiled is not None else contextlib.nullcontext()
+        with manifest, compile_record() if counting else contextlib.nullcontext() as rec:
             run_step()
             _sync(device)
         if counting:

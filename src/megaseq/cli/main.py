@@ -6,7 +6,7 @@
     megaseq plan   [config.yaml | HF-checkpoint-dir] [--seq-len 1M] [--gpus 8]
     megaseq bench  [config.yaml] [--seq-lens 32K,128K,1M] [--find-max]
     megaseq verify [config.yaml]
-    megaseq tune   config.yaml [--seq-lens 8K,32K] [--out table.json]
+    megaseq tune   config.yaml [--seq-lens 8K,32K] [--out table.json] [--kernels-out DIR]
     megaseq convert SRC DST
     megaseq export RUN_OR_CHECKPOINT DST [--merged]
 """
@@ -116,6 +116,9 @@ def parser() -> argparse.ArgumentParser:
                             "data.seq_len); nearby lengths share a power-of-two bucket")
             sp.add_argument("--out", default=None, help="the tuned table to write (default: this user's, "
                             "~/.cache/megaseq/autotune/<gpu>.json; src/megaseq/ops/tuned/<gpu>.json to ship it)")
+            sp.add_argument("--kernels-out", default=None, help="also add the recipe's kernel manifest (the Triton "
+                            "kernels its steps compiled, precompiled before a later run's first step) to this "
+                            "directory; src/megaseq/ops/tuned/kernels to ship it")
         if verb == "eval":
             sp.add_argument("target", help="a run directory or checkpoint directories (comma-separated); or named "
                                            "models before=RUN,after=RUN,control=RUN (the long-context protocol)")

@@ -166,11 +166,14 @@ def cmd_tune(args: argparse.Namespace, rest: list[str]) -> int:
     from megaseq.bench.tune import run_tune, tune_lengths
 
     cfg = _config(args, rest)
-    result = run_tune(cfg, tune_lengths(cfg, args.seq_lens), out=args.out)
+    result = run_tune(cfg, tune_lengths(cfg, args.seq_lens), out=args.out, kernels_out=args.kernels_out)
     for r in result["rows"]:
         first = f", first step {r['step_s']:.1f} s" if r.get("step_s") else ""
         print(f"{r['seq_len']:,} tokens: {r['status']}{first}")
     print(f"wrote {result['entries']} tuned configs for {result['device']} to {result['table']}")
+    if result.get("manifest"):
+        m = result["manifest"]
+        print(f"wrote the kernel manifest {m['path']}: {m['kernels']} kernels ({m['added']} new)")
     return 0 if all(r["status"] == "ok" for r in result["rows"]) else 1
 
 

@@ -1,12 +1,14 @@
 """The ``MEGASEQ_*`` environment switches of the kernels: the one module that reads them.
 
-Two are user settings with a config field that wins over the variable (``configured``, entered by a run):
+Three are user settings with a config field that wins over the variable (``configured``, entered by a run):
 
 - ``MEGASEQ_AUTOTUNE`` (``model.autotune``): how Triton autotunes megaseq's and fla's kernels where no tuned
   table has the key (``ops.autotune``): ``pruned`` (the default) times a few configs of each space, ``full``
   times them all (``megaseq tune``), ``one`` runs the most conservative config untimed.
 - ``MEGASEQ_CACHE_DIR`` (``model.kernel_cache``): the root of the per-user cache of compiled kernels and tuned
   tables; default ``~/.cache/megaseq``.
+- ``MEGASEQ_PRECOMPILE`` (``model.precompile``): ``1`` (the default) compiles the kernels of the run's kernel
+  manifests on several threads before the first step on a GPU (``ops.precompile``); ``0`` does not.
 
 The others are debugging and tuning switches, live for benchmarks and for comparing kernel variants:
 
@@ -34,6 +36,7 @@ from megaseq.ops.workspace import DC_DEFAULT as MLA_DC_DEFAULT
 AUTOTUNE_MODES = ("pruned", "full", "one")
 MLA_DC_MODES = ("pool", "saved", "atomic")
 ADAMW_KERNELS = ("triton", "torch")
+PRECOMPILE_VALUES = ("1", "0")
 
 _config: dict[str, str] = {}  # variable -> the value a run's config sets (``configured``)
 
@@ -50,14 +53,18 @@ def _choice(name: str, value: str, choices: tuple[str, ...]) -> str:
 
 
 @contextlib.contextmanager
-def configured(autotune: str | None = None, cache_dir: str | None = None) -> Iterator[None]:
-    """The run's ``model.autotune`` and ``model.kernel_cache`` in place of ``MEGASEQ_AUTOTUNE`` and
-    ``MEGASEQ_CACHE_DIR`` for its duration (None: the variable, else the default)."""
+def configured(autotune: str | None = None, cache_dir: str | None = None,
+               precompile: bool | None = None) -> Iterator[None]:
+    """The run's ``model.autotune``, ``model.kernel_cache`` and ``model.precompile`` in place of
+    ``MEGASEQ_AUTOTUNE``, ``MEGASEQ_CACHE_DIR`` and ``MEGASEQ_PRECOMPILE`` for its duration (None: the variable,
+    else the default)."""
     before = dict(_config)
     if autotune is not None:
         _config["MEGASEQ_AUTOTUNE"] = _choice("model.autotune", autotune, AUTOTUNE_MODES)
     if cache_dir is not None:
         _config["MEGASEQ_CACHE_DIR"] = cache_dir
+    if precompile is not None:
+        _config["MEGASEQ_PRECOMPILE"] = "1" if precompile else "0"
     try:
         yield
     finally:
@@ -76,6 +83,12 @@ def autotune_mode() -> str:
 def cache_root() -> Path:
     """megaseq's per-user cache: ``MEGASEQ_CACHE_DIR``, else ``~/.cache/megaseq``."""
     return Path(_read("MEGASEQ_CACHE_DIR") or "~/.cache/megaseq").expanduser()
+
+
+def precompile() -> bool:
+    """``MEGASEQ_PRECOMPILE``: ``1`` (the default) precompiles the run's kernel manifests before the first step
+    on a GPU; ``0`` does not."""
+    return _choice("MEGASEQ_PRECOMPILE", _read("MEGASEQ_PRECOMPILE") or "1", PRECOMPILE_VALUES) == "1"
 
 
 def fla_one_config() -> bool:

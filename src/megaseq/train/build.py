@@ -128,12 +128,49 @@ def kernel_settings(cfg: Config, device: torch.device) -> dict[str, Any]:
 
 
 def kernels_for(cfg: Config, device: torch.device) -> contextlib.AbstractContextManager:
-    """The dispatcher set up as the run is planned (``kernel_settings``), and ``model.autotune`` and
-    ``model.kernel_cache`` in force (``ops.switches``), for the duration of the run."""
+    """The dispatcher set up as the run is planned (``kernel_settings``), and ``model.autotune``,
+    ``model.kernel_cache`` and ``model.precompile`` in force (``ops.switches``), for the duration of the run."""
     stack = contextlib.ExitStack()
     stack.enter_context(dispatch.configured(**kernel_settings(cfg, device)))
-    stack.enter_context(switches.configured(cfg.model.autotune, cfg.model.kernel_cache))
+    stack.enter_context(switches.configured(cfg.model.autotune, cfg.model.kernel_cache, cfg.model.precompile))
     return stack
+
+
+# the forced memory settings that change which kernels a step runs (under memory.auto the plan picks them per
+# length, and a manifest holds the union over lengths)
+KERNEL_MEMORY_SETTINGS = ("chunked_loss", "tiled_mlp", "optimizer_offload", "kda_segment_tokens",
+                          "model_segment_tokens", "segment_keep_selection", "stream_base")
+
+
+def kernel_fingerprint(cfg: Config, spec: Any) -> tuple[str, dict[str, Any]]:
+    """The name of the run's kernel manifest (``ops.precompile.fingerprint``) and the settings it stands for:
+    the model spec, the compute and weight dtypes, ``model.kernels``, the indexer objective, LoRA and its
+    targets, FSDP, the context- and expert-parallel sizes and, with ``memory.auto`` false, the forced memory
+    settings that change which kernels run. The sequence length is not part of it: every length of a recipe
+    shares one manifest."""
+    from megaseq.ops.precompile import fingerprint
+
+    describes = {"model": cfg.model.name, "dtype": cfg.model.dtype, "weights": cfg.model.weights,
+                 "kernels": cfg.model.kernels, "train_indexer": cfg.model.train_indexer,
+                 "lora": list(cfg.lora.targets) if cfg.lora.enabled else None, "fsdp": cfg.parallel.fsdp,
+                 "cp": cfg.parallel.cp, "ep": cfg.parallel.ep,
+                 "memory": "auto" if cfg.memory.auto else {k: getattr(cfg.memory, k) for k in KERNEL_MEMORY_SETTINGS}}
+    parts = {**describes, "model": spec.to_dict()}
+    return fingerprint(parts), describes
+
+
+def start_precompile(cfg: Config, spec: Any, device: torch.device, processes: int = 1) -> Any:
+    """On a CUDA device with ``model.precompile`` on (``ops.precompile.enabled``): the run's kernel manifests
+    compiling in the background (``ops.precompile.RunPrecompile``), ``processes`` the run's processes on this
+    machine sharing its CPUs; else None. Call inside ``kernels_for`` (the switches and the kernel cache in
+    force), before the model is built."""
+    from megaseq.ops import precompile
+
+    if not precompile.enabled(device.type):
+        return None
+    fp, describes = kernel_fingerprint(cfg, spec)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return precompile.RunPrecompile(fp, index, describes, precompile.default_workers(processes))
 
 
 def report_fallbacks(cfg: Config, device: torch.device, log: Any) -> None:

@@ -77,6 +77,7 @@ class TrainLoop:
     base: dict[str, Any] | None = None  # how the frozen base is made (checkpoints then hold what trains only)
     probe: HeldoutProbe | None = None  # train.eval_every
     schemes: Any = None  # memory.apply.AppliedMemory: its step counts go in each record beside the plan's
+    precompiled: Any = None  # ops.precompile.RunPrecompile: joined before the first step, which it records
 
     @property
     def env(self) -> ParallelEnv:
@@ -116,7 +117,12 @@ class TrainLoop:
         schedule = SaveSchedule(cfg.train.save_every, cfg.train.save_every_minutes, env)
         with guard.StopSignals(env.log) as signals:
             for step in range(start + 1, cfg.train.steps + 1):
-                loss, record = self.step(step, logger, result)
+                if step == start + 1 and self.precompiled is not None:
+                    self.precompiled.join(env.log)  # the manifests' kernels compiled: none launched before this
+                    with self.precompiled.recording():  # what the first step still compiles: the next run's too
+                        loss, record = self.step(step, logger, result)
+                else:
+                    loss, record = self.step(step, logger, result)
                 if step == start + 1:
                     report_fallbacks(cfg, self.device, env.log)
                 if not warned_plan and (warned_plan := over_plan(record, str(result.run_dir))):

@@ -31,6 +31,7 @@ from megaseq.train.build import (
     dtypes,
     kernels_for,
     resolve_device,
+    start_precompile,
     use_expandable_segments,
 )
 from megaseq.train.family_settings import resolve_family_settings
@@ -88,18 +89,29 @@ def run_training(cfg: Config) -> RunResult:
     plan_dict, memory = make_plan(cfg, env, device, spec)
     check_adapters(cfg, spec, memory)
     with kernels_for(cfg, device):
+        # the run's kernel manifests compile while the data and the model are built (a CUDA device only); nothing
+        # launches a Triton kernel until the loop joins it before the first step
+        precompiled = start_precompile(cfg, spec, device, local_processes(env))
         dispatch.reset_records()  # what ran under this configuration (the first step's report reads them)
-        return _run_planned(cfg, spec, env, device, plan_dict, memory)
+        return _run_planned(cfg, spec, env, device, plan_dict, memory, precompiled)
+
+
+def local_processes(env: ParallelEnv) -> int:
+    """The run's processes sharing this machine's CPUs: one per visible GPU at most."""
+    if env.world_size <= 1 or not torch.cuda.is_available():
+        return 1
+    return max(1, min(env.world_size, torch.cuda.device_count()))
 
 
 def _run_planned(cfg: Config, spec: Any, env: ParallelEnv, device: torch.device, plan_dict: dict[str, Any],
-                 memory: MemorySettings) -> RunResult:
+                 memory: MemorySettings, precompiled: Any = None) -> RunResult:
     """Claim the run directory and train; a start that fails before its first step removes the directory
     it created (``run_dir.discard_unstarted``), so a bad path or setting leaves nothing behind."""
     created = env.is_main and not Path(cfg.train.run_dir).exists()
     run_dir, resume_from = claim_run_dir(cfg) if env.is_main else (Path(cfg.train.run_dir), None)
     try:
-        return _run_claimed(cfg, spec, env, device, plan_dict, memory, run_dir, env.broadcast_object(resume_from))
+        return _run_claimed(cfg, spec, env, device, plan_dict, memory, run_dir, env.broadcast_object(resume_from),
+                            precompiled)
     except BaseException:
         if created:
             discard_unstarted(run_dir)
@@ -107,7 +119,8 @@ def _run_planned(cfg: Config, spec: Any, env: ParallelEnv, device: torch.device,
 
 
 def _run_claimed(cfg: Config, spec: Any, env: ParallelEnv, device: torch.device, plan_dict: dict[str, Any],
-                 memory: MemorySettings, run_dir: Path, resume_from: Path | None) -> RunResult:
+                 memory: MemorySettings, run_dir: Path, resume_from: Path | None,
+                 precompiled: Any = None) -> RunResult:
     from megaseq.data import build_data
 
     if env.is_main:
@@ -143,7 +156,7 @@ def _run_claimed(cfg: Config, spec: Any, env: ParallelEnv, device: torch.device,
     balancer = Balancer(model, resolve_balance(cfg.moe, spec), env, cfg.train.grad_accum)
     probe = HeldoutProbe(cfg, data, env, autocast, memory) if cfg.train.eval_every else None
     state = StepState.of(cfg, model, optimizer, scheduler, env, memory, autocast, balancer)
-    loop = TrainLoop(cfg, device, plan_dict, state, data, spec_dict, base, probe, applied)
+    loop = TrainLoop(cfg, device, plan_dict, state, data, spec_dict, base, probe, applied, precompiled)
     try:
         loop.run(start, result)
     finally:

@@ -1,0 +1,436 @@
+"""Kernel manifests and a parallel precompile: the Triton kernels a run's first step compiles, compiled on several
+threads before that step, while the model is built.
+
+A first step on a new machine compiles every Triton kernel (megaseq's and fla's) one at a time on the calling
+thread. A **manifest** lists the specialisations a run compiled, each ``{"kernel": "<module>.<qualname>", "spec":
+<Triton's specialization data>}``, deduplicated by spec, in a JSON file ``{"format", "triton", "target",
+"entries"}``; ``precompile`` compiles them all on a thread pool (``JITFunction.preload`` under Triton's
+``AsyncCompileMode``) into the JIT's in-process kernel cache and Triton's disk cache, so the step's launches with
+those specialisations compile nothing.
+
+- ``record()`` collects the entries of the compiles inside a ``with`` block from Triton's
+  ``jit_post_compile_hook`` (the hook installed before it keeps being called, and is restored after).
+- Manifests are named by ``fingerprint`` (what decides a run's kernel set, the sequence length excluded: every
+  length of a recipe shares one manifest, the union of its lengths' entries) and the GPU target. Two are read:
+  the one the package ships (``ops/tuned/kernels/``, written by ``megaseq tune --kernels-out``) and the user's
+  (``<cache>/kernels/``, to which each run adds what its first step compiled that the manifest lacked).
+  Entries recorded under another Triton version or target are not used (Triton's cache keys differ).
+- ``Background`` runs ``precompile`` on a thread started before the model is built; ``join()`` before the first
+  step. A stale entry (a kernel renamed, its source or signature changed) is skipped and counted, never raised.
+
+Torch-free; Triton is imported when a manifest is read for the current machine or a kernel is compiled.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from importlib import import_module
+from pathlib import Path
+from typing import Any
+
+from megaseq.ops import switches
+
+logger = logging.getLogger(__name__)
+
+FORMAT = 1
+SHIPPED_DIR = Path(__file__).parent / "tuned" / "kernels"
+MAX_WORKERS = 16  # compiles a process runs at once: each holds its own MLIR context and LLVM state
+
+Entry = dict[str, str]  # {"kernel": "<module>.<qualname>", "spec": <specialization data, JSON>}
+
+
+def fingerprint(parts: dict[str, Any]) -> str:
+    """A short name for what decides a run's kernel set (``parts``: JSON-serialisable, e.g. the model spec, the
+    compute dtype, ``model.kernels``, LoRA on or off): 16 hex digits of the sha256 of ``parts`` as sorted JSON."""
+    text = json.dumps(parts, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def current_target() -> tuple[str, str]:
+    """``(triton version, "<backend>:<arch>")`` of this process's GPU (e.g. ``("3.6.0", "cuda:90")``); needs the
+    GPU driver."""
+    import triton
+    from triton.runtime import driver
+
+    t = driver.active.get_current_target()
+    return triton.__version__, f"{t.backend}:{t.arch}"
+
+
+def manifest_name(fp: str, target: str) -> str:
+    """The file name of fingerprint ``fp``'s manifest for ``target``: ``<fp>-cuda90.json``."""
+    return f"{fp}-{target.replace(':', '')}.json"
+
+
+def user_dir() -> Path:
+    """The user's manifests: ``<cache>/kernels`` (``model.kernel_cache``, ``MEGASEQ_CACHE_DIR``)."""
+    return switches.cache_root() / "kernels"
+
+
+def read_manifest(path: Path, triton_version: str, target: str) -> list[Entry]:
+    """The entries of the manifest at ``path``; none where it is missing, and none (said in one log line) where
+    it is unreadable or was recorded under another Triton version or target."""
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return []
+    except (OSError, ValueError) as e:
+        logger.info(f"kernel manifest {path}: unreadable ({e}); not used")
+        return []
+    if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("entries"), list):
+        logger.info(f"kernel manifest {path}: not a megaseq kernel manifest of format {FORMAT}; not used")
+        return []
+    if (data.get("triton"), data.get("target")) != (triton_version, target):
+        logger.info(f"kernel manifest {path}: recorded under Triton {data.get('triton')} for {data.get('target')}, "
+                    f"this is Triton {triton_version} on {target}; not used")
+        return []
+    return [e for e in data["entries"] if isinstance(e, dict) and isinstance(e.get("kernel"), str)
+            and isinstance(e.get("spec"), str)]
+
+
+def merge(*lists: Iterable[Entry]) -> list[Entry]:
+    """The entries of ``lists`` in order, each spec once."""
+    seen: set[str] = set()
+    out = []
+    for entries in lists:
+        for e in entries:
+            if e["spec"] not in seen:
+                seen.add(e["spec"])
+                out.append({"kernel": e["kernel"], "spec": e["spec"]})
+    return out
+
+
+def write_manifest(path: Path, entries: Iterable[Entry], triton_version: str, target: str,
+                   describes: dict[str, Any] | None = None) -> None:
+    """Write a manifest atomically (a temp file, then rename), its entries sorted by kernel; ``describes``: what
+    the fingerprint stands for, for whoever reads the file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
+    body: dict[str, Any] = {"format": FORMAT, "triton": triton_version, "target": target}
+    if describes:
+        body["describes"] = describes
+    body["entries"] = sorted(merge(entries), key=lambda e: (e["kernel"], e["spec"]))
+    tmp.write_text(json.dumps(body, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def load(fp: str, triton_version: str, target: str, shipped: Path | None = None,
+         user: Path | None = None) -> list[Entry]:
+    """The union of the shipped and the user's manifest of ``fp`` for this Triton version and target."""
+    name = manifest_name(fp, target)
+    return merge(read_manifest((shipped or SHIPPED_DIR) / name, triton_version, target),
+                 read_manifest((user or user_dir()) / name, triton_version, target))
+
+
+def add(path: Path, entries: Iterable[Entry], triton_version: str, target: str,
+        describes: dict[str, Any] | None = None) -> int:
+    """Add ``entries`` to the manifest at ``path`` (read back and merged, so other processes' entries stay; a
+    manifest of another Triton version or target is replaced); returns how many were new. A directory that
+    cannot be written is said in one log line: the run goes on."""
+    have = read_manifest(path, triton_version, target)
+    merged = merge(have, entries)
+    if len(merged) == len(have):
+        return 0
+    try:
+        write_manifest(path, merged, triton_version, target, describes)
+    except OSError as e:
+        logger.info(f"kernel manifest {path}: not written ({e})")
+        return 0
+    return len(merged) - len(have)
+
+
+def _kernel_name(fn: Any) -> str | None:
+    """``<module>.<qualname>`` of the hook's ``fn`` (``JitFunctionInfo``: Triton passes the module's name and
+    the function's qualname); None where it is not importable by name (a function defined inside another)."""
+    module, name = getattr(fn, "module", None), getattr(fn, "name", None)
+    module = getattr(module, "__name__", module)
+    if not isinstance(module, str) or not isinstance(name, str) or "<locals>" in name or module == "__main__":
+        return None
+    return f"{module}.{name}"
+
+
+@contextmanager
+def record() -> Iterator[list[Entry]]:
+    """The entries of the Triton compiles inside the block, each spec once (a list filled as they happen); the
+    ``jit_post_compile_hook`` installed before keeps being called and is restored after. Without Triton it
+    records nothing."""
+    entries: list[Entry] = []
+    try:
+        from triton import knobs
+    except ImportError:
+        yield entries
+        return
+    rt = knobs.runtime
+    before = rt.jit_post_compile_hook
+    seen: set[str] = set()
+    lock = threading.Lock()
+
+    def post(**kw: Any) -> Any:
+        name = _kernel_name(kw.get("fn"))
+        spec = (kw.get("compile") or {}).get("specialization_data")
+        if name is not None and isinstance(spec, str):
+            with lock:
+                if spec not in seen:
+                    seen.add(spec)
+                    entries.append({"kernel": name, "spec": spec})
+        return before(**kw) if before is not None else None
+
+    rt.jit_post_compile_hook = post
+    try:
+        yield entries
+    finally:
+        rt.jit_post_compile_hook = before
+
+
+def resolve(kernel: str) -> Any:
+    """The ``JITFunction`` named ``<module>.<qualname>``: the longest importable module prefix, then the
+    qualname's attributes, Triton's ``Autotuner`` and ``Heuristics`` unwrapped (``.fn``). ValueError where
+    there is none."""
+    from triton.runtime.jit import JITFunction
+
+    parts = kernel.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        try:
+            obj = import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        try:
+            for attr in parts[i:]:
+                obj = getattr(obj, attr)
+        except AttributeError:
+            continue
+        for _ in range(8):  # Autotuner(Heuristics(JITFunction)) and the like
+            if isinstance(obj, JITFunction):
+                return obj
+            obj = getattr(obj, "fn", None)
+        break
+    raise ValueError(f"{kernel}: no Triton kernel of that name")
+
+
+@dataclass
+class Result:
+    """What ``precompile`` did: kernels compiled (or loaded from Triton's disk cache), entries skipped (a kernel
+    that no longer resolves or compiles), the wall seconds and the threads."""
+
+    compiled: int = 0
+    skipped: int = 0
+    seconds: float = 0.0
+    workers: int = 0
+    cached: int = 0  # already in this process's kernel cache (an earlier run in the process compiled them)
+
+    def summary(self) -> dict[str, Any]:
+        return {**asdict(self), "seconds": round(self.seconds, 3)}
+
+    def line(self) -> str:
+        cached = f", {self.cached} compiled already" if self.cached else ""
+        return (f"precompiled {self.compiled} kernels ({self.skipped} skipped{cached}) in {self.seconds:.1f} s "
+                f"on {self.workers} threads")
+
+
+def default_workers(processes: int = 1) -> int:
+    """The CPUs this process may use, shared by ``processes`` on the machine, at most ``MAX_WORKERS``."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cpus = os.cpu_count() or 1
+    return max(1, min(MAX_WORKERS, cpus // max(1, processes)))
+
+
+def _in_kernel_cache(fn: Any, spec: str, device: int) -> bool:
+    """Whether ``fn`` (a ``JITFunction``) holds ``spec``'s kernel for ``device`` already."""
+    caches = getattr(fn, "device_caches", None)
+    if not isinstance(caches, dict) or device not in caches:
+        return False
+    try:
+        return json.loads(spec).get("key") in caches[device][0]
+    except (ValueError, AttributeError, TypeError):
+        return False
+
+
+def precompile(entries: list[Entry], workers: int | None = None, device: int | None = None,
+               resolver: Callable[[str], Any] = resolve) -> Result:
+    """Compile each entry's specialisation (``resolver(kernel).preload(spec)``) on ``workers`` threads (default
+    ``default_workers()``) under Triton's ``AsyncCompileMode``, on CUDA device ``device`` (None: the current
+    one); returns when all are in the JIT's kernel caches. An entry that does not resolve or compile is skipped
+    and counted. ``resolver`` (tests): a kernel name to an object with ``preload``."""
+    t0 = time.perf_counter()
+    workers = workers or default_workers()
+    result = Result(workers=workers)
+    if not entries:
+        return result
+    from triton import AsyncCompileMode
+    from triton.runtime import driver
+
+    if device is not None:
+        driver.active.set_current_device(device)  # the kernel caches are per device: the run's
+    else:
+        device = driver.active.get_current_device()
+    futures = []
+    try:
+        with ThreadPoolExecutor(workers, thread_name_prefix="megaseq-precompile") as pool, \
+                AsyncCompileMode(pool, ignore_errors=True):  # finalising a failed compile does not raise
+            for e in entries:
+                try:
+                    fn = resolver(e["kernel"])
+                    if _in_kernel_cache(fn, e["spec"], device):
+                        result.cached += 1
+                        continue
+                    futures.append(fn.preload(e["spec"]))
+                except Exception as err:  # noqa: BLE001  a stale entry: counted, never raised
+                    logger.debug(f"precompile: {e['kernel']}: {type(err).__name__}: {err}")
+                    result.skipped += 1
+    except Exception as err:  # noqa: BLE001  a hook raising as the compiles are finalised: what finished counts
+        logger.info(f"precompile: {type(err).__name__}: {err}")
+    for f in futures:  # a FutureKernel: ``kernel`` set once finalised; a compile that raised leaves it None
+        if f is not None and getattr(f, "kernel", f) is not None:
+            result.compiled += 1
+        else:
+            result.skipped += 1
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+class Background:
+    """``precompile`` on a thread of its own, started at once: it overlaps whatever the caller does next (building
+    the model, loading weights, planning), which must launch no Triton kernel until ``join``; the thread only
+    compiles, into the JIT's kernel caches and Triton's disk cache."""
+
+    def __init__(self, entries: list[Entry], workers: int | None = None, device: int | None = None,
+                 resolver: Callable[[str], Any] = resolve) -> None:
+        self.entries = entries
+        self.result: Result | None = None
+        self.error: BaseException | None = None
+
+        def run() -> None:
+            try:
+                self.result = precompile(entries, workers, device, resolver)
+            except BaseException as e:  # noqa: BLE001  said at join: the run goes on and compiles as it launches
+                self.error = e
+
+        self._thread = threading.Thread(target=run, name="megaseq-precompile", daemon=True)
+        self._thread.start()
+
+    def join(self) -> Result:
+        """Wait for the compiles; the result (an error in the thread: said in one log line, nothing counted)."""
+        self._thread.join()
+        if self.error is not None:
+            logger.info(f"precompile failed ({type(self.error).__name__}: {self.error}); the first step compiles "
+                        "its kernels as it launches them")
+            return Result(skipped=len(self.entries))
+        assert self.result is not None
+        return self.result
+
+
+def enabled(device_type: str) -> bool:
+    """Whether a run on ``device_type`` precompiles: on a CUDA GPU with Triton installed, unless
+    ``model.precompile`` or ``MEGASEQ_PRECOMPILE`` turns it off (``ops.switches.precompile``)."""
+    if device_type != "cuda" or not switches.precompile():
+        return False
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None
+
+
+class RunPrecompile:
+    """A run's precompile: the shipped and the user's manifest of fingerprint ``fp`` compiled in the background
+    from construction (``Background``), ``join`` before the first step, and that step run inside ``recording``,
+    which adds what it compiled that the manifests lacked to the user's manifest. ``device``: the run's CUDA
+    device index (the kernel caches are per device). Construct it on the main thread (it reads the GPU's target
+    and installs megaseq's autotuner patch before the thread imports any kernel module)."""
+
+    def __init__(self, fp: str, device: int, describes: dict[str, Any] | None = None, workers: int | None = None,
+                 shipped: Path | None = None, user: Path | None = None) -> None:
+        from megaseq.ops.triton_autotune import install
+
+        install()  # the persistent Triton cache and the autotuner patch, once, before any compile
+        self.version, self.target = current_target()
+        name = manifest_name(fp, self.target)
+        self.user_path = (user or user_dir()) / name
+        self.describes = describes
+        self.entries = load(fp, self.version, self.target, shipped, user)
+        self.background = Background(self.entries, workers, device)
+        self.result: Result | None = None
+        self.wait_s = 0.0
+        self.added = 0
+
+    def join(self, log: Callable[[str], None] = logger.info) -> Result:
+        """Wait for the precompile (the seconds waited: ``wait_s``) and log its line; the result."""
+        t0 = time.perf_counter()
+        self.result = self.background.join()
+        self.wait_s = time.perf_counter() - t0
+        log(self.result.line())
+        return self.result
+
+    @contextmanager
+    def recording(self) -> Iterator[list[Entry]]:
+        """Record the compiles of the block (the first step) and add the new ones to the user's manifest."""
+        with record() as entries:
+            yield entries
+        known = {e["spec"] for e in self.entries}
+        self.added = add(self.user_path, [e for e in entries if e["spec"] not in known], self.version, self.target,
+                         self.describes)
+        if self.added:
+            logger.info(f"kernel manifest {self.user_path}: {self.added} kernels added (the next run precompiles them)")
+
+    def summary(self) -> dict[str, Any]:
+        """The result (``Result.summary``) with the manifests' entries, the seconds the first step waited for it
+        (``wait_s``) and the kernels that step added to the user's manifest."""
+        done = self.result.summary() if self.result is not None else {}
+        return {**done, "entries": len(self.entries), "wait_s": round(self.wait_s, 3), "added": self.added}
+
+
+def _spec_config(spec: str, arg_names: list[str]) -> tuple[dict[str, Any], Any, Any]:
+    """(constexpr arguments by name, num_warps, num_stages) of a specialization data string."""
+    d = json.loads(spec)
+    consts = {}
+    for path, value in zip(d.get("constant_keys", []), d.get("constant_vals", [])):
+        if len(path) == 1 and isinstance(path[0], int) and path[0] < len(arg_names):
+            consts[arg_names[path[0]]] = value["constexpr"] if isinstance(value, dict) and "constexpr" in value \
+                else value
+    options = d.get("options", {})
+    return consts, options.get("num_warps"), options.get("num_stages")
+
+
+def tuned_only(entries: list[Entry], winners: dict[int, list[Any]], resolver: Callable[[str], Any] = resolve,
+               ) -> list[Entry]:
+    """``entries`` without the configs an autotuner timed and did not choose: ``winners`` maps ``id()`` of an
+    autotuned ``JITFunction`` to the configs its ``Autotuner`` chose (``Config``: ``kwargs``, ``num_warps``,
+    ``num_stages``); an entry of such a kernel stays when it matches one of them, any other entry stays."""
+    out = []
+    for e in entries:
+        try:
+            fn = resolver(e["kernel"])
+        except Exception:  # noqa: BLE001  kept: precompile skips what does not resolve
+            out.append(e)
+            continue
+        chosen = winners.get(id(fn))
+        if chosen is None:
+            out.append(e)
+            continue
+        consts, warps, stages = _spec_config(e["spec"], list(getattr(fn, "arg_names", [])))
+        if any(all(consts.get(k) == v for k, v in c.kwargs.items()) and warps == c.num_warps
+               and stages == c.num_stages for c in chosen):
+            out.append(e)
+    return out
+
+
+def autotune_winners(tuners: Iterable[Any]) -> dict[int, list[Any]]:
+    """``id()`` of each autotuner's ``JITFunction`` (its ``.fn`` chain unwrapped) to the configs it chose for
+    its keys so far (``Autotuner.cache``)."""
+    out: dict[int, list[Any]] = {}
+    for tuner in tuners:
+        fn = tuner.fn
+        for _ in range(8):
+            if not hasattr(fn, "fn") or hasattr(fn, "device_caches"):
+                break
+            fn = fn.fn
+        out.setdefault(id(fn), []).extend(getattr(tuner, "cache", {}).values())
+    return out
