@@ -244,10 +244,16 @@ def default_workers(processes: int = 1) -> int:
     return max(1, min(MAX_WORKERS, cpus // max(1, processes)))
 
 
-def _in_kernel_cache(fn: Any, spec: str, device: int) -> bool:
-    """Whether ``fn`` (a ``JITFunction``) holds ``spec``'s kernel for ``device`` already."""
+def _in_kernel_cache(fn: Any, spec: str, device: int | None) -> bool:
+    """Whether ``fn`` (a ``JITFunction``) holds ``spec``'s kernel for ``device`` (None: the current one)."""
     caches = getattr(fn, "device_caches", None)
-    if not isinstance(caches, dict) or device not in caches:
+    if not isinstance(caches, dict) or not caches:
+        return False
+    if device is None:
+        from triton.runtime import driver
+
+        device = driver.active.get_current_device()
+    if device not in caches:
         return False
     try:
         return json.loads(spec).get("key") in caches[device][0]
@@ -256,23 +262,22 @@ def _in_kernel_cache(fn: Any, spec: str, device: int) -> bool:
 
 
 def precompile(entries: list[Entry], workers: int | None = None, device: int | None = None,
-               resolver: Callable[[str], Any] = resolve) -> Result:
+               resolver: Callable[[str], Any] | None = None) -> Result:
     """Compile each entry's specialisation (``resolver(kernel).preload(spec)``) on ``workers`` threads (default
     ``default_workers()``) under Triton's ``AsyncCompileMode``, on CUDA device ``device`` (None: the current
     one); returns when all are in the JIT's kernel caches. An entry that does not resolve or compile is skipped
-    and counted. ``resolver`` (tests): a kernel name to an object with ``preload``."""
+    and counted. ``resolver`` (tests): a kernel name to an object with ``preload`` (default ``resolve``)."""
     t0 = time.perf_counter()
+    resolver = resolver or resolve
     workers = workers or default_workers()
     result = Result(workers=workers)
     if not entries:
         return result
     from triton import AsyncCompileMode
-    from triton.runtime import driver
-
     if device is not None:
+        from triton.runtime import driver
+
         driver.active.set_current_device(device)  # the kernel caches are per device: the run's
-    else:
-        device = driver.active.get_current_device()
     futures = []
     try:
         with ThreadPoolExecutor(workers, thread_name_prefix="megaseq-precompile") as pool, \
@@ -304,7 +309,7 @@ class Background:
     compiles, into the JIT's kernel caches and Triton's disk cache."""
 
     def __init__(self, entries: list[Entry], workers: int | None = None, device: int | None = None,
-                 resolver: Callable[[str], Any] = resolve) -> None:
+                 resolver: Callable[[str], Any] | None = None) -> None:
         self.entries = entries
         self.result: Result | None = None
         self.error: BaseException | None = None
@@ -346,8 +351,8 @@ class RunPrecompile:
     device index (the kernel caches are per device). Construct it on the main thread (it reads the GPU's target
     and installs megaseq's autotuner patch before the thread imports any kernel module)."""
 
-    def __init__(self, fp: str, device: int, describes: dict[str, Any] | None = None, workers: int | None = None,
-                 shipped: Path | None = None, user: Path | None = None) -> None:
+    def __init__(self, fp: str, device: int | None, describes: dict[str, Any] | None = None,
+                 workers: int | None = None, shipped: Path | None = None, user: Path | None = None) -> None:
         from megaseq.ops.triton_autotune import install
 
         install()  # the persistent Triton cache and the autotuner patch, once, before any compile
