@@ -51,7 +51,7 @@ class ModelConfig:
                                    "MEGASEQ_CACHE_DIR, else ~/.cache/megaseq")
     precompile: bool | None = opt(None, "on a GPU, compile the Triton kernels the run's kernel manifests list on "
                                   "several threads while the model is built, before the first step (manifests: "
-                                  "shipped by `megaseq tune --kernels-out`, and the user's in the kernel cache, "
+                                  "shipped, written by `megaseq tune`, and the user's in the kernel cache, "
                                   "which each run extends); unset: MEGASEQ_PRECOMPILE (0: off), else on")
     train_indexer: bool = opt(False, "train the DSA lightning indexer with its KL objective (DeepSeek-V3.2's): the "
                               "main attention's probabilities summed over heads, over the selected keys, as the "
