@@ -343,3 +343,28 @@ def test_real_triton_autotuner_writes_then_reads_the_table(monkeypatch) -> None:
     second[lambda meta: (triton.cdiv(900 * 8, meta["B"]),)](x, out, 900, 8)
     assert len(getattr(second, "configs_timings", {})) <= 1, "a table entry's key must not time the space again"
     assert second.best_config.kwargs == entry["kwargs"] and second.best_config.num_warps == entry["num_warps"]
+
+
+def test_tune_leaves_the_environment_as_it_was(tmp_path, monkeypatch) -> None:
+    """``run_tune`` sets full tuning for its steps only: a variable it found unset is unset after it, one set keeps
+    its value (a library caller's later runs, and the tests after this one, do not tune everything)."""
+    import os
+
+    import torch
+
+    from megaseq.bench.tune import run_tune
+    from megaseq.config import load_config
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    monkeypatch.delenv("MEGASEQ_MLA_AUTOTUNE", raising=False)
+    monkeypatch.setenv("MEGASEQ_AUTOTUNE", "one")
+    seen = []
+
+    def measure(cfg, L, steps, source, routing):
+        seen.append((os.environ.get("MEGASEQ_AUTOTUNE"), os.environ.get("MEGASEQ_MLA_AUTOTUNE")))
+        return {"seq_len": L, "status": "ok", "step_s": 1.0}
+
+    run_tune(load_config("recipes/glm5-flash-1gpu.yaml"), [8192], out=str(tmp_path / "t.json"), measure=measure)
+    assert seen == [("full", "1")]
+    assert os.environ.get("MEGASEQ_AUTOTUNE") == "one" and "MEGASEQ_MLA_AUTOTUNE" not in os.environ

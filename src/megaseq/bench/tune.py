@@ -16,8 +16,10 @@ target compiles them on several threads before its first step.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -62,7 +64,6 @@ def run_tune(cfg: Config, lengths: list[int], out: str | None = None, measure=No
     """Tune at each length and write the table (and with ``kernels_out`` the kernel manifest); returns what it
     did (rows, table path, entries, manifest path and its new kernels). ``measure`` (tests): the step to run,
     ``bench.measure.measure_megaseq``'s signature."""
-    import contextlib
     import dataclasses
 
     import torch
@@ -78,8 +79,6 @@ def run_tune(cfg: Config, lengths: list[int], out: str | None = None, measure=No
                          "is visible here (run it on the GPU model the table is for)")
     if measure is None:
         from megaseq.bench.measure import measure_megaseq as measure
-    os.environ["MEGASEQ_AUTOTUNE"] = "full"
-    os.environ["MEGASEQ_MLA_AUTOTUNE"] = "1"
     if kernels_dir is not None:  # every kernel compiles in the step, where the manifest records it
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, precompile=False))
     routing = resolve_routing(cfg, "auto", "random")
@@ -88,7 +87,7 @@ def run_tune(cfg: Config, lengths: list[int], out: str | None = None, measure=No
     rows = []
     winners: dict[int, list[Any]] = {}
     recording = precompile.record() if kernels_dir is not None else contextlib.nullcontext([])
-    with recording as compiled:
+    with _tuning_environment(), recording as compiled:
         for i, L in enumerate(lengths):
             if i:  # Triton keys its tunings without the length: tune again for this length's bucket
                 _add_winners(winners, precompile.autotune_winners(_tuners))
@@ -106,6 +105,23 @@ def run_tune(cfg: Config, lengths: list[int], out: str | None = None, measure=No
     return {"device": device, "lengths": lengths, "routing": routing, "table": str(path), "entries": entries,
             "manifest": manifest,
             "rows": [{k: r.get(k) for k in ("seq_len", "status", "step_s", "error")} for r in rows]}
+
+
+@contextlib.contextmanager
+def _tuning_environment() -> Iterator[None]:
+    """Every autotuned kernel over its whole space (``MEGASEQ_AUTOTUNE=full``) and the sparse MLA launcher's own
+    tuning (``MEGASEQ_MLA_AUTOTUNE=1``) inside the block; the variables as they were after it."""
+    tuning = {"MEGASEQ_AUTOTUNE": "full", "MEGASEQ_MLA_AUTOTUNE": "1"}
+    before = {k: os.environ.get(k) for k in tuning}
+    os.environ.update(tuning)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _add_winners(into: dict[int, list[Any]], more: dict[int, list[Any]]) -> None:
