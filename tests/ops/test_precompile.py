@@ -218,9 +218,41 @@ def test_precompile_preloads_every_entry_on_several_threads_and_counts_the_stale
     assert (result.compiled, result.skipped, result.workers) == (4, 3, 2)
     assert set(good.cache) == {"s0", "s1", "s2", "s3"} and not broken.cache
     assert len(good.threads) == 2 and threading.get_ident() not in good.threads
-    assert result.line().startswith("precompiled 4 kernels (3 skipped) in ") and result.line().endswith("2 threads")
+    line = result.line()
+    assert line.startswith("precompiled 4 kernels (3 skipped; 0 loaded) in ") and line.endswith("2 threads")
     assert precompile.precompile([], workers=3).summary() == {"compiled": 0, "skipped": 0, "seconds": 0.0,
-                                                               "workers": 3, "cached": 0}
+                                                               "workers": 3, "cached": 0, "loaded": 0}
+
+
+class Loadable:
+    """A compiled kernel as Triton's ``CompiledKernel`` stands before its first launch: ``_init_handles`` builds
+    its launcher and loads its binary (here: notes the thread; ``over`` raises as a kernel over the GPU's limits)."""
+
+    def __init__(self, over: bool = False) -> None:
+        self.over, self.loaded_on = over, None
+
+    def _init_handles(self) -> None:
+        if self.over:
+            raise RuntimeError("out of resources: shared memory")
+        self.loaded_on = threading.get_ident()
+
+
+def test_precompile_loads_each_compiled_kernel_on_the_pool():
+    """After the compiles, each compiled kernel's launcher and binary are made on the pool's threads, not at its
+    first launch on the caller's; a kernel that raises there (over the GPU's limits) is left to raise at its
+    launch, as without the precompile. Broken variant: the loading step removed leaves ``loaded_on`` None."""
+    made = {"a": Loadable(), "b": Loadable(), "c": Loadable(over=True)}
+
+    class Compiles(StandIn):
+        def preload(self, spec: str):
+            return active_mode.get().submit(spec, lambda: made[spec], lambda k: self.cache.__setitem__(spec, k))
+
+    k = Compiles()
+    result = precompile.precompile([{"kernel": "m.k", "spec": s} for s in "abc"], workers=2, resolver=lambda n: k)
+    assert (result.compiled, result.loaded, result.skipped) == (3, 2, 0)
+    assert None not in (made["a"].loaded_on, made["b"].loaded_on) and made["c"].loaded_on is None
+    assert threading.get_ident() not in (made["a"].loaded_on, made["b"].loaded_on)
+    assert "; 2 loaded) in " in result.line()
 
 
 def test_background_runs_on_its_own_thread_and_join_returns_the_result():
@@ -405,7 +437,7 @@ def test_the_first_step_joins_and_records_into_the_users_manifest(monkeypatch, t
     assert [e["spec"] for e in got] == [E1["spec"], "spec0"]
     s = pre.summary()
     assert (s["compiled"], s["skipped"], s["entries"], s["added"]) == (1, 0, 1, 1) and s["wait_s"] >= 0
-    assert any(line.startswith("megaseq bench: precompiled 1 kernels (0 skipped) in ") for line in lines)
+    assert any(line.startswith("megaseq bench: precompiled 1 kernels (0 skipped; 0 loaded) in ") for line in lines)
 
 
 # ---- on a GPU ---------------------------------------------------------------------------------------------
@@ -432,7 +464,7 @@ def test_a_precompiled_kernel_launches_without_compiling():
     stale = {"kernel": "precompile_kernels.add_constant", "spec": entries[0]["spec"].replace("add_constant", "x")}
     result = precompile.Background(entries + [stale, {"kernel": "no_such.kernel", "spec": "{}"}], 2,
                                    torch.cuda.current_device()).join()
-    assert (result.compiled, result.skipped) == (1, 2)
+    assert (result.compiled, result.skipped, result.loaded) == (1, 2, 1)  # its launcher built, its binary loaded
     with compile_record() as rec:
         mod.add_constant[(4,)](x, 1000, C=c, BLOCK=256)
         torch.cuda.synchronize()

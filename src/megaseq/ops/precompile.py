@@ -5,8 +5,9 @@ A first step on a new machine compiles every Triton kernel (megaseq's and fla's)
 thread. A **manifest** lists the specialisations a run compiled, each ``{"kernel": "<module>.<qualname>", "spec":
 <Triton's specialization data>}``, deduplicated by spec, in a JSON file ``{"format", "triton", "target",
 "entries"}``; ``precompile`` compiles them all on a thread pool (``JITFunction.preload`` under Triton's
-``AsyncCompileMode``) into the JIT's in-process kernel cache and Triton's disk cache, so the step's launches with
-those specialisations compile nothing.
+``AsyncCompileMode``) into the JIT's in-process kernel cache and Triton's disk cache, then builds each kernel's
+launcher and loads its binary on the GPU (what a first launch does otherwise), so the step's launches with those
+specialisations compile and build nothing.
 
 - ``record()`` collects the entries of the compiles inside a ``with`` block from Triton's
   ``jit_post_compile_hook`` (the hook installed before it keeps being called, and is restored after).
@@ -225,14 +226,15 @@ class Result:
     seconds: float = 0.0
     workers: int = 0
     cached: int = 0  # already in this process's kernel cache (an earlier run in the process compiled them)
+    loaded: int = 0  # of those compiled, launchers built and binaries loaded on the GPU
 
     def summary(self) -> dict[str, Any]:
         return {**asdict(self), "seconds": round(self.seconds, 3)}
 
     def line(self) -> str:
         cached = f", {self.cached} compiled already" if self.cached else ""
-        return (f"precompiled {self.compiled} kernels ({self.skipped} skipped{cached}) in {self.seconds:.1f} s "
-                f"on {self.workers} threads")
+        return (f"precompiled {self.compiled} kernels ({self.skipped} skipped{cached}; {self.loaded} loaded) in "
+                f"{self.seconds:.1f} s on {self.workers} threads")
 
 
 def default_workers(processes: int = 1) -> int:
@@ -261,12 +263,31 @@ def _in_kernel_cache(fn: Any, spec: str, device: int | None) -> bool:
         return False
 
 
+def _load(kernel: Any, device: int | None) -> int:
+    """1 when ``kernel`` (a ``CompiledKernel``) now has its launcher and its binary loaded on ``device`` (None: the
+    thread's current one), else 0: a kernel over the GPU's limits raises at its launch, as without this."""
+    init = getattr(kernel, "_init_handles", None)
+    if init is None:
+        return 0
+    try:
+        if device is not None:
+            from triton.runtime import driver
+
+            driver.active.set_current_device(device)
+        init()
+        return 1
+    except Exception as err:  # noqa: BLE001  the launch says it again, where it would have said it
+        logger.debug(f"precompile: loading {getattr(kernel, 'name', kernel)}: {type(err).__name__}: {err}")
+        return 0
+
+
 def precompile(entries: list[Entry], workers: int | None = None, device: int | None = None,
                resolver: Callable[[str], Any] | None = None) -> Result:
     """Compile each entry's specialisation (``resolver(kernel).preload(spec)``) on ``workers`` threads (default
     ``default_workers()``) under Triton's ``AsyncCompileMode``, on CUDA device ``device`` (None: the current
-    one); returns when all are in the JIT's kernel caches. An entry that does not resolve or compile is skipped
-    and counted. ``resolver`` (tests): a kernel name to an object with ``preload`` (default ``resolve``)."""
+    one); returns when all are in the JIT's kernel caches, their launchers built and binaries loaded (``_load``).
+    An entry that does not resolve or compile is skipped and counted. ``resolver`` (tests): a kernel name to an
+    object with ``preload`` (default ``resolve``)."""
     t0 = time.perf_counter()
     resolver = resolver or resolve
     workers = workers or default_workers()
@@ -280,18 +301,22 @@ def precompile(entries: list[Entry], workers: int | None = None, device: int | N
         driver.active.set_current_device(device)  # the kernel caches are per device: the run's
     futures = []
     try:
-        with ThreadPoolExecutor(workers, thread_name_prefix="megaseq-precompile") as pool, \
-                AsyncCompileMode(pool, ignore_errors=True):  # finalising a failed compile does not raise
-            for e in entries:
-                try:
-                    fn = resolver(e["kernel"])
-                    if _in_kernel_cache(fn, e["spec"], device):
-                        result.cached += 1
-                        continue
-                    futures.append(fn.preload(e["spec"]))
-                except Exception as err:  # noqa: BLE001  a stale entry: counted, never raised
-                    logger.debug(f"precompile: {e['kernel']}: {type(err).__name__}: {err}")
-                    result.skipped += 1
+        with ThreadPoolExecutor(workers, thread_name_prefix="megaseq-precompile") as pool:
+            with AsyncCompileMode(pool, ignore_errors=True):  # finalising a failed compile does not raise
+                for e in entries:
+                    try:
+                        fn = resolver(e["kernel"])
+                        if _in_kernel_cache(fn, e["spec"], device):
+                            result.cached += 1
+                            continue
+                        futures.append(fn.preload(e["spec"]))
+                    except Exception as err:  # noqa: BLE001  a stale entry: counted, never raised
+                        logger.debug(f"precompile: {e['kernel']}: {type(err).__name__}: {err}")
+                        result.skipped += 1
+            # what a kernel's first launch does otherwise, one kernel at a time on the step's thread: build its
+            # launcher (a C module the host compiler builds, kept in Triton's cache) and load its binary on the GPU
+            kernels = [k for f in futures if f is not None and (k := getattr(f, "kernel", None)) is not None]
+            result.loaded = sum(pool.map(lambda k: _load(k, device), kernels))
     except Exception as err:  # noqa: BLE001  a hook raising as the compiles are finalised: what finished counts
         logger.info(f"precompile: {type(err).__name__}: {err}")
     for f in futures:  # a FutureKernel: ``kernel`` set once finalised; a compile that raised leaves it None
