@@ -26,7 +26,7 @@ try:
     HAVE_TRITON = True
 except ImportError:  # a CPU build of torch without Triton: stand-ins of the hook and of AsyncCompileMode
     HAVE_TRITON = False
-    knobs = SimpleNamespace(runtime=SimpleNamespace(jit_post_compile_hook=None))
+    knobs = SimpleNamespace(runtime=SimpleNamespace(jit_post_compile_hook=None, jit_cache_hook=None))
     active_mode: ContextVar = ContextVar("active_mode", default=None)
 
     class AsyncCompileMode:  # Triton's: submit compiles to the executor, finalise them all on leaving the block
@@ -65,7 +65,7 @@ def triton_stand_in(monkeypatch, tmp_path):
     monkeypatch.setenv("MEGASEQ_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv("MEGASEQ_PRECOMPILE", raising=False)
     yield
-    knobs.runtime.jit_post_compile_hook = None
+    knobs.runtime.jit_post_compile_hook = knobs.runtime.jit_cache_hook = None
 
 
 def post_compile(module: str, name: str, spec: str) -> None:
@@ -471,3 +471,28 @@ def test_a_precompiled_kernel_launches_without_compiling():
     assert rec.summary()["count"] == 0 and float(x[0]) == 2 * c and float(x[999]) == 2 * c
     again = precompile.precompile(entries, 2, torch.cuda.current_device())
     assert (again.compiled, again.cached) == (0, 1)  # in the kernel cache already: not compiled again
+
+
+def test_cancel_drops_the_compiles_not_started():
+    """``Background.cancel`` (a run that stops before its first step): the compiles queued behind the running one
+    are dropped and counted as skipped, and the join returns once the running one ends. Broken variants: a
+    ``cancel`` that does nothing compiles all six; one that cancels the executor's queued futures never returns
+    (``AsyncCompileMode`` waits for them to be done)."""
+    started, gate = threading.Event(), threading.Event()
+
+    class Slow(StandIn):
+        def preload(self, spec: str):
+            def compile_fn():
+                started.set()
+                gate.wait(20)
+                return ("compiled", spec)
+
+            return active_mode.get().submit(spec, compile_fn, lambda k: self.cache.__setitem__(spec, k))
+
+    k = Slow()
+    bg = precompile.Background([{"kernel": "m.k", "spec": f"s{i}"} for i in range(6)], 1, None, lambda name: k)
+    assert started.wait(20)  # the one thread holds the first compile; the other five wait behind it
+    bg.cancel()
+    gate.set()
+    result = bg.join()
+    assert (result.compiled, result.skipped) == (1, 5) and set(k.cache) == {"s0"}

@@ -131,7 +131,7 @@ def measure_megaseq(cfg: Config, seq_len: int, steps: int, source: str, routing:
                            "predicted_gpu_tensors_gib": plan.peak_gpu_tensors / GIB,
                            "predicted_host_gib": plan.peak_host / 1e9, "memory_plan": dict(plan.memory),
                            "plan_fits": plan.fits, "routing": routing}
-    model = applied = None
+    model = applied = pre = None
     try:
         with kernels_for(c, device):  # the dispatcher as `megaseq train` sets it up
             # the run's kernel manifests compile while the model is built (a CUDA device only); the main thread
@@ -175,6 +175,8 @@ def measure_megaseq(cfg: Config, seq_len: int, steps: int, source: str, routing:
             logger.warning(f"peak allocated {torch.cuda.max_memory_allocated(device) / GIB:.2f} GiB, allocated now "
                         f"{torch.cuda.memory_allocated(device) / GIB:.2f} GiB")
     finally:
+        if pre is not None:
+            pre.cancel()  # a length that failed before its first step leaves no compiles running (none after a join)
         if applied is not None:
             applied.release()
         del model

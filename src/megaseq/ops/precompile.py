@@ -24,6 +24,7 @@ Torch-free; Triton is imported when a manifest is read for the current machine o
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -263,6 +264,35 @@ def _in_kernel_cache(fn: Any, spec: str, device: int | None) -> bool:
         return False
 
 
+class Stopped(Exception):
+    """A queued compile or load of a cancelled precompile (``Background.cancel``)."""
+
+
+class _Pool(ThreadPoolExecutor):
+    """The precompile's threads: once ``stop`` is set, a queued call raises ``Stopped`` instead of running. So a
+    cancel leaves every future finished, which ``AsyncCompileMode`` waits on (a future cancelled in an executor's
+    queue is never reported done to ``as_completed``)."""
+
+    def __init__(self, workers: int) -> None:
+        super().__init__(workers, thread_name_prefix="megaseq-precompile")
+        self.stop = threading.Event()
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+        def guarded() -> Any:
+            if self.stop.is_set():
+                raise Stopped("precompile cancelled")
+            return fn(*args, **kwargs)
+
+        return super().submit(guarded)
+
+
+def _loaded(future: Any) -> int:
+    try:
+        return future.result()
+    except Stopped:
+        return 0
+
+
 def _load(kernel: Any, device: int | None) -> int:
     """1 when ``kernel`` (a ``CompiledKernel``) now has its launcher and its binary loaded on ``device`` (None: the
     thread's current one), else 0: a kernel over the GPU's limits raises at its launch, as without this."""
@@ -282,12 +312,13 @@ def _load(kernel: Any, device: int | None) -> int:
 
 
 def precompile(entries: list[Entry], workers: int | None = None, device: int | None = None,
-               resolver: Callable[[str], Any] | None = None) -> Result:
+               resolver: Callable[[str], Any] | None = None, executor: ThreadPoolExecutor | None = None) -> Result:
     """Compile each entry's specialisation (``resolver(kernel).preload(spec)``) on ``workers`` threads (default
     ``default_workers()``) under Triton's ``AsyncCompileMode``, on CUDA device ``device`` (None: the current
     one); returns when all are in the JIT's kernel caches, their launchers built and binaries loaded (``_load``).
     An entry that does not resolve or compile is skipped and counted. ``resolver`` (tests): a kernel name to an
-    object with ``preload`` (default ``resolve``)."""
+    object with ``preload`` (default ``resolve``). ``executor``: the pool to run on (``_Pool``; its owner shuts it down
+    and may stop it: what it stops is skipped), else one of ``workers`` threads made and shut down here."""
     t0 = time.perf_counter()
     resolver = resolver or resolve
     workers = workers or default_workers()
@@ -301,7 +332,8 @@ def precompile(entries: list[Entry], workers: int | None = None, device: int | N
         driver.active.set_current_device(device)  # the kernel caches are per device: the run's
     futures = []
     try:
-        with ThreadPoolExecutor(workers, thread_name_prefix="megaseq-precompile") as pool:
+        owned = executor is None
+        with _Pool(workers) if owned else contextlib.nullcontext(executor) as pool:
             with AsyncCompileMode(pool, ignore_errors=True):  # finalising a failed compile does not raise
                 for e in entries:
                     try:
@@ -316,7 +348,7 @@ def precompile(entries: list[Entry], workers: int | None = None, device: int | N
             # what a kernel's first launch does otherwise, one kernel at a time on the step's thread: build its
             # launcher (a C module the host compiler builds, kept in Triton's cache) and load its binary on the GPU
             kernels = [k for f in futures if f is not None and (k := getattr(f, "kernel", None)) is not None]
-            result.loaded = sum(pool.map(lambda k: _load(k, device), kernels))
+            result.loaded = sum(_loaded(f) for f in [pool.submit(_load, k, device) for k in kernels])
     except Exception as err:  # noqa: BLE001  a hook raising as the compiles are finalised: what finished counts
         logger.info(f"precompile: {type(err).__name__}: {err}")
     for f in futures:  # a FutureKernel: ``kernel`` set once finalised; a compile that raised leaves it None
@@ -338,15 +370,24 @@ class Background:
         self.entries = entries
         self.result: Result | None = None
         self.error: BaseException | None = None
+        n = workers or default_workers()
+        self.pool = _Pool(n)
 
         def run() -> None:
             try:
-                self.result = precompile(entries, workers, device, resolver)
+                self.result = precompile(entries, n, device, resolver, self.pool)
             except BaseException as e:  # noqa: BLE001  said at join: the run goes on and compiles as it launches
                 self.error = e
+            finally:
+                self.pool.shutdown(wait=False)
 
         self._thread = threading.Thread(target=run, name="megaseq-precompile", daemon=True)
         self._thread.start()
+
+    def cancel(self) -> None:
+        """Drop the compiles and loads not started yet (a run that fails before its first step exits without
+        waiting for them; those running finish). Nothing after a ``join``."""
+        self.pool.stop.set()
 
     def join(self) -> Result:
         """Wait for the compiles; the result (an error in the thread: said in one log line, nothing counted)."""
@@ -390,6 +431,10 @@ class RunPrecompile:
         self.result: Result | None = None
         self.wait_s = 0.0
         self.added = 0
+
+    def cancel(self) -> None:
+        """``Background.cancel``: for a run that ends before its first step."""
+        self.background.cancel()
 
     def join(self, log: Callable[[str], None] = logger.info) -> Result:
         """Wait for the precompile (the seconds waited: ``wait_s``) and log its line; the result."""

@@ -93,7 +93,12 @@ def run_training(cfg: Config) -> RunResult:
         # launches a Triton kernel until the loop joins it before the first step
         precompiled = start_precompile(cfg, spec, device, local_processes(env))
         dispatch.reset_records()  # what ran under this configuration (the first step's report reads them)
-        return _run_planned(cfg, spec, env, device, plan_dict, memory, precompiled)
+        try:
+            return _run_planned(cfg, spec, env, device, plan_dict, memory, precompiled)
+        except BaseException:
+            if precompiled is not None:  # a run that stops before its first step exits without waiting for them
+                precompiled.cancel()
+            raise
 
 
 def local_processes(env: ParallelEnv) -> int:
