@@ -15,6 +15,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from megaseq.ops.precompile import hook_kernel_name
+
 SLOWEST = 5  # kernels named in the summary
 
 
@@ -44,9 +46,7 @@ class CompileRecord:
 
 
 def _name(fn: Any) -> str:
-    module, name = getattr(fn, "module", None), getattr(fn, "name", None)
-    module = getattr(module, "__name__", module)  # Triton passes the module's name; its annotation says a module
-    return f"{module}.{name}" if module and name else str(fn)
+    return hook_kernel_name(fn) or str(fn)
 
 
 @contextmanager

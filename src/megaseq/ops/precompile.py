@@ -149,14 +149,21 @@ def add(path: Path, entries: Iterable[Entry], triton_version: str, target: str,
     return len(merged) - len(have)
 
 
-def _kernel_name(fn: Any) -> str | None:
-    """``<module>.<qualname>`` of the hook's ``fn`` (``JitFunctionInfo``: Triton passes the module's name and
-    the function's qualname); None where it is not importable by name (a function defined inside another)."""
+def hook_kernel_name(fn: Any) -> str | None:
+    """``<module>.<qualname>`` of a JIT hook's ``fn`` (``JitFunctionInfo``: Triton passes the module's name, its
+    annotation says a module, and the function's qualname); None where either is missing."""
     module, name = getattr(fn, "module", None), getattr(fn, "name", None)
     module = getattr(module, "__name__", module)
-    if not isinstance(module, str) or not isinstance(name, str) or "<locals>" in name or module == "__main__":
+    return f"{module}.{name}" if isinstance(module, str) and isinstance(name, str) else None
+
+
+def _kernel_name(fn: Any) -> str | None:
+    """``hook_kernel_name``, or None where the kernel is not importable by name (a function defined inside
+    another, or in ``__main__``)."""
+    name = hook_kernel_name(fn)
+    if name is None or "<locals>" in name or name.startswith("__main__."):
         return None
-    return f"{module}.{name}"
+    return name
 
 
 @contextmanager
@@ -209,12 +216,21 @@ def resolve(kernel: str) -> Any:
                 obj = getattr(obj, attr)
         except AttributeError:
             continue
-        for _ in range(8):  # Autotuner(Heuristics(JITFunction)) and the like
-            if isinstance(obj, JITFunction):
-                return obj
-            obj = getattr(obj, "fn", None)
+        fn = _unwrap(obj)
+        if isinstance(fn, JITFunction):
+            return fn
         break
     raise ValueError(f"{kernel}: no Triton kernel of that name")
+
+
+def _unwrap(obj: Any) -> Any:
+    """``obj`` or the kernel it wraps (Triton's ``Autotuner`` and ``Heuristics``: ``.fn``, nested): the first that
+    holds per-device kernel caches (a ``JITFunction``), or None."""
+    for _ in range(8):  # Autotuner(Heuristics(JITFunction)) and the like
+        if obj is None or hasattr(obj, "device_caches"):
+            return obj
+        obj = getattr(obj, "fn", None)
+    return None
 
 
 @dataclass
@@ -502,10 +518,7 @@ def autotune_winners(tuners: Iterable[Any]) -> dict[int, list[Any]]:
     its keys so far (``Autotuner.cache``)."""
     out: dict[int, list[Any]] = {}
     for tuner in tuners:
-        fn = tuner.fn
-        for _ in range(8):
-            if not hasattr(fn, "fn") or hasattr(fn, "device_caches"):
-                break
-            fn = fn.fn
-        out.setdefault(id(fn), []).extend(getattr(tuner, "cache", {}).values())
+        fn = _unwrap(tuner.fn)
+        if fn is not None:
+            out.setdefault(id(fn), []).extend(getattr(tuner, "cache", {}).values())
     return out

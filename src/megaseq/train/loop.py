@@ -8,6 +8,7 @@ what it trains is built by ``train.build``; ``train.trainer`` plans the run and 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -117,11 +118,11 @@ class TrainLoop:
         schedule = SaveSchedule(cfg.train.save_every, cfg.train.save_every_minutes, env)
         with guard.StopSignals(env.log) as signals:
             for step in range(start + 1, cfg.train.steps + 1):
-                if step == start + 1 and self.precompiled is not None:
-                    self.precompiled.join(env.log)  # the manifests' kernels compiled: none launched before this
-                    with self.precompiled.recording():  # what the first step still compiles: the next run's too
-                        loss, record = self.step(step, logger, result)
-                else:
+                precompiled = self.precompiled if step == start + 1 else None
+                if precompiled is not None:
+                    precompiled.join(env.log)  # the manifests' kernels compiled: none launched before this
+                # what the first step still compiles: the next run's too
+                with precompiled.recording() if precompiled is not None else contextlib.nullcontext():
                     loss, record = self.step(step, logger, result)
                 if step == start + 1:
                     report_fallbacks(cfg, self.device, env.log)
