@@ -8,9 +8,13 @@
 #                                        #   with the tuned tables it wrote but no compiled kernels (compilation
 #                                        #   alone)
 #   bash benchmarks/speed/speed_gpu.sh qwen    # about 4 minutes: (a) qwen3-30b-a3b-lora 32K --baseline, balanced routing
-#   bash benchmarks/speed/speed_gpu.sh first   # about 5 minutes: the first step on empty caches, glm5-flash-1gpu at 8K and
-#                                        #   qwen3-30b-a3b-lora at 32K, with the shipped kernel manifests precompiled
-#                                        #   (the default), then with MEGASEQ_PRECOMPILE=0
+#   bash benchmarks/speed/speed_gpu.sh first   # about 8 minutes: the first step on empty caches, glm5-flash-1gpu at 8K and
+#                                        #   qwen3-30b-a3b-lora at 32K (FIRST_CASES="recipe:length ..."), each way
+#                                        #   of FIRST_RUNS (default "1 compile 0": MEGASEQ_PRECOMPILE's values: the
+#                                        #   shipped kernel packs seeded and the manifests precompiled, the default;
+#                                        #   the manifests compiled without the packs; neither)
+#   bash benchmarks/speed/speed_gpu.sh pack    # about 2 minutes: the kernel pack of each shipped manifest for this GPU
+#                                        #   (ops.kernel_pack.build) into src/megaseq/ops/tuned/kernels/ and $OUT
 #   bash benchmarks/speed/speed_gpu.sh tune    # optional, up to 10 minutes: the H200 tuned table (full tuning at 8K and
 #                                        #   32K) into $OUT/nvidia-h200.json, to commit as src/megaseq/ops/tuned/
 # Each stage ends with $OUT/speed_<stage>.json (benchmarks/speed/speed_summary.py): per length megaseq's and the peer's
@@ -55,20 +59,29 @@ case "$STAGE" in
     python3 benchmarks/speed/speed_summary.py "$OUT/speed_qwen.json" "$OUT/qwen_lora.json"
     ;;
   first)
-    for run in precompile:1 sequential:0; do
-      for rl in glm5-flash-1gpu:8K qwen3-30b-a3b-lora:32K; do
+    for run in ${FIRST_RUNS:-1 compile 0}; do
+      for rl in ${FIRST_CASES:-glm5-flash-1gpu:8K qwen3-30b-a3b-lora:32K}; do
         rm -rf .speed_cache  # a new machine: no compiled kernels, no tuned tables of its own
+        name="${rl%%:*}_${rl#*:}_$(case $run in 1) echo pack ;; compile) echo compile ;; *) echo sequential ;; esac)"
         t1=$(date +%s)
-        MEGASEQ_PRECOMPILE=${run#*:} timeout -k 5 200 python3 -m megaseq bench "recipes/${rl%%:*}.yaml" \
-          --seq-lens "${rl#*:}" --steps 2 --out "$OUT/first_${rl%%:*}_${run%%:*}" 2>&1 | tail -6
-        echo "${rl%%:*} ${run%%:*}: $(( $(date +%s) - t1 )) s end to end" | tee -a "$OUT/first_wall.txt"
+        MEGASEQ_PRECOMPILE=$run timeout -k 5 300 python3 -m megaseq bench "recipes/${rl%%:*}.yaml" \
+          --seq-lens "${rl#*:}" --steps 2 --out "$OUT/first_$name" 2>&1 | tail -6
+        echo "$name: $(( $(date +%s) - t1 )) s end to end" | tee -a "$OUT/first_wall.txt"
       done
     done
     python3 benchmarks/speed/speed_summary.py "$OUT/speed_first.json" "$OUT"/first_*.json
+    ;;
+  pack)
+    for m in src/megaseq/ops/tuned/kernels/*-cuda90.json; do
+      python3 -c "import json, sys; from pathlib import Path; from megaseq.ops import kernel_pack
+m = Path(sys.argv[1]); out = m.with_name(m.name.removesuffix('.json') + '.tar.xz')
+print(json.dumps(kernel_pack.build(m, out)))" "$m" | tee -a "$OUT/packs.jsonl"
+      cp "${m%.json}.tar.xz" "$OUT/"
+    done
     ;;
   tune)
     timeout -k 5 570 python3 -m megaseq tune recipes/glm5-flash-1gpu.yaml --seq-lens 8K,32K --out "$OUT/nvidia-h200.json" 2>&1 | tail -20
     echo "tune: $(( $(date +%s) - t0 )) s end to end" | tee "$OUT/tune_wall.txt"
     ;;
-  *) echo "stage $STAGE: use glm, qwen, first or tune" >&2; exit 2 ;;
+  *) echo "stage $STAGE: use glm, qwen, first, pack or tune" >&2; exit 2 ;;
 esac

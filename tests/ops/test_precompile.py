@@ -221,7 +221,8 @@ def test_precompile_preloads_every_entry_on_several_threads_and_counts_the_stale
     line = result.line()
     assert line.startswith("precompiled 4 kernels (3 skipped; 0 loaded) in ") and line.endswith("2 threads")
     assert precompile.precompile([], workers=3).summary() == {"compiled": 0, "skipped": 0, "seconds": 0.0,
-                                                               "workers": 3, "cached": 0, "loaded": 0}
+                                                               "workers": 3, "cached": 0, "loaded": 0, "from_disk": 0,
+                                                               "seeded": 0}
 
 
 class Loadable:
@@ -374,7 +375,7 @@ def test_enabled_on_a_gpu_unless_switched_off(monkeypatch):
     with switches.configured(precompile=False):
         assert not precompile.enabled("cuda")
     monkeypatch.setenv("MEGASEQ_PRECOMPILE", "yes")
-    with pytest.raises(ValueError, match="MEGASEQ_PRECOMPILE must be one of 1, 0, got 'yes'"):
+    with pytest.raises(ValueError, match="MEGASEQ_PRECOMPILE must be one of 1, 0, compile, got 'yes'"):
         precompile.enabled("cuda")
     monkeypatch.delenv("MEGASEQ_PRECOMPILE")
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)  # no Triton

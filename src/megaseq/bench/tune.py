@@ -11,7 +11,9 @@ lengths and within ``autotune.NEAR_BUCKETS`` powers of two of them.
 With ``--kernels-out DIR`` (``src/megaseq/ops/tuned/kernels`` to ship it) it also writes the recipe's kernel
 manifest (``ops.precompile``): every Triton specialisation the steps compiled, less the configs an autotuner
 timed and did not choose, added to ``DIR/<fingerprint>-<target>.json``; a later run of the recipe on that GPU
-target compiles them on several threads before its first step.
+target compiles them on several threads before its first step. Beside it goes the manifest's kernel pack
+(``ops.kernel_pack``, ``DIR/<fingerprint>-<target>.tar.xz``): the compiled kernels, which a run under the same
+Triton version on that target loads instead of compiling.
 """
 
 from __future__ import annotations
@@ -96,6 +98,13 @@ def run_tune(cfg: Config, lengths: list[int], out: str | None = None, measure=No
             rows.append(measure(cfg, L, 0, "random", routing))
     _add_winners(winners, precompile.autotune_winners(_tuners))
     manifest = write_kernels(cfg, kernels_dir, precompile.tuned_only(compiled, winners)) if kernels_dir else None
+    if manifest is not None:
+        from megaseq.ops import kernel_pack
+
+        manifest_path = Path(manifest["path"])
+        pack = manifest_path.with_name(manifest_path.name.removesuffix(".json") + ".tar.xz")
+        logger.info(f"megaseq tune: compiling the manifest's {manifest['kernels']} kernels into {pack}")
+        manifest["pack"] = kernel_pack.build(manifest_path, pack)
     path = path or table.user_path
     merged = autotune._read(path) if path.exists() else {}
     for kernel, entries in table.recorded.items():

@@ -174,6 +174,10 @@ def cmd_tune(args: argparse.Namespace, rest: list[str]) -> int:
     if result.get("manifest"):
         m = result["manifest"]
         print(f"wrote the kernel manifest {m['path']}: {m['kernels']} kernels ({m['added']} new)")
+        if m.get("pack"):
+            p = m["pack"]
+            print(f"wrote the kernel pack {p['path']}: {p['files']} files, {p['bytes'] / 2**20:.1f} MiB before "
+                  "compression")
     return 0 if all(r["status"] == "ok" for r in result["rows"]) else 1
 
 

@@ -49,10 +49,11 @@ class ModelConfig:
                                choices=("pruned", "full", "one"))
     kernel_cache: str | None = opt(None, "directory of the compiled GPU kernels and the tuned tables; unset: "
                                    "MEGASEQ_CACHE_DIR, else ~/.cache/megaseq")
-    precompile: bool | None = opt(None, "on a GPU, compile the Triton kernels the run's kernel manifests list on "
-                                  "several threads while the model is built, before the first step (manifests: "
-                                  "shipped, written by `megaseq tune`, and the user's in the kernel cache, "
-                                  "which each run extends); unset: MEGASEQ_PRECOMPILE (0: off), else on")
+    precompile: bool | None = opt(None, "on a GPU, load the package's compiled kernels for the run and compile the "
+                                  "rest of the Triton kernels the run's kernel manifests list on several threads "
+                                  "while the model is built, before the first step (manifests: shipped, written by "
+                                  "`megaseq tune`, and the user's in the kernel cache, which each run extends); "
+                                  "unset: MEGASEQ_PRECOMPILE (0: off; compile: compile all, load none), else on")
     train_indexer: bool = opt(False, "train the DSA lightning indexer with its KL objective (DeepSeek-V3.2's): the "
                               "main attention's probabilities summed over heads, over the selected keys, as the "
                               "target of the indexer's softmax, the indexer's inputs detached (docs/indexer.md)")

@@ -18,6 +18,8 @@ specialisations compile and build nothing.
   Entries recorded under another Triton version or target are not used (Triton's cache keys differ).
 - ``Background`` runs ``precompile`` on a thread started before the model is built; ``join()`` before the first
   step. A stale entry (a kernel renamed, its source or signature changed) is skipped and counted, never raised.
+- Before it compiles, a run seeds Triton's cache with the package's compiled kernels of its fingerprint and
+  target where the package ships them (``ops.kernel_pack``): those load from Triton's cache instead of compiling.
 
 Torch-free; Triton is imported when a manifest is read for the current machine or a kernel is compiled.
 """
@@ -25,6 +27,7 @@ Torch-free; Triton is imported when a manifest is read for the current machine o
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -244,14 +247,18 @@ class Result:
     workers: int = 0
     cached: int = 0  # already in this process's kernel cache (an earlier run in the process compiled them)
     loaded: int = 0  # of those compiled, launchers built and binaries loaded on the GPU
+    from_disk: int = 0  # of those compiled, found in Triton's disk cache (a kernel pack or an earlier run)
+    seeded: int = 0  # files the package's kernel pack wrote into Triton's cache (``ops.kernel_pack.seed``)
 
     def summary(self) -> dict[str, Any]:
         return {**asdict(self), "seconds": round(self.seconds, 3)}
 
     def line(self) -> str:
         cached = f", {self.cached} compiled already" if self.cached else ""
-        return (f"precompiled {self.compiled} kernels ({self.skipped} skipped{cached}; {self.loaded} loaded) in "
-                f"{self.seconds:.1f} s on {self.workers} threads")
+        disk = f", {self.from_disk} from Triton's cache" if self.from_disk else ""
+        seeded = f", {self.seeded} files from the package's kernel pack" if self.seeded else ""
+        return (f"precompiled {self.compiled} kernels ({self.skipped} skipped{cached}{disk}{seeded}; {self.loaded} "
+                f"loaded) in {self.seconds:.1f} s on {self.workers} threads")
 
 
 def default_workers(processes: int = 1) -> int:
@@ -327,6 +334,36 @@ def _load(kernel: Any, device: int | None) -> int:
         return 0
 
 
+@contextmanager
+def _count_disk_hits() -> Iterator[list[int]]:
+    """A one-element list counting the compiles inside the block that Triton found in its disk cache (its
+    compilation listener, ``cache_hit``); the listener installed before keeps being called and is restored after."""
+    hits = [0]
+    try:
+        from triton import knobs
+    except ImportError:
+        yield hits
+        return
+    comp = getattr(knobs, "compilation", None)
+    if comp is None or not hasattr(comp, "listener"):
+        yield hits
+        return
+    before = comp.listener
+    lock = threading.Lock()
+
+    def listener(**kw: Any) -> Any:
+        if kw.get("cache_hit"):
+            with lock:
+                hits[0] += 1
+        return before(**kw) if before is not None else None
+
+    comp.listener = listener
+    try:
+        yield hits
+    finally:
+        comp.listener = before
+
+
 def precompile(entries: list[Entry], workers: int | None = None, device: int | None = None,
                resolver: Callable[[str], Any] | None = None, executor: ThreadPoolExecutor | None = None) -> Result:
     """Compile each entry's specialisation (``resolver(kernel).preload(spec)``) on ``workers`` threads (default
@@ -349,7 +386,7 @@ def precompile(entries: list[Entry], workers: int | None = None, device: int | N
     futures = []
     try:
         owned = executor is None
-        with _Pool(workers) if owned else contextlib.nullcontext(executor) as pool:
+        with _Pool(workers) if owned else contextlib.nullcontext(executor) as pool, _count_disk_hits() as hits:
             with AsyncCompileMode(pool, ignore_errors=True):  # finalising a failed compile does not raise
                 for e in entries:
                     try:
@@ -365,6 +402,7 @@ def precompile(entries: list[Entry], workers: int | None = None, device: int | N
             # launcher (a C module the host compiler builds, kept in Triton's cache) and load its binary on the GPU
             kernels = [k for f in futures if f is not None and (k := getattr(f, "kernel", None)) is not None]
             result.loaded = sum(_loaded(f) for f in [pool.submit(_load, k, device) for k in kernels])
+            result.from_disk = hits[0]
     except Exception as err:  # noqa: BLE001  a hook raising as the compiles are finalised: what finished counts
         logger.info(f"precompile: {type(err).__name__}: {err}")
     for f in futures:  # a FutureKernel: ``kernel`` set once finalised; a compile that raised leaves it None
@@ -382,7 +420,8 @@ class Background:
     compiles, into the JIT's kernel caches and Triton's disk cache."""
 
     def __init__(self, entries: list[Entry], workers: int | None = None, device: int | None = None,
-                 resolver: Callable[[str], Any] | None = None) -> None:
+                 resolver: Callable[[str], Any] | None = None, prepare: Callable[[], int] | None = None) -> None:
+        """``prepare``: run first on the thread (the kernel pack's ``seed``), its count kept as ``Result.seeded``."""
         self.entries = entries
         self.result: Result | None = None
         self.error: BaseException | None = None
@@ -391,7 +430,9 @@ class Background:
 
         def run() -> None:
             try:
+                seeded = prepare() if prepare is not None else 0
                 self.result = precompile(entries, n, device, resolver, self.pool)
+                self.result.seeded = seeded
             except BaseException as e:  # noqa: BLE001  said at join: the run goes on and compiles as it launches
                 self.error = e
             finally:
@@ -443,7 +484,13 @@ class RunPrecompile:
         self.user_path = (user or user_dir()) / name
         self.describes = describes
         self.entries = load(fp, self.version, self.target, shipped, user)
-        self.background = Background(self.entries, workers, device)
+        prepare = None
+        if switches.kernel_pack():  # the package's compiled kernels into Triton's cache, on the precompile's thread
+            from megaseq.ops import kernel_pack
+
+            pack, cache = (shipped or SHIPPED_DIR) / kernel_pack.pack_name(fp, self.target), kernel_pack.cache_dir()
+            prepare = functools.partial(kernel_pack.seed, pack, cache, self.version, self.target)
+        self.background = Background(self.entries, workers, device, prepare=prepare)
         self.result: Result | None = None
         self.wait_s = 0.0
         self.added = 0

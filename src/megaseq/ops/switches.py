@@ -7,8 +7,10 @@ Three are user settings with a config field that wins over the variable (``confi
   times them all (``megaseq tune``), ``one`` runs the most conservative config untimed.
 - ``MEGASEQ_CACHE_DIR`` (``model.kernel_cache``): the root of the per-user cache of compiled kernels and tuned
   tables; default ``~/.cache/megaseq``.
-- ``MEGASEQ_PRECOMPILE`` (``model.precompile``): ``1`` (the default) compiles the kernels of the run's kernel
-  manifests on several threads before the first step on a GPU (``ops.precompile``); ``0`` does not.
+- ``MEGASEQ_PRECOMPILE`` (``model.precompile``): ``1`` (the default) seeds Triton's cache with the package's
+  compiled kernels for the run (``ops.kernel_pack``) and compiles the rest of the run's kernel manifests on several
+  threads before the first step on a GPU (``ops.precompile``); ``compile`` compiles them all, seeding nothing;
+  ``0`` does neither.
 
 The others are debugging and tuning switches, live for benchmarks and for comparing kernel variants:
 
@@ -36,7 +38,7 @@ from megaseq.ops.workspace import DC_DEFAULT as MLA_DC_DEFAULT
 AUTOTUNE_MODES = ("pruned", "full", "one")
 MLA_DC_MODES = ("pool", "saved", "atomic")
 ADAMW_KERNELS = ("triton", "torch")
-PRECOMPILE_VALUES = ("1", "0")
+PRECOMPILE_VALUES = ("1", "0", "compile")
 
 _config: dict[str, str] = {}  # variable -> the value a run's config sets (``configured``)
 
@@ -87,8 +89,19 @@ def cache_root() -> Path:
 
 def precompile() -> bool:
     """``MEGASEQ_PRECOMPILE``: ``1`` (the default) precompiles the run's kernel manifests before the first step
-    on a GPU; ``0`` does not."""
-    return _choice("MEGASEQ_PRECOMPILE", _read("MEGASEQ_PRECOMPILE") or "1", PRECOMPILE_VALUES) == "1"
+    on a GPU, the package's compiled kernels seeded into Triton's cache first; ``compile`` compiles them all
+    without the seeding; ``0`` does neither."""
+    return _precompile_value() != "0"
+
+
+def kernel_pack() -> bool:
+    """Whether the precompile first seeds Triton's cache from the package's compiled kernels
+    (``MEGASEQ_PRECOMPILE`` ``1``, the default; ``ops.kernel_pack``)."""
+    return _precompile_value() == "1"
+
+
+def _precompile_value() -> str:
+    return _choice("MEGASEQ_PRECOMPILE", _read("MEGASEQ_PRECOMPILE") or "1", PRECOMPILE_VALUES)
 
 
 def fla_one_config() -> bool:
