@@ -14,7 +14,8 @@
 #   indexer       the DSA indexer objective's cost (with and without it, the plan's memory fixes in both, five
 #                 timed steps each, profiles) and one step's saved bytes by layer against the plan, glm5-flash-1gpu
 #                 at INDEXER_LEN (default 32K; it fits an 80 GB GPU with MoE tiles), about 4 minutes; 1M:
-#                 INDEXER_LEN=1M INDEXER_STEPS=1 INDEXER_TIMEOUT=540 INDEXER_SAVED=0 (one H200, about 9 minutes)
+#                 INDEXER_LEN=1M INDEXER_STEPS=1 INDEXER_TIMEOUT=540 INDEXER_SAVED=0 INDEXER_PROFILE=0 (about 9
+#                 minutes; INDEXER_PROFILE=0 leaves out the profiled step)
 #   stream        Qwen3-30B-A3B LoRA at 96K with the frozen base streamed from host memory, then resident (the
 #                 plan's other fixes forced): each step's peak against the plan, and the blocks live at it by the
 #                 code that allocated them (benchmarks/memory/peak_by_frame.py), about 6 minutes
@@ -114,7 +115,7 @@ stage_indexer() {
   local len=${INDEXER_LEN:-32K} b=long_context/indexer_objective
   mkdir -p "$RESULTS/$b"
   timeout -k 5 "${INDEXER_TIMEOUT:-200}" $PY benchmarks/long_context/indexer_objective_cost.py --seq-len "$len" \
-    --steps "${INDEXER_STEPS:-5}" --profile \
+    --steps "${INDEXER_STEPS:-5}" $([ "${INDEXER_PROFILE:-1}" = 1 ] && echo --profile) \
     --out "$RESULTS/$b" \
     | tail -16
   [ "${INDEXER_SAVED:-1}" = 1 ] || return 0
