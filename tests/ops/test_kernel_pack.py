@@ -273,3 +273,26 @@ def test_a_pack_built_on_the_gpu_loads_its_kernels_in_a_new_cache(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     compiled, from_disk, loaded, step_compiles, first, last = json.loads(out.stdout.strip().splitlines()[-1])
     assert (compiled, from_disk, loaded, step_compiles) == (1, 1, 1, 0) and first == last == c
+
+
+def test_the_build_subprocess_packs_what_it_compiled_into_its_fresh_cache(monkeypatch, tmp_path):
+    """``build``'s subprocess (``_main``): the manifest read for this Triton and target, its entries precompiled,
+    the fresh cache packed, the pack's metadata and the precompile's result written for ``build`` to read; a
+    manifest with nothing for this Triton refused by name."""
+    monkeypatch.setattr(precompile, "current_target", lambda: ("3.6.0", "cuda:90"))
+    cache = fake_cache(tmp_path / "fresh")
+    monkeypatch.setattr(kernel_pack, "cache_dir", lambda: cache)
+    compiled = []
+    monkeypatch.setattr(precompile, "precompile", lambda entries, workers: compiled.append((entries, workers))
+                        or precompile.Result(compiled=len(entries), workers=16))
+    manifest = tmp_path / "fp-cuda90.json"
+    entry = {"kernel": "m.k", "spec": "s"}
+    precompile.write_manifest(manifest, [entry], "3.6.0", "cuda:90")
+    out, answer = tmp_path / "fp-cuda90.tar.xz", tmp_path / "answer.json"
+    kernel_pack._main([str(manifest), str(out), str(answer), "0"])
+    got = json.loads(answer.read_text())
+    assert compiled == [([entry], None)] and got["files"] == 4 and got["path"] == str(out)
+    assert got["precompile"]["compiled"] == 1 and members(out)[0] == kernel_pack.META
+    precompile.write_manifest(manifest, [entry], "3.5.0", "cuda:90")
+    with pytest.raises(SystemExit, match="fp-cuda90.json: no kernels for Triton 3.6.0 on cuda:90"):
+        kernel_pack._main([str(manifest), str(out), str(answer), "2"])

@@ -161,31 +161,30 @@ def build(manifest: Path, out: Path, workers: int | None = None, timeout: float 
     (``precompile.Result.summary``). Needs the GPU the manifest is for."""
     with tempfile.TemporaryDirectory(prefix="megaseq-pack-") as tmp:
         env = {**(os.environ if env is None else env), "TRITON_CACHE_DIR": tmp}
-        cmd = [sys.executable, "-m", "megaseq.ops.kernel_pack", str(manifest), str(out)]
-        if workers:
-            cmd.append(str(workers))
+        answer = Path(tmp) / "megaseq-pack-result.json"
+        cmd = [sys.executable, "-m", "megaseq.ops.kernel_pack", str(manifest), str(out), str(answer),
+               str(workers or 0)]
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-        if done.returncode != 0:
+        if done.returncode != 0 or not answer.is_file():
             raise RuntimeError(f"kernel pack of {manifest}: the subprocess failed:\n{done.stderr[-4000:]}")
-        return json.loads(done.stdout.strip().splitlines()[-1])
+        return json.loads(answer.read_text())
 
 
-def _main(argv: list[str]) -> int:
-    """``python -m megaseq.ops.kernel_pack MANIFEST OUT [WORKERS]``, run by ``build`` with ``TRITON_CACHE_DIR`` a
-    fresh directory: compile and load the manifest's kernels there, pack it, print the metadata as one JSON line."""
+def _main(argv: list[str]) -> None:
+    """``python -m megaseq.ops.kernel_pack MANIFEST OUT ANSWER WORKERS``, run by ``build`` with
+    ``TRITON_CACHE_DIR`` a fresh directory: compile and load the manifest's kernels there (``WORKERS`` threads, 0:
+    the default), pack it into ``OUT``, write the pack's metadata and the precompile's result to ``ANSWER``."""
     from megaseq.ops import precompile
 
-    manifest, out = Path(argv[0]), Path(argv[1])
+    manifest, out, answer = Path(argv[0]), Path(argv[1]), Path(argv[2])
     version, target = precompile.current_target()
     entries = precompile.read_manifest(manifest, version, target)
     if not entries:
-        print(f"{manifest}: no entries for Triton {version} on {target}", file=sys.stderr)
-        return 1
-    result = precompile.precompile(entries, int(argv[2]) if len(argv) > 2 else None)
+        raise SystemExit(f"{manifest}: no kernels for Triton {version} on {target}")
+    result = precompile.precompile(entries, int(argv[3]) or None)
     meta = write(cache_dir(), out, version, target)
-    print(json.dumps({**meta, "path": str(out), "precompile": result.summary()}))
-    return 0
+    answer.write_text(json.dumps({**meta, "path": str(out), "precompile": result.summary()}))
 
 
 if __name__ == "__main__":
-    sys.exit(_main(sys.argv[1:]))
+    _main(sys.argv[1:])
