@@ -281,6 +281,20 @@ def test_tune_writes_what_it_tuned_merged_into_the_table(tmp_path, monkeypatch) 
     kernels = json.loads(out.read_text())["kernels"]
     assert set(kernels["k"]) == {"H=8|len=8192", "H=8|len=32768"} and "old" in kernels
     assert result["entries"] == 2 and result["table"] == str(out)
+    # a recipe that sets model.autotune is tuned over the whole space all the same (the config wins over the
+    # variable inside a run, so tune sets both)
+    seen.clear()
+
+    def measure_mode(cfg, L, steps, source, routing):
+        from megaseq.ops import switches
+
+        with switches.configured(cfg.model.autotune):
+            seen.append(switches.autotune_mode())
+        return {"seq_len": L, "status": "ok", "step_s": 1.0}
+
+    cfg = load_config("recipes/glm5-flash-1gpu.yaml", {"model.autotune": "one"})
+    run_tune(cfg, [8192], out=str(out), measure=measure_mode)
+    assert seen == ["full"]
 
 
 

@@ -83,6 +83,8 @@ def run_tune(cfg: Config, lengths: list[int], out: str | None = None, measure=No
         from megaseq.bench.measure import measure_megaseq as measure
     if kernels_dir is not None:  # every kernel compiles in the step, where the manifest records it
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, precompile=False))
+    if cfg.model.autotune not in (None, "full"):  # a recipe's model.autotune would win over the tuning's variable
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, autotune="full"))
     routing = resolve_routing(cfg, "auto", "random")
     device = torch.cuda.get_device_name()
     table = autotune.table(device)
