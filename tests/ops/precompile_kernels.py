@@ -21,3 +21,25 @@ def tuned_add(x_ptr, n, C: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=mask) + C, mask=mask)
+
+
+def use_stand_in_driver() -> None:
+    """Make Triton's active driver device 0 of an sm_90 GPU, for compiling only (no GPU needed): a process that
+    compiles real kernels for ``cuda:90`` without launching them."""
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime import driver
+
+    class StandInDriver:
+        def get_current_device(self):
+            return 0
+
+        def set_current_device(self, device):
+            pass
+
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+        def get_current_stream(self, device):
+            return 0
+
+    driver.set_active(StandInDriver())

@@ -153,18 +153,9 @@ def test_the_precompile_seeds_the_shipped_pack_before_it_compiles_unless_told_to
 # ---- with real Triton ---------------------------------------------------------------------------------------
 COMPILE = """
 import json, sys, torch
-from triton.backends.compiler import GPUTarget
-from triton.runtime import driver
 from megaseq.ops import precompile
-
-class StandInDriver:  # device 0 of an sm_90 GPU, for compiling only
-    def get_current_device(self): return 0
-    def set_current_device(self, device): pass
-    def get_current_target(self): return GPUTarget("cuda", 90, 32)
-    def get_current_stream(self, device): return 0
-
-driver.set_active(StandInDriver())
 import precompile_kernels as mod
+mod.use_stand_in_driver()
 if sys.argv[1] == "record":
     with precompile.record() as entries:
         for c in (3, 4):

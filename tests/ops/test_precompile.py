@@ -312,19 +312,9 @@ def test_resolve_unwraps_the_autotuner_and_heuristics(monkeypatch, request):
 
 REAL_TRITON = """
 import sys, torch
-from triton import knobs
-from triton.backends.compiler import GPUTarget
-from triton.runtime import driver
 from megaseq.ops import precompile
-
-class StandInDriver:  # device 0 of an sm_90 GPU, for compiling only
-    def get_current_device(self): return 0
-    def set_current_device(self, device): pass
-    def get_current_target(self): return GPUTarget("cuda", 90, 32)
-    def get_current_stream(self, device): return 0
-
-driver.set_active(StandInDriver())
 import precompile_kernels as mod
+mod.use_stand_in_driver()
 with precompile.record() as entries:
     for c in (3, 4, 5):
         mod.add_constant.warmup(torch.float32, 1000, C=c, BLOCK=256, grid=(4,))

@@ -180,12 +180,10 @@ def record() -> Iterator[list[Entry]]:
     except ImportError:
         yield entries
         return
-    rt = knobs.runtime
-    before = rt.jit_post_compile_hook
     seen: set[str] = set()
     lock = threading.Lock()
 
-    def post(**kw: Any) -> Any:
+    def post(**kw: Any) -> None:
         name = _kernel_name(kw.get("fn"))
         spec = (kw.get("compile") or {}).get("specialization_data")
         if name is not None and isinstance(spec, str):
@@ -193,13 +191,26 @@ def record() -> Iterator[list[Entry]]:
                 if spec not in seen:
                     seen.add(spec)
                     entries.append({"kernel": name, "spec": spec})
+
+    with _chained(knobs.runtime, "jit_post_compile_hook", post):
+        yield entries
+
+
+@contextmanager
+def _chained(owner: Any, slot: str, fn: Callable[..., None]) -> Iterator[None]:
+    """Triton's hook ``owner.slot`` set, for the block, to call ``fn`` and then the hook installed before (whose
+    answer it returns); that hook restored after."""
+    before = getattr(owner, slot)
+
+    def hook(**kw: Any) -> Any:
+        fn(**kw)
         return before(**kw) if before is not None else None
 
-    rt.jit_post_compile_hook = post
+    setattr(owner, slot, hook)
     try:
-        yield entries
+        yield
     finally:
-        rt.jit_post_compile_hook = before
+        setattr(owner, slot, before)
 
 
 def resolve(kernel: str) -> Any:
@@ -348,20 +359,15 @@ def _count_disk_hits() -> Iterator[list[int]]:
     if comp is None or not hasattr(comp, "listener"):
         yield hits
         return
-    before = comp.listener
     lock = threading.Lock()
 
-    def listener(**kw: Any) -> Any:
+    def listener(**kw: Any) -> None:
         if kw.get("cache_hit"):
             with lock:
                 hits[0] += 1
-        return before(**kw) if before is not None else None
 
-    comp.listener = listener
-    try:
+    with _chained(comp, "listener", listener):
         yield hits
-    finally:
-        comp.listener = before
 
 
 def precompile(entries: list[Entry], workers: int | None = None, device: int | None = None,
