@@ -122,3 +122,15 @@ def test_bench_profile_writes_the_profiled_steps_table(tmp_path):
     assert [r["status"] for r in result["rows"]] == ["ok"]
     table = (tmp_path / "b_profile_random_64.txt").read_text()
     assert "Self CPU" in table and "aten::mm" in table
+
+
+def test_bench_profile_first_profiles_the_first_step_by_host_time(tmp_path):
+    """``--profile-first``: the first step of a length under the profiler, its ops table sorted by host time beside
+    the JSON; the timed step after it runs without the profiler (no other table)."""
+    cfg = build_config(None, ["model.name=qwen3-moe-tiny", "data.kind=random", "model.dtype=fp32"])
+    result = run_bench(cfg, [64], steps=1, out=str(tmp_path / "b"), isolate=False, profile_first=True)
+    assert [r["status"] for r in result["rows"]] == ["ok"]
+    table = (tmp_path / "b_first_profile_random_64.txt").read_text()
+    assert "Self CPU" in table and "aten::mm" in table and not (tmp_path / "b_profile_random_64.txt").exists()
+    share = [float(line.split()[-6].rstrip("%")) for line in table.splitlines()[3:13]]  # Self CPU %
+    assert share == sorted(share, reverse=True) and share[0] > 0  # sorted by self host time, largest first

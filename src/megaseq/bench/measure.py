@@ -14,7 +14,7 @@ import copy
 import logging
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -111,11 +111,13 @@ def warm_planned_step(cfg: Config, seq_len: int, device: torch.device) -> tuple:
 
 
 def measure_megaseq(cfg: Config, seq_len: int, steps: int, source: str, routing: str = "natural",
-                    profile: Path | None = None) -> dict[str, Any]:
+                    profile: Path | None = None, profile_first: Path | None = None) -> dict[str, Any]:
     """Warm-up step + ``steps`` timed steps of megaseq at ``seq_len`` (``steps`` 0: the one step, timed cold);
     an OOM is a result, not an error. ``routing``: the MoE routers' (``models.common.routing``). ``profile``:
     one more step after the timed ones under ``torch.profiler``, its table of ops by device time written to
-    that file (the timed steps run without the profiler)."""
+    that file (the timed steps run without the profiler). ``profile_first``: the first step under the profiler,
+    its table by host time written to that file (where a first step's time beyond a warm one goes; the profiler
+    slows that step, so its ``first_step_s`` is not a figure)."""
     from megaseq.models.common.moe import set_routing
     from megaseq.models.presets import resolve_spec
     from megaseq.train.build import kernels_for, resolve_device, start_precompile
@@ -146,7 +148,7 @@ def measure_megaseq(cfg: Config, seq_len: int, steps: int, source: str, routing:
                 torch.cuda.reset_peak_memory_stats(device)
             first: list[float] = []
             compiles: dict[str, Any] = {}
-            times = timed_steps(lambda: step(next_batch()), steps, device, first, compiles, pre)
+            times = timed_steps(lambda: step(next_batch()), steps, device, first, compiles, pre, profile_first)
             row["precompile"] = pre.summary() if pre is not None else None
             cuda = device.type == "cuda"  # the timed steps' peaks and routing, read before any profiled step
             peaks = dict(measured_gpu_gib=torch.cuda.max_memory_allocated(device) / GIB if cuda else None,
@@ -193,13 +195,14 @@ def load_summary(load: dict[str, float]) -> dict[str, Any]:
 
 def timed_steps(run_step: Callable[[], None], steps: int, device: torch.device,
                 first: list[float] | None = None, first_compiles: dict | None = None,
-                precompiled: Any = None) -> list[float]:
+                precompiled: Any = None, profile_first: Path | None = None) -> list[float]:
     """Seconds of each measured step: ``steps + 1`` runs of ``run_step``, the first a warm-up (kernels,
     autotune, the allocator) left out (its seconds appended to ``first`` when given; the Triton kernels it
     compiled, ``compiles.CompileRecord.summary``, put in ``first_compiles`` when given); ``steps`` 0: the one
     (cold) step. ``precompiled`` (``ops.precompile.RunPrecompile``): joined before the first step (the seconds
     waited for it in its ``summary()`` as ``wait_s``, outside the step's), the step's compiles added to the user's
-    kernel manifest."""
+    kernel manifest. ``profile_first``: the first step under ``torch.profiler``, its ops by host time into that
+    file (``profiled_step``'s table)."""
     from megaseq.bench.compiles import compile_record
 
     times = []
@@ -212,7 +215,9 @@ def timed_steps(run_step: Callable[[], None], steps: int, device: torch.device,
         t0 = time.perf_counter()
         counting = i == 0 and first_compiles is not None
         manifest = precompiled.recording() if i == 0 and precompiled is not None else contextlib.nullcontext()
-        with manifest, compile_record() if counting else contextlib.nullcontext() as rec:
+        profiling = profiled(device, profile_first, "self_cpu_time_total") if i == 0 and profile_first \
+            else contextlib.nullcontext()
+        with manifest, compile_record() if counting else contextlib.nullcontext() as rec, profiling:
             run_step()
             _sync(device)
         if counting:
@@ -231,16 +236,23 @@ def timed_steps(run_step: Callable[[], None], steps: int, device: torch.device,
 def profiled_step(run_step: Callable[[], None], device: torch.device, out: Path, rows: int = 60) -> None:
     """One step under ``torch.profiler`` (CPU and, on a GPU, CUDA activity): its ops sorted by device time
     (self time first: where the step's time goes) into ``out``."""
+    with profiled(device, out, "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total", rows):
+        run_step()
+        _sync(device)
+
+
+@contextlib.contextmanager
+def profiled(device: torch.device, out: Path, sort_by: str, rows: int = 60) -> Iterator[None]:
+    """The block under ``torch.profiler`` (CPU and, on a GPU, CUDA activity); its ops sorted by ``sort_by`` into
+    ``out``."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=acts) as prof:
-        run_step()
-        _sync(device)
-    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+        yield
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(prof.key_averages().table(sort_by=key, row_limit=rows))
+    out.write_text(prof.key_averages().table(sort_by=sort_by, row_limit=rows))
     logger.info(f"megaseq bench: wrote the profile of one step to {out}")
 
 

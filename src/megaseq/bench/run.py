@@ -97,12 +97,14 @@ def run_bench(cfg: Config, lengths: list[int], steps: int = 3, source: str = "ra
               baseline: bool = False, out: str = "benchmarks/results/bench",
               logprob_lengths: list[int] | None = None, max_limit: int = 4 << 20,
               isolate: bool | None = None, routing: str = "auto", recipe: str | None = None,
-              overrides: list[str] | None = None, profile: bool = False) -> dict[str, Any]:
+              overrides: list[str] | None = None, profile: bool = False,
+              profile_first: bool = False) -> dict[str, Any]:
     """Every measurement in order; the outputs are rewritten after each, so a run stopped early keeps
     what it measured. ``isolate`` (default: on a GPU) runs each measurement in its own process. ``routing``:
     auto, balanced or natural (``resolve_routing``), the reference's the same as megaseq's random rows.
     ``profile``: after each length's timed steps, one more step under ``torch.profiler``, its table of ops by
-    device time in ``<out>_profile_<source>_<tokens>.txt`` (``measure.profiled_step``)."""
+    device time in ``<out>_profile_<source>_<tokens>.txt`` (``measure.profiled_step``). ``profile_first``: each
+    length's first step under the profiler, its ops by host time in ``<out>_first_profile_<source>_<tokens>.txt``."""
     from megaseq.train.build import use_expandable_segments
 
     use_expandable_segments()  # the allocator as `megaseq train` sets it
@@ -131,7 +133,8 @@ def run_bench(cfg: Config, lengths: list[int], steps: int = 3, source: str = "ra
     for s in sources:
         for L in lengths:
             prof = Path(f"{out}_profile_{s}_{L}.txt") if profile else None
-            keep(call(measure_megaseq, cfg, L, steps, s, routes[s], prof), rows)
+            first = Path(f"{out}_first_profile_{s}_{L}.txt") if profile_first else None
+            keep(call(measure_megaseq, cfg, L, steps, s, routes[s], prof, first), rows)
     if find_max_len:
         result["max_len"] = mx = {"megaseq": None, "search": []}
         mx["megaseq"], _ = find_max(lambda L: keep(call(measure_megaseq, cfg, L, 1, sources[0], routes[sources[0]]),

@@ -111,6 +111,10 @@ def parser() -> argparse.ArgumentParser:
             sp.add_argument("--profile", action="store_true",
                             help="one more step per length under torch.profiler: its ops by device time in "
                                  "OUT_profile_SOURCE_TOKENS.txt")
+            sp.add_argument("--profile-first", action="store_true",
+                            help="each length's first step under torch.profiler: its ops by host time in "
+                                 "OUT_first_profile_SOURCE_TOKENS.txt (where a first step's time beyond a warm "
+                                 "one goes; that step's time is then not a figure)")
         if verb == "tune":
             sp.add_argument("--seq-lens", default=None, help="comma-separated lengths, e.g. 8K,32K (default: "
                             "data.seq_len); nearby lengths share a power-of-two bucket")

@@ -154,7 +154,8 @@ def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
                        baseline=args.baseline, out=args.out, logprob_lengths=lp,
                        max_limit=parse_size(args.max_limit), routing=args.routing,
                        recipe=args.config if args.config and Path(args.config).suffix in (".yaml", ".yml") else None,
-                       overrides=split_overrides(rest), profile=args.profile)
+                       overrides=split_overrides(rest), profile=args.profile,
+                       profile_first=args.profile_first)
     from megaseq.bench.report import markdown
 
     print(markdown(result))
