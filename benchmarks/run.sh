@@ -44,6 +44,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 fi
+GIVEN_FLA_AUTOTUNE=${MEGASEQ_FLA_AUTOTUNE:-}  # the GPU suite's default is one config each (gpu_suite.py)
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 MEGASEQ_FLA_AUTOTUNE=${MEGASEQ_FLA_AUTOTUNE:-full}
 export TRITON_CACHE_AUTOTUNING=1 TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.tcache}
 # a Triton cache from an earlier job (without one the first step compiles and autotunes for minutes): the cache
@@ -75,7 +76,8 @@ stage_gpu_suite() {
   # what `make test-gpu` runs (benchmarks/gpu_suite.py: pytest -m gpu tests, recorded in latest.json), with this
   # interpreter (the machine's CUDA torch, not a fresh virtualenv)
   # no test starts after SUITE_LIMIT seconds (default 480), so the record is written within the job's 10 minutes
-  $PY benchmarks/gpu_suite.py --out "$RESULTS/gpu_suite/latest.json" --time-limit "${SUITE_LIMIT:-480}" \
+  MEGASEQ_FLA_AUTOTUNE=${GIVEN_FLA_AUTOTUNE:-one} \
+    $PY benchmarks/gpu_suite.py --out "$RESULTS/gpu_suite/latest.json" --time-limit "${SUITE_LIMIT:-480}" \
     --log "$RESULTS/gpu_suite/latest.jsonl" -- -p no:cacheprovider
 }
 
