@@ -12,7 +12,9 @@
 #                                        #   qwen3-30b-a3b-lora at 32K (FIRST_CASES="recipe:length ..."), each way
 #                                        #   of FIRST_RUNS (default "1 compile 0": MEGASEQ_PRECOMPILE's values: the
 #                                        #   shipped kernel packs seeded and the manifests precompiled, the default;
-#                                        #   the manifests compiled without the packs; neither)
+#                                        #   the manifests compiled without the packs; neither); FIRST_ARGS are
+#                                        #   added to each bench (e.g. --profile-first), and the environment
+#                                        #   passes through (e.g. MEGASEQ_GROW_POOL=1)
 #   bash benchmarks/speed/speed_gpu.sh pack    # about 2 minutes: the kernel pack of each shipped manifest for this GPU
 #                                        #   (ops.kernel_pack.build) into src/megaseq/ops/tuned/kernels/ and $OUT
 #   bash benchmarks/speed/speed_gpu.sh tune    # optional, up to 10 minutes: the H200 tuned table (full tuning at 8K and
@@ -65,7 +67,7 @@ case "$STAGE" in
         name="${rl%%:*}_${rl#*:}_$(case $run in 1) echo pack ;; compile) echo compile ;; *) echo sequential ;; esac)"
         t1=$(date +%s)
         MEGASEQ_PRECOMPILE=$run timeout -k 5 300 python3 -m megaseq bench "recipes/${rl%%:*}.yaml" \
-          --seq-lens "${rl#*:}" --steps 2 --out "$OUT/first_$name" 2>&1 | tail -6
+          --seq-lens "${rl#*:}" --steps 2 --out "$OUT/first_$name" ${FIRST_ARGS:-} 2>&1 | tail -6
         echo "$name: $(( $(date +%s) - t1 )) s end to end" | tee -a "$OUT/first_wall.txt"
       done
     done

@@ -120,7 +120,7 @@ def measure_megaseq(cfg: Config, seq_len: int, steps: int, source: str, routing:
     slows that step, so its ``first_step_s`` is not a figure)."""
     from megaseq.models.common.moe import set_routing
     from megaseq.models.presets import resolve_spec
-    from megaseq.train.build import kernels_for, resolve_device, start_precompile
+    from megaseq.train.build import grow_pool, kernels_for, resolve_device, start_precompile
     from megaseq.train.metrics import moe_load
 
     c = cfg_for(cfg, seq_len, source)
@@ -143,6 +143,7 @@ def measure_megaseq(cfg: Config, seq_len: int, steps: int, source: str, routing:
             model, applied, next_batch, step = planned_step(c, spec, device, plan, steps + 1)
             set_routing(model, routing)
             _sync(device)
+            row["pool_grown_gib"] = grow_pool(device, plan.peak_gpu_tensors) / GIB  # MEGASEQ_GROW_POOL=1
             host_rss_peak_reset()
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)

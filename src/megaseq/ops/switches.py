@@ -22,6 +22,8 @@ The others are debugging and tuning switches, live for benchmarks and for compar
   ``atomic`` (``ops.sparse_mla.kernels``).
 - ``MEGASEQ_ADAMW``: ``torch`` declines the one-pass Triton AdamW step of the master weights
   (``ops.adamw``) for torch's fused AdamW; default ``triton``.
+- ``MEGASEQ_GROW_POOL``: ``1`` grows the CUDA caching allocator's pool toward the plan's tensor peak before the
+  first step, while the precompile finishes (``train.build.grow_pool``); default ``0``.
 
 A value outside a switch's choices is a ValueError naming the variable and the choices.
 """
@@ -102,6 +104,11 @@ def kernel_pack() -> bool:
 
 def _precompile_value() -> str:
     return _choice("MEGASEQ_PRECOMPILE", _read("MEGASEQ_PRECOMPILE") or "1", PRECOMPILE_VALUES)
+
+
+def grow_pool() -> bool:
+    """``MEGASEQ_GROW_POOL=1``: grow the caching allocator's pool before the first step (``train.build.grow_pool``)."""
+    return _choice("MEGASEQ_GROW_POOL", os.environ.get("MEGASEQ_GROW_POOL") or "0", ("0", "1")) == "1"
 
 
 def fla_one_config() -> bool:

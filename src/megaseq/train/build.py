@@ -187,6 +187,35 @@ def use_expandable_segments() -> None:
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 
+GROW_FRACTION = 0.9  # of the plan's tensor peak: a plan above the step's real peak must not pin memory it never uses
+
+
+def grow_pool(device: torch.device, plan_tensors: int, fraction: float = GROW_FRACTION) -> int:
+    """With ``MEGASEQ_GROW_POOL=1`` (``ops.switches.grow_pool``), on a CUDA device under expandable segments:
+    grow the caching allocator's pool to ``fraction`` of the plan's tensor peak ``plan_tensors`` before the first
+    step, by one allocation freed at once (its pages stay mapped, and the step's tensors are carved from them), so
+    the step does not map them as it goes; called while the precompile's threads finish, it overlaps their wait.
+    Never more than the GPU has free, less a reserve for what allocates outside the pool; an allocation that fails
+    is given up. Returns the bytes it added to the pool. Peak statistics read after it include the block: reset
+    them before a step's."""
+    from megaseq.ops import switches
+
+    if device.type != "cuda" or not switches.grow_pool():
+        return 0
+    if "expandable_segments:True" not in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
+        return 0  # without expandable segments one block the size of the peak would be one segment to split
+    free, _ = torch.cuda.mem_get_info(device)
+    need = min(int(plan_tensors * fraction) - torch.cuda.memory_reserved(device), free - (1 << 30))
+    if need <= 0:
+        return 0
+    try:
+        block = torch.empty(need, dtype=torch.uint8, device=device)
+    except torch.OutOfMemoryError:
+        return 0
+    del block
+    return need
+
+
 def check_adapters(cfg: Config, spec: Any, memory: MemorySettings) -> None:
     """What the adapters cannot do in this run, said before data or weights are touched: dropout under a
     replaying scheme, an export PEFT could not load, an adapter to start from that does not fit."""

@@ -24,7 +24,7 @@ from megaseq.plan.flops import mfu
 from megaseq.train import checkpoint as ckpt
 from megaseq.train import guard, indexer_training
 from megaseq.train import step as step_mod
-from megaseq.train.build import report_fallbacks
+from megaseq.train.build import grow_pool, report_fallbacks
 from megaseq.train.heldout import HeldoutProbe
 from megaseq.train.metrics import MetricsLogger, gpu_peak_bytes, host_peak_bytes, over_plan, scheme_drift
 from megaseq.train.parallel_env import ParallelEnv
@@ -119,6 +119,8 @@ class TrainLoop:
         with guard.StopSignals(env.log) as signals:
             for step in range(start + 1, cfg.train.steps + 1):
                 precompiled = self.precompiled if step == start + 1 else None
+                if step == start + 1:  # MEGASEQ_GROW_POOL=1; the step resets the peak statistics after it
+                    grow_pool(self.device, self.plan.get("peak_gpu_tensors", 0))
                 if precompiled is not None:
                     precompiled.join(env.log)  # the manifests' kernels compiled: none launched before this
                 # what the first step still compiles: the next run's too
