@@ -26,7 +26,8 @@ try:
     HAVE_TRITON = True
 except ImportError:  # a CPU build of torch without Triton: stand-ins of the hook and of AsyncCompileMode
     HAVE_TRITON = False
-    knobs = SimpleNamespace(runtime=SimpleNamespace(jit_post_compile_hook=None, jit_cache_hook=None))
+    knobs = SimpleNamespace(runtime=SimpleNamespace(jit_post_compile_hook=None, jit_cache_hook=None),
+                            cache=SimpleNamespace(dir=None))
     active_mode: ContextVar = ContextVar("active_mode", default=None)
 
     class AsyncCompileMode:  # Triton's: submit compiles to the executor, finalise them all on leaving the block
@@ -62,6 +63,7 @@ def triton_stand_in(monkeypatch, tmp_path):
         fake = ModuleType("triton")
         fake.knobs, fake.AsyncCompileMode = knobs, AsyncCompileMode
         monkeypatch.setitem(sys.modules, "triton", fake)
+        monkeypatch.setattr(knobs.cache, "dir", str(tmp_path / "triton"))
     monkeypatch.setenv("MEGASEQ_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv("MEGASEQ_PRECOMPILE", raising=False)
     yield

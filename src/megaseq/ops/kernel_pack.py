@@ -153,6 +153,11 @@ def seed(path: Path, cache: Path, triton_version: str, target: str) -> int:
     return written
 
 
+def seed_cache(path: Path, triton_version: str, target: str) -> int:
+    """``seed`` into Triton's cache directory (``cache_dir``)."""
+    return seed(path, cache_dir(), triton_version, target)
+
+
 def build(manifest: Path, out: Path, workers: int | None = None, timeout: float = 1800,
           env: dict[str, str] | None = None) -> dict[str, Any]:
     """Write the pack of ``manifest`` (a kernel manifest of this machine's Triton and target) to ``out``: its

@@ -436,7 +436,11 @@ class Background:
 
         def run() -> None:
             try:
-                seeded = prepare() if prepare is not None else 0
+                seeded = 0
+                try:
+                    seeded = prepare() if prepare is not None else 0
+                except Exception as e:  # noqa: BLE001  a pack that cannot be seeded: its kernels compile instead
+                    logger.info(f"precompile: seeding Triton's cache failed ({type(e).__name__}: {e})")
                 self.result = precompile(entries, n, device, resolver, self.pool)
                 self.result.seeded = seeded
             except BaseException as e:  # noqa: BLE001  said at join: the run goes on and compiles as it launches
@@ -494,8 +498,8 @@ class RunPrecompile:
         if switches.kernel_pack():  # the package's compiled kernels into Triton's cache, on the precompile's thread
             from megaseq.ops import kernel_pack
 
-            pack, cache = (shipped or SHIPPED_DIR) / kernel_pack.pack_name(fp, self.target), kernel_pack.cache_dir()
-            prepare = functools.partial(kernel_pack.seed, pack, cache, self.version, self.target)
+            pack = (shipped or SHIPPED_DIR) / kernel_pack.pack_name(fp, self.target)
+            prepare = functools.partial(kernel_pack.seed_cache, pack, self.version, self.target)
         self.background = Background(self.entries, workers, device, prepare=prepare)
         self.result: Result | None = None
         self.wait_s = 0.0
