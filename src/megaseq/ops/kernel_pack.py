@@ -104,7 +104,7 @@ def _put(dest: Path, data: bytes) -> None:
 
 
 def seed(path: Path, cache: Path, triton_version: str, target: str) -> int:
-    """Write each file of the pack at ``path`` that Triton cache directory ``cache`` lacks; returns how many. None
+    """Write each file of the pack at ``path`` that Triton cache directory ``cache`` lacks; returns how many: none
     where there is no pack, and none (said in one log line) where it is unreadable or of another Triton version or
     target. A group file is written last, naming this cache's paths of its files that are present, and only where
     its metadata is: Triton then finds a whole kernel or none."""
