@@ -53,6 +53,7 @@ def test_lora_recipe_runs_the_peer_in_the_same_job(tmp_path) -> None:
     assert "1.00 (balanced)" in md and "reference (the peer): system: transformers" in md
     assert ours["first_step_s"] > 0 and row["first_step_s"] > 0
     assert "first step against a warm step: 64 (random)" in md
+    assert ours["build_s"] > 0 and "s to the first step's end" in md  # the first call's wall time
     import bench_scripts
 
     summary = bench_scripts.load("speed/speed_summary").summarize(result)["rows"][0]

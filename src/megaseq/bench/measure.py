@@ -140,9 +140,11 @@ def measure_megaseq(cfg: Config, seq_len: int, steps: int, source: str, routing:
             # launches no Triton kernel until timed_steps joins it before the first step
             pre = start_precompile(c, spec, device)
             dispatch.reset_records()
+            t_build = time.perf_counter()
             model, applied, next_batch, step = planned_step(c, spec, device, plan, steps + 1)
             set_routing(model, routing)
             _sync(device)
+            row["build_s"] = time.perf_counter() - t_build  # the model, its weights and the step, before the first
             row["pool_grown_gib"] = grow_pool(device, plan.peak_gpu_tensors) / GIB  # MEGASEQ_GROW_POOL=1
             host_rss_peak_reset()
             if device.type == "cuda":

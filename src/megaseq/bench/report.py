@@ -61,9 +61,16 @@ def first_step_lines(rows: list[dict[str, Any]]) -> list[str]:
         c = r.get("first_step_compiles")
         return f" ({c['count']} Triton kernels built in {c['seconds']:.1f} s)" if c and c.get("count") else ""
 
+    def before(r: dict[str, Any]) -> str:  # the first call's wall time: the build, the precompile's wait, the step
+        if r.get("build_s") is None:
+            return ""
+        wait = (r.get("precompile") or {}).get("wait_s") or 0.0
+        return (f", after the model's build {r['build_s']:.1f} s and the precompile's wait {wait:.1f} s: "
+                f"{r['build_s'] + wait + r['first_step_s']:.1f} s to the first step's end")
+
     return ["", "first step against a warm step: " + "; ".join(
         f"{r['seq_len']:,} ({r['source']}) {r['first_step_s']:.1f} s / {r['step_s']:.2f} s = "
-        f"{r['first_step_s'] / r['step_s']:.1f}x{compiles(r)}" for r in both)]
+        f"{r['first_step_s'] / r['step_s']:.1f}x{compiles(r)}{before(r)}" for r in both)]
 
 
 def reference_lines(result: dict[str, Any]) -> list[str]:
