@@ -11,6 +11,7 @@ import logging
 import os
 import subprocess
 import sys
+import sysconfig
 import tarfile
 from pathlib import Path
 
@@ -104,12 +105,41 @@ def test_packs_of_another_version_or_target_unreadable_or_missing_seed_nothing(t
     assert "this is Triton 3.6.0 on cuda:100; not used" in said and "junk.tar.xz: unreadable" in said
 
 
+def test_a_pack_built_under_another_python_seeds_nothing(tmp_path, monkeypatch, caplog):
+    """Triton's cache keys hash its compiled module, one build per Python: another Python's pack is not used."""
+    pack = tmp_path / "p.tar.xz"
+    monkeypatch.setattr(kernel_pack.sysconfig, "get_config_var", lambda name: ".cpython-399-x86_64-linux-gnu.so")
+    kernel_pack.write(fake_cache(tmp_path / "built"), pack, "3.6.0", "cuda:90")
+    monkeypatch.undo()
+    with caplog.at_level(logging.INFO, logger="megaseq.ops.kernel_pack"):
+        assert kernel_pack.seed(pack, tmp_path / "dst", "3.6.0", "cuda:90") == 0
+    assert "built under Python .cpython-399-x86_64-linux-gnu.so, this is" in caplog.text
+    assert not (tmp_path / "dst").exists()
+
+
+def test_localize_drops_another_machines_libdevice_path(tmp_path):
+    """A shipped manifest's specs name the libdevice of the machine that recorded them; ``localize`` drops a path
+    that does not exist here (Triton then fills in its own, whose content its cache key hashes), keeps one that
+    does, and leaves a spec without extern libraries as it is."""
+    here = tmp_path / "libdevice.10.bc"
+    here.write_bytes(b"bc")
+    spec = {"name": "k", "options": {"num_warps": 4, "extern_libs": [
+        ["libdevice", "/opt/elsewhere/site-packages/triton/backends/nvidia/lib/libdevice.10.bc"]]}, "key": "x"}
+    got = json.loads(precompile.localize(json.dumps(spec)))
+    assert got["options"] == {"num_warps": 4} and got["key"] == "x"
+    spec["options"]["extern_libs"].append(["mine", str(here)])
+    assert json.loads(precompile.localize(json.dumps(spec)))["options"]["extern_libs"] == [["mine", str(here)]]
+    plain = json.dumps({"name": "k", "options": {"num_warps": 4}})
+    assert precompile.localize(plain) is plain and precompile.localize("not json") == "not json"
+
+
 def test_unsafe_members_are_skipped(tmp_path):
     """A member outside ``<key>/<file>`` (a parent reference, an absolute path, a deeper path, a link) is never
     written."""
     pack = tmp_path / "evil.tar.xz"
     with tarfile.open(pack, "w:xz") as tar:
-        for name, data in [(kernel_pack.META, json.dumps({"format": 1, "triton": "3.6.0", "target": "cuda:90"})),
+        meta = {"format": 1, "triton": "3.6.0", "target": "cuda:90", "python": sysconfig.get_config_var("EXT_SUFFIX")}
+        for name, data in [(kernel_pack.META, json.dumps(meta)),
                            ("../escape.so", "x"), ("/abs/x.so", "x"), ("K/deeper/x.so", "x"), ("K/..", "x"),
                            ("K/ok.so", "ok")]:
             info = tarfile.TarInfo(name)
@@ -287,3 +317,49 @@ def test_the_build_subprocess_packs_what_it_compiled_into_its_fresh_cache(monkey
     precompile.write_manifest(manifest, [entry], "3.5.0", "cuda:90")
     with pytest.raises(SystemExit, match="fp-cuda90.json: no kernels for Triton 3.6.0 on cuda:90"):
         kernel_pack._main([str(manifest), str(out), str(answer), "2"])
+
+
+FRESH = """
+import json, sys
+from pathlib import Path
+import triton
+from megaseq.ops import kernel_pack, precompile
+import precompile_kernels
+precompile_kernels.use_stand_in_driver()
+manifest, pack, cache = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
+kernel_pack.seed(pack, cache, triton.__version__, "cuda:90")
+entries = [e for e in precompile.read_manifest(manifest, triton.__version__, "cuda:90")
+           if e["kernel"].startswith("megaseq.")]
+missed = []
+with precompile._count_disk_hits() as hits:
+    for e in entries:
+        before = hits[0]
+        precompile.precompile([e], workers=1, device=0)
+        if hits[0] == before:
+            missed.append(e["kernel"])
+print(json.dumps({"entries": len(entries), "missed": missed}))
+"""
+
+
+@pytest.mark.parametrize("manifest", sorted(p.name for p in precompile.SHIPPED_DIR.glob("*-cuda90.json")))
+def test_the_shipped_packs_hold_megaseqs_kernels_as_they_are_now(tmp_path, manifest):
+    """Each shipped manifest's megaseq kernels, precompiled from its pack seeded into an empty cache (real Triton
+    under a stand-in sm_90 driver, in a process of its own), are all found in the cache: a kernel edited since the
+    pack was built has another cache key, compiles, and is named here (rebuild with `bash
+    benchmarks/speed/speed_gpu.sh pack`). Runs where the Triton build matches the pack's (its version and Python:
+    the GPU machine's); skipped elsewhere."""
+    triton = pytest.importorskip("triton")
+    pack = precompile.SHIPPED_DIR / manifest.replace(".json", ".tar.xz")
+    with tarfile.open(pack, "r:xz") as tar:
+        meta = json.loads(tar.extractfile(tar.next()).read())
+    if (meta["triton"], meta["python"]) != (triton.__version__, sysconfig.get_config_var("EXT_SUFFIX")):
+        pytest.skip(f"the pack is of Triton {meta['triton']} under {meta['python']}")
+    here = Path(__file__).resolve().parent
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(here.parents[1] / "src"), str(here), env.get("PYTHONPATH", "")])
+    out = subprocess.run([sys.executable, "-c", FRESH, str(precompile.SHIPPED_DIR / manifest), str(pack),
+                          str(tmp_path / "cache")], env={**env, "TRITON_CACHE_DIR": str(tmp_path / "cache")},
+                         capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["entries"] > 0 and got["missed"] == [], got

@@ -1,5 +1,5 @@
 """Compiled kernels shipped with the package: a recipe's Triton binaries, seeded into Triton's cache before the
-precompile, so that a new machine with the same Triton and GPU target loads its kernels instead of compiling them.
+precompile, so that a new machine with the same Triton build and GPU target loads its kernels instead of compiling them.
 
 A **pack** (``<fingerprint>-<target>.tar.xz``, beside the recipe's kernel manifest in ``ops/tuned/kernels/``) holds
 the files Triton's cache keeps for each of the manifest's kernels that a launch needs: the metadata (``.json``),
@@ -7,7 +7,8 @@ the binary (``.cubin``), the group file that names them, and the launchers and d
 the host compiler (``.so``; each named for the Python it was built against, so another Python never finds
 them). The intermediate IR (``.ttir``, ``.ttgir``, ``.llir``, ``.ptx``, ``.source``) is left out, as Triton's
 ``TRITON_STORE_BINARY_ONLY`` leaves it out. Its first member, ``megaseq-kernel-pack.json``, names the Triton
-version and GPU target it was built for; a pack of another version or target is not used.
+version, GPU target and Python it was built for; a pack of another is not used (Triton's cache keys hash its own
+compiled module, which is built for one Python: another Python's Triton never finds the pack's kernels).
 
 ``seed`` writes each file that the cache lacks under its cache key (Triton's own hash of the kernel's source,
 options, Triton version, compiler and target: a kernel whose source changed since the pack was built has another
@@ -126,6 +127,10 @@ def seed(path: Path, cache: Path, triton_version: str, target: str) -> int:
             if (meta.get("triton"), meta.get("target")) != (triton_version, target):
                 logger.info(f"kernel pack {path}: built under Triton {meta.get('triton')} for {meta.get('target')}, "
                             f"this is Triton {triton_version} on {target}; not used")
+                return 0
+            here = sysconfig.get_config_var("EXT_SUFFIX")
+            if meta.get("python") != here:  # Triton's cache keys hash its compiled module, one build per Python
+                logger.info(f"kernel pack {path}: built under Python {meta.get('python')}, this is {here}; not used")
                 return 0
             groups = []
             for m in tar:

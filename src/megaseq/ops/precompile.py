@@ -281,6 +281,29 @@ def default_workers(processes: int = 1) -> int:
     return max(1, min(MAX_WORKERS, cpus // max(1, processes)))
 
 
+def localize(spec: str) -> str:
+    """``spec`` for this machine: Triton records the options a kernel compiled with, among them the absolute path of
+    its libdevice (``extern_libs``), which is another machine's in a shipped manifest. An extern library whose path
+    does not exist here is dropped, so that Triton fills in its own libdevice (its cache key hashes the file's
+    content, not its path: the same Triton finds the same kernel); a spec without one is returned as it is."""
+    try:
+        data = json.loads(spec)
+        libs = data["options"]["extern_libs"]
+    except (ValueError, KeyError, TypeError):
+        return spec
+    if not isinstance(libs, list):
+        return spec
+    kept = [lib for lib in libs if not (isinstance(lib, list) and len(lib) == 2 and isinstance(lib[1], str)
+                                        and not os.path.exists(lib[1]))]
+    if len(kept) == len(libs):
+        return spec
+    if kept:
+        data["options"]["extern_libs"] = kept
+    else:
+        del data["options"]["extern_libs"]
+    return json.dumps(data)
+
+
 def _in_kernel_cache(fn: Any, spec: str, device: int | None) -> bool:
     """Whether ``fn`` (a ``JITFunction``) holds ``spec``'s kernel for ``device`` (None: the current one)."""
     caches = getattr(fn, "device_caches", None)
@@ -400,7 +423,7 @@ def precompile(entries: list[Entry], workers: int | None = None, device: int | N
                         if _in_kernel_cache(fn, e["spec"], device):
                             result.cached += 1
                             continue
-                        futures.append(fn.preload(e["spec"]))
+                        futures.append(fn.preload(localize(e["spec"])))
                     except Exception as err:  # noqa: BLE001  a stale entry: counted, never raised
                         logger.debug(f"precompile: {e['kernel']}: {type(err).__name__}: {err}")
                         result.skipped += 1
