@@ -341,6 +341,7 @@ print(json.dumps({"entries": len(entries), "missed": missed}))
 """
 
 
+@pytest.mark.triton  # collected by `make test-gpu` too: the GPU machine has the packs' Triton build
 @pytest.mark.parametrize("manifest", sorted(p.name for p in precompile.SHIPPED_DIR.glob("*-cuda90.json")))
 def test_the_shipped_packs_hold_megaseqs_kernels_as_they_are_now(tmp_path, manifest):
     """Each shipped manifest's megaseq kernels, precompiled from its pack seeded into an empty cache (real Triton
