@@ -76,8 +76,8 @@ case "$STAGE" in
   pack)
     for m in src/megaseq/ops/tuned/kernels/*-cuda90.json; do
       python3 -c "import json, sys; from pathlib import Path; from megaseq.ops import kernel_pack
-m = Path(sys.argv[1]); out = m.with_name(m.name.removesuffix('.json') + '.tar.xz')
-print(json.dumps(kernel_pack.build(m, out)))" "$m" | tee -a "$OUT/packs.jsonl"
+m = Path(sys.argv[1])
+print(json.dumps(kernel_pack.build(m, kernel_pack.pack_path(m))))" "$m" | tee -a "$OUT/packs.jsonl"
       cp "${m%.json}.tar.xz" "$OUT/"
     done
     ;;

@@ -161,7 +161,7 @@ def test_the_precompile_seeds_the_shipped_pack_before_it_compiles_unless_told_to
     monkeypatch.setattr("megaseq.ops.triton_autotune.install", lambda: None)
     monkeypatch.setenv("MEGASEQ_CACHE_DIR", str(tmp_path / "megaseq"))
     shipped = tmp_path / "ship"
-    kernel_pack.write(fake_cache(tmp_path / "built"), shipped / kernel_pack.pack_name("fp", "cuda:90"), "3.6.0",
+    kernel_pack.write(fake_cache(tmp_path / "built"), kernel_pack.pack_path(shipped / "fp-cuda90.json"), "3.6.0",
                       "cuda:90")
     cache = tmp_path / "triton"
     monkeypatch.setattr(kernel_pack, "cache_dir", lambda: cache)
@@ -350,7 +350,7 @@ def test_the_shipped_packs_hold_megaseqs_kernels_as_they_are_now(tmp_path, manif
     benchmarks/speed/speed_gpu.sh pack`). Runs where the Triton build matches the pack's (its version and Python:
     the GPU machine's); skipped elsewhere."""
     triton = pytest.importorskip("triton")
-    pack = precompile.SHIPPED_DIR / manifest.replace(".json", ".tar.xz")
+    pack = kernel_pack.pack_path(precompile.SHIPPED_DIR / manifest)
     with tarfile.open(pack, "r:xz") as tar:
         meta = json.loads(tar.extractfile(tar.next()).read())
     if (meta["triton"], meta["python"]) != (triton.__version__, sysconfig.get_config_var("EXT_SUFFIX")):

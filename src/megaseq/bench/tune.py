@@ -104,7 +104,7 @@ def run_tune(cfg: Config, lengths: list[int], out: str | None = None, measure=No
         from megaseq.ops import kernel_pack
 
         manifest_path = Path(manifest["path"])
-        pack = manifest_path.with_name(manifest_path.name.removesuffix(".json") + ".tar.xz")
+        pack = kernel_pack.pack_path(manifest_path)
         logger.info(f"megaseq tune: compiling the manifest's {manifest['kernels']} kernels into {pack}")
         manifest["pack"] = kernel_pack.build(manifest_path, pack)
     path = path or table.user_path

@@ -48,9 +48,9 @@ GROUP = "__grp__"
 _MEMBER = re.compile(r"[A-Za-z0-9_-]+/[A-Za-z0-9_][A-Za-z0-9_.+-]*")
 
 
-def pack_name(fp: str, target: str) -> str:
-    """The file name of fingerprint ``fp``'s pack for ``target``: ``<fp>-cuda90.tar.xz``."""
-    return f"{fp}-{target.replace(':', '')}.tar.xz"
+def pack_path(manifest: Path) -> Path:
+    """The pack of the kernel manifest at ``manifest``, beside it: ``<fp>-cuda90.json`` -> ``<fp>-cuda90.tar.xz``."""
+    return manifest.with_suffix(".tar.xz")
 
 
 def cache_dir() -> Path:
@@ -86,14 +86,13 @@ def write(cache: Path, path: Path, triton_version: str, target: str) -> dict[str
     meta = {"format": FORMAT, "triton": triton_version, "target": target,
             "python": sysconfig.get_config_var("EXT_SUFFIX"), "files": len(members) + len(groups),
             "bytes": sum(len(b) for _, b in members + groups)}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with tarfile.open(tmp, "w:xz") as tar:
+    packed = io.BytesIO()
+    with tarfile.open(fileobj=packed, mode="w:xz") as tar:
         for name, data in [(META, json.dumps(meta).encode()), *members, *groups]:  # groups last: seed reads them after
             info = tarfile.TarInfo(name)
             info.size, info.mode = len(data), 0o644
             tar.addfile(info, io.BytesIO(data))
-    os.replace(tmp, path)
+    _put(path, packed.getvalue())
     return meta
 
 

@@ -521,7 +521,7 @@ class RunPrecompile:
         if switches.kernel_pack():  # the package's compiled kernels into Triton's cache, on the precompile's thread
             from megaseq.ops import kernel_pack
 
-            pack = (shipped or SHIPPED_DIR) / kernel_pack.pack_name(fp, self.target)
+            pack = kernel_pack.pack_path((shipped or SHIPPED_DIR) / name)
             prepare = functools.partial(kernel_pack.seed_cache, pack, self.version, self.target)
         self.background = Background(self.entries, workers, device, prepare=prepare)
         self.result: Result | None = None

@@ -108,7 +108,7 @@ def _precompile_value() -> str:
 
 def grow_pool() -> bool:
     """``MEGASEQ_GROW_POOL=1``: grow the caching allocator's pool before the first step (``train.build.grow_pool``)."""
-    return _choice("MEGASEQ_GROW_POOL", os.environ.get("MEGASEQ_GROW_POOL") or "0", ("0", "1")) == "1"
+    return _choice("MEGASEQ_GROW_POOL", _read("MEGASEQ_GROW_POOL") or "0", ("0", "1")) == "1"
 
 
 def fla_one_config() -> bool:

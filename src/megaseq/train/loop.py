@@ -118,15 +118,16 @@ class TrainLoop:
         schedule = SaveSchedule(cfg.train.save_every, cfg.train.save_every_minutes, env)
         with guard.StopSignals(env.log) as signals:
             for step in range(start + 1, cfg.train.steps + 1):
-                precompiled = self.precompiled if step == start + 1 else None
-                if step == start + 1:  # MEGASEQ_GROW_POOL=1; the step resets the peak statistics after it
+                first = step == start + 1
+                precompiled = self.precompiled if first else None
+                if first:  # MEGASEQ_GROW_POOL=1; the step resets the peak statistics after it
                     grow_pool(self.device, self.plan.get("peak_gpu_tensors", 0))
                 if precompiled is not None:
                     precompiled.join(env.log)  # the manifests' kernels compiled: none launched before this
                 # what the first step still compiles: the next run's too
                 with precompiled.recording() if precompiled is not None else contextlib.nullcontext():
                     loss, record = self.step(step, logger, result)
-                if step == start + 1:
+                if first:
                     report_fallbacks(cfg, self.device, env.log)
                 if not warned_plan and (warned_plan := over_plan(record, str(result.run_dir))):
                     env.log(warned_plan)
