@@ -78,6 +78,42 @@ def test_seed_keeps_what_the_cache_has(tmp_path):
     assert (dst / "KEYA" / "add.cubin").read_text() == "MINE"
 
 
+def test_a_pack_seeded_whole_is_not_read_again_until_it_changes(tmp_path, monkeypatch):
+    pack = tmp_path / "p.tar.xz"
+    kernel_pack.write(fake_cache(tmp_path / "built"), pack, "3.6.0", "cuda:90")
+    dst = tmp_path / "dst"
+    assert kernel_pack.seed(pack, dst, "3.6.0", "cuda:90") == 4
+    assert (dst / "megaseq-packs" / "p.tar.xz.json").is_file()
+    real = tarfile.open
+    opened = []
+    monkeypatch.setattr(kernel_pack.tarfile, "open", lambda *a, **k: opened.append(a) or real(*a, **k))
+    (dst / "KEYA" / "add.cubin").unlink()
+    assert kernel_pack.seed(pack, dst, "3.6.0", "cuda:90") == 0 and opened == []  # the stamp: not read
+    kernel_pack.write(fake_cache(tmp_path / "built2"), pack, "3.6.0", "cuda:90")  # a new build of the pack
+    os.utime(pack, ns=(1, 1))
+    opened.clear()
+    assert kernel_pack.seed(pack, dst, "3.6.0", "cuda:90") == 1 and len(opened) == 1
+    assert (dst / "KEYA" / "add.cubin").read_text() == "BINARY"
+
+
+def test_a_pack_read_in_part_leaves_no_stamp(tmp_path, monkeypatch):
+    pack = tmp_path / "p.tar.xz"
+    kernel_pack.write(fake_cache(tmp_path / "built"), pack, "3.6.0", "cuda:90")
+    real = kernel_pack.write_atomic
+
+    def full_disk(dest, data, **kw):
+        if dest.name.endswith(".cubin"):
+            raise OSError(28, "No space left on device")
+        return real(dest, data, **kw)
+
+    monkeypatch.setattr(kernel_pack, "write_atomic", full_disk)
+    dst = tmp_path / "dst"
+    kernel_pack.seed(pack, dst, "3.6.0", "cuda:90")
+    assert not (dst / "megaseq-packs").exists()
+    monkeypatch.setattr(kernel_pack, "write_atomic", real)
+    assert kernel_pack.seed(pack, dst, "3.6.0", "cuda:90") == 4  # read again: the rest written
+
+
 def test_a_group_whose_metadata_is_missing_is_not_written(tmp_path):
     """Triton finds a whole kernel or none: a group file is written only where its metadata file is present."""
     src = fake_cache(tmp_path / "built")
@@ -151,7 +187,7 @@ def test_unsafe_members_are_skipped(tmp_path):
     dst = tmp_path / "cache" / "triton"
     assert kernel_pack.seed(pack, dst, "3.6.0", "cuda:90") == 1
     assert [str(p.relative_to(tmp_path)) for p in sorted(tmp_path.rglob("*")) if p.is_file()] == [
-        "cache/triton/K/ok.so", "evil.tar.xz"]
+        "cache/triton/K/ok.so", "cache/triton/megaseq-packs/evil.tar.xz.json", "evil.tar.xz"]
 
 
 def test_the_precompile_seeds_the_shipped_pack_before_it_compiles_unless_told_to_compile(monkeypatch, tmp_path):

@@ -1,50 +1,24 @@
 """Write a by-position result (``by_position.compare``) as JSON, a markdown table and a PNG plot.
 
-Every file is written atomically (a temporary file in the same directory, then ``os.replace``),
-so a crash never leaves a half-written report that a later step would trust. The plot uses
+Every file is written atomically (``files.write_atomic``: a temporary file in the same directory, then
+``os.replace``), so a crash never leaves a half-written report that a later step would trust. The plot uses
 matplotlib's Agg canvas directly (no pyplot, no global backend switch), so it works headless
 and does not disturb a caller's own figures.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from megaseq.config import format_size
+from megaseq.files import write_atomic
 
 
-def default_file_mode() -> int:
-    """The mode ``open`` gives a new file under this process's umask (0644 under the usual 022); mkstemp
-    gives 0600, which would leave the reports unreadable to the run directory's other readers."""
-    mask = os.umask(0)
-    os.umask(mask)
-    return 0o666 & ~mask
-
-
-def write_atomic(path: str | Path, data: str | bytes) -> Path:
-    """Write ``data`` to ``path`` through a temporary file in the same directory and a rename."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    raw = data.encode() if isinstance(data, str) else data
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(raw)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.chmod(tmp, default_file_mode())  # mkstemp's 0600 -> what open() gives under the umask
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
-
-
-def write_json(path: str | Path, obj: Any) -> Path:
+def write_json(path: str | os.PathLike[str], obj: Any) -> Path:
     return write_atomic(path, json.dumps(obj, indent=2, allow_nan=False) + "\n")
 
 
@@ -226,20 +200,11 @@ def plot_by_position(result: dict[str, Any], path: str | Path) -> Path:
     return save_figure(fig, path)
 
 
-def save_figure(fig: Any, path: str | Path) -> Path:
-    """Save a matplotlib Figure as PNG through a temporary file and a rename."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".png", dir=path.parent)
-    os.close(fd)
-    try:
-        fig.savefig(tmp, format="png")
-        os.chmod(tmp, default_file_mode())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+def save_figure(fig: Any, path: str | os.PathLike[str]) -> Path:
+    """Save a matplotlib Figure as PNG (rendered in memory, written with ``files.write_atomic``)."""
+    png = io.BytesIO()
+    fig.savefig(png, format="png")
+    return write_atomic(path, png.getvalue())
 
 
 def write_report(result: dict[str, Any], out_dir: str | Path,

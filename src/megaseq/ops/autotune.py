@@ -31,6 +31,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from megaseq.files import write_atomic
 from megaseq.ops import switches
 
 MODES = switches.AUTOTUNE_MODES
@@ -117,13 +118,10 @@ def _read(path: Path) -> dict[str, dict[str, Any]]:
 
 
 def write_table(path: Path, kernels: dict[str, dict[str, Any]], device: str) -> None:
-    """Write a tuned table atomically (a temp file, then rename)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    """Write a tuned table atomically (``files.write_atomic``)."""
     ordered = {k: dict(sorted(v.items())) for k, v in sorted(kernels.items())}
     body = {"format": FORMAT, "device": device, "kernels": ordered}
-    tmp.write_text(json.dumps(body, indent=1) + "\n")
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(body, indent=1) + "\n")
 
 
 class TunedTable:

@@ -34,9 +34,10 @@ import sys
 import sysconfig
 import tarfile
 import tempfile
-import threading
 from pathlib import Path
 from typing import Any
+
+from megaseq.files import write_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -92,22 +93,20 @@ def write(cache: Path, path: Path, triton_version: str, target: str) -> dict[str
             info = tarfile.TarInfo(name)
             info.size, info.mode = len(data), 0o644
             tar.addfile(info, io.BytesIO(data))
-    _put(path, packed.getvalue())
+    write_atomic(path, packed.getvalue())
     return meta
-
-
-def _put(dest: Path, data: bytes) -> None:
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}-{threading.get_ident()}")
-    tmp.write_bytes(data)
-    os.replace(tmp, dest)
 
 
 def seed(path: Path, cache: Path, triton_version: str, target: str) -> int:
     """Write each file of the pack at ``path`` that Triton cache directory ``cache`` lacks; returns how many: none
     where there is no pack, and none (said in one log line) where it is unreadable or of another Triton version or
     target. A group file is written last, naming this cache's paths of its files that are present, and only where
-    its metadata is: Triton then finds a whole kernel or none."""
+    its metadata is: Triton then finds a whole kernel or none. A pack seeded whole leaves a stamp in the cache
+    (``megaseq-packs/<pack name>.json``: its size and modification time), and the same pack is not read again
+    there; a kernel deleted from the cache since compiles as without a pack."""
+    stamp = _stamp(path, cache)
+    if stamp is not None and stamp[0].is_file() and stamp[0].read_text() == stamp[1]:
+        return 0
     try:
         tar = tarfile.open(path, "r:xz")
     except FileNotFoundError:
@@ -141,7 +140,7 @@ def seed(path: Path, cache: Path, triton_version: str, target: str) -> int:
                 if name.startswith(GROUP):
                     groups.append((dest, tar.extractfile(m).read()))
                 elif not dest.exists():
-                    _put(dest, tar.extractfile(m).read())
+                    write_atomic(dest, tar.extractfile(m).read(), durable=False)
                     written += 1
             for dest, data in groups:
                 if dest.exists():
@@ -150,11 +149,27 @@ def seed(path: Path, cache: Path, triton_version: str, target: str) -> int:
                 paths = {c: str(dest.parent / rel) for c, rel in child.items()
                          if isinstance(rel, str) and "/" not in rel and (dest.parent / rel).is_file()}
                 if any(c.endswith(".json") for c in paths):
-                    _put(dest, json.dumps({"child_paths": paths}).encode())
+                    write_atomic(dest, json.dumps({"child_paths": paths}).encode(), durable=False)
                     written += 1
     except (OSError, ValueError, tarfile.TarError) as e:
         logger.info(f"kernel pack {path}: stopped reading ({e}); {written} files seeded")
+        return written
+    if stamp is not None:
+        try:
+            write_atomic(stamp[0], stamp[1], durable=False)
+        except OSError as e:
+            logger.debug(f"kernel pack {path}: no stamp ({e})")
     return written
+
+
+def _stamp(path: Path, cache: Path) -> tuple[Path, str] | None:
+    """Where the stamp of pack ``path`` seeded whole into ``cache`` lives, and its content (the pack's size and
+    modification time: another build of the pack differs); None where the pack is missing."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return cache / "megaseq-packs" / f"{path.name}.json", json.dumps({"size": st.st_size, "mtime_ns": st.st_mtime_ns})
 
 
 def seed_cache(path: Path, triton_version: str, target: str) -> int:

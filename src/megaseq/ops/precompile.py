@@ -42,6 +42,7 @@ from importlib import import_module
 from pathlib import Path
 from typing import Any
 
+from megaseq.files import write_atomic
 from megaseq.ops import switches
 
 logger = logging.getLogger(__name__)
@@ -115,16 +116,13 @@ def merge(*lists: Iterable[Entry]) -> list[Entry]:
 
 def write_manifest(path: Path, entries: Iterable[Entry], triton_version: str, target: str,
                    describes: dict[str, Any] | None = None) -> None:
-    """Write a manifest atomically (a temp file, then rename), its entries sorted by kernel; ``describes``: what
-    the fingerprint stands for, for whoever reads the file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
+    """Write a manifest atomically (``files.write_atomic``), its entries sorted by kernel; ``describes``: what the
+    fingerprint stands for, for whoever reads the file."""
     body: dict[str, Any] = {"format": FORMAT, "triton": triton_version, "target": target}
     if describes:
         body["describes"] = describes
     body["entries"] = sorted(merge(entries), key=lambda e: (e["kernel"], e["spec"]))
-    tmp.write_text(json.dumps(body, indent=1) + "\n")
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(body, indent=1) + "\n")
 
 
 def load(fp: str, triton_version: str, target: str, shipped: Path | None = None,

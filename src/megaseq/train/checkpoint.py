@@ -47,6 +47,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from megaseq.files import write_atomic
 from megaseq.train import safe_checkpoint as safe
 
 # One process without torch.distributed is a supported case, not a warning.
@@ -61,14 +62,9 @@ def _step_dir(run_dir: Path, step: int) -> Path:
 
 
 def atomic_write_text(path: Path, text: str) -> None:
-    """Write a file via a temp file + rename, so readers never see half of it."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """Write ``text`` with ``files.write_atomic``: the one name through which a checkpoint's, the run directory's
+    and the metrics' small files are written."""
+    write_atomic(path, text)
 
 
 def list_complete(run_dir: Path) -> list[tuple[int, Path]]:

@@ -159,7 +159,7 @@ def _remove(paths: list[Path]) -> None:
 
 
 def _temporaries(run_dir: Path, name: str) -> list[Path]:
-    """What a killed write of ``name`` leaves: ``atomic_write_text``'s ``.NAME.tmp-PID``, a replace's ``.old-``."""
+    """What a killed write of ``name`` leaves: ``files.write_atomic``'s ``.NAME.tmp-*``, a replace's ``.old-``."""
     return [*run_dir.glob(f".{name}.tmp-*"), *run_dir.glob(f".{name}.old-*")]
 
 
