@@ -224,7 +224,7 @@ def test_precompile_preloads_every_entry_on_several_threads_and_counts_the_stale
     assert line.startswith("precompiled 4 kernels (3 skipped; 0 loaded) in ") and line.endswith("2 threads")
     assert precompile.precompile([], workers=3).summary() == {"compiled": 0, "skipped": 0, "seconds": 0.0,
                                                                "workers": 3, "cached": 0, "loaded": 0, "from_disk": 0,
-                                                               "seeded": 0}
+                                                               "seeded": 0, "untimed": 0}
 
 
 class Loadable:
@@ -289,6 +289,61 @@ def test_tuned_only_drops_the_configs_an_autotuner_did_not_choose():
     kept = precompile.tuned_only(entries + [other], {id(fn): [chose]},
                                  lambda name: fn if name == "m.k" else plain)
     assert kept == [entries[1], other]
+
+
+def table_spec(block, warps, stages=3):
+    """A specialization of ``m.k(x_ptr, n, BLOCK)`` as a manifest holds it (its signature names the arguments)."""
+    return json.dumps({"signature": {"x_ptr": "*fp32", "n": "i32", "BLOCK": "constexpr"},
+                       "constant_keys": [[2]], "constant_vals": [block],
+                       "options": {"num_warps": warps, "num_stages": stages}})
+
+
+def test_launched_keeps_what_the_tuned_table_chose_and_the_kernels_it_does_not_tune():
+    tuned = {"m.k": {"n=1|len=8192": {"kwargs": {"BLOCK": 128}, "num_warps": 4, "num_stages": 3, "tuned": "full"},
+                     "n=1|len=32768": {"kwargs": {"BLOCK": 64}, "num_warps": 8, "num_stages": 2,
+                                       "tuned": "pruned"}}}
+    ks = [{"kernel": "m.k", "spec": table_spec(b, w, st)}
+          for b, w, st in ((128, 4, 3), (64, 8, 2), (128, 8, 3), (64, 4, 3), (128, 4, 2))]
+    plain = {"kernel": "m.plain", "spec": table_spec(32, 4)}
+    odd = {"kernel": "m.k", "spec": "not json"}
+    keep, rest = precompile.launched(ks + [plain, odd], tuned)
+    assert keep == [ks[0], ks[1], plain, odd] and rest == ks[2:]
+    assert precompile.launched(ks, {}) == (ks, [])
+
+
+def test_the_run_loads_only_what_its_tuned_table_launches(monkeypatch, tmp_path):
+    """``RunPrecompile(tuned=...)``: the other configs of the tuned kernels are not loaded, and said; without a
+    table every entry is; ``train.build.start_precompile`` gives the table under the default mode only."""
+    monkeypatch.setattr(precompile, "current_target", lambda: ("3.6.0", "cuda:90"))
+    monkeypatch.setattr("megaseq.ops.triton_autotune.install", lambda: None)
+    monkeypatch.setattr(switches, "kernel_pack", lambda: False)
+    given = []
+    monkeypatch.setattr(precompile, "Background", lambda entries, *a, **k: given.append(entries) or SimpleNamespace(
+        join=lambda: precompile.Result(compiled=len(entries))))
+    user = tmp_path / "user"
+    ks = [{"kernel": "m.k", "spec": table_spec(b, 4)} for b in (64, 128)]
+    precompile.write_manifest(user / precompile.manifest_name("fp", "cuda:90"), ks, "3.6.0", "cuda:90")
+    tuned = {"m.k": {"n=1|len=8192": {"kwargs": {"BLOCK": 128}, "num_warps": 4, "num_stages": 3}}}
+    pre = precompile.RunPrecompile("fp", None, user=user, shipped=tmp_path / "none", tuned=tuned)
+    res = pre.join(lambda line: given.append(line))
+    assert given[0] == [ks[1]] and res.untimed == 1 and pre.summary()["entries"] == 2
+    assert "1 configs the tuned table does not choose left out" in given[1]
+    precompile.RunPrecompile("fp", None, user=user, shipped=tmp_path / "none")
+    assert sorted(e["spec"] for e in given[2]) == sorted(e["spec"] for e in ks)
+
+    from megaseq.ops import autotune
+    from megaseq.train import build
+
+    monkeypatch.setattr(precompile, "enabled", lambda device_type: True)
+    monkeypatch.setattr(build, "kernel_fingerprint", lambda cfg, spec: ("fp", {}))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "NVIDIA Test GPU")
+    monkeypatch.setattr(autotune, "table", lambda device: SimpleNamespace(kernels={"from": device}))
+    seen = []
+    monkeypatch.setattr(precompile, "RunPrecompile", lambda *a, **k: seen.append(k.get("tuned")))
+    for mode in ("pruned", "full", "one"):
+        monkeypatch.setattr(autotune, "mode", lambda m=mode: m)
+        build.start_precompile(None, None, torch.device("cuda", 0))
+    assert seen == [{"from": "NVIDIA Test GPU"}, None, None]
 
 
 # ---- with Triton: resolving names --------------------------------------------------------------------------

@@ -20,6 +20,10 @@ specialisations compile and build nothing.
   step. A stale entry (a kernel renamed, its source or signature changed) is skipped and counted, never raised.
 - Before it compiles, a run seeds Triton's cache with the package's compiled kernels of its fingerprint and
   target where the package ships them (``ops.kernel_pack``): those load from Triton's cache instead of compiling.
+- Under a tuned table (``ops.autotune``: the autotuners look their configs up instead of timing candidates), a run
+  loads only the configs the table chose for each tuned kernel (``launched``); the manifest's other configs of
+  those kernels, which only a tuning launches, are left to the autotuner of a length the table lacks (from the
+  pack's files in Triton's cache where it was seeded).
 
 Torch-free; Triton is imported when a manifest is read for the current machine or a kernel is compiled.
 """
@@ -258,6 +262,7 @@ class Result:
     loaded: int = 0  # of those compiled, launchers built and binaries loaded on the GPU
     from_disk: int = 0  # of those compiled, found in Triton's disk cache (a kernel pack or an earlier run)
     seeded: int = 0  # files the package's kernel pack wrote into Triton's cache (``ops.kernel_pack.seed``)
+    untimed: int = 0  # entries left out: other configs of the kernels the tuned table chose for (``launched``)
 
     def summary(self) -> dict[str, Any]:
         return {**asdict(self), "seconds": round(self.seconds, 3)}
@@ -266,8 +271,9 @@ class Result:
         cached = f", {self.cached} compiled already" if self.cached else ""
         disk = f", {self.from_disk} from Triton's cache" if self.from_disk else ""
         seeded = f", {self.seeded} files from the package's kernel pack" if self.seeded else ""
-        return (f"precompiled {self.compiled} kernels ({self.skipped} skipped{cached}{disk}{seeded}; {self.loaded} "
-                f"loaded) in {self.seconds:.1f} s on {self.workers} threads")
+        untimed = f", {self.untimed} configs the tuned table does not choose left out" if self.untimed else ""
+        return (f"precompiled {self.compiled} kernels ({self.skipped} skipped{cached}{disk}{seeded}{untimed}; "
+                f"{self.loaded} loaded) in {self.seconds:.1f} s on {self.workers} threads")
 
 
 def default_workers(processes: int = 1) -> int:
@@ -506,7 +512,10 @@ class RunPrecompile:
     and installs megaseq's autotuner patch before the thread imports any kernel module)."""
 
     def __init__(self, fp: str, device: int | None, describes: dict[str, Any] | None = None,
-                 workers: int | None = None, shipped: Path | None = None, user: Path | None = None) -> None:
+                 workers: int | None = None, shipped: Path | None = None, user: Path | None = None,
+                 tuned: dict[str, dict[str, Any]] | None = None) -> None:
+        """``tuned``: the tuned table the autotuners will read (``TunedTable.kernels``), whose chosen configs are
+        the only ones of its kernels loaded (``launched``); None loads every entry."""
         from megaseq.ops.triton_autotune import install
 
         install()  # the persistent Triton cache and the autotuner patch, once, before any compile
@@ -521,7 +530,8 @@ class RunPrecompile:
 
             pack = kernel_pack.pack_path((shipped or SHIPPED_DIR) / name)
             prepare = functools.partial(kernel_pack.seed_cache, pack, self.version, self.target)
-        self.background = Background(self.entries, workers, device, prepare=prepare)
+        loading, self.untimed = launched(self.entries, tuned) if tuned else (self.entries, [])
+        self.background = Background(loading, workers, device, prepare=prepare)
         self.result: Result | None = None
         self.wait_s = 0.0
         self.added = 0
@@ -534,6 +544,7 @@ class RunPrecompile:
         """Wait for the precompile (the seconds waited: ``wait_s``) and log its line; the result."""
         t0 = time.perf_counter()
         self.result = self.background.join()
+        self.result.untimed = len(self.untimed)
         self.wait_s = time.perf_counter() - t0
         log(self.result.line())
         return self.result
@@ -566,6 +577,29 @@ def _spec_config(spec: str, arg_names: list[str]) -> tuple[dict[str, Any], Any, 
                 else value
     options = d.get("options", {})
     return consts, options.get("num_warps"), options.get("num_stages")
+
+
+def launched(entries: list[Entry], tuned: dict[str, dict[str, Any]]) -> tuple[list[Entry], list[Entry]]:
+    """``entries`` split into those a step launches under the tuned table ``tuned`` (kernel name -> key -> config
+    ``{"kwargs", "num_warps", "num_stages", ...}``, as ``ops.autotune.TunedTable.kernels`` holds it) and the rest:
+    an entry of a kernel the table has configs for, matching none of them (its constexprs, warps and stages), is a
+    config only an autotuner's timing launches. Every other entry is launched. The argument names come from the
+    entry's own signature, so nothing is imported."""
+    keep, rest = [], []
+    for e in entries:
+        configs = tuned.get(e["kernel"])
+        if not configs:
+            keep.append(e)
+            continue
+        try:
+            consts, warps, stages = _spec_config(e["spec"], list(json.loads(e["spec"]).get("signature", {})))
+        except (ValueError, TypeError, AttributeError):  # not a spec this reads: loaded, as before
+            keep.append(e)
+            continue
+        chosen = any(isinstance(c, dict) and all(consts.get(k) == v for k, v in c.get("kwargs", {}).items())
+                     and warps == c.get("num_warps") and stages == c.get("num_stages") for c in configs.values())
+        (keep if chosen else rest).append(e)
+    return keep, rest
 
 
 def tuned_only(entries: list[Entry], winners: dict[int, list[Any]], resolver: Callable[[str], Any] = resolve,

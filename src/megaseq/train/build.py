@@ -168,9 +168,13 @@ def start_precompile(cfg: Config, spec: Any, device: torch.device, processes: in
 
     if not precompile.enabled(device.type):
         return None
+    from megaseq.ops import autotune
+
     fp, describes = kernel_fingerprint(cfg, spec)
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return precompile.RunPrecompile(fp, index, describes, precompile.default_workers(processes))
+    # the default mode reads the tuned table before it tunes: only the configs it chose are launched
+    tuned = autotune.table(torch.cuda.get_device_name(index)).kernels if autotune.mode() == "pruned" else None
+    return precompile.RunPrecompile(fp, index, describes, precompile.default_workers(processes), tuned=tuned)
 
 
 def report_fallbacks(cfg: Config, device: torch.device, log: Any) -> None:
