@@ -134,3 +134,5 @@ def test_bench_profile_first_profiles_the_first_step_by_host_time(tmp_path):
     assert "Self CPU" in table and "aten::mm" in table and not (tmp_path / "b_profile_random_64.txt").exists()
     share = [float(line.split()[-6].rstrip("%")) for line in table.splitlines()[3:13]]  # Self CPU %
     assert share == sorted(share, reverse=True) and share[0] > 0  # sorted by self host time, largest first
+    python = (tmp_path / "b_first_profile_random_64_python.txt").read_text()  # Python's profile, by cumulative time
+    assert "cumulative" in python and "step" in python

@@ -204,8 +204,7 @@ def timed_steps(run_step: Callable[[], None], steps: int, device: torch.device,
     compiled, ``compiles.CompileRecord.summary``, put in ``first_compiles`` when given); ``steps`` 0: the one
     (cold) step. ``precompiled`` (``ops.precompile.RunPrecompile``): joined before the first step (the seconds
     waited for it in its ``summary()`` as ``wait_s``, outside the step's), the step's compiles added to the user's
-    kernel manifest. ``profile_first``: the first step under ``torch.profiler``, its ops by host time into that
-    file (``profiled_step``'s table)."""
+    kernel manifest. ``profile_first``: the first step profiled (``first_profiled``)."""
     from megaseq.bench.compiles import compile_record
 
     times = []
@@ -218,8 +217,7 @@ def timed_steps(run_step: Callable[[], None], steps: int, device: torch.device,
         t0 = time.perf_counter()
         counting = i == 0 and first_compiles is not None
         manifest = precompiled.recording() if i == 0 and precompiled is not None else contextlib.nullcontext()
-        profiling = profiled(device, profile_first, "self_cpu_time_total") if i == 0 and profile_first \
-            else contextlib.nullcontext()
+        profiling = first_profiled(device, profile_first) if i == 0 and profile_first else contextlib.nullcontext()
         with manifest, compile_record() if counting else contextlib.nullcontext() as rec, profiling:
             run_step()
             _sync(device)
@@ -234,6 +232,28 @@ def timed_steps(run_step: Callable[[], None], steps: int, device: torch.device,
         what = "warm-up" if i == 0 and steps else "timed"
         logger.info(f"megaseq bench: step {i + 1} of {steps + 1} ({what}): {dt:.1f} s")
     return times
+
+
+@contextlib.contextmanager
+def first_profiled(device: torch.device, out: Path, rows: int = 40) -> Iterator[None]:
+    """A first step's host time two ways: ``torch.profiler``'s ops by self host time into ``out``, and Python's
+    own profile (``cProfile``, the calling thread) by cumulative time into ``<out stem>_python.txt``, which shows
+    what the ops table cannot: imports, first-call setup, waits outside torch's ops."""
+    import cProfile
+    import io
+    import pstats
+
+    py = cProfile.Profile()
+    with profiled(device, out, "self_cpu_time_total"):
+        py.enable()
+        try:
+            yield
+        finally:
+            py.disable()
+    text = io.StringIO()
+    pstats.Stats(py, stream=text).sort_stats("cumulative").print_stats(rows)
+    out = Path(out)
+    out.with_name(f"{out.stem}_python.txt").write_text(text.getvalue())
 
 
 def profiled_step(run_step: Callable[[], None], device: torch.device, out: Path, rows: int = 60) -> None:

@@ -113,8 +113,9 @@ def parser() -> argparse.ArgumentParser:
                                  "OUT_profile_SOURCE_TOKENS.txt")
             sp.add_argument("--profile-first", action="store_true",
                             help="each length's first step under torch.profiler: its ops by host time in "
-                                 "OUT_first_profile_SOURCE_TOKENS.txt (where a first step's time beyond a warm "
-                                 "one goes; that step's time is then not a figure)")
+                                 "OUT_first_profile_SOURCE_TOKENS.txt and its Python calls by cumulative time in "
+                                 "OUT_first_profile_SOURCE_TOKENS_python.txt (where a first step's time beyond a "
+                                 "warm one goes; that step's time is then not a figure)")
         if verb == "tune":
             sp.add_argument("--seq-lens", default=None, help="comma-separated lengths, e.g. 8K,32K (default: "
                             "data.seq_len); nearby lengths share a power-of-two bucket")
