@@ -12,6 +12,7 @@ import logging
 import sys
 import threading
 from contextvars import ContextVar
+from pathlib import Path
 from types import ModuleType, SimpleNamespace
 
 import pytest
@@ -309,6 +310,20 @@ def test_launched_keeps_what_the_tuned_table_chose_and_the_kernels_it_does_not_t
     keep, rest = precompile.launched(ks + [plain, odd], tuned)
     assert keep == [ks[0], ks[1], plain, odd] and rest == ks[2:]
     assert precompile.launched(ks, {}) == (ks, [])
+    # a length the table's buckets do not reach (8K and 32K, two powers of two either side): tuned, all kept
+    assert precompile.launched(ks, tuned, 2048)[1] == ks[2:] and precompile.launched(ks, tuned, 131072)[1] == ks[2:]
+    assert precompile.launched(ks, tuned, 1024) == (ks, []) and precompile.launched(ks, tuned, 1 << 20) == (ks, [])
+
+
+def test_covers_is_the_lookups_reach():
+    from megaseq.ops import autotune
+
+    t = autotune.TunedTable("x", shipped=Path("/nonexistent"), user=Path("/nonexistent"))
+    t.kernels["k"] = {"D=1|len=8192": {"kwargs": {}}, "D=2|len=32768": {"kwargs": {}}}
+    for n in (1000, 1025, 2048, 8192, 100_000, 131072, 131073, 1 << 20):
+        reached = t.lookup("k", {"D": 1}, n) is not None or t.lookup("k", {"D": 2}, n) is not None
+        assert autotune.covers(t.kernels["k"], n) == reached, n
+    assert autotune.covers({"D=1": {}}, 1 << 20) and autotune.covers(t.kernels["k"], None)
 
 
 def test_the_run_loads_only_what_its_tuned_table_launches(monkeypatch, tmp_path):
@@ -339,11 +354,12 @@ def test_the_run_loads_only_what_its_tuned_table_launches(monkeypatch, tmp_path)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "NVIDIA Test GPU")
     monkeypatch.setattr(autotune, "table", lambda device: SimpleNamespace(kernels={"from": device}))
     seen = []
-    monkeypatch.setattr(precompile, "RunPrecompile", lambda *a, **k: seen.append(k.get("tuned")))
+    monkeypatch.setattr(precompile, "RunPrecompile", lambda *a, **k: seen.append((k.get("tuned"), k["length"])))
+    cfg = SimpleNamespace(data=SimpleNamespace(seq_len=32768))
     for mode in ("pruned", "full", "one"):
         monkeypatch.setattr(autotune, "mode", lambda m=mode: m)
-        build.start_precompile(None, None, torch.device("cuda", 0))
-    assert seen == [{"from": "NVIDIA Test GPU"}, None, None]
+        build.start_precompile(cfg, None, torch.device("cuda", 0))
+    assert seen == [({"from": "NVIDIA Test GPU"}, 32768), (None, 32768), (None, 32768)]
 
 
 # ---- with Triton: resolving names --------------------------------------------------------------------------

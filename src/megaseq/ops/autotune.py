@@ -81,6 +81,16 @@ def _split(key: str) -> tuple[str, int | None]:
     return base, int(length) if length else None
 
 
+def covers(entries: dict[str, Any], length: int | None) -> bool:
+    """Whether a kernel's table ``entries`` (key -> config) answer a lookup at ``length`` without tuning, as far
+    as the length decides it: a key without a length, or one whose bucket is within ``NEAR_BUCKETS`` of it.
+    ``length`` None: yes."""
+    if length is None:
+        return True
+    want = math.log2(seq_bucket(length))
+    return any(b is None or abs(math.log2(b) - want) <= NEAR_BUCKETS for b in (_split(k)[1] for k in entries))
+
+
 def config_cost(config: Any) -> tuple:
     """How conservative a Triton config is (smaller first): stages, the product of its block sizes, distance of
     its warps from 4."""

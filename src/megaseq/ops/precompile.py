@@ -513,9 +513,10 @@ class RunPrecompile:
 
     def __init__(self, fp: str, device: int | None, describes: dict[str, Any] | None = None,
                  workers: int | None = None, shipped: Path | None = None, user: Path | None = None,
-                 tuned: dict[str, dict[str, Any]] | None = None) -> None:
+                 tuned: dict[str, dict[str, Any]] | None = None, length: int | None = None) -> None:
         """``tuned``: the tuned table the autotuners will read (``TunedTable.kernels``), whose chosen configs are
-        the only ones of its kernels loaded (``launched``); None loads every entry."""
+        the only ones of its kernels loaded where it covers the run's sequence ``length`` (``launched``); None
+        loads every entry."""
         from megaseq.ops.triton_autotune import install
 
         install()  # the persistent Triton cache and the autotuner patch, once, before any compile
@@ -530,7 +531,7 @@ class RunPrecompile:
 
             pack = kernel_pack.pack_path((shipped or SHIPPED_DIR) / name)
             prepare = functools.partial(kernel_pack.seed_cache, pack, self.version, self.target)
-        loading, self.untimed = launched(self.entries, tuned) if tuned else (self.entries, [])
+        loading, self.untimed = launched(self.entries, tuned, length) if tuned else (self.entries, [])
         self.background = Background(loading, workers, device, prepare=prepare)
         self.result: Result | None = None
         self.wait_s = 0.0
@@ -579,16 +580,21 @@ def _spec_config(spec: str, arg_names: list[str]) -> tuple[dict[str, Any], Any, 
     return consts, options.get("num_warps"), options.get("num_stages")
 
 
-def launched(entries: list[Entry], tuned: dict[str, dict[str, Any]]) -> tuple[list[Entry], list[Entry]]:
+def launched(entries: list[Entry], tuned: dict[str, dict[str, Any]], length: int | None = None,
+             ) -> tuple[list[Entry], list[Entry]]:
     """``entries`` split into those a step launches under the tuned table ``tuned`` (kernel name -> key -> config
     ``{"kwargs", "num_warps", "num_stages", ...}``, as ``ops.autotune.TunedTable.kernels`` holds it) and the rest:
     an entry of a kernel the table has configs for, matching none of them (its constexprs, warps and stages), is a
-    config only an autotuner's timing launches. Every other entry is launched. The argument names come from the
-    entry's own signature, so nothing is imported."""
+    config only an autotuner's timing launches. ``length``: the run's sequence length; a kernel whose table keys
+    are all of lengths the lookup does not reach from it (``ops.autotune.covers``) will be tuned, and keeps every
+    entry. Every other entry is launched. The argument names come from the entry's own signature, so nothing is
+    imported."""
+    from megaseq.ops.autotune import covers
+
     keep, rest = [], []
     for e in entries:
         configs = tuned.get(e["kernel"])
-        if not configs:
+        if not configs or not covers(configs, length):
             keep.append(e)
             continue
         try:

@@ -174,7 +174,8 @@ def start_precompile(cfg: Config, spec: Any, device: torch.device, processes: in
     index = device.index if device.index is not None else torch.cuda.current_device()
     # the default mode reads the tuned table before it tunes: only the configs it chose are launched
     tuned = autotune.table(torch.cuda.get_device_name(index)).kernels if autotune.mode() == "pruned" else None
-    return precompile.RunPrecompile(fp, index, describes, precompile.default_workers(processes), tuned=tuned)
+    return precompile.RunPrecompile(fp, index, describes, precompile.default_workers(processes), tuned=tuned,
+                                    length=cfg.data.seq_len)
 
 
 def report_fallbacks(cfg: Config, device: torch.device, log: Any) -> None:
