@@ -568,9 +568,12 @@ class RunPrecompile:
         return {**done, "entries": len(self.entries), "wait_s": round(self.wait_s, 3), "added": self.added}
 
 
-def _spec_config(spec: str, arg_names: list[str]) -> tuple[dict[str, Any], Any, Any]:
-    """(constexpr arguments by name, num_warps, num_stages) of a specialization data string."""
+def _spec_config(spec: str, arg_names: list[str] | None = None) -> tuple[dict[str, Any], Any, Any]:
+    """(constexpr arguments by name, num_warps, num_stages) of a specialization data string; ``arg_names`` default to
+    the spec's own signature's."""
     d = json.loads(spec)
+    if arg_names is None:
+        arg_names = list(d.get("signature", {}))
     consts = {}
     for path, value in zip(d.get("constant_keys", []), d.get("constant_vals", [])):
         if len(path) == 1 and isinstance(path[0], int) and path[0] < len(arg_names):
@@ -598,7 +601,7 @@ def launched(entries: list[Entry], tuned: dict[str, dict[str, Any]], length: int
             keep.append(e)
             continue
         try:
-            consts, warps, stages = _spec_config(e["spec"], list(json.loads(e["spec"]).get("signature", {})))
+            consts, warps, stages = _spec_config(e["spec"])
         except (ValueError, TypeError, AttributeError):  # not a spec this reads: loaded, as before
             keep.append(e)
             continue

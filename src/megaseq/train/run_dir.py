@@ -25,6 +25,7 @@ from typing import Any
 import yaml
 
 from megaseq.config import Config, LoraConfig
+from megaseq.files import TMP_INFIX
 from megaseq.train.checkpoint import CKPT_DIR, atomic_write_text, latest_complete, latest_resumable
 
 logger = logging.getLogger(__name__)
@@ -160,7 +161,7 @@ def _remove(paths: list[Path]) -> None:
 
 def _temporaries(run_dir: Path, name: str) -> list[Path]:
     """What a killed write of ``name`` leaves: ``files.write_atomic``'s ``.NAME.tmp-*``, a replace's ``.old-``."""
-    return [*run_dir.glob(f".{name}.tmp-*"), *run_dir.glob(f".{name}.old-*")]
+    return [*run_dir.glob(f".{name}{TMP_INFIX}*"), *run_dir.glob(f".{name}.old-*")]
 
 
 def _remove_outputs(run_dir: Path, manifest: dict[str, Any]) -> list[str]:
