@@ -5,7 +5,9 @@
     python benchmarks/long_context/indexer_objective_cost.py --seq-len 1M           # the 1M step (sequence segments)
     python benchmarks/long_context/indexer_objective_cost.py --seq-len 16K --reference-kl  # + the torch KL row
 
-Both rows run the recipe's own settings (``--recipe``, default recipes/glm5-flash-1gpu.yaml: bf16 weights with
+Each row runs in a process of its own (a GPU's memory and allocator start empty for it, as for ``megaseq
+train``: in one process a row's peak also counted what the row before it left allocated). Both rows run the
+recipe's own settings (``--recipe``, default recipes/glm5-flash-1gpu.yaml: bf16 weights with
 fp32 masters) on random tokens, with ``model.train_indexer`` off and on. The objective's rows run op ``indexer_kl``
 as ``model.kernels`` picks it (``fast``: the Triton kernel); ``--reference-kl`` adds a third row with its torch
 reference preferred, written to ``indexer_objective_<model>_<len>_reference_kl.json``. Each row names the
@@ -21,6 +23,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import subprocess
+import sys
+import tempfile
 from collections.abc import Iterator
 from datetime import datetime, timezone
 from pathlib import Path
@@ -53,6 +58,34 @@ def preferring(op: str, impl: str) -> Iterator[None]:
         build.kernel_settings = real
 
 
+RUNS = [("without", False), ("with_objective", True), ("with_objective_reference_kl", True)]
+
+
+def measure_row(a: argparse.Namespace, S: int, name: str) -> dict:
+    """One row (``RUNS``) measured as ``megaseq bench`` measures a length, in this process."""
+    on = dict(RUNS)[name]
+    cfg = load_config(a.recipe, {"model.train_indexer": on, "data.kind": "random", "data.seq_len": S,
+                                 "train.steps": a.steps + 1})
+    model = cfg.model.name
+    prof = Path(a.out) / f"indexer_objective_{model}_{a.seq_len}_{name}.profile.txt" if a.profile else None
+    with preferring("indexer_kl", "torch_gather") if name.endswith("reference_kl") else contextlib.nullcontext():
+        row = measure_megaseq(cfg, S, a.steps, "random", profile=prof)
+    row.update(name=name, overrides=[f"model.train_indexer={str(on).lower()}"],
+               indexer_kl={r.impl: r.reason for _, r in dispatch.records() if r.op == "indexer_kl"})
+    return row
+
+
+def row_in_own_process(name: str) -> dict:
+    """``measure_row`` in a fresh Python process (this script with ``--row``), its row read back; a process that
+    ends without one (killed, out of host memory) is a row with ``status`` "error" and its exit status."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "row.json"
+        rc = subprocess.call([sys.executable, __file__, *sys.argv[1:], "--row", name, "--row-out", str(out)])
+        if out.exists():
+            return json.loads(out.read_text())
+    return {"name": name, "status": "error", "error": f"the row's process ended with exit status {rc} and no row"}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--recipe", default="recipes/glm5-flash-1gpu.yaml")
@@ -63,21 +96,17 @@ def main() -> None:
                     help="one more step of each row under torch.profiler, its table beside the JSON")
     ap.add_argument("--reference-kl", action="store_true",
                     help="a third row: the objective with op indexer_kl's torch reference preferred")
+    ap.add_argument("--row", choices=[name for name, _ in RUNS], help=argparse.SUPPRESS)  # one row, in this process
+    ap.add_argument("--row-out", help=argparse.SUPPRESS)
     a = ap.parse_args()
     S = parse_size(a.seq_len, "--seq-len")
-    rows = {}
-    runs = [("without", False), ("with_objective", True)] + ([("with_objective_reference_kl", True)] if a.reference_kl
-                                                             else [])
-    for name, on in runs:
-        cfg = load_config(a.recipe, {"model.train_indexer": on, "data.kind": "random", "data.seq_len": S,
-                                     "train.steps": a.steps + 1})
-        model = cfg.model.name
-        prof = Path(a.out) / f"indexer_objective_{model}_{a.seq_len}_{name}.profile.txt" if a.profile else None
-        reference = name.endswith("reference_kl")
-        with preferring("indexer_kl", "torch_gather") if reference else contextlib.nullcontext():
-            rows[name] = measure_megaseq(cfg, S, a.steps, "random", profile=prof)
-        rows[name].update(name=name, overrides=[f"model.train_indexer={str(on).lower()}"],
-                          indexer_kl={r.impl: r.reason for _, r in dispatch.records() if r.op == "indexer_kl"})
+    if a.row:
+        Path(a.row_out).write_text(json.dumps(measure_row(a, S, a.row), default=str))
+        return
+    runs = RUNS if a.reference_kl else RUNS[:2]
+    rows = {name: row_in_own_process(name) for name, _ in runs}
+    cfg = load_config(a.recipe, {"data.kind": "random", "data.seq_len": S})
+    model = cfg.model.name
     base, obj = rows["without"], rows["with_objective"]
     summary = {}
     if base.get("status") == "ok" and obj.get("status") == "ok":

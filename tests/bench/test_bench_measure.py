@@ -53,3 +53,20 @@ def test_the_cold_start_note_is_for_gpus_only(monkeypatch):
 
     monkeypatch.setenv("TRITON_CACHE_DIR", "/cache/here")
     assert "/cache/here" in cold_start_note("cuda") and cold_start_note("cpu") is None
+
+
+def test_a_row_names_what_earlier_rows_left_allocated(monkeypatch, capsys):
+    """A row's measured peak is ``max_memory_allocated``, which counts what earlier rows of the process left on the
+    GPU (the indexer benchmark's second row read 3.3 GiB above the same run in a process of its own at 32K, and ran
+    out of memory at 1M where that run peaked at 53 GiB): the row records it and a leftover above
+    ``LEFT_WARN_BYTES`` is named in the log with the fix; nothing is read off CUDA."""
+    allocated = {"bytes": 0}
+    monkeypatch.setattr(measure, "free_memory", lambda device: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: allocated["bytes"])
+    cuda = torch.device("cuda")
+    assert measure.left_allocated(cuda) == 0 and "still allocated" not in capsys.readouterr().err
+    allocated["bytes"] = 3 << 30
+    assert measure.left_allocated(cuda) == 3 << 30
+    err = capsys.readouterr().err
+    assert "3.00 GiB" in err and "still allocated" in err and "process of its own" in err
+    assert measure.left_allocated(torch.device("cpu")) is None

@@ -486,10 +486,13 @@ def test_a_broken_resume_is_caught(broken, reference, ctx, tmp_path, capsys, mon
 
 
 def test_ledger():
-    """Every fault injected above was survived (resume bitwise or one clear message)."""
+    """Every fault injected above in this process was survived (resume bitwise or one clear message); skipped
+    where none ran here (the file's other tests deselected, or run by another ``pytest -n`` worker)."""
+    if not LEDGER:
+        pytest.skip("no fault was injected in this process")
     survived = sum(ok for _, ok in LEDGER)
     print(f"\nfault injection: {len(LEDGER)} faults injected, {survived} survived")
     for name, ok in LEDGER:
         if not ok:
             print(f"  NOT survived: {name}")
-    assert LEDGER and survived == len(LEDGER)
+    assert survived == len(LEDGER)

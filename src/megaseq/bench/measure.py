@@ -134,6 +134,9 @@ def measure_megaseq(cfg: Config, seq_len: int, steps: int, source: str, routing:
                            "predicted_host_gib": plan.peak_host / 1e9, "memory_plan": dict(plan.memory),
                            "plan_fits": plan.fits, "routing": routing}
     model = applied = pre = None
+    left = left_allocated(device)
+    if left is not None:
+        row["gpu_gib_before_row"] = left / GIB
     try:
         with kernels_for(c, device):  # the dispatcher as `megaseq train` sets it up
             # the run's kernel manifests compile while the model is built (a CUDA device only); the main thread
@@ -282,6 +285,24 @@ def profiled(device: torch.device, out: Path, sort_by: str, rows: int = 60) -> I
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+LEFT_WARN_BYTES = 256 << 20  # allocated before a row's build: more than this is named in the log
+
+
+def left_allocated(device: torch.device) -> int | None:
+    """Bytes the process has allocated on ``device`` before a row builds its model (None off CUDA): what earlier
+    rows of the process left. A row's measured peak (``max_memory_allocated``) counts them; the plan does not.
+    More than ``LEFT_WARN_BYTES`` is logged as a warning that names the fix (a process per row)."""
+    if device.type != "cuda":
+        return None
+    free_memory(device)
+    left = torch.cuda.memory_allocated(device)
+    if left > LEFT_WARN_BYTES:
+        logger.warning(f"megaseq bench: {left / GIB:.2f} GiB of the GPU is still allocated from earlier rows of this "
+                       "process; this row's measured peak includes it (run the row in a process of its own to "
+                       "compare it with the plan)")
+    return left
 
 
 def free_memory(device: torch.device) -> None:
