@@ -17,8 +17,9 @@
 #                                        #   passes through (e.g. MEGASEQ_GROW_POOL=1)
 #   bash benchmarks/speed/speed_gpu.sh pack    # about 2 minutes: the kernel pack of each shipped manifest for this GPU
 #                                        #   (ops.kernel_pack.build) into src/megaseq/ops/tuned/kernels/ and $OUT
-#   bash benchmarks/speed/speed_gpu.sh tune    # optional, up to 10 minutes: the H200 tuned table (full tuning at 8K and
-#                                        #   32K) into $OUT/nvidia-h200.json, to commit as src/megaseq/ops/tuned/
+#   bash benchmarks/speed/speed_gpu.sh tune    # up to 10 minutes: this GPU's tuned table (full tuning at TUNE_LENS,
+#                                        #   default 8K,32K, added to the shipped one) into $OUT/<gpu>.json, to
+#                                        #   commit as src/megaseq/ops/tuned/<gpu>.json
 # Each stage ends with $OUT/speed_<stage>.json (benchmarks/speed/speed_summary.py): per length megaseq's and the peer's
 # tokens/s, MFU, peak, the first and warm step, the routing and its max/mean load, and the ratio.
 set -u
@@ -82,7 +83,12 @@ print(json.dumps(kernel_pack.build(m, kernel_pack.pack_path(m))))" "$m" | tee -a
     done
     ;;
   tune)
-    timeout -k 5 570 python3 -m megaseq tune recipes/glm5-flash-1gpu.yaml --seq-lens 8K,32K --out "$OUT/nvidia-h200.json" 2>&1 | tail -20
+    # this GPU's shipped table (e.g. nvidia-h100-80gb-hbm3.json) with the tunings at TUNE_LENS added or replaced
+    table=$(python3 -c "import torch; from megaseq.ops import autotune
+print(autotune.device_slug(torch.cuda.get_device_name()))").json
+    [ -f "src/megaseq/ops/tuned/$table" ] && cp "src/megaseq/ops/tuned/$table" "$OUT/$table"
+    timeout -k 5 570 python3 -m megaseq tune recipes/glm5-flash-1gpu.yaml --seq-lens "${TUNE_LENS:-8K,32K}" \
+      --out "$OUT/$table" 2>&1 | tail -20
     echo "tune: $(( $(date +%s) - t0 )) s end to end" | tee "$OUT/tune_wall.txt"
     ;;
   *) echo "stage $STAGE: use glm, qwen, first, pack or tune" >&2; exit 2 ;;
