@@ -382,3 +382,37 @@ def test_tune_leaves_the_environment_as_it_was(tmp_path, monkeypatch) -> None:
     run_tune(load_config("recipes/glm5-flash-1gpu.yaml"), [8192], out=str(tmp_path / "t.json"), measure=measure)
     assert seen == [("full", "1")]
     assert os.environ.get("MEGASEQ_AUTOTUNE") == "one" and "MEGASEQ_MLA_AUTOTUNE" not in os.environ
+
+
+def test_pruned_spaces_are_timed_on_the_shorter_clock(monkeypatch) -> None:
+    """A pruned tuning times each candidate with ``autotune.BENCH_MS["pruned"]`` (warm-up, repetitions) on
+    Triton's benchmarker; ``full`` (``megaseq tune``) on Triton's own clock again; a kernel that brought its own
+    ``do_bench`` keeps it."""
+    cls = fake_autotuner_class()
+    triton_autotune.patch(cls)
+    calls = []
+    monkeypatch.setattr(triton_autotune, "benchmarker",
+                        lambda: lambda fn, warmup, rep, quantiles: calls.append((warmup, rep, quantiles)) or [1.0] * 3)
+    tuner = _tuner(cls)
+    tuner.run("x", 6000, 8)
+    assert tuner.do_bench(lambda: None, quantiles=(0.5, 0.2, 0.8)) == [1.0] * 3
+    assert calls == [(*autotune.BENCH_MS["pruned"], (0.5, 0.2, 0.8))] and autotune.BENCH_MS["pruned"] < (25, 100)
+    monkeypatch.setenv("MEGASEQ_AUTOTUNE", "full")
+    tuner.run("x", 6000, 16)  # a new key, tuned over the whole space: Triton's clock
+    assert "do_bench" not in tuner.__dict__
+    own = _tuner(cls)
+    own._do_bench = "the kernel's"
+    monkeypatch.setenv("MEGASEQ_AUTOTUNE", "pruned")
+    own.run("x", 6000, 8)
+    assert "do_bench" not in own.__dict__
+
+
+def test_broken_clock_left_at_tritons_fails(monkeypatch) -> None:
+    """A patch that never sets the clock (pruned spaces timed for Triton's 125 ms a config) fails the check."""
+    cls = fake_autotuner_class()
+    triton_autotune.patch(cls)
+    monkeypatch.setattr(triton_autotune, "time_with", lambda tuner, ms: None)
+    tuner = _tuner(cls)
+    tuner.run("x", 6000, 8)
+    with pytest.raises(AttributeError):  # the stand-in has no Triton clock: nothing was set
+        tuner.do_bench(lambda: None, quantiles=(0.5,))

@@ -12,8 +12,9 @@ kernel over its whole config space: minutes, where a warm step takes seconds. Fo
   machine ran); the user's entries win. A length without its own bucket takes the nearest bucket within
   ``NEAR_BUCKETS`` powers of two, so one tuning serves nearby lengths.
 - **Pruned spaces** (``model.autotune``, ``MEGASEQ_AUTOTUNE``): ``pruned`` (the default) times at most
-  ``PRUNED_CONFIGS`` configs of a space, the most conservative one and an even spread of the rest by cost;
-  ``full`` times them all (what ``megaseq tune`` uses); ``one`` runs the most conservative config untimed.
+  ``PRUNED_CONFIGS`` configs of a space, the most conservative one and an even spread of the rest by cost, each on
+  a shorter clock (``BENCH_MS``: Triton's warm-up and repetition time per config); ``full`` times them all on
+  Triton's own clock (what ``megaseq tune`` uses); ``one`` runs the most conservative config untimed.
 - **A persistent cache** (``use_persistent_cache``): ``TRITON_CACHE_DIR`` defaults to
   ``~/.cache/megaseq/triton`` (``model.kernel_cache`` or ``MEGASEQ_CACHE_DIR`` moves the root) and Triton's
   autotune results are kept there too (``TRITON_CACHE_AUTOTUNING``), unless the user set them.
@@ -36,6 +37,11 @@ from megaseq.ops import switches
 
 MODES = switches.AUTOTUNE_MODES
 PRUNED_CONFIGS = 4
+# milliseconds of warm-up and of timed repetitions per config (Triton's ``do_bench``), by mode; a mode not here
+# keeps Triton's own (25 and 100). A first step on a new machine waits for every timing: at 8K on an H100,
+# glm5-flash-1gpu's step timed 36 kernels on Triton's clock for 4.6 s of its 5.5 s. The pruned spaces' few
+# candidates are told apart on a quarter of that clock (a few hundred launches of an 8K kernel each).
+BENCH_MS: dict[str, tuple[int, int]] = {"pruned": (5, 25)}
 NEAR_BUCKETS = 2
 FORMAT = 1
 SHIPPED_DIR = Path(__file__).parent / "tuned"

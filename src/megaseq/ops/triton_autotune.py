@@ -6,7 +6,8 @@ methods of ``triton.runtime.autotuner.Autotuner`` once per process:
 
 - ``prune_configs`` (Triton calls it only when a key is not tuned yet in this process): the tuned table's
   config for (kernel, key fields, dtype, length bucket) when it has one, so one config compiles and nothing is
-  timed; else ``autotune.prune`` of the space (``MEGASEQ_AUTOTUNE``).
+  timed; else ``autotune.prune`` of the space (``MEGASEQ_AUTOTUNE``), timed on the mode's clock
+  (``autotune.BENCH_MS``; a kernel that brings its own ``do_bench`` keeps it).
 - ``run``: after Triton timed a new key, the winner goes into the user's table under its length bucket
   (``autotune.TunedTable.record``), which the next process reads.
 
@@ -69,6 +70,33 @@ def describe(tuner: Any, kwargs: dict[str, Any]) -> tuple[str, dict[str, Any], i
     return name, fields, length if isinstance(length, int) and not isinstance(length, bool) else None
 
 
+def time_with(tuner: Any, ms: tuple[int, int] | None) -> None:
+    """Time ``tuner``'s next tuning with ``ms`` (warm-up, repetitions; milliseconds) on Triton's benchmarker, or
+    (None) on Triton's own clock. Triton reads ``tuner.do_bench``, a cached property: the instance's value set
+    here wins over it, and removing it gives Triton's back. A kernel that passed its own ``do_bench`` to
+    ``triton.autotune`` keeps it."""
+    if getattr(tuner, "_do_bench", None) is not None:
+        return
+    if ms is None:
+        if tuner.__dict__.pop("_megaseq_clock", None) is not None:
+            tuner.__dict__.pop("do_bench", None)
+        return
+    if tuner.__dict__.get("_megaseq_clock") == ms:
+        return
+    warmup, rep = ms
+    tuner.__dict__["do_bench"] = lambda kernel_call, quantiles: benchmarker()(kernel_call, warmup=warmup, rep=rep,
+                                                                              quantiles=quantiles)
+    tuner.__dict__["_megaseq_clock"] = ms
+
+
+def benchmarker() -> Any:
+    """Triton's benchmarker for the active GPU driver (``triton.testing.do_bench`` on CUDA), looked up when a
+    tuning times its first config."""
+    from triton.runtime import driver
+
+    return driver.active.get_benchmarker()
+
+
 def patch(autotuner_cls: type) -> None:
     """Patch ``prune_configs`` and ``run`` of ``autotuner_cls`` (Triton's ``Autotuner``) as the module says."""
     if getattr(autotuner_cls, "_megaseq_patched", False):
@@ -90,6 +118,7 @@ def patch(autotuner_cls: type) -> None:
         pruned = autotune.prune(configs, how)
         if len(pruned) > 1:  # a timed choice: worth keeping
             self._megaseq_tuning = (name, fields, length, how)
+            time_with(self, autotune.BENCH_MS.get(how))
         return pruned
 
     def run(self, *args, **kwargs):
