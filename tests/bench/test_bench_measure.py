@@ -70,3 +70,33 @@ def test_a_row_names_what_earlier_rows_left_allocated(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert "3.00 GiB" in err and "still allocated" in err and "process of its own" in err
     assert measure.left_allocated(torch.device("cpu")) is None
+
+
+def test_a_row_frees_its_step_before_it_returns(monkeypatch):
+    """What the row's step holds (the optimizer and its state) is gone when ``measure_megaseq`` returns, even held
+    in a reference cycle: the collection runs after the row's model, data and step are dropped, so the next row
+    does not start with them allocated."""
+    import gc
+    import weakref
+
+    monkeypatch.chdir(ROOT)
+
+    class State:  # the optimizer's state, in a cycle with the step that uses it
+        pass
+
+    held = []
+
+    def planned_step(c, spec, device, plan, total_steps):
+        state = State()
+        state.self = state
+        held.append(weakref.ref(state))
+        return torch.nn.Linear(2, 2), None, lambda: None, lambda batch: state
+
+    monkeypatch.setattr(measure, "planned_step", planned_step)
+    cfg = load_config("recipes/glm5-flash-tiny-dna.yaml", [])
+    gc.disable()
+    try:
+        row = measure.measure_megaseq(cfg, 256, 1, "random")
+        assert row["status"] == "ok" and held and held[0]() is None
+    finally:
+        gc.enable()

@@ -133,7 +133,7 @@ def measure_megaseq(cfg: Config, seq_len: int, steps: int, source: str, routing:
                            "predicted_gpu_tensors_gib": plan.peak_gpu_tensors / GIB,
                            "predicted_host_gib": plan.peak_host / 1e9, "memory_plan": dict(plan.memory),
                            "plan_fits": plan.fits, "routing": routing}
-    model = applied = pre = None
+    model = applied = pre = next_batch = step = None
     left = left_allocated(device)
     if left is not None:
         row["gpu_gib_before_row"] = left / GIB
@@ -187,7 +187,9 @@ def measure_megaseq(cfg: Config, seq_len: int, steps: int, source: str, routing:
             pre.cancel()  # a length that failed before its first step leaves no compiles running (none after a join)
         if applied is not None:
             applied.release()
-        del model
+        # the step (its optimizer and state), the data and the model dropped before the collection: what a cycle
+        # holds goes now, not at some later row's allocation
+        model = applied = next_batch = step = None
         free_memory(device)
     return row
 
