@@ -97,6 +97,26 @@ def test_several_backward_passes_are_summed_in_fp32():
         assert torch.equal(p.detach(), m.detach().to(BF16))
 
 
+@pytest.mark.parametrize("accumulate", [True, False], ids=["accumulate", "broken-bf16-sums"])
+def test_offloaded_optimizer_sums_kept_gradients_in_fp32(accumulate):
+    """OffloadStreamAdamW under sequence segments (gradients kept on the device until the step): three backward
+    passes' bf16 gradients are summed in fp32 as they arrive, the update is the fp32 master update of that sum,
+    bit for bit; without ``accumulate`` (the bf16 ``.grad`` sums, the broken variant) it is not."""
+    params = _params()
+    opt = OffloadStreamAdamW(params, **HYPER, weight_decay=0.0, overlap=False, accumulate=accumulate)
+    parts = [_grads(0), _grads(1), _grads(2)]
+    for grads in parts:
+        loss = sum((p.float() * g.float()).sum() for p, g in zip(params, grads))
+        loss.backward()
+    summed = [sum(part[i].float() for part in parts) for i in range(len(SHAPES))]
+    opt.step()
+    masters = _fp32_reference(_params(), [summed], [HYPER["lr"]], decay=0.0)
+    same = all(torch.equal(opt.state[p]["master"], m.detach()) for p, m in zip(params, masters))
+    assert same == accumulate
+    if accumulate:
+        assert opt.acc == {} and all(p.grad is None for p in params)
+
+
 def test_clip_equals_torchs_on_the_fp32_gradients():
     grads = [(g.float() * 100).to(BF16) for g in _grads(3)]  # norm about 10: clipped to 1
     params = _params()

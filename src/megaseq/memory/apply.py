@@ -187,12 +187,12 @@ def make_optimizer(params: Iterable[Any], settings: MemorySettings, lr: float, b
     flat = [p for g in params for p in (g["params"] if isinstance(g, dict) else [g])]
     if settings.optimizer_offload:
         # under sequence segments every gradient arrives once per segment: keep them on the GPU until the
-        # step (a hook would send each one down and back once per segment); on several ranks only FSDP's
-        # shards are complete when the backward leaves them
+        # step (a hook would send each one down and back once per segment), their sums in fp32 as MasterAdamW's;
+        # on several ranks only FSDP's shards are complete when the backward leaves them
         return OffloadStreamAdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                                   bucket_params=settings.optimizer_bucket_params,
                                   grads_in_backward=not settings.model_segment_tokens,
-                                  hookable=complete_in_backward if distributed else None)
+                                  hookable=complete_in_backward if distributed else None, accumulate=accumulate)
     on_cuda = bool(flat) and all(p.is_cuda for p in flat)
     if any(p.dtype in (torch.bfloat16, torch.float16) for p in flat):
         return MasterAdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,

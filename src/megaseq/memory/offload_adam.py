@@ -15,8 +15,11 @@ The low-precision GPU weights are then overwritten in place from the updated mas
 Gradients. ``grads_to_host()`` (run by ``clip_grad_norm_`` and ``step``) copies every GPU gradient into
 its host slot and frees it; with ``grads_in_backward=True`` a post-accumulate-grad hook does this as
 each gradient is produced, so the model's gradients never all sit on the GPU (a gradient that arrives
-again in the same step, from gradient accumulation, is added to the host copy). Parameters that got no
-gradient are skipped, as ``torch.optim.AdamW`` does (no decay, no step count).
+again in the same step, from gradient accumulation, is added to the host copy). With ``accumulate=True`` and
+the gradients kept on the GPU until the step (sequence segments: each gradient arrives once per segment), a
+low-precision parameter's gradients are summed in the master dtype on the GPU as they arrive (``acc``, 4 B a
+parameter, as ``MasterAdamW`` sums them), not in its bf16 ``.grad``. Parameters that got no gradient are
+skipped, as ``torch.optim.AdamW`` does (no decay, no step count).
 
 Clipping: ``clip_grad_norm_(max_norm)`` replaces ``torch.nn.utils.clip_grad_norm_`` (which cannot see
 host gradients): the global 2-norm over all gradients before the update, with torch's coefficient
@@ -107,7 +110,7 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, bucket_params: int = 100_000_000,
                  overlap: bool = True, grads_in_backward: bool = False,
-                 hookable: Callable[[torch.Tensor], bool] | None = None) -> None:
+                 hookable: Callable[[torch.Tensor], bool] | None = None, accumulate: bool = False) -> None:
         if bucket_params < 1:
             raise ValueError(f"memory.optimizer_bucket_params must be >= 1, got {bucket_params}")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
@@ -129,6 +132,11 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
         hookable = hookable or (lambda p: True)  # several ranks: only FSDP's shards are complete in the backward
         self.hooks = [p.register_post_accumulate_grad_hook(self._grad_hook)
                       for p in all_params if grads_in_backward and p.requires_grad and hookable(p)]
+        # the sums of gradients kept on the GPU over several backward passes, in the master dtype (``accumulate``)
+        self.acc: dict[torch.Tensor, torch.Tensor] = {}
+        self.hooks += [p.register_post_accumulate_grad_hook(self._fold) for p in all_params
+                       if accumulate and not grads_in_backward and p.requires_grad and hookable(p)
+                       and p.dtype.itemsize < torch.empty((), dtype=self.dtype).element_size()]
 
     # ---- host state ----------------------------------------------------------------------------
     def _alloc_host(self) -> None:
@@ -172,10 +180,25 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
     def _grad_hook(self, p: torch.Tensor) -> None:
         self._move_grad(p)
 
-    def _move_grad(self, p: torch.Tensor) -> None:
-        if p.grad is None:  # a hook of an inner backward (recompute, tiling) already moved this gradient
+    def _fold(self, p: torch.Tensor) -> None:
+        """A gradient kept on the GPU until the step, added to its sum in the master dtype (``accumulate``)."""
+        if p.grad is None:
             return
         g = local(p.grad)
+        if p in self.acc:
+            self.acc[p].add_(g)
+        else:
+            self.acc[p] = g.to(self.dtype, copy=True)
+        p.grad = None
+
+    def _move_grad(self, p: torch.Tensor) -> None:
+        if p in self.acc:  # the summed gradient (a bf16 .grad that came after the sums is folded in first)
+            self._fold(p)
+            g = self.acc.pop(p)
+        elif p.grad is None:  # a hook of an inner backward (recompute, tiling) already moved this gradient
+            return
+        else:
+            g = local(p.grad)
         host = self._host_view(p, "grad")
         s = self.streams
         if self.has_grad[p]:  # accumulation: bring the host copy back, add, go again
@@ -195,10 +218,10 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
         p.grad = None
 
     def grads_to_host(self) -> None:
-        """Copy every gradient still on the device into host memory and free it."""
+        """Copy every gradient still on the device (or its sum, ``accumulate``) into host memory and free it."""
         for group in self.param_groups:
             for p in group["params"]:
-                if p.grad is not None:
+                if p.grad is not None or p in self.acc:
                     self._move_grad(p)
 
     @torch.no_grad()
@@ -217,6 +240,7 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
             for p in group["params"]:
                 p.grad = None
                 self.has_grad[p] = False
+        self.acc.clear()
         self.norms.clear()
         self.clip_coef = None
 
