@@ -128,7 +128,10 @@ def test_the_report_names_the_first_steps_builds():
     row = {"seq_len": 32768, "source": "random", "first_step_s": 20.0, "step_s": 5.0, "timed_steps": 2,
            "first_step_compiles": {"count": 37, "seconds": 11.04, "slowest": []}}
     assert "4.0x (37 Triton kernels built in 11.0 s)" in first_step_lines([row])[1]
+    row["first_step_tunings"] = {"count": 36, "seconds": 4.62, "slowest": []}
+    assert "4.0x (37 Triton kernels built in 11.0 s, 36 autotuned kernels timed in 4.6 s)" in first_step_lines([row])[1]
     row["first_step_compiles"] = {"count": 0, "seconds": 0.0, "slowest": []}
+    row["first_step_tunings"] = {"count": 0, "seconds": 0.0, "slowest": []}
     assert first_step_lines([row])[1].endswith("= 4.0x")
 
 

@@ -64,6 +64,8 @@ def fake_autotuner_class() -> type:
                     self.cache[key] = min(pruned, key=lambda c: 0 if c is FASTEST else c.kwargs["B"])
                 config = self.cache[key]
             self.best_config, self.nargs = config, None
+            if self.timed and self.cache and len(self.timed) > getattr(self, "_seen", 0):  # Triton's bench_time
+                self._seen, self.bench_time = len(self.timed), 0.25 * len(self.timed[-1])
             return config
 
     return FakeAutotuner
@@ -416,3 +418,16 @@ def test_broken_clock_left_at_tritons_fails(monkeypatch) -> None:
     tuner.run("x", 6000, 8)
     with pytest.raises(AttributeError):  # the stand-in has no Triton clock: nothing was set
         tuner.do_bench(lambda: None, quantiles=(0.5,))
+
+
+def test_the_timings_a_step_waited_for_are_listed() -> None:
+    """``recording_tunings`` lists each key Triton timed (kernel, seconds), not a table's config: what ``megaseq
+    bench`` reports of a first step."""
+    cls = fake_autotuner_class()
+    triton_autotune.patch(cls)
+    with triton_autotune.recording_tunings() as timed:
+        _tuner(cls).run("x", 6000, 8)  # untuned: timed
+        _tuner(cls).run("x", 7000, 8)  # in the table now (this process's record): not timed
+    assert timed == [(f"{__name__}.chunk_kernel", 0.25 * autotune.PRUNED_CONFIGS)]
+    _tuner(cls).run("x", 6000, 16)  # outside the block: not listed
+    assert len(timed) == 1 and triton_autotune._recorders == []

@@ -45,6 +45,14 @@ class CompileRecord:
                 "slowest": [[n, round(s, 3)] for n, s in slowest]}
 
 
+def tunings_summary(timed: list[tuple[str, float]]) -> dict[str, Any]:
+    """The autotuner timings of a step (``ops.triton_autotune.recording_tunings``) as ``CompileRecord.summary``
+    gives its compiles: ``count``, ``seconds`` and the ``slowest``."""
+    slowest = sorted(timed, key=lambda d: -d[1])[:SLOWEST]
+    return {"count": len(timed), "seconds": round(sum(s for _, s in timed), 3),
+            "slowest": [[n, round(s, 3)] for n, s in slowest]}
+
+
 def _name(fn: Any) -> str:
     return hook_kernel_name(fn) or str(fn)
 

@@ -154,7 +154,9 @@ def measure_megaseq(cfg: Config, seq_len: int, steps: int, source: str, routing:
                 torch.cuda.reset_peak_memory_stats(device)
             first: list[float] = []
             compiles: dict[str, Any] = {}
-            times = timed_steps(lambda: step(next_batch()), steps, device, first, compiles, pre, profile_first)
+            tunings: dict[str, Any] = {}
+            times = timed_steps(lambda: step(next_batch()), steps, device, first, compiles, pre, profile_first,
+                                tunings)
             row["precompile"] = pre.summary() if pre is not None else None
             cuda = device.type == "cuda"  # the timed steps' peaks and routing, read before any profiled step
             peaks = dict(measured_gpu_gib=torch.cuda.max_memory_allocated(device) / GIB if cuda else None,
@@ -173,6 +175,7 @@ def measure_megaseq(cfg: Config, seq_len: int, steps: int, source: str, routing:
         dt = sum(times) / len(times)
         tokens = c.train.batch_size * seq_len
         row.update(status="ok", step_s=dt, first_step_s=first[0], first_step_compiles=compiles,
+                   first_step_tunings=tunings,
                    tokens_per_s=tokens / dt,
                    mfu=mfu(tokens / dt, plan.flops["per_token"], 1) if device.type == "cuda" else None, **peaks)
     except torch.OutOfMemoryError as e:
@@ -203,14 +206,17 @@ def load_summary(load: dict[str, float]) -> dict[str, Any]:
 
 def timed_steps(run_step: Callable[[], None], steps: int, device: torch.device,
                 first: list[float] | None = None, first_compiles: dict | None = None,
-                precompiled: Any = None, profile_first: Path | None = None) -> list[float]:
+                precompiled: Any = None, profile_first: Path | None = None,
+                first_tunings: dict | None = None) -> list[float]:
     """Seconds of each measured step: ``steps + 1`` runs of ``run_step``, the first a warm-up (kernels,
     autotune, the allocator) left out (its seconds appended to ``first`` when given; the Triton kernels it
     compiled, ``compiles.CompileRecord.summary``, put in ``first_compiles`` when given); ``steps`` 0: the one
     (cold) step. ``precompiled`` (``ops.precompile.RunPrecompile``): joined before the first step (the seconds
     waited for it in its ``summary()`` as ``wait_s``, outside the step's), the step's compiles added to the user's
-    kernel manifest. ``profile_first``: the first step profiled (``first_profiled``)."""
-    from megaseq.bench.compiles import compile_record
+    kernel manifest. ``profile_first``: the first step profiled (``first_profiled``). ``first_tunings``: given, the
+    autotuner timings of the first step (``compiles.tunings_summary``) put in it."""
+    from megaseq.bench.compiles import compile_record, tunings_summary
+    from megaseq.ops.triton_autotune import recording_tunings
 
     times = []
     note = cold_start_note(device.type)
@@ -223,11 +229,15 @@ def timed_steps(run_step: Callable[[], None], steps: int, device: torch.device,
         counting = i == 0 and first_compiles is not None
         manifest = precompiled.recording() if i == 0 and precompiled is not None else contextlib.nullcontext()
         profiling = first_profiled(device, profile_first) if i == 0 and profile_first else contextlib.nullcontext()
-        with manifest, compile_record() if counting else contextlib.nullcontext() as rec, profiling:
+        tuning = recording_tunings() if i == 0 and first_tunings is not None else contextlib.nullcontext()
+        with manifest, compile_record() if counting else contextlib.nullcontext() as rec, profiling, \
+                tuning as timed:
             run_step()
             _sync(device)
         if counting:
             first_compiles.update(rec.summary())
+        if i == 0 and first_tunings is not None:
+            first_tunings.update(tunings_summary(timed))
         dt = time.perf_counter() - t0
         if i > 0 or steps == 0:
             times.append(dt)

@@ -52,14 +52,16 @@ STATUS = {"ok": "ok", "oom": "out of memory"}
 
 def first_step_lines(rows: list[dict[str, Any]]) -> list[str]:
     """The first step (compilation, autotuning, the allocator) against a warm step, per length that had both, with
-    the Triton compiles it ran where the row counted them."""
+    the Triton compiles it ran and the autotuner timings it waited for where the row counted them."""
     both = [r for r in rows if r.get("first_step_s") and r.get("step_s") and isinstance(r.get("timed_steps"), int)]
     if not both:
         return []
 
     def compiles(r: dict[str, Any]) -> str:
-        c = r.get("first_step_compiles")
-        return f" ({c['count']} Triton kernels built in {c['seconds']:.1f} s)" if c and c.get("count") else ""
+        c, t = r.get("first_step_compiles"), r.get("first_step_tunings")
+        parts = ([f"{c['count']} Triton kernels built in {c['seconds']:.1f} s"] if c and c.get("count") else []) + (
+            [f"{t['count']} autotuned kernels timed in {t['seconds']:.1f} s"] if t and t.get("count") else [])
+        return f" ({', '.join(parts)})" if parts else ""
 
     def before(r: dict[str, Any]) -> str:  # the first call's wall time: the build, the precompile's wait, the step
         if r.get("build_s") is None:

@@ -9,7 +9,8 @@ methods of ``triton.runtime.autotuner.Autotuner`` once per process:
   timed; else ``autotune.prune`` of the space (``MEGASEQ_AUTOTUNE``), timed on the mode's clock
   (``autotune.BENCH_MS``; a kernel that brings its own ``do_bench`` keeps it).
 - ``run``: after Triton timed a new key, the winner goes into the user's table under its length bucket
-  (``autotune.TunedTable.record``), which the next process reads.
+  (``autotune.TunedTable.record``), which the next process reads; inside ``recording_tunings()`` the kernel and
+  the seconds its timing took are also listed (what a first step spent tuning, for ``megaseq bench``).
 
 The length of a launch is the kernel argument ``LENGTH_ARGS`` names (``T`` when unnamed: fla's and the mHC
 kernels' token count). Triton's own in-process key leaves the length out (one tuning per shape in a process);
@@ -19,8 +20,10 @@ the tables keep one per length bucket across processes. Per launch the patch add
 
 from __future__ import annotations
 
+import contextlib
 import os
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 from megaseq.ops import autotune
@@ -31,6 +34,19 @@ LENGTH_ARGS = {"gather_rows_kernel": "M", "row_dot_kernel": "M", "sum_rows_kerne
 
 
 _tuners: weakref.WeakSet = weakref.WeakSet()  # the autotuners that had a cache miss in this process
+_recorders: list[list[tuple[str, float]]] = []  # the open ``recording_tunings`` lists
+
+
+@contextlib.contextmanager
+def recording_tunings() -> Iterator[list[tuple[str, float]]]:
+    """The tunings Triton timed inside the block, as ``(kernel, seconds)`` in launch order: a key the tables did
+    not have, its pruned (or full) space timed; a table's config or Triton's on-disk result is no timing."""
+    timed: list[tuple[str, float]] = []
+    _recorders.append(timed)
+    try:
+        yield timed
+    finally:
+        _recorders.remove(timed)
 
 
 def forget_tunings() -> int:
@@ -124,12 +140,16 @@ def patch(autotuner_cls: type) -> None:
     def run(self, *args, **kwargs):
         before = len(self.cache)
         self._megaseq_tuning = None
+        self.bench_time = None  # Triton sets it when it times the configs (not for its on-disk result)
         out = original_run(self, *args, **kwargs)
         tuning = self._megaseq_tuning
         if tuning is not None and len(self.cache) > before:
             self._megaseq_tuning = None
             name, fields, length, how = tuning
             autotune.table().record(name, fields, length, {**config_dict(self.best_config), "tuned": how})
+            if self.bench_time is not None:
+                for timed in _recorders:
+                    timed.append((name, float(self.bench_time)))
         return out
 
     autotuner_cls.prune_configs, autotuner_cls.run = prune_configs, run
