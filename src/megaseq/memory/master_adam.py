@@ -33,6 +33,7 @@ over local shards: each sharded gradient's squares are summed over its mesh's sh
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -176,6 +177,22 @@ def mixes_dtensors(params: Iterable[torch.Tensor]) -> bool:
     return len(kinds) == 2
 
 
+def weak_hook(method: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor], None]:
+    """A bound ``method`` as a parameter's gradient hook that does not keep its object alive. A tensor's hooks are
+    held where Python's collector does not look, so a hook holding its optimizer makes the cycle parameter ->
+    hook -> optimizer -> parameter uncollectable: the optimizer, its state (GiBs: fp32 masters and moments) and
+    the parameters would outlive their last user, as long as the process. The hook does nothing once the object
+    is gone."""
+    ref = weakref.WeakMethod(method)
+
+    def hook(p: torch.Tensor) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(p)
+
+    return hook
+
+
 class MasterAdamW(torch.optim.Optimizer):
     """AdamW with fp32 master weights and moments for low-precision weights (see the module docstring)."""
 
@@ -200,7 +217,7 @@ class MasterAdamW(torch.optim.Optimizer):
             for p in group["params"]:
                 self._init_state(p)
         foldable = foldable or (lambda p: True)
-        self.hooks = [p.register_post_accumulate_grad_hook(self._fold) for g in self.param_groups
+        self.hooks = [p.register_post_accumulate_grad_hook(weak_hook(self._fold)) for g in self.param_groups
                       for p in g["params"] if accumulate and p.requires_grad and foldable(p)]
 
     def _init_state(self, p: torch.Tensor) -> None:

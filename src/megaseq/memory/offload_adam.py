@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from megaseq.memory.master_adam import combine_norms, like_param, local, restore_groups
+from megaseq.memory.master_adam import combine_norms, like_param, local, restore_groups, weak_hook
 from megaseq.memory.offload import HostBuffer
 from megaseq.memory.rules import round_up
 
@@ -130,11 +130,11 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
         self.norms: dict[torch.Tensor, torch.Tensor] = {}
         self.clip_coef: torch.Tensor | None = None
         hookable = hookable or (lambda p: True)  # several ranks: only FSDP's shards are complete in the backward
-        self.hooks = [p.register_post_accumulate_grad_hook(self._grad_hook)
+        self.hooks = [p.register_post_accumulate_grad_hook(weak_hook(self._grad_hook))
                       for p in all_params if grads_in_backward and p.requires_grad and hookable(p)]
         # the sums of gradients kept on the GPU over several backward passes, in the master dtype (``accumulate``)
         self.acc: dict[torch.Tensor, torch.Tensor] = {}
-        self.hooks += [p.register_post_accumulate_grad_hook(self._fold) for p in all_params
+        self.hooks += [p.register_post_accumulate_grad_hook(weak_hook(self._fold)) for p in all_params
                        if accumulate and not grads_in_backward and p.requires_grad and hookable(p)
                        and p.dtype.itemsize < torch.empty((), dtype=self.dtype).element_size()]
 
