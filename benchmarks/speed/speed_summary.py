@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 KEEP = ("status", "tokens_per_s", "mfu", "measured_gpu_gib", "predicted_gpu_tensors_gib", "step_s", "first_step_s",
-        "routing", "moe_load_max", "moe_load_mean", "fixes", "first_step_compiles", "precompile", "build_s",
-        "pool_grown_gib", "error")
+        "routing", "moe_load_max", "moe_load_mean", "fixes", "first_step_compiles", "first_step_tunings", "precompile",
+        "build_s", "pool_grown_gib", "error")
 PEER_KEEP = ("status", "tokens_per_s", "mfu", "measured_gpu_gib", "step_s", "first_step_s", "routing", "peer",
              "trained_params", "error")
 
