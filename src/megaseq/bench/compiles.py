@@ -39,15 +39,14 @@ class CompileRecord:
         self.pending.pop(key, None)
 
     def summary(self) -> dict[str, Any]:
-        """``count``, ``seconds`` (their sum) and the ``slowest`` kernels as ``[name, seconds]``, for a result row."""
-        slowest = sorted(self.done, key=lambda d: -d[1])[:SLOWEST]
-        return {"count": len(self.done), "seconds": round(sum(s for _, s in self.done), 3),
-                "slowest": [[n, round(s, 3)] for n, s in slowest]}
+        """The compiles seen, for a result row (``timed_summary``)."""
+        return timed_summary(self.done)
 
 
-def tunings_summary(timed: list[tuple[str, float]]) -> dict[str, Any]:
-    """The autotuner timings of a step (``ops.triton_autotune.recording_tunings``) as ``CompileRecord.summary``
-    gives its compiles: ``count``, ``seconds`` and the ``slowest``."""
+def timed_summary(timed: list[tuple[str, float]]) -> dict[str, Any]:
+    """``(kernel, seconds)`` pairs (a step's compiles, or its autotuner timings from
+    ``ops.triton_autotune.recording_tunings``) for a result row: ``count``, ``seconds`` (their sum) and the
+    ``slowest`` kernels as ``[name, seconds]``."""
     slowest = sorted(timed, key=lambda d: -d[1])[:SLOWEST]
     return {"count": len(timed), "seconds": round(sum(s for _, s in timed), 3),
             "slowest": [[n, round(s, 3)] for n, s in slowest]}

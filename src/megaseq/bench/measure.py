@@ -214,8 +214,8 @@ def timed_steps(run_step: Callable[[], None], steps: int, device: torch.device,
     (cold) step. ``precompiled`` (``ops.precompile.RunPrecompile``): joined before the first step (the seconds
     waited for it in its ``summary()`` as ``wait_s``, outside the step's), the step's compiles added to the user's
     kernel manifest. ``profile_first``: the first step profiled (``first_profiled``). ``first_tunings``: given, the
-    autotuner timings of the first step (``compiles.tunings_summary``) put in it."""
-    from megaseq.bench.compiles import compile_record, tunings_summary
+    autotuner timings of the first step (``compiles.timed_summary``) put in it."""
+    from megaseq.bench.compiles import compile_record, timed_summary
     from megaseq.ops.triton_autotune import recording_tunings
 
     times = []
@@ -237,7 +237,7 @@ def timed_steps(run_step: Callable[[], None], steps: int, device: torch.device,
         if counting:
             first_compiles.update(rec.summary())
         if i == 0 and first_tunings is not None:
-            first_tunings.update(tunings_summary(timed))
+            first_tunings.update(timed_summary(timed))
         dt = time.perf_counter() - t0
         if i > 0 or steps == 0:
             times.append(dt)
