@@ -193,6 +193,19 @@ def weak_hook(method: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor]
     return hook
 
 
+def fold_grad(acc: dict[torch.Tensor, torch.Tensor], p: torch.Tensor, dtype: torch.dtype) -> None:
+    """``p``'s gradient (local) added to its sum ``acc[p]`` in ``dtype`` (made on the first), ``.grad`` freed: the
+    optimizers' sums of several backward passes (``MasterAdamW``'s and ``OffloadStreamAdamW``'s ``accumulate``)."""
+    if p.grad is None:
+        return
+    g = local(p.grad)
+    if p in acc:
+        acc[p].add_(g)
+    else:
+        acc[p] = g.to(dtype, copy=True)
+    p.grad = None
+
+
 class MasterAdamW(torch.optim.Optimizer):
     """AdamW with fp32 master weights and moments for low-precision weights (see the module docstring)."""
 
@@ -231,15 +244,7 @@ class MasterAdamW(torch.optim.Optimizer):
 
     # ---- gradients -------------------------------------------------------------------------------
     def _fold(self, p: torch.Tensor) -> None:
-        g = p.grad
-        if g is None:
-            return
-        g = local(g)
-        if p in self.acc:
-            self.acc[p].add_(g)
-        else:
-            self.acc[p] = g.to(local(self.state[p]["master"]).dtype, copy=True)
-        p.grad = None
+        fold_grad(self.acc, p, local(self.state[p]["master"]).dtype)
 
     def _grad(self, p: torch.Tensor) -> torch.Tensor | None:
         """This step's gradient of ``p`` (local): in the master dtype, folding a gradient still in ``.grad``;

@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from megaseq.memory.master_adam import combine_norms, like_param, local, restore_groups, weak_hook
+from megaseq.memory.master_adam import combine_norms, fold_grad, like_param, local, restore_groups, weak_hook
 from megaseq.memory.offload import HostBuffer
 from megaseq.memory.rules import round_up
 
@@ -136,7 +136,7 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
         self.acc: dict[torch.Tensor, torch.Tensor] = {}
         self.hooks += [p.register_post_accumulate_grad_hook(weak_hook(self._fold)) for p in all_params
                        if accumulate and not grads_in_backward and p.requires_grad and hookable(p)
-                       and p.dtype.itemsize < torch.empty((), dtype=self.dtype).element_size()]
+                       and p.dtype.itemsize < self.dtype.itemsize]
 
     # ---- host state ----------------------------------------------------------------------------
     def _alloc_host(self) -> None:
@@ -182,14 +182,7 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
 
     def _fold(self, p: torch.Tensor) -> None:
         """A gradient kept on the GPU until the step, added to its sum in the master dtype (``accumulate``)."""
-        if p.grad is None:
-            return
-        g = local(p.grad)
-        if p in self.acc:
-            self.acc[p].add_(g)
-        else:
-            self.acc[p] = g.to(self.dtype, copy=True)
-        p.grad = None
+        fold_grad(self.acc, p, self.dtype)
 
     def _move_grad(self, p: torch.Tensor) -> None:
         if p in self.acc:  # the summed gradient (a bf16 .grad that came after the sums is folded in first)
