@@ -22,6 +22,9 @@ def _own_cache(tmp_path, monkeypatch):
                 "TRITON_INTERPRET"):  # (the stand-in autotuner is not Triton's interpreter)
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setattr(autotune, "_tables", {})
+    # the pruned clock's benchmarker (Triton's, on a GPU): the stand-in launches the config once
+    monkeypatch.setattr(triton_autotune, "benchmarker",
+                        lambda: lambda fn, warmup, rep, quantiles: fn() or [1.0] * len(quantiles))
 
 
 class Cfg:
@@ -40,13 +43,19 @@ FASTEST = SPACE[7]  # the stand-in's timings make this one the fastest (elsewher
 
 def fake_autotuner_class() -> type:
     """A class with Triton 3.6's ``Autotuner.run`` / ``prune_configs`` contract: on a key (the ``keys``
-    arguments) not tuned yet, ``prune_configs`` gives the configs to time; one config is taken untimed."""
+    arguments) not tuned yet, ``prune_configs`` gives the configs, and each is launched on ``do_bench`` (Triton's
+    clock unless the instance sets its own), even when one is left; ``timed`` lists the configs launched to time
+    them, per tuning. A space of one config is never tuned."""
 
     class FakeAutotuner:
         def __init__(self, fn, arg_names, configs, keys) -> None:
             self.fn = self.base_fn = fn
             self.arg_names, self.configs, self.keys = arg_names, configs, keys
             self.cache, self.timed, self.nargs = {}, [], None
+
+        def do_bench(self, kernel_call, quantiles):  # Triton's own clock (25 ms warm-up, 100 ms of launches)
+            kernel_call()
+            return [1.0] * len(quantiles)
 
         def prune_configs(self, kwargs):
             return self.configs
@@ -59,13 +68,15 @@ def fake_autotuner_class() -> type:
                 key = tuple(all_args[k] for k in self.keys if k in all_args)
                 if key not in self.cache:
                     pruned = self.prune_configs(kwargs)
-                    if len(pruned) > 1:
-                        self.timed.append(list(pruned))
+                    launched = []
+                    for c in pruned:
+                        self.do_bench(lambda c=c: launched.append(c), quantiles=(0.5, 0.2, 0.8))
+                    if launched:
+                        self.timed.append(launched)
+                    self.bench_time = 0.25 * len(launched)  # Triton's: the wall time of the timings
                     self.cache[key] = min(pruned, key=lambda c: 0 if c is FASTEST else c.kwargs["B"])
                 config = self.cache[key]
             self.best_config, self.nargs = config, None
-            if self.timed and self.cache and len(self.timed) > getattr(self, "_seen", 0):  # Triton's bench_time
-                self._seen, self.bench_time = len(self.timed), 0.25 * len(self.timed[-1])
             return config
 
     return FakeAutotuner
@@ -357,7 +368,8 @@ def test_real_triton_autotuner_writes_then_reads_the_table(monkeypatch) -> None:
     autotune._tables.clear()
     second = _real_scale_kernel()
     second[lambda meta: (triton.cdiv(900 * 8, meta["B"]),)](x, out, 900, 8)
-    assert len(getattr(second, "configs_timings", {})) <= 1, "a table entry's key must not time the space again"
+    timings = getattr(second, "configs_timings", {})  # Triton's record of what it timed (untimed: zeros)
+    assert len(timings) <= 1 and all(t == [0.0] * 3 for t in timings.values()), "a table's config must run untimed"
     assert second.best_config.kwargs == entry["kwargs"] and second.best_config.num_warps == entry["num_warps"]
 
 
@@ -386,26 +398,36 @@ def test_tune_leaves_the_environment_as_it_was(tmp_path, monkeypatch) -> None:
     assert os.environ.get("MEGASEQ_AUTOTUNE") == "one" and "MEGASEQ_MLA_AUTOTUNE" not in os.environ
 
 
+def _pruned_tuning_on_the_shorter_clock(cls, calls: list) -> None:
+    tuner = _tuner(cls)
+    tuner.run("x", 6000, 8)
+    assert calls == [(*autotune.BENCH_MS["pruned"], (0.5, 0.2, 0.8))] * autotune.PRUNED_CONFIGS
+    assert tuner.timed == [] and autotune.BENCH_MS["pruned"] < (25, 100)
+
+
+def _recording_benchmarker(monkeypatch) -> list:
+    calls: list = []
+    monkeypatch.setattr(triton_autotune, "benchmarker",
+                        lambda: lambda fn, warmup, rep, quantiles: calls.append((warmup, rep, quantiles)) or [1.0] * 3)
+    return calls
+
+
 def test_pruned_spaces_are_timed_on_the_shorter_clock(monkeypatch) -> None:
     """A pruned tuning times each candidate with ``autotune.BENCH_MS["pruned"]`` (warm-up, repetitions) on
     Triton's benchmarker; ``full`` (``megaseq tune``) on Triton's own clock again; a kernel that brought its own
     ``do_bench`` keeps it."""
     cls = fake_autotuner_class()
     triton_autotune.patch(cls)
-    calls = []
-    monkeypatch.setattr(triton_autotune, "benchmarker",
-                        lambda: lambda fn, warmup, rep, quantiles: calls.append((warmup, rep, quantiles)) or [1.0] * 3)
-    tuner = _tuner(cls)
-    tuner.run("x", 6000, 8)
-    assert tuner.do_bench(lambda: None, quantiles=(0.5, 0.2, 0.8)) == [1.0] * 3
-    assert calls == [(*autotune.BENCH_MS["pruned"], (0.5, 0.2, 0.8))] and autotune.BENCH_MS["pruned"] < (25, 100)
+    calls = _recording_benchmarker(monkeypatch)
+    _pruned_tuning_on_the_shorter_clock(cls, calls)
     monkeypatch.setenv("MEGASEQ_AUTOTUNE", "full")
+    tuner = _tuner(cls)
     tuner.run("x", 6000, 16)  # a new key, tuned over the whole space: Triton's clock
-    assert "do_bench" not in tuner.__dict__
+    assert "do_bench" not in tuner.__dict__ and tuner.timed == [SPACE]
     own = _tuner(cls)
     own._do_bench = "the kernel's"
     monkeypatch.setenv("MEGASEQ_AUTOTUNE", "pruned")
-    own.run("x", 6000, 8)
+    own.run("x", 6000, 32)
     assert "do_bench" not in own.__dict__
 
 
@@ -413,11 +435,46 @@ def test_broken_clock_left_at_tritons_fails(monkeypatch) -> None:
     """A patch that never sets the clock (pruned spaces timed for Triton's 125 ms a config) fails the check."""
     cls = fake_autotuner_class()
     triton_autotune.patch(cls)
+    calls = _recording_benchmarker(monkeypatch)
     monkeypatch.setattr(triton_autotune, "time_with", lambda tuner, ms: None)
-    tuner = _tuner(cls)
-    tuner.run("x", 6000, 8)
-    with pytest.raises(AttributeError):  # the stand-in has no Triton clock: nothing was set
-        tuner.do_bench(lambda: None, quantiles=(0.5,))
+    with pytest.raises(AssertionError):
+        _pruned_tuning_on_the_shorter_clock(cls, calls)
+
+
+def _a_lone_config_is_taken_untimed(cls, monkeypatch) -> None:
+    tuned = _tuner(cls)
+    tuned.run("x", 6000, 8)  # a pruned tuning, kept in the table
+    hit = _tuner(cls)
+    hit.run("x", 7000, 8)  # the table's config: one left
+    assert hit.timed == [] and hit.best_config is tuned.best_config
+    monkeypatch.setenv("MEGASEQ_AUTOTUNE", "one")
+    one = _tuner(cls)
+    one._do_bench = "the kernel's"  # even a kernel's own clock is not run for a lone config
+    one.run("x", 6000, 16)
+    assert one.timed == [] and one.best_config is SPACE[0]
+    monkeypatch.setenv("MEGASEQ_AUTOTUNE", "pruned")
+    hit.run("x", 6000, 32)  # the same autotuner, a key the table lacks: timed again, on the pruned clock
+    assert len(hit.timed) == 1 and hit.__dict__["_megaseq_clock"] == autotune.BENCH_MS["pruned"]
+
+
+def test_a_lone_config_is_taken_untimed(monkeypatch) -> None:
+    """Triton 3.6 times a lone config (a table's, or a space pruned to one) on its benchmarker before it runs it:
+    125 ms of launches a kernel on a new machine. The patch takes it untimed; a later key with a choice is timed."""
+    cls = fake_autotuner_class()
+    triton_autotune.patch(cls)
+    _a_lone_config_is_taken_untimed(cls, monkeypatch)
+    assert triton_autotune.untimed(lambda: 1 / 0, (0.5, 0.2)) == [0.0, 0.0]
+
+
+def test_broken_lone_config_timed_fails(monkeypatch) -> None:
+    """A patch that leaves a lone config on Triton's clock (as Triton 3.6 does) fails the check."""
+    cls = fake_autotuner_class()
+    triton_autotune.patch(cls)
+    time_with = triton_autotune.time_with
+    monkeypatch.setattr(triton_autotune, "time_with",
+                        lambda tuner, ms: None if ms == triton_autotune.UNTIMED else time_with(tuner, ms))
+    with pytest.raises(AssertionError):
+        _a_lone_config_is_taken_untimed(cls, monkeypatch)
 
 
 def test_the_timings_a_step_waited_for_are_listed() -> None:

@@ -5,9 +5,10 @@ and indexer launchers) sets the persistent cache directory (``autotune.use_persi
 methods of ``triton.runtime.autotuner.Autotuner`` once per process:
 
 - ``prune_configs`` (Triton calls it only when a key is not tuned yet in this process): the tuned table's
-  config for (kernel, key fields, dtype, length bucket) when it has one, so one config compiles and nothing is
-  timed; else ``autotune.prune`` of the space (``MEGASEQ_AUTOTUNE``), timed on the mode's clock
-  (``autotune.BENCH_MS``; a kernel that brings its own ``do_bench`` keeps it).
+  config for (kernel, key fields, dtype, length bucket) when it has one; else ``autotune.prune`` of the space
+  (``MEGASEQ_AUTOTUNE``), timed on the mode's clock (``autotune.BENCH_MS``; a kernel that brings its own
+  ``do_bench`` keeps it). Where one config is left (a table's, or a space pruned to one), it is taken untimed:
+  Triton 3.6 times even a lone config (its benchmarker's 25 ms warm-up and 100 ms of launches) before it runs it.
 - ``run``: after Triton timed a new key, the winner goes into the user's table under its length bucket
   (``autotune.TunedTable.record``), which the next process reads; inside ``recording_tunings()`` the kernel and
   the seconds its timing took are also listed (what a first step spent tuning, for ``megaseq bench``).
@@ -86,22 +87,34 @@ def describe(tuner: Any, kwargs: dict[str, Any]) -> tuple[str, dict[str, Any], i
     return name, fields, length if isinstance(length, int) and not isinstance(length, bool) else None
 
 
-def time_with(tuner: Any, ms: tuple[int, int] | None) -> None:
-    """Time ``tuner``'s next tuning with ``ms`` (warm-up, repetitions; milliseconds) on Triton's benchmarker, or
-    (None) on Triton's own clock. Triton reads ``tuner.do_bench``, a cached property: the instance's value set
-    here wins over it, and removing it gives Triton's back. A kernel that passed its own ``do_bench`` to
-    ``triton.autotune`` keeps it."""
-    if getattr(tuner, "_do_bench", None) is not None:
+UNTIMED = "untimed"  # ``time_with``'s clock for a lone config: nothing launched, nothing timed
+
+
+def untimed(kernel_call: Any, quantiles: tuple[float, ...]) -> list[float]:
+    """The clock of a tuning with one config: the choice is made, so the kernel is not launched to time it (it
+    compiles at its real launch). Zero for each quantile; no real timing reads zero."""
+    return [0.0] * len(quantiles)
+
+
+def time_with(tuner: Any, ms: tuple[int, int] | str | None) -> None:
+    """Time ``tuner``'s next tuning with ``ms`` (warm-up, repetitions; milliseconds) on Triton's benchmarker,
+    ``UNTIMED`` (one config: ``untimed``), or (None) on Triton's own clock. Triton reads ``tuner.do_bench``, a
+    cached property: the instance's value set here wins over it, and removing it gives Triton's back. A kernel
+    that passed its own ``do_bench`` to ``triton.autotune`` keeps it, except for a lone config."""
+    if tuner.__dict__.get("_megaseq_clock") == ms and ms is not None:
         return
+    if tuner.__dict__.pop("_megaseq_clock", None) is not None:
+        tuner.__dict__.pop("do_bench", None)
     if ms is None:
-        if tuner.__dict__.pop("_megaseq_clock", None) is not None:
-            tuner.__dict__.pop("do_bench", None)
         return
-    if tuner.__dict__.get("_megaseq_clock") == ms:
+    if ms == UNTIMED:
+        tuner.__dict__["do_bench"] = untimed
+    elif getattr(tuner, "_do_bench", None) is not None:
         return
-    warmup, rep = ms
-    tuner.__dict__["do_bench"] = lambda kernel_call, quantiles: benchmarker()(kernel_call, warmup=warmup, rep=rep,
-                                                                              quantiles=quantiles)
+    else:
+        warmup, rep = ms
+        tuner.__dict__["do_bench"] = lambda kernel_call, quantiles: benchmarker()(
+            kernel_call, warmup=warmup, rep=rep, quantiles=quantiles)
     tuner.__dict__["_megaseq_clock"] = ms
 
 
@@ -130,11 +143,14 @@ def patch(autotuner_cls: type) -> None:
         if hit is not None:
             match = [c for c in self.configs if _same(c, hit)]
             if match:
+                time_with(self, UNTIMED)
                 return match[:1]
         pruned = autotune.prune(configs, how)
         if len(pruned) > 1:  # a timed choice: worth keeping
             self._megaseq_tuning = (name, fields, length, how)
             time_with(self, autotune.BENCH_MS.get(how))
+        else:
+            time_with(self, UNTIMED)
         return pruned
 
     def run(self, *args, **kwargs):
