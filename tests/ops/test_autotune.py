@@ -368,8 +368,8 @@ def test_real_triton_autotuner_writes_then_reads_the_table(monkeypatch) -> None:
     autotune._tables.clear()
     second = _real_scale_kernel()
     second[lambda meta: (triton.cdiv(900 * 8, meta["B"]),)](x, out, 900, 8)
-    timings = getattr(second, "configs_timings", {})  # Triton's record of what it timed (untimed: zeros)
-    assert len(timings) <= 1 and all(t == [0.0] * 3 for t in timings.values()), "a table's config must run untimed"
+    assert len(getattr(second, "configs_timings", {})) <= 1, "a table entry's key must not time the space again"
+    assert second.__dict__.get("do_bench") is triton_autotune.untimed, "a table's lone config must run untimed"
     assert second.best_config.kwargs == entry["kwargs"] and second.best_config.num_warps == entry["num_warps"]
 
 
