@@ -38,9 +38,9 @@ from megaseq.ops import switches
 MODES = switches.AUTOTUNE_MODES
 PRUNED_CONFIGS = 4
 # milliseconds of warm-up and of timed repetitions per config (Triton's ``do_bench``), by mode; a mode not here
-# keeps Triton's own (25 and 100). A first step on a new machine waits for every timing: at 8K on an H100,
-# glm5-flash-1gpu's step timed 36 kernels on Triton's clock for 4.6 s of its 5.5 s. The pruned spaces' few
-# candidates are told apart on a quarter of that clock (a few hundred launches of an 8K kernel each).
+# keeps Triton's own (25 and 100). A first step on a new machine waits for every timing (about 125 ms a config
+# on Triton's clock); the pruned spaces' few candidates are told apart on a quarter of that clock (a few
+# hundred launches of an 8K kernel each).
 BENCH_MS: dict[str, tuple[int, int]] = {"pruned": (5, 25)}
 NEAR_BUCKETS = 2
 FORMAT = 1
