@@ -140,17 +140,11 @@ def patch(autotuner_cls: type) -> None:
         name, fields, length = describe(self, kwargs)
         how = autotune.mode()
         hit = None if how == "full" else autotune.table().lookup(name, fields, length)  # full: tune afresh
-        if hit is not None:
-            match = [c for c in self.configs if _same(c, hit)]
-            if match:
-                time_with(self, UNTIMED)
-                return match[:1]
-        pruned = autotune.prune(configs, how)
+        table = [c for c in self.configs if _same(c, hit)][:1] if hit is not None else []
+        pruned = table or autotune.prune(configs, how)
         if len(pruned) > 1:  # a timed choice: worth keeping
             self._megaseq_tuning = (name, fields, length, how)
-            time_with(self, autotune.BENCH_MS.get(how))
-        else:
-            time_with(self, UNTIMED)
+        time_with(self, autotune.BENCH_MS.get(how) if len(pruned) > 1 else UNTIMED)
         return pruned
 
     def run(self, *args, **kwargs):
