@@ -7,6 +7,10 @@ as the run wrote it (``gpu_suite_log.py``, a line as each test finishes), and re
 ids, how many were collected and how many did not run, the GPU, the versions of torch, Triton, transformers,
 fla and Liger, the date and the git commit. Exits with pytest's status, so a red suite fails the make target.
 
+``--workers N`` (default ``MEGASEQ_SUITE_WORKERS``, else 1): N pytest-xdist processes share the GPU, a test
+file to each in turn (``--dist loadfile``): the compiles, which take most of a cold suite's time, run on N
+cores at once. Each process has its own CUDA context and peak statistics; the tests' sizes leave room for a few.
+
 ``--time-limit S``: no test starts after S seconds and pytest is stopped at S + 60; the record says
 ``complete: false`` and counts what ran. Set it below a job's own limit: a job killed from outside writes
 no record (the per-test log, ``--log``, still holds what ran).
@@ -14,7 +18,8 @@ no record (the per-test log, ``--log``, still holds what ran).
 Autotuned Triton kernels (fla's and megaseq's) run on one config each (``MEGASEQ_FLA_AUTOTUNE=one``, unless
 set otherwise): the suite checks numerics, not speed, and stays within minutes on a warm cache.
 
-    python benchmarks/gpu_suite.py [--out benchmarks/results/gpu_suite/latest.json] [--time-limit S] [-- pytest args]
+    python benchmarks/gpu_suite.py [--out benchmarks/results/gpu_suite/latest.json] [--time-limit S] [--workers N]
+        [-- pytest args]
 """
 
 from __future__ import annotations
@@ -101,9 +106,24 @@ def git_commit() -> str | None:
     return head.stdout.strip() + ("-dirty" if dirty else "")
 
 
-def run_suite(pytest_args: list[str], log_path: Path, time_limit: float | None = None) -> tuple[int | None, float]:
-    """pytest over the gpu-marked tests, each outcome written to ``log_path`` as it finishes; its
-    exit status (None where it was stopped at ``time_limit`` + ``GRACE_S``) and wall seconds."""
+def worker_args(workers: int) -> list[str]:
+    """pytest's arguments for ``workers`` xdist processes (none for one); a clear error without pytest-xdist."""
+    if workers < 1:
+        raise SystemExit(f"gpu_suite: --workers {workers}: give 1 or more processes")
+    if workers == 1:
+        return []
+    try:
+        import xdist  # noqa: F401
+    except ImportError:
+        raise SystemExit(f"gpu_suite: --workers {workers} needs pytest-xdist: pip install pytest-xdist "
+                         "(or --workers 1)") from None
+    return ["-n", str(workers), "--dist", "loadfile"]
+
+
+def run_suite(pytest_args: list[str], log_path: Path, time_limit: float | None = None,
+              workers: int = 1) -> tuple[int | None, float]:
+    """pytest over the gpu-marked tests (in ``workers`` processes), each outcome written to ``log_path`` as it
+    finishes; its exit status (None where it was stopped at ``time_limit`` + ``GRACE_S``) and wall seconds."""
     env = dict(os.environ)
     env.setdefault("MEGASEQ_FLA_AUTOTUNE", "one")
     paths = [str(ROOT / "src"), str(Path(__file__).resolve().parent)]  # megaseq, and the plugin gpu_suite_log
@@ -113,7 +133,7 @@ def run_suite(pytest_args: list[str], log_path: Path, time_limit: float | None =
     if time_limit is not None:
         env["MEGASEQ_SUITE_DEADLINE"] = str(start + time_limit)
     cmd = [sys.executable, "-m", "pytest", "-m", "gpu or triton", "tests", "-p", "no:cacheprovider",
-           "-p", "gpu_suite_log", "-rfE", "--durations=15", *pytest_args]
+           "-p", "gpu_suite_log", "-rfE", "--durations=15", *worker_args(workers), *pytest_args]
     try:
         rc = subprocess.run(cmd, cwd=ROOT, env=env,
                             timeout=None if time_limit is None else time_limit + GRACE_S).returncode
@@ -123,10 +143,10 @@ def run_suite(pytest_args: list[str], log_path: Path, time_limit: float | None =
     return rc, time.time() - start
 
 
-def record(counts: dict, rc: int | None, wall_s: float) -> dict:
+def record(counts: dict, rc: int | None, wall_s: float, workers: int = 1) -> dict:
     complete = rc is not None and counts.get("not_run") == 0
     return {"command": "make test-gpu", "pytest_exit_status": rc, "complete": complete, **counts,
-            "wall_s": round(wall_s, 1),
+            "wall_s": round(wall_s, 1), "workers": workers,
             "gpu": gpu_name(), "versions": versions(),
             "fla_autotune": os.environ.get("MEGASEQ_FLA_AUTOTUNE", "one"),
             "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), "commit": git_commit()}
@@ -139,10 +159,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="seconds: no test starts after them; the record counts what ran (complete: false)")
     parser.add_argument("--log", type=Path, default=None,
                         help="keep the per-test log here (a JSON line as each test finishes; default: a temp file)")
+    parser.add_argument("--workers", type=int, default=int(os.environ.get("MEGASEQ_SUITE_WORKERS", "1")),
+                        help="pytest-xdist processes sharing the GPU (default MEGASEQ_SUITE_WORKERS, else 1)")
     parser.add_argument("--allow-no-gpu", action="store_true",
                         help="run even without CUDA (every test skips; for checking the script itself)")
     args, pytest_args = parser.parse_known_args(argv)
     pytest_args = [a for a in pytest_args if a != "--"]
+    worker_args(args.workers)  # a bad --workers is said before anything runs
     if gpu_name() is None and not args.allow_no_gpu:
         print("gpu_suite: no CUDA device is visible; run `make test-gpu` on a GPU machine "
               "(or pass --allow-no-gpu to check the script, every test then skips)", file=sys.stderr)
@@ -151,12 +174,12 @@ def main(argv: list[str] | None = None) -> int:
         log_path = args.log or Path(tmp) / "gpu_suite.jsonl"
         log_path.parent.mkdir(parents=True, exist_ok=True)
         log_path.unlink(missing_ok=True)
-        rc, wall_s = run_suite(pytest_args, log_path, args.time_limit)
+        rc, wall_s = run_suite(pytest_args, log_path, args.time_limit, args.workers)
         counts = log_counts(log_path)
     if counts["collected"] is None:
         print(f"gpu_suite: pytest collected nothing it could run (exit status {rc})", file=sys.stderr)
         return rc or 1
-    out = record(counts, rc, wall_s)
+    out = record(counts, rc, wall_s, args.workers)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1) + "\n")
     cut = "" if out["complete"] else f", {out['not_run']} not run (time limit)"

@@ -6,6 +6,10 @@ outcome (``{"nodeid", "when", "outcome"}``: the call, and a setup or teardown th
 file skipped or failed as it is collected has ``when`` ``collect``), each flushed at once: a run cut off from
 outside (a killed job, a machine taken back) still says what ran. ``MEGASEQ_SUITE_DEADLINE`` (Unix seconds): no
 test starts after it; the session stops as ``-x`` stops it and says why.
+
+Under pytest-xdist (``gpu_suite.py --workers N``) each worker collects, so each writes the collected count (the
+same n), and the controller, which receives every worker's reports, writes the outcomes: one line per phase as
+in a single process. A worker past the deadline stops after its running test; the controller then stops the rest.
 """
 
 from __future__ import annotations
@@ -17,6 +21,11 @@ import time
 import pytest
 
 _session: pytest.Session | None = None
+
+
+def _in_worker() -> bool:
+    """Inside a pytest-xdist worker (its reports reach the controller, which writes them)."""
+    return bool(os.environ.get("PYTEST_XDIST_WORKER"))
 
 
 def _write(line: dict) -> None:
@@ -36,12 +45,12 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 
 def pytest_collectreport(report: pytest.CollectReport) -> None:
-    if report.outcome != "passed":
+    if report.outcome != "passed" and not _in_worker():
         _write({"nodeid": report.nodeid, "when": "collect", "outcome": report.outcome})
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    if report.when == "call" or report.outcome != "passed":
+    if (report.when == "call" or report.outcome != "passed") and not _in_worker():
         _write({"nodeid": report.nodeid, "when": report.when, "outcome": report.outcome})
     deadline = os.environ.get("MEGASEQ_SUITE_DEADLINE")
     if report.when == "teardown" and deadline and time.time() > float(deadline) and _session is not None:

@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from bench_scripts import BENCHMARKS, load
@@ -81,6 +82,31 @@ def test_a_deadline_stops_the_run_and_the_record_says_what_did_not_run(tmp_path)
     assert (counts["total"], counts["collected"], counts["not_run"]) == (1, 5, 4), out
     assert "time limit" in out
     assert not suite.record(counts, 2, 1.0)["complete"]
+
+
+def test_under_xdist_workers_the_log_has_each_outcome_once(tmp_path):
+    """``--workers 2``'s pytest arguments: the same counts as one process, each test's deciding phase written
+    once (the controller writes the workers' reports; a worker writing too would double them), and a deadline
+    still stops the run."""
+    runs = {name: tmp_path / name for name in ("xdist", "one", "late")}
+    for d in runs.values():
+        d.mkdir()
+    counts, out = _run_sample(runs["xdist"], *suite.worker_args(2))
+    one, _ = _run_sample(runs["one"])
+    keys = ("passed", "failed", "errors", "skipped", "total", "collected", "not_run")
+    assert {k: counts[k] for k in keys} == {k: one[k] for k in keys}, out
+    lines = [json.loads(x) for x in (runs["xdist"] / "out.jsonl").read_text().splitlines()]
+    phases = [(x["nodeid"], x["when"]) for x in lines if "nodeid" in x]
+    assert len(phases) == len(set(phases)) == 5, lines
+    late, out = _run_sample(runs["late"], *suite.worker_args(2), deadline=time.time() - 1)
+    assert late["total"] < late["collected"] == 5 and late["not_run"] > 0, out
+
+
+def test_workers_are_checked_before_anything_runs(monkeypatch):
+    assert suite.worker_args(1) == []
+    assert suite.worker_args(3) == ["-n", "3", "--dist", "loadfile"]
+    with pytest.raises(SystemExit, match="--workers 0"):
+        suite.main(["--workers", "0"])
 
 
 def test_a_failure_is_kept_over_a_later_phase(tmp_path):
