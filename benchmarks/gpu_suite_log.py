@@ -23,9 +23,17 @@ import pytest
 _session: pytest.Session | None = None
 
 
+_worker = False  # this process is a pytest-xdist worker (its reports reach the controller, which writes them)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    global _worker
+    _worker = hasattr(config, "workerinput")  # xdist's mark of a worker's config (not the environment: a
+    # pytest that a worker's test starts inherits the worker's variables)
+
+
 def _in_worker() -> bool:
-    """Inside a pytest-xdist worker (its reports reach the controller, which writes them)."""
-    return bool(os.environ.get("PYTEST_XDIST_WORKER"))
+    return _worker
 
 
 def _write(line: dict) -> None:
