@@ -120,10 +120,9 @@ def worker_args(workers: int) -> list[str]:
     return ["-n", str(workers), "--dist", "loadfile"]
 
 
-def run_suite(pytest_args: list[str], log_path: Path, time_limit: float | None = None,
-              workers: int = 1) -> tuple[int | None, float]:
-    """pytest over the gpu-marked tests (in ``workers`` processes), each outcome written to ``log_path`` as it
-    finishes; its exit status (None where it was stopped at ``time_limit`` + ``GRACE_S``) and wall seconds."""
+def run_suite(pytest_args: list[str], log_path: Path, time_limit: float | None = None) -> tuple[int | None, float]:
+    """pytest over the gpu-marked tests, each outcome written to ``log_path`` as it finishes; its
+    exit status (None where it was stopped at ``time_limit`` + ``GRACE_S``) and wall seconds."""
     env = dict(os.environ)
     env.setdefault("MEGASEQ_FLA_AUTOTUNE", "one")
     paths = [str(ROOT / "src"), str(Path(__file__).resolve().parent)]  # megaseq, and the plugin gpu_suite_log
@@ -133,7 +132,7 @@ def run_suite(pytest_args: list[str], log_path: Path, time_limit: float | None =
     if time_limit is not None:
         env["MEGASEQ_SUITE_DEADLINE"] = str(start + time_limit)
     cmd = [sys.executable, "-m", "pytest", "-m", "gpu or triton", "tests", "-p", "no:cacheprovider",
-           "-p", "gpu_suite_log", "-rfE", "--durations=15", *worker_args(workers), *pytest_args]
+           "-p", "gpu_suite_log", "-rfE", "--durations=15", *pytest_args]
     try:
         rc = subprocess.run(cmd, cwd=ROOT, env=env,
                             timeout=None if time_limit is None else time_limit + GRACE_S).returncode
@@ -159,13 +158,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="seconds: no test starts after them; the record counts what ran (complete: false)")
     parser.add_argument("--log", type=Path, default=None,
                         help="keep the per-test log here (a JSON line as each test finishes; default: a temp file)")
-    parser.add_argument("--workers", type=int, default=int(os.environ.get("MEGASEQ_SUITE_WORKERS", "1")),
+    parser.add_argument("--workers", type=int, default=os.environ.get("MEGASEQ_SUITE_WORKERS", "1"),
                         help="pytest-xdist processes sharing the GPU (default MEGASEQ_SUITE_WORKERS, else 1)")
     parser.add_argument("--allow-no-gpu", action="store_true",
                         help="run even without CUDA (every test skips; for checking the script itself)")
     args, pytest_args = parser.parse_known_args(argv)
-    pytest_args = [a for a in pytest_args if a != "--"]
-    worker_args(args.workers)  # a bad --workers is said before anything runs
+    # xdist's arguments first: a bad --workers is said before anything runs
+    pytest_args = worker_args(args.workers) + [a for a in pytest_args if a != "--"]
     if gpu_name() is None and not args.allow_no_gpu:
         print("gpu_suite: no CUDA device is visible; run `make test-gpu` on a GPU machine "
               "(or pass --allow-no-gpu to check the script, every test then skips)", file=sys.stderr)
@@ -174,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         log_path = args.log or Path(tmp) / "gpu_suite.jsonl"
         log_path.parent.mkdir(parents=True, exist_ok=True)
         log_path.unlink(missing_ok=True)
-        rc, wall_s = run_suite(pytest_args, log_path, args.time_limit, args.workers)
+        rc, wall_s = run_suite(pytest_args, log_path, args.time_limit)
         counts = log_counts(log_path)
     if counts["collected"] is None:
         print(f"gpu_suite: pytest collected nothing it could run (exit status {rc})", file=sys.stderr)

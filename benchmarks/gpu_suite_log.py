@@ -32,10 +32,6 @@ def pytest_configure(config: pytest.Config) -> None:
     # pytest that a worker's test starts inherits the worker's variables)
 
 
-def _in_worker() -> bool:
-    return _worker
-
-
 def _write(line: dict) -> None:
     path = os.environ.get("MEGASEQ_SUITE_LOG")
     if path:
@@ -53,12 +49,12 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 
 def pytest_collectreport(report: pytest.CollectReport) -> None:
-    if report.outcome != "passed" and not _in_worker():
+    if report.outcome != "passed" and not _worker:
         _write({"nodeid": report.nodeid, "when": "collect", "outcome": report.outcome})
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    if (report.when == "call" or report.outcome != "passed") and not _in_worker():
+    if (report.when == "call" or report.outcome != "passed") and not _worker:
         _write({"nodeid": report.nodeid, "when": report.when, "outcome": report.outcome})
     deadline = os.environ.get("MEGASEQ_SUITE_DEADLINE")
     if report.when == "teardown" and deadline and time.time() > float(deadline) and _session is not None:

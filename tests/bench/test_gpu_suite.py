@@ -102,7 +102,7 @@ def test_under_xdist_workers_the_log_has_each_outcome_once(tmp_path):
     assert late["total"] < late["collected"] == 5 and late["not_run"] > 0, out
 
 
-def test_workers_are_checked_before_anything_runs(monkeypatch):
+def test_workers_are_checked_before_anything_runs():
     assert suite.worker_args(1) == []
     assert suite.worker_args(3) == ["-n", "3", "--dist", "loadfile"]
     with pytest.raises(SystemExit, match="--workers 0"):
