@@ -75,15 +75,20 @@ def measure_row(a: argparse.Namespace, S: int, name: str) -> dict:
     return row
 
 
+ROW_FIELDS = ("status", "step_s", "measured_gpu_gib", "predicted_gpu_gib", "predicted_gpu_tensors_gib", "indexer_kl")
+
+
 def row_in_own_process(name: str) -> dict:
     """``measure_row`` in a fresh Python process (this script with ``--row``), its row read back; a process that
     ends without one (killed, out of host memory) is a row with ``status`` "error" and its exit status."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "row.json"
         rc = subprocess.call([sys.executable, __file__, *sys.argv[1:], "--row", name, "--row-out", str(out)])
-        if out.exists():
-            return json.loads(out.read_text())
-    return {"name": name, "status": "error", "error": f"the row's process ended with exit status {rc} and no row"}
+        row = (json.loads(out.read_text()) if out.exists() else
+               {"name": name, "status": "error", "error": f"the row's process ended with exit status {rc} and no row"})
+    # each row's figures printed as it ends, so a job cut short by its timeout still shows the rows it finished
+    print(f"row {name}: " + json.dumps({k: row.get(k) for k in ROW_FIELDS}, default=str), flush=True)
+    return row
 
 
 def main() -> None:
@@ -136,8 +141,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"indexer_objective_{model}_{a.seq_len}{'_reference_kl' if a.reference_kl else ''}.json"
     path.write_text(json.dumps(result, indent=1, default=str))
-    print(json.dumps({k: {f: v.get(f) for f in ("status", "step_s", "measured_gpu_gib", "predicted_gpu_gib",
-                                                "indexer_kl")}
+    print(json.dumps({k: {f: v.get(f) for f in ROW_FIELDS}
                       for k, v in rows.items()}, indent=1))
     print(json.dumps(summary, indent=1))
     print(f"wrote {path}")
