@@ -135,6 +135,17 @@ def test_the_report_names_the_first_steps_builds():
     assert first_step_lines([row])[1].endswith("= 4.0x")
 
 
+def test_the_report_says_which_first_steps_ran_after_another_row():
+    from megaseq.bench.report import first_step_lines
+
+    rows = [{"seq_len": L, "source": "random", "first_step_s": 2.0, "step_s": 1.0, "timed_steps": 2}
+            for L in (8192, 32768)]
+    first, second = first_step_lines(rows)[1].split("; ")
+    assert "after" not in first
+    assert second.endswith("(in the process after the 8,192 (random) row, whose kernels it reuses: "
+                           "not a new process's first step)")
+
+
 def test_without_triton_nothing_is_recorded(monkeypatch):
     monkeypatch.setitem(sys.modules, "triton", None)  # `import triton` raises ImportError
     with compile_record() as rec:

@@ -52,7 +52,8 @@ STATUS = {"ok": "ok", "oom": "out of memory"}
 
 def first_step_lines(rows: list[dict[str, Any]]) -> list[str]:
     """The first step (compilation, autotuning, the allocator) against a warm step, per length that had both, with
-    the Triton compiles it ran and the autotuner timings it waited for where the row counted them."""
+    the Triton compiles it ran and the autotuner timings it waited for where the row counted them. The rows ran in
+    one process, in their order: only the first row's first step is what a new process meets."""
     both = [r for r in rows if r.get("first_step_s") and r.get("step_s") and isinstance(r.get("timed_steps"), int)]
     if not both:
         return []
@@ -70,9 +71,14 @@ def first_step_lines(rows: list[dict[str, Any]]) -> list[str]:
         return (f", after the model's build {r['build_s']:.1f} s and the precompile's wait {wait:.1f} s: "
                 f"{r['build_s'] + wait + r['first_step_s']:.1f} s to the first step's end")
 
+    def later(r: dict[str, Any]) -> str:  # the rows run in one process: a later row reuses the kernels built before
+        i = next(i for i, x in enumerate(rows) if x is r)
+        return (f" (in the process after the {rows[i - 1]['seq_len']:,} ({rows[i - 1]['source']}) row, whose kernels "
+                "it reuses: not a new process's first step)") if i else ""
+
     return ["", "first step against a warm step: " + "; ".join(
         f"{r['seq_len']:,} ({r['source']}) {r['first_step_s']:.1f} s / {r['step_s']:.2f} s = "
-        f"{r['first_step_s'] / r['step_s']:.1f}x{compiles(r)}{before(r)}" for r in both)]
+        f"{r['first_step_s'] / r['step_s']:.1f}x{compiles(r)}{before(r)}{later(r)}" for r in both)]
 
 
 def reference_lines(result: dict[str, Any]) -> list[str]:
