@@ -7,9 +7,10 @@ as the run wrote it (``gpu_suite_log.py``, a line as each test finishes), and re
 ids, how many were collected and how many did not run, the GPU, the versions of torch, Triton, transformers,
 fla and Liger, the date and the git commit. Exits with pytest's status, so a red suite fails the make target.
 
-``--workers N`` (default ``MEGASEQ_SUITE_WORKERS``, else 1): N pytest-xdist processes share the GPU, a test
-file to each in turn (``--dist loadfile``): the compiles, which take most of a cold suite's time, run on N
-cores at once. Each process has its own CUDA context and peak statistics; the tests' sizes leave room for a few.
+``--workers N`` (default ``MEGASEQ_SUITE_WORKERS``, else 2 where pytest-xdist is installed, else 1): N
+pytest-xdist processes share the GPU, a test file to each in turn (``--dist loadfile``): the compiles, which take
+most of a cold suite's time, run on N cores at once. Each process has its own CUDA context and peak statistics;
+two ran the whole suite on one 80 GB H100 in 204 s (benchmarks/results/gpu_suite/latest.md).
 
 ``--time-limit S``: no test starts after S seconds and pytest is stopped at S + 60; the record says
 ``complete: false`` and counts what ran. Set it below a job's own limit: a job killed from outside writes
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import importlib.metadata
+import importlib.util
 import json
 import os
 import subprocess
@@ -106,6 +108,11 @@ def git_commit() -> str | None:
     return head.stdout.strip() + ("-dirty" if dirty else "")
 
 
+def default_workers() -> str:
+    """Two processes where pytest-xdist is installed (the dev extra holds it), else one."""
+    return "2" if importlib.util.find_spec("xdist") else "1"
+
+
 def worker_args(workers: int) -> list[str]:
     """pytest's arguments for ``workers`` xdist processes (none for one); a clear error without pytest-xdist."""
     if workers < 1:
@@ -158,8 +165,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="seconds: no test starts after them; the record counts what ran (complete: false)")
     parser.add_argument("--log", type=Path, default=None,
                         help="keep the per-test log here (a JSON line as each test finishes; default: a temp file)")
-    parser.add_argument("--workers", type=int, default=os.environ.get("MEGASEQ_SUITE_WORKERS", "1"),
-                        help="pytest-xdist processes sharing the GPU (default MEGASEQ_SUITE_WORKERS, else 1)")
+    parser.add_argument("--workers", type=int, default=os.environ.get("MEGASEQ_SUITE_WORKERS", default_workers()),
+                        help="pytest-xdist processes sharing the GPU (default MEGASEQ_SUITE_WORKERS, else 2 where "
+                             "pytest-xdist is installed, else 1)")
     parser.add_argument("--allow-no-gpu", action="store_true",
                         help="run even without CUDA (every test skips; for checking the script itself)")
     args, pytest_args = parser.parse_known_args(argv)

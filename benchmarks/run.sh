@@ -76,10 +76,10 @@ stage_gpu_suite() {
   # what `make test-gpu` runs (benchmarks/gpu_suite.py: pytest -m gpu tests, recorded in latest.json), with this
   # interpreter (the machine's CUDA torch, not a fresh virtualenv)
   # no test starts after SUITE_LIMIT seconds (default 480), so the record is written within the job's 10 minutes;
-  # SUITE_WORKERS processes share the GPU (default 1)
+  # SUITE_WORKERS processes share the GPU (default: the script's, 2 where pytest-xdist is installed)
   MEGASEQ_FLA_AUTOTUNE=${GIVEN_FLA_AUTOTUNE:-one} \
     $PY benchmarks/gpu_suite.py --out "$RESULTS/gpu_suite/latest.json" --time-limit "${SUITE_LIMIT:-480}" \
-    --workers "${SUITE_WORKERS:-1}" \
+    ${SUITE_WORKERS:+--workers "$SUITE_WORKERS"} \
     --log "$RESULTS/gpu_suite/latest.jsonl" -- -p no:cacheprovider
 }
 

@@ -102,6 +102,15 @@ def test_under_xdist_workers_the_log_has_each_outcome_once(tmp_path):
     assert late["total"] < late["collected"] == 5 and late["not_run"] > 0, out
 
 
+def test_two_workers_by_default_where_xdist_is_installed(monkeypatch):
+    import importlib.util
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object() if name == "xdist" else None)
+    assert suite.default_workers() == "2"
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    assert suite.default_workers() == "1"
+
+
 def test_workers_are_checked_before_anything_runs():
     assert suite.worker_args(1) == []
     assert suite.worker_args(3) == ["-n", "3", "--dist", "loadfile"]
