@@ -108,9 +108,13 @@ def git_commit() -> str | None:
     return head.stdout.strip() + ("-dirty" if dirty else "")
 
 
+def has_xdist() -> bool:
+    return importlib.util.find_spec("xdist") is not None
+
+
 def default_workers() -> str:
     """Two processes where pytest-xdist is installed (the dev extra holds it), else one."""
-    return "2" if importlib.util.find_spec("xdist") else "1"
+    return "2" if has_xdist() else "1"
 
 
 def worker_args(workers: int) -> list[str]:
@@ -119,11 +123,9 @@ def worker_args(workers: int) -> list[str]:
         raise SystemExit(f"gpu_suite: --workers {workers}: give 1 or more processes")
     if workers == 1:
         return []
-    try:
-        import xdist  # noqa: F401
-    except ImportError:
+    if not has_xdist():
         raise SystemExit(f"gpu_suite: --workers {workers} needs pytest-xdist: pip install pytest-xdist "
-                         "(or --workers 1)") from None
+                         "(or --workers 1)")
     return ["-n", str(workers), "--dist", "loadfile"]
 
 
