@@ -146,6 +146,17 @@ def test_the_report_says_which_first_steps_ran_after_another_row():
                            "not a new process's first step)")
 
 
+def test_the_report_gives_the_op_warmups_share_of_the_wait():
+    from megaseq.bench.report import first_step_lines
+
+    row = {"seq_len": 8192, "source": "random", "first_step_s": 0.4, "step_s": 0.2, "timed_steps": 2,
+           "build_s": 7.0, "precompile": {"wait_s": 3.6, "op_warmup": {"seconds": 0.8, "ops": 300}}}
+    assert ("the precompile's wait 3.6 s (of it the op warm-up 0.8 s): 11.0 s to the first step's end"
+            in first_step_lines([row])[1])
+    row["precompile"] = {"wait_s": 3.6}
+    assert "op warm-up" not in first_step_lines([row])[1]
+
+
 def test_without_triton_nothing_is_recorded(monkeypatch):
     monkeypatch.setitem(sys.modules, "triton", None)  # `import triton` raises ImportError
     with compile_record() as rec:

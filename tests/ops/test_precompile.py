@@ -355,6 +355,7 @@ def test_the_run_loads_only_what_its_tuned_table_launches(monkeypatch, tmp_path)
     monkeypatch.setattr(autotune, "table", lambda device: SimpleNamespace(kernels={"from": device}))
     seen = []
     monkeypatch.setattr(precompile, "RunPrecompile", lambda *a, **k: seen.append((k.get("tuned"), k["length"])))
+    monkeypatch.setenv("MEGASEQ_WARM_OPS", "0")  # the op warm-up: tests/ops/test_op_warmup.py
     cfg = SimpleNamespace(data=SimpleNamespace(seq_len=32768))
     for mode in ("pruned", "full", "one"):
         monkeypatch.setattr(autotune, "mode", lambda m=mode: m)

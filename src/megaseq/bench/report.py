@@ -67,8 +67,10 @@ def first_step_lines(rows: list[dict[str, Any]]) -> list[str]:
     def before(r: dict[str, Any]) -> str:  # the first call's wall time: the build, the precompile's wait, the step
         if r.get("build_s") is None:
             return ""
-        wait = (r.get("precompile") or {}).get("wait_s") or 0.0
-        return (f", after the model's build {r['build_s']:.1f} s and the precompile's wait {wait:.1f} s: "
+        pre = r.get("precompile") or {}
+        wait, warm = pre.get("wait_s") or 0.0, (pre.get("op_warmup") or {}).get("seconds")
+        ops = f" (of it the op warm-up {warm:.1f} s)" if warm else ""
+        return (f", after the model's build {r['build_s']:.1f} s and the precompile's wait {wait:.1f} s{ops}: "
                 f"{r['build_s'] + wait + r['first_step_s']:.1f} s to the first step's end")
 
     def later(r: dict[str, Any]) -> str:  # the rows run in one process: a later row reuses the kernels built before

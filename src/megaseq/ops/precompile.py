@@ -513,10 +513,12 @@ class RunPrecompile:
 
     def __init__(self, fp: str, device: int | None, describes: dict[str, Any] | None = None,
                  workers: int | None = None, shipped: Path | None = None, user: Path | None = None,
-                 tuned: dict[str, dict[str, Any]] | None = None, length: int | None = None) -> None:
+                 tuned: dict[str, dict[str, Any]] | None = None, length: int | None = None,
+                 warmup: Any = None) -> None:
         """``tuned``: the tuned table the autotuners will read (``TunedTable.kernels``), whose chosen configs are
         the only ones of its kernels loaded where it covers the run's sequence ``length`` (``launched``); None
-        loads every entry."""
+        loads every entry. ``warmup``: the run's op warm-up (``ops.op_warmup.RunWarmup``): replayed on the
+        calling thread at ``join`` while the compiles finish, and recording the first step beside them."""
         from megaseq.ops.triton_autotune import install
 
         install()  # the persistent Triton cache and the autotuner patch, once, before any compile
@@ -534,6 +536,7 @@ class RunPrecompile:
         loading, self.untimed = launched(self.entries, tuned, length) if tuned else (self.entries, [])
         self.background = Background(loading, workers, device, prepare=prepare)
         self.result: Result | None = None
+        self.warmup = warmup
         self.wait_s = 0.0
         self.added = 0
 
@@ -542,8 +545,14 @@ class RunPrecompile:
         self.background.cancel()
 
     def join(self, log: Callable[[str], None] = logger.info) -> Result:
-        """Wait for the precompile (the seconds waited: ``wait_s``) and log its line; the result."""
+        """Replay the op warm-up, then wait for the precompile (the seconds of both: ``wait_s``) and log its
+        line; the result."""
         t0 = time.perf_counter()
+        if self.warmup is not None:
+            try:
+                self.warmup.replay(log)
+            except Exception as e:  # noqa: BLE001  a warm-up that fails costs the step its first calls, no more
+                log(f"op warm-up failed ({type(e).__name__}: {e}); the first step makes its own first calls")
         self.result = self.background.join()
         self.result.untimed = len(self.untimed)
         self.wait_s = time.perf_counter() - t0
@@ -552,8 +561,10 @@ class RunPrecompile:
 
     @contextmanager
     def recording(self) -> Iterator[list[Entry]]:
-        """Record the compiles of the block (the first step) and add the new ones to the user's manifest."""
-        with record() as entries:
+        """Record the compiles of the block (the first step) and add the new ones to the user's manifest (and
+        its ops, where the op warm-up has no manifest)."""
+        ops = self.warmup.recording() if self.warmup is not None else contextlib.nullcontext()
+        with record() as entries, ops:
             yield entries
         known = {e["spec"] for e in self.entries}
         self.added = add(self.user_path, [e for e in entries if e["spec"] not in known], self.version, self.target,
@@ -565,7 +576,8 @@ class RunPrecompile:
         """The result (``Result.summary``) with the manifests' entries, the seconds the first step waited for it
         (``wait_s``) and the kernels that step added to the user's manifest."""
         done = self.result.summary() if self.result is not None else {}
-        return {**done, "entries": len(self.entries), "wait_s": round(self.wait_s, 3), "added": self.added}
+        warm = {"op_warmup": self.warmup.summary()} if self.warmup is not None else {}
+        return {**done, "entries": len(self.entries), "wait_s": round(self.wait_s, 3), "added": self.added, **warm}
 
 
 def _spec_config(spec: str, arg_names: list[str] | None = None) -> tuple[dict[str, Any], Any, Any]:

@@ -24,6 +24,9 @@ The others are debugging and tuning switches, live for benchmarks and for compar
   (``ops.adamw``) for torch's fused AdamW; default ``triton``.
 - ``MEGASEQ_GROW_POOL``: ``1`` grows the CUDA caching allocator's pool toward the plan's tensor peak before the
   first step, while the precompile finishes (``train.build.grow_pool``); default ``0``.
+- ``MEGASEQ_WARM_OPS``: ``1`` (the default) replays the torch ops the run's first step calls, once each on zeros,
+  while the precompile finishes, and records them where no manifest has them (``ops.op_warmup``); ``0`` turns
+  that off.
 
 A value outside a switch's choices is a ValueError naming the variable and the choices.
 """
@@ -129,3 +132,9 @@ def mla_dc() -> str:
 def adamw_kernel() -> str:
     """``MEGASEQ_ADAMW``: ``triton`` (the default) or ``torch`` for the master weights' AdamW step."""
     return _choice("MEGASEQ_ADAMW", _read("MEGASEQ_ADAMW") or "triton", ADAMW_KERNELS)
+
+
+def warm_ops() -> bool:
+    """``MEGASEQ_WARM_OPS``: ``1`` (the default) replays the run's op manifest before the first step on a GPU and
+    records it where none exists (``ops.op_warmup``); ``0`` does neither."""
+    return _choice("MEGASEQ_WARM_OPS", _read("MEGASEQ_WARM_OPS") or "1", ("1", "0")) == "1"

@@ -174,8 +174,13 @@ def start_precompile(cfg: Config, spec: Any, device: torch.device, processes: in
     index = device.index if device.index is not None else torch.cuda.current_device()
     # the default mode reads the tuned table before it tunes: only the configs it chose are launched
     tuned = autotune.table(torch.cuda.get_device_name(index)).kernels if autotune.mode() == "pruned" else None
+    warmup = None
+    if switches.warm_ops():  # torch's first calls of the step's ops, made while the compiles finish
+        from megaseq.ops import op_warmup
+
+        warmup = op_warmup.RunWarmup(fp, cfg.data.seq_len, cfg.train.batch_size, torch.device("cuda", index))
     return precompile.RunPrecompile(fp, index, describes, precompile.default_workers(processes), tuned=tuned,
-                                    length=cfg.data.seq_len)
+                                    length=cfg.data.seq_len, warmup=warmup)
 
 
 def report_fallbacks(cfg: Config, device: torch.device, log: Any) -> None:
