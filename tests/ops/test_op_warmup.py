@@ -5,6 +5,7 @@ kernel manifests; replayed inside the precompile's join and recorded beside its 
 from __future__ import annotations
 
 import json
+import threading
 
 import pytest
 import torch
@@ -75,6 +76,39 @@ def test_replay_keeps_the_random_state_and_counts_what_it_skips_or_what_raises()
     r = op_warmup.replay(entries + big + bad, torch.device("cpu"), max_bytes=1 << 20)
     assert (r.ops, r.skipped, r.failed) == (1, 1, 1)
     assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_replay_stops_when_told_and_counts_what_it_left():
+    entries = _record(_step, *_tensors())
+    calls = iter(range(len(entries)))
+    r = op_warmup.replay(entries, torch.device("cpu"), until=lambda: next(calls) >= 2)
+    assert (r.ops, r.left) == (2, len(entries) - 2)
+
+
+def test_the_join_replays_only_while_the_compiles_run(monkeypatch, tmp_path):
+    """The warm-up is handed the background's ``done``: false while the compiles run, true once they end."""
+    monkeypatch.setattr(precompile, "current_target", lambda: ("3.6.0", "cuda:90"))
+    monkeypatch.setattr("megaseq.ops.triton_autotune.install", lambda: None)
+    gate = threading.Event()
+    monkeypatch.setattr(precompile, "precompile", lambda *a, **k: (gate.wait(), precompile.Result())[1])
+    seen = []
+
+    class Probe:
+        def replay(self, log, until):
+            seen.append(until())
+            gate.set()
+            pre.background._thread.join()
+            seen.append(until())
+
+        def summary(self):
+            return {}
+
+    user = tmp_path / "k"
+    precompile.write_manifest(user / precompile.manifest_name("fp", "cuda:90"), [{"kernel": "m.k", "spec": "s"}],
+                              "3.6.0", "cuda:90")
+    pre = precompile.RunPrecompile("fp", None, None, 1, shipped=tmp_path / "none", user=user, warmup=Probe())
+    pre.join(lambda line: None)
+    assert seen == [False, True]
 
 
 def test_ops_over_many_tensors_or_of_other_namespaces_are_not_recorded():
@@ -148,7 +182,7 @@ def test_the_precompiles_join_replays_the_warmup_and_its_record_holds_the_ops(mo
     assert s["recorded"] > 5 and s["entries"] == 0
 
     class Broken:
-        def replay(self, log):
+        def replay(self, log, until):
             raise RuntimeError("boom")
 
         def summary(self):

@@ -20,7 +20,7 @@ precompile's threads finish; the step's own first calls then find cuBLAS's choic
   the one the package ships (``ops/tuned/ops/``) and the user's (``<cache>/ops/``), which a run without either
   writes after its first step (at most ``RECORD_MAX_LEN`` tokens). A manifest recorded under another torch
   version or GPU is not used (the kernels torch chooses differ).
-- ``replay`` skips an op whose tensors would take more than ``MAX_REPLAY_BYTES`` at once, restores the device's
+- ``replay`` stops where the precompile is done (the warm-up only fills the wait), skips an op whose tensors would take more than ``MAX_REPLAY_BYTES`` at once, restores the device's
   random-number state after (a resumed run draws what it would have drawn), and counts the ops that raise
   (zero-filled arguments are valid indices for every indexing op; an op that still refuses them only misses its
   warm-up). Integer tensors are zeros, so every index is in range.
@@ -33,7 +33,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -56,7 +56,7 @@ NOT_RECORDED = frozenset({
     "empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "_local_scalar_dense", "item",
     "_assert_async", "_assert_scalar", "_functional_assert_async", "multinomial", "set_", "resize_",
     "record_stream", "lift_fresh", "_has_compatible_shallow_copy_type", "is_same_size", "is_nonzero",
-    "_pin_memory", "pin_memory", "is_pinned", "repeat_interleave", "segment_reduce",
+    "_pin_memory", "pin_memory", "is_pinned", "repeat_interleave", "segment_reduce", "_unsafe_view",
 })
 # a first step longer than this is not recorded: its first calls are a small part of it, and a dispatch mode's
 # host time on each of its many segments' ops would not be
@@ -127,6 +127,13 @@ def _bytes(x: Any) -> int:
     return 0
 
 
+def _device(device: torch.device) -> torch.device:
+    """``device`` with its index (a tensor's device always has one)."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def _op(name: str) -> Any:
     """The ``OpOverload`` of ``aten.<op>.<overload>``."""
     ns, op, overload = name.split(".")
@@ -138,7 +145,7 @@ class Recorder(TorchDispatchMode):
 
     def __init__(self, device: torch.device) -> None:
         super().__init__()
-        self.device = device
+        self.device = _device(device)
         self.seen: set[str] = set()
         self.entries: list[Entry] = []
 
@@ -167,11 +174,13 @@ class Recorder(TorchDispatchMode):
 
 @dataclass
 class Replayed:
-    """What ``replay`` did: ops called, skipped (over ``MAX_REPLAY_BYTES``), failed (raised), and seconds."""
+    """What ``replay`` did: ops called, skipped (over ``MAX_REPLAY_BYTES``), failed (raised), left (not reached
+    when its ``until`` said stop), and seconds."""
 
     ops: int = 0
     skipped: int = 0
     failed: int = 0
+    left: int = 0
     seconds: float = 0.0
 
 
@@ -186,15 +195,21 @@ def _set_rng_state(device: torch.device, state: Any) -> None:
         torch.set_rng_state(state)
 
 
-def replay(entries: list[Entry], device: torch.device, max_bytes: int = MAX_REPLAY_BYTES) -> Replayed:
-    """Call each entry's op once on zero-filled tensors of its layouts on ``device`` (no autograd), then wait for
-    the device; the random-number state of ``device`` (and the CPU's) as before."""
+def replay(entries: list[Entry], device: torch.device, max_bytes: int = MAX_REPLAY_BYTES,
+           until: Callable[[], bool] | None = None) -> Replayed:
+    """Call each entry's op once on zero-filled tensors of its layouts on ``device`` (no autograd), in order, until
+    ``until()`` is true (checked before each op; the rest are counted as left), then wait for the device; the
+    random-number state of ``device`` (and the CPU's) as before."""
     out = Replayed()
     t0 = time.perf_counter()
+    device = _device(device)
     states = (_rng_state(device), torch.get_rng_state())
     try:
         with torch.no_grad():
-            for name, args, kwargs in entries:
+            for i, (name, args, kwargs) in enumerate(entries):
+                if until is not None and until():
+                    out.left = len(entries) - i
+                    break
                 if _bytes([args, list(kwargs.values())]) > max_bytes:
                     out.skipped += 1
                     continue
@@ -270,15 +285,16 @@ class RunWarmup:
         self.result: Replayed | None = None
         self.recorded = 0
 
-    def replay(self, log: Any = logger.info) -> Replayed | None:
-        """The manifest's ops replayed (None: no manifest)."""
+    def replay(self, log: Any = logger.info, until: Callable[[], bool] | None = None) -> Replayed | None:
+        """The manifest's ops replayed until ``until()`` (``replay``; None: no manifest)."""
         if not self.entries:
             return None
-        self.result = replay(self.entries, self.device)
+        self.result = replay(self.entries, self.device, until=until)
         r = self.result
         log(f"op warm-up: {r.ops} of {len(self.entries)} ops called once in {r.seconds:.2f} s"
-            + (f" ({r.skipped} over {MAX_REPLAY_BYTES >> 30} GiB skipped)" if r.skipped else "")
-            + (f" ({r.failed} refused zero-filled arguments)" if r.failed else ""))
+            + (f", {r.skipped} over {MAX_REPLAY_BYTES >> 30} GiB skipped" if r.skipped else "")
+            + (f", {r.failed} refused zero-filled arguments" if r.failed else "")
+            + (f", {r.left} left to the first step (the precompile was done)" if r.left else ""))
         return r
 
     @contextmanager

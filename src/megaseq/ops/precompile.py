@@ -483,6 +483,10 @@ class Background:
         waiting for them; those running finish). Nothing after a ``join``."""
         self.pool.stop.set()
 
+    def done(self) -> bool:
+        """Whether the compiles have ended (nothing left to wait for)."""
+        return not self._thread.is_alive()
+
     def join(self) -> Result:
         """Wait for the compiles; the result (an error in the thread: said in one log line, nothing counted)."""
         self._thread.join()
@@ -518,7 +522,7 @@ class RunPrecompile:
         """``tuned``: the tuned table the autotuners will read (``TunedTable.kernels``), whose chosen configs are
         the only ones of its kernels loaded where it covers the run's sequence ``length`` (``launched``); None
         loads every entry. ``warmup``: the run's op warm-up (``ops.op_warmup.RunWarmup``): replayed on the
-        calling thread at ``join`` while the compiles finish, and recording the first step beside them."""
+        calling thread at ``join`` while the compiles run (no longer), and recording the first step beside them."""
         from megaseq.ops.triton_autotune import install
 
         install()  # the persistent Triton cache and the autotuner patch, once, before any compile
@@ -545,12 +549,12 @@ class RunPrecompile:
         self.background.cancel()
 
     def join(self, log: Callable[[str], None] = logger.info) -> Result:
-        """Replay the op warm-up, then wait for the precompile (the seconds of both: ``wait_s``) and log its
-        line; the result."""
+        """Replay the op warm-up while the compiles run, then wait for them (the seconds of both: ``wait_s``) and
+        log the precompile's line; the result."""
         t0 = time.perf_counter()
         if self.warmup is not None:
             try:
-                self.warmup.replay(log)
+                self.warmup.replay(log, self.background.done)  # only while the compiles run
             except Exception as e:  # noqa: BLE001  a warm-up that fails costs the step its first calls, no more
                 log(f"op warm-up failed ({type(e).__name__}: {e}); the first step makes its own first calls")
         self.result = self.background.join()
