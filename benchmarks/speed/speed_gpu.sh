@@ -17,6 +17,9 @@
 #                                        #   passes through (e.g. MEGASEQ_GROW_POOL=1)
 #   bash benchmarks/speed/speed_gpu.sh pack    # about 2 minutes: the kernel pack of each shipped manifest for this GPU
 #                                        #   (ops.kernel_pack.build) into src/megaseq/ops/tuned/kernels/ and $OUT
+#   bash benchmarks/speed/speed_gpu.sh ops     # about a minute: glm5-flash-1gpu's op manifests (ops.op_warmup) at OPS_LENS
+#                                        #   (default "8K 32K"), each recorded by a first step on an empty cache,
+#                                        #   into src/megaseq/ops/tuned/ops/ and $OUT
 #   bash benchmarks/speed/speed_gpu.sh tune    # up to 10 minutes: this GPU's tuned table (full tuning at TUNE_LENS,
 #                                        #   default 8K,32K, added to the shipped one) into $OUT/<gpu>.json, to
 #                                        #   commit as src/megaseq/ops/tuned/<gpu>.json
@@ -82,6 +85,17 @@ print(json.dumps(kernel_pack.build(m, kernel_pack.pack_path(m))))" "$m" | tee -a
       cp "${m%.json}.tar.xz" "$OUT/"
     done
     ;;
+  ops)
+    # a first step with no op manifest records one into the user's cache (MEGASEQ_CACHE_DIR, emptied above)
+    for L in ${OPS_LENS:-8K 32K}; do
+      rm -rf "$MEGASEQ_CACHE_DIR/ops"
+      find src/megaseq/ops/tuned/ops -name "*-$(python3 -c "from megaseq.config import parse_size; print(parse_size('$L'))")x*.json" -delete 2>/dev/null
+      timeout -k 5 200 python3 -m megaseq bench recipes/glm5-flash-1gpu.yaml --seq-lens "$L" --steps 1 \
+        --out "$OUT/ops_$L" 2>&1 | tail -3
+      mkdir -p src/megaseq/ops/tuned/ops && cp "$MEGASEQ_CACHE_DIR"/ops/*.json src/megaseq/ops/tuned/ops/ && \
+        cp "$MEGASEQ_CACHE_DIR"/ops/*.json "$OUT/"
+    done
+    ;;
   tune)
     # this GPU's shipped table (e.g. nvidia-h100-80gb-hbm3.json) with the tunings at TUNE_LENS added or replaced
     table=$(python3 -c "import torch; from megaseq.ops import autotune
@@ -91,5 +105,5 @@ print(autotune.device_slug(torch.cuda.get_device_name()))").json
       --out "$OUT/$table" 2>&1 | tail -20
     echo "tune: $(( $(date +%s) - t0 )) s end to end" | tee "$OUT/tune_wall.txt"
     ;;
-  *) echo "stage $STAGE: use glm, qwen, first, pack or tune" >&2; exit 2 ;;
+  *) echo "stage $STAGE: use glm, qwen, first, pack, ops or tune" >&2; exit 2 ;;
 esac

@@ -70,8 +70,11 @@ def test_fixes_grow_with_length_in_ladder_order(ladder):
     assert first_seen["recompute"] < first_seen["model_segments"]
     # (stream_base streams a frozen base: LoRA and train.trainable only, never this full fine-tuning)
     assert set(first_seen) == set(LADDER) - {"checkpoint_offload", "optimizer_offload", "stream_base"}
-    for k in (224, 256, 384, 1024):
+    for k in (224, 256, 384):
         assert [f[0] for f in ladder[k].fixes] == ["indexer_query_chunk", "model_segments"], k
+    # at 1M the chunked loss makes room for segments of 16K, whose fewer joins cost less than its chunks
+    assert [f[0] for f in ladder[1024].fixes] == ["chunked_loss", "indexer_query_chunk", "model_segments"]
+    assert ladder[1024].memory["model_segment_tokens"] == 16 * K
     # with context parallelism a segment is split over the cp ranks: segments serve there too
     cp2 = plan(SPEC_1GPU, 512 * K, Mesh(cp=2, gpus_per_host=2))
     assert cp2.fits and "model_segments" in [f[0] for f in cp2.fixes]
@@ -237,10 +240,11 @@ def test_kept_selections_only_when_asked_and_with_room():
     them (int32, topk + kpool - 1 slots per token and full-indexer DSA layer)."""
     from megaseq.plan.sparse_attention import dsa_selection_bytes
 
-    default = plan(SPEC_1GPU, 1 << 20)
+    roomy = Budgets(gpu_bytes=220 * GIB)  # where the segments' growth leaves the selections room
+    default = plan(SPEC_1GPU, 1 << 20, budgets=roomy)
     assert not default.memory["segment_keep_selection"]
-    asked = plan(SPEC_1GPU, 1 << 20, memory_cfg=MemoryConfig(segment_keep_selection=True))
-    assert asked.memory["segment_keep_selection"] and asked.peak_gpu <= 0.95 * Budgets().gpu_bytes
+    asked = plan(SPEC_1GPU, 1 << 20, memory_cfg=MemoryConfig(segment_keep_selection=True), budgets=roomy)
+    assert asked.memory["segment_keep_selection"] and asked.peak_gpu <= 0.95 * roomy.gpu_bytes
     kept = dict((c[0], c[1]) for c in asked.components)["segment DSA selections (kept)"]
     assert kept == 2 * dsa_selection_bytes(SPEC_1GPU, 1 << 20) == 2 * 4 * (1 << 20) * (2048 + 15)
     tight = plan(SPEC_1GPU, 512 * K, memory_cfg=MemoryConfig(segment_keep_selection=True))

@@ -20,10 +20,10 @@ precompile's threads finish; the step's own first calls then find cuBLAS's choic
   the one the package ships (``ops/tuned/ops/``) and the user's (``<cache>/ops/``), which a run without either
   writes after its first step (at most ``RECORD_MAX_LEN`` tokens). A manifest recorded under another torch
   version or GPU is not used (the kernels torch chooses differ).
-- ``replay`` stops where the precompile is done (the warm-up only fills the wait), skips an op whose tensors would take more than ``MAX_REPLAY_BYTES`` at once, restores the device's
-  random-number state after (a resumed run draws what it would have drawn), and counts the ops that raise
-  (zero-filled arguments are valid indices for every indexing op; an op that still refuses them only misses its
-  warm-up). Integer tensors are zeros, so every index is in range.
+- ``replay`` stops where the precompile is done (the warm-up only fills the wait), skips an op whose tensors
+  would take more than ``MAX_REPLAY_BYTES`` at once, restores the device's random-number state after (a resumed
+  run draws what it would have drawn), and counts the ops that raise: an op that refuses zero-filled arguments
+  only misses its warm-up. Integer tensors are zeros, so every index is in range.
 
 ``MEGASEQ_WARM_OPS=0`` turns the replay and the recording off (``ops.switches.warm_ops``).
 """

@@ -123,7 +123,8 @@ def _grow(run: Run, m: MemorySettings, budgets: Budgets, keep_selection: bool = 
 
 def least_costs(run: Run, terms: CostTerms) -> dict[str, float]:
     """Each fix's least step-time cost, the search's order and bound: a tiled MLP's at the largest tile it may grow
-    to (its tiles' fixed cost the least) and beside recompute (where its replay may be free)."""
+    to (its tiles' fixed cost the least) and beside recompute (where its replay may be free); sequence segments'
+    at the longest segment (``run`` carries none: ``fixes.segment_tokens``)."""
     least = fix_costs(replace(run, memory=run.memory.replace(mlp_tile_tokens=TILE_CHUNKS[1])))
     least["tiled_mlp"] = FIXES["tiled_mlp"].cost(
         replace(run, memory=run.memory.replace(mlp_tile_tokens=TILE_CHUNKS[1], recompute=True)), terms)
@@ -133,10 +134,11 @@ def least_costs(run: Run, terms: CostTerms) -> dict[str, float]:
 def grown_cost(run: Run, fixes: tuple[str, ...], m: MemorySettings, least: dict[str, float],
                terms: CostTerms) -> float:
     """The step-time cost of ``fixes`` at their grown settings ``m``: the fixes' least costs, a tiled MLP's at the
-    tile it grew to, beside recompute or not."""
+    tile it grew to, beside recompute or not, and sequence segments' at the length they grew to."""
     cost = sum(least[f] for f in fixes)
-    if "tiled_mlp" in fixes:
-        cost += FIXES["tiled_mlp"].cost(replace(run, memory=m), terms) - least["tiled_mlp"]
+    for f in ("tiled_mlp", "model_segments"):
+        if f in fixes:
+            cost += FIXES[f].cost(replace(run, memory=m), terms) - least[f]
     return cost
 
 

@@ -10,7 +10,8 @@ The ladder, cheapest first in the usual case: chunked loss (+5% of the loss time
 (free), MLP/MoE tiling (one more forward of the tiled module, none beside recompute where only the MLP is
 tiled, plus each tile's fixed cost where its tile is too short to hide it: ``tile_excess_seconds``),
 segmented KDA, full recompute (one more
-forward of every layer), sequence segments (the same, plus a small per-segment cost; they bound each
+forward of every layer), sequence segments (the same, plus a cost that falls with the segments' length:
+``segment_join_seconds``; they bound each
 layer's memory by the segment instead of the sequence and replace recompute, SCO and segmented KDA), SCO
 (1.9% + any copy time the compute cannot hide), OffloadStreamAdamW (the host<->device traffic of the
 optimizer step), and last the frozen base streamed from host memory (the copy time the compute cannot
@@ -52,9 +53,13 @@ LOSS_CHUNKS, TILE_CHUNKS, INDEXER_CHUNKS = (512, 8192), (1024, 16384), (64, None
 SEGMENT_CHUNKS = (4096, 65536)  # KDA segments: fla's chunk is 64 tokens; past 64K the saving is spent
 # sequence segments: below 8K tokens a segment's kernels are short (launch-bound); past 64K the saving is spent
 MODEL_SEGMENT_CHUNKS = (8192, 65536)
-# a sequence segment's overhead over full recompute: per segment, the earlier tokens' latents are joined
-# and the indexer's pools rebuilt (O(S) each) -- an estimate, not measured
-MODEL_SEGMENT_OVERHEAD = 0.03
+# sequence segments' own cost beyond the rerun of their forward, in seconds per token of the sequence up to each
+# segment's end, summed over the segments: each segment's forward, rerun and backward join the earlier tokens'
+# latents and rebuild the indexer's pools over them, and launch every layer's kernels for its own tokens, so fewer,
+# longer segments cost less. Set so that the planner's estimates of glm5-flash-1gpu at 1M on an H100 with segments
+# of 8K (optimizer on the GPU) and of 16K (optimizer in host memory) differ as the measured steps do, 39.60 s
+# against 37.34 s (benchmarks/results/speed/glm5-flash-1gpu/2026-12-07_1m_segments_h100.json)
+SEGMENT_JOIN_S = 9.5e-8
 # the kept DSA selections (a speed-up, not a fix) only where the plan then has this much of the GPU spare
 KEEP_SELECTION_MARGIN = 0.05
 # a segmented KDA layer reruns its forward in backward: one KDA forward, about half its layer's forward
@@ -140,10 +145,21 @@ class Fix:
     requires: tuple[str, ...] = ()
 
 
+def segment_tokens(run: Run) -> int:
+    """Tokens per sequence segment of this run's step (the growth cap while the planner has not sized them)."""
+    return run.segment or min(MODEL_SEGMENT_CHUNKS[1], run.seq_len)
+
+
 def segments_of(run: Run) -> int:
     """Sequence segments of this run's step (the growth cap's count while the planner has not sized them)."""
-    T = run.segment or min(MODEL_SEGMENT_CHUNKS[1], run.seq_len)
-    return -(-run.seq_len // T)
+    return -(-run.seq_len // segment_tokens(run))
+
+
+def segment_join_seconds(run: Run) -> float:
+    """What sequence segments of ``segment_tokens`` add to a step beyond their rerun (``SEGMENT_JOIN_S``): per
+    sequence, the sum of the segments' ends."""
+    T, S = segment_tokens(run), run.seq_len
+    return SEGMENT_JOIN_S * run.batch * sum(min(e, S) for e in range(T, S + T, T))
 
 
 def fsdp_step_traffic(run: Run, num_segments: int = 1) -> dict[str, float]:
@@ -273,10 +289,10 @@ FIXES: dict[str, Fix] = {f.name: f for f in (
         enable=lambda b, run, s, h: {"recompute": True},
         enabled=_on("recompute"),
         why=lambda m: "each layer keeps only its input; its forward is rerun in backward"),
-    _fix("model_segments",
+    _fix("model_segments",  # at the settings' segment length (the least: the longest, segments_of)
         cost=lambda run, t: (t.sf.layers_forward + segment_attention_rerun(
-            run.spec, run.seq_len, run.memory.model_segment_tokens or MODEL_SEGMENT_CHUNKS[0])) / t.sf.total
-        + MODEL_SEGMENT_OVERHEAD + (t.segment_regather_s + t.segment_kv_host_s) / t.step_s,
+            run.spec, run.seq_len, segment_tokens(run))) / t.sf.total
+        + (segment_join_seconds(run) + t.segment_regather_s + t.segment_kv_host_s) / t.step_s,
         usable=lambda run: family(run.spec.family).segmentable and MODEL_SEGMENT_CHUNKS[0] % run.mesh.cp == 0,
         enable=lambda b, run, s, h: {"model_segment_tokens": b.model_segment_tokens or MODEL_SEGMENT_CHUNKS[0]},
         enabled=lambda run, m: bool(replace(run, memory=m).segment),
