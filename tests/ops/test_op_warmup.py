@@ -111,10 +111,17 @@ def test_the_join_replays_only_while_the_compiles_run(monkeypatch, tmp_path):
     assert seen == [False, True]
 
 
+@torch.library.custom_op("megaseq_test::twice", mutates_args=())
+def _twice(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
 def test_ops_over_many_tensors_or_of_other_namespaces_are_not_recorded():
     ts = [torch.ones(2) for _ in range(op_warmup.MAX_TENSORS + 1)]
     assert _record(lambda: torch._foreach_add_(ts, 1.0)) == []
     assert _names(_record(lambda: torch._foreach_add_(ts[:2], 1.0))) == ["aten._foreach_add_.Scalar"]
+    assert _record(_twice, torch.ones(3)) == []  # another namespace: a kernel of its own, not replayable
+    assert _names(_record(lambda x: x * 2, torch.ones(3))) == ["aten.mul.Tensor"]
 
 
 def test_manifests_round_trip_and_another_torch_or_gpu_is_not_used(tmp_path, caplog):
