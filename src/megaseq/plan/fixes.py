@@ -37,6 +37,7 @@ from megaseq.plan.flops import (
     StepFlops,
     fsdp_traffic,
     segment_attention_rerun,
+    segment_ends,
     step_flops,
     step_seconds,
 )
@@ -158,8 +159,7 @@ def segments_of(run: Run) -> int:
 def segment_join_seconds(run: Run) -> float:
     """What sequence segments of ``segment_tokens`` add to a step beyond their rerun (``SEGMENT_JOIN_S``): per
     sequence, the sum of the segments' ends."""
-    T, S = segment_tokens(run), run.seq_len
-    return SEGMENT_JOIN_S * run.batch * sum(min(e, S) for e in range(T, S + T, T))
+    return SEGMENT_JOIN_S * run.batch * segment_ends(run.seq_len, segment_tokens(run))
 
 
 def fsdp_step_traffic(run: Run, num_segments: int = 1) -> dict[str, float]:

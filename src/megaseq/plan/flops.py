@@ -184,6 +184,13 @@ def layer_flops(spec: ModelSpec, S: int, i: int) -> LayerFlops:
     return out
 
 
+def segment_ends(S: int, segment_tokens: int = 0) -> int:
+    """The sum of the ends of a sequence's segments of ``segment_tokens`` tokens over ``S`` (``S``: one pass)."""
+    if not segment_tokens:
+        return S
+    return sum(min(e, S) for e in range(segment_tokens, S + segment_tokens, segment_tokens))
+
+
 def segment_attention_rerun(spec: ModelSpec, S: int, segment_tokens: int = 0) -> float:
     """FLOPs sequence segments add to a step for softmax attention and dense MLA layers: each segment's
     attention core (queries against every key so far) is rebuilt in its backward (the checkpointed join of
@@ -195,7 +202,7 @@ def segment_attention_rerun(spec: ModelSpec, S: int, segment_tokens: int = 0) ->
     rows for segments ending at ``e_j`` (``segment_tokens`` apart), where one pass expands ``S`` rows and
     backpropagates them (``3 S``)."""
     keys = causal_keys(S, S)
-    ends = sum(min(e, S) for e in range(segment_tokens, S + segment_tokens, segment_tokens)) if segment_tokens else S
+    ends = segment_ends(S, segment_tokens)
     out = 0.0
     for kind in spec.layer_types:
         if kind == "attention":
