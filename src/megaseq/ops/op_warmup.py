@@ -95,6 +95,11 @@ def _describe(x: Any, device: torch.device, count: list[int]) -> Any:
     raise Unrecorded
 
 
+def _span(shape: list[int], stride: list[int], offset: int) -> int:
+    """Elements of storage a tensor of this layout reaches (0 for an empty one)."""
+    return offset + 1 + sum((n - 1) * s for n, s in zip(shape, stride, strict=True)) if all(shape) else 0
+
+
 def _build(x: Any, device: torch.device) -> Any:
     """The value ``_describe`` wrote, a tensor as zeros of its layout on ``device`` (a CPU scalar on the CPU)."""
     if isinstance(x, list):
@@ -103,8 +108,8 @@ def _build(x: Any, device: torch.device) -> Any:
         return x
     if "T" in x:
         shape, stride, offset, dtype, on_cpu = x["T"]
-        span = offset + 1 + sum((n - 1) * s for n, s in zip(shape, stride, strict=True)) if all(shape) else 0
-        t = torch.zeros(max(span, 1), dtype=getattr(torch, dtype), device="cpu" if on_cpu else device)
+        t = torch.zeros(max(_span(shape, stride, offset), 1), dtype=getattr(torch, dtype),
+                        device="cpu" if on_cpu else device)
         return t.as_strided(shape, stride, offset)
     if "dtype" in x:
         return getattr(torch, x["dtype"])
@@ -122,8 +127,7 @@ def _bytes(x: Any) -> int:
         return sum(_bytes(v) for v in x)
     if isinstance(x, dict) and "T" in x:
         shape, stride, offset, dtype, _ = x["T"]
-        span = offset + 1 + sum((n - 1) * s for n, s in zip(shape, stride, strict=True)) if all(shape) else 0
-        return span * torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+        return _span(shape, stride, offset) * getattr(torch, dtype).itemsize
     return 0
 
 
