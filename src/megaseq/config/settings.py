@@ -122,6 +122,10 @@ class MemorySettings:
     indexer_query_chunk: Any = opt("1K", "DSA indexer: queries scored per block (bounds scoring memory)", size=True,
                                   ge=1)
     recompute: bool = opt(False, "full recompute per layer; only the (4-stream) layer input is kept")
+    keep_attention_layers: int = opt(0, "under recompute, the last N layers keep softmax attention's output and "
+                                        "log-sum-exp from the forward, so the rerun skips attention's kernel "
+                                        "(o + lse bytes per token held until the layer's backward; 0: off; with "
+                                        "auto, as many as fit with 5% to spare)", ge=0)
     checkpoint_offload: bool = opt(False, "SCO: copy layer boundaries to pinned host memory (needs recompute)")
     offload_host_budget: Any = opt("64G", "host bytes SCO may pin for boundaries (accepts 64G)", size=True, ge=0,
                                   note=OFF)
@@ -157,6 +161,10 @@ class MemorySettings:
         given: forced ones, and what the planner chose, which never combines them): the schemes' ``requires``
         and ``excludes`` (``megaseq.schemes``)."""
         schemes.check_combination(self)
+        if self.keep_attention_layers and not self.recompute:
+            raise ValueError(f"memory.keep_attention_layers={self.keep_attention_layers} keeps attention's output "
+                             "for the layers' recompute: set --memory.recompute true or "
+                             "--memory.keep_attention_layers 0")
         if self.segment_kv_host and not self.model_segment_tokens:
             raise ValueError("memory.segment_kv_host keeps sequence segments' keys and values in host memory: set "
                              "--memory.model_segment_tokens (e.g. 64K) or --memory.segment_kv_host false")

@@ -47,6 +47,7 @@ class AppliedMemory:
     tiled: list[str] = field(default_factory=list)  # names of the tiled layers or modules
     query_chunked: list[str] = field(default_factory=list)  # indexers given a query_chunk
     checkpointed: int = 0  # layers under full recompute
+    kept_attention: int = 0  # of those, the last ones keeping attention's output for the rerun
     kda_segmented: int = 0  # tokens per KDA segment (0: off)
     model_segmented: int = 0  # tokens per sequence segment (0: off)
     sharded: Any = None  # what FSDP sharded (``parallel.fsdp.ShardedModel``), None when nothing is
@@ -117,8 +118,9 @@ def recompute_layers(layers: list[nn.Module], settings: MemorySettings, done: Ap
     if not settings.recompute:
         return
     offloader = BoundaryOffloader(settings.offload_host_budget) if settings.checkpoint_offload else None
-    done.offloader = checkpoint_layers(layers, offloader)
+    done.offloader = checkpoint_layers(layers, offloader, settings.keep_attention_layers)
     done.checkpointed = len(layers)
+    done.kept_attention = min(settings.keep_attention_layers, len(layers))
 
 
 def apply_prenorm(model: nn.Module, settings: MemorySettings, env: Any = None,

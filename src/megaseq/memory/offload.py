@@ -18,6 +18,11 @@ planned bytes (pinned with ``cudaHostRegister``: no power-of-two rounding by the
 carved into boundary slots, reused every step and released with ``release()``. On a CPU-only run the
 same code runs: the host copy is a plain copy into the pool and the streams are no-ops.
 
+Kept attention (``keep_attention``, ``ops.kept_attention``): the last layers may keep attention's output and
+log-sum-exp from their forward, so their rerun builds attention's graph node without running its kernel again
+(the last ones: their backward comes first, so what they keep is freed before the first layers' gradients
+exist).
+
 Offloaded layers are the first in forward order: their boundaries wait longest for the backward.
 Recompute composes with tiling (the layer recompute reruns the tiled MLP) and with sequence parallelism
 (each rank offloads its own shard). RNG state is not replayed: the layers have no dropout.
@@ -35,6 +40,7 @@ from torch import nn
 from megaseq.memory import forwards
 from megaseq.memory.replay import Chunk, InputStore, Replay, layer_rerun, replay
 from megaseq.memory.rules import SLOT_ALIGN, round_up  # the planner's slot sizing too (one formula: sco_plan)
+from megaseq.ops import kept_attention
 
 
 # ---- host memory: one exactly sized buffer --------------------------------------------------------
@@ -266,13 +272,14 @@ class _LayerStep:
     (as they were before it ran); the backward's rerun runs against those, not against what later layers
     left in the carry."""
 
-    def __init__(self, fwd: Any, seq_ctx: Any) -> None:
-        self.fwd, self.seq_ctx = fwd, seq_ctx
+    def __init__(self, fwd: Any, seq_ctx: Any, keeper: kept_attention.Keeper | None = None) -> None:
+        self.fwd, self.seq_ctx, self.keeper = fwd, seq_ctx, keeper
         self.carry: dict[str, Any] | None = None
         self.versions: dict[str, int] = {}
 
     def forward(self, xs: list[torch.Tensor], _carry: Any, _chunk: Any) -> tuple[tuple[torch.Tensor], None]:
-        out, self.carry = _forward_tracking_carry(self.fwd, xs[0], self.seq_ctx)
+        with self.keeper.keeping() if self.keeper is not None else contextlib.nullcontext():
+            out, self.carry = _forward_tracking_carry(self.fwd, xs[0], self.seq_ctx)
         self.versions = _versions(self.carry or {})
         return (out,), None
 
@@ -285,8 +292,9 @@ class _LayerStep:
                     "to be replaced, not written"
                 )
             seq_ctx.carry = dict(self.carry)
+        reuse = self.keeper.reusing() if self.keeper is not None else contextlib.nullcontext()
         try:
-            with layer_rerun():  # a module whose output only feeds the residual sum may skip computing it
+            with layer_rerun(), reuse:  # a module whose output only feeds the residual sum may skip computing it
                 return (self.fwd(xs[0], seq_ctx),), None
         finally:
             if self.carry is not None:
@@ -316,32 +324,38 @@ class _BoundaryStore(InputStore):
 class _CheckpointedForward(forwards.InstanceForward):
     """The forward ``checkpoint_layers`` installs on a layer instance (state-dict names unchanged)."""
 
-    def __init__(self, layer: nn.Module, offloader: BoundaryOffloader | None) -> None:
+    def __init__(self, layer: nn.Module, offloader: BoundaryOffloader | None, keep_attention: bool = False) -> None:
         super().__init__(layer)
         self.layer_ref = weakref.ref(layer)
         self.offloader = offloader
+        self.keep_attention = keep_attention
 
     def __call__(self, h: torch.Tensor, ctx: Any = None) -> torch.Tensor:
         layer = self.layer_ref()
         params = list(layer.parameters())
         if not torch.is_grad_enabled() or not (h.requires_grad or any(p.requires_grad for p in params)):
             return self.inner(h, ctx)
-        step = _LayerStep(self.inner, ctx)
+        step = _LayerStep(self.inner, ctx, kept_attention.Keeper() if self.keep_attention else None)
         store = _BoundaryStore(self.offloader) if self.offloader is not None else None
         r = Replay(step=step.forward, rerun=step.rerun, chunks=[Chunk(0, h.shape[0])], modules=(layer,),
                    store=store)
         return replay(r, h)[0]
 
 
-def checkpoint_layers(layers: Any, offloader: BoundaryOffloader | None = None) -> BoundaryOffloader | None:
+def checkpoint_layers(layers: Any, offloader: BoundaryOffloader | None = None,
+                      keep_attention: int = 0) -> BoundaryOffloader | None:
     """Full recompute for every layer of ``layers`` (an iterable of ``layer(h, ctx)`` modules), with
-    boundaries offloaded by ``offloader`` (SCO) when given. Calling again replaces the settings."""
+    boundaries offloaded by ``offloader`` (SCO) when given, and the last ``keep_attention`` layers keeping
+    attention's output for their rerun (``ops.kept_attention``). Calling again replaces the settings."""
     layers = list(layers)
+    if keep_attention < 0:
+        raise ValueError(f"memory.keep_attention_layers must be >= 0, got {keep_attention}")
     if offloader is not None and offloader.max_slots is None:
         offloader.max_slots = len(layers)
-    for layer in layers:
+    first_kept = len(layers) - min(keep_attention, len(layers))
+    for i, layer in enumerate(layers):
         uncheckpoint_layer(layer)
-        layer.forward = _CheckpointedForward(layer, offloader)
+        layer.forward = _CheckpointedForward(layer, offloader, keep_attention=i >= first_kept)
     return offloader
 
 

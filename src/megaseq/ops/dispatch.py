@@ -61,6 +61,8 @@ class _State:
 
 
 _state = _State()
+# the ops a layer's kept attention intercepts (``ops.kept_attention.KEPT_DISPATCH_OPS``; torch imported only there)
+_KEPT_OPS = ("attention", "sink_attention")
 _lock = threading.Lock()
 
 
@@ -213,8 +215,15 @@ def select(op: str, layer: str, *args: Any, **kwargs: Any) -> Impl:
 
 
 def call(op: str, *args: Any, layer: str = "?", **kwargs: Any) -> Any:
-    """Run ``op`` with the best implementation that supports these arguments."""
-    return select(op, layer, *args, **kwargs).fn(*args, **kwargs)
+    """Run ``op`` with the best implementation that supports these arguments (the attention ops under a layer's
+    kept attention, ``ops.kept_attention``, where one is active)."""
+    fn = select(op, layer, *args, **kwargs).fn
+    if op not in _KEPT_OPS:
+        return fn(*args, **kwargs)
+    from megaseq.ops import kept_attention
+
+    with kept_attention.wrap(op):
+        return fn(*args, **kwargs)
 
 
 def format_table() -> str:

@@ -1,0 +1,176 @@
+"""Kept attention under recompute (``memory.keep_attention_layers``, ``ops.kept_attention``) vs the plain model:
+loss and every gradient (float64, CPU), with the rerun taking attention's output from the forward instead of
+running the kernel again.
+
+float64 runs the reference attention by default (HF's eager numerics); here the ops ``attention`` and
+``sink_attention`` run their SDPA paths (``dispatch.override``), whose CPU kernel
+(``_scaled_dot_product_flash_attention_for_cpu``) is the op kept. The plain model runs the same SDPA paths.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megaseq.config import MemorySettings
+from megaseq.memory.apply import loss_fn
+from megaseq.memory.offload import _CheckpointedForward, checkpoint_layers
+from megaseq.models.build import build_model
+from megaseq.models.common import attention as attn_mod
+from megaseq.models.common import sink_attention as sink_mod
+from megaseq.models.presets import get_preset
+from megaseq.models.registry import parallelize
+from megaseq.ops import dispatch, kept_attention
+
+torch.set_num_threads(1)
+S = 37
+CPU_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+
+
+@contextlib.contextmanager
+def _sdpa_in_float64():
+    """The SDPA paths of both attention ops, in float64 on the CPU."""
+    with dispatch.override("attention", "torch_reference", attn_mod.attention_sdpa), \
+            dispatch.override("sink_attention", "torch_reference", sink_mod.sink_attention_sdpa):
+        yield
+
+
+def _batch(vocab: int):
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (2, S), generator=g)
+    doc_ids = torch.tensor([[0] * 15 + [1] * (S - 15), [0] * S])
+    labels = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], dim=1)
+    labels[0, 14] = -100
+    return ids, doc_ids, labels
+
+
+def _step(model):
+    ids, doc_ids, labels = _batch(model.spec.vocab_size)
+    model.zero_grad(set_to_none=True)
+    loss = loss_fn(MemorySettings())(model(ids, doc_ids=doc_ids), model.lm_head.weight, labels)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+class _Calls(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the CPU flash kernel's runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += func is CPU_FLASH
+        return func(*args, **(kwargs or {}))
+
+
+def _kept_run(spec, keep: int):
+    model = build_model(spec, dtype=torch.float64, seed=0)
+    plain = copy.deepcopy(model)
+    with _sdpa_in_float64():
+        ref = _step(plain)
+        parallelize(model, MemorySettings(recompute=True, keep_attention_layers=keep))
+        kept_attention.STATS.__init__()
+        got = _step(model)
+    return ref, got, kept_attention.STATS
+
+
+def _assert_same(ref, got):
+    torch.testing.assert_close(got[0], ref[0], rtol=1e-12, atol=1e-12)
+    assert got[1].keys() == ref[1].keys()
+    for n in ref[1]:
+        torch.testing.assert_close(got[1][n], ref[1][n], rtol=1e-10, atol=1e-12, msg=n)
+
+
+@pytest.mark.parametrize("preset", ["qwen3-moe-tiny", "gpt-oss-tiny", "kimi-linear-tiny"])
+def test_kept_attention_matches_plain(preset):
+    """Softmax attention (GQA, two documents), attention with sinks and a sliding window, MLA (v padded): every
+    layer keeps, the rerun takes every attention call from the forward, and loss and gradients are the plain
+    model's."""
+    spec = get_preset(preset)
+    ref, got, stats = _kept_run(spec, keep=spec.num_layers)
+    assert stats.kept > 0 and stats.hits == stats.kept and stats.misses == 0, stats
+    _assert_same(ref, got)
+
+
+def test_the_rerun_runs_no_attention_kernel():
+    """Recompute runs the attention kernel twice per layer (forward, rerun); kept attention once."""
+    spec = get_preset("qwen3-moe-tiny")
+    counts = {}
+    for keep in (0, spec.num_layers):
+        model = build_model(spec, dtype=torch.float64, seed=0)
+        parallelize(model, MemorySettings(recompute=True, keep_attention_layers=keep))
+        calls = _Calls()
+        with _sdpa_in_float64(), calls:
+            _step(model)
+        counts[keep] = calls.n
+    assert counts[0] == 2 * counts[spec.num_layers] > 0, counts
+
+
+def test_only_the_last_layers_keep():
+    spec = get_preset("qwen3-moe-tiny")
+    L = spec.num_layers
+    model = build_model(spec, dtype=torch.float64, seed=0)
+    checkpoint_layers(model.layers, keep_attention=2)
+    assert [layer.forward.keep_attention for layer in model.layers] == [False] * (L - 2) + [True, True]
+    assert all(isinstance(layer.forward, _CheckpointedForward) for layer in model.layers)
+    _, _, every = _kept_run(spec, keep=L)
+    per_layer = every.kept // L
+    ref, got, stats = _kept_run(spec, keep=1)
+    assert stats.hits == stats.kept == per_layer > 0 and stats.misses == 0, stats
+    _assert_same(ref, got)
+
+
+def test_a_wrong_kept_output_fails(monkeypatch):
+    """The comparison can fail: a rerun given a kept log-sum-exp off by a constant changes the gradients."""
+    spec = get_preset("qwen3-moe-tiny")
+    original = kept_attention.Keeper.handle
+
+    def shifted(self, func, args, kwargs):
+        out = original(self, func, args, kwargs)
+        if self.phase == "reuse":
+            return (out[0], out[1] + 0.5) + tuple(out[2:])
+        return out
+
+    monkeypatch.setattr(kept_attention.Keeper, "handle", shifted)
+    ref, got, _ = _kept_run(spec, keep=spec.num_layers)
+    torch.testing.assert_close(got[0], ref[0], rtol=1e-12, atol=1e-12)  # the forward is untouched
+    with pytest.raises(AssertionError):
+        _assert_same(ref, got)
+
+
+def test_a_rerun_that_differs_runs_the_kernel():
+    """A rerun call of other shapes than the kept one runs the kernel and drops what was kept."""
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 2, 9, 4, dtype=torch.float64, generator=g) for _ in range(3))
+    keeper = kept_attention.Keeper()
+    kept_attention.STATS.__init__()
+    with keeper.keeping(), kept_attention.wrap("attention"):
+        F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert len(keeper.calls) == 1
+    q2 = q[:, :, :5].clone().requires_grad_()
+    with keeper.reusing(), kept_attention.wrap("attention"):
+        o = F.scaled_dot_product_attention(q2, k[:, :, :5], v[:, :, :5], is_causal=True)
+    assert kept_attention.STATS.misses == 1 and kept_attention.STATS.hits == 0 and not keeper.calls
+    torch.testing.assert_close(o, F.scaled_dot_product_attention(q2, k[:, :, :5], v[:, :, :5], is_causal=True))
+
+
+def test_the_setting_needs_recompute():
+    with pytest.raises(ValueError, match="memory.keep_attention_layers=4 .*--memory.recompute true"):
+        MemorySettings(keep_attention_layers=4).check_combination()
+    MemorySettings(keep_attention_layers=4, recompute=True).check_combination()
+
+
+def test_no_keeper_outside_a_kept_layer():
+    """Without recompute's keeper the attention ops run under no mode (nothing intercepted)."""
+    assert kept_attention.active() is None
+    assert isinstance(kept_attention.wrap("attention"), contextlib.nullcontext)
+    keeper = kept_attention.Keeper()
+    with keeper.keeping():
+        assert kept_attention.active() is keeper
+        assert isinstance(kept_attention.wrap("rms_norm"), contextlib.nullcontext)
+    assert kept_attention.active() is None
