@@ -39,12 +39,13 @@ def _sdpa_in_float64():
         yield
 
 
-def _batch(vocab: int):
+def _batch(vocab: int, n: int = S, first_doc: int = 15):
+    """Two rows of ``n`` tokens: the first two documents (``first_doc`` tokens, then the rest), the second one."""
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, vocab, (2, S), generator=g)
-    doc_ids = torch.tensor([[0] * 15 + [1] * (S - 15), [0] * S])
+    ids = torch.randint(0, vocab, (2, n), generator=g)
+    doc_ids = torch.tensor([[0] * first_doc + [1] * (n - first_doc), [0] * n])
     labels = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], dim=1)
-    labels[0, 14] = -100
+    labels[0, first_doc - 1] = -100
     return ids, doc_ids, labels
 
 
@@ -174,3 +175,32 @@ def test_no_keeper_outside_a_kept_layer():
         assert kept_attention.active() is keeper
         assert isinstance(kept_attention.wrap("rms_norm"), contextlib.nullcontext)
     assert kept_attention.active() is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_kept_attention_on_gpu(dtype):
+    """On CUDA SDPA runs flash / cuDNN (bf16) or the memory-efficient kernel (float32): every call of the rerun
+    is taken from the forward (none runs again), and loss and gradients are those of recompute without it (the
+    same kernels; the backward kernels' accumulation order may differ between runs)."""
+    spec = get_preset("qwen3-moe-tiny").replace(head_dim=64)
+    results = {}
+    for keep in (0, spec.num_layers):
+        model = build_model(spec, dtype=dtype, seed=0).cuda()
+        parallelize(model, MemorySettings(recompute=True, keep_attention_layers=keep))
+        ids, doc_ids, labels = (t.cuda() for t in _batch(spec.vocab_size, n=296, first_doc=100))
+        kept_attention.STATS.__init__()
+        loss = loss_fn(MemorySettings())(model(ids, doc_ids=doc_ids), model.lm_head.weight, labels)
+        loss.backward()
+        torch.cuda.synchronize()
+        stats = copy.copy(kept_attention.STATS)
+        results[keep] = (loss.detach().float().cpu(), {n: p.grad.float().cpu() for n, p in model.named_parameters()
+                                                       if p.grad is not None}, stats)
+    stats = results[spec.num_layers][2]
+    assert stats.kept > 0 and stats.hits == stats.kept and stats.misses == 0, stats
+    ref, got = results[0], results[spec.num_layers]
+    assert got[0].item() == ref[0].item()
+    tol = dict(rtol=2e-2, atol=2e-3) if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-6)
+    for n in ref[1]:
+        torch.testing.assert_close(got[1][n], ref[1][n], msg=n, **tol)

@@ -76,9 +76,11 @@ def test_chosen_only_where_the_resident_base_does_not_fit() -> None:
 
 
 def test_without_the_last_resort_rule_the_stream_is_chosen_too_early(monkeypatch) -> None:
-    """The broken planner (streaming sorted by its cost alone) streams the base at 64K, where it fits resident."""
+    """The broken planner (streaming sorted by its cost alone) streams the base at 128K, where it fits resident."""
+    resident = _plan("128K")
+    assert resident.fits and "stream_base" not in _fix_names(resident)
     monkeypatch.setattr(fixes, "LAST_RESORT", ())
-    assert "stream_base" in _fix_names(_plan("64K"))
+    assert "stream_base" in _fix_names(_plan("128K"))
 
 
 def test_segments_cost_more_copies() -> None:

@@ -20,6 +20,7 @@ from megaseq.plan import segments
 from megaseq.plan.fixes import (
     FIXES,
     KEEP_SELECTION_MARGIN,
+    KEPT_KINDS,
     LADDER,
     SEGMENT_EXCLUDES,
     TILE_CHUNKS,
@@ -45,6 +46,7 @@ def base_settings(memory_cfg: Any | None, n_local: int) -> MemorySettings:
         # 0: off; a configured size is where the planner starts when it chooses the scheme
         kda_segment_tokens=int(get("kda_segment_tokens", 0)), model_segment_tokens=int(get("model_segment_tokens", 0)),
         segment_keep_selection=False,  # the planner turns it on where it fits (_grow)
+        keep_attention_layers=0,  # the planner keeps as many as fit under recompute (_grow)
         segment_kv_host=False,  # the planner turns it on where the GPU-resident store does not fit (choose)
     )
 
@@ -118,14 +120,38 @@ def _grow(run: Run, m: MemorySettings, budgets: Budgets, keep_selection: bool = 
         room = replace(budgets, gpu_bytes=int(budgets.gpu_bytes * (1 - KEEP_SELECTION_MARGIN)))
         if _fits(evaluate(replace(run, memory=trial)), room, run.mesh):
             m = trial
+    if m.recompute:
+        m = _keep_attention(run, m, budgets)
     return m
+
+
+def _keep_attention(run: Run, m: MemorySettings, budgets: Budgets) -> MemorySettings:
+    """Under recompute, the most of the last layers that keep attention's output (``memory.keep_attention_layers``:
+    the rerun skips attention's kernel) with ``KEEP_SELECTION_MARGIN`` of the GPU to spare, as a speed-up is not
+    worth a run at the edge of the planner's accuracy."""
+    L = run.spec.num_layers
+    if not any(k in KEPT_KINDS for k in run.spec.layer_types) or run.segment:
+        return m
+    room = replace(budgets, gpu_bytes=int(budgets.gpu_bytes * (1 - KEEP_SELECTION_MARGIN)))
+
+    def fits(k: int) -> bool:
+        return _fits(evaluate(replace(run, memory=m.replace(keep_attention_layers=k))), room, run.mesh)
+
+    lo, hi = 0, L  # fits(lo) is assumed (no keep), the answer in [lo, hi]
+    if fits(hi):
+        return m.replace(keep_attention_layers=hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return m.replace(keep_attention_layers=lo)
 
 
 def least_costs(run: Run, terms: CostTerms) -> dict[str, float]:
     """Each fix's least step-time cost, the search's order and bound: a tiled MLP's at the largest tile it may grow
     to (its tiles' fixed cost the least) and beside recompute (where its replay may be free); sequence segments'
     at the longest segment (``run`` carries none: ``fixes.segment_tokens``)."""
-    least = fix_costs(replace(run, memory=run.memory.replace(mlp_tile_tokens=TILE_CHUNKS[1])))
+    least = fix_costs(replace(run, memory=run.memory.replace(mlp_tile_tokens=TILE_CHUNKS[1],
+                                                             keep_attention_layers=run.spec.num_layers)))
     least["tiled_mlp"] = FIXES["tiled_mlp"].cost(
         replace(run, memory=run.memory.replace(mlp_tile_tokens=TILE_CHUNKS[1], recompute=True)), terms)
     return least
@@ -134,9 +160,10 @@ def least_costs(run: Run, terms: CostTerms) -> dict[str, float]:
 def grown_cost(run: Run, fixes: tuple[str, ...], m: MemorySettings, least: dict[str, float],
                terms: CostTerms) -> float:
     """The step-time cost of ``fixes`` at their grown settings ``m``: the fixes' least costs, a tiled MLP's at the
-    tile it grew to, beside recompute or not, and sequence segments' at the length they grew to."""
+    tile it grew to, beside recompute or not, sequence segments' at the length they grew to, and recompute's with
+    the layers that keep attention's output."""
     cost = sum(least[f] for f in fixes)
-    for f in ("tiled_mlp", "model_segments"):
+    for f in ("tiled_mlp", "model_segments", "recompute"):
         if f in fixes:
             cost += FIXES[f].cost(replace(run, memory=m), terms) - least[f]
     return cost

@@ -36,6 +36,7 @@ from megaseq.plan.flops import (
     PINNED_BYTES_PER_S,
     StepFlops,
     fsdp_traffic,
+    layer_flops,
     segment_attention_rerun,
     segment_ends,
     step_flops,
@@ -61,7 +62,8 @@ MODEL_SEGMENT_CHUNKS = (8192, 65536)
 # of 8K (optimizer on the GPU) and of 16K (optimizer in host memory) differ as the measured steps do, 39.60 s
 # against 37.34 s (benchmarks/results/speed/glm5-flash-1gpu/2026-12-07_1m_segments_h100.json)
 SEGMENT_JOIN_S = 9.5e-8
-# the kept DSA selections (a speed-up, not a fix) only where the plan then has this much of the GPU spare
+# the kept DSA selections and kept attention outputs (speed-ups, not fixes) only where the plan then has this much
+# of the GPU spare
 KEEP_SELECTION_MARGIN = 0.05
 # a segmented KDA layer reruns its forward in backward: one KDA forward, about half its layer's forward
 # (docs/planner.md, "Choosing fixes")
@@ -226,6 +228,24 @@ def tile_excess_seconds(run: Run, t: CostTerms) -> float:
     return layers * tiles * max(0.0, TILE_FIXED_S - tile_s)
 
 
+KEPT_KINDS = ("attention", "mla")  # the layer kinds whose attention is SDPA's (what kept attention keeps)
+
+
+def kept_attention_flops(run: Run, layers_kept: int) -> float:
+    """The attention forward FLOPs the rerun of the last ``layers_kept`` layers does not run when they keep
+    attention's output (``memory.keep_attention_layers``): their SDPA cores' (``flops.mixer_core_flops``)."""
+    spec = run.spec
+    first = spec.num_layers - min(layers_kept, spec.num_layers)
+    return sum(layer_flops(spec, run.seq_len, i).core for i in range(first, spec.num_layers)
+               if spec.layer_types[i] in KEPT_KINDS)
+
+
+def recompute_share(run: Run, t: CostTerms) -> float:
+    """Full recompute's cost: one more forward of every layer, less the attention forwards of the layers that
+    keep attention's output."""
+    return (t.sf.layers_forward - kept_attention_flops(run, run.memory.keep_attention_layers)) / t.sf.total
+
+
 def _on(name: str) -> Callable[[Run, MemorySettings], bool]:
     return lambda run, m: bool(getattr(m, name))
 
@@ -283,12 +303,14 @@ FIXES: dict[str, Fix] = {f.name: f for f in (
         why=lambda m: f"KDA layers in segments of {m.kda_segment_tokens} tokens, the state carried, each segment "
                       "recomputed in backward",
         growth=Growth("kda_segment_tokens", 4, lambda run: SEGMENT_CHUNKS, _on("kda_segment_tokens"))),
-    _fix("recompute",
-        cost=lambda run, t: t.sf.layers_forward / t.sf.total,
+    _fix("recompute",  # less the attention forwards of the layers that keep attention's output
+        cost=recompute_share,
         usable=lambda run: True,
         enable=lambda b, run, s, h: {"recompute": True},
         enabled=_on("recompute"),
-        why=lambda m: "each layer keeps only its input; its forward is rerun in backward"),
+        why=lambda m: "each layer keeps only its input; its forward is rerun in backward"
+                      + (f" (the last {m.keep_attention_layers} keep attention's output: the rerun skips its kernel)"
+                         if m.keep_attention_layers else "")),
     _fix("model_segments",  # at the settings' segment length (the least: the longest, segments_of)
         cost=lambda run, t: (t.sf.layers_forward + segment_attention_rerun(
             run.spec, run.seq_len, segment_tokens(run))) / t.sf.total

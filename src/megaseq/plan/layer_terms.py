@@ -221,6 +221,7 @@ def layer_terms(run: Run, i: int) -> LayerTerms:
         wgrad=wgrad,
         boundary_term=attn["layer input (boundary)"],
         tiled=tiled,
+        kept_attention=0 if run.segment else layers.kept_attention_bytes(spec, spec.layer_types[i], n, prec),
     )
 
 

@@ -160,6 +160,24 @@ def attention_saved(spec: ModelSpec, n: int, xb: int, prec: Precision, mesh: Mes
     return out
 
 
+def kept_attention_bytes(spec: ModelSpec, kind: str, n: int, prec: Precision) -> int:
+    """What a layer keeping attention's output for its rerun (``memory.keep_attention_layers``,
+    ``ops.kept_attention``) holds from its forward to its backward, for ``n`` query tokens: SDPA's output in the
+    compute dtype and its log-sum-exp in fp32 per head. Softmax attention: ``Hq`` heads of ``D`` (with sinks
+    ``sink_attention_dims(D)``); dense MLA: ``Hh`` heads of ``max(Dq, Dv)`` (the values padded to q's width).
+    Under Ulysses each rank holds all tokens of ``1 / cp`` of the heads: the same bytes. 0 for the layers whose
+    attention is not SDPA (KDA, GDN, DSA's sparse kernels)."""
+    c, f = prec.compute, prec.f32
+    if kind == "attention":
+        Hq = spec.num_attention_heads
+        D = spec.head_dim or spec.hidden_size // Hq
+        return n * (c * Hq * (sink_attention_dims(D) if spec.attention_sinks else D) + f * Hq)
+    if kind == "mla":
+        Hh = spec.num_attention_heads
+        return n * (c * Hh * max(spec.qk_head_dim, spec.v_head_dim) + f * Hh)
+    return 0
+
+
 def attention_sink_saved(spec: ModelSpec, prec: Precision, kv: int, window: int, seq_len: int) -> float:
     """Per token, what the sink attention's SDPA call keeps: q and o ``Dp`` wide (``Dp =
     sink_attention_dims(D)``), the log-sum-exp, and k, v: ``kv`` heads (full layers) or, in a sliding layer,

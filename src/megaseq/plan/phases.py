@@ -139,6 +139,11 @@ def _phases(run: Run, terms: list[LayerTerms]) -> list[tuple[str, dict[str, int]
     sel = SA.dsa_selection_bytes(spec, n) if "dsa" in spec.layer_types else 0
     readers = _readers(spec)
     k = _sco_offloaded(run, bnd)
+    # kept attention (under recompute): the last layers' attention outputs, held from their forward to their
+    # backward; [i]: what layers 0 .. i - 1 keep
+    kept_upto = list(itertools.accumulate((t.kept_attention if rec and i >= L - run.memory.keep_attention_layers
+                                           else 0 for i, t in enumerate(terms)), initial=0))
+    KEPT = "kept attention outputs"
     fwd_state = dict(state, **{"gradients": g_all if acc else 0})
     # each layer's weight copies and DSA selection once, with running sums (the phases read prefixes of them)
     copies_cached = [_copies(run, i, cached_only=True) for i in range(L)]
@@ -156,7 +161,7 @@ def _phases(run: Run, terms: list[LayerTerms]) -> list[tuple[str, dict[str, int]
             kept = max(0, i + 1 - k) + (1 if i < k else 0)
             work = int(run.cal.nograd_fraction * (t.saved - t.boundary_term))
             work += max(t.mixer_fwd, t.mlp_fwd, t.merge_fwd)
-            comps = {"checkpoint boundaries": kept * bnd, "layer working set": work}
+            comps = {"checkpoint boundaries": kept * bnd, "layer working set": work, KEPT: kept_upto[i + 1]}
         else:
             copies_before += copies_full[i]
             part, work = max(
@@ -183,6 +188,7 @@ def _phases(run: Run, terms: list[LayerTerms]) -> list[tuple[str, dict[str, int]
     }
     if rec:
         loss_comps["checkpoint boundaries"] = (L - k) * bnd
+        loss_comps[KEPT] = kept_upto[L]
     else:
         loss_comps.update({"saved activations": saved_before, "weight copies (bf16)": copies_before})
     loss_comps["FSDP buffers"] = C.fsdp_buffers(0, 0, head, mesh, prec, run.reduce_bytes, False, frozen)
@@ -215,6 +221,7 @@ def _phases(run: Run, terms: list[LayerTerms]) -> list[tuple[str, dict[str, int]
                 "activation gradients": agrad,
                 "weight copies (bf16)": copies_full[i],
                 "DSA selections (carry)": live,
+                KEPT: kept_upto[i],  # layer i's own are its rerun's saved output, in "recomputed layer"
             }
         else:
             saved_before -= t.saved

@@ -97,6 +97,7 @@ class LayerTerms:
     wgrad: int  # one weight's gradient temporary (the largest tensor of the layer)
     boundary_term: int  # the part of ``attn`` that is the layer input itself
     tiled: bool = False  # the MLP runs tiled: its weights are not held by the layer's graph
+    kept_attention: int = 0  # what the layer holds from forward to backward when it keeps attention's output
 
     @property
     def saved(self) -> int:

@@ -1,0 +1,123 @@
+"""The planner's side of kept attention (``memory.keep_attention_layers``, ``ops.kept_attention``): the bytes a
+kept layer holds are the runtime's, they are held from the layer's forward to its backward, the planner keeps as
+many of the last layers as fit with 5% of the GPU to spare, and recompute's cost falls by the attention forwards
+it no longer reruns."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from megaseq.config import MemorySettings, load_config
+from megaseq.models.build import build_model
+from megaseq.models.common import attention as attn_mod
+from megaseq.models.common import sink_attention as sink_mod
+from megaseq.models.presets import get_preset
+from megaseq.models.registry import parallelize
+from megaseq.ops import dispatch, kept_attention
+from megaseq.plan import components as C
+from megaseq.plan import fixes
+from megaseq.plan.choice import base_settings
+from megaseq.plan.fixes import KEEP_SELECTION_MARGIN, Budgets, CostTerms
+from megaseq.plan.given import run_for
+from megaseq.plan.layer_terms import all_layer_terms
+from megaseq.plan.layers import kept_attention_bytes
+from megaseq.plan.mesh import Precision
+from megaseq.plan.phases import _phases
+from megaseq.plan.planner import plan_from_config
+
+QWEN = "recipes/qwen3-30b-a3b-lora.yaml"
+
+
+@pytest.mark.parametrize("preset", ["qwen3-moe-tiny", "gpt-oss-tiny", "kimi-linear-tiny"])
+def test_kept_bytes_are_the_runtimes(preset):
+    """float32 on the CPU (compute and log-sum-exp both 4 bytes): what the kept SDPA calls of one step hold is the
+    planned bytes of the kept layers (with sinks, a few rows more: each span's dummy first query, a sliding
+    layer's queries padded to whole blocks)."""
+    spec = get_preset(preset)
+    B, S = 2, 48
+    model = build_model(spec, dtype=torch.float32, seed=0)
+    parallelize(model, MemorySettings(recompute=True, keep_attention_layers=spec.num_layers))
+    ids = torch.randint(0, spec.vocab_size, (B, S), generator=torch.Generator().manual_seed(0))
+    kept_attention.STATS.__init__()
+    with dispatch.override("sink_attention", "torch_reference", sink_mod.sink_attention_sdpa), \
+            dispatch.override("attention", "torch_reference", attn_mod.attention_sdpa):
+        model(ids).float().sum().backward()
+    prec = Precision(compute=4, f32=4)
+    planned = sum(kept_attention_bytes(spec, kind, B * S, prec) for kind in spec.layer_types)
+    got = kept_attention.STATS.bytes_kept
+    assert kept_attention.STATS.kept > 0
+    assert planned <= got <= 1.02 * planned if spec.attention_sinks else got == planned, (got, planned)
+
+
+def _plan(seq_len: str, budget: str = "auto", keep: int | None = None):
+    """The recipe's plan; with ``keep``: recompute forced, the last ``keep`` layers kept."""
+    over = [f"data.seq_len={seq_len}", f"memory.gpu_budget={budget}"]
+    if keep is not None:
+        over += ["memory.auto=false", "memory.recompute=true", f"memory.keep_attention_layers={keep}"]
+    return plan_from_config(load_config(QWEN, over), world_size=1)
+
+
+def test_held_from_forward_to_backward():
+    """Qwen3-30B-A3B LoRA at 32K: at the loss every kept layer's bytes are held; a tiny model's phases: in the
+    backward of the first layer none are (the last layers' are freed first), in the last layer's all but its
+    own (its own are its rerun's saved output)."""
+    spec = load_config(QWEN, []).model.name
+    plans = {k: _plan("32K", keep=k) for k in (0, 1, 12, 48)}
+    per_layer = kept_attention_bytes(get_preset("qwen3-moe-tiny").replace(
+        num_attention_heads=32, head_dim=128), "attention", 32768, Precision())
+    assert spec and per_layer == 32768 * (2 * 32 * 128 + 4 * 32)
+    for k in (1, 12, 48):
+        assert plans[k].phases["loss"] - plans[0].phases["loss"] == k * per_layer
+    tiny = get_preset("qwen3-moe-tiny")
+    L = tiny.num_layers
+    run = run_for(tiny, 4096, {"recompute": True, "keep_attention_layers": L})
+    phases = {name: comps for name, comps, _ in _phases(run, all_layer_terms(run))}
+    one = kept_attention_bytes(tiny, "attention", 4096, run.prec)
+    first = next(c for n, c in phases.items() if n.startswith("backward, layer 0 "))
+    last = next(c for n, c in phases.items() if n.startswith(f"backward, layer {L - 1} "))
+    assert first["kept attention outputs"] == 0 and last["kept attention outputs"] == (L - 1) * one
+    assert phases["loss"]["kept attention outputs"] == L * one
+
+
+def test_the_planner_keeps_as_many_as_fit():
+    """Qwen3-30B-A3B LoRA at 32K: on an H200 every layer keeps; within a tighter budget fewer, the plan then within
+    95% of it and one more layer beyond it."""
+    plan = _plan("32K")
+    assert plan.memory["recompute"] and plan.memory["keep_attention_layers"] == 48
+    plan = _plan("32K", budget="96G")
+    k = plan.memory["keep_attention_layers"]
+    assert plan.fits and 0 < k < 48, plan.memory
+    room = plan.gpu_budget * (1 - KEEP_SELECTION_MARGIN)
+    over = [f"memory.{n}={v}" for n, v in plan.memory.items()] + ["memory.auto=false", "data.seq_len=32K",
+                                                                 "memory.gpu_budget=96G"]
+    for n, fits in ((k, True), (k + 1, False)):
+        cfg = load_config(QWEN, over + [f"memory.keep_attention_layers={n}"])
+        assert (plan_from_config(cfg, world_size=1).peak_gpu <= room) == fits, n
+
+
+def test_recompute_costs_less_by_the_kept_attention_forwards(monkeypatch):
+    """Recompute's cost with every layer kept is one forward less the attention cores' forward; with the broken
+    cost (nothing saved) it would not fall."""
+    tiny = get_preset("qwen3-moe-tiny")
+    L = tiny.num_layers
+    run = run_for(tiny, 4096, {"recompute": True})
+    t = CostTerms.of(run)
+    plain = fixes.FIXES["recompute"].cost(run, t)
+    kept_run = replace(run, memory=run.memory.replace(keep_attention_layers=L))
+    cores = t.sf.cores / 3  # one forward of the attention cores (every layer of this model is attention)
+    assert plain == pytest.approx(t.sf.layers_forward / t.sf.total)
+    assert plain - fixes.FIXES["recompute"].cost(kept_run, t) == pytest.approx(cores / t.sf.total)
+    monkeypatch.setattr(fixes, "kept_attention_flops", lambda run, k: 0.0)
+    assert fixes.FIXES["recompute"].cost(kept_run, t) == pytest.approx(plain)
+
+
+def test_no_keep_without_sdpa_attention():
+    """A model without SDPA attention layers (GLM-5's DSA, KDA) keeps nothing: its layers hold no bytes for it."""
+    spec = get_preset("glm5-flash-tiny")
+    prec = Precision()
+    assert all(kept_attention_bytes(spec, k, 1024, prec) == 0 for k in spec.layer_types)
+    assert base_settings(None, 1024).keep_attention_layers == 0
+    assert Budgets().gpu_bytes > 0 and C.GIB > 0
