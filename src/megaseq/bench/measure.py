@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from megaseq.config import Config, MemorySettings
-from megaseq.ops import dispatch
+from megaseq.ops import dispatch, kept_attention
 from megaseq.ops.kernels import cold_start_note, preferred_kernels
 from megaseq.plan.flops import mfu
 
@@ -152,12 +152,14 @@ def measure_megaseq(cfg: Config, seq_len: int, steps: int, source: str, routing:
             host_rss_peak_reset()
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
+            kept_attention.STATS.__init__()  # the steps' kept attention calls (memory.keep_attention_layers)
             first: list[float] = []
             compiles: dict[str, Any] = {}
             tunings: dict[str, Any] = {}
             times = timed_steps(lambda: step(next_batch()), steps, device, first, compiles, pre, profile_first,
                                 tunings)
             row["precompile"] = pre.summary() if pre is not None else None
+            row["kept_attention"] = dict(layers=getattr(applied, "kept_attention", 0), **vars(kept_attention.STATS))
             cuda = device.type == "cuda"  # the timed steps' peaks and routing, read before any profiled step
             peaks = dict(measured_gpu_gib=torch.cuda.max_memory_allocated(device) / GIB if cuda else None,
                          measured_gpu_reserved_gib=torch.cuda.max_memory_reserved(device) / GIB if cuda else None,
