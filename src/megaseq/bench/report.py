@@ -8,6 +8,13 @@ from pathlib import Path
 from typing import Any
 
 
+def fix_names(r: dict[str, Any]) -> str:
+    """A row's fixes as the table shows them: recompute with the layers that keep attention's output."""
+    kept = (r.get("memory_plan") or {}).get("keep_attention_layers", 0)
+    names = [f"recompute ({kept} keep attention)" if f == "recompute" and kept else f for f in r.get("fixes", [])]
+    return ", ".join(names) or "-"
+
+
 def markdown(result: dict[str, Any]) -> str:
     m = result["meta"]
     setting = f", kernels {m['kernels']}, weights {m['weights']}" if "kernels" in m else ""
@@ -29,7 +36,7 @@ def markdown(result: dict[str, Any]) -> str:
         load = r.get("moe_load_max") or (max(moe.values()) if moe else 0)
         mfu = "-" if r.get("mfu") is None else f"{r['mfu']:.1%}"
         lines.append(
-            f"| {r['seq_len']:,} | {r['source']} | {r['status']} | {', '.join(r['fixes']) or '-'} | "
+            f"| {r['seq_len']:,} | {r['source']} | {r['status']} | {fix_names(r)} | "
             f"{pred:.1f} | {meas if meas is None else f'{meas:.1f}'} | {err} | {r['predicted_host_gib']:.1f} | "
             f"{host or 0:.1f} | {herr} | {r.get('tokens_per_s', 0) or 0:,.0f} | "
             f"{mfu} | {load:.2f} ({r.get('routing', 'natural')}) |")
