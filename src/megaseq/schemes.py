@@ -44,7 +44,7 @@ SCHEMES: dict[str, Scheme] = {s.name: s for s in (
     Scheme("kda_segments", "kda_segment_tokens", ("kda_segment_tokens",), "memory.kda_segments.segment",
            "layers.kda_segmented", applied="kda_segmented", replays=True),
     Scheme("recompute", "recompute", (), "memory.offload.checkpoint_layers", "phases._phases (recompute)",
-           applied="checkpointed", replays=True, options=("keep_attention_layers",)),
+           applied="checkpointed", replays=True, options=("keep_attention_layers", "keep_attention_host_layers")),
     Scheme("model_segments", "model_segment_tokens", ("model_segment_tokens",),
            "memory.model_segments.segmented_loss_backward", "phases.segment_store_bytes", applied="model_segmented",
            excludes=("recompute", "checkpoint_offload", "kda_segments"), replays=True,

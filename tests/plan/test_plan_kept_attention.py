@@ -83,18 +83,20 @@ def test_held_from_forward_to_backward():
 
 
 def test_the_planner_keeps_as_many_as_fit():
-    """Qwen3-30B-A3B LoRA at 32K: on an H200 every layer keeps; within a tighter budget fewer, the plan then within
-    95% of it and one more layer beyond it."""
+    """Qwen3-30B-A3B LoRA at 32K: on an H200 every layer keeps on the GPU; within a tighter budget fewer, the plan
+    with them alone within 95% of it and one more layer beyond it; the layers before them keep in host memory."""
     plan = _plan("32K")
     assert plan.memory["recompute"] and plan.memory["keep_attention_layers"] == 48
+    assert plan.memory["keep_attention_host_layers"] == 0
     plan = _plan("32K", budget="96G")
-    k = plan.memory["keep_attention_layers"]
-    assert plan.fits and 0 < k < 48, plan.memory
+    host = plan.memory["keep_attention_host_layers"]
+    k = plan.memory["keep_attention_layers"] - host  # on the GPU
+    assert plan.fits and 0 < k < 48 and k + host == 48, plan.memory
     room = plan.gpu_budget * (1 - KEEP_SELECTION_MARGIN)
     over = [f"memory.{n}={v}" for n, v in plan.memory.items()] + ["memory.auto=false", "data.seq_len=32K",
                                                                  "memory.gpu_budget=96G"]
     for n, fits in ((k, True), (k + 1, False)):
-        cfg = load_config(QWEN, over + [f"memory.keep_attention_layers={n}"])
+        cfg = load_config(QWEN, over + [f"memory.keep_attention_layers={n}", "memory.keep_attention_host_layers=0"])
         assert (plan_from_config(cfg, world_size=1).peak_gpu <= room) == fits, n
 
 

@@ -126,6 +126,13 @@ class MemorySettings:
                                         "log-sum-exp from the forward, so the rerun skips attention's kernel "
                                         "(o + lse bytes per token held until the layer's backward; 0: off; with "
                                         "auto, as many as fit with 5% to spare)", ge=0)
+    keep_attention_host_layers: int = opt(0, "of the layers keeping attention's output, the first N (in forward "
+                                             "order) keep it in pinned host memory instead of the GPU: copied out "
+                                             "after the layer's forward, back a layer ahead of its rerun (at most "
+                                             "two layers' worth on the GPU at once; <= keep_attention_layers; 0: "
+                                             "all on the GPU; with auto, the layers beyond those that fit on the "
+                                             "GPU, where the host has room and the copies hide behind the "
+                                             "compute)", ge=0)
     checkpoint_offload: bool = opt(False, "SCO: copy layer boundaries to pinned host memory (needs recompute)")
     offload_host_budget: Any = opt("64G", "host bytes SCO may pin for boundaries (accepts 64G)", size=True, ge=0,
                                   note=OFF)
@@ -165,6 +172,12 @@ class MemorySettings:
             raise ValueError(f"memory.keep_attention_layers={self.keep_attention_layers} keeps attention's output "
                              "for the layers' recompute: set --memory.recompute true or "
                              "--memory.keep_attention_layers 0")
+        if self.keep_attention_host_layers > self.keep_attention_layers:
+            raise ValueError(f"memory.keep_attention_host_layers={self.keep_attention_host_layers} exceeds "
+                             f"memory.keep_attention_layers={self.keep_attention_layers}: the host-kept layers are "
+                             "the first of the kept ones; set --memory.keep_attention_layers "
+                             f"{self.keep_attention_host_layers} (or more) or --memory.keep_attention_host_layers "
+                             f"{self.keep_attention_layers} (or fewer)")
         if self.segment_kv_host and not self.model_segment_tokens:
             raise ValueError("memory.segment_kv_host keeps sequence segments' keys and values in host memory: set "
                              "--memory.model_segment_tokens (e.g. 64K) or --memory.segment_kv_host false")

@@ -29,7 +29,13 @@ from torch import nn
 
 from megaseq.config import MemorySettings
 from megaseq.memory import tiling
-from megaseq.memory.offload import BoundaryOffloader, checkpoint_layers, uncheckpoint_layer
+from megaseq.memory.offload import (
+    BoundaryOffloader,
+    KeptHostStore,
+    checkpoint_layers,
+    kept_host_store,
+    uncheckpoint_layer,
+)
 from megaseq.memory.offload_adam import OffloadStreamAdamW
 from megaseq.memory.rules import check_model_segments, check_stream_base
 from megaseq.memory.stream_base import BaseStreamer, stream_layers, unstream_layers
@@ -48,6 +54,8 @@ class AppliedMemory:
     query_chunked: list[str] = field(default_factory=list)  # indexers given a query_chunk
     checkpointed: int = 0  # layers under full recompute
     kept_attention: int = 0  # of those, the last ones keeping attention's output for the rerun
+    kept_attention_host: int = 0  # of those, the first ones keeping it in pinned host memory
+    kept_host: KeptHostStore | None = None  # their host store (its pool released with ``release``)
     kda_segmented: int = 0  # tokens per KDA segment (0: off)
     model_segmented: int = 0  # tokens per sequence segment (0: off)
     sharded: Any = None  # what FSDP sharded (``parallel.fsdp.ShardedModel``), None when nothing is
@@ -74,9 +82,12 @@ class AppliedMemory:
         return out
 
     def release(self) -> None:
-        """Free the SCO pinned pool (re-planned on demand if training continues)."""
+        """Free the SCO pinned pool and the host-kept attention outputs' pool (each re-planned on demand if
+        training continues)."""
         if self.offloader is not None:
             self.offloader.release()
+        if self.kept_host is not None:
+            self.kept_host.release()
 
 
 def begin(layers: Iterable[nn.Module], settings: MemorySettings) -> AppliedMemory:
@@ -114,13 +125,18 @@ def stream_base(layers: list[nn.Module], settings: MemorySettings, done: Applied
 
 def recompute_layers(layers: list[nn.Module], settings: MemorySettings, done: AppliedMemory) -> None:
     """Full recompute of every layer, with SCO boundary offload up to ``offload_host_budget`` host bytes
-    when ``checkpoint_offload``; the last step of a ``parallelize`` (it wraps the layers' forwards)."""
+    when ``checkpoint_offload`` and the last ``keep_attention_layers`` keeping attention's output (the first
+    ``keep_attention_host_layers`` of them in pinned host memory); the last step of a ``parallelize`` (it wraps
+    the layers' forwards)."""
     if not settings.recompute:
         return
     offloader = BoundaryOffloader(settings.offload_host_budget) if settings.checkpoint_offload else None
-    done.offloader = checkpoint_layers(layers, offloader, settings.keep_attention_layers)
+    done.offloader = checkpoint_layers(layers, offloader, settings.keep_attention_layers,
+                                       settings.keep_attention_host_layers)
     done.checkpointed = len(layers)
     done.kept_attention = min(settings.keep_attention_layers, len(layers))
+    done.kept_attention_host = min(settings.keep_attention_host_layers, done.kept_attention)
+    done.kept_host = kept_host_store(layers)
 
 
 def apply_prenorm(model: nn.Module, settings: MemorySettings, env: Any = None,

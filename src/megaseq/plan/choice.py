@@ -27,7 +27,9 @@ from megaseq.plan.fixes import (
     Budgets,
     CostTerms,
     indexer_chunk_cap,
+    kept_host_excess,
 )
+from megaseq.plan.flops import step_seconds
 from megaseq.plan.mesh import Mesh
 from megaseq.plan.phases import evaluate
 from megaseq.plan.run import Evaluation, Run
@@ -47,6 +49,7 @@ def base_settings(memory_cfg: Any | None, n_local: int) -> MemorySettings:
         kda_segment_tokens=int(get("kda_segment_tokens", 0)), model_segment_tokens=int(get("model_segment_tokens", 0)),
         segment_keep_selection=False,  # the planner turns it on where it fits (_grow)
         keep_attention_layers=0,  # the planner keeps as many as fit under recompute (_grow)
+        keep_attention_host_layers=0,  # and more in host memory where those leave layers unkept (_grow)
         segment_kv_host=False,  # the planner turns it on where the GPU-resident store does not fit (choose)
     )
 
@@ -128,7 +131,8 @@ def _grow(run: Run, m: MemorySettings, budgets: Budgets, keep_selection: bool = 
 def _keep_attention(run: Run, m: MemorySettings, budgets: Budgets) -> MemorySettings:
     """Under recompute, the most of the last layers that keep attention's output (``memory.keep_attention_layers``:
     the rerun skips attention's kernel) with ``KEEP_SELECTION_MARGIN`` of the GPU to spare, as a speed-up is not
-    worth a run at the edge of the planner's accuracy."""
+    worth a run at the edge of the planner's accuracy; then, where that leaves SDPA layers unkept, those before
+    them in host memory (``_keep_on_host``)."""
     L = run.spec.num_layers
     if not any(k in KEPT_KINDS for k in run.spec.layer_types) or run.segment:
         return m
@@ -143,7 +147,45 @@ def _keep_attention(run: Run, m: MemorySettings, budgets: Budgets) -> MemorySett
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return m.replace(keep_attention_layers=lo)
+    return _keep_on_host(run, m.replace(keep_attention_layers=lo, keep_attention_host_layers=0), budgets)
+
+
+def _keep_on_host(run: Run, m: MemorySettings, budgets: Budgets) -> MemorySettings:
+    """With the last ``m.keep_attention_layers`` layers keeping attention's output on the GPU, the most of the
+    layers before them that keep it in pinned host memory (``memory.keep_attention_host_layers``): as many as the
+    host budget holds and whose copies hide behind the compute (``fixes.kept_host_excess`` zero: out in the
+    forward's third of the step, in in the backward's two thirds, beside SCO's boundaries). They put at most two
+    layers' worth on the GPU at once, whatever their number: bounded like a chunk size's growth step, they need the
+    GPU budget, not ``KEEP_SELECTION_MARGIN`` of it to spare. Where that does not fit, one or two layers fewer keep
+    on the GPU (one of theirs makes room for the two in flight)."""
+    L, on_gpu = run.spec.num_layers, m.keep_attention_layers
+    if not any(k in KEPT_KINDS for k in run.spec.layer_types[:L - on_gpu]):
+        return m
+    step_s = step_seconds(run.spec, run.seq_len, run.batch, run.mesh)
+
+    def trial(g: int, h: int) -> MemorySettings:
+        return m.replace(keep_attention_layers=g + h, keep_attention_host_layers=h)
+
+    def hides(g: int, h: int) -> bool:
+        return kept_host_excess(replace(run, memory=trial(g, h)), step_s) == 0.0
+
+    def fits(g: int, h: int) -> bool:
+        return _fits(evaluate(replace(run, memory=trial(g, h))), budgets, run.mesh)
+
+    for g in range(on_gpu, max(-1, on_gpu - 3), -1):
+        most = 0  # the most host-kept layers whose copies hide
+        while most < L - g and hides(g, most + 1):
+            most += 1
+        if most == 0 or not fits(g, 1):
+            continue
+        lo, hi = 1, most  # fits(g, lo); the answer in [lo, hi]
+        if fits(g, hi):
+            return trial(g, hi)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if fits(g, mid) else (lo, mid)
+        return trial(g, lo)
+    return m
 
 
 def least_costs(run: Run, terms: CostTerms) -> dict[str, float]:

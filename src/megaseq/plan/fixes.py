@@ -111,8 +111,7 @@ class CostTerms:
         sf = step_flops(run.spec, run.seq_len)
         T = step_seconds(run.spec, run.seq_len, run.batch, run.mesh)
         P = run.counts.trainable / C.state_shard(run.counts, run.mesh)
-        copy = C.boundary_bytes(run.spec, run.n, run.prec) * run.spec.num_layers / PINNED_BYTES_PER_S
-        excess = max(0.0, copy - T / 3) + max(0.0, copy - 2 * T / 3)  # hidden behind the fwd (1/3) and bwd
+        excess = copy_excess(C.boundary_bytes(run.spec, run.n, run.prec) * run.spec.num_layers, T)
         opt = max(0.0, P * 30 / PINNED_BYTES_PER_S - P * 32 / DEVICE_BYTES_PER_S)  # up 16 B, down 14 B
         streamed = replace(run, memory=run.memory.replace(stream_base=True))
         stream_s = stream.excess_seconds(streamed, segments_of(run) if run.segment else 1)
@@ -240,10 +239,37 @@ def kept_attention_flops(run: Run, layers_kept: int) -> float:
                if spec.layer_types[i] in KEPT_KINDS)
 
 
+def copy_excess(nbytes: float, step_s: float) -> float:
+    """Seconds ``nbytes`` copied each way in a step add to it: out in the forward (a third of the step), in in the
+    backward (two thirds), at ``PINNED_BYTES_PER_S``; what the pass's compute cannot hide (as SCO's,
+    ``CostTerms.of``)."""
+    copy = nbytes / PINNED_BYTES_PER_S
+    return max(0.0, copy - step_s / 3) + max(0.0, copy - 2 * step_s / 3)
+
+
+def kept_host_bytes(run: Run) -> int:
+    """Bytes the host-kept attention outputs (``memory.keep_attention_host_layers``) move each way in a step: their
+    layers' kept bytes, out after each one's forward, in before its rerun."""
+    from megaseq.plan.phases import kept_layers
+
+    spec = run.spec
+    return 0 if run.segment else sum(layers.kept_attention_bytes(spec, spec.layer_types[i], run.n, run.prec)
+                                     for i in kept_layers(run)[0])
+
+
+def kept_host_excess(run: Run, step_s: float) -> float:
+    """Seconds the host-kept attention outputs' copies add to a step: they share the copy stream with SCO's
+    boundaries (when on), so what the two together cannot hide, less what SCO's alone cannot (SCO's cost)."""
+    sco = C.boundary_bytes(run.spec, run.n, run.prec) * run.spec.num_layers if run.memory.checkpoint_offload else 0
+    return copy_excess(sco + kept_host_bytes(run), step_s) - copy_excess(sco, step_s)
+
+
 def recompute_share(run: Run, t: CostTerms) -> float:
     """Full recompute's cost: one more forward of every layer, less the attention forwards of the layers that
-    keep attention's output."""
-    return (t.sf.layers_forward - kept_attention_flops(run, run.memory.keep_attention_layers)) / t.sf.total
+    keep attention's output, plus what the host-kept ones' copies cannot hide (none where the planner chose
+    them)."""
+    return ((t.sf.layers_forward - kept_attention_flops(run, run.memory.keep_attention_layers)) / t.sf.total
+            + kept_host_excess(run, t.step_s) / t.step_s)
 
 
 def _on(name: str) -> Callable[[Run, MemorySettings], bool]:
@@ -309,7 +335,9 @@ FIXES: dict[str, Fix] = {f.name: f for f in (
         enable=lambda b, run, s, h: {"recompute": True},
         enabled=_on("recompute"),
         why=lambda m: "each layer keeps only its input; its forward is rerun in backward"
-                      + (f" (the last {m.keep_attention_layers} keep attention's output: the rerun skips its kernel)"
+                      + (f" (the last {m.keep_attention_layers} keep attention's output: the rerun skips its kernel"
+                         + (f"; the first {m.keep_attention_host_layers} of them in pinned host memory"
+                            if m.keep_attention_host_layers else "") + ")"
                          if m.keep_attention_layers else "")),
     _fix("model_segments",  # at the settings' segment length (the least: the longest, segments_of)
         cost=lambda run, t: (t.sf.layers_forward + segment_attention_rerun(

@@ -222,6 +222,8 @@ def layer_terms(run: Run, i: int) -> LayerTerms:
         boundary_term=attn["layer input (boundary)"],
         tiled=tiled,
         kept_attention=0 if run.segment else layers.kept_attention_bytes(spec, spec.layer_types[i], n, prec),
+        kept_attention_host=0 if run.segment else layers.kept_attention_host_bytes(spec, spec.layer_types[i], n,
+                                                                                   prec, run.mesh),
     )
 
 

@@ -17,6 +17,7 @@ gradient, so a frozen projection's input is not saved (unless another op keeps i
 
 from __future__ import annotations
 
+from megaseq.memory.rules import round_up
 from megaseq.models.spec import ModelSpec
 from megaseq.ops.workspace import (  # noqa: F401  (the ops' own formulas)
     absorbed_bytes,
@@ -176,6 +177,20 @@ def kept_attention_bytes(spec: ModelSpec, kind: str, n: int, prec: Precision) ->
         Hh = spec.num_attention_heads
         return n * (c * Hh * max(spec.qk_head_dim, spec.v_head_dim) + f * Hh)
     return 0
+
+
+def kept_attention_host_bytes(spec: ModelSpec, kind: str, n: int, prec: Precision, mesh: Mesh) -> int:
+    """The pinned host bytes of a layer keeping attention's output in host memory
+    (``memory.keep_attention_host_layers``, ``memory.offload.KeptHostStore``): ``kept_attention_bytes``' tensors,
+    each at a ``SLOT_ALIGN``-aligned offset of the pool: per SDPA call of the layer (softmax attention:
+    ``sdpa_groups``; MLA: one) its output and its log-sum-exp, each rounded up. Calls per document of packed
+    rows add at most ``2 x SLOT_ALIGN`` bytes each (not counted)."""
+    total = kept_attention_bytes(spec, kind, n, prec)
+    if not total:
+        return 0
+    calls = sdpa_groups(spec, mesh)[0] if kind == "attention" else 1
+    lse = n * prec.f32 * spec.num_attention_heads
+    return calls * (round_up((total - lse) // calls) + round_up(lse // calls))
 
 
 def attention_sink_saved(spec: ModelSpec, prec: Precision, kv: int, window: int, seq_len: int) -> float:

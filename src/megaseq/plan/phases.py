@@ -10,7 +10,8 @@ at that peak, and the host bytes. The phases (``docs/planner.md``, "Peak model")
     step                  parameters + gradients + optimizer state
 
 Under recompute "saved" is the boundaries kept on the GPU (SCO moves the first layers' to the host; at
-most two of those are back on the GPU at once) and layer l's graph is rebuilt in its backward. State is
+most two of those are back on the GPU at once) and the kept attention outputs (the first kept layers' in host
+memory: at most two layers' worth on the GPU at once), and layer l's graph is rebuilt in its backward. State is
 the parameters, the optimizer state (steady state: after the first step), gradients when accumulated
 over micro-batches, and FSDP buffers when parameters are sharded.
 """
@@ -26,6 +27,11 @@ from megaseq.plan import stream
 from megaseq.plan.layer_terms import all_layer_terms
 from megaseq.plan.run import Evaluation, LayerTerms, Run
 from megaseq.plan.segments import segment_kv_host_bytes, segment_store_bytes
+
+
+KEPT = "kept attention outputs"  # the GPU-kept layers'
+KEPT_HOST = "kept attention outputs (host-kept, on the GPU)"  # the host-kept layers' copies in flight or in use
+KEPT_PINNED = "kept attention outputs (pinned)"  # the host-kept layers' pool (host memory)
 
 
 # ---- the sweep ---------------------------------------------------------------------------------------
@@ -107,6 +113,30 @@ def _sco_offloaded(run: Run, bnd: int) -> int:
     return C.sco_plan(run.spec.num_layers, bnd, m.offload_host_budget).num_offloaded
 
 
+def kept_layers(run: Run) -> tuple[range, range]:
+    """(the layers keeping attention's output in host memory, those keeping it on the GPU), under recompute: of
+    the last ``keep_attention_layers`` layers the first ``keep_attention_host_layers`` are the host's."""
+    L, m = run.spec.num_layers, run.memory
+    if not m.recompute:
+        return range(0), range(0)
+    kept = min(m.keep_attention_layers, L)
+    first, on_host = L - kept, min(m.keep_attention_host_layers, kept)
+    return range(first, first + on_host), range(first + on_host, L)
+
+
+def _host_kept_on_gpu(terms: list[LayerTerms], host: range, phase: str, i: int) -> int:
+    """The host-kept layers' attention outputs on the GPU (``memory.offload.KeptHostStore``): in layer i's forward
+    its own and the layer before's (their copies out may still run); at the loss the last layer's; in layer i's
+    backward the one prefetched for the next host-kept layer (layer i's own are its rerun's saved output, in
+    "recomputed layer"): with layer i's own, at most two layers' worth."""
+    if phase == "forward":
+        return sum(terms[j].kept_attention for j in (i - 1, i) if j in host)
+    if phase == "loss":
+        return terms[i].kept_attention if i in host else 0
+    before = [j for j in host if j < i]
+    return terms[before[-1]].kept_attention if before else 0
+
+
 def _phases(run: Run, terms: list[LayerTerms]) -> list[tuple[str, dict[str, int], str]]:
     spec, prec, mesh, n = run.spec, run.prec, run.mesh, run.n
     L, H, s = spec.num_layers, spec.hidden_size, prec.stream
@@ -140,10 +170,10 @@ def _phases(run: Run, terms: list[LayerTerms]) -> list[tuple[str, dict[str, int]
     readers = _readers(spec)
     k = _sco_offloaded(run, bnd)
     # kept attention (under recompute): the last layers' attention outputs, held from their forward to their
-    # backward; [i]: what layers 0 .. i - 1 keep
-    kept_upto = list(itertools.accumulate((t.kept_attention if rec and i >= L - run.memory.keep_attention_layers
-                                           else 0 for i, t in enumerate(terms)), initial=0))
-    KEPT = "kept attention outputs"
+    # backward, on the GPU ([i]: what layers 0 .. i - 1 keep there) or, the first of them, in host memory
+    host_kept, gpu_kept = kept_layers(run)
+    kept_upto = list(itertools.accumulate((t.kept_attention if i in gpu_kept else 0 for i, t in enumerate(terms)),
+                                          initial=0))
     fwd_state = dict(state, **{"gradients": g_all if acc else 0})
     # each layer's weight copies and DSA selection once, with running sums (the phases read prefixes of them)
     copies_cached = [_copies(run, i, cached_only=True) for i in range(L)]
@@ -161,7 +191,8 @@ def _phases(run: Run, terms: list[LayerTerms]) -> list[tuple[str, dict[str, int]
             kept = max(0, i + 1 - k) + (1 if i < k else 0)
             work = int(run.cal.nograd_fraction * (t.saved - t.boundary_term))
             work += max(t.mixer_fwd, t.mlp_fwd, t.merge_fwd)
-            comps = {"checkpoint boundaries": kept * bnd, "layer working set": work, KEPT: kept_upto[i + 1]}
+            comps = {"checkpoint boundaries": kept * bnd, "layer working set": work, KEPT: kept_upto[i + 1],
+                     KEPT_HOST: _host_kept_on_gpu(terms, host_kept, "forward", i)}
         else:
             copies_before += copies_full[i]
             part, work = max(
@@ -189,6 +220,7 @@ def _phases(run: Run, terms: list[LayerTerms]) -> list[tuple[str, dict[str, int]
     if rec:
         loss_comps["checkpoint boundaries"] = (L - k) * bnd
         loss_comps[KEPT] = kept_upto[L]
+        loss_comps[KEPT_HOST] = _host_kept_on_gpu(terms, host_kept, "loss", L - 1)
     else:
         loss_comps.update({"saved activations": saved_before, "weight copies (bf16)": copies_before})
     loss_comps["FSDP buffers"] = C.fsdp_buffers(0, 0, head, mesh, prec, run.reduce_bytes, False, frozen)
@@ -222,6 +254,7 @@ def _phases(run: Run, terms: list[LayerTerms]) -> list[tuple[str, dict[str, int]
                 "weight copies (bf16)": copies_full[i],
                 "DSA selections (carry)": live,
                 KEPT: kept_upto[i],  # layer i's own are its rerun's saved output, in "recomputed layer"
+                KEPT_HOST: _host_kept_on_gpu(terms, host_kept, "backward", i),
             }
         else:
             saved_before -= t.saved
@@ -260,6 +293,7 @@ def evaluate(run: Run) -> Evaluation:
     host = {
         "process (Python, torch, CUDA host state)": run.cal.process_host_bytes,
         "SCO pinned boundaries": k * C.round_up(bnd),
+        KEPT_PINNED: sum(terms[j].kept_attention_host for j in kept_layers(run)[0]),
         "segment K/V + fp32 gradients (memory.segment_kv_host)": segment_kv_host_bytes(run),
         "optimizer state (OffloadStreamAdamW)": C.optimizer_host_bytes(
             run.counts, run.mesh, run.memory.optimizer_offload, run.prec

@@ -98,6 +98,7 @@ class LayerTerms:
     boundary_term: int  # the part of ``attn`` that is the layer input itself
     tiled: bool = False  # the MLP runs tiled: its weights are not held by the layer's graph
     kept_attention: int = 0  # what the layer holds from forward to backward when it keeps attention's output
+    kept_attention_host: int = 0  # the pinned bytes of those kept in host memory (aligned per tensor)
 
     @property
     def saved(self) -> int:

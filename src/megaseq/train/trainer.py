@@ -165,7 +165,7 @@ def _run_claimed(cfg: Config, spec: Any, env: ParallelEnv, device: torch.device,
     try:
         loop.run(start, result)
     finally:
-        applied.release()  # the SCO pinned pool
+        applied.release()  # the SCO and host-kept attention pinned pools
     if cfg.train.export_hf:  # every rank: the shards are gathered tensor by tensor, rank 0 writes
         export_run(cfg, model, spec, Path(run_dir), result, env.is_main)
     if cfg.train.eval_after and data.heldout:
