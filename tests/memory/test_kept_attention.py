@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from megaseq.config import MemorySettings
 from megaseq.memory.apply import loss_fn
-from megaseq.memory.offload import _CheckpointedForward, checkpoint_layers
+from megaseq.memory.offload import KeptHostStore, _CheckpointedForward, checkpoint_layers, kept_host_store
 from megaseq.models.build import build_model
 from megaseq.models.common import attention as attn_mod
 from megaseq.models.common import sink_attention as sink_mod
@@ -69,15 +69,21 @@ class _Calls(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _kept_run(spec, keep: int):
+def _kept_run(spec, keep: int, host: int = 0, steps: int = 1, before=None):
+    """(plain step, last kept step, kept stats of the kept steps, what parallelize applied); ``before(done)`` runs
+    after parallelize."""
     model = build_model(spec, dtype=torch.float64, seed=0)
     plain = copy.deepcopy(model)
     with _sdpa_in_float64():
         ref = _step(plain)
-        parallelize(model, MemorySettings(recompute=True, keep_attention_layers=keep))
+        done = parallelize(model, MemorySettings(recompute=True, keep_attention_layers=keep,
+                                                 keep_attention_host_layers=host))
+        if before is not None:
+            before(done)
         kept_attention.STATS.__init__()
-        got = _step(model)
-    return ref, got, kept_attention.STATS
+        for _ in range(steps):
+            got = _step(model)
+    return ref, got, kept_attention.STATS, done
 
 
 def _assert_same(ref, got):
@@ -93,7 +99,7 @@ def test_kept_attention_matches_plain(preset):
     layer keeps, the rerun takes every attention call from the forward, and loss and gradients are the plain
     model's."""
     spec = get_preset(preset)
-    ref, got, stats = _kept_run(spec, keep=spec.num_layers)
+    ref, got, stats, _ = _kept_run(spec, keep=spec.num_layers)
     assert stats.kept > 0 and stats.hits == stats.kept and stats.misses == 0, stats
     _assert_same(ref, got)
 
@@ -119,9 +125,9 @@ def test_only_the_last_layers_keep():
     checkpoint_layers(model.layers, keep_attention=2)
     assert [layer.forward.keep_attention for layer in model.layers] == [False] * (L - 2) + [True, True]
     assert all(isinstance(layer.forward, _CheckpointedForward) for layer in model.layers)
-    _, _, every = _kept_run(spec, keep=L)
+    _, _, every, _ = _kept_run(spec, keep=L)
     per_layer = every.kept // L
-    ref, got, stats = _kept_run(spec, keep=1)
+    ref, got, stats, _ = _kept_run(spec, keep=1)
     assert stats.hits == stats.kept == per_layer > 0 and stats.misses == 0, stats
     _assert_same(ref, got)
 
@@ -138,7 +144,7 @@ def test_a_wrong_kept_output_fails(monkeypatch):
         return out
 
     monkeypatch.setattr(kept_attention.Keeper, "handle", shifted)
-    ref, got, _ = _kept_run(spec, keep=spec.num_layers)
+    ref, got, _, _ = _kept_run(spec, keep=spec.num_layers)
     torch.testing.assert_close(got[0], ref[0], rtol=1e-12, atol=1e-12)  # the forward is untouched
     with pytest.raises(AssertionError):
         _assert_same(ref, got)
@@ -158,6 +164,96 @@ def test_a_rerun_that_differs_runs_the_kernel():
         o = F.scaled_dot_product_attention(q2, k[:, :, :5], v[:, :, :5], is_causal=True)
     assert kept_attention.STATS.misses == 1 and kept_attention.STATS.hits == 0 and not keeper.calls
     torch.testing.assert_close(o, F.scaled_dot_product_attention(q2, k[:, :, :5], v[:, :, :5], is_causal=True))
+
+
+def _large_outputs(stats_per_layer_calls: int) -> int:
+    return 2 * stats_per_layer_calls  # each kept CPU flash call: its output and its log-sum-exp
+
+
+def test_host_kept_matches_plain():
+    """The first L - 1 of L kept layers keep in host memory: every kept tensor goes out after its layer's forward and
+    comes back for its rerun (two steps: the pool, planned in the first, is reused in the second), and loss and
+    gradients are the plain model's."""
+    spec = get_preset("qwen3-moe-tiny")
+    L = spec.num_layers
+    ref, got, stats, done = _kept_run(spec, keep=L, host=L - 1, steps=2)
+    assert stats.kept > 0 and stats.hits == stats.kept and stats.misses == 0, stats
+    _assert_same(ref, got)
+    store = done.kept_host
+    assert done.kept_attention == L and done.kept_attention_host == L - 1 and isinstance(store, KeptHostStore)
+    per_layer = stats.kept // (2 * L)  # calls per layer and step
+    assert store.copies_out == store.copies_in == 2 * (L - 1) * _large_outputs(per_layer), vars(store)
+    assert store.bytes_out == 2 * stats.bytes_kept * (L - 1) // (2 * L)  # the host layers' share, both steps
+    assert store.spilled == 0 and store.host_bytes == store.need > 0
+    assert not store._live()  # every layer's tensors came back
+    done.release()
+    assert store.host_bytes == 0
+
+
+def test_a_step_that_needs_more_replans_the_pool():
+    """A pool planned too small (one layer's bytes for three host-kept layers) spills the rest to buffers of their
+    own in that step, and the next step carves a pool of the whole need: no spill, the same results."""
+    spec = get_preset("qwen3-moe-tiny")
+    L = spec.num_layers
+
+    def small(done):
+        done.kept_host.layers = 1
+
+    ref, got, stats, done = _kept_run(spec, keep=L, host=L - 1, steps=1, before=small)
+    store = done.kept_host
+    assert store.spilled > 0 and store.host_bytes < store.need
+    _assert_same(ref, got)
+    spilled, need = store.spilled, store.need
+    ref2, got2, stats2, done2 = _kept_run(spec, keep=L, host=L - 1, steps=2, before=small)
+    assert done2.kept_host.spilled == spilled and done2.kept_host.host_bytes == need  # none in the second step
+    assert stats2.hits == stats2.kept and stats2.misses == 0
+    _assert_same(ref2, got2)
+
+
+@pytest.mark.parametrize("broken", ["zeros", "stale"])
+def test_a_wrong_host_fetch_fails(monkeypatch, broken):
+    """The comparison can fail: a fetch that returns zeros, or the first fetched layer's tensors again for every
+    layer (a stale buffer), changes the gradients."""
+    spec = get_preset("qwen3-moe-tiny")
+    original = KeptHostStore._start_fetch
+    first: list = []
+
+    def wrong(self, rec):
+        original(self, rec)
+        if broken == "zeros":
+            rec.gpu = [torch.zeros_like(g) for g in rec.gpu]
+        elif first:
+            rec.gpu = [f if f.shape == g.shape else g for f, g in zip(first[0], rec.gpu)]
+        else:
+            first.append(rec.gpu)
+
+    monkeypatch.setattr(KeptHostStore, "_start_fetch", wrong)
+    L = spec.num_layers
+    ref, got, stats, _ = _kept_run(spec, keep=L, host=L - 1)
+    assert stats.hits == stats.kept > 0
+    torch.testing.assert_close(got[0], ref[0], rtol=1e-12, atol=1e-12)  # the forward is untouched
+    with pytest.raises(AssertionError):
+        _assert_same(ref, got)
+
+
+def test_only_the_first_kept_layers_keep_on_host():
+    spec = get_preset("qwen3-moe-tiny")
+    L = spec.num_layers
+    model = build_model(spec, dtype=torch.float64, seed=0)
+    checkpoint_layers(model.layers, keep_attention=3, keep_attention_host=2)
+    assert [layer.forward.keep_on_host for layer in model.layers] == [False] * (L - 3) + [True, True, False]
+    assert kept_host_store(model.layers).layers == 2
+    checkpoint_layers(model.layers, keep_attention=3)
+    assert kept_host_store(model.layers) is None
+    with pytest.raises(ValueError, match="keep_attention_host_layers=4 exceeds"):
+        checkpoint_layers(model.layers, keep_attention=3, keep_attention_host=4)
+
+
+def test_host_layers_need_kept_layers():
+    with pytest.raises(ValueError, match=r"memory.keep_attention_host_layers=5 exceeds memory.keep_attention_layers=4"
+                                         r".*--memory.keep_attention_layers 5.*--memory.keep_attention_host_layers 4"):
+        MemorySettings(recompute=True, keep_attention_layers=4, keep_attention_host_layers=5).check_combination()
+    MemorySettings(recompute=True, keep_attention_layers=4, keep_attention_host_layers=4).check_combination()
 
 
 def test_the_setting_needs_recompute():
@@ -204,3 +300,41 @@ def test_kept_attention_on_gpu(dtype):
     tol = dict(rtol=2e-2, atol=2e-3) if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-6)
     for n in ref[1]:
         torch.testing.assert_close(got[1][n], ref[1][n], msg=n, **tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_host_kept_attention_on_gpu(dtype):
+    """On CUDA the first L - 1 kept layers keep in a pinned host pool (copied on the side stream, back a layer
+    ahead): two steps, every call of the reruns taken from the forward, every kept tensor out and back, and loss
+    and gradients those of recompute without keeping."""
+    spec = get_preset("qwen3-moe-tiny").replace(head_dim=64)
+    L = spec.num_layers
+    results = {}
+    for keep, host in ((0, 0), (L, L - 1)):
+        model = build_model(spec, dtype=dtype, seed=0).cuda()
+        done = parallelize(model, MemorySettings(recompute=True, keep_attention_layers=keep,
+                                                 keep_attention_host_layers=host))
+        ids, doc_ids, labels = (t.cuda() for t in _batch(spec.vocab_size, n=296, first_doc=100))
+        kept_attention.STATS.__init__()
+        for _ in range(2):
+            model.zero_grad(set_to_none=True)
+            loss = loss_fn(MemorySettings())(model(ids, doc_ids=doc_ids), model.lm_head.weight, labels)
+            loss.backward()
+        torch.cuda.synchronize()
+        stats = copy.copy(kept_attention.STATS)
+        results[keep] = (loss.detach().float().cpu(), {n: p.grad.float().cpu() for n, p in model.named_parameters()
+                                                       if p.grad is not None}, stats, done)
+    stats, done = results[L][2], results[L][3]
+    assert stats.kept > 0 and stats.hits == stats.kept and stats.misses == 0, stats
+    store = done.kept_host
+    assert store.pool is not None and store.pool.pinned and store.spilled == 0 and store.host_bytes == store.need
+    assert store.copies_out == store.copies_in > 0 and not store._live()
+    ref, got = results[0], results[L]
+    assert got[0].item() == ref[0].item()
+    tol = dict(rtol=2e-2, atol=2e-3) if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-6)
+    for n in ref[1]:
+        torch.testing.assert_close(got[1][n], ref[1][n], msg=n, **tol)
+    done.release()
+    assert store.host_bytes == 0

@@ -25,7 +25,7 @@ from megaseq.plan.given import run_for
 from megaseq.plan.layer_terms import all_layer_terms
 from megaseq.plan.layers import kept_attention_bytes
 from megaseq.plan.mesh import Precision
-from megaseq.plan.phases import _phases
+from megaseq.plan.phases import KEPT, KEPT_HOST, KEPT_PINNED, _phases, evaluate
 from megaseq.plan.planner import plan_from_config
 
 QWEN = "recipes/qwen3-30b-a3b-lora.yaml"
@@ -123,3 +123,80 @@ def test_no_keep_without_sdpa_attention():
     assert all(kept_attention_bytes(spec, k, 1024, prec) == 0 for k in spec.layer_types)
     assert base_settings(None, 1024).keep_attention_layers == 0
     assert Budgets().gpu_bytes > 0 and C.GIB > 0
+
+
+def test_host_bytes_are_the_runtimes():
+    """float32 on the CPU: the pinned pool the runtime carves for the host-kept layers (each kept tensor at an aligned
+    offset) is the planned host line, and what they move is the planned bytes of those layers."""
+    spec = get_preset("qwen3-moe-tiny")
+    L, B, S = spec.num_layers, 2, 48
+    model = build_model(spec, dtype=torch.float32, seed=0)
+    done = parallelize(model, MemorySettings(recompute=True, keep_attention_layers=L, keep_attention_host_layers=L - 1))
+    ids = torch.randint(0, spec.vocab_size, (B, S), generator=torch.Generator().manual_seed(0))
+    with dispatch.override("attention", "torch_reference", attn_mod.attention_sdpa):
+        model(ids).float().sum().backward()
+    run = run_for(spec, S, {"recompute": True, "keep_attention_layers": L, "keep_attention_host_layers": L - 1},
+                  batch_size=B, model_dtype="fp32")
+    assert (run.prec.compute, run.prec.f32) == (4, 4)
+    planned = evaluate(run).host_per_gpu[KEPT_PINNED]
+    store = done.kept_host
+    assert store.host_bytes == store.need == planned > 0, (store.host_bytes, store.need, planned)
+    per_layer = kept_attention_bytes(spec, "attention", B * S, run.prec)
+    assert store.bytes_out == (L - 1) * per_layer == fixes.kept_host_bytes(run)
+    # each tensor aligned: more than the bytes moved (the tiny model's tensors are not multiples of 512 bytes)
+    assert planned > (L - 1) * per_layer
+
+
+def test_the_gpu_holds_at_most_two_host_kept_layers():
+    """A tiny model with every layer kept in host memory: no phase holds more than two host-kept layers' outputs on
+    the GPU (a layer's forward: its own and the one before's; a layer's backward: the one prefetched, its own being
+    its rerun's), none of the GPU-kept component, and the pool holds every layer's."""
+    tiny = get_preset("qwen3-moe-tiny")
+    L = tiny.num_layers
+    run = run_for(tiny, 4096, {"recompute": True, "keep_attention_layers": L, "keep_attention_host_layers": L})
+    one = kept_attention_bytes(tiny, "attention", 4096, run.prec)
+    phases = {name: comps for name, comps, _ in _phases(run, all_layer_terms(run))}
+    assert all(c.get(KEPT, 0) == 0 for c in phases.values())
+    for name, c in phases.items():
+        i = int(name.split("layer ")[1].split()[0]) if "layer " in name else None
+        want = {"forward": min(2, (i or 0) + 1) * one, "backward": (1 if i else 0) * one}.get(name.split(",")[0])
+        if name == "loss":
+            want = one
+        if want is not None:
+            assert c[KEPT_HOST] == want, (name, c[KEPT_HOST], want)
+    assert max(c.get(KEPT_HOST, 0) for c in phases.values()) == 2 * one
+    assert evaluate(run).host_per_gpu[KEPT_PINNED] >= L * one
+
+
+def test_qwen_32k_on_80gb_keeps_in_host_memory():
+    """Qwen3-30B-A3B LoRA at 32K within 79 GiB: no layer's attention output fits on the GPU with 5% to spare, so
+    the plan keeps them in pinned host memory (their copies hide behind the compute), fits, counts their pool in
+    host memory and at most two layers' worth on the GPU, and recompute costs less than without them."""
+    plan = _plan("32K", budget="79G")
+    m = plan.memory
+    host = m["keep_attention_host_layers"]
+    assert plan.fits and m["recompute"] and 0 < host <= m["keep_attention_layers"], m
+    per_layer = 32768 * (2 * 32 * 128 + 4 * 32)
+    comps = {name: (gpu, pinned) for name, gpu, pinned, _ in plan.components}
+    assert comps[f"host: {KEPT_PINNED}"][1] == host * per_layer  # 256 MiB + 4 MiB: aligned already
+    assert comps.get(KEPT_HOST, (0, 0))[0] <= 2 * per_layer
+    recompute_cost = dict((f[0], f[1]) for f in plan.fixes)["recompute"]
+    without = _plan("32K", budget="79G", keep=0)
+    assert recompute_cost < dict((f[0], f[1]) for f in without.fixes)["recompute"]
+
+
+def test_host_keeping_needs_copies_that_hide(monkeypatch):
+    """With a host link too slow for the copies to hide behind the compute the planner keeps nothing in host memory
+    (the 79 GiB plan then keeps no layer), and recompute's cost for forced host-kept layers grows by the excess."""
+    monkeypatch.setattr(fixes, "PINNED_BYTES_PER_S", 1e8)
+    plan = _plan("32K", budget="79G")
+    assert plan.memory["keep_attention_host_layers"] == 0, plan.memory
+    tiny = get_preset("qwen3-moe-tiny")
+    L = tiny.num_layers
+    run = run_for(tiny, 32768, {"recompute": True, "keep_attention_layers": L, "keep_attention_host_layers": L})
+    t = CostTerms.of(run)
+    excess = fixes.kept_host_excess(run, t.step_s)
+    gpu_kept = replace(run, memory=run.memory.replace(keep_attention_host_layers=0))
+    assert excess > 0
+    assert fixes.FIXES["recompute"].cost(run, t) == pytest.approx(fixes.FIXES["recompute"].cost(gpu_kept, t)
+                                                                  + excess / t.step_s)

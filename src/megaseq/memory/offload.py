@@ -65,13 +65,16 @@ class HostBuffer:
                 self.pinned = True
                 self._finalizer = weakref.finalize(self, _unregister, self.base.data_ptr())
 
-    def view(self, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    def view(self, offset: int, shape: tuple[int, ...], dtype: torch.dtype,
+             stride: tuple[int, ...] | None = None) -> torch.Tensor:
+        """``shape`` of ``dtype`` at ``offset``: contiguous, or with ``stride`` (a dense layout of the same bytes)."""
         numel = 1
         for n in shape:
             numel *= n
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
         assert offset % SLOT_ALIGN == 0 and offset + nbytes <= self.nbytes
-        return self.base[offset:offset + nbytes].view(dtype).view(shape)
+        flat = self.base[offset:offset + nbytes].view(dtype)
+        return flat.view(shape) if stride is None else flat.as_strided(shape, stride)
 
     def release(self) -> None:
         if self.pinned:
@@ -299,7 +302,10 @@ class KeptHostStore:
         rec = _HostKept(moved[0][2].device)
         for c, j, t in moved:
             buf, offset = self._carve(t.numel() * t.element_size(), on_cuda, rec)
-            rec.entries.append((c, j, buf.view(offset, tuple(t.shape), t.dtype)))
+            # the tensor's own layout where it is dense (SDPA's output is a transposed view), so each copy is one
+            # block of bytes and the rerun gets the strides the forward made
+            stride = torch.empty_like(t, device="meta").stride()
+            rec.entries.append((c, j, buf.view(offset, tuple(t.shape), t.dtype, stride)))
         if on_cuda:
             self.stream.wait_stream(torch.cuda.current_stream())
             with self._copy_ctx():
@@ -318,7 +324,8 @@ class KeptHostStore:
 
     # -- backward: in, one layer ahead --
     def _start_fetch(self, rec: _HostKept) -> None:
-        rec.gpu = [torch.empty(h.shape, dtype=h.dtype, device=rec.device) for _, _, h in rec.entries]
+        rec.gpu = [torch.empty_strided(h.shape, h.stride(), dtype=h.dtype, device=rec.device)
+                   for _, _, h in rec.entries]
         if rec.device.type == "cuda":
             # the copy stream must not write the new blocks before the compute stream's last use of them
             self.stream.wait_stream(torch.cuda.current_stream())

@@ -28,7 +28,6 @@ from megaseq.plan.layer_terms import all_layer_terms
 from megaseq.plan.run import Evaluation, LayerTerms, Run
 from megaseq.plan.segments import segment_kv_host_bytes, segment_store_bytes
 
-
 KEPT = "kept attention outputs"  # the GPU-kept layers'
 KEPT_HOST = "kept attention outputs (host-kept, on the GPU)"  # the host-kept layers' copies in flight or in use
 KEPT_PINNED = "kept attention outputs (pinned)"  # the host-kept layers' pool (host memory)
