@@ -8,6 +8,8 @@
 #                                        #   with the tuned tables it wrote but no compiled kernels (compilation
 #                                        #   alone)
 #   bash benchmarks/speed/speed_gpu.sh qwen    # about 4 minutes: (a) qwen3-30b-a3b-lora 32K --baseline, balanced routing
+#   bash benchmarks/speed/speed_gpu.sh kept    # about 4 minutes: qwen3-30b-a3b-lora at 32K, the planner's choice (kept attention)
+#                                        #   against recompute without it, interleaved twice
 #   bash benchmarks/speed/speed_gpu.sh first   # about 8 minutes: the first step on empty caches, glm5-flash-1gpu at 8K and
 #                                        #   qwen3-30b-a3b-lora at 32K (FIRST_CASES="recipe:length ..."), each way
 #                                        #   of FIRST_RUNS (default "1 compile 0": MEGASEQ_PRECOMPILE's values: the
@@ -64,6 +66,18 @@ case "$STAGE" in
     echo "qwen bench: $(( $(date +%s) - t0 )) s end to end" | tee "$OUT/qwen_wall.txt"
     python3 benchmarks/speed/speed_summary.py "$OUT/speed_qwen.json" "$OUT/qwen_lora.json"
     ;;
+  kept)
+    # kept attention under recompute: the planner's choice and recompute without it, each its own process,
+    # interleaved twice (KEPT_LEN, default 32K; KEPT_WITHOUT: the settings without it, default what the planner
+    # chooses on an 80 GB GPU without kept attention)
+    without=${KEPT_WITHOUT:-"--memory.auto false --memory.recompute true --memory.tiled_mlp true --memory.mlp_tile_tokens 16K --memory.checkpoint_offload true --memory.offload_host_budget 6G"}
+    for run in kept_a without_a kept_b without_b; do
+      case $run in kept*) args="" ;; *) args=$without ;; esac
+      timeout -k 5 150 python3 -m megaseq bench recipes/qwen3-30b-a3b-lora.yaml --seq-lens "${KEPT_LEN:-32K}" \
+        --steps 3 $args --out "$OUT/kept_$run" 2>&1 | grep -E "^\| [0-9]|rror|first step"
+    done
+    python3 benchmarks/speed/speed_summary.py "$OUT/speed_kept.json" "$OUT"/kept_*.json
+    ;;
   first)
     for run in ${FIRST_RUNS:-1 compile 0}; do
       for rl in ${FIRST_CASES:-glm5-flash-1gpu:8K qwen3-30b-a3b-lora:32K}; do
@@ -105,5 +119,5 @@ print(autotune.device_slug(torch.cuda.get_device_name()))").json
       --out "$OUT/$table" 2>&1 | tail -20
     echo "tune: $(( $(date +%s) - t0 )) s end to end" | tee "$OUT/tune_wall.txt"
     ;;
-  *) echo "stage $STAGE: use glm, qwen, first, pack, ops or tune" >&2; exit 2 ;;
+  *) echo "stage $STAGE: use glm, qwen, kept, first, pack, ops or tune" >&2; exit 2 ;;
 esac
