@@ -100,3 +100,14 @@ def test_a_row_frees_its_step_before_it_returns(monkeypatch):
         assert row["status"] == "ok" and held and held[0]() is None
     finally:
         gc.enable()
+
+
+def test_the_fixes_column_names_the_layers_that_keep_attention():
+    from megaseq.bench.report import fix_names
+
+    row = {"fixes": ["tiled_mlp", "recompute"], "memory_plan": {"keep_attention_layers": 48,
+                                                               "keep_attention_host_layers": 40}}
+    assert fix_names(row) == "tiled_mlp, recompute (48 keep attention, 40 of them in host memory)"
+    row["memory_plan"] = {"keep_attention_layers": 0}
+    assert fix_names(row) == "tiled_mlp, recompute"
+    assert fix_names({"fixes": []}) == "-"

@@ -10,8 +10,10 @@ from typing import Any
 
 def fix_names(r: dict[str, Any]) -> str:
     """A row's fixes as the table shows them: recompute with the layers that keep attention's output."""
-    kept = (r.get("memory_plan") or {}).get("keep_attention_layers", 0)
-    names = [f"recompute ({kept} keep attention)" if f == "recompute" and kept else f for f in r.get("fixes", [])]
+    plan = r.get("memory_plan") or {}
+    kept, host = plan.get("keep_attention_layers", 0), plan.get("keep_attention_host_layers", 0)
+    how = f"{kept} keep attention" + (f", {host} of them in host memory" if host else "")
+    names = [f"recompute ({how})" if f == "recompute" and kept else f for f in r.get("fixes", [])]
     return ", ".join(names) or "-"
 
 
