@@ -52,3 +52,16 @@ def test_sink_attention_saved_set() -> None:
     for backward in (False, True):
         assert layers.attention_temp(spec, n, prec, backward, Mesh(), 128, S) > layers.attention_temp(
             spec.replace(attention_sinks=False), n, prec, backward, Mesh())
+
+
+@pytest.mark.parametrize("preset", ["gpt-oss-tiny", "qwen3-moe-tiny", "kimi-linear-tiny", "glm5-flash-tiny"])
+def test_each_layers_terms_are_its_own(preset):
+    """``all_layer_terms`` computes each distinct layer once: a sliding-window layer and a full one of the same
+    kind (gpt-oss alternates them) are distinct, so every layer's terms are what ``layer_terms`` gives it."""
+    from megaseq.models.presets import get_preset
+    from megaseq.plan.given import run_for
+    from megaseq.plan.layer_terms import all_layer_terms, layer_terms
+
+    spec = get_preset(preset)
+    run = run_for(spec, 4096, {"recompute": True})
+    assert all_layer_terms(run) == [layer_terms(run, i) for i in range(spec.num_layers)]

@@ -200,3 +200,4 @@ def test_host_keeping_needs_copies_that_hide(monkeypatch):
     assert excess > 0
     assert fixes.FIXES["recompute"].cost(run, t) == pytest.approx(fixes.FIXES["recompute"].cost(gpu_kept, t)
                                                                   + excess / t.step_s)
+

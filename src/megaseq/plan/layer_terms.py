@@ -233,7 +233,8 @@ def all_layer_terms(run: Run) -> list[LayerTerms]:
     out = []
     spec = run.spec
     for i in range(spec.num_layers):
-        key = (spec.layer_types[i], spec.mlp_types[i], spec.indexer_types[i] if spec.indexer_types else "")
+        key = (spec.layer_types[i], spec.mlp_types[i], spec.indexer_types[i] if spec.indexer_types else "",
+               i in spec.sliding_layers)
         tr = run.counts.trained
         if tr is not None:  # adapters may differ per layer (lora.targets naming layers)
             key += (tr.lora_rows_attn[i], tr.lora_rows_mlp[i], tr.merged[i], tr.mlp[i], tr.largest[i],
