@@ -84,6 +84,44 @@ class HostBuffer:
         self.nbytes = 0
 
 
+# ---- what SCO and the host-kept attention outputs share ----------------------------------------------
+class _PinnedStore:
+    """One model's store of tensors waiting in pinned host memory for the backward: the pool, the copy stream,
+    the records still pending (forward order; backward takes from the end), each fetched back one ahead
+    (``prefetch_next``; a subclass's ``_start_fetch``)."""
+
+    def __init__(self) -> None:
+        self.pool: HostBuffer | None = None
+        self.pending: list[weakref.ref[Any]] = []
+        self.stream: Any = None
+
+    @property
+    def host_bytes(self) -> int:
+        """Host bytes held by the pool (pinned on CUDA)."""
+        return self.pool.nbytes if self.pool is not None else 0
+
+    def _free_pool(self) -> None:
+        """Drop the pool (the next offload plans a new one), freeing it unless pending records hold views of it."""
+        if self.pool is not None and not self._live():
+            self.pool.release()
+        self.pool = None
+
+    def _live(self) -> list[Any]:
+        return [r for ref in self.pending if (r := ref()) is not None]
+
+    def _copy_ctx(self) -> contextlib.AbstractContextManager:
+        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+
+    def _start_fetch(self, rec: Any) -> None:
+        raise NotImplementedError
+
+    def prefetch_next(self) -> None:
+        """Start bringing back the most recent pending record (the next one backward needs)."""
+        live = self._live()
+        if live and live[-1].gpu is None:
+            self._start_fetch(live[-1])
+
+
 # ---- the offloader ------------------------------------------------------------------------------
 class _Boundary:
     """One offloaded boundary: its host slot, and its GPU copy once fetched. Returns its slot when freed."""
@@ -96,19 +134,18 @@ class _Boundary:
         weakref.finalize(self, offloader._free_slot, offloader.generation, slot)
 
 
-class BoundaryOffloader:
-    """SCO state shared by the layers of one model: the host pool, the copy stream, the pending boundaries."""
+class BoundaryOffloader(_PinnedStore):
+    """SCO state shared by the layers of one model: the host pool (``num_slots x slot_bytes``), the copy stream,
+    the pending boundaries."""
 
     def __init__(self, host_budget: int, max_slots: int | None = None) -> None:
         if host_budget < 0:
             raise ValueError(f"memory.offload_host_budget must be >= 0, got {host_budget}")
+        super().__init__()
         self.host_budget = host_budget
         self.max_slots = max_slots  # set to the number of layers by checkpoint_layers
-        self.pool: HostBuffer | None = None
         self.slot_bytes = 0
         self.free: list[int] = []
-        self.pending: list[weakref.ref[_Boundary]] = []  # forward order; backward pops from the end
-        self.stream: Any = None
         self.generation = 0  # bumped with every new pool, so a late slot return cannot reach the wrong pool
         self.num_offloaded = 0  # boundaries offloaded since the last reset of this counter
 
@@ -125,26 +162,14 @@ class BoundaryOffloader:
         if on_cuda and self.stream is None:
             self.stream = torch.cuda.Stream()
 
-    @property
-    def host_bytes(self) -> int:
-        """Host bytes held by the pool (pinned on CUDA): exactly num_slots x slot_bytes."""
-        return self.pool.nbytes if self.pool is not None else 0
-
     def release(self) -> None:
         """Free the host pool (the next offload plans a new one). Boundaries still pending keep theirs."""
-        if self.pool is not None and not self._live():
-            self.pool.release()
-        self.pool, self.free, self.slot_bytes = None, [], 0
-
-    def _live(self) -> list[_Boundary]:
-        return [b for ref in self.pending if (b := ref()) is not None]
+        self._free_pool()
+        self.free, self.slot_bytes = [], 0
 
     def _free_slot(self, generation: int, slot: int) -> None:
         if generation == self.generation and self.pool is not None:
             self.free.append(slot)
-
-    def _copy_ctx(self) -> contextlib.AbstractContextManager:
-        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
 
     # -- forward: offload --
     def offload(self, h: torch.Tensor) -> _Boundary | None:
@@ -185,12 +210,6 @@ class BoundaryOffloader:
         else:
             rec.gpu.copy_(rec.host)
 
-    def prefetch_next(self) -> None:
-        """Start bringing back the most recent pending boundary (the next one backward needs)."""
-        live = self._live()
-        if live and live[-1].gpu is None:
-            self._start_fetch(live[-1])
-
     def fetch(self, rec: _Boundary) -> torch.Tensor:
         """The boundary on the GPU, ready for the compute stream; then prefetch the next one."""
         if rec.gpu is None:
@@ -223,7 +242,7 @@ class _HostKept:
         self.ready: Any = None  # CUDA event: the fetch has finished
 
 
-class KeptHostStore:
+class KeptHostStore(_PinnedStore):
     """Kept attention outputs in pinned host memory (``memory.keep_attention_host_layers``) for the layers of one
     model: the pool, the copy stream, the layer calls whose tensors wait in host memory.
 
@@ -239,34 +258,20 @@ class KeptHostStore:
     the copies are plain copies and the streams are no-ops."""
 
     def __init__(self, layers: int) -> None:
+        super().__init__()
         self.layers = layers  # host-kept layers of the model: the first pool's size is the first one's times this
-        self.pool: HostBuffer | None = None
         self.offset = 0  # the next free byte of the pool this step
         self.need = 0  # bytes this step has carved (pool and spill)
         self.last_need = 0  # the need of the step before, when it exceeded the pool
-        self.pending: list[weakref.ref[_HostKept]] = []  # forward order; backward takes from the end
-        self.stream: Any = None
         self.copies_out = 0  # tensors copied to host memory since the counters were reset
         self.copies_in = 0  # tensors copied back
         self.bytes_out = 0
         self.spilled = 0  # tensors that went to a buffer of their own
 
-    @property
-    def host_bytes(self) -> int:
-        """Host bytes held by the pool (pinned on CUDA)."""
-        return self.pool.nbytes if self.pool is not None else 0
-
     def release(self) -> None:
         """Free the pool (the next offload plans a new one). Layers still pending keep their views."""
-        if self.pool is not None and not self._live():
-            self.pool.release()
-        self.pool, self.offset = None, 0
-
-    def _live(self) -> list[_HostKept]:
-        return [r for ref in self.pending if (r := ref()) is not None]
-
-    def _copy_ctx(self) -> contextlib.AbstractContextManager:
-        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+        self._free_pool()
+        self.offset = 0
 
     def _carve(self, nbytes: int, on_cuda: bool, rec: _HostKept) -> tuple[HostBuffer, int]:
         """(buffer, offset) for ``nbytes``: the pool's next aligned place, else a buffer of its own."""
@@ -340,12 +345,6 @@ class KeptHostStore:
             for g, (_, _, h) in zip(rec.gpu, rec.entries):
                 g.copy_(h)
         self.copies_in += len(rec.entries)
-
-    def prefetch_next(self) -> None:
-        """Start bringing back the most recent pending layer's tensors (the next ones backward needs)."""
-        live = self._live()
-        if live and live[-1].gpu is None:
-            self._start_fetch(live[-1])
 
     def fetch(self, rec: _HostKept, keeper: kept_attention.Keeper) -> None:
         """``rec``'s tensors back in ``keeper``'s calls, on the GPU and ready for the compute stream; then
