@@ -11,6 +11,7 @@ the search.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -134,20 +135,28 @@ def _keep_attention(run: Run, m: MemorySettings, budgets: Budgets) -> MemorySett
     worth a run at the edge of the planner's accuracy; then, where that leaves SDPA layers unkept, those before
     them in host memory (``_keep_on_host``)."""
     L = run.spec.num_layers
-    if not any(k in KEPT_KINDS for k in run.spec.layer_types) or run.segment:
+    if not any(k in KEPT_KINDS for k in run.spec.layer_types):
         return m
     room = replace(budgets, gpu_bytes=int(budgets.gpu_bytes * (1 - KEEP_SELECTION_MARGIN)))
 
     def fits(k: int) -> bool:
         return _fits(evaluate(replace(run, memory=m.replace(keep_attention_layers=k))), room, run.mesh)
 
-    lo, hi = 0, L  # fits(lo) is assumed (no keep), the answer in [lo, hi]
-    if fits(hi):
-        return m.replace(keep_attention_layers=hi)
+    k = _most(0, L, fits)  # keeping none is the set as grown, which fits
+    if k == L:
+        return m.replace(keep_attention_layers=L)
+    return _keep_on_host(run, m.replace(keep_attention_layers=k, keep_attention_host_layers=0), budgets)
+
+
+def _most(lo: int, hi: int, ok: Callable[[int], bool]) -> int:
+    """The largest ``k`` in ``[lo, hi]`` with ``ok(k)``, by bisection: ``ok`` holds at ``lo`` (not tested) and,
+    once false, stays false for larger ``k``."""
+    if ok(hi):
+        return hi
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return _keep_on_host(run, m.replace(keep_attention_layers=lo, keep_attention_host_layers=0), budgets)
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    return lo
 
 
 def _keep_on_host(run: Run, m: MemorySettings, budgets: Budgets) -> MemorySettings:
@@ -178,13 +187,7 @@ def _keep_on_host(run: Run, m: MemorySettings, budgets: Budgets) -> MemorySettin
             most += 1
         if most == 0 or not fits(g, 1):
             continue
-        lo, hi = 1, most  # fits(g, lo); the answer in [lo, hi]
-        if fits(g, hi):
-            return trial(g, hi)
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if fits(g, mid) else (lo, mid)
-        return trial(g, lo)
+        return trial(g, _most(1, most, lambda h, g=g: fits(g, h)))
     return m
 
 
