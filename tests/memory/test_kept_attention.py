@@ -80,7 +80,7 @@ def _kept_run(spec, keep: int, host: int = 0, steps: int = 1, before=None):
                                                  keep_attention_host_layers=host))
         if before is not None:
             before(done)
-        kept_attention.STATS.__init__()
+        kept_attention.STATS.reset()
         for _ in range(steps):
             got = _step(model)
     return ref, got, kept_attention.STATS, done
@@ -155,7 +155,7 @@ def test_a_rerun_that_differs_runs_the_kernel():
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(1, 2, 9, 4, dtype=torch.float64, generator=g) for _ in range(3))
     keeper = kept_attention.Keeper()
-    kept_attention.STATS.__init__()
+    kept_attention.STATS.reset()
     with keeper.keeping(), kept_attention.wrap("attention"):
         F.scaled_dot_product_attention(q, k, v, is_causal=True)
     assert len(keeper.calls) == 1
@@ -286,7 +286,7 @@ def test_kept_attention_on_gpu(dtype):
         model = build_model(spec, dtype=dtype, seed=0).cuda()
         parallelize(model, MemorySettings(recompute=True, keep_attention_layers=keep))
         ids, doc_ids, labels = (t.cuda() for t in _batch(spec.vocab_size, n=296, first_doc=100))
-        kept_attention.STATS.__init__()
+        kept_attention.STATS.reset()
         loss = loss_fn(MemorySettings())(model(ids, doc_ids=doc_ids), model.lm_head.weight, labels)
         loss.backward()
         torch.cuda.synchronize()
@@ -317,7 +317,7 @@ def test_host_kept_attention_on_gpu(dtype):
         done = parallelize(model, MemorySettings(recompute=True, keep_attention_layers=keep,
                                                  keep_attention_host_layers=host))
         ids, doc_ids, labels = (t.cuda() for t in _batch(spec.vocab_size, n=296, first_doc=100))
-        kept_attention.STATS.__init__()
+        kept_attention.STATS.reset()
         for _ in range(2):
             model.zero_grad(set_to_none=True)
             loss = loss_fn(MemorySettings())(model(ids, doc_ids=doc_ids), model.lm_head.weight, labels)

@@ -41,7 +41,7 @@ def test_kept_bytes_are_the_runtimes(preset):
     model = build_model(spec, dtype=torch.float32, seed=0)
     parallelize(model, MemorySettings(recompute=True, keep_attention_layers=spec.num_layers))
     ids = torch.randint(0, spec.vocab_size, (B, S), generator=torch.Generator().manual_seed(0))
-    kept_attention.STATS.__init__()
+    kept_attention.STATS.reset()
     with dispatch.override("sink_attention", "torch_reference", sink_mod.sink_attention_sdpa), \
             dispatch.override("attention", "torch_reference", attn_mod.attention_sdpa):
         model(ids).float().sum().backward()

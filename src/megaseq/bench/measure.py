@@ -152,7 +152,7 @@ def measure_megaseq(cfg: Config, seq_len: int, steps: int, source: str, routing:
             host_rss_peak_reset()
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
-            kept_attention.STATS.__init__()  # the steps' kept attention calls (memory.keep_attention_layers)
+            kept_attention.STATS.reset()  # the steps' kept attention calls (memory.keep_attention_layers)
             first: list[float] = []
             compiles: dict[str, Any] = {}
             tunings: dict[str, Any] = {}

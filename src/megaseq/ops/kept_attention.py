@@ -40,6 +40,11 @@ aten = torch.ops.aten
 _LSE_FLAG = "compute_log_sumexp"
 
 
+def _index(func: Any, name: str) -> int | None:
+    """The position of argument ``name`` in the op's schema (None: it has none)."""
+    return next((i for i, a in enumerate(func._schema.arguments) if a.name == name), None)
+
+
 def _ops() -> dict[Any, str | None]:
     names = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_cudnn_attention",
              "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention_for_cpu",
@@ -50,8 +55,7 @@ def _ops() -> dict[Any, str | None]:
         if packet is None:
             continue
         op = packet.default
-        flags = [a.name for a in op._schema.arguments if a.name == _LSE_FLAG]
-        out[op] = flags[0] if flags else None
+        out[op] = _LSE_FLAG if _index(op, _LSE_FLAG) is not None else None
     return out
 
 
@@ -61,10 +65,10 @@ KEPT_DISPATCH_OPS = ("attention", "sink_attention")
 
 
 def _dropout(func: Any, args: tuple, kwargs: dict) -> float:
-    for i, a in enumerate(func._schema.arguments):
-        if a.name == "dropout_p":
-            return float(kwargs.get("dropout_p", args[i] if i < len(args) else 0.0))
-    return 0.0
+    i = _index(func, "dropout_p")
+    if i is None:
+        return 0.0
+    return float(kwargs.get("dropout_p", args[i] if i < len(args) else 0.0))
 
 
 def _with_lse(func: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -72,7 +76,7 @@ def _with_lse(func: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     flag = ATTENTION_OPS[func]
     if flag is None:
         return args, kwargs
-    i = next(j for j, a in enumerate(func._schema.arguments) if a.name == flag)
+    i = _index(func, flag)
     if i < len(args):
         args = args[:i] + (True,) + args[i + 1:]
     else:
@@ -109,6 +113,10 @@ class KeptStats:
     hits: int = 0
     misses: int = 0
     bytes_kept: int = 0  # bytes kept by ``kept`` calls
+
+    def reset(self) -> None:
+        """Start counting again (a bench row's steps, a test's step)."""
+        self.kept = self.hits = self.misses = self.bytes_kept = 0
 
 
 STATS = KeptStats()
