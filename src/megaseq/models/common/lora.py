@@ -93,8 +93,13 @@ class LoRALinear(nn.Linear):
 
     def forward(self, x_NI: torch.Tensor) -> torch.Tensor:
         x_NI = _mm_input(x_NI)
-        y_NO = F.linear(x_NI, self.weight, self.bias)
-        return y_NO + self.lora_B(self.lora_A(self.lora_dropout(x_NI))) * self.scaling
+        y_NO = F.linear(x_NI, self.weight, self.bias).contiguous()
+        # the scale on the rank-r rows, and B's product added into the base's output by the GEMM itself (beta 1;
+        # F.linear's backward does not read its output): no elementwise pass over [N, out] in either direction
+        t_Nr = (self.lora_A(self.lora_dropout(x_NI)) * self.scaling).to(y_NO.dtype)
+        y_2d = y_NO.view(-1, y_NO.shape[-1])
+        y_2d.addmm_(t_Nr.reshape(-1, t_Nr.shape[-1]), self.lora_B.weight.to(y_NO.dtype).t())
+        return y_NO
 
     def delta_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """``s * B A [out, in]`` in ``dtype`` (default the weight's; autocast off, as PEFT folds it)."""
@@ -157,12 +162,11 @@ class LoRAExperts(Experts):
         A_ErI, B_EOr = factors
         x_MI = _mm_input(x_MI)
         y_MO = dispatch.call("grouped_mm", x_MI, w_EOI, counts_E, layer=self.layer)
-        t_Mr = dispatch.call("grouped_mm", x_MI, A_ErI, counts_E, layer=f"{self.layer}.lora")
+        t_Mr = dispatch.call("grouped_mm", x_MI, A_ErI, counts_E, layer=f"{self.layer}.lora") * self.scaling
         # the adapter's rows added into the base's in place (no backward reads grouped_mm's output): a tile of
         # routed rows holds the base's [M, O] and the adapter's, where an out-of-place sum would add a scaled copy
-        # and the sum
-        return y_MO.add_(dispatch.call("grouped_mm", t_Mr, B_EOr, counts_E, layer=f"{self.layer}.lora"),
-                         alpha=self.scaling)
+        # and the sum. The scale sits on the rank-r rows, so the sum's backward passes its gradient through as is
+        return y_MO.add_(dispatch.call("grouped_mm", t_Mr, B_EOr, counts_E, layer=f"{self.layer}.lora"))
 
     def delta_weight(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """``s * B_e A_e`` for every expert: ``[E, out, in]`` in ``dtype`` (default the tensor's)."""
