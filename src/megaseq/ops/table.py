@@ -63,6 +63,11 @@ OPS: tuple[Op, ...] = (
         Impl("triton", f"{_OPS}.rms_norm.fused", "rms_norm_triton", "rms_norm_triton_supports", opt_in=True,
              packages=TRITON),
     ), fast="triton", plan_counts_fast=True),
+    Op("rope", (
+        Impl("torch", f"{_OPS}.rope.reference", "rope_reference", reference=True),
+        Impl("liger", f"{_OPS}.rope.liger", "rope_liger", "liger_rope_supports", opt_in=True,
+             packages=("triton", "liger_kernel")),
+    ), fast="liger"),
     Op("swiglu", (
         Impl("torch", f"{_OPS}.swiglu.reference", "swiglu", reference=True),
         Impl("triton", f"{_OPS}.swiglu.fused", "swiglu_triton", "swiglu_triton_supports", opt_in=True,

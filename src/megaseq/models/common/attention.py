@@ -197,7 +197,6 @@ def _sdpa_lower_right(q_BHLD: torch.Tensor, k_BKLD: torch.Tensor, v_BKLD: torch.
 
 
 # ---- RoPE (models/common/rope.py) -----------------------------------------------------------------
-rotate_half = rope.rotate_half
 
 
 def rope_cos_sin(position_ids_BS: torch.Tensor, head_dim: int, theta: float,
@@ -279,8 +278,7 @@ class Attention(nn.Module):
         freq, factor = rope.inv_freq(self.rotary_dim, self.rope_theta, self.rope_scaling, self.max_positions,
                                      x_BSH.device)
         cos, sin = rope.cos_sin(positions_BS, freq, factor, q.dtype)
-        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
-        q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
+        q, k = dispatch.call("rope", q, k, cos, sin, layer=self.layer)
         rep = kv_repeats(self.num_heads, self.num_kv_heads, ctx.cp_size) if ctx.cp_size > 1 else 1
         if rep > 1:  # copies; KV head j becomes heads j*rep .. j*rep+rep-1, so the GQA grouping holds
             k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)

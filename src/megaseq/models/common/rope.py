@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from megaseq.ops.rope.reference import rotate
+
 
 def rotary_dim(head_dim: int, partial_rotary_factor: float = 1.0) -> int:
     """Rotated dims of a head (HF: ``int(head_dim * partial_rotary_factor)``)."""
@@ -103,11 +105,6 @@ def cos_sin(position_ids_BS: torch.Tensor, freq_F: torch.Tensor, attention_facto
     return (emb.cos() * attention_factor).to(dtype), (emb.sin() * attention_factor).to(dtype)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool = False) -> torch.Tensor:
     """Rotate the first ``cos.shape[-1]`` dims of ``x`` (broadcast ``cos``/``sin`` to x's leading dims)."""
     D = cos.shape[-1]
@@ -115,6 +112,5 @@ def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: boo
         c, s = cos[..., : D // 2], sin[..., : D // 2]
         x1, x2 = x[..., 0:D:2], x[..., 1:D:2]
         rot = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
-    else:
-        rot = x[..., :D] * cos + rotate_half(x[..., :D]) * sin
-    return rot if D == x.shape[-1] else torch.cat([rot, x[..., D:]], dim=-1)
+        return rot if D == x.shape[-1] else torch.cat([rot, x[..., D:]], dim=-1)
+    return rotate(x, cos, sin)
