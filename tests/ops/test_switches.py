@@ -79,3 +79,15 @@ def test_only_switches_reads_the_environment():
 def test_a_second_reader_is_caught():
     assert READ.search('mode = os.environ.get("MEGASEQ_MLA_DC", "saved")') and READ.search('os.environ["MEGASEQ_X"]')
     assert READ.search("os.getenv('MEGASEQ_ADAMW')") and not READ.search('os.environ["MEGASEQ_AUTOTUNE"] = "full"')
+
+
+def test_fast_off_leaves_ops_out_of_the_fast_set(monkeypatch):
+    from megaseq.ops.kernels import preferred_kernels
+
+    assert {"rope", "swiglu"} <= set(preferred_kernels("cuda", "fast"))
+    monkeypatch.setenv("MEGASEQ_FAST_OFF", "rope, swiglu")
+    got = preferred_kernels("cuda", "fast")
+    assert "rope" not in got and "swiglu" not in got and "rms_norm" in got
+    monkeypatch.setenv("MEGASEQ_FAST_OFF", "rope,no_such_op")
+    with pytest.raises(ValueError, match="MEGASEQ_FAST_OFF names no_such_op"):
+        preferred_kernels("cuda", "fast")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass
 
+from megaseq.ops import switches
 from megaseq.ops.table import OPS, fast_impl
 
 
@@ -57,7 +58,8 @@ def planned_kernels(device_type: str, model_dtype: str) -> dict[str, str]:
 def preferred_kernels(device_type: str, kernels: str) -> dict[str, list[str]]:
     """op -> the implementations ``model.kernels`` puts first (the fast set only on a GPU)."""
     if fast_set_on(kernels, device_type) and device_type == "cuda":
-        return {op: [f.impl, *f.fallbacks] for op, f in FAST.items()}
+        off = switches.fast_off()
+        return {op: [f.impl, *f.fallbacks] for op, f in FAST.items() if op not in off}
     return {}
 
 

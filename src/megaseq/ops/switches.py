@@ -22,6 +22,8 @@ The others are debugging and tuning switches, live for benchmarks and for compar
   ``atomic`` (``ops.sparse_mla.kernels``).
 - ``MEGASEQ_ADAMW``: ``torch`` declines the one-pass Triton AdamW step of the master weights
   (``ops.adamw``) for torch's fused AdamW; default ``triton``.
+- ``MEGASEQ_FAST_OFF``: ops (comma-separated, e.g. ``rope,swiglu``) whose fast kernel ``model.kernels fast`` leaves
+  out, so they run their reference or base implementation: one kernel's share of a step, measured in its step.
 - ``MEGASEQ_GROW_POOL``: ``1`` grows the CUDA caching allocator's pool toward the plan's tensor peak before the
   first step, while the precompile finishes (``train.build.grow_pool``); default ``0``.
 - ``MEGASEQ_WARM_OPS``: ``1`` (the default) replays the torch ops the run's first step calls, once each on zeros,
@@ -138,3 +140,14 @@ def warm_ops() -> bool:
     """``MEGASEQ_WARM_OPS``: ``1`` (the default) replays the run's op manifest before the first step on a GPU and
     records it where none exists (``ops.op_warmup``); ``0`` does neither."""
     return _choice("MEGASEQ_WARM_OPS", _read("MEGASEQ_WARM_OPS") or "1", ("1", "0")) == "1"
+
+
+def fast_off() -> frozenset[str]:
+    """``MEGASEQ_FAST_OFF``: the ops the fast set leaves out (each must be an op of ``ops.table``)."""
+    from megaseq.ops.table import BY_NAME
+
+    ops = frozenset(o.strip() for o in (_read("MEGASEQ_FAST_OFF") or "").split(",") if o.strip())
+    unknown = sorted(ops - set(BY_NAME))
+    if unknown:
+        raise ValueError(f"MEGASEQ_FAST_OFF names {', '.join(unknown)}, not ops; the ops: {', '.join(sorted(BY_NAME))}")
+    return ops
