@@ -77,7 +77,12 @@ def peer_model(cfg: Config, device: torch.device, dtype: torch.dtype = torch.bfl
 
 
 def apply_liger(model: torch.nn.Module) -> str:
-    """Liger's kernels for the model's family, applied to this instance; says what it did or why not."""
+    """Liger's kernels for the model's family, applied to this instance; says what it did or why not. Off CUDA
+    it applies none: Liger's kernels run on CUDA only, and some of its patches are module-wide (transformers'
+    RoPE and loss functions), so they would reach every later model of the family in the process."""
+    device = next(model.parameters()).device
+    if device.type != "cuda":
+        return f"not applied: Liger's kernels run on CUDA, the model is on {device.type}"
     try:
         from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
     except ImportError as e:  # not installed, or its Triton is missing

@@ -37,11 +37,11 @@ class ModelConfig:
                        "and moments, sharded with --parallel.fsdp, in host memory with memory.optimizer_offload; "
                        "needs model.dtype bf16)", choices=("fp32", "bf16"))
     kernels: str = opt("fast", "GPU kernels: fast (the Triton kernels for sparse MLA, the indexer top-k, mHC, SwiGLU, "
-                                "RMSNorm and the MoE glue, and Liger's RoPE and loss, each checked against its reference; "
-                                "an op a kernel cannot run falls back to its reference, reported after the first "
-                                "step) or base (the set the memory plan is calibrated on: fla's KDA, the absorbed "
-                                "sparse MLA, SDPA, grouped GEMMs, torch elsewhere); the plan is an upper bound "
-                                "for fast",
+                                "RMSNorm and the MoE glue, and Liger's RoPE and loss, each checked against its "
+                                "reference; an op a kernel cannot run falls back to its reference, reported after the "
+                                "first step) or base (the set the memory plan is calibrated on: fla's KDA, the "
+                                "absorbed sparse MLA, SDPA, grouped GEMMs, torch elsewhere); the plan is an upper "
+                                "bound for fast",
                       aliases={"default": "base"}, choices=("fast", "base"), expect="fast or base")
     autotune: str | None = opt(None, "Triton autotuning where no tuned table holds a kernel's key: pruned (a few "
                                "configs a space, timed once and cached), full (every config, as `megaseq tune`) or "
