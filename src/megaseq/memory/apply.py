@@ -37,7 +37,7 @@ from megaseq.memory.offload import (
     uncheckpoint_layer,
 )
 from megaseq.memory.offload_adam import OffloadStreamAdamW
-from megaseq.memory.rules import check_model_segments, check_stream_base
+from megaseq.memory.rules import check_model_segments, check_stream_base, kept_attention_layers
 from megaseq.memory.stream_base import BaseStreamer, stream_layers, unstream_layers
 from megaseq.memory.vocab_loss import linear_cross_entropy
 from megaseq.models.common.prenorm import PreNormDecoderLayer
@@ -134,8 +134,9 @@ def recompute_layers(layers: list[nn.Module], settings: MemorySettings, done: Ap
     done.offloader = checkpoint_layers(layers, offloader, settings.keep_attention_layers,
                                        settings.keep_attention_host_layers)
     done.checkpointed = len(layers)
-    done.kept_attention = min(settings.keep_attention_layers, len(layers))
-    done.kept_attention_host = min(settings.keep_attention_host_layers, done.kept_attention)
+    on_host, on_gpu = kept_attention_layers(len(layers), settings.keep_attention_layers,
+                                            settings.keep_attention_host_layers)
+    done.kept_attention, done.kept_attention_host = len(on_host) + len(on_gpu), len(on_host)
     done.kept_host = kept_host_store(layers)
 
 

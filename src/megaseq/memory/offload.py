@@ -40,7 +40,11 @@ from torch import nn
 
 from megaseq.memory import forwards
 from megaseq.memory.replay import Chunk, InputStore, Replay, layer_rerun, replay
-from megaseq.memory.rules import SLOT_ALIGN, round_up  # the planner's slot sizing too (one formula: sco_plan)
+from megaseq.memory.rules import (  # the planner's slot sizing and kept layers too (one formula each)
+    SLOT_ALIGN,
+    kept_attention_layers,
+    round_up,
+)
 from megaseq.ops import kept_attention
 
 
@@ -552,13 +556,12 @@ def checkpoint_layers(layers: Any, offloader: BoundaryOffloader | None = None, k
                          f"{keep_attention} (or fewer)")
     if offloader is not None and offloader.max_slots is None:
         offloader.max_slots = len(layers)
-    first_kept = len(layers) - min(keep_attention, len(layers))
-    on_host = min(keep_attention_host, len(layers) - first_kept)
-    store = KeptHostStore(on_host) if on_host else None
+    on_host, on_gpu = kept_attention_layers(len(layers), keep_attention, keep_attention_host)
+    store = KeptHostStore(len(on_host)) if on_host else None
     for i, layer in enumerate(layers):
         uncheckpoint_layer(layer)
-        layer.forward = _CheckpointedForward(layer, offloader, keep_attention=i >= first_kept, kept_host=store,
-                                             keep_on_host=first_kept <= i < first_kept + on_host)
+        layer.forward = _CheckpointedForward(layer, offloader, keep_attention=i in on_host or i in on_gpu,
+                                             kept_host=store, keep_on_host=i in on_host)
     return offloader
 
 

@@ -21,6 +21,16 @@ def round_up(n: int, align: int = SLOT_ALIGN) -> int:
     return -(-n // align) * align
 
 
+def kept_attention_layers(num_layers: int, keep: int, keep_host: int) -> tuple[range, range]:
+    """(the layers keeping attention's output in pinned host memory, those keeping it on the GPU): of the last
+    ``keep`` layers (``memory.keep_attention_layers``, at most all of them) the first ``keep_host``
+    (``memory.keep_attention_host_layers``, at most those) are the host's. ``memory.offload.checkpoint_layers``
+    installs them, the planner counts them."""
+    kept = min(keep, num_layers)
+    first, on_host = num_layers - kept, min(keep_host, kept)
+    return range(first, first + on_host), range(first + on_host, num_layers)
+
+
 def check_model_segments(family_name: str, segment_tokens: int, cp: int = 1,
                          layer_schemes: tuple[str, ...] = ()) -> None:
     """ValueError naming ``memory.model_segment_tokens`` and the fix for what sequence segments

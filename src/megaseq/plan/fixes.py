@@ -27,7 +27,10 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from megaseq.config import MemorySettings
-from megaseq.memory.rules import check_model_segments  # noqa: F401  (re-exported)
+from megaseq.memory.rules import (
+    check_model_segments,  # noqa: F401  (re-exported)
+    kept_attention_layers,
+)
 from megaseq.models.registry import family
 from megaseq.plan import components as C
 from megaseq.plan import layers, segments, stream
@@ -234,9 +237,8 @@ def kept_attention_flops(run: Run, layers_kept: int) -> float:
     """The attention forward FLOPs the rerun of the last ``layers_kept`` layers does not run when they keep
     attention's output (``memory.keep_attention_layers``): their SDPA cores' (``flops.mixer_core_flops``)."""
     spec = run.spec
-    first = spec.num_layers - min(layers_kept, spec.num_layers)
-    return sum(layer_flops(spec, run.seq_len, i).core for i in range(first, spec.num_layers)
-               if spec.layer_types[i] in KEPT_KINDS)
+    kept = kept_attention_layers(spec.num_layers, layers_kept, 0)[1]
+    return sum(layer_flops(spec, run.seq_len, i).core for i in kept if spec.layer_types[i] in KEPT_KINDS)
 
 
 def copy_excess(nbytes: float, step_s: float) -> float:

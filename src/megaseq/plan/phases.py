@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 
+from megaseq.memory.rules import kept_attention_layers
 from megaseq.models.spec import ModelSpec
 from megaseq.plan import components as C
 from megaseq.plan import sparse_attention as SA
@@ -115,12 +116,10 @@ def _sco_offloaded(run: Run, bnd: int) -> int:
 def kept_layers(run: Run) -> tuple[range, range]:
     """(the layers keeping attention's output in host memory, those keeping it on the GPU), under recompute: of
     the last ``keep_attention_layers`` layers the first ``keep_attention_host_layers`` are the host's."""
-    L, m = run.spec.num_layers, run.memory
+    m = run.memory
     if not m.recompute:
         return range(0), range(0)
-    kept = min(m.keep_attention_layers, L)
-    first, on_host = L - kept, min(m.keep_attention_host_layers, kept)
-    return range(first, first + on_host), range(first + on_host, L)
+    return kept_attention_layers(run.spec.num_layers, m.keep_attention_layers, m.keep_attention_host_layers)
 
 
 def _host_kept_on_gpu(terms: list[LayerTerms], host: range, phase: str, i: int) -> int:
