@@ -228,12 +228,6 @@ class BoundaryOffloader(_PinnedStore):
 
 
 # ---- kept attention in host memory ---------------------------------------------------------------
-def _large(t: Any) -> bool:
-    """A kept output that goes to host memory: a tensor of more than one element (O, the log-sum-exp); the
-    0-dim and one-element ones (seeds, offsets, sizes) stay where they are."""
-    return isinstance(t, torch.Tensor) and t.numel() > 1
-
-
 class _HostKept:
     """One layer call's kept tensors in host memory: per tensor its place in the keeper's calls and its host
     view; their GPU copies once fetched."""
@@ -293,7 +287,7 @@ class KeptHostStore(_PinnedStore):
         """Copy ``keeper``'s large kept tensors to host memory and drop its references to them; the record to
         ``fetch`` them back with (None when nothing was kept)."""
         moved = [(c, j, t) for c, (_, outs) in enumerate(keeper.calls)
-                 for j, t in enumerate(outs if isinstance(outs, (tuple, list)) else (outs,)) if _large(t)]
+                 for j, t in enumerate(outs if isinstance(outs, (tuple, list)) else (outs,)) if kept_attention.large(t)]
         if not moved:
             return None
         on_cuda = moved[0][2].is_cuda

@@ -61,8 +61,8 @@ class _State:
 
 
 _state = _State()
-# the ops a layer's kept attention intercepts (``ops.kept_attention.KEPT_DISPATCH_OPS``; torch imported only there)
-_KEPT_OPS = ("attention", "sink_attention")
+# the ops a layer's kept attention intercepts (``ops.kept_attention``, imported only when one of them runs)
+KEPT_OPS = ("attention", "sink_attention")
 _lock = threading.Lock()
 
 
@@ -218,7 +218,7 @@ def call(op: str, *args: Any, layer: str = "?", **kwargs: Any) -> Any:
     """Run ``op`` with the best implementation that supports these arguments (the attention ops under a layer's
     kept attention, ``ops.kept_attention``, where one is active)."""
     fn = select(op, layer, *args, **kwargs).fn
-    if op not in _KEPT_OPS:
+    if op not in KEPT_OPS:
         return fn(*args, **kwargs)
     from megaseq.ops import kept_attention
 

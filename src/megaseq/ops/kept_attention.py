@@ -33,6 +33,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from megaseq.ops.dispatch import KEPT_OPS
+
 aten = torch.ops.aten
 
 # the fused attention ops SDPA dispatches to, and the name of the flag that asks for the log-sum-exp (None:
@@ -60,8 +62,6 @@ def _ops() -> dict[Any, str | None]:
 
 
 ATTENTION_OPS: dict[Any, str | None] = _ops()
-# the ops.dispatch ops run under an active keeper's mode (``ops.dispatch._KEPT_OPS``)
-KEPT_DISPATCH_OPS = ("attention", "sink_attention")
 
 
 def _dropout(func: Any, args: tuple, kwargs: dict) -> float:
@@ -95,6 +95,12 @@ def _signature(func: Any, args: tuple, kwargs: dict) -> tuple:
     log-sum-exp flag set as the kept call had it."""
     args, kwargs = _with_lse(func, args, kwargs)
     return (func, tuple(_describe(a) for a in args), tuple(sorted((k, _describe(v)) for k, v in kwargs.items())))
+
+
+def large(t: Any) -> bool:
+    """A kept output that counts (and that host-kept layers move to host memory): a tensor of more than one element
+    (O, the log-sum-exp); the 0-dim and one-element ones (seeds, offsets, sizes) stay where they are."""
+    return isinstance(t, torch.Tensor) and t.numel() > 1
 
 
 def _detach(out: Any) -> Any:
@@ -154,8 +160,7 @@ class Keeper:
             out = func(*args, **kwargs)
             self.calls.append((_signature(func, args, kwargs), _detach(out)))
             STATS.kept += 1
-            STATS.bytes_kept += sum(t.numel() * t.element_size() for t in out if isinstance(t, torch.Tensor)
-                                    and t.numel() > 1)
+            STATS.bytes_kept += sum(t.numel() * t.element_size() for t in out if large(t))
             return out
         if self.calls and self.calls[0][0] == _signature(func, args, kwargs):
             STATS.hits += 1
@@ -199,7 +204,7 @@ def active() -> Keeper | None:
 def wrap(op: str) -> contextlib.AbstractContextManager:
     """What ``ops.dispatch.call`` runs op ``op`` under: the active keeper's mode for the attention ops, else
     nothing."""
-    keeper = _ACTIVE.get() if op in KEPT_DISPATCH_OPS else None
+    keeper = _ACTIVE.get() if op in KEPT_OPS else None
     if keeper is None:
         return contextlib.nullcontext()
     # the keeper is not active inside its own mode (an op nested in the mode would see it again)
