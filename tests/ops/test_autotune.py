@@ -142,6 +142,47 @@ def test_shipped_table_is_read_and_the_users_wins(tmp_path) -> None:
     assert TunedTable("NVIDIA H200").shipped_path == autotune.SHIPPED_DIR / "nvidia-h200.json"
 
 
+def test_a_gpu_without_its_own_table_reads_its_architectures(tmp_path) -> None:
+    full = {"kwargs": {"B": 64}, "num_warps": 8, "num_stages": 3, "tuned": "full"}
+    ship = tmp_path / "ship"
+    ship.mkdir()
+    autotune.write_table(ship / "nvidia-h100-80gb-hbm3.json", {"k": {"H=8|len=8192": full}}, "NVIDIA H100 80GB HBM3",
+                         "sm90")
+    autotune.write_table(ship / "nvidia-a100-sxm4-80gb.json", {"k": {"H=8|len=8192": {**full, "num_warps": 4}}},
+                         "NVIDIA A100-SXM4-80GB", "sm80")
+    assert json.loads((ship / "nvidia-h100-80gb-hbm3.json").read_text())["arch"] == "sm90"
+    assert autotune.shipped_table("NVIDIA H200", "sm90", ship) == ship / "nvidia-h100-80gb-hbm3.json"
+    assert autotune.shipped_table("NVIDIA A100 40GB", "sm80", ship) == ship / "nvidia-a100-sxm4-80gb.json"
+    assert autotune.shipped_table("NVIDIA H200", "sm100", ship) is None
+    assert autotune.shipped_table("NVIDIA H200", None, ship) is None
+    # a table of its own wins over its architecture's
+    autotune.write_table(ship / "nvidia-h200.json", {"k": {}}, "NVIDIA H200", "sm90")
+    assert autotune.shipped_table("NVIDIA H200", "sm90", ship) == ship / "nvidia-h200.json"
+    (ship / "nvidia-h200.json").unlink()
+
+    user = tmp_path / "user.json"
+    t = TunedTable("NVIDIA H200", shipped=autotune.shipped_table("NVIDIA H200", "sm90", ship), user=user)
+    assert t.borrowed_from == "NVIDIA H100 80GB HBM3"
+    hit = t.lookup("k", {"H": 8}, 8192)
+    assert hit["kwargs"] == {"B": 64} and hit["num_warps"] == 8 and hit["tuned"] == "full on NVIDIA H100 80GB HBM3"
+    # a pruned tuning on this GPU replaces a full one made on another model (not one made on this model)
+    pruned = {"kwargs": {"B": 32}, "num_warps": 4, "num_stages": 2, "tuned": "pruned"}
+    _write(user, {"k": {"H=8|len=8192": pruned}})
+    t = TunedTable("NVIDIA H200", shipped=autotune.shipped_table("NVIDIA H200", "sm90", ship), user=user)
+    assert t.lookup("k", {"H": 8}, 8192) == pruned
+    # its own table borrows nothing
+    assert TunedTable("NVIDIA H100 80GB HBM3", shipped=ship / "nvidia-h100-80gb-hbm3.json", user=user).borrowed_from \
+        is None
+
+
+def test_the_h200_reads_the_shipped_h100_table() -> None:
+    t = TunedTable("NVIDIA H200", arch="sm90")
+    h100 = json.loads((autotune.SHIPPED_DIR / "nvidia-h100-80gb-hbm3.json").read_text())
+    assert h100["arch"] == "sm90" and t.borrowed_from == h100["device"]
+    assert set(t.kernels) == set(h100["kernels"])
+    assert TunedTable("NVIDIA H200", arch="sm100").kernels == {}  # another architecture: tune
+
+
 def test_record_persists_and_keeps_other_entries(tmp_path) -> None:
     user = _write(tmp_path / "user.json", {"other": {"H=1": {"kwargs": {}, "num_warps": 4, "num_stages": 1}}})
     t = TunedTable("NVIDIA H200", shipped=tmp_path / "none.json", user=user)

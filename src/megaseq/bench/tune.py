@@ -111,7 +111,7 @@ def run_tune(cfg: Config, lengths: list[int], out: str | None = None, measure=No
     merged = autotune._read(path) if path.exists() else {}
     for kernel, entries in table.recorded.items():
         merged.setdefault(kernel, {}).update(entries)
-    autotune.write_table(path, merged, device)
+    autotune.write_table(path, merged, device, autotune.cuda_arch(device))
     entries = sum(len(v) for v in table.recorded.values())
     return {"device": device, "lengths": lengths, "routing": routing, "table": str(path), "entries": entries,
             "manifest": manifest,

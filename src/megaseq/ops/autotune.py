@@ -9,8 +9,11 @@ kernel over its whole config space: minutes, where a warm step takes seconds. Fo
   to a power of two, ``seq_bucket``). The kernels read it before tuning (``TunedTable.lookup``): a key found
   there compiles one config and times nothing. Tables ship in the package (``ops/tuned/<gpu>.json``, written
   by ``megaseq tune`` on that GPU) and are kept per user (``<cache>/autotune/<gpu>.json``, every tuning this
-  machine ran); the user's entries win. A length without its own bucket takes the nearest bucket within
-  ``NEAR_BUCKETS`` powers of two, so one tuning serves nearby lengths.
+  machine ran); the user's entries win. A GPU model without a shipped table of its own reads the shipped table
+  of its architecture (``arch``, e.g. ``sm90``: an H200 reads the H100's): the same SMs, the same launch limits,
+  and its configs the nearest to tuned there are; this GPU's own tunings replace them. A length without its
+  own bucket takes the nearest bucket within ``NEAR_BUCKETS`` powers of two, so one tuning serves nearby
+  lengths.
 - **Pruned spaces** (``model.autotune``, ``MEGASEQ_AUTOTUNE``): ``pruned`` (the default) times at most
   ``PRUNED_CONFIGS`` configs of a space, the most conservative one and an even spread of the rest by cost, each on
   a shorter clock (``BENCH_MS``: Triton's warm-up and repetition time per config); ``full`` times them all on
@@ -27,6 +30,7 @@ Torch-free and Triton-free: the tables, buckets and pruning are plain Python (te
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 from pathlib import Path
@@ -45,6 +49,7 @@ BENCH_MS: dict[str, tuple[int, int]] = {"pruned": (5, 25)}
 NEAR_BUCKETS = 2
 FORMAT = 1
 SHIPPED_DIR = Path(__file__).parent / "tuned"
+logger = logging.getLogger(__name__)
 
 
 def cache_root() -> Path:
@@ -133,29 +138,57 @@ def _read(path: Path) -> dict[str, dict[str, Any]]:
     return data["kernels"]
 
 
-def write_table(path: Path, kernels: dict[str, dict[str, Any]], device: str) -> None:
-    """Write a tuned table atomically (``files.write_atomic``)."""
+def _header(path: Path) -> dict[str, Any]:
+    """A table's ``device`` and ``arch`` (``{}``: no readable table)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return {k: data.get(k) for k in ("device", "arch")} if isinstance(data, dict) else {}
+
+
+def write_table(path: Path, kernels: dict[str, dict[str, Any]], device: str, arch: str | None = None) -> None:
+    """Write a tuned table atomically (``files.write_atomic``); ``arch`` (``sm90``) lets other GPU models of that
+    architecture read a shipped one."""
     ordered = {k: dict(sorted(v.items())) for k, v in sorted(kernels.items())}
-    body = {"format": FORMAT, "device": device, "kernels": ordered}
+    body = {"format": FORMAT, "device": device, **({"arch": arch} if arch else {}), "kernels": ordered}
     write_atomic(path, json.dumps(body, indent=1) + "\n")
+
+
+def shipped_table(device: str, arch: str | None, shipped_dir: Path | None = None) -> Path | None:
+    """The shipped table ``device`` reads: its own, else (``arch`` given) the first by name of its architecture's;
+    None: neither."""
+    shipped_dir = shipped_dir or SHIPPED_DIR
+    own = shipped_dir / f"{device_slug(device)}.json"
+    if own.exists() or not arch:
+        return own if own.exists() else None
+    same = [p for p in sorted(shipped_dir.glob("*.json")) if _header(p).get("arch") == arch]
+    return same[0] if same else None
 
 
 class TunedTable:
     """The tuned configs of one GPU model: the shipped table under the user's, and what this process tuned.
 
     A config is stored as ``{"kwargs": {...}, "num_warps": w, "num_stages": s, "tuned": how}``, ``how`` the
-    space it won in (``full`` or ``pruned``)."""
+    space it won in (``full`` or ``pruned``). Entries of another GPU model's table (``shipped_table``: same
+    ``arch``, none of this model's own) read ``"<how> on <device>"``, so any tuning on this GPU replaces them;
+    ``borrowed_from`` names that device."""
 
-    def __init__(self, device: str, shipped: Path | None = None, user: Path | None = None) -> None:
+    def __init__(self, device: str, shipped: Path | None = None, user: Path | None = None,
+                 arch: str | None = None) -> None:
         slug = device_slug(device)
         self.device = device
         self.user_path = user or cache_root() / "autotune" / f"{slug}.json"
-        self.shipped_path = shipped or SHIPPED_DIR / f"{slug}.json"
+        self.shipped_path = shipped or shipped_table(device, arch) or SHIPPED_DIR / f"{slug}.json"
+        theirs = _header(self.shipped_path).get("device")
+        self.borrowed_from = theirs if theirs and device_slug(theirs) != slug else None
         self.kernels: dict[str, dict[str, Any]] = {}
         for path in (self.shipped_path, self.user_path):  # the user's entries override the shipped ones...
             for kernel, entries in _read(path).items():
                 mine = self.kernels.setdefault(kernel, {})
                 for key, cfg in entries.items():  # ...except a pruned search over a full one
+                    if path == self.shipped_path and self.borrowed_from:
+                        cfg = {**cfg, "tuned": f"{cfg.get('tuned')} on {self.borrowed_from}"}
                     if not (cfg.get("tuned") == "pruned" and mine.get(key, {}).get("tuned") == "full"):
                         mine[key] = cfg
         self.recorded: dict[str, dict[str, Any]] = {}
@@ -191,6 +224,19 @@ class TunedTable:
 _tables: dict[str, TunedTable] = {}
 
 
+def cuda_arch(device: str) -> str | None:
+    """``sm<major><minor>`` of the visible CUDA device named ``device`` (None: none is)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    for i in range(torch.cuda.device_count()):
+        if torch.cuda.get_device_name(i) == device:
+            major, minor = torch.cuda.get_device_capability(i)
+            return f"sm{major}{minor}"
+    return None
+
+
 def table(device: str | None = None) -> TunedTable:
     """This process's table for ``device`` (default: the current CUDA device's name)."""
     if device is None:
@@ -198,5 +244,9 @@ def table(device: str | None = None) -> TunedTable:
 
         device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     if device not in _tables:
-        _tables[device] = TunedTable(device)
+        arch = cuda_arch(device) if device != "cpu" else None
+        t = _tables[device] = TunedTable(device, arch=arch)
+        if t.borrowed_from:
+            logger.info(f"tuned launch configs: none ship for the {device}; reading the {t.borrowed_from}'s "
+                        f"({t.shipped_path.name}, the same architecture, {arch}) until this GPU tunes its own")
     return _tables[device]
