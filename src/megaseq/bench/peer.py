@@ -28,6 +28,7 @@ import torch
 from megaseq.bench.hf_model import load_reference_model
 from megaseq.bench.verify import param_count
 from megaseq.config import Config
+from megaseq.ops.liger_backends import quiet_backend_probes
 
 SAME_WEIGHTS_MAX_PARAMS = 8_000_000_000  # 32 GB in fp32 on the host (and as a temporary export)
 LIGER_WANTED = {"rope": True, "rms_norm": True, "swiglu": True, "fused_linear_cross_entropy": True,
@@ -80,6 +81,7 @@ def apply_liger(model: torch.nn.Module) -> str:
     """Liger's kernels for the model's family, applied to this instance; says what it did or why not. Off CUDA
     it applies none: Liger's kernels run on CUDA only, and some of its patches are module-wide (transformers'
     RoPE and loss functions), so they would reach every later model of the family in the process."""
+    quiet_backend_probes()
     device = next(model.parameters()).device
     if device.type != "cuda":
         return f"not applied: Liger's kernels run on CUDA, the model is on {device.type}"

@@ -16,7 +16,10 @@ import importlib.util
 
 import torch
 
+from megaseq.ops.liger_backends import quiet_backend_probes
+
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+quiet_backend_probes()  # Liger's RoPE probes optional backends on its first call, warning for each it lacks
 
 
 # the reference, ``torch``, is ``ops.rope.reference.rope_reference`` (rows: ``ops.table``)
