@@ -126,25 +126,29 @@ def prune(configs: list, how: str | None = None) -> list:
     return [ranked[round(i * step)] for i in range(PRUNED_CONFIGS)]
 
 
-def _read(path: Path) -> dict[str, dict[str, Any]]:
+def _load(path: Path) -> dict[str, Any]:
+    """A tuned table's whole body (``format``, ``device``, ``arch`` where written, ``kernels``); ``{}``: no file."""
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError:
         return {}
     except (OSError, ValueError) as e:
         raise ValueError(f"{path}: not a megaseq tuned table ({e}); delete it (it is a cache) or fix it") from e
-    if data.get("format") != FORMAT or not isinstance(data.get("kernels"), dict):
+    if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("kernels"), dict):
         raise ValueError(f"{path}: not a megaseq tuned table of format {FORMAT}; delete it (it is a cache)")
-    return data["kernels"]
+    return data
 
 
-def _header(path: Path) -> dict[str, Any]:
-    """A table's ``device`` and ``arch`` (``{}``: no readable table)."""
+def _read(path: Path) -> dict[str, dict[str, Any]]:
+    return _load(path).get("kernels", {})
+
+
+def _arch(path: Path) -> str | None:
+    """A shipped table's ``arch`` (None: none written, or not a readable table)."""
     try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return {k: data.get(k) for k in ("device", "arch")} if isinstance(data, dict) else {}
+        return _load(path).get("arch")
+    except ValueError:
+        return None
 
 
 def write_table(path: Path, kernels: dict[str, dict[str, Any]], device: str, arch: str | None = None) -> None:
@@ -162,7 +166,7 @@ def shipped_table(device: str, arch: str | None, shipped_dir: Path | None = None
     own = shipped_dir / f"{device_slug(device)}.json"
     if own.exists() or not arch:
         return own if own.exists() else None
-    same = [p for p in sorted(shipped_dir.glob("*.json")) if _header(p).get("arch") == arch]
+    same = [p for p in sorted(shipped_dir.glob("*.json")) if _arch(p) == arch]
     return same[0] if same else None
 
 
@@ -180,15 +184,18 @@ class TunedTable:
         self.device = device
         self.user_path = user or cache_root() / "autotune" / f"{slug}.json"
         self.shipped_path = shipped or shipped_table(device, arch) or SHIPPED_DIR / f"{slug}.json"
-        theirs = _header(self.shipped_path).get("device")
+        shipped_body = _load(self.shipped_path)
+        theirs = shipped_body.get("device")
         self.borrowed_from = theirs if theirs and device_slug(theirs) != slug else None
+        shipped_kernels = shipped_body.get("kernels", {})
+        if self.borrowed_from:
+            shipped_kernels = {k: {key: {**cfg, "tuned": f"{cfg.get('tuned')} on {theirs}"}
+                                   for key, cfg in entries.items()} for k, entries in shipped_kernels.items()}
         self.kernels: dict[str, dict[str, Any]] = {}
-        for path in (self.shipped_path, self.user_path):  # the user's entries override the shipped ones...
-            for kernel, entries in _read(path).items():
+        for tables in (shipped_kernels, _read(self.user_path)):  # the user's entries override the shipped ones...
+            for kernel, entries in tables.items():
                 mine = self.kernels.setdefault(kernel, {})
                 for key, cfg in entries.items():  # ...except a pruned search over a full one
-                    if path == self.shipped_path and self.borrowed_from:
-                        cfg = {**cfg, "tuned": f"{cfg.get('tuned')} on {self.borrowed_from}"}
                     if not (cfg.get("tuned") == "pruned" and mine.get(key, {}).get("tuned") == "full"):
                         mine[key] = cfg
         self.recorded: dict[str, dict[str, Any]] = {}
