@@ -118,9 +118,10 @@ def measure_megaseq(cfg: Config, seq_len: int, steps: int, source: str, routing:
     that file (the timed steps run without the profiler). ``profile_first``: the first step under the profiler,
     its table by host time written to that file (where a first step's time beyond a warm one goes; the profiler
     slows that step, so its ``first_step_s`` is not a figure)."""
+    from megaseq.memory import host_memory
     from megaseq.models.common.moe import set_routing
     from megaseq.models.presets import resolve_spec
-    from megaseq.train.build import grow_pool, kernels_for, resolve_device, start_precompile
+    from megaseq.train.build import grow_pool, kernels_for, reserve_pinned, resolve_device, start_precompile
     from megaseq.train.metrics import moe_load
 
     c = cfg_for(cfg, seq_len, source)
@@ -138,6 +139,7 @@ def measure_megaseq(cfg: Config, seq_len: int, steps: int, source: str, routing:
     if left is not None:
         row["gpu_gib_before_row"] = left / GIB
     try:
+        reserve_pinned(device, plan.pinned_host)  # the plan's pinned host bytes, locked while the model is built
         with kernels_for(c, device):  # the dispatcher as `megaseq train` sets it up
             # the run's kernel manifests compile while the model is built (a CUDA device only); the main thread
             # launches no Triton kernel until timed_steps joins it before the first step
@@ -159,6 +161,7 @@ def measure_megaseq(cfg: Config, seq_len: int, steps: int, source: str, routing:
             times = timed_steps(lambda: step(next_batch()), steps, device, first, compiles, pre, profile_first,
                                 tunings)
             row["precompile"] = pre.summary() if pre is not None else None
+            row["pinned_host"] = host_memory.describe()  # locked ahead, and what the pools took of it or locked
             row["kept_attention"] = dict(layers=getattr(applied, "kept_attention", 0), **vars(kept_attention.STATS))
             cuda = device.type == "cuda"  # the timed steps' peaks and routing, read before any profiled step
             peaks = dict(measured_gpu_gib=torch.cuda.max_memory_allocated(device) / GIB if cuda else None,
@@ -192,6 +195,7 @@ def measure_megaseq(cfg: Config, seq_len: int, steps: int, source: str, routing:
             pre.cancel()  # a length that failed before its first step leaves no compiles running (none after a join)
         if applied is not None:
             applied.release()
+        host_memory.drop_reserve()
         # the step (its optimizer and state), the data and the model dropped before the collection: what a cycle
         # holds goes now, not at some later row's allocation
         model = applied = next_batch = step = None

@@ -39,53 +39,13 @@ import torch
 from torch import nn
 
 from megaseq.memory import forwards
+from megaseq.memory.host_memory import HostBuffer
 from megaseq.memory.replay import Chunk, InputStore, Replay, layer_rerun, replay
 from megaseq.memory.rules import (  # the planner's slot sizing and kept layers too (one formula each)
-    SLOT_ALIGN,
     kept_attention_layers,
     round_up,
 )
 from megaseq.ops import kept_attention
-
-
-# ---- host memory: one exactly sized buffer --------------------------------------------------------
-def _unregister(ptr: int) -> None:
-    torch.cuda.cudart().cudaHostUnregister(ptr)
-
-
-class HostBuffer:
-    """``nbytes`` of host memory, page-locked with ``cudaHostRegister`` when ``pin`` (exact size, unlike
-    ``pin_memory=True`` whose caching allocator rounds up to a power of two). Views carve it up."""
-
-    def __init__(self, nbytes: int, pin: bool) -> None:
-        self.nbytes = nbytes
-        self.base = torch.empty(nbytes, dtype=torch.uint8)
-        self.pinned = False
-        if pin and nbytes > 0:
-            err = int(torch.cuda.cudart().cudaHostRegister(self.base.data_ptr(), nbytes, 0))
-            if err != 0:  # fall back to the caching allocator rather than to pageable copies
-                self.base = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-            else:
-                self.pinned = True
-                self._finalizer = weakref.finalize(self, _unregister, self.base.data_ptr())
-
-    def view(self, offset: int, shape: tuple[int, ...], dtype: torch.dtype,
-             stride: tuple[int, ...] | None = None) -> torch.Tensor:
-        """``shape`` of ``dtype`` at ``offset``: contiguous, or with ``stride`` (a dense layout of the same bytes)."""
-        numel = 1
-        for n in shape:
-            numel *= n
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
-        assert offset % SLOT_ALIGN == 0 and offset + nbytes <= self.nbytes
-        flat = self.base[offset:offset + nbytes].view(dtype)
-        return flat.view(shape) if stride is None else flat.as_strided(shape, stride)
-
-    def release(self) -> None:
-        if self.pinned:
-            self._finalizer()
-            self.pinned = False
-        self.base = torch.empty(0, dtype=torch.uint8)
-        self.nbytes = 0
 
 
 # ---- what SCO and the host-kept attention outputs share ----------------------------------------------

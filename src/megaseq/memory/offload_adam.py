@@ -43,8 +43,8 @@ from typing import Any
 
 import torch
 
+from megaseq.memory.host_memory import HostBuffer
 from megaseq.memory.master_adam import combine_norms, fold_grad, like_param, local, restore_groups, weak_hook
-from megaseq.memory.offload import HostBuffer
 from megaseq.memory.rules import round_up
 
 

@@ -7,7 +7,7 @@ Under sequence segments (``memory/model_segments.py``) every softmax-attention o
 (or latent) rows of every token so far, ``[B, S, ...]`` in the compute dtype, and in the backward pass an fp32
 accumulator of their gradient from later segments: ``(c + 4) * row`` bytes per token and layer, the whole model's
 sequence-long store. ``HostKV`` keeps both in host memory, per layer key (pinned when the device is a GPU: exactly
-sized ``offload.HostBuffer``s), and the device holds at most about two layers' worth:
+sized ``host_memory.HostBuffer``s), and the device holds at most about two layers' worth:
 
 - forward pass, segment j: a layer attends over its rows ``[0, s)`` copied in (fetched while the layer before it
   computed) joined to this segment's; its rows ``[s, e)`` are copied out;
@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from megaseq.memory.offload import HostBuffer
+from megaseq.memory.host_memory import HostBuffer
 from megaseq.ops.amp import autocast_as, autocast_state, lowered
 
 # (rows [0, r), their accumulators (None: none yet), r, the copy's event)

@@ -6,7 +6,7 @@ Shapes: L decoder layers; ``W_i`` the bytes of layer i's frozen parameters (one 
 a 512-byte aligned offset).
 
 ``stream_layers(layers, device)`` moves every frozen parameter of each layer into one pinned host buffer per
-layer (``offload.HostBuffer``: ``cudaHostRegister``, the exact size, no power-of-two rounding). What trains
+layer (``host_memory.HostBuffer``: ``cudaHostRegister``, the exact size, no power-of-two rounding). What trains
 (the adapters, the ``train.trainable`` tensors) and the buffers stay on the device. Then:
 
 - **forward** (and the rerun of a recomputed layer in backward): before layer i runs, its weights are on the
@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from megaseq.memory import forwards
-from megaseq.memory.offload import HostBuffer
+from megaseq.memory.host_memory import HostBuffer
 from megaseq.memory.rules import check_stream_base, round_up
 
 SETTING = "memory.stream_base"

@@ -26,6 +26,9 @@ The others are debugging and tuning switches, live for benchmarks and for compar
   out, so they run their reference or base implementation: one kernel's share of a step, measured in its step.
 - ``MEGASEQ_GROW_POOL``: ``1`` grows the CUDA caching allocator's pool toward the plan's tensor peak before the
   first step, while the precompile finishes (``train.build.grow_pool``); default ``0``.
+- ``MEGASEQ_PIN_AHEAD``: ``1`` (the default) page-locks the plan's pinned host bytes on a background thread from
+  the run's start, for the memory schemes' host pools to take (``memory.host_memory``); ``0`` leaves each pool to
+  lock its own when the first step makes it.
 - ``MEGASEQ_WARM_OPS``: ``1`` (the default) replays the torch ops the run's first step calls, once each on zeros,
   while the precompile finishes, and records them where no manifest has them (``ops.op_warmup``); ``0`` turns
   that off.
@@ -114,6 +117,12 @@ def _precompile_value() -> str:
 def grow_pool() -> bool:
     """``MEGASEQ_GROW_POOL=1``: grow the caching allocator's pool before the first step (``train.build.grow_pool``)."""
     return _choice("MEGASEQ_GROW_POOL", _read("MEGASEQ_GROW_POOL") or "0", ("0", "1")) == "1"
+
+
+def pin_ahead() -> bool:
+    """``MEGASEQ_PIN_AHEAD`` (default ``1``): lock the plan's pinned host bytes from the run's start
+    (``train.build.reserve_pinned``)."""
+    return _choice("MEGASEQ_PIN_AHEAD", _read("MEGASEQ_PIN_AHEAD") or "1", ("0", "1")) == "1"
 
 
 def fla_one_config() -> bool:

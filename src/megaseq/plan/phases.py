@@ -32,6 +32,7 @@ from megaseq.plan.segments import segment_kv_host_bytes, segment_store_bytes
 KEPT = "kept attention outputs"  # the GPU-kept layers'
 KEPT_HOST = "kept attention outputs (host-kept, on the GPU)"  # the host-kept layers' copies in flight or in use
 KEPT_PINNED = "kept attention outputs (pinned)"  # the host-kept layers' pool (host memory)
+PROCESS_HOST = "process (Python, torch, CUDA host state)"  # the one host term not page-locked
 
 
 # ---- the sweep ---------------------------------------------------------------------------------------
@@ -268,6 +269,11 @@ def _phases(run: Run, terms: list[LayerTerms]) -> list[tuple[str, dict[str, int]
     return out
 
 
+def pinned_host_bytes(host: dict[str, int]) -> int:
+    """The page-locked host bytes of one GPU's process (``memory.host_memory``): its host terms but the process's."""
+    return sum(v for k, v in host.items() if k != PROCESS_HOST)
+
+
 def evaluate(run: Run) -> Evaluation:
     """The peak over the phases of one step, its breakdown, and the host memory."""
     terms = all_layer_terms(run)
@@ -289,7 +295,7 @@ def evaluate(run: Run) -> Evaluation:
     bnd = C.boundary_bytes(run.spec, run.n, run.prec)
     k = _sco_offloaded(run, bnd)
     host = {
-        "process (Python, torch, CUDA host state)": run.cal.process_host_bytes,
+        PROCESS_HOST: run.cal.process_host_bytes,
         "SCO pinned boundaries": k * C.round_up(bnd),
         KEPT_PINNED: sum(terms[j].kept_attention_host for j in kept_layers(run)[0]),
         "segment K/V + fp32 gradients (memory.segment_kv_host)": segment_kv_host_bytes(run),

@@ -39,7 +39,7 @@ from megaseq.plan.fixes import (  # noqa: F401  (Budgets, H200_GPU_BYTES, HOST_B
 from megaseq.plan.flops import comm_volume, step_flops
 from megaseq.plan.given import gpu_param_counts, mla_modes, run_for, validate_mesh
 from megaseq.plan.mesh import CAL, GIB, Calibration, Mesh
-from megaseq.plan.phases import evaluate
+from megaseq.plan.phases import evaluate, pinned_host_bytes
 from megaseq.plan.run import Run
 from megaseq.plan.shortfall import binding_component, no_fit_advice
 
@@ -74,6 +74,7 @@ class Plan:
     flops: dict[str, float] = field(default_factory=dict)
     expert_dispatch: dict[str, Any] = field(default_factory=dict)  # the MoE dispatch under ep > 1
     offloaded_layers: int = 0  # layer inputs SCO puts in pinned host memory in each forward (the rest stay)
+    pinned_host: int = 0  # host bytes per GPU process page-locked (every host term but the process's own)
 
     def to_dict(self) -> dict[str, Any]:
         d = dict(self.__dict__)
@@ -142,6 +143,7 @@ def _make_plan(run: Run, budgets: Budgets, memory_cfg: Any | None, name: str, ex
         peak_gpu_tensors=ev.peak_tensors,
         first_step_gpu_tensors=ev.first_step_tensors,
         offloaded_layers=ev.offloaded_layers,
+        pinned_host=pinned_host_bytes(host),
         peak_host=ev.peak_host,
         gpu_budget=budgets.gpu_bytes,
         host_budget=budgets.host(run.mesh),

@@ -226,6 +226,20 @@ def grow_pool(device: torch.device, plan_tensors: int, fraction: float = GROW_FR
     return need
 
 
+def reserve_pinned(device: torch.device, pinned_host: int) -> Any:
+    """On a CUDA device, with ``MEGASEQ_PIN_AHEAD`` on (the default): start page-locking the plan's ``pinned_host``
+    bytes (its host terms but the process's) on a background thread, so the memory schemes' host pools take them
+    ready-locked in the first step instead of locking their own in it (``memory.host_memory``). Call right after
+    the plan, before the model is built; ``memory.host_memory.drop_reserve`` ends it. Returns the arena or None."""
+    from megaseq.memory import host_memory
+    from megaseq.ops import switches
+
+    if device.type != "cuda" or pinned_host <= 0 or not switches.pin_ahead():
+        host_memory.drop_reserve()
+        return None
+    return host_memory.reserve(pinned_host, device)
+
+
 def check_adapters(cfg: Config, spec: Any, memory: MemorySettings) -> None:
     """What the adapters cannot do in this run, said before data or weights are touched: dropout under a
     replaying scheme, an export PEFT could not load, an adapter to start from that does not fit."""

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from megaseq.config import Config, MemorySettings
+from megaseq.memory import host_memory
 from megaseq.ops import dispatch
 from megaseq.train import checkpoint as ckpt
 from megaseq.train import indexer_training
@@ -30,6 +31,7 @@ from megaseq.train.build import (
     check_adapters,
     dtypes,
     kernels_for,
+    reserve_pinned,
     resolve_device,
     start_precompile,
     use_expandable_segments,
@@ -88,6 +90,8 @@ def run_training(cfg: Config) -> RunResult:
     device = env.device = resolve_device(cfg) if env.world_size == 1 else env.device
     plan_dict, memory = make_plan(cfg, env, device, spec)
     check_adapters(cfg, spec, memory)
+    # the plan's pinned host bytes lock on a background thread while the data and the model are built
+    reserve_pinned(device, plan_dict.get("pinned_host", 0))
     with kernels_for(cfg, device):
         # the run's kernel manifests compile while the data and the model are built (a CUDA device only); nothing
         # launches a Triton kernel until the loop joins it before the first step
@@ -99,6 +103,8 @@ def run_training(cfg: Config) -> RunResult:
             if precompiled is not None:  # a run that stops before its first step exits without waiting for them
                 precompiled.cancel()
             raise
+        finally:
+            host_memory.drop_reserve()  # freed once the pools that took from it are released
 
 
 def local_processes(env: ParallelEnv) -> int:
