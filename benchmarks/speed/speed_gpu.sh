@@ -16,7 +16,7 @@
 #                                        #   shipped kernel packs seeded and the manifests precompiled, the default;
 #                                        #   the manifests compiled without the packs; neither); FIRST_ARGS are
 #                                        #   added to each bench (e.g. --profile-first), and the environment
-#                                        #   passes through (e.g. MEGASEQ_GROW_POOL=1)
+#                                        #   passes through (e.g. MEGASEQ_PIN_AHEAD=0; FIRST_TAG names such runs)
 #   bash benchmarks/speed/speed_gpu.sh pack    # about 2 minutes: the kernel pack of each shipped manifest for this GPU
 #                                        #   (ops.kernel_pack.build) into src/megaseq/ops/tuned/kernels/ and $OUT
 #   bash benchmarks/speed/speed_gpu.sh ops     # about a minute: glm5-flash-1gpu's op manifests (ops.op_warmup) at OPS_LENS
@@ -82,7 +82,7 @@ case "$STAGE" in
     for run in ${FIRST_RUNS:-1 compile 0}; do
       for rl in ${FIRST_CASES:-glm5-flash-1gpu:8K qwen3-30b-a3b-lora:32K}; do
         rm -rf .speed_cache  # a new machine: no compiled kernels, no tuned tables of its own
-        name="${rl%%:*}_${rl#*:}_$(case $run in 1) echo pack ;; compile) echo compile ;; *) echo sequential ;; esac)"
+        name="${rl%%:*}_${rl#*:}_$(case $run in 1) echo pack ;; compile) echo compile ;; *) echo sequential ;; esac)${FIRST_TAG:+_$FIRST_TAG}"
         t1=$(date +%s)
         MEGASEQ_PRECOMPILE=$run timeout -k 5 300 python3 -m megaseq bench "recipes/${rl%%:*}.yaml" \
           --seq-lens "${rl#*:}" --steps 2 --out "$OUT/first_$name" ${FIRST_ARGS:-} 2>&1 | tail -6
