@@ -122,6 +122,20 @@ def test_a_failed_lock_leaves_every_pool_its_own(locks):
     assert not buf.from_reserve and buf.pinned and hm.STATS.own == SLOT_ALIGN
 
 
+def test_a_lock_that_raises_is_said_and_leaves_every_pool_its_own(locks, monkeypatch, caplog):
+    def boom(ptr, nbytes):
+        raise RuntimeError("no context")
+
+    monkeypatch.setattr(hm, "_register", boom)
+    with caplog.at_level("WARNING", logger="megaseq"):
+        arena = _arena(4 * SLOT_ALIGN).wait()
+    assert isinstance(arena.error, RuntimeError) and not arena.locked
+    assert "page-locking" in caplog.text and "no context" in caplog.text
+    monkeypatch.setattr(hm, "_register", lambda ptr, nbytes: True)
+    buf = hm.HostBuffer(SLOT_ALIGN, pin=True)
+    assert not buf.from_reserve and buf.pinned
+
+
 def test_unpinned_buffers_and_cpu_runs_never_touch_it(locks):
     arena = _arena(4 * SLOT_ALIGN)
     plain = hm.HostBuffer(SLOT_ALIGN, pin=False)  # a CPU run's pools
@@ -148,8 +162,8 @@ def test_the_reserve_is_the_plans_pinned_host_terms():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_a_run_s_pools_take_the_planned_reserve_on_gpu():
     """A tiny Qwen3-MoE on CUDA with SCO and host-kept attention: with the planned pinned bytes reserved ahead, its
-    pools take what they locked without it from the reserve and lock nothing of their own, the loss and gradients are those of the same step without the reserve, and the
-    arena is unlocked after the run releases its pools."""
+    pools take from the reserve what they lock without it and lock nothing of their own, the loss and gradients are
+    those of the same step without the reserve, and every range is back once the run releases its pools."""
     from megaseq.config import MemorySettings
     from megaseq.memory.apply import loss_fn
     from megaseq.models.build import build_model

@@ -21,6 +21,7 @@ Off CUDA, or where locking fails (a memlock limit), the same code runs on plain 
 
 from __future__ import annotations
 
+import logging
 import threading
 import weakref
 from dataclasses import dataclass
@@ -29,6 +30,8 @@ from typing import Any
 import torch
 
 from megaseq.memory.rules import SLOT_ALIGN, round_up
+
+logger = logging.getLogger("megaseq")
 
 
 # ---- page-locking ---------------------------------------------------------------------------------------
@@ -70,6 +73,9 @@ class PinnedArena:
     def __init__(self, nbytes: int, device: torch.device) -> None:
         self.nbytes = round_up(nbytes)
         self.device = device
+        # the thread's device: the run's, fixed here (a new thread's current device is the first GPU)
+        self.index = (device.index if device.index is not None else torch.cuda.current_device()) \
+            if device.type == "cuda" else None
         self.base: torch.Tensor | None = None
         self.locked = False
         self.free: list[tuple[int, int]] = [(0, self.nbytes)]  # (offset, bytes), by offset
@@ -86,14 +92,16 @@ class PinnedArena:
 
         t0 = time.perf_counter()
         try:
-            if self.device.type == "cuda":
-                torch.cuda.set_device(self.device)  # this thread's context is the run's device's
+            if self.index is not None:
+                torch.cuda.set_device(self.index)  # this thread's context is the run's device's
             base, locked = _locked(self.nbytes)
             self.base, self.locked = base, locked
             if locked:
                 weakref.finalize(self, _unregister, base.data_ptr())
         except BaseException as e:  # a failed reserve leaves every buffer to lock its own
             self.error = e
+            logger.warning(f"megaseq: page-locking {self.nbytes / (1 << 30):.1f} GiB of host memory ahead of the first "
+                           f"step failed ({type(e).__name__}: {e}); the memory schemes' host pools lock their own")
         STATS.lock_s = time.perf_counter() - t0
         STATS.reserved = self.nbytes if self.locked else 0
 
