@@ -25,7 +25,6 @@ import logging
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -228,8 +227,9 @@ class HostBuffer:
         self.nbytes = 0
 
 
-def describe(stats: Any = STATS) -> dict[str, float]:
-    """The run's pinned host memory in GiB and seconds, for a bench row or a log line."""
+def describe(stats: ArenaStats | None = None) -> dict[str, float]:
+    """The run's pinned host memory (``STATS`` unless given) in GiB and seconds, for a bench row or a log line."""
+    stats = stats if stats is not None else STATS
     gib = 1 << 30
     return {"reserved_gib": stats.reserved / gib, "lock_s": stats.lock_s, "taken_gib": stats.taken / gib,
             "own_gib": stats.own / gib}
