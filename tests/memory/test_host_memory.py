@@ -144,6 +144,16 @@ def test_unpinned_buffers_and_cpu_runs_never_touch_it(locks):
     assert [k for k, _, _ in locks.calls] == ["lock"]  # the arena made above, nothing since
 
 
+def test_the_log_line_says_what_was_locked_ahead_and_by_the_pools():
+    assert hm.summary_line(hm.ArenaStats()) is None  # a run that pins nothing (a CPU run) says nothing
+    gib = 1 << 30
+    line = hm.summary_line(hm.ArenaStats(reserved=18 * gib, lock_s=2.4, taken=18 * gib))
+    assert line == ("pinned host memory: 18.0 GiB locked ahead of the first step in 2.4 s, 18.0 GiB of it taken by "
+                    "the memory schemes' host pools")
+    line = hm.summary_line(hm.ArenaStats(own=gib // 2))
+    assert line == "pinned host memory: none locked ahead; 0.5 GiB locked by the pools themselves"
+
+
 def test_the_reserve_is_the_plans_pinned_host_terms():
     """The plan's ``pinned_host`` is its host lines but the process's: what the pools lock (each pool's bytes are
     the runtime's: ``test_plan_kept_attention``, ``test_plan_segment_kv_host``, ``test_memory_offload_adam``)."""

@@ -233,3 +233,15 @@ def describe(stats: ArenaStats | None = None) -> dict[str, float]:
     gib = 1 << 30
     return {"reserved_gib": stats.reserved / gib, "lock_s": stats.lock_s, "taken_gib": stats.taken / gib,
             "own_gib": stats.own / gib}
+
+
+def summary_line(stats: ArenaStats | None = None) -> str | None:
+    """One line on the run's page-locked host memory for the log after the first step (None: nothing pinned)."""
+    d = describe(stats)
+    if not d["reserved_gib"] and not d["own_gib"]:
+        return None
+    ahead = (f"{d['reserved_gib']:.1f} GiB locked ahead of the first step in {d['lock_s']:.1f} s, "
+             f"{d['taken_gib']:.1f} GiB of it taken by the memory schemes' host pools"
+             if d["reserved_gib"] else "none locked ahead")
+    own = f"; {d['own_gib']:.1f} GiB locked by the pools themselves" if d["own_gib"] else ""
+    return f"pinned host memory: {ahead}{own}"

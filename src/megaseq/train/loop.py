@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from megaseq.config import AdapterSettings, Config, parse_duration
+from megaseq.memory import host_memory
 from megaseq.ops.kernels import cold_start_note
 from megaseq.plan.flops import mfu
 from megaseq.train import checkpoint as ckpt
@@ -129,6 +130,8 @@ class TrainLoop:
                     loss, record = self.step(step, logger, result)
                 if first:
                     report_fallbacks(cfg, self.device, env.log)
+                    if line := host_memory.summary_line():
+                        env.log(line)
                 if not warned_plan and (warned_plan := over_plan(record, str(result.run_dir))):
                     env.log(warned_plan)
                 if not warned_drift and (warned_drift := scheme_drift(record)):
