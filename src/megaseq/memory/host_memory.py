@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import weakref
 from dataclasses import dataclass
 
@@ -71,7 +72,6 @@ class PinnedArena:
 
     def __init__(self, nbytes: int, device: torch.device) -> None:
         self.nbytes = round_up(nbytes)
-        self.device = device
         # the thread's device: the run's, fixed here (a new thread's current device is the first GPU)
         self.index = (device.index if device.index is not None else torch.cuda.current_device()) \
             if device.type == "cuda" else None
@@ -87,8 +87,6 @@ class PinnedArena:
         return self
 
     def _lock_pages(self) -> None:
-        import time
-
         t0 = time.perf_counter()
         try:
             if self.index is not None:
