@@ -214,6 +214,7 @@ def gap_lines(g: dict, limit: int = 30) -> list[str]:
 
 def main(argv: list[str]) -> int:
     from megaseq.models.presets import resolve_spec
+    from megaseq.train import host_gc
     from megaseq.train.build import kernels_for, resolve_device
 
     recipe, length, *rest = argv
@@ -228,7 +229,8 @@ def main(argv: list[str]) -> int:
     device = resolve_device(cfg)
     plan = plan_on(cfg, device)
     print("fixes:", [f[0] for f in plan.fixes], dict(plan.memory))
-    with kernels_for(cfg, device):  # the dispatcher as `megaseq train` sets it up (--model.kernels fast)
+    # the dispatcher as `megaseq train` sets it up (--model.kernels fast), Python's collector as its steps keep it
+    with kernels_for(cfg, device), host_gc.steps():
         model, applied, next_batch, step = planned_step(cfg, resolve_spec(cfg.model.name), device, plan, 3)
         step(next_batch())  # warm-up
         sync = torch.cuda.synchronize if device.type == "cuda" else (lambda _d: None)

@@ -121,6 +121,8 @@ def measure_megaseq(cfg: Config, seq_len: int, steps: int, source: str, routing:
     from megaseq.memory import host_memory
     from megaseq.models.common.moe import set_routing
     from megaseq.models.presets import resolve_spec
+    from megaseq.ops.switches import host_gc_manual
+    from megaseq.train import host_gc
     from megaseq.train.build import grow_pool, kernels_for, reserve_pinned, resolve_device, start_precompile
     from megaseq.train.metrics import moe_load
 
@@ -158,8 +160,11 @@ def measure_megaseq(cfg: Config, seq_len: int, steps: int, source: str, routing:
             first: list[float] = []
             compiles: dict[str, Any] = {}
             tunings: dict[str, Any] = {}
-            times = timed_steps(lambda: step(next_batch()), steps, device, first, compiles, pre, profile_first,
-                                tunings)
+            with host_gc.steps() as collected:
+                times = timed_steps(lambda: step(next_batch()), steps, device, first, compiles, pre, profile_first,
+                                    tunings)
+            row["step_times_s"] = times
+            row["host_gc"] = dict(mode="step" if host_gc_manual() else "auto", **vars(collected))
             row["precompile"] = pre.summary() if pre is not None else None
             row["pinned_host"] = host_memory.describe()  # locked ahead, and what the pools took of it or locked
             row["kept_attention"] = dict(layers=getattr(applied, "kept_attention", 0), **vars(kept_attention.STATS))

@@ -26,6 +26,9 @@ The others are debugging and tuning switches, live for benchmarks and for compar
   out, so they run their reference or base implementation: one kernel's share of a step, measured in its step.
 - ``MEGASEQ_GROW_POOL``: ``1`` grows the CUDA caching allocator's pool toward the plan's tensor peak before the
   first step, while the precompile finishes (``train.build.grow_pool``); default ``0``.
+- ``MEGASEQ_GC``: ``step`` (the default) keeps Python's garbage collector out of the training steps (the objects
+  alive when they start frozen, automatic collection off, the young generations collected once a step while the
+  GPU runs the update: ``train.host_gc``); ``auto`` leaves Python's collector as it is.
 - ``MEGASEQ_PIN_AHEAD``: ``1`` (the default) page-locks the plan's pinned host bytes on a background thread from
   the run's start, for the memory schemes' host pools to take (``memory.host_memory``); ``0`` leaves each pool to
   lock its own when the first step makes it.
@@ -123,6 +126,12 @@ def pin_ahead() -> bool:
     """``MEGASEQ_PIN_AHEAD`` (default ``1``): lock the plan's pinned host bytes from the run's start
     (``train.build.reserve_pinned``)."""
     return _choice("MEGASEQ_PIN_AHEAD", _read("MEGASEQ_PIN_AHEAD") or "1", ("0", "1")) == "1"
+
+
+def host_gc_manual() -> bool:
+    """``MEGASEQ_GC``: ``step`` (the default) collects between steps (``train.host_gc``), ``auto`` leaves Python's
+    collector on."""
+    return _choice("MEGASEQ_GC", _read("MEGASEQ_GC") or "step", ("step", "auto")) == "step"
 
 
 def fla_one_config() -> bool:

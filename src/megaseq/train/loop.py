@@ -23,7 +23,7 @@ from megaseq.memory import host_memory
 from megaseq.ops.kernels import cold_start_note
 from megaseq.plan.flops import mfu
 from megaseq.train import checkpoint as ckpt
-from megaseq.train import guard, indexer_training
+from megaseq.train import guard, host_gc, indexer_training
 from megaseq.train import step as step_mod
 from megaseq.train.build import grow_pool, report_fallbacks
 from megaseq.train.heldout import HeldoutProbe
@@ -117,7 +117,7 @@ class TrainLoop:
         warned_drift: str | None = None  # and the first step whose memory schemes ran other than planned
         clock = TimeLimit(parse_duration(cfg.train.time_limit), env)
         schedule = SaveSchedule(cfg.train.save_every, cfg.train.save_every_minutes, env)
-        with guard.StopSignals(env.log) as signals:
+        with guard.StopSignals(env.log) as signals, host_gc.steps():
             for step in range(start + 1, cfg.train.steps + 1):
                 first = step == start + 1
                 precompiled = self.precompiled if first else None

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from megaseq.config import Config, MemorySettings
-from megaseq.train import guard, indexer_training
+from megaseq.train import guard, host_gc, indexer_training
 from megaseq.train.balance import Balancer
 from megaseq.train.parallel_env import ParallelEnv
 
@@ -83,6 +83,7 @@ def train_step(state: StepState, micro_batches: list[dict[str, torch.Tensor]],
         return loss, grad_norm
     if not on_device:
         optimizer.step()
+        host_gc.between_steps()  # while the GPU runs the update
     if balancer is not None:
         balancer.after_step()
     state.scheduler.step()
@@ -123,6 +124,7 @@ def _update_guarded_on_device(state: StepState, loss_sum: Any, total: int) -> tu
     norm = _clip(state.model, state.optimizer, state.grad_clip, state.env)
     loss_t = torch.as_tensor(loss_sum, dtype=torch.float64).to(norm.device) / max(total, 1)
     state.optimizer.step(finite=torch.isfinite(loss_t) & torch.isfinite(norm))
+    host_gc.between_steps()  # while the GPU runs the update, before the read-back waits for it
     loss, grad_norm = torch.stack([loss_t, norm.to(torch.float64)]).tolist()
     return loss, grad_norm
 
