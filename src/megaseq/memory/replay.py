@@ -320,20 +320,47 @@ def _backward_chunk(actx, r: Replay, j: int, inputs, carry_in, d_carry, grad_out
     wrt += [p for p, need in zip(params, need_p) if need]
     grads = iter(torch.autograd.grad([y for y, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True))
     del ys, carry_out, pairs
+    # without halos the chunks' input rows are disjoint and cover the input: each chunk's gradient is copied into
+    # an uninitialised buffer (a chunk without one zeroes its rows), not added into zeros (a fill and a read less)
+    no_halo = all(ch.halo == 0 for ch in r.chunks)
     for i, need in enumerate(need_x):
         g = next(grads) if need else None
-        if g is None:
+        disjoint = no_halo and _covers(r, inputs[i].shape[r.dim])
+        if g is None and not (need and disjoint and grad_x[i] is not None):
             continue
         if len(r.chunks) == 1:  # the chunk is the whole input: its gradient is the input's, no buffer
             grad_x[i] = g
             continue
         if grad_x[i] is None:
-            grad_x[i] = torch.zeros_like(inputs[i])
-        grad_x[i].narrow(r.dim, c.lo, c.end - c.lo).add_(g)
+            grad_x[i] = torch.empty_like(inputs[i]) if disjoint else torch.zeros_like(inputs[i])
+            if disjoint:
+                _zero_rows_before(grad_x[i], r, j)
+        rows = grad_x[i].narrow(r.dim, c.lo, c.end - c.lo)
+        if not disjoint:
+            rows.add_(g)
+        elif g is None:
+            rows.zero_()
+        else:
+            rows.copy_(g)
     d_carry = next(grads) if h0 is not None else None
     for i, need in enumerate(need_p):
         grad_p.add(i, next(grads) if need else None)
     return d_carry
+
+
+def _covers(r: Replay, rows: int) -> bool:
+    """Whether the chunks, in order, tile rows ``[0, rows)`` exactly."""
+    ends = [0] + [ch.end for ch in r.chunks]
+    return all(ch.start == e for ch, e in zip(r.chunks, ends)) and ends[-1] == rows
+
+
+def _zero_rows_before(buf: torch.Tensor, r: Replay, j: int) -> None:
+    """A disjoint replay's gradient buffer made at chunk j: zero the rows of the chunks already backpropagated
+    (they had no gradient for this input); the later chunks write theirs."""
+    order = list(reversed(range(len(r.chunks)))) if r.carry else list(range(len(r.chunks)))
+    for k in order[:order.index(j)]:
+        ch = r.chunks[k]
+        buf.narrow(r.dim, ch.start, ch.end - ch.start).zero_()
 
 
 def replay(r: Replay, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
