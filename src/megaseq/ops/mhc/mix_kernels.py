@@ -5,13 +5,10 @@ Shapes: T tokens (B * S flattened), D = N * H flattened stream features, M = (2 
 flattened streams ``[T, D]`` in their own dtype (bf16 with bf16 weights), ``fn`` the ``[M, D]`` weight.
 
 Everything is computed in float32, so the products are those of the float32 GEMM that HF's
-``Glm5NextTextHyperConnection`` runs, summed in another order. With bf16 streams every dot runs on the tensor
-cores from bf16 pieces whose sum is the float32 operand (hi + mid + lo, 8 + 8 + 8 mantissa bits), each product
-of two pieces exact in fp32: the forward multiplies the streams by ``fn``'s three pieces (``SPLIT``); the
-backward splits ``d_u`` (and ``fn``) in registers, ``d_fn`` from the streams times ``d_u``'s three pieces and
-``d_x`` from the six piece products of ``d_u @ fn`` down to 2^-16 of the leading one (the three left out are
-below fp32's rounding of it). fp32 and fp16 streams widen every operand to fp32 as it is loaded and run with
-``input_precision="ieee"`` (fp32 FMAs, no tf32). Offsets are int64 (``T * D`` passes 2^31 at
+``Glm5NextTextHyperConnection`` runs, summed in another order: the forward with bf16 streams (``SPLIT``)
+multiplies them by the three bf16 pieces of ``fn`` on the tensor cores (each product exact in fp32); every
+other dot widens its operands to fp32 as they are loaded and runs with ``input_precision="ieee"`` (fp32 FMAs,
+no tf32). Offsets are int64 (``T * D`` passes 2^31 at
 256K tokens of a 4 x 2048 stream).
 
 - forward, one program per BT tokens walking D in blocks of BD: ``u = x @ fn^T`` and the sum of squares of
@@ -34,7 +31,6 @@ _BWD = [triton.Config({"BT": bt, "BD": bd}, num_warps=w)
 FWD_CONFIGS = _FWD[:1] if interpreting() else _FWD  # the interpreter cannot time configs
 BWD_CONFIGS = _BWD[:1] if interpreting() else _BWD
 MAX_BT = max(c.kwargs["BT"] for c in _BWD)  # a backward row chunk is a multiple of every config's BT
-TENSOR_CORES = tl.constexpr(not interpreting())  # the interpreter's bf16 arithmetic is not IEEE's
 
 
 @triton.autotune(configs=FWD_CONFIGS, key=["D", "M", "SPLIT"])
@@ -93,47 +89,21 @@ def hc_mix_bwd_kernel(x_ptr, fn_ptr, du_ptr, coef_ptr, acc_ptr, dx_ptr, dfn_ptr,
     m = tl.arange(0, MP)
     mm = m < M
     w = tl.load(fn_ptr + m[:, None] * D + d[None, :], mask=mm[:, None] & dm[None, :], other=0.0).to(tl.float32)
-    SPLIT: tl.constexpr = TENSOR_CORES and x_ptr.dtype.element_ty == tl.bfloat16
-    if SPLIT:  # fn's three bf16 pieces (hi + mid + lo == fn), once per program
-        w_hi = w.to(tl.bfloat16)
-        w_rest = w - w_hi.to(tl.float32)
-        w_mid = w_rest.to(tl.bfloat16)
-        w_lo = (w_rest - w_mid.to(tl.float32)).to(tl.bfloat16)
     acc = tl.zeros((MP, BD), dtype=tl.float32)
     for t0 in range(c * CHUNK, tl.minimum(c * CHUNK + CHUNK, T), BT):
         t = t0 + tl.arange(0, BT)
         tm = t < T
         rows = t.to(tl.int64) * D
         xm = tm[:, None] & dm[None, :]
-        xs = tl.load(x_ptr + rows[:, None] + d[None, :], mask=xm, other=0.0)
-        x = xs.to(tl.float32)
+        x = tl.load(x_ptr + rows[:, None] + d[None, :], mask=xm, other=0.0).to(tl.float32)
         du = tl.load(du_ptr + t[:, None] * M + m[None, :], mask=tm[:, None] & mm[None, :], other=0.0)
-        if SPLIT:  # du's three bf16 pieces: every product below is a bf16 pair, exact in fp32
-            du_hi = du.to(tl.bfloat16)
-            du_rest = du - du_hi.to(tl.float32)
-            du_mid = du_rest.to(tl.bfloat16)
-            du_lo = (du_rest - du_mid.to(tl.float32)).to(tl.bfloat16)
         if HAS_DX:
             coef = tl.load(coef_ptr + t, mask=tm, other=0.0)
-            if SPLIT:  # du @ fn from the six piece products down to 2^-16 of hi x hi, the smallest first (the
-                # three left out are below 2^-24 of it: fp32's own rounding)
-                dd = tl.dot(du_mid, w_mid)
-                dd = tl.dot(du_lo, w_hi, dd)
-                dd = tl.dot(du_hi, w_lo, dd)
-                dd = tl.dot(du_mid, w_hi, dd)
-                dd = tl.dot(du_hi, w_mid, dd)
-                dx = tl.dot(du_hi, w_hi, dd) + coef[:, None] * x
-            else:
-                dx = tl.dot(du, w, input_precision="ieee") + coef[:, None] * x
+            dx = tl.dot(du, w, input_precision="ieee") + coef[:, None] * x
             if HAS_ACC:
                 dx += tl.load(acc_ptr + rows[:, None] + d[None, :], mask=xm, other=0.0).to(tl.float32)
             tl.store(dx_ptr + rows[:, None] + d[None, :], dx.to(dx_ptr.dtype.element_ty), mask=xm)
         if HAS_DFN:
-            if SPLIT:  # du^T @ x: bf16 x times du's pieces, exact products on the tensor cores
-                acc = tl.dot(tl.trans(du_lo), xs, acc)
-                acc = tl.dot(tl.trans(du_mid), xs, acc)
-                acc = tl.dot(tl.trans(du_hi), xs, acc)
-            else:
-                acc += tl.dot(tl.trans(du), x, input_precision="ieee")
+            acc += tl.dot(tl.trans(du), x, input_precision="ieee")
     if HAS_DFN:
         tl.store(dfn_ptr + c.to(tl.int64) * M * D + m[:, None] * D + d[None, :], acc, mask=mm[:, None] & dm[None, :])
