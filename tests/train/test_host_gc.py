@@ -45,8 +45,14 @@ def test_inside_the_steps_only_between_steps_collects(monkeypatch):
         for _ in range(5000):  # enough allocations to start an automatic collection if it were on
             _Node()
         assert dead() is not None
+        frozen = gc.get_freeze_count()
+        kept = [_Node() for _ in range(10)]  # made by the first step, alive after it
         host_gc.between_steps()
         assert dead() is None and stats.steps == 1 and stats.full == 0 and stats.seconds > 0
+        assert gc.get_freeze_count() >= frozen + len(kept)  # the first step's survivors are frozen as well
+        again = gc.get_freeze_count()
+        host_gc.between_steps()
+        assert gc.get_freeze_count() == again  # only after the first
     assert gc.isenabled() and gc.get_freeze_count() == 0
 
 

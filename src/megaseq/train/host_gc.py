@@ -3,17 +3,20 @@
 A step creates and drops tens of thousands of Python objects (tensors, autograd nodes, the dispatcher's
 records). Python's automatic collector runs whenever enough of them have piled up, in the middle of whatever
 the host is doing: launching kernels, so the GPU waits. Its full collections walk every live object of the
-process (torch, transformers, Triton's compiled kernels: millions), which takes tens to hundreds of
-milliseconds. Short steps (8K tokens of glm5-flash-1gpu: 0.2 s) feel each one.
+process (torch, transformers, Triton's compiled kernels: millions). Of 50 timed 8K steps of glm5-flash-1gpu on
+an H100 with Python's collector on, one took 0.57 s against a median of 0.25 s; of 50 with this module's
+collection, none took over 0.28 s (``benchmarks/results/speed/runs/2026-12-07_host-gc/``).
 
-``steps()`` (entered around a run's steps by ``train.loop`` and by ``megaseq bench``) does what torchtitan and
-Megatron-LM do instead: the objects alive when the steps start (the model, the optimizer, the imported
-modules) are frozen out of every later collection (``gc.freeze``), automatic collection is off, and
-``between_steps()`` (called by ``train.step.train_step`` once the optimizer's update is launched, while the GPU
-runs it) collects the young generations, and every ``FULL_EVERY`` steps all of them. Leaving the context undoes
-both (what it froze is collectable again) and collects. Nested contexts leave it to the outermost.
+``steps()`` (entered around a run's steps by ``train.loop`` and by ``megaseq bench``) turns automatic collection
+off and collects between steps, as torchtitan and Megatron-LM do: ``between_steps()`` (called by
+``train.step.train_step`` once the optimizer's update is launched, while the GPU runs it) collects the young
+generations, and every ``FULL_EVERY`` steps all of them. The objects alive when the steps start (the model, the
+optimizer, the imported modules) are frozen out of every later collection (``gc.freeze``), and so is what
+survives the first step's collection (compiled kernels, autotuner caches, memory pools), so a full collection
+walks only what the steps made since. Leaving the context undoes both (what it froze is collectable again) and
+collects. Nested contexts leave it to the outermost.
 
-``MEGASEQ_GC=auto`` leaves Python's collector as it is (``ops.switches.host_gc``).
+``MEGASEQ_GC=auto`` leaves Python's collector as it is (``ops.switches.host_gc_manual``).
 """
 
 from __future__ import annotations
@@ -78,6 +81,8 @@ def between_steps() -> None:
     full = STATS.steps % _full_every == 0
     t0 = time.perf_counter()
     gc.collect(2 if full else 1)
+    if STATS.steps == 1:  # what the first step made to keep (compiled kernels, caches, pools) is frozen too
+        gc.freeze()
     dt = time.perf_counter() - t0
     STATS.full += int(full)
     STATS.seconds += dt
