@@ -5,6 +5,7 @@ nothing does), and on / off / yes / no on the command line or in a recipe stay w
 from __future__ import annotations
 
 import dataclasses
+import json
 import typing
 from pathlib import Path
 
@@ -79,3 +80,20 @@ def test_nothing_fits_names_the_nearest(capsys):
 
 def test_as_given_and_json_keep_their_exit_code(capsys):
     assert main(["plan", "--as-given"]) == 0 and main(["plan", "--json", "--gpu-mem", "1G", "--seq-len", "4M"]) == 1
+
+
+def test_memory_sizes_take_fractions_of_a_unit(capsys):
+    """``--gpu-mem 79.6G`` (an H100's usable memory, the spelling of the help's default 139.8G) is 79.6 GiB; a size
+    that is no number is refused naming the flag."""
+    from megaseq.config import parse_bytes
+
+    assert parse_bytes("79.6G") == int(79.6 * 2**30) and parse_bytes("85000000000") == 85_000_000_000
+    assert parse_bytes(2**30) == 2**30
+    for bad in ("lots", "0", "-1G", "nanG", True):
+        with pytest.raises(ValueError, match="--gpu-mem expects a memory size"):
+            parse_bytes(bad, "--gpu-mem")
+    budgets = []
+    for mem in ("139.8G", str(int(139.8 * 2**30))):
+        assert main(["plan", "--json", "--gpu-mem", mem, "--seq-len", "8K"]) == 0
+        budgets.append(json.loads(capsys.readouterr().out)["gpu_budget"])
+    assert budgets[0] == budgets[1]

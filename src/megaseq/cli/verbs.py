@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from megaseq.cli.help_text import config_help
-from megaseq.config import Config, default_recipe, load_config, parse_size, split_overrides
+from megaseq.config import Config, default_recipe, load_config, parse_bytes, parse_size, split_overrides
 
 
 def _config(args: argparse.Namespace, rest: list[str]) -> Config:
@@ -73,8 +73,8 @@ def cmd_plan(args: argparse.Namespace, rest: list[str]) -> int:
     world = args.gpus or cfg.parallel.dp * cfg.parallel.cp * cfg.parallel.ep
     plan = plan_from_config(
         cfg, world_size=world,
-        gpu_bytes=parse_size(args.gpu_mem) if args.gpu_mem else None,
-        host_bytes=parse_size(args.host_mem) if args.host_mem else None,
+        gpu_bytes=parse_bytes(args.gpu_mem, "--gpu-mem") if args.gpu_mem else None,
+        host_bytes=parse_bytes(args.host_mem, "--host-mem") if args.host_mem else None,
         gpus_per_host=args.gpus_per_host,
     )
     if args.json or args.as_given:
@@ -95,8 +95,8 @@ def cmd_plan(args: argparse.Namespace, rest: list[str]) -> int:
 def _hardware(args: argparse.Namespace, gpus: int) -> Any:
     from megaseq.plan.advisor import Hardware
 
-    return Hardware(gpus, parse_size(args.gpu_mem) if args.gpu_mem else None, args.gpus_per_host,
-                    parse_size(args.host_mem) if args.host_mem else None)
+    return Hardware(gpus, parse_bytes(args.gpu_mem, "--gpu-mem") if args.gpu_mem else None, args.gpus_per_host,
+                    parse_bytes(args.host_mem, "--host-mem") if args.host_mem else None)
 
 
 def _advise(args: argparse.Namespace, rest: list[str], gpus: int) -> Any:

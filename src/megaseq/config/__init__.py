@@ -4,7 +4,7 @@
 - ``settings``: the typed settings the runtime and the planner read (``ParallelConfig``,
   ``ExpertDispatchSettings``, ``MemorySettings``, ``MemoryConfig``)
 - ``fields``: ``opt`` (a field with its help and checks as metadata) and ``validate``, the one reader of them;
-  ``parse_size`` (and its spelling ``format_size``), ``parse_duration``
+  ``parse_size`` (and its spelling ``format_size``), ``parse_bytes``, ``parse_duration``
 - ``checks``: the rules between settings, as named functions in one place
 - ``loading``: recipes, YAML, overrides (``take_overrides``, the one parser), ``build_config``, ``load_config``,
   ``field_help``
@@ -13,7 +13,7 @@ Every name below is importable from ``megaseq.config``. No torch import here.
 """
 
 from megaseq.config.checks import HF_WEIGHT_FILES, hf_weights_in
-from megaseq.config.fields import format_size, opt, parse_duration, parse_size, validate
+from megaseq.config.fields import format_size, opt, parse_bytes, parse_duration, parse_size, validate
 from megaseq.config.loading import (
     RECIPE_PATH_LISTS,
     RECIPE_PATH_OR_NAME,
@@ -54,5 +54,6 @@ __all__ = [
     "Config", "DataConfig", "EvalConfig", "ExpertDispatchSettings", "LogConfig", "LoraConfig", "MemoryConfig",
     "MemorySettings", "ModelConfig", "MoEConfig", "OptimConfig", "ParallelConfig", "TrainConfig", "_split_override",
     "build_config", "default_recipe", "field_help", "hf_weights_in", "load_config", "opt", "parse_duration",
-    "format_size", "parse_size", "read_yaml", "resolve_recipe_paths", "split_overrides", "take_overrides", "validate",
+    "format_size", "parse_bytes", "parse_size", "read_yaml", "resolve_recipe_paths", "split_overrides",
+    "take_overrides", "validate",
 ]

@@ -66,6 +66,17 @@ def parse_size(value: Any, setting: str | None = None) -> int:
     return int(v)
 
 
+def parse_bytes(value: Any, setting: str | None = None) -> int:
+    """A memory amount in bytes: ``parse_size``'s spellings, and fractions of a unit too ('79.6G' ->
+    85,469,849,190: the bytes rounded down). A value that is not a positive finite number, or a bool, is a
+    ValueError (naming ``setting`` when given)."""
+    where = f"{setting} " if setting else ""
+    v = None if isinstance(value, bool) else _with_unit(str(value).strip().upper().replace("_", ""), _SIZE_UNITS)
+    if v is None or not math.isfinite(v) or v < 1:
+        raise ValueError(f"{where}expects a memory size in bytes (like 85000000000, 80G or 79.6G), got {value!r}")
+    return int(v)
+
+
 def format_size(n: int) -> str:
     """``parse_size``'s spelling of a token count: 32768 -> '32K', 1048576 -> '1M'; other counts as digits."""
     for suffix, mult in (("M", 1 << 20), ("K", 1 << 10)):
