@@ -3,9 +3,9 @@
 Shapes: B batch, Q queries, N = B * Q, S keys (the whole sequence), Hh heads, Dn = qk_nope_head_dim,
 Dv = v_head_dim, R = kv_lora_rank, W selected key slots per query (-1 or >= S = empty).
 
-Same computation as ``absorbed`` (``sparse_mla.py``): the key part of ``kv_b_proj`` is folded into the
+Same computation as ``absorbed`` (``ops/sparse_mla/absorbed.py``): the key part of ``kv_b_proj`` is folded into the
 query, attention runs over the selected latents, the value part is applied after. What moves into the
-kernels (``triton_sparse_mla_kernels.py``) is everything that touches the W selected latents::
+kernels (``ops/sparse_mla/kernels.py``) is everything that touches the W selected latents::
 
     torch:  q_abs = q @ W_uk                      [Hh, N, R]   one batched GEMM over all queries
     kernel: o_lat, lse = online softmax over c[idx] (gathered BW rows at a time, never [N, W, R])
