@@ -57,6 +57,25 @@ def pytest_collection_finish(session) -> None:
     inherited heap). Nothing a test makes is collected differently."""
     gc.collect()
     gc.freeze()
+    share_the_cores()
+
+
+def share_the_cores() -> None:
+    """Under pytest-xdist, each worker's torch threads capped at its share of the cores. A test module's own
+    ``torch.set_num_threads`` runs when it is imported, and every worker imports every module, so whatever
+    the last module imported asked for held for every test of the worker (2 threads, in ``tests/train``): with
+    a worker per core, the workers' OpenMP threads then outnumbered the cores, and each parallel op waited for
+    a thread the other worker's threads had descheduled (the float64 model tests ran 10-20 times slower than
+    alone). A test that sets its own count inside (``torch_threads``) still does. The processes a test starts
+    (``megaseq`` runs, a nested pytest, benchmarks) get the same cap through ``OMP_NUM_THREADS``; ranks forked
+    by ``spawn_local`` set their own share."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        share = max(1, cores // workers)
+        torch.set_num_threads(min(torch.get_num_threads(), share))
+        given = os.environ.get("OMP_NUM_THREADS", "").split(",")[0]
+        os.environ["OMP_NUM_THREADS"] = str(min(int(given) if given.isdigit() else cores, share))
 
 
 def cuda_backward_peak(y: torch.Tensor, grad: torch.Tensor) -> int:
