@@ -40,20 +40,22 @@ def test_inside_the_steps_only_between_steps_collects(monkeypatch):
     monkeypatch.delenv("MEGASEQ_GC", raising=False)
     with host_gc.steps() as stats:
         assert host_gc.active() and not gc.isenabled()
-        assert gc.get_freeze_count() > 0  # the objects alive when the steps start are out of every collection
+        frozen = gc.get_freeze_count()
+        assert frozen > 0  # the objects alive when the steps start are out of every collection
+        first_steps = _cycle()
+        kept = [_Node() for _ in range(10)]  # made by the first step, alive after it
+        host_gc.between_steps()  # after the first step: what it made is frozen, not walked
+        assert first_steps() is not None and gc.get_freeze_count() >= frozen + len(kept)
         dead = _cycle()
         for _ in range(5000):  # enough allocations to start an automatic collection if it were on
             _Node()
         assert dead() is not None
-        frozen = gc.get_freeze_count()
-        kept = [_Node() for _ in range(10)]  # made by the first step, alive after it
-        host_gc.between_steps()
-        assert dead() is None and stats.steps == 1 and stats.full == 0 and stats.seconds > 0
-        assert gc.get_freeze_count() >= frozen + len(kept)  # the first step's survivors are frozen as well
         again = gc.get_freeze_count()
         host_gc.between_steps()
-        assert gc.get_freeze_count() == again  # only after the first
+        assert dead() is None and stats.steps == 2 and stats.full == 0 and stats.seconds > 0
+        assert gc.get_freeze_count() == again  # only the first step's objects are frozen
     assert gc.isenabled() and gc.get_freeze_count() == 0
+    assert first_steps() is None  # leaving the steps collects what the first one left
 
 
 def test_leaving_the_steps_collects_their_cycles(monkeypatch):
@@ -74,7 +76,7 @@ def test_every_full_every_th_step_collects_all_generations(monkeypatch):
         generations.clear()
         for _ in range(7):
             host_gc.between_steps()
-        assert generations == [1, 1, 2, 1, 1, 2, 1] and stats.full == 2
+        assert generations == [1, 2, 1, 1, 2, 1] and stats.full == 2  # the first step's objects: frozen
 
 
 def test_a_nested_context_leaves_the_collector_to_the_outer_one(monkeypatch):

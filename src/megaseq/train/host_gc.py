@@ -11,10 +11,10 @@ collection, none took over 0.28 s (``benchmarks/results/speed/runs/2026-12-07_ho
 off and collects between steps, as torchtitan and Megatron-LM do: ``between_steps()`` (called by
 ``train.step.train_step`` once the optimizer's update is launched, while the GPU runs it) collects the young
 generations, and every ``FULL_EVERY`` steps all of them. The objects alive when the steps start (the model, the
-optimizer, the imported modules) are frozen out of every later collection (``gc.freeze``), and so is what
-survives the first step's collection (compiled kernels, autotuner caches, memory pools), so a full collection
-walks only what the steps made since. Leaving the context undoes both (what it froze is collectable again) and
-collects. Nested contexts leave it to the outermost.
+optimizer, the imported modules) are frozen out of every later collection (``gc.freeze``), and so is what the
+first step makes (compiled kernels, autotuner caches, memory pools), unwalked, so a collection walks only what
+the steps made since. Leaving the context undoes both (what it froze is collectable again) and collects.
+Nested contexts leave it to the outermost.
 
 ``MEGASEQ_GC=auto`` leaves Python's collector as it is (``ops.switches.host_gc_manual``).
 """
@@ -73,16 +73,22 @@ _full_every = FULL_EVERY
 
 
 def between_steps() -> None:
-    """Inside ``steps()``: collect the young generations (every ``full_every``-th call, all of them); else
-    nothing. Called once a step, after the update is launched and before its loss is read back."""
+    """Inside ``steps()``: after the first step, freeze what it made; after every later one, collect the young
+    generations (every ``full_every``-th, all of them); outside, nothing. Called once a step, after the update
+    is launched and before its loss is read back."""
     if not _depth:
         return
     STATS.steps += 1
     full = STATS.steps % _full_every == 0
     t0 = time.perf_counter()
-    gc.collect(2 if full else 1)
-    if STATS.steps == 1:  # what the first step made to keep (compiled kernels, caches, pools) is frozen too
+    if STATS.steps == 1:
+        # the first step makes what the run keeps (compiled kernels, autotuner and op records, pools). Walking it
+        # took 0.23 s after an 8K glm5-flash-1gpu first step on an H100, which then took 0.70 s against 0.44 s
+        # with Python's collector on (benchmarks/results/speed/runs/2026-12-07_host-gc/): frozen unwalked
+        # instead; what of it is garbage goes when the steps end
         gc.freeze()
+    else:
+        gc.collect(2 if full else 1)
     dt = time.perf_counter() - t0
     STATS.full += int(full)
     STATS.seconds += dt
