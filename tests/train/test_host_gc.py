@@ -28,12 +28,17 @@ def _cycle() -> weakref.ref:
 
 @pytest.fixture(autouse=True)
 def _collector_restored():
-    enabled = gc.isenabled()
+    """Each test starts with nothing frozen (the session's conftest freezes what collection made) and leaves the
+    collector as it found it."""
+    enabled, frozen = gc.isenabled(), gc.get_freeze_count() > 0
+    gc.unfreeze()
     yield
     assert not host_gc.active()
     gc.unfreeze()
     if enabled:
         gc.enable()
+    if frozen:
+        gc.freeze()
 
 
 def test_inside_the_steps_only_between_steps_collects(monkeypatch):
@@ -77,6 +82,17 @@ def test_every_full_every_th_step_collects_all_generations(monkeypatch):
         for _ in range(7):
             host_gc.between_steps()
         assert generations == [1, 2, 1, 1, 2, 1] and stats.full == 2  # the first step's objects: frozen
+
+
+def test_a_caller_that_had_frozen_objects_finds_them_frozen_again(monkeypatch):
+    monkeypatch.delenv("MEGASEQ_GC", raising=False)
+    with host_gc.steps():
+        pass
+    assert gc.get_freeze_count() == 0  # nothing was frozen before: nothing is after
+    gc.freeze()
+    with host_gc.steps():
+        dead = _cycle()
+    assert dead() is None and gc.get_freeze_count() > 0
 
 
 def test_a_nested_context_leaves_the_collector_to_the_outer_one(monkeypatch):
