@@ -82,6 +82,11 @@ def test_every_full_every_th_step_collects_all_generations(monkeypatch):
         for _ in range(7):
             host_gc.between_steps()
         assert generations == [1, 2, 1, 1, 2, 1] and stats.full == 2  # the first step's objects: frozen
+    with host_gc.steps(full_every=1) as stats:
+        generations.clear()
+        for _ in range(3):
+            host_gc.between_steps()
+        assert generations == [2, 2] and stats.full == 2
 
 
 def test_a_caller_that_had_frozen_objects_finds_them_frozen_again(monkeypatch):

@@ -82,7 +82,7 @@ def between_steps() -> None:
     if not _depth:
         return
     STATS.steps += 1
-    full = STATS.steps % _full_every == 0
+    full = STATS.steps > 1 and STATS.steps % _full_every == 0
     t0 = time.perf_counter()
     if STATS.steps == 1:
         # the first step makes what the run keeps (compiled kernels, autotuner and op records, pools). Walking it
