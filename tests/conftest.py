@@ -50,6 +50,16 @@ def _runs_triton_kernels(item) -> bool:
     return False
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """A training run's steps end with nothing frozen (``train.host_gc``): after such a test (its fixtures torn
+    down) what lives is frozen again, as after collection."""
+    yield
+    if gc.get_freeze_count() == 0:
+        gc.collect()
+        gc.freeze()
+
+
 def pytest_collection_finish(session) -> None:
     """Every test module is imported: what exists now (torch, transformers, the modules' globals) lives as long
     as the session, so it is frozen out of the garbage collector. Its full collections then scan only what the

@@ -13,9 +13,9 @@ off and collects between steps, as torchtitan and Megatron-LM do: ``between_step
 generations, and every ``FULL_EVERY`` steps all of them. The objects alive when the steps start (the model, the
 optimizer, the imported modules) are frozen out of every later collection (``gc.freeze``), and so is what the
 first step makes (compiled kernels, autotuner caches, memory pools), unwalked, so a collection walks only what
-the steps made since. Leaving the context undoes both (what it froze is collectable again) and collects; a
-caller that had frozen objects before finds what is alive then frozen again. Nested contexts leave it to the
-outermost.
+the steps made since. Leaving the context undoes both and collects: what it froze, and whatever a caller had
+frozen before, is collectable again (a model the caller drops next must not stay frozen). Nested contexts leave
+it to the outermost.
 
 ``MEGASEQ_GC=auto`` leaves Python's collector as it is (``ops.switches.host_gc_manual``).
 """
@@ -54,7 +54,7 @@ def steps(full_every: int = FULL_EVERY) -> Iterator[GcStats]:
     if _depth or not switches.host_gc_manual():  # an outer context holds the collector, or MEGASEQ_GC=auto
         yield STATS
         return
-    was_enabled, was_frozen = gc.isenabled(), gc.get_freeze_count() > 0
+    was_enabled = gc.isenabled()
     gc.collect()  # what the build left behind goes now, not frozen with the rest
     gc.freeze()
     gc.disable()
@@ -68,8 +68,6 @@ def steps(full_every: int = FULL_EVERY) -> Iterator[GcStats]:
         if was_enabled:
             gc.enable()
         gc.collect()  # cycles of the steps' objects (a model dropped after them) go now, with their GPU memory
-        if was_frozen:  # the caller had frozen objects (a test session, an embedding program): frozen again
-            gc.freeze()
 
 
 _full_every = FULL_EVERY
