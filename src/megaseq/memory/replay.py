@@ -296,7 +296,7 @@ class _ReplayFn(torch.autograd.Function):
         grad_x: list[torch.Tensor | None] = [None] * k  # made at the first gradient (one chunk: that one)
         grad_p = _ParamGrads(len(params), list(grad_outs) + inputs)
         d_carry = None
-        order = reversed(range(len(r.chunks))) if r.carry else range(len(r.chunks))
+        order = _backward_order(r)
         with SideState(r.modules):
             for j in order:
                 d_carry = _backward_chunk(actx, r, j, inputs, carries[j], d_carry, grad_outs, params, need_x,
@@ -354,10 +354,16 @@ def _covers(r: Replay, rows: int) -> bool:
     return all(ch.start == e for ch, e in zip(r.chunks, ends)) and ends[-1] == rows
 
 
+def _backward_order(r: Replay) -> list[int]:
+    """The order the backward replays the chunks in: with a carry from the last back, else from the first."""
+    order = list(range(len(r.chunks)))
+    return order[::-1] if r.carry else order
+
+
 def _zero_rows_before(buf: torch.Tensor, r: Replay, j: int) -> None:
     """A disjoint replay's gradient buffer made at chunk j: zero the rows of the chunks already backpropagated
     (they had no gradient for this input); the later chunks write theirs."""
-    order = list(reversed(range(len(r.chunks)))) if r.carry else list(range(len(r.chunks)))
+    order = _backward_order(r)
     for k in order[:order.index(j)]:
         ch = r.chunks[k]
         buf.narrow(r.dim, ch.start, ch.end - ch.start).zero_()

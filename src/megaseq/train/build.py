@@ -234,10 +234,7 @@ def reserve_pinned(device: torch.device, pinned_host: int) -> Any:
     from megaseq.memory import host_memory
     from megaseq.ops import switches
 
-    if device.type != "cuda" or pinned_host <= 0 or not switches.pin_ahead():
-        host_memory.drop_reserve()
-        return None
-    return host_memory.reserve(pinned_host, device)
+    return host_memory.reserve(pinned_host if switches.pin_ahead() else 0, device)  # 0 or off CUDA: none
 
 
 def check_adapters(cfg: Config, spec: Any, memory: MemorySettings) -> None:

@@ -45,6 +45,7 @@ class GcStats:
 
 STATS = GcStats()
 _depth = 0
+_full_every = FULL_EVERY
 
 
 @contextlib.contextmanager
@@ -68,9 +69,6 @@ def steps(full_every: int = FULL_EVERY) -> Iterator[GcStats]:
         if was_enabled:
             gc.enable()
         gc.collect()  # cycles of the steps' objects (a model dropped after them) go now, with their GPU memory
-
-
-_full_every = FULL_EVERY
 
 
 def between_steps() -> None:
