@@ -1,7 +1,10 @@
 """Where one training step of a recipe spends its GPU time: torch.profiler over one step after a warm-up.
 
     python benchmarks/speed/profile_step.py recipes/glm5-flash-1gpu.yaml 32K [--source genome] [--json PATH]
-        [--section.key value ...]
+        [--routing balanced|natural] [--section.key value ...]
+
+MoE routers route ``balanced`` (the bench's default on random weights: ``docs/benchmarks.md``) unless
+``--routing natural``; genome windows (``--source genome``) should take ``natural``.
 
 Prints three tables and the step's wall time:
 
@@ -20,6 +23,15 @@ doing when it launched the kernel after each gap (its innermost label and aten o
 host syncs (``cudaStreamSynchronize`` and kin: ``.item()``, ``.tolist()``, ``nonzero``) with where they ran.
 
 ``--json`` writes the tables. Writes nothing else.
+
+    python benchmarks/speed/profile_step.py recipes/glm5-flash-1gpu.yaml 8K --host 10 [--json PATH]
+
+instead measures the host's side of warm steps, without torch.profiler: per step, the wall time and the time the
+step's last read-back (``.tolist()`` of the loss and gradient norm) waits for the GPU; all ``.tolist()`` read-backs
+(the DSA selection reads counts too) are counted and timed beside it. A step whose last read-back waits little
+is bound by the host's launches, not by the GPU. Then the same steps under ``cProfile``,
+its 40 costliest functions by own time and by cumulative time (``cProfile`` slows the host: its shares, not its
+seconds, are the figure).
 """
 
 from __future__ import annotations
@@ -212,29 +224,105 @@ def gap_lines(g: dict, limit: int = 30) -> list[str]:
     return out
 
 
+def host_side(step, next_batch, sync, device, n: int) -> dict:
+    """``n`` warm steps timed on the host (see the module doc), then ``n`` under ``cProfile``."""
+    import cProfile
+    import io
+    import pstats
+
+    waits: list[float] = []
+    tolist = torch.Tensor.tolist
+
+    def timed_tolist(self):  # the step's read-back: how long it waits for the GPU
+        t = time.perf_counter()
+        out = tolist(self)
+        waits.append(time.perf_counter() - t)
+        return out
+
+    rows = []
+    torch.Tensor.tolist = timed_tolist
+    try:
+        for _ in range(n):
+            batch = next_batch()
+            sync(device)
+            waits.clear()
+            t0 = time.perf_counter()
+            step(batch)
+            sync(device)
+            wall = time.perf_counter() - t0
+            rows.append({"wall_s": wall, "last_readback_wait_s": waits[-1] if waits else 0.0,
+                         "readbacks_wait_s": sum(waits), "readbacks": len(waits)})
+    finally:
+        torch.Tensor.tolist = tolist
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(n):
+        step(next_batch())
+    sync(device)
+    prof.disable()
+    tables = {}
+    for key in ("tottime", "cumulative"):
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(40)
+        tables[key] = buf.getvalue()
+    return {"steps": rows, "cprofile": tables}
+
+
+def host_lines(h: dict) -> list[str]:
+    import statistics as st
+
+    walls = [r["wall_s"] for r in h["steps"]]
+    last = [r["last_readback_wait_s"] for r in h["steps"]]
+    waits = [r["readbacks_wait_s"] for r in h["steps"]]
+    out = [f"{len(walls)} warm steps: wall median {st.median(walls):.4f} s (min {min(walls):.4f}, "
+           f"max {max(walls):.4f}); the last read-back waits {st.median(last):.4f} s (median); all "
+           f"{h['steps'][0]['readbacks']} read-backs {st.median(waits):.4f} s"]
+    out += ["\ncProfile by own time", h["cprofile"]["tottime"], "\ncProfile by cumulative time",
+            h["cprofile"]["cumulative"]]
+    return out
+
+
 def main(argv: list[str]) -> int:
+    from megaseq.models.common.moe import set_routing
     from megaseq.models.presets import resolve_spec
     from megaseq.train import host_gc
     from megaseq.train.build import kernels_for, resolve_device
 
     recipe, length, *rest = argv
-    source, json_path = "random", None
-    while rest[:1] in (["--source"], ["--json"]):  # before any --section.key overrides
+    source, json_path, host_steps, routing = "random", None, 0, None
+    while rest[:1] in (["--source"], ["--json"], ["--host"], ["--routing"]):  # before any --section.key overrides
         if rest[0] == "--source":
             source = rest[1]
+        elif rest[0] == "--routing":
+            routing = rest[1]
+        elif rest[0] == "--host":
+            host_steps = int(rest[1])
         else:
             json_path = rest[1]
         rest = rest[2:]
+    routing = routing or ("natural" if source == "genome" else "balanced")
     cfg = cfg_for(load_config(recipe, split_overrides(rest)), parse_size(length), source)
     device = resolve_device(cfg)
     plan = plan_on(cfg, device)
     print("fixes:", [f[0] for f in plan.fixes], dict(plan.memory))
     # the dispatcher as `megaseq train` sets it up (--model.kernels fast), Python's collector as its steps keep it
     with kernels_for(cfg, device), host_gc.steps():
-        model, applied, next_batch, step = planned_step(cfg, resolve_spec(cfg.model.name), device, plan, 3)
+        model, applied, next_batch, step = planned_step(cfg, resolve_spec(cfg.model.name), device, plan,
+                                                        3 + 2 * host_steps)
+        set_routing(model, routing)
         step(next_batch())  # warm-up
         sync = torch.cuda.synchronize if device.type == "cuda" else (lambda _d: None)
         sync(device)
+        if host_steps:
+            h = host_side(step, next_batch, sync, device, host_steps)
+            print("\n".join(host_lines(h)))
+            if json_path:
+                with open(json_path, "w") as f:
+                    json.dump({"recipe": recipe, "seq_len": length, **h, "torch": torch.__version__,
+                               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"},
+                              f, indent=1)
+            applied.release()
+            return 0
         handles = annotate(model)
         activities = [torch.profiler.ProfilerActivity.CPU]
         if device.type == "cuda":
