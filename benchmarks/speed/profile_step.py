@@ -32,6 +32,12 @@ step's last read-back (``.tolist()`` of the loss and gradient norm) waits for th
 is bound by the host's launches, not by the GPU. Then the same steps under ``cProfile``,
 its 40 costliest functions by own time and by cumulative time (``cProfile`` slows the host: its shares, not its
 seconds, are the figure).
+
+    python benchmarks/speed/profile_step.py recipes/glm5-flash-1gpu.yaml 8K --syncs [--json PATH]
+
+instead runs one warm step under ``torch.cuda.set_sync_debug_mode("warn")`` and lists every host sync it made
+(``.item()``, ``.tolist()``, ``nonzero``, copies to pageable host memory, stream syncs inside an op) by the
+Python frames that called it, with counts.
 """
 
 from __future__ import annotations
@@ -268,6 +274,32 @@ def host_side(step, next_batch, sync, device, n: int) -> dict:
     return {"steps": rows, "cprofile": tables}
 
 
+def host_syncs(step, next_batch, sync, device) -> dict[str, int]:
+    """One step's host syncs by where they were called (the innermost five Python frames), with counts."""
+    import traceback
+    import warnings
+    from collections import Counter
+
+    seen: Counter = Counter()
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        frames = traceback.extract_stack()[:-1]
+        seen[" < ".join(f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in reversed(frames[-5:]))] += 1
+
+    batch = next_batch()
+    sync(device)
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = show
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step(batch)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    sync(device)
+    return dict(seen.most_common())
+
+
 def host_lines(h: dict) -> list[str]:
     import statistics as st
 
@@ -289,8 +321,11 @@ def main(argv: list[str]) -> int:
     from megaseq.train.build import kernels_for, resolve_device
 
     recipe, length, *rest = argv
-    source, json_path, host_steps, routing = "random", None, 0, None
-    while rest[:1] in (["--source"], ["--json"], ["--host"], ["--routing"]):  # before any --section.key overrides
+    source, json_path, host_steps, routing, syncs = "random", None, 0, None, False
+    while rest[:1] in (["--source"], ["--json"], ["--host"], ["--routing"], ["--syncs"]):  # before any overrides
+        if rest[0] == "--syncs":
+            syncs, rest = True, rest[1:]
+            continue
         if rest[0] == "--source":
             source = rest[1]
         elif rest[0] == "--routing":
@@ -313,6 +348,17 @@ def main(argv: list[str]) -> int:
         step(next_batch())  # warm-up
         sync = torch.cuda.synchronize if device.type == "cuda" else (lambda _d: None)
         sync(device)
+        if syncs and device.type != "cuda":
+            raise SystemExit("--syncs lists a GPU step's host syncs: run it on a GPU")
+        if syncs:
+            found = host_syncs(step, next_batch, sync, device)
+            print(f"{sum(found.values())} host syncs in one warm step, by where they were called (innermost first)")
+            print("\n".join(f"{n:5d}  {where}" for where, n in found.items()))
+            if json_path:
+                with open(json_path, "w") as f:
+                    json.dump({"recipe": recipe, "seq_len": length, "syncs": found}, f, indent=1)
+            applied.release()
+            return 0
         if host_steps:
             h = host_side(step, next_batch, sync, device, host_steps)
             print("\n".join(host_lines(h)))
