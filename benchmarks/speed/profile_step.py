@@ -346,6 +346,8 @@ def main(argv: list[str]) -> int:
                                                         3 + 2 * host_steps)
         set_routing(model, routing)
         step(next_batch())  # warm-up
+        if getattr(step, "graphs", None) is not None:
+            step(next_batch())  # the CUDA graphs' capture (train.layer_graphs)
         sync = torch.cuda.synchronize if device.type == "cuda" else (lambda _d: None)
         sync(device)
         if syncs and device.type != "cuda":

@@ -71,7 +71,8 @@ def plan_on(c: Config, device: torch.device) -> Any:
 
 def planned_step(c: Config, spec: Any, device: torch.device, plan: Any, total_steps: int) -> tuple:
     """``(model, applied memory, next_batch(), step(batch))``: the trainer's data, model, optimizer and step
-    with ``plan``'s fixes applied, as ``megaseq train`` runs them."""
+    with ``plan``'s fixes applied, as ``megaseq train`` runs them; ``step.graphs`` is the run's
+    ``train.layer_graphs.LayerGraphs`` (captured before the second step), or None."""
     from megaseq.data import build_data
     from megaseq.train.build import build_planned_model, dtypes
     from megaseq.train.parallel_env import ParallelEnv
@@ -88,6 +89,7 @@ def planned_step(c: Config, spec: Any, device: torch.device, plan: Any, total_st
     def step(batch: dict[str, torch.Tensor]) -> None:
         train_step(state, [batch])
 
+    step.graphs = state.graphs  # the layers replayed as CUDA graphs from the second step (None: none)
     return model, applied, data.train.next_batch, step
 
 
@@ -160,9 +162,11 @@ def measure_megaseq(cfg: Config, seq_len: int, steps: int, source: str, routing:
             first: list[float] = []
             compiles: dict[str, Any] = {}
             tunings: dict[str, Any] = {}
+            graphs = getattr(step, "graphs", None)
             with host_gc.steps() as collected:
                 times = timed_steps(lambda: step(next_batch()), steps, device, first, compiles, pre, profile_first,
-                                    tunings)
+                                    tunings, warmups=2 if graphs is not None and steps else 1)
+            row["cuda_graphs"] = graphs.summary() if graphs is not None else None
             row["step_times_s"] = times
             row["host_gc"] = dict(mode="step" if host_gc_manual() else "auto", **vars(collected))
             row["precompile"] = pre.summary() if pre is not None else None
@@ -184,7 +188,8 @@ def measure_megaseq(cfg: Config, seq_len: int, steps: int, source: str, routing:
             row["predicted_is_first_step"] = True
         dt = sum(times) / len(times)
         tokens = c.train.batch_size * seq_len
-        row.update(status="ok", step_s=dt, first_step_s=first[0], first_step_compiles=compiles,
+        row.update(status="ok", step_s=dt, first_step_s=first[0], capture_step_s=first[1] if len(first) > 1 else None,
+                   first_step_compiles=compiles,
                    first_step_tunings=tunings,
                    tokens_per_s=tokens / dt,
                    mfu=mfu(tokens / dt, plan.flops["per_token"], 1) if device.type == "cuda" else None, **peaks)
@@ -218,14 +223,15 @@ def load_summary(load: dict[str, float]) -> dict[str, Any]:
 def timed_steps(run_step: Callable[[], None], steps: int, device: torch.device,
                 first: list[float] | None = None, first_compiles: dict | None = None,
                 precompiled: Any = None, profile_first: Path | None = None,
-                first_tunings: dict | None = None) -> list[float]:
-    """Seconds of each measured step: ``steps + 1`` runs of ``run_step``, the first a warm-up (kernels,
-    autotune, the allocator) left out (its seconds appended to ``first`` when given; the Triton kernels it
+                first_tunings: dict | None = None, warmups: int = 1) -> list[float]:
+    """Seconds of each measured step: ``steps + warmups`` runs of ``run_step``, the first ``warmups`` left out:
+    the first (kernels, autotune, the allocator; its seconds appended to ``first`` when given; the Triton kernels it
     compiled, ``compiles.CompileRecord.summary``, put in ``first_compiles`` when given); ``steps`` 0: the one
     (cold) step. ``precompiled`` (``ops.precompile.RunPrecompile``): joined before the first step (the seconds
     waited for it in its ``summary()`` as ``wait_s``, outside the step's), the step's compiles added to the user's
     kernel manifest. ``profile_first``: the first step profiled (``first_profiled``). ``first_tunings``: given, the
-    autotuner timings of the first step (``compiles.timed_summary``) put in it."""
+    autotuner timings of the first step (``compiles.timed_summary``) put in it. ``warmups`` 2: the second step
+    captures the CUDA graphs (``train.layer_graphs``), its seconds appended to ``first`` too."""
     from megaseq.bench.compiles import compile_record, timed_summary
     from megaseq.ops.triton_autotune import recording_tunings
 
@@ -235,7 +241,8 @@ def timed_steps(run_step: Callable[[], None], steps: int, device: torch.device,
         logger.info(f"megaseq bench: {note}")
     if precompiled is not None:
         precompiled.join(lambda line: logger.info(f"megaseq bench: {line}"))
-    for i in range(steps + 1):
+    warmups = warmups if steps else 1
+    for i in range(steps + warmups):
         t0 = time.perf_counter()
         counting = i == 0 and first_compiles is not None
         manifest = precompiled.recording() if i == 0 and precompiled is not None else contextlib.nullcontext()
@@ -250,13 +257,13 @@ def timed_steps(run_step: Callable[[], None], steps: int, device: torch.device,
         if i == 0 and first_tunings is not None:
             first_tunings.update(timed_summary(timed))
         dt = time.perf_counter() - t0
-        if i > 0 or steps == 0:
+        if i >= warmups or steps == 0:
             times.append(dt)
-        if i == 0 and first is not None:
+        if i < warmups and first is not None:
             first.append(dt)
         # as each step ends (stderr): a long bench stopped by a time limit still shows what it measured
-        what = "warm-up" if i == 0 and steps else "timed"
-        logger.info(f"megaseq bench: step {i + 1} of {steps + 1} ({what}): {dt:.1f} s")
+        what = "timed" if i >= warmups or not steps else "warm-up" if i == 0 else "warm-up, CUDA graph capture"
+        logger.info(f"megaseq bench: step {i + 1} of {steps + warmups} ({what}): {dt:.1f} s")
     return times
 
 

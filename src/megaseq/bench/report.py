@@ -82,6 +82,13 @@ def first_step_lines(rows: list[dict[str, Any]]) -> list[str]:
         return (f", after the model's build {r['build_s']:.1f} s and the precompile's wait {wait:.1f} s{ops}: "
                 f"{r['build_s'] + wait + r['first_step_s']:.1f} s to the first step's end")
 
+    def capture(r: dict[str, Any]) -> str:  # the second step captured the CUDA graphs (train.layer_graphs)
+        g = r.get("cuda_graphs") or {}
+        if r.get("capture_step_s") is None or not g.get("layers"):
+            return ""
+        return (f"; the second step {r['capture_step_s']:.2f} s, capturing {len(g['layers'])} layers as CUDA graphs "
+                f"in {g['capture_s']:.2f} s")
+
     def later(r: dict[str, Any]) -> str:  # the rows run in one process: a later row reuses the kernels built before
         i = next(i for i, x in enumerate(rows) if x is r)
         return (f" (in the process after the {rows[i - 1]['seq_len']:,} ({rows[i - 1]['source']}) row, whose kernels "
@@ -89,7 +96,7 @@ def first_step_lines(rows: list[dict[str, Any]]) -> list[str]:
 
     return ["", "first step against a warm step: " + "; ".join(
         f"{r['seq_len']:,} ({r['source']}) {r['first_step_s']:.1f} s / {r['step_s']:.2f} s = "
-        f"{r['first_step_s'] / r['step_s']:.1f}x{compiles(r)}{before(r)}{later(r)}" for r in both)]
+        f"{r['first_step_s'] / r['step_s']:.1f}x{compiles(r)}{before(r)}{capture(r)}{later(r)}" for r in both)]
 
 
 def reference_lines(result: dict[str, Any]) -> list[str]:

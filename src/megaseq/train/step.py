@@ -35,14 +35,20 @@ class StepState:
     on_nonfinite: str = "stop"  # train.on_nonfinite: stop (raise guard.NonFiniteStep) or skip
     autocast: torch.dtype | None = None  # the autocast dtype (None: none)
     balancer: Balancer | None = None  # the MoE routers' balancing (aux loss, bias update)
+    graphs: Any = None  # the layers replayed as CUDA graphs (train.layer_graphs.LayerGraphs), or None
 
     @classmethod
     def of(cls, cfg: Config, model: torch.nn.Module, optimizer: Any, scheduler: Any, env: ParallelEnv,
            memory: MemorySettings, autocast: torch.dtype | None = None,
            balancer: Balancer | None = None) -> StepState:
-        """The state of a run under ``cfg`` (its ``optim.grad_clip`` and ``train.on_nonfinite``)."""
+        """The state of a run under ``cfg`` (its ``optim.grad_clip``, ``train.on_nonfinite`` and
+        ``model.cuda_graphs``)."""
+        from megaseq.train import layer_graphs
+
+        graphs = layer_graphs.for_run(cfg.model.cuda_graphs, model, env.device, env.world_size, memory, autocast,
+                                      env.log)
         return cls(model, optimizer, scheduler, env, memory, cfg.optim.grad_clip, cfg.train.on_nonfinite,
-                   autocast, balancer)
+                   autocast, balancer, graphs)
 
 
 def _autocast(dtype: torch.dtype | None, device: torch.device) -> contextlib.AbstractContextManager:
@@ -60,6 +66,8 @@ def train_step(state: StepState, micro_batches: list[dict[str, torch.Tensor]],
     ``guard.NonFiniteStep`` is raised (``train.on_nonfinite stop``) or the step is skipped (``skip``:
     gradients dropped, the schedule moves on, the values returned)."""
     model, optimizer, env, balancer = state.model, state.optimizer, state.env, state.balancer
+    if state.graphs is not None:
+        state.graphs.before_step(micro_batches)
     local = sum(int((b["labels"] != -100).sum()) for b in micro_batches)
     total = env.all_reduce_count(local)  # the loss is a mean over every token of the global batch
     indexer_training.loss_scale(model, total)  # the indexers' KL term is a mean over the same tokens

@@ -1,0 +1,168 @@
+"""CUDA graphs of the decoder layers whose kernels are many and small: one launch for a layer's forward, one for
+its backward.
+
+At short lengths a step's host work (Python, the autotuners' lookups, one launch per kernel) outlasts its GPU
+work: a layer of linear attention (KDA, Gated DeltaNet: chunked kernels, gates, convolutions, norms) with its
+hyper-connections and MoE launches a few hundred kernels, each a few microseconds of GPU time at 8K tokens.
+Replaying a captured graph launches them all at once.
+
+What is graphed (``eligible``): each decoder layer whose token mixer is a linear-attention block. Its forward
+makes no host sync and its shapes follow the sequence length alone. The softmax-attention and DSA layers stay
+eager: the DSA selection reads counts back to the host, and attention at the lengths where graphs pay is a few
+large kernels.
+
+When (``why_not``): one process on a CUDA device, ``model.cuda_graphs`` on (the default), no memory scheme in
+the plan (the schemes wrap layers and move tensors between passes), no autocast, and no auxiliary balance loss
+(its gradient is handed to the routers between the forward and the backward, outside any graph).
+
+How: the first step runs eagerly (it compiles and tunes the kernels). Before the second,
+``torch.cuda.make_graphed_callables`` captures every eligible layer's forward and backward on a sample input of
+the step's layer-boundary shape (one warm-up iteration, then the capture; one memory pool for all of them). From
+then on such a layer, called with autograd on, on an input of that shape, with a plain context (one rank, no
+documents, no positions) and one micro-batch a step, copies its input into the graph's and replays; the
+parameters' gradients come out of the backward graph into ``.grad``. Any other call runs the layer eagerly. A
+graph replays the kernels it captured on the same memory, so its results are the eager layer's
+(``tests/train/test_layer_graphs.py`` compares losses and every gradient on a GPU).
+"""
+
+from __future__ import annotations
+
+import time
+import types
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from megaseq.models.common.context import SeqContext
+
+# the memory settings that wrap layers or move their tensors (any of them on: no graphs)
+_SCHEMES = ("chunked_loss", "tiled_mlp", "recompute", "checkpoint_offload", "optimizer_offload",
+            "kda_segment_tokens", "model_segment_tokens", "stream_base")
+
+
+def _mixers() -> tuple[type, ...]:
+    from megaseq.models.common.gdn import GatedDeltaNet
+    from megaseq.models.common.kda import KimiDeltaAttention
+
+    return (KimiDeltaAttention, GatedDeltaNet)
+
+
+def eligible(layer: nn.Module) -> bool:
+    """A decoder layer whose token mixer is linear attention (see the module doc)."""
+    mixers = _mixers()
+    return any(isinstance(m, mixers) for m in layer.modules())
+
+
+def why_not(enabled: bool, device: torch.device, world_size: int, memory: Any, autocast: torch.dtype | None,
+            model: nn.Module) -> str | None:
+    """Why a run's layers are not graphed (None: they are, where ``eligible``)."""
+    from megaseq.models.common.moe import MoE
+
+    if not enabled:
+        return "model.cuda_graphs is off"
+    if device.type != "cuda":
+        return f"device {device.type}"
+    if world_size != 1:
+        return f"{world_size} processes"
+    schemes = [s for s in _SCHEMES if getattr(memory, s, False)]
+    if schemes:
+        return "memory schemes " + ", ".join(schemes)
+    if autocast is not None:
+        return f"autocast to {autocast}"
+    if any(isinstance(m, MoE) and m.aux_loss_coef for m in model.modules()):
+        return "an auxiliary balance loss"
+    if not any(eligible(layer) for layer in getattr(model, "layers", [])):
+        return "no layer of linear attention"
+    return None
+
+
+class _Bound(nn.Module):
+    """``layer(h, SeqContext())`` as a module of one tensor input (what ``make_graphed_callables`` takes); its
+    parameters are the layer's."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.layer._megaseq_eager_forward(h, SeqContext())
+
+
+@dataclass
+class LayerGraphs:
+    """A run's graphed layers: ``before_step`` captures them before the second step and says which calls of
+    the step may replay; the layers' ``forward`` then replays (patched on the instance, so module names and
+    state dicts stay as they are)."""
+
+    model: nn.Module
+    steps: int = 0
+    shape: tuple[int, ...] | None = None  # the layer-boundary shape the graphs were captured at
+    graphed: list[int] = field(default_factory=list)  # indices of the graphed layers
+    capture_s: float = 0.0
+    replays: int = 0
+    _on: bool = False  # the current step may replay (one micro-batch)
+
+    def before_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> None:
+        self.steps += 1
+        self._on = len(micro_batches) == 1
+        if self.steps == 2 and self.shape is None and self._on:
+            self._capture(micro_batches[0])
+
+    def _capture(self, batch: dict[str, torch.Tensor]) -> None:
+        model = self.model
+        device = model.lm_head.weight.device
+        ids = batch["input_ids"].to(device)
+        with torch.no_grad():
+            h = model.embed(ids)
+        shape, dtype = tuple(h.shape), h.dtype
+        idx = [i for i, layer in enumerate(model.layers) if eligible(layer)]
+        if not idx:
+            return
+        t0 = time.perf_counter()
+        for i in idx:
+            layer = model.layers[i]
+            layer._megaseq_eager_forward = layer.forward
+        bound = tuple(_Bound(model.layers[i]) for i in idx)
+        gen = torch.Generator(device=device).manual_seed(0)
+        samples = tuple((torch.randn(shape, generator=gen, device=device, dtype=dtype).requires_grad_(),)
+                        for _ in idx)
+        torch.cuda.synchronize(device)
+        callables = torch.cuda.make_graphed_callables(bound, samples, num_warmup_iters=1, allow_unused_input=True)
+        torch.cuda.synchronize(device)
+        for i, graphed in zip(idx, callables, strict=True):
+            model.layers[i].forward = types.MethodType(_replaying(self, graphed), model.layers[i])
+        self.shape, self.graphed = shape, idx
+        self.capture_s = time.perf_counter() - t0
+
+    def replayable(self, h: torch.Tensor, ctx: SeqContext) -> bool:
+        return (self._on and torch.is_grad_enabled() and tuple(h.shape) == self.shape and h.requires_grad
+                and type(ctx) is SeqContext and ctx.doc_ids is None and ctx.position_ids is None
+                and ctx.cp_size == 1)
+
+    def summary(self) -> dict[str, Any]:
+        return {"layers": list(self.graphed), "shape": list(self.shape) if self.shape else None,
+                "capture_s": round(self.capture_s, 3), "replays": self.replays}
+
+
+def _replaying(graphs: LayerGraphs, graphed: Any) -> Any:
+    def forward(self: nn.Module, h: torch.Tensor, ctx: SeqContext) -> torch.Tensor:
+        if graphs.replayable(h, ctx):
+            graphs.replays += 1
+            return graphed(h)
+        return self._megaseq_eager_forward(h, ctx)
+
+    return forward
+
+
+def for_run(enabled: bool, model: nn.Module, device: torch.device, world_size: int, memory: Any,
+            autocast: torch.dtype | None, log: Any = None) -> LayerGraphs | None:
+    """The run's ``LayerGraphs``, or None where ``why_not`` says (logged when ``log`` is given and graphs were
+    asked for)."""
+    why = why_not(enabled, device, world_size, memory, autocast, model)
+    if why is not None:
+        if log is not None and enabled and device.type == "cuda":
+            log(f"CUDA graphs: not used ({why})")
+        return None
+    return LayerGraphs(model)

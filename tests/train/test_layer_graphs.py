@@ -1,0 +1,102 @@
+"""``train.layer_graphs``: which layers and runs are graphed (CPU), and on a GPU that the graphed layers give the
+eager layers' losses and every parameter gradient, step after step, with the DSA layers between them eager."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from megaseq.config import MemorySettings
+from megaseq.memory.vocab_loss import linear_cross_entropy
+from megaseq.models.build import build_model
+from megaseq.models.common.moe import MoE
+from megaseq.models.spec import from_hf_config
+from megaseq.train import layer_graphs
+
+pytest.importorskip("transformers")
+from test_glm5_parity import make_config, randomize_  # noqa: E402
+
+CUDA = torch.device("cuda")
+
+
+def _model(seed: int = 0):
+    cfg = make_config("mixed")
+    model = build_model(from_hf_config(cfg.to_dict()), dtype=torch.float64, seed=seed)
+    randomize_(model, seed=seed + 1)
+    return model, cfg
+
+
+def test_the_linear_attention_layers_are_eligible():
+    model, _ = _model()
+    kinds = [layer.layer_type for layer in model.layers]
+    assert [layer_graphs.eligible(layer) for layer in model.layers] == [k == "kda" for k in kinds]
+    assert "dsa" in kinds and "kda" in kinds
+
+
+def test_why_a_run_is_not_graphed():
+    model, _ = _model()
+    plain = MemorySettings()
+    assert layer_graphs.why_not(True, CUDA, 1, plain, None, model) is None
+    assert layer_graphs.why_not(False, CUDA, 1, plain, None, model) == "model.cuda_graphs is off"
+    assert layer_graphs.why_not(True, torch.device("cpu"), 1, plain, None, model) == "device cpu"
+    assert layer_graphs.why_not(True, CUDA, 2, plain, None, model) == "2 processes"
+    tiled = MemorySettings(tiled_mlp=True, recompute=True)
+    assert layer_graphs.why_not(True, CUDA, 1, tiled, None, model) == "memory schemes tiled_mlp, recompute"
+    assert layer_graphs.why_not(True, CUDA, 1, plain, torch.bfloat16, model) == "autocast to torch.bfloat16"
+    next(m for m in model.modules() if isinstance(m, MoE)).aux_loss_coef = 0.01
+    assert layer_graphs.why_not(True, CUDA, 1, plain, None, model) == "an auxiliary balance loss"
+    dense, _ = _model()
+    for layer in dense.layers:
+        layer.layer_type = "dsa"
+    dense.layers = torch.nn.ModuleList(layer for layer in dense.layers if not layer_graphs.eligible(layer))
+    assert layer_graphs.why_not(True, CUDA, 1, plain, None, dense) == "no layer of linear attention"
+
+
+def test_a_cpu_run_has_no_graphs():
+    model, _ = _model()
+    logged = []
+    assert layer_graphs.for_run(True, model, torch.device("cpu"), 1, MemorySettings(), None, logged.append) is None
+    assert logged == []
+
+
+def _loss(model, ids, labels):
+    hidden = model(ids)
+    return linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), model.lm_head.weight, labels.reshape(-1),
+                                reduction="sum") / labels.numel()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_graphed_layers_give_the_eager_losses_and_gradients():
+    """Five steps of the same model, eager and graphed (captured before the second step), each with a new batch
+    and an SGD update: every step's loss and every parameter's gradient agree. A replay that read a stale input
+    (the capture's sample, the step before's) or left a gradient out would differ from the second step on."""
+    model, cfg = _model()
+    eager = model.float().to(CUDA)
+    graphed = copy.deepcopy(eager)
+    graphs = layer_graphs.LayerGraphs(graphed)
+    opts = {id(m): torch.optim.SGD(m.parameters(), lr=0.05) for m in (eager, graphed)}
+    gen = torch.Generator().manual_seed(3)
+    for step in range(5):
+        ids = torch.randint(1, cfg.vocab_size, (1, 128), generator=gen)
+        labels = torch.randint(1, cfg.vocab_size, (1, 128), generator=gen)
+        out = {}
+        for m in (eager, graphed):
+            if m is graphed:
+                graphs.before_step([{"input_ids": ids, "labels": labels}])
+            m.zero_grad(set_to_none=True)
+            loss = _loss(m, ids.to(CUDA), labels.to(CUDA))
+            loss.backward()
+            out[id(m)] = (loss.item(), {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None})
+            opts[id(m)].step()
+        (le, ge), (lg, gg) = out[id(eager)], out[id(graphed)]
+        assert lg == pytest.approx(le, rel=1e-5), f"step {step}"
+        assert ge.keys() == gg.keys(), f"step {step}"
+        for n in ge:
+            err = (gg[n] - ge[n]).abs().max().item() / max(ge[n].abs().max().item(), 1e-30)
+            assert err < 1e-4, f"step {step}: {n} {err:.3g}"
+    kda = [i for i, layer in enumerate(graphed.layers) if layer.layer_type == "kda"]
+    assert graphs.graphed == kda and graphs.shape == (1, 128, cfg.hc_mult, cfg.hidden_size)
+    assert graphs.replays == 4 * len(kda)  # steps 2-5 replayed every linear-attention layer
