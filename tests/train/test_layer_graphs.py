@@ -67,17 +67,42 @@ def _loss(model, ids, labels):
                                 reduction="sum") / labels.numel()
 
 
+# the tiny model at widths the fast kernels take (torch's grouped GEMM wants rows of 16-byte multiples)
+ALIGNED = dict(hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_attention_heads=4,
+               num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=32, v_head_dim=16, qk_nope_head_dim=16,
+               index_head_dim=16, linear_head_dim=16, linear_num_heads=4)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_graphed_layers_give_the_eager_losses_and_gradients():
-    """Five steps of the same model, eager and graphed (captured before the second step), each with a new batch
-    and an SGD update: every step's loss and every parameter's gradient agree. A replay that read a stale input
-    (the capture's sample, the step before's) or left a gradient out would differ from the second step on."""
-    model, cfg = _model()
-    eager = model.float().to(CUDA)
+    """Five steps of the same bf16 model under the fast kernels (as `megaseq train` runs it), eager and graphed
+    (captured before the second step), each with a new batch and an SGD update: every step's loss and every
+    parameter's gradient agree. A replay that read a stale input (the capture's sample, the step before's) or
+    left a gradient out would differ from the second step on."""
+    from megaseq.ops import dispatch
+    from megaseq.ops.kernels import preferred_kernels
+
+    cfg = make_config("mixed", **ALIGNED)
+    spec = from_hf_config(cfg.to_dict())
+    ref = build_model(spec, dtype=torch.float64, seed=0)
+    randomize_(ref, seed=1)
+    eager = build_model(spec, dtype=torch.bfloat16, seed=0)  # the tensors HF keeps in float32 stay float32
+    eager.load_state_dict(ref.state_dict())
+    eager = eager.to(CUDA)
     graphed = copy.deepcopy(eager)
-    graphs = layer_graphs.LayerGraphs(graphed)
-    opts = {id(m): torch.optim.SGD(m.parameters(), lr=0.05) for m in (eager, graphed)}
+    logged: list[str] = []
+    graphs = layer_graphs.LayerGraphs(graphed, logged.append)
+    with dispatch.configured(preferred=preferred_kernels("cuda", "fast")):
+        _steps(eager, graphed, graphs, cfg)
+    assert graphs.failed is None and not logged, logged
+    kda = [i for i, layer in enumerate(graphed.layers) if layer.layer_type == "kda"]
+    assert graphs.graphed == kda and graphs.shape == (1, 128, cfg.hc_mult, cfg.hidden_size)
+    assert graphs.replays == 4 * len(kda)  # steps 2-5 replayed every linear-attention layer
+
+
+def _steps(eager, graphed, graphs, cfg):
+    opts = {id(m): torch.optim.SGD(m.parameters(), lr=0.01) for m in (eager, graphed)}
     gen = torch.Generator().manual_seed(3)
     for step in range(5):
         ids = torch.randint(1, cfg.vocab_size, (1, 128), generator=gen)
@@ -92,11 +117,9 @@ def test_graphed_layers_give_the_eager_losses_and_gradients():
             out[id(m)] = (loss.item(), {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None})
             opts[id(m)].step()
         (le, ge), (lg, gg) = out[id(eager)], out[id(graphed)]
-        assert lg == pytest.approx(le, rel=1e-5), f"step {step}"
+        # the same kernels on the same values: equal but for the order of atomic adds (sparse MLA's backward)
+        assert lg == pytest.approx(le, rel=1e-3), f"step {step}"
         assert ge.keys() == gg.keys(), f"step {step}"
         for n in ge:
-            err = (gg[n] - ge[n]).abs().max().item() / max(ge[n].abs().max().item(), 1e-30)
-            assert err < 1e-4, f"step {step}: {n} {err:.3g}"
-    kda = [i for i, layer in enumerate(graphed.layers) if layer.layer_type == "kda"]
-    assert graphs.graphed == kda and graphs.shape == (1, 128, cfg.hc_mult, cfg.hidden_size)
-    assert graphs.replays == 4 * len(kda)  # steps 2-5 replayed every linear-attention layer
+            err = (gg[n].float() - ge[n].float()).abs().max().item() / max(ge[n].float().abs().max().item(), 1e-30)
+            assert err < 2e-2, f"step {step}: {n} {err:.3g}"

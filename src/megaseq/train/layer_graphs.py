@@ -22,11 +22,14 @@ then on such a layer, called with autograd on, on an input of that shape, with a
 documents, no positions) and one micro-batch a step, copies its input into the graph's and replays; the
 parameters' gradients come out of the backward graph into ``.grad``. Any other call runs the layer eagerly. A
 graph replays the kernels it captured on the same memory, so its results are the eager layer's
-(``tests/train/test_layer_graphs.py`` compares losses and every gradient on a GPU).
+(``tests/train/test_layer_graphs.py`` compares losses and every gradient on a GPU). A capture that fails (an
+op of the layer syncs with the host, as the reference kernels' grouped GEMM does) is logged and the layers run
+eagerly.
 """
 
 from __future__ import annotations
 
+import gc
 import time
 import types
 from dataclasses import dataclass, field
@@ -97,6 +100,8 @@ class LayerGraphs:
     state dicts stay as they are)."""
 
     model: nn.Module
+    log: Any = None  # where a failed capture is said (None: nowhere)
+    failed: str | None = None  # why the capture failed (the layers then run eagerly)
     steps: int = 0
     shape: tuple[int, ...] | None = None  # the layer-boundary shape the graphs were captured at
     graphed: list[int] = field(default_factory=list)  # indices of the graphed layers
@@ -128,9 +133,26 @@ class LayerGraphs:
         gen = torch.Generator(device=device).manual_seed(0)
         samples = tuple((torch.randn(shape, generator=gen, device=device, dtype=dtype).requires_grad_(),)
                         for _ in idx)
+        # the capture's backward accumulates into each parameter's gradient node: one a garbage cycle still holds
+        # from an eager step belongs to the default stream, which a capture may not wait on. Collected first
+        # (host_gc's frozen objects included, frozen again after).
+        frozen = gc.get_freeze_count() > 0
+        gc.unfreeze()
+        gc.collect()
+        if frozen:
+            gc.freeze()
         torch.cuda.synchronize(device)
-        callables = torch.cuda.make_graphed_callables(bound, samples, num_warmup_iters=1, allow_unused_input=True)
-        torch.cuda.synchronize(device)
+        try:
+            callables = torch.cuda.make_graphed_callables(bound, samples, num_warmup_iters=1,
+                                                          allow_unused_input=True)
+            torch.cuda.synchronize(device)
+        except RuntimeError as e:  # an op that syncs with the host or copies from pageable memory: eager
+            self.failed = str(e).splitlines()[0][:300]
+            if self.log is not None:
+                self.log(f"CUDA graphs: the capture failed ({self.failed}); the layers run eagerly")
+            for i in idx:
+                del model.layers[i]._megaseq_eager_forward
+            return
         for i, graphed in zip(idx, callables, strict=True):
             model.layers[i].forward = types.MethodType(_replaying(self, graphed), model.layers[i])
         self.shape, self.graphed = shape, idx
@@ -143,7 +165,7 @@ class LayerGraphs:
 
     def summary(self) -> dict[str, Any]:
         return {"layers": list(self.graphed), "shape": list(self.shape) if self.shape else None,
-                "capture_s": round(self.capture_s, 3), "replays": self.replays}
+                "capture_s": round(self.capture_s, 3), "replays": self.replays, "failed": self.failed}
 
 
 def _replaying(graphs: LayerGraphs, graphed: Any) -> Any:
@@ -165,4 +187,4 @@ def for_run(enabled: bool, model: nn.Module, device: torch.device, world_size: i
         if log is not None and enabled and device.type == "cuda":
             log(f"CUDA graphs: not used ({why})")
         return None
-    return LayerGraphs(model)
+    return LayerGraphs(model, log)
