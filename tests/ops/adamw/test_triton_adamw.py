@@ -194,3 +194,25 @@ def test_step_guarded_on_the_device_writes_nothing_when_not_finite(kernel):
         opt.zero_grad()
     assert all(torch.equal(x, y) for x, y in zip(snapshot(a, opt_a), snapshot(b, opt_b)))
     assert float(opt_a.state[a[0]]["step"]) == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_guarded_step_makes_no_host_sync():
+    """The clip and the update guarded on the device (``train.step``'s one-process path) launch without reading
+    anything back: a sync there holds the update's launch until the backward has finished on the GPU (torch's
+    foreach add of a 0-d device tensor made one)."""
+    ps = [torch.nn.Parameter(torch.randn(s, device="cuda").to(torch.bfloat16)) for s in SHAPES]
+    opt = MasterAdamW(ps, lr=1e-2, betas=(0.9, 0.95), kernel="triton", fused=True)
+    for _ in range(2):  # the second step's launches, compiled and warm
+        for p in ps:
+            p.grad = torch.randn_like(p)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            norm = opt.clip_grad_norm_(1.0)
+            opt.step(finite=torch.isfinite(norm))
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        opt.zero_grad()
+    assert float(opt.state[ps[0]]["step"]) == 2

@@ -84,7 +84,10 @@ def master_adamw_(weights: list[torch.Tensor], grads: list[torch.Tensor], master
         ok = None
     else:
         ok = finite.to(device=dev, dtype=torch.int32).reshape(())
-        torch._foreach_add_(steps, ok.to(device=steps[0].device, dtype=steps[0].dtype))
+        # a list of the one flag, not the flag itself: torch's foreach add of a 0-d device tensor reads it back to
+        # the host (a sync that held the update's launch until the backward had finished on the GPU)
+        add = ok.to(device=steps[0].device, dtype=steps[0].dtype)
+        torch._foreach_add_(steps, [add] * len(steps))
     bc = bias_corrections(steps, beta1, beta2)
     hyper = torch.tensor([lr, beta1, beta2, eps, weight_decay], dtype=torch.float64).to(dev, non_blocking=True)
     coef_t = coef.to(device=dev, dtype=torch.float32) if coef is not None else bc  # any pointer when unused
