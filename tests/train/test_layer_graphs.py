@@ -28,7 +28,7 @@ def _model(seed: int = 0):
     return model, cfg
 
 
-def test_the_linear_attention_layers_are_eligible():
+def test_the_kda_layers_are_eligible():
     model, _ = _model()
     kinds = [layer.layer_type for layer in model.layers]
     assert [layer_graphs.eligible(layer) for layer in model.layers] == [k == "kda" for k in kinds]
@@ -51,7 +51,7 @@ def test_why_a_run_is_not_graphed():
     for layer in dense.layers:
         layer.layer_type = "dsa"
     dense.layers = torch.nn.ModuleList(layer for layer in dense.layers if not layer_graphs.eligible(layer))
-    assert layer_graphs.why_not(True, CUDA, 1, plain, None, dense) == "no layer of linear attention"
+    assert layer_graphs.why_not(True, CUDA, 1, plain, None, dense) == "no KDA layer"
 
 
 def test_a_cpu_run_has_no_graphs():
@@ -98,7 +98,7 @@ def test_graphed_layers_give_the_eager_losses_and_gradients():
     assert graphs.failed is None and not logged, logged
     kda = [i for i, layer in enumerate(graphed.layers) if layer.layer_type == "kda"]
     assert graphs.graphed == kda and graphs.shape == (1, 128, cfg.hc_mult, cfg.hidden_size)
-    assert graphs.replays == 4 * len(kda)  # steps 2-5 replayed every linear-attention layer
+    assert graphs.replays == 4 * len(kda)  # steps 2-5 replayed every KDA layer
 
 
 def _steps(eager, graphed, graphs, cfg):

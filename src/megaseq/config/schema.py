@@ -54,8 +54,8 @@ class ModelConfig:
                                   "while the model is built, before the first step (manifests: shipped, written by "
                                   "`megaseq tune`, and the user's in the kernel cache, which each run extends); "
                                   "unset: MEGASEQ_PRECOMPILE (0: off; compile: compile all, load none), else on")
-    cuda_graphs: bool = opt(True, "on a GPU, from the second step replay each linear-attention layer's forward and "
-                            "backward as CUDA graphs (one process, no memory scheme in the plan, no autocast, no "
+    cuda_graphs: bool = opt(True, "on a GPU, from the second step replay each KDA layer's forward and backward "
+                            "as CUDA graphs (one process, no memory scheme in the plan, no autocast, no "
                             "auxiliary balance loss, one micro-batch a step; other layers and calls run eagerly): "
                             "the host's launches of their many small kernels, not the GPU, bound a step at short "
                             "lengths")
