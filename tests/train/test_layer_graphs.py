@@ -123,3 +123,20 @@ def _steps(eager, graphed, graphs, cfg):
         for n in ge:
             err = (gg[n].float() - ge[n].float()).abs().max().item() / max(ge[n].float().abs().max().item(), 1e-30)
             assert err < 2e-2, f"step {step}: {n} {err:.3g}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_failed_capture_leaves_the_layers_eager():
+    """Under the reference kernels the MoE's grouped GEMM reads the expert counts back to the host, which a capture
+    cannot hold: the capture fails, says so, gives the default stream back, and the steps run eagerly with the
+    eager model's losses and gradients."""
+    model, cfg = _model()
+    eager = model.float().to(CUDA)
+    graphed = copy.deepcopy(eager)
+    logged: list[str] = []
+    graphs = layer_graphs.LayerGraphs(graphed, logged.append)
+    _steps(eager, graphed, graphs, cfg)
+    assert graphs.failed and graphs.shape is None and graphs.replays == 0
+    assert len(logged) == 1 and "the capture failed" in logged[0] and "run eagerly" in logged[0]
+    assert torch.cuda.current_stream(CUDA) == torch.cuda.default_stream(CUDA)
