@@ -78,8 +78,9 @@ ALIGNED = dict(hidden_size=64, intermediate_size=64, moe_intermediate_size=32, n
 def test_graphed_layers_give_the_eager_losses_and_gradients():
     """Five steps of the same bf16 model under the fast kernels (as `megaseq train` runs it), eager and graphed
     (captured before the second step), each with a new batch and an SGD update: every step's loss and every
-    parameter's gradient agree. A replay that read a stale input (the capture's sample, the step before's) or
-    left a gradient out would differ from the second step on."""
+    parameter's gradient agree, and so do the MoE loads each forward leaves (an evaluation's forward runs eagerly
+    between the steps). A replay that read a stale input (the capture's sample, the step before's), left a
+    gradient out or left the loads of the evaluation in place would differ from the second step on."""
     from megaseq.ops import dispatch
     from megaseq.ops.kernels import preferred_kernels
 
@@ -113,10 +114,16 @@ def _steps(eager, graphed, graphs, cfg):
                 graphs.before_step([{"input_ids": ids, "labels": labels}])
             m.zero_grad(set_to_none=True)
             loss = _loss(m, ids.to(CUDA), labels.to(CUDA))
+            loads = [x.last_tokens_per_expert.clone() for x in m.modules() if isinstance(x, MoE)]
             loss.backward()
             out[id(m)] = (loss.item(), {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None})
             opts[id(m)].step()
-        (le, ge), (lg, gg) = out[id(eager)], out[id(graphed)]
+            with torch.no_grad():  # an evaluation's forward between steps: eager, its own expert loads
+                m(ids[:, :64].to(CUDA))
+            out[id(m)] += (loads,)
+        (le, ge, we), (lg, gg, wg) = out[id(eager)], out[id(graphed)]
+        # the MoE loads the balancer reads after a forward: the replay's, not the evaluation's before it
+        assert all(torch.equal(a, b) for a, b in zip(we, wg, strict=True)), f"step {step}"
         # the same kernels on the same values: equal but for the order of atomic adds (sparse MLA's backward)
         assert lg == pytest.approx(le, rel=1e-3), f"step {step}"
         assert ge.keys() == gg.keys(), f"step {step}"

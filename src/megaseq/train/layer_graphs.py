@@ -20,7 +20,8 @@ How: the first step runs eagerly (it compiles and tunes the kernels). Before the
 the step's layer-boundary shape (one warm-up iteration, then the capture; one memory pool for all of them). From
 then on such a layer, called with autograd on, on an input of that shape, with a plain context (one rank, no
 documents, no positions) and one micro-batch a step, copies its input into the graph's and replays; the
-parameters' gradients come out of the backward graph into ``.grad``. Any other call runs the layer eagerly. A
+parameters' gradients come out of the backward graph into ``.grad``, and the statistics the layer leaves on its
+modules (an MoE's expert loads) are the graph's. Any other call runs the layer eagerly. A
 graph replays the kernels it captured on the same memory, so its results are the eager layer's
 (``tests/train/test_layer_graphs.py`` compares losses and every gradient on a GPU). A capture that fails (an
 op of the layer syncs with the host, as the reference kernels' grouped GEMM does) is logged and the layers run
@@ -150,7 +151,8 @@ class LayerGraphs:
                 del model.layers[i]._megaseq_eager_forward
             return
         for i, graphed in zip(idx, callables, strict=True):
-            model.layers[i].forward = types.MethodType(_replaying(self, graphed), model.layers[i])
+            stats = _statistics(model.layers[i])
+            model.layers[i].forward = types.MethodType(_replaying(self, graphed, stats), model.layers[i])
         self.shape, self.graphed = shape, idx
         self.capture_s = time.perf_counter() - t0
 
@@ -164,11 +166,22 @@ class LayerGraphs:
                 "capture_s": round(self.capture_s, 3), "replays": self.replays, "failed": self.failed}
 
 
-def _replaying(graphs: LayerGraphs, graphed: Any) -> Any:
+def _statistics(layer: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor]]:
+    """The tensors a layer's forward leaves on its modules as plain attributes (an MoE's ``last_tokens_per_expert``,
+    which the balancer and the metrics read), as the capture left them: in the graph's memory, rewritten by every
+    replay. An eager call between replays (an evaluation's forward, without autograd) points them elsewhere; a
+    replay points them back."""
+    return [(m, k, v) for m in layer.modules() for k, v in vars(m).items() if isinstance(v, torch.Tensor)]
+
+
+def _replaying(graphs: LayerGraphs, graphed: Any, stats: list[tuple[nn.Module, str, torch.Tensor]]) -> Any:
     def forward(self: nn.Module, h: torch.Tensor, ctx: SeqContext) -> torch.Tensor:
         if graphs.replayable(h, ctx):
             graphs.replays += 1
-            return graphed(h)
+            out = graphed(h)
+            for m, k, v in stats:
+                setattr(m, k, v)
+            return out
         return self._megaseq_eager_forward(h, ctx)
 
     return forward
