@@ -61,6 +61,17 @@ def test_a_cpu_run_has_no_graphs():
     assert logged == []
 
 
+def test_a_packed_or_accumulated_step_neither_captures_nor_replays():
+    model, _ = _model()
+    graphs = layer_graphs.LayerGraphs(model)
+    ids = torch.zeros(1, 8, dtype=torch.long)
+    graphs.before_step([{"input_ids": ids}])
+    graphs.before_step([{"input_ids": ids, "doc_ids": torch.zeros_like(ids)}])  # the second step: packed
+    assert graphs.shape is None and not graphs._on
+    graphs.before_step([{"input_ids": ids}, {"input_ids": ids}])
+    assert graphs.shape is None and not graphs._on
+
+
 def _loss(model, ids, labels):
     hidden = model(ids)
     return linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), model.lm_head.weight, labels.reshape(-1),

@@ -15,7 +15,8 @@ When (``why_not``): one process on a CUDA device, ``model.cuda_graphs`` on (the 
 the plan (the schemes wrap layers and move tensors between passes), no autocast, and no auxiliary balance loss
 (its gradient is handed to the routers between the forward and the backward, outside any graph).
 
-How: the first step runs eagerly (it compiles and tunes the kernels). Before the second,
+How: the first step runs eagerly (it compiles and tunes the kernels). Before the second (if its batch is one
+micro-batch without documents),
 ``torch.cuda.make_graphed_callables`` captures every eligible layer's forward and backward on a sample input of
 the step's layer-boundary shape (one warm-up iteration, then the capture; one memory pool for all of them). From
 then on such a layer, called with autograd on, on an input of that shape, with a plain context (one rank, no
@@ -106,7 +107,9 @@ class LayerGraphs:
 
     def before_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> None:
         self.steps += 1
-        self._on = len(micro_batches) == 1
+        # one micro-batch without documents or positions (a packed batch's context has them: no replay, and no
+        # capture, whose memory pool would stay reserved for nothing)
+        self._on = len(micro_batches) == 1 and all(micro_batches[0].get(k) is None for k in ("doc_ids", "position_ids"))
         if self.steps == 2 and self.shape is None and self._on:
             self._capture(micro_batches[0])
 
