@@ -16,17 +16,20 @@ the plan (the schemes wrap layers and move tensors between passes), no autocast,
 (its gradient is handed to the routers between the forward and the backward, outside any graph).
 
 How: the first step runs eagerly (it compiles and tunes the kernels). Before the second (if its batch is one
-micro-batch without documents),
-``torch.cuda.make_graphed_callables`` captures every eligible layer's forward and backward on a sample input of
-the step's layer-boundary shape (one warm-up iteration, then the capture; one memory pool for all of them). From
-then on such a layer, called with autograd on, on an input of that shape, with a plain context (one rank, no
-documents, no positions) and one micro-batch a step, copies its input into the graph's and replays; the
-parameters' gradients come out of the backward graph into ``.grad``, and the statistics the layer leaves on its
-modules (an MoE's expert loads) are the graph's. Any other call runs the layer eagerly. A
-graph replays the kernels it captured on the same memory, so its results are the eager layer's
-(``tests/train/test_layer_graphs.py`` compares losses and every gradient on a GPU). A capture that fails (an
-op of the layer syncs with the host, as the reference kernels' grouped GEMM does) is logged and the layers run
+micro-batch without documents), ``torch.cuda.make_graphed_callables`` captures every eligible layer's forward and
+backward on a sample input of the step's layer-boundary shape (one warm-up iteration, then the capture; one
+memory pool for all of them). From then on such a layer, called with autograd on, on an input of that shape,
+with a plain context (one rank, no documents, no positions) and one micro-batch a step, copies its input into
+the graph's and replays; the parameters' gradients come out of the backward graph into ``.grad``, and the
+statistics the layer leaves on its modules (an MoE's expert loads) are the graph's. Any other call runs the
+layer eagerly. A graph replays the kernels it captured on the same memory, so its results are the eager layer's
+(``tests/train/test_layer_graphs.py`` compares losses and every gradient on a GPU). A capture that fails (an op
+of the layer syncs with the host, as the reference kernels' grouped GEMM does) is logged and the layers run
 eagerly.
+
+Memory: the graphs keep their input, output and gradient buffers and the pool of the activations they save. The
+planner does not count them; glm5-flash-1gpu's peak at 8K on an H100 was 46.0 GiB with and without
+(``benchmarks/results/speed/runs/2026-12-07_layer-graphs``).
 """
 
 from __future__ import annotations
@@ -42,8 +45,8 @@ from torch import nn
 
 from megaseq.models.common.context import SeqContext
 
-# the memory settings that wrap layers or move their tensors (any of them on: no graphs)
-_SCHEMES = ("chunked_loss", "tiled_mlp", "recompute", "checkpoint_offload", "optimizer_offload",
+# the memory settings that wrap layers or move their tensors or gradients (any of them on: no graphs)
+_SCHEMES = ("tiled_mlp", "recompute", "checkpoint_offload", "optimizer_offload",
             "kda_segment_tokens", "model_segment_tokens", "stream_base")
 
 
@@ -103,7 +106,7 @@ class LayerGraphs:
     graphed: list[int] = field(default_factory=list)  # indices of the graphed layers
     capture_s: float = 0.0
     replays: int = 0
-    _on: bool = False  # the current step may replay (one micro-batch)
+    _on: bool = False  # the current step may replay (one micro-batch without documents)
 
     def before_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> None:
         self.steps += 1
