@@ -45,8 +45,8 @@ from torch import nn
 
 from megaseq.models.common.context import SeqContext
 
-# the memory settings that wrap layers or move their tensors or gradients (any of them on: no graphs)
-_SCHEMES = ("tiled_mlp", "recompute", "checkpoint_offload", "optimizer_offload",
+# the memory schemes (any of them on: no graphs; most wrap layers or move their tensors or gradients)
+_SCHEMES = ("chunked_loss", "tiled_mlp", "recompute", "checkpoint_offload", "optimizer_offload",
             "kda_segment_tokens", "model_segment_tokens", "stream_base")
 
 
