@@ -11,6 +11,7 @@ import torch
 from megaseq.config import MemorySettings
 from megaseq.memory.vocab_loss import linear_cross_entropy
 from megaseq.models.build import build_model
+from megaseq.models.common.context import SeqContext
 from megaseq.models.common.moe import MoE
 from megaseq.models.spec import from_hf_config
 from megaseq.train import layer_graphs
@@ -111,6 +112,13 @@ def test_graphed_layers_give_the_eager_losses_and_gradients():
     kda = [i for i, layer in enumerate(graphed.layers) if layer.layer_type == "kda"]
     assert graphs.graphed == kda and graphs.shape == (1, 128, cfg.hc_mult, cfg.hidden_size)
     assert graphs.replays == 4 * len(kda)  # steps 2-5 replayed every KDA layer
+    # a layer whose parameters no longer train as at the capture (a frozen stage) runs eagerly
+    for p in graphed.layers[kda[0]].parameters():
+        p.requires_grad_(False)
+    h = graphed.embed(torch.zeros(1, 128, dtype=torch.long, device=CUDA)).requires_grad_()
+    with dispatch.configured(preferred=preferred_kernels("cuda", "fast")):
+        graphed.layers[kda[0]](h, SeqContext())
+    assert graphs.replays == 4 * len(kda)
 
 
 def _steps(eager, graphed, graphs, cfg):

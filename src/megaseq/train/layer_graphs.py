@@ -20,12 +20,12 @@ micro-batch without documents), ``torch.cuda.make_graphed_callables`` captures e
 backward on a sample input of the step's layer-boundary shape (one warm-up iteration, then the capture; one
 memory pool for all of them). From then on such a layer, called with autograd on, on an input of that shape,
 with a plain context (one rank, no documents, no positions) and one micro-batch a step, copies its input into
-the graph's and replays; the parameters' gradients come out of the backward graph into ``.grad``, and the
-statistics the layer leaves on its modules (an MoE's expert loads) are the graph's. Any other call runs the
-layer eagerly. A graph replays the kernels it captured on the same memory, so its results are the eager layer's
-(``tests/train/test_layer_graphs.py`` compares losses and every gradient on a GPU). A capture that fails (an op
-of the layer syncs with the host, as the reference kernels' grouped GEMM does) is logged and the layers run
-eagerly.
+the graph's and replays (while its parameters train as they did at the capture); the parameters' gradients come
+out of the backward graph into ``.grad``, and the statistics the layer leaves on its modules (an MoE's expert
+loads) are the graph's. Any other call runs the layer eagerly. A graph replays the kernels it captured on the
+same memory, so its results are the eager layer's (``tests/train/test_layer_graphs.py`` compares losses and
+every gradient on a GPU). A capture that fails (an op of the layer syncs with the host, as the reference
+kernels' grouped GEMM does) is logged and the layers run eagerly.
 
 Memory: the graphs keep their input, output and gradient buffers and the pool of the activations they save. The
 planner does not count them; glm5-flash-1gpu's peak at 8K on an H100 was 46.0 GiB with and without
@@ -158,7 +158,8 @@ class LayerGraphs:
             return
         for i, graphed in zip(idx, callables, strict=True):
             stats = _statistics(model.layers[i])
-            model.layers[i].forward = types.MethodType(_replaying(self, graphed, stats), model.layers[i])
+            model.layers[i].forward = types.MethodType(
+                _replaying(self, graphed, stats, list(model.layers[i].parameters())), model.layers[i])
         self.shape, self.graphed = shape, idx
         self.capture_s = time.perf_counter() - t0
 
@@ -180,9 +181,14 @@ def _statistics(layer: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor]]:
     return [(m, k, v) for m in layer.modules() for k, v in vars(m).items() if isinstance(v, torch.Tensor)]
 
 
-def _replaying(graphs: LayerGraphs, graphed: Any, stats: list[tuple[nn.Module, str, torch.Tensor]]) -> Any:
+def _replaying(graphs: LayerGraphs, graphed: Any, stats: list[tuple[nn.Module, str, torch.Tensor]],
+               params: list[nn.Parameter]) -> Any:
+    # which parameters the graphs give gradients: the ones that trained at the capture (a run that freezes or
+    # unfreezes some later, as the DSA indexer's dense warm-up does, runs the layer eagerly from then on)
+    trained = [p.requires_grad for p in params]
+
     def forward(self: nn.Module, h: torch.Tensor, ctx: SeqContext) -> torch.Tensor:
-        if graphs.replayable(h, ctx):
+        if graphs.replayable(h, ctx) and [p.requires_grad for p in params] == trained:
             graphs.replays += 1
             out = graphed(h)
             for m, k, v in stats:
