@@ -201,7 +201,7 @@ def test_step_guarded_on_the_device_writes_nothing_when_not_finite(kernel):
 def test_the_guarded_step_makes_no_host_sync():
     """The clip and the update guarded on the device (``train.step``'s one-process path) launch without reading
     anything back: a sync there holds the update's launch until the backward has finished on the GPU (torch's
-    foreach add of a 0-d device tensor made one)."""
+    foreach add of a 0-d device tensor makes one)."""
     ps = [torch.nn.Parameter(torch.randn(s, device="cuda").to(torch.bfloat16)) for s in SHAPES]
     opt = MasterAdamW(ps, lr=1e-2, betas=(0.9, 0.95), kernel="triton", fused=True)
     for _ in range(2):  # the second step's launches, compiled and warm

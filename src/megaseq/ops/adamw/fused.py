@@ -85,7 +85,7 @@ def master_adamw_(weights: list[torch.Tensor], grads: list[torch.Tensor], master
     else:
         ok = finite.to(device=dev, dtype=torch.int32).reshape(())
         # a list of the one flag, not the flag itself: torch's foreach add of a 0-d device tensor reads it back to
-        # the host (a sync that held the update's launch until the backward had finished on the GPU)
+        # the host, a sync that would hold the update's launch until the backward has finished on the GPU
         add = ok.to(device=steps[0].device, dtype=steps[0].dtype)
         torch._foreach_add_(steps, [add] * len(steps))
     bc = bias_corrections(steps, beta1, beta2)
