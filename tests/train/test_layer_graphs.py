@@ -45,6 +45,9 @@ def test_why_a_run_is_not_graphed():
     assert layer_graphs.why_not(True, CUDA, 2, plain, None, model) == "2 processes"
     tiled = MemorySettings(tiled_mlp=True, recompute=True)
     assert layer_graphs.why_not(True, CUDA, 1, tiled, None, model) == "memory schemes tiled_mlp, recompute"
+    chunked = MemorySettings(chunked_loss=True, kda_segment_tokens=4096, indexer_query_chunk=8192)
+    assert layer_graphs.why_not(True, CUDA, 1, chunked, None, model) == "memory schemes chunked_loss, kda_segments"
+    assert layer_graphs.why_not(True, CUDA, 1, MemorySettings(indexer_query_chunk=8192), None, model) is None
     assert layer_graphs.why_not(True, CUDA, 1, plain, torch.bfloat16, model) == "autocast to torch.bfloat16"
     next(m for m in model.modules() if isinstance(m, MoE)).aux_loss_coef = 0.01
     assert layer_graphs.why_not(True, CUDA, 1, plain, None, model) == "an auxiliary balance loss"

@@ -44,10 +44,12 @@ import torch
 from torch import nn
 
 from megaseq.models.common.context import SeqContext
+from megaseq.schemes import SCHEMES, is_on
 
-# the memory schemes (any of them on: no graphs; most wrap layers or move their tensors or gradients)
-_SCHEMES = ("chunked_loss", "tiled_mlp", "recompute", "checkpoint_offload", "optimizer_offload",
-            "kda_segment_tokens", "model_segment_tokens", "stream_base")
+# the one scheme that leaves graphs on: the DSA indexer's query chunks change only the DSA layers, which stay eager
+# (every other scheme of ``megaseq.schemes``, one a later release adds included, keeps the layers eager: most wrap
+# layers or move their tensors or gradients)
+_BESIDE_GRAPHS = ("indexer_query_chunk",)
 
 
 def eligible(layer: nn.Module) -> bool:
@@ -68,7 +70,7 @@ def why_not(enabled: bool, device: torch.device, world_size: int, memory: Any, a
         return f"device {device.type}"
     if world_size != 1:
         return f"{world_size} processes"
-    schemes = [s for s in _SCHEMES if getattr(memory, s, False)]
+    schemes = [name for name in SCHEMES if name not in _BESIDE_GRAPHS and is_on(memory, name)]
     if schemes:
         return "memory schemes " + ", ".join(schemes)
     if autocast is not None:
