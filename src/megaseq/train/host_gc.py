@@ -94,6 +94,17 @@ def between_steps() -> None:
     STATS.longest_s = max(STATS.longest_s, dt)
 
 
+def collect_all() -> None:
+    """A full collection in which the frozen objects (``steps()``'s, a caller's) take part too; what survives is
+    frozen again where anything was. For work that must not meet garbage the earlier steps left alive, such as a
+    CUDA graph's capture (``train.layer_graphs``)."""
+    frozen = gc.get_freeze_count() > 0
+    gc.unfreeze()
+    gc.collect()
+    if frozen:
+        gc.freeze()
+
+
 def active() -> bool:
     """Whether a ``steps()`` context holds the collector now."""
     return _depth > 0

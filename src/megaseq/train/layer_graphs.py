@@ -34,7 +34,6 @@ planner does not count them; glm5-flash-1gpu's peak at 8K on an H100 was 46.0 Gi
 
 from __future__ import annotations
 
-import gc
 import time
 import types
 from dataclasses import dataclass, field
@@ -45,6 +44,7 @@ from torch import nn
 
 from megaseq.models.common.context import SeqContext
 from megaseq.schemes import SCHEMES, is_on
+from megaseq.train import host_gc
 
 # the one scheme that leaves graphs on: the DSA indexer's query chunks change only the DSA layers, which stay eager
 # (every other scheme of ``megaseq.schemes``, one a later release adds included, keeps the layers eager: most wrap
@@ -138,12 +138,7 @@ class LayerGraphs:
                         for _ in idx)
         # the capture's backward accumulates into each parameter's gradient node: one a garbage cycle still holds
         # from an eager step belongs to the default stream, which a capture may not wait on. Collected first
-        # (host_gc's frozen objects included, frozen again after).
-        frozen = gc.get_freeze_count() > 0
-        gc.unfreeze()
-        gc.collect()
-        if frozen:
-            gc.freeze()
+        host_gc.collect_all()
         torch.cuda.synchronize(device)
         stream = torch.cuda.current_stream(device)
         try:
