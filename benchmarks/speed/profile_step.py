@@ -283,6 +283,8 @@ def host_syncs(step, next_batch, sync, device) -> dict[str, int]:
     seen: Counter = Counter()
 
     def show(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" not in str(message):  # the mode's own notice that it is a prototype: not a sync
+            return
         frames = traceback.extract_stack()[:-1]
         seen[" < ".join(f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in reversed(frames[-5:]))] += 1
 
@@ -314,6 +316,16 @@ def host_lines(h: dict) -> list[str]:
     return out
 
 
+def _write(json_path: str | None, recipe: str, length: str, device: torch.device, payload: dict) -> None:
+    """``payload`` beside the recipe, the length, the device and torch's version, as JSON (``--json``)."""
+    if not json_path:
+        return
+    with open(json_path, "w") as f:
+        json.dump({"recipe": recipe, "seq_len": length, **payload,
+                   "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                   "torch": torch.__version__}, f, indent=1)
+
+
 def main(argv: list[str]) -> int:
     from megaseq.models.common.moe import set_routing
     from megaseq.models.presets import resolve_spec
@@ -338,6 +350,8 @@ def main(argv: list[str]) -> int:
     routing = routing or ("natural" if source == "genome" else "balanced")
     cfg = cfg_for(load_config(recipe, split_overrides(rest)), parse_size(length), source)
     device = resolve_device(cfg)
+    if syncs and device.type != "cuda":
+        raise SystemExit("--syncs lists a GPU step's host syncs: run it on a GPU")
     plan = plan_on(cfg, device)
     print("fixes:", [f[0] for f in plan.fixes], dict(plan.memory))
     # the dispatcher as `megaseq train` sets it up (--model.kernels fast), Python's collector as its steps keep it
@@ -350,25 +364,17 @@ def main(argv: list[str]) -> int:
             step(next_batch())  # the CUDA graphs' capture (train.layer_graphs)
         sync = torch.cuda.synchronize if device.type == "cuda" else (lambda _d: None)
         sync(device)
-        if syncs and device.type != "cuda":
-            raise SystemExit("--syncs lists a GPU step's host syncs: run it on a GPU")
         if syncs:
             found = host_syncs(step, next_batch, sync, device)
             print(f"{sum(found.values())} host syncs in one warm step, by where they were called (innermost first)")
             print("\n".join(f"{n:5d}  {where}" for where, n in found.items()))
-            if json_path:
-                with open(json_path, "w") as f:
-                    json.dump({"recipe": recipe, "seq_len": length, "syncs": found}, f, indent=1)
+            _write(json_path, recipe, length, device, {"syncs": found})
             applied.release()
             return 0
         if host_steps:
             h = host_side(step, next_batch, sync, device, host_steps)
             print("\n".join(host_lines(h)))
-            if json_path:
-                with open(json_path, "w") as f:
-                    json.dump({"recipe": recipe, "seq_len": length, **h, "torch": torch.__version__,
-                               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"},
-                              f, indent=1)
+            _write(json_path, recipe, length, device, h)
             applied.release()
             return 0
         handles = annotate(model)
@@ -415,16 +421,11 @@ def main(argv: list[str]) -> int:
                 gaps = idle_gaps(json.load(f))
         lines += gap_lines(gaps)
     print("\n".join(lines))
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump({"recipe": recipe, "seq_len": length, "wall_s": wall, "gpu_kernel_s": total / 1e6,
-                       "kernels_ms": {k: v / 1e3 for k, v in kernels.items()},
-                       "forward_ms": {k: v / 1e3 for k, v in fwd.items()},
-                       "backward_ms": {k: v / 1e3 for k, v in bwd.items()},
-                       "aten_by_shape_ms": {k: v / 1e3 for k, v in sorted(shapes.items(), key=lambda kv: -kv[1])[:300]},
-                       "gaps": gaps,
-                       "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                       "torch": torch.__version__}, f, indent=1)
+    _write(json_path, recipe, length, device,
+           {"wall_s": wall, "gpu_kernel_s": total / 1e6, "kernels_ms": {k: v / 1e3 for k, v in kernels.items()},
+            "forward_ms": {k: v / 1e3 for k, v in fwd.items()}, "backward_ms": {k: v / 1e3 for k, v in bwd.items()},
+            "aten_by_shape_ms": {k: v / 1e3 for k, v in sorted(shapes.items(), key=lambda kv: -kv[1])[:300]},
+            "gaps": gaps})
     applied.release()
     return 0
 
