@@ -46,9 +46,9 @@ from megaseq.models.common.context import SeqContext
 from megaseq.schemes import SCHEMES, is_on
 from megaseq.train import host_gc
 
-# the one scheme that leaves graphs on: the DSA indexer's query chunks change only the DSA layers, which stay eager
-# (every other scheme of ``megaseq.schemes``, one a later release adds included, keeps the layers eager: most wrap
-# layers or move their tensors or gradients)
+# the one scheme that leaves graphs on: the DSA indexer's query chunks change only the DSA layers, which stay eager.
+# Every other scheme of ``megaseq.schemes`` keeps the layers eager (most wrap layers or move their tensors or
+# gradients), a new one too until it is checked with graphs
 _BESIDE_GRAPHS = ("indexer_query_chunk",)
 
 
