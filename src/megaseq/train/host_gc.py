@@ -52,8 +52,11 @@ _full_every = FULL_EVERY
 def steps(full_every: int = FULL_EVERY) -> Iterator[GcStats]:
     """The steps run inside this without automatic collection (see the module); yields the counters."""
     global _depth, STATS, _full_every
-    if _depth or not switches.host_gc_manual():  # an outer context holds the collector, or MEGASEQ_GC=auto
+    if _depth:  # an outer context holds the collector: its counters
         yield STATS
+        return
+    if not switches.host_gc_manual():  # MEGASEQ_GC=auto: nothing collected here, nothing counted
+        yield GcStats()
         return
     was_enabled = gc.isenabled()
     gc.collect()  # what the build left behind goes now, not frozen with the rest
