@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Long runs of the data kinds on one H200, each stage one device call (from the repo root, .whl/ carried as for
-# benchmarks/h200.sh): peak memory against the plan, tokens/s and the held-out loss by position, into $OUT.
+# benchmarks/run.sh): peak memory against the plan, tokens/s and the held-out loss by position, into $OUT.
 #   bash benchmarks/long_context/data_256k.sh protein   # a generated protein family at 256K, the tiny protein recipe model
 #   bash benchmarks/long_context/data_256k.sh chat      # one tool-use conversation of >= 256K tokens, Qwen3-30B-A3B LoRA,
 #                                                       # rendered by Qwen3's own chat template (data.chat_template)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Speed where users run, on one H200: balanced MoE routing, the transformers + PEFT + Liger peer in the same job,
 # and the first step on an empty cache against a warm one. Standalone (from the repo root, .whl/ carried as for
-# benchmarks/h200.sh: fla-core, liger-kernel, transformers, peft wheels); results as JSON + markdown under $OUT.
+# benchmarks/run.sh: fla-core, liger-kernel, transformers, peft wheels); results as JSON + markdown under $OUT.
 #   bash benchmarks/speed/speed_gpu.sh glm     # at most 10 minutes: (b) glm5-flash-1gpu 8K,32K --baseline on an empty
 #                                        #   cache (its rows' first_step_s against step_s are (c): the first step
 #                                        #   on an empty cache against a warm one), then, time permitting, 8K
