@@ -157,6 +157,21 @@ def test_the_report_gives_the_op_warmups_share_of_the_wait():
     assert "op warm-up" not in first_step_lines([row])[1]
 
 
+def test_the_report_gives_the_second_step_s_capture_and_the_graphs_memory():
+    from megaseq.bench.report import first_step_lines
+
+    row = {"seq_len": 8192, "source": "random", "first_step_s": 0.4, "step_s": 0.2, "timed_steps": 2,
+           "capture_step_s": 0.61, "cuda_graphs": {"layers": [1, 2, 3], "capture_s": 0.41, "pool_gib": 5.25}}
+    assert first_step_lines([row])[1].endswith(
+        "; the second step 0.61 s, capturing 3 layers as CUDA graphs in 0.41 s, their memory 5.25 GiB")
+    row["cuda_graphs"] = {"layers": [], "capture_s": 0.0, "pool_gib": 0.0, "failed": "their memory (9.00 GiB) "
+                          "exceeds the plan's headroom (2.00 GiB)"}
+    assert first_step_lines([row])[1].endswith("; the second step 0.61 s, its layers eager (CUDA graphs: their memory "
+                                               "(9.00 GiB) exceeds the plan's headroom (2.00 GiB))")
+    row["cuda_graphs"], row["capture_step_s"] = None, None  # no graphs asked for, or none the run allows
+    assert "second step" not in first_step_lines([row])[1]
+
+
 def test_without_triton_nothing_is_recorded(monkeypatch):
     monkeypatch.setitem(sys.modules, "triton", None)  # `import triton` raises ImportError
     with compile_record() as rec:

@@ -76,6 +76,39 @@ def test_a_packed_or_accumulated_step_neither_captures_nor_replays():
     assert graphs.shape is None and not graphs._on
 
 
+def _least(model, seq_len: int) -> int:
+    """The graphs' gradient and input buffers: the trained parameters of the KDA layers and one layer input each."""
+    kda = [layer for layer in model.layers if layer_graphs.eligible(layer)]
+    grads = sum(p.numel() * p.element_size() for layer in kda for p in layer.parameters() if p.requires_grad)
+    h = model.embed(torch.zeros(1, seq_len, dtype=torch.long, device=model.lm_head.weight.device))
+    return grads + len(kda) * h.numel() * h.element_size()
+
+
+@pytest.mark.parametrize("headroom", [-1, "least - 1"])
+def test_graphs_that_cannot_fit_the_plan_s_headroom_are_not_captured(headroom):
+    """Before the capture: the graphs' gradient and input buffers alone beyond the plan's headroom (one byte short,
+    or a plan over its budget, whose headroom is negative) leave the layers eager, said once, with nothing captured
+    or patched (buffers that just fit go on to the capture: the GPU test of the drop)."""
+    model, _ = _model()
+    least = _least(model, 8)
+    logged = []
+    graphs = layer_graphs.LayerGraphs(model, logged.append, headroom=-1 if headroom == -1 else least - 1)
+    ids = torch.zeros(1, 8, dtype=torch.long)
+    graphs.before_step([{"input_ids": ids}])
+    graphs.before_step([{"input_ids": ids}])
+    assert graphs.shape is None and graphs.graphed == [] and graphs.pool_bytes == 0
+    assert len(logged) == 1 and logged[0].startswith("CUDA graphs: not captured (their gradient and input buffers")
+    assert "exceed the plan's headroom" in logged[0] and logged[0].endswith("the layers run eagerly")
+    assert graphs.failed and "headroom" in graphs.failed
+    assert all("forward" not in vars(layer) and not hasattr(layer, "_megaseq_eager_forward") for layer in model.layers)
+
+
+def test_the_run_holds_the_graphs_to_the_plan_s_headroom():
+    model, _ = _model()
+    graphs = layer_graphs.for_run(True, model, CUDA, 1, MemorySettings(), None, headroom=123)
+    assert graphs is not None and graphs.headroom == 123
+
+
 def _loss(model, ids, labels):
     hidden = model(ids)
     return linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), model.lm_head.weight, labels.reshape(-1),
@@ -115,6 +148,8 @@ def test_graphed_layers_give_the_eager_losses_and_gradients():
     kda = [i for i, layer in enumerate(graphed.layers) if layer.layer_type == "kda"]
     assert graphs.graphed == kda and graphs.shape == (1, 128, cfg.hc_mult, cfg.hidden_size)
     assert graphs.replays == 4 * len(kda)  # steps 2-5 replayed every KDA layer
+    # the measured pool holds at least the static gradients and inputs, and the activations the layers save
+    assert graphs.pool_bytes > _least(graphed, 128)
     # a layer whose parameters no longer train as at the capture (a frozen stage) runs eagerly
     for p in graphed.layers[kda[0]].parameters():
         p.requires_grad_(False)
@@ -156,6 +191,32 @@ def _steps(eager, graphed, graphs, cfg):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_graphs_beyond_the_plan_s_headroom_are_dropped():
+    """A headroom that holds the graphs' gradient and input buffers but not their measured pool: the capture runs,
+    its graphs are dropped and their memory given back (the private pools as before), the drop is said once, and
+    the steps run eagerly with the eager model's losses and gradients."""
+    from megaseq.ops import dispatch
+    from megaseq.ops.kernels import preferred_kernels
+
+    cfg = make_config("mixed", **ALIGNED)
+    spec = from_hf_config(cfg.to_dict())
+    eager = build_model(spec, dtype=torch.bfloat16, seed=0).to(CUDA)
+    graphed = copy.deepcopy(eager)
+    least = _least(graphed, 128)
+    logged: list[str] = []
+    graphs = layer_graphs.LayerGraphs(graphed, logged.append, headroom=least)
+    torch.cuda.synchronize()
+    pools = layer_graphs.private_pool_bytes(CUDA)
+    with dispatch.configured(preferred=preferred_kernels("cuda", "fast")):
+        _steps(eager, graphed, graphs, cfg)
+    assert graphs.shape is None and graphs.replays == 0 and graphs.pool_bytes == 0
+    assert len(logged) == 1 and logged[0].startswith("CUDA graphs: dropped (their memory (") and "headroom" in logged[0]
+    assert layer_graphs.private_pool_bytes(CUDA) == pools
+    assert torch.cuda.current_stream(CUDA) == torch.cuda.default_stream(CUDA)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_a_failed_capture_leaves_the_layers_eager():
     """Under the reference kernels the MoE's grouped GEMM reads the expert counts back to the host, which a capture
     cannot hold: the capture fails, says so, gives the default stream back, and the steps run eagerly with the
@@ -169,3 +230,28 @@ def test_a_failed_capture_leaves_the_layers_eager():
     assert graphs.failed and graphs.shape is None and graphs.replays == 0
     assert len(logged) == 1 and "the capture failed" in logged[0] and "run eagerly" in logged[0]
     assert torch.cuda.current_stream(CUDA) == torch.cuda.default_stream(CUDA)
+
+
+def test_a_run_s_records_hold_the_graphs_pool_beside_the_plan(tmp_path, monkeypatch):
+    """``megaseq train`` hands the graphs the plan's headroom, and each step's record sets its GPU peak beside the
+    plan's figure plus the graphs' pool (held outside the plan's phases), so a run that graphs within its headroom
+    is not warned of a peak above the plan."""
+    import json
+    from types import SimpleNamespace
+
+    from test_train import _cfg
+
+    from megaseq.train.trainer import run_training
+
+    seen = {}
+
+    def fake_for_run(enabled, model, device, world_size, memory, autocast, log=None, headroom=None):
+        seen["headroom"] = headroom
+        return SimpleNamespace(pool_bytes=3 * 2**30, before_step=lambda batches: None)
+
+    monkeypatch.setattr(layer_graphs, "for_run", fake_for_run)
+    run_training(_cfg(tmp_path, "g", train={"steps": 2}))
+    plan = json.loads((tmp_path / "g" / "plan.json").read_text())
+    records = [json.loads(line) for line in (tmp_path / "g" / "metrics.jsonl").read_text().splitlines()]
+    assert seen["headroom"] == plan["headroom"] and plan["headroom"] > 0
+    assert [r["plan_gpu_gib"] for r in records] == [pytest.approx(plan["peak_gpu"] / 2**30 + 3)] * 2

@@ -84,7 +84,7 @@ def planned_step(c: Config, spec: Any, device: torch.device, plan: Any, total_st
     env = ParallelEnv(device)
     model, applied, opt, sched = build_planned_model(c, spec, device, memory, total_steps, env=env)
 
-    state = StepState.of(c, model, opt, sched, env, memory, autocast)
+    state = StepState.of(c, model, opt, sched, env, memory, autocast, headroom=plan.headroom)
 
     def step(batch: dict[str, torch.Tensor]) -> None:
         train_step(state, [batch])

@@ -84,10 +84,13 @@ def first_step_lines(rows: list[dict[str, Any]]) -> list[str]:
 
     def capture(r: dict[str, Any]) -> str:  # the second step captured the CUDA graphs (train.layer_graphs)
         g = r.get("cuda_graphs") or {}
+        if r.get("capture_step_s") is not None and g.get("failed"):
+            return f"; the second step {r['capture_step_s']:.2f} s, its layers eager (CUDA graphs: {g['failed']})"
         if r.get("capture_step_s") is None or not g.get("layers"):
             return ""
+        pool = f", their memory {g['pool_gib']:.2f} GiB" if g.get("pool_gib") else ""
         return (f"; the second step {r['capture_step_s']:.2f} s, capturing {len(g['layers'])} layers as CUDA graphs "
-                f"in {g['capture_s']:.2f} s")
+                f"in {g['capture_s']:.2f} s{pool}")
 
     def later(r: dict[str, Any]) -> str:  # the rows run in one process: a later row reuses the kernels built before
         i = next(i for i, x in enumerate(rows) if x is r)

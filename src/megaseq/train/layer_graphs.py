@@ -27,13 +27,18 @@ same memory, so its results are the eager layer's (``tests/train/test_layer_grap
 every gradient on a GPU). A capture that fails (an op of the layer syncs with the host, as the reference
 kernels' grouped GEMM does) is logged and the layers run eagerly.
 
-Memory: the graphs keep their input, output and gradient buffers and the pool of the activations they save. The
-planner does not count them; glm5-flash-1gpu's peak at 8K on an H100 was 46.0 GiB with and without
-(``benchmarks/results/speed/runs/2026-12-07_layer-graphs``).
+Memory: the graphs keep their input, output and gradient buffers and the activations they save in a pool of their
+own, which no eager tensor can use. The planner's phases do not hold them; the run holds them to the plan's headroom
+(its GPU budget less its peak, ``headroom``) instead. Before the capture, the graphs' gradient and input buffers
+alone (a lower bound) must fit in it; after it, the pool's measured size (``pool_bytes``, the allocator's segments of
+the new pool) must, or the graphs are dropped, their memory given back, and the layers run eagerly. A step of
+graphed layers then peaks at most the plan's peak plus the pool. glm5-flash-1gpu's peak at 8K on an H100 was 46.0 GiB
+with and without graphs (``benchmarks/results/speed/runs/2026-12-07_layer-graphs``).
 """
 
 from __future__ import annotations
 
+import gc
 import time
 import types
 from dataclasses import dataclass, field
@@ -102,7 +107,9 @@ class LayerGraphs:
 
     model: nn.Module
     log: Any = None  # where a failed capture is said (None: nowhere)
-    failed: str | None = None  # why the capture failed (the layers then run eagerly)
+    headroom: int | None = None  # GPU bytes the plan leaves below its budget, for the graphs (None: not held to it)
+    failed: str | None = None  # why the capture failed or its graphs were dropped (the layers then run eagerly)
+    pool_bytes: int = 0  # the graphs' own GPU memory, measured after the capture
     steps: int = 0
     shape: tuple[int, ...] | None = None  # the layer-boundary shape the graphs were captured at
     graphed: list[int] = field(default_factory=list)  # indices of the graphed layers
@@ -128,18 +135,27 @@ class LayerGraphs:
         idx = [i for i, layer in enumerate(model.layers) if eligible(layer)]
         if not idx:
             return
+        # the static gradient of every trained parameter and one input buffer per layer: a lower bound on the pool
+        least = sum(p.numel() * p.element_size() for i in idx for p in model.layers[i].parameters() if p.requires_grad)
+        least += len(idx) * h.numel() * h.element_size()
+        del h
+        if self.headroom is not None and least > self.headroom:
+            self._eager(f"their gradient and input buffers alone ({least / 2**30:.2f} GiB) exceed the plan's headroom "
+                        f"({max(self.headroom, 0) / 2**30:.2f} GiB)", "not captured")
+            return
         t0 = time.perf_counter()
         for i in idx:
             layer = model.layers[i]
             layer._megaseq_eager_forward = layer.forward
-        bound = tuple(_Bound(model.layers[i]) for i in idx)
-        gen = torch.Generator(device=device).manual_seed(0)
-        samples = tuple((torch.randn(shape, generator=gen, device=device, dtype=dtype).requires_grad_(),)
-                        for _ in idx)
         # the capture's backward accumulates into each parameter's gradient node: one a garbage cycle still holds
         # from an eager step belongs to the default stream, which a capture may not wait on. Collected first
         host_gc.collect_all()
         torch.cuda.synchronize(device)
+        pools = private_pool_bytes(device)
+        bound = tuple(_Bound(model.layers[i]) for i in idx)
+        gen = torch.Generator(device=device).manual_seed(0)
+        samples = tuple((torch.randn(shape, generator=gen, device=device, dtype=dtype).requires_grad_(),)
+                        for _ in idx)
         stream = torch.cuda.current_stream(device)
         try:
             callables = torch.cuda.make_graphed_callables(bound, samples, num_warmup_iters=1,
@@ -147,11 +163,22 @@ class LayerGraphs:
             torch.cuda.synchronize(device)
         except RuntimeError as e:  # an op that syncs with the host or copies from pageable memory: eager
             torch.cuda.set_stream(stream)  # a capture that raised leaves its own stream current
-            self.failed = str(e).splitlines()[0][:300]
-            if self.log is not None:
-                self.log(f"CUDA graphs: the capture failed ({self.failed}); the layers run eagerly")
-            for i in idx:
-                del model.layers[i]._megaseq_eager_forward
+            self._restore(idx)
+            self._eager(str(e).splitlines()[0][:300], "the capture failed")
+            return
+        # the graphs' memory: the segments of private pools that are new or grew, and the samples, which are the
+        # graphs' input buffers
+        self.pool_bytes = sum(max(0, n - pools.get(pool, 0)) for pool, n in private_pool_bytes(device).items())
+        self.pool_bytes += sum(x.numel() * x.element_size() for (x,) in samples)
+        if self.headroom is not None and self.pool_bytes > self.headroom:
+            del callables, bound, samples
+            self._restore(idx)
+            gc.collect()  # the graphs' autograd functions and their closures, then their pool
+            torch.cuda.synchronize(device)
+            torch.cuda.empty_cache()
+            self._eager(f"their memory ({self.pool_bytes / 2**30:.2f} GiB) exceeds the plan's headroom "
+                        f"({max(self.headroom, 0) / 2**30:.2f} GiB)", "dropped")
+            self.pool_bytes = 0
             return
         for i, graphed in zip(idx, callables, strict=True):
             stats = _statistics(model.layers[i])
@@ -160,6 +187,15 @@ class LayerGraphs:
         self.shape, self.graphed = shape, idx
         self.capture_s = time.perf_counter() - t0
 
+    def _restore(self, idx: list[int]) -> None:
+        for i in idx:
+            del self.model.layers[i]._megaseq_eager_forward
+
+    def _eager(self, why: str, what: str) -> None:
+        self.failed = why
+        if self.log is not None:
+            self.log(f"CUDA graphs: {what} ({why}); the layers run eagerly")
+
     def replayable(self, h: torch.Tensor, ctx: SeqContext) -> bool:
         return (self._on and torch.is_grad_enabled() and tuple(h.shape) == self.shape and h.requires_grad
                 and type(ctx) is SeqContext and ctx.doc_ids is None and ctx.position_ids is None
@@ -167,7 +203,19 @@ class LayerGraphs:
 
     def summary(self) -> dict[str, Any]:
         return {"layers": list(self.graphed), "shape": list(self.shape) if self.shape else None,
-                "capture_s": round(self.capture_s, 3), "replays": self.replays, "failed": self.failed}
+                "capture_s": round(self.capture_s, 3), "replays": self.replays, "failed": self.failed,
+                "pool_gib": round(self.pool_bytes / 2**30, 3)}
+
+
+def private_pool_bytes(device: torch.device) -> dict[Any, int]:
+    """The bytes the caching allocator holds on ``device`` in each private pool (CUDA graphs' memory), by pool."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    out: dict[Any, int] = {}
+    for seg in torch.cuda.memory_snapshot():
+        pool = tuple(seg.get("segment_pool_id") or (0, 0))
+        if seg.get("device", index) == index and pool != (0, 0):
+            out[pool] = out.get(pool, 0) + int(seg["total_size"])
+    return out
 
 
 def _statistics(layer: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor]]:
@@ -197,12 +245,12 @@ def _replaying(graphs: LayerGraphs, graphed: Any, stats: list[tuple[nn.Module, s
 
 
 def for_run(enabled: bool, model: nn.Module, device: torch.device, world_size: int, memory: Any,
-            autocast: torch.dtype | None, log: Any = None) -> LayerGraphs | None:
+            autocast: torch.dtype | None, log: Any = None, headroom: int | None = None) -> LayerGraphs | None:
     """The run's ``LayerGraphs``, or None where ``why_not`` says (logged when ``log`` is given and graphs were
-    asked for)."""
+    asked for); ``headroom``: the plan's GPU budget less its peak, which the graphs' memory must fit in."""
     why = why_not(enabled, device, world_size, memory, autocast, model)
     if why is not None:
         if log is not None and enabled and device.type == "cuda":
             log(f"CUDA graphs: not used ({why})")
         return None
-    return LayerGraphs(model, log)
+    return LayerGraphs(model, log, headroom)

@@ -186,7 +186,7 @@ class TrainLoop:
 
     def step(self, step: int, logger: MetricsLogger, result: RunResult) -> tuple[float, dict[str, Any]]:
         """One optimizer step and its metrics record (loss, tokens/s, MFU against the H200's bf16 peak,
-        peak GPU and host memory beside the plan, MoE load)."""
+        peak GPU and host memory beside the plan (with the CUDA graphs' pool), MoE load)."""
         cfg, env, device = self.cfg, self.env, self.device
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
@@ -206,10 +206,12 @@ class TrainLoop:
             torch.cuda.synchronize(device)
         dt = time.perf_counter() - t0
         tokens_per_s = cfg.train.batch_size * cfg.train.grad_accum * cfg.data.seq_len * env.dp_size / dt
+        # the CUDA graphs' pool is held outside the plan's phases, within its headroom (train.layer_graphs)
+        graph_pool = self.state.graphs.pool_bytes if self.state.graphs is not None else 0
         record = {"step": step, "loss": loss, "lr": lr, "grad_norm": gnorm, "tokens_per_s": tokens_per_s,
                   "step_s": dt, "mfu": step_mfu(tokens_per_s, self.plan, env.world_size, device),
                   "gpu_peak_gib": gpu_peak_bytes(device) / GIB, "host_peak_gib": host_peak_bytes() / GIB,
-                  "plan_gpu_gib": self.plan.get("peak_gpu", 0) / GIB}
+                  "plan_gpu_gib": (self.plan.get("peak_gpu", 0) + graph_pool) / GIB}
         record.update(self._scheme_counts())
         if self.state.balancer is not None:  # per MoE layer, the step's load over every rank (and the aux loss)
             record.update(self.state.balancer.metrics())

@@ -40,13 +40,14 @@ class StepState:
     @classmethod
     def of(cls, cfg: Config, model: torch.nn.Module, optimizer: Any, scheduler: Any, env: ParallelEnv,
            memory: MemorySettings, autocast: torch.dtype | None = None,
-           balancer: Balancer | None = None) -> StepState:
+           balancer: Balancer | None = None, headroom: int | None = None) -> StepState:
         """The state of a run under ``cfg`` (its ``optim.grad_clip``, ``train.on_nonfinite`` and
-        ``model.cuda_graphs``)."""
+        ``model.cuda_graphs``); ``headroom``: the plan's GPU budget less its peak, which the CUDA graphs' memory
+        must fit in (``train.layer_graphs``)."""
         from megaseq.train import layer_graphs
 
         graphs = layer_graphs.for_run(cfg.model.cuda_graphs, model, env.device, env.world_size, memory, autocast,
-                                      env.log)
+                                      env.log, headroom)
         return cls(model, optimizer, scheduler, env, memory, cfg.optim.grad_clip, cfg.train.on_nonfinite,
                    autocast, balancer, graphs)
 

@@ -166,7 +166,7 @@ def _run_claimed(cfg: Config, spec: Any, env: ParallelEnv, device: torch.device,
     result = RunResult(run_dir=run_dir, last_checkpoint=resume_from, is_main=env.is_main)
     balancer = Balancer(model, resolve_balance(cfg.moe, spec), env, cfg.train.grad_accum)
     probe = HeldoutProbe(cfg, data, env, autocast, memory) if cfg.train.eval_every else None
-    state = StepState.of(cfg, model, optimizer, scheduler, env, memory, autocast, balancer)
+    state = StepState.of(cfg, model, optimizer, scheduler, env, memory, autocast, balancer, plan_dict.get("headroom"))
     loop = TrainLoop(cfg, device, plan_dict, state, data, spec_dict, base, probe, applied, precompiled)
     try:
         loop.run(start, result)
