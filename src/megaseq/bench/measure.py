@@ -165,7 +165,7 @@ def measure_megaseq(cfg: Config, seq_len: int, steps: int, source: str, routing:
             graphs = getattr(step, "graphs", None)
             with host_gc.steps() as collected:
                 times = timed_steps(lambda: step(next_batch()), steps, device, first, compiles, pre, profile_first,
-                                    tunings, warmups=2 if graphs is not None and steps else 1)
+                                    tunings, warmups=2 if graphs is not None else 1)
             row["cuda_graphs"] = graphs.summary() if graphs is not None else None
             row["step_times_s"] = times
             row["host_gc"] = dict(mode="step" if host_gc_manual() else "auto", **vars(collected))

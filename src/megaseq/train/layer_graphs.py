@@ -136,8 +136,9 @@ class LayerGraphs:
         if not idx:
             return
         # the static gradient of every trained parameter and one input buffer per layer: a lower bound on the pool
-        least = sum(p.numel() * p.element_size() for i in idx for p in model.layers[i].parameters() if p.requires_grad)
-        least += len(idx) * h.numel() * h.element_size()
+        inputs = len(idx) * h.numel() * h.element_size()  # the samples below, the graphs' input buffers
+        least = inputs + sum(p.numel() * p.element_size() for i in idx for p in model.layers[i].parameters()
+                             if p.requires_grad)
         del h
         if self.headroom is not None and least > self.headroom:
             self._eager(f"their gradient and input buffers alone ({least / 2**30:.2f} GiB) exceed the plan's headroom "
@@ -166,10 +167,8 @@ class LayerGraphs:
             self._restore(idx)
             self._eager(str(e).splitlines()[0][:300], "the capture failed")
             return
-        # the graphs' memory: the segments of private pools that are new or grew, and the samples, which are the
-        # graphs' input buffers
-        self.pool_bytes = sum(max(0, n - pools.get(pool, 0)) for pool, n in private_pool_bytes(device).items())
-        self.pool_bytes += sum(x.numel() * x.element_size() for (x,) in samples)
+        # the graphs' memory: the segments of private pools that are new or grew, and the input buffers
+        self.pool_bytes = inputs + sum(max(0, n - pools.get(pool, 0)) for pool, n in private_pool_bytes(device).items())
         if self.headroom is not None and self.pool_bytes > self.headroom:
             del callables, bound, samples
             self._restore(idx)
