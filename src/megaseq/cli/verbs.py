@@ -71,12 +71,9 @@ def cmd_plan(args: argparse.Namespace, rest: list[str]) -> int:
         overrides.append("parallel.dp=-1")  # --gpus N: data parallelism takes what cp x ep leaves
     cfg = load_config(*_plan_source(args.config, overrides))
     world = args.gpus or cfg.parallel.dp * cfg.parallel.cp * cfg.parallel.ep
-    plan = plan_from_config(
-        cfg, world_size=world,
-        gpu_bytes=parse_bytes(args.gpu_mem, "--gpu-mem") if args.gpu_mem else None,
-        host_bytes=parse_bytes(args.host_mem, "--host-mem") if args.host_mem else None,
-        gpus_per_host=args.gpus_per_host,
-    )
+    gpu_bytes, host_bytes = _memory_bytes(args)
+    plan = plan_from_config(cfg, world_size=world, gpu_bytes=gpu_bytes, host_bytes=host_bytes,
+                            gpus_per_host=args.gpus_per_host)
     if args.json or args.as_given:
         print(json.dumps(plan.to_dict(), indent=2, default=str) if args.json else format_plan(plan))
         return PLAN_FITS if plan.fits else PLAN_DOES_NOT_FIT
@@ -92,11 +89,17 @@ def cmd_plan(args: argparse.Namespace, rest: list[str]) -> int:
     return PLAN_FITS if plan.fits else PLAN_DOES_NOT_FIT
 
 
+def _memory_bytes(args: argparse.Namespace) -> tuple[int | None, int | None]:
+    """``--gpu-mem`` and ``--host-mem`` in bytes (None: not given)."""
+    return (parse_bytes(args.gpu_mem, "--gpu-mem") if args.gpu_mem else None,
+            parse_bytes(args.host_mem, "--host-mem") if args.host_mem else None)
+
+
 def _hardware(args: argparse.Namespace, gpus: int) -> Any:
     from megaseq.plan.advisor import Hardware
 
-    return Hardware(gpus, parse_bytes(args.gpu_mem, "--gpu-mem") if args.gpu_mem else None, args.gpus_per_host,
-                    parse_bytes(args.host_mem, "--host-mem") if args.host_mem else None)
+    gpu_bytes, host_bytes = _memory_bytes(args)
+    return Hardware(gpus, gpu_bytes, args.gpus_per_host, host_bytes)
 
 
 def _advise(args: argparse.Namespace, rest: list[str], gpus: int) -> Any:

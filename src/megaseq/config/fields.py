@@ -52,6 +52,12 @@ def _with_unit(s: str, units: dict[str, float]) -> float | None:
         return None
 
 
+def _size_value(value: Any) -> float | None:
+    """``value`` (a number, or a string with an optional K/M/G/T suffix and ``_`` separators) as a float; None
+    when it is not a number."""
+    return _with_unit(str(value).strip().upper().replace("_", ""), _SIZE_UNITS)
+
+
 def parse_size(value: Any, setting: str | None = None) -> int:
     """'32K' -> 32768, '1M' -> 1048576, '4G' -> 4 * 2**30, '1.5K' -> 1536; ints pass through. A value that is
     not a whole number (2.7, '1.3K'), not finite, or a bool is a ValueError (naming ``setting`` when given)."""
@@ -60,7 +66,7 @@ def parse_size(value: Any, setting: str | None = None) -> int:
         raise ValueError(f"{where}expects an integer (like 4096 or 32K), got {value!r}")
     if isinstance(value, int):
         return value
-    v = _with_unit(str(value).strip().upper().replace("_", ""), _SIZE_UNITS)
+    v = _size_value(value)
     if v is None or not math.isfinite(v) or not v.is_integer():
         raise ValueError(f"{where}expects an integer (like 4096, 32K or 1M), got {value!r}")
     return int(v)
@@ -71,7 +77,7 @@ def parse_bytes(value: Any, setting: str | None = None) -> int:
     85,469,849,190: the bytes rounded down). A value that is not a positive finite number, or a bool, is a
     ValueError (naming ``setting`` when given)."""
     where = f"{setting} " if setting else ""
-    v = None if isinstance(value, bool) else _with_unit(str(value).strip().upper().replace("_", ""), _SIZE_UNITS)
+    v = None if isinstance(value, bool) else _size_value(value)
     if v is None or not math.isfinite(v) or v < 1:
         raise ValueError(f"{where}expects a memory size in bytes (like 85000000000, 80G or 79.6G), got {value!r}")
     return int(v)
