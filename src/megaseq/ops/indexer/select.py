@@ -99,6 +99,19 @@ def score_error_bound(q_cID: torch.Tensor, w_cI: torch.Tensor, key_dtype: torch.
 
 
 
+@dataclass
+class _Band:
+    """Per row of a chunk: the sure-in count ``first``, the band's end ``end`` (the band is ``[first, end)``), the
+    certificate, whether the band needs exact scores, its width there (0 elsewhere), and whether it fits ``BAND``."""
+
+    first_c: torch.Tensor
+    end_c: torch.Tensor
+    cert_c: torch.Tensor
+    need_c: torch.Tensor
+    width_c: torch.Tensor
+    narrow_c: torch.Tensor
+
+
 class Run:
     """The inputs of one call and the per-chunk steps (kernel, candidates, certificate, re-check, fallback)."""
 
@@ -113,7 +126,11 @@ class Run:
 
     def pools_scored(self, bounds: list[tuple[int, int]]) -> list[int]:
         """Per chunk ``[s, e)``, the pools its kernel scores: those ending at or before its last query (at least
-        k), for every chunk in one host sync."""
+        k), for every chunk in one host sync. One chunk scores every pool, without the sync: a pool past its
+        last query is invisible to all its rows (scored ``floor``, as the reference scores it), and the count
+        it would save is a few pools of P."""
+        if len(bounds) == 1:
+            return [self.keys_PD.shape[0]]
         last = torch.stack([self.q_pos_Q[s:e].max() for s, e in bounds])
         counts = torch.searchsorted(self.ends_P, last, right=True).tolist()
         return [max(self.k, n) for n in counts]
@@ -128,60 +145,55 @@ class Run:
                             doc_c, n, self.scale, floor, self.split)
         M = min(k + margin, n)
         vals_cM, cand_cM = L_cn.topk(M, dim=-1)  # sorted, descending
+        head_cK = L_cn[:, :k].clone()  # the few-pool rows' first k columns
+        del L_cn
         bad_c = ~torch.isfinite(vals_cM).all(-1)
         few_c = (vals_cM[:, k - 1] == floor) & ~bad_c  # fewer than k visible pools
         many_c = ~few_c & ~bad_c
+        band = self._band(s, e, vals_cM, M == n, many_c)
+        redo_c = bad_c | (many_c & ~band.cert_c)
         # the sizes of every row set read back together: one host sync, then index lists without one
-        num_few, num_many, num_bad = torch.stack([few_c.sum(), many_c.sum(), bad_c.sum()]).tolist()
-        sel_cK = torch.empty(e - s, k, dtype=torch.int64, device=L_cn.device)
+        num_few, num_need, num_narrow, band_max, num_redo = torch.stack(
+            [few_c.sum(), band.need_c.sum(), band.narrow_c.sum(), band.width_c.max(), redo_c.sum()]).tolist()
+        # every row's candidates as the selection where the band is exactly the free slots; the others below
+        sel_cK = cand_cM[:, :k].sort(dim=-1).values
         if num_few:
             few = _rows_of(few_c, num_few)
-            sel_cK[few] = few_pool_selection(L_cn[few, :k], vals_cM[few], cand_cM[few], k, floor)
-        del L_cn
-        cert_c = torch.ones(e - s, dtype=torch.bool, device=sel_cK.device)
-        num_redo = num_bad
-        if num_many:
-            many = _rows_of(many_c, num_many)
-            sel_cK[many], num_redo = self._certified(s + many, vals_cM[many], cand_cM[many], M == n, cert_c, many,
-                                                     bad_c)
+            sel_cK[few] = few_pool_selection(head_cK[few], vals_cM[few], cand_cM[few], k, floor)
+        del head_cK
+        if num_need:
+            STATS.exact_rows += num_need
+            STATS.band_max = max(STATS.band_max, band_max)
+            for mask, count, W in ((band.narrow_c, num_narrow, BAND),
+                                   (band.need_c & ~band.narrow_c, num_need - num_narrow, M)):
+                if count:
+                    group = _rows_of(mask, count)
+                    sel_cK[group] = self._band_selection(s + group, cand_cM[group], band.first_c[group],
+                                                         band.end_c[group], min(W, M))
         STATS.rows += e - s
         STATS.chunks += 1
         STATS.few_pool_rows += num_few
         if num_redo:
-            redo = _rows_of(bad_c | ~cert_c, num_redo)
+            redo = _rows_of(redo_c, num_redo)
             STATS.fallback_rows += num_redo
             sel_cK[redo] = self._fallback(s + redo, e - s, margin)
         ok_cK = (self.ends_P[sel_cK] <= pos_c[:, None]) & (self.pool_doc_P[sel_cK] == doc_c[:, None])
         return sel_cK, ok_cK
 
-    def _certified(self, rows_r, vals_rM, cand_rM, all_pools: bool, cert_c, many, bad_c):
-        """The top k of rows with at least k visible pools (ascending) and the number of the chunk's rows that
-        go to the fallback (``bad_c`` or failing the certificate: these rows' certificates are written into
-        ``cert_c`` at ``many``), read back with the band's sizes in one host sync."""
-        k, M = self.k, vals_rM.shape[1]
-        err_r = score_error_bound(self.q_QID[rows_r], self.w_QI[rows_r], self.keys_PD.dtype, self.key_norm_max,
-                                     self.scale, self.split)
-        neg_rM = -vals_rM.double()  # ascending
-        two_e = 2 * err_r[:, None]
-        first_r = (torch.searchsorted(neg_rM, neg_rM + two_e, right=True) <= k).sum(-1)  # sure in: p < first
-        end_r = torch.searchsorted(neg_rM, neg_rM[:, k - 1:k] + two_e, right=True).squeeze(-1)  # band: p < end
-        cert_r = (end_r < M) | (vals_rM[:, -1] == self.floor) | all_pools
-        sel_rK = cand_rM[:, :k].sort(dim=-1).values  # right where the band is exactly the free slots
-        need_r = cert_r & (end_r > k)
-        width_r = torch.where(need_r, end_r - first_r, 0)
-        narrow_r = need_r & (width_r <= BAND)
-        cert_c[many] = cert_r
-        num_need, num_narrow, band_max, num_redo = torch.stack(
-            [need_r.sum(), narrow_r.sum(), width_r.max(), (bad_c | ~cert_c).sum()]).tolist()
-        if num_need:
-            STATS.exact_rows += num_need
-            STATS.band_max = max(STATS.band_max, band_max)
-            for mask, count, W in ((narrow_r, num_narrow, BAND), (need_r & ~narrow_r, num_need - num_narrow, M)):
-                if count:
-                    group = _rows_of(mask, count)
-                    sel_rK[group] = self._band_selection(rows_r[group], cand_rM[group], first_r[group],
-                                                         end_r[group], min(W, M))
-        return sel_rK, num_redo
+    def _band(self, s: int, e: int, vals_cM: torch.Tensor, all_pools: bool, many_c: torch.Tensor) -> _Band:
+        """The certificate and the ambiguous band of every row of a chunk, on the device: computed for all rows
+        (a few-pool or non-finite row's are not used), so the chunk reads its row sets back in one sync."""
+        k, M = self.k, vals_cM.shape[1]
+        err_c = score_error_bound(self.q_QID[s:e], self.w_QI[s:e], self.keys_PD.dtype, self.key_norm_max,
+                                  self.scale, self.split)
+        neg_cM = -vals_cM.double()  # ascending
+        two_e = 2 * err_c[:, None]
+        first_c = (torch.searchsorted(neg_cM, neg_cM + two_e, right=True) <= k).sum(-1)  # sure in: p < first
+        end_c = torch.searchsorted(neg_cM, neg_cM[:, k - 1:k] + two_e, right=True).squeeze(-1)  # band: p < end
+        cert_c = (end_c < M) | (vals_cM[:, -1] == self.floor) | all_pools
+        need_c = many_c & cert_c & (end_c > k)
+        width_c = torch.where(need_c, end_c - first_c, 0)
+        return _Band(first_c, end_c, cert_c, need_c, width_c, need_c & (width_c <= BAND))
 
     def _band_selection(self, rows_r, cand_rM, first_r, end_r, W: int) -> torch.Tensor:
         """Sure-in pools + the best of the band ``[first, end)`` by fp32 score (ties: lowest pool index)."""
