@@ -290,6 +290,31 @@ def test_indexer_query_chunk_attribute_bounds_scoring(monkeypatch):
     assert max(sizes) == 9 and sum(sizes) == 61
 
 
+@pytest.mark.parametrize("docs", [False, True])
+def test_indexer_hands_the_op_a_count_of_visible_pools(docs):
+    """The count the indexer hands op ``indexer_topk`` (``visible``, so a chunk reads nothing back) is at least
+    the pools ending at or before each chunk's last query, and exactly that for one document."""
+    spec = get_preset("glm5-flash-tiny").replace(index_topk=8, index_kpool=4)
+    torch.manual_seed(1)
+    layer = MLASparseAttention(spec, layer_idx=3).double()
+    x = torch.randn(1, 61, spec.hidden_size, dtype=F64)
+    q_resid = torch.randn(1, 61, spec.q_lora_rank, dtype=F64)
+    ctx = SeqContext(doc_ids=(torch.arange(61) >= 23).long()[None]) if docs else SeqContext()
+    calls = []
+    real = indexer_scoring.select_pools
+
+    def counting(q, w, keys, ends, pdoc, q_pos, *a, visible=None, **k):
+        calls.append((visible, int((ends <= q_pos.max()).sum())))
+        return real(q, w, keys, ends, pdoc, q_pos, *a, visible=visible, **k)
+
+    layer.indexer.query_chunk = 9
+    with dispatch.override("indexer_topk", "torch_fp32", counting):
+        layer.indexer(x, q_resid, ctx)
+    assert len(calls) == 7
+    assert all(v >= n for v, n in calls) and (docs or all(v == n for v, n in calls)), calls
+    assert not docs or any(v > n for v, n in calls)  # a document's partial pool: more than the exact count
+
+
 def test_default_scoring_chunk_is_bounded(monkeypatch):
     P, I, K = (1 << 20) // 16, 32, 128  # 1M tokens, 16-token pools
     chunk = indexer_scoring.resolve_query_chunk(None, P, I, K)

@@ -158,6 +158,31 @@ def test_unsorted_queries_and_bf16_like_inputs():
     assert_same(got, ref)
 
 
+@CPU
+def test_the_caller_s_visible_count_replaces_the_read_back(monkeypatch):
+    """``visible`` (the exact count of pools ending at or before the last query, or more) gives the reference's
+    selection without reading the pools' ends back; too few (pools the late queries see left unscored) changes
+    it."""
+    args, scale = make_inputs(5, Q=29, S=300, I=3, doc_split=300)  # one document
+    ends_P, q_pos_Q = args[3], args[5]
+    exact = int((ends_P <= q_pos_Q.max()).sum())
+    assert exact < len(ends_P)  # pools past the last query exist: the count matters
+    ref = indexer_scoring.select_pools(*args, 7, scale)
+    scored = []
+    real = sel_mod.Run.chunk
+    monkeypatch.setattr(sel_mod.Run, "chunk", lambda self, s, e, n, m: scored.append(n) or real(self, s, e, n, m))
+    for visible in (exact, exact + 9, 10**6):
+        got = indexer_topk.indexer_topk_triton(*args, 7, scale, visible=visible, margin=4)
+        assert_same(got, ref, f"visible={visible}")
+        assert_same(indexer_scoring.select_pools(*args, 7, scale, visible=visible), ref, f"reference {visible}")
+        assert scored.pop() == min(visible, len(ends_P))  # the caller's count, not one read back
+    got = indexer_topk.indexer_topk_triton(*args, 7, scale, visible=exact // 2, margin=4)
+    with pytest.raises(AssertionError, match="rows differ"):
+        assert_same(got, ref)
+    with pytest.raises(AssertionError, match="rows differ"):
+        assert_same(indexer_scoring.select_pools(*args, 7, scale, visible=exact // 2), ref)
+
+
 def _near_tie():
     """Two pools whose exact scores differ by 0.1 ulp of the low dtype, in the order its rounding flips."""
     u = 2.0**-10  # fp16 spacing at 1

@@ -76,6 +76,7 @@ class Prepared:
     pos_BS: torch.Tensor
     q_pos_Q: torch.Tensor
     pools: list[tuple[torch.Tensor, torch.Tensor]]
+    q_start: int  # q_pos_Q[0] on the host: the queries are q_start, q_start + 1, ...
     cos: torch.Tensor | None = None
     sin: torch.Tensor | None = None
     # ties as transformers' torch.topk breaks them where its row can be rebuilt: on the CPU, one document
@@ -162,7 +163,8 @@ class Indexer(nn.Module):
                  for b in range(B)]
         whole = x_BQH.device.type == "cpu" and one_doc and ctx.seq_offset() == 0 and Q == S
         row_len = S // self.kpool if whole else None
-        return Prepared(q_resid_BQR, weights_BQI, doc_BS, pos_BS, q_pos_Q, pools, cos, sin, row_len)
+        return Prepared(q_resid_BQR, weights_BQI, doc_BS, pos_BS, q_pos_Q, pools, ctx.seq_offset(), cos, sin,
+                        row_len)
 
     @torch.no_grad()
     def select(self, prep: Prepared) -> torch.Tensor:
@@ -177,7 +179,7 @@ class Indexer(nn.Module):
         for b, (keys_PD, tok_Pk) in enumerate(pools):
             rot = None if prep.cos is None else (prep.cos[b].unsqueeze(1), prep.sin[b].unsqueeze(1))
             self._select_row(out[b], num[b], q_resid_BQR[b], prep.weights_BQI[b], keys_PD, tok_Pk, prep.doc_BS[b],
-                             prep.pos_BS[b], prep.q_pos_Q, rot, prep.row_len)
+                             prep.pos_BS[b], prep.q_pos_Q, prep.q_start, rot, prep.row_len)
         return out
 
     def _pool_keys(self, k_SD: torch.Tensor, gate_SD: torch.Tensor, pos_S: torch.Tensor, one_doc: bool = False):
@@ -197,12 +199,14 @@ class Indexer(nn.Module):
         probs = logits.softmax(dim=1).to(k_SD.dtype)  # per channel, over the kp tokens of the pool
         return (probs * k_SD[tok_Pk]).sum(dim=1), tok_Pk
 
-    def _select_row(self, out_QW, num_pools, q_resid_QR, w_QI, keys_PD, tok_Pk, doc_S, pos_S, q_pos_Q,
+    def _select_row(self, out_QW, num_pools, q_resid_QR, w_QI, keys_PD, tok_Pk, doc_S, pos_S, q_pos_Q, q_start,
                     rot: tuple[torch.Tensor, torch.Tensor] | None = None, row_len: int | None = None) -> None:
         """One batch row into ``out_QW``: ``num_pools * kp`` selected pool tokens, then the tail pool.
 
         Queries go a scoring chunk at a time (``query_chunk``), their indexer queries projected per
-        chunk: neither ``[Q, I * Di]`` nor ``[Q, P]`` is ever built.
+        chunk: neither ``[Q, I * Di]`` nor ``[Q, P]`` is ever built. A chunk's queries end at key
+        ``q_start + e - 1``, so at most ``(q_start + e) // kp`` pools (kp distinct keys each) end at or before
+        it: the op's ``visible``, known without reading the pools' ends back.
         """
         kp, I, Di = self.kpool, self.n_heads, self.head_dim
         pool_end_P = tok_Pk[:, -1]
@@ -218,7 +222,8 @@ class Indexer(nn.Module):
                 q_cID = rope.apply(q_cID, rot[0][s:e], rot[1][s:e])
             sel_cK, ok_cK = dispatch.call(
                 "indexer_topk", q_cID, w_QI[s:e], keys_PD, pool_end_P, pool_doc_P, q_pos_Q[s:e], q_doc_Q[s:e],
-                self.index_topk // kp, self.softmax_scale, query_chunk=e - s, row_len=row_len, layer=self.layer)
+                self.index_topk // kp, self.softmax_scale, query_chunk=e - s, row_len=row_len,
+                visible=(q_start + e) // kp, layer=self.layer)
             # a pool's tokens are consecutive (tok_Pk[p] = first_P[p] + 0 .. kp - 1): written from the pools'
             # first tokens, not gathered as [c, K, kp] rows of tok_Pk (a slow gather of 64-byte rows)
             if sel_cK.shape != (e - s, num_pools):  # the add below would broadcast a single column silently

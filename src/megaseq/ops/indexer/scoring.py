@@ -36,7 +36,8 @@ from megaseq.ops.workspace import resolve_query_chunk
 def select_pools(q_QID: torch.Tensor, weights_QI: torch.Tensor, keys_PD: torch.Tensor,
                  pool_end_P: torch.Tensor, pool_doc_P: torch.Tensor, q_pos_Q: torch.Tensor,
                  q_doc_Q: torch.Tensor, num_select: int, scale: float,
-                 query_chunk: int | None = None, row_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 query_chunk: int | None = None, row_len: int | None = None,
+                 visible: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Top pools per query: ``(pool index [Q, K'] int64 ascending, selected-and-valid [Q, K'] bool)``.
 
     A pool is a candidate for a query when its last token is at or before the query
@@ -68,8 +69,12 @@ def select_pools(q_QID: torch.Tensor, weights_QI: torch.Tensor, keys_PD: torch.T
         e = min(s + chunk, Q)
         # the causal prefix of pools any query of the chunk can see (at least k columns for top-k);
         # the columns left out are invalid for every query here, so the selection is unchanged
-        visible = int(torch.searchsorted(ends_P, q_pos_Q[s:e].max(), right=True))
-        n = P if row_len is not None else max(k, visible)
+        if row_len is not None:
+            n = P
+        elif visible is not None and e - s == Q:
+            n = max(k, min(visible, P))
+        else:
+            n = max(k, int(torch.searchsorted(ends_P, q_pos_Q[s:e].max(), right=True)))
         scores_cIP = torch.matmul(q_QID[s:e].to(cd), keys_DP[:, :n]).mul_(scale).relu_()
         index_cP = torch.matmul(weights_QI[s:e].to(cd).unsqueeze(-2), scores_cIP).squeeze(-2)
         del scores_cIP

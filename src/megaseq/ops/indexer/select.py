@@ -124,13 +124,12 @@ class Run:
         # a 0-d float64 tensor, not a float: reading it back would be a host sync a call
         self.key_norm_max = torch.linalg.vector_norm(self.keys_f32_PD, dim=-1).max().double()
 
-    def pools_scored(self, bounds: list[tuple[int, int]]) -> list[int]:
+    def pools_scored(self, bounds: list[tuple[int, int]], visible: int | None = None) -> list[int]:
         """Per chunk ``[s, e)``, the pools its kernel scores: those ending at or before its last query (at least
-        k), for every chunk in one host sync. One chunk scores every pool, without the sync: a pool past its
-        last query is invisible to all its rows (scored ``floor``, as the reference scores it), and the count
-        it would save is a few pools of P."""
-        if len(bounds) == 1:
-            return [self.keys_PD.shape[0]]
+        k). ``visible``: that count for the last chunk, where the caller knows it without reading anything back
+        (one chunk then needs no host sync); else every chunk's in one host sync."""
+        if visible is not None and len(bounds) == 1:
+            return [max(self.k, min(visible, self.keys_PD.shape[0]))]
         last = torch.stack([self.q_pos_Q[s:e].max() for s, e in bounds])
         counts = torch.searchsorted(self.ends_P, last, right=True).tolist()
         return [max(self.k, n) for n in counts]

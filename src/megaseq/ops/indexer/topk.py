@@ -60,7 +60,7 @@ def indexer_topk_supports(q_QID: torch.Tensor, weights_QI: torch.Tensor, keys_PD
                           pool_end_P: torch.Tensor, pool_doc_P: torch.Tensor, q_pos_Q: torch.Tensor,
                           q_doc_Q: torch.Tensor, num_select: int, scale: float, query_chunk: int | None = None,
                           margin: int | None = None, split: bool | None = None,
-                          row_len: int | None = None) -> str | None:
+                          row_len: int | None = None, visible: int | None = None) -> str | None:
     """None when ``triton`` can run these arguments, else the reason."""
     if row_len is not None:
         return "transformers' tie order (row_len) is the reference's"
@@ -92,11 +92,12 @@ def indexer_topk_triton(q_QID: torch.Tensor, weights_QI: torch.Tensor, keys_PD: 
                         pool_end_P: torch.Tensor, pool_doc_P: torch.Tensor, q_pos_Q: torch.Tensor,
                         q_doc_Q: torch.Tensor, num_select: int, scale: float, query_chunk: int | None = None,
                         margin: int | None = None, split: bool | None = None,
-                        row_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                        row_len: int | None = None, visible: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``select_pools``'s contract and result: ``(sel [Q, K] int64 ascending, ok [Q, K] bool)``.
 
     ``margin`` (default ``MARGIN``) and ``split`` (default ``SPLIT``) are knobs for tests and benchmarks;
-    they change the speed and the number of fallback rows, never the result.
+    they change the speed and the number of fallback rows, never the result. ``visible``: as ``select_pools``'s
+    (a call of one chunk then makes one host sync, the row sets' sizes).
     """
     Q, I, D = q_QID.shape
     P = keys_PD.shape[0]
@@ -110,6 +111,6 @@ def indexer_topk_triton(q_QID: torch.Tensor, weights_QI: torch.Tensor, keys_PD: 
                SPLIT if split is None else split)
     chunk = resolve_query_chunk(query_chunk, P, I, k, "triton", margin, D)
     bounds = [(s, min(s + chunk, Q)) for s in range(0, Q, chunk)]
-    for (s, e), n in zip(bounds, run.pools_scored(bounds), strict=True):
+    for (s, e), n in zip(bounds, run.pools_scored(bounds, visible), strict=True):
         sel[s:e], ok[s:e] = run.chunk(s, e, n, margin)
     return sel, ok
