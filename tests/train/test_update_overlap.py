@@ -22,8 +22,9 @@ class Tiny(nn.Module):
     def __init__(self, vocab: int = 50, hidden: int = 16, layers: int = 3, tied: bool = False) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(vocab, hidden)
+        wide = 4 * hidden
         self.layers = nn.ModuleList(
-            nn.Sequential(nn.Linear(hidden, 4 * hidden), nn.GELU(), nn.Linear(4 * hidden, hidden)) for _ in range(layers))
+            nn.Sequential(nn.Linear(hidden, wide), nn.GELU(), nn.Linear(wide, hidden)) for _ in range(layers))
         self.norm = nn.LayerNorm(hidden)
         self.lm_head = nn.Linear(hidden, vocab, bias=False)
         if tied:
