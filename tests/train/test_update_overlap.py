@@ -53,6 +53,24 @@ def test_the_parts_follow_the_forward_and_hold_every_trained_parameter_once(tied
     assert len(every) == len({id(p) for p in every}) == sum(1 for p in model.parameters() if p.requires_grad)
 
 
+def test_graphed_layers_parts_go_first_and_their_forwards_wait_for_all_of_them():
+    """With layers 0 and 2 graphed: the parts run outer, 0, 2, then 1, and a graphed layer's forward waits for
+    the part of layer 2 (the graphs' pool holds their gradients until the last is read); without graphs, the
+    forward's order."""
+    from types import SimpleNamespace
+
+    model = Tiny()
+    overlap = UpdateOverlap.__new__(UpdateOverlap)
+    overlap.model, overlap.graphs = model, SimpleNamespace(graphed=[0, 2])
+    overlap.parts = parts_in_forward_order(model, MasterAdamW(model.parameters()))
+    parts, wait = overlap._order()
+    assert [mods[0] for mods, _ in parts] == [model, model.layers[0], model.layers[2], model.layers[1]]
+    assert wait == 2
+    overlap.graphs = None
+    parts, wait = overlap._order()
+    assert parts == overlap.parts and wait == 0
+
+
 def _grads(model: nn.Module, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     for p in model.parameters():

@@ -38,6 +38,9 @@ class NonFiniteStep(Exception):
         super().__init__(f"loss {loss}, gradient norm {grad_norm}")
         self.loss, self.grad_norm = loss, grad_norm
 
+    def __reduce__(self) -> tuple:  # rebuilt from both values (a bench row's worker process pickles it)
+        return (NonFiniteStep, (self.loss, self.grad_norm))
+
 
 class Diverged(ValueError):
     """The run stopped at a non-finite step; nothing was written for it."""

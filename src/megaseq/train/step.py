@@ -50,7 +50,7 @@ class StepState:
         graphs = layer_graphs.for_run(cfg.model.cuda_graphs, model, env.device, env.world_size, memory, autocast,
                                       env.log, headroom)
         overlap = update_overlap.for_run(cfg.optim.overlap_update, model, optimizer, env.device, env.world_size,
-                                         env.log)
+                                         env.log, graphs)
         return cls(model, optimizer, scheduler, env, memory, cfg.optim.grad_clip, cfg.train.on_nonfinite,
                    autocast, balancer, graphs, overlap)
 

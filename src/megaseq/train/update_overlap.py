@@ -11,11 +11,13 @@ when it enters layer i, so layer i's forward runs while later layers' updates st
 update shares the GPU with the forward's compute-bound kernels, and the read-back no longer waits for it.
 
 The kernels are the same kernels on the same tensors in the same order per tensor, so the weights, moments and
-losses are those of the update on the compute stream, bit for bit (``tests/train/test_update_overlap.py``
-compares them on a GPU). What else reads the parameters waits for the whole update (``join``): a checkpoint, an
-evaluation, the CUDA graphs' capture, the end of the run. The gradients the update reads are held until the
-compute stream has waited for the last part, as the next forward enters the last layer (then their memory may
-be reused: the next backward's gradients take it).
+losses are those of the update on the compute stream, bit for bit (``tests/train/test_update_overlap.py`` compares
+them on a GPU). Where decoder layers replay as CUDA graphs (``train.layer_graphs``), their gradients live in the
+graphs' memory pool, which the next replay may overwrite: their parts run first, and every graphed layer's forward
+waits for all of them; the eager layers' parts run beside the forward. What else reads the parameters waits for the
+whole update (``join``): a checkpoint, an evaluation, the CUDA graphs' capture, the end of the run. The gradients
+the update reads are held until the compute stream has waited for the last part, as the next forward enters the
+last layer (then their memory may be reused: the next backward's gradients take it).
 
 When (``why_not``): ``optim.overlap_update`` on (the default), one process on a CUDA device, and an optimizer
 that takes its parts (``MasterAdamW``'s step with ``parts``, which guards the step on the device: the update
@@ -66,8 +68,10 @@ class UpdateOverlap:
     """A run's update on its own stream (see the module doc): ``step(finite)`` in place of the optimizer's,
     ``join()`` before anything but the next forward reads the parameters."""
 
-    def __init__(self, model: nn.Module, optimizer: Any, device: torch.device) -> None:
+    def __init__(self, model: nn.Module, optimizer: Any, device: torch.device, graphs: Any = None) -> None:
         self.optimizer = optimizer
+        self.model = model
+        self.graphs = graphs  # the run's LayerGraphs (train.layer_graphs), or None
         self.stream = torch.cuda.Stream(device)
         self.parts = parts_in_forward_order(model, optimizer)
         self.pending: dict[nn.Module, torch.cuda.Event] = {}  # module -> the event its next forward waits for
@@ -82,8 +86,9 @@ class UpdateOverlap:
         main = torch.cuda.current_stream(self.stream.device)
         self.held = [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]
         self.held += list(getattr(opt, "acc", {}).values()) + [t for t in (opt.clip_coef, finite) if t is not None]
+        parts, first_replay = self._order()
         self.stream.wait_stream(main)
-        events = []
+        events: list[torch.cuda.Event] = []
 
         def recorded(i: int) -> None:
             ev = torch.cuda.Event()
@@ -91,11 +96,34 @@ class UpdateOverlap:
             events.append(ev)
 
         with torch.cuda.stream(self.stream):
-            opt.step(finite=finite, parts=[ps for _, ps in self.parts], after_part=recorded)
-        for (mods, _), ev in zip(self.parts, events, strict=True):
+            opt.step(finite=finite, parts=[ps for _, ps in parts], after_part=recorded)
+        graphed = self._graphed()
+        for (mods, _), ev in zip(parts, events, strict=True):
             for m in mods:
-                self.pending[m] = ev
+                # a graphed layer replays only once every graphed layer's gradients are read (see _order)
+                self.pending[m] = events[first_replay] if m in graphed else ev
         self.last = events[-1] if events else None
+
+    def _graphed(self) -> set[nn.Module]:
+        layers = getattr(self.model, "layers", [])
+        return {layers[i] for i in getattr(self.graphs, "graphed", [])} if self.graphs is not None else set()
+
+    def _order(self) -> tuple[list[tuple[list[nn.Module], set[torch.Tensor]]], int]:
+        """The parts in launch order, and the index of the part a graphed layer's forward waits for.
+
+        A graphed layer's gradients are the CUDA graphs' static outputs, in the graphs' memory pool, which the
+        next replay of any graphed layer's forward may overwrite (one pool serves every graph, in capture order).
+        So where layers are graphed, their parts go first (after the parameters outside the layers) and every
+        graphed layer waits for the last of them; the eager layers' parts then run beside the forward."""
+        graphed = self._graphed()
+        if not graphed:
+            return self.parts, 0
+        outer, layers = self.parts[:1], self.parts[1:]
+        if outer and outer[0][0][0] is not self.model:  # no parameter outside the layers
+            outer, layers = [], self.parts
+        first = [part for part in layers if part[0][0] in graphed]
+        rest = [part for part in layers if part[0][0] not in graphed]
+        return outer + first + rest, len(outer) + len(first) - 1 if first else 0
 
     def _wait(self, module: nn.Module, args: Any) -> None:
         ev = self.pending.pop(module, None)
@@ -121,7 +149,7 @@ class UpdateOverlap:
 
 
 def for_run(enabled: bool, model: nn.Module, optimizer: Any, device: torch.device, world_size: int,
-            log: Any = None) -> UpdateOverlap | None:
+            log: Any = None, graphs: Any = None) -> UpdateOverlap | None:
     """The run's ``UpdateOverlap``, or None where ``why_not`` says (logged when ``log`` is given, it was asked
     for and the device is a GPU)."""
     why = why_not(enabled, device, world_size, optimizer)
@@ -129,4 +157,4 @@ def for_run(enabled: bool, model: nn.Module, optimizer: Any, device: torch.devic
         if log is not None and enabled and device.type == "cuda":
             log(f"update overlap: not used ({why})")
         return None
-    return UpdateOverlap(model, optimizer, device)
+    return UpdateOverlap(model, optimizer, device, graphs)
