@@ -205,7 +205,7 @@ def test_the_overlapped_update_gives_the_compute_stream_s_weights_bit_for_bit():
 
     def fresh():
         model = copy.deepcopy(base)
-        return model, MasterAdamW(model.parameters(), lr=1e-2, kernel="triton")
+        return model, MasterAdamW(model.parameters(), lr=1e-2, fused=True, kernel="triton")  # as the trainer builds it
 
     model_a, opt_a = fresh()
     ref = _run(model_a, opt_a, None, batches)
