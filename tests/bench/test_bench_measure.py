@@ -39,7 +39,6 @@ def test_timed_steps_say_the_cold_first_step_compiles_on_a_gpu(monkeypatch, caps
     from megaseq.bench import measure
 
     monkeypatch.setattr(measure, "_sync", lambda device: None)
-    monkeypatch.setattr(measure, "_sync_compute", lambda device: None)
     calls = []
     assert len(measure.timed_steps(lambda: calls.append(1), 2, torch.device("cuda"))) == 2 and len(calls) == 3
     err = capsys.readouterr().err.splitlines()

@@ -251,7 +251,7 @@ def timed_steps(run_step: Callable[[], None], steps: int, device: torch.device,
         with manifest, compile_record() if counting else contextlib.nullcontext() as rec, profiling, \
                 tuning as timed:
             run_step()
-            _sync_compute(device)  # an update on its own stream (train.update_overlap) goes on into the next step
+            _sync(device)
         if counting:
             first_compiles.update(rec.summary())
         if i == 0 and first_tunings is not None:
@@ -264,10 +264,6 @@ def timed_steps(run_step: Callable[[], None], steps: int, device: torch.device,
         # as each step ends (stderr): a long bench stopped by a time limit still shows what it measured
         what = "timed" if i >= warmups or not steps else "warm-up" if i == 0 else "warm-up, CUDA graph capture"
         logger.info(f"megaseq bench: step {i + 1} of {steps + warmups} ({what}): {dt:.1f} s")
-    t0 = time.perf_counter()
-    _sync(device)  # what is still running (the last update) counts in the last step: the times sum to the wall's
-    if times:
-        times[-1] += time.perf_counter() - t0
     return times
 
 
@@ -319,12 +315,6 @@ def profiled(device: torch.device, out: Path, sort_by: str, rows: int = 60) -> I
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def _sync_compute(device: torch.device) -> None:
-    """Wait for the compute stream only (the work of every other stream is left running)."""
-    if device.type == "cuda":
-        torch.cuda.current_stream(device).synchronize()
 
 
 LEFT_WARN_BYTES = 256 << 20  # allocated before a row's build: more than this is named in the log

@@ -139,9 +139,6 @@ class OptimConfig:
     eps: float = opt(1e-8, "AdamW epsilon", gt=0)
     weight_decay: float = opt(0.1, "decoupled weight decay (not applied to norms, biases, gates)", ge=0)
     grad_clip: float = opt(1.0, "clip the global gradient norm to this (0 disables)", ge=0)
-    overlap_update: bool = opt(True, "on a GPU, run the update on a stream of its own, each layer's part before "
-                               "that layer's next forward, beside the forward's kernels (one process; the same "
-                               "arithmetic, the same weights)")
 
     def __post_init__(self) -> None:
         validate(self, "optim")

@@ -276,63 +276,41 @@ class MasterAdamW(torch.optim.Optimizer):
     # loss and gradient norm back first (host syncs between the backward and the update leave the GPU idle
     # while the update is launched; benchmarks/results/speed/runs/2026-12-04_host-syncs/ has the measured gain)
     guards_on_device = True
-    # ``step`` takes ``parts`` (``train.update_overlap``: the update in the order the next forward reads it)
-    steps_in_parts = True
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None, finite: torch.Tensor | None = None,
-             parts: list[set[torch.Tensor]] | None = None, after_part: Callable[[int], None] | None = None) -> Any:
+    def step(self, closure: Callable[[], Any] | None = None, finite: torch.Tensor | None = None) -> Any:
         """One step. ``finite`` (0-d bool, or None): update only if it is true; the Triton kernel decides on the
-        device (no host sync), torch's way reads it back (one sync, only when some parameter steps that way).
-        ``parts`` (sets of parameters, together every one with a gradient): the update launched part by part,
-        ``after_part(i)`` called after part i's launches; each parameter's arithmetic is the same."""
+        device (no host sync), torch's way reads it back (one sync, only when some parameter steps that way)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         skip_torch: bool | None = None  # finite read back once, when torch's way first needs it
-        if parts is not None:
-            held = set().union(*parts)
-            left = [p for g in self.param_groups for p in g["params"]
-                    if p not in held and (p.grad is not None or p in self.acc)]
-            if left:
-                raise ValueError(f"MasterAdamW.step: {len(left)} parameters with a gradient that no part holds "
-                                 "(the parts must hold every parameter that steps)")
-        for i, part in enumerate(parts if parts is not None else [None]):
-            for group in self.param_groups:
-                live = [(p, g) for p in group["params"]
-                        if (part is None or p in part) and (g := self._grad(p)) is not None]
-                if live:
-                    skip_torch = self._step_group(live, group, finite, skip_torch)
-            if after_part is not None:
-                after_part(i)
+        for group in self.param_groups:
+            live = [(p, g) for p in group["params"] if (g := self._grad(p)) is not None]
+            if not live:
+                continue
+            beta1, beta2 = group["betas"]
+            hyper = dict(amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
+                         weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
+            parts: dict[bool, list] = {True: [], False: []}  # whole tensors step fused (if asked), DTensors foreach
+            if self.kernel == "triton":
+                live = self._triton_update(live, hyper, finite)
+            if live and finite is not None:
+                if skip_torch is None:
+                    skip_torch = not bool(finite)
+                if skip_torch:
+                    continue
+            for p, g in live:
+                if g.dtype != local(self.state[p]["master"]).dtype:
+                    g = g.to(local(self.state[p]["master"]).dtype)  # a lone gradient the kernel declined
+                parts[self.fused and not is_dtensor(p)].append((p, g))
+            for part, how in ((parts[True], dict(fused=True)), (parts[False], dict(foreach=self.foreach))):
+                if part:
+                    self._update(part, hyper, how)
         self.acc.clear()
         self.clip_coef = None
         return loss
-
-    def _step_group(self, live: list[tuple[torch.Tensor, torch.Tensor]], group: dict[str, Any],
-                    finite: torch.Tensor | None, skip_torch: bool | None) -> bool | None:
-        """Update ``live`` (parameters of ``group`` with their gradients); returns ``skip_torch`` (``finite`` as
-        read back where torch's way first needed it, else as given)."""
-        beta1, beta2 = group["betas"]
-        hyper = dict(amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
-                     weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
-        parts: dict[bool, list] = {True: [], False: []}  # whole tensors step fused (if asked), DTensors foreach
-        if self.kernel == "triton":
-            live = self._triton_update(live, hyper, finite)
-        if live and finite is not None:
-            if skip_torch is None:
-                skip_torch = not bool(finite)
-            if skip_torch:
-                return skip_torch
-        for p, g in live:
-            if g.dtype != local(self.state[p]["master"]).dtype:
-                g = g.to(local(self.state[p]["master"]).dtype)  # a lone gradient the kernel declined
-            parts[self.fused and not is_dtensor(p)].append((p, g))
-        for part, how in ((parts[True], dict(fused=True)), (parts[False], dict(foreach=self.foreach))):
-            if part:
-                self._update(part, hyper, how)
-        return skip_torch
 
     def _triton_update(self, live: list[tuple[torch.Tensor, torch.Tensor]], hyper: dict[str, Any],
                        finite: torch.Tensor | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:

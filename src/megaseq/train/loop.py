@@ -101,7 +101,6 @@ class TrainLoop:
             env.log(note)
         try:
             self._steps(start, result, logger)
-            self.state.join()  # the last update, before the export reads the weights
         except BaseException:  # the curve so far, quietly: the run's own error is the one message
             logger.close()
             if env.is_main:
@@ -152,7 +151,6 @@ class TrainLoop:
                     raise signals.stopped(signum, step, result.last_checkpoint)
                 env.barrier()
                 if self.probe is not None and step % every == 0:  # after the save: a failed eval loses no step
-                    self.state.join()
                     logger.log_eval(self.probe(self.model, step, logger.eval_progress))
                 if out_of_time:
                     result.time_limited = (step, cfg.train.steps, cfg.train.time_limit)
@@ -165,7 +163,6 @@ class TrainLoop:
         """A resumable checkpoint at ``step`` (every rank writes its shards; rank 0 the rest). Weights the
         update of ``step`` (at learning rate ``lr``) made non-finite, on any rank, stop the run naming the step
         (the ranks agree inside ``save_checkpoint``, so all of them stop)."""
-        self.state.join()  # the step's update, where it runs on a stream of its own
         try:
             with indexer_training.thawed(self.model, self.state.optimizer):  # what the run trains, in the warm-up too
                 result.last_checkpoint = ckpt.save_checkpoint(
@@ -205,9 +202,7 @@ class TrainLoop:
             loss, gnorm = step_mod.train_step(self.state, batches, progress=logger.substep)
         except guard.NonFiniteStep as e:
             raise guard.diverged(step, e.loss, e.grad_norm, lr, ckpt.latest_resumable(result.run_dir)) from None
-        if device.type == "cuda" and self.state.overlap is not None:  # the compute stream's work: the update on
-            torch.cuda.current_stream(device).synchronize()  # its own stream goes on beside the next step
-        elif device.type == "cuda":
+        if device.type == "cuda":
             torch.cuda.synchronize(device)
         dt = time.perf_counter() - t0
         tokens_per_s = cfg.train.batch_size * cfg.train.grad_accum * cfg.data.seq_len * env.dp_size / dt

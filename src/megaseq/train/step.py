@@ -36,29 +36,20 @@ class StepState:
     autocast: torch.dtype | None = None  # the autocast dtype (None: none)
     balancer: Balancer | None = None  # the MoE routers' balancing (aux loss, bias update)
     graphs: Any = None  # the layers replayed as CUDA graphs (train.layer_graphs.LayerGraphs), or None
-    overlap: Any = None  # the update on a stream of its own (train.update_overlap.UpdateOverlap), or None
 
     @classmethod
     def of(cls, cfg: Config, model: torch.nn.Module, optimizer: Any, scheduler: Any, env: ParallelEnv,
            memory: MemorySettings, autocast: torch.dtype | None = None,
            balancer: Balancer | None = None, headroom: int | None = None) -> StepState:
-        """The state of a run under ``cfg`` (its ``optim.grad_clip``, ``optim.overlap_update``,
-        ``train.on_nonfinite`` and ``model.cuda_graphs``); ``headroom``: the plan's GPU budget less its peak, which
-        the CUDA graphs' memory must fit in (``train.layer_graphs``)."""
-        from megaseq.train import layer_graphs, update_overlap
+        """The state of a run under ``cfg`` (its ``optim.grad_clip``, ``train.on_nonfinite`` and
+        ``model.cuda_graphs``); ``headroom``: the plan's GPU budget less its peak, which the CUDA graphs' memory
+        must fit in (``train.layer_graphs``)."""
+        from megaseq.train import layer_graphs
 
         graphs = layer_graphs.for_run(cfg.model.cuda_graphs, model, env.device, env.world_size, memory, autocast,
                                       env.log, headroom)
-        overlap = update_overlap.for_run(cfg.optim.overlap_update, model, optimizer, env.device, env.world_size,
-                                         env.log, graphs)
         return cls(model, optimizer, scheduler, env, memory, cfg.optim.grad_clip, cfg.train.on_nonfinite,
-                   autocast, balancer, graphs, overlap)
-
-    def join(self) -> None:
-        """Wait for the last update (``train.update_overlap``) before anything but the next step reads the
-        parameters: a checkpoint, an evaluation, the end of the run."""
-        if self.overlap is not None:
-            self.overlap.join()
+                   autocast, balancer, graphs)
 
 
 def _autocast(dtype: torch.dtype | None, device: torch.device) -> contextlib.AbstractContextManager:
@@ -77,8 +68,6 @@ def train_step(state: StepState, micro_batches: list[dict[str, torch.Tensor]],
     gradients dropped, the schedule moves on, the values returned)."""
     model, optimizer, env, balancer = state.model, state.optimizer, state.env, state.balancer
     if state.graphs is not None:
-        if state.overlap is not None and state.graphs.steps == 1:  # the capture before this step runs the layers
-            state.join()  # outside the forward's hooks
         state.graphs.before_step(micro_batches)
     local = sum(int((b["labels"] != -100).sum()) for b in micro_batches)
     total = env.all_reduce_count(local)  # the loss is a mean over every token of the global batch
@@ -94,7 +83,6 @@ def train_step(state: StepState, micro_batches: list[dict[str, torch.Tensor]],
         grad_norm = float(_clip(model, optimizer, state.grad_clip, env))
         loss = env.all_reduce_sum(float(loss_sum)) / max(total, 1)
     if not guard.is_finite_step(loss, grad_norm):  # no update reached the weights: they stay as they were
-        state.join()
         optimizer.zero_grad(set_to_none=True)
         if balancer is not None:
             balancer.drop_step()
@@ -144,11 +132,7 @@ def _update_guarded_on_device(state: StepState, loss_sum: Any, total: int) -> tu
     between the backward and the update."""
     norm = _clip(state.model, state.optimizer, state.grad_clip, state.env)
     loss_t = torch.as_tensor(loss_sum, dtype=torch.float64).to(norm.device) / max(total, 1)
-    finite = torch.isfinite(loss_t) & torch.isfinite(norm)
-    if state.overlap is not None:  # on its own stream: the read-back below waits for the backward and norm only
-        state.overlap.step(finite)
-    else:
-        state.optimizer.step(finite=finite)
+    state.optimizer.step(finite=torch.isfinite(loss_t) & torch.isfinite(norm))
     host_gc.between_steps()  # while the GPU runs the update, before the read-back waits for it
     loss, grad_norm = torch.stack([loss_t, norm.to(torch.float64)]).tolist()
     return loss, grad_norm
