@@ -145,6 +145,9 @@ class LayerGraphs:
                         f"({max(self.headroom, 0) / 2**30:.2f} GiB)", "not captured")
             return
         t0 = time.perf_counter()
+        # what the layers' forwards leave on their modules (an MoE's loads): the capture leaves tensors of the
+        # graphs' pool there, put back if the graphs are not kept, so none of their pool outlives them
+        before = [stat for i in idx for stat in _statistics(model.layers[i])]
         for i in idx:
             layer = model.layers[i]
             layer._megaseq_eager_forward = layer.forward
@@ -164,14 +167,14 @@ class LayerGraphs:
             torch.cuda.synchronize(device)
         except RuntimeError as e:  # an op that syncs with the host or copies from pageable memory: eager
             torch.cuda.set_stream(stream)  # a capture that raised leaves its own stream current
-            self._restore(idx)
+            self._restore(idx, before)
             self._eager(str(e).splitlines()[0][:300], "the capture failed")
             return
         # the graphs' memory: the segments of private pools that are new or grew, and the input buffers
         self.pool_bytes = inputs + sum(max(0, n - pools.get(pool, 0)) for pool, n in private_pool_bytes(device).items())
         if self.headroom is not None and self.pool_bytes > self.headroom:
             del callables, bound, samples
-            self._restore(idx)
+            self._restore(idx, before)
             gc.collect()  # the graphs' autograd functions and their closures, then their pool
             torch.cuda.synchronize(device)
             torch.cuda.empty_cache()
@@ -186,9 +189,12 @@ class LayerGraphs:
         self.shape, self.graphed = shape, idx
         self.capture_s = time.perf_counter() - t0
 
-    def _restore(self, idx: list[int]) -> None:
+    def _restore(self, idx: list[int], stats: list[tuple[nn.Module, str, torch.Tensor]]) -> None:
+        """The layers as before the capture: their own forward, and the statistics their modules held."""
         for i in idx:
             del self.model.layers[i]._megaseq_eager_forward
+        for m, k, v in stats:
+            setattr(m, k, v)
 
     def _eager(self, why: str, what: str) -> None:
         self.failed = why
