@@ -97,8 +97,6 @@ def score_error_bound(q_cID: torch.Tensor, w_cI: torch.Tensor, key_dtype: torch.
     return 1.05 * scale * (w_cI.double().abs() * per_head).sum(-1)
 
 
-
-
 @dataclass
 class _Band:
     """Per row of a chunk: the sure-in count ``first``, the band's end ``end`` (the band is ``[first, end)``), the
@@ -126,8 +124,8 @@ class Run:
 
     def pools_scored(self, bounds: list[tuple[int, int]], visible: int | None = None) -> list[int]:
         """Per chunk ``[s, e)``, the pools its kernel scores: those ending at or before its last query (at least
-        k). ``visible``: that count for the last chunk, where the caller knows it without reading anything back
-        (one chunk then needs no host sync); else every chunk's in one host sync."""
+        k). ``visible``: at least that count for the call's last query, where the caller knows it without reading
+        anything back: a call of one chunk then needs no host sync; else every chunk's is read in one."""
         if visible is not None and len(bounds) == 1:
             return [max(self.k, min(visible, self.keys_PD.shape[0]))]
         last = torch.stack([self.q_pos_Q[s:e].max() for s, e in bounds])
