@@ -225,9 +225,10 @@ def private_pool_bytes(device: torch.device) -> dict[Any, int]:
 
 def _statistics(layer: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor]]:
     """The tensors a layer's forward leaves on its modules as plain attributes (an MoE's ``last_tokens_per_expert``,
-    which the balancer and the metrics read), as the capture left them: in the graph's memory, rewritten by every
-    replay. An eager call between replays (an evaluation's forward, without autograd) points them elsewhere; a
-    replay points them back."""
+    which the balancer and the metrics read), as they are now. Taken before a capture, they are put back if its
+    graphs are not kept. Taken after it, they are the graph's memory, rewritten by every replay: an eager call
+    between replays (an evaluation's forward, without autograd) points them elsewhere, and a replay points them
+    back."""
     return [(m, k, v) for m in layer.modules() for k, v in vars(m).items() if isinstance(v, torch.Tensor)]
 
 
